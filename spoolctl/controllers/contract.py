@@ -1,0 +1,290 @@
+"""The prompt-cache controller contract: parameters, handles, usage, the protocol.
+
+Pure data and hashing only (no framework imports). Every controller --
+PyTorch, MLX, Google GenAI -- takes ``CachePrepareParams`` and returns a
+``CacheHandle``; the same parameters always derive the same key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from spoolctl.store.digest import hash_parts
+from spoolctl.store.errors import ConfigError
+
+CacheHint = Literal["static", "immutable", "volatile"]
+CACHE_HINTS: frozenset[str] = frozenset({"static", "immutable", "volatile"})
+ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool", "model"})
+EFFORTS: frozenset[str] = frozenset({"low", "medium", "high"})
+KEY_SCHEMA = b"spoolctl-prepare/v1"
+
+
+@dataclass(frozen=True)
+class Element:
+    """One piece of a prompt: plain text (``role=None``) or a chat message.
+
+    ``cache`` is the element's cache hint: ``static`` and ``immutable`` elements
+    may be part of a cached prefix; a ``volatile`` element (and everything after
+    it) never is.
+    """
+
+    content: str
+    role: str | None = None
+    name: str | None = None
+    cache: CacheHint = "static"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.content, str):
+            raise ConfigError("element content must be a string",
+                              fix="pass text, or a message dict with a 'content' string")
+        if self.role is not None and self.role not in ROLES:
+            raise ConfigError(f"unknown element role {self.role!r}",
+                              fix=f"use one of: {', '.join(sorted(ROLES))}")
+        if self.cache not in CACHE_HINTS:
+            raise ConfigError(f"unknown cache hint {self.cache!r}",
+                              fix="use 'static', 'immutable' or 'volatile'")
+
+    @classmethod
+    def coerce(cls, value: Element | str | Mapping[str, Any]) -> Element:
+        """Accept an Element, a string, or a chat message dict ``{role, content[, name, cache]}``."""
+        if isinstance(value, Element):
+            return value
+        if isinstance(value, str):
+            return cls(content=value)
+        if isinstance(value, Mapping):
+            unknown = set(value) - {"role", "content", "name", "cache"}
+            if unknown:
+                raise ConfigError(f"unknown message fields {sorted(unknown)}",
+                                  fix="a message has role, content and optional name and cache")
+            return cls(content=value.get("content", ""), role=value.get("role"),
+                       name=value.get("name"), cache=value.get("cache", "static"))
+        raise ConfigError(f"cannot use a {type(value).__name__} as a prompt element",
+                          fix="pass a string or a message dict")
+
+    @property
+    def digest(self) -> str:
+        return hash_parts(b"element/v1", (self.role or "").encode(),
+                          (self.name or "").encode(), self.content.encode())
+
+
+@dataclass(frozen=True)
+class ToolDefinition:
+    """A tool (function) the model may call; hashed by its canonical JSON."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("tool name must be a non-empty string", fix="name every tool")
+
+    @classmethod
+    def coerce(cls, value: ToolDefinition | Mapping[str, Any]) -> ToolDefinition:
+        if isinstance(value, ToolDefinition):
+            return value
+        if isinstance(value, Mapping):
+            return cls(name=value.get("name", ""), description=value.get("description", ""),
+                       parameters=dict(value.get("parameters", {})))
+        raise ConfigError("a tool must be a ToolDefinition or a dict", fix="pass {name, ...}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description,
+                "parameters": dict(self.parameters)}
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class CachePrepareParams:
+    """What to prepare a cache for. Sequences are coerced to tuples of typed values."""
+
+    model: str
+    instructions: Sequence[Element] = ()
+    data: Sequence[Element] = ()
+    tools: Sequence[ToolDefinition] = ()
+    reasoning_effort: str | None = None
+    read_only: bool = False
+    formatter_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("model must be a non-empty string", fix="pass the model id or path")
+        object.__setattr__(self, "instructions",
+                           tuple(Element.coerce(e) for e in self.instructions))
+        object.__setattr__(self, "data", tuple(Element.coerce(e) for e in self.data))
+        tools = tuple(ToolDefinition.coerce(t) for t in self.tools)
+        if len({t.name for t in tools}) != len(tools):
+            raise ConfigError("duplicate tool names", fix="give every tool a unique name")
+        object.__setattr__(self, "tools", tools)
+        if self.reasoning_effort is not None and self.reasoning_effort not in EFFORTS:
+            raise ConfigError(f"unknown reasoning_effort {self.reasoning_effort!r}",
+                              fix="use 'low', 'medium' or 'high'")
+        try:
+            _canonical(dict(self.formatter_options))
+        except (TypeError, ValueError):
+            raise ConfigError("formatter_options must be JSON-serialisable",
+                              fix="use strings, numbers, booleans, lists and dicts") from None
+
+    @property
+    def tools_hash(self) -> str:
+        ordered = sorted((t.to_json() for t in self.tools), key=lambda t: t["name"])
+        return hash_parts(b"tools/v1", _canonical(ordered))
+
+    @property
+    def formatter_hash(self) -> str:
+        return hash_parts(b"formatter/v1", _canonical(dict(self.formatter_options)))
+
+    def cacheable(self) -> tuple[tuple[Element, ...], tuple[Element, ...]]:
+        """The cacheable prefix: leading non-volatile instructions, then data (if all
+        instructions are cacheable), stopping at the first volatile element."""
+        instr: list[Element] = []
+        for e in self.instructions:
+            if e.cache == "volatile":
+                return tuple(instr), ()
+            instr.append(e)
+        data: list[Element] = []
+        for e in self.data:
+            if e.cache == "volatile":
+                break
+            data.append(e)
+        return tuple(instr), tuple(data)
+
+    def includes(self) -> Includes:
+        instr, data = self.cacheable()
+        return Includes(
+            instructions=bool(self.instructions) and len(instr) == len(self.instructions),
+            data_element_count=len(data),
+            tools=bool(self.tools),
+        )
+
+    def element_hashes(self) -> list[str]:
+        """Per-element digests of the cacheable prefix, instructions then data, each
+        tagged with its section so moving an element between sections changes it."""
+        instr, data = self.cacheable()
+        return [hash_parts(b"i", e.digest.encode()) for e in instr] + \
+               [hash_parts(b"d", e.digest.encode()) for e in data]
+
+    def group_hash(self) -> str:
+        """What must match for one entry to serve as another's base: everything but
+        the elements (model, tools, formatter options, reasoning effort)."""
+        return hash_parts(KEY_SCHEMA, b"group", self.model.encode(), self.tools_hash.encode(),
+                          self.formatter_hash.encode(), (self.reasoning_effort or "").encode())
+
+    def key(self) -> str:
+        """The cache key of these parameters (64 hex)."""
+        return hash_parts(KEY_SCHEMA, self.group_hash().encode(),
+                          *(h.encode() for h in self.element_hashes()))
+
+    def has_cacheable_prefix(self) -> bool:
+        instr, data = self.cacheable()
+        return bool(instr or data or self.tools)
+
+
+@dataclass(frozen=True)
+class Includes:
+    """What a handle's cache already contains (so a driver does not send it twice)."""
+
+    instructions: bool = False
+    data_element_count: int = 0
+    tools: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"instructions": self.instructions,
+                "data_element_count": self.data_element_count, "tools": self.tools}
+
+
+@dataclass(frozen=True)
+class CacheHandle:
+    """A prepared cache. ``ref is None`` is the empty handle: no cache, run cold.
+
+    ``cached_tokens`` is how many prompt tokens the cache covers (0 for hosted
+    caches until the server reports it).
+    """
+
+    ref: str | None = None
+    trim_tokens: int | None = None
+    includes: Includes = field(default_factory=Includes)
+    supersedes: str | None = None
+    cached_tokens: int = 0
+    written_tokens: int = 0
+    reused_tokens: int = 0
+
+    @classmethod
+    def empty(cls) -> CacheHandle:
+        return cls()
+
+    def __bool__(self) -> bool:
+        return self.ref is not None
+
+
+@dataclass
+class Usage:
+    """Token usage of one generate call. Cache tokens are reported separately and are
+    NOT subtracted from ``prompt_tokens``."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_json(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens, "cache_read_tokens": self.cache_read_tokens,
+                "cache_write_tokens": self.cache_write_tokens}
+
+
+@runtime_checkable
+class PromptCacheController(Protocol):
+    """The contract every controller implements.
+
+    * ``prepare(params)``: same params -> same entry (memory or disk); concurrent
+      identical calls are coalesced; ``params.read_only`` never writes.
+    * ``release(ref)``: a hint; out of reuse at once, bytes deleted later.
+    * ``close()``: wait for in-flight work, delete this controller's released
+      entries (and a managed store entirely).
+    * ``record_query()``: count one query served (statistics).
+    """
+
+    def prepare(self, params: CachePrepareParams) -> CacheHandle: ...
+
+    def release(self, ref: str) -> None: ...
+
+    def close(self) -> None: ...
+
+    def record_query(self) -> None: ...
+
+    def __enter__(self) -> PromptCacheController: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def render_segments(params: CachePrepareParams, *, include_volatile: bool = True) -> list[str]:
+    """The prompt as text segments, one per element, in prompt order (tools first,
+    then instructions, then data). Tokenizing each segment separately and
+    concatenating the ids gives token prefixes that line up with element prefixes.
+
+    This is the default plain formatter; ``formatter_options`` is part of the key.
+    """
+    segments: list[str] = []
+    if params.tools:
+        ordered = sorted((t.to_json() for t in params.tools), key=lambda t: t["name"])
+        segments.append("Tools:\n" + json.dumps(ordered, sort_keys=True) + "\n")
+    if include_volatile:
+        elements = [*params.instructions, *params.data]
+    else:
+        instr, data = params.cacheable()
+        elements = [*instr, *data]
+    for e in elements:
+        prefix = f"{e.role}: " if e.role else ""
+        segments.append(f"{prefix}{e.content}\n")
+    return segments

@@ -1,0 +1,345 @@
+"""The catalog: a derived SQLite index over manifests (``state/catalog.sqlite3``).
+
+It holds what manifests cannot (they are immutable): the retain/release hint,
+the LRU clock, and commit state. Everything else is a copy of manifest facts,
+so the whole file can be rebuilt from ``manifests/`` (hints reset to retain).
+
+Rows move ``pending`` -> ``committed``: a commit records its intent (row and
+object references) *before* its manifest is written, so a crash between
+manifest and catalog leaves a pending row that recovery resolves by looking
+for the manifest. Running totals are kept by triggers, so ``status`` is O(1).
+
+One connection per Store, guarded by a lock (SQLite connections are not
+thread-safe); WAL mode lets other processes read while one writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from .manifest import Manifest
+
+SCHEMA_VERSION = "1"
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS totals(
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    entries INTEGER NOT NULL, objects INTEGER NOT NULL, bytes INTEGER NOT NULL);
+INSERT OR IGNORE INTO totals VALUES (0, 0, 0, 0);
+CREATE TABLE IF NOT EXISTS entries(
+    entry_id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    namespace TEXT NOT NULL,
+    key TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    manifest_size INTEGER NOT NULL,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL,
+    hint TEXT NOT NULL CHECK (hint IN ('retain', 'release')),
+    state TEXT NOT NULL CHECK (state IN ('pending', 'committed')),
+    supersedes TEXT,
+    index_json TEXT NOT NULL DEFAULT '{}'
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS entries_ns ON entries(kind, namespace, hint);
+CREATE INDEX IF NOT EXISTS entries_lru ON entries(hint, last_access);
+CREATE TABLE IF NOT EXISTS entry_objects(
+    entry_id TEXT NOT NULL, digest TEXT NOT NULL, PRIMARY KEY (entry_id, digest)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS entry_objects_digest ON entry_objects(digest);
+CREATE TABLE IF NOT EXISTS objects(digest TEXT PRIMARY KEY, size INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS objects_ins AFTER INSERT ON objects BEGIN
+    UPDATE totals SET objects = objects + 1, bytes = bytes + NEW.size WHERE id = 0; END;
+CREATE TRIGGER IF NOT EXISTS objects_del AFTER DELETE ON objects BEGIN
+    UPDATE totals SET objects = objects - 1, bytes = bytes - OLD.size WHERE id = 0; END;
+CREATE TRIGGER IF NOT EXISTS entries_ins AFTER INSERT ON entries BEGIN
+    UPDATE totals SET entries = entries + 1, bytes = bytes + NEW.manifest_size WHERE id = 0; END;
+CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
+    UPDATE totals SET entries = entries - 1, bytes = bytes - OLD.manifest_size WHERE id = 0; END;
+"""
+
+_COLUMNS = (
+    "entry_id, kind, namespace, key, size, manifest_size, created, last_access, hint, state, "
+    "supersedes, index_json"
+)
+SORTS = {"size": "size DESC", "age": "created ASC", "access": "last_access DESC"}
+# The LRU clock is only moved when it is this stale, so hot lookups do not write.
+TOUCH_GRANULARITY = 30.0
+
+
+@dataclass(frozen=True)
+class CatalogRow:
+    """One entry as the catalog sees it."""
+
+    entry_id: str
+    kind: str
+    namespace: str
+    key: str
+    size: int
+    manifest_size: int
+    created: float
+    last_access: float
+    hint: str
+    state: str
+    supersedes: str | None
+    index: dict
+
+    @classmethod
+    def from_sql(cls, row: tuple) -> CatalogRow:
+        values = list(row)
+        values[-1] = json.loads(values[-1] or "{}")
+        return cls(*values)
+
+    def to_json(self) -> dict:
+        return {
+            "entry_id": self.entry_id, "kind": self.kind, "namespace": self.namespace,
+            "size": self.size, "created": self.created, "last_access": self.last_access,
+            "hint": self.hint, "state": self.state, "supersedes": self.supersedes,
+        }
+
+
+@dataclass(frozen=True)
+class Totals:
+    entries: int
+    objects: int
+    bytes: int
+
+
+class Catalog:
+    """Typed access to the catalog database. All methods are thread-safe."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(
+            str(path), timeout=60, isolation_level=None, check_same_thread=False
+        )
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_DDL)
+            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            (version,) = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+        except BaseException:
+            self._db.close()
+            raise
+        if version != SCHEMA_VERSION:
+            self._db.close()
+            raise sqlite3.DatabaseError(f"catalog schema {version!r} is not {SCHEMA_VERSION!r}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            else:
+                self._db.execute("COMMIT")
+
+    def _read(self, sql: str, params: Iterable = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, tuple(params)).fetchall()
+
+    # -- commit path ----------------------------------------------------------------------
+
+    def record_intent(self, manifest: Manifest, manifest_size: int, now: float) -> None:
+        """Record a commit in flight: pending row plus its object references."""
+        with self._write() as db:
+            self._insert(db, manifest, manifest_size, now, hint="retain", state="pending")
+
+    def mark_committed(self, entry_id: str, supersedes: str | None) -> None:
+        with self._write() as db:
+            db.execute("UPDATE entries SET state='committed' WHERE entry_id=?", (entry_id,))
+            if supersedes:
+                db.execute("UPDATE entries SET hint='release' WHERE entry_id=?", (supersedes,))
+
+    def index_manifest(
+        self, manifest: Manifest, manifest_size: int, *, hint: str = "retain",
+        last_access: float | None = None,
+    ) -> None:
+        """Index a manifest found on disk as committed (recovery and rebuild)."""
+        with self._write() as db:
+            self._insert(db, manifest, manifest_size, last_access or manifest.created,
+                         hint=hint, state="committed")
+
+    @staticmethod
+    def _insert(db, manifest: Manifest, manifest_size: int, now: float, *, hint: str,
+                state: str) -> None:
+        db.execute("DELETE FROM entry_objects WHERE entry_id=?", (manifest.entry_id,))
+        db.execute("DELETE FROM entries WHERE entry_id=?", (manifest.entry_id,))
+        db.execute(
+            f"INSERT INTO entries({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                manifest.entry_id, manifest.kind, manifest.namespace, manifest.key,
+                manifest.payload_bytes + manifest_size, manifest_size, manifest.created, now,
+                hint, state, manifest.supersedes,
+                json.dumps(dict(manifest.index), sort_keys=True),
+            ),
+        )
+        for ref in manifest.objects:
+            db.execute("INSERT OR IGNORE INTO objects VALUES (?, ?)", (ref.digest, ref.size))
+            db.execute("INSERT OR IGNORE INTO entry_objects VALUES (?, ?)",
+                       (manifest.entry_id, ref.digest))
+
+    # -- hints and the LRU clock --------------------------------------------------------
+
+    def set_hint(self, entry_id: str, hint: str) -> bool:
+        with self._write() as db:
+            cur = db.execute(
+                "UPDATE entries SET hint=?, last_access=? WHERE entry_id=? AND state='committed'",
+                (hint, time.time(), entry_id),
+            )
+            return cur.rowcount > 0
+
+    def touch(self, entry_ids: Iterable[str], now: float) -> None:
+        ids = [
+            r[0] for chunk in _chunks(list(entry_ids), 500) for r in self._read(
+                f"SELECT entry_id FROM entries WHERE last_access < ? AND entry_id IN "
+                f"({','.join('?' * len(chunk))})", (now - TOUCH_GRANULARITY, *chunk))
+        ]
+        if not ids:
+            return  # all recent: no write transaction at all
+        with self._write() as db:
+            for chunk in _chunks(ids, 500):
+                db.execute(
+                    f"UPDATE entries SET last_access=? WHERE last_access < ? AND entry_id IN "
+                    f"({','.join('?' * len(chunk))})",
+                    (now, now - TOUCH_GRANULARITY, *chunk),
+                )
+
+    # -- queries ------------------------------------------------------------------------
+
+    def get(self, entry_id: str) -> CatalogRow | None:
+        rows = self._read(f"SELECT {_COLUMNS} FROM entries WHERE entry_id=?", (entry_id,))
+        return CatalogRow.from_sql(rows[0]) if rows else None
+
+    def live(self, entry_ids: Iterable[str]) -> set[str]:
+        """The subset of ``entry_ids`` that are committed and retained (usable)."""
+        found: set[str] = set()
+        for chunk in _chunks(list(entry_ids), 500):
+            rows = self._read(
+                "SELECT entry_id FROM entries WHERE hint='retain' AND state='committed' "
+                f"AND entry_id IN ({','.join('?' * len(chunk))})",
+                chunk,
+            )
+            found.update(r[0] for r in rows)
+        return found
+
+    def resolve_prefix(self, prefix: str, limit: int = 2) -> list[str]:
+        hi = prefix + "g"  # 'g' sorts after every hex digit
+        return [r[0] for r in self._read(
+            "SELECT entry_id FROM entries WHERE entry_id >= ? AND entry_id < ? LIMIT ?",
+            (prefix, hi, limit))]
+
+    def list(
+        self, *, kind: str | None = None, namespace: str | None = None,
+        hint: str | None = None, sort: str = "access", limit: int | None = None,
+        include_pending: bool = False,
+    ) -> list[CatalogRow]:
+        where, params = [], []
+        if not include_pending:
+            where.append("state='committed'")
+        for column, value in (("kind", kind), ("namespace", namespace), ("hint", hint)):
+            if value is not None:
+                where.append(f"{column}=?")
+                params.append(value)
+        sql = f"SELECT {_COLUMNS} FROM entries"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += f" ORDER BY {SORTS[sort]}"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return [CatalogRow.from_sql(r) for r in self._read(sql, params)]
+
+    def iter_ids_after(self, after: str, batch: int) -> list[tuple[str, str]]:
+        """(entry_id, state) in id order, for resumable walks such as the scrubber."""
+        return [(r[0], r[1]) for r in self._read(
+            "SELECT entry_id, state FROM entries WHERE entry_id > ? ORDER BY entry_id LIMIT ?",
+            (after, batch))]
+
+    def pending(self) -> list[str]:
+        return [r[0] for r in self._read("SELECT entry_id FROM entries WHERE state='pending'")]
+
+    def totals(self) -> Totals:
+        return Totals(*self._read("SELECT entries, objects, bytes FROM totals WHERE id=0")[0])
+
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        rows = self._read(
+            "SELECT kind, hint, COUNT(*), SUM(size) FROM entries WHERE state='committed' "
+            "GROUP BY kind, hint")
+        out: dict[str, dict[str, int]] = {}
+        for kind, hint, count, size in rows:
+            slot = out.setdefault(kind, {"entries": 0, "bytes": 0, "released": 0})
+            slot["entries"] += count
+            slot["bytes"] += size or 0
+            if hint == "release":
+                slot["released"] += count
+        return out
+
+    def released_stats(self) -> tuple[int, int]:
+        count, size = self._read(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries WHERE hint='release'")[0]
+        return count, size
+
+    def eviction_order(self, limit: int) -> list[tuple[str, str]]:
+        """(entry_id, hint): released entries first, then least recently used."""
+        return [(r[0], r[1]) for r in self._read(
+            "SELECT entry_id, hint FROM entries WHERE state='committed' "
+            "ORDER BY hint='retain', last_access ASC LIMIT ?", (limit,))]
+
+    def object_digests(self, entry_id: str) -> list[str]:
+        return [r[0] for r in self._read(
+            "SELECT digest FROM entry_objects WHERE entry_id=?", (entry_id,))]
+
+    def known_object(self, digest: str) -> bool:
+        return bool(self._read("SELECT 1 FROM objects WHERE digest=?", (digest,)))
+
+    def all_entry_ids(self) -> set[str]:
+        return {r[0] for r in self._read("SELECT entry_id FROM entries")}
+
+    def all_digests(self) -> set[str]:
+        return {r[0] for r in self._read("SELECT digest FROM objects")}
+
+    # -- deletion ---------------------------------------------------------------------
+
+    def delete_entries(self, entry_ids: Iterable[str]) -> list[tuple[str, int]]:
+        """Drop entries; return the objects (digest, size) no remaining entry references."""
+        freed: list[tuple[str, int]] = []
+        with self._write() as db:
+            for entry_id in entry_ids:
+                digests = [r[0] for r in db.execute(
+                    "SELECT digest FROM entry_objects WHERE entry_id=?", (entry_id,))]
+                db.execute("DELETE FROM entry_objects WHERE entry_id=?", (entry_id,))
+                db.execute("DELETE FROM entries WHERE entry_id=?", (entry_id,))
+                for digest in digests:
+                    if db.execute("SELECT 1 FROM entry_objects WHERE digest=? LIMIT 1",
+                                  (digest,)).fetchone():
+                        continue
+                    row = db.execute("SELECT size FROM objects WHERE digest=?",
+                                     (digest,)).fetchone()
+                    db.execute("DELETE FROM objects WHERE digest=?", (digest,))
+                    freed.append((digest, row[0] if row else 0))
+        return freed
+
+    def quick_check(self) -> str:
+        return str(self._read("PRAGMA quick_check")[0][0])
+
+
+def _chunks(items: list[str], n: int) -> Iterator[list[str]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]

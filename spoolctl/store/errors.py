@@ -1,0 +1,94 @@
+"""The one error hierarchy of spoolctl.
+
+Every error carries the path it concerns (when there is one) and a one-line
+fix, so the CLI can print ``error: <what> (<path>): <fix>`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+
+class QuarantineReason(str, enum.Enum):
+    """Why an item was moved to quarantine (a closed vocabulary, used in JSON and metrics)."""
+
+    MANIFEST_IO = "manifest_io"
+    MANIFEST_VALIDATION = "manifest_validation"
+    PAYLOAD_DIGEST = "payload_digest"
+    PAYLOAD_SIZE = "payload_size"
+    PAYLOAD_MISSING = "payload_missing"
+    OBJECT_COLLISION = "object_collision"
+    CATALOG = "catalog"
+    UNKNOWN = "unknown"
+
+
+class SpoolError(Exception):
+    """Base class of every error spoolctl raises on purpose.
+
+    ``message`` says what is wrong, ``path`` where, ``fix`` what the operator
+    should do about it. ``str()`` renders all three on one line.
+    """
+
+    def __init__(self, message: str, *, path: str | Path | None = None, fix: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = str(path) if path is not None else None
+        self.fix = fix
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.path:
+            text += f" ({self.path})"
+        if self.fix:
+            text += f": {self.fix}"
+        return text
+
+
+class ConfigError(SpoolError):
+    """Bad configuration or usage: a wrong root, size, id or option (CLI exit code 2)."""
+
+
+class RootError(ConfigError):
+    """A store root that must not be created or adopted."""
+
+
+class InvalidIdError(ConfigError):
+    """An entry id, object name or other identifier that fails validation."""
+
+
+class NotFoundError(SpoolError):
+    """The entry (or quarantine item) does not exist; for a cache this is a miss."""
+
+
+class BusyError(SpoolError):
+    """A lock or lease could not be taken within its timeout."""
+
+
+class StoreIOError(SpoolError):
+    """The disk failed under a write (ENOSPC, EIO...). Nothing partial was published."""
+
+
+class CapacityError(SpoolError):
+    """The entry does not fit the store's configured maximum even after eviction."""
+
+
+class CorruptionError(SpoolError):
+    """Stored bytes failed verification. The entry has been quarantined; treat as a miss."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: QuarantineReason,
+        path: str | Path | None = None,
+        fix: str | None = None,
+        entry_id: str | None = None,
+    ):
+        super().__init__(message, path=path, fix=fix)
+        self.reason = reason
+        self.entry_id = entry_id
+
+
+class ManifestError(CorruptionError):
+    """A manifest that cannot be read or does not validate."""

@@ -1,0 +1,67 @@
+"""Named durability checkpoints for crash testing.
+
+Every durability step of the store calls ``checkpoint(name)``. In production
+this is a dictionary miss. A test sets ``SPOOLCTL_CRASH_AT=<name>`` (optionally
+``<name>:<n>`` to crash at the n-th pass) in a subprocess, which then dies with
+``os._exit(CRASH_EXIT_CODE)`` exactly there, like a power cut or kill -9
+(no cleanup handlers, no buffered writes flushed).
+"""
+
+from __future__ import annotations
+
+import os
+
+CRASH_EXIT_CODE = 86
+ENV = "SPOOLCTL_CRASH_AT"
+
+CHECKPOINTS: tuple[str, ...] = (
+    "object.tmp_written",
+    "object.fsynced",
+    "object.published",
+    "object.dir_fsynced",
+    "catalog.intent",
+    "manifest.tmp_written",
+    "manifest.published",
+    "manifest.dir_fsynced",
+    "catalog.committed",
+    "clean.catalog_deleted",
+    "clean.manifest_deleted",
+    "clean.object_deleted",
+    "evict.catalog_deleted",
+    "evict.manifest_deleted",
+    "quarantine.catalog_deleted",
+    "quarantine.moved",
+    "scrub.progress_saved",
+)
+
+_target: str | None = None
+_countdown = 0
+
+
+def _load() -> None:
+    global _target, _countdown
+    spec = os.environ.get(ENV)
+    if not spec:
+        _target = None
+        return
+    name, _, count = spec.partition(":")
+    _target = name
+    _countdown = int(count) if count else 1
+
+
+_load()
+
+
+def checkpoint(name: str) -> None:
+    """Mark a durability step; die here if a test asked for it."""
+    global _countdown
+    if _target is None or name != _target:
+        return
+    _countdown -= 1
+    if _countdown <= 0:
+        os._exit(CRASH_EXIT_CODE)
+
+
+def reload() -> None:
+    """Re-read the environment (for in-process unit tests)."""
+    _load()

@@ -1,0 +1,235 @@
+"""Durable writes and verified reads of single files (the only raw file I/O of the store).
+
+Platform branches are small and named: ``full_fsync`` uses ``F_FULLFSYNC`` on
+macOS (plain fsync there does not reach stable storage) and ``fsync``
+elsewhere; ``O_NOFOLLOW`` guards every open inside the root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import sys
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .digest import Hasher
+from .errors import CorruptionError, QuarantineReason, StoreIOError
+
+IS_DARWIN = sys.platform == "darwin"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+READ_CHUNK = 8 << 20
+
+
+def full_fsync(fd: int) -> None:
+    """Flush a file descriptor to stable storage (F_FULLFSYNC on macOS)."""
+    if IS_DARWIN:
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:
+            pass  # not supported by this filesystem: fall back to fsync
+    os.fsync(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or unlink inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name() -> str:
+    """A unique in-flight file name that records the writer's pid (for abandonment checks)."""
+    return f"{os.getpid()}-{secrets.token_hex(8)}.part"
+
+
+def io_error(exc: OSError, what: str, path: Path) -> StoreIOError:
+    fix = {
+        errno.ENOSPC: "free disk space or lower the store's max size",
+        errno.EDQUOT: "raise the disk quota or lower the store's max size",
+        errno.EROFS: "remount the filesystem read-write",
+        errno.EACCES: "check the store's owner and permissions (`spoolctl doctor`)",
+    }.get(exc.errno or 0, "check the disk (`spoolctl doctor`, dmesg)")
+    return StoreIOError(f"{what} failed: {os.strerror(exc.errno or 0)}", path=path, fix=fix)
+
+
+def write_tmp(
+    tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *, checkpoint=None
+) -> tuple[Path, str, int]:
+    """Write ``chunks`` to a new file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), hash
+    them on the way, fsync, and return ``(tmp_path, digest, size)``.
+
+    On any error the partial file is removed and StoreIOError raised.
+    """
+    path = tmp_dir / tmp_name()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+    try:
+        fd = os.open(path, flags, FILE_MODE)
+    except OSError as exc:
+        raise io_error(exc, "creating a temporary file", path) from exc
+    hasher = Hasher()
+    size = 0
+    try:
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                hasher.update(view)
+                while view:
+                    n = os.write(fd, view)
+                    size += n
+                    view = view[n:]
+            if checkpoint:
+                checkpoint("object.tmp_written")
+            full_fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _unlink_quietly(path)
+        raise io_error(exc, "writing", path) from exc
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    return path, hasher.hexdigest(), size
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def open_for_read(path: Path) -> int:
+    """Open a store file for reading without following a symlink at its last component."""
+    return os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+
+
+def read_small(path: Path, limit: int) -> bytes:
+    """Read a whole small file (manifest, marker) without following symlinks."""
+    fd = open_for_read(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    return data
+
+
+_hash_pool_lock = threading.Lock()
+_hash_pool: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _hash_pool
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spoolctl-hash")
+        return _hash_pool
+
+
+def read_verified(
+    path: Path, *, digest: str, size: int, into: memoryview | None = None
+) -> memoryview:
+    """Read the object at ``path`` and prove it is ``digest`` of ``size`` bytes, in one pass.
+
+    Reading and hashing are pipelined (chunk i is hashed on a helper thread while
+    chunk i+1 is read; both release the GIL), so verification costs little over a
+    raw read. Returns a view of the bytes (``into`` if given). Raises
+    ``FileNotFoundError`` if the object is missing, ``CorruptionError`` on a size
+    or digest mismatch. The returned bytes are only ever handed out verified.
+    """
+    fd = open_for_read(path)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise CorruptionError(
+                f"object is {actual} bytes, manifest says {size}",
+                reason=QuarantineReason.PAYLOAD_SIZE,
+                path=path,
+            )
+        buf = into if into is not None else memoryview(bytearray(size))
+        if len(buf) != size:
+            raise ValueError("destination buffer has the wrong size")
+        hasher = Hasher()
+        pending = None
+        offset = 0
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+            while offset < size:
+                end = min(offset + READ_CHUNK, size)
+                window = buf[offset:end]
+                got = 0
+                while got < len(window):
+                    n = f.readinto(window[got:])
+                    if not n:
+                        raise CorruptionError(
+                            "object shorter than its size while reading",
+                            reason=QuarantineReason.PAYLOAD_SIZE,
+                            path=path,
+                        )
+                    got += n
+                if pending is not None:
+                    pending.result()
+                pending = _pool().submit(hasher.update, window) if size > READ_CHUNK else None
+                if pending is None:
+                    hasher.update(window)
+                offset = end
+            if pending is not None:
+                pending.result()
+            if f.read(1):
+                raise CorruptionError(
+                    "object grew while reading", reason=QuarantineReason.PAYLOAD_SIZE, path=path
+                )
+    finally:
+        os.close(fd)
+    if hasher.hexdigest() != digest:
+        raise CorruptionError(
+            "object digest mismatch", reason=QuarantineReason.PAYLOAD_DIGEST, path=path
+        )
+    return buf
+
+
+def hash_file(path: Path) -> tuple[str, int]:
+    """Digest and size of a file (used to check an existing object before reuse)."""
+    fd = open_for_read(path)
+    hasher = Hasher()
+    size = 0
+    try:
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+            buf = bytearray(READ_CHUNK)
+            view = memoryview(buf)
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                hasher.update(view[:n])
+                size += n
+    finally:
+        os.close(fd)
+    return hasher.hexdigest(), size
+
+
+def probe_o_direct(directory: Path) -> bool:
+    """True if files in ``directory`` can be opened with O_DIRECT (Linux only)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    path = directory / f".odirect-probe-{tmp_name()}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag | _O_CLOEXEC, FILE_MODE)
+    except OSError:
+        return False
+    os.close(fd)
+    _unlink_quietly(path)
+    return True

@@ -1,0 +1,147 @@
+"""Inter-process locks on one store (portalocker, i.e. flock/LockFileEx).
+
+* ``maintenance.lock``: commits take it SHARED (many at once); anything that
+  deletes (clean, eviction, orphan collection, catalog rebuild) takes it
+  EXCLUSIVE. So a deletion can never race a commit that is still publishing
+  objects, and a commit never revives an entry a deletion is removing.
+* ``owner.lock``: the owner lease. A live vLLM worker holds it for its whole
+  life; ``spoolctl`` sees the holder (``owner.json``) and queues work for it
+  instead of acting behind its back. The lease dies with the process, so a
+  killed worker never leaves a stale owner.
+
+Each acquisition opens its own file description, so threads of one process
+exclude each other exactly like separate processes do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import portalocker
+
+from .errors import BusyError
+from .fsio import FILE_MODE
+
+_POLL = 0.01
+
+
+def _open_lock_file(path: Path):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+    return os.fdopen(fd, "r+b")
+
+
+def _acquire(path: Path, flags: portalocker.LockFlags, timeout: float | None):
+    """Take a lock on ``path``; None timeout = wait forever, 0 = try once."""
+    fh = _open_lock_file(path)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = _POLL
+    while True:
+        try:
+            portalocker.lock(fh, flags | portalocker.LockFlags.NON_BLOCKING)
+            return fh
+        except portalocker.exceptions.LockException:
+            if deadline is not None and time.monotonic() >= deadline:
+                fh.close()
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+
+@contextlib.contextmanager
+def hold(path: Path, *, exclusive: bool, timeout: float | None, what: str) -> Iterator[None]:
+    """Hold the lock at ``path`` for the block, or raise BusyError after ``timeout``."""
+    flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
+    fh = _acquire(path, flags, timeout)
+    if fh is None:
+        raise BusyError(
+            f"{what}: the store is busy (lock held by another process)",
+            path=path,
+            fix="retry later; `spoolctl status` shows the owner if a worker holds it",
+        )
+    try:
+        yield
+    finally:
+        try:
+            portalocker.unlock(fh)
+        finally:
+            fh.close()
+
+
+@contextlib.contextmanager
+def try_hold(path: Path, *, exclusive: bool) -> Iterator[bool]:
+    """Like ``hold`` with no waiting; yields whether the lock was taken."""
+    flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
+    fh = _acquire(path, flags, 0)
+    try:
+        yield fh is not None
+    finally:
+        if fh is not None:
+            portalocker.unlock(fh)
+            fh.close()
+
+
+@dataclass(frozen=True)
+class OwnerInfo:
+    """Who holds the owner lease."""
+
+    pid: int
+    host: str
+    role: str
+    since: float
+
+    def to_json(self) -> dict:
+        return {"pid": self.pid, "host": self.host, "role": self.role, "since": self.since}
+
+
+class OwnerLease:
+    """The exclusive owner lease of a store, held until ``release()`` or process exit."""
+
+    def __init__(self, lock_path: Path, info_path: Path, role: str):
+        self._lock_path = lock_path
+        self._info_path = info_path
+        self.info = OwnerInfo(os.getpid(), socket.gethostname(), role, time.time())
+        self._fh = None
+
+    def try_acquire(self) -> bool:
+        fh = _acquire(self._lock_path, portalocker.LockFlags.EXCLUSIVE, 0)
+        if fh is None:
+            return False
+        self._fh = fh
+        tmp = self._info_path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.info.to_json(), f)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, self._info_path)
+        return True
+
+    @property
+    def held(self) -> bool:
+        return self._fh is not None
+
+    def release(self) -> None:
+        if self._fh is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self._info_path)
+        portalocker.unlock(self._fh)
+        self._fh.close()
+        self._fh = None
+
+
+def read_owner(lock_path: Path, info_path: Path) -> OwnerInfo | None:
+    """The live owner, or None. A lease whose process died is not reported."""
+    with try_hold(lock_path, exclusive=False) as free:
+        if free:
+            return None
+    try:
+        doc = json.loads(info_path.read_text())
+        return OwnerInfo(int(doc["pid"]), str(doc["host"]), str(doc["role"]), float(doc["since"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return OwnerInfo(pid=0, host="?", role="unknown", since=0.0)
