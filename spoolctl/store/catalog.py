@@ -72,6 +72,10 @@ _COLUMNS = (
 SORTS = {"size": "size DESC", "age": "created ASC", "access": "last_access DESC"}
 # The LRU clock is only moved when it is this stale, so hot lookups do not write.
 TOUCH_GRANULARITY = 30.0
+# A row whose index carries ``"remote_pending": true`` records a remote resource (a
+# hosted genai cache) that still exists and must be deleted on its server first:
+# local cleanup and eviction skip it, so the record that lets a retry find it is kept.
+NOT_HELD = "COALESCE(json_extract(index_json, '$.remote_pending'), 0) = 0"
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,10 @@ class Catalog:
         )
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
+            # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
+            # last transactions, which is safe because the catalog is derived (pending
+            # rows and unindexed manifests are reconciled; see docs/decisions/0003).
+            self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_DDL)
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
             (version,) = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
@@ -205,6 +212,28 @@ class Catalog:
             )
             return cur.rowcount > 0
 
+    def update_index(self, entry_id: str, changes: dict) -> bool:
+        """Merge ``changes`` into the row's index (a value of None removes that key).
+
+        For facts that change after commit (a hosted cache's expire time, a pending
+        remote delete). Like hints, these live only in the catalog: a rebuild restores
+        the manifest's index. Returns False if there is no committed row.
+        """
+        with self._write() as db:
+            row = db.execute("SELECT index_json FROM entries WHERE entry_id=? AND "
+                             "state='committed'", (entry_id,)).fetchone()
+            if row is None:
+                return False
+            index = json.loads(row[0] or "{}")
+            for k, v in changes.items():
+                if v is None:
+                    index.pop(k, None)
+                else:
+                    index[k] = v
+            db.execute("UPDATE entries SET index_json=? WHERE entry_id=?",
+                       (json.dumps(index, sort_keys=True), entry_id))
+            return True
+
     def touch(self, entry_ids: Iterable[str], now: float) -> None:
         ids = [
             r[0] for chunk in _chunks(list(entry_ids), 500) for r in self._read(
@@ -248,11 +277,13 @@ class Catalog:
     def list(
         self, *, kind: str | None = None, namespace: str | None = None,
         hint: str | None = None, sort: str = "access", limit: int | None = None,
-        include_pending: bool = False,
+        include_pending: bool = False, skip_held: bool = False,
     ) -> list[CatalogRow]:
         where, params = [], []
         if not include_pending:
             where.append("state='committed'")
+        if skip_held:
+            where.append(NOT_HELD)
         for column, value in (("kind", kind), ("namespace", namespace), ("hint", hint)):
             if value is not None:
                 where.append(f"{column}=?")
@@ -299,7 +330,7 @@ class Catalog:
     def eviction_order(self, limit: int) -> list[tuple[str, str]]:
         """(entry_id, hint): released entries first, then least recently used."""
         return [(r[0], r[1]) for r in self._read(
-            "SELECT entry_id, hint FROM entries WHERE state='committed' "
+            f"SELECT entry_id, hint FROM entries WHERE state='committed' AND {NOT_HELD} "
             "ORDER BY hint='retain', last_access ASC LIMIT ?", (limit,))]
 
     def object_digests(self, entry_id: str) -> list[str]:

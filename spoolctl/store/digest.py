@@ -27,7 +27,9 @@ class Hasher:
     __slots__ = ("_h",)
 
     def __init__(self) -> None:
-        self._h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        # Single-threaded: callers pipeline hashing against I/O on a helper thread, and
+        # BLAKE3's own threads would only compete with that I/O for the cores.
+        self._h = blake3.blake3()
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._h.update(data)

@@ -58,7 +58,7 @@ from .keys import (
     validate_object_name,
 )
 from .locks import OwnerInfo, OwnerLease, hold, read_owner, try_hold
-from .manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, decode, encode
+from .manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, canonical_json, decode, encode
 from .quarantine import Quarantine, QuarantineItem
 from .root import KNOWN_TOP, Layout, Marker, check_root_path, create_or_adopt
 
@@ -539,6 +539,21 @@ class Store:
         validate_entry_id(entry_id)
         return self._guarded(lambda: self.catalog.set_hint(entry_id, "retain"))
 
+    def update_index(self, entry_id: str, changes: Mapping[str, Any]) -> bool:
+        """Merge ``changes`` into the catalog copy of the entry's index (None deletes a key).
+
+        For mutable facts of immutable entries, such as a hosted cache's new expire
+        time or ``remote_pending`` (see ``clean_released``). Catalog-only, like hints:
+        a catalog rebuild restores the manifest's index. False if there is no entry.
+        """
+        validate_entry_id(entry_id)
+        try:
+            canonical_json(dict(changes))
+        except (TypeError, ValueError):
+            raise ConfigError("index changes must be finite JSON values",
+                              fix="pass strings, numbers, booleans, lists, dicts or None") from None
+        return self._guarded(lambda: self.catalog.update_index(entry_id, dict(changes)))
+
     # -- quarantine ------------------------------------------------------------------------
 
     def quarantine_entry(
@@ -611,20 +626,37 @@ class Store:
     # -- maintenance -------------------------------------------------------------------------
 
     def clean_released(self, *, dry_run: bool = False) -> DeleteReport:
-        """Delete every released entry and the objects no other entry references."""
+        """Delete every released entry and the objects no other entry references.
+
+        Entries held for a remote delete (index ``remote_pending``) are skipped, as
+        they are by eviction: their record is what lets ``clean --genai`` retry."""
         def run() -> DeleteReport:
             with hold(self._maint_lock, exclusive=True, timeout=self.lock_timeout,
                       what="cleaning released entries"):
                 report = DeleteReport(dry_run=dry_run)
                 if dry_run:
-                    rows = self.catalog.list(hint="release", sort="age")
+                    rows = self.catalog.list(hint="release", sort="age", skip_held=True)
                     report.entries = len(rows)
                     report.bytes = sum(r.size for r in rows)
                     report.entry_ids = [r.entry_id for r in rows]
                     return report
-                while rows := self.catalog.list(hint="release", sort="age", limit=DELETE_BATCH):
+                while rows := self.catalog.list(hint="release", sort="age", limit=DELETE_BATCH,
+                                                skip_held=True):
                     report.add(self._delete_entries([r.entry_id for r in rows], "clean"))
                 return report
+        return self._guarded(run)
+
+    def delete_released(self, entry_ids: Iterable[str]) -> DeleteReport:
+        """Delete those of ``entry_ids`` that are still released (a controller's own
+        released entries at ``close()``); an entry revived by a later commit is kept."""
+        ids = [validate_entry_id(e) for e in entry_ids]
+
+        def run() -> DeleteReport:
+            with hold(self._maint_lock, exclusive=True, timeout=self.lock_timeout,
+                      what="deleting released entries"):
+                doomed = [e for e in ids
+                          if (row := self.catalog.get(e)) is not None and row.hint == "release"]
+                return self._delete_entries(doomed, "clean") if doomed else DeleteReport()
         return self._guarded(run)
 
     def enforce_capacity(

@@ -1,0 +1,115 @@
+"""Copying whole KV blocks between vLLM's paged KV tensors and flat chunk buffers (torch).
+
+A chunk object is layer-major: for every layer (in sorted layer-name order) the
+chunk's blocks selected along that layer's block dimension, as raw bytes. A
+block is treated as opaque bytes (vLLM's CPU kernel keeps K transposed inside a
+block), so nothing here depends on what a block holds; ``LayerLayout`` records
+shape, dtype, strides and block dimension so a stored chunk is only restored
+into an identical layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spoolctl.store.digest import hash_bytes
+from spoolctl.store.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """How one layer's KV tensor is laid out (recorded from ``register_kv_caches``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    stride: tuple[int, ...]
+    block_dim: int
+    itemsize: int
+
+    @property
+    def block_bytes(self) -> int:
+        n = self.itemsize
+        for i, size in enumerate(self.shape):
+            if i != self.block_dim:
+                n *= size
+        return n
+
+    def to_json(self) -> dict:
+        # num_blocks (shape[block_dim]) and strides that follow from it vary with free
+        # memory at startup; a chunk only depends on the per-block shape.
+        per_block = list(self.shape)
+        per_block[self.block_dim] = -1
+        return {"name": self.name, "block_shape": per_block, "dtype": self.dtype,
+                "block_dim": self.block_dim}
+
+
+def _block_dim(shape: Sequence[int], num_blocks: int | None) -> int:
+    if num_blocks is not None:
+        dims = [i for i, s in enumerate(shape) if s == num_blocks]
+        if dims:
+            return dims[0]
+    return 0
+
+
+class PagedKV:
+    """The registered KV tensors of one worker and the block copies between them and chunks."""
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int | None,
+                 blocks_per_chunk: int):
+        if not kv_caches:
+            raise ConfigError("vLLM registered no KV cache tensors", fix="report this as a bug")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.names = sorted(kv_caches)
+        self.tensors = [kv_caches[n] for n in self.names]
+        self.layers: list[LayerLayout] = []
+        for name, t in zip(self.names, self.tensors):
+            self.layers.append(LayerLayout(
+                name=name, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                stride=tuple(t.stride()), block_dim=_block_dim(t.shape, num_blocks),
+                itemsize=t.element_size()))
+        self.chunk_bytes = sum(la.block_bytes for la in self.layers) * blocks_per_chunk
+        self.layout_json = {"layers": [la.to_json() for la in self.layers],
+                            "blocks_per_chunk": blocks_per_chunk}
+        self.layout_digest = hash_bytes(
+            json.dumps(self.layout_json, sort_keys=True, separators=(",", ":")).encode())
+        self.device = self.tensors[0].device
+
+    def _views(self, buf: torch.Tensor, nblocks: int) -> list[torch.Tensor]:
+        """Views of ``buf`` (uint8, CPU) as each layer's selected blocks, in chunk order."""
+        views, offset = [], 0
+        for la in self.layers:
+            n = la.block_bytes * nblocks
+            shape = list(la.shape)
+            shape[la.block_dim] = nblocks
+            dtype = getattr(torch, la.dtype)
+            views.append(buf[offset:offset + n].view(dtype).view(shape))
+            offset += n
+        return views
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def capture(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the blocks ``block_ids`` of every layer into ``out`` (uint8, chunk_bytes)."""
+        if len(block_ids) != self.blocks_per_chunk or out.numel() != self.chunk_bytes:
+            raise ValueError("capture needs one whole chunk")
+        idx = self._index(block_ids)
+        for t, la, dst in zip(self.tensors, self.layers, self._views(out, len(block_ids))):
+            if t.device.type == "cpu":
+                torch.index_select(t, la.block_dim, idx, out=dst)
+            else:
+                dst.copy_(torch.index_select(t, la.block_dim, idx))
+
+    def restore(self, src: torch.Tensor, block_ids: Sequence[int], skip: int = 0) -> None:
+        """Copy a verified chunk buffer ``src`` into ``block_ids[skip:]`` of every layer."""
+        if len(block_ids) != self.blocks_per_chunk or src.numel() != self.chunk_bytes:
+            raise ValueError("restore needs one whole chunk")
+        idx = self._index(block_ids[skip:])
+        for t, la, view in zip(self.tensors, self.layers, self._views(src, len(block_ids))):
+            part = view.narrow(la.block_dim, skip, len(block_ids) - skip)
+            t.index_copy_(la.block_dim, idx, part.to(t.device, non_blocking=False))

@@ -1,0 +1,123 @@
+"""Connector settings parsed from ``kv_connector_extra_config`` (pure; no I/O).
+
+Keys (all optional except the root):
+
+``spoolctl_root``            absolute store root; ``{tp_rank}``, ``{pp_rank}`` and ``{rank}``
+                             are replaced per rank (default: the ``SPOOLCTL_ROOT`` variable)
+``spoolctl_max_size``        store capacity, e.g. ``200GiB`` (recorded in the root marker)
+``spoolctl_chunk_tokens``    tokens per chunk; a multiple of the block size (default: the
+                             smallest multiple of the block size that is >= 256)
+``spoolctl_staging_bytes``   host memory for captured chunks waiting to be written
+                             (default 512MiB); a store that does not fit is skipped
+``spoolctl_scrub_rate``      background scrub rate, e.g. ``32MiB/s`` (``0`` disables)
+``spoolctl_maintenance_interval``  seconds between maintenance passes (default 60)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from spoolctl.store.errors import ConfigError
+from spoolctl.store.sizes import parse_rate, parse_size
+
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_STAGING_BYTES = 512 << 20
+DEFAULT_SCRUB_RATE = 32 << 20
+DEFAULT_MAINTENANCE_INTERVAL = 60.0
+KNOWN_KEYS = frozenset({
+    "spoolctl_root", "spoolctl_max_size", "spoolctl_chunk_tokens", "spoolctl_staging_bytes",
+    "spoolctl_scrub_rate", "spoolctl_maintenance_interval",
+})
+_WHERE = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Validated connector settings. ``root_template`` may hold rank placeholders."""
+
+    root_template: str
+    chunk_tokens: int
+    max_bytes: int | None = None
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    scrub_rate: int = DEFAULT_SCRUB_RATE
+    maintenance_interval: float = DEFAULT_MAINTENANCE_INTERVAL
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens <= 0:
+            raise ConfigError("spoolctl_chunk_tokens must be positive", path=_WHERE,
+                              fix="set it to a multiple of the block size, e.g. 256")
+        if self.staging_bytes <= 0:
+            raise ConfigError("spoolctl_staging_bytes must be positive", path=_WHERE,
+                              fix="set e.g. 512MiB")
+        if self.maintenance_interval <= 0:
+            raise ConfigError("spoolctl_maintenance_interval must be positive", path=_WHERE,
+                              fix="set a number of seconds, e.g. 60")
+
+    def root_for(self, *, tp_rank: int, pp_rank: int, tp_size: int) -> str:
+        """The store root of one rank (placeholders filled in), checked to be absolute."""
+        try:
+            root = self.root_template.format(
+                tp_rank=tp_rank, pp_rank=pp_rank, rank=pp_rank * tp_size + tp_rank)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"spoolctl_root has an unknown placeholder ({exc})", path=_WHERE,
+                              fix="use only {tp_rank}, {pp_rank} or {rank}") from None
+        if not os.path.isabs(root):
+            raise ConfigError("spoolctl_root must be an absolute path", path=root,
+                              fix="give the full path of the rank's store directory")
+        return root
+
+
+def parse_settings(
+    extra: Mapping[str, Any] | None, *, block_size: int, env: Mapping[str, str] | None = None
+) -> ConnectorSettings:
+    """Build settings from vLLM's ``kv_connector_extra_config``; ConfigError on bad input."""
+    extra = dict(extra or {})
+    env = os.environ if env is None else env
+    unknown = sorted(k for k in extra if k.startswith("spoolctl_") and k not in KNOWN_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown connector option {unknown[0]!r}", path=_WHERE,
+                          fix=f"use one of: {', '.join(sorted(KNOWN_KEYS))}")
+    root = extra.get("spoolctl_root") or env.get("SPOOLCTL_ROOT")
+    if not root or not isinstance(root, str):
+        raise ConfigError("no store root configured for the spoolctl connector", path=_WHERE,
+                          fix='set "spoolctl_root": "/abs/path" (or SPOOLCTL_ROOT)')
+    if block_size <= 0:
+        raise ConfigError("vLLM block size must be positive", path="cache_config.block_size")
+    chunk = extra.get("spoolctl_chunk_tokens")
+    if chunk is None:
+        chunk_tokens = -(-DEFAULT_CHUNK_TOKENS // block_size) * block_size
+    else:
+        chunk_tokens = _int(chunk, "spoolctl_chunk_tokens")
+        if chunk_tokens <= 0 or chunk_tokens % block_size:
+            raise ConfigError(
+                f"spoolctl_chunk_tokens={chunk_tokens} is not a multiple of the block size "
+                f"{block_size}", path=_WHERE,
+                fix=f"use a positive multiple of {block_size}, e.g. "
+                    f"{-(-DEFAULT_CHUNK_TOKENS // block_size) * block_size}")
+    max_size = extra.get("spoolctl_max_size")
+    staging = extra.get("spoolctl_staging_bytes")
+    scrub = extra.get("spoolctl_scrub_rate")
+    interval = extra.get("spoolctl_maintenance_interval")
+    return ConnectorSettings(
+        root_template=root,
+        chunk_tokens=chunk_tokens,
+        max_bytes=parse_size(max_size) if max_size not in (None, "") else None,
+        staging_bytes=parse_size(staging) if staging not in (None, "") else DEFAULT_STAGING_BYTES,
+        scrub_rate=(0 if str(scrub).strip() in ("0", "off") else parse_rate(str(scrub)))
+        if scrub not in (None, "") else DEFAULT_SCRUB_RATE,
+        maintenance_interval=float(interval) if interval not in (None, "")
+        else DEFAULT_MAINTENANCE_INTERVAL,
+    )
+
+
+def _int(value: Any, name: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be an integer, got {str(value)[:40]!r}",
+                          path=_WHERE, fix=f"set {name} to a whole number") from None

@@ -1,0 +1,91 @@
+"""In-process connector counters (pure; no vLLM). Names come from ``spoolctl.metrics``.
+
+Both connector roles record here; vLLM collects ``take()`` each step through
+``get_kv_connector_stats`` and hands the (serialisable) dict to the Prometheus
+adapter in ``promstats``. Labels are checked against the closed vocabulary of
+``spoolctl.metrics`` so no prompt data can reach a label.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from spoolctl import metrics as m
+
+_SPECS = {spec.name: spec for spec in m.CONNECTOR_METRICS}
+
+
+def label_key(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={labels[k]}" for k in sorted(labels))
+
+
+def parse_label_key(key: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in key.split(",")) if key else {}
+
+
+class ConnectorCounters:
+    """Thread-safe counters and histogram observations since the last ``take``.
+
+    ``totals`` keeps cumulative counter values for tests and ``stats_snapshot``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[str, dict[str, float]] = {}
+        self._hist: dict[str, list[float]] = {}
+        self._totals: dict[str, dict[str, float]] = {}
+
+    def inc(self, spec: m.MetricSpec, value: float = 1, **labels: str) -> None:
+        key = label_key(m.check_labels(spec, labels))
+        with self._lock:
+            for table in (self._counters, self._totals):
+                slot = table.setdefault(spec.name, {})
+                slot[key] = slot.get(key, 0) + value
+
+    def observe(self, spec: m.MetricSpec, value: float) -> None:
+        with self._lock:
+            self._hist.setdefault(spec.name, []).append(float(value))
+            slot = self._totals.setdefault(spec.name + "_count", {})
+            slot[""] = slot.get("", 0) + 1
+
+    def take(self) -> dict[str, Any]:
+        """The interval's data (and reset it); empty dict if nothing happened."""
+        with self._lock:
+            data: dict[str, Any] = {}
+            if self._counters:
+                data["counters"] = self._counters
+            if self._hist:
+                data["hist"] = self._hist
+            self._counters, self._hist = {}, {}
+        return data
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        """Cumulative counters: ``{metric name: {"label=value,...": total}}``."""
+        with self._lock:
+            return {name: dict(slot) for name, slot in self._totals.items()}
+
+    def total(self, spec: m.MetricSpec, **labels: str) -> float:
+        """Cumulative value of one counter; with no labels, the sum over all label values."""
+        slot = self.totals().get(spec.name, {})
+        if not labels:
+            return sum(slot.values())
+        return slot.get(label_key(labels), 0)
+
+
+def merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Aggregate two ``take()`` payloads (e.g. of several workers or intervals)."""
+    out: dict[str, Any] = {"counters": {}, "hist": {}}
+    for part in (a, b):
+        for name, slot in (part.get("counters") or {}).items():
+            dst = out["counters"].setdefault(name, {})
+            for key, value in slot.items():
+                dst[key] = dst.get(key, 0) + value
+        for name, values in (part.get("hist") or {}).items():
+            out["hist"].setdefault(name, []).extend(values)
+    return {k: v for k, v in out.items() if v}
+
+
+def known(name: str) -> m.MetricSpec | None:
+    return _SPECS.get(name)

@@ -1,0 +1,404 @@
+"""mlx-lm adapter: the ``MlxBackend`` KV backend and the ``MlxCacheController``.
+
+This is the only module of spoolctl that imports ``mlx`` / ``mlx_lm`` (lazily,
+in ``MlxBackend.__init__``), so ``import spoolctl.controllers.mlx`` works
+without them and fails with one clear ConfigError only when a backend is built.
+
+Contract of the backend (the protocol of ``spoolctl.controllers.local``):
+
+* Caches are mlx-lm prompt caches (``make_prompt_cache``: one ``KVCache`` per
+  layer). Every operation is **non-mutating**: ``prefill``/``trim`` return a new
+  cache and never touch their input, because the controller keeps a prepared
+  cache in memory and hands it to many generate calls.
+* ``serialize`` writes mlx-lm's own prompt-cache file (``save_prompt_cache``:
+  safetensors with mlx-lm's class/scalar metadata) to bytes, holding only the
+  ``token_count`` used positions of each layer (mlx-lm preallocates 256-token
+  steps; the spare tail is never stored). No pickle anywhere.
+* ``deserialize`` accepts only bytes written in this mlx-lm cache format version
+  (``CACHE_FORMAT``) for this model's shape: a format, class, dtype or shape
+  mismatch raises ``CacheFormatError`` (a SpoolError), which the controller
+  treats as a miss (cold path), never a crash.
+* ``generate`` is greedy and feeds mlx-lm only the uncached tokens; when the
+  cache covers the whole prompt (mlx-lm rejects an empty prompt) it trims the
+  last cached token and re-feeds it, which yields exactly the cold logits.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from spoolctl.store.digest import Hasher
+from spoolctl.store.errors import ConfigError, SpoolError
+
+KIND = "mlx"
+#: Name of the one payload object of an entry (the mlx-lm prompt-cache file).
+OBJECT_NAME = "kv"
+#: How many prompt tokens one forward pass takes while prefilling (bounds peak memory).
+PREFILL_STEP = 512
+_MAX_HEADER = 16 << 20
+# safetensors dtype codes mlx writes, by mlx dtype name.
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+class CacheFormatError(SpoolError):
+    """Stored cache bytes that this mlx-lm cannot use (another cache format version,
+    another model shape, malformed file). Always a cache miss, never a crash."""
+
+
+def cache_format(mlx_lm_version: str) -> str:
+    """The on-disk cache format id for an mlx-lm version.
+
+    mlx-lm changed its prompt-cache file layout between minor releases (0.31 files
+    do not load in 0.32), and patch releases have kept it, so the format is named
+    by the major.minor series. A stored entry is reused only under the same id.
+    """
+    parts = mlx_lm_version.split(".")
+    series = ".".join(parts[:2]) if len(parts) >= 2 else mlx_lm_version
+    return f"mlx-lm-prompt-cache/{series}"
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def model_digest(model_dir: Path) -> str:
+    """Content digest of a model directory: every top-level regular file (weights,
+    config, tokenizer), by name and bytes. Hidden files are skipped.
+
+    Hashing the content (not the path or mtime) means a copied model keeps its
+    caches and a changed weight file never reuses a stale KV cache.
+    """
+    h = Hasher()
+    files = sorted(p for p in model_dir.iterdir()
+                   if not p.name.startswith(".") and p.is_file())
+    if not files:
+        raise ConfigError("model directory holds no files", path=model_dir,
+                          fix="pass a transformers-format model directory")
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    for p in files:
+        name = p.name.encode()
+        h.update(len(name).to_bytes(8, "big"))
+        h.update(name)
+        h.update(p.stat().st_size.to_bytes(8, "big"))
+        with open(p, "rb") as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+    return h.hexdigest()
+
+
+class _NamedBytesIO(io.BytesIO):
+    # mlx.core.load picks the file format from the name's suffix.
+    name = "prompt_cache.safetensors"
+
+
+def _safetensors_header(data: memoryview) -> dict[str, Any]:
+    """Parse and bounds-check a safetensors header (pure Python, before mlx sees it)."""
+    if len(data) < 8:
+        raise CacheFormatError("cache file is shorter than a safetensors header")
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > min(_MAX_HEADER, len(data) - 8):
+        raise CacheFormatError("cache file header length is out of range")
+    try:
+        header = json.loads(bytes(data[8:8 + size]))
+    except (UnicodeDecodeError, ValueError):
+        raise CacheFormatError("cache file header is not JSON") from None
+    if not isinstance(header, dict):
+        raise CacheFormatError("cache file header is not an object")
+    body = len(data) - 8 - size
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= body):
+            raise CacheFormatError(f"cache tensor {name!r} has invalid offsets")
+    return header
+
+
+class MlxBackend:
+    """The mlx-lm KV backend of ``LocalCacheController`` (see the module docstring).
+
+    ``model`` is a local transformers/mlx-format model directory (or, as with
+    ``mlx_lm.load``, a Hugging Face repo id already in the local hub cache).
+    Forward passes are serialised by a lock: one model, one compute stream.
+    """
+
+    kind = KIND
+
+    def __init__(self, model: str | os.PathLike[str], *, prefill_step: int = PREFILL_STEP):
+        try:
+            import mlx.core as mx
+            import mlx_lm
+            from mlx_lm.models import cache as mlx_cache
+        except ImportError as exc:
+            raise ConfigError(f"mlx-lm is not usable here ({exc})",
+                              fix="pip install 'spoolctl[mlx]' (on Linux: 'mlx-lm[cpu]')") from None
+        if not isinstance(prefill_step, int) or prefill_step < 1:
+            raise ConfigError("prefill_step must be a positive integer", fix="pass e.g. 512")
+        self._mx = mx
+        self._cache_mod = mlx_cache
+        self.mlx_lm_version = str(mlx_lm.__version__)
+        self.mlx_version = str(mx.__version__)
+        self.format = cache_format(self.mlx_lm_version)
+        self.prefill_step = prefill_step
+        self.model_name = os.fspath(model)
+        self._lock = threading.RLock()
+        self.model_dir = self._resolve(self.model_name)
+        try:
+            self.model, self.tokenizer = mlx_lm.load(str(self.model_dir))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"mlx-lm cannot load the model: {exc}", path=self.model_dir,
+                              fix="pass a transformers-format model directory mlx-lm supports"
+                              ) from None
+        self._probe()
+        self._identity = {
+            "framework": "mlx-lm",
+            "mlx_lm_version": self.mlx_lm_version,
+            "mlx_version": self.mlx_version,
+            "cache_format": self.format,
+            "model": self.model_name,
+            "model_digest": model_digest(self.model_dir),
+            "dtype": self.dtype,
+            "device": self.device,
+        }
+
+    # -- setup ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve(model: str) -> Path:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return path.resolve()
+        if path.exists() or model.startswith((".", "/", "~")):
+            raise ConfigError("model path is not a directory", path=path,
+                              fix="pass a transformers-format model directory")
+        try:  # a hub id: only what is already downloaded; spoolctl never fetches weights
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(model, local_files_only=True))
+        except Exception:
+            raise ConfigError(f"model {model!r} is neither a directory nor in the local hub "
+                              "cache", fix="pass a local model directory") from None
+
+    def _probe(self) -> None:
+        """Learn the cache layout (classes, dtype, KV shape) from a one-token forward."""
+        mx = self._mx
+        cache = self._cache_mod.make_prompt_cache(self.model)
+        classes = {type(c).__name__ for c in cache}
+        if classes != {"KVCache"}:
+            raise ConfigError(
+                f"model uses mlx-lm cache types {sorted(classes)}; spoolctl supports "
+                "models whose prompt cache is plain KVCache layers (full attention)",
+                path=self.model_dir, fix="use a full-attention model (Llama, Qwen, Mistral...)")
+        with self._lock:
+            self.model(mx.array([[0]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        first = cache[0]
+        self.num_layers = len(cache)
+        self.kv_heads = int(first.keys.shape[1])
+        self.k_head_dim = int(first.keys.shape[3])
+        self.v_head_dim = int(first.values.shape[3])
+        self.dtype = _dtype_name(first.keys.dtype)
+        self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+        self._eos = {int(t) for t in (getattr(self.tokenizer, "eos_token_ids", None) or ())}
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        plain = self.tokenizer.encode("a", add_special_tokens=False)
+        full = self.tokenizer.encode("a")
+        # Prepend BOS to the first segment only if this tokenizer adds one itself,
+        # so segment-wise ids equal what mlx-lm would feed for the whole prompt.
+        self._bos = [int(bos)] if bos is not None and full[:1] == [bos] and \
+            plain[:1] != [bos] else []
+
+    # -- protocol --------------------------------------------------------------------------
+
+    def identity(self) -> dict[str, str]:
+        return dict(self._identity)
+
+    def tokenize_segments(self, segments: list[str]) -> list[list[int]]:
+        out = [[int(t) for t in self.tokenizer.encode(s, add_special_tokens=False)]
+               for s in segments]
+        if out and self._bos:
+            out[0] = self._bos + out[0]
+        return out
+
+    def new_cache(self) -> list[Any]:
+        return self._cache_mod.make_prompt_cache(self.model)
+
+    @staticmethod
+    def size(cache: Sequence[Any]) -> int:
+        """Tokens the cache covers."""
+        return int(cache[0].offset) if cache else 0
+
+    def _copy(self, cache: Sequence[Any], keep: int | None = None) -> list[Any]:
+        """An independent cache holding the first ``keep`` (default: all) tokens.
+
+        Slicing makes new arrays, so writes into the copy (mlx-lm assigns into its
+        buffers in place) never reach the original.
+        """
+        if len(cache) != self.num_layers or \
+                any(type(c).__name__ != "KVCache" for c in cache):
+            raise ValueError("not a prompt cache of this model")
+        size = self.size(cache)
+        keep = size if keep is None else keep
+        if not 0 <= keep <= size:
+            raise ValueError(f"cannot keep {keep} tokens of a {size}-token cache")
+        out = []
+        for c in cache:
+            n = self._cache_mod.KVCache()
+            if keep > 0:
+                n.keys = c.keys[..., :keep, :]
+                n.values = c.values[..., :keep, :]
+                n.offset = keep
+            out.append(n)
+        return out
+
+    def prefill(self, cache: Sequence[Any] | None, tokens: Sequence[int]) -> list[Any]:
+        """A new cache: ``cache`` (not modified) extended by ``tokens``."""
+        mx = self._mx
+        with self._lock:
+            out = self._copy(cache) if cache is not None else self.new_cache()
+            for start in range(0, len(tokens), self.prefill_step):
+                chunk = mx.array([list(tokens[start:start + self.prefill_step])])
+                self.model(chunk, cache=out)
+                mx.eval([c.state for c in out])
+            return out
+
+    def trim(self, cache: Sequence[Any], keep_tokens: int) -> list[Any]:
+        """A new cache holding the first ``keep_tokens`` tokens (mlx-lm's own trim)."""
+        out = self._copy(cache)
+        if not self._cache_mod.can_trim_prompt_cache(out):
+            raise ValueError("this prompt cache cannot be trimmed")
+        drop = self.size(out) - keep_tokens
+        if drop < 0 or keep_tokens < 0:
+            raise ValueError(f"cannot keep {keep_tokens} tokens of a {self.size(out)}-token cache")
+        if drop and self._cache_mod.trim_prompt_cache(out, drop) != drop:
+            raise ValueError("mlx-lm trimmed fewer tokens than asked")
+        return out
+
+    def serialize(self, cache: Sequence[Any], token_count: int) -> tuple[dict[str, bytes], dict]:
+        """mlx-lm prompt-cache bytes of the first ``token_count`` tokens, plus layout meta."""
+        if self.size(cache) < token_count or token_count < 1:
+            raise ValueError(f"cannot store {token_count} tokens of a "
+                             f"{self.size(cache)}-token cache")
+        used = self._copy(cache, token_count)
+        buf = io.BytesIO()
+        with self._lock:
+            self._cache_mod.save_prompt_cache(buf, used, metadata={"spoolctl_format": self.format})
+        layout = {
+            "format": self.format,
+            "mlx_lm_version": self.mlx_lm_version,
+            "mlx_version": self.mlx_version,
+            "object": OBJECT_NAME,
+            "classes": ["KVCache"] * self.num_layers,
+            "dtype": self.dtype,
+            "layers": self.num_layers,
+            "kv_heads": self.kv_heads,
+            "k_head_dim": self.k_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "token_count": token_count,
+        }
+        return {OBJECT_NAME: buf.getvalue()}, layout
+
+    def check_layout(self, layout: Mapping[str, Any], token_count: int) -> None:
+        """Raise CacheFormatError unless ``layout`` describes a cache this backend can load."""
+        fmt = layout.get("format")
+        if fmt != self.format:
+            raise CacheFormatError(
+                f"cache was written in format {fmt!r} (mlx-lm "
+                f"{layout.get('mlx_lm_version')!r}); this mlx-lm {self.mlx_lm_version} "
+                f"reads {self.format!r}", fix="nothing to do: it is a miss and is rebuilt")
+        expected = {"object": OBJECT_NAME, "classes": ["KVCache"] * self.num_layers,
+                    "dtype": self.dtype, "layers": self.num_layers, "kv_heads": self.kv_heads,
+                    "k_head_dim": self.k_head_dim, "v_head_dim": self.v_head_dim,
+                    "token_count": token_count}
+        for name, want in expected.items():
+            if layout.get(name) != want:
+                raise CacheFormatError(f"cache layout {name}={layout.get(name)!r} does not "
+                                       f"match this model ({want!r})",
+                                       fix="nothing to do: it is a miss and is rebuilt")
+
+    def deserialize(self, objects: Mapping[str, memoryview | bytes], layout: Mapping[str, Any],
+                    token_count: int) -> list[Any]:
+        """Rebuild a cache from ``serialize`` output; CacheFormatError on any mismatch."""
+        self.check_layout(layout, token_count)
+        if set(objects) != {OBJECT_NAME}:
+            raise CacheFormatError(f"entry holds objects {sorted(objects)}, expected "
+                                   f"[{OBJECT_NAME!r}]")
+        data = memoryview(objects[OBJECT_NAME])
+        self._check_header(_safetensors_header(data), token_count)
+        try:
+            with self._lock:
+                cache, meta = self._cache_mod.load_prompt_cache(
+                    _NamedBytesIO(data), return_metadata=True)
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CacheFormatError(f"mlx-lm could not load the cache file: {exc}") from None
+        if meta.get("spoolctl_format") != self.format:
+            raise CacheFormatError("cache file format marker does not match its manifest")
+        shape_k = (1, self.kv_heads, token_count, self.k_head_dim)
+        shape_v = (1, self.kv_heads, token_count, self.v_head_dim)
+        for c in cache:
+            if type(c).__name__ != "KVCache" or int(c.offset) != token_count or \
+                    tuple(c.keys.shape) != shape_k or tuple(c.values.shape) != shape_v or \
+                    _dtype_name(c.keys.dtype) != self.dtype:
+                raise CacheFormatError("loaded cache does not match its layout")
+        if len(cache) != self.num_layers:
+            raise CacheFormatError("loaded cache has the wrong number of layers")
+        return cache
+
+    def _check_header(self, header: Mapping[str, Any], token_count: int) -> None:
+        meta = header.get("__metadata__")
+        if not isinstance(meta, dict):
+            raise CacheFormatError("cache file has no mlx-lm metadata")
+        classes = sorted(v for k, v in meta.items() if k.startswith("1."))
+        if classes != ["KVCache"] * self.num_layers:
+            raise CacheFormatError(f"cache file holds cache classes {classes[:4]}")
+        st_dtype = _ST_DTYPES.get(self.dtype)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            shape = info.get("shape")
+            if info.get("dtype") == st_dtype and (
+                    not isinstance(shape, list) or len(shape) != 4 or shape[2] != token_count):
+                raise CacheFormatError(f"cache tensor {name!r} has shape {shape}")
+
+    def generate(self, cache: Sequence[Any] | None, cached_tokens: int,
+                 prompt_tokens: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation of ``prompt_tokens`` (stops at EOS or ``max_new_tokens``).
+
+        ``cache`` (not modified) covers ``prompt_tokens[:cached_tokens]``; only the
+        rest is fed to mlx-lm. If that rest is empty, the last cached token is
+        trimmed and re-fed, since mlx-lm needs a non-empty prompt for the logits.
+        """
+        from mlx_lm.generate import generate_step
+
+        mx = self._mx
+        if max_new_tokens <= 0:
+            return []
+        if not prompt_tokens:
+            raise ValueError("cannot generate from an empty prompt")
+        if cache is None or cached_tokens <= 0:
+            work, start = self.new_cache(), 0
+        else:
+            if cached_tokens > min(self.size(cache), len(prompt_tokens)):
+                raise ValueError(f"cache covers {self.size(cache)} tokens, asked to reuse "
+                                 f"{cached_tokens} of a {len(prompt_tokens)}-token prompt")
+            start = min(cached_tokens, len(prompt_tokens) - 1)
+            work = self.trim(cache, start)
+        out: list[int] = []
+        with self._lock:
+            for token, _ in generate_step(mx.array(list(prompt_tokens[start:])), self.model,
+                                          prompt_cache=work, max_tokens=max_new_tokens,
+                                          prefill_step_size=self.prefill_step):
+                out.append(int(token))
+                if int(token) in self._eos:
+                    break
+        return out

@@ -1,0 +1,236 @@
+"""The one place that defines every spoolctl metric name.
+
+Every metric is named ``spoolctl_*`` and uses only labels from a closed
+vocabulary (``LABEL_VALUES``): result, reason, kind, step, direction. No prompt
+data, token ids, entry ids, keys or salts ever appear in a label value; a
+label value outside the vocabulary is rejected by ``check_labels`` so a bug
+cannot leak one.
+
+Two groups:
+
+* Store gauges (``STORE_GAUGES``), computed from a store's catalog, quarantine
+  and scrub state by ``collect_store_gauges`` and rendered in the Prometheus
+  text format by ``render_store_metrics`` (used by ``spoolctl metrics``).
+* Connector metrics (``CONNECTOR_METRICS``): counters/histograms the vLLM
+  connector records in-process and exports through vLLM's own ``/metrics``.
+  The connector imports the name constants from here; it must not invent its own.
+
+Framework-free: only ``prometheus_client`` (a base dependency) and the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from spoolctl.store import Store
+
+PREFIX = "spoolctl_"
+
+MetricType = Literal["gauge", "counter", "histogram"]
+
+# Closed label vocabulary: label name -> the only values it may take.
+LABEL_VALUES: dict[str, frozenset[str]] = {
+    "kind": frozenset({"vllm", "pytorch", "mlx", "genai"}),
+    "result": frozenset({"hit", "miss", "bypass", "error"}),
+    "reason": frozenset({
+        # lookup miss/bypass reasons
+        "none", "absent", "partial", "lora", "prompt_embeds", "multimodal", "requested",
+        "disabled", "corrupt",
+        # skipped-store reasons
+        "budget", "capacity", "io_error", "busy", "too_short", "exists", "shutdown",
+        # quarantine reasons (spoolctl.store.QuarantineReason values)
+        "manifest_io", "manifest_validation", "payload_digest", "payload_size",
+        "payload_missing", "object_collision", "catalog", "unknown",
+    }),
+    "step": frozenset({"scrub", "capacity", "auth", "orphans", "tmp"}),
+}
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A metric's name (with the ``spoolctl_`` prefix), type, help text and label names."""
+
+    name: str
+    type: MetricType
+    help: str
+    labels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith(PREFIX):
+            raise ValueError(f"metric {self.name!r} must start with {PREFIX!r}")
+        unknown = [label for label in self.labels if label not in LABEL_VALUES]
+        if unknown:
+            raise ValueError(f"metric {self.name!r} uses labels outside the vocabulary: {unknown}")
+
+
+def check_labels(spec: MetricSpec, labels: Mapping[str, str]) -> dict[str, str]:
+    """Return ``labels`` if they are exactly ``spec.labels`` with vocabulary values.
+
+    Raises ValueError otherwise, so no free-form (possibly sensitive) text can
+    ever become a label value.
+    """
+    if set(labels) != set(spec.labels):
+        raise ValueError(f"{spec.name} takes labels {spec.labels}, got {tuple(labels)}")
+    for key, value in labels.items():
+        if value not in LABEL_VALUES[key]:
+            raise ValueError(f"label {key}={value!r} is outside the vocabulary of {spec.name}")
+    return dict(labels)
+
+
+def _g(name: str, help: str, *labels: str) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "gauge", help, labels)
+
+
+def _c(name: str, help: str, *labels: str) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "counter", help, labels)
+
+
+def _h(name: str, help: str, *labels: str) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "histogram", help, labels)
+
+
+# -- store gauges (spoolctl metrics) -----------------------------------------------------
+
+STORE_ENTRIES = _g("store_entries", "Committed entries in the store.")
+STORE_BYTES = _g("store_bytes", "Bytes of committed entries (manifests + objects).")
+STORE_MAX_BYTES = _g("store_max_bytes", "Configured maximum size of the store (0 = unbounded).")
+STORE_USAGE_RATIO = _g("store_usage_ratio", "store_bytes / store_max_bytes (0 when unbounded).")
+KIND_ENTRIES = _g("store_kind_entries", "Committed entries by kind.", "kind")
+KIND_BYTES = _g("store_kind_bytes", "Bytes of committed entries by kind.", "kind")
+RELEASED_ENTRIES = _g("store_released_entries", "Released entries waiting for cleanup.")
+RELEASED_BYTES = _g("store_released_bytes", "Bytes of released entries waiting for cleanup.")
+QUARANTINED_ITEMS = _g("store_quarantined_items", "Quarantine items by reason.", "reason")
+QUARANTINED_BYTES = _g("store_quarantined_bytes", "Bytes held in quarantine.")
+TMP_BYTES = _g("store_tmp_bytes", "Bytes of in-flight or abandoned temp files.")
+TMP_FILES = _g("store_tmp_files", "In-flight or abandoned temp files.")
+OWNER_PRESENT = _g("store_owner_present", "1 if a live worker holds the store's owner lease.")
+SCRUB_LAST_COMPLETED = _g("scrub_last_completed_timestamp_seconds",
+                          "Unix time the last complete scrub cycle finished (0 = never).")
+SCRUB_LAST_CHECKED = _g("scrub_last_checked_entries",
+                        "Entries authenticated by the last complete scrub cycle.")
+SCRUB_LAST_QUARANTINED = _g("scrub_last_quarantined_entries",
+                            "Entries quarantined by the last complete scrub cycle.")
+SCRUB_PROGRESS = _g("scrub_progress_ratio",
+                    "Progress of the scrub cycle in progress (fraction of entries, 0..1).")
+
+STORE_GAUGES: tuple[MetricSpec, ...] = (
+    STORE_ENTRIES, STORE_BYTES, STORE_MAX_BYTES, STORE_USAGE_RATIO, KIND_ENTRIES, KIND_BYTES,
+    RELEASED_ENTRIES, RELEASED_BYTES, QUARANTINED_ITEMS, QUARANTINED_BYTES, TMP_BYTES, TMP_FILES,
+    OWNER_PRESENT, SCRUB_LAST_COMPLETED, SCRUB_LAST_CHECKED, SCRUB_LAST_QUARANTINED,
+    SCRUB_PROGRESS,
+)
+
+# -- connector and background maintainer metrics (exported by the vLLM worker) ----------------
+
+LOOKUPS = _c("lookups_total", "Prefix lookups by result and reason.", "result", "reason")
+HIT_TOKENS = _c("hit_tokens_total", "Prompt tokens restored from the store instead of prefilled.")
+LOOKUP_TOKENS = _c("lookup_tokens_total", "Prompt tokens looked up.")
+RESTORE_BYTES = _c("restore_bytes_total", "KV bytes read, verified and restored.")
+RESTORE_SECONDS = _h("restore_seconds", "Time to read, verify and copy one request's KV.")
+STORE_WRITE_BYTES = _c("store_write_bytes_total", "KV bytes committed to the store.")
+STORE_WRITE_SECONDS = _h("store_write_seconds", "Time to commit one chunk of KV.")
+STORES_SKIPPED = _c("stores_skipped_total", "Chunks not stored, by reason.", "reason")
+LOAD_ERRORS = _c("load_errors_total",
+                 "Restores that failed (blocks recomputed by vLLM), by reason.", "reason")
+QUARANTINE_EVENTS = _c("quarantine_events_total", "Entries quarantined, by reason.", "reason")
+SCRUBBED_BYTES = _c("scrubbed_bytes_total", "Bytes re-read and verified by the background scrub.")
+SCRUBBED_ENTRIES = _c("scrubbed_entries_total", "Entries verified by the background scrub.")
+MAINTENANCE_ERRORS = _c("maintenance_errors_total",
+                        "Background maintenance steps that failed, by step.", "step")
+EVICTED_ENTRIES = _c("evicted_entries_total", "Entries evicted by capacity maintenance.")
+AUTH_REQUESTS = _c("auth_requests_processed_total",
+                   "Queued request-auth requests answered by the worker.")
+
+CONNECTOR_METRICS: tuple[MetricSpec, ...] = (
+    LOOKUPS, HIT_TOKENS, LOOKUP_TOKENS, RESTORE_BYTES, RESTORE_SECONDS, STORE_WRITE_BYTES,
+    STORE_WRITE_SECONDS, STORES_SKIPPED, LOAD_ERRORS, QUARANTINE_EVENTS, SCRUBBED_BYTES,
+    SCRUBBED_ENTRIES, MAINTENANCE_ERRORS, EVICTED_ENTRIES, AUTH_REQUESTS,
+)
+
+ALL_METRICS: tuple[MetricSpec, ...] = STORE_GAUGES + CONNECTOR_METRICS
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One gauge value with its labels."""
+
+    spec: MetricSpec
+    value: float
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def collect_store_gauges(store: Store, *, now: float | None = None) -> list[Sample]:
+    """Read the store's current gauges (catalog totals, quarantine, tmp, scrub state)."""
+    from spoolctl.store import QuarantineReason
+    from spoolctl.store.scrub import ScrubState
+
+    del now  # gauges are point-in-time; kept for a stable signature
+    totals = store.totals()
+    max_bytes = store.max_bytes or 0
+    released_n, released_b = store.released()
+    items = store.quarantine_items()
+    tmp_files, tmp_bytes = store.tmp_usage()
+    out = [
+        Sample(STORE_ENTRIES, totals.entries),
+        Sample(STORE_BYTES, totals.bytes),
+        Sample(STORE_MAX_BYTES, max_bytes),
+        Sample(STORE_USAGE_RATIO, totals.bytes / max_bytes if max_bytes else 0.0),
+        Sample(RELEASED_ENTRIES, released_n),
+        Sample(RELEASED_BYTES, released_b),
+        Sample(QUARANTINED_BYTES, sum(i.bytes for i in items)),
+        Sample(TMP_FILES, tmp_files),
+        Sample(TMP_BYTES, tmp_bytes),
+        Sample(OWNER_PRESENT, 1 if store.owner() is not None else 0),
+    ]
+    by_kind = store.by_kind()
+    for kind in sorted(LABEL_VALUES["kind"]):
+        slot = by_kind.get(kind, {"entries": 0, "bytes": 0})
+        out.append(Sample(KIND_ENTRIES, slot["entries"], (("kind", kind),)))
+        out.append(Sample(KIND_BYTES, slot["bytes"], (("kind", kind),)))
+    counts = {r.value: 0 for r in QuarantineReason}
+    for item in items:
+        counts[item.reason if item.reason in counts else "unknown"] += 1
+    for reason, n in sorted(counts.items()):
+        out.append(Sample(QUARANTINED_ITEMS, n, (("reason", reason),)))
+    summary = ScrubState.summary_of(store)
+    last = summary.last_cycle
+    out.append(Sample(SCRUB_LAST_COMPLETED, last.finished if last and last.finished else 0))
+    out.append(Sample(SCRUB_LAST_CHECKED, last.checked if last else 0))
+    out.append(Sample(SCRUB_LAST_QUARANTINED, last.quarantined if last else 0))
+    current = summary.current_cycle
+    out.append(Sample(SCRUB_PROGRESS, current.progress(totals.entries) if current else 0.0))
+    for sample in out:
+        check_labels(sample.spec, dict(sample.labels))
+    return out
+
+
+def render_samples(samples: list[Sample]) -> str:
+    """Render gauge samples in the Prometheus text exposition format.
+
+    Uses a fresh ``CollectorRegistry`` per call, so nothing leaks between calls
+    or into the process-global default registry.
+    """
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    gauges: dict[str, Gauge] = {}
+    for sample in samples:
+        spec = sample.spec
+        if spec.type != "gauge":
+            raise ValueError(f"{spec.name} is a {spec.type}; only gauges are rendered here")
+        gauge = gauges.get(spec.name)
+        if gauge is None:
+            gauge = Gauge(spec.name, spec.help, labelnames=spec.labels, registry=registry)
+            gauges[spec.name] = gauge
+        target = gauge.labels(**dict(sample.labels)) if spec.labels else gauge
+        target.set(sample.value)
+    return generate_latest(registry).decode()
+
+
+def render_store_metrics(store: Store) -> str:
+    """The store's gauges in Prometheus text format (for ``spoolctl metrics``)."""
+    return render_samples(collect_store_gauges(store, now=time.time()))

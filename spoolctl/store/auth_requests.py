@@ -1,0 +1,169 @@
+"""Authenticate one entry now, directly or through the store's live owner.
+
+``authenticate`` re-reads and verifies an entry's manifest and every object in
+this process and answers ``authenticated``, ``absent`` or ``quarantined`` (a
+failure quarantines the entry, exactly like any verified read).
+
+When a live worker holds the owner lease, an operator must not act behind its
+back: ``submit`` queues the request durably in ``state/auth_requests.sqlite3``,
+the worker's background maintainer answers it with ``process_pending`` (which
+writes a receipt: result, detail, time, pid), and ``wait`` polls for that
+receipt. Requests survive a restart of either side; a receipt is written once.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from .errors import CorruptionError, InvalidIdError, NotFoundError
+from .keys import validate_entry_id
+
+if TYPE_CHECKING:
+    from .store import Store
+
+AUTH_DB = "auth_requests.sqlite3"
+Result = Literal["authenticated", "absent", "quarantined"]
+RESULTS: tuple[str, ...] = ("authenticated", "absent", "quarantined")
+# Receipts older than this are dropped when new requests are processed.
+RECEIPT_TTL = 7 * 86400.0
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS requests(
+    request_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    entry_id TEXT NOT NULL,
+    created REAL NOT NULL,
+    requester_pid INTEGER NOT NULL,
+    result TEXT CHECK (result IS NULL OR result IN ('authenticated', 'absent', 'quarantined')),
+    reason TEXT,
+    detail TEXT,
+    answered REAL,
+    answered_by INTEGER
+);
+CREATE INDEX IF NOT EXISTS requests_pending ON requests(result, request_id);
+"""
+
+
+@dataclass(frozen=True)
+class AuthResult:
+    """The answer for one entry: result, quarantine reason (if any), a detail line."""
+
+    entry_id: str
+    result: Result
+    reason: str | None = None
+    detail: str = ""
+    via: Literal["direct", "owner"] = "direct"
+    request_id: int | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def authenticate(store: Store, entry_id: str) -> AuthResult:
+    """Verify ``entry_id`` now in this process (see module docstring)."""
+    validate_entry_id(entry_id)
+    try:
+        manifest = store.verify(entry_id)
+    except NotFoundError:
+        return AuthResult(entry_id, "absent", detail="no such entry in the store")
+    except CorruptionError as exc:
+        return AuthResult(entry_id, "quarantined", reason=exc.reason.value, detail=exc.message)
+    detail = f"{len(manifest.objects)} objects, {manifest.payload_bytes} bytes verified"
+    return AuthResult(entry_id, "authenticated", detail=detail)
+
+
+class AuthQueue:
+    """The durable request queue of one store (``state/auth_requests.sqlite3``)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None,
+                                   check_same_thread=False)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_DDL)
+        except BaseException:
+            self._db.close()
+            raise
+
+    @classmethod
+    def of(cls, store: Store) -> AuthQueue:
+        return cls(store.layout.state / AUTH_DB)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> AuthQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, entry_id: str) -> int:
+        """Queue a request durably; return its id."""
+        validate_entry_id(entry_id)
+        cur = self._db.execute(
+            "INSERT INTO requests(entry_id, created, requester_pid) VALUES (?, ?, ?)",
+            (entry_id, time.time(), os.getpid()))
+        return int(cur.lastrowid)
+
+    def receipt(self, request_id: int) -> AuthResult | None:
+        row = self._db.execute(
+            "SELECT entry_id, result, reason, detail FROM requests WHERE request_id=? "
+            "AND result IS NOT NULL", (request_id,)).fetchone()
+        if row is None:
+            return None
+        return AuthResult(row[0], row[1], row[2], row[3] or "", via="owner", request_id=request_id)
+
+    def wait(self, request_id: int, timeout: float, *, poll: float = 0.1) -> AuthResult | None:
+        """Poll for the receipt of ``request_id``; None after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.receipt(request_id)
+            if got is not None or time.monotonic() >= deadline:
+                return got
+            time.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
+
+    def pending(self, limit: int = 100) -> list[tuple[int, str]]:
+        return [(int(r[0]), str(r[1])) for r in self._db.execute(
+            "SELECT request_id, entry_id FROM requests WHERE result IS NULL "
+            "ORDER BY request_id LIMIT ?", (limit,))]
+
+    def answer(self, request_id: int, result: AuthResult) -> None:
+        self._db.execute(
+            "UPDATE requests SET result=?, reason=?, detail=?, answered=?, answered_by=? "
+            "WHERE request_id=? AND result IS NULL",
+            (result.result, result.reason, result.detail[:500], time.time(), os.getpid(),
+             request_id))
+
+    def prune(self, now: float | None = None) -> None:
+        cutoff = (now or time.time()) - RECEIPT_TTL
+        self._db.execute("DELETE FROM requests WHERE result IS NOT NULL AND answered < ?",
+                         (cutoff,))
+
+
+def process_pending(store: Store, *, limit: int = 100) -> int:
+    """Answer up to ``limit`` queued requests (the owner's job); return how many.
+
+    A request whose stored id is malformed is answered ``absent`` rather than
+    left to block the queue.
+    """
+    if not (store.layout.state / AUTH_DB).exists():
+        return 0  # nobody ever queued anything: do not create the file
+    with AuthQueue.of(store) as queue:
+        done = 0
+        for request_id, entry_id in queue.pending(limit):
+            try:
+                result = authenticate(store, entry_id)
+            except InvalidIdError:
+                result = AuthResult(entry_id, "absent", detail="malformed entry id")
+            queue.answer(request_id, result)
+            done += 1
+        if done:
+            queue.prune()
+        return done

@@ -1,0 +1,201 @@
+"""Health checks of a store root, its filesystem and its SQLite files (``spoolctl doctor``).
+
+Each check returns a ``Check`` with a status (``ok``, ``warn``, ``fail``), what
+was seen, and what to do about it. Checks never modify store data; they only
+create and remove their own probe files under ``tmp/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sqlite3
+import stat
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from .errors import SpoolError
+from .fsio import DIR_MODE, full_fsync, probe_o_direct, tmp_name
+from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker
+
+Status = Literal["ok", "warn", "fail"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def filesystem_type(path: Path) -> str:
+    """The filesystem type of ``path`` (from /proc/self/mounts on Linux; '' if unknown)."""
+    if not sys.platform.startswith("linux"):
+        return ""
+    best, fstype = "", ""
+    real = os.path.realpath(path)
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mnt = parts[1].replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype = mnt, parts[2]
+    return fstype
+
+
+# Filesystems whose locking or durability semantics the store cannot rely on.
+_NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "fuse.sshfs", "9p", "ceph", "glusterfs"})
+
+
+def run_checks(root: str | os.PathLike[str]) -> list[Check]:
+    """Run every check on ``root``; never raises for a problem it can report."""
+    checks: list[Check] = []
+    try:
+        path = check_root_path(root)
+    except SpoolError as exc:
+        return [Check("root.path", "fail", exc.message, exc.fix or "")]
+    layout = Layout(path)
+    if not path.is_dir():
+        return [Check("root.exists", "fail", f"{path} does not exist",
+                      f"create it with `spoolctl init --root {path}`")]
+    checks.append(Check("root.path", "ok", f"{path} is absolute and not a symlink"))
+    marker = None
+    try:
+        marker = read_marker(layout)
+        checks.append(Check("root.marker", "ok", f"{MARKER} present (store {marker.store_id})"))
+    except SpoolError as exc:
+        checks.append(Check("root.marker", "fail", exc.message, exc.fix or ""))
+        return checks
+    checks.extend(_permission_checks(layout))
+    checks.extend(_filesystem_checks(layout, marker.max_bytes))
+    checks.extend(_sqlite_checks(layout))
+    return checks
+
+
+def _permission_checks(layout: Layout) -> list[Check]:
+    out = []
+    st = os.stat(layout.root)
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if st.st_uid != uid:
+        out.append(Check("root.owner", "warn",
+                         f"root is owned by uid {st.st_uid}, you are uid {uid}",
+                         "run spoolctl as the user that runs the workers"))
+    else:
+        out.append(Check("root.owner", "ok", f"owned by uid {uid}"))
+    loose = []
+    missing = []
+    for name in SUBDIRS:
+        p = layout.root / name
+        try:
+            mode = stat.S_IMODE(os.lstat(p).st_mode)
+        except FileNotFoundError:
+            missing.append(name)
+            continue
+        if mode & 0o077:
+            loose.append(f"{name} ({oct(mode)})")
+    root_mode = stat.S_IMODE(st.st_mode)
+    if root_mode & 0o077:
+        loose.insert(0, f". ({oct(root_mode)})")
+    if missing:
+        out.append(Check("root.layout", "fail", f"missing directories: {', '.join(missing)}",
+                         "open the store once (e.g. `spoolctl status`) to recreate them"))
+    if loose:
+        out.append(Check("root.permissions", "warn",
+                         f"readable by others: {', '.join(loose)}",
+                         f"chmod {oct(DIR_MODE)[2:]} the listed directories (cached prompts "
+                         "are sensitive)"))
+    else:
+        out.append(Check("root.permissions", "ok", "directories are private (0700)"))
+    writable = os.access(layout.root, os.W_OK) and os.access(layout.tmp, os.W_OK)
+    out.append(Check("root.writable", "ok" if writable else "fail",
+                     "root and tmp/ are writable" if writable else "root or tmp/ is not writable",
+                     "" if writable else "fix ownership/permissions or remount read-write"))
+    return out
+
+
+def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
+    out = []
+    fstype = filesystem_type(layout.root)
+    if fstype in _NETWORK_FS:
+        out.append(Check("fs.type", "warn", f"{fstype} (network filesystem)",
+                         "use a local disk: locks and fsync are unreliable on network mounts"))
+    else:
+        out.append(Check("fs.type", "ok", fstype or "unknown"))
+    usage = shutil.disk_usage(layout.root)
+    if max_bytes is None:
+        out.append(Check("fs.free", "warn", f"{usage.free} bytes free; store has no max size",
+                         "set one with `spoolctl init --root PATH --max-size SIZE`"))
+    else:
+        from .catalog import Catalog
+
+        used = 0
+        with contextlib.suppress(sqlite3.DatabaseError, OSError):
+            cat = Catalog(layout.state / "catalog.sqlite3")
+            try:
+                used = cat.totals().bytes
+            finally:
+                cat.close()
+        need = max(max_bytes - used, 0)
+        if usage.free < need:
+            out.append(Check("fs.free", "warn",
+                             f"{usage.free} bytes free but the store may still grow by {need}",
+                             "lower --max-size or free disk space"))
+        else:
+            out.append(Check("fs.free", "ok", f"{usage.free} bytes free, store may grow by {need}"))
+    odirect = probe_o_direct(layout.tmp)
+    out.append(Check("fs.o_direct", "ok",
+                     "supported" if odirect else "not supported: buffered I/O is used"))
+    probe = layout.tmp / f".doctor-{tmp_name()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"spoolctl doctor probe\n")
+            full_fsync(fd)
+        finally:
+            os.close(fd)
+        out.append(Check("fs.fsync", "ok", "write + fsync works"))
+    except OSError as exc:
+        out.append(Check("fs.fsync", "fail", f"write + fsync failed: {os.strerror(exc.errno or 0)}",
+                         "check the disk (dmesg) and free space"))
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return out
+
+
+def _sqlite_checks(layout: Layout) -> list[Check]:
+    out = []
+    for name in ("catalog.sqlite3", "scrub.sqlite3", "auth_requests.sqlite3"):
+        path = layout.state / name
+        if not path.exists():
+            status: Status = "warn" if name == "catalog.sqlite3" else "ok"
+            out.append(Check(f"sqlite.{name}", status, "not created yet",
+                             "open the store once to create it" if status == "warn" else ""))
+            continue
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+            try:
+                result = str(db.execute("PRAGMA quick_check").fetchone()[0])
+                mode = str(db.execute("PRAGMA journal_mode").fetchone()[0])
+            finally:
+                db.close()
+        except sqlite3.DatabaseError as exc:
+            result, mode = f"error: {exc}", "?"
+        if result == "ok":
+            out.append(Check(f"sqlite.{name}", "ok", f"quick_check ok, journal {mode}"))
+        else:
+            fix = ("the store quarantines and rebuilds a corrupt catalog from manifests on the "
+                   "next use" if name == "catalog.sqlite3"
+                   else f"remove {path} (progress/queue only; it is recreated)")
+            out.append(Check(f"sqlite.{name}", "fail", json.dumps(result)[:200], fix))
+    return out
