@@ -6,6 +6,7 @@ with faults.CRASH_EXIT_CODE when SPOOLCTL_CRASH_AT killed it at a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -66,10 +67,8 @@ def main() -> None:
         seconds = float(args[0])
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(BusyError):
                 store.clean_released()
-            except BusyError:
-                pass
             time.sleep(0.05)
     else:
         raise SystemExit(f"unknown command {command}")

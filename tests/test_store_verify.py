@@ -110,7 +110,7 @@ def test_manifest_swapped_onto_another_entry_is_rejected(store: Store) -> None:
 
 def test_catalog_deleted_is_rebuilt_from_manifests(store_root: Path) -> None:
     with Store.open(store_root, create=True) as store:
-        keep, data = _put(store, "keep")
+        _keep, data = _put(store, "keep")
         rel, _ = _put(store, "released")
         store.release(rel.entry_id)
     for suffix in ("", "-wal", "-shm"):
@@ -140,7 +140,7 @@ def test_corrupt_catalog_is_quarantined_and_rebuilt(store_root: Path) -> None:
 
 def test_catalog_corrupted_while_open_is_rebuilt_on_next_use(store_root: Path) -> None:
     store = Store.open(store_root, create=True)
-    m, data = _put(store)
+    _m, data = _put(store)
     catalog = store_root / "state" / "catalog.sqlite3"
     # Drop the table behind the store's back: the next query fails as corruption.
     db = sqlite3.connect(catalog)

@@ -49,7 +49,8 @@ class Element:
 
     @classmethod
     def coerce(cls, value: Element | str | Mapping[str, Any]) -> Element:
-        """Accept an Element, a string, or a chat message dict ``{role, content[, name, cache]}``."""
+        """Accept an Element, a string, or a chat message dict
+        ``{role, content[, name, cache]}``."""
         if isinstance(value, Element):
             return value
         if isinstance(value, str):
@@ -204,7 +205,10 @@ class CacheHandle:
     """A prepared cache. ``ref is None`` is the empty handle: no cache, run cold.
 
     ``cached_tokens`` is how many prompt tokens the cache covers (0 for hosted
-    caches until the server reports it).
+    caches until the server reports it). ``written_tokens`` were prefilled and
+    written by this call, ``reused_tokens`` taken from a base entry; ``source`` says
+    where the cache came from: "none", "memory", "disk", "coalesced", "cold",
+    "incremental" (hosted controllers may use their own words).
     """
 
     ref: str | None = None
@@ -214,6 +218,7 @@ class CacheHandle:
     cached_tokens: int = 0
     written_tokens: int = 0
     reused_tokens: int = 0
+    source: str = "none"
 
     @classmethod
     def empty(cls) -> CacheHandle:

@@ -34,8 +34,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from spoolctl.store import Store
 from spoolctl.store.digest import Hasher
 from spoolctl.store.errors import ConfigError, SpoolError
+
+from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 
 KIND = "mlx"
 #: Name of the one payload object of an entry (the mlx-lm prompt-cache file).
@@ -233,6 +236,13 @@ class MlxBackend:
     def new_cache(self) -> list[Any]:
         return self._cache_mod.make_prompt_cache(self.model)
 
+    def clone(self, cache: Sequence[Any]) -> list[Any]:
+        """An independent copy (cheaper than ``deepcopy``: only the used tokens)."""
+        return self._copy(cache)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(tokens)))
+
     @staticmethod
     def size(cache: Sequence[Any]) -> int:
         """Tokens the cache covers."""
@@ -402,3 +412,31 @@ class MlxBackend:
                 if int(token) in self._eos:
                     break
         return out
+
+
+class MlxCacheController(LocalCacheController):
+    """The prompt-cache controller for mlx-lm: ``LocalCacheController`` over ``MlxBackend``.
+
+    Entries are ``kind="mlx"`` in the same store as every other kind, so
+    ``spoolctl status/scrub/clean`` handle them like any entry. ``model`` is a model
+    directory (loaded here) or an already built ``MlxBackend`` (shared, e.g. by tests
+    or by several controllers of one process). ``root=None`` is a managed temporary
+    store that ``close()`` removes.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | MlxBackend,
+        root: str | os.PathLike[str] | Store | None = None,
+        *,
+        max_bytes: int | None = None,
+        memory_entries: int = DEFAULT_MEMORY_ENTRIES,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        prefill_step: int = PREFILL_STEP,
+    ):
+        backend = model if isinstance(model, MlxBackend) else \
+            MlxBackend(model, prefill_step=prefill_step)
+        if root is not None and not isinstance(root, Store):
+            root = os.fspath(root)
+        super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
+                         lock_timeout=lock_timeout)

@@ -7,6 +7,7 @@ elsewhere; ``O_NOFOLLOW`` guards every open inside the root.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -116,10 +117,8 @@ def write_tmp(
 
 
 def _unlink_quietly(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def open_for_read(path: Path) -> int:

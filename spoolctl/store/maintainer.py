@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING

@@ -194,7 +194,9 @@ def _check_json_value(value: Any, depth: int) -> None:
         raise ValueError(f"unsupported JSON value of type {type(value).__name__}")
 
 
-def decode(data: bytes, *, expected_entry_id: str | None = None, path: str | None = None) -> Manifest:
+def decode(
+    data: bytes, *, expected_entry_id: str | None = None, path: str | None = None
+) -> Manifest:
     """Parse and validate an on-disk manifest; raise ManifestError on any defect."""
 
     def bad(why: str) -> ManifestError:

@@ -507,7 +507,8 @@ class Store:
                                     fix="nothing to do: it is a cache miss") from None
             reason = QuarantineReason.PAYLOAD_MISSING
             bad = [ref.digest] if exc.errno == errno.ELOOP else []
-            self.quarantine_entry(manifest.entry_id, reason, f"object {name} missing", bad_digests=bad)
+            self.quarantine_entry(manifest.entry_id, reason, f"object {name} missing",
+                                  bad_digests=bad)
             raise CorruptionError(f"object {name} of entry {manifest.entry_id} is missing",
                                   reason=reason, path=path, entry_id=manifest.entry_id,
                                   fix="the entry was quarantined; it is a cache miss") from None
@@ -745,7 +746,9 @@ class Store:
             else:
                 self._delete_entries([entry_id], "clean")
 
-    def clean_tmp(self, *, min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False) -> DeleteReport:
+    def clean_tmp(
+        self, *, min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False
+    ) -> DeleteReport:
         """Delete temp files older than ``min_age`` seconds or whose writer is dead."""
         report = DeleteReport(dry_run=dry_run)
         now = time.time()
@@ -755,7 +758,8 @@ class Store:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            dead = m is not None and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1)))
+            writer = int(m.group(1)) if m else None
+            dead = writer is not None and writer != os.getpid() and not _pid_alive(writer)
             if now - st.st_mtime < min_age and not dead:
                 continue
             report.files += 1

@@ -1,0 +1,117 @@
+"""Rendering helpers for people: relative times, sizes, short ids, progress, confirmation.
+
+Pure formatting functions (``rel_time``, ``short_id``, ``expires_in``) are kept
+free of I/O so they can be unit-tested; the rest decides what a terminal gets
+(colours and progress bars only on a TTY; rich honours ``NO_COLOR`` itself).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+from spoolctl.store import ConfigError, format_size
+
+from .common import err_console
+
+
+def size(n: int | float | None) -> str:
+    return "-" if n is None else format_size(n)
+
+
+def rel_time(t: float | None, now: float | None = None) -> str:
+    """``3m ago`` / ``in 2h`` / ``never`` for a Unix time."""
+    if not t:
+        return "never"
+    now = time.time() if now is None else now
+    delta = now - t
+    future = delta < 0
+    delta = abs(delta)
+    for unit, secs in (("d", 86400), ("h", 3600), ("m", 60)):
+        if delta >= secs:
+            text = f"{int(delta // secs)}{unit}"
+            break
+    else:
+        text = f"{int(delta)}s"
+    return f"in {text}" if future else f"{text} ago"
+
+
+def short_id(entry_id: str, n: int = 12) -> str:
+    return entry_id[:n]
+
+
+def expires_in(index: dict, now: float | None = None) -> float | None:
+    """Seconds until a genai entry's server-side cache expires (negative: expired)."""
+    value = index.get("expire_time") if isinstance(index, dict) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return float(value) - (time.time() if now is None else now)
+
+
+def expiry_text(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    if seconds <= 0:
+        return "expired"
+    return rel_time(time.time() + seconds)
+
+
+def stderr_is_tty() -> bool:
+    return err_console.is_terminal
+
+
+def stdin_is_tty() -> bool:
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def require_yes(yes: bool, dry_run: bool, what: str) -> bool:
+    """Enforce the destructive-command rule; return True if the caller must ask first.
+
+    Not interactive and no ``--yes``: a ConfigError (exit 2). Interactive without
+    ``--yes``: the caller shows the dry-run plan and asks.
+    """
+    if yes or dry_run:
+        return False
+    if not stdin_is_tty():
+        raise ConfigError(f"{what} deletes data and stdin is not a terminal",
+                          fix="add --yes to confirm, or --dry-run to see what it would do")
+    return True
+
+
+@contextmanager
+def progress_bar(description: str, total: int, enabled: bool) -> Iterator[Any]:
+    """A rich progress bar on stderr when ``enabled`` and stderr is a terminal, else
+    a silent stand-in with the same ``update(completed=...)`` method (for cron)."""
+    if not enabled or not stderr_is_tty():
+        yield _Silent()
+        return
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+        TextColumn("{task.completed}/{task.total} entries"), TimeRemainingColumn(),
+        console=err_console, transient=True,
+    )
+    with progress:
+        task = progress.add_task(description, total=max(total, 1))
+        yield _Bar(progress, task)
+
+
+class _Silent:
+    def update(self, **_: Any) -> None:
+        return None
+
+
+class _Bar:
+    def __init__(self, progress: Progress, task: Any):
+        self._p = progress
+        self._t = task
+
+    def update(self, **kw: Any) -> None:
+        self._p.update(self._t, **kw)

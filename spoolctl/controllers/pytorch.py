@@ -1,0 +1,296 @@
+"""The PyTorch (transformers) backend of the local controller, and its controller.
+
+This is the only spoolctl module that imports torch / transformers / safetensors
+(lazily, in ``PyTorchBackend.__init__``). KV tensors are stored as one
+safetensors object (``kv``: ``k0, v0, k1, v1, ...``, each ``[1, kv_heads,
+tokens, head_dim]``); nothing is ever pickled or ``torch.load``-ed. Loading checks
+names, count, shapes and dtype against the loaded model before a tensor reaches
+it.
+
+Tested with transformers 5.19 (``cache.layers[i].keys/values``, negative
+``crop``); the 4.x cache (``key_cache``/``value_cache`` lists) is handled by the
+small accessors below but is not exercised by the test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from spoolctl.store.digest import Hasher
+from spoolctl.store.errors import ConfigError
+
+from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+
+KV_OBJECT = "kv"
+DTYPES = ("float32", "float16", "bfloat16")
+PREFILL_CHUNK = 512  # tokens per forward: bounds attention memory on long prompts
+_HASH_BLOCK = 8 << 20
+# Files whose bytes define the model's outputs for given token ids.
+_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tiktoken", ".py")
+
+
+def model_digest(model_dir: Path) -> str:
+    """Digest of every file that defines the model (config, tokenizer, weights).
+
+    Hashing the weights costs about a second per 3 GB once per process; it makes a
+    retrained model at the same path a different namespace, so its caches are never
+    mixed up (pass ``revision=`` to vouch for the files instead).
+    """
+    h = Hasher()
+    files = sorted(p for p in model_dir.rglob("*")
+                   if p.is_file() and p.suffix in _MODEL_FILE_SUFFIXES
+                   and not p.name.startswith("."))
+    if not files:
+        raise ConfigError("no model files found", path=model_dir,
+                          fix="pass a directory written by save_pretrained()")
+    for path in files:
+        rel = path.relative_to(model_dir).as_posix().encode()
+        h.update(len(rel).to_bytes(8, "big") + rel)
+        with open(path, "rb") as f:
+            while block := f.read(_HASH_BLOCK):
+                h.update(block)
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+class PyTorchBackend:
+    """A transformers causal LM loaded with ``from_pretrained`` from a local directory.
+
+    ``dtype``: "float32" | "float16" | "bfloat16" | None (the checkpoint's own).
+    ``device``: a torch device string ("cpu", "cuda", "cuda:1", "mps").
+    ``revision``: a caller-vouched revision string used instead of hashing the files.
+    """
+
+    kind = "pytorch"
+
+    def __init__(self, model: str | os.PathLike[str], *, dtype: str | None = "float32",
+                 device: str = "cpu", revision: str | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
+        path = Path(model).expanduser()
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ConfigError("not a transformers model directory (no config.json)", path=path,
+                              fix="pass a local directory written by save_pretrained()")
+        if dtype is not None and dtype not in DTYPES:
+            raise ConfigError(f"unsupported dtype {dtype!r}", fix=f"use one of: {', '.join(DTYPES)}")
+        if prefill_chunk < 1:
+            raise ConfigError("prefill_chunk must be >= 1", fix="use e.g. 512")
+        try:
+            import safetensors.torch
+            import torch
+            import transformers
+            from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        except ImportError as exc:
+            raise ConfigError(f"the PyTorch backend needs torch and transformers ({exc})",
+                              fix="pip install 'spoolctl[torch]'") from None
+        self._torch = torch
+        self._st = safetensors.torch
+        self._DynamicCache = DynamicCache
+        self._v5 = int(transformers.__version__.split(".")[0]) >= 5
+        self.path = path.resolve()
+        self.prefill_chunk = prefill_chunk
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"bad device {device!r}: {exc}", fix="use e.g. 'cpu' or 'cuda'") \
+                from None
+        dtype_kw: dict[str, Any] = {}
+        if dtype is not None:
+            dtype_kw["dtype" if self._v5 else "torch_dtype"] = getattr(torch, dtype)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **dtype_kw)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load the model: {str(exc)[:300]}", path=self.path,
+                              fix="check the directory holds a causal LM and its tokenizer") \
+                from None
+        self.model.to(self.device).eval()
+        self.dtype = next(self.model.parameters()).dtype
+        self.config = self.model.config.get_text_config(decoder=True) \
+            if hasattr(self.model.config, "get_text_config") else self.model.config
+        self.num_layers = int(self.config.num_hidden_layers)
+        heads = int(self.config.num_attention_heads)
+        self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(self.config, "head_dim", None)
+                            or self.config.hidden_size // heads)
+        self._revision = revision
+        self._identity: dict[str, str] | None = None
+        self._identity_lock = threading.Lock()
+        bos = self.tokenizer.bos_token_id
+        probe = self.tokenizer("a")["input_ids"]
+        self._bos = bos if bos is not None and probe[:1] == [bos] else None
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config \
+            else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self._check_trimmable()
+
+    def _check_trimmable(self) -> None:
+        cache = self.new_cache()
+        layers = getattr(cache, "layers", None)
+        if layers:
+            kinds = {type(layer).__name__ for layer in layers}
+            if kinds != {"DynamicLayer"}:
+                raise ConfigError(
+                    f"model uses cache layers {sorted(kinds)} that cannot be trimmed and stored",
+                    path=self.path,
+                    fix="the PyTorch controller supports full-attention models only")
+
+    # -- identity / tokens ----------------------------------------------------------------
+
+    def identity(self) -> dict[str, str]:
+        with self._identity_lock:
+            if self._identity is None:
+                import transformers
+
+                self._identity = {
+                    "framework": "transformers",
+                    "transformers": transformers.__version__,
+                    "torch": self._torch.__version__.split("+")[0],
+                    "model": str(self.path),
+                    "revision": self._revision or f"blake3:{model_digest(self.path)}",
+                    "dtype": str(self.dtype).removeprefix("torch."),
+                    "device": self.device.type,
+                    "kv_layout": f"hf-dynamic/L{self.num_layers}/H{self.kv_heads}/D{self.head_dim}",
+                }
+            return dict(self._identity)
+
+    def tokenize_segments(self, segments: list[str]) -> list[list[int]]:
+        ids = [list(x) for x in
+               self.tokenizer(list(segments), add_special_tokens=False)["input_ids"]] \
+            if segments else []
+        if ids and self._bos is not None:
+            ids[0] = [self._bos, *ids[0]]
+        return ids
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    # -- cache operations ---------------------------------------------------------------------
+
+    def new_cache(self) -> Any:
+        return self._DynamicCache(config=self.model.config) if self._v5 \
+            else self._DynamicCache()
+
+    def _kv(self, cache: Any) -> list[tuple[Any, Any]]:
+        if hasattr(cache, "layers"):  # transformers 5.x
+            return [(layer.keys, layer.values) for layer in cache.layers]
+        return list(zip(cache.key_cache, cache.value_cache, strict=True))  # 4.x
+
+    def length(self, cache: Any) -> int:
+        return int(cache.get_seq_length())
+
+    def _forward(self, cache: Any, tokens: Sequence[int]) -> Any:
+        """Run ``tokens`` through the model extending ``cache``; the last position's logits."""
+        torch = self._torch
+        logits = None
+        with torch.no_grad():
+            for start in range(0, len(tokens), self.prefill_chunk):
+                chunk = torch.tensor([list(tokens[start:start + self.prefill_chunk])],
+                                     dtype=torch.long, device=self.device)
+                out = self.model(input_ids=chunk, past_key_values=cache, use_cache=True,
+                                 logits_to_keep=1)
+                logits = out.logits[0, -1]
+        return logits
+
+    def prefill(self, cache: Any, tokens: list[int]) -> Any:
+        if tokens:
+            self._forward(cache, tokens)
+        return cache
+
+    def trim(self, cache: Any, keep_tokens: int) -> Any:
+        length = self.length(cache)
+        if not 0 < keep_tokens <= length:
+            raise ValueError(f"cannot trim a {length}-token cache to {keep_tokens} tokens")
+        if keep_tokens < length:
+            # Negative crop = tokens to remove: the one form 5.x and 4.57 agree on.
+            cache.crop(keep_tokens - length)
+        return cache
+
+    def clone(self, cache: Any) -> Any:
+        copy = self.new_cache()
+        for i, (k, v) in enumerate(self._kv(cache)):
+            copy.update(k.clone(), v.clone(), i)
+        return copy
+
+    def _layout(self) -> dict[str, Any]:
+        return {"encoding": "safetensors", "object": KV_OBJECT, "layers": self.num_layers,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "dtype": str(self.dtype).removeprefix("torch."), "batch": 1}
+
+    def serialize(self, cache: Any, token_count: int) -> tuple[dict[str, bytes], dict]:
+        tensors = {}
+        kv = self._kv(cache)
+        if len(kv) != self.num_layers:
+            raise ValueError(f"cache has {len(kv)} layers, the model {self.num_layers}")
+        for i, (k, v) in enumerate(kv):
+            for name, t in ((f"k{i}", k), (f"v{i}", v)):
+                if tuple(t.shape) != (1, self.kv_heads, token_count, self.head_dim):
+                    raise ValueError(f"cache tensor {name} has shape {tuple(t.shape)}")
+                tensors[name] = t.detach().to("cpu").contiguous()
+        return {KV_OBJECT: self._st.save(tensors)}, self._layout()
+
+    def deserialize(self, objects: dict[str, memoryview], layout: dict, token_count: int) -> Any:
+        if layout != self._layout():
+            raise ValueError(f"stored layout {layout} does not match the model {self._layout()}")
+        if set(objects) != {KV_OBJECT}:
+            raise ValueError(f"expected one object {KV_OBJECT!r}, found {sorted(objects)}")
+        tensors = self._st.load(bytes(objects[KV_OBJECT]))
+        names = [f"{kind}{i}" for i in range(self.num_layers) for kind in ("k", "v")]
+        if sorted(tensors) != sorted(names):
+            raise ValueError("stored tensor names do not match the model's layers")
+        shape = (1, self.kv_heads, token_count, self.head_dim)
+        cache = self.new_cache()
+        for i in range(self.num_layers):
+            k, v = tensors[f"k{i}"], tensors[f"v{i}"]
+            for t in (k, v):
+                if tuple(t.shape) != shape or t.dtype != self.dtype:
+                    raise ValueError(f"stored tensor {tuple(t.shape)} {t.dtype} does not match "
+                                     f"{shape} {self.dtype}")
+            cache.update(k.to(self.device), v.to(self.device), i)
+        if self.length(cache) != token_count:
+            raise ValueError("loaded cache length differs from the token count")
+        return cache
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(self, cache: Any | None, cached_tokens: int, prompt_tokens: list[int],
+                 max_new_tokens: int) -> list[int]:
+        """Greedy decoding; ``cache`` is cloned, never modified."""
+        if not 0 <= cached_tokens < len(prompt_tokens):
+            raise ValueError("the cache must leave at least one prompt token to run")
+        if cache is None:
+            work, cached_tokens = self.new_cache(), 0
+        else:
+            if self.length(cache) != cached_tokens:
+                raise ValueError("cache length differs from cached_tokens")
+            work = self.clone(cache)
+        logits = self._forward(work, prompt_tokens[cached_tokens:])
+        out: list[int] = []
+        while True:
+            token = int(self._torch.argmax(logits).item())
+            out.append(token)
+            if token in self.eos_ids or len(out) >= max_new_tokens:
+                return out
+            logits = self._forward(work, [token])
+
+
+class PyTorchCacheController(LocalCacheController):
+    """The prompt-cache controller for transformers models (``kind = "pytorch"``).
+
+    ``model``: a local model directory (or an already built ``PyTorchBackend``);
+    ``root``: store root, open Store, or None for a managed temporary store.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | PyTorchBackend,
+                 root: Any = None, *, dtype: str | None = "float32", device: str = "cpu",
+                 revision: str | None = None, max_bytes: int | None = None,
+                 memory_entries: int = DEFAULT_MEMORY_ENTRIES,
+                 lock_timeout: float = DEFAULT_LOCK_TIMEOUT):
+        backend = model if isinstance(model, PyTorchBackend) else \
+            PyTorchBackend(model, dtype=dtype, device=device, revision=revision)
+        super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
+                         lock_timeout=lock_timeout)
