@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - only where mlx cannot be instal
 import numpy as np
 
 from spoolctl.controllers.mlx import CacheFormatError, MlxBackend, cache_format
-from spoolctl.store.errors import ConfigError, SpoolError
+from spoolctl.store.errors import ConfigError
 
 SEGMENTS = [
     "system: You are a helpful assistant. Answer using the documents below.\n",
@@ -191,7 +191,8 @@ def test_other_cache_format_version_is_rejected(backend: MlxBackend, stored) -> 
     old = {**layout, "format": "mlx-lm-prompt-cache/0.31", "mlx_lm_version": "0.31.1"}
     with pytest.raises(CacheFormatError, match=r"0\.31"):
         backend.deserialize({"kv": data}, old, 16)
-    assert issubclass(CacheFormatError, SpoolError)
+    # The local engine quarantines entries whose backend raises ValueError.
+    assert issubclass(CacheFormatError, ValueError)
 
 
 @pytest.mark.parametrize("change", [

@@ -66,6 +66,8 @@ def test_crash_during_commit(store_root: Path, point: str) -> None:
     code = run_worker(store_root, "put", "victim", "30000", crash_at=point)
     assert code == CRASH_EXIT_CODE, f"worker did not reach checkpoint {point}"
     with Store.open(store_root) as store:
+        # opening removed the dead writer's temp files (named after its pid)
+        assert list(store.layout.tmp.iterdir()) == []
         assert_consistent(store)
         survivor = store.lookup("pytorch", "crash", "survivor")
         assert survivor is not None, "a committed entry was lost"

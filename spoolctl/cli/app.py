@@ -45,7 +45,10 @@ def _root_callback(
         os.environ["SPOOLCTL_DEBUG"] = "1"
         logging.basicConfig(level=logging.DEBUG)
     if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
+        # Bare `spoolctl` shows the status of the default root (help is `--help`).
+        from .store_cmds import status
+
+        status(root=None, json_output=False, check=False)
 
 
 def _register() -> None:
@@ -62,7 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     logging.basicConfig(level=logging.WARNING, format="spoolctl: %(levelname)s: %(message)s")
     try:
-        app(args=argv, standalone_mode=False, prog_name="spoolctl")
+        code = app(args=argv, standalone_mode=False, prog_name="spoolctl")
+        # Without standalone mode click returns (not raises) a command's typer.Exit code.
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except SpoolError as exc:
         if debug:
             raise
@@ -79,8 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # click usage errors and anything unexpected
         import click
 
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
+        usage_errors = (click.exceptions.ClickException, getattr(typer, "TyperException", ()))
+        if isinstance(exc, usage_errors):
+            # One line, like every other error (typer >= 0.2x vendors click, so both bases).
+            ctx = getattr(exc, "ctx", None)
+            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            if exc.format_message().strip():  # empty after a bare group printed its help
+                err_console.print(f"[red]error:[/red] {exc.format_message()}{where}",
+                                  markup=True, highlight=False, soft_wrap=True)
             sys.exit(EXIT_USAGE)
         if isinstance(exc, click.exceptions.Exit):
             sys.exit(exc.exit_code)

@@ -38,8 +38,9 @@ def scrub_cmd(
         "--until-complete", help="Keep going until the current cycle completes.")] = False,
     json_output: JsonOption = False,
 ) -> None:
-    """Deep scrub: re-read and verify every manifest and object at a bounded rate,
-    resuming where the last scrub stopped. Quarantines what fails (exit 1) and, at the
+    """Deep scrub: re-read and verify every manifest and object at a bounded rate.
+
+    Resumes where the last scrub stopped. Quarantines what fails (exit 1) and, at the
     end of a cycle, reclaims proven orphans and abandoned temp files.
 
     Example (cron): [bold]spoolctl scrub --rate 64MiB/s --until-complete[/bold]
@@ -93,7 +94,8 @@ def request_auth_cmd(
         "--timeout", min=0.0, help="Seconds to wait for the receipt.")] = 60.0,
     json_output: JsonOption = False,
 ) -> None:
-    """Authenticate one entry now: authenticated (exit 0), absent or quarantined (exit 1).
+    """Authenticate one entry now: authenticated (0), absent or quarantined (1).
+
     If a live worker owns the store the request is queued for it.
 
     Example: [bold]spoolctl request-auth 3fa9c2d1 --wait --timeout 30[/bold]

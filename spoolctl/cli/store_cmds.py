@@ -129,9 +129,10 @@ def status_doc(store: Store) -> dict[str, Any]:
 
 
 def _status_table(doc: dict[str, Any]) -> None:
-    t = Table(title=f"spoolctl store {doc['root']}", show_header=False, title_justify="left")
-    t.add_column("what", style="bold")
+    t = Table(title="spoolctl status", show_header=False, title_justify="left")
+    t.add_column("what", style="bold", no_wrap=True)
     t.add_column("value")
+    t.add_row("root", doc["root"])
     usage = f" ({doc['usage_pct']:.1f}% of {render.size(doc['max_bytes'])})" \
         if doc["max_bytes"] else " (no max size)"
     t.add_row("entries", f"{doc['entries']}  {render.size(doc['bytes'])}{usage}")
@@ -178,8 +179,11 @@ def status(
         "--check", help="Exit 1 if anything needs attention: quarantined items, "
         "over max size, or findings in the last scrub.")] = False,
 ) -> None:
-    """Show entries and bytes (total and by kind), usage, cleanup backlog, quarantine,
-    temp files, scrub state and the owner.
+    """Show the store's entries, usage, backlog, quarantine, scrub state and owner.
+
+    Entries and bytes in total and by kind, max size and usage, released entries waiting
+    for cleanup, quarantined items, temp files, the last and current scrub cycle, and the
+    owner lease holder.
 
     Example: [bold]spoolctl status --root /var/cache/spoolctl --json[/bold]
     """
@@ -233,7 +237,9 @@ def ls_cmd(
         return
     t = Table(title=f"{len(rows)} entries", title_justify="left")
     for col in ("id", "kind", "namespace", "size", "hint", "created", "last access", "expires"):
-        t.add_column(col, justify="right" if col == "size" else "left", no_wrap=col == "id")
+        t.add_column(col, justify="right" if col == "size" else "left",
+                     no_wrap=col != "namespace", overflow="ellipsis",
+                     min_width=8 if col == "namespace" else None)
     for r in rows:
         exp = render.expires_in(r.index, now) if r.kind == "genai" else None
         t.add_row(render.short_id(r.entry_id), r.kind, r.namespace[:40], render.size(r.size),
@@ -276,7 +282,7 @@ def inspect_cmd(
     root: RootOption = None,
     json_output: JsonOption = False,
 ) -> None:
-    """Show one entry: manifest, objects (sizes, digests), hint, supersedes, last access.
+    """Show one entry: manifest, objects, hint, supersedes, last access.
 
     Example: [bold]spoolctl inspect 3fa9c2d1[/bold]
     """
@@ -360,8 +366,10 @@ def clean_cmd(
         False,
     json_output: JsonOption = False,
 ) -> None:
-    """Delete what is safe to delete: released entries, capacity overflow, abandoned
-    temp files and orphan objects (all four when no selector is given).
+    """Delete what is safe to delete (the cron job).
+
+    Released entries, capacity overflow, abandoned temp files and orphan objects: all
+    four when no selector is given.
 
     Example (cron): [bold]spoolctl clean --yes --json[/bold]
     """
@@ -458,8 +466,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 @app.command("doctor")
 def doctor_cmd(root: RootOption = None, json_output: JsonOption = False) -> None:
-    """Check the root (marker, permissions, owner), the filesystem (type, free space vs
-    max size, O_DIRECT, fsync) and SQLite health; print what to fix. Exit 1 on a failure.
+    """Check the root, the filesystem and SQLite health; print what to fix.
+
+    Root: marker, permissions, owner. Filesystem: type, free space vs max size, O_DIRECT,
+    fsync. Exit 1 when a check fails.
 
     Example: [bold]spoolctl doctor --root /var/cache/spoolctl[/bold]
     """

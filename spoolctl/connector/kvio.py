@@ -67,7 +67,7 @@ class PagedKV:
         self.names = sorted(kv_caches)
         self.tensors = [kv_caches[n] for n in self.names]
         self.layers: list[LayerLayout] = []
-        for name, t in zip(self.names, self.tensors):
+        for name, t in zip(self.names, self.tensors, strict=True):
             self.layers.append(LayerLayout(
                 name=name, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
                 stride=tuple(t.stride()), block_dim=_block_dim(t.shape, num_blocks),
@@ -99,7 +99,8 @@ class PagedKV:
         if len(block_ids) != self.blocks_per_chunk or out.numel() != self.chunk_bytes:
             raise ValueError("capture needs one whole chunk")
         idx = self._index(block_ids)
-        for t, la, dst in zip(self.tensors, self.layers, self._views(out, len(block_ids))):
+        views = self._views(out, len(block_ids))
+        for t, la, dst in zip(self.tensors, self.layers, views, strict=True):
             if t.device.type == "cpu":
                 torch.index_select(t, la.block_dim, idx, out=dst)
             else:
@@ -110,6 +111,7 @@ class PagedKV:
         if len(block_ids) != self.blocks_per_chunk or src.numel() != self.chunk_bytes:
             raise ValueError("restore needs one whole chunk")
         idx = self._index(block_ids[skip:])
-        for t, la, view in zip(self.tensors, self.layers, self._views(src, len(block_ids))):
+        views = self._views(src, len(block_ids))
+        for t, la, view in zip(self.tensors, self.layers, views, strict=True):
             part = view.narrow(la.block_dim, skip, len(block_ids) - skip)
             t.index_copy_(la.block_dim, idx, part.to(t.device, non_blocking=False))

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -84,4 +83,4 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
                 child.observe(v)
 
 
-__all__ = ["Counter", "Histogram", "SpoolPromMetrics", "SpoolStats"]
+__all__ = ["SpoolPromMetrics", "SpoolStats"]

@@ -15,9 +15,9 @@ Contract of the backend (the protocol of ``spoolctl.controllers.local``):
   ``token_count`` used positions of each layer (mlx-lm preallocates 256-token
   steps; the spare tail is never stored). No pickle anywhere.
 * ``deserialize`` accepts only bytes written in this mlx-lm cache format version
-  (``CACHE_FORMAT``) for this model's shape: a format, class, dtype or shape
-  mismatch raises ``CacheFormatError`` (a SpoolError), which the controller
-  treats as a miss (cold path), never a crash.
+  (``cache_format()``) for this model's shape: a format, class, dtype or shape
+  mismatch raises ``CacheFormatError`` (a ValueError), which the controller
+  treats as a miss (cold path, entry quarantined and rebuilt), never a crash.
 * ``generate`` is greedy and feeds mlx-lm only the uncached tokens; when the
   cache covers the whole prompt (mlx-lm rejects an empty prompt) it trims the
   last cached token and re-feeds it, which yields exactly the cold logits.
@@ -36,7 +36,7 @@ from typing import Any
 
 from spoolctl.store import Store
 from spoolctl.store.digest import Hasher
-from spoolctl.store.errors import ConfigError, SpoolError
+from spoolctl.store.errors import ConfigError
 
 from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 
@@ -50,9 +50,16 @@ _MAX_HEADER = 16 << 20
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
-class CacheFormatError(SpoolError):
+class CacheFormatError(ValueError):
     """Stored cache bytes that this mlx-lm cannot use (another cache format version,
-    another model shape, malformed file). Always a cache miss, never a crash."""
+    another model shape, malformed file). Always a cache miss, never a crash.
+
+    A ValueError, not a SpoolError, on purpose: the local engine treats a SpoolError
+    from a backend as transient I/O (keep the entry, retry later) but a ValueError as
+    a defect of the entry (quarantine it, so the key is rebuilt instead of staying a
+    permanent miss). Entries of other mlx-lm versions live in another namespace (the
+    version is part of the identity), so only an inconsistent entry gets here.
+    """
 
 
 def cache_format(mlx_lm_version: str) -> str:

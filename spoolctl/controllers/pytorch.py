@@ -33,6 +33,16 @@ _HASH_BLOCK = 8 << 20
 _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tiktoken", ".py")
 
 
+def quiet_frameworks() -> None:
+    """Silence transformers' progress bars and info logs (for the CLI and the demo)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def model_digest(model_dir: Path) -> str:
     """Digest of every file that defines the model (config, tokenizer, weights).
 
@@ -75,7 +85,8 @@ class PyTorchBackend:
             raise ConfigError("not a transformers model directory (no config.json)", path=path,
                               fix="pass a local directory written by save_pretrained()")
         if dtype is not None and dtype not in DTYPES:
-            raise ConfigError(f"unsupported dtype {dtype!r}", fix=f"use one of: {', '.join(DTYPES)}")
+            raise ConfigError(f"unsupported dtype {dtype!r}",
+                              fix=f"use one of: {', '.join(DTYPES)}")
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk must be >= 1", fix="use e.g. 512")
         try:

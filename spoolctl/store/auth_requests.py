@@ -69,6 +69,11 @@ def authenticate(store: Store, entry_id: str) -> AuthResult:
     try:
         manifest = store.verify(entry_id)
     except NotFoundError:
+        # Already quarantined earlier (by a read or a scrub) is not the same as never there.
+        for item in store.quarantine_items():
+            if item.entry_id == entry_id:
+                return AuthResult(entry_id, "quarantined", reason=item.reason,
+                                  detail=f"in quarantine item {item.item_id}")
         return AuthResult(entry_id, "absent", detail="no such entry in the store")
     except CorruptionError as exc:
         return AuthResult(entry_id, "quarantined", reason=exc.reason.value, detail=exc.message)

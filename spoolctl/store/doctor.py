@@ -21,6 +21,7 @@ from typing import Literal
 from .errors import SpoolError
 from .fsio import DIR_MODE, full_fsync, probe_o_direct, tmp_name
 from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker
+from .sizes import format_size
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -133,7 +134,8 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
         out.append(Check("fs.type", "ok", fstype or "unknown"))
     usage = shutil.disk_usage(layout.root)
     if max_bytes is None:
-        out.append(Check("fs.free", "warn", f"{usage.free} bytes free; store has no max size",
+        out.append(Check("fs.free", "warn",
+                         f"{format_size(usage.free)} free; store has no max size",
                          "set one with `spoolctl init --root PATH --max-size SIZE`"))
     else:
         from .catalog import Catalog
@@ -148,10 +150,12 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
         need = max(max_bytes - used, 0)
         if usage.free < need:
             out.append(Check("fs.free", "warn",
-                             f"{usage.free} bytes free but the store may still grow by {need}",
+                             f"{format_size(usage.free)} free but the store may grow by "
+                             f"{format_size(need)}",
                              "lower --max-size or free disk space"))
         else:
-            out.append(Check("fs.free", "ok", f"{usage.free} bytes free, store may grow by {need}"))
+            out.append(Check("fs.free", "ok", f"{format_size(usage.free)} free, store may grow "
+                             f"by {format_size(need)}"))
     odirect = probe_o_direct(layout.tmp)
     out.append(Check("fs.o_direct", "ok",
                      "supported" if odirect else "not supported: buffered I/O is used"))

@@ -9,10 +9,14 @@ this is a dictionary miss. A test sets ``SPOOLCTL_CRASH_AT=<name>`` (optionally
 
 from __future__ import annotations
 
+import errno
 import os
 
 CRASH_EXIT_CODE = 86
 ENV = "SPOOLCTL_CRASH_AT"
+# ``SPOOLCTL_FAIL_AT=<name>:<ENOSPC|EIO|...>`` raises that OSError at the checkpoint instead,
+# to prove a disk error there leaves the store consistent.
+FAIL_ENV = "SPOOLCTL_FAIL_AT"
 
 CHECKPOINTS: tuple[str, ...] = (
     "object.tmp_written",
@@ -36,10 +40,17 @@ CHECKPOINTS: tuple[str, ...] = (
 
 _target: str | None = None
 _countdown = 0
+_fail: tuple[str, int] | None = None
 
 
 def _load() -> None:
-    global _target, _countdown
+    global _target, _countdown, _fail
+    fail = os.environ.get(FAIL_ENV)
+    if fail:
+        point, _, code = fail.partition(":")
+        _fail = (point, int(getattr(errno, code or "EIO")))
+    else:
+        _fail = None
     spec = os.environ.get(ENV)
     if not spec:
         _target = None
@@ -55,6 +66,8 @@ _load()
 def checkpoint(name: str) -> None:
     """Mark a durability step; die here if a test asked for it."""
     global _countdown
+    if _fail is not None and name == _fail[0]:
+        raise OSError(_fail[1], os.strerror(_fail[1]))
     if _target is None or name != _target:
         return
     _countdown -= 1

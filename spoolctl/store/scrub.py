@@ -49,6 +49,9 @@ CHUNK = 1 << 20
 # Temp files are only reclaimed this old (or when their writer is dead), whatever the
 # cycle length: a live writer may take long to write a large object.
 MIN_TMP_AGE = 3600.0
+# Orphans must also be at least this old: filesystem timestamps are coarse (jiffies), so
+# "older than the cycle start" alone could catch an object written just after it.
+MIN_ORPHAN_AGE = 60.0
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS cycles(
@@ -165,9 +168,9 @@ class ScrubState:
 
     def _cycle(self, where: str) -> Cycle | None:
         row = self._db.execute(
-            f"SELECT cycle_id, started, finished, total_at_start, cursor, inflight, checked, bytes, "
-            f"quarantined, absent, orphan_objects, orphan_bytes, tmp_files, tmp_bytes, updated "
-            f"FROM cycles WHERE {where} ORDER BY cycle_id DESC LIMIT 1").fetchone()
+            "SELECT cycle_id, started, finished, total_at_start, cursor, inflight, checked, "
+            "bytes, quarantined, absent, orphan_objects, orphan_bytes, tmp_files, tmp_bytes, "
+            f"updated FROM cycles WHERE {where} ORDER BY cycle_id DESC LIMIT 1").fetchone()
         return Cycle(*row) if row else None
 
     def current(self) -> Cycle | None:
@@ -246,8 +249,10 @@ class RateLimiter:
         self.rate = rate
         self._clock = clock
         self._sleep = sleep
-        self._burst = burst
-        self._allowance = float(burst)
+        # At most one second's worth (or one chunk) may go unpaced; a new limiter starts
+        # empty so even a short run stays under the rate.
+        self._burst = min(burst, rate) if rate else burst
+        self._allowance = 0.0
         self._last = clock()
 
     def consume(self, n: int) -> None:
@@ -446,8 +451,11 @@ class Scrubber:
         store = self.store
         age = max(time.time() - cycle.started, 0.0)
         try:
-            orphans = store.collect_orphans(min_age=age)
-            report.orphans = orphans.to_json()
+            orphans = store.collect_orphans(min_age=max(age, MIN_ORPHAN_AGE))
+            report.orphans = {
+                "objects": orphans.orphan_objects.objects, "bytes": orphans.orphan_objects.bytes,
+                "young": orphans.young_orphans, "indexed": orphans.indexed,
+                "dropped_rows": orphans.dropped_rows, "quarantined": orphans.quarantined}
             tmp = store.clean_tmp(min_age=max(age, MIN_TMP_AGE))
             report.tmp = tmp.to_json()
         except BusyError:

@@ -240,6 +240,10 @@ class Store:
         if "locked" in text or "busy" in text:
             return BusyError("catalog is locked by another process", path=self._catalog_path,
                              fix="retry; if it persists check `spoolctl status` for the owner")
+        if "full" in text:
+            return StoreIOError("catalog write failed: No space left on device",
+                                path=self._catalog_path,
+                                fix="free disk space or lower the store's max size")
         return StoreIOError(f"catalog I/O failed: {exc}", path=self._catalog_path,
                             fix="check free space and the disk (`spoolctl doctor`)")
 
@@ -339,6 +343,12 @@ class Store:
             existing = self._existing_for_put(entry_id, supersedes)
             if existing is not None:
                 return existing
+            known = [len(memoryview(p).cast("B")) for p in objects.values()
+                     if isinstance(p, (bytes, bytearray, memoryview))]
+            if self.max_bytes is not None and sum(known) > self.max_bytes * LOW_WATERMARK:
+                raise CapacityError(
+                    f"entry of {sum(known)} bytes does not fit the store (max {self.max_bytes})",
+                    path=self.root, fix="raise the store's max size (`spoolctl init --max-size`)")
             refs = tuple(self._publish_object(name, payload) for name, payload in objects.items())
             size = sum(r.size for r in refs)
             if self.max_bytes is not None and size > self.max_bytes * LOW_WATERMARK:
@@ -351,21 +361,33 @@ class Store:
             )
             data = encode(manifest)
             self.catalog.record_intent(manifest, len(data), time.time())
-            self.checkpoint("catalog.intent")
             final = self.layout.manifest_path(entry_id)
-            tmp, _, _ = write_tmp(self.layout.tmp, [data])
-            self.checkpoint("manifest.tmp_written")
+            published = False
             try:
-                os.replace(tmp, final)
-                self.checkpoint("manifest.published")
-                fsync_dir(final.parent)
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise io_error(exc, "publishing the manifest", final) from exc
-            self.checkpoint("manifest.dir_fsynced")
-            self.catalog.mark_committed(entry_id, supersedes)
-            self.checkpoint("catalog.committed")
+                self.checkpoint("catalog.intent")
+                tmp, _, _ = write_tmp(self.layout.tmp, [data])
+                try:
+                    self.checkpoint("manifest.tmp_written")
+                    os.replace(tmp, final)
+                    published = True
+                    self.checkpoint("manifest.published")
+                    fsync_dir(final.parent)
+                    self.checkpoint("manifest.dir_fsynced")
+                except OSError as exc:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise io_error(exc, "publishing the manifest", final) from exc
+                self.catalog.mark_committed(entry_id, supersedes)
+                self.checkpoint("catalog.committed")
+            except (OSError, SpoolError, sqlite3.DatabaseError) as exc:
+                if not published:
+                    # Roll back the intent so the row does not pin the objects; they become
+                    # orphans, reclaimed by age. Best effort: recovery does the same.
+                    with contextlib.suppress(sqlite3.DatabaseError):
+                        self.catalog.delete_entries([entry_id])
+                if isinstance(exc, OSError):
+                    raise io_error(exc, "committing an entry", final) from exc
+                raise
             return manifest
 
     def _existing_for_put(self, entry_id: str, supersedes: str | None) -> Manifest | None:
@@ -394,9 +416,9 @@ class Store:
     def _publish_object(self, name: str, payload: Payload) -> ObjectRef:
         chunks = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
         tmp, digest, size = write_tmp(self.layout.tmp, chunks, checkpoint=self.checkpoint)
-        self.checkpoint("object.fsynced")
         final = self.layout.object_path(digest)
         try:
+            self.checkpoint("object.fsynced")
             if os.path.lexists(final):
                 if self._existing_object_ok(final, digest, size):
                     os.unlink(tmp)
@@ -407,11 +429,11 @@ class Store:
             os.replace(tmp, final)
             self.checkpoint("object.published")
             fsync_dir(final.parent)
+            self.checkpoint("object.dir_fsynced")
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise io_error(exc, "publishing an object", final) from exc
-        self.checkpoint("object.dir_fsynced")
         return ObjectRef(name=name, digest=digest, size=size)
 
     @staticmethod

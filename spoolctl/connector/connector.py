@@ -1,0 +1,464 @@
+"""``SpoolConnector``: vLLM v1 KV connector that persists prompt-prefix KV in the spool store.
+
+Scheduler role: computes each request's chunk chain, looks the chain up in the
+catalogs of every rank's store and plans restores (into the blocks vLLM
+allocated for the hit) and stores (of complete chunks once computed).
+Worker role: restores synchronously before the forward (read + verify in one
+pass, then copy whole blocks into every layer) and captures stored chunks after
+the forward into bounded staging memory, committed by a background thread.
+
+Failure model: anything wrong with a stored chunk (corrupt, short, missing,
+deleted, layout mismatch) quarantines it where applicable and reports its blocks
+through ``get_block_ids_with_load_errors`` so vLLM recomputes them (run with
+``kv_load_failure_policy="recompute"``). Anything wrong while storing skips the
+chunk and is counted. Requests that cannot be keyed safely (bypass flag, LoRA,
+prompt embeddings, multimodal items without identity) are neither restored nor
+stored. No prompt text, token ids, salts or keys are logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from spoolctl import metrics as m
+from spoolctl.store import Store
+from spoolctl.store.errors import (
+    CorruptionError,
+    NotFoundError,
+    QuarantineReason,
+    SpoolError,
+)
+from spoolctl.store.keys import entry_id_for
+
+from .chain import MMSpan, chain_root, chunk_keys
+from .contract import check_contract
+from .identity import DeploymentIdentity, identity_from_vllm
+from .plan import ChunkLoad, ChunkStore, Planner
+from .settings import ConnectorSettings, parse_settings
+from .stats import ConnectorCounters
+
+if TYPE_CHECKING:
+    from .kvio import PagedKV
+    from .writer import StoreWriter
+
+log = logging.getLogger("spoolctl.connector")
+
+KIND = "vllm"
+OBJECT = "kv"
+FLUSH_ON_SHUTDOWN_S = 30.0
+
+
+@dataclass
+class SpoolConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, sent from the scheduler to every worker."""
+
+    loads: list[ChunkLoad] = field(default_factory=list)
+    stores: list[ChunkStore] = field(default_factory=list)
+
+
+class _Bypass(Exception):
+    """A request that must not use the cache; ``args[0]`` is a metrics reason."""
+
+
+def _engine_tag() -> str:
+    # A block's byte layout is the attention kernel's business and may change between
+    # vLLM minor releases and platforms; binding it here keeps old KV from being misread.
+    major_minor = ".".join(str(vllm.__version__).split(".")[:2])
+    try:
+        from vllm.platforms import current_platform
+
+        device = str(current_platform.device_type)
+    except Exception:  # platform detection is best effort; the version still binds the layout
+        device = "unknown"
+    return f"vllm-{major_minor}/{device}"
+
+
+def _parallel_ranks() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except Exception:  # not initialised (single process without a group): rank 0
+        return 0, 0
+
+
+class SpoolConnector(KVConnectorBase_V1):
+    """See the module docstring. Constructed by vLLM once per role."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        check_contract(KVConnectorBase_V1, str(vllm.__version__))
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tcfg = vllm_config.kv_transfer_config
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._settings: ConnectorSettings = parse_settings(
+            tcfg.kv_connector_extra_config, block_size=self._block_size)
+        self._counters = ConnectorCounters()
+        self._chunk = self._settings.chunk_tokens
+        self._enabled = True
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) != 1:
+            # vLLM's recompute path for failed loads supports one KV cache group only.
+            log.warning("spoolctl: %d KV cache groups (hybrid model); cache disabled",
+                        len(groups))
+            self._enabled = False
+        if getattr(tcfg, "kv_load_failure_policy", "fail") != "recompute":
+            log.warning("spoolctl: kv_load_failure_policy is not 'recompute': a corrupt or "
+                        "missing cache entry will fail its request instead of being recomputed")
+        tp_rank, pp_rank = (0, 0) if role == KVConnectorRole.SCHEDULER else _parallel_ranks()
+        self._identity: DeploymentIdentity = identity_from_vllm(
+            vllm_config, kv_cache_config, chunk_tokens=self._chunk, engine=_engine_tag(),
+            tp_rank=tp_rank, pp_rank=pp_rank)
+        # Chain keys are rank-independent (the plan is shared by all ranks); entry ids
+        # are per rank (each rank's namespace).
+        self._chain_ns = self._identity.for_rank(tp_rank=0, pp_rank=0).namespace
+        self._stores: list[tuple[Store, str]] = []
+        self._load_errors: set[int] = set()
+        self._kv: PagedKV | None = None
+        self._writer: StoreWriter | None = None
+        self._maintainer: Any = None
+        self._restore_buf: torch.Tensor | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._planner = Planner(chunk_tokens=self._chunk, block_size=self._block_size)
+            ident = self._identity
+            for pp in range(ident.pp_size):
+                for tp in range(ident.tp_size):
+                    self._stores.append((
+                        self._open_store(tp_rank=tp, pp_rank=pp),
+                        ident.for_rank(tp_rank=tp, pp_rank=pp).namespace))
+        else:
+            self._stores.append((self._open_store(tp_rank=tp_rank, pp_rank=pp_rank),
+                                 self._identity.namespace))
+        log.info("spoolctl connector (%s) ready: chunk %d tokens, namespace %s",
+                 role.name.lower(), self._chunk, self._identity.namespace)
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    _opened: dict[str, Store] = {}
+
+    def _open_store(self, *, tp_rank: int, pp_rank: int) -> Store:
+        root = self._settings.root_for(tp_rank=tp_rank, pp_rank=pp_rank,
+                                       tp_size=self._identity.tp_size)
+        # Several ranks may share one root (namespaces keep them apart): open it once.
+        store = self._opened.get(root)
+        if store is None:
+            store = Store.open(root, create=True, max_bytes=self._settings.max_bytes)
+            self._opened[root] = store
+        return store
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # The earliest hook vLLM calls (before any model memory is allocated).
+        check_contract(KVConnectorBase_V1, str(vllm.__version__))
+        return None
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def _bypass_reason(self, request: Any) -> str | None:
+        if not self._enabled:
+            return "disabled"
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if isinstance(params, dict) and params.get("spoolctl_bypass"):
+            return "requested"
+        if getattr(request, "lora_request", None) is not None:
+            return "lora"
+        if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
+            return "prompt_embeds"
+        return None
+
+    @staticmethod
+    def _mm_spans(request: Any) -> list[MMSpan]:
+        spans = []
+        for feature in getattr(request, "mm_features", None) or ():
+            ident = getattr(feature, "identifier", None)
+            pos = getattr(feature, "mm_position", None)
+            if not ident or pos is None:
+                raise _Bypass("multimodal")
+            try:
+                spans.append(MMSpan(str(ident), int(pos.offset), int(pos.length)))
+            except (TypeError, ValueError):
+                raise _Bypass("multimodal") from None
+        return spans
+
+    def _chain(self, request: Any) -> list[str]:
+        root = chain_root(self._chain_ns, getattr(request, "cache_salt", None))
+        return chunk_keys(root, request.prompt_token_ids, self._chunk, self._mm_spans(request))
+
+    def _present(self, keys: list[str]) -> list[bool]:
+        """Which chunks every rank's store holds (committed, retained)."""
+        present = [True] * len(keys)
+        for store, ns in self._stores:
+            ids = [entry_id_for(KIND, ns, k) for k in keys]
+            live = store.live(ids)
+            present = [p and (i in live) for p, i in zip(present, ids, strict=True)]
+        return present
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        self._planner.finished(req_id)  # a re-query (e.g. after preemption) starts afresh
+        reason = self._bypass_reason(request)
+        try:
+            if reason is not None:
+                raise _Bypass(reason)
+            keys = self._chain(request)
+            present = self._present(keys)
+        except _Bypass as bypass:
+            self._counters.inc(m.LOOKUPS, result="bypass", reason=bypass.args[0])
+            return 0, False
+        except SpoolError as exc:
+            log.warning("spoolctl: lookup failed, serving without cache: %s", exc.message)
+            self._counters.inc(m.LOOKUPS, result="error", reason="none")
+            return 0, False
+        n_prompt = len(request.prompt_token_ids)
+        ext = self._planner.lookup(req_id, keys, present, n_prompt, num_computed_tokens)
+        self._counters.inc(m.LOOKUP_TOKENS, n_prompt)
+        if ext > 0:
+            usable = (n_prompt - 1) // self._chunk
+            full = sum(present[:usable]) == usable
+            self._counters.inc(m.LOOKUPS, result="hit", reason="none" if full else "partial")
+            self._counters.inc(m.HIT_TOKENS, ext)
+            hit_chunks = (num_computed_tokens + ext) // self._chunk
+            for store, ns in self._stores:
+                store.touch(entry_id_for(KIND, ns, k) for k in keys[:hit_chunks])
+        else:
+            self._counters.inc(m.LOOKUPS, result="miss", reason="absent")
+        return ext, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        self._planner.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = SpoolConnectorMetadata()
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            loads, stores = self._planner.scheduled(
+                new.req_id, new.block_ids[0] if new.block_ids else None, replace=True,
+                computed_after=new.num_computed_tokens + sched.get(new.req_id, 0))
+            meta.loads += loads
+            meta.stores += stores
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            loads, stores = self._planner.scheduled(
+                req_id, new_blocks[0] if new_blocks else None,
+                replace=req_id in cached.resumed_req_ids,
+                computed_after=cached.num_computed_tokens[i] + sched.get(req_id, 0))
+            meta.loads += loads
+            meta.stores += stores
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        # Stores are captured synchronously after the forward, so the blocks are free to go.
+        self._planner.finished(request.request_id)
+        return False, None
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from .kvio import PagedKV
+        from .writer import StoreWriter
+
+        self._kv = PagedKV(kv_caches, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
+                           blocks_per_chunk=self._chunk // self._block_size)
+        self._restore_buf = torch.empty(self._kv.chunk_bytes, dtype=torch.uint8)
+        store, ns = self._stores[0]
+        kv = self._kv
+        summary = self._identity.summary()
+
+        def put(key: str, payload: Any, meta: Any) -> None:
+            store.put(kind=KIND, namespace=ns, key=key, objects={OBJECT: payload}, meta=meta)
+
+        self._writer = StoreWriter(put, staging_bytes=self._settings.staging_bytes,
+                                   counters=self._counters)
+        self._meta_base = {"layout": kv.layout_digest, "chunk_tokens": self._chunk,
+                           "chunk_bytes": kv.chunk_bytes, "deployment": summary,
+                           "kv_layout": kv.layout_json}
+        self._start_maintainer(store)
+
+    def _start_maintainer(self, store: Store) -> None:
+        if self._settings.scrub_rate <= 0:
+            return
+        try:
+            from spoolctl.store.maintainer import BackgroundMaintainer
+        except ImportError:
+            return
+        try:
+            self._maintainer = BackgroundMaintainer(
+                store, scrub_rate_bytes=self._settings.scrub_rate,
+                interval_s=self._settings.maintenance_interval, role="vllm-worker")
+            self._maintainer.start()
+        except Exception as exc:  # maintenance is an optimisation; never block serving
+            log.warning("spoolctl: background maintenance not started: %s", exc)
+            self._maintainer = None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SpoolConnectorMetadata) or not meta.loads or self._kv is None:
+            return
+        by_req: dict[str, list[ChunkLoad]] = {}
+        for load in meta.loads:
+            by_req.setdefault(load.req_id, []).append(load)
+        for loads in by_req.values():
+            self._restore_request(sorted(loads, key=lambda ld: ld.index))
+
+    def _restore_request(self, loads: list[ChunkLoad]) -> None:
+        assert self._kv is not None and self._restore_buf is not None
+        store, ns = self._stores[0]
+        started = time.perf_counter()
+        restored = 0
+        for pos, load in enumerate(loads):
+            reason = self._restore_chunk(store, ns, load)
+            if reason is not None:
+                # This chunk and every later one are recomputed by vLLM (it truncates the
+                # request at the first failed block); report them all, load nothing more.
+                self._counters.inc(m.LOAD_ERRORS, reason=reason)
+                for rest in loads[pos:]:
+                    self._load_errors.update(rest.target_blocks)
+                break
+            restored += self._kv.chunk_bytes
+        if restored:
+            self._counters.inc(m.RESTORE_BYTES, restored)
+            self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - started)
+
+    def _restore_chunk(self, store: Store, ns: str, load: ChunkLoad) -> str | None:
+        """Restore one chunk; return None on success or a metrics reason on failure."""
+        assert self._kv is not None and self._restore_buf is not None
+        entry_id = entry_id_for(KIND, ns, load.key)
+        try:
+            manifest = store.manifest(entry_id)
+            ref = manifest.object(OBJECT)
+            if manifest.meta.get("layout") != self._kv.layout_digest or \
+                    ref.size != self._kv.chunk_bytes:
+                store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
+                                       "KV layout does not match this deployment")
+                self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
+                return "manifest_validation"
+            store.read(manifest, OBJECT, into=memoryview(self._restore_buf.numpy()))
+            self._kv.restore(self._restore_buf, load.block_ids, load.skip)
+            return None
+        except CorruptionError as exc:
+            self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
+            log.warning("spoolctl: cached chunk failed verification (%s); quarantined, "
+                        "recomputing", exc.reason.value)
+            return exc.reason.value
+        except (NotFoundError, KeyError):
+            return "absent"
+        except SpoolError as exc:
+            log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
+            return "io_error"
+        except Exception:  # never let a cache problem take the worker down
+            log.exception("spoolctl: unexpected restore error, recomputing")
+            return "unknown"
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # restores complete in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # whole chunks are captured in wait_for_save, after every layer ran
+
+    def wait_for_save(self):
+        if not self.has_connector_metadata() or self._kv is None or self._writer is None:
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SpoolConnectorMetadata):
+            return
+        from .writer import PendingStore
+
+        for op in meta.stores:
+            nbytes = self._kv.chunk_bytes
+            if not self._writer.reserve(op.key, nbytes):
+                continue
+            try:
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+                self._kv.capture(op.block_ids, buf)
+            except Exception:
+                self._writer.cancel(op.key, nbytes)
+                log.exception("spoolctl: could not capture a chunk; not stored")
+                self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+                continue
+            meta_doc = dict(self._meta_base, chunk_index=op.index)
+            self._writer.submit(PendingStore(op.key, memoryview(buf.numpy()), nbytes, meta_doc))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    # -- stats, metrics, lifecycle ------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> Any:
+        data = self._counters.take()
+        if not data:
+            return None
+        from .promstats import SpoolStats
+
+        return SpoolStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from .promstats import SpoolStats
+
+        return SpoolStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from .promstats import SpoolPromMetrics
+
+        return SpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @property
+    def counters(self) -> ConnectorCounters:
+        """Cumulative counters of this connector instance (for tests and diagnostics)."""
+        return self._counters
+
+    @property
+    def namespace(self) -> str:
+        return self._identity.namespace
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued stores to be committed (worker role); False on timeout."""
+        return self._writer.flush(timeout) if self._writer is not None else True
+
+    def reset_cache(self) -> bool | None:
+        # The store is persistent and shared with the CLI; a reset of vLLM's prefix cache
+        # must not delete it. Clearing the store is `spoolctl clean`'s job.
+        return False
+
+    def shutdown(self):
+        if self._writer is not None:
+            if not self._writer.close(FLUSH_ON_SHUTDOWN_S):
+                log.warning("spoolctl: shutdown before all stores were committed; "
+                            "the rest are skipped")
+            self._writer = None
+        if self._maintainer is not None:
+            with contextlib.suppress(Exception):
+                self._maintainer.stop()
+            self._maintainer = None
+
+    def _close_stores(self, stores: Iterable[Store]) -> None:
+        for store in stores:
+            with contextlib.suppress(Exception):
+                store.close()

@@ -1,0 +1,802 @@
+"""``GoogleGenAICacheController``: Gemini API / Vertex AI context caching on the spool store.
+
+Contract (same as the local controllers, see ``contract.py``):
+
+* ``prepare(params)`` / ``aprepare(params)``: key = ``params.key()`` (model, system
+  instruction, cacheable contents, tools...). A live, unexpired cache is reused from
+  memory, else from the store (confirmed with one ``caches.get``); otherwise one
+  ``caches.create`` is made, recorded in the store (``kind="genai"``) and returned.
+  Concurrent identical prepares -- threads and asyncio tasks alike -- share one
+  create. ``read_only`` never creates. Expired records are swept first. A cache
+  with less than ``min_remaining`` seconds left is extended with one PATCH.
+* ``release(ref)``: the server resource is deleted at once (it is billed per hour).
+  The entry is marked released; if the delete fails it stays released with
+  ``remote_pending`` so ``clean_remote`` (``spoolctl clean --genai``) retries it.
+  A failure is logged as one line, never raised: release is a hint.
+* ``close()``: waits for in-flight prepares, deletes every cache this controller
+  created, and removes the local records whose server delete succeeded.
+* ``generate(...)`` / ``agenerate(...)``: ``generate_content`` with
+  ``cached_content=handle.ref``, leaving out what ``handle.includes`` says the
+  cache holds, with ``Usage.cache_read_tokens`` from ``cached_content_token_count``.
+
+Server errors become one-line SpoolErrors (``genai_records.remote_error``). The
+logic is written once, as generators that yield the I/O they need (``_Remote``
+calls, ``_Local`` store calls); ``_drive_sync`` and ``_drive_async`` run them on
+``client.caches`` / ``client.aio.caches``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from google import genai
+from google.genai import errors as genai_errors
+
+from spoolctl.store import ConfigError, NotFoundError, SpoolError, Store, entry_id_for
+
+from .contract import CacheHandle, CachePrepareParams, Element, Includes, Usage
+from .genai_records import (
+    DEFAULT_TTL,
+    KIND,
+    GenaiRecord,
+    GenaiTarget,
+    cache_request,
+    generate_request,
+    parse_ttl,
+    remote_error,
+    store_key,
+    to_unix,
+    validate_name,
+)
+
+log = logging.getLogger("spoolctl.genai")
+
+_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (genai_errors.APIError, OSError)
+try:  # the SDK's transports; their errors are "service unavailable", not bugs
+    import httpx
+
+    _TRANSPORT_ERRORS += (httpx.HTTPError,)
+except ImportError:  # pragma: no cover
+    pass
+try:
+    import aiohttp
+
+    _TRANSPORT_ERRORS += (aiohttp.ClientError,)
+except ImportError:  # pragma: no cover
+    pass
+
+
+def target_of(client: genai.Client) -> GenaiTarget:
+    """The API shape a client talks to (Gemini API or a Vertex AI project/location)."""
+    api = client._api_client  # the SDK exposes these facts only on its api client
+    base = api._http_options.base_url or None
+    if base is not None and (urlsplit(base).hostname or "").endswith("googleapis.com"):
+        base = None  # Google's own endpoint: derived again from api/project/location
+    version = api._http_options.api_version
+    if api.vertexai:
+        return GenaiTarget("vertex", project=api.project, location=api.location,
+                           base_url=base, api_version=version)
+    return GenaiTarget("gemini", base_url=base, api_version=version)
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """One ``caches`` call: ``op`` in create/get/update/delete."""
+
+    op: str
+    kwargs: Mapping[str, Any]
+    action: str
+    where: str
+
+
+@dataclass(frozen=True)
+class _Local:
+    """One store call (run in a worker thread under asyncio)."""
+
+    fn: Callable[[], Any]
+
+
+_Step = Generator[_Remote | _Local, Any, Any]
+
+
+@dataclass
+class GenaiStats:
+    """Counters since the controller was made."""
+
+    queries: int = 0
+    memory_hits: int = 0
+    disk_hits: int = 0
+    creates: int = 0
+    coalesced: int = 0
+    extends: int = 0
+    deletes: int = 0
+    delete_failures: int = 0
+    expired: int = 0
+    cache_read_tokens: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What ``generate`` returns: the text, the usage, the handle used (empty when the
+    request ran cold) and the SDK response."""
+
+    text: str
+    usage: Usage
+    handle: CacheHandle
+    response: Any = field(repr=False, default=None)
+
+
+Query = str | Element | Sequence[Element | str] | None
+
+
+class GoogleGenAICacheController:
+    """Context caches on the Gemini API or Vertex AI, recorded in a spool store.
+
+    ``client`` is a ``google.genai.Client`` (``vertexai=True`` for Vertex AI, where
+    resource names stay ``projects/P/locations/L/cachedContents/ID``). ``store`` is an
+    open ``Store`` (left open at close) or a root path (opened with ``create=True``
+    and closed at close). ``ttl`` is ``"<seconds>s"``. ``clock`` returns unix seconds
+    (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        client: genai.Client,
+        store: Store | str | os.PathLike[str],
+        *,
+        ttl: str = DEFAULT_TTL,
+        display_name: str = "spoolctl",
+        min_remaining: float = 60.0,
+        verify_store_hits: bool = True,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.ttl = ttl
+        self.ttl_seconds = parse_ttl(ttl)
+        if not 0 <= min_remaining < self.ttl_seconds:
+            raise ConfigError(f"min_remaining {min_remaining} must be >= 0 and below the TTL "
+                              f"({ttl})", fix="lower min_remaining or raise the TTL")
+        if not isinstance(display_name, str) or len(display_name) > 96:
+            raise ConfigError("display_name must be a string of at most 96 characters",
+                              fix="shorten it (the server appends nothing)")
+        self._client = client
+        self.target = target_of(client)
+        self.namespace = self.target.namespace()
+        self.display_name = display_name
+        self.min_remaining = float(min_remaining)
+        self.verify_store_hits = verify_store_hits
+        self.clock = clock
+        self._owns_store = not isinstance(store, Store)
+        self.store = Store.open(os.fspath(store), create=True) if self._owns_store else store
+        self._stats = GenaiStats()
+        self._params: dict[str, CachePrepareParams] = {}  # ref -> params, for generate()
+        self._lock = threading.Condition()
+        self._memory: dict[str, GenaiRecord] = {}  # controller key -> live record
+        self._created: dict[str, str] = {}  # name -> entry id, created here, not yet deleted
+        self._released_ok: list[str] = []  # entry ids deleted on the server by this controller
+        self._inflight: dict[tuple[str, bool], Future[CacheHandle]] = {}
+        self._closing = False
+        self._closed = False
+
+    # -- context management ----------------------------------------------------------------
+
+    def __enter__(self) -> GoogleGenAICacheController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> GoogleGenAICacheController:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def record_query(self) -> None:
+        """Count one query served (statistics only)."""
+        with self._lock:
+            self._stats.queries += 1
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self._stats.to_json()
+
+    # -- prepare -----------------------------------------------------------------------------
+
+    def prepare(self, params: CachePrepareParams) -> CacheHandle:
+        """The handle of a live cache for ``params`` (created if needed, unless read_only).
+
+        Returns the empty handle when nothing can be cached (see ``cache_request``).
+        Raises a SpoolError (one line) when the server refuses or fails the create.
+        """
+        request = cache_request(params)
+        if request is None:
+            return CacheHandle.empty()
+        ckey = params.key()
+        joined = self._join(ckey, params.read_only)
+        if isinstance(joined, CacheHandle):
+            return self._remember(params, joined)
+        fut, owner = joined
+        if not owner:
+            return self._remember(params, dataclasses.replace(fut.result(), source="coalesced"))
+        handle = self._complete(
+            ckey, params.read_only, fut,
+            lambda: self._drive_sync(self._prepare_steps(params, ckey, request)))
+        return self._remember(params, handle)
+
+    async def aprepare(self, params: CachePrepareParams) -> CacheHandle:
+        """``prepare`` for asyncio (``client.aio``); coalesces with threads and tasks alike."""
+        request = cache_request(params)
+        if request is None:
+            return CacheHandle.empty()
+        ckey = params.key()
+        joined = self._join(ckey, params.read_only)
+        if isinstance(joined, CacheHandle):
+            return self._remember(params, joined)
+        fut, owner = joined
+        if not owner:
+            handle = await asyncio.wrap_future(fut)
+            return self._remember(params, dataclasses.replace(handle, source="coalesced"))
+        try:
+            handle = await self._drive_async(self._prepare_steps(params, ckey, request))
+        except BaseException as exc:
+            self._finish(ckey, params.read_only, fut, exc=exc)
+            raise
+        self._finish(ckey, params.read_only, fut, result=handle)
+        return self._remember(params, handle)
+
+    def _remember(self, params: CachePrepareParams, handle: CacheHandle) -> CacheHandle:
+        if handle.ref is not None:
+            with self._lock:
+                self._params[handle.ref] = params
+        return handle
+
+    def _join(self, ckey: str, read_only: bool) -> CacheHandle | tuple[Future[CacheHandle], bool]:
+        """A memory hit, or the in-flight future to wait on (owner=False), or a new one
+        this caller must complete (owner=True)."""
+        with self._lock:
+            if self._closing:
+                raise ConfigError("the genai cache controller is closed",
+                                  fix="create a new controller")
+            rec = self._memory.get(ckey)
+            if rec is not None and rec.remaining(self.clock()) > self.min_remaining:
+                self._stats.memory_hits += 1
+                return _handle(rec, "memory")
+            for key in ((ckey, False), (ckey, True)) if read_only else ((ckey, False),):
+                fut = self._inflight.get(key)
+                if fut is not None:
+                    self._stats.coalesced += 1
+                    return fut, False
+            fut = Future()
+            self._inflight[(ckey, read_only)] = fut
+            return fut, True
+
+    def _complete(self, ckey: str, read_only: bool, fut: Future[CacheHandle],
+                  run: Callable[[], CacheHandle]) -> CacheHandle:
+        try:
+            handle = run()
+        except BaseException as exc:
+            self._finish(ckey, read_only, fut, exc=exc)
+            raise
+        self._finish(ckey, read_only, fut, result=handle)
+        return handle
+
+    def _finish(self, ckey: str, read_only: bool, fut: Future[CacheHandle], *,
+                result: CacheHandle | None = None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._inflight.pop((ckey, read_only), None)
+            self._lock.notify_all()
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def _prepare_steps(self, params: CachePrepareParams, ckey: str,
+                       request: dict[str, Any]) -> _Step:
+        now = self.clock()
+        yield _Local(lambda: self.sweep_expired(now))
+        with self._lock:
+            rec = self._memory.get(ckey)
+        source = "memory"
+        if rec is None:
+            rec = yield _Local(lambda: self._find_in_store(ckey, now))
+            source = "store"
+            if rec is not None and self.verify_store_hits:
+                rec = yield from self._confirm(rec)
+        if rec is not None and rec.remaining(now) <= self.min_remaining and not params.read_only:
+            rec = yield from self._extend(rec)
+        if rec is not None:
+            with self._lock:
+                self._memory[ckey] = rec
+                if source == "store":
+                    self._stats.disk_hits += 1
+                else:
+                    self._stats.memory_hits += 1
+            return _handle(rec, "disk" if source == "store" else "memory")
+        if params.read_only:
+            return CacheHandle.empty()
+        config = {"ttl": self.ttl, "display_name": self.display_name, **request}
+        cc = yield _Remote("create", {"model": params.model, "config": config},
+                           "creating a cached content", self.target.describe())
+        rec = self._record_of(cc, params, ckey)
+        try:
+            yield _Local(lambda: self.store.put(
+                kind=KIND, namespace=self.namespace, key=rec.store_key(), objects={},
+                meta=rec.meta(), index=rec.index()))
+        except SpoolError:
+            # Unrecorded caches would be billed with nothing to find them by: undo.
+            try:
+                yield _Remote("delete", {"name": rec.name}, "deleting an unrecorded cache",
+                              rec.name)
+            except SpoolError as exc:
+                log.warning("could not record or delete cache %s: %s", rec.name, exc)
+            raise
+        with self._lock:
+            self._memory[ckey] = rec
+            self._created[rec.name] = rec.entry_id
+            self._stats.creates += 1
+        return _handle(rec, "cold")
+
+    def _record_of(self, cc: Any, params: CachePrepareParams, ckey: str) -> GenaiRecord:
+        now = self.clock()
+        name = validate_name(cc.name)
+        tokens = cc.usage_metadata.total_token_count if cc.usage_metadata else None
+        return GenaiRecord(
+            entry_id=entry_id_for(KIND, self.namespace, store_key(ckey, name)),
+            name=name, model=cc.model or params.model, key=ckey,
+            display_name=cc.display_name or "",
+            create_time=to_unix(cc.create_time) or now,
+            expire_time=to_unix(cc.expire_time) or now + self.ttl_seconds,
+            token_count=int(tokens or 0), includes=params.includes(), target=self.target)
+
+    def _find_in_store(self, ckey: str, now: float) -> GenaiRecord | None:
+        """The live record for ``ckey`` with the latest expiry, or None."""
+        rows = [r for r in self.store.entries(kind=KIND, namespace=self.namespace, hint="retain")
+                if r.index.get("key") == ckey and not r.index.get("remote_pending")
+                and float(r.index.get("expire_time", 0)) > now]
+        for row in sorted(rows, key=lambda r: -float(r.index["expire_time"])):
+            try:
+                manifest = self.store.manifest(row.entry_id)
+            except SpoolError:  # corrupt manifests are quarantined by the store: a miss
+                continue
+            return GenaiRecord.from_manifest(manifest, row)
+        return None
+
+    def _confirm(self, rec: GenaiRecord) -> _Step:
+        """Check a store record against the server; None (and the record released) if gone."""
+        try:
+            cc = yield _Remote("get", {"name": rec.name}, "checking a cached content", rec.name)
+        except NotFoundError:
+            yield _Local(lambda: self._forget(rec, "gone on the server"))
+            return None
+        expire = to_unix(cc.expire_time)
+        if expire is not None and expire != rec.expire_time:
+            yield _Local(lambda: self.store.update_index(rec.entry_id, {"expire_time": expire}))
+            rec = _replace(rec, expire_time=expire)
+        return rec
+
+    def _extend(self, rec: GenaiRecord) -> _Step:
+        """PATCH the TTL of a cache about to expire; None if it is already gone."""
+        try:
+            cc = yield _Remote("update", {"name": rec.name, "config": {"ttl": self.ttl}},
+                               "extending a cached content", rec.name)
+        except NotFoundError:
+            yield _Local(lambda: self._forget(rec, "gone on the server"))
+            return None
+        expire = to_unix(cc.expire_time) or self.clock() + self.ttl_seconds
+        yield _Local(lambda: self.store.update_index(rec.entry_id, {"expire_time": expire}))
+        with self._lock:
+            self._stats.extends += 1
+        return _replace(rec, expire_time=expire)
+
+    def _forget(self, rec: GenaiRecord, why: str) -> None:
+        """Drop a record whose server resource no longer exists (nothing left to delete)."""
+        log.info("genai cache %s: %s", rec.name, why)
+        self.store.update_index(rec.entry_id, {"remote_pending": None})
+        self.store.release(rec.entry_id)
+        with self._lock:
+            if self._memory.get(rec.key) is not None and self._memory[rec.key].name == rec.name:
+                del self._memory[rec.key]
+            if self._created.pop(rec.name, None) is not None:
+                self._released_ok.append(rec.entry_id)
+
+    # -- expiry ---------------------------------------------------------------------------
+
+    def sweep_expired(self, now: float | None = None) -> list[str]:
+        """Release the records of this controller's namespace whose caches have expired
+        (the server has dropped them; nothing to delete there). Returns their names."""
+        now = self.clock() if now is None else now
+        swept = []
+        for row in self.store.entries(kind=KIND, namespace=self.namespace):
+            if float(row.index.get("expire_time", 0)) > now:
+                continue
+            if row.hint == "retain" or row.index.get("remote_pending"):
+                self.store.update_index(row.entry_id, {"remote_pending": None})
+                self.store.release(row.entry_id)
+                swept.append(str(row.index.get("name")))
+        with self._lock:
+            for ckey in [k for k, r in self._memory.items() if r.expire_time <= now]:
+                del self._memory[ckey]
+            for name in swept:
+                entry_id = self._created.pop(name, None)
+                if entry_id is not None:
+                    self._released_ok.append(entry_id)
+            self._stats.expired += len(swept)
+        return swept
+
+    def extend(self, ref: str, ttl: str | None = None) -> float:
+        """Give cache ``ref`` a new TTL (default: the controller's). Returns the new expiry."""
+        seconds_ttl = ttl or self.ttl
+        parse_ttl(seconds_ttl)
+        rec = self._lookup_name(validate_name(ref))
+        if rec is None:
+            raise NotFoundError(f"no live cache {ref} in this controller's store",
+                                path=self.store.root, fix="prepare() it first")
+        cc = self._drive_sync(iter_one(_Remote("update", {"name": ref,
+                                                          "config": {"ttl": seconds_ttl}},
+                                               "extending a cached content", ref)))
+        expire = to_unix(cc.expire_time) or self.clock() + parse_ttl(seconds_ttl)
+        self.store.update_index(rec.entry_id, {"expire_time": expire})
+        with self._lock:
+            if rec.key in self._memory:
+                self._memory[rec.key] = _replace(rec, expire_time=expire)
+            self._stats.extends += 1
+        return expire
+
+    # -- release / close ---------------------------------------------------------------------
+
+    def release(self, ref: str) -> None:
+        """Delete cache ``ref`` on the server now and mark its record released.
+
+        A server failure is logged in one line and recorded (``remote_pending``,
+        ``remote_error``); the record stays released for ``clean_remote`` to retry.
+        """
+        self._drive_sync(self._release_steps(validate_name(ref)))
+
+    async def arelease(self, ref: str) -> None:
+        await self._drive_async(self._release_steps(validate_name(ref)))
+
+    def _lookup_name(self, name: str) -> GenaiRecord | None:
+        with self._lock:
+            for rec in self._memory.values():
+                if rec.name == name:
+                    return rec
+        for row in self.store.entries(kind=KIND, namespace=self.namespace):
+            if row.index.get("name") == name:
+                try:
+                    return GenaiRecord.from_manifest(self.store.manifest(row.entry_id), row)
+                except SpoolError:
+                    return None
+        return None
+
+    def _release_steps(self, name: str) -> _Step:
+        rec = yield _Local(lambda: self._lookup_name(name))
+        if rec is None:
+            log.debug("release of unknown genai cache %s ignored", name)
+            return None
+        with self._lock:
+            if self._memory.get(rec.key) is not None and self._memory[rec.key].name == name:
+                del self._memory[rec.key]
+            self._params.pop(name, None)
+
+        def mark() -> None:
+            # Held before released, so no cleanup can drop the record in between.
+            self.store.update_index(rec.entry_id, {"remote_pending": True})
+            self.store.release(rec.entry_id)
+        yield _Local(mark)
+        if rec.expire_time <= self.clock():
+            yield _Local(lambda: self._settled(rec, None))
+            return None
+        try:
+            yield _Remote("delete", {"name": name}, "deleting a cached content", name)
+        except NotFoundError:
+            pass  # already gone: the goal is met
+        except SpoolError as exc:
+            failure = str(exc)[:300]
+            yield _Local(lambda: self.store.update_index(rec.entry_id, {"remote_error": failure}))
+            with self._lock:
+                self._stats.delete_failures += 1
+            log.warning("%s", failure)
+            return None
+        yield _Local(lambda: self._settled(rec, "deleted"))
+        return None
+
+    def _settled(self, rec: GenaiRecord, deleted: str | None) -> None:
+        self.store.update_index(rec.entry_id, {"remote_pending": None, "remote_error": None})
+        with self._lock:
+            if deleted:
+                self._stats.deletes += 1
+            if self._created.pop(rec.name, None) is not None:
+                self._released_ok.append(rec.entry_id)
+
+    def _begin_close(self, timeout: float | None) -> list[str] | None:
+        with self._lock:
+            if self._closed:
+                return None
+            self._closing = True
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    log.warning("closing with %d prepare(s) still in flight", len(self._inflight))
+                    break
+                self._lock.wait(left)
+            return list(self._created)
+
+    def _end_close(self) -> None:
+        with self._lock:
+            done, self._released_ok = self._released_ok, []
+            self._closed = True
+        try:
+            if done:
+                self.store.delete_released(done)
+        except SpoolError as exc:  # records stay released; `spoolctl clean` removes them
+            log.warning("could not delete released genai records at close: %s", exc)
+        finally:
+            if self._owns_store:
+                self.store.close()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for in-flight prepares, delete every cache this controller created, and
+        remove the records of those deleted. Idempotent."""
+        names = self._begin_close(timeout)
+        if names is None:
+            return
+        try:
+            for name in names:
+                try:
+                    self.release(name)
+                except SpoolError as exc:  # a store failure: keep closing the others
+                    log.warning("could not release %s at close: %s", name, exc)
+        finally:
+            self._end_close()
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        names = await asyncio.to_thread(self._begin_close, timeout)
+        if names is None:
+            return
+        try:
+            for name in names:
+                try:
+                    await self.arelease(name)
+                except SpoolError as exc:
+                    log.warning("could not release %s at close: %s", name, exc)
+        finally:
+            await asyncio.to_thread(self._end_close)
+
+    # -- generate ------------------------------------------------------------------------------
+
+    def _generate_target(self, target: CachePrepareParams | CacheHandle,
+                         params: CachePrepareParams | None) -> tuple[CachePrepareParams, bool]:
+        if isinstance(target, CachePrepareParams):
+            return target, True
+        if not isinstance(target, CacheHandle):
+            raise ConfigError(f"generate() takes params or a handle, not {type(target).__name__}",
+                              fix="pass CachePrepareParams or a CacheHandle")
+        if target.ref is not None:
+            with self._lock:
+                params = self._params.get(target.ref, params)
+        if params is None:
+            raise ConfigError("this handle was not prepared by this controller",
+                              fix="pass the CachePrepareParams (or params=) instead")
+        return params, False
+
+    def generate(self, target: CachePrepareParams | CacheHandle, prompt: Query = "", *,
+                 params: CachePrepareParams | None = None,
+                 config: Mapping[str, Any] | None = None,
+                 max_new_tokens: int | None = None) -> GenerateResult:
+        """``generate_content`` after the whole prompt: the params' instructions, data
+        (volatile ones included) and tools, then ``prompt``, sending only what the cache
+        does not hold.
+
+        ``target`` is the params (prepared here) or a handle from this controller's
+        ``prepare`` (an empty handle needs ``params=``). If the cache turns out to be
+        gone on the server, the request is re-run cold (``cache_read_tokens = 0``).
+        """
+        params, fresh = self._generate_target(target, params)
+        handle = self.prepare(params) if fresh else target
+        cfg = _with_max_tokens(config, max_new_tokens)
+        try:
+            result = generate_with_cache(self._client, params, handle, prompt, config=cfg)
+        except NotFoundError as exc:
+            if not handle:
+                raise
+            log.warning("%s; rerunning cold", exc)
+            self._drop_handle(handle)
+            result = generate_with_cache(self._client, params, CacheHandle.empty(), prompt,
+                                         config=cfg)
+        return self._count_usage(result)
+
+    async def agenerate(self, target: CachePrepareParams | CacheHandle, prompt: Query = "", *,
+                        params: CachePrepareParams | None = None,
+                        config: Mapping[str, Any] | None = None,
+                        max_new_tokens: int | None = None) -> GenerateResult:
+        """``generate`` for asyncio (``client.aio.models``)."""
+        params, fresh = self._generate_target(target, params)
+        handle = await self.aprepare(params) if fresh else target
+        cfg = _with_max_tokens(config, max_new_tokens)
+        try:
+            result = await agenerate_with_cache(self._client, params, handle, prompt, config=cfg)
+        except NotFoundError as exc:
+            if not handle:
+                raise
+            log.warning("%s; rerunning cold", exc)
+            self._drop_handle(handle)
+            result = await agenerate_with_cache(self._client, params, CacheHandle.empty(),
+                                                prompt, config=cfg)
+        return self._count_usage(result)
+
+    def _drop_handle(self, handle: CacheHandle) -> None:
+        # The server no longer knows the cache: the next prepare() looks again.
+        with self._lock:
+            for ckey in [k for k, r in self._memory.items() if r.name == handle.ref]:
+                del self._memory[ckey]
+
+    def _count_usage(self, result: GenerateResult) -> GenerateResult:
+        with self._lock:
+            self._stats.queries += 1
+            self._stats.cache_read_tokens += result.usage.cache_read_tokens
+        return result
+
+    # -- drivers ---------------------------------------------------------------------------
+
+    def _drive_sync(self, steps: _Step) -> Any:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = steps.throw(error) if error is not None else steps.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value, error = None, None
+            try:
+                if isinstance(step, _Local):
+                    value = step.fn()
+                else:
+                    value = _call(getattr(self._client.caches, step.op), step)
+            except SpoolError as exc:
+                error = exc
+
+    async def _drive_async(self, steps: _Step) -> Any:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = steps.throw(error) if error is not None else steps.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value, error = None, None
+            try:
+                if isinstance(step, _Local):
+                    value = await asyncio.to_thread(step.fn)
+                else:
+                    value = await _acall(getattr(self._client.aio.caches, step.op), step)
+            except SpoolError as exc:
+                error = exc
+
+
+def iter_one(step: _Remote) -> _Step:
+    """A one-step program: the result of ``step``."""
+    return (yield step)
+
+
+def _call(fn: Callable[..., Any], step: _Remote) -> Any:
+    try:
+        return fn(**step.kwargs)
+    except _TRANSPORT_ERRORS as exc:
+        raise remote_error(exc, step.action, step.where) from exc
+
+
+async def _acall(fn: Callable[..., Any], step: _Remote) -> Any:
+    try:
+        return await fn(**step.kwargs)
+    except _TRANSPORT_ERRORS as exc:
+        raise remote_error(exc, step.action, step.where) from exc
+
+
+def _replace(rec: GenaiRecord, **changes: Any) -> GenaiRecord:
+    return dataclasses.replace(rec, **changes)
+
+
+def _handle(rec: GenaiRecord, source: str) -> CacheHandle:
+    """``source``: "memory", "disk" (the store's record), "cold" (created now)."""
+    reused = source != "cold"
+    return CacheHandle(ref=rec.name, includes=rec.includes, cached_tokens=rec.token_count,
+                       written_tokens=0 if reused else rec.token_count,
+                       reused_tokens=rec.token_count if reused else 0, source=source)
+
+
+# -- generate helpers (usable without a controller) ----------------------------------------------
+
+def _with_max_tokens(config: Mapping[str, Any] | None,
+                     max_new_tokens: int | None) -> dict[str, Any] | None:
+    if max_new_tokens is None:
+        return dict(config) if config is not None else None
+    if max_new_tokens < 1:
+        raise ConfigError("max_new_tokens must be >= 1", fix="ask for at least one token")
+    return {**(config or {}), "max_output_tokens": max_new_tokens}
+
+
+def _query_elements(query: Query) -> list[Element]:
+    if query is None:
+        return []
+    if isinstance(query, (str, Element)):
+        query = [query]
+    query = [q for q in query if not (isinstance(q, str) and not q)]  # "" means no prompt
+    return [Element.coerce(q) if not isinstance(q, str) else Element(q, role="user")
+            for q in query]
+
+
+def _generate_args(params: CachePrepareParams, handle: CacheHandle, query: Query,
+                   config: Mapping[str, Any] | None) -> dict[str, Any]:
+    includes = handle.includes if handle else Includes()
+    contents, cfg = generate_request(params, includes, _query_elements(query), config,
+                                     cached_content=handle.ref if handle else None)
+    return {"model": params.model, "contents": contents, "config": cfg}
+
+
+def _result(response: Any, handle: CacheHandle) -> GenerateResult:
+    meta = response.usage_metadata
+    usage = Usage(
+        prompt_tokens=int(getattr(meta, "prompt_token_count", None) or 0),
+        completion_tokens=int(getattr(meta, "candidates_token_count", None) or 0),
+        cache_read_tokens=int(getattr(meta, "cached_content_token_count", None) or 0),
+    )
+    try:
+        text = response.text or ""
+    except ValueError:  # no text parts (e.g. only a function call)
+        text = ""
+    return GenerateResult(text=text, usage=usage, handle=handle, response=response)
+
+
+def generate_with_cache(client: genai.Client, params: CachePrepareParams, handle: CacheHandle,
+                        query: Query = None, *,
+                        config: Mapping[str, Any] | None = None) -> GenerateResult:
+    """``client.models.generate_content`` with ``cached_content=handle.ref``, sending only
+    what the cache lacks (per ``handle.includes``) plus ``query``. Usage reports
+    ``cache_read_tokens`` from ``usage_metadata.cached_content_token_count``."""
+    args = _generate_args(params, handle, query, config)
+    step = _Remote("generate_content", args, "generating", params.model)
+    try:
+        response = client.models.generate_content(**args)
+    except _TRANSPORT_ERRORS as exc:
+        raise _generate_error(exc, step, handle) from exc
+    return _result(response, handle)
+
+
+async def agenerate_with_cache(client: genai.Client, params: CachePrepareParams,
+                               handle: CacheHandle,
+                               query: Query = None, *,
+                               config: Mapping[str, Any] | None = None) -> GenerateResult:
+    args = _generate_args(params, handle, query, config)
+    step = _Remote("generate_content", args, "generating", params.model)
+    try:
+        response = await client.aio.models.generate_content(**args)
+    except _TRANSPORT_ERRORS as exc:
+        raise _generate_error(exc, step, handle) from exc
+    return _result(response, handle)
+
+
+def _generate_error(exc: BaseException, step: _Remote, handle: CacheHandle) -> SpoolError:
+    # A missing cache in a generate call is a 403 "CachedContent not found" from the
+    # service; report it as the miss it is so callers re-prepare.
+    message = str(getattr(exc, "message", "") or "")
+    if handle and getattr(exc, "code", None) in (403, 404) and "CachedContent" in message:
+        err = NotFoundError(f"cached content {handle.ref} is gone on the server "
+                            f"({getattr(exc, 'code', '')}: {' '.join(message.split())[:200]})",
+                            fix="prepare() again to create a new cache")
+        err.code = getattr(exc, "code", None)  # type: ignore[attr-defined]
+        return err
+    return remote_error(exc, step.action, step.where)

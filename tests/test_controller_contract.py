@@ -1,0 +1,207 @@
+"""The controller contract, run against every local backend (real frameworks, tiny model).
+
+Add a backend by appending its name to ``BACKENDS`` and a branch to ``make_backend``.
+The second half tests the pure helpers of ``spoolctl.controllers.tokens``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spoolctl.controllers import CachePrepareParams, LocalCacheController, render_segments
+from spoolctl.controllers.tokens import (
+    TokenPrefix,
+    common_prefix_tokens,
+    namespace_for,
+    rank_bases,
+)
+from spoolctl.store import ConfigError, Store
+
+BACKENDS = ["pytorch", "mlx"]
+
+DOC = ("Clause 4.2: the supplier keeps every invoice for seven years and answers audits "
+       "within thirty days. ") * 6
+SYSTEM = "You are a careful contracts assistant. Answer from the reference documents only."
+
+
+def make_backend(name: str, model_dir: Path):
+    if name == "pytorch":
+        pytest.importorskip("transformers")
+        from spoolctl.controllers.pytorch import PyTorchBackend
+
+        return PyTorchBackend(model_dir)
+    if name == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx is not installed here; "
+                            "pip install 'mlx-lm[cpu]'")
+        from spoolctl.controllers.mlx import MlxBackend
+
+        return MlxBackend(model_dir)
+    raise AssertionError(f"no factory for backend {name}")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tiny_model_dir):
+    return make_backend(request.param, tiny_model_dir)
+
+
+def params(model: str = "tiny", **kw) -> CachePrepareParams:
+    kw.setdefault("instructions", [{"role": "system", "content": SYSTEM}])
+    kw.setdefault("data", [DOC])
+    return CachePrepareParams(model=model, **kw)
+
+
+def cold_tokens(backend, p: CachePrepareParams, prompt: str, n: int) -> list[int]:
+    segments = [*render_segments(p), prompt]
+    ids = [t for seg in backend.tokenize_segments(segments) for t in seg]
+    return backend.generate(None, 0, ids, n)
+
+
+def test_same_params_same_entry_from_memory_then_disk(backend, store_root):
+    p = params()
+    with LocalCacheController(backend, store_root) as ctl:
+        first = ctl.prepare(p)
+        again = ctl.prepare(params())
+        assert first.source == "cold" and first.written_tokens == first.cached_tokens > 0
+        assert again.ref == first.ref and again.source == "memory" and again.written_tokens == 0
+    with LocalCacheController(backend, store_root) as ctl:
+        disk = ctl.prepare(params())
+        assert disk.ref == first.ref and disk.source == "disk"
+        assert disk.cached_tokens == first.cached_tokens and disk.written_tokens == 0
+
+
+def test_warm_generation_equals_cold_and_reports_usage(backend, store_root):
+    p = params()
+    want = cold_tokens(backend, p, "Question: how long are invoices kept?", 10)
+    with LocalCacheController(backend, store_root) as ctl:
+        r1 = ctl.generate(p, "Question: how long are invoices kept?", 10)
+        r2 = ctl.generate(r1.handle, "Question: how long are invoices kept?", 10)
+        assert r1.tokens == want and r2.tokens == want
+        cached = r1.handle.cached_tokens
+        # Cache tokens are reported separately, not subtracted from prompt_tokens.
+        assert r1.usage.prompt_tokens > cached > 0
+        assert r1.usage.cache_read_tokens == cached and r1.usage.cache_write_tokens == cached
+        assert r2.usage.cache_read_tokens == cached and r2.usage.cache_write_tokens == 0
+        assert r2.usage.completion_tokens == len(want)
+        assert ctl.stats()["queries"] == 2
+        ctl.record_query()
+        assert ctl.stats()["queries"] == 3
+
+
+def test_key_covers_tools_effort_formatter_but_not_tool_order(backend, store_root):
+    t1 = {"name": "search", "description": "web search"}
+    t2 = {"name": "calc", "description": "calculator"}
+    with LocalCacheController(backend, store_root) as ctl:
+        a = ctl.prepare(params(tools=[t1, t2]))
+        b = ctl.prepare(params(tools=[t2, t1]))
+        c = ctl.prepare(params(tools=[t1]))
+        d = ctl.prepare(params(tools=[t1, t2], reasoning_effort="high"))
+        e = ctl.prepare(params(tools=[t1, t2], formatter_options={"style": "chatml"}))
+        assert a.ref == b.ref and b.source == "memory"
+        assert len({a.ref, c.ref, d.ref, e.ref}) == 4
+        assert a.includes.tools and a.includes.instructions and a.includes.data_element_count == 1
+
+
+def test_volatile_elements_are_never_cached(backend, store_root):
+    with LocalCacheController(backend, store_root) as ctl:
+        plain = ctl.prepare(params())
+        tail = ctl.prepare(params(data=[DOC, {"content": "today is 2026-11-29",
+                                               "cache": "volatile"}, "later doc"]))
+        assert tail.ref == plain.ref and tail.includes.data_element_count == 1
+        first_volatile = ctl.prepare(params(instructions=[{"content": "now", "cache": "volatile"}]))
+        assert not first_volatile and first_volatile.ref is None
+        r = ctl.generate(params(instructions=[{"content": "now", "cache": "volatile"}]), "Hi", 4)
+        assert r.usage.cache_read_tokens == 0 and r.usage.prompt_tokens > 0
+        with pytest.raises(ConfigError):
+            ctl.generate(first_volatile, "Hi", 4)
+
+
+def test_release_takes_entry_out_of_reuse_and_close_deletes_it(backend, store_root):
+    with LocalCacheController(backend, store_root) as ctl:
+        a = ctl.prepare(params())
+        b = ctl.prepare(params(data=["another document entirely, unrelated to invoices"]))
+        ctl.release(a.ref)
+        again = ctl.prepare(params(read_only=True))
+        assert not again  # released: not reused even though the bytes are still there
+    with Store.open(store_root) as s:
+        assert s.row(a.ref) is None and s.row(b.ref) is not None
+
+
+def test_managed_store_removed_on_close(backend):
+    ctl = LocalCacheController(backend)
+    root = ctl.store.root
+    assert ctl.prepare(params()).source == "cold"
+    assert root.exists()
+    ctl.close()
+    ctl.close()  # idempotent
+    assert not root.exists()
+    with pytest.raises(ConfigError):
+        ctl.prepare(params())
+
+
+def test_bad_input_is_one_clear_error(backend, store_root):
+    with LocalCacheController(backend, store_root) as ctl:
+        with pytest.raises(ConfigError):
+            ctl.prepare({"model": "x"})  # type: ignore[arg-type]
+        with pytest.raises(ConfigError):
+            ctl.release("not-an-id")
+        with pytest.raises(ConfigError):
+            ctl.generate(params(), "x", 0)
+    with pytest.raises(ConfigError):
+        CachePrepareParams(model="m", reasoning_effort="extreme")
+
+
+# -- pure helpers ----------------------------------------------------------------------------
+
+
+def test_token_prefix_offsets_hashes_and_meta_round_trip():
+    a = TokenPrefix.from_segments([[1, 2, 3], [4], [5, 6]])
+    assert a.tokens == (1, 2, 3, 4, 5, 6) and a.offsets == (3, 4, 6)
+    assert TokenPrefix.from_meta(a.to_meta()) == a
+    b = TokenPrefix.from_segments([[1, 2, 3], [4], [7]])
+    assert a.hashes[:2] == b.hashes[:2] and a.hashes[2] != b.hashes[2]
+    assert common_prefix_tokens(a, b) == 4
+    assert common_prefix_tokens(a, a) == 6
+    # A different split of the same ids is a different boundary: not confirmed there.
+    c = TokenPrefix.from_segments([[1, 2], [3, 4], [5, 6]])
+    assert common_prefix_tokens(a, c) == 0
+    assert a.is_prefix_of([1, 2, 3, 4, 5, 6, 9]) and not a.is_prefix_of([1, 2, 3])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tokens", [1, 2, 3, 4, 5, 7]),
+    ("prefix_hashes", ["0" * 64] * 3),
+    ("prefix_offsets", [3, 2, 6]),
+    ("token_count", 5),
+])
+def test_token_prefix_rejects_tampered_meta(field, value):
+    meta = TokenPrefix.from_segments([[1, 2, 3], [4], [5, 6]]).to_meta()
+    meta[field] = value
+    with pytest.raises(ValueError):
+        TokenPrefix.from_meta(meta)
+
+
+def test_rank_bases_prefers_most_shared_elements_in_the_same_group():
+    rows = [
+        ("a" * 64, "k1", {"group": "g", "elements": ["e1"], "tokens": 10}),
+        ("b" * 64, "k2", {"group": "g", "elements": ["e1", "e2", "x"], "tokens": 30}),
+        ("c" * 64, "k3", {"group": "other", "elements": ["e1", "e2", "e3"], "tokens": 30}),
+        ("d" * 64, "k4", {"group": "g", "elements": ["z"], "tokens": 5}),
+        ("e" * 64, "k5", {"group": "g", "elements": "garbage", "tokens": 5}),
+    ]
+    ranked = rank_bases(rows, group="g", elements=["e1", "e2", "e3"])
+    assert [c.entry_id[0] for c in ranked] == ["b", "a"]
+    assert ranked[0].shared_elements == 2
+    # With a shared leading tools segment even an entry with no shared element qualifies.
+    assert "d" in [c.entry_id[0] for c in rank_bases(rows, group="g", elements=["q"],
+                                                     lead_segments=1)]
+
+
+def test_namespace_depends_on_every_identity_field():
+    base = {"model": "/m", "dtype": "float32", "device": "cpu"}
+    names = {namespace_for("pytorch", base),
+             namespace_for("pytorch", {**base, "dtype": "bfloat16"}),
+             namespace_for("pytorch", {**base, "device": "cuda"}),
+             namespace_for("mlx", base)}
+    assert len(names) == 4

