@@ -28,7 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = ["pump", "valve", "tank", "level", "alarm", "ticket", "engineer", "seal", "pressure", "flow", "sensor", "log", "check", "open", "close", "start", "stop", "report", "supplier", "invoice", "clause", "audit", "notice", "board", "schedule", "store", "cache", "disk", "entry", "digest", "manifest", "object", "tensor", "token", "prompt", "model"]
+WORDS = (
+    "pump", "valve", "tank", "level", "alarm", "ticket", "engineer", "seal", "pressure", "flow",
+    "sensor", "log", "check", "open", "close", "start", "stop", "report", "supplier", "invoice",
+    "clause", "audit", "notice", "board", "schedule", "store", "cache", "disk", "entry",
+    "digest", "manifest", "object", "tensor", "token", "prompt", "model",
+)
 
 
 def element_text(rng: random.Random, words: int) -> str:

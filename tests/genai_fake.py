@@ -140,6 +140,8 @@ class FakeGenAIState:
     created: int = 0
     deleted: int = 0
     create_delay: float = 0.0
+    # When set, creates wait for it (up to 30 s): tests hold a create open deterministically.
+    create_gate: threading.Event | None = None
 
 
 class FakeGenAIServer:
@@ -221,6 +223,12 @@ class FakeGenAIServer:
                body: Any) -> tuple[int, dict]:
         url = urlsplit(raw_path)
         query = parse_qs(url.query)
+        if method == "POST" and url.path.endswith("/cachedContents"):
+            # Hold creates open (before any injected fault) so tests can pile up callers.
+            if self.state.create_delay:
+                time.sleep(self.state.create_delay)
+            if self.state.create_gate is not None:
+                self.state.create_gate.wait(30)
         with self._lock:
             self.state.requests.append(Request(method, url.path, query, body, headers))
             fault = self._take_fault(method, url.path)
@@ -284,8 +292,6 @@ class FakeGenAIServer:
         return now + float(m.group(1))
 
     def _create(self, scope: str, body: dict) -> tuple[int, dict]:
-        if self.state.create_delay:
-            time.sleep(self.state.create_delay)  # widens the window for coalescing tests
         model = body.get("model")
         if not isinstance(model, str) or not model:
             return _error(400, "model is required")

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -246,8 +247,22 @@ def test_cache_close_to_expiry_is_extended_with_a_patch(client, store, server, c
 
 # -- coalescing ------------------------------------------------------------------------------
 
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def run_threads(fn, n: int) -> list[threading.Thread]:
+    threads = [threading.Thread(target=fn) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def test_concurrent_identical_prepares_in_threads_make_one_create(ctl, server):
-    server.state.create_delay = 0.3
+    gate = server.state.create_gate = threading.Event()
     results, errors = [], []
 
     def work():
@@ -256,36 +271,39 @@ def test_concurrent_identical_prepares_in_threads_make_one_create(ctl, server):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
+    threads = run_threads(work, 8)
+    # All eight are inside prepare while the one create is held open on the server.
+    wait_until(lambda: ctl.stats()["coalesced"] == 7 and creates(server) == 1)
+    gate.set()
     for t in threads:
         t.join(30)
     assert not errors and len(results) == 8 and len(set(results)) == 1
-    assert ctl.stats()["coalesced"] == 7
     assert creates(server) == 1
 
 
 def test_concurrent_identical_aprepares_in_asyncio_make_one_create(ctl, server):
-    server.state.create_delay = 0.3
+    gate = server.state.create_gate = threading.Event()
 
     async def main():
         thread_result: list[str] = []
         t = threading.Thread(target=lambda: thread_result.append(ctl.prepare(params()).ref))
-        handles = asyncio.gather(*(ctl.aprepare(params()) for _ in range(6)))
+        tasks = [asyncio.create_task(ctl.aprepare(params())) for _ in range(6)]
         t.start()
-        got = await handles
+        while ctl.stats()["coalesced"] < 6:  # 5 tasks + the thread wait on the first task
+            await asyncio.sleep(0.01)
+        gate.set()
+        got = await asyncio.gather(*tasks)
         await asyncio.to_thread(t.join, 30)
-        return [h.ref for h in got] + thread_result
+        return [h.ref for h in got] + thread_result, [h.source for h in got]
 
-    refs = asyncio.run(main())
+    refs, sources = asyncio.run(main())
     assert len(refs) == 7 and len(set(refs)) == 1
+    assert sorted(sources) == ["coalesced"] * 5 + ["cold"]
     assert creates(server) == 1
-    assert ctl.stats()["coalesced"] >= 5
 
 
 def test_failed_create_is_reported_to_every_waiter_and_not_cached(ctl, server, store):
-    server.state.create_delay = 0.2
+    gate = server.state.create_gate = threading.Event()
     server.fail_next(500, method="POST", path="cachedContents$")
     errors: list[BaseException] = []
 
@@ -295,9 +313,9 @@ def test_failed_create_is_reported_to_every_waiter_and_not_cached(ctl, server, s
         except Exception as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
+    threads = run_threads(work, 4)
+    wait_until(lambda: ctl.stats()["coalesced"] == 3)
+    gate.set()
     for t in threads:
         t.join(30)
     assert len(errors) == 4 and all(isinstance(e, RemoteServiceError) for e in errors)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -117,3 +118,28 @@ def test_import_store_pulls_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_refuses_a_root_owned_by_another_user(store_root: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("changing a directory's owner needs root")
+    Store.open(store_root, create=True).close()
+    os.chown(store_root, 65534, 65534)
+    with pytest.raises(RootError, match="owned by uid 65534") as info:
+        Store.open(store_root)
+    assert "--allow-foreign-owner" in str(info.value)
+    with Store.open(store_root, allow_foreign_owner=True) as store:
+        assert store.totals().entries == 0
+
+
+@pytest.mark.parametrize("sub", ["objects/ab", "manifests/00", "tmp", "state"])
+def test_symlink_swapped_in_for_a_store_directory_is_refused(store_root: Path, tmp_path, sub):
+    Store.open(store_root, create=True).close()
+    elsewhere = Path(os.path.realpath(tmp_path)) / "elsewhere"
+    elsewhere.mkdir()
+    victim = store_root / sub
+    shutil.rmtree(victim)
+    victim.symlink_to(elsewhere)
+    with pytest.raises(RootError, match="symlink|directory"):
+        Store.open(store_root)
+    assert list(elsewhere.iterdir()) == []

@@ -164,6 +164,11 @@ def ensure_layout(layout: Layout) -> None:
     created_top = [_mkdir(layout.root / name) for name in SUBDIRS]
     for parent in (layout.objects, layout.manifests):
         existing = set(os.listdir(parent))
+        for fan in existing.intersection(FANOUT):
+            # a fan-out "directory" that is a symlink would send renames outside the root
+            if not stat.S_ISDIR(os.lstat(parent / fan).st_mode):
+                raise RootError("expected a directory, found a symlink or file", path=parent / fan,
+                                fix="remove it; spoolctl recreates the directory")
         missing = [fan for fan in FANOUT if fan not in existing]
         for fan in missing:
             _mkdir(parent / fan)
@@ -173,7 +178,26 @@ def ensure_layout(layout: Layout) -> None:
         fsync_dir(layout.root)
 
 
-def create_or_adopt(root: Path, *, create: bool, max_bytes: int | None) -> tuple[Layout, Marker]:
+ALLOW_FOREIGN_ENV = "SPOOLCTL_ALLOW_FOREIGN_OWNER"
+
+
+def check_owner(root: Path, *, allow_foreign_owner: bool) -> None:
+    """Refuse a root owned by another user (including root's own use of a user's store):
+    acting on it would create files the owner cannot read and mix tenants' data."""
+    if allow_foreign_owner or os.environ.get(ALLOW_FOREIGN_ENV) == "1" or os.name != "posix":
+        return
+    owner = os.lstat(root).st_uid
+    if owner != os.geteuid():
+        raise RootError(
+            f"store root is owned by uid {owner}, not by this user (uid {os.geteuid()})",
+            path=root,
+            fix=f"run as the owner, or pass --allow-foreign-owner ({ALLOW_FOREIGN_ENV}=1)",
+        )
+
+
+def create_or_adopt(
+    root: Path, *, create: bool, max_bytes: int | None, allow_foreign_owner: bool = False
+) -> tuple[Layout, Marker]:
     """Open the root at ``root``; create it when ``create`` and it is new or empty.
 
     Refuses a non-empty directory without a marker and a marker of another schema.
@@ -205,6 +229,7 @@ def create_or_adopt(root: Path, *, create: bool, max_bytes: int | None) -> tuple
         ensure_layout(layout)
         write_marker(layout, marker)
         return layout, marker
+    check_owner(root, allow_foreign_owner=allow_foreign_owner)
     marker = read_marker(layout)
     ensure_layout(layout)
     if max_bytes is not None and max_bytes != marker.max_bytes:

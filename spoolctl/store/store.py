@@ -153,17 +153,20 @@ class Store:
         create: bool = False,
         max_bytes: int | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        allow_foreign_owner: bool = False,
     ) -> Store:
         """Open (or with ``create`` make) the store at ``root``.
 
-        Refuses relative or symlinked roots, non-empty unmarked directories and
-        foreign markers with a RootError. ``max_bytes`` is recorded in the marker.
+        Refuses relative or symlinked roots, non-empty unmarked directories,
+        foreign markers and (unless ``allow_foreign_owner``) roots owned by another
+        user with a RootError. ``max_bytes`` is recorded in the marker.
         Removes temp files abandoned by dead writers, resolves interrupted commits
         when no other process is busy, and reports unknown files in ``unknown_files``.
         """
         path = check_root_path(root)
         try:
-            layout, marker = create_or_adopt(path, create=create, max_bytes=max_bytes)
+            layout, marker = create_or_adopt(path, create=create, max_bytes=max_bytes,
+                                             allow_foreign_owner=allow_foreign_owner)
         except PermissionError as exc:
             raise ConfigError("permission denied opening the store", path=exc.filename or path,
                               fix="run as the store's owner or fix its permissions") from None
