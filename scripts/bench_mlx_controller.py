@@ -11,8 +11,9 @@ For each prompt size: a cached document prefix of about N tokens plus a short qu
 * ``mlx_lm_file_ttft_s``: the peer: ``load_prompt_cache`` of a file written by mlx-lm's
   ``save_prompt_cache`` (no integrity check, whole 256-token-step buffer) + first token.
 
-Prints JSON. ``python scripts/bench_mlx_controller.py [--model DIR] [--sizes 1024 4096]``
-(default model: the locally generated "small" Llama, built in a temp dir).
+Prints JSON. ``python scripts/bench_mlx_controller.py [--model DIR] [--sizes 512 1024]``
+(default model: the locally generated "small" Llama, built in a temp dir; mlx on
+Linux CPU computes slowly, so the default sizes are modest).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def bench_size(model: Path, backend: MlxBackend, size: int, repeat: int, work: P
         save_prompt_cache(str(peer), backend.prefill(None, ids[:cached]))
         peer_bytes = peer.stat().st_size
 
-        def peer_ttft(peer=peer):
+        def peer_ttft(peer=peer, fresh=fresh, cached=cached):
             cache = load_prompt_cache(str(peer))
             fresh.generate(cache, cached, ids, 1)
 
@@ -103,7 +104,7 @@ def bench_size(model: Path, backend: MlxBackend, size: int, repeat: int, work: P
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="model directory (default: generated 'small')")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="spoolctl-bench-mlx-") as tmp:

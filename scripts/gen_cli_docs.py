@@ -69,7 +69,8 @@ def _params_table(cmd: Any, ctx: Any) -> list[str]:
         decl, help_text = record
         kind = "argument" if param.param_type_name == "argument" else "option"
         # Python-Markdown keeps pipes inside a code span, so the declaration is not escaped.
-        rows.append(f"| `{' '.join(decl.split())}` | {kind} | {_cell(markdown_help(help_text or ''))} |")
+        name = " ".join(decl.split())
+        rows.append(f"| `{name}` | {kind} | {_cell(markdown_help(help_text or ''))} |")
     if not rows:
         return []
     return ["| name | kind | description |", "|---|---|---|", *rows, ""]

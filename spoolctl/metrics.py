@@ -46,7 +46,7 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
         "payload_missing", "object_collision", "catalog", "unknown",
     }),
-    "step": frozenset({"scrub", "capacity", "auth", "orphans", "tmp"}),
+    "step": frozenset({"scrub", "capacity", "auth", "orphans", "tmp", "lease"}),
 }
 
 

@@ -223,6 +223,8 @@ class FakeGenAIServer:
                body: Any) -> tuple[int, dict]:
         url = urlsplit(raw_path)
         query = parse_qs(url.query)
+        with self._lock:
+            self.state.requests.append(Request(method, url.path, query, body, headers))
         if method == "POST" and url.path.endswith("/cachedContents"):
             # Hold creates open (before any injected fault) so tests can pile up callers.
             if self.state.create_delay:
@@ -230,7 +232,6 @@ class FakeGenAIServer:
             if self.state.create_gate is not None:
                 self.state.create_gate.wait(30)
         with self._lock:
-            self.state.requests.append(Request(method, url.path, query, body, headers))
             fault = self._take_fault(method, url.path)
         if fault is not None:
             return _error(fault.status, fault.message)

@@ -182,6 +182,9 @@ def test_corrupt_byte_scrub_quarantine_restore(root: Path) -> None:
     # A second scrub finds nothing new: exit 0, and never re-admits the bad entry.
     assert cli_json("scrub", "--root", str(root), "--rate", "0")["quarantined"] == []
     assert cli_json("request-auth", bad, "--root", str(root), expect=1)["result"] == "quarantined"
+    by_prefix = cli_json("request-auth", bad[:8], "--root", str(root), expect=1)
+    assert by_prefix["result"] == "quarantined" and by_prefix["reason"] == "payload_digest"
+    assert cli("inspect", bad[:8], "--root", str(root)).returncode == 1  # a finding, not a typo
 
     shown = cli_json("quarantine", "show", item["item"], "--root", str(root))
     assert f"{bad}.json" in shown["contents"]

@@ -89,6 +89,29 @@ def test_warm_generation_equals_cold_and_reports_usage(backend, store_root):
         assert ctl.stats()["queries"] == 3
 
 
+def test_prompt_fully_cached_keeps_one_token_to_run(backend, store_root):
+    p = params()
+    ids = [t for seg in backend.tokenize_segments(render_segments(p)) for t in seg]
+    want = backend.generate(None, 0, ids, 6)
+    with LocalCacheController(backend, store_root) as ctl:
+        r = ctl.generate(p, "", 6)  # no extra prompt: the cache covers the whole prompt
+        assert r.tokens == want
+        assert r.usage.cache_read_tokens == r.handle.cached_tokens - 1 == len(ids) - 1
+
+
+def test_handle_reloads_from_disk_without_memory_and_runs_cold_after_release(backend,
+                                                                               store_root):
+    p = params()
+    want = cold_tokens(backend, p, "Q?", 6)
+    with LocalCacheController(backend, store_root, memory_entries=0) as ctl:
+        h = ctl.prepare(p)
+        r = ctl.generate(h, "Q?", 6)
+        assert r.tokens == want and r.usage.cache_read_tokens == h.cached_tokens
+        ctl.release(h.ref)
+        after = ctl.generate(h, "Q?", 6)
+        assert after.tokens == want and after.usage.cache_read_tokens == 0
+
+
 def test_key_covers_tools_effort_formatter_but_not_tool_order(backend, store_root):
     t1 = {"name": "search", "description": "web search"}
     t2 = {"name": "calc", "description": "calculator"}
@@ -205,3 +228,15 @@ def test_namespace_depends_on_every_identity_field():
              namespace_for("pytorch", {**base, "device": "cuda"}),
              namespace_for("mlx", base)}
     assert len(names) == 4
+
+
+def test_engine_and_cli_modules_import_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, spoolctl.controllers, spoolctl.controllers.local, spoolctl.demo, "
+            "spoolctl.cli.prefill\n"
+            "bad = [m for m in ('torch', 'transformers', 'mlx', 'safetensors')\n"
+            "       if m in sys.modules]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

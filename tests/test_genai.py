@@ -29,6 +29,7 @@ from spoolctl.controllers.genai_records import (
     format_expiry,
     genai_status,
     parse_ttl,
+    pending_remote_deletes,
 )
 from spoolctl.store import BusyError, ConfigError, NotFoundError, Store, StoreIOError
 
@@ -285,20 +286,20 @@ def test_concurrent_identical_aprepares_in_asyncio_make_one_create(ctl, server):
     gate = server.state.create_gate = threading.Event()
 
     async def main():
-        thread_result: list[str] = []
-        t = threading.Thread(target=lambda: thread_result.append(ctl.prepare(params()).ref))
+        from_thread: list = []
+        t = threading.Thread(target=lambda: from_thread.append(ctl.prepare(params())))
         tasks = [asyncio.create_task(ctl.aprepare(params())) for _ in range(6)]
         t.start()
-        while ctl.stats()["coalesced"] < 6:  # 5 tasks + the thread wait on the first task
+        while ctl.stats()["coalesced"] < 6:  # six of the seven wait on the first one
             await asyncio.sleep(0.01)
         gate.set()
         got = await asyncio.gather(*tasks)
         await asyncio.to_thread(t.join, 30)
-        return [h.ref for h in got] + thread_result, [h.source for h in got]
+        return got + from_thread
 
-    refs, sources = asyncio.run(main())
-    assert len(refs) == 7 and len(set(refs)) == 1
-    assert sorted(sources) == ["coalesced"] * 5 + ["cold"]
+    handles = asyncio.run(main())
+    assert len(handles) == 7 and len({h.ref for h in handles}) == 1
+    assert sorted(h.source for h in handles) == ["coalesced"] * 6 + ["cold"]
     assert creates(server) == 1
 
 
@@ -374,6 +375,7 @@ def test_failed_delete_stays_released_and_clean_remote_retries(ctl, server, stor
     assert store.clean_released().entries == 0  # held for the remote delete
     (status,) = genai_status(store, now=ctl.clock())
     assert status.state == "delete-pending" and "500" in status.remote_error
+    assert [r.name for r in pending_remote_deletes(store, now=ctl.clock())] == [handle.ref]
 
     skipped = clean_remote(store, client_factory=lambda target: None, now=ctl.clock())
     assert skipped.skipped and "no credentials for Gemini API" in skipped.skipped[0][1]
@@ -629,3 +631,25 @@ def test_example_runs_against_the_fake(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "cache_read_tokens\": 2206" in out.stdout and "deleted on the server" in out.stdout
+
+
+@pytest.mark.parametrize("shape", ["gemini", "vertex"])
+def test_fake_serves_the_rest_surface_the_sdk_uses(server, shape):
+    from google.genai import errors
+
+    c = gemini_client(server) if shape == "gemini" else vertex_client(server)
+    names = [c.caches.create(model=MODEL, config={"contents": f"doc {i}", "ttl": "60s"}).name
+             for i in range(3)]
+    assert sorted(cc.name for cc in c.caches.list(config={"page_size": 2})) == sorted(names)
+    assert server.requests("GET", "/cachedContents")[-1].query["pageToken"] == ["2"]
+    got = c.caches.get(name=names[0])
+    assert got.usage_metadata.total_token_count == 2
+    patched = c.caches.update(name=names[0], config={"ttl": "600s"})
+    assert (patched.expire_time - got.expire_time).total_seconds() == pytest.approx(540)
+    with pytest.raises(errors.ClientError) as info:
+        c.caches.create(model=MODEL, config={"contents": "x", "ttl": "1h"})
+    assert info.value.code == 400 and "ttl" in info.value.message
+    c.caches.delete(name=names[0])
+    with pytest.raises(errors.ClientError) as info:
+        c.caches.get(name=names[0])
+    assert info.value.code == 404

@@ -187,6 +187,7 @@ def test_corrupt_payload_is_a_cold_miss_and_quarantined(backend, tmp_path: Path)
         assert ctl.generate(h, QUESTION, NEW).tokens == cold_tokens(backend, p)
         items = ctl.store.quarantine_items()
         assert [i.entry_id for i in items] == [ref]
+        assert items[0].reason == "payload_digest"
         assert ctl.stats()["load_failures"] == 1
         ctl.store.verify(ref)  # the rebuilt entry is healthy
 
@@ -222,7 +223,9 @@ def test_other_mlx_lm_cache_format_is_a_cold_miss(backend, tmp_path: Path) -> No
         assert ctl.generate(h, QUESTION, NEW).tokens == cold_tokens(backend, p)
         assert ctl.stats()["load_failures"] == 1
         # The unusable entry is set aside and the key rebuilt in the current format.
-        assert [i.entry_id for i in ctl.store.quarantine_items()] == [ref]
+        items = ctl.store.quarantine_items()
+        assert [i.entry_id for i in items] == [ref]
+        assert "format 'mlx-lm-prompt-cache/0.31'" in items[0].detail  # rejected for that
         assert ctl.store.manifest(ref).meta["layout"]["format"] == backend.format
     with MlxCacheController(backend, root) as ctl:
         assert ctl.prepare(p).source == "disk"
@@ -251,6 +254,7 @@ def test_whole_buffer_payload_with_a_valid_digest_is_a_cold_miss(backend, tmp_pa
     with MlxCacheController(backend, root) as ctl:
         h = ctl.prepare(p)
         assert h.source == "cold" and h.cached_tokens == n
+        assert "has shape [1, 2, 256, " in ctl.store.quarantine_items()[0].detail
         assert ctl.generate(h, QUESTION, NEW).tokens == cold_tokens(backend, p)
 
 
@@ -289,3 +293,22 @@ def test_model_path_controller_builds_its_own_backend(tiny_model_dir: Path) -> N
         managed = ctl.store.root
         assert ctl.prepare(params("tiny", DOC_A)).source == "cold"
     assert not managed.exists()
+
+
+def test_concurrent_prepares_from_threads_coalesce(backend, tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    p = params(str(backend.model_dir), DOC_A, DOC_C)
+    with MlxCacheController(backend, tmp_path / "store") as ctl:
+        def run(_):
+            h = ctl.prepare(p)
+            return h.ref, ctl.generate(h, QUESTION, NEW).tokens
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(run, range(4)))
+        assert len({ref for ref, _ in results}) == 1
+        assert all(tokens == cold_tokens(backend, p) for _, tokens in results)
+        stats = ctl.stats()
+        assert stats["cold_prefills"] == 1  # one prefill, the other callers shared it
+        assert stats["queries"] == 4
+        assert len(ctl.store.entries(kind="mlx")) == 1

@@ -307,3 +307,61 @@ def test_read_only_never_writes(backend, store_root):
     with Store.open(store_root) as s:
         assert s.row(hit.ref).last_access == before_access
         assert len(s.entries()) == 1
+
+
+def _kv_variants(good: bytes) -> list[bytes]:
+    n = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+
+    def with_header(h: dict) -> bytes:
+        raw = json.dumps(h).encode()
+        return len(raw).to_bytes(8, "little") + raw + good[8 + n:]
+
+    beyond = {**header, name: {**header[name], "data_offsets": [0, len(good)]}}
+    wrong_dtype = {**header, name: {**header[name], "dtype": "F64"}}
+    wrong_shape = {**header, name: {**header[name], "shape": [1, 1, 1, 1]}}
+    return [b"", b"\x00" * 7, (1 << 40).to_bytes(8, "little") + good[8:], good[:-16],
+            with_header(beyond), with_header(wrong_dtype), with_header(wrong_shape),
+            b"\x04\x00\x00\x00\x00\x00\x00\x00nope" + good[8 + n:]]
+
+
+def test_malformed_kv_payload_is_rejected_not_loaded(backend):
+    ids = prompt_ids(backend, CachePrepareParams(**P1), QUESTION)[:40]
+    objects, layout = backend.serialize(backend.prefill(backend.new_cache(), ids), 40)
+    good = bytes(objects["kv"])
+    assert backend.length(backend.deserialize({"kv": memoryview(bytearray(good))}, layout,
+                                              40)) == 40
+    for bad in _kv_variants(good):
+        with pytest.raises((ValueError, TypeError)):
+            backend.deserialize({"kv": memoryview(bytearray(bad))}, layout, 40)
+    with pytest.raises(ValueError):
+        backend.deserialize({"kv": memoryview(bytearray(good))}, layout, 41)
+    with pytest.raises(ValueError):
+        backend.deserialize({"kv": memoryview(bytearray(good))}, {**layout, "layers": 3}, 40)
+
+
+def test_store_too_small_still_serves_the_request_from_memory(backend, store_root):
+    p = CachePrepareParams(**P1)
+    with PyTorchCacheController(backend, store_root, max_bytes=64 << 10) as ctl:  # < one entry
+        h = ctl.prepare(p)
+        assert h.source == "cold" and ctl.stats()["commit_failures"] == 1
+        r = ctl.generate(h, QUESTION, 8)
+        assert r.tokens == cold(backend, p) and r.usage.cache_read_tokens == h.cached_tokens
+        assert ctl.store.entries() == []
+
+
+def test_lock_held_elsewhere_times_out_to_a_cold_run(backend, store_root):
+    from spoolctl.controllers.local import LOCK_STRIPES
+    from spoolctl.store.locks import hold
+
+    p = CachePrepareParams(**P1)
+    with PyTorchCacheController(backend, store_root, lock_timeout=0.2) as ctl:
+        stripe = int(ctl.entry_id(p)[:2], 16) % LOCK_STRIPES
+        lock = ctl.store.layout.state / f"prepare-{stripe:02x}.lock"
+        with hold(lock, exclusive=True, timeout=5, what="test"):  # "another process" prefills
+            h = ctl.prepare(p)
+            assert not h
+            r = ctl.generate(p, QUESTION, 8)
+        assert r.tokens == cold(backend, p) and r.usage.cache_read_tokens == 0
+        assert ctl.prepare(p).source == "cold"  # once the holder is gone, it proceeds

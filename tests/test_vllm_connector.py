@@ -32,6 +32,7 @@ from spoolctl.store import Store, entry_id_for
 pytestmark = pytest.mark.slow
 
 DRIVER = Path(__file__).with_name("vllm_support.py")
+SALT_A, SALT_B = "tenant-alpha-7f3c", "tenant-beta-91d2"
 CHUNK = 64  # two 32-token blocks, so short prompts span several chunks
 rng = random.Random(7)
 P1 = [rng.randrange(3, 500) for _ in range(4 * CHUNK + 10)]  # 4 complete chunks
@@ -48,7 +49,9 @@ def run_engine(job: dict, workdir: Path, name: str) -> dict:
     proc = subprocess.run([sys.executable, str(DRIVER), str(job_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
-    return json.loads(out_path.read_text())
+    out = json.loads(out_path.read_text())
+    out["log"] = proc.stdout + proc.stderr
+    return out
 
 
 def counter(out: dict, role: str, spec: m.MetricSpec, **labels: str) -> float:
@@ -69,9 +72,9 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     root, small_root = work / "store", work / "small-store"
     base = {"model": str(tiny_model_dir), "extra": {"spoolctl_chunk_tokens": CHUNK}}
 
-    a = run_engine({**base, "root": str(root), "requests": [
+    a = run_engine({**base, "root": str(root), "maintenance": True, "requests": [
         {"name": "p1", "tokens": P1},
-        {"name": "p1_salt_a", "tokens": P1, "salt": "a"},
+        {"name": "p1_salt_a", "tokens": P1, "salt": SALT_A},
         {"name": "p4", "tokens": P4},
         {"name": "p5_bypass", "tokens": P5, "bypass": True},
         {"name": "p6", "tokens": P6},
@@ -100,11 +103,11 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         store.put(kind="vllm", namespace=ns, key=tamper_keys[0],
                   objects={"kv": bytes(tampered.object("kv").size)}, meta=tampered.meta)
 
-    b = run_engine({**base, "root": str(root), "requests": [
+    b = run_engine({**base, "root": str(root), "metrics": True, "requests": [
         {"name": "p1", "tokens": P1},
         {"name": "p2", "tokens": P2},
-        {"name": "p1_salt_b", "tokens": P1, "salt": "b"},
-        {"name": "p1_salt_a", "tokens": P1, "salt": "a"},
+        {"name": "p1_salt_b", "tokens": P1, "salt": SALT_B},
+        {"name": "p1_salt_a", "tokens": P1, "salt": SALT_A},
         {"name": "p1_bypass", "tokens": P1, "bypass": True},
         {"name": "p4", "tokens": P4},
         {"name": "p6", "tokens": P6},
@@ -134,6 +137,25 @@ def test_restored_bytes_are_what_the_model_reads(runs):
     a, b = runs["A"], runs["B"]
     assert b["results"]["p6"]["num_cached_tokens"] == 2 * CHUNK
     assert b["results"]["p6"]["tokens"] != a["results"]["p6"]["tokens"]
+
+
+def test_worker_runs_store_maintenance_as_owner(runs):
+    assert runs["A"]["maintainer_owns_store"]  # A ran with the default background maintainer
+    assert not runs["B"]["maintainer_owns_store"]  # B ran with spoolctl_scrub_rate=0
+
+
+def test_metrics_on_vllm_registry_without_prompt_data(runs):
+    b = runs["B"]
+    text = "\n".join(b["metrics"])
+    hits = [ln for ln in b["metrics"] if ln.startswith("spoolctl_hit_tokens_total{")]
+    assert hits and float(hits[0].rsplit(" ", 1)[1]) == counter(b, "scheduler", m.HIT_TOKENS)
+    assert 'spoolctl_load_errors_total{' in text and 'reason="payload_digest"' in text
+    assert any(ln.startswith("spoolctl_store_bytes{") for ln in b["metrics"])
+    disk = [ln for ln in b["metrics"] if "cached_by_source_total{" in ln and 'source="disk"' in ln]
+    assert disk and float(disk[0].rsplit(" ", 1)[1]) > 0
+    for secret in (SALT_A, SALT_B, runs["corrupt_id"], runs["corrupt_id"][:16]):
+        assert secret not in text
+        assert secret not in b["log"]
 
 
 def test_cold_run_stores_every_complete_chunk_and_bypass_stores_nothing(runs):

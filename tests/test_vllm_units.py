@@ -331,6 +331,10 @@ def test_stats_aggregate_and_prometheus_export():
     w1.observe(m.RESTORE_SECONDS, 0.02)
     w2.inc(m.LOOKUPS, result="hit", reason="none")
     w2.inc(m.STORES_SKIPPED, reason="capacity")
+    w1.set_gauge(m.STORE_BYTES, 100)
+    w2.set_gauge(m.STORE_BYTES, 4096)  # the later report wins, gauges are not summed
+    with pytest.raises(ValueError):
+        w2.set_gauge(m.LOOKUPS, 1)
     s = SpoolStats(data=w1.take()).aggregate(SpoolStats(data=w2.take()))
     assert w1.take() == {}  # take() resets the interval
     reduced = s.reduce()
@@ -355,3 +359,4 @@ def test_stats_aggregate_and_prometheus_export():
     assert 'spoolctl_hit_tokens_total{engine="0"} 256.0' in text
     assert 'spoolctl_stores_skipped_total{engine="0",reason="capacity"} 1.0' in text
     assert 'spoolctl_restore_seconds_count{engine="0"} 1.0' in text
+    assert 'spoolctl_store_bytes{engine="0"} 4096.0' in text

@@ -35,7 +35,9 @@ def make_llm(job: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    extra = {"spoolctl_root": job["root"], "spoolctl_scrub_rate": "0", **job.get("extra", {})}
+    extra = {"spoolctl_root": job["root"], **job.get("extra", {})}
+    if not job.get("maintenance", False):
+        extra["spoolctl_scrub_rate"] = "0"
     ktc = KVTransferConfig(
         kv_connector="SpoolConnector", kv_connector_module_path="spoolctl.connector",
         kv_role="kv_both", kv_connector_extra_config=extra,
@@ -46,7 +48,7 @@ def make_llm(job: dict):
         distributed_executor_backend="uni", kv_cache_memory_bytes=job.get("kv_bytes", 64 << 20),
         max_model_len=job.get("max_model_len", 2048), enable_prefix_caching=False,
         max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
-        kv_transfer_config=ktc, seed=0,
+        kv_transfer_config=ktc, seed=0, disable_log_stats=not job.get("metrics", False),
     )
 
 
@@ -76,12 +78,21 @@ def run(job: dict) -> dict:
     # The worker is still serving after everything above (e.g. a corrupt entry).
     alive = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                          SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    metrics_text = ""
+    if job.get("metrics"):
+        # The registry vLLM's OpenAI server exposes on /metrics.
+        import prometheus_client
+
+        metrics_text = prometheus_client.generate_latest().decode()
     return {
+        "metrics": [line for line in metrics_text.splitlines() if "spoolctl_" in line
+                    or "cached_by_source" in line],
         "results": results,
         "alive": len(alive[0].outputs[0].token_ids) == 2,
         "worker_counters": worker.counters.totals(),
         "scheduler_counters": sched.counters.totals() if sched is not None else {},
         "namespace": worker.namespace,
+        "maintainer_owns_store": bool(worker.maintainer and worker.maintainer.owns_store),
     }
 
 

@@ -7,6 +7,8 @@ demo job, renders. Frameworks are imported only when a command runs.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,6 +21,7 @@ from spoolctl.store.errors import ConfigError
 
 from .app import app
 from .common import (
+    ENV_ROOT,
     JsonOption,
     RootOption,
     console,
@@ -101,7 +104,10 @@ def prefill_cmd(
     root: RootOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Prefill a prompt's cacheable prefix into the store (a second run is a cache hit)."""
+    """Prefill a prompt's cacheable prefix into the store (a second run is a cache hit).
+
+    Example: [bold]spoolctl prefill --model /models/llama --prompt-file manual.txt --json[/bold]
+    """
     from spoolctl.controllers import BACKENDS, CachePrepareParams, LocalCacheController
 
     sources = [s for s in (prompt, prompt_file, messages_file) if s is not None]
@@ -157,6 +163,18 @@ def prefill_cmd(
     console.print(table)
 
 
+def _models_home() -> Path:
+    """<cache dir>/models, never inside a store root: when $SPOOLCTL_ROOT names the store
+    itself, the platform cache dir is used instead (a store root holds only store files)."""
+    base = default_root()
+    if os.environ.get(ENV_ROOT):
+        if sys.platform == "darwin":
+            base = Path.home() / "Library" / "Caches" / "spoolctl"
+        else:
+            base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spoolctl"
+    return base / "models"
+
+
 @app.command("demo")
 def demo_cmd(
     root: RootOption = None,
@@ -167,12 +185,15 @@ def demo_cmd(
         "--model-dir", help="Where the generated model lives. Default: <cache dir>/models/"
         "<preset>.", show_default=False)] = None,
 ) -> None:
-    """Prefill long prompts cold, reuse them from disk, extend one, clean up; show speedups."""
+    """Prefill long prompts cold, reuse them from disk, extend one, clean up; show speedups.
+
+    Example: [bold]spoolctl demo --preset tiny --json[/bold]
+    """
     from spoolctl.demo import run_demo
 
     if preset not in ("small", "tiny"):
         raise ConfigError(f"unknown preset {preset!r}", fix="use small or tiny")
-    target = (model_dir or default_root() / "models" / preset).expanduser().resolve()
+    target = (model_dir or _models_home() / preset).expanduser().resolve()
     quiet = json_out or not err_console.is_terminal
     report = run_demo(resolve_root(root).expanduser(), target, preset=preset,
                       progress=None if quiet else (lambda m: err_console.print(f"[dim]{m}[/dim]")))

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from spoolctl.store import BusyError, parse_rate
+from spoolctl.store import BusyError, CorruptionError, parse_rate
 from spoolctl.store.auth_requests import AuthQueue, authenticate
 from spoolctl.store.keys import validate_entry_prefix
 from spoolctl.store.scrub import Scrubber
@@ -107,7 +107,10 @@ def request_auth_cmd(
         else:
             from .store_cmds import resolve_entry
 
-            entry_id = resolve_entry(store, entry)
+            try:
+                entry_id = resolve_entry(store, entry)
+            except CorruptionError as exc:  # the prefix names an entry already quarantined
+                entry_id = exc.entry_id or entry
         owner = store.owner()
         if owner is None:
             result = authenticate(store, entry_id)

@@ -261,7 +261,7 @@ def resolve_entry(store: Store, text: str) -> str:
         if item.entry_id and item.entry_id.startswith(text):
             raise CorruptionError(
                 f"entry {item.entry_id[:16]} is quarantined ({item.reason})",
-                reason=_reason(item.reason), path=item.path,
+                reason=_reason(item.reason), path=item.path, entry_id=item.entry_id,
                 fix=f"see `spoolctl quarantine show {item.item_id}`")
     raise ConfigError(f"no entry {text[:64]} in the store", path=store.root,
                       fix="list entries with `spoolctl ls`")

@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,10 @@ log = logging.getLogger("spoolctl.connector")
 KIND = "vllm"
 OBJECT = "kv"
 FLUSH_ON_SHUTDOWN_S = 30.0
+# Chunks read + verified ahead of the one being copied, and the threads doing it.
+READ_AHEAD = 8
+READ_THREADS = 4
+GAUGE_REFRESH_S = 15.0
 
 
 @dataclass
@@ -132,7 +137,9 @@ class SpoolConnector(KVConnectorBase_V1):
         self._kv: PagedKV | None = None
         self._writer: StoreWriter | None = None
         self._maintainer: Any = None
-        self._restore_buf: torch.Tensor | None = None
+        self._maint_last: dict[str, Any] = {}
+        self._gauges_at = float("-inf")
+        self._read_pool: ThreadPoolExecutor | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(chunk_tokens=self._chunk, block_size=self._block_size)
             ident = self._identity
@@ -277,7 +284,7 @@ class SpoolConnector(KVConnectorBase_V1):
 
         self._kv = PagedKV(kv_caches, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
                            blocks_per_chunk=self._chunk // self._block_size)
-        self._restore_buf = torch.empty(self._kv.chunk_bytes, dtype=torch.uint8)
+        self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
         store, ns = self._stores[0]
         kv = self._kv
         summary = self._identity.summary()
@@ -312,7 +319,8 @@ class SpoolConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, SpoolConnectorMetadata) or not meta.loads or self._kv is None:
+        if not isinstance(meta, SpoolConnectorMetadata) or not meta.loads or self._kv is None \
+                or self._read_pool is None:
             return
         by_req: dict[str, list[ChunkLoad]] = {}
         for load in meta.loads:
@@ -321,27 +329,55 @@ class SpoolConnector(KVConnectorBase_V1):
             self._restore_request(sorted(loads, key=lambda ld: ld.index))
 
     def _restore_request(self, loads: list[ChunkLoad]) -> None:
-        assert self._kv is not None and self._restore_buf is not None
-        store, ns = self._stores[0]
+        """Restore a request's chunks in order. Reads + verification of the next chunks run
+        on helper threads (both release the GIL) while the current chunk is copied."""
+        assert self._kv is not None
+        kv = self._kv
         started = time.perf_counter()
         restored = 0
-        for pos, load in enumerate(loads):
-            reason = self._restore_chunk(store, ns, load)
-            if reason is not None:
-                # This chunk and every later one are recomputed by vLLM (it truncates the
-                # request at the first failed block); report them all, load nothing more.
-                self._counters.inc(m.LOAD_ERRORS, reason=reason)
-                for rest in loads[pos:]:
-                    self._load_errors.update(rest.target_blocks)
-                break
-            restored += self._kv.chunk_bytes
+        pending: deque[Future] = deque()
+        it = iter(loads)
+
+        def refill() -> None:
+            while len(pending) < READ_AHEAD:
+                load = next(it, None)
+                if load is None:
+                    return
+                pending.append(self._read_pool.submit(self._read_chunk, load))
+
+        try:
+            refill()
+            for pos, load in enumerate(loads):
+                buf, reason = pending.popleft().result()
+                if reason is None:
+                    try:
+                        kv.restore(buf, load.block_ids, load.skip)
+                    except Exception:  # a copy bug must not take the worker down
+                        log.exception("spoolctl: restore copy failed, recomputing")
+                        reason = "unknown"
+                if reason is not None:
+                    # This chunk and every later one are recomputed by vLLM (it truncates the
+                    # request at the first failed block); report them all, load nothing more.
+                    self._counters.inc(m.LOAD_ERRORS, reason=reason)
+                    for rest in loads[pos:]:
+                        self._load_errors.update(rest.target_blocks)
+                    break
+                restored += kv.chunk_bytes
+                refill()
+        finally:
+            for fut in pending:  # bounded by READ_AHEAD; their buffers are discarded
+                fut.result()
         if restored:
             self._counters.inc(m.RESTORE_BYTES, restored)
             self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - started)
 
-    def _restore_chunk(self, store: Store, ns: str, load: ChunkLoad) -> str | None:
-        """Restore one chunk; return None on success or a metrics reason on failure."""
-        assert self._kv is not None and self._restore_buf is not None
+    def _read_chunk(self, load: ChunkLoad) -> tuple[torch.Tensor | None, str | None]:
+        """Read and verify one chunk into a new buffer (helper thread).
+
+        Returns ``(buffer, None)`` or ``(None, reason)`` where reason is a metrics label.
+        """
+        assert self._kv is not None
+        store, ns = self._stores[0]
         entry_id = entry_id_for(KIND, ns, load.key)
         try:
             manifest = store.manifest(entry_id)
@@ -351,23 +387,23 @@ class SpoolConnector(KVConnectorBase_V1):
                 store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
                                        "KV layout does not match this deployment")
                 self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
-                return "manifest_validation"
-            store.read(manifest, OBJECT, into=memoryview(self._restore_buf.numpy()))
-            self._kv.restore(self._restore_buf, load.block_ids, load.skip)
-            return None
+                return None, "manifest_validation"
+            buf = torch.empty(self._kv.chunk_bytes, dtype=torch.uint8)
+            store.read(manifest, OBJECT, into=memoryview(buf.numpy()))
+            return buf, None
         except CorruptionError as exc:
             self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
             log.warning("spoolctl: cached chunk failed verification (%s); quarantined, "
                         "recomputing", exc.reason.value)
-            return exc.reason.value
+            return None, exc.reason.value
         except (NotFoundError, KeyError):
-            return "absent"
+            return None, "absent"
         except SpoolError as exc:
             log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
-            return "io_error"
+            return None, "io_error"
         except Exception:  # never let a cache problem take the worker down
             log.exception("spoolctl: unexpected restore error, recomputing")
-            return "unknown"
+            return None, "unknown"
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # restores complete in start_load_kv, before the forward
@@ -408,7 +444,49 @@ class SpoolConnector(KVConnectorBase_V1):
 
     # -- stats, metrics, lifecycle ------------------------------------------------------------
 
+    def _collect_maintainer(self) -> None:
+        """Fold the background maintainer's progress since the last call into the counters."""
+        if self._maintainer is None:
+            return
+        snap = self._maintainer.counters.snapshot()
+        last, self._maint_last = self._maint_last, snap
+        for key, spec in (("scrubbed_bytes", m.SCRUBBED_BYTES),
+                          ("scrubbed_entries", m.SCRUBBED_ENTRIES),
+                          ("evicted_entries", m.EVICTED_ENTRIES),
+                          ("auth_requests", m.AUTH_REQUESTS)):
+            delta = snap.get(key, 0) - last.get(key, 0)
+            if delta > 0:
+                self._counters.inc(spec, delta)
+        for field_name, spec, label in (("quarantine_events", m.QUARANTINE_EVENTS, "reason"),
+                                        ("errors", m.MAINTENANCE_ERRORS, "step")):
+            now, before = snap.get(field_name, {}), last.get(field_name, {})
+            for value, count in now.items():
+                delta = count - before.get(value, 0)
+                if delta > 0 and value in m.LABEL_VALUES[label]:
+                    self._counters.inc(spec, delta, **{label: value})
+
+    def _refresh_gauges(self) -> None:
+        """Disk and quarantine bytes of the worker's store, computed off the engine loop."""
+        now = time.monotonic()
+        if self._read_pool is None or now - self._gauges_at < GAUGE_REFRESH_S:
+            return
+        self._gauges_at = now
+        store = self._stores[0][0]
+
+        def refresh() -> None:
+            try:
+                self._counters.set_gauge(m.STORE_BYTES, store.totals().bytes)
+                self._counters.set_gauge(m.STORE_MAX_BYTES, store.max_bytes or 0)
+                self._counters.set_gauge(m.QUARANTINED_BYTES,
+                                         sum(i.bytes for i in store.quarantine_items()))
+            except Exception as exc:  # metrics are best effort
+                log.debug("spoolctl: gauge refresh failed: %s", exc)
+
+        self._read_pool.submit(refresh)
+
     def get_kv_connector_stats(self) -> Any:
+        self._refresh_gauges()
+        self._collect_maintainer()
         data = self._counters.take()
         if not data:
             return None
@@ -435,6 +513,11 @@ class SpoolConnector(KVConnectorBase_V1):
         return self._counters
 
     @property
+    def maintainer(self) -> Any:
+        """The worker's ``BackgroundMaintainer`` (None when disabled or on the scheduler)."""
+        return self._maintainer
+
+    @property
     def namespace(self) -> str:
         return self._identity.namespace
 
@@ -457,8 +540,6 @@ class SpoolConnector(KVConnectorBase_V1):
             with contextlib.suppress(Exception):
                 self._maintainer.stop()
             self._maintainer = None
-
-    def _close_stores(self, stores: Iterable[Store]) -> None:
-        for store in stores:
-            with contextlib.suppress(Exception):
-                store.close()
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True)
+            self._read_pool = None

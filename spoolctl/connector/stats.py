@@ -14,7 +14,9 @@ from typing import Any
 
 from spoolctl import metrics as m
 
-_SPECS = {spec.name: spec for spec in m.CONNECTOR_METRICS}
+# Store gauges the worker also exports on vLLM's /metrics (refreshed in the background).
+WORKER_GAUGES: tuple[m.MetricSpec, ...] = (m.STORE_BYTES, m.STORE_MAX_BYTES, m.QUARANTINED_BYTES)
+_SPECS = {spec.name: spec for spec in (*m.CONNECTOR_METRICS, *WORKER_GAUGES)}
 
 
 def label_key(labels: Mapping[str, str]) -> str:
@@ -35,6 +37,7 @@ class ConnectorCounters:
         self._lock = threading.Lock()
         self._counters: dict[str, dict[str, float]] = {}
         self._hist: dict[str, list[float]] = {}
+        self._gauges: dict[str, float] = {}
         self._totals: dict[str, dict[str, float]] = {}
 
     def inc(self, spec: m.MetricSpec, value: float = 1, **labels: str) -> None:
@@ -49,6 +52,16 @@ class ConnectorCounters:
             self._hist.setdefault(spec.name, []).append(float(value))
             slot = self._totals.setdefault(spec.name + "_count", {})
             slot[""] = slot.get("", 0) + 1
+            slot = self._totals.setdefault(spec.name + "_sum", {})
+            slot[""] = slot.get("", 0) + float(value)
+
+    def set_gauge(self, spec: m.MetricSpec, value: float) -> None:
+        """Record the current value of an unlabelled gauge (sent with the next ``take``)."""
+        if spec.type != "gauge" or spec.labels:
+            raise ValueError(f"{spec.name} is not an unlabelled gauge")
+        with self._lock:
+            self._gauges[spec.name] = float(value)
+            self._totals[spec.name] = {"": float(value)}
 
     def take(self) -> dict[str, Any]:
         """The interval's data (and reset it); empty dict if nothing happened."""
@@ -58,7 +71,9 @@ class ConnectorCounters:
                 data["counters"] = self._counters
             if self._hist:
                 data["hist"] = self._hist
-            self._counters, self._hist = {}, {}
+            if self._gauges:
+                data["gauges"] = self._gauges
+            self._counters, self._hist, self._gauges = {}, {}, {}
         return data
 
     def totals(self) -> dict[str, dict[str, float]]:
@@ -76,8 +91,9 @@ class ConnectorCounters:
 
 def merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     """Aggregate two ``take()`` payloads (e.g. of several workers or intervals)."""
-    out: dict[str, Any] = {"counters": {}, "hist": {}}
+    out: dict[str, Any] = {"counters": {}, "hist": {}, "gauges": {}}
     for part in (a, b):
+        out["gauges"].update(part.get("gauges") or {})  # gauges: the later value wins
         for name, slot in (part.get("counters") or {}).items():
             dst = out["counters"].setdefault(name, {})
             for key, value in slot.items():

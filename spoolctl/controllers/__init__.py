@@ -50,6 +50,19 @@ def open_local_controller(
     return LocalCacheController(load_backend(backend, model), root, **options)
 
 
+_LAZY = {"PyTorchCacheController": ".pytorch", "PyTorchBackend": ".pytorch",
+         "MlxCacheController": ".mlx", "MlxBackend": ".mlx"}
+
+
+def __getattr__(name: str) -> Any:
+    # Framework-backed classes load their framework only when first asked for.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BACKENDS",
     "CacheHandle",

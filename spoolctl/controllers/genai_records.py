@@ -368,6 +368,12 @@ def genai_status(store: Store, now: float | None = None) -> list[GenaiStatusRow]
     return sorted(rows, key=lambda r: r.expires_in)
 
 
+def pending_remote_deletes(store: Store, now: float | None = None) -> list[GenaiStatusRow]:
+    """Released genai caches still owed a server delete (what a clean without
+    ``--genai`` or without credentials leaves behind, and should say so)."""
+    return [r for r in genai_status(store, now) if r.state == "delete-pending"]
+
+
 def format_expiry(seconds: float) -> str:
     """``"in 59m 12s"`` / ``"expired 3m ago"``: for tables."""
     s = int(abs(seconds))

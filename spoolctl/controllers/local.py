@@ -61,6 +61,7 @@ DEFAULT_MEMORY_ENTRIES = 4
 DEFAULT_LOCK_TIMEOUT = 600.0
 LOCK_STRIPES = 256  # lock files per store: bounded, and two keys rarely share one
 MAX_BASE_TRIES = 3
+MAX_KNOWN_PARAMS = 4096  # refs whose params generate(handle) can look up
 
 
 @runtime_checkable
@@ -204,7 +205,7 @@ class LocalCacheController:
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._memory: OrderedDict[str, _Loaded] = OrderedDict()
-        self._params: dict[str, CachePrepareParams] = {}
+        self._params: OrderedDict[str, CachePrepareParams] = OrderedDict()
         self._inflight: dict[tuple[str, bool], Future[CacheHandle]] = {}
         self._active = 0
         self._released: set[str] = set()
@@ -294,7 +295,7 @@ class LocalCacheController:
             if loaded is not None and loaded.prefix == plan.prefix:
                 self._memory.move_to_end(plan.entry_id)
                 self._stats.memory_hits += 1
-                self._params[plan.entry_id] = params
+                self._know(plan.entry_id, params)
                 return self._handle(plan, source="memory")
             future = self._inflight.get(flight)
             leader = future is None
@@ -379,10 +380,15 @@ class LocalCacheController:
         if based is not None:
             cache, keep, base_id = based
             suffix = list(plan.prefix.tokens[keep:])
-            if suffix:
-                cache = self.backend.prefill(cache, suffix)
-            source, written, reused = "incremental", len(suffix), keep
-        else:
+            try:
+                if suffix:
+                    cache = self.backend.prefill(cache, suffix)
+                source, written, reused = "incremental", len(suffix), keep
+            except Exception as exc:  # a base the model cannot extend: start over cold
+                log.warning("incremental prefill on %s failed, prefilling cold: %s",
+                            base_id[:12], exc)
+                based = None
+        if based is None:
             cache = self.backend.prefill(self.backend.new_cache(), list(plan.prefix.tokens))
             base_id, source, written, reused = None, "cold", len(plan.prefix), 0
         persisted = self._commit(plan, cache, base_id)
@@ -398,13 +404,17 @@ class LocalCacheController:
                 # The commit released the base (supersedes); it is ours to delete at close.
                 self._released.add(base_id)
                 self._memory.pop(base_id, None)
-                self._params.pop(base_id, None)
         return self._handle(plan, source=source, written=written, reused=reused,
                             supersedes=base_id if persisted else None)
 
     def _commit(self, plan: _Plan, cache: Any, base_id: str | None) -> bool:
         n = len(plan.prefix)
-        objects, layout = self.backend.serialize(cache, n)
+        try:
+            objects, layout = self.backend.serialize(cache, n)
+        except Exception as exc:  # the cache still serves this process from memory
+            log.warning("cache could not be serialized, not persisted: %s", exc)
+            self._count(commit_failures=1)
+            return False
         meta = {"format": FORMAT, "identity": self.identity, "layout": layout,
                 "model": plan.params.model, "lead_segments": plan.lead_segments,
                 "includes": plan.params.includes().to_json(), **plan.prefix.to_meta()}
@@ -424,13 +434,20 @@ class LocalCacheController:
 
     def _remember(self, plan: _Plan, loaded: _Loaded) -> None:
         with self._lock:
-            self._params[plan.entry_id] = plan.params
+            self._know(plan.entry_id, plan.params)
             if self.memory_entries == 0:
                 return
             self._memory[plan.entry_id] = loaded
             self._memory.move_to_end(plan.entry_id)
             while len(self._memory) > self.memory_entries:
                 self._memory.popitem(last=False)
+
+    def _know(self, ref: str, params: CachePrepareParams) -> None:
+        """Remember which params a ref was prepared for (for ``generate(handle)``); bounded."""
+        self._params[ref] = params
+        self._params.move_to_end(ref)
+        while len(self._params) > MAX_KNOWN_PARAMS:
+            self._params.popitem(last=False)
 
     # -- loading ------------------------------------------------------------------------
 
@@ -542,9 +559,10 @@ class LocalCacheController:
         """Hint that ``ref`` is no longer needed: out of reuse at once (memory and store);
         its bytes are deleted by ``close()`` or store maintenance."""
         validate_entry_id(ref)
+        self._check_open()
         with self._lock:
+            # Params stay known so generate(handle) still works (cold) after a release.
             self._memory.pop(ref, None)
-            self._params.pop(ref, None)
             self._released.add(ref)
         try:
             self.store.release(ref)
@@ -621,22 +639,14 @@ class LocalCacheController:
         with self._lock:
             loaded = self._memory.get(handle.ref)
         if loaded is None:  # evicted from memory (or memory_entries=0): reload from disk
-            again = self.prepare(replace(params, read_only=True))
-            if again.ref != handle.ref:
+            plan = self._plan(params)
+            if plan is None or plan.entry_id != handle.ref:
                 return None, 0
-            with self._lock:
-                loaded = self._memory.get(handle.ref)
-            if loaded is None:
-                return self._reload_unremembered(handle, params, prompt_tokens)
+            loaded = self._load_exact(plan, touch=not params.read_only)
+            if loaded is None:  # released, deleted or corrupt meanwhile: run cold
+                return None, 0
+            self._remember(plan, loaded)
         return self._fit(loaded, prompt_tokens)
-
-    def _reload_unremembered(self, handle: CacheHandle, params: CachePrepareParams,
-                             prompt_tokens: list[int]) -> tuple[Any | None, int]:
-        plan = self._plan(params)
-        if plan is None or plan.entry_id != handle.ref:
-            return None, 0
-        loaded = self._load_exact(plan, touch=False)
-        return self._fit(loaded, prompt_tokens) if loaded is not None else (None, 0)
 
     def _fit(self, loaded: _Loaded, prompt_tokens: list[int]) -> tuple[Any | None, int]:
         """The cache and how many prompt tokens it covers, keeping at least one prompt

@@ -61,6 +61,12 @@ class CacheFormatError(ValueError):
     version is part of the identity), so only an inconsistent entry gets here.
     """
 
+    def __init__(self, message: str, *, fix: str = "nothing to do: it is a cache miss and "
+                 "the entry is rebuilt"):
+        super().__init__(f"{message}: {fix}")
+        self.message = message
+        self.fix = fix
+
 
 def cache_format(mlx_lm_version: str) -> str:
     """The on-disk cache format id for an mlx-lm version.
@@ -175,7 +181,7 @@ class MlxBackend:
             "mlx_lm_version": self.mlx_lm_version,
             "mlx_version": self.mlx_version,
             "cache_format": self.format,
-            "model": self.model_name,
+            "model": str(self.model_dir),
             "model_digest": model_digest(self.model_dir),
             "dtype": self.dtype,
             "device": self.device,
@@ -340,8 +346,7 @@ class MlxBackend:
         for name, want in expected.items():
             if layout.get(name) != want:
                 raise CacheFormatError(f"cache layout {name}={layout.get(name)!r} does not "
-                                       f"match this model ({want!r})",
-                                       fix="nothing to do: it is a miss and is rebuilt")
+                                       f"match this model ({want!r})")
 
     def deserialize(self, objects: Mapping[str, memoryview | bytes], layout: Mapping[str, Any],
                     token_count: int) -> list[Any]:

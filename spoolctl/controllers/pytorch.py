@@ -14,6 +14,8 @@ small accessors below but is not exercised by the test suite.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -27,6 +29,7 @@ from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheContr
 
 KV_OBJECT = "kv"
 DTYPES = ("float32", "float16", "bfloat16")
+MAX_HEADER = 16 << 20  # a KV header lists 2 tensors per layer: far below this
 PREFILL_CHUNK = 512  # tokens per forward: bounds attention memory on long prompts
 _HASH_BLOCK = 8 << 20
 # Files whose bytes define the model's outputs for given token ids.
@@ -202,8 +205,12 @@ class PyTorchBackend:
             for start in range(0, len(tokens), self.prefill_chunk):
                 chunk = torch.tensor([list(tokens[start:start + self.prefill_chunk])],
                                      dtype=torch.long, device=self.device)
+                before = self.length(cache)
+                # ``past_key_values=`` (not ``cache=``, which 5.19's forward silently drops).
                 out = self.model(input_ids=chunk, past_key_values=cache, use_cache=True,
                                  logits_to_keep=1)
+                if self.length(cache) != before + chunk.shape[1]:
+                    raise RuntimeError("the model did not extend the given KV cache")
                 logits = out.logits[0, -1]
         return logits
 
@@ -249,7 +256,7 @@ class PyTorchBackend:
             raise ValueError(f"stored layout {layout} does not match the model {self._layout()}")
         if set(objects) != {KV_OBJECT}:
             raise ValueError(f"expected one object {KV_OBJECT!r}, found {sorted(objects)}")
-        tensors = self._st.load(bytes(objects[KV_OBJECT]))
+        tensors = self._tensors_from(objects[KV_OBJECT])
         names = [f"{kind}{i}" for i in range(self.num_layers) for kind in ("k", "v")]
         if sorted(tensors) != sorted(names):
             raise ValueError("stored tensor names do not match the model's layers")
@@ -265,6 +272,42 @@ class PyTorchBackend:
         if self.length(cache) != token_count:
             raise ValueError("loaded cache length differs from the token count")
         return cache
+
+    def _tensors_from(self, data: memoryview) -> dict[str, Any]:
+        """Parse a safetensors buffer into tensors that VIEW it (no copy; the cache copies
+        once when it takes them). Strict: every offset, dtype and size is checked."""
+        torch = self._torch
+        dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+        if len(data) < 8:
+            raise ValueError("KV object too short for a safetensors header")
+        n = int.from_bytes(data[:8], "little")
+        if not 2 <= n <= min(len(data) - 8, MAX_HEADER):
+            raise ValueError("bad safetensors header length")
+        header = json.loads(bytes(data[8:8 + n]))
+        if not isinstance(header, dict):
+            raise ValueError("safetensors header is not an object")
+        body = len(data) - 8 - n
+        out: dict[str, Any] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+                raise ValueError(f"bad safetensors entry {name!r}")
+            dtype, shape, offsets = dtypes.get(info["dtype"]), info["shape"], info["data_offsets"]
+            if dtype is None:
+                raise ValueError(f"unsupported tensor dtype {info['dtype']!r}")
+            if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                    and isinstance(offsets, list) and len(offsets) == 2
+                    and all(isinstance(o, int) for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1] <= body):
+                raise ValueError(f"bad shape or offsets for tensor {name!r}")
+            numel = math.prod(shape)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if numel * itemsize != offsets[1] - offsets[0] or numel == 0:
+                raise ValueError(f"tensor {name!r} size does not match its shape")
+            out[name] = torch.frombuffer(data, dtype=dtype, count=numel,
+                                         offset=8 + n + offsets[0]).view(shape)
+        return out
 
     # -- generation ---------------------------------------------------------------------------
 

@@ -69,7 +69,9 @@ _COLUMNS = (
     "entry_id, kind, namespace, key, size, manifest_size, created, last_access, hint, state, "
     "supersedes, index_json"
 )
-SORTS = {"size": "size DESC", "age": "created ASC", "access": "last_access DESC"}
+SORTS = {"size": "size DESC", "age": "created ASC", "access": "last_access DESC",
+         # id order groups a deletion batch into few manifest fan-out directories (fsyncs)
+         "id": "entry_id ASC"}
 # The LRU clock is only moved when it is this stale, so hot lookups do not write.
 TOUCH_GRANULARITY = 30.0
 # A row whose index carries ``"remote_pending": true`` records a remote resource (a

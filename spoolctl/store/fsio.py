@@ -242,3 +242,38 @@ def probe_o_direct(directory: Path) -> bool:
     os.close(fd)
     _unlink_quietly(path)
     return True
+
+
+# Unlinks are independent metadata operations that release the GIL; on filesystems where
+# each one waits on the journal or an online discard (ext4 mounted with `discard`, common
+# on VMs) a few in flight at once are an order of magnitude faster than one at a time.
+UNLINK_WORKERS = 8
+_unlink_pool_lock = threading.Lock()
+_unlink_pool: ThreadPoolExecutor | None = None
+
+
+def _unlink_sized(path: Path) -> int | None:
+    """Unlink ``path``; return its size, or None if it was already gone."""
+    try:
+        size = os.lstat(path).st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    return size
+
+
+def unlink_many(paths: list[Path]) -> Iterable[int | None]:
+    """Unlink ``paths`` concurrently; yield, in order, each one's size (None if absent).
+
+    Results are yielded as they complete in order, so a caller can mark a checkpoint
+    after each; other unlinks may already be in flight at that moment.
+    """
+    global _unlink_pool
+    if len(paths) < 2 * UNLINK_WORKERS:
+        return (_unlink_sized(p) for p in paths)
+    with _unlink_pool_lock:
+        if _unlink_pool is None:
+            _unlink_pool = ThreadPoolExecutor(max_workers=UNLINK_WORKERS,
+                                              thread_name_prefix="spoolctl-unlink")
+        pool = _unlink_pool
+    return pool.map(_unlink_sized, paths)

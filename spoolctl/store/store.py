@@ -49,6 +49,7 @@ from .fsio import (
     io_error,
     read_small,
     read_verified,
+    unlink_many,
     write_tmp,
 )
 from .keys import (
@@ -666,7 +667,9 @@ class Store:
                     report.bytes = sum(r.size for r in rows)
                     report.entry_ids = [r.entry_id for r in rows]
                     return report
-                while rows := self.catalog.list(hint="release", sort="age", limit=DELETE_BATCH,
+                # Id order: each batch touches few manifest fan-out dirs, so it needs few
+                # directory fsyncs (10k released entries: ~256 instead of ~2,500).
+                while rows := self.catalog.list(hint="release", sort="id", limit=DELETE_BATCH,
                                                 skip_held=True):
                     report.add(self._delete_entries([r.entry_id for r in rows], "clean"))
                 return report
@@ -737,28 +740,25 @@ class Store:
         the exclusive maintenance lock."""
         report = DeleteReport(entries=len(entry_ids), entry_ids=list(entry_ids))
         dirs: set[Path] = set()
-        for entry_id in entry_ids:
-            path = self.layout.manifest_path(entry_id)
-            with contextlib.suppress(FileNotFoundError):
-                report.bytes += path.stat().st_size
-                os.unlink(path)
+        paths = [self.layout.manifest_path(entry_id) for entry_id in entry_ids]
+        for path, size in zip(paths, unlink_many(paths), strict=True):  # concurrent (fsio)
+            if size is not None:
+                report.bytes += size
                 dirs.add(path.parent)
             self.checkpoint(f"{step}.manifest_deleted")
         for d in dirs:
             fsync_dir(d)
         freed = self.catalog.delete_entries(entry_ids)
         self.checkpoint(f"{step}.catalog_deleted")
-        dirs.clear()
-        for digest, size in freed:
-            path = self.layout.object_path(digest)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                dirs.add(path.parent)
+        paths = [self.layout.object_path(digest) for digest, _size in freed]
+        for (_digest, size), gone in zip(freed, unlink_many(paths), strict=True):
+            if gone is not None:
                 report.objects += 1
                 report.bytes += size
             self.checkpoint(f"{step}.object_deleted")
-        for d in dirs:
-            fsync_dir(d)
+        # No fsync of the object directories: an object unlink lost in a crash leaves an
+        # unreferenced object, which orphan collection reclaims (the catalog deletion above
+        # is already durable). This halves the directory fsyncs of every deletion batch.
         return report
 
     def _resolve_pending(self) -> None:
