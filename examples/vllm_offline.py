@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
 
         get_kv_transfer_group().flush(timeout=60)
     else:
-        llm.llm_engine.engine_core.shutdown()  # workers drain pending stores, then exit
+        # Stop the engine processes; the connector's shutdown hook drains pending stores
+        # (bounded), so stores queued by the last request are not lost.
+        llm.llm_engine.engine_core.shutdown()
 
     from spoolctl.store import Store
 

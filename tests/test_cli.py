@@ -246,6 +246,13 @@ def test_request_auth_queued_for_live_owner(root: Path) -> None:
         got = cli_json("request-auth", ids[2], "--root", str(root), "--wait", "--timeout", "60",
                        expect=1)
         assert got["result"] == "quarantined" and got["via"] == "owner"
+        # A CLI scrub next to the worker's background scrub: they take turns on the scrub
+        # lock and share one cycle, so the bad entry is quarantined exactly once.
+        proc = cli("scrub", "--root", str(root), "--rate", "0", "--until-complete", "--json")
+        assert proc.returncode in (0, 1), proc.stderr
+        assert json.loads(proc.stdout)["cycle_completed"] is True
+        items = cli_json("quarantine", "ls", "--root", str(root))["items"]
+        assert [(i["entry_id"], i["reason"]) for i in items] == [(ids[2], "payload_digest")]
     finally:
         out, _ = owner.communicate("", timeout=60)
     assert owner.returncode == 0

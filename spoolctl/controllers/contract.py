@@ -97,6 +97,45 @@ class ToolDefinition:
                 "parameters": dict(self.parameters)}
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a vision-language prompt (used by the mlx-vlm controller only).
+
+    ``source`` is a local file path; ``before`` is the index, in instructions-then-data
+    order, of the element the image is placed in front of (``len(elements)`` = after
+    the last element). The key covers source and position; the VLM controller adds
+    the identity of the decoded, resized pixels, so a changed file never reuses an entry.
+    """
+
+    source: str
+    before: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ConfigError("image source must be a non-empty file path",
+                              fix="pass the path of a PNG/JPEG file")
+        if not isinstance(self.before, int) or isinstance(self.before, bool) or self.before < 0:
+            raise ConfigError(f"image position must be an integer >= 0, not {self.before!r}",
+                              fix="pass the index of the element the image precedes")
+
+    @classmethod
+    def coerce(cls, value: ImageInput | str | Mapping[str, Any]) -> ImageInput:
+        """Accept an ImageInput, a path (placed before the first element) or
+        ``{"source": PATH, "before": N}``."""
+        if isinstance(value, ImageInput):
+            return value
+        if isinstance(value, str):
+            return cls(source=value)
+        if isinstance(value, Mapping):
+            unknown = set(value) - {"source", "before"}
+            if unknown:
+                raise ConfigError(f"unknown image fields {sorted(unknown)}",
+                                  fix="an image has a 'source' path and an optional 'before'")
+            return cls(source=value.get("source", ""), before=value.get("before", 0))
+        raise ConfigError(f"cannot use a {type(value).__name__} as an image",
+                          fix="pass a file path or {'source': PATH, 'before': N}")
+
+
 def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -112,6 +151,11 @@ class CachePrepareParams:
     reasoning_effort: str | None = None
     read_only: bool = False
     formatter_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Images of a vision-language prompt (mlx-vlm controller); other controllers
+    #: ignore them. Part of the key only when present, so text keys are unchanged.
+    images: Sequence[ImageInput] = ()
+    #: Longest image edge (pixels) before the model's own preprocessing; None = as is.
+    max_image_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -126,6 +170,12 @@ class CachePrepareParams:
         if self.reasoning_effort is not None and self.reasoning_effort not in EFFORTS:
             raise ConfigError(f"unknown reasoning_effort {self.reasoning_effort!r}",
                               fix="use 'low', 'medium' or 'high'")
+        object.__setattr__(self, "images", tuple(ImageInput.coerce(i) for i in self.images))
+        if self.max_image_size is not None and (
+                not isinstance(self.max_image_size, int) or isinstance(self.max_image_size, bool)
+                or self.max_image_size < 1):
+            raise ConfigError(f"max_image_size must be a positive integer, not "
+                              f"{self.max_image_size!r}", fix="pass e.g. 448, or None")
         try:
             _canonical(dict(self.formatter_options))
         except (TypeError, ValueError):
@@ -177,10 +227,20 @@ class CachePrepareParams:
         return hash_parts(KEY_SCHEMA, b"group", self.model.encode(), self.tools_hash.encode(),
                           self.formatter_hash.encode(), (self.reasoning_effort or "").encode())
 
+    @property
+    def images_hash(self) -> str:
+        """Digest of the image sources, positions and resize setting ("" if no images)."""
+        if not self.images:
+            return ""
+        return hash_parts(b"images/v1", _canonical(
+            {"images": [[i.source, i.before] for i in self.images],
+             "max_image_size": self.max_image_size}))
+
     def key(self) -> str:
         """The cache key of these parameters (64 hex)."""
+        images = (self.images_hash.encode(),) if self.images else ()
         return hash_parts(KEY_SCHEMA, self.group_hash().encode(),
-                          *(h.encode() for h in self.element_hashes()))
+                          *(h.encode() for h in self.element_hashes()), *images)
 
     def has_cacheable_prefix(self) -> bool:
         instr, data = self.cacheable()

@@ -64,6 +64,10 @@ MAX_BASE_TRIES = 3
 MAX_KNOWN_PARAMS = 4096  # refs whose params generate(handle) can look up
 
 
+class _TransientReadError(Exception):
+    """The store could not read an entry right now (I/O, busy): not the entry's fault."""
+
+
 @runtime_checkable
 class KVBackend(Protocol):
     """What a framework adapter provides. All token ids are plain ``int``.
@@ -483,14 +487,22 @@ class LocalCacheController:
             prefix = self._prefix_of(manifest)
             if expect is not None and prefix != expect:
                 raise ValueError("cached token ids differ from the prompt's")
-            objects = self.store.read_all(manifest)
+            try:
+                objects = self.store.read_all(manifest)
+            except (CorruptionError, NotFoundError):
+                raise
+            except SpoolError as exc:
+                raise _TransientReadError(exc) from exc
+            # Any error from here on, SpoolError included, is a defect of the entry itself
+            # (its bytes verified but do not fit this model): quarantine it, so the next
+            # prepare rebuilds it instead of missing on it forever.
             cache = self.backend.deserialize(objects, dict(manifest.meta["layout"]), len(prefix))
             return _Loaded(cache, prefix)
         except (CorruptionError, NotFoundError) as exc:
             # The store has already quarantined a corrupt entry; a deleted one is a miss.
             log.warning("cache entry %s unusable: %s", manifest.entry_id[:12], exc)
-        except SpoolError as exc:  # I/O trouble: a miss, the entry may be fine later
-            log.warning("cache entry %s unreadable: %s", manifest.entry_id[:12], exc)
+        except _TransientReadError as exc:  # I/O trouble: a miss, the entry may be fine later
+            log.warning("cache entry %s unreadable: %s", manifest.entry_id[:12], exc.__cause__)
         except Exception as exc:  # any mismatch inside the payload or its description
             log.warning("cache entry %s rejected: %s", manifest.entry_id[:12], exc)
             if quarantine:
