@@ -77,3 +77,18 @@ def test_owner_lease_is_exclusive_and_dies_with_its_process(store_root: Path) ->
             lease.release()
     finally:
         proc.kill()
+
+
+def test_clean_tmp_never_removes_a_live_writers_file(store: Store) -> None:
+    live = store.layout.tmp / f"{os.getpid()}-{'a' * 16}.part"
+    live.write_bytes(b"in flight")
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    dead = store.layout.tmp / f"{dead_pid}-{'b' * 16}.part"
+    dead.write_bytes(b"abandoned")
+    report = store.clean_tmp(min_age=0)
+    assert live.exists() and not dead.exists() and report.files == 1
+    old = time.time() - 7200
+    os.utime(live, (old, old))
+    store.clean_tmp(min_age=0)
+    assert not live.exists()

@@ -101,6 +101,12 @@ def prefill_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="pytorch: float32, float16, bfloat16.")
                      ] = "float32",
     device: Annotated[str, typer.Option("--device", help="pytorch: cpu, cuda, mps...")] = "cpu",
+    image: Annotated[list[Path] | None, typer.Option(
+        "--image", help="mlx: an image placed before the prompt (repeatable); uses mlx-vlm.",
+        show_default=False)] = None,
+    max_image_size: Annotated[int | None, typer.Option(
+        "--max-image-size", help="mlx with --image: longest image edge in pixels.",
+        show_default=False)] = None,
     root: RootOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -127,6 +133,14 @@ def prefill_cmd(
         if not text:
             raise ConfigError("the prompt is empty", fix="pass a non-empty prompt")
         params = CachePrepareParams(model=str(model_dir), instructions=[text])
+    if max_image_size is not None and not image:
+        raise ConfigError("--max-image-size needs --image", fix="add --image FILE")
+    if image:
+        if backend != "mlx":
+            raise ConfigError("--image needs --backend mlx (mlx-vlm)",
+                              fix="add --backend mlx, or drop --image")
+        _prefill_vlm(model_dir, params, image or [], max_image_size, root, json_out)
+        return
     t0 = time.perf_counter()
     if backend == "pytorch":
         from spoolctl.controllers.pytorch import PyTorchBackend, quiet_frameworks
@@ -151,6 +165,42 @@ def prefill_cmd(
            "tokens_written": handle.written_tokens, "tokens_reused": handle.reused_tokens,
            "source": handle.source, "supersedes": handle.supersedes,
            "seconds": round(seconds, 4), "model_load_seconds": round(load_s, 4)}
+    _render_prefill(doc, json_out)
+
+
+def _prefill_vlm(model_dir: Path, params: Any, images: list[Path], max_image_size: int | None,
+                 root: Any, json_out: bool) -> None:
+    """``prefill --backend mlx --image FILE``: the mlx-vlm controller (images in the key)."""
+    import dataclasses
+
+    from spoolctl.controllers.mlx_vlm import MlxVlmBackend, MlxVlmCacheController
+
+    for path in images:
+        if not path.expanduser().is_file():
+            raise ConfigError("image file not found", path=path, fix="check the --image path")
+    params = dataclasses.replace(params, images=[str(p.expanduser().resolve()) for p in images],
+                                 max_image_size=max_image_size)
+    t0 = time.perf_counter()
+    kv = MlxVlmBackend(model_dir)
+    load_s = time.perf_counter() - t0
+    with MlxVlmCacheController(kv, resolve_root(root)) as ctl:
+        t1 = time.perf_counter()
+        handle = ctl.prepare(params)
+        seconds = time.perf_counter() - t1
+        store_root = str(ctl.store.root)
+    if not handle:
+        raise ConfigError("nothing to prefill: the prompt has no cacheable prefix",
+                          fix="mark fewer elements volatile")
+    doc = {"entry_id": handle.ref, "backend": "mlx", "model": str(model_dir),
+           "root": store_root, "tokens": handle.cached_tokens,
+           "tokens_written": handle.written_tokens, "tokens_reused": handle.reused_tokens,
+           "source": handle.source, "supersedes": handle.supersedes,
+           "images": len(params.images), "vlm_mode": "image" if params.images else "text",
+           "seconds": round(seconds, 4), "model_load_seconds": round(load_s, 4)}
+    _render_prefill(doc, json_out)
+
+
+def _render_prefill(doc: dict, json_out: bool) -> None:
     if json_out:
         emit_json(doc)
         return

@@ -71,6 +71,7 @@ T = TypeVar("T")
 LOW_WATERMARK = 0.9
 DEFAULT_LOCK_TIMEOUT = 60.0
 DEFAULT_ORPHAN_AGE = 3600.0
+LIVE_WRITER_GRACE = 3600.0
 DELETE_BATCH = 1000
 # Bounded work done inline after a commit; the rest is left to the next pass/cron.
 COMMIT_EVICTION_BUDGET = 256
@@ -774,7 +775,13 @@ class Store:
     def clean_tmp(
         self, *, min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False
     ) -> DeleteReport:
-        """Delete temp files older than ``min_age`` seconds or whose writer is dead."""
+        """Delete temp files whose writer is dead, or that are older than ``min_age``
+        seconds and whose writer is not a live process of this host.
+
+        A temp file of a live writer is kept unless it is older than an hour (a real
+        write takes seconds; only a reused pid can be that old), so ``min_age=0`` never
+        breaks a commit in flight.
+        """
         report = DeleteReport(dry_run=dry_run)
         now = time.time()
         for e in os.scandir(self.layout.tmp):
@@ -784,8 +791,9 @@ class Store:
             except FileNotFoundError:
                 continue
             writer = int(m.group(1)) if m else None
-            dead = writer is not None and writer != os.getpid() and not _pid_alive(writer)
-            if now - st.st_mtime < min_age and not dead:
+            alive = writer is None or writer == os.getpid() or _pid_alive(writer)
+            age = now - st.st_mtime
+            if alive and age < max(min_age, LIVE_WRITER_GRACE):
                 continue
             report.files += 1
             report.bytes += st.st_size
