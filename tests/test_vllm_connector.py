@@ -40,6 +40,7 @@ P2 = P1[:2 * CHUNK] + [rng.randrange(3, 500) for _ in range(2 * CHUNK + 10)]  # 
 P4 = [rng.randrange(3, 500) for _ in range(3 * CHUNK + 8)]  # 3 chunks; one gets corrupted
 P5 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 5)]  # only ever run with bypass
 P6 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 6)]  # its chunk 0 is re-stored as zeros
+P7 = [rng.randrange(3, 500) for _ in range(3 * CHUNK)]  # ends exactly on a chunk boundary
 
 
 def run_engine(job: dict, workdir: Path, name: str) -> dict:
@@ -78,6 +79,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         {"name": "p4", "tokens": P4},
         {"name": "p5_bypass", "tokens": P5, "bypass": True},
         {"name": "p6", "tokens": P6},
+        {"name": "p7", "tokens": P7},
     ]}, work, "A")
     entries_after_a = vllm_entries(root)
 
@@ -111,6 +113,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         {"name": "p1_bypass", "tokens": P1, "bypass": True},
         {"name": "p4", "tokens": P4},
         {"name": "p6", "tokens": P6},
+        {"name": "p7", "tokens": P7},
     ]}, work, "B")
 
     d = run_engine({**base, "root": str(small_root),
@@ -159,9 +162,15 @@ def test_metrics_on_vllm_registry_without_prompt_data(runs):
 
 
 def test_cold_run_stores_every_complete_chunk_and_bypass_stores_nothing(runs):
-    # P1 (4 chunks) + P1 with salt "a" (4) + P4 (3) + P6 (2); the bypassed P5 adds none.
-    assert runs["entries_after_a"] == 13
+    # P1 (4 chunks) + P1 salted (4) + P4 (3) + P6 (2) + P7 (3); the bypassed P5 adds none.
+    assert runs["entries_after_a"] == 16
     assert counter(runs["A"], "scheduler", m.LOOKUPS, result="bypass", reason="requested") == 1
+
+
+def test_prompt_ending_on_a_chunk_boundary_restores_all_but_its_last_token(runs):
+    a, b = runs["A"], runs["B"]
+    assert b["results"]["p7"]["num_cached_tokens"] == 3 * CHUNK - 1
+    assert b["results"]["p7"]["tokens"] == a["results"]["p7"]["tokens"]
 
 
 def test_shared_prefix_restores_exactly_the_shared_chunks(runs):

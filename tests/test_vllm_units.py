@@ -73,8 +73,9 @@ def test_longest_run():
 def test_hit_leaves_at_least_one_token_to_compute():
     p = Planner(chunk_tokens=64, block_size=32)
     keys = [f"{i:064x}" for i in range(4)]
-    # Prompt of exactly 4 chunks, all present: only 3 may be loaded.
-    assert p.lookup("r", keys, [True] * 4, 256, 0) == 192
+    # Prompt of exactly 4 chunks, all present: all but its last token are loaded.
+    assert p.lookup("r", keys, [True] * 4, 256, 0) == 255
+    assert p.lookup("r", keys, [True, True, True, False], 256, 0) == 192
     assert p.lookup("r", keys, [True] * 4, 257, 0) == 256
     assert p.lookup("r", keys, [True, False, True, True], 257, 0) == 64
     assert p.lookup("r", keys, [True] * 4, 257, 64) == 192  # vLLM already has chunk 0
@@ -98,6 +99,17 @@ def test_plan_loads_into_allocated_blocks_and_stores_new_chunks_once_computed():
     assert p.scheduled("r", None, replace=False, computed_after=261) == ([], [])
     p.finished("r")
     assert p.scheduled("r", blocks, replace=True, computed_after=300) == ([], [])
+
+
+def test_plan_load_ending_inside_the_last_chunk_copies_that_whole_chunk():
+    p = Planner(chunk_tokens=64, block_size=32)
+    keys = [f"{i:064x}" for i in range(2)]
+    ext = p.lookup("r", keys, [True, True], 128, 0)
+    assert ext == 127
+    p.allocated("r", ext)
+    loads, stores = p.scheduled("r", [4, 5, 6, 7], replace=True, computed_after=128)
+    assert [(ld.index, ld.block_ids) for ld in loads] == [(0, (4, 5)), (1, (6, 7))]
+    assert stores == []  # both chunks were present at lookup
 
 
 def test_plan_after_preemption_uses_the_new_blocks():

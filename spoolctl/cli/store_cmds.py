@@ -358,6 +358,10 @@ def clean_cmd(
     tmp: Annotated[bool, typer.Option("--tmp", help="Delete abandoned temp files.")] = False,
     capacity: Annotated[bool, typer.Option(
         "--capacity", help="Evict down to 90% of max size if over it.")] = False,
+    genai: Annotated[bool, typer.Option(
+        "--genai", help="First delete released/expired Gemini/Vertex caches on their server "
+        "(credentials from GEMINI_API_KEY/GOOGLE_API_KEY or Google default credentials).")] =
+        False,
     min_age: Annotated[str, typer.Option(
         "--min-age", help="Orphans and temp files must be this old (e.g. 1h).")] = "1h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report; change nothing.")] =
@@ -384,16 +388,35 @@ def clean_cmd(
             _clean_table(plan, True)
             if not typer.confirm("Delete these?", default=False):
                 raise typer.Exit(EXIT_OK)
+        remote = _clean_genai(store, genai, dry_run)  # before local cleanup: it settles holds
         result = _clean_plan(store, steps, dry_run, age)
     total = {k: sum(int(step.get(k, 0)) for step in result.values())
              for k in ("entries", "objects", "files", "bytes")}
-    doc = {"dry_run": dry_run, "steps": result, "total": total}
+    doc = {"dry_run": dry_run, "steps": result, "total": total, "genai": remote}
     if json_output:
         emit_json(doc)
     else:
         _clean_table(result, dry_run)
-    if result.get("orphans", {}).get("quarantined"):
+        for line in remote.get("lines", []):
+            console.print(line, markup=False)
+    if result.get("orphans", {}).get("quarantined") or remote.get("failed"):
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _clean_genai(store: Store, enabled: bool, dry_run: bool) -> dict[str, Any]:
+    """Server-side deletes owed by released/expired genai caches (``--genai``); without the
+    flag, only say what was skipped."""
+    from spoolctl.controllers.genai_records import pending_remote_deletes
+
+    if not enabled:
+        pending = pending_remote_deletes(store)
+        lines = [f"skipped {len(pending)} genai cache(s) still to delete on the server: "
+                 "rerun with --genai and credentials"] if pending else []
+        return {"skipped_pending": len(pending), "lines": lines}
+    from spoolctl.controllers.genai_clean import clean_remote
+
+    report = clean_remote(store, dry_run=dry_run)
+    return {**report.to_json(), "lines": report.lines()}
 
 
 def _clean_table(result: dict[str, Any], dry_run: bool) -> None:

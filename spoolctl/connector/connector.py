@@ -241,7 +241,7 @@ class SpoolConnector(KVConnectorBase_V1):
             full = sum(present[:usable]) == usable
             self._counters.inc(m.LOOKUPS, result="hit", reason="none" if full else "partial")
             self._counters.inc(m.HIT_TOKENS, ext)
-            hit_chunks = (num_computed_tokens + ext) // self._chunk
+            hit_chunks = -(-(num_computed_tokens + ext) // self._chunk)
             for store, ns in self._stores:
                 store.touch(entry_id_for(KIND, ns, k) for k in keys[:hit_chunks])
         else:

@@ -75,13 +75,20 @@ class Planner:
     ) -> int:
         """Record a lookup; return the tokens to load beyond ``num_computed``.
 
-        The hit is the run of present chunks from the start, cut so that at least
-        one prompt token is left to compute (vLLM needs one to sample from).
+        The hit is the run of present chunks from the start, cut so that at least one
+        prompt token is left to compute (vLLM needs one to sample from). When the prompt
+        ends exactly on a chunk boundary and that last chunk is present, everything but the
+        last token is loaded: the whole chunk is copied and vLLM's forward overwrites the
+        last token's slot.
         """
         if len(keys) != len(present):
             raise ValueError("keys and present must have the same length")
+        run = longest_run(present)
         usable = max(0, (num_prompt_tokens - 1) // self.chunk_tokens)
-        hit_tokens = min(longest_run(present), usable) * self.chunk_tokens
+        hit_tokens = min(run, usable) * self.chunk_tokens
+        if run > usable and num_prompt_tokens > 1 and \
+                num_prompt_tokens == (usable + 1) * self.chunk_tokens:
+            hit_tokens = num_prompt_tokens - 1
         self.requests[req_id] = RequestPlan(
             keys=list(keys), present=list(present), num_prompt_tokens=num_prompt_tokens,
             lookup_computed=num_computed)
@@ -127,7 +134,8 @@ class Planner:
         start, end = plan.load_range
         plan.load_range = None
         loads = []
-        for index in range(start // self.chunk_tokens, end // self.chunk_tokens):
+        # A load may end inside its last chunk (prompt's last token): copy that whole chunk.
+        for index in range(start // self.chunk_tokens, -(-end // self.chunk_tokens)):
             blocks = self._blocks_of(plan, index)
             if blocks is None:  # vLLM did not allocate what it asked for: load nothing more
                 break
