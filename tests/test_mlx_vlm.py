@@ -267,5 +267,23 @@ def test_prefill_cli_with_an_image(vlm_dir, images, tmp_path) -> None:
     assert json.loads(again.stdout)["entry_id"] == doc["entry_id"]
     with Store.open(root) as store:
         assert store.manifest(doc["entry_id"]).meta["vlm_mode"] == "image"
+    scrub = subprocess.run([SPOOLCTL, "scrub", "--root", str(root), "--json"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert scrub.returncode == 0 and json.loads(scrub.stdout)["quarantined"] == []
     missing = run("--image", str(tmp_path / "nope.png"))
     assert missing.returncode == 2 and "nope.png" in missing.stderr
+
+
+def test_read_only_never_writes_and_release_deletes_at_close(backend, vlm_dir, images,
+                                                             tmp_path) -> None:
+    root = tmp_path / "store"
+    p = image_params(str(vlm_dir), images["red"])
+    ro = image_params(str(vlm_dir), images["red"], read_only=True)
+    with MlxVlmCacheController(backend, root) as ctl:
+        assert not ctl.prepare(ro) and ctl.store.entries() == []
+        handle = ctl.prepare(p)
+        assert handle.source == "cold" and len(ctl.store.entries()) == 1
+        ctl.release(handle.ref)
+        assert not ctl.prepare(ro)  # released: out of reuse at once, even read-only
+    with Store.open(root) as store:
+        assert store.entries() == []

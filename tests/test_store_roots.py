@@ -140,6 +140,6 @@ def test_symlink_swapped_in_for_a_store_directory_is_refused(store_root: Path, t
     victim = store_root / sub
     shutil.rmtree(victim)
     victim.symlink_to(elsewhere)
-    with pytest.raises(RootError, match="symlink|directory"):
+    with pytest.raises(RootError, match=r"symlink|directory"):
         Store.open(store_root)
     assert list(elsewhere.iterdir()) == []

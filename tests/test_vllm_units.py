@@ -372,3 +372,21 @@ def test_stats_aggregate_and_prometheus_export():
     assert 'spoolctl_stores_skipped_total{engine="0",reason="capacity"} 1.0' in text
     assert 'spoolctl_restore_seconds_count{engine="0"} 1.0' in text
     assert 'spoolctl_store_bytes{engine="0"} 4096.0' in text
+
+
+def test_buffer_pool_hands_out_distinct_slots_and_takes_them_back():
+    torch = pytest.importorskip("torch")
+    from spoolctl.connector.kvio import BufferPool
+
+    pool = BufferPool(4096, slots=2)
+    a, b = pool.get(), pool.get()
+    assert a.numel() == b.numel() == 4096 and a.data_ptr() != b.data_ptr()
+    assert pool.get() is None  # exhausted: the caller skips, never blocks
+    a.fill_(7)
+    assert not b.any()  # slots do not overlap
+    pool.put(a)
+    with pytest.raises(ValueError):
+        pool.put(a)
+    with pytest.raises(ValueError):
+        pool.put(torch.empty(4096, dtype=torch.uint8))
+    assert pool.get().data_ptr() == a.data_ptr()

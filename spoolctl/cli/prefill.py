@@ -102,11 +102,11 @@ def prefill_cmd(
                      ] = "float32",
     device: Annotated[str, typer.Option("--device", help="pytorch: cpu, cuda, mps...")] = "cpu",
     image: Annotated[list[Path] | None, typer.Option(
-        "--image", help="mlx: an image placed before the prompt (repeatable); uses mlx-vlm.",
-        show_default=False)] = None,
+        "--image", metavar="<file>", show_default=False,
+        help="mlx: an image placed before the prompt (repeatable); uses mlx-vlm.")] = None,
     max_image_size: Annotated[int | None, typer.Option(
-        "--max-image-size", help="mlx with --image: longest image edge in pixels.",
-        show_default=False)] = None,
+        "--max-image-size", metavar="<pixels>", show_default=False,
+        help="mlx with --image: longest image edge in pixels.")] = None,
     root: RootOption = None,
     json_out: JsonOption = False,
 ) -> None:

@@ -53,7 +53,7 @@ from .settings import ConnectorSettings, parse_settings
 from .stats import ConnectorCounters
 
 if TYPE_CHECKING:
-    from .kvio import PagedKV
+    from .kvio import BufferPool, PagedKV
     from .writer import StoreWriter
 
 log = logging.getLogger("spoolctl.connector")
@@ -61,8 +61,10 @@ log = logging.getLogger("spoolctl.connector")
 KIND = "vllm"
 OBJECT = "kv"
 FLUSH_ON_SHUTDOWN_S = 30.0
-# Chunks read + verified ahead of the one being copied, and the threads doing it.
+# Chunks read + verified ahead of the one being copied (at most READ_AHEAD_BYTES), and the
+# threads doing it.
 READ_AHEAD = 8
+READ_AHEAD_BYTES = 256 << 20
 READ_THREADS = 4
 GAUGE_REFRESH_S = 15.0
 
@@ -140,6 +142,9 @@ class SpoolConnector(KVConnectorBase_V1):
         self._maint_last: dict[str, Any] = {}
         self._gauges_at = float("-inf")
         self._read_pool: ThreadPoolExecutor | None = None
+        self._read_ahead = READ_AHEAD
+        self._restore_bufs: BufferPool | None = None
+        self._capture_bufs: BufferPool | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(chunk_tokens=self._chunk, block_size=self._block_size)
             ident = self._identity
@@ -279,14 +284,19 @@ class SpoolConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        from .kvio import PagedKV
+        from .kvio import BufferPool, PagedKV
         from .writer import StoreWriter
 
-        self._kv = PagedKV(kv_caches, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
-                           blocks_per_chunk=self._chunk // self._block_size)
+        kv = self._kv = PagedKV(
+            kv_caches, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
+            blocks_per_chunk=self._chunk // self._block_size)
         self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
+        self._read_ahead = max(2, min(READ_AHEAD, READ_AHEAD_BYTES // kv.chunk_bytes))
+        self._restore_bufs = BufferPool(kv.chunk_bytes, slots=self._read_ahead)
+        # One slot per chunk the staging budget admits: a successful reserve() always finds one.
+        self._capture_bufs = BufferPool(
+            kv.chunk_bytes, slots=max(1, self._settings.staging_bytes // kv.chunk_bytes))
         store, ns = self._stores[0]
-        kv = self._kv
         summary = self._identity.summary()
 
         def put(key: str, payload: Any, meta: Any) -> None:
@@ -339,7 +349,7 @@ class SpoolConnector(KVConnectorBase_V1):
         it = iter(loads)
 
         def refill() -> None:
-            while len(pending) < READ_AHEAD:
+            while len(pending) < self._read_ahead:
                 load = next(it, None)
                 if load is None:
                     return
@@ -349,12 +359,14 @@ class SpoolConnector(KVConnectorBase_V1):
             refill()
             for pos, load in enumerate(loads):
                 buf, reason = pending.popleft().result()
-                if reason is None:
+                if buf is not None:
                     try:
                         kv.restore(buf, load.block_ids, load.skip)
                     except Exception:  # a copy bug must not take the worker down
                         log.exception("spoolctl: restore copy failed, recomputing")
                         reason = "unknown"
+                    finally:
+                        self._restore_bufs.put(buf)
                 if reason is not None:
                     # This chunk and every later one are recomputed by vLLM (it truncates the
                     # request at the first failed block); report them all, load nothing more.
@@ -365,8 +377,10 @@ class SpoolConnector(KVConnectorBase_V1):
                 restored += kv.chunk_bytes
                 refill()
         finally:
-            for fut in pending:  # bounded by READ_AHEAD; their buffers are discarded
-                fut.result()
+            for fut in pending:  # bounded by the read-ahead; their buffers are recycled
+                buf, _ = fut.result()
+                if buf is not None:
+                    self._restore_bufs.put(buf)
         if restored:
             self._counters.inc(m.RESTORE_BYTES, restored)
             self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - started)
@@ -388,8 +402,14 @@ class SpoolConnector(KVConnectorBase_V1):
                                        "KV layout does not match this deployment")
                 self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
                 return None, "manifest_validation"
-            buf = torch.empty(self._kv.chunk_bytes, dtype=torch.uint8)
-            store.read(manifest, OBJECT, into=memoryview(buf.numpy()))
+            buf = self._restore_bufs.get()
+            if buf is None:  # cannot happen: one slot per chunk in flight
+                return None, "unknown"
+            try:
+                store.read(manifest, OBJECT, into=memoryview(buf.numpy()))
+            except BaseException:
+                self._restore_bufs.put(buf)  # its contents are garbage, but reusable
+                raise
             return buf, None
         except CorruptionError as exc:
             self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
@@ -424,16 +444,23 @@ class SpoolConnector(KVConnectorBase_V1):
             nbytes = self._kv.chunk_bytes
             if not self._writer.reserve(op.key, nbytes):
                 continue
+            buf = self._capture_bufs.get()
+            if buf is None:  # more chunks in flight than slots: same as over budget
+                self._writer.cancel(op.key, nbytes)
+                self._counters.inc(m.STORES_SKIPPED, reason="budget")
+                continue
             try:
-                buf = torch.empty(nbytes, dtype=torch.uint8)
                 self._kv.capture(op.block_ids, buf)
             except Exception:
+                self._capture_bufs.put(buf)
                 self._writer.cancel(op.key, nbytes)
                 log.exception("spoolctl: could not capture a chunk; not stored")
                 self._counters.inc(m.STORES_SKIPPED, reason="io_error")
                 continue
             meta_doc = dict(self._meta_base, chunk_index=op.index)
-            self._writer.submit(PendingStore(op.key, memoryview(buf.numpy()), nbytes, meta_doc))
+            self._writer.submit(PendingStore(
+                op.key, memoryview(buf.numpy()), nbytes, meta_doc,
+                on_done=lambda buf=buf: self._capture_bufs.put(buf)))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -38,6 +38,7 @@ class PendingStore:
     payload: Any  # a buffer exporting the chunk bytes (memoryview-able)
     nbytes: int
     meta: Mapping[str, Any]
+    on_done: Callable[[], None] | None = None  # called once the payload is no longer used
 
 
 class StoreWriter:
@@ -99,6 +100,8 @@ class StoreWriter:
             try:
                 self._commit(item)
             finally:
+                if item.on_done is not None:
+                    item.on_done()
                 self._release(item.key, item.nbytes)
 
     def _commit(self, item: PendingStore) -> None:

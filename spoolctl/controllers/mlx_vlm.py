@@ -81,6 +81,21 @@ def snapshot_format(mlx_vlm_version: str) -> str:
     return f"mlx-vlm-{SNAPSHOT_LAYOUT}/{series}"
 
 
+@contextlib.contextmanager
+def _hub_offline():
+    """Keep mlx-vlm's processor helpers off the network while loading a local directory
+    (the Qwen helper otherwise asks the hub for an optional file); an explicit
+    ``HF_HUB_OFFLINE`` setting of the user wins, and the variable is restored after."""
+    previous = os.environ.get("HF_HUB_OFFLINE")
+    if previous is None:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+
+
 @dataclass
 class VlmSnapshot:
     """A loaded or prefilled prompt cache and the token ids it covers."""
@@ -119,7 +134,6 @@ class MlxVlmBackend:
     kind = KIND
 
     def __init__(self, model: str | os.PathLike[str]):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Qwen processor helper calls the hub
         try:
             import mlx.core as mx
             import mlx_vlm
@@ -145,7 +159,8 @@ class MlxVlmBackend:
         self.model_dir = self.model_dir.resolve()
         self._lock = threading.RLock()
         try:
-            self.model, self.processor = mlx_vlm.load(str(self.model_dir))
+            with _hub_offline():
+                self.model, self.processor = mlx_vlm.load(str(self.model_dir))
         except Exception as exc:  # mlx-vlm raises many types for an unusable directory
             raise ConfigError(f"mlx-vlm cannot load the model: {exc}", path=self.model_dir,
                               fix="pass a model directory mlx-vlm supports") from None
@@ -432,23 +447,29 @@ class MlxVlmCacheController(LocalCacheController):
                               fix="add cacheable instructions or data")
         return plan.entry_id
 
-    def _plan(self, params: CachePrepareParams) -> _VlmPlan | None:
-        if not params.has_cacheable_prefix() and not params.images:
-            return None
-        refs = images_in_prefix(params)
-        images = self.vlm.load_images(refs, params.max_image_size)
-        text = render_vlm(params, refs, self.vlm.placeholder, include_volatile=False)
-        if not text:
-            return None
-        encoded = self.vlm.encode(text, images)
-        if not encoded["ids"]:
-            return None
+    def _identify(self, params: CachePrepareParams
+                  ) -> tuple[str, str, str, tuple[NormalizedImage, ...], str]:
+        """(mode, namespace, key, prefix images, images digest) without tokenizing: what
+        decides which entry a request may use."""
+        images = self.vlm.load_images(images_in_prefix(params), params.max_image_size)
         mode = MODE_IMAGE if images else MODE_TEXT
         digest = images_digest([i.identity for i in images], params.max_image_size) \
             if images else ""
         key = hash_parts(b"spoolctl-vlm-key/v1", params.key().encode(), mode.encode(),
                          digest.encode())
-        namespace = self.namespaces[mode]
+        return mode, self.namespaces[mode], key, images, digest
+
+    def _plan(self, params: CachePrepareParams) -> _VlmPlan | None:
+        if not params.has_cacheable_prefix() and not params.images:
+            return None
+        mode, namespace, key, images, digest = self._identify(params)
+        text = render_vlm(params, images_in_prefix(params), self.vlm.placeholder,
+                          include_volatile=False)
+        if not text:
+            return None
+        encoded = self.vlm.encode(text, images)
+        if not encoded["ids"]:
+            return None
         return _VlmPlan(params=params, key=key, entry_id=entry_id_for(KIND, namespace, key),
                         prefix=TokenPrefix.from_segments([encoded["ids"]]),
                         group=params.group_hash(), elements=tuple(params.element_hashes()),
@@ -628,10 +649,10 @@ class MlxVlmCacheController(LocalCacheController):
 
     def _snapshot_for(self, handle: CacheHandle, params: CachePrepareParams,
                       prompt_ids: list[int]) -> VlmSnapshot | None:
-        if handle.ref is None:
+        if handle.ref is None or len(prompt_ids) < 2:
             return None
-        plan = self._plan(params)
-        if plan is None or plan.entry_id != handle.ref:
+        _, namespace, key, _, _ = self._identify(params)
+        if entry_id_for(KIND, namespace, key) != handle.ref:
             # Another mode (text-only ref for an image query or back), another image,
             # another text: never load it into this query.
             log.warning("cache %s does not belong to this prompt; running cold",
@@ -639,12 +660,16 @@ class MlxVlmCacheController(LocalCacheController):
             return None
         with self._lock:
             loaded = self._memory.get(handle.ref)
-        if loaded is None or loaded.prefix != plan.prefix:
+        if loaded is None:  # evicted, or memory_entries=0: reload from disk (verified)
+            plan = self._plan(params)
+            if plan is None or plan.entry_id != handle.ref:
+                return None
             loaded = self._load_exact(plan, touch=not params.read_only)
             if loaded is None:
                 return None
             self._remember(plan, loaded)
-        snap = loaded.cache
-        if not loaded.prefix.is_prefix_of(prompt_ids) or len(prompt_ids) < 2:
+        # The entry holds exactly the ids its key was prepared with; they must also be
+        # the leading ids of this prompt (tokenization across the boundary may differ).
+        if not loaded.prefix.is_prefix_of(prompt_ids):
             return None
-        return snap
+        return loaded.cache
