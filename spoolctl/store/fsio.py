@@ -53,6 +53,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def precreate_private(path: Path) -> None:
+    """Create ``path`` empty with mode 0600 if it does not exist (best effort).
+
+    For SQLite databases: SQLite creates a new database 0644 (less the umask) and gives its
+    -wal/-shm files the database's mode, so creating the file first keeps all three
+    private. Any error is left for SQLite's own open to report.
+    """
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, FILE_MODE))
+
+
 def tmp_name() -> str:
     """A unique in-flight file name that records the writer's pid (for abandonment checks)."""
     return f"{os.getpid()}-{secrets.token_hex(8)}.part"
@@ -86,25 +97,24 @@ def write_tmp(
     size = 0
     try:
         try:
-            pending = None
+            views = []
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
-                # Hash slice i on the helper thread while writing it: both release the GIL,
-                # so a commit costs about max(hash, write) instead of their sum.
-                for start in range(0, len(view), PIPE_CHUNK):
-                    piece = view[start:start + PIPE_CHUNK]
-                    if pending is not None:
-                        pending.result()
-                    pending = _pool().submit(hasher.update, piece)
-                    while piece:
-                        n = os.write(fd, piece)
-                        size += n
-                        piece = piece[n:]
-            if pending is not None:
-                pending.result()
+                views.append(view)
+                while view:
+                    n = os.write(fd, view)
+                    size += n
+                    view = view[n:]
             if checkpoint:
                 checkpoint("object.tmp_written")
-            full_fsync(fd)
+            # The bytes are in the page cache: flush them to disk on a helper thread while
+            # this thread hashes them, so a commit costs about write + max(fsync, hash).
+            flushed = _fsync_pool().submit(full_fsync, fd)
+            try:
+                for view in views:
+                    hasher.update(view)
+            finally:
+                flushed.result()
         finally:
             os.close(fd)
     except OSError as exc:
@@ -139,6 +149,19 @@ def read_small(path: Path, limit: int) -> bytes:
 
 _hash_pool_lock = threading.Lock()
 _hash_pool: ThreadPoolExecutor | None = None
+
+
+_fsync_pool_lock = threading.Lock()
+_fsync_executor: ThreadPoolExecutor | None = None
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    global _fsync_executor
+    with _fsync_pool_lock:
+        if _fsync_executor is None:
+            _fsync_executor = ThreadPoolExecutor(max_workers=4,
+                                                 thread_name_prefix="spoolctl-fsync")
+        return _fsync_executor
 
 
 def _pool() -> ThreadPoolExecutor:
