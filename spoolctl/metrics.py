@@ -44,7 +44,7 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "budget", "capacity", "io_error", "busy", "too_short", "exists", "shutdown",
         # quarantine reasons (spoolctl.store.QuarantineReason values)
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
-        "payload_missing", "object_collision", "catalog", "unknown",
+        "payload_missing", "object_collision", "catalog", "scrub_state", "unknown",
     }),
     "step": frozenset({"scrub", "capacity", "auth", "orphans", "tmp", "lease"}),
 }

@@ -513,6 +513,7 @@ def test_config_vllm(root: Path) -> None:
         "kv_connector": "SpoolConnector",
         "kv_connector_module_path": "spoolctl.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"spoolctl_root": str(root), "spoolctl_max_size": "200GiB"},
     }
     assert cli("config", "vllm", "--root", str(root), "--max-size", "lots").returncode == 2

@@ -390,3 +390,22 @@ def test_buffer_pool_hands_out_distinct_slots_and_takes_them_back():
     with pytest.raises(ValueError):
         pool.put(torch.empty(4096, dtype=torch.uint8))
     assert pool.get().data_ptr() == a.data_ptr()
+
+
+def test_block_runs_and_restore_with_skip_across_runs():
+    torch = pytest.importorskip("torch")
+    from spoolctl.connector.kvio import PagedKV, _runs
+
+    assert _runs([4, 5, 9, 10, 11, 2]) == [(0, 4, 2), (2, 9, 3), (5, 2, 1)]
+    assert _runs([]) == []
+    src = {"l": torch.randn(20, 2, 32, 8)}
+    dst = {"l": torch.zeros_like(src["l"])}
+    a = PagedKV(src, num_blocks=20, blocks_per_chunk=4)
+    b = PagedKV(dst, num_blocks=20, blocks_per_chunk=4)
+    buf = torch.empty(a.chunk_bytes, dtype=torch.uint8)
+    a.capture([3, 4, 8, 1], buf)
+    b.restore(buf, [10, 11, 15, 12], skip=1)
+    assert not dst["l"][10].any()  # skipped: computed locally
+    assert torch.equal(dst["l"][11], src["l"][4])
+    assert torch.equal(dst["l"][15], src["l"][8])
+    assert torch.equal(dst["l"][12], src["l"][1])

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 import typer
+from rich.markup import escape
 
 from spoolctl import __version__
 from spoolctl.store.errors import ConfigError, CorruptionError, NotFoundError, SpoolError
+from spoolctl.store.root import ALLOW_FOREIGN_ENV
 
 from .common import EXIT_FINDINGS, EXIT_USAGE, err_console
 
@@ -40,7 +43,13 @@ def _root_callback(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and debug logs."),
+    allow_foreign_owner: bool = typer.Option(
+        False, "--allow-foreign-owner",
+        help=f"Operate on a store root owned by another user (sets {ALLOW_FOREIGN_ENV}=1)."),
 ) -> None:
+    if allow_foreign_owner:
+        # The store reads this at every open; one switch for every command.
+        os.environ[ALLOW_FOREIGN_ENV] = "1"
     if debug:
         os.environ["SPOOLCTL_DEBUG"] = "1"
         logging.basicConfig(level=logging.DEBUG)
@@ -60,6 +69,15 @@ def _register() -> None:
 _register()
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _one_line(text: str) -> str:
+    """Error text safe to print: control characters (newlines, terminal escapes) from user
+    input are shown escaped, and rich markup in it is not interpreted."""
+    return escape(_CONTROL.sub(lambda m: repr(m.group())[1:-1], text))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -72,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     except SpoolError as exc:
         if debug:
             raise
-        err_console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {_one_line(str(exc))}", markup=True,
+                          highlight=False, soft_wrap=True)
         code = EXIT_FINDINGS if isinstance(exc, (CorruptionError, NotFoundError)) else EXIT_USAGE
         if isinstance(exc, ConfigError):
             code = EXIT_USAGE
@@ -91,13 +110,15 @@ def main(argv: list[str] | None = None) -> None:
             ctx = getattr(exc, "ctx", None)
             where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             if exc.format_message().strip():  # empty after a bare group printed its help
-                err_console.print(f"[red]error:[/red] {exc.format_message()}{where}",
+                err_console.print(f"[red]error:[/red] {_one_line(exc.format_message())}"
+                                  f"{_one_line(where)}",
                                   markup=True, highlight=False, soft_wrap=True)
             sys.exit(EXIT_USAGE)
         if isinstance(exc, click.exceptions.Exit):
             sys.exit(exc.exit_code)
         if debug:
             raise
-        err_console.print(f"[red]error:[/red] unexpected {type(exc).__name__}: {exc} "
+        err_console.print(f"[red]error:[/red] unexpected {type(exc).__name__}: "
+                          f"{_one_line(str(exc))} "
                           "(rerun with --debug for a traceback and report it)")
         sys.exit(EXIT_USAGE)

@@ -27,6 +27,9 @@ def kv_transfer_config(root: str, max_size: str | None) -> dict[str, Any]:
         "kv_connector": "SpoolConnector",
         "kv_connector_module_path": "spoolctl.connector",
         "kv_role": "kv_both",
+        # A chunk that fails verification at restore is reported as a load error; with
+        # "recompute" vLLM recomputes it (vLLM's default "fail" would fail the request).
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
 

@@ -91,30 +91,41 @@ class PagedKV:
             offset += n
         return views
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-
     def capture(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy the blocks ``block_ids`` of every layer into ``out`` (uint8, chunk_bytes)."""
         if len(block_ids) != self.blocks_per_chunk or out.numel() != self.chunk_bytes:
             raise ValueError("capture needs one whole chunk")
-        idx = self._index(block_ids)
         views = self._views(out, len(block_ids))
         for t, la, dst in zip(self.tensors, self.layers, views, strict=True):
-            if t.device.type == "cpu":
-                torch.index_select(t, la.block_dim, idx, out=dst)
-            else:
-                dst.copy_(torch.index_select(t, la.block_dim, idx))
+            # Runs of consecutive block ids are copied as one slice (plain memcpy); gathers
+            # (index_select) measured 10x slower inside vLLM's step on CPU.
+            for j, start, n in _runs(block_ids):
+                dst.narrow(la.block_dim, j, n).copy_(t.narrow(la.block_dim, start, n))
 
     def restore(self, src: torch.Tensor, block_ids: Sequence[int], skip: int = 0) -> None:
         """Copy a verified chunk buffer ``src`` into ``block_ids[skip:]`` of every layer."""
         if len(block_ids) != self.blocks_per_chunk or src.numel() != self.chunk_bytes:
             raise ValueError("restore needs one whole chunk")
-        idx = self._index(block_ids[skip:])
         views = self._views(src, len(block_ids))
         for t, la, view in zip(self.tensors, self.layers, views, strict=True):
-            part = view.narrow(la.block_dim, skip, len(block_ids) - skip)
-            t.index_copy_(la.block_dim, idx, part.to(t.device, non_blocking=False))
+            for j, start, n in _runs(block_ids):
+                lo, hi = max(j, skip), j + n
+                if lo >= hi:
+                    continue
+                t.narrow(la.block_dim, start + lo - j, hi - lo).copy_(
+                    view.narrow(la.block_dim, lo, hi - lo))
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split block ids into runs of consecutive ids: ``(position, first id, length)``."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            j, start, n = runs[-1]
+            runs[-1] = (j, start, n + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs
 
 
 class BufferPool:

@@ -64,6 +64,18 @@ MAX_BASE_TRIES = 3
 MAX_KNOWN_PARAMS = 4096  # refs whose params generate(handle) can look up
 
 
+def _safe(exc: BaseException) -> str:
+    """What a default (WARNING) log line may say about ``exc``.
+
+    Never an entry id or a store path: entry ids and object digests are derived from the
+    prompt, and logs travel further than the store (see docs/SECURITY.md). A SpoolError's
+    message carries no path (that is in ``exc.path``); other text is clipped.
+    """
+    if isinstance(exc, SpoolError):
+        return exc.message
+    return str(exc)[:200]
+
+
 class _TransientReadError(Exception):
     """The store could not read an entry right now (I/O, busy): not the entry's fault."""
 
@@ -245,7 +257,7 @@ class LocalCacheController:
             if self._managed is None and released:
                 self.store.delete_released(released)
         except SpoolError as exc:  # bytes stay released; `spoolctl clean` removes them
-            log.warning("could not delete released entries at close: %s", exc)
+            log.warning("could not delete released entries at close: %s", _safe(exc))
         finally:
             if self._owns_store:
                 self.store.close()
@@ -372,7 +384,7 @@ class LocalCacheController:
         except SpoolError as exc:
             if isinstance(exc, ConfigError):
                 raise
-            log.warning("prepare fell back to a cold run: %s", exc)
+            log.warning("prepare fell back to a cold run: %s", _safe(exc))
             return CacheHandle.empty()
 
     def _prepare_locked(self, plan: _Plan) -> CacheHandle:
@@ -389,8 +401,8 @@ class LocalCacheController:
                     cache = self.backend.prefill(cache, suffix)
                 source, written, reused = "incremental", len(suffix), keep
             except Exception as exc:  # a base the model cannot extend: start over cold
-                log.warning("incremental prefill on %s failed, prefilling cold: %s",
-                            base_id[:12], exc)
+                log.warning("incremental prefill on a base failed, prefilling cold: %s",
+                            _safe(exc))
                 based = None
         if based is None:
             cache = self.backend.prefill(self.backend.new_cache(), list(plan.prefix.tokens))
@@ -428,7 +440,7 @@ class LocalCacheController:
                            objects=objects, meta=meta, index=index, supersedes=base_id)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
-            log.warning("cache not persisted (%s); serving it from memory", exc)
+            log.warning("cache not persisted (%s); serving it from memory", _safe(exc))
             self._count(commit_failures=1)
             return False
         with self._lock:
@@ -459,7 +471,7 @@ class LocalCacheController:
         try:
             manifest = self.store.lookup(self.kind, self.namespace, plan.key, touch=touch)
         except SpoolError as exc:
-            log.warning("cache lookup failed, treating as a miss: %s", exc)
+            log.warning("cache lookup failed, treating as a miss: %s", _safe(exc))
             return None
         if manifest is None:
             return None
@@ -500,11 +512,13 @@ class LocalCacheController:
             return _Loaded(cache, prefix)
         except (CorruptionError, NotFoundError) as exc:
             # The store has already quarantined a corrupt entry; a deleted one is a miss.
-            log.warning("cache entry %s unusable: %s", manifest.entry_id[:12], exc)
+            log.warning("cache entry unusable, treated as a miss: %s", _safe(exc))
+            log.debug("unusable entry: %s (%s)", manifest.entry_id, exc)
         except _TransientReadError as exc:  # I/O trouble: a miss, the entry may be fine later
-            log.warning("cache entry %s unreadable: %s", manifest.entry_id[:12], exc.__cause__)
+            log.warning("cache entry unreadable, treated as a miss: %s", _safe(exc.__cause__))
         except Exception as exc:  # any mismatch inside the payload or its description
-            log.warning("cache entry %s rejected: %s", manifest.entry_id[:12], exc)
+            log.warning("cache entry rejected, treated as a miss: %s", _safe(exc))
+            log.debug("rejected entry: %s", manifest.entry_id)
             if quarantine:
                 with contextlib.suppress(SpoolError):
                     self.store.quarantine_entry(manifest.entry_id,
@@ -525,7 +539,7 @@ class LocalCacheController:
         try:
             rows = self.store.entries(kind=self.kind, namespace=self.namespace, hint="retain")
         except SpoolError as exc:
-            log.warning("base selection skipped: %s", exc)
+            log.warning("base selection skipped: %s", _safe(exc))
             return None
         candidates = rank_bases([(r.entry_id, r.key, r.index) for r in rows],
                                 group=plan.group, elements=plan.elements,
@@ -560,7 +574,7 @@ class LocalCacheController:
                 if keep < base_len:
                     cache = self.backend.trim(cache, keep)
             except Exception as exc:
-                log.warning("could not trim base %s: %s", cand.entry_id[:12], exc)
+                log.warning("could not trim a base: %s", _safe(exc))
                 continue
             return cache, keep, cand.entry_id
         return None
@@ -581,7 +595,7 @@ class LocalCacheController:
         except SpoolError as exc:
             if isinstance(exc, ConfigError):
                 raise
-            log.warning("release of %s not recorded: %s", ref[:12], exc)
+            log.warning("a release was not recorded: %s", _safe(exc))
 
     # -- generate ----------------------------------------------------------------------------
 

@@ -124,7 +124,7 @@ def _safetensors_header(data: memoryview) -> dict[str, Any]:
         raise CacheFormatError("cache file header length is out of range")
     try:
         header = json.loads(bytes(data[8:8 + size]))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: deep nesting
         raise CacheFormatError("cache file header is not JSON") from None
     if not isinstance(header, dict):
         raise CacheFormatError("cache file header is not an object")
@@ -368,9 +368,13 @@ class MlxBackend:
         shape_k = (1, self.kv_heads, token_count, self.k_head_dim)
         shape_v = (1, self.kv_heads, token_count, self.v_head_dim)
         for c in cache:
-            if type(c).__name__ != "KVCache" or int(c.offset) != token_count or \
-                    tuple(c.keys.shape) != shape_k or tuple(c.values.shape) != shape_v or \
-                    _dtype_name(c.keys.dtype) != self.dtype:
+            try:
+                ok = type(c).__name__ == "KVCache" and int(c.offset) == token_count and \
+                    tuple(c.keys.shape) == shape_k and tuple(c.values.shape) == shape_v and \
+                    _dtype_name(c.keys.dtype) == self.dtype
+            except (AttributeError, TypeError, ValueError):  # a tensor missing from the file
+                ok = False
+            if not ok:
                 raise CacheFormatError("loaded cache does not match its layout")
         if len(cache) != self.num_layers:
             raise CacheFormatError("loaded cache has the wrong number of layers")

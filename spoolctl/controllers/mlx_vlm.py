@@ -578,7 +578,10 @@ class MlxVlmCacheController(LocalCacheController):
         return loaded
 
     def _reject(self, entry_id: str, exc: Exception, quarantine: bool) -> None:
-        log.warning("VLM cache entry %s rejected: %s", entry_id[:12], exc)
+        # No entry id in default logs: it is derived from the prompt (docs/SECURITY.md).
+        log.warning("VLM cache entry rejected, treated as a miss: %s",
+                    exc.message if isinstance(exc, SpoolError) else str(exc)[:200])
+        log.debug("rejected VLM entry: %s", entry_id)
         self._count(load_failures=1)
         with self._lock:
             self._memory.pop(entry_id, None)
@@ -655,8 +658,7 @@ class MlxVlmCacheController(LocalCacheController):
         if entry_id_for(KIND, namespace, key) != handle.ref:
             # Another mode (text-only ref for an image query or back), another image,
             # another text: never load it into this query.
-            log.warning("cache %s does not belong to this prompt; running cold",
-                        handle.ref[:12])
+            log.warning("the cache handle does not belong to this prompt; running cold")
             return None
         with self._lock:
             loaded = self._memory.get(handle.ref)

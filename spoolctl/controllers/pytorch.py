@@ -283,7 +283,10 @@ class PyTorchBackend:
         n = int.from_bytes(data[:8], "little")
         if not 2 <= n <= min(len(data) - 8, MAX_HEADER):
             raise ValueError("bad safetensors header length")
-        header = json.loads(bytes(data[8:8 + n]))
+        try:
+            header = json.loads(bytes(data[8:8 + n]))
+        except RecursionError:  # absurdly deep nesting: hostile, not a cache we wrote
+            raise ValueError("safetensors header is nested too deeply") from None
         if not isinstance(header, dict):
             raise ValueError("safetensors header is not an object")
         body = len(data) - 8 - n
@@ -293,9 +296,11 @@ class PyTorchBackend:
                 continue
             if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
                 raise ValueError(f"bad safetensors entry {name!r}")
-            dtype, shape, offsets = dtypes.get(info["dtype"]), info["shape"], info["data_offsets"]
+            # only a str can name a dtype (a list or dict here is unhashable, not a miss)
+            dtype = dtypes.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+            shape, offsets = info["shape"], info["data_offsets"]
             if dtype is None:
-                raise ValueError(f"unsupported tensor dtype {info['dtype']!r}")
+                raise ValueError(f"unsupported tensor dtype {str(info['dtype'])[:20]!r}")
             if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
                     and isinstance(offsets, list) and len(offsets) == 2
                     and all(isinstance(o, int) for o in offsets)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from .errors import CorruptionError, InvalidIdError, NotFoundError
+from .fsio import precreate_private
 from .keys import validate_entry_id
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class AuthQueue:
 
     def __init__(self, path: Path):
         self.path = path
+        precreate_private(path)  # SQLite would create it 0644
         self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None,
                                    check_same_thread=False)
         try:

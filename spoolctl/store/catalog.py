@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .fsio import precreate_private
 from .manifest import Manifest
 
 SCHEMA_VERSION = "1"
@@ -124,6 +125,7 @@ class Catalog:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.RLock()
+        precreate_private(path)  # SQLite would create it 0644
         self._db = sqlite3.connect(
             str(path), timeout=60, isolation_level=None, check_same_thread=False
         )

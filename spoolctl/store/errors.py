@@ -20,6 +20,7 @@ class QuarantineReason(str, enum.Enum):
     PAYLOAD_MISSING = "payload_missing"
     OBJECT_COLLISION = "object_collision"
     CATALOG = "catalog"
+    SCRUB_STATE = "scrub_state"  # state/scrub.sqlite3 unreadable: quarantined and reset
     UNKNOWN = "unknown"
 
 

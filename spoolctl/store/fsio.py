@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 import sys
 import threading
 from collections.abc import Iterable
@@ -64,6 +65,24 @@ def precreate_private(path: Path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, FILE_MODE))
 
 
+def ensure_real_dirs(root: Path, directory: Path) -> None:
+    """Raise OSError(ELOOP) unless ``root`` and every directory from it down to
+    ``directory`` is a real directory, not a symlink.
+
+    Called just before each write into the store, so a directory swapped for a link
+    *after* the store was opened (TOCTOU) never redirects a write outside the root.
+    This narrows the race to the moment between this check and the write; dir-fd based
+    I/O (openat) would close it completely (docs/SECURITY.md).
+    """
+    current = root
+    for part in ("", *directory.relative_to(root).parts):
+        current = current / part if part else current
+        st = os.lstat(current)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ELOOP, "store directory replaced by a symlink or file",
+                          str(current))
+
+
 def tmp_name() -> str:
     """A unique in-flight file name that records the writer's pid (for abandonment checks)."""
     return f"{os.getpid()}-{secrets.token_hex(8)}.part"
@@ -75,6 +94,8 @@ def io_error(exc: OSError, what: str, path: Path) -> StoreIOError:
         errno.EDQUOT: "raise the disk quota or lower the store's max size",
         errno.EROFS: "remount the filesystem read-write",
         errno.EACCES: "check the store's owner and permissions (`spoolctl doctor`)",
+        errno.ELOOP: "a store directory was swapped for a symlink: inspect the store "
+                     "before using it again",
     }.get(exc.errno or 0, "check the disk (`spoolctl doctor`, dmesg)")
     return StoreIOError(f"{what} failed: {os.strerror(exc.errno or 0)}", path=path, fix=fix)
 
@@ -90,6 +111,7 @@ def write_tmp(
     path = tmp_dir / tmp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
     try:
+        ensure_real_dirs(tmp_dir.parent, tmp_dir)
         fd = os.open(path, flags, FILE_MODE)
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InvalidIdError, NotFoundError, QuarantineReason
-from .fsio import DIR_MODE, fsync_dir, write_tmp
+from .fsio import DIR_MODE, ensure_real_dirs, fsync_dir, io_error, write_tmp
 
 SCHEMA = "spoolctl-quarantine/v1"
 REASON_FILE = "reason.json"
@@ -81,6 +81,10 @@ class Quarantine:
             + f"-{reason.value}-{secrets.token_hex(4)}"
         )
         item = self.directory / item_id
+        try:
+            ensure_real_dirs(self.directory.parent, self.directory)  # no redirected evidence
+        except OSError as exc:
+            raise io_error(exc, "quarantining", self.directory) from exc
         os.mkdir(item, DIR_MODE)
         doc = {
             "schema": SCHEMA, "item": item_id, "reason": reason.value, "detail": detail[:500],

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -36,13 +38,16 @@ from typing import TYPE_CHECKING
 from . import faults
 from .digest import Hasher
 from .errors import BusyError, CorruptionError, NotFoundError, QuarantineReason, StoreIOError
-from .fsio import open_for_read
+from .fsio import open_for_read, precreate_private
 from .locks import try_hold
 
 if TYPE_CHECKING:
     from .store import Store
 
+log = logging.getLogger("spoolctl.store")
+
 SCRUB_DB = "scrub.sqlite3"
+_ID_OR_EMPTY = re.compile(r"(?:[0-9a-f]{64})?")
 SCRUB_LOCK = "scrub.lock"
 BATCH = 256
 CHUNK = 1 << 20
@@ -131,6 +136,7 @@ class ScrubState:
 
     def __init__(self, path: Path):
         self.path = path
+        precreate_private(path)  # SQLite would create it 0644
         self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None,
                                    check_same_thread=False)
         try:
@@ -165,6 +171,51 @@ class ScrubState:
 
     def close(self) -> None:
         self._db.close()
+
+    def check(self) -> None:
+        """Raise ``sqlite3.DatabaseError`` unless the file is sound and the open cycle's
+        cursor and in-flight id are well formed (a corrupt page can read as a bogus row)."""
+        result = self._db.execute("PRAGMA quick_check").fetchone()
+        if not result or result[0] != "ok":
+            raise sqlite3.DatabaseError(f"scrub state failed quick_check: {result}")
+        cur = self.current()
+        if cur is not None and not (
+                isinstance(cur.started, float) and isinstance(cur.cursor, str)
+                and _ID_OR_EMPTY.fullmatch(cur.cursor)
+                and (cur.inflight is None or (isinstance(cur.inflight, str)
+                                              and _ID_OR_EMPTY.fullmatch(cur.inflight)))):
+            raise sqlite3.DatabaseError("scrub state holds a malformed cycle row")
+
+    @classmethod
+    def open_checked(cls, store: Store) -> ScrubState:
+        """Open the progress database for a scrubber (which holds ``scrub.lock``).
+
+        A corrupt or malformed database is quarantined (reason ``scrub_state``) and a
+        fresh one started: progress is advisory, so the worst outcome is one cycle that
+        starts over; every entry is still verified. Transient errors raise StoreIOError.
+        """
+        from .store import _is_catalog_corruption
+
+        path = store.layout.state / SCRUB_DB
+        try:
+            state = cls(path)
+            try:
+                state.check()
+            except BaseException:
+                state.close()
+                raise
+            return state
+        except sqlite3.DatabaseError as exc:
+            if not _is_catalog_corruption(exc):
+                raise StoreIOError(f"scrub state unavailable: {exc}", path=path,
+                                   fix="check free space and the disk (`spoolctl doctor`)"
+                                   ) from None
+            why = f"scrub state unreadable: {exc}"
+        files = [(path.with_name(SCRUB_DB + suffix), "scrub_state")
+                 for suffix in ("", "-wal", "-shm")]
+        store.quarantine.add(QuarantineReason.SCRUB_STATE, why, files)
+        log.warning("scrub progress database quarantined and reset: %s", why)
+        return cls(path)
 
     def _cycle(self, where: str) -> Cycle | None:
         row = self._db.execute(
@@ -310,7 +361,7 @@ class Scrubber:
         with self._exclusive(wait) as held:
             if not held:
                 return None
-            state = ScrubState.of(self.store)
+            state = ScrubState.open_checked(self.store)
             try:
                 report = self._run(state, max_items, until_complete, should_stop, progress)
             finally:

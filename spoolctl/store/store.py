@@ -44,6 +44,7 @@ from .errors import (
     StoreIOError,
 )
 from .fsio import (
+    ensure_real_dirs,
     fsync_dir,
     hash_file,
     io_error,
@@ -373,6 +374,7 @@ class Store:
                 tmp, _, _ = write_tmp(self.layout.tmp, [data])
                 try:
                     self.checkpoint("manifest.tmp_written")
+                    ensure_real_dirs(self.root, final.parent)
                     os.replace(tmp, final)
                     published = True
                     self.checkpoint("manifest.published")
@@ -424,6 +426,7 @@ class Store:
         final = self.layout.object_path(digest)
         try:
             self.checkpoint("object.fsynced")
+            ensure_real_dirs(self.root, final.parent)
             if os.path.lexists(final):
                 if self._existing_object_ok(final, digest, size):
                     os.unlink(tmp)

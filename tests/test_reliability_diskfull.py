@@ -1,0 +1,123 @@
+"""Disk full and I/O errors under a controller: ENOSPC on a real, small tmpfs and EIO/ENOSPC
+injected at each store step during a PyTorch ``prepare``. The request never fails: the
+cache is served from memory with the same greedy tokens, the failure is counted, nothing
+partial is visible, and once the disk is healthy the next prepare commits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from spoolctl.store import Store, faults
+
+pytest.importorskip("transformers")
+
+POINTS = ["object.tmp_written", "object.fsynced", "object.published", "catalog.intent",
+          "manifest.tmp_written", "manifest.published"]
+QUESTION = "When does the pump start?"
+
+
+def _params(n: int = 1):
+    from spoolctl.controllers import CachePrepareParams
+
+    return CachePrepareParams(model="tiny", instructions=["Answer from the manual."],
+                              data=[f"Manual {n}: the pump starts when the tank is full. " * 6])
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir: Path):
+    from spoolctl.controllers.pytorch import PyTorchBackend
+
+    return PyTorchBackend(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def cold(backend):
+    from spoolctl.controllers.pytorch import PyTorchCacheController
+
+    with PyTorchCacheController(backend, None) as ctl:
+        return ctl.generate(_params(), QUESTION, 6).tokens
+
+
+def _consistent(root: Path) -> None:
+    with Store.open(root) as store:
+        for row in store.entries(include_pending=True):
+            assert row.state == "committed"
+            m = store.manifest(row.entry_id)
+            store.read_all(m)
+        store.collect_orphans(min_age=0)
+        assert list(store.layout.tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("code", ["EIO", "ENOSPC"])
+@pytest.mark.parametrize("point", POINTS)
+def test_injected_error_during_prepare(backend, cold, store_root: Path, monkeypatch,
+                                       point: str, code: str) -> None:
+    from spoolctl.controllers.pytorch import PyTorchCacheController
+
+    monkeypatch.setenv(faults.FAIL_ENV, f"{point}:{code}")
+    faults.reload()
+    try:
+        with PyTorchCacheController(backend, str(store_root)) as ctl:
+            handle = ctl.prepare(_params())
+            assert handle.source == "cold" and ctl.stats()["commit_failures"] == 1
+            assert ctl.generate(_params(), QUESTION, 6).tokens == cold
+    finally:
+        monkeypatch.delenv(faults.FAIL_ENV)
+        faults.reload()
+    _consistent(store_root)
+    with Store.open(store_root) as store:
+        assert store.entries() == [] or point == "manifest.published"
+    with PyTorchCacheController(backend, str(store_root)) as ctl:
+        assert ctl.prepare(_params()).source in ("cold", "disk")
+    with PyTorchCacheController(backend, str(store_root)) as ctl:
+        assert ctl.prepare(_params()).source == "disk"
+        assert ctl.generate(_params(), QUESTION, 6).tokens == cold
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A 1 MiB tmpfs mounted for this test (root only; skipped where mounting is refused)."""
+    mnt = Path(os.path.realpath(tmp_path)) / f"fs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_real_full_filesystem_under_a_controller(backend, small_fs: Path) -> None:
+    from spoolctl.controllers.pytorch import PyTorchCacheController
+
+    root = small_fs / "store"
+    with PyTorchCacheController(backend, str(root)) as ctl:
+        assert ctl.prepare(_params(0)).source == "cold"  # fits
+    filler = small_fs / "other-tenant.bin"
+    free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+    filler.write_bytes(b"\0" * max(free - 4096, 0))
+    with PyTorchCacheController(backend, str(root)) as ctl:
+        tokens = {}
+        for n in (1, 2, 3):
+            handle = ctl.prepare(_params(n))  # never raises on a full disk
+            assert handle.source == "cold"
+            tokens[n] = ctl.generate(_params(n), QUESTION, 4).tokens
+        assert ctl.stats()["commit_failures"] >= 1
+    filler.unlink()
+    _consistent(root)
+    with PyTorchCacheController(backend, str(root)) as ctl:
+        assert ctl.prepare(_params(0)).source == "disk"  # committed before: not lost
+        for n in (1, 2, 3):
+            ctl.prepare(_params(n))
+            assert ctl.generate(_params(n), QUESTION, 4).tokens == tokens[n]
+    with PyTorchCacheController(backend, None) as ctl:  # and those tokens are right
+        assert all(ctl.generate(_params(n), QUESTION, 4).tokens == tokens[n] for n in (1, 2, 3))
