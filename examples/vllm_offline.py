@@ -87,12 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         # (bounded), so stores queued by the last request are not lost.
         llm.llm_engine.engine_core.shutdown()
 
+    from pathlib import Path
+
     from spoolctl.store import Store
 
-    with Store.open(args.root) as store:
-        totals = store.totals()
-    print(json.dumps({"results": results,
-                      "store": {"entries": totals.entries, "bytes": totals.bytes}}))
+    # Each rank has its own store: <root>/<deployment digest>/rank-<NNNN>.
+    entries = nbytes = 0
+    for rank_root in sorted(Path(args.root).glob("*/rank-*")):
+        with Store.open(str(rank_root)) as store:
+            totals = store.totals()
+        entries, nbytes = entries + totals.entries, nbytes + totals.bytes
+    print(json.dumps({"results": results, "store": {"entries": entries, "bytes": nbytes}}))
     sys.stdout.flush()
     if args.single_process:
         os._exit(0)  # skip the in-process engine's slow teardown; stores are committed

@@ -6,20 +6,16 @@
 # spoolctl must be installed in vLLM's own environment (pip install spoolctl). With it,
 # vLLM's plugin entry point registers the name "SpoolConnector"; the explicit
 # kv_connector_module_path below also works on a vLLM that does not load plugins.
-# One store per rank: with tensor/pipeline parallelism put {rank} (or {tp_rank}/{pp_rank})
-# in the root, e.g. /nvme/spool/rank{rank}.
+# One store per rank is automatic: each worker uses
+# $SPOOL_ROOT/<deployment digest>/rank-<NNNN> (from vLLM's TP/PP config). Use the same
+# local-disk SPOOL_ROOT on every host; `spoolctl status --root $SPOOL_ROOT/<digest>` shows all
+# ranks of this host and flags ranks that disagree.
 set -euo pipefail
 
 MODEL="${MODEL:?set MODEL to a local model directory or a Hugging Face id}"
 SPOOL_ROOT="${SPOOL_ROOT:-/var/cache/spoolctl/vllm}"
 MAX_SIZE="${MAX_SIZE:-200GiB}"
 TP="${TP:-1}"
-
-if [ "$TP" -gt 1 ]; then
-  ROOT_TEMPLATE="$SPOOL_ROOT/rank{rank}"
-else
-  ROOT_TEMPLATE="$SPOOL_ROOT"
-fi
 
 # `spoolctl config vllm` checks the root and the size and prints the JSON document;
 # kv_load_failure_policy=recompute makes a corrupt chunk a recompute, never a failed request.
@@ -28,7 +24,7 @@ import json, sys
 doc = json.load(sys.stdin)
 doc["kv_connector_extra_config"]["spoolctl_root"] = sys.argv[1]
 doc["kv_load_failure_policy"] = "recompute"
-print(json.dumps(doc))' "$ROOT_TEMPLATE")
+print(json.dumps(doc))' "$SPOOL_ROOT")
 
 echo "kv-transfer-config: $KV_CONFIG" >&2
 exec vllm serve "$MODEL" \

@@ -81,6 +81,8 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         {"name": "p6", "tokens": P6},
         {"name": "p7", "tokens": P7},
     ]}, work, "A")
+    # The engine was given the base directory; its (only) rank store lives under it.
+    base_root, root = root, Path(a["store_root"])
     entries_after_a = vllm_entries(root)
 
     # Flip one byte in the middle of P4's second chunk object.
@@ -105,7 +107,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         store.put(kind="vllm", namespace=ns, key=tamper_keys[0],
                   objects={"kv": bytes(tampered.object("kv").size)}, meta=tampered.meta)
 
-    b = run_engine({**base, "root": str(root), "metrics": True, "requests": [
+    b = run_engine({**base, "root": str(base_root), "metrics": True, "requests": [
         {"name": "p1", "tokens": P1},
         {"name": "p2", "tokens": P2},
         {"name": "p1_salt_b", "tokens": P1, "salt": SALT_B},
@@ -121,8 +123,19 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         {"name": "p1", "tokens": P1},
         {"name": "p2", "tokens": P2},
     ]}, work, "D")
-    return {"A": a, "B": b, "D": d, "root": root, "small_root": small_root,
+    return {"A": a, "B": b, "D": d, "root": root, "small_root": Path(d["store_root"]),
+            "base_root": base_root,
             "entries_after_a": entries_after_a, "corrupt_id": corrupt_id}
+
+
+def test_rank_store_lives_under_deployment_digest(runs):
+    a, b = runs["A"], runs["B"]
+    root = runs["root"]
+    assert root.name == "rank-0000" and root.parent.parent == runs["base_root"]
+    assert root.parent.name.startswith("vllm-v1-")
+    assert b["store_root"] == a["store_root"] == a["scheduler_roots"][0]
+    # Only the rank's own store: nothing else is created under the base directory.
+    assert sorted(p.name for p in runs["base_root"].iterdir()) == [root.parent.name]
 
 
 def test_restart_restores_with_identical_tokens(runs):

@@ -20,6 +20,7 @@ from spoolctl.connector.identity import DeploymentIdentity
 from spoolctl.connector.plan import Planner
 from spoolctl.connector.settings import parse_settings
 from spoolctl.connector.stats import ConnectorCounters, merge
+from spoolctl.connector.topology import RankPlace
 from spoolctl.store import Store
 from spoolctl.store.errors import ConfigError
 
@@ -126,13 +127,16 @@ def test_plan_after_preemption_uses_the_new_blocks():
 # -- settings, identity, contract ------------------------------------------------------------
 
 def test_settings_defaults_and_errors():
-    s = parse_settings({"spoolctl_root": "/r/{tp_rank}", "spoolctl_max_size": "1GiB"},
+    s = parse_settings({"spoolctl_root": "/r", "spoolctl_max_size": "1GiB"},
                        block_size=96, env={})
     assert s.chunk_tokens == 288 and s.max_bytes == 1 << 30
-    assert s.root_for(tp_rank=1, pp_rank=0, tp_size=2) == "/r/1"
+    assert s.root_for(digest="vllm-v1-abc", place=RankPlace(1, 0, 2, 1)) == \
+        "/r/vllm-v1-abc/rank-0001"
+    with pytest.raises(ConfigError, match="placeholders"):
+        parse_settings({"spoolctl_root": "/r/{tp_rank}"}, block_size=32, env={})
     with pytest.raises(ConfigError, match="no store root"):
         parse_settings({}, block_size=32, env={})
-    assert parse_settings({}, block_size=32, env={"SPOOLCTL_ROOT": "/e"}).root_template == "/e"
+    assert parse_settings({}, block_size=32, env={"SPOOLCTL_ROOT": "/e"}).root == "/e"
     with pytest.raises(ConfigError, match="multiple of the block size"):
         parse_settings({"spoolctl_root": "/r", "spoolctl_chunk_tokens": 100}, block_size=32,
                        env={})
@@ -140,7 +144,7 @@ def test_settings_defaults_and_errors():
         parse_settings({"spoolctl_root": "/r", "spoolctl_chunk": 64}, block_size=32, env={})
     with pytest.raises(ConfigError, match="absolute"):
         parse_settings({"spoolctl_root": "rel"}, block_size=32, env={}).root_for(
-            tp_rank=0, pp_rank=0, tp_size=1)
+            digest="d", place=RankPlace(0, 0, 1, 1))
     with pytest.raises(ConfigError, match="invalid size"):
         parse_settings({"spoolctl_root": "/r", "spoolctl_max_size": "lots"}, block_size=32,
                        env={})
@@ -193,7 +197,8 @@ def test_contract_matches_installed_vllm_and_reports_drift():
 
 def test_import_spoolctl_connector_does_not_import_vllm_or_torch():
     code = ("import sys, spoolctl, spoolctl.connector, spoolctl.connector.plan, "
-            "spoolctl.connector.chain, spoolctl.connector.identity, spoolctl.connector.settings;"
+            "spoolctl.connector.chain, spoolctl.connector.identity, spoolctl.connector.settings, "
+            "spoolctl.connector.topology;"
             "print('vllm' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

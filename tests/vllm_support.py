@@ -31,6 +31,27 @@ def _connectors(llm):
     return sched, worker
 
 
+def _rank_state(worker_self, timeout: float = 60.0) -> dict:
+    """Runs inside each worker process (TP > 1): flush its connector's stores, report."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    conn = get_kv_transfer_group()
+    return {"flushed": conn.flush(timeout), "counters": conn.counters.totals(),
+            "store_root": conn.store_roots[0], "namespace": conn.namespace}
+
+
+class _Workers:
+    """The worker connectors of a multi-process (TP > 1) engine, reached by collective RPC."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.states: list[dict] = []
+
+    def flush(self, timeout: float) -> bool:
+        self.states = self.llm.collective_rpc(_rank_state, args=(timeout,))
+        return all(s["flushed"] for s in self.states)
+
+
 def make_llm(job: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -45,7 +66,8 @@ def make_llm(job: dict):
     return LLM(
         model=job["model"], tokenizer=job["model"], dtype="float32",
         block_size=job.get("block_size", 32), enforce_eager=True,
-        distributed_executor_backend="uni", kv_cache_memory_bytes=job.get("kv_bytes", 64 << 20),
+        distributed_executor_backend="mp" if job.get("tp", 1) > 1 else "uni",
+        tensor_parallel_size=job.get("tp", 1), kv_cache_memory_bytes=job.get("kv_bytes", 64 << 20),
         max_model_len=job.get("max_model_len", 2048), enable_prefix_caching=False,
         max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
         kv_transfer_config=ktc, seed=0, disable_log_stats=not job.get("metrics", False),
@@ -56,7 +78,11 @@ def run(job: dict) -> dict:
     from vllm import SamplingParams
 
     llm = make_llm(job)
-    sched, worker = _connectors(llm)
+    if job.get("tp", 1) > 1:
+        core = llm.llm_engine.engine_core
+        sched, worker = core.engine_core.scheduler.connector, _Workers(llm)
+    else:
+        sched, worker = _connectors(llm)
     results = {}
     for req in job["requests"]:
         extra = {"kv_transfer_params": {"spoolctl_bypass": True}} if req.get("bypass") else None
@@ -78,6 +104,12 @@ def run(job: dict) -> dict:
     # The worker is still serving after everything above (e.g. a corrupt entry).
     alive = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                          SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    if isinstance(worker, _Workers):
+        worker.flush(60)
+        return {"results": results, "alive": len(alive[0].outputs[0].token_ids) == 2,
+                "ranks": worker.states,
+                "scheduler_counters": sched.counters.totals(),
+                "scheduler_roots": sched.store_roots}
     metrics_text = ""
     if job.get("metrics"):
         # The registry vLLM's OpenAI server exposes on /metrics.
@@ -92,6 +124,8 @@ def run(job: dict) -> dict:
         "worker_counters": worker.counters.totals(),
         "scheduler_counters": sched.counters.totals() if sched is not None else {},
         "namespace": worker.namespace,
+        "store_root": worker.store_roots[0],
+        "scheduler_roots": sched.store_roots if sched is not None else [],
         "maintainer_owns_store": bool(worker.maintainer and worker.maintainer.owns_store),
     }
 

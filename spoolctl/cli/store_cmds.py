@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -27,6 +28,7 @@ from spoolctl.store import (
     parse_size,
 )
 from spoolctl.store.keys import validate_kind
+from spoolctl.store.root import MARKER as ROOT_MARKER
 from spoolctl.store.scrub import ScrubState
 
 from . import render
@@ -185,8 +187,16 @@ def status(
     for cleanup, quarantined items, temp files, the last and current scrub cycle, and the
     owner lease holder.
 
+    Given a vLLM deployment directory (`<root>/<deployment digest>`, holding one
+    `rank-NNNN` store per rank), summarises every rank on this host and flags ranks that
+    disagree (a chunk some ranks lack, or a missing rank); `--check` then exits 1.
+
     Example: [bold]spoolctl status --root /var/cache/spoolctl --json[/bold]
     """
+    resolved = resolve_root(root)
+    if _is_deployment_dir(resolved):
+        _deployment_status(resolved, json_output=json_output, check=check)
+        return
     with open_store(root) as store:
         doc = status_doc(store)
     if json_output:
@@ -198,6 +208,77 @@ def status(
         over = doc["max_bytes"] is not None and doc["bytes"] > doc["max_bytes"]
         if doc["quarantined"]["items"] or over or (last and last["quarantined"]):
             raise typer.Exit(EXIT_FINDINGS)
+
+
+# -- status of a vLLM deployment directory (one store per rank) -------------------------
+
+
+def _rank_dirs(path: Path) -> dict[int, Path]:
+    from spoolctl.connector.topology import rank_of_dirname
+
+    if not path.is_dir() or (path / ROOT_MARKER).exists():
+        return {}
+    found = {}
+    for child in path.iterdir():
+        rank = rank_of_dirname(child.name)
+        if rank is not None and child.is_dir() and not child.is_symlink():
+            found[rank] = child
+    return found
+
+
+def _is_deployment_dir(path: Path) -> bool:
+    return bool(_rank_dirs(path))
+
+
+def deployment_status_doc(path: Path) -> dict[str, Any]:
+    """Per-rank status of ``<root>/<deployment digest>`` and whether the ranks agree.
+
+    Ranks agree when the rank numbering has no gaps and every rank holds the same live
+    chunk keys; a chunk missing on any rank is a miss for the whole deployment.
+    """
+    from spoolctl.connector.topology import compare_ranks
+
+    ranks, keys = [], {}
+    for rank, rank_root in sorted(_rank_dirs(path).items()):
+        with Store.open(str(rank_root)) as store:
+            doc = status_doc(store)
+            keys[rank] = {r.key for r in store.entries(kind="vllm")
+                          if r.state == "committed" and r.hint == "retain"}
+        ranks.append({"rank": rank, "root": doc["root"], "entries": doc["entries"],
+                      "bytes": doc["bytes"], "max_bytes": doc["max_bytes"],
+                      "chunks": len(keys[rank]), "quarantined": doc["quarantined"]["items"]})
+    cmp = compare_ranks(keys)
+    for row in ranks:
+        row["missing_chunks"] = cmp.partial[row["rank"]]
+    return {"deployment": str(path), "ranks": ranks, "agree": cmp.agree,
+            "missing_ranks": list(cmp.missing_ranks), "complete_chunks": cmp.complete_keys}
+
+
+def _deployment_status(path: Path, *, json_output: bool, check: bool) -> None:
+    doc = deployment_status_doc(path)
+    if json_output:
+        emit_json(doc)
+    else:
+        t = Table(title=f"spoolctl status (deployment, {len(doc['ranks'])} ranks)",
+                  title_justify="left")
+        for col in ("rank", "chunks", "size", "quarantined", "missing chunks", "root"):
+            t.add_column(col)
+        for row in doc["ranks"]:
+            miss = row["missing_chunks"]
+            t.add_row(f"{row['rank']:04d}", str(row["chunks"]), render.size(row["bytes"]),
+                      str(row["quarantined"]), f"[red]{miss}[/red]" if miss else "0",
+                      escape(row["root"]))
+        console.print(t)
+        if doc["agree"]:
+            console.print(f"ranks agree: {doc['complete_chunks']} chunks on every rank")
+        else:
+            gaps = ", ".join(f"{r:04d}" for r in doc["missing_ranks"])
+            console.print("[red]ranks disagree[/red]: "
+                          + (f"no store for rank {gaps}; " if gaps else "")
+                          + f"{doc['complete_chunks']} chunks on every rank; a chunk missing "
+                          "on any rank is a miss everywhere until re-stored")
+    if check and (not doc["agree"] or any(r["quarantined"] for r in doc["ranks"])):
+        raise typer.Exit(EXIT_FINDINGS)
 
 
 # -- ls / inspect ---------------------------------------------------------------------------

@@ -22,11 +22,13 @@ SCHEMA = b"spoolctl-vllm-chain/v1"
 
 @dataclass(frozen=True)
 class MMSpan:
-    """A multimodal item: its content identity and the prompt positions it occupies."""
+    """A multimodal item: its content identity (vLLM's feature hash), modality and the
+    prompt positions its placeholder occupies. All of it is part of the chunk chain."""
 
     identifier: str
     offset: int
     length: int
+    modality: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.identifier, str) or not self.identifier:
@@ -38,7 +40,9 @@ class MMSpan:
         return self.offset < end and start < self.offset + self.length
 
     def encode(self) -> bytes:
-        return f"{self.offset}:{self.length}:{self.identifier}".encode()
+        # Modality last and only when known, so text-only and older keys are unchanged.
+        tail = f":{self.modality}" if self.modality else ""
+        return f"{self.offset}:{self.length}:{self.identifier}{tail}".encode()
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:

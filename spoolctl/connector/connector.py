@@ -1,7 +1,8 @@
 """``SpoolConnector``: vLLM v1 KV connector that persists prompt-prefix KV in the spool store.
 
 Scheduler role: computes each request's chunk chain, looks the chain up in the
-catalogs of every rank's store and plans restores (into the blocks vLLM
+catalogs of every rank's store (``<root>/<deployment digest>/rank-<NNNN>``, a chunk is
+a hit only if every rank holds it) and plans restores (into the blocks vLLM
 allocated for the hit) and stores (of complete chunks once computed).
 Worker role: restores synchronously before the forward (read + verify in one
 pass, then copy whole blocks into every layer) and captures stored chunks after
@@ -13,7 +14,9 @@ through ``get_block_ids_with_load_errors`` so vLLM recomputes them (run with
 ``kv_load_failure_policy="recompute"``). Anything wrong while storing skips the
 chunk and is counted. Requests that cannot be keyed safely (bypass flag, LoRA,
 prompt embeddings, multimodal items without identity) are neither restored nor
-stored. No prompt text, token ids, salts or keys are logged.
+stored. A KV layout the connector cannot persist (see ``groups``) fails at startup
+unless the operator chose ``spoolctl_on_unsupported = "disable"``. No prompt text,
+token ids, salts or keys are logged.
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ from spoolctl.store.keys import entry_id_for
 
 from .chain import MMSpan, chain_root, chunk_keys
 from .contract import check_contract
+from .groups import GroupInfo, check_groups, unsupported_error
 from .identity import DeploymentIdentity, identity_from_vllm
 from .plan import ChunkLoad, ChunkStore, Planner
 from .settings import ConnectorSettings, parse_settings
 from .stats import ConnectorCounters
+from .topology import RankPlace, all_ranks, quorum
 
 if TYPE_CHECKING:
     from .kvio import BufferPool, PagedKV
@@ -103,6 +108,26 @@ def _parallel_ranks() -> tuple[int, int]:
         return 0, 0
 
 
+def _group_infos(kv_cache_config: Any, default_block_size: int) -> list[GroupInfo]:
+    """The runtime KV cache groups, classified by vLLM's own spec semantics."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    infos = []
+    for i, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        spec = group.kv_cache_spec
+        try:
+            kind = get_kv_cache_spec_kind(spec)
+            kind = str(getattr(kind, "value", kind))
+        except Exception:  # an unclassifiable spec is unknown, hence unsupported
+            kind = "unknown"
+        infos.append(GroupInfo(
+            index=i, kind=kind, layers=tuple(group.layer_names),
+            block_size=int(getattr(spec, "block_size", default_block_size) or default_block_size),
+            sliding_window=getattr(spec, "sliding_window", None),
+            attention_chunk_size=getattr(spec, "attention_chunk_size", None)))
+    return infos
+
+
 class SpoolConnector(KVConnectorBase_V1):
     """See the module docstring. Constructed by vLLM once per role."""
 
@@ -118,11 +143,13 @@ class SpoolConnector(KVConnectorBase_V1):
         self._counters = ConnectorCounters()
         self._chunk = self._settings.chunk_tokens
         self._enabled = True
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-        if len(groups) != 1:
-            # vLLM's recompute path for failed loads supports one KV cache group only.
-            log.warning("spoolctl: %d KV cache groups (hybrid model); cache disabled",
-                        len(groups))
+        unsupported = check_groups(_group_infos(kv_cache_config, self._block_size))
+        if unsupported is not None:
+            # Fail closed: a layout we cannot persist completely is never half-served.
+            if self._settings.on_unsupported != "disable":
+                raise unsupported_error(unsupported)
+            log.warning("spoolctl: connector disabled (spoolctl_on_unsupported=disable): %s",
+                        unsupported)
             self._enabled = False
         if getattr(tcfg, "kv_load_failure_policy", "fail") != "recompute":
             log.warning("spoolctl: kv_load_failure_policy is not 'recompute': a corrupt or "
@@ -145,17 +172,20 @@ class SpoolConnector(KVConnectorBase_V1):
         self._read_ahead = READ_AHEAD
         self._restore_bufs: BufferPool | None = None
         self._capture_bufs: BufferPool | None = None
+        ident = self._identity
+        # The deployment digest names the directory holding every rank's store.
+        self._digest = self._chain_ns
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(chunk_tokens=self._chunk, block_size=self._block_size)
-            ident = self._identity
-            for pp in range(ident.pp_size):
-                for tp in range(ident.tp_size):
-                    self._stores.append((
-                        self._open_store(tp_rank=tp, pp_rank=pp),
-                        ident.for_rank(tp_rank=tp, pp_rank=pp).namespace))
+            # Same-host quorum: the scheduler reads every rank's catalog directly.
+            for place in all_ranks(ident.tp_size, ident.pp_size):
+                self._stores.append((
+                    self._open_store(place),
+                    ident.for_rank(tp_rank=place.tp_rank, pp_rank=place.pp_rank).namespace))
         else:
-            self._stores.append((self._open_store(tp_rank=tp_rank, pp_rank=pp_rank),
-                                 self._identity.namespace))
+            self._stores.append((
+                self._open_store(RankPlace(tp_rank, pp_rank, ident.tp_size, ident.pp_size)),
+                ident.namespace))
         log.info("spoolctl connector (%s) ready: chunk %d tokens, namespace %s",
                  role.name.lower(), self._chunk, self._identity.namespace)
 
@@ -163,15 +193,19 @@ class SpoolConnector(KVConnectorBase_V1):
 
     _opened: dict[str, Store] = {}
 
-    def _open_store(self, *, tp_rank: int, pp_rank: int) -> Store:
-        root = self._settings.root_for(tp_rank=tp_rank, pp_rank=pp_rank,
-                                       tp_size=self._identity.tp_size)
-        # Several ranks may share one root (namespaces keep them apart): open it once.
+    def _open_store(self, place: RankPlace) -> Store:
+        root = self._settings.root_for(digest=self._digest, place=place)
+        # The scheduler and a worker of one process (uni executor) share a rank root.
         store = self._opened.get(root)
         if store is None:
             store = Store.open(root, create=True, max_bytes=self._settings.max_bytes)
             self._opened[root] = store
         return store
+
+    @property
+    def store_roots(self) -> list[str]:
+        """The rank store roots this connector reads (scheduler: all ranks; worker: its own)."""
+        return [str(store.root) for store, _ in self._stores]
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -195,14 +229,21 @@ class SpoolConnector(KVConnectorBase_V1):
 
     @staticmethod
     def _mm_spans(request: Any) -> list[MMSpan]:
+        """Media identity of every multimodal item; ``_Bypass`` when any part is missing.
+
+        An item without its content hash, modality or placeholder range could make two
+        different images share KV, so the whole request bypasses persistent reuse.
+        """
         spans = []
         for feature in getattr(request, "mm_features", None) or ():
             ident = getattr(feature, "identifier", None)
+            modality = getattr(feature, "modality", None)
             pos = getattr(feature, "mm_position", None)
-            if not ident or pos is None:
+            if not ident or not modality or pos is None:
                 raise _Bypass("multimodal")
             try:
-                spans.append(MMSpan(str(ident), int(pos.offset), int(pos.length)))
+                spans.append(MMSpan(str(ident), int(pos.offset), int(pos.length),
+                                    modality=str(modality)))
             except (TypeError, ValueError):
                 raise _Bypass("multimodal") from None
         return spans
@@ -212,13 +253,18 @@ class SpoolConnector(KVConnectorBase_V1):
         return chunk_keys(root, request.prompt_token_ids, self._chunk, self._mm_spans(request))
 
     def _present(self, keys: list[str]) -> list[bool]:
-        """Which chunks every rank's store holds (committed, retained)."""
-        present = [True] * len(keys)
-        for store, ns in self._stores:
-            ids = [entry_id_for(KIND, ns, k) for k in keys]
-            live = store.live(ids)
-            present = [p and (i in live) for p, i in zip(present, ids, strict=True)]
-        return present
+        """Which chunks *every* rank's store holds (committed, retained): the quorum.
+
+        The catalogs are read at every lookup, so an entry a rank evicted or quarantined is
+        withdrawn before any later request can be planned against it.
+        """
+        def per_rank():
+            for store, ns in self._stores:
+                ids = [entry_id_for(KIND, ns, k) for k in keys]
+                live = store.live(ids)
+                yield [i in live for i in ids]
+
+        return quorum(per_rank(), len(keys))
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

@@ -2,8 +2,9 @@
 
 Keys (all optional except the root):
 
-``spoolctl_root``            absolute store root; ``{tp_rank}``, ``{pp_rank}`` and ``{rank}``
-                             are replaced per rank (default: the ``SPOOLCTL_ROOT`` variable)
+``spoolctl_root``            absolute base directory (default: the ``SPOOLCTL_ROOT`` variable);
+                             each rank's store is ``<root>/<deployment digest>/rank-<NNNN>``,
+                             derived from vLLM's parallel config (see ``topology``)
 ``spoolctl_max_size``        store capacity, e.g. ``200GiB`` (recorded in the root marker)
 ``spoolctl_chunk_tokens``    tokens per chunk; a multiple of the block size (default: the
                              smallest multiple of the block size that is >= 256)
@@ -11,6 +12,8 @@ Keys (all optional except the root):
                              (default 512MiB); a store that does not fit is skipped
 ``spoolctl_scrub_rate``      background scrub rate, e.g. ``32MiB/s`` (``0`` disables)
 ``spoolctl_maintenance_interval``  seconds between maintenance passes (default 60)
+``spoolctl_on_unsupported``  ``error`` (default: refuse to start) or ``disable`` (serve without
+                             persistent reuse) for a KV layout the connector cannot persist
 """
 
 from __future__ import annotations
@@ -23,29 +26,37 @@ from typing import Any
 from spoolctl.store.errors import ConfigError
 from spoolctl.store.sizes import parse_rate, parse_size
 
+from .topology import RankPlace, rank_root
+
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_STAGING_BYTES = 512 << 20
 DEFAULT_SCRUB_RATE = 32 << 20
 DEFAULT_MAINTENANCE_INTERVAL = 60.0
 KNOWN_KEYS = frozenset({
     "spoolctl_root", "spoolctl_max_size", "spoolctl_chunk_tokens", "spoolctl_staging_bytes",
-    "spoolctl_scrub_rate", "spoolctl_maintenance_interval",
+    "spoolctl_scrub_rate", "spoolctl_maintenance_interval", "spoolctl_on_unsupported",
 })
+ON_UNSUPPORTED = ("error", "disable")
 _WHERE = "kv_connector_extra_config"
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """Validated connector settings. ``root_template`` may hold rank placeholders."""
+    """Validated connector settings. ``root`` is the base of every rank's store."""
 
-    root_template: str
+    root: str
     chunk_tokens: int
     max_bytes: int | None = None
     staging_bytes: int = DEFAULT_STAGING_BYTES
     scrub_rate: int = DEFAULT_SCRUB_RATE
     maintenance_interval: float = DEFAULT_MAINTENANCE_INTERVAL
+    on_unsupported: str = "error"
 
     def __post_init__(self) -> None:
+        if self.on_unsupported not in ON_UNSUPPORTED:
+            raise ConfigError(f"spoolctl_on_unsupported={self.on_unsupported[:20]!r} is not "
+                              "one of error, disable", path=_WHERE,
+                              fix='set "spoolctl_on_unsupported" to "error" or "disable"')
         if self.chunk_tokens <= 0:
             raise ConfigError("spoolctl_chunk_tokens must be positive", path=_WHERE,
                               fix="set it to a multiple of the block size, e.g. 256")
@@ -56,18 +67,12 @@ class ConnectorSettings:
             raise ConfigError("spoolctl_maintenance_interval must be positive", path=_WHERE,
                               fix="set a number of seconds, e.g. 60")
 
-    def root_for(self, *, tp_rank: int, pp_rank: int, tp_size: int) -> str:
-        """The store root of one rank (placeholders filled in), checked to be absolute."""
-        try:
-            root = self.root_template.format(
-                tp_rank=tp_rank, pp_rank=pp_rank, rank=pp_rank * tp_size + tp_rank)
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ConfigError(f"spoolctl_root has an unknown placeholder ({exc})", path=_WHERE,
-                              fix="use only {tp_rank}, {pp_rank} or {rank}") from None
-        if not os.path.isabs(root):
-            raise ConfigError("spoolctl_root must be an absolute path", path=root,
-                              fix="give the full path of the rank's store directory")
-        return root
+    def root_for(self, *, digest: str, place: RankPlace) -> str:
+        """The store root of one rank: ``<root>/<digest>/rank-<NNNN>``, checked absolute."""
+        if not os.path.isabs(self.root):
+            raise ConfigError("spoolctl_root must be an absolute path", path=self.root,
+                              fix="give the full path of the base directory for rank stores")
+        return rank_root(self.root, digest, place)
 
 
 def parse_settings(
@@ -84,6 +89,10 @@ def parse_settings(
     if not root or not isinstance(root, str):
         raise ConfigError("no store root configured for the spoolctl connector", path=_WHERE,
                           fix='set "spoolctl_root": "/abs/path" (or SPOOLCTL_ROOT)')
+    if "{" in root or "}" in root:
+        raise ConfigError("spoolctl_root must not hold rank placeholders", path=root,
+                          fix="give one base directory; each rank's store is placed under "
+                              "<root>/<deployment digest>/rank-<NNNN> automatically")
     if block_size <= 0:
         raise ConfigError("vLLM block size must be positive", path="cache_config.block_size")
     chunk = extra.get("spoolctl_chunk_tokens")
@@ -102,7 +111,7 @@ def parse_settings(
     scrub = extra.get("spoolctl_scrub_rate")
     interval = extra.get("spoolctl_maintenance_interval")
     return ConnectorSettings(
-        root_template=root,
+        root=root,
         chunk_tokens=chunk_tokens,
         max_bytes=parse_size(max_size) if max_size not in (None, "") else None,
         staging_bytes=parse_size(staging) if staging not in (None, "") else DEFAULT_STAGING_BYTES,
@@ -110,6 +119,7 @@ def parse_settings(
         if scrub not in (None, "") else DEFAULT_SCRUB_RATE,
         maintenance_interval=float(interval) if interval not in (None, "")
         else DEFAULT_MAINTENANCE_INTERVAL,
+        on_unsupported=str(extra.get("spoolctl_on_unsupported") or "error"),
     )
 
 

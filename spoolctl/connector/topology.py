@@ -1,0 +1,119 @@
+"""Rank-local store roots and the same-host quorum rule (pure; no I/O, no frameworks).
+
+Every worker of a deployment writes only its own shard of the KV, under
+
+    <spoolctl_root>/<deployment digest>/rank-<NNNN>/
+
+where the deployment digest is the rank-independent part of the deployment
+identity (``identity.for_rank(0, 0).namespace``) and ``NNNN`` is the global rank
+``pp_rank * tp_size + tp_rank`` taken from vLLM's parallel config. Nothing about
+rank roots is configured by hand, so two deployments (or two TP layouts of one
+model) can never share a rank directory, and an operator can always tell which
+directory belongs to which rank.
+
+A chunk is a *hit* only when every rank that owns part of its KV (all TP ranks of
+all PP stages) holds it: :func:`quorum` folds the per-rank answers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+RANK_DIR = re.compile(r"^rank-(\d{4})$")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """One rank's place in the TP x PP grid."""
+
+    tp_rank: int
+    pp_rank: int
+    tp_size: int
+    pp_size: int
+
+    def __post_init__(self) -> None:
+        if self.tp_size <= 0 or self.pp_size <= 0:
+            raise ValueError("parallel sizes must be positive")
+        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
+            raise ValueError("rank outside the parallel topology")
+        if self.tp_size * self.pp_size > 10_000:
+            raise ValueError("more than 10000 ranks do not fit the rank-NNNN directory names")
+
+    @property
+    def rank(self) -> int:
+        """The global rank (PP-major), as vLLM numbers workers."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def dirname(self) -> str:
+        return f"rank-{self.rank:04d}"
+
+
+def all_ranks(tp_size: int, pp_size: int) -> list[RankPlace]:
+    """Every rank of the deployment, in global-rank order."""
+    return [RankPlace(tp, pp, tp_size, pp_size) for pp in range(pp_size) for tp in range(tp_size)]
+
+
+def deployment_dir(base: str, digest: str) -> str:
+    """``<base>/<digest>``: the directory ``spoolctl status --root`` summarises."""
+    if not digest or "/" in digest or digest in (".", ".."):
+        raise ValueError("deployment digest must be one path component")
+    return os.path.join(base, digest)
+
+
+def rank_root(base: str, digest: str, place: RankPlace) -> str:
+    """The store root of one rank."""
+    return os.path.join(deployment_dir(base, digest), place.dirname)
+
+
+def rank_of_dirname(name: str) -> int | None:
+    """The global rank a ``rank-NNNN`` directory name stands for, else None."""
+    match = RANK_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def quorum(per_rank: Iterable[Sequence[bool]], n: int) -> list[bool]:
+    """Chunk ``i`` is present only if every rank reports it present (no ranks: nothing is).
+
+    ``per_rank`` yields one list of ``n`` flags per rank; a rank that answered with the
+    wrong length is treated as holding nothing (fail closed).
+    """
+    result: list[bool] | None = None
+    for flags in per_rank:
+        flags = list(flags) if len(flags) == n else [False] * n
+        result = flags if result is None else [a and b for a, b in zip(result, flags, strict=True)]
+    return result if result is not None else [False] * n
+
+
+@dataclass(frozen=True)
+class RankDisagreement:
+    """How the ranks of one deployment directory differ (what ``status`` flags).
+
+    ``missing_ranks``: gaps in the ``rank-NNNN`` numbering (a rank that never stored or
+    whose disk was lost); ``partial``: per rank, how many chunk keys *other* ranks hold
+    that it lacks (those chunks are misses for the whole deployment until re-stored).
+    """
+
+    ranks: tuple[int, ...]
+    missing_ranks: tuple[int, ...]
+    complete_keys: int
+    partial: dict[int, int]
+
+    @property
+    def agree(self) -> bool:
+        return not self.missing_ranks and not any(self.partial.values())
+
+
+def compare_ranks(keys_by_rank: dict[int, set[str]]) -> RankDisagreement:
+    """Compare the live chunk keys of each rank (chain keys are the same on every rank)."""
+    ranks = tuple(sorted(keys_by_rank))
+    expected = range(ranks[-1] + 1) if ranks else range(0)
+    missing = tuple(r for r in expected if r not in keys_by_rank)
+    union: set[str] = set().union(*keys_by_rank.values()) if keys_by_rank else set()
+    common = set.intersection(*keys_by_rank.values()) if keys_by_rank and not missing else set()
+    return RankDisagreement(
+        ranks=ranks, missing_ranks=missing, complete_keys=len(common),
+        partial={r: len(union - keys_by_rank[r]) for r in ranks})
