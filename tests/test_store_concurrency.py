@@ -74,3 +74,36 @@ def test_threads_commit_and_read_one_store(store: Store) -> None:
     store.clean_released()
     assert cleaner_report.entries >= 0
     assert store.totals().entries == 4 * 15
+
+
+def test_a_deleter_is_not_starved_by_back_to_back_commits(store_root: Path) -> None:
+    """flock has no writer preference; the gate makes a clean get in while commits run."""
+    import time
+
+    Store.open(store_root, create=True).close()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def committer(n: int) -> None:
+        try:
+            with Store.open(store_root) as s:
+                i = 0
+                while not stop.is_set():
+                    s.put(kind="vllm", namespace="gate", key=f"{n}-{i}", objects={"a": b"x" * 512})
+                    i += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=committer, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        with Store.open(store_root, lock_timeout=20) as s:
+            for _ in range(5):
+                s.clean_released()  # raises BusyError if starved for 20 s
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors

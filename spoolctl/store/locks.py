@@ -87,6 +87,71 @@ def try_hold(path: Path, *, exclusive: bool) -> Iterator[bool]:
             fh.close()
 
 
+def _busy(what: str, path: Path) -> BusyError:
+    return BusyError(
+        f"{what}: the store is busy (lock held by another process)",
+        path=path,
+        fix="retry later; `spoolctl status` shows the owner if a worker holds it",
+    )
+
+
+@contextlib.contextmanager
+def hold_gated(
+    path: Path, gate: Path, *, exclusive: bool, timeout: float | None, what: str
+) -> Iterator[None]:
+    """The maintenance lock with writer preference.
+
+    flock has no fairness: with commits holding ``path`` shared back to back, an exclusive
+    taker (clean, eviction) could wait forever. So everyone passes a turnstile first:
+    shared takers hold ``gate`` shared only while they take ``path`` (a moment), exclusive
+    takers hold ``gate`` exclusively for their whole critical section. Once a deleter has
+    the gate, no new commit starts, the ones in flight drain, and it gets ``path``.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    gate_flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
+    gate_fh = _acquire(gate, gate_flags, timeout)
+    if gate_fh is None:
+        raise _busy(what, path)
+    fh = None
+    try:
+        flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
+        fh = _acquire(path, flags, left())
+        if not exclusive:  # through the turnstile: let a waiting deleter in
+            portalocker.unlock(gate_fh)
+            gate_fh.close()
+            gate_fh = None
+        if fh is None:
+            raise _busy(what, path)
+        yield
+    finally:
+        for handle in (fh, gate_fh):
+            if handle is not None:
+                try:
+                    portalocker.unlock(handle)
+                finally:
+                    handle.close()
+
+
+@contextlib.contextmanager
+def try_hold_gated(path: Path, gate: Path) -> Iterator[bool]:
+    """Exclusive ``hold_gated`` with no waiting; yields whether it was taken."""
+    gate_fh = _acquire(gate, portalocker.LockFlags.EXCLUSIVE, 0)
+    fh = _acquire(path, portalocker.LockFlags.EXCLUSIVE, 0) if gate_fh is not None else None
+    try:
+        yield fh is not None
+    finally:
+        for handle in (fh, gate_fh):
+            if handle is not None:
+                try:
+                    portalocker.unlock(handle)
+                finally:
+                    handle.close()
+
+
 @dataclass(frozen=True)
 class OwnerInfo:
     """Who holds the owner lease."""

@@ -59,7 +59,7 @@ from .keys import (
     validate_entry_prefix,
     validate_object_name,
 )
-from .locks import OwnerInfo, OwnerLease, hold, read_owner, try_hold
+from .locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, canonical_json, decode, encode
 from .quarantine import Quarantine, QuarantineItem
 from .root import KNOWN_TOP, Layout, Marker, check_root_path, create_or_adopt
@@ -176,7 +176,7 @@ class Store:
         store = cls(layout, marker, lock_timeout=lock_timeout)
         store._open_catalog()
         store._remove_abandoned_tmp()
-        with try_hold(store._maint_lock, exclusive=True) as alone:
+        with try_hold_gated(store._maint_lock, store._maint_gate) as alone:
             if alone:
                 try:
                     store._resolve_pending()
@@ -194,6 +194,15 @@ class Store:
     @property
     def max_bytes(self) -> int | None:
         return self.marker.max_bytes
+
+    @property
+    def _maint_gate(self) -> Path:
+        return self.layout.state / "maintenance.gate"
+
+    def _maintenance(self, *, exclusive: bool, timeout: float | None, what: str):
+        """The maintenance lock (shared: commits; exclusive: deletions), writer-preferring."""
+        return hold_gated(self._maint_lock, self._maint_gate, exclusive=exclusive,
+                          timeout=timeout, what=what)
 
     @property
     def _maint_lock(self) -> Path:
@@ -272,7 +281,7 @@ class Store:
         Runs under the exclusive maintenance lock so two processes never rebuild
         at once; every hint comes back as retain (safe: nothing is lost).
         """
-        with hold(self._maint_lock, exclusive=True, timeout=self.lock_timeout,
+        with self._maintenance(exclusive=True, timeout=self.lock_timeout,
                   what="rebuilding the catalog"):
             if self._catalog is not None:
                 self._catalog.close()
@@ -344,7 +353,7 @@ class Store:
         return manifest
 
     def _put_once(self, entry_id, kind, namespace, key, objects, meta, index, supersedes):
-        with hold(self._maint_lock, exclusive=False, timeout=self.lock_timeout,
+        with self._maintenance(exclusive=False, timeout=self.lock_timeout,
                   what="committing an entry"):
             existing = self._existing_for_put(entry_id, supersedes)
             if existing is not None:
@@ -629,7 +638,7 @@ class Store:
         except FileNotFoundError:
             raise CorruptionError("the item has no manifest to restore",
                                   reason=QuarantineReason.MANIFEST_IO, path=src) from None
-        with hold(self._maint_lock, exclusive=False, timeout=self.lock_timeout,
+        with self._maintenance(exclusive=False, timeout=self.lock_timeout,
                   what="restoring from quarantine"):
             moves = []
             for ref in manifest.objects:
@@ -662,7 +671,7 @@ class Store:
         Entries held for a remote delete (index ``remote_pending``) are skipped, as
         they are by eviction: their record is what lets ``clean --genai`` retry."""
         def run() -> DeleteReport:
-            with hold(self._maint_lock, exclusive=True, timeout=self.lock_timeout,
+            with self._maintenance(exclusive=True, timeout=self.lock_timeout,
                       what="cleaning released entries"):
                 report = DeleteReport(dry_run=dry_run)
                 if dry_run:
@@ -685,7 +694,7 @@ class Store:
         ids = [validate_entry_id(e) for e in entry_ids]
 
         def run() -> DeleteReport:
-            with hold(self._maint_lock, exclusive=True, timeout=self.lock_timeout,
+            with self._maintenance(exclusive=True, timeout=self.lock_timeout,
                       what="deleting released entries"):
                 doomed = [e for e in ids
                           if (row := self.catalog.get(e)) is not None and row.hint == "release"]
@@ -701,7 +710,7 @@ class Store:
             return DeleteReport(dry_run=dry_run)
 
         def run() -> DeleteReport:
-            with hold(self._maint_lock, exclusive=True,
+            with self._maintenance(exclusive=True,
                       timeout=self.lock_timeout if wait else 0, what="capacity maintenance"):
                 return self._evict(dry_run, budget)
         return self._guarded(run)
@@ -818,7 +827,7 @@ class Store:
         catalog rows whose manifest is gone are dropped, unknown files are reported.
         """
         def run() -> ReconcileReport:
-            with hold(self._maint_lock, exclusive=True, timeout=self.lock_timeout,
+            with self._maintenance(exclusive=True, timeout=self.lock_timeout,
                       what="collecting orphans"):
                 return self._reconcile(min_age, dry_run)
         return self._guarded(run)
