@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,3 +37,29 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from spoolctl.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path):
+    """Mount size-limited tmpfs filesystems for this test: ``mount_tmpfs("4m") -> Path``.
+
+    Needs root; the test is skipped with the reason where mounting is refused.
+    """
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = Path(os.path.realpath(tmp_path)) / f"fs-{uuid.uuid4().hex[:6]}"
+        mnt.mkdir()
+        if os.geteuid() != 0:
+            pytest.skip("mounting a size-limited tmpfs needs root")
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                               str(mnt)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    mount_fn: Callable[[str], Path] = mount
+    yield mount_fn
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

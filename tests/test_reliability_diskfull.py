@@ -6,8 +6,6 @@ partial is visible, and once the disk is healthy the next prepare commits."""
 from __future__ import annotations
 
 import os
-import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
@@ -81,20 +79,9 @@ def test_injected_error_during_prepare(backend, cold, store_root: Path, monkeypa
 
 
 @pytest.fixture
-def small_fs(tmp_path: Path):
-    """A 1 MiB tmpfs mounted for this test (root only; skipped where mounting is refused)."""
-    mnt = Path(os.path.realpath(tmp_path)) / f"fs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_fs(mount_tmpfs):
+    """A 1 MiB tmpfs for this test (see conftest.mount_tmpfs)."""
+    return mount_tmpfs("1m")
 
 
 def test_real_full_filesystem_under_a_controller(backend, small_fs: Path) -> None:

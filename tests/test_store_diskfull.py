@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -22,20 +21,9 @@ FAIL_POINTS = [
 
 
 @pytest.fixture
-def small_fs(tmp_path: Path):
-    """A 4 MiB tmpfs mounted for this test (root only; skipped where mounting is refused)."""
-    mnt = Path(os.path.realpath(tmp_path)) / f"fs-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_fs(mount_tmpfs):
+    """A 4 MiB tmpfs for this test (see conftest.mount_tmpfs)."""
+    return mount_tmpfs("4m")
 
 
 def _check_consistent(store: Store) -> None:

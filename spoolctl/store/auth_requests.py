@@ -14,15 +14,14 @@ receipt. Requests survive a restart of either side; a receipt is written once.
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from .errors import CorruptionError, InvalidIdError, NotFoundError
-from .fsio import precreate_private
 from .keys import validate_entry_id
+from .sqlite_files import connect_private
 
 if TYPE_CHECKING:
     from .store import Store
@@ -87,16 +86,7 @@ class AuthQueue:
 
     def __init__(self, path: Path):
         self.path = path
-        precreate_private(path)  # SQLite would create it 0644
-        self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None,
-                                   check_same_thread=False)
-        try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_DDL)
-        except BaseException:
-            self._db.close()
-            raise
+        self._db = connect_private(path, ddl=_DDL, synchronous="FULL")
 
     @classmethod
     def of(cls, store: Store) -> AuthQueue:

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fsio import precreate_private
 from .manifest import Manifest
+from .sqlite_files import connect_private
 
 SCHEMA_VERSION = "1"
 
@@ -125,17 +125,11 @@ class Catalog:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.RLock()
-        precreate_private(path)  # SQLite would create it 0644
-        self._db = sqlite3.connect(
-            str(path), timeout=60, isolation_level=None, check_same_thread=False
-        )
+        # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
+        # last transactions, which is safe because the catalog is derived (pending
+        # rows and unindexed manifests are reconciled; see docs/decisions/0003).
+        self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL", timeout=60)
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
-            # last transactions, which is safe because the catalog is derived (pending
-            # rows and unindexed manifests are reconciled; see docs/decisions/0003).
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_DDL)
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
             (version,) = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
         except BaseException:

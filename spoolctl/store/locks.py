@@ -87,6 +87,16 @@ def try_hold(path: Path, *, exclusive: bool) -> Iterator[bool]:
             fh.close()
 
 
+def _release(*handles) -> None:
+    """Unlock and close each lock file handle that is not None."""
+    for handle in handles:
+        if handle is not None:
+            try:
+                portalocker.unlock(handle)
+            finally:
+                handle.close()
+
+
 def _busy(what: str, path: Path) -> BusyError:
     return BusyError(
         f"{what}: the store is busy (lock held by another process)",
@@ -121,19 +131,13 @@ def hold_gated(
         flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
         fh = _acquire(path, flags, left())
         if not exclusive:  # through the turnstile: let a waiting deleter in
-            portalocker.unlock(gate_fh)
-            gate_fh.close()
+            _release(gate_fh)
             gate_fh = None
         if fh is None:
             raise _busy(what, path)
         yield
     finally:
-        for handle in (fh, gate_fh):
-            if handle is not None:
-                try:
-                    portalocker.unlock(handle)
-                finally:
-                    handle.close()
+        _release(fh, gate_fh)
 
 
 @contextlib.contextmanager
@@ -144,12 +148,7 @@ def try_hold_gated(path: Path, gate: Path) -> Iterator[bool]:
     try:
         yield fh is not None
     finally:
-        for handle in (fh, gate_fh):
-            if handle is not None:
-                try:
-                    portalocker.unlock(handle)
-                finally:
-                    handle.close()
+        _release(fh, gate_fh)
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING
 from . import faults
 from .digest import Hasher
 from .errors import BusyError, CorruptionError, NotFoundError, QuarantineReason, StoreIOError
-from .fsio import open_for_read, precreate_private
+from .fsio import open_for_read
 from .locks import try_hold
+from .sqlite_files import connect_private
 
 if TYPE_CHECKING:
     from .store import Store
@@ -136,18 +137,9 @@ class ScrubState:
 
     def __init__(self, path: Path):
         self.path = path
-        precreate_private(path)  # SQLite would create it 0644
-        self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None,
-                                   check_same_thread=False)
-        try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode survives kill -9 (the case resumption is for); a power
-            # cut may lose the last few progress saves, which only repeats some work.
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_DDL)
-        except BaseException:
-            self._db.close()
-            raise
+        # NORMAL in WAL mode survives kill -9 (the case resumption is for); a power
+        # cut may lose the last few progress saves, which only repeats some work.
+        self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL")
 
     @classmethod
     def of(cls, store: Store) -> ScrubState:
