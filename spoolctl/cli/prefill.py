@@ -152,20 +152,8 @@ def prefill_cmd(
 
         kv = load_backend(backend, model_dir)
     load_s = time.perf_counter() - t0
-    with LocalCacheController(kv, resolve_root(root)) as ctl:
-        t1 = time.perf_counter()
-        handle = ctl.prepare(params)
-        seconds = time.perf_counter() - t1
-        store_root = str(ctl.store.root)
-    if not handle:
-        raise ConfigError("nothing to prefill: the prompt has no cacheable prefix",
-                          fix="mark fewer elements volatile")
-    doc = {"entry_id": handle.ref, "backend": backend, "model": str(model_dir),
-           "root": store_root, "tokens": handle.cached_tokens,
-           "tokens_written": handle.written_tokens, "tokens_reused": handle.reused_tokens,
-           "source": handle.source, "supersedes": handle.supersedes,
-           "seconds": round(seconds, 4), "model_load_seconds": round(load_s, 4)}
-    _render_prefill(doc, json_out)
+    _prepare_and_render(LocalCacheController(kv, resolve_root(root)), params, json_out,
+                        backend=backend, model=str(model_dir), load_s=load_s)
 
 
 def _prefill_vlm(model_dir: Path, params: Any, images: list[Path], max_image_size: int | None,
@@ -183,7 +171,16 @@ def _prefill_vlm(model_dir: Path, params: Any, images: list[Path], max_image_siz
     t0 = time.perf_counter()
     kv = MlxVlmBackend(model_dir)
     load_s = time.perf_counter() - t0
-    with MlxVlmCacheController(kv, resolve_root(root)) as ctl:
+    _prepare_and_render(MlxVlmCacheController(kv, resolve_root(root)), params, json_out,
+                        backend="mlx", model=str(model_dir), load_s=load_s,
+                        extra={"images": len(params.images),
+                               "vlm_mode": "image" if params.images else "text"})
+
+
+def _prepare_and_render(ctl: Any, params: Any, json_out: bool, *, backend: str, model: str,
+                        load_s: float, extra: dict | None = None) -> None:
+    """Prepare ``params`` on ``ctl`` (closed afterwards), then print what it did."""
+    with ctl:
         t1 = time.perf_counter()
         handle = ctl.prepare(params)
         seconds = time.perf_counter() - t1
@@ -191,11 +188,10 @@ def _prefill_vlm(model_dir: Path, params: Any, images: list[Path], max_image_siz
     if not handle:
         raise ConfigError("nothing to prefill: the prompt has no cacheable prefix",
                           fix="mark fewer elements volatile")
-    doc = {"entry_id": handle.ref, "backend": "mlx", "model": str(model_dir),
+    doc = {"entry_id": handle.ref, "backend": backend, "model": model,
            "root": store_root, "tokens": handle.cached_tokens,
            "tokens_written": handle.written_tokens, "tokens_reused": handle.reused_tokens,
-           "source": handle.source, "supersedes": handle.supersedes,
-           "images": len(params.images), "vlm_mode": "image" if params.images else "text",
+           "source": handle.source, "supersedes": handle.supersedes, **(extra or {}),
            "seconds": round(seconds, 4), "model_load_seconds": round(load_s, 4)}
     _render_prefill(doc, json_out)
 

@@ -188,6 +188,11 @@ class LocalCacheController:
     key stripe before giving up and returning an empty handle (run cold).
     """
 
+    # The manifest format this controller writes and accepts, and how a rejection names it
+    # (a subclass with its own entry format overrides both).
+    entry_format = FORMAT
+    entry_noun = "a local KV cache entry"
+
     def __init__(
         self,
         backend: KVBackend,
@@ -431,7 +436,7 @@ class LocalCacheController:
             log.warning("cache could not be serialized, not persisted: %s", exc)
             self._count(commit_failures=1)
             return False
-        meta = {"format": FORMAT, "identity": self.identity, "layout": layout,
+        meta = {"format": self.entry_format, "identity": self.identity, "layout": layout,
                 "model": plan.params.model, "lead_segments": plan.lead_segments,
                 "includes": plan.params.includes().to_json(), **plan.prefix.to_meta()}
         index = {"group": plan.group, "elements": list(plan.elements), "tokens": n}
@@ -483,8 +488,8 @@ class LocalCacheController:
 
     def _prefix_of(self, manifest: Manifest) -> TokenPrefix:
         meta = manifest.meta
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"unknown cache format {str(meta.get('format'))[:40]!r}")
+        if meta.get("format") != self.entry_format:
+            raise ValueError(f"not {self.entry_noun} (format {str(meta.get('format'))[:40]!r})")
         if meta.get("identity") != self.identity:
             raise ValueError("model identity in the manifest does not match the loaded model")
         if not isinstance(meta.get("layout"), dict):

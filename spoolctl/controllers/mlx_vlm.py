@@ -419,6 +419,9 @@ class MlxVlmCacheController(LocalCacheController):
     docstring). ``generate`` takes the params (or a handle) and a final prompt.
     """
 
+    entry_format = FORMAT
+    entry_noun = "an mlx-vlm entry"
+
     def __init__(
         self,
         model: str | os.PathLike[str] | MlxVlmBackend,
@@ -504,7 +507,7 @@ class MlxVlmCacheController(LocalCacheController):
             log.warning("VLM snapshot could not be serialized, not persisted: %s", exc)
             self._count(commit_failures=1)
             return False
-        meta = {"format": FORMAT, "identity": self.identity, "layout": layout,
+        meta = {"format": self.entry_format, "identity": self.identity, "layout": layout,
                 "model": plan.params.model, "vlm_mode": plan.mode,
                 "image_count": len(plan.images),
                 "images": [i.identity.to_meta() for i in plan.images],
@@ -526,16 +529,6 @@ class MlxVlmCacheController(LocalCacheController):
         return True
 
     # -- loading ---------------------------------------------------------------------------------
-
-    def _prefix_of(self, manifest: Any) -> TokenPrefix:
-        meta = manifest.meta
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"not an mlx-vlm entry (format {str(meta.get('format'))[:40]!r})")
-        if meta.get("identity") != self.identity:
-            raise ValueError("model identity in the manifest does not match the loaded model")
-        if not isinstance(meta.get("layout"), dict):
-            raise ValueError("manifest has no layout")
-        return TokenPrefix.from_meta(meta)
 
     def _check_images(self, plan: _VlmPlan, meta: Mapping[str, Any]) -> None:
         """ValueError unless the entry's mode and image identity are exactly the plan's."""
