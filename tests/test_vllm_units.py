@@ -342,14 +342,15 @@ def test_stats_aggregate_and_prometheus_export():
 
     from spoolctl.connector.promstats import SpoolPromMetrics, SpoolStats
 
-    w1, w2 = ConnectorCounters(), ConnectorCounters()
+    w1, w2 = ConnectorCounters(part="0"), ConnectorCounters(part="1")
     w1.inc(m.LOOKUPS, result="hit", reason="none")
     w1.inc(m.HIT_TOKENS, 256)
     w1.observe(m.RESTORE_SECONDS, 0.02)
     w2.inc(m.LOOKUPS, result="hit", reason="none")
     w2.inc(m.STORES_SKIPPED, reason="capacity")
-    w1.set_gauge(m.STORE_BYTES, 100)
-    w2.set_gauge(m.STORE_BYTES, 4096)  # the later report wins, gauges are not summed
+    w1.set_gauge(m.STORE_BYTES, 50)
+    w1.set_gauge(m.STORE_BYTES, 100)  # per worker, the later value wins
+    w2.set_gauge(m.STORE_BYTES, 4096)  # across workers (ranks), the stores add up
     with pytest.raises(ValueError):
         w2.set_gauge(m.LOOKUPS, 1)
     s = SpoolStats(data=w1.take()).aggregate(SpoolStats(data=w2.take()))
@@ -357,6 +358,7 @@ def test_stats_aggregate_and_prometheus_export():
     reduced = s.reduce()
     assert reduced["spoolctl_lookups_total{reason=none,result=hit}"] == 2
     assert reduced["spoolctl_restore_seconds_count"] == 1
+    assert reduced["spoolctl_store_bytes"] == 4196
     assert not s.is_empty() and SpoolStats().is_empty()
     assert merge({}, s.data) == s.data
 
@@ -376,7 +378,7 @@ def test_stats_aggregate_and_prometheus_export():
     assert 'spoolctl_hit_tokens_total{engine="0"} 256.0' in text
     assert 'spoolctl_stores_skipped_total{engine="0",reason="capacity"} 1.0' in text
     assert 'spoolctl_restore_seconds_count{engine="0"} 1.0' in text
-    assert 'spoolctl_store_bytes{engine="0"} 4096.0' in text
+    assert 'spoolctl_store_bytes{engine="0"} 4196.0' in text
 
 
 def test_buffer_pool_hands_out_distinct_slots_and_takes_them_back():
@@ -414,3 +416,17 @@ def test_block_runs_and_restore_with_skip_across_runs():
     assert torch.equal(dst["l"][11], src["l"][4])
     assert torch.equal(dst["l"][15], src["l"][8])
     assert torch.equal(dst["l"][12], src["l"][1])
+
+
+def test_kv_tensor_without_a_block_dimension_is_refused():
+    """A view whose pages are not indexed by vLLM's block count (e.g. kernel-split) would be
+    copied along the wrong dimension: refused with the layer name and the fix."""
+    torch = pytest.importorskip("torch")
+    from spoolctl.connector.kvio import PagedKV
+    from spoolctl.store.errors import ConfigError
+
+    ok = PagedKV({"layer.0": torch.zeros(2, 7, 4, 8)}, num_blocks=7, blocks_per_chunk=1)
+    assert ok.layers[0].block_dim == 1
+    with pytest.raises(ConfigError) as err:
+        PagedKV({"layer.0": torch.zeros(2, 14, 4, 8)}, num_blocks=7, blocks_per_chunk=1)
+    assert "layer.0" in err.value.message and "spoolctl_on_unsupported" in str(err.value.fix)

@@ -37,7 +37,8 @@ def _rank_state(worker_self, timeout: float = 60.0) -> dict:
 
     conn = get_kv_transfer_group()
     return {"flushed": conn.flush(timeout), "counters": conn.counters.totals(),
-            "store_root": conn.store_roots[0], "namespace": conn.namespace}
+            "store_root": conn.store_roots[0], "namespace": conn.namespace,
+            "inventory": conn.inventory_state}
 
 
 class _Workers:
@@ -50,6 +51,11 @@ class _Workers:
     def flush(self, timeout: float) -> bool:
         self.states = self.llm.collective_rpc(_rank_state, args=(timeout,))
         return all(s["flushed"] for s in self.states)
+
+
+def _world(job: dict) -> int:
+    """Worker processes of the job's engine: tensor x pipeline parallel size."""
+    return job.get("tp", 1) * job.get("pp", 1)
 
 
 def make_llm(job: dict):
@@ -65,12 +71,14 @@ def make_llm(job: dict):
         kv_load_failure_policy=job.get("policy", "recompute"))
     return LLM(
         model=job["model"], tokenizer=job["model"], dtype="float32",
-        block_size=job.get("block_size", 32), enforce_eager=True,
-        distributed_executor_backend="mp" if job.get("tp", 1) > 1 else "uni",
-        tensor_parallel_size=job.get("tp", 1), kv_cache_memory_bytes=job.get("kv_bytes", 64 << 20),
+        block_size=job.get("block_size", 32), enforce_eager=job.get("eager", True),
+        distributed_executor_backend="mp" if _world(job) > 1 else "uni",
+        tensor_parallel_size=job.get("tp", 1), pipeline_parallel_size=job.get("pp", 1),
+        kv_cache_memory_bytes=job.get("kv_bytes", 64 << 20),
         max_model_len=job.get("max_model_len", 2048), enable_prefix_caching=False,
         max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
         kv_transfer_config=ktc, seed=0, disable_log_stats=not job.get("metrics", False),
+        **job.get("llm_kwargs", {}),  # e.g. multimodal engine options
     )
 
 
@@ -78,7 +86,7 @@ def run(job: dict) -> dict:
     from vllm import SamplingParams
 
     llm = make_llm(job)
-    if job.get("tp", 1) > 1:
+    if _world(job) > 1:
         core = llm.llm_engine.engine_core
         sched, worker = core.engine_core.scheduler.connector, _Workers(llm)
     else:
@@ -91,6 +99,11 @@ def run(job: dict) -> dict:
         prompt: dict = {"prompt_token_ids": req["tokens"]}
         if req.get("salt") is not None:
             prompt["cache_salt"] = req["salt"]
+        if req.get("image"):  # a PNG path; the tokens hold the model's image placeholder
+            from PIL import Image
+
+            with Image.open(req["image"]) as img:
+                prompt["multi_modal_data"] = {"image": img.convert("RGB")}
         started = time.perf_counter()
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
         elapsed = time.perf_counter() - started
@@ -109,7 +122,8 @@ def run(job: dict) -> dict:
         return {"results": results, "alive": len(alive[0].outputs[0].token_ids) == 2,
                 "ranks": worker.states,
                 "scheduler_counters": sched.counters.totals(),
-                "scheduler_roots": sched.store_roots}
+                "scheduler_roots": sched.store_roots,
+                "scheduler_inventory": {str(r): v for r, v in sched.inventory_state.items()}}
     metrics_text = ""
     if job.get("metrics"):
         # The registry vLLM's OpenAI server exposes on /metrics.

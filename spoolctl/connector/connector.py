@@ -1,9 +1,11 @@
 """``SpoolConnector``: vLLM v1 KV connector that persists prompt-prefix KV in the spool store.
 
-Scheduler role: computes each request's chunk chain, looks the chain up in the
-catalogs of every rank's store (``<root>/<deployment digest>/rank-<NNNN>``, a chunk is
-a hit only if every rank holds it) and plans restores (into the blocks vLLM
-allocated for the hit) and stores (of complete chunks once computed).
+Scheduler role: computes each request's chunk chain, looks it up for every rank
+(each rank's store is ``<root>/<deployment digest>/rank-<NNNN>``; a chunk is a hit
+only if every rank holds it) and plans restores (into the blocks vLLM allocated for
+the hit) and stores (of complete chunks once computed). Ranks on the scheduler's host
+are looked up in their catalogs; ranks on other hosts through the inventory they
+report over vLLM's handshake and per-step worker metadata (``inventory``).
 Worker role: restores synchronously before the forward (read + verify in one
 pass, then copy whole blocks into every layer) and captures stored chunks after
 the forward into bounded staging memory, committed by a background thread.
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,14 +37,17 @@ import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from spoolctl import metrics as m
 from spoolctl.store import Store
 from spoolctl.store.errors import (
+    ConfigError,
     CorruptionError,
     NotFoundError,
     QuarantineReason,
@@ -52,12 +59,14 @@ from .chain import MMSpan, chain_root, chunk_keys
 from .contract import check_contract
 from .groups import GroupInfo, check_groups, unsupported_error
 from .identity import DeploymentIdentity, identity_from_vllm
+from .inventory import Ack, InventoryReport, InventoryView, key_bytes
 from .plan import ChunkLoad, ChunkStore, Planner
 from .settings import ConnectorSettings, parse_settings
 from .stats import ConnectorCounters
 from .topology import RankPlace, all_ranks, quorum
 
 if TYPE_CHECKING:
+    from .holdings import RankHoldings
     from .kvio import BufferPool, PagedKV
     from .writer import StoreWriter
 
@@ -80,6 +89,31 @@ class SpoolConnectorMetadata(KVConnectorMetadata):
 
     loads: list[ChunkLoad] = field(default_factory=list)
     stores: list[ChunkStore] = field(default_factory=list)
+    # Inventory protocol: the last report applied per rank, and ranks asked to restate.
+    acks: dict[int, Ack] = field(default_factory=dict)
+    resync: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SpoolHandshake(KVConnectorHandshakeMetadata):
+    """A worker's startup message: where its store is and everything it holds."""
+
+    rank: int
+    host: str
+    root: str
+    store_id: str
+    report: InventoryReport
+
+
+@dataclass
+class SpoolWorkerMeta(KVConnectorWorkerMetadata):
+    """One step's inventory changes from every worker (vLLM aggregates across workers)."""
+
+    reports: list[InventoryReport] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        extra = other.reports if isinstance(other, SpoolWorkerMeta) else []
+        return SpoolWorkerMeta(reports=[*self.reports, *extra])
 
 
 class _Bypass(Exception):
@@ -97,6 +131,16 @@ def _engine_tag() -> str:
     except Exception:  # platform detection is best effort; the version still binds the layout
         device = "unknown"
     return f"vllm-{major_minor}/{device}"
+
+
+def host_identity() -> str:
+    """This boot of this machine: two processes with the same value share local disks."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux: the host name is the best we have
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _parallel_ranks() -> tuple[int, int]:
@@ -163,6 +207,8 @@ class SpoolConnector(KVConnectorBase_V1):
         self._chain_ns = self._identity.for_rank(tp_rank=0, pp_rank=0).namespace
         self._stores: list[tuple[Store, str]] = []
         self._load_errors: set[int] = set()
+        self._holdings: RankHoldings | None = None
+        self._evicted_last = 0
         self._kv: PagedKV | None = None
         self._writer: StoreWriter | None = None
         self._maintainer: Any = None
@@ -175,17 +221,17 @@ class SpoolConnector(KVConnectorBase_V1):
         ident = self._identity
         # The deployment digest names the directory holding every rank's store.
         self._digest = self._chain_ns
+        self._places = all_ranks(ident.tp_size, ident.pp_size)
         if role == KVConnectorRole.SCHEDULER:
             self._planner = Planner(chunk_tokens=self._chunk, block_size=self._block_size)
-            # Same-host quorum: the scheduler reads every rank's catalog directly.
-            for place in all_ranks(ident.tp_size, ident.pp_size):
-                self._stores.append((
-                    self._open_store(place),
-                    ident.for_rank(tp_rank=place.tp_rank, pp_rank=place.pp_rank).namespace))
+            # Filled by the workers' handshakes: a rank on this host is read in its catalog,
+            # any other through its reports. Until then every rank is unknown: all misses.
+            self._local: dict[int, tuple[Store, str]] = {}
+            self._view = InventoryView()
         else:
-            self._stores.append((
-                self._open_store(RankPlace(tp_rank, pp_rank, ident.tp_size, ident.pp_size)),
-                ident.namespace))
+            self._place = RankPlace(tp_rank, pp_rank, ident.tp_size, ident.pp_size)
+            self._counters.part = str(self._place.rank)
+            self._stores.append((self._open_store(self._place), ident.namespace))
         log.info("spoolctl connector (%s) ready: chunk %d tokens, namespace %s",
                  role.name.lower(), self._chunk, self._identity.namespace)
 
@@ -193,18 +239,21 @@ class SpoolConnector(KVConnectorBase_V1):
 
     _opened: dict[str, Store] = {}
 
-    def _open_store(self, place: RankPlace) -> Store:
+    def _open_store(self, place: RankPlace, *, create: bool = True) -> Store:
         root = self._settings.root_for(digest=self._digest, place=place)
         # The scheduler and a worker of one process (uni executor) share a rank root.
         store = self._opened.get(root)
         if store is None:
-            store = Store.open(root, create=True, max_bytes=self._settings.max_bytes)
+            store = Store.open(root, create=create, max_bytes=self._settings.max_bytes)
             self._opened[root] = store
         return store
 
     @property
     def store_roots(self) -> list[str]:
-        """The rank store roots this connector reads (scheduler: all ranks; worker: its own)."""
+        """The rank store roots this connector reads directly (scheduler: the ranks on its
+        host, known after the workers' handshake; worker: its own)."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            return [str(self._local[r][0].root) for r in sorted(self._local)]
         return [str(store.root) for store, _ in self._stores]
 
     @classmethod
@@ -253,18 +302,67 @@ class SpoolConnector(KVConnectorBase_V1):
         return chunk_keys(root, request.prompt_token_ids, self._chunk, self._mm_spans(request))
 
     def _present(self, keys: list[str]) -> list[bool]:
-        """Which chunks *every* rank's store holds (committed, retained): the quorum.
+        """Which chunks *every* rank holds (committed, retained): the quorum.
 
-        The catalogs are read at every lookup, so an entry a rank evicted or quarantined is
-        withdrawn before any later request can be planned against it.
+        Ranks on this host are read in their catalogs at every lookup; the others in the
+        inventory they reported. A rank withdraws an entry before deleting it (see
+        ``holdings``), so no request is planned against a chunk a rank evicted.
         """
+        raw = [key_bytes(k) for k in keys]
+
         def per_rank():
-            for store, ns in self._stores:
+            for place in self._places:
+                local = self._local.get(place.rank)
+                if local is None:
+                    yield self._view.has(place.rank, raw)
+                    continue
+                store, ns = local
                 ids = [entry_id_for(KIND, ns, k) for k in keys]
                 live = store.live(ids)
                 yield [i in live for i in ids]
 
         return quorum(per_rank(), len(keys))
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's handshake, keyed by (pp_rank, tp_rank): adopt its inventory, and read
+        its catalog directly when its store is on this host (and inventory mode allows)."""
+        here = host_identity()
+        tp_size = self._identity.tp_size
+        for (pp_rank, tp_rank), hs in metadata.items():
+            if not isinstance(hs, SpoolHandshake) or hs.rank != pp_rank * tp_size + tp_rank:
+                log.warning("spoolctl: ignoring a malformed handshake from pp %s tp %s; that "
+                            "rank's chunks are misses", pp_rank, tp_rank)
+                continue
+            self._view.apply(hs.report)
+            if self._settings.inventory == "auto" and hs.host == here:
+                self._adopt_local(hs)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): hs for tp, hs in metadata.items()})
+
+    def _adopt_local(self, hs: SpoolHandshake) -> None:
+        place = next((p for p in self._places if p.rank == hs.rank), None)
+        if place is None:
+            return
+        expected = self._settings.root_for(digest=self._digest, place=place)
+        if os.path.normpath(hs.root) != os.path.normpath(expected):
+            return
+        try:
+            store = self._open_store(place, create=False)
+        except SpoolError as exc:
+            log.warning("spoolctl: rank %d store not readable here (%s); using its reports",
+                        hs.rank, exc.message)
+            return
+        if store.marker.store_id != hs.store_id:
+            return  # same path, different store (another disk mounted there): use reports
+        ns = self._identity.for_rank(tp_rank=place.tp_rank, pp_rank=place.pp_rank).namespace
+        self._local[hs.rank] = (store, ns)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, SpoolWorkerMeta):
+            for report in meta.reports:
+                self._view.apply(report)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -293,7 +391,7 @@ class SpoolConnector(KVConnectorBase_V1):
             self._counters.inc(m.LOOKUPS, result="hit", reason="none" if full else "partial")
             self._counters.inc(m.HIT_TOKENS, ext)
             hit_chunks = -(-(num_computed_tokens + ext) // self._chunk)
-            for store, ns in self._stores:
+            for store, ns in self._local.values():
                 store.touch(entry_id_for(KIND, ns, k) for k in keys[:hit_chunks])
         else:
             self._counters.inc(m.LOOKUPS, result="miss", reason="absent")
@@ -320,6 +418,8 @@ class SpoolConnector(KVConnectorBase_V1):
                 computed_after=cached.num_computed_tokens[i] + sched.get(req_id, 0))
             meta.loads += loads
             meta.stores += stores
+        meta.acks = self._view.acks()
+        meta.resync = self._view.resync_requests()
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -330,12 +430,23 @@ class SpoolConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from .holdings import RankHoldings
         from .kvio import BufferPool, PagedKV
         from .writer import StoreWriter
 
-        kv = self._kv = PagedKV(
-            kv_caches, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
-            blocks_per_chunk=self._chunk // self._block_size)
+        try:
+            kv = PagedKV(
+                kv_caches, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
+                blocks_per_chunk=self._chunk // self._block_size)
+        except ConfigError as exc:
+            if self._settings.on_unsupported != "disable":
+                raise
+            # No handshake follows, so the scheduler never counts this rank: all misses.
+            log.warning("spoolctl: connector disabled on this rank "
+                        "(spoolctl_on_unsupported=disable): %s", exc.message)
+            self._enabled = False
+            return
+        self._kv = kv
         self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
         self._read_ahead = max(2, min(READ_AHEAD, READ_AHEAD_BYTES // kv.chunk_bytes))
         self._restore_bufs = BufferPool(kv.chunk_bytes, slots=self._read_ahead)
@@ -344,9 +455,16 @@ class SpoolConnector(KVConnectorBase_V1):
             kv.chunk_bytes, slots=max(1, self._settings.staging_bytes // kv.chunk_bytes))
         store, ns = self._stores[0]
         summary = self._identity.summary()
+        holdings = self._holdings = RankHoldings(
+            store, kind=KIND, namespace=ns, rank=self._place.rank,
+            epoch=store.next_generation(f"vllm-connector:{ns}"))
+        holdings.start()
 
         def put(key: str, payload: Any, meta: Any) -> None:
-            store.put(kind=KIND, namespace=ns, key=key, objects={OBJECT: payload}, meta=meta)
+            # No commit-time eviction: holdings withdraws victims from the scheduler first.
+            store.put(kind=KIND, namespace=ns, key=key, objects={OBJECT: payload}, meta=meta,
+                      evict=False)
+            holdings.committed(key)
 
         self._writer = StoreWriter(put, staging_bytes=self._settings.staging_bytes,
                                    counters=self._counters)
@@ -365,7 +483,8 @@ class SpoolConnector(KVConnectorBase_V1):
         try:
             self._maintainer = BackgroundMaintainer(
                 store, scrub_rate_bytes=self._settings.scrub_rate,
-                interval_s=self._settings.maintenance_interval, role="vllm-worker")
+                interval_s=self._settings.maintenance_interval, role="vllm-worker",
+                enforce_capacity=False)  # RankHoldings evicts (withdraw, then delete)
             self._maintainer.start()
         except Exception as exc:  # maintenance is an optimisation; never block serving
             log.warning("spoolctl: background maintenance not started: %s", exc)
@@ -375,14 +494,38 @@ class SpoolConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, SpoolConnectorMetadata) or not meta.loads or self._kv is None \
-                or self._read_pool is None:
+        if not isinstance(meta, SpoolConnectorMetadata):
             return
-        by_req: dict[str, list[ChunkLoad]] = {}
-        for load in meta.loads:
-            by_req.setdefault(load.req_id, []).append(load)
-        for loads in by_req.values():
-            self._restore_request(sorted(loads, key=lambda ld: ld.index))
+        if meta.loads and (self._kv is None or self._read_pool is None):
+            # Cannot happen when the scheduler only plans against ranks that reported; if it
+            # does, the target blocks hold garbage: have vLLM recompute them.
+            for load in meta.loads:
+                self._load_errors.update(load.target_blocks)
+            self._counters.inc(m.LOAD_ERRORS, len(meta.loads), reason="unknown")
+        elif meta.loads:
+            by_req: dict[str, list[ChunkLoad]] = {}
+            for load in meta.loads:
+                by_req.setdefault(load.req_id, []).append(load)
+            for loads in by_req.values():
+                self._restore_request(sorted(loads, key=lambda ld: ld.index))
+        # Only now, after this step's loads: every plan built before the scheduler applied
+        # a withdrawal has been served, so acknowledged entries may be deleted.
+        if self._holdings is not None:
+            self._holdings.on_scheduler(meta.acks, meta.resync)
+
+    def get_handshake_metadata(self) -> SpoolHandshake | None:
+        if self._holdings is None:
+            return None
+        store = self._stores[0][0]
+        return SpoolHandshake(rank=self._place.rank, host=host_identity(), root=str(store.root),
+                              store_id=store.marker.store_id,
+                              report=self._holdings.handshake_report())
+
+    def build_connector_worker_meta(self) -> SpoolWorkerMeta | None:
+        if self._holdings is None:
+            return None
+        report = self._holdings.step_report()
+        return SpoolWorkerMeta(reports=[report]) if report is not None else None
 
     def _restore_request(self, loads: list[ChunkLoad]) -> None:
         """Restore a request's chunks in order. Reads + verification of the next chunks run
@@ -446,6 +589,7 @@ class SpoolConnector(KVConnectorBase_V1):
                     ref.size != self._kv.chunk_bytes:
                 store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
                                        "KV layout does not match this deployment")
+                self._lost(load.key)
                 self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
                 return None, "manifest_validation"
             buf = self._restore_bufs.get()
@@ -456,13 +600,17 @@ class SpoolConnector(KVConnectorBase_V1):
             except BaseException:
                 self._restore_bufs.put(buf)  # its contents are garbage, but reusable
                 raise
+            # Each rank keeps its own LRU clock: the scheduler may not see this store.
+            store.touch([entry_id])
             return buf, None
         except CorruptionError as exc:
+            self._lost(load.key)
             self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
             log.warning("spoolctl: cached chunk failed verification (%s); quarantined, "
                         "recomputing", exc.reason.value)
             return None, exc.reason.value
         except (NotFoundError, KeyError):
+            self._lost(load.key)
             return None, "absent"
         except SpoolError as exc:
             log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
@@ -470,6 +618,10 @@ class SpoolConnector(KVConnectorBase_V1):
         except Exception:  # never let a cache problem take the worker down
             log.exception("spoolctl: unexpected restore error, recomputing")
             return None, "unknown"
+
+    def _lost(self, key: str) -> None:
+        if self._holdings is not None:
+            self._holdings.lost(key)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # restores complete in start_load_kv, before the forward
@@ -519,6 +671,11 @@ class SpoolConnector(KVConnectorBase_V1):
 
     def _collect_maintainer(self) -> None:
         """Fold the background maintainer's progress since the last call into the counters."""
+        if self._holdings is not None:
+            evicted = self._holdings.evicted_entries
+            if evicted > self._evicted_last:
+                self._counters.inc(m.EVICTED_ENTRIES, evicted - self._evicted_last)
+                self._evicted_last = evicted
         if self._maintainer is None:
             return
         snap = self._maintainer.counters.snapshot()
@@ -586,6 +743,15 @@ class SpoolConnector(KVConnectorBase_V1):
         return self._counters
 
     @property
+    def inventory_state(self) -> dict:
+        """Worker: its inventory (epoch, held, awaiting acknowledgement, deletions after
+        one); scheduler: per rank, how many chunks it is known to hold and how it is read."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            return {p.rank: {"source": "catalog" if p.rank in self._local else "reports",
+                             "known": self._view.known(p.rank)} for p in self._places}
+        return self._holdings.state() if self._holdings is not None else {}
+
+    @property
     def maintainer(self) -> Any:
         """The worker's ``BackgroundMaintainer`` (None when disabled or on the scheduler)."""
         return self._maintainer
@@ -613,6 +779,10 @@ class SpoolConnector(KVConnectorBase_V1):
             with contextlib.suppress(Exception):
                 self._maintainer.stop()
             self._maintainer = None
+        if self._holdings is not None:
+            with contextlib.suppress(Exception):
+                self._holdings.stop()
+            self._holdings = None
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True)
             self._read_pool = None

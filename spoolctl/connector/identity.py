@@ -86,20 +86,23 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def kv_layout_of(kv_cache_config: Any) -> tuple[dict[str, Any], ...]:
+def kv_layout_of(kv_cache_config: Any, *, with_layers: bool = True) -> tuple[dict[str, Any], ...]:
     """The layout part of vLLM's ``KVCacheConfig``: per group, layer names + spec type/fields.
 
     ``num_blocks`` and tensor sizes are left out on purpose: they depend on free
-    memory at startup, not on what a block holds.
+    memory at startup, not on what a block holds. ``with_layers=False`` leaves the layer
+    names out: under pipeline parallelism every stage (and the scheduler, which gets
+    stage 0's config) sees only its own layers, while the identity must be the same on
+    every rank. A stage's layer names are still bound per chunk (the ``layout`` digest
+    in each manifest, checked before every restore).
     """
     groups = []
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
         spec = group.kv_cache_spec
-        groups.append({
-            "layers": list(group.layer_names),
-            "spec": type(spec).__name__,
-            "fields": _plain(spec),
-        })
+        doc: dict[str, Any] = {"spec": type(spec).__name__, "fields": _plain(spec)}
+        if with_layers:
+            doc = {"layers": list(group.layer_names), **doc}
+        groups.append(doc)
     return tuple(groups)
 
 
@@ -117,7 +120,9 @@ def identity_from_vllm(
         dtype=str(model.dtype),
         kv_cache_dtype=str(cache.cache_dtype),
         block_size=int(cache.block_size),
-        kv_layout=kv_layout_of(kv_cache_config),
+        # PP > 1: stage-independent (see kv_layout_of); PP = 1 keeps existing namespaces.
+        kv_layout=kv_layout_of(kv_cache_config,
+                               with_layers=int(par.pipeline_parallel_size) == 1),
         tp_size=int(par.tensor_parallel_size),
         pp_size=int(par.pipeline_parallel_size),
         tp_rank=tp_rank,

@@ -48,12 +48,23 @@ class LayerLayout:
                 "block_dim": self.block_dim}
 
 
-def _block_dim(shape: Sequence[int], num_blocks: int | None) -> int:
-    if num_blocks is not None:
-        dims = [i for i, s in enumerate(shape) if s == num_blocks]
-        if dims:
-            return dims[0]
-    return 0
+def _block_dim(shape: Sequence[int], num_blocks: int | None, name: str = "") -> int:
+    """The dimension indexing blocks: the first of size ``num_blocks`` (dim 0 if unknown).
+
+    A tensor with no such dimension (e.g. a kernel-split view with ``num_blocks * ratio``
+    pages) is not understood: copying "blocks" along another dimension would read or write
+    the wrong bytes, so it is refused.
+    """
+    if num_blocks is None:
+        return 0
+    dims = [i for i, s in enumerate(shape) if s == num_blocks]
+    if not dims:
+        raise ConfigError(
+            f"KV cache tensor {name or '?'} of shape {tuple(shape)} has no dimension of "
+            f"{num_blocks} blocks", path="kv_caches",
+            fix='this KV layout is not supported; set "spoolctl_on_unsupported": "disable" '
+                "to serve without the connector")
+    return dims[0]
 
 
 class PagedKV:
@@ -70,7 +81,7 @@ class PagedKV:
         for name, t in zip(self.names, self.tensors, strict=True):
             self.layers.append(LayerLayout(
                 name=name, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                stride=tuple(t.stride()), block_dim=_block_dim(t.shape, num_blocks),
+                stride=tuple(t.stride()), block_dim=_block_dim(t.shape, num_blocks, name),
                 itemsize=t.element_size()))
         self.chunk_bytes = sum(la.block_bytes for la in self.layers) * blocks_per_chunk
         self.layout_json = {"layers": [la.to_json() for la in self.layers],

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from spoolctl import metrics as m
 
-from .stats import WORKER_GAUGES, known, merge, parse_label_key
+from .stats import WORKER_GAUGES, gauge_value, known, merge, parse_label_key
 
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -38,7 +38,8 @@ class SpoolStats(KVConnectorStats):
         for name, slot in (self.data.get("counters") or {}).items():
             for key, value in slot.items():
                 out[f"{name}{{{key}}}" if key else name] = value
-        out.update(self.data.get("gauges") or {})
+        for name, by_part in (self.data.get("gauges") or {}).items():
+            out[name] = gauge_value(by_part)
         for name, values in (self.data.get("hist") or {}).items():
             out[f"{name}_count"] = len(values)
             out[f"{name}_sum"] = round(sum(values), 6)
@@ -79,10 +80,10 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
             for key, value in slot.items():
                 labels = m.check_labels(spec, parse_label_key(key))
                 metric.labels(*engine_labels, *(labels[n] for n in spec.labels)).inc(value)
-        for name, value in (transfer_stats_data.get("gauges") or {}).items():
+        for name, by_part in (transfer_stats_data.get("gauges") or {}).items():
             metric = self._defs.get(name)
             if metric is not None:
-                metric.labels(*engine_labels).set(value)
+                metric.labels(*engine_labels).set(gauge_value(by_part))
         for name, values in (transfer_stats_data.get("hist") or {}).items():
             metric = self._defs.get(name)
             if metric is None:

@@ -14,6 +14,10 @@ Keys (all optional except the root):
 ``spoolctl_maintenance_interval``  seconds between maintenance passes (default 60)
 ``spoolctl_on_unsupported``  ``error`` (default: refuse to start) or ``disable`` (serve without
                              persistent reuse) for a KV layout the connector cannot persist
+``spoolctl_inventory``       how the scheduler learns what each rank holds: ``auto`` (default:
+                             read the catalogs of ranks on its own host, use the workers'
+                             inventory reports for the others) or ``reported`` (reports for
+                             every rank, as if each were on another host)
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ DEFAULT_MAINTENANCE_INTERVAL = 60.0
 KNOWN_KEYS = frozenset({
     "spoolctl_root", "spoolctl_max_size", "spoolctl_chunk_tokens", "spoolctl_staging_bytes",
     "spoolctl_scrub_rate", "spoolctl_maintenance_interval", "spoolctl_on_unsupported",
+    "spoolctl_inventory",
 })
 ON_UNSUPPORTED = ("error", "disable")
+INVENTORY_MODES = ("auto", "reported")
 _WHERE = "kv_connector_extra_config"
 
 
@@ -51,8 +57,13 @@ class ConnectorSettings:
     scrub_rate: int = DEFAULT_SCRUB_RATE
     maintenance_interval: float = DEFAULT_MAINTENANCE_INTERVAL
     on_unsupported: str = "error"
+    inventory: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.inventory not in INVENTORY_MODES:
+            raise ConfigError(f"spoolctl_inventory={self.inventory[:20]!r} is not one of "
+                              "auto, reported", path=_WHERE,
+                              fix='set "spoolctl_inventory" to "auto" or "reported"')
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise ConfigError(f"spoolctl_on_unsupported={self.on_unsupported[:20]!r} is not "
                               "one of error, disable", path=_WHERE,
@@ -120,6 +131,7 @@ def parse_settings(
         maintenance_interval=float(interval) if interval not in (None, "")
         else DEFAULT_MAINTENANCE_INTERVAL,
         on_unsupported=str(extra.get("spoolctl_on_unsupported") or "error"),
+        inventory=str(extra.get("spoolctl_inventory") or "auto"),
     )
 
 

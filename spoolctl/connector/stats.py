@@ -33,11 +33,14 @@ class ConnectorCounters:
     ``totals`` keeps cumulative counter values for tests and ``stats_snapshot``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, part: str = "") -> None:
         self._lock = threading.Lock()
+        # Which worker (rank) this is: gauges are kept per part and summed at export, so a
+        # TP/PP deployment's store bytes are the sum over its rank stores.
+        self.part = part
         self._counters: dict[str, dict[str, float]] = {}
         self._hist: dict[str, list[float]] = {}
-        self._gauges: dict[str, float] = {}
+        self._gauges: dict[str, dict[str, float]] = {}
         self._totals: dict[str, dict[str, float]] = {}
 
     def inc(self, spec: m.MetricSpec, value: float = 1, **labels: str) -> None:
@@ -60,7 +63,7 @@ class ConnectorCounters:
         if spec.type != "gauge" or spec.labels:
             raise ValueError(f"{spec.name} is not an unlabelled gauge")
         with self._lock:
-            self._gauges[spec.name] = float(value)
+            self._gauges[spec.name] = {self.part: float(value)}
             self._totals[spec.name] = {"": float(value)}
 
     def take(self) -> dict[str, Any]:
@@ -93,7 +96,10 @@ def merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     """Aggregate two ``take()`` payloads (e.g. of several workers or intervals)."""
     out: dict[str, Any] = {"counters": {}, "hist": {}, "gauges": {}}
     for part in (a, b):
-        out["gauges"].update(part.get("gauges") or {})  # gauges: the later value wins
+        for name, by_part in (part.get("gauges") or {}).items():
+            # Per worker the later value wins; different workers are kept apart (summed
+            # at export by ``gauge_value``).
+            out["gauges"].setdefault(name, {}).update(by_part)
         for name, slot in (part.get("counters") or {}).items():
             dst = out["counters"].setdefault(name, {})
             for key, value in slot.items():
@@ -101,6 +107,11 @@ def merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
         for name, values in (part.get("hist") or {}).items():
             out["hist"].setdefault(name, []).extend(values)
     return {k: v for k, v in out.items() if v}
+
+
+def gauge_value(by_part: Mapping[str, float]) -> float:
+    """A gauge's exported value: the sum over the workers that reported it."""
+    return float(sum(by_part.values()))
 
 
 def known(name: str) -> m.MetricSpec | None:

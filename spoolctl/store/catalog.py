@@ -266,6 +266,23 @@ class Catalog:
             found.update(r[0] for r in rows)
         return found
 
+    def live_keys(self, kind: str, namespace: str) -> set[str]:
+        """The keys of every committed, retained entry of ``(kind, namespace)``."""
+        return {r[0] for r in self._read(
+            "SELECT key FROM entries WHERE kind=? AND namespace=? AND hint='retain' "
+            "AND state='committed'", (kind, namespace))}
+
+    def next_generation(self, name: str) -> int:
+        """Advance and return the persistent counter ``name``: larger than its last value
+        and at least the current time in milliseconds, so it still grows after the
+        catalog was rebuilt (unless the clock went back)."""
+        with self._write() as db:
+            row = db.execute("SELECT v FROM meta WHERE k=?", (f"gen:{name}",)).fetchone()
+            last = int(row[0]) if row and str(row[0]).isdigit() else 0
+            value = max(last + 1, int(time.time() * 1000))
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (f"gen:{name}", str(value)))
+            return value
+
     def resolve_prefix(self, prefix: str, limit: int = 2) -> list[str]:
         hi = prefix + "g"  # 'g' sorts after every hex digit
         return [r[0] for r in self._read(

@@ -8,7 +8,8 @@
 2. does one bounded scrub step at ``scrub_rate_bytes`` (only with the owner
    lease; the scrub lock makes it take turns with a CLI ``spoolctl scrub``);
 3. enforces capacity without waiting for the maintenance lock (always, lease or
-   not: a bounded store must stay bounded).
+   not: a bounded store must stay bounded), unless ``enforce_capacity=False``
+   (an owner that evicts by itself, like the vLLM connector).
 
 Nothing it does raises into the caller: exceptions are logged and counted
 (``errors`` by step). ``counters`` exposes what it did for metrics (names in
@@ -74,6 +75,7 @@ class BackgroundMaintainer:
         scrub_rate_bytes: int = 16 << 20,
         interval_s: float = 30.0,
         role: str = "vllm-worker",
+        enforce_capacity: bool = True,
     ):
         if scrub_rate_bytes <= 0:
             raise ValueError("scrub_rate_bytes must be positive")
@@ -83,6 +85,9 @@ class BackgroundMaintainer:
         self.scrub_rate_bytes = scrub_rate_bytes
         self.interval_s = interval_s
         self.role = role
+        # False for an owner that evicts itself (the vLLM connector withdraws entries
+        # from its peers first); the capacity step is then skipped.
+        self.enforce_capacity = enforce_capacity
         self.counters = MaintainerCounters()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -156,7 +161,8 @@ class BackgroundMaintainer:
         if self.owns_store:
             self._guard("auth", self._auth)
             self._guard("scrub", self._scrub)
-        self._guard("capacity", self._capacity)
+        if self.enforce_capacity:
+            self._guard("capacity", self._capacity)
 
     def _guard(self, step: str, fn) -> None:
         if self._stop.is_set() and step != "auth":

@@ -331,6 +331,7 @@ class Store:
         meta: Mapping[str, Any] | None = None,
         index: Mapping[str, Any] | None = None,
         supersedes: str | None = None,
+        evict: bool = True,
     ) -> Manifest:
         """Commit one entry (manifest-last) and return its manifest.
 
@@ -339,6 +340,8 @@ class Store:
         entry released in the same catalog transaction. Raises StoreIOError on
         a disk failure (nothing partial is visible), CapacityError if the entry
         alone exceeds the store's low watermark, BusyError on lock timeout.
+        ``evict=False`` skips the commit-time capacity check, for an owner (the vLLM
+        connector) that must withdraw entries from its peers before deleting them.
         """
         entry_id = entry_id_for(kind, namespace, key)
         for name in objects:
@@ -347,7 +350,7 @@ class Store:
             validate_entry_id(supersedes)
         manifest = self._guarded(lambda: self._put_once(
             entry_id, kind, namespace, key, objects, meta, index, supersedes))
-        if self.max_bytes is not None and self.totals().bytes > self.max_bytes:
+        if evict and self.max_bytes is not None and self.totals().bytes > self.max_bytes:
             with contextlib.suppress(BusyError):
                 self.enforce_capacity(budget=COMMIT_EVICTION_BUDGET, wait=False)
         return manifest
@@ -486,6 +489,18 @@ class Store:
         """Which of ``entry_ids`` are committed and retained (catalog only; no file I/O)."""
         ids = list(entry_ids)
         return self._guarded(lambda: self.catalog.live(ids))
+
+    def live_keys(self, kind: str, namespace: str) -> set[str]:
+        """Keys of the committed, retained entries of ``(kind, namespace)`` (catalog only)."""
+        return self._guarded(lambda: self.catalog.live_keys(kind, namespace))
+
+    def next_generation(self, name: str) -> int:
+        """Advance and return a counter persisted in the catalog.
+
+        Used as a restart epoch: every caller gets a larger number than any earlier
+        caller on this root; the value is at least the time in milliseconds, so it keeps
+        growing across a catalog rebuild (unless the clock was set back)."""
+        return self._guarded(lambda: self.catalog.next_generation(name))
 
     def touch(self, entry_ids: Iterable[str]) -> None:
         """Move the LRU clock of ``entry_ids`` (cheap: skipped when recent)."""

@@ -1,0 +1,273 @@
+"""Which chunks each rank holds, reported to the scheduler over vLLM's own channels (pure).
+
+On one host the scheduler reads every rank's catalog directly (``topology``). Across
+hosts it cannot, so each worker tells it: a full inventory in its startup handshake
+(``get_handshake_metadata``), then bounded per-step changes in its worker metadata
+(``build_connector_worker_meta``), all aggregated by vLLM. The scheduler answers with
+acknowledgements in the connector metadata it sends every worker each step.
+
+Protocol (one ``RankInventory`` per worker, one ``InventoryView`` in the scheduler):
+
+* **Epochs.** Every worker start has a new, larger ``epoch`` (persisted per rank root).
+  A report from an older epoch than the one the scheduler follows is dropped; a newer
+  epoch replaces everything the scheduler knew about that rank, so a restarted rank can
+  never leave old entries looking present.
+* **Sequence numbers.** Reports of one epoch are numbered 0, 1, 2, ...; a report that
+  is not the next one (a gap) makes the scheduler forget the rank's keys and ask for a
+  *reset* (a report that restates the inventory from empty). Until it arrives the
+  rank's chunks are misses: fail closed. A worker whose last report stays
+  unacknowledged sends an empty one after a few quiet steps, so a lost *last* report
+  is noticed too.
+* **Bounded reports.** A report carries at most ``limit`` keys (handshake:
+  ``HANDSHAKE_MAX_KEYS``, per step: ``STEP_MAX_KEYS``); withdrawals go first, the rest
+  of a large inventory follows in later steps. Keys travel as 32 raw bytes.
+* **Withdraw before delete.** A worker that wants to delete an entry (capacity) first
+  withdraws it: the removal is reported, and the worker deletes only after the
+  scheduler acknowledged that report. Every plan the scheduler built before applying
+  the withdrawal reaches the worker before the acknowledgement does, so no request is
+  ever planned against a chunk that is already gone. Entries lost behind the
+  connector's back (an operator's ``clean``, scrub quarantine, a failed read) are
+  withdrawn when noticed; a load planned in between fails verification and vLLM
+  recomputes it on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+HANDSHAKE_MAX_KEYS = 16384
+STEP_MAX_KEYS = 1024
+# Quiet report() calls with an unacknowledged report outstanding before an empty report
+# is sent anyway: if the last report was lost, the empty one reveals the gap.
+HEARTBEAT_AFTER = 4
+KEY_BYTES = 32
+
+
+def key_bytes(key: str) -> bytes:
+    """A 64-hex chunk key as the 32 bytes a report carries."""
+    raw = bytes.fromhex(key)
+    if len(raw) != KEY_BYTES:
+        raise ValueError("chunk keys are 32 bytes")
+    return raw
+
+
+@dataclass(frozen=True)
+class InventoryReport:
+    """One rank's inventory change. ``reset``: forget earlier reports of this rank first."""
+
+    rank: int
+    epoch: int
+    seq: int
+    added: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    reset: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.epoch <= 0 or self.seq < 0:
+            raise ValueError("rank, epoch and seq must be non-negative (epoch positive)")
+        if any(len(k) != KEY_BYTES for k in (*self.added, *self.removed)):
+            raise ValueError("report keys must be 32 bytes")
+
+    @property
+    def size(self) -> int:
+        return len(self.added) + len(self.removed)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The scheduler has applied every report of ``epoch`` up to and including ``seq``."""
+
+    epoch: int
+    seq: int
+
+
+class RankInventory:
+    """A worker's side: what its store holds vs what the scheduler was told.
+
+    Not thread-safe; the caller serialises access (the connector holds one lock).
+    """
+
+    def __init__(self, rank: int, epoch: int):
+        if epoch <= 0:
+            raise ValueError("epoch must be positive")
+        self.rank = rank
+        self.epoch = epoch
+        self._held: set[bytes] = set()  # what the store holds, as far as we know
+        self._told: set[bytes] = set()  # what the scheduler has been told (sent reports)
+        self._seq = 0  # the next report's sequence number
+        self._reset = True  # the next report restates the inventory from empty
+        self._awaiting: dict[bytes, int] = {}  # withdrawn key -> seq of the report removing it
+        self._unsent_withdrawals: set[bytes] = set()
+        self._acked = -1  # the highest sequence number the scheduler acknowledged
+        self._quiet = 0  # report() calls with nothing to say since the last report
+
+    # -- what the store holds ------------------------------------------------------------------
+
+    def replace(self, keys: Iterable[bytes]) -> None:
+        """The store's full inventory (a rescan): anything else is gone."""
+        self._held = set(keys)
+        self._note_gone()
+
+    def add(self, key: bytes) -> None:
+        """A chunk was committed (or revived)."""
+        self._held.add(key)
+        self._awaiting.pop(key, None)
+        self._unsent_withdrawals.discard(key)
+
+    def lost(self, key: bytes) -> None:
+        """A chunk disappeared on its own (deleted, quarantined, failed to read)."""
+        self._held.discard(key)
+        self._note_gone()
+
+    def withdraw(self, key: bytes) -> bool:
+        """Stop offering ``key`` before deleting it. True: wait for ``acked`` to return it
+        before deleting; False: the scheduler never heard of it, delete at once."""
+        self._held.discard(key)
+        if key in self._told or key in self._awaiting:
+            self._unsent_withdrawals.add(key)
+            self._awaiting.setdefault(key, -1)
+            return True
+        return False
+
+    def _note_gone(self) -> None:
+        for key in self._told - self._held:
+            self._unsent_withdrawals.add(key)
+
+    @property
+    def held(self) -> frozenset[bytes]:
+        return frozenset(self._held)
+
+    # -- reports and acknowledgements -------------------------------------------------------
+
+    def report(self, limit: int) -> InventoryReport | None:
+        """The next report (at most ``limit`` keys), or None when there is nothing to say."""
+        if limit <= 0:
+            raise ValueError("limit must be positive")
+        reset = self._reset
+        if reset:
+            self._told = set()
+            removed: list[bytes] = []
+            pending_removals: list[bytes] = []
+        else:
+            pending_removals = sorted(k for k in self._unsent_withdrawals if k in self._told)
+            removed = pending_removals[:limit]
+        room = limit - len(removed)
+        added = sorted(self._held - self._told)[:room] if room > 0 else []
+        if not reset and not removed and not added:
+            if self._acked >= self._seq - 1:
+                return None
+            self._quiet += 1
+            if self._quiet < HEARTBEAT_AFTER:
+                return None
+        self._quiet = 0
+        seq = self._seq
+        self._seq += 1
+        self._reset = False
+        for key in removed:
+            self._told.discard(key)
+        self._told.update(added)
+        sent = set(removed) if not reset else set(self._unsent_withdrawals)
+        for key in sent:
+            self._unsent_withdrawals.discard(key)
+            if key in self._awaiting:
+                self._awaiting[key] = seq
+        # Withdrawals of keys the scheduler never heard of need no acknowledgement.
+        for key in [k for k in self._unsent_withdrawals if k not in self._told]:
+            self._unsent_withdrawals.discard(key)
+        return InventoryReport(self.rank, self.epoch, seq, tuple(added), tuple(removed),
+                               reset=reset)
+
+    def acked(self, ack: Ack) -> list[bytes]:
+        """Apply an acknowledgement; return the withdrawn keys that may now be deleted."""
+        if ack.epoch != self.epoch:
+            return []
+        self._acked = max(self._acked, ack.seq)
+        done = [k for k, seq in self._awaiting.items() if 0 <= seq <= ack.seq]
+        for key in done:
+            del self._awaiting[key]
+        return done
+
+    def resync(self) -> None:
+        """The scheduler lost track: the next report restates everything."""
+        self._reset = True
+
+    @property
+    def awaiting(self) -> int:
+        """Withdrawn keys not yet acknowledged."""
+        return len(self._awaiting)
+
+
+@dataclass
+class _RankState:
+    epoch: int
+    next_seq: int
+    keys: set[bytes] = field(default_factory=set)
+    synced: bool = True
+
+
+class InventoryView:
+    """The scheduler's side: the reported inventory of every remote rank."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[int, _RankState] = {}
+        self._resync: dict[int, int] = {}  # rank -> epoch asked to reset
+        self.dropped = 0  # stale or out-of-order reports ignored (diagnostics)
+
+    def apply(self, report: InventoryReport) -> None:
+        state = self._ranks.get(report.rank)
+        if state is not None and report.epoch < state.epoch:
+            self.dropped += 1
+            return  # a report from before the rank restarted
+        if report.reset:
+            if state is not None and report.epoch == state.epoch and report.seq < state.next_seq:
+                self.dropped += 1
+                return  # a duplicate of a reset already applied
+            self._ranks[report.rank] = _RankState(report.epoch, report.seq + 1,
+                                                  set(report.added) - set(report.removed))
+            self._resync.pop(report.rank, None)
+            return
+        if state is None or report.epoch > state.epoch or report.seq > state.next_seq:
+            # A rank we never saw reset, a restart whose first report we missed, or a
+            # gap: what we know is unreliable. Forget it and ask for a restatement.
+            epoch = report.epoch if state is None else max(state.epoch, report.epoch)
+            self._ranks[report.rank] = _RankState(
+                epoch, state.next_seq if state is not None and epoch == state.epoch else 0,
+                synced=False)
+            self._resync[report.rank] = epoch
+            self.dropped += 1
+            return
+        if report.seq < state.next_seq or not state.synced:
+            self.dropped += 1
+            return  # a duplicate, or waiting for the reset we asked for
+        state.keys.difference_update(report.removed)
+        state.keys.update(report.added)
+        state.next_seq = report.seq + 1
+
+    def forget(self, rank: int) -> None:
+        self._ranks.pop(rank, None)
+
+    def has(self, rank: int, keys: Iterable[bytes]) -> list[bool]:
+        state = self._ranks.get(rank)
+        if state is None or not state.synced:
+            return [False for _ in keys]
+        return [k in state.keys for k in keys]
+
+    def acks(self) -> dict[int, Ack]:
+        """What to acknowledge to each rank: the last report applied in its epoch."""
+        return {rank: Ack(s.epoch, s.next_seq - 1)
+                for rank, s in self._ranks.items() if s.synced and s.next_seq > 0}
+
+    def resync_requests(self) -> dict[int, int]:
+        """Ranks (-> epoch) whose next report must be a reset."""
+        return dict(self._resync)
+
+    def known(self, rank: int) -> int:
+        """How many chunks ``rank`` is known to hold (0 when unknown or resyncing)."""
+        state = self._ranks.get(rank)
+        return len(state.keys) if state is not None and state.synced else 0
+
+
+def resync_for(requests: Mapping[int, int], rank: int, epoch: int) -> bool:
+    """Whether a scheduler's resync requests ask this rank (in this epoch) to reset."""
+    return requests.get(rank) == epoch

