@@ -292,3 +292,27 @@ def test_generation_grows_across_calls_and_a_catalog_rebuild(store: Store, store
         f.unlink()
     with Store.open(store_root) as again:
         assert again.next_generation("x") > first
+
+
+def test_holdings_deletes_anyway_when_the_ack_never_comes(small_store: Store):
+    """An engine that takes no steps never acknowledges: the store must stay bounded."""
+    ns = "p" * 16
+    now = [1000.0]
+    holdings = RankHoldings(small_store, kind="vllm", namespace=ns, rank=0, epoch=1,
+                            ack_timeout_s=300, clock=lambda: now[0])
+    for i in range(6):
+        put(small_store, ns, i)
+    holdings.rescan()
+    holdings.handshake_report()  # told: every withdrawal now needs an acknowledgement
+    for i in range(6, 12):
+        put(small_store, ns, i)
+        holdings.committed(chunk_key(i))
+    holdings._enforce_capacity()
+    released = small_store.totals().bytes
+    assert released > 40_000 and holdings.awaiting > 0  # withdrawn, waiting
+    now[0] += 299
+    holdings._enforce_capacity()
+    assert small_store.totals().bytes == released  # still waiting
+    now[0] += 2
+    holdings._enforce_capacity()
+    assert small_store.totals().bytes <= 40_000 and holdings.awaiting == 0

@@ -360,9 +360,15 @@ class SpoolConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, SpoolWorkerMeta):
-            for report in meta.reports:
-                self._view.apply(report)
+        if not isinstance(meta, SpoolWorkerMeta):
+            return
+        before = self._view.resync_requests()
+        for report in meta.reports:
+            self._view.apply(report)
+        for rank in self._view.resync_requests().keys() - before.keys():
+            log.warning("spoolctl: lost track of rank %d's inventory (a report went missing "
+                        "or the rank restarted); its chunks are misses until it restates it",
+                        rank)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

@@ -14,6 +14,11 @@ withdrawn — reported, and acknowledged by the scheduler — before it is delet
 3. once the scheduler acknowledged the report carrying the withdrawal, delete the
    entries that are still released (a chunk re-stored meanwhile is kept).
 
+A withdrawal that stays unacknowledged for ``ack_timeout_s`` (an engine that takes
+no steps, a scheduler that never learnt of this rank) is deleted anyway, so the store
+stays bounded; a restore planned against it meanwhile fails its read and is
+recomputed, as for any entry lost behind the connector's back.
+
 All store I/O runs on one daemon thread, never on vLLM's engine loop; the methods
 the connector calls from the engine loop only take a lock and touch memory.
 """
@@ -23,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from spoolctl.store import Store
 from spoolctl.store.errors import BusyError, SpoolError
@@ -43,18 +49,23 @@ log = logging.getLogger("spoolctl.connector")
 
 RESCAN_S = 10.0
 EVICTION_BUDGET = 1024
+ACK_TIMEOUT_S = 300.0
 
 
 class RankHoldings:
     """See the module docstring. ``start()`` scans the store; ``stop()`` ends the thread."""
 
     def __init__(self, store: Store, *, kind: str, namespace: str, rank: int, epoch: int,
-                 rescan_s: float = RESCAN_S):
+                 rescan_s: float = RESCAN_S, ack_timeout_s: float = ACK_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.store = store
         self.kind = kind
         self.namespace = namespace
         self.rank = rank
         self.rescan_s = rescan_s
+        self.ack_timeout_s = ack_timeout_s
+        self._clock = clock
+        self._withdrawn_at: dict[bytes, float] = {}
         self._inv = RankInventory(rank, epoch)
         self._lock = threading.Lock()
         self._deletable: list[bytes] = []  # acknowledged withdrawals, deleted by the thread
@@ -91,6 +102,7 @@ class RankHoldings:
         raw = key_bytes(key)
         with self._lock:
             self._inv.add(raw)
+            self._withdrawn_at.pop(raw, None)
             if self._scan_adds is not None:
                 self._scan_adds.add(raw)
         if self.store.max_bytes is not None:
@@ -177,6 +189,7 @@ class RankHoldings:
             return
         plan = self.store.enforce_capacity(dry_run=True, budget=EVICTION_BUDGET, wait=False)
         now: list[str] = []
+        expired = 0
         for entry_id in plan.entry_ids:
             row = self.store.row(entry_id)
             if row is None:
@@ -184,16 +197,30 @@ class RankHoldings:
             wait = False
             if row.kind == self.kind and row.namespace == self.namespace:
                 with contextlib.suppress(ValueError), self._lock:
-                    wait = self._inv.withdraw(key_bytes(row.key))
+                    raw = key_bytes(row.key)
+                    wait = self._inv.withdraw(raw)
+                    since = self._withdrawn_at.setdefault(raw, self._clock())
+                    if wait and self._clock() - since >= self.ack_timeout_s:
+                        self._inv.expire(raw)  # bounded disk beats a perfect withdrawal
+                        wait = False
+                        expired += 1
+                    if not wait:
+                        self._withdrawn_at.pop(raw, None)
             self.store.release(entry_id)
             if not wait:
                 now.append(entry_id)
+        if expired:
+            log.warning("spoolctl: %d evicted chunks were never acknowledged by the scheduler "
+                        "within %.0f s; deleted anyway (restores planned against them are "
+                        "recomputed)", expired, self.ack_timeout_s)
         if now:
             self._delete(now)
 
     def _delete_acknowledged(self) -> None:
         with self._lock:
             doomed, self._deletable = self._deletable, []
+            for key in doomed:
+                self._withdrawn_at.pop(key, None)
         if doomed:
             self.withdrawn_then_deleted += self._delete([self._entry_id(k) for k in doomed])
 

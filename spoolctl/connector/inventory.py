@@ -188,6 +188,10 @@ class RankInventory:
             del self._awaiting[key]
         return done
 
+    def expire(self, key: bytes) -> None:
+        """Give up waiting for ``key``'s acknowledgement (the caller deletes it anyway)."""
+        self._awaiting.pop(key, None)
+
     def resync(self) -> None:
         """The scheduler lost track: the next report restates everything."""
         self._reset = True
