@@ -1,10 +1,18 @@
-"""A locally generated tiny LLaVA (CLIP vision tower + Llama text model) for vLLM tests.
+"""A locally generated tiny Idefics3 (image + text) model for the vLLM multimodal tests.
 
 Nothing is downloaded: the tokenizer is the project's inline-trained byte-level BPE
-(``spoolctl.tinymodel``) plus an ``<image>`` special token, the image processor is a
-``CLIPImageProcessor`` configured for 56x56 images, and all weights are random (seeded).
-vLLM (``LlavaForConditionalGeneration``) loads the directory with its processor:
-a 56 px image with 14 px patches becomes 16 placeholder tokens in the prompt.
+(``spoolctl.tinymodel``) plus Idefics3's special tokens, the image processor is the
+PIL ``Idefics3ImageProcessorPil`` (no torchvision needed) configured for 56x56 images
+without tiling, and all weights are random (seeded). vLLM loads the directory as
+``Idefics3ForConditionalGeneration`` (SigLIP-like vision tower, pixel-shuffle
+connector, Llama text model).
+
+Why Idefics3 and not LLaVA/Qwen2-VL: vLLM 0.32's ``llava`` and ``qwen2_vl`` modules
+import torchvision, which the dev environment does not have.
+
+A prompt holds one ``<image>`` token per image; vLLM replaces it with
+``<fake_token_around_image><global-img>`` + ``IMAGE_SEQ_LEN`` x ``<image>`` +
+``<fake_token_around_image>`` (``IMAGE_PLACEHOLDER_TOKENS`` tokens in all).
 """
 
 from __future__ import annotations
@@ -16,19 +24,18 @@ import tempfile
 from pathlib import Path
 
 IMAGE_SIZE = 56
-PATCH_SIZE = 14
+PATCH_SIZE = 7
+SCALE_FACTOR = 2
 IMAGE_TOKEN = "<image>"
-#: Placeholder tokens one image expands to ("default" strategy drops the CLS token).
-IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
-_STAMP = {"arch": "tiny-llava", "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "v": 1}
+#: ``<image>`` embeddings one image yields: (56/7)^2 patches, pixel-shuffled by 2x2.
+IMAGE_SEQ_LEN = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2
+#: Prompt positions one image's expanded placeholder occupies (fake + global + seq + fake).
+IMAGE_PLACEHOLDER_TOKENS = IMAGE_SEQ_LEN + 3
+_STAMP = {"arch": "tiny-idefics3", "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "v": 1}
 
 
-def build_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Build (atomically; reused when already built) a tiny LLaVA directory at ``path``.
-
-    ``config.json`` carries ``image_token_index``: the id the prompt's single image
-    placeholder token must have (vLLM expands it to ``IMAGE_TOKENS`` tokens).
-    """
+def build_tiny_idefics3(path: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Build (atomically; reused when already built) a tiny Idefics3 directory at ``path``."""
     target = Path(path)
     stamp = target / "spoolctl-tinymodel.json"
     if stamp.exists():
@@ -39,18 +46,26 @@ def build_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> Path:
             pass
     import torch
     from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        Idefics3VisionConfig,
         LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
     )
 
     from spoolctl.tinymodel import _train_tokenizer
 
     tokenizer = _train_tokenizer(512)
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]})
+    image_processor = Idefics3ImageProcessorPil(
+        do_resize=True, size={"longest_edge": IMAGE_SIZE},
+        max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=False)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                  image_seq_len=IMAGE_SEQ_LEN)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
 
     text = LlamaConfig(
@@ -59,35 +74,23 @@ def build_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> Path:
         max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False)
-    vision = CLIPVisionConfig(
+    vision = Idefics3VisionConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=64)
-    config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=image_token_id,
-        vision_feature_select_strategy="default", vision_feature_layer=-1,
-        projector_hidden_act="gelu", image_seq_length=IMAGE_TOKENS,
+        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    config = Idefics3Config(
+        vision_config=vision, text_config=text, image_token_id=image_token_id,
+        scale_factor=SCALE_FACTOR, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False)
     config.torch_dtype = "float32"
 
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():
         # Near-uniform logits make greedy ties (kernel-dependent) likely: widen them.
         model.lm_head.weight.mul_(8.0)
-        # Make the image matter: a random projector on a random tower gives small
-        # embeddings; scale them up so different pixels visibly change the output.
-        model.model.multi_modal_projector.linear_2.weight.mul_(4.0)
-
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(
-            size={"shortest_edge": IMAGE_SIZE},
-            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
-        tokenizer=tokenizer, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=1)
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tinyllava-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=".tinyidefics3-", dir=target.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
         processor.save_pretrained(staging)
@@ -102,5 +105,5 @@ def build_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> Path:
 
 
 def image_token_id(model_dir: str | os.PathLike[str]) -> int:
-    """The placeholder id a prompt uses for one image (``config.json``)."""
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["image_token_index"])
+    """The id of the one ``<image>`` token a prompt carries per image (``config.json``)."""
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["image_token_id"])
