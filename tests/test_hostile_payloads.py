@@ -159,8 +159,19 @@ def test_bad_header_lengths_and_bodies(harness: Harness, length: int, cut: int,
             harness.load(data)
         except (ValueError, SpoolError):
             continue
-        # accepted: only a padded body (extra bytes after the last tensor) may still load
-        assert data.startswith(valid), "a damaged payload was accepted"
+        # A shortened header length can still parse (only padding spaces cut off), but the
+        # tensors would be read from shifted bytes; trailing bytes are as suspect.
+        pytest.fail(f"a damaged payload was accepted ({len(data)} of {len(valid)} bytes)")
+
+
+@pytest.mark.parametrize("delta", [-8, -7, -6, -5, -4, -3, -2, -1, 1, 2, 3, 8])
+def test_header_length_off_by_a_few_bytes_is_rejected(harness: Harness, delta: int) -> None:
+    """safetensors pads headers with spaces: a length that cuts some off still parses as
+    JSON, and the tensors would then be read from bytes shifted by ``delta``."""
+    valid = harness.valid
+    n = int.from_bytes(valid[:8], "little")
+    with pytest.raises((ValueError, SpoolError)):
+        harness.load(struct.pack("<Q", n + delta) + valid[8:])
 
 
 def test_hostile_payload_with_a_valid_digest_is_a_cold_run(torch_harness: Harness,

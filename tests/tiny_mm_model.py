@@ -107,3 +107,12 @@ def build_tiny_idefics3(path: str | os.PathLike[str], seed: int = 0) -> Path:
 def image_token_id(model_dir: str | os.PathLike[str]) -> int:
     """The id of the one ``<image>`` token a prompt carries per image (``config.json``)."""
     return int(json.loads((Path(model_dir) / "config.json").read_text())["image_token_id"])
+
+
+def expanded_placeholder(model_dir: str | os.PathLike[str]) -> list[int]:
+    """The token ids vLLM puts in a prompt in place of one ``<image>`` token."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    fake, glob = tok.token_to_id("<fake_token_around_image>"), tok.token_to_id("<global-img>")
+    return [fake, glob] + [image_token_id(model_dir)] * IMAGE_SEQ_LEN + [fake]

@@ -39,6 +39,7 @@ from spoolctl.store.digest import Hasher
 from spoolctl.store.errors import ConfigError
 
 from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from .safetensors_layout import tiling_error
 
 KIND = "mlx"
 #: Name of the one payload object of an entry (the mlx-lm prompt-cache file).
@@ -129,6 +130,7 @@ def _safetensors_header(data: memoryview) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CacheFormatError("cache file header is not an object")
     body = len(data) - 8 - size
+    spans: list[tuple[int, int]] = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -137,6 +139,9 @@ def _safetensors_header(data: memoryview) -> dict[str, Any]:
                 or not all(isinstance(o, int) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= body):
             raise CacheFormatError(f"cache tensor {name!r} has invalid offsets")
+        spans.append((offsets[0], offsets[1]))
+    if (why := tiling_error(spans, body)) is not None:
+        raise CacheFormatError(f"cache file body is malformed: {why}")
     return header
 
 

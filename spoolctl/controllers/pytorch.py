@@ -26,6 +26,7 @@ from spoolctl.store.digest import Hasher
 from spoolctl.store.errors import ConfigError
 
 from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from .safetensors_layout import tiling_error
 
 KV_OBJECT = "kv"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -291,6 +292,7 @@ class PyTorchBackend:
             raise ValueError("safetensors header is not an object")
         body = len(data) - 8 - n
         out: dict[str, Any] = {}
+        spans: list[tuple[int, int]] = []
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -312,6 +314,9 @@ class PyTorchBackend:
                 raise ValueError(f"tensor {name!r} size does not match its shape")
             out[name] = torch.frombuffer(data, dtype=dtype, count=numel,
                                          offset=8 + n + offsets[0]).view(shape)
+            spans.append((offsets[0], offsets[1]))
+        if (why := tiling_error(spans, body)) is not None:
+            raise ValueError(f"bad safetensors body: {why}")
         return out
 
     # -- generation ---------------------------------------------------------------------------
