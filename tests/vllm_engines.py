@@ -24,6 +24,8 @@ DRIVER = Path(__file__).with_name("vllm_support.py")
 
 def bind_env(workers: int) -> dict[str, str]:
     """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` processes its own CPUs."""
+    if workers <= 1:
+        return {}  # one worker binds itself
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < workers:
         pytest.skip(f"{workers} vLLM workers need at least {workers} CPUs")
@@ -48,9 +50,11 @@ def run_engine(job: dict, workdir: Path, name: str, *, env: Mapping[str, str] | 
     return json.loads(out_path.read_text())
 
 
-def sched_counter(out: dict, spec: m.MetricSpec, **labels: str) -> float:
-    """A scheduler-side connector counter from a driver result (summed without labels)."""
-    slot = out["scheduler_counters"].get(spec.name, {})
+def sched_counter(out: dict, spec: m.MetricSpec, *, role: str = "scheduler",
+                  **labels: str) -> float:
+    """A connector counter from a driver result (``role`` scheduler or, for a single-worker
+    engine, worker), summed over label values when no labels are given."""
+    slot = out[f"{role}_counters"].get(spec.name, {})
     return slot.get(",".join(f"{k}={labels[k]}" for k in sorted(labels)), 0) if labels \
         else sum(slot.values())
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
 from collections import deque
@@ -81,6 +82,9 @@ READ_AHEAD = 8
 READ_AHEAD_BYTES = 256 << 20
 READ_THREADS = 4
 GAUGE_REFRESH_S = 15.0
+# vLLM's name for media it did not content-hash ("renderer0-mm-7-image-0"): a per-process
+# request counter that repeats after a restart, never a persistent identity.
+_COUNTER_ID = re.compile(r"^renderer\d+-mm-\d+-")
 
 
 @dataclass
@@ -187,6 +191,17 @@ class SpoolConnector(KVConnectorBase_V1):
         self._counters = ConnectorCounters()
         self._chunk = self._settings.chunk_tokens
         self._enabled = True
+        # vLLM names media by a content hash only while its processor cache or prefix
+        # caching is on; otherwise by a per-process request counter ("renderer0-mm-7-
+        # image-0"), which repeats after a restart and so cannot key persistent KV.
+        mm_cfg = getattr(vllm_config.model_config, "multimodal_config", None)
+        self._mm_unhashed = bool(
+            mm_cfg is not None and getattr(mm_cfg, "mm_processor_cache_gb", 1) == 0
+            and not getattr(vllm_config.cache_config, "enable_prefix_caching", False))
+        if self._mm_unhashed:
+            log.warning("spoolctl: mm_processor_cache_gb=0 with prefix caching off: vLLM does "
+                        "not content-hash media, so multimodal requests bypass the persistent "
+                        "cache (set mm_processor_cache_gb > 0 or enable prefix caching)")
         unsupported = check_groups(_group_infos(kv_cache_config, self._block_size))
         if unsupported is not None:
             # Fail closed: a layout we cannot persist completely is never half-served.
@@ -288,7 +303,7 @@ class SpoolConnector(KVConnectorBase_V1):
             ident = getattr(feature, "identifier", None)
             modality = getattr(feature, "modality", None)
             pos = getattr(feature, "mm_position", None)
-            if not ident or not modality or pos is None:
+            if not ident or not modality or pos is None or _COUNTER_ID.match(str(ident)):
                 raise _Bypass("multimodal")
             try:
                 spans.append(MMSpan(str(ident), int(pos.offset), int(pos.length),
@@ -298,8 +313,11 @@ class SpoolConnector(KVConnectorBase_V1):
         return spans
 
     def _chain(self, request: Any) -> list[str]:
+        spans = self._mm_spans(request)
+        if spans and self._mm_unhashed:
+            raise _Bypass("multimodal")  # identifiers are request counters, not content
         root = chain_root(self._chain_ns, getattr(request, "cache_salt", None))
-        return chunk_keys(root, request.prompt_token_ids, self._chunk, self._mm_spans(request))
+        return chunk_keys(root, request.prompt_token_ids, self._chunk, spans)
 
     def _present(self, keys: list[str]) -> list[bool]:
         """Which chunks *every* rank holds (committed, retained): the quorum.
