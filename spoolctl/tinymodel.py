@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,6 +56,24 @@ You are a helpful assistant. Answer the question using the reference documents b
 Tools: search, calculator, weather, calendar. Data: tables, logs, contracts, manuals.
 The quick brown fox jumps over the lazy dog. 0123456789 !@#$%^&*()[]{};:'",.<>/?\\|`~-_=+
 """
+
+
+def publish_dir(target: Path, write: Callable[[Path], None]) -> Path:
+    """Build a directory with ``write(staging)`` next to ``target``, then swap it in whole.
+
+    A reader never sees a half-written model; a failure leaves ``target`` as it was.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
 
 
 def _train_tokenizer(vocab_size: int):
@@ -121,16 +140,10 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | str = "
     # and ties (which could flip between kernels) practically never happen.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tinymodel-", dir=target.parent))
-    try:
+
+    def write(staging: Path) -> None:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         (staging / "spoolctl-tinymodel.json").write_text(json.dumps(asdict(spec)))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+
+    return publish_dir(target, write)

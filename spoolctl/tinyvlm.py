@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from spoolctl.store.errors import ConfigError
+from spoolctl.tinymodel import publish_dir
 
 SPEC_VERSION = 1
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
@@ -161,9 +160,8 @@ def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0) -> Path:
     tokenizer.chat_template = _CHAT_TEMPLATE
     config = _config(tokenizer)
     weights = _weights(config, seed)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tinyvlm-", dir=target.parent))
-    try:
+
+    def write(staging: Path) -> None:
         tokenizer.save_pretrained(staging)
         (staging / "config.json").write_text(json.dumps(config, indent=1))
         (staging / "preprocessor_config.json").write_text(json.dumps(_PREPROCESSOR, indent=1))
@@ -172,10 +170,5 @@ def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0) -> Path:
         mx.save_safetensors(str(staging / "model.safetensors"), weights,
                             metadata={"format": "mlx"})
         (staging / "spoolctl-tinyvlm.json").write_text(json.dumps(stamp_data))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+
+    return publish_dir(target, write)

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_engines import live_keys, run_engine
+from vllm_engines import assert_rank_shards, live_keys, run_engine
 
 from spoolctl import metrics as m
 from spoolctl.connector.chain import chain_root, chunk_keys
@@ -84,14 +84,8 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 def test_each_stage_writes_its_own_shard_under_the_deployment_digest(runs):
-    a, r0, r1 = runs["A"], runs["r0"], runs["r1"]
-    assert len(a["ranks"]) == PP
-    assert Path(r0["store_root"]).parent == Path(r1["store_root"]).parent
-    assert r0["namespace"] != r1["namespace"]  # per-rank namespaces inside per-rank roots
-    assert sorted(a["scheduler_roots"]) == sorted([r0["store_root"], r1["store_root"]])
     # Cold run: every complete chunk on both stages (3 + 2).
-    for flags in runs["stored_a"].values():
-        assert flags == [[True] * 3, [True] * 2]
+    assert_rank_shards(runs["A"], runs["r0"], runs["r1"], PP, runs["stored_a"], [3, 2])
     m0, m1 = runs["manifests"]
     assert m0.meta["deployment"]["pp"] == [0, PP] and m1.meta["deployment"]["pp"] == [1, PP]
     assert m0.meta["deployment"]["tp"] == [0, 1] == m1.meta["deployment"]["tp"]

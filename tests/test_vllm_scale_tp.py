@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_engines import live_keys, run_engine
+from vllm_engines import assert_rank_shards, live_keys, run_engine
 
 from spoolctl import metrics as m
 from spoolctl.connector.chain import chain_root, chunk_keys
@@ -78,14 +78,9 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 def test_each_rank_writes_its_own_shard_under_the_deployment_digest(runs):
-    a, r0, r1 = runs["A"], runs["r0"], runs["r1"]
-    assert len(a["ranks"]) == TP
-    assert Path(r0["store_root"]).parent == Path(r1["store_root"]).parent
-    assert r0["namespace"] != r1["namespace"]  # per-rank namespaces inside per-rank roots
-    assert sorted(a["scheduler_roots"]) == sorted([r0["store_root"], r1["store_root"]])
+    r0, r1 = runs["r0"], runs["r1"]
     # Cold run: every complete chunk on both ranks (3 + 2 + 2).
-    for flags in runs["stored_a"].values():
-        assert flags == [[True] * 3, [True] * 2, [True] * 2]
+    assert_rank_shards(runs["A"], r0, r1, TP, runs["stored_a"], [3, 2, 2])
     # Both shards of a chunk hold different bytes (each rank owns its heads' KV).
     with Store.open(r0["store_root"]) as s0, Store.open(r1["store_root"]) as s1:
         k = runs["keys"]["q1"][0]

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from spoolctl.tinymodel import publish_dir
 
 IMAGE_SIZE = 56
 PATCH_SIZE = 7
@@ -89,19 +89,12 @@ def build_tiny_idefics3(path: str | os.PathLike[str], seed: int = 0) -> Path:
         # Near-uniform logits make greedy ties (kernel-dependent) likely: widen them.
         model.lm_head.weight.mul_(8.0)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tinyidefics3-", dir=target.parent))
-    try:
+    def write(staging: Path) -> None:
         model.save_pretrained(staging, safe_serialization=True)
         processor.save_pretrained(staging)
         (staging / "spoolctl-tinymodel.json").write_text(json.dumps({**_STAMP, "seed": seed}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+
+    return publish_dir(target, write)
 
 
 def image_token_id(model_dir: str | os.PathLike[str]) -> int:

@@ -64,3 +64,16 @@ def live_keys(root: str, ns: str, keys: list[str]) -> list[bool]:
     with Store.open(root) as store:
         live = store.live([entry_id_for("vllm", ns, k) for k in keys])
     return [entry_id_for("vllm", ns, k) in live for k in keys]
+
+
+def assert_rank_shards(out: dict, r0: dict, r1: dict, workers: int,
+                       stored: Mapping[str, list[list[bool]]], chunks: list[int]) -> None:
+    """Two ranks of one deployment: one digest directory, their own namespaces, read
+    directly by a same-host scheduler, and every complete chunk (``chunks`` per prompt)
+    stored on both (``stored``: per rank root, per prompt, which chunks are live)."""
+    assert len(out["ranks"]) == workers
+    assert Path(r0["store_root"]).parent == Path(r1["store_root"]).parent
+    assert r0["namespace"] != r1["namespace"]  # per-rank namespaces inside per-rank roots
+    assert sorted(out["scheduler_roots"]) == sorted([r0["store_root"], r1["store_root"]])
+    for flags in stored.values():
+        assert flags == [[True] * n for n in chunks]
