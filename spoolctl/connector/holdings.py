@@ -233,7 +233,7 @@ class RankHoldings:
     def state(self) -> dict:
         """Diagnostics: epoch, what is held and what waits for an acknowledgement."""
         with self._lock:
-            return {"epoch": self._inv.epoch, "held": len(self._inv.held),
+            return {"epoch": self._inv.epoch, "held": self._inv.held_count,
                     "awaiting_ack": self._inv.awaiting,
                     "withdrawn_then_deleted": self.withdrawn_then_deleted,
                     "evicted_entries": self.evicted_entries}

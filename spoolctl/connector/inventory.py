@@ -33,6 +33,7 @@ Protocol (one ``RankInventory`` per worker, one ``InventoryView`` in the schedul
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -98,7 +99,18 @@ class RankInventory:
         self._seq = 0  # the next report's sequence number
         self._reset = True  # the next report restates the inventory from empty
         self._awaiting: dict[bytes, int] = {}  # withdrawn key -> seq of the report removing it
-        self._unsent_withdrawals: set[bytes] = set()
+        # Reported removals not yet acknowledged: until then the scheduler may still count the
+        # key (kept even if the key is re-added meanwhile, so a second withdrawal waits too).
+        self._removal_seq: dict[bytes, int] = {}
+        self._unsent_withdrawals: set[bytes] = set()  # in _told, no longer held
+        self._unsent_adds: set[bytes] = set()  # held, not in _told (kept incrementally: the
+        # per-step report must not cost O(inventory) on vLLM's engine loop)
+        # Keys a scheduler may still count although _told no longer lists them: after a reset
+        # is sent, what we had told before it; after a start, anything (a scheduler may still
+        # hold a previous epoch's view). Retired by the ack of reset number _shadow_seq.
+        self._shadow_all = True
+        self._shadow: set[bytes] = set()
+        self._shadow_seq = 0
         self._acked = -1  # the highest sequence number the scheduler acknowledged
         self._quiet = 0  # report() calls with nothing to say since the last report
 
@@ -107,36 +119,54 @@ class RankInventory:
     def replace(self, keys: Iterable[bytes]) -> None:
         """The store's full inventory (a rescan): anything else is gone."""
         self._held = set(keys)
-        self._note_gone()
+        self._unsent_adds = self._held - self._told
+        self._unsent_withdrawals = (self._unsent_withdrawals | (self._told - self._held)) \
+            & self._told
 
     def add(self, key: bytes) -> None:
         """A chunk was committed (or revived)."""
         self._held.add(key)
         self._awaiting.pop(key, None)
         self._unsent_withdrawals.discard(key)
+        if key not in self._told:
+            self._unsent_adds.add(key)
 
     def lost(self, key: bytes) -> None:
         """A chunk disappeared on its own (deleted, quarantined, failed to read)."""
         self._held.discard(key)
-        self._note_gone()
+        self._unsent_adds.discard(key)
+        if key in self._told:
+            self._unsent_withdrawals.add(key)
 
     def withdraw(self, key: bytes) -> bool:
         """Stop offering ``key`` before deleting it. True: wait for ``acked`` to return it
         before deleting; False: the scheduler never heard of it, delete at once."""
         self._held.discard(key)
-        if key in self._told or key in self._awaiting:
+        self._unsent_adds.discard(key)
+        if key in self._told:  # its removal is still to be reported
             self._unsent_withdrawals.add(key)
             self._awaiting.setdefault(key, -1)
             return True
+        if key in self._awaiting:  # removal already reported: still waiting for the ack
+            return True
+        if key in self._removal_seq:  # removed once (then re-added), not yet acknowledged
+            self._awaiting[key] = self._removal_seq[key]
+            return True
+        if self._shadow_all or key in self._shadow:
+            # Not told since the last reset, but the scheduler may not have applied that reset
+            # yet: wait until it has.
+            self._awaiting[key] = self._shadow_seq
+            return True
         return False
-
-    def _note_gone(self) -> None:
-        for key in self._told - self._held:
-            self._unsent_withdrawals.add(key)
 
     @property
     def held(self) -> frozenset[bytes]:
+        """A copy of the held keys (O(n): for rescans and diagnostics, not per step)."""
         return frozenset(self._held)
+
+    @property
+    def held_count(self) -> int:
+        return len(self._held)
 
     # -- reports and acknowledgements -------------------------------------------------------
 
@@ -146,14 +176,15 @@ class RankInventory:
             raise ValueError("limit must be positive")
         reset = self._reset
         if reset:
+            self._shadow |= self._told
+            self._shadow_seq = self._seq
             self._told = set()
+            self._unsent_adds = set(self._held)
             removed: list[bytes] = []
-            pending_removals: list[bytes] = []
         else:
-            pending_removals = sorted(k for k in self._unsent_withdrawals if k in self._told)
-            removed = pending_removals[:limit]
+            removed = list(itertools.islice(self._unsent_withdrawals, limit))
         room = limit - len(removed)
-        added = sorted(self._held - self._told)[:room] if room > 0 else []
+        added = list(itertools.islice(self._unsent_adds, room)) if room > 0 else []
         if not reset and not removed and not added:
             if self._acked >= self._seq - 1:
                 return None
@@ -167,14 +198,13 @@ class RankInventory:
         for key in removed:
             self._told.discard(key)
         self._told.update(added)
+        self._unsent_adds.difference_update(added)
         sent = set(removed) if not reset else set(self._unsent_withdrawals)
         for key in sent:
             self._unsent_withdrawals.discard(key)
+            self._removal_seq[key] = seq
             if key in self._awaiting:
                 self._awaiting[key] = seq
-        # Withdrawals of keys the scheduler never heard of need no acknowledgement.
-        for key in [k for k in self._unsent_withdrawals if k not in self._told]:
-            self._unsent_withdrawals.discard(key)
         return InventoryReport(self.rank, self.epoch, seq, tuple(added), tuple(removed),
                                reset=reset)
 
@@ -183,6 +213,11 @@ class RankInventory:
         if ack.epoch != self.epoch:
             return []
         self._acked = max(self._acked, ack.seq)
+        if ack.seq >= self._shadow_seq:
+            self._shadow_all = False
+            self._shadow.clear()
+        for key in [k for k, seq in self._removal_seq.items() if seq <= ack.seq]:
+            del self._removal_seq[key]
         done = [k for k, seq in self._awaiting.items() if 0 <= seq <= ack.seq]
         for key in done:
             del self._awaiting[key]
