@@ -53,6 +53,17 @@ class _Workers:
         return all(s["flushed"] for s in self.states)
 
 
+def _kv_groups(llm) -> list[str]:
+    """The engine's runtime KV cache groups, by vLLM's own kind names (single process)."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    core = llm.llm_engine.engine_core
+    if not hasattr(core, "engine_core"):
+        return []
+    groups = core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    return [str(get_kv_cache_spec_kind(g.kv_cache_spec).value) for g in groups]
+
+
 def _world(job: dict) -> int:
     """Worker processes of the job's engine: tensor x pipeline parallel size."""
     return job.get("tp", 1) * job.get("pp", 1)
@@ -131,6 +142,7 @@ def run(job: dict) -> dict:
 
         metrics_text = prometheus_client.generate_latest().decode()
     return {
+        "kv_groups": _kv_groups(llm),
         "metrics": [line for line in metrics_text.splitlines() if "spoolctl_" in line
                     or "cached_by_source" in line],
         "results": results,
