@@ -16,6 +16,10 @@ H     Gemma/Mistral-style hybrid (layer 0 sliding window of 32 tokens, layer 1 f
 HOFF  the same model with vLLM's hybrid allocator off: one full-attention group, the
       single-object format, a different namespace; restores with identical tokens.
 S     every layer sliding: one sliding-window group; restores with identical tokens.
+TP    H with tensor_parallel_size=2 (two worker processes, both report every asynchronous
+      restore): restores with identical tokens after a restart; a full object corrupt on
+      rank 1 only fails the restore on that rank, and the whole request is recomputed on
+      every rank (identical tokens).
 
 Group kinds vLLM cannot give the tiny Llama cheaply (state-space, chunked-local, MLA...)
 fail closed; that path is unit-tested (tests/test_vllm_scale_units.py).
@@ -82,7 +86,9 @@ def counter(out: dict, role: str, spec: m.MetricSpec, **labels: str) -> float:
 
 def _group_objects(root: str, ns: str, tokens: list[int]) -> tuple[list[str], str, str]:
     """(entry ids of the prompt's chunks, the sliding object's name, the full one's)."""
-    ids = [entry_id_for("vllm", ns, k) for k in chunk_keys(chain_root(ns, None), tokens, CHUNK)]
+    chain_ns = Path(root).parent.name  # the deployment digest (rank 0's namespace)
+    ids = [entry_id_for("vllm", ns, k)
+           for k in chunk_keys(chain_root(chain_ns, None), tokens, CHUNK)]
     with Store.open(root) as store:
         groups = store.manifest(ids[0]).meta["kv_layout"]["groups"]
     sliding = next(g["object"] for g in groups if g["window"] is not None)
@@ -226,3 +232,38 @@ def test_all_sliding_model_restores_with_identical_tokens(runs):
     assert res["r_b"]["tokens"] == res["r_a"]["tokens"]
     assert counter(s, "worker", m.RESTORE_BYTES) > 0
     assert counter(s, "worker", m.LOAD_ERRORS) == 0
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from vllm_engines import run_engine as run_tp
+
+    work = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-window-tp")))
+    hybrid = _variant(tiny_model_dir, work / "hybrid", ["sliding_attention", "full_attention"])
+    base = {"model": str(hybrid), "root": str(work / "spool"), "tp": 2,
+            "extra": {"spoolctl_chunk_tokens": CHUNK}}
+    a = run_tp({**base, "requests": [{"name": "p", "tokens": P}, {"name": "q2", "tokens": Q2}]},
+               work, "A")
+    r1 = next(r for r in a["ranks"] if r["store_root"].endswith("rank-0001"))
+    ids, _, full = _group_objects(r1["store_root"], r1["namespace"], Q2)
+    _flip(r1["store_root"], ids[0], full)
+    b = run_tp({**base, "requests": [{"name": "p", "tokens": P}, {"name": "q2", "tokens": Q2}]},
+               work, "B")
+    return {"A": a, "B": b, "corrupt_id": ids[0], "r1_root": r1["store_root"]}
+
+
+def test_hybrid_model_with_two_ranks_restores_and_recomputes_a_rank_failure(tp_runs):
+    a, b = tp_runs["A"], tp_runs["B"]
+    assert b["alive"]
+    assert b["results"]["p"]["num_cached_tokens"] == 3 * CHUNK
+    assert b["results"]["p"]["tokens"] == a["results"]["p"]["tokens"]
+    assert b["results"]["q2"]["num_cached_tokens"] == 0
+    assert b["results"]["q2"]["tokens"] == a["results"]["q2"]["tokens"]
+    by_rank = {Path(r["store_root"]).name: r["counters"] for r in b["ranks"]}
+    for name, counters in by_rank.items():
+        assert sum(counters.get(m.RESTORE_BYTES.name, {}).values()) > 0, name
+    errors = {name: c.get(m.LOAD_ERRORS.name, {}) for name, c in by_rank.items()}
+    assert errors["rank-0001"] == {"reason=payload_digest": 1} and not errors["rank-0000"]
+    assert b["scheduler_counters"][m.LOOKUPS.name]["reason=corrupt,result=miss"] == 1
+    with Store.open(tp_runs["r1_root"]) as store:
+        assert tp_runs["corrupt_id"] in {i.entry_id for i in store.quarantine_items()}

@@ -260,9 +260,14 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._layouts: list[GroupLayout] = []
         unsupported = check_groups(groups, self._chunk if self._grouped else None)
         dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
         if unsupported is None and self._grouped and dcp > 1:
             unsupported = f"decode context parallelism ({dcp}) with {len(groups)} KV cache " \
                           "group(s)"
+        if unsupported is None and self._grouped and pp > 1:
+            # Each stage sees only its own layers' groups, the scheduler stage 0's: the
+            # per-group format would differ between stages.
+            unsupported = f"pipeline parallelism ({pp}) with {len(groups)} KV cache group(s)"
         if unsupported is None and self._grouped:
             self._layouts = group_layouts(groups, self._chunk)
         self._grouped = bool(self._layouts)
