@@ -153,11 +153,19 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                              "extra": extra,
                              "requests": [{"name": "cold", "tokens": P, "bypass": True}]},
                             work, "F")
+    # vLLM's own prefix cache on: a request restores 2 chunks, then the full prompt hits
+    # those locally and restores only the third from the store (local L > 0 + external).
+    pc = {"model": str(hybrid), "root": str(work / "spool-pc"), "extra": extra,
+          "prefix_caching": True}
+    pc1 = run_engine({**pc, "requests": [{"name": "p", "tokens": P}]}, work, "PC1")
+    pc2 = run_engine({**pc, "requests": [{"name": "prefix", "tokens": P[:2 * CHUNK] + R[:9]},
+                                         {"name": "p", "tokens": P}]}, work, "PC2")
     s = run_engine({"model": str(allslide), "root": str(work / "spool-s"), "extra": extra,
                     "requests": [{"name": "a", "tokens": P}, {"name": "b", "tokens": P},
                                  {"name": "r_a", "tokens": R}, {"name": "r_b", "tokens": R}]},
                    work, "S")
     return {"H": h, "H2": h2, "HOFF": hoff, "F": full_model, "S": s, "work": work,
+            "PC1": pc1, "PC2": pc2,
             "sizes": sizes, "sliding": sliding, "full": full, "root": root, "ns": ns,
             "q1_ids": q1_ids, "q2_ids": q2_ids}
 
@@ -178,6 +186,16 @@ def test_hybrid_model_keeps_hma_and_restores_with_identical_tokens(runs):
     assert h2["results"]["p"]["tokens"] == res["cold"]["tokens"]
     # The window is real: the same weights without it decode differently.
     assert runs["F"]["results"]["cold"]["tokens"] != res["cold"]["tokens"]
+
+
+def test_local_prefix_hit_plus_restore_gives_identical_tokens(runs):
+    pc1, pc2 = runs["PC1"], runs["PC2"]
+    assert pc2["results"]["prefix"]["num_cached_tokens"] == 2 * CHUNK
+    assert pc2["results"]["p"]["num_cached_tokens"] == 3 * CHUNK
+    assert pc2["results"]["p"]["tokens"] == pc1["results"]["p"]["tokens"]
+    assert counter(pc2, "worker", m.LOAD_ERRORS) == 0
+    # The second request's hit was partly local: it restored less than a full 3-chunk hit.
+    assert counter(pc2, "scheduler", m.HIT_TOKENS) < 2 * CHUNK + 3 * CHUNK
 
 
 def test_sliding_object_is_only_the_window_tail(runs):

@@ -86,7 +86,8 @@ def make_llm(job: dict):
         distributed_executor_backend="mp" if _world(job) > 1 else "uni",
         tensor_parallel_size=job.get("tp", 1), pipeline_parallel_size=job.get("pp", 1),
         kv_cache_memory_bytes=job.get("kv_bytes", 64 << 20),
-        max_model_len=job.get("max_model_len", 2048), enable_prefix_caching=False,
+        max_model_len=job.get("max_model_len", 2048),
+        enable_prefix_caching=job.get("prefix_caching", False),
         max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
         kv_transfer_config=ktc, seed=0, disable_log_stats=not job.get("metrics", False),
         **job.get("llm_kwargs", {}),  # e.g. multimodal engine options
