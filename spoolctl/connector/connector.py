@@ -10,15 +10,23 @@ Worker role: restores synchronously before the forward (read + verify in one
 pass, then copy whole blocks into every layer) and captures stored chunks after
 the forward into bounded staging memory, committed by a background thread.
 
+``SupportsHMA``: models with several KV cache groups or sliding windows use the
+grouped format (``groups``): one object per group and chunk (a sliding group only
+its in-window tail), copied through each group's own layers, restored
+asynchronously (``load_kv_async``; every worker reports each request in
+``get_transfer_results``), captured only in the step that crosses a chunk boundary.
+
 Failure model: anything wrong with a stored chunk (corrupt, short, missing,
 deleted, layout mismatch) quarantines it where applicable and reports its blocks
 through ``get_block_ids_with_load_errors`` so vLLM recomputes them (run with
-``kv_load_failure_policy="recompute"``). Anything wrong while storing skips the
-chunk and is counted. Requests that cannot be keyed safely (bypass flag, LoRA,
-prompt embeddings, multimodal items without identity) are neither restored nor
-stored. A KV layout the connector cannot persist (see ``groups``) fails at startup
-unless the operator chose ``spoolctl_on_unsupported = "disable"``. No prompt text,
-token ids, salts or keys are logged.
+``kv_load_failure_policy="recompute"``); in the grouped format the request is
+reported in ``failed_recving`` instead and recomputed in full. Anything wrong
+while storing skips the chunk and is counted. Requests that cannot be keyed
+safely (bypass flag, LoRA, prompt embeddings, multimodal items without identity)
+are neither restored nor stored. A KV layout the connector cannot persist (see
+``groups``) fails at startup unless the operator chose
+``spoolctl_on_unsupported = "disable"``. No prompt text, token ids, salts or keys
+are logged.
 """
 
 from __future__ import annotations
