@@ -255,6 +255,11 @@ def test_grouped_planner_restores_every_allocated_block_and_stores_at_the_bounda
     p.lookup("x", keys, [True] * 3, 203, 0)
     p.allocated("x", ([0, 0, 0, 0, 0, 11], [21, 22]), 192)
     assert [ld.ok for ld in p.take_loads()] == [False]
+    # After a failed restore: a lookup without restore still stores the absent chunks.
+    assert p.lookup("f", keys, [True, True, False], 203, 0, restore=False) == 0
+    st = p.scheduled("f", ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]), replace=True,
+                     computed_before=0, computed_after=203, first=True)
+    assert [s.index for s in st] == [2]
     p.finished("r")
     assert "r" not in p.requests
 
@@ -291,3 +296,66 @@ def test_vllm_classifies_the_spec_kinds_the_connector_relies_on():
     infos = _group_infos(Config(), 32)
     assert [(g.kind, g.sliding_window) for g in infos] == [("full_attention", 16),
                                                            ("sliding_window", 16)]
+
+
+def _scheduler_connector(groups: list, tmp_path: Path, **extra: str):
+    """A scheduler-role SpoolConnector over hand-built vLLM configs and real vLLM specs."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from spoolctl.connector.connector import SpoolConnector
+
+    tcfg = SimpleNamespace(
+        kv_connector_extra_config={"spoolctl_root": str(tmp_path), "spoolctl_chunk_tokens": 64,
+                                   **extra},
+        kv_load_failure_policy="recompute")
+    vcfg = SimpleNamespace(
+        kv_transfer_config=tcfg,
+        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
+        model_config=SimpleNamespace(model="/m", revision=None, dtype="float32",
+                                     multimodal_config=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        decode_context_parallel_size=1))
+    kcfg = SimpleNamespace(num_blocks=64, kv_cache_groups=[
+        SimpleNamespace(layer_names=[f"layer.{i}"], kv_cache_spec=spec)
+        for i, spec in enumerate(groups)])
+    return SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+
+
+def test_connector_startup_per_group_layout(tmp_path: Path):
+    """Real vLLM specs: full + sliding is the grouped format (SupportsHMA); a kind vLLM
+    classifies as chunked-local fails closed with one message, or disables the connector."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    from spoolctl import metrics as m
+    from spoolctl.connector.connector import SpoolConnector
+    from spoolctl.connector.plan import GroupedPlanner, Planner
+
+    common = {"block_size": 32, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
+    full, slide = FullAttentionSpec(**common), SlidingWindowSpec(**common, sliding_window=32)
+    assert supports_hma(SpoolConnector)
+    single = _scheduler_connector([full], tmp_path)
+    hybrid = _scheduler_connector([slide, full], tmp_path)
+    assert isinstance(single._planner, Planner) and not single._grouped
+    assert isinstance(hybrid._planner, GroupedPlanner) and hybrid._grouped
+    assert [(g.name, g.stored_blocks) for g in hybrid._layouts] == [("g0", 1), ("g1", 2)]
+    assert single.namespace != hybrid.namespace
+
+    local = ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
+    with pytest.raises(ConfigError) as err:
+        _scheduler_connector([slide, local], tmp_path)
+    assert "chunked_local_attention" in err.value.message
+    assert "spoolctl_on_unsupported" in str(err.value.fix) and "\n" not in str(err.value)
+    off = _scheduler_connector([slide, local], tmp_path, spoolctl_on_unsupported="disable")
+    req = _vllm_request("r", list(range(3, 203)), [])
+    assert off.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert off.counters.totals()[m.LOOKUPS.name] == {"reason=disabled,result=bypass": 1}
+    assert off.request_finished_all_groups(req, ([], [])) == (False, None)

@@ -595,6 +595,10 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         from .kvio import BufferPool, PagedKV
         from .writer import StoreWriter
 
+        if not self._enabled:
+            # A layout declared unsupported at startup (spoolctl_on_unsupported=disable):
+            # never copied. No handshake follows, so the scheduler counts no rank: all misses.
+            return
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         try:
             if self._grouped:
