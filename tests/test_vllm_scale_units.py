@@ -160,21 +160,108 @@ def test_vllm_multimodal_features_key_the_chain_and_incomplete_identity_bypasses
 
 
 def test_group_semantics_supported_and_fail_closed():
-    from spoolctl.connector.groups import GroupInfo, check_groups, unsupported_error
+    from spoolctl.connector.groups import GroupInfo, check_groups, is_single, unsupported_error
 
     full = GroupInfo(0, "full_attention", ("l0", "l1"), 32)
-    # A hybrid model's sliding layers promoted to full-attention pages: supported.
+    # A hybrid model's sliding layers promoted to full-attention pages (HMA off): supported,
+    # single-object format.
     promoted = GroupInfo(0, "full_attention", ("l0", "l1"), 32, sliding_window=32)
     assert check_groups([full]) is None and check_groups([promoted]) is None
+    assert is_single([full]) and is_single([promoted])
+    # Sliding windows alone or next to full attention (HMA on): grouped format.
     slide = GroupInfo(0, "sliding_window", ("l0",), 32, sliding_window=32)
-    assert "sliding_window" in check_groups([slide])
+    full1 = GroupInfo(1, "full_attention", ("l1",), 32)
+    assert check_groups([slide], 64) is None and not is_single([slide])
+    assert check_groups([slide, full1], 64) is None and not is_single([slide, full1])
+    # Genuinely unsupported kinds, flags and block sizes fail closed, naming the groups.
     hybrid = check_groups([full, GroupInfo(1, "mamba", ("m0",), 32)])
     assert hybrid.startswith("2 KV cache groups") and "mamba" in hybrid
+    assert "chunked_local_attention" in check_groups(
+        [GroupInfo(0, "chunked_local_attention", ("x",), 32, attention_chunk_size=64)])
+    assert "sliding_window_mla" in check_groups(
+        [GroupInfo(0, "sliding_window_mla", ("x",), 32, sliding_window=32)])
+    assert "draft" in check_groups(
+        [slide, GroupInfo(1, "full_attention", ("d",), 32, flag="a draft-model group")])
+    assert "window" in check_groups([GroupInfo(0, "sliding_window", ("x",), 32)], 64)
+    assert "LCM is 96" in check_groups(
+        [slide, GroupInfo(1, "full_attention", ("l1",), 96)], 64)
     assert check_groups([]) is not None
     assert "unknown" in check_groups([GroupInfo(0, "unknown", ("x",), 16)])
-    err = unsupported_error(check_groups([slide]))
+    err = unsupported_error(check_groups([GroupInfo(0, "mamba", ("m",), 16)]))
     assert isinstance(err, ConfigError) and "spoolctl_on_unsupported" in str(err)
     assert "\n" not in str(err)
+
+
+def test_group_layouts_store_only_the_window_tail():
+    from spoolctl.connector.groups import GroupInfo, group_layouts
+
+    groups = [GroupInfo(0, "sliding_window", ("s",), 16, sliding_window=32),
+              GroupInfo(1, "full_attention", ("f",), 32),
+              GroupInfo(2, "sliding_window", ("w",), 16, sliding_window=200,
+                        extra_retained_tokens=3)]
+    s, f, w = group_layouts(groups, 128)
+    # cdiv(32 + 0, 16) = 2 of the chunk's 8 blocks; full: all 4; window > chunk: all 8.
+    assert (s.blocks_per_chunk, s.stored_blocks, s.first_stored) == (8, 2, 6)
+    assert (f.blocks_per_chunk, f.stored_blocks, f.window) == (4, 4, None)
+    assert (w.stored_blocks, w.extra) == (8, 3)
+    assert [g.name for g in (s, f, w)] == ["g0", "g1", "g2"]
+
+
+def test_grouped_planner_restores_every_allocated_block_and_stores_at_the_boundary():
+    from spoolctl.connector.groups import GroupInfo, group_layouts
+    from spoolctl.connector.plan import GroupedPlanner
+
+    # Group 0 sliding (window 32, bs 32 -> tail of 1 block per 2-block chunk), group 1 full.
+    layouts = group_layouts([GroupInfo(0, "sliding_window", ("s",), 32, sliding_window=32),
+                             GroupInfo(1, "full_attention", ("f",), 32)], 64)
+    p = GroupedPlanner(chunk_tokens=64, groups=layouts)
+    keys = ["k0", "k1", "k2"]
+    # 3 chunks + 11 tokens, all present: hit 192 tokens.
+    assert p.lookup("r", keys, [True] * 3, 203, 0) == 192
+    # vLLM: sliding positions below floor((192 - 32 + 1) / 32) = 5 are null.
+    sliding = [0, 0, 0, 0, 0, 11, 12]
+    full = [21, 22, 23, 24, 25, 26, 27]
+    p.allocated("r", (sliding, full), 192)
+    (load,) = p.take_loads()
+    assert load.ok and [c.index for c in load.chunks] == [0, 1, 2]
+    assert [c.targets for c in load.chunks] == [
+        (None, (21, 22)), (None, (23, 24)), ((11,), (25, 26))]
+    assert p.take_loads() == []
+    # After the load: first step computes the tail; nothing new crosses a boundary.
+    assert p.scheduled("r", (sliding, full), replace=True, computed_before=192,
+                       computed_after=203, first=True) == []
+
+    # A cold request: chunk c is stored in the step that crosses its boundary.
+    p.lookup("c", keys, [False] * 3, 203, 0)
+    st = p.scheduled("c", ([1, 2, 3], [4, 5, 6]), replace=True, computed_before=0,
+                     computed_after=96, first=True)
+    assert [(s.index, s.blocks) for s in st] == [(0, ((2,), (4, 5)))]
+    # vLLM nulled position 0 meanwhile (never told); appended ids arrive.
+    st = p.scheduled("c", ([7, 8], [9, 10]), replace=False, computed_before=96,
+                     computed_after=203, first=False)
+    assert [(s.index, s.blocks) for s in st] == [(1, ((7,), (6, 9)))]
+    # Chunk 2's blocks were missing in its crossing step (vLLM always allocates them): it is
+    # never captured later, when its ids may already be stale.
+    st = p.scheduled("c", ([9], [11, 12]), replace=False, computed_before=203,
+                     computed_after=204, first=False)
+    assert st == [] and p.requests["c"].next_store == 3
+    # A local prefix hit (first step, computed before): stored only without null ids.
+    p.lookup("h", keys, [False] * 3, 203, 128)
+    st = p.scheduled("h", ([0, 0, 0, 31, 32, 33, 34], [41, 42, 43, 44, 45, 46, 47]),
+                     replace=True, computed_before=128, computed_after=203, first=True)
+    assert [(s.index, s.blocks) for s in st] == [(1, ((31,), (43, 44))),
+                                                 (2, ((33,), (45, 46)))]
+    # A table vLLM did not fully allocate: the request recomputes (ok=False).
+    p.lookup("x", keys, [True] * 3, 203, 0)
+    p.allocated("x", ([0, 0, 0, 0, 0, 11], [21, 22]), 192)
+    assert [ld.ok for ld in p.take_loads()] == [False]
+    # After a failed restore: a lookup without restore still stores the absent chunks.
+    assert p.lookup("f", keys, [True, True, False], 203, 0, restore=False) == 0
+    st = p.scheduled("f", ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]), replace=True,
+                     computed_before=0, computed_after=203, first=True)
+    assert [s.index for s in st] == [2]
+    p.finished("r")
+    assert "r" not in p.requests
 
 
 def test_on_unsupported_setting_is_validated():
@@ -209,3 +296,66 @@ def test_vllm_classifies_the_spec_kinds_the_connector_relies_on():
     infos = _group_infos(Config(), 32)
     assert [(g.kind, g.sliding_window) for g in infos] == [("full_attention", 16),
                                                            ("sliding_window", 16)]
+
+
+def _scheduler_connector(groups: list, tmp_path: Path, **extra: str):
+    """A scheduler-role SpoolConnector over hand-built vLLM configs and real vLLM specs."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from spoolctl.connector.connector import SpoolConnector
+
+    tcfg = SimpleNamespace(
+        kv_connector_extra_config={"spoolctl_root": str(tmp_path), "spoolctl_chunk_tokens": 64,
+                                   **extra},
+        kv_load_failure_policy="recompute")
+    vcfg = SimpleNamespace(
+        kv_transfer_config=tcfg,
+        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
+        model_config=SimpleNamespace(model="/m", revision=None, dtype="float32",
+                                     multimodal_config=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        decode_context_parallel_size=1))
+    kcfg = SimpleNamespace(num_blocks=64, kv_cache_groups=[
+        SimpleNamespace(layer_names=[f"layer.{i}"], kv_cache_spec=spec)
+        for i, spec in enumerate(groups)])
+    return SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+
+
+def test_connector_startup_per_group_layout(tmp_path: Path):
+    """Real vLLM specs: full + sliding is the grouped format (SupportsHMA); a kind vLLM
+    classifies as chunked-local fails closed with one message, or disables the connector."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    from spoolctl import metrics as m
+    from spoolctl.connector.connector import SpoolConnector
+    from spoolctl.connector.plan import GroupedPlanner, Planner
+
+    common = {"block_size": 32, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
+    full, slide = FullAttentionSpec(**common), SlidingWindowSpec(**common, sliding_window=32)
+    assert supports_hma(SpoolConnector)
+    single = _scheduler_connector([full], tmp_path)
+    hybrid = _scheduler_connector([slide, full], tmp_path)
+    assert isinstance(single._planner, Planner) and not single._grouped
+    assert isinstance(hybrid._planner, GroupedPlanner) and hybrid._grouped
+    assert [(g.name, g.stored_blocks) for g in hybrid._layouts] == [("g0", 1), ("g1", 2)]
+    assert single.namespace != hybrid.namespace
+
+    local = ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
+    with pytest.raises(ConfigError) as err:
+        _scheduler_connector([slide, local], tmp_path)
+    assert "chunked_local_attention" in err.value.message
+    assert "spoolctl_on_unsupported" in str(err.value.fix) and "\n" not in str(err.value)
+    off = _scheduler_connector([slide, local], tmp_path, spoolctl_on_unsupported="disable")
+    req = _vllm_request("r", list(range(3, 203)), [])
+    assert off.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert off.counters.totals()[m.LOOKUPS.name] == {"reason=disabled,result=bypass": 1}
+    assert off.request_finished_all_groups(req, ([], [])) == (False, None)

@@ -418,6 +418,24 @@ def test_block_runs_and_restore_with_skip_across_runs():
     assert torch.equal(dst["l"][12], src["l"][1])
 
 
+def test_restore_never_writes_the_null_block():
+    torch = pytest.importorskip("torch")
+    from spoolctl.connector.kvio import PagedKV, _runs
+
+    # Id 0 is vLLM's null block (shared, out-of-window positions): in no run.
+    assert _runs([0, 1, 2], skip_null=True) == [(1, 1, 2)]
+    assert _runs([3, 0, 4], skip_null=True) == [(0, 3, 1), (2, 4, 1)]
+    src = {"l": torch.randn(8, 2, 4, 8)}
+    dst = {"l": torch.zeros_like(src["l"])}
+    a = PagedKV(src, num_blocks=8, blocks_per_chunk=3)
+    b = PagedKV(dst, num_blocks=8, blocks_per_chunk=3)
+    buf = torch.empty(a.chunk_bytes, dtype=torch.uint8)
+    a.capture([5, 6, 7], buf)
+    b.restore(buf, [0, 1, 2], skip_null=True)
+    assert not dst["l"][0].any()
+    assert torch.equal(dst["l"][1], src["l"][6]) and torch.equal(dst["l"][2], src["l"][7])
+
+
 def test_kv_tensor_without_a_block_dimension_is_refused():
     """A view whose pages are not indexed by vLLM's block count (e.g. kernel-split) would be
     copied along the wrong dimension: refused with the layer name and the fix."""

@@ -53,6 +53,17 @@ class _Workers:
         return all(s["flushed"] for s in self.states)
 
 
+def _kv_groups(llm) -> list[str]:
+    """The engine's runtime KV cache groups, by vLLM's own kind names (single process)."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    core = llm.llm_engine.engine_core
+    if not hasattr(core, "engine_core"):
+        return []
+    groups = core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    return [str(get_kv_cache_spec_kind(g.kv_cache_spec).value) for g in groups]
+
+
 def _world(job: dict) -> int:
     """Worker processes of the job's engine: tensor x pipeline parallel size."""
     return job.get("tp", 1) * job.get("pp", 1)
@@ -75,7 +86,8 @@ def make_llm(job: dict):
         distributed_executor_backend="mp" if _world(job) > 1 else "uni",
         tensor_parallel_size=job.get("tp", 1), pipeline_parallel_size=job.get("pp", 1),
         kv_cache_memory_bytes=job.get("kv_bytes", 64 << 20),
-        max_model_len=job.get("max_model_len", 2048), enable_prefix_caching=False,
+        max_model_len=job.get("max_model_len", 2048),
+        enable_prefix_caching=job.get("prefix_caching", False),
         max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
         kv_transfer_config=ktc, seed=0, disable_log_stats=not job.get("metrics", False),
         **job.get("llm_kwargs", {}),  # e.g. multimodal engine options
@@ -131,6 +143,7 @@ def run(job: dict) -> dict:
 
         metrics_text = prometheus_client.generate_latest().decode()
     return {
+        "kv_groups": _kv_groups(llm),
         "metrics": [line for line in metrics_text.splitlines() if "spoolctl_" in line
                     or "cached_by_source" in line],
         "results": results,

@@ -10,20 +10,29 @@ Worker role: restores synchronously before the forward (read + verify in one
 pass, then copy whole blocks into every layer) and captures stored chunks after
 the forward into bounded staging memory, committed by a background thread.
 
+``SupportsHMA``: models with several KV cache groups or sliding windows use the
+grouped format (``groups``): one object per group and chunk (a sliding group only
+its in-window tail), copied through each group's own layers, restored
+asynchronously (``load_kv_async``; every worker reports each request in
+``get_transfer_results``), captured only in the step that crosses a chunk boundary.
+
 Failure model: anything wrong with a stored chunk (corrupt, short, missing,
 deleted, layout mismatch) quarantines it where applicable and reports its blocks
 through ``get_block_ids_with_load_errors`` so vLLM recomputes them (run with
-``kv_load_failure_policy="recompute"``). Anything wrong while storing skips the
-chunk and is counted. Requests that cannot be keyed safely (bypass flag, LoRA,
-prompt embeddings, multimodal items without identity) are neither restored nor
-stored. A KV layout the connector cannot persist (see ``groups``) fails at startup
-unless the operator chose ``spoolctl_on_unsupported = "disable"``. No prompt text,
-token ids, salts or keys are logged.
+``kv_load_failure_policy="recompute"``); in the grouped format the request is
+reported in ``failed_recving`` instead and recomputed in full. Anything wrong
+while storing skips the chunk and is counted. Requests that cannot be keyed
+safely (bypass flag, LoRA, prompt embeddings, multimodal items without identity)
+are neither restored nor stored. A KV layout the connector cannot persist (see
+``groups``) fails at startup unless the operator chose
+``spoolctl_on_unsupported = "disable"``. No prompt text, token ids, salts or keys
+are logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -41,12 +50,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from spoolctl import metrics as m
 from spoolctl.store import Store
+from spoolctl.store.digest import hash_bytes
 from spoolctl.store.errors import (
     ConfigError,
     CorruptionError,
@@ -58,10 +70,25 @@ from spoolctl.store.keys import entry_id_for
 
 from .chain import MMSpan, chain_root, chunk_keys
 from .contract import check_contract
-from .groups import GroupInfo, check_groups, unsupported_error
+from .groups import (
+    GroupInfo,
+    GroupLayout,
+    check_groups,
+    group_layouts,
+    is_single,
+    unsupported_error,
+)
 from .identity import DeploymentIdentity, identity_from_vllm
 from .inventory import Ack, InventoryReport, InventoryView, key_bytes
-from .plan import ChunkLoad, ChunkStore, Planner
+from .plan import (
+    ChunkLoad,
+    ChunkStore,
+    GroupChunkLoad,
+    GroupChunkStore,
+    GroupedPlanner,
+    Planner,
+    RequestLoad,
+)
 from .settings import ConnectorSettings, parse_settings
 from .stats import ConnectorCounters
 from .topology import RankPlace, all_ranks, quorum
@@ -93,6 +120,10 @@ class SpoolConnectorMetadata(KVConnectorMetadata):
 
     loads: list[ChunkLoad] = field(default_factory=list)
     stores: list[ChunkStore] = field(default_factory=list)
+    # Grouped format (several KV cache groups / sliding windows): asynchronous restores,
+    # one per request, and per-group captures.
+    request_loads: list[RequestLoad] = field(default_factory=list)
+    group_stores: list[GroupChunkStore] = field(default_factory=list)
     # Inventory protocol: the last report applied per rank, and ranks asked to restate.
     acks: dict[int, Ack] = field(default_factory=dict)
     resync: dict[int, int] = field(default_factory=dict)
@@ -168,21 +199,48 @@ def _group_infos(kv_cache_config: Any, default_block_size: int) -> list[GroupInf
             kind = str(getattr(kind, "value", kind))
         except Exception:  # an unclassifiable spec is unknown, hence unsupported
             kind = "unknown"
+        window = getattr(spec, "sliding_window", None)
+        extra = getattr(spec, "extra_retained_tokens", 0) or 0
+        block_size = getattr(spec, "block_size", default_block_size) or default_block_size
+        flag = _group_flag(group)
+        inner = getattr(spec, "kv_cache_specs", None)  # a group of per-layer specs
+        if isinstance(inner, dict) and inner:
+            shapes = {(getattr(s, "block_size", None), getattr(s, "sliding_window", None),
+                       getattr(s, "extra_retained_tokens", 0) or 0) for s in inner.values()}
+            if len(shapes) == 1:
+                block_size, window, extra = next(iter(shapes))
+            elif flag is None:
+                flag = "mixing block sizes or windows"
         infos.append(GroupInfo(
             index=i, kind=kind, layers=tuple(group.layer_names),
-            block_size=int(getattr(spec, "block_size", default_block_size) or default_block_size),
-            sliding_window=getattr(spec, "sliding_window", None),
-            attention_chunk_size=getattr(spec, "attention_chunk_size", None)))
+            block_size=int(block_size or default_block_size),
+            sliding_window=window if isinstance(window, int) else None,
+            attention_chunk_size=getattr(spec, "attention_chunk_size", None),
+            extra_retained_tokens=int(extra) if isinstance(extra, int) else -1, flag=flag))
     return infos
 
 
-class SpoolConnector(KVConnectorBase_V1):
+def _group_flag(group: Any) -> str | None:
+    """Why vLLM's own flags on a KV cache group forbid persisting it, or None."""
+    if getattr(group, "is_eagle_group", False):
+        return "a draft-model (EAGLE/MTP) group"
+    if not getattr(group, "enable_kv_transfer", True):
+        return "not transferable (enable_kv_transfer=False)"
+    if getattr(group, "host_resident", False):
+        return "host-resident"
+    role = getattr(group, "role", None)
+    if role is not None and str(getattr(role, "value", role)) != "default":
+        return f"of role {getattr(role, 'value', role)!s}"
+    return None
+
+
+class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. Constructed by vLLM once per role."""
 
     _cache_hit_source = CacheHitSource.DISK
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
-        check_contract(KVConnectorBase_V1, str(vllm.__version__))
+        check_contract(KVConnectorBase_V1, str(vllm.__version__), SupportsHMA)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tcfg = vllm_config.kv_transfer_config
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -202,7 +260,25 @@ class SpoolConnector(KVConnectorBase_V1):
             log.warning("spoolctl: mm_processor_cache_gb=0 with prefix caching off: vLLM does "
                         "not content-hash media, so multimodal requests bypass the persistent "
                         "cache (set mm_processor_cache_gb > 0 or enable prefix caching)")
-        unsupported = check_groups(_group_infos(kv_cache_config, self._block_size))
+        groups = _group_infos(kv_cache_config, self._block_size)
+        # One full-attention group keeps the original format (one object, synchronous
+        # restores); anything else is the grouped format (SupportsHMA), see ``groups``.
+        self._grouped = not is_single(groups)
+        self._groups = groups
+        self._layouts: list[GroupLayout] = []
+        unsupported = check_groups(groups, self._chunk if self._grouped else None)
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if unsupported is None and self._grouped and dcp > 1:
+            unsupported = f"decode context parallelism ({dcp}) with {len(groups)} KV cache " \
+                          "group(s)"
+        if unsupported is None and self._grouped and pp > 1:
+            # Each stage sees only its own layers' groups, the scheduler stage 0's: the
+            # per-group format would differ between stages.
+            unsupported = f"pipeline parallelism ({pp}) with {len(groups)} KV cache group(s)"
+        if unsupported is None and self._grouped:
+            self._layouts = group_layouts(groups, self._chunk)
+        self._grouped = bool(self._layouts)
         if unsupported is not None:
             # Fail closed: a layout we cannot persist completely is never half-served.
             if self._settings.on_unsupported != "disable":
@@ -216,7 +292,8 @@ class SpoolConnector(KVConnectorBase_V1):
         tp_rank, pp_rank = (0, 0) if role == KVConnectorRole.SCHEDULER else _parallel_ranks()
         self._identity: DeploymentIdentity = identity_from_vllm(
             vllm_config, kv_cache_config, chunk_tokens=self._chunk, engine=_engine_tag(),
-            tp_rank=tp_rank, pp_rank=pp_rank)
+            tp_rank=tp_rank, pp_rank=pp_rank,
+            group_format=[g.to_json() for g in self._layouts] if self._layouts else None)
         # Chain keys are rank-independent (the plan is shared by all ranks); entry ids
         # are per rank (each rank's namespace).
         self._chain_ns = self._identity.for_rank(tp_rank=0, pp_rank=0).namespace
@@ -233,12 +310,25 @@ class SpoolConnector(KVConnectorBase_V1):
         self._read_ahead = READ_AHEAD
         self._restore_bufs: BufferPool | None = None
         self._capture_bufs: BufferPool | None = None
+        # Grouped format, worker: one PagedKV per group (its layers only: block ids are
+        # meaningful only in the group that owns them) and its offset in a chunk buffer.
+        self._gkv: list[tuple[GroupLayout, PagedKV, int]] = []
+        self._chunk_bytes = 0
+        self._layout_digest = ""
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        # Scheduler: requests whose asynchronous restore failed; never restored again
+        # (a deterministic failure would otherwise loop), so they recompute.
+        self._no_restore: set[str] = set()
         ident = self._identity
         # The deployment digest names the directory holding every rank's store.
         self._digest = self._chain_ns
         self._places = all_ranks(ident.tp_size, ident.pp_size)
         if role == KVConnectorRole.SCHEDULER:
-            self._planner = Planner(chunk_tokens=self._chunk, block_size=self._block_size)
+            self._planner: Planner | GroupedPlanner = (
+                GroupedPlanner(chunk_tokens=self._chunk, groups=self._layouts)
+                if self._layouts else
+                Planner(chunk_tokens=self._chunk, block_size=self._block_size))
             # Filled by the workers' handshakes: a rank on this host is read in its catalog,
             # any other through its reports. Until then every rank is unknown: all misses.
             self._local: dict[int, tuple[Store, str]] = {}
@@ -274,7 +364,7 @@ class SpoolConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         # The earliest hook vLLM calls (before any model memory is allocated).
-        check_contract(KVConnectorBase_V1, str(vllm.__version__))
+        check_contract(KVConnectorBase_V1, str(vllm.__version__), SupportsHMA)
         return None
 
     # -- scheduler side -----------------------------------------------------------------------
@@ -378,6 +468,8 @@ class SpoolConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        # Grouped format: a request whose restore failed recomputes without the cache.
+        self._no_restore.update(getattr(connector_output, "failed_recving", None) or ())
         if not isinstance(meta, SpoolWorkerMeta):
             return
         before = self._view.resync_requests()
@@ -407,6 +499,13 @@ class SpoolConnector(KVConnectorBase_V1):
             self._counters.inc(m.LOOKUPS, result="error", reason="none")
             return 0, False
         n_prompt = len(request.prompt_token_ids)
+        if req_id in self._no_restore and isinstance(self._planner, GroupedPlanner):
+            # Its asynchronous restore failed (a bad entry was quarantined): recompute it in
+            # full rather than risk the same failure again; absent chunks are still stored.
+            self._planner.lookup(req_id, keys, present, n_prompt, num_computed_tokens,
+                                 restore=False)
+            self._counters.inc(m.LOOKUPS, result="miss", reason="corrupt")
+            return 0, False
         ext = self._planner.lookup(req_id, keys, present, n_prompt, num_computed_tokens)
         self._counters.inc(m.LOOKUP_TOKENS, n_prompt)
         if ext > 0:
@@ -419,12 +518,21 @@ class SpoolConnector(KVConnectorBase_V1):
                 store.touch(entry_id_for(KIND, ns, k) for k in keys[:hit_chunks])
         else:
             self._counters.inc(m.LOOKUPS, result="miss", reason="absent")
-        return ext, False
+        # Grouped format: asynchronous, so a failed restore can be reported per request
+        # (failed_recving); vLLM refuses block-level errors with several groups.
+        return ext, self._grouped and ext > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        if isinstance(self._planner, GroupedPlanner):
+            if num_external_tokens > 0:
+                self._planner.allocated(request.request_id, blocks.get_block_ids(),
+                                        num_external_tokens)
+            return
         self._planner.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if isinstance(self._planner, GroupedPlanner):
+            return self._build_grouped_meta(self._planner, scheduler_output)
         meta = SpoolConnectorMetadata()
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -446,9 +554,38 @@ class SpoolConnector(KVConnectorBase_V1):
         meta.resync = self._view.resync_requests()
         return meta
 
+    def _build_grouped_meta(self, planner: GroupedPlanner,
+                            scheduler_output: Any) -> SpoolConnectorMetadata:
+        meta = SpoolConnectorMetadata(request_loads=planner.take_loads())
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            before = new.num_computed_tokens
+            meta.group_stores += planner.scheduled(
+                new.req_id, new.block_ids, replace=True, computed_before=before,
+                computed_after=before + sched.get(new.req_id, 0), first=True)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            resumed = req_id in cached.resumed_req_ids
+            before = cached.num_computed_tokens[i]
+            meta.group_stores += planner.scheduled(
+                req_id, cached.new_block_ids[i], replace=resumed, computed_before=before,
+                computed_after=before + sched.get(req_id, 0), first=resumed)
+        meta.acks = self._view.acks()
+        meta.resync = self._view.resync_requests()
+        return meta
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         # Stores are captured synchronously after the forward, so the blocks are free to go.
         self._planner.finished(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        # vLLM calls this instead of request_finished once the connector claims SupportsHMA
+        # (for one group too). Captures are synchronous, restores end before the request
+        # leaves WAITING_FOR_REMOTE_KVS (vLLM delays freeing until then): nothing to hold.
+        self._planner.finished(request.request_id)
+        self._no_restore.discard(request.request_id)
         return False, None
 
     # -- worker side --------------------------------------------------------------------------
@@ -458,10 +595,25 @@ class SpoolConnector(KVConnectorBase_V1):
         from .kvio import BufferPool, PagedKV
         from .writer import StoreWriter
 
+        if not self._enabled:
+            # A layout declared unsupported at startup (spoolctl_on_unsupported=disable):
+            # never copied. No handshake follows, so the scheduler counts no rank: all misses.
+            return
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         try:
-            kv = PagedKV(
-                kv_caches, num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
-                blocks_per_chunk=self._chunk // self._block_size)
+            if self._grouped:
+                kv = None
+                self._gkv = self._group_kv(kv_caches, num_blocks)
+                chunk_bytes = self._chunk_bytes = sum(g[1].chunk_bytes for g in self._gkv)
+                layout_json = {"groups": [{**lay.to_json(), **gkv.layout_json}
+                                          for lay, gkv, _ in self._gkv]}
+                self._layout_digest = hash_bytes(json.dumps(
+                    layout_json, sort_keys=True, separators=(",", ":")).encode())
+            else:
+                kv = PagedKV(kv_caches, num_blocks=num_blocks,
+                             blocks_per_chunk=self._chunk // self._block_size)
+                chunk_bytes, layout_json = kv.chunk_bytes, kv.layout_json
+                self._layout_digest = kv.layout_digest
         except ConfigError as exc:
             if self._settings.on_unsupported != "disable":
                 raise
@@ -472,11 +624,11 @@ class SpoolConnector(KVConnectorBase_V1):
             return
         self._kv = kv
         self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
-        self._read_ahead = max(2, min(READ_AHEAD, READ_AHEAD_BYTES // kv.chunk_bytes))
-        self._restore_bufs = BufferPool(kv.chunk_bytes, slots=self._read_ahead)
+        self._read_ahead = max(2, min(READ_AHEAD, READ_AHEAD_BYTES // chunk_bytes))
+        self._restore_bufs = BufferPool(chunk_bytes, slots=self._read_ahead)
         # One slot per chunk the staging budget admits: a successful reserve() always finds one.
         self._capture_bufs = BufferPool(
-            kv.chunk_bytes, slots=max(1, self._settings.staging_bytes // kv.chunk_bytes))
+            chunk_bytes, slots=max(1, self._settings.staging_bytes // chunk_bytes))
         store, ns = self._stores[0]
         summary = self._identity.summary()
         holdings = self._holdings = RankHoldings(
@@ -486,16 +638,37 @@ class SpoolConnector(KVConnectorBase_V1):
 
         def put(key: str, payload: Any, meta: Any) -> None:
             # No commit-time eviction: holdings withdraws victims from the scheduler first.
-            store.put(kind=KIND, namespace=ns, key=key, objects={OBJECT: payload}, meta=meta,
-                      evict=False)
+            objects = payload if isinstance(payload, dict) else {OBJECT: payload}
+            store.put(kind=KIND, namespace=ns, key=key, objects=objects, meta=meta, evict=False)
             holdings.committed(key)
 
         self._writer = StoreWriter(put, staging_bytes=self._settings.staging_bytes,
                                    counters=self._counters)
-        self._meta_base = {"layout": kv.layout_digest, "chunk_tokens": self._chunk,
-                           "chunk_bytes": kv.chunk_bytes, "deployment": summary,
-                           "kv_layout": kv.layout_json}
+        self._meta_base = {"layout": self._layout_digest, "chunk_tokens": self._chunk,
+                           "chunk_bytes": chunk_bytes, "deployment": summary,
+                           "kv_layout": layout_json}
         self._start_maintainer(store)
+
+    def _group_kv(self, kv_caches: dict[str, torch.Tensor],
+                  num_blocks: int | None) -> list[tuple[GroupLayout, PagedKV, int]]:
+        """Per group, its layers' tensors (grouped format), each with its offset in a chunk
+        buffer. Groups overlay one memory buffer and a block id means something only in its
+        own group's layers; KV-sharing alias layers (in ``kv_caches`` but in no group) are
+        left out: their target layer is copied once."""
+        from .kvio import PagedKV
+
+        out, offset = [], 0
+        for info, lay in zip(self._groups, self._layouts, strict=True):
+            mine = {n: kv_caches[n] for n in info.layers if n in kv_caches}
+            if not mine:
+                raise ConfigError(
+                    f"KV cache group {info.index} has no registered KV tensors",
+                    path="kv_caches", fix='set "spoolctl_on_unsupported": "disable" to serve '
+                                          "without the connector")
+            gkv = PagedKV(mine, num_blocks=num_blocks, blocks_per_chunk=lay.stored_blocks)
+            out.append((lay, gkv, offset))
+            offset += gkv.chunk_bytes
+        return out
 
     def _start_maintainer(self, store: Store) -> None:
         if self._settings.scrub_rate <= 0:
@@ -520,6 +693,17 @@ class SpoolConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, SpoolConnectorMetadata):
             return
+        for req_load in meta.request_loads:
+            # Every worker reports every request (vLLM waits for all of them); a failure
+            # is reported as finished and failed, and vLLM recomputes the request.
+            ok = False
+            try:
+                ok = self._restore_grouped(req_load)
+            except Exception:  # never let a cache problem take the worker down
+                log.exception("spoolctl: unexpected restore error, recomputing")
+            self._recv_done.add(req_load.req_id)
+            if not ok:
+                self._recv_failed.add(req_load.req_id)
         if meta.loads and (self._kv is None or self._read_pool is None):
             # Cannot happen when the scheduler only plans against ranks that reported; if it
             # does, the target blocks hold garbage: have vLLM recompute them.
@@ -643,6 +827,108 @@ class SpoolConnector(KVConnectorBase_V1):
             log.exception("spoolctl: unexpected restore error, recomputing")
             return None, "unknown"
 
+    def _restore_grouped(self, load: RequestLoad) -> bool:
+        """Restore one request's chunks (grouped format); False on any failure. Reads and
+        verification of the next chunks run on helper threads while one is copied."""
+        if not load.ok or not self._gkv or self._read_pool is None:
+            self._counters.inc(m.LOAD_ERRORS, reason="unknown")
+            return False
+        started = time.perf_counter()
+        restored = 0
+        pending: deque[Future] = deque()
+        it = iter(load.chunks)
+
+        def refill() -> None:
+            while len(pending) < self._read_ahead:
+                chunk = next(it, None)
+                if chunk is None:
+                    return
+                pending.append(self._read_pool.submit(self._read_group_chunk, chunk))
+
+        ok = True
+        try:
+            refill()
+            for chunk in load.chunks:
+                buf, reason, nbytes = pending.popleft().result()
+                if buf is not None:
+                    try:
+                        for (_lay, gkv, offset), targets in zip(self._gkv, chunk.targets,
+                                                               strict=True):
+                            if targets is not None:
+                                gkv.restore(buf[offset:offset + gkv.chunk_bytes], targets,
+                                            skip_null=True)
+                    except Exception:  # a copy bug must not take the worker down
+                        log.exception("spoolctl: restore copy failed, recomputing")
+                        reason = "unknown"
+                    finally:
+                        self._restore_bufs.put(buf)
+                if reason is not None:
+                    self._counters.inc(m.LOAD_ERRORS, reason=reason)
+                    ok = False
+                    break
+                restored += nbytes
+                refill()
+        finally:
+            for fut in pending:
+                buf, _, _ = fut.result()
+                if buf is not None:
+                    self._restore_bufs.put(buf)
+        if restored:
+            self._counters.inc(m.RESTORE_BYTES, restored)
+            self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - started)
+        return ok
+
+    def _read_group_chunk(self, chunk: GroupChunkLoad) -> tuple[torch.Tensor | None,
+                                                                str | None, int]:
+        """Read and verify the objects of one chunk that a restore needs (helper thread).
+
+        Returns ``(buffer, None, bytes read)`` or ``(None, reason, 0)``.
+        """
+        store, ns = self._stores[0]
+        entry_id = entry_id_for(KIND, ns, chunk.key)
+        try:
+            manifest = store.manifest(entry_id)
+            names = {ref.name: ref for ref in manifest.objects}
+            wanted = [(lay, gkv, off) for (lay, gkv, off), t
+                      in zip(self._gkv, chunk.targets, strict=True) if t is not None]
+            if manifest.meta.get("layout") != self._layout_digest or any(
+                    lay.name not in names or names[lay.name].size != gkv.chunk_bytes
+                    for lay, gkv, _ in wanted):
+                store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
+                                       "KV layout does not match this deployment")
+                self._lost(chunk.key)
+                self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
+                return None, "manifest_validation", 0
+            buf = self._restore_bufs.get()
+            if buf is None:  # cannot happen: one slot per chunk in flight
+                return None, "unknown", 0
+            nbytes = 0
+            try:
+                for lay, gkv, off in wanted:
+                    store.read(manifest, lay.name,
+                               into=memoryview(buf[off:off + gkv.chunk_bytes].numpy()))
+                    nbytes += gkv.chunk_bytes
+            except BaseException:
+                self._restore_bufs.put(buf)  # its contents are garbage, but reusable
+                raise
+            store.touch([entry_id])
+            return buf, None, nbytes
+        except CorruptionError as exc:
+            self._lost(chunk.key)
+            self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
+            log.warning("spoolctl: cached chunk failed verification (%s); quarantined, "
+                        "recomputing", exc.reason.value)
+            return None, exc.reason.value, 0
+        except (NotFoundError, KeyError):
+            self._lost(chunk.key)
+            return None, "absent", 0
+        except SpoolError as exc:
+            log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
+            return None, "io_error", 0
+        except Exception:  # never let a cache problem take the worker down
+            log.exception("spoolctl: unexpected restore error, recomputing")
+            return None, "unknown", 0
+
     def _lost(self, key: str) -> None:
         if self._holdings is not None:
             self._holdings.lost(key)
@@ -655,12 +941,18 @@ class SpoolConnector(KVConnectorBase_V1):
         return  # whole chunks are captured in wait_for_save, after every layer ran
 
     def wait_for_save(self):
-        if not self.has_connector_metadata() or self._kv is None or self._writer is None:
+        if not self.has_connector_metadata() or self._writer is None:
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, SpoolConnectorMetadata):
             return
         from .writer import PendingStore
+
+        if self._gkv:
+            for gop in meta.group_stores:
+                self._capture_grouped(gop)
+        if self._kv is None:
+            return
 
         for op in meta.stores:
             nbytes = self._kv.chunk_bytes
@@ -683,6 +975,41 @@ class SpoolConnector(KVConnectorBase_V1):
             self._writer.submit(PendingStore(
                 op.key, memoryview(buf.numpy()), nbytes, meta_doc,
                 on_done=lambda buf=buf: self._capture_bufs.put(buf)))
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, self._recv_done = self._recv_done, set()
+        failed, self._recv_failed = self._recv_failed, set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed & done)
+
+    def _capture_grouped(self, op: GroupChunkStore) -> None:
+        """Capture one chunk's stored blocks of every group (grouped format) and queue it."""
+        from .writer import PendingStore
+
+        nbytes = self._chunk_bytes
+        if not self._writer.reserve(op.key, nbytes):
+            return
+        buf = self._capture_bufs.get()
+        if buf is None:  # more chunks in flight than slots: same as over budget
+            self._writer.cancel(op.key, nbytes)
+            self._counters.inc(m.STORES_SKIPPED, reason="budget")
+            return
+        objects = {}
+        try:
+            for (lay, gkv, offset), ids in zip(self._gkv, op.blocks, strict=True):
+                if 0 in ids:  # never read the null block (the planner does not send it)
+                    raise ValueError("null block in a capture")
+                part = buf[offset:offset + gkv.chunk_bytes]
+                gkv.capture(ids, part)
+                objects[lay.name] = memoryview(part.numpy())
+        except Exception:
+            self._capture_bufs.put(buf)
+            self._writer.cancel(op.key, nbytes)
+            log.exception("spoolctl: could not capture a chunk; not stored")
+            self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+            return
+        meta_doc = dict(self._meta_base, chunk_index=op.index)
+        self._writer.submit(PendingStore(
+            op.key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._capture_bufs.put(buf)))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

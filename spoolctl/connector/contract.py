@@ -27,6 +27,7 @@ EXPECTED: Mapping[str, tuple[str, ...]] = {
     "save_kv_layer": ("layer_name", "kv_layer", "attn_metadata", "kwargs"),
     "wait_for_save": (),
     "get_finished": ("finished_req_ids",),
+    "get_transfer_results": ("finished_req_ids",),
     "get_block_ids_with_load_errors": (),
     "get_kv_connector_stats": (),
     "build_kv_connector_stats": ("data",),
@@ -44,10 +45,17 @@ def _params(fn: object) -> tuple[str, ...]:
     return names[1:] if names and names[0] in ("self", "cls") else names
 
 
-def signature_drift(base: type) -> list[str]:
-    """Differences between ``base`` (vLLM's KVConnectorBase_V1) and ``EXPECTED``."""
+# SupportsHMA's one method (vLLM calls it instead of request_finished once claimed).
+HMA_EXPECTED: Mapping[str, tuple[str, ...]] = {
+    "request_finished_all_groups": ("request", "block_ids"),
+}
+
+
+def signature_drift(base: type, expected_map: Mapping[str, tuple[str, ...]] = EXPECTED
+                    ) -> list[str]:
+    """Differences between ``base`` (vLLM's KVConnectorBase_V1) and ``expected_map``."""
     problems = []
-    for name, expected in EXPECTED.items():
+    for name, expected in expected_map.items():
         fn = inspect.getattr_static(base, name, None)
         if fn is None:
             problems.append(f"{name} is gone")
@@ -64,9 +72,11 @@ def signature_drift(base: type) -> list[str]:
     return problems
 
 
-def check_contract(base: type, version: str) -> None:
-    """Raise ConfigError naming every drifted callback, if any."""
+def check_contract(base: type, version: str, hma: type | None = None) -> None:
+    """Raise ConfigError naming every drifted callback, if any (``hma``: SupportsHMA)."""
     problems = signature_drift(base)
+    if hma is not None:
+        problems += signature_drift(hma, HMA_EXPECTED)
     if problems:
         raise ConfigError(
             f"spoolctl connector does not support this vLLM ({version}): KV connector API "

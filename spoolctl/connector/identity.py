@@ -108,12 +108,23 @@ def kv_layout_of(kv_cache_config: Any, *, with_layers: bool = True) -> tuple[dic
 
 def identity_from_vllm(
     vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int, engine: str,
-    tp_rank: int = 0, pp_rank: int = 0,
+    tp_rank: int = 0, pp_rank: int = 0, group_format: list[dict[str, Any]] | None = None,
 ) -> DeploymentIdentity:
-    """Derive the identity from vLLM's ``VllmConfig`` and runtime ``KVCacheConfig``."""
+    """Derive the identity from vLLM's ``VllmConfig`` and runtime ``KVCacheConfig``.
+
+    ``group_format`` (the grouped format's per-group object layout, see ``groups``) is
+    bound into every group's layout entry, so grouped and single-object entries of the
+    same model never share a namespace; None leaves existing namespaces unchanged.
+    """
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
+    layout = kv_layout_of(kv_cache_config, with_layers=int(par.pipeline_parallel_size) == 1)
+    if group_format is not None:
+        if len(group_format) != len(layout):
+            raise ValueError("one stored-format description per KV cache group")
+        layout = tuple({**g, "stored": dict(f)} for g, f in zip(layout, group_format,
+                                                                  strict=True))
     return DeploymentIdentity(
         model=str(model.model),
         revision=None if getattr(model, "revision", None) is None else str(model.revision),
@@ -121,8 +132,7 @@ def identity_from_vllm(
         kv_cache_dtype=str(cache.cache_dtype),
         block_size=int(cache.block_size),
         # PP > 1: stage-independent (see kv_layout_of); PP = 1 keeps existing namespaces.
-        kv_layout=kv_layout_of(kv_cache_config,
-                               with_layers=int(par.pipeline_parallel_size) == 1),
+        kv_layout=layout,
         tp_size=int(par.tensor_parallel_size),
         pp_size=int(par.pipeline_parallel_size),
         tp_rank=tp_rank,

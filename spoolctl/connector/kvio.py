@@ -113,13 +113,18 @@ class PagedKV:
             for j, start, n in _runs(block_ids):
                 dst.narrow(la.block_dim, j, n).copy_(t.narrow(la.block_dim, start, n))
 
-    def restore(self, src: torch.Tensor, block_ids: Sequence[int], skip: int = 0) -> None:
-        """Copy a verified chunk buffer ``src`` into ``block_ids[skip:]`` of every layer."""
+    def restore(self, src: torch.Tensor, block_ids: Sequence[int], skip: int = 0, *,
+                skip_null: bool = False) -> None:
+        """Copy a verified chunk buffer ``src`` into ``block_ids[skip:]`` of every layer.
+
+        ``skip_null``: positions holding block id 0 (vLLM's null block, shared by every
+        request) are left alone.
+        """
         if len(block_ids) != self.blocks_per_chunk or src.numel() != self.chunk_bytes:
             raise ValueError("restore needs one whole chunk")
         views = self._views(src, len(block_ids))
         for t, la, view in zip(self.tensors, self.layers, views, strict=True):
-            for j, start, n in _runs(block_ids):
+            for j, start, n in _runs(block_ids, skip_null=skip_null):
                 lo, hi = max(j, skip), j + n
                 if lo >= hi:
                     continue
@@ -127,11 +132,16 @@ class PagedKV:
                     view.narrow(la.block_dim, lo, hi - lo))
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Split block ids into runs of consecutive ids: ``(position, first id, length)``."""
+def _runs(block_ids: Sequence[int], *, skip_null: bool = False) -> list[tuple[int, int, int]]:
+    """Split block ids into runs of consecutive ids: ``(position, first id, length)``.
+
+    ``skip_null``: id 0 (vLLM's null block) belongs to no run.
+    """
     runs: list[tuple[int, int, int]] = []
     for pos, b in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
+        if skip_null and b == 0:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == pos and runs[-1][1] + runs[-1][2] == b:
             j, start, n = runs[-1]
             runs[-1] = (j, start, n + 1)
         else:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .chain import longest_run
+from .groups import GroupLayout
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,195 @@ class Planner:
             if not plan.present[index]:
                 stores.append(ChunkStore(req_id, index, plan.keys[index], blocks))
         return stores
+
+    def finished(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+
+# -- grouped format (SupportsHMA: several KV cache groups, sliding windows) -------------------
+
+
+def _hit_tokens(run: int, num_prompt_tokens: int, chunk_tokens: int) -> int:
+    """Tokens of a hit of ``run`` present chunks (see ``Planner.lookup``)."""
+    usable = max(0, (num_prompt_tokens - 1) // chunk_tokens)
+    hit = min(run, usable) * chunk_tokens
+    if run > usable and num_prompt_tokens > 1 and \
+            num_prompt_tokens == (usable + 1) * chunk_tokens:
+        hit = num_prompt_tokens - 1
+    return hit
+
+
+@dataclass(frozen=True)
+class GroupChunkLoad:
+    """Restore chunk ``index``: ``targets[g]`` lists, for every stored block of group g's
+    object, the block id to write it into (0 = leave alone), or is None when nothing of
+    group g is needed from this chunk."""
+
+    index: int
+    key: str
+    targets: tuple[tuple[int, ...] | None, ...]
+
+
+@dataclass(frozen=True)
+class RequestLoad:
+    """One request's asynchronous restore. ``ok=False``: the plan could not be made (the
+    worker reports the request as failed, vLLM recomputes it)."""
+
+    req_id: str
+    chunks: tuple[GroupChunkLoad, ...]
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class GroupChunkStore:
+    """Capture chunk ``index``: ``blocks[g]`` are the ids of group g's stored blocks."""
+
+    req_id: str
+    index: int
+    key: str
+    blocks: tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class GroupedRequest:
+    keys: list[str]
+    present: list[bool]
+    num_prompt_tokens: int
+    lookup_computed: int = 0
+    tables: list[list[int]] = field(default_factory=list)
+    next_store: int = 0
+
+
+class GroupedPlanner:
+    """Planning for the grouped format (one object per KV cache group).
+
+    Loads are planned from the block tables vLLM allocated for an external hit
+    (``allocated``) and emitted in the same step (``take_loads``), asynchronously: the
+    request waits in ``WAITING_FOR_REMOTE_KVS`` until every worker reported it. Every
+    non-null block in ``[L / bs, cdiv(T / bs))`` of every group is filled (``L`` local
+    hit, ``T`` local + external); vLLM leaves out-of-window sliding positions null.
+
+    Stores capture chunk ``c`` only in the step whose computed range crosses its boundary
+    ``B``: vLLM frees sliding blocks on the tokens processed *before* the step, so the
+    chunk's in-window tail is still live. Chunks already computed when the request is
+    first scheduled (a local prefix hit) are captured in that step only, and only when
+    none of the ids is the null block; in any later step the connector's copy of the
+    table may hold ids vLLM freed meanwhile.
+    """
+
+    def __init__(self, *, chunk_tokens: int, groups: Sequence[GroupLayout]):
+        if chunk_tokens <= 0 or not groups:
+            raise ValueError("a grouped planner needs a chunk size and groups")
+        for g in groups:
+            if chunk_tokens % g.block_size or g.blocks_per_chunk * g.block_size != chunk_tokens:
+                raise ValueError("chunk_tokens must be a multiple of every group's block size")
+        self.chunk_tokens = chunk_tokens
+        self.groups = list(groups)
+        self.requests: dict[str, GroupedRequest] = {}
+        self._loads: list[RequestLoad] = []
+
+    def lookup(self, req_id: str, keys: Sequence[str], present: Sequence[bool],
+               num_prompt_tokens: int, num_computed: int, *, restore: bool = True) -> int:
+        """Record a lookup; return the tokens to load beyond ``num_computed`` (0 when
+        ``restore`` is False: absent chunks are still stored)."""
+        if len(keys) != len(present):
+            raise ValueError("keys and present must have the same length")
+        hit = _hit_tokens(longest_run(present), num_prompt_tokens, self.chunk_tokens) \
+            if restore else 0
+        self.requests[req_id] = GroupedRequest(
+            keys=list(keys), present=list(present), num_prompt_tokens=num_prompt_tokens,
+            lookup_computed=num_computed)
+        return max(0, hit - num_computed)
+
+    def allocated(self, req_id: str, tables: Sequence[Sequence[int]],
+                  num_external_tokens: int) -> None:
+        """vLLM allocated ``tables`` (one block id list per group, 0 = null block) for
+        ``num_external_tokens`` external tokens; plan the request's restore."""
+        plan = self.requests.get(req_id)
+        if plan is None or num_external_tokens <= 0:
+            return
+        start = plan.lookup_computed
+        end = start + num_external_tokens
+        chunks = self._plan_load(plan, tables, start, end)
+        self._loads.append(RequestLoad(req_id, tuple(chunks or ()), ok=chunks is not None))
+
+    def _plan_load(self, plan: GroupedRequest, tables: Sequence[Sequence[int]], start: int,
+                   end: int) -> list[GroupChunkLoad] | None:
+        if len(tables) != len(self.groups):
+            return None
+        first_chunk, last_chunk = start // self.chunk_tokens, -(-end // self.chunk_tokens)
+        if last_chunk > len(plan.keys):
+            return None
+        per_chunk: dict[int, list[list[int] | None]] = {}
+        for gi, (g, table) in enumerate(zip(self.groups, tables, strict=True)):
+            lo, hi = start // g.block_size, -(-end // g.block_size)
+            if len(table) < hi:
+                return None  # vLLM did not allocate what the hit needs
+            for pos in range(lo, hi):
+                block = int(table[pos])
+                if block == 0:
+                    continue  # null: out of the window (vLLM needs nothing there)
+                index, offset = divmod(pos, g.blocks_per_chunk)
+                slot = offset - g.first_stored
+                if slot < 0:
+                    return None  # not stored (cannot happen for hits ending at a boundary)
+                targets = per_chunk.setdefault(index, [None] * len(self.groups))
+                if targets[gi] is None:
+                    targets[gi] = [0] * g.stored_blocks
+                targets[gi][slot] = block
+        return [GroupChunkLoad(i, plan.keys[i], tuple(
+                    None if t is None else tuple(t) for t in per_chunk[i]))
+                for i in range(first_chunk, last_chunk) if i in per_chunk]
+
+    def take_loads(self) -> list[RequestLoad]:
+        loads, self._loads = self._loads, []
+        return loads
+
+    def scheduled(self, req_id: str, tables: Sequence[Sequence[int]] | None, *, replace: bool,
+                  computed_before: int, computed_after: int,
+                  first: bool) -> list[GroupChunkStore]:
+        """The request runs this step. ``tables`` are its block tables per group
+        (``replace``) or newly appended ids per group; ``first``: its first scheduled step
+        (new or resumed), whose tables are complete and current."""
+        plan = self.requests.get(req_id)
+        if plan is None:
+            return []
+        if tables is not None and len(tables) == len(self.groups):
+            if replace:
+                plan.tables = [list(t) for t in tables]
+            elif plan.tables:  # appended ids without a table to append to: ignored
+                for mine, new in zip(plan.tables, tables, strict=True):
+                    mine.extend(new)
+        stores = []
+        done = min(computed_after, plan.num_prompt_tokens) // self.chunk_tokens
+        while plan.next_store < min(done, len(plan.keys)):
+            index = plan.next_store
+            boundary = (index + 1) * self.chunk_tokens
+            allocated, blocks = self._blocks_of(plan, index)
+            if not allocated and boundary > computed_before:
+                break  # not allocated yet (cannot happen for computed tokens): try later
+            plan.next_store += 1
+            if plan.present[index] or blocks is None:
+                continue  # present, or a null block where a stored page should be
+            if boundary <= computed_before and not first:
+                continue  # computed earlier: its ids may be stale by now
+            stores.append(GroupChunkStore(req_id, index, plan.keys[index], blocks))
+        return stores
+
+    def _blocks_of(self, plan: GroupedRequest,
+                   index: int) -> tuple[bool, tuple[tuple[int, ...], ...] | None]:
+        """(allocated, the stored blocks' ids per group or None if any is the null block)."""
+        if len(plan.tables) != len(self.groups):
+            return False, None
+        out = []
+        for g, table in zip(self.groups, plan.tables, strict=True):
+            hi = (index + 1) * g.blocks_per_chunk
+            if len(table) < hi:
+                return False, None
+            out.append(tuple(int(b) for b in table[hi - g.stored_blocks:hi]))
+        if any(0 in ids for ids in out):
+            return True, None
+        return True, tuple(out)
 
     def finished(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
