@@ -946,70 +946,60 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         if not isinstance(meta, SpoolConnectorMetadata):
             return
-        from .writer import PendingStore
-
         if self._gkv:
             for gop in meta.group_stores:
-                self._capture_grouped(gop)
+                self._stage(gop.key, gop.index, self._chunk_bytes,
+                            lambda buf, gop=gop: self._capture_grouped(gop, buf))
         if self._kv is None:
             return
-
+        kv = self._kv
         for op in meta.stores:
-            nbytes = self._kv.chunk_bytes
-            if not self._writer.reserve(op.key, nbytes):
-                continue
-            buf = self._capture_bufs.get()
-            if buf is None:  # more chunks in flight than slots: same as over budget
-                self._writer.cancel(op.key, nbytes)
-                self._counters.inc(m.STORES_SKIPPED, reason="budget")
-                continue
-            try:
-                self._kv.capture(op.block_ids, buf)
-            except Exception:
-                self._capture_bufs.put(buf)
-                self._writer.cancel(op.key, nbytes)
-                log.exception("spoolctl: could not capture a chunk; not stored")
-                self._counters.inc(m.STORES_SKIPPED, reason="io_error")
-                continue
-            meta_doc = dict(self._meta_base, chunk_index=op.index)
-            self._writer.submit(PendingStore(
-                op.key, memoryview(buf.numpy()), nbytes, meta_doc,
-                on_done=lambda buf=buf: self._capture_bufs.put(buf)))
+            def fill(buf: torch.Tensor, op: ChunkStore = op) -> memoryview:
+                kv.capture(op.block_ids, buf)
+                return memoryview(buf.numpy())
+
+            self._stage(op.key, op.index, kv.chunk_bytes, fill)
+
+    def _stage(self, key: str, index: int, nbytes: int, fill: Any) -> None:
+        """Capture one chunk into a staging buffer with ``fill(buf) -> payload`` and queue its
+        commit; a chunk over the staging budget or failing to capture is skipped, counted."""
+        from .writer import PendingStore
+
+        if not self._writer.reserve(key, nbytes):
+            return
+        buf = self._capture_bufs.get()
+        if buf is None:  # more chunks in flight than slots: same as over budget
+            self._writer.cancel(key, nbytes)
+            self._counters.inc(m.STORES_SKIPPED, reason="budget")
+            return
+        try:
+            payload = fill(buf)
+        except Exception:
+            self._capture_bufs.put(buf)
+            self._writer.cancel(key, nbytes)
+            log.exception("spoolctl: could not capture a chunk; not stored")
+            self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+            return
+        meta_doc = dict(self._meta_base, chunk_index=index)
+        self._writer.submit(PendingStore(
+            key, payload, nbytes, meta_doc, on_done=lambda buf=buf: self._capture_bufs.put(buf)))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done, self._recv_done = self._recv_done, set()
         failed, self._recv_failed = self._recv_failed, set()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed & done)
 
-    def _capture_grouped(self, op: GroupChunkStore) -> None:
-        """Capture one chunk's stored blocks of every group (grouped format) and queue it."""
-        from .writer import PendingStore
-
-        nbytes = self._chunk_bytes
-        if not self._writer.reserve(op.key, nbytes):
-            return
-        buf = self._capture_bufs.get()
-        if buf is None:  # more chunks in flight than slots: same as over budget
-            self._writer.cancel(op.key, nbytes)
-            self._counters.inc(m.STORES_SKIPPED, reason="budget")
-            return
+    def _capture_grouped(self, op: GroupChunkStore, buf: torch.Tensor) -> dict[str, memoryview]:
+        """Copy one chunk's stored blocks of every group (grouped format) into ``buf``;
+        return one object per group."""
         objects = {}
-        try:
-            for (lay, gkv, offset), ids in zip(self._gkv, op.blocks, strict=True):
-                if 0 in ids:  # never read the null block (the planner does not send it)
-                    raise ValueError("null block in a capture")
-                part = buf[offset:offset + gkv.chunk_bytes]
-                gkv.capture(ids, part)
-                objects[lay.name] = memoryview(part.numpy())
-        except Exception:
-            self._capture_bufs.put(buf)
-            self._writer.cancel(op.key, nbytes)
-            log.exception("spoolctl: could not capture a chunk; not stored")
-            self._counters.inc(m.STORES_SKIPPED, reason="io_error")
-            return
-        meta_doc = dict(self._meta_base, chunk_index=op.index)
-        self._writer.submit(PendingStore(
-            op.key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._capture_bufs.put(buf)))
+        for (lay, gkv, offset), ids in zip(self._gkv, op.blocks, strict=True):
+            if 0 in ids:  # never read the null block (the planner does not send it)
+                raise ValueError("null block in a capture")
+            part = buf[offset:offset + gkv.chunk_bytes]
+            gkv.capture(ids, part)
+            objects[lay.name] = memoryview(part.numpy())
+        return objects
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
