@@ -14,16 +14,15 @@ D  cold run on store R2 whose size budget is smaller than one chunk: every store
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
+
+from vllm_engines import run_engine
 
 from spoolctl import metrics as m
 from spoolctl.connector.chain import chain_root, chunk_keys
@@ -31,7 +30,6 @@ from spoolctl.store import Store, entry_id_for
 
 pytestmark = pytest.mark.slow
 
-DRIVER = Path(__file__).with_name("vllm_support.py")
 SALT_A, SALT_B = "tenant-alpha-7f3c", "tenant-beta-91d2"
 CHUNK = 64  # two 32-token blocks, so short prompts span several chunks
 rng = random.Random(7)
@@ -41,18 +39,6 @@ P4 = [rng.randrange(3, 500) for _ in range(3 * CHUNK + 8)]  # 3 chunks; one gets
 P5 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 5)]  # only ever run with bypass
 P6 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 6)]  # its chunk 0 is re-stored as zeros
 P7 = [rng.randrange(3, 500) for _ in range(3 * CHUNK)]  # ends exactly on a chunk boundary
-
-
-def run_engine(job: dict, workdir: Path, name: str) -> dict:
-    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
-    job_path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, str(DRIVER), str(job_path), str(out_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
-    out = json.loads(out_path.read_text())
-    out["log"] = proc.stdout + proc.stderr
-    return out
 
 
 def counter(out: dict, role: str, spec: m.MetricSpec, **labels: str) -> float:

@@ -31,13 +31,13 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
+
+from vllm_engines import run_engine
 
 from spoolctl import metrics as m
 from spoolctl.connector.chain import chain_root, chunk_keys
@@ -45,7 +45,6 @@ from spoolctl.store import Store, entry_id_for
 
 pytestmark = pytest.mark.slow
 
-DRIVER = Path(__file__).with_name("vllm_support.py")
 CHUNK = 64
 WINDOW = 32
 rng = random.Random(5)
@@ -66,16 +65,6 @@ def _variant(base: Path, dest: Path, layer_types: list[str] | None) -> Path:
         cfg["sliding_window"] = WINDOW
     cfg_path.write_text(json.dumps(cfg))
     return dest
-
-
-def run_engine(job: dict, workdir: Path, name: str) -> dict:
-    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
-    job_path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, str(DRIVER), str(job_path), str(out_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
-    return json.loads(out_path.read_text())
 
 
 def counter(out: dict, role: str, spec: m.MetricSpec, **labels: str) -> float:
@@ -254,18 +243,17 @@ def test_all_sliding_model_restores_with_identical_tokens(runs):
 
 @pytest.fixture(scope="module")
 def tp_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from vllm_engines import run_engine as run_tp
 
     work = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-window-tp")))
     hybrid = _variant(tiny_model_dir, work / "hybrid", ["sliding_attention", "full_attention"])
     base = {"model": str(hybrid), "root": str(work / "spool"), "tp": 2,
             "extra": {"spoolctl_chunk_tokens": CHUNK}}
-    a = run_tp({**base, "requests": [{"name": "p", "tokens": P}, {"name": "q2", "tokens": Q2}]},
+    a = run_engine({**base, "requests": [{"name": "p", "tokens": P}, {"name": "q2", "tokens": Q2}]},
                work, "A")
     r1 = next(r for r in a["ranks"] if r["store_root"].endswith("rank-0001"))
     ids, _, full = _group_objects(r1["store_root"], r1["namespace"], Q2)
     _flip(r1["store_root"], ids[0], full)
-    b = run_tp({**base, "requests": [{"name": "p", "tokens": P}, {"name": "q2", "tokens": Q2}]},
+    b = run_engine({**base, "requests": [{"name": "p", "tokens": P}, {"name": "q2", "tokens": Q2}]},
                work, "B")
     return {"A": a, "B": b, "corrupt_id": ids[0], "r1_root": r1["store_root"]}
 

@@ -36,7 +36,7 @@ def bind_env(workers: int) -> dict[str, str]:
 
 def run_engine(job: dict, workdir: Path, name: str, *, env: Mapping[str, str] | None = None,
                unset: tuple[str, ...] = ()) -> dict:
-    """Run ``job`` in a new engine process; return the driver's JSON result."""
+    """Run ``job`` in a new engine process; return the driver's JSON result, plus ``log``."""
     job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
     job_path.write_text(json.dumps(job))
     workers = job.get("tp", 1) * job.get("pp", 1)
@@ -47,7 +47,9 @@ def run_engine(job: dict, workdir: Path, name: str, *, env: Mapping[str, str] | 
     proc = subprocess.run([sys.executable, str(DRIVER), str(job_path), str(out_path)],
                           env=full_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
-    return json.loads(out_path.read_text())
+    out = json.loads(out_path.read_text())
+    out["log"] = proc.stdout + proc.stderr  # what the engine printed (checked for leaks)
+    return out
 
 
 def sched_counter(out: dict, spec: m.MetricSpec, *, role: str = "scheduler",
