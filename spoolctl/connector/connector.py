@@ -39,6 +39,7 @@ import re
 import socket
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -149,6 +150,10 @@ class SpoolWorkerMeta(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         extra = other.reports if isinstance(other, SpoolWorkerMeta) else []
         return SpoolWorkerMeta(reports=[*self.reports, *extra])
+
+
+# A helper thread's read of one chunk: (buffer, None, bytes read) or (None, reason, 0).
+_ReadResult = tuple["torch.Tensor | None", "str | None", int]
 
 
 class _Bypass(Exception):
@@ -736,127 +741,58 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return SpoolWorkerMeta(reports=[report]) if report is not None else None
 
     def _restore_request(self, loads: list[ChunkLoad]) -> None:
-        """Restore a request's chunks in order. Reads + verification of the next chunks run
-        on helper threads (both release the GIL) while the current chunk is copied."""
+        """Restore a request's chunks in order (single format). On the first failure this
+        chunk and every later one are recomputed by vLLM (it truncates the request at the
+        first failed block): report all their blocks, load nothing more."""
         assert self._kv is not None
         kv = self._kv
-        started = time.perf_counter()
-        restored = 0
-        pending: deque[Future] = deque()
-        it = iter(loads)
-
-        def refill() -> None:
-            while len(pending) < self._read_ahead:
-                load = next(it, None)
-                if load is None:
-                    return
-                pending.append(self._read_pool.submit(self._read_chunk, load))
-
-        try:
-            refill()
-            for pos, load in enumerate(loads):
-                buf, reason = pending.popleft().result()
-                if buf is not None:
-                    try:
-                        kv.restore(buf, load.block_ids, load.skip)
-                    except Exception:  # a copy bug must not take the worker down
-                        log.exception("spoolctl: restore copy failed, recomputing")
-                        reason = "unknown"
-                    finally:
-                        self._restore_bufs.put(buf)
-                if reason is not None:
-                    # This chunk and every later one are recomputed by vLLM (it truncates the
-                    # request at the first failed block); report them all, load nothing more.
-                    self._counters.inc(m.LOAD_ERRORS, reason=reason)
-                    for rest in loads[pos:]:
-                        self._load_errors.update(rest.target_blocks)
-                    break
-                restored += kv.chunk_bytes
-                refill()
-        finally:
-            for fut in pending:  # bounded by the read-ahead; their buffers are recycled
-                buf, _ = fut.result()
-                if buf is not None:
-                    self._restore_bufs.put(buf)
-        if restored:
-            self._counters.inc(m.RESTORE_BYTES, restored)
-            self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - started)
-
-    def _read_chunk(self, load: ChunkLoad) -> tuple[torch.Tensor | None, str | None]:
-        """Read and verify one chunk into a new buffer (helper thread).
-
-        Returns ``(buffer, None)`` or ``(None, reason)`` where reason is a metrics label.
-        """
-        assert self._kv is not None
-        store, ns = self._stores[0]
-        entry_id = entry_id_for(KIND, ns, load.key)
-        try:
-            manifest = store.manifest(entry_id)
-            ref = manifest.object(OBJECT)
-            if manifest.meta.get("layout") != self._kv.layout_digest or \
-                    ref.size != self._kv.chunk_bytes:
-                store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
-                                       "KV layout does not match this deployment")
-                self._lost(load.key)
-                self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
-                return None, "manifest_validation"
-            buf = self._restore_bufs.get()
-            if buf is None:  # cannot happen: one slot per chunk in flight
-                return None, "unknown"
-            try:
-                store.read(manifest, OBJECT, into=memoryview(buf.numpy()))
-            except BaseException:
-                self._restore_bufs.put(buf)  # its contents are garbage, but reusable
-                raise
-            # Each rank keeps its own LRU clock: the scheduler may not see this store.
-            store.touch([entry_id])
-            return buf, None
-        except CorruptionError as exc:
-            self._lost(load.key)
-            self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
-            log.warning("spoolctl: cached chunk failed verification (%s); quarantined, "
-                        "recomputing", exc.reason.value)
-            return None, exc.reason.value
-        except (NotFoundError, KeyError):
-            self._lost(load.key)
-            return None, "absent"
-        except SpoolError as exc:
-            log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
-            return None, "io_error"
-        except Exception:  # never let a cache problem take the worker down
-            log.exception("spoolctl: unexpected restore error, recomputing")
-            return None, "unknown"
+        failed_at = self._pipelined_restore(
+            loads, self._read_chunk, lambda load, buf: kv.restore(buf, load.block_ids, load.skip))
+        if failed_at is not None:
+            for rest in loads[failed_at:]:
+                self._load_errors.update(rest.target_blocks)
 
     def _restore_grouped(self, load: RequestLoad) -> bool:
-        """Restore one request's chunks (grouped format); False on any failure. Reads and
-        verification of the next chunks run on helper threads while one is copied."""
+        """Restore one request's chunks (grouped format); False on any failure."""
         if not load.ok or not self._gkv or self._read_pool is None:
             self._counters.inc(m.LOAD_ERRORS, reason="unknown")
             return False
+
+        def copy(chunk: GroupChunkLoad, buf: torch.Tensor) -> None:
+            for (_lay, gkv, offset), targets in zip(self._gkv, chunk.targets, strict=True):
+                if targets is not None:
+                    gkv.restore(buf[offset:offset + gkv.chunk_bytes], targets, skip_null=True)
+
+        return self._pipelined_restore(load.chunks, self._read_group_chunk, copy) is None
+
+    def _pipelined_restore(self, items: Sequence[Any], read: Callable[[Any], _ReadResult],
+                           copy: Callable[[Any, torch.Tensor], None]) -> int | None:
+        """Read + verify ``items`` on helper threads (both release the GIL), ``read_ahead``
+        ahead of the one being copied with ``copy(item, buf)``, in order. Returns the
+        position of the first item that failed (counted in LOAD_ERRORS), else None.
+
+        ``read(item)`` returns ``(buffer, None, bytes)`` or ``(None, reason, 0)``.
+        """
         started = time.perf_counter()
         restored = 0
         pending: deque[Future] = deque()
-        it = iter(load.chunks)
+        it = iter(items)
+        failed_at = None
 
         def refill() -> None:
             while len(pending) < self._read_ahead:
-                chunk = next(it, None)
-                if chunk is None:
+                item = next(it, None)
+                if item is None:
                     return
-                pending.append(self._read_pool.submit(self._read_group_chunk, chunk))
+                pending.append(self._read_pool.submit(read, item))
 
-        ok = True
         try:
             refill()
-            for chunk in load.chunks:
+            for pos, item in enumerate(items):
                 buf, reason, nbytes = pending.popleft().result()
                 if buf is not None:
                     try:
-                        for (_lay, gkv, offset), targets in zip(self._gkv, chunk.targets,
-                                                               strict=True):
-                            if targets is not None:
-                                gkv.restore(buf[offset:offset + gkv.chunk_bytes], targets,
-                                            skip_null=True)
+                        copy(item, buf)
                     except Exception:  # a copy bug must not take the worker down
                         log.exception("spoolctl: restore copy failed, recomputing")
                         reason = "unknown"
@@ -864,63 +800,95 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
                         self._restore_bufs.put(buf)
                 if reason is not None:
                     self._counters.inc(m.LOAD_ERRORS, reason=reason)
-                    ok = False
+                    failed_at = pos
                     break
                 restored += nbytes
                 refill()
         finally:
-            for fut in pending:
+            for fut in pending:  # bounded by the read-ahead; their buffers are recycled
                 buf, _, _ = fut.result()
                 if buf is not None:
                     self._restore_bufs.put(buf)
         if restored:
             self._counters.inc(m.RESTORE_BYTES, restored)
             self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - started)
-        return ok
+        return failed_at
 
-    def _read_group_chunk(self, chunk: GroupChunkLoad) -> tuple[torch.Tensor | None,
-                                                                str | None, int]:
-        """Read and verify the objects of one chunk that a restore needs (helper thread).
+    def _read_chunk(self, load: ChunkLoad) -> _ReadResult:
+        """Read and verify one chunk (single format) into a new buffer (helper thread)."""
+        kv = self._kv
+        assert kv is not None
 
-        Returns ``(buffer, None, bytes read)`` or ``(None, reason, 0)``.
-        """
-        store, ns = self._stores[0]
-        entry_id = entry_id_for(KIND, ns, chunk.key)
+        def valid(manifest: Any) -> bool:
+            return manifest.meta.get("layout") == kv.layout_digest and \
+                manifest.object(OBJECT).size == kv.chunk_bytes
+
+        def fill(store: Store, manifest: Any, buf: torch.Tensor) -> int:
+            store.read(manifest, OBJECT, into=memoryview(buf.numpy()))
+            return kv.chunk_bytes
+
+        return self._read_verified(load.key, valid, fill)
+
+    def _read_group_chunk(self, chunk: GroupChunkLoad) -> _ReadResult:
+        """Read and verify the objects of one chunk that a restore needs (grouped format)."""
         try:
-            manifest = store.manifest(entry_id)
-            names = {ref.name: ref for ref in manifest.objects}
             wanted = [(lay, gkv, off) for (lay, gkv, off), t
                       in zip(self._gkv, chunk.targets, strict=True) if t is not None]
-            if manifest.meta.get("layout") != self._layout_digest or any(
-                    lay.name not in names or names[lay.name].size != gkv.chunk_bytes
-                    for lay, gkv, _ in wanted):
+        except ValueError:  # a plan for another group layout: never restore from it
+            log.error("spoolctl: restore plan does not match the KV cache groups, recomputing")
+            return None, "unknown", 0
+
+        def valid(manifest: Any) -> bool:
+            names = {ref.name: ref for ref in manifest.objects}
+            return manifest.meta.get("layout") == self._layout_digest and all(
+                lay.name in names and names[lay.name].size == gkv.chunk_bytes
+                for lay, gkv, _ in wanted)
+
+        def fill(store: Store, manifest: Any, buf: torch.Tensor) -> int:
+            nbytes = 0
+            for lay, gkv, off in wanted:
+                store.read(manifest, lay.name,
+                           into=memoryview(buf[off:off + gkv.chunk_bytes].numpy()))
+                nbytes += gkv.chunk_bytes
+            return nbytes
+
+        return self._read_verified(chunk.key, valid, fill)
+
+    def _read_verified(self, key: str, valid: Callable[[Any], bool],
+                       fill: Callable[[Store, Any, torch.Tensor], int]) -> _ReadResult:
+        """Load chunk ``key``'s manifest, check it with ``valid(manifest)`` (a mismatch is
+        quarantined), then ``fill(store, manifest, buf) -> bytes`` a restore buffer with its
+        verified objects. Returns ``(buffer, None, bytes)`` or ``(None, reason, 0)`` where
+        reason is a metrics label; never raises (helper thread)."""
+        store, ns = self._stores[0]
+        entry_id = entry_id_for(KIND, ns, key)
+        try:
+            manifest = store.manifest(entry_id)
+            if not valid(manifest):
                 store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
                                        "KV layout does not match this deployment")
-                self._lost(chunk.key)
+                self._lost(key)
                 self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
                 return None, "manifest_validation", 0
             buf = self._restore_bufs.get()
             if buf is None:  # cannot happen: one slot per chunk in flight
                 return None, "unknown", 0
-            nbytes = 0
             try:
-                for lay, gkv, off in wanted:
-                    store.read(manifest, lay.name,
-                               into=memoryview(buf[off:off + gkv.chunk_bytes].numpy()))
-                    nbytes += gkv.chunk_bytes
+                nbytes = fill(store, manifest, buf)
             except BaseException:
                 self._restore_bufs.put(buf)  # its contents are garbage, but reusable
                 raise
+            # Each rank keeps its own LRU clock: the scheduler may not see this store.
             store.touch([entry_id])
             return buf, None, nbytes
         except CorruptionError as exc:
-            self._lost(chunk.key)
+            self._lost(key)
             self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
             log.warning("spoolctl: cached chunk failed verification (%s); quarantined, "
                         "recomputing", exc.reason.value)
             return None, exc.reason.value, 0
         except (NotFoundError, KeyError):
-            self._lost(chunk.key)
+            self._lost(key)
             return None, "absent", 0
         except SpoolError as exc:
             log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
