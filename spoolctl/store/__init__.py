@@ -9,6 +9,7 @@ Public API (stable; everything else in this package is internal)::
         payload = store.read(hit, "kv")                       # verified bytes
         store.release(hit.entry_id)                           # hint: out of reuse now
         store.clean_released()                                # bytes deleted
+        facts = store.facts()                                 # status/metrics snapshot
 
 Importing this package never imports torch, vllm, mlx or google-genai.
 """
@@ -27,11 +28,14 @@ from .errors import (
     SpoolError,
     StoreIOError,
 )
+from .facts import StoreFacts
+from .gc import DeleteReport
 from .keys import KINDS, entry_id_for, validate_entry_id
 from .manifest import Manifest, ObjectRef
 from .quarantine import QuarantineItem
+from .recovery import ReconcileReport
 from .sizes import format_size, parse_duration, parse_rate, parse_size
-from .store import DeleteReport, ReconcileReport, Store
+from .store import Store
 
 __all__ = [
     "KINDS",
@@ -52,6 +56,7 @@ __all__ = [
     "RootError",
     "SpoolError",
     "Store",
+    "StoreFacts",
     "StoreIOError",
     "Totals",
     "entry_id_for",
