@@ -13,6 +13,7 @@ from spoolctl.cli import render
 from spoolctl.cli.app import app
 from spoolctl.cli.scrub_cmds import parse_rate_option
 from spoolctl.cli.vllm_config import kv_transfer_config
+from spoolctl.controllers.genai_records import expires_in
 from spoolctl.store import ConfigError, Store
 
 runner = CliRunner()
@@ -24,9 +25,9 @@ def test_rel_time_and_expiry() -> None:
     assert render.rel_time(now - 7200, now) == "2h ago"
     assert render.rel_time(now + 3 * 86400 + 5, now) == "in 3d"
     assert render.rel_time(None) == "never"
-    assert render.expires_in({"expire_time": now + 90}, now) == 90
-    assert render.expires_in({"expire_time": "soon"}, now) is None
-    assert render.expires_in({}, now) is None
+    assert expires_in({"expire_time": now + 90}, now) == 90
+    assert expires_in({"expire_time": "soon"}, now) is None
+    assert expires_in({}, now) is None
     assert render.expiry_text(-1) == "expired"
 
 

@@ -15,6 +15,7 @@ from spoolctl.store.scrub import Scrubber
 from . import render
 from .app import app
 from .common import EXIT_FINDINGS, JsonOption, RootOption, console, emit_json, open_store
+from .targets import resolve_entry
 
 DEFAULT_STEP_ITEMS = 10_000
 
@@ -105,8 +106,6 @@ def request_auth_cmd(
         if len(entry) == 64:
             entry_id = entry  # a full id that is not there is an answer: absent
         else:
-            from .store_cmds import resolve_entry
-
             try:
                 entry_id = resolve_entry(store, entry)
             except CorruptionError as exc:  # the prefix names an entry already quarantined

@@ -15,6 +15,7 @@ Importing this package never imports torch, vllm, mlx or google-genai.
 """
 
 from .catalog import CatalogRow, Totals
+from .clean import CLEAN_STEPS, CleanReport
 from .errors import (
     BusyError,
     CapacityError,
@@ -38,10 +39,12 @@ from .sizes import format_size, parse_duration, parse_rate, parse_size
 from .store import Store
 
 __all__ = [
+    "CLEAN_STEPS",
     "KINDS",
     "BusyError",
     "CapacityError",
     "CatalogRow",
+    "CleanReport",
     "ConfigError",
     "CorruptionError",
     "DeleteReport",

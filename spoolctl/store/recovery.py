@@ -9,7 +9,8 @@ the manifests:
   whose manifest is durable is marked committed, any other is deleted);
 * ``reconcile``: index manifests the catalog lacks, drop rows whose manifest is gone,
   delete objects no manifest references once they are older than a cutoff, and report
-  files that do not belong in the store.
+  files that do not belong in the store;
+* ``readmit``: move a quarantined entry back once it verifies again.
 
 A manifest that does not decode is quarantined on the way. Locking is the caller's job:
 ``Store`` holds the exclusive maintenance lock around each of these.
@@ -26,14 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ManifestError
-from .fsio import read_manifest
+from .errors import CorruptionError, ManifestError, QuarantineReason
+from .fsio import read_manifest, read_verified
 from .gc import DeleteReport, GarbageCollector
 from .manifest import Manifest
 from .root import KNOWN_TOP
 
 if TYPE_CHECKING:
     from .catalog import Catalog
+    from .publish import Publisher
+    from .quarantine import QuarantineItem
     from .store import Store
 
 _OBJ_RE = re.compile(r"[0-9a-f]{64}\.obj")
@@ -165,6 +168,41 @@ class Recovery:
                         os.unlink(e.path)
         report.unknown_files += self._unknown_in(layout.objects, _OBJ_RE)
         return report
+
+    def readmit(self, item: QuarantineItem, entry_id: str, publisher: Publisher) -> Manifest:
+        """Move a quarantined entry back if, and only if, its manifest and every object
+        verify now: objects first, then the manifest (manifest-last, as in a commit).
+
+        Raises CorruptionError (nothing moved) if anything still fails. The caller holds
+        the maintenance lock shared (this adds, like a commit) and removes the item after.
+        """
+        layout = self._store.layout
+        src = item.path / f"{entry_id}.json"
+        try:
+            manifest = read_manifest(src, entry_id)
+        except FileNotFoundError:
+            raise CorruptionError("the item has no manifest to restore",
+                                  reason=QuarantineReason.MANIFEST_IO, path=src) from None
+        moves = []
+        for ref in manifest.objects:
+            in_item = item.path / f"{ref.digest}.obj"
+            in_store = layout.object_path(ref.digest)
+            candidate = in_item if in_item.exists() else in_store
+            try:
+                read_verified(candidate, digest=ref.digest, size=ref.size)
+            except (OSError, CorruptionError) as exc:
+                raise CorruptionError(f"object {ref.name} still fails: {exc}",
+                                      reason=QuarantineReason.PAYLOAD_DIGEST,
+                                      path=candidate) from None
+            if candidate == in_item:
+                moves.append((in_item, in_store))
+        for a, b in moves:
+            publisher.publish(a, b, what=None)
+        final = layout.manifest_path(entry_id)
+        publisher.publish(src, final, what=None)
+        self._store.catalog.index_manifest(manifest, final.stat().st_size,
+                                           last_access=time.time())
+        return manifest
 
     # -- files that do not belong --------------------------------------------------------
 

@@ -35,7 +35,6 @@ import errno
 import logging
 import os
 import sqlite3
-import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -43,22 +42,21 @@ from typing import Any, TypeVar
 
 from . import faults
 from .catalog import Catalog, CatalogRow, Totals
+from .clean import CLEAN_STEPS, CleanReport, run_clean
+from .commit import Committer, Payload
 from .errors import (
     BusyError,
-    CapacityError,
     ConfigError,
     CorruptionError,
     InvalidIdError,
     ManifestError,
     NotFoundError,
     QuarantineReason,
-    SpoolError,
 )
 from .facts import StoreFacts, collect
-from .fsio import hash_file, io_error, read_manifest, read_verified
+from .fsio import io_error, read_manifest, read_verified
 from .gc import (
     DEFAULT_ORPHAN_AGE,
-    LOW_WATERMARK,
     DeleteReport,
     GarbageCollector,
     clean_tmp,
@@ -71,7 +69,7 @@ from .keys import (
     validate_object_name,
 )
 from .locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
-from .manifest import Manifest, ObjectRef, canonical_json, encode
+from .manifest import Manifest, canonical_json
 from .publish import Publisher
 from .quarantine import Quarantine, QuarantineItem
 from .recovery import ReconcileReport, Recovery
@@ -80,7 +78,6 @@ from .sqlite_files import is_damaged, sqlite_error
 
 log = logging.getLogger("spoolctl.store")
 
-Payload = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
 T = TypeVar("T")
 
 DEFAULT_LOCK_TIMEOUT = 60.0
@@ -107,6 +104,7 @@ class Store:
         self._catalog: Catalog | None = None
         self.checkpoint = faults.checkpoint
         self._publisher = Publisher(layout.root, layout.tmp, lambda name: self.checkpoint(name))
+        self._committer = Committer(self, self._publisher)
         self._gc = GarbageCollector(self)
         self._recovery = Recovery(self, self._gc)
 
@@ -271,93 +269,18 @@ class Store:
             validate_object_name(name)
         if supersedes is not None:
             validate_entry_id(supersedes)
-        manifest = self.run_with_catalog_repair(lambda: self._put_once(
+        manifest = self.run_with_catalog_repair(lambda: self._put_locked(
             entry_id, kind, namespace, key, objects, meta, index, supersedes))
         if evict and self.max_bytes is not None and self.totals().bytes > self.max_bytes:
             with contextlib.suppress(BusyError):
                 self.enforce_capacity(budget=COMMIT_EVICTION_BUDGET, wait=False)
         return manifest
 
-    def _check_fits(self, size: int) -> None:
-        if self.max_bytes is not None and size > self.max_bytes * LOW_WATERMARK:
-            raise CapacityError(
-                f"entry of {size} bytes does not fit the store (max {self.max_bytes})",
-                path=self.root, fix="raise the store's max size (`spoolctl init --max-size`)")
-
-    def _put_once(self, entry_id, kind, namespace, key, objects, meta, index, supersedes):
+    def _put_locked(self, entry_id, kind, namespace, key, objects, meta, index, supersedes):
         with self.maintenance(exclusive=False, what="committing an entry"):
-            existing = self._existing_for_put(entry_id, supersedes)
-            if existing is not None:
-                return existing
-            self._check_fits(sum(len(memoryview(p).cast("B")) for p in objects.values()
-                                 if isinstance(p, (bytes, bytearray, memoryview))))
-            refs = tuple(self._publish_object(name, payload) for name, payload in objects.items())
-            self._check_fits(sum(r.size for r in refs))
-            manifest = Manifest.new(
-                kind=kind, namespace=namespace, key=key, created=time.time(), objects=refs,
-                meta=meta, index=index, supersedes=supersedes,
-            )
-            data = encode(manifest)
-            self.catalog.record_intent(manifest, len(data), time.time())
-            final = self.layout.manifest_path(entry_id)
-            published: list[Path] = []
-            try:
-                self.checkpoint("catalog.intent")
-                staged = self._publisher.stage([data], what="manifest")
-                with self._publisher.failing(staged, "publishing the manifest", final):
-                    self._publisher.publish(staged.tmp, final, what="manifest", placed=published)
-                self.catalog.mark_committed(entry_id, supersedes)
-                self.checkpoint("catalog.committed")
-            except (OSError, SpoolError, sqlite3.DatabaseError) as exc:
-                if not published:
-                    # Roll back the intent so the row does not pin the objects; they become
-                    # orphans, reclaimed by age. Best effort: recovery does the same.
-                    with contextlib.suppress(sqlite3.DatabaseError):
-                        self.catalog.delete_entries([entry_id])
-                if isinstance(exc, OSError):
-                    raise io_error(exc, "committing an entry", final) from exc
-                raise
-            return manifest
-
-    def _existing_for_put(self, entry_id: str, supersedes: str | None) -> Manifest | None:
-        """The already-committed entry ``entry_id`` (revived if released), or None."""
-        row = self.catalog.get(entry_id)
-        path = self.layout.manifest_path(entry_id)
-        if (row is not None and row.state == "committed") or (row is None and path.exists()):
-            try:
-                manifest = read_manifest(path, entry_id)
-            except FileNotFoundError:
-                return None
-            except ManifestError as exc:
-                self.quarantine_entry(entry_id, exc.reason, exc.message)
-                return None
-            if not all(self.layout.object_path(r.digest).exists() for r in manifest.objects):
-                return None  # an object was lost: rewrite the entry
-            if row is None:
-                self.catalog.index_manifest(manifest, path.stat().st_size, last_access=time.time())
-            elif row.hint != "retain":
-                self.catalog.set_hint(entry_id, "retain")
-            if supersedes:
-                self.catalog.set_hint(supersedes, "release")
-            return manifest
-        return None
-
-    def _publish_object(self, name: str, payload: Payload) -> ObjectRef:
-        chunks = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        staged = self._publisher.stage(chunks, what="object")
-        ref = ObjectRef(name=name, digest=staged.digest, size=staged.size)
-        final = self.layout.object_path(staged.digest)
-        with self._publisher.failing(staged, "publishing an object", final):
-            self._publisher.check_dirs(final.parent)
-            if os.path.lexists(final):
-                if _existing_object_ok(final, staged.digest, staged.size):
-                    self._publisher.discard(staged)  # content-addressed: already stored
-                    return ref
-                self.quarantine_files(None, QuarantineReason.OBJECT_COLLISION,
-                                      "existing object did not match its name; replaced",
-                                      [(final, "object")])
-            self._publisher.publish(staged.tmp, final, what="object")
-        return ref
+            return self._committer.commit(entry_id, kind=kind, namespace=namespace, key=key,
+                                          objects=objects, meta=meta, index=index,
+                                          supersedes=supersedes)
 
     # -- lookup and read ----------------------------------------------------------------
 
@@ -527,32 +450,8 @@ class Store:
             raise ConfigError(f"quarantine item {item_id} holds no entry", path=item.path,
                               fix="inspect it with `spoolctl quarantine show`; purge when done")
         entry_id = validate_entry_id(item.entry_id)
-        src = item.path / f"{entry_id}.json"
-        try:
-            manifest = read_manifest(src, entry_id)
-        except FileNotFoundError:
-            raise CorruptionError("the item has no manifest to restore",
-                                  reason=QuarantineReason.MANIFEST_IO, path=src) from None
         with self.maintenance(exclusive=False, what="restoring from quarantine"):
-            moves = []
-            for ref in manifest.objects:
-                in_item = item.path / f"{ref.digest}.obj"
-                in_store = self.layout.object_path(ref.digest)
-                candidate = in_item if in_item.exists() else in_store
-                try:
-                    read_verified(candidate, digest=ref.digest, size=ref.size)
-                except (OSError, CorruptionError) as exc:
-                    raise CorruptionError(f"object {ref.name} still fails: {exc}",
-                                          reason=QuarantineReason.PAYLOAD_DIGEST,
-                                          path=candidate) from None
-                if candidate == in_item:
-                    moves.append((in_item, in_store))
-            # Objects first, then the manifest (manifest-last, as in a commit).
-            for a, b in moves:
-                self._publisher.publish(a, b, what=None)
-            final = self.layout.manifest_path(entry_id)
-            self._publisher.publish(src, final, what=None)
-            self.catalog.index_manifest(manifest, final.stat().st_size, last_access=time.time())
+            manifest = self._recovery.readmit(item, entry_id, self._publisher)
         self.quarantine.remove(item)
         return manifest
 
@@ -612,6 +511,12 @@ class Store:
                 return self._recovery.reconcile(min_age, dry_run)
         return self.run_with_catalog_repair(run)
 
+    def clean(self, steps: Iterable[str] = CLEAN_STEPS, *,
+              min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False) -> CleanReport:
+        """The cleaning pass (``spoolctl clean``): ``steps`` of ``clean.CLEAN_STEPS`` in
+        their fixed order, reported step by step; ``dry_run`` only plans."""
+        return run_clean(self, steps, min_age=min_age, dry_run=dry_run)
+
     # -- information ---------------------------------------------------------------------
 
     def facts(self) -> StoreFacts:
@@ -668,13 +573,3 @@ class Store:
         self.marker = Marker(self.marker.store_id, self.marker.created, max_bytes)
         write_marker(self.layout, self.marker)
 
-
-def _existing_object_ok(path: Path, digest: str, size: int) -> bool:
-    """True if the object already at ``path`` is a regular file with exactly this content."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            return False
-        return hash_file(path) == (digest, size)
-    except OSError:
-        return False
