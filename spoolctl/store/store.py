@@ -3,8 +3,11 @@ recovery. Its parts, one module each:
 
 * ``publish``: the one write-temp / fsync / rename / fsync-directory sequence, used for
   objects and manifests (and reusable by a batch commit);
+* ``commit``: the manifest-last commit of one entry;
 * ``gc``: garbage collection (clean released entries, evict, the deletion order, temp files);
-* ``recovery``: catalog rebuild, interrupted commits, reconciling catalog and disk;
+* ``recovery``: catalog rebuild, interrupted commits, reconciling catalog and disk,
+  re-admitting quarantined entries;
+* ``clean``: the cron job's cleaning pass as data;
 * ``facts``: one snapshot of the store's facts for status, metrics and gauges;
 * ``catalog`` / ``quarantine`` / ``locks`` / ``fsio``: the index, the evidence, the
   inter-process locks and single-file I/O.
