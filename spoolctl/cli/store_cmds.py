@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.json import JSON
@@ -20,11 +20,15 @@ from rich.table import Table
 
 from spoolctl.store import CatalogRow, Store, StoreFacts, parse_size
 from spoolctl.store.keys import validate_kind
+from spoolctl.store.root import MARKER
 
 from . import render
 from .app import app
-from .common import EXIT_FINDINGS, JsonOption, RootOption, emit, open_store
+from .common import EXIT_FINDINGS, JsonOption, RootOption, emit, open_store, resolve_root
 from .targets import Targets, resolve_entry, resolve_targets
+
+if TYPE_CHECKING:
+    from spoolctl.connector.topology import DeploymentStatus
 
 
 class HintChoice(str, enum.Enum):
@@ -53,7 +57,7 @@ def init_cmd(
     Example: [bold]spoolctl init --root /var/cache/spoolctl --max-size 200GiB[/bold]
     """
     max_bytes = parse_size(max_size) if max_size is not None else None
-    existed = (resolve_targets(root).given / ".spoolctl-root").exists()
+    existed = (resolve_root(root) / MARKER).exists()
     with open_store(root, create=True, max_bytes=max_bytes) as store:
         doc = {"root": str(store.root), "store_id": store.marker.store_id,
                "max_bytes": store.max_bytes, "created": not existed}
@@ -158,7 +162,7 @@ def _status_view(doc: dict[str, Any]) -> Table:
     return t
 
 
-def deployment_status_of(targets: Targets):
+def deployment_status_of(targets: Targets) -> DeploymentStatus:
     """Per-rank status of a deployment directory (``connector.topology.deployment_status``)."""
     from spoolctl.connector.topology import RankReport, deployment_status
 
