@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -68,7 +68,7 @@ def emit_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
-View = Callable[[Any], "RenderableType | Iterable[RenderableType]"]
+View = Callable[[Any], "RenderableType | list[RenderableType]"]
 
 
 def emit(doc: Any, *, json_output: bool, view: View) -> None:
