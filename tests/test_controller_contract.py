@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from spoolctl.controllers import CachePrepareParams, LocalCacheController, render_segments
+from spoolctl.controllers import (
+    CachePrepareParams,
+    GenerateResult,
+    LocalCacheController,
+    render_segments,
+)
 from spoolctl.controllers.tokens import (
     TokenPrefix,
     common_prefix_tokens,
@@ -124,7 +129,7 @@ def test_explicit_params_win_over_the_handle_and_a_foreign_handle_runs_cold(back
         ha = ctl.prepare(a)
         with caplog.at_level("WARNING", logger="spoolctl.controllers"):
             r = ctl.generate(ha, "Q?", 6, params=b)
-        assert r.tokens == cold_tokens(backend, b, "Q?", 6)
+        assert r.tokens == cold_tokens(backend, b, "Q?", 6) and type(r) is GenerateResult
         assert r.usage.cache_read_tokens == 0
         assert "prepared for other params" in caplog.text and ha.ref[:8] not in caplog.text
         # Same cacheable prefix (only a volatile element differs): the same entry, used.
@@ -297,7 +302,7 @@ def test_every_controller_is_importable_from_the_package_without_loading_its_fra
 
 
 def test_warning_log_reasons_carry_no_path_file_name_or_id():
-    """Decision 1022: every controller renders an exception for a default log line through
+    """Decision 1023: every controller renders an exception for a default log line through
     ``logsafe.reason``: no store path, no file name, no id or digest."""
     from spoolctl.controllers.logsafe import reason
     from spoolctl.store import StoreIOError

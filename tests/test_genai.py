@@ -21,7 +21,12 @@ from google import genai
 from google.genai import types
 from google.oauth2.credentials import Credentials
 
-from spoolctl.controllers.contract import CachePrepareParams, Element, PromptCacheController
+from spoolctl.controllers.contract import (
+    CachePrepareParams,
+    Element,
+    GenerateResult,
+    PromptCacheController,
+)
 from spoolctl.controllers.genai import GoogleGenAICacheController, generate_with_cache
 from spoolctl.controllers.genai_clean import clean_remote, default_client_factory
 from spoolctl.controllers.genai_records import (
@@ -558,6 +563,7 @@ def test_explicit_params_win_over_the_handle_and_a_foreign_handle_runs_cold(ctl,
         res = ctl.generate(ha, "hi", params=b)
     body = server.requests("POST", ":generateContent")[-1].body
     assert "cachedContent" not in body and res.usage.cache_read_tokens == 0 and not res.handle
+    assert type(res) is GenerateResult  # one result class for every controller
     assert "another document entirely" in body["contents"][0]["parts"][0]["text"]
     assert "prepared for other params" in caplog.text
     # Only the volatile question differs: the same cache, used.

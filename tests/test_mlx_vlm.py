@@ -291,7 +291,7 @@ def test_read_only_never_writes_and_release_deletes_at_close(backend, vlm_dir, i
 
 def test_default_logs_name_no_store_path_or_id(backend, vlm_dir, images, tmp_path,
                                                caplog) -> None:
-    """Decision 1022: the VLM controller's warnings (a store too small to commit, a corrupt
+    """Decision 1023: the VLM controller's warnings (a store too small to commit, a corrupt
     snapshot) say what happened, never the store path or an id (docs/SECURITY.md)."""
     import logging
 

@@ -18,7 +18,8 @@ their framework only when one is built::
 
 A name whose module cannot be imported (google-genai is imported with its module)
 raises ImportError naming the extra to install; the others raise ConfigError naming
-it when a backend is built without its framework.
+it when a backend is built without its framework. ``__all__`` lists only the eagerly
+imported names, so ``from spoolctl.controllers import *`` works on a base install.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ from .contract import (
 )
 from .local import LocalCacheController
 
-if TYPE_CHECKING:
-    from .genai import GoogleGenAICacheController
-    from .mlx import MlxBackend, MlxCacheController
-    from .mlx_vlm import MlxVlmBackend, MlxVlmCacheController
-    from .pytorch import PyTorchBackend, PyTorchCacheController
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ resolves them
+    from .genai import GoogleGenAICacheController  # noqa: F401
+    from .mlx import MlxBackend, MlxCacheController  # noqa: F401
+    from .mlx_vlm import MlxVlmBackend, MlxVlmCacheController  # noqa: F401
+    from .pytorch import PyTorchBackend, PyTorchCacheController  # noqa: F401
 
 BACKENDS = ("pytorch", "mlx")
 
@@ -107,18 +108,11 @@ __all__ = [
     "CachePrepareParams",
     "Element",
     "GenerateResult",
-    "GoogleGenAICacheController",
     "ImageInput",
     "Includes",
     "KVBackend",
     "LocalCacheController",
-    "MlxBackend",
-    "MlxCacheController",
-    "MlxVlmBackend",
-    "MlxVlmCacheController",
     "PromptCacheController",
-    "PyTorchBackend",
-    "PyTorchCacheController",
     "ToolDefinition",
     "Usage",
     "load_backend",

@@ -92,39 +92,52 @@ async def acall(fn: Callable[..., Any], step: Remote) -> Any:
         raise remote_error(exc, step.action, step.where) from exc
 
 
+class _Program:
+    """A ``Step`` generator being driven: feed it each outcome, get its next step (None
+    once it has returned; its value is then ``result``)."""
+
+    def __init__(self, steps: Step):
+        self._steps = steps
+        self.result: Any = None
+
+    def next(self, value: Any = None, error: BaseException | None = None
+             ) -> Remote | Local | None:
+        try:
+            return self._steps.throw(error) if error is not None else self._steps.send(value)
+        except StopIteration as stop:
+            self.result = stop.value
+            return None
+
+
 def drive_sync(client: genai.Client, steps: Step) -> Any:
     """Run ``steps`` to completion on ``client.caches``; returns the generator's value."""
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.throw(error) if error is not None else steps.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
+    program = _Program(steps)
+    step = program.next()
+    while step is not None:
         try:
             if isinstance(step, Local):
                 value = step.fn()
             else:
                 value = call(getattr(client.caches, step.op), step)
         except SpoolError as exc:
-            error = exc
+            step = program.next(error=exc)
+        else:
+            step = program.next(value)
+    return program.result
 
 
 async def drive_async(client: genai.Client, steps: Step) -> Any:
     """``drive_sync`` on ``client.aio.caches``, store calls in a worker thread."""
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.throw(error) if error is not None else steps.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
+    program = _Program(steps)
+    step = program.next()
+    while step is not None:
         try:
             if isinstance(step, Local):
                 value = await asyncio.to_thread(step.fn)
             else:
                 value = await acall(getattr(client.aio.caches, step.op), step)
         except SpoolError as exc:
-            error = exc
+            step = program.next(error=exc)
+        else:
+            step = program.next(value)
+    return program.result

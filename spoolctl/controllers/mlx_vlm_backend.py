@@ -23,7 +23,7 @@ from spoolctl.store.digest import hash_bytes
 from spoolctl.store.errors import ConfigError
 
 from .contract import ImageInput
-from .mlx import CacheFormatError, model_digest
+from .mlx import CacheFormatError, model_digest, slice_caches
 from .vlm_prompt import ImageIdentity
 
 KIND = "mlx"
@@ -226,17 +226,9 @@ class MlxVlmBackend:
 
     def _copy(self, cache: Sequence[Any], keep: int) -> list[Any]:
         """An independent cache of the first ``keep`` tokens (slices are new arrays)."""
-        out = []
-        for c in cache:
-            if type(c).__name__ != "KVCache" or int(c.offset) < keep:
-                raise ValueError("not a prompt cache of this model or too short")
-            n = self._cache_mod.KVCache()
-            if keep > 0:
-                n.keys = c.keys[..., :keep, :]
-                n.values = c.values[..., :keep, :]
-                n.offset = keep
-            out.append(n)
-        return out
+        if any(type(c).__name__ != "KVCache" or int(c.offset) < keep for c in cache):
+            raise ValueError("not a prompt cache of this model or too short")
+        return slice_caches(cache, keep, self._cache_mod.KVCache)
 
     def _kwargs(self, encoded: Mapping[str, Any]) -> dict[str, Any]:
         inputs = dict(encoded["inputs"])
