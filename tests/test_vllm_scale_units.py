@@ -132,13 +132,13 @@ def _feature(identifier: str | None, offset: int, length: int, modality: str | N
 
 def test_vllm_multimodal_features_key_the_chain_and_incomplete_identity_bypasses():
     pytest.importorskip("vllm")
-    from spoolctl.connector.connector import SpoolConnector, _Bypass
+    from spoolctl.connector.lookup import Bypass, mm_spans
 
     tokens = list(range(3, 3 + 200))
     root = chain_root("vllm-v1-ns", None)
 
     def keys(features):
-        spans = SpoolConnector._mm_spans(_vllm_request("r", tokens, features))
+        spans = mm_spans(_vllm_request("r", tokens, features))
         return chunk_keys(root, tokens, 64, spans)
 
     img_a, img_b = keys([_feature("a" * 64, 80, 30)]), keys([_feature("b" * 64, 80, 30)])
@@ -155,8 +155,8 @@ def test_vllm_multimodal_features_key_the_chain_and_incomplete_identity_bypasses
     for incomplete in (_feature("", 80, 30), _feature(None, 80, 30),
                        _feature("a" * 64, 80, 30, modality=""),
                        _feature("renderer0-mm-7-image-0", 80, 30)):
-        with pytest.raises(_Bypass):
-            SpoolConnector._mm_spans(_vllm_request("r", tokens, [incomplete]))
+        with pytest.raises(Bypass):
+            mm_spans(_vllm_request("r", tokens, [incomplete]))
 
 
 def test_group_semantics_supported_and_fail_closed():
@@ -280,7 +280,7 @@ def test_vllm_classifies_the_spec_kinds_the_connector_relies_on():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from spoolctl.connector.connector import _group_infos
+    from spoolctl.connector.introspect import group_infos
 
     class Group:
         def __init__(self, names, spec):
@@ -293,7 +293,7 @@ def test_vllm_classifies_the_spec_kinds_the_connector_relies_on():
             Group(["b"], SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32,
                                            dtype=torch.float32, sliding_window=16))]
 
-    infos = _group_infos(Config(), 32)
+    infos = group_infos(Config(), 32)
     assert [(g.kind, g.sliding_window) for g in infos] == [("full_attention", 16),
                                                            ("sliding_window", 16)]
 
@@ -337,16 +337,15 @@ def test_connector_startup_per_group_layout(tmp_path: Path):
 
     from spoolctl import metrics as m
     from spoolctl.connector.connector import SpoolConnector
-    from spoolctl.connector.plan import GroupedPlanner, Planner
 
     common = {"block_size": 32, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
     full, slide = FullAttentionSpec(**common), SlidingWindowSpec(**common, sliding_window=32)
     assert supports_hma(SpoolConnector)
     single = _scheduler_connector([full], tmp_path)
     hybrid = _scheduler_connector([slide, full], tmp_path)
-    assert isinstance(single._planner, Planner) and not single._grouped
-    assert isinstance(hybrid._planner, GroupedPlanner) and hybrid._grouped
-    assert [(g.name, g.stored_blocks) for g in hybrid._layouts] == [("g0", 1), ("g1", 2)]
+    assert single.format.name == "single" and not single.format.load_async
+    assert hybrid.format.name == "grouped" and hybrid.format.load_async
+    assert [(g.name, g.stored_blocks) for g in hybrid.format.layouts] == [("g0", 1), ("g1", 2)]
     assert single.namespace != hybrid.namespace
 
     local = ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
