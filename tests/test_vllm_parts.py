@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from vllm_configs import vllm_configs
 
 from spoolctl import metrics as m
 from spoolctl.connector.inventory import InventoryReport, RankInventory, key_bytes
@@ -183,39 +183,21 @@ def test_open_stores_are_shared_and_closed_by_their_last_user(tmp_path: Path):
     stores.release(again)
 
 
-def _vllm_config(tmp_path: Path) -> tuple[SimpleNamespace, SimpleNamespace]:
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    tcfg = SimpleNamespace(
-        kv_connector_extra_config={"spoolctl_root": str(_root(tmp_path, "spool")),
-                                   "spoolctl_chunk_tokens": 64, "spoolctl_scrub_rate": "0"},
-        kv_load_failure_policy="recompute")
-    vcfg = SimpleNamespace(
-        kv_transfer_config=tcfg,
-        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
-        model_config=SimpleNamespace(model="/m", revision=None, dtype="float32",
-                                     multimodal_config=None),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                        decode_context_parallel_size=1))
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    kcfg = SimpleNamespace(num_blocks=8, kv_cache_groups=[
-        SimpleNamespace(layer_names=["layers.0"], kv_cache_spec=spec)])
-    return vcfg, kcfg
-
-
 def test_scheduler_and_worker_of_one_process_share_the_rank_store_and_close_it(
         tmp_path: Path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from spoolctl.connector import SpoolConnector
     from spoolctl.connector.rankstores import OPEN_STORES
 
-    vcfg, kcfg = _vllm_config(tmp_path)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(str(_root(tmp_path, "spool")), [spec], num_blocks=8,
+                              spoolctl_scrub_rate="0")
     worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
-    worker.register_kv_caches({"layers.0": torch.zeros(8, 2, 32, 64)})
+    worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
     sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
     sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
     (root,) = worker.store_roots

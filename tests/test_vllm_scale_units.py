@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_configs import vllm_configs
 
 from spoolctl.connector.chain import MMSpan, chain_root, chunk_keys
 from spoolctl.connector.settings import parse_settings
@@ -300,26 +301,11 @@ def test_vllm_classifies_the_spec_kinds_the_connector_relies_on():
 
 def _scheduler_connector(groups: list, tmp_path: Path, **extra: str):
     """A scheduler-role SpoolConnector over hand-built vLLM configs and real vLLM specs."""
-    from types import SimpleNamespace
-
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from spoolctl.connector.connector import SpoolConnector
 
-    tcfg = SimpleNamespace(
-        kv_connector_extra_config={"spoolctl_root": str(tmp_path), "spoolctl_chunk_tokens": 64,
-                                   **extra},
-        kv_load_failure_policy="recompute")
-    vcfg = SimpleNamespace(
-        kv_transfer_config=tcfg,
-        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
-        model_config=SimpleNamespace(model="/m", revision=None, dtype="float32",
-                                     multimodal_config=None),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                        decode_context_parallel_size=1))
-    kcfg = SimpleNamespace(num_blocks=64, kv_cache_groups=[
-        SimpleNamespace(layer_names=[f"layer.{i}"], kv_cache_spec=spec)
-        for i, spec in enumerate(groups)])
+    vcfg, kcfg = vllm_configs(str(tmp_path), groups, **extra)
     return SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
 
 
