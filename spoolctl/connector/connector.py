@@ -53,7 +53,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .contract import check_contract
 from .formats import KVFormat, format_for
-from .introspect import probe
+from .introspect import num_blocks, probe
 from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
 from .rankstores import OPEN_STORES
 from .scheduler import SchedulerSide
@@ -82,7 +82,8 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(deployment, self.format, self._counters,
                                             OPEN_STORES)
         else:
-            self._worker = WorkerSide(deployment, self.format, self._counters, OPEN_STORES)
+            self._worker = WorkerSide(deployment, self.format.copier(self._counters),
+                                      self._counters, OPEN_STORES)
         self._side: SchedulerSide | WorkerSide = self._scheduler or self.worker
         log.info("spoolctl connector (%s) ready: chunk %d tokens, namespace %s",
                  role.name.lower(), deployment.chunk_tokens, self._namespace)
@@ -142,7 +143,7 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self.worker.register_kv_caches(kv_caches)
+        self.worker.register_kv_caches(kv_caches, num_blocks(self._kv_cache_config))
 
     def get_handshake_metadata(self) -> SpoolHandshake | None:
         return self.worker.handshake()

@@ -46,7 +46,6 @@ class Deployment:
     mm_unhashed: bool
     # This rank's identity (the scheduler's is rank 0's); its namespace keys its entries.
     identity: DeploymentIdentity
-    num_blocks: int | None
 
     @property
     def chunk_tokens(self) -> int:
@@ -106,8 +105,13 @@ def probe(vllm_config: Any, kv_cache_config: Any, *, scheduler: bool) -> Deploym
         group_format=[g.to_json() for g in layouts] if layouts else None)
     return Deployment(settings=settings, block_size=block_size, groups=tuple(groups),
                       layouts=tuple(layouts), enabled=enabled, mm_unhashed=mm_unhashed,
-                      identity=identity,
-                      num_blocks=getattr(kv_cache_config, "num_blocks", None))
+                      identity=identity)
+
+
+def num_blocks(kv_cache_config: Any) -> int | None:
+    """Blocks per KV tensor, read when vLLM registers its tensors (the config it handed the
+    connector at construction is completed in between)."""
+    return getattr(kv_cache_config, "num_blocks", None)
 
 
 def media_unhashed(vllm_config: Any) -> bool:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from spoolctl.store import Store
 from spoolctl.store.errors import ConfigError
 
-from .formats import KVFormat
+from .formats import Copier
 from .introspect import Deployment, host_identity
 from .lookup import KIND
 from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
@@ -55,11 +55,11 @@ READ_THREADS = 4
 class WorkerSide:
     """See the module docstring. vLLM calls into it from one thread (the engine loop)."""
 
-    def __init__(self, deployment: Deployment, fmt: KVFormat, counters: ConnectorCounters,
+    def __init__(self, deployment: Deployment, copier: Copier, counters: ConnectorCounters,
                  stores: OpenStores):
-        self._dep = deployment
-        self._counters = counters
-        self._stores = stores
+        """``copier``: the format's worker half, bound at ``register_kv_caches``."""
+        self._dep, self._copier = deployment, copier
+        self._counters, self._stores = counters, stores
         self._place = deployment.place
         counters.part = str(self._place.rank)
         self._namespace = deployment.identity.namespace
@@ -67,7 +67,6 @@ class WorkerSide:
         self._store: Store | None = stores.acquire(
             deployment.rank_root(self._place), create=True,
             max_bytes=deployment.settings.max_bytes)
-        self._copier = fmt.copier(counters)
         self._pool: ThreadPoolExecutor | None = None
         self._pipeline: RestorePipeline | None = None
         self._stager: ChunkStager | None = None
@@ -77,7 +76,8 @@ class WorkerSide:
 
     # -- startup -------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                           num_blocks: int | None) -> None:
         from .capture import ChunkStager, rank_commit
         from .holdings import RankHoldings
         from .restore import RestorePipeline
@@ -88,7 +88,7 @@ class WorkerSide:
             return
         settings = self._dep.settings
         try:
-            self._copier.bind(kv_caches, self._dep.num_blocks)
+            self._copier.bind(kv_caches, num_blocks)
         except ConfigError as exc:
             if settings.on_unsupported != "disable":
                 raise
