@@ -22,6 +22,8 @@ from .stats import ConnectorCounters
 log = logging.getLogger("spoolctl.connector")
 
 GAUGE_REFRESH_S = 15.0
+# The store gauges the connector exports from `Store.facts()` (the rest are per-host CLI gauges).
+_STORE_GAUGES = (m.STORE_BYTES, m.STORE_MAX_BYTES, m.QUARANTINED_BYTES)
 # Maintainer snapshot counters -> connector counters.
 _MAINTAINER_TOTALS = (("scrubbed_bytes", m.SCRUBBED_BYTES),
                       ("scrubbed_entries", m.SCRUBBED_ENTRIES),
@@ -75,10 +77,10 @@ class WorkerTelemetry:
 
         def refresh() -> None:
             try:
-                counters.set_gauge(m.STORE_BYTES, store.totals().bytes)
-                counters.set_gauge(m.STORE_MAX_BYTES, store.max_bytes or 0)
-                counters.set_gauge(m.QUARANTINED_BYTES,
-                                   sum(i.bytes for i in store.quarantine_items()))
+                # the same snapshot `spoolctl status` and `metrics` read (one set of facts)
+                for sample in m.store_gauges(store.facts()):
+                    if sample.spec in _STORE_GAUGES:
+                        counters.set_gauge(sample.spec, sample.value)
             except Exception as exc:  # metrics are best effort
                 log.debug("spoolctl: gauge refresh failed: %s", exc)
 
