@@ -36,6 +36,8 @@ EXPECTED: Mapping[str, tuple[str, ...]] = {
     "get_required_kvcache_layout": ("vllm_config",),
     "shutdown": (),
     "reset_cache": (),
+    "take_events": (),
+    "has_pending_push_work": (),
 }
 
 
