@@ -107,9 +107,9 @@ def check_layouts(torch, device, small: bool, work: Path) -> list[dict]:
                 src = {n: view_declared(src_raw, d, ratio) for n, d in decls.items()}
                 dst = {n: view_declared(dst_raw, d, ratio) for n, d in decls.items()}
                 a = PagedKV(src, num_blocks=num_blocks, blocks_per_chunk=per_chunk,
-                            declared=decls)
+                            declared=decls, asynchronous=True)
                 b = PagedKV(dst, num_blocks=num_blocks, blocks_per_chunk=per_chunk,
-                            declared=decls)
+                            declared=decls, asynchronous=True)
                 ids = rng.sample(range(num_blocks), 2 * per_chunk)
                 src_ids, dst_ids = ids[:per_chunk], ids[per_chunk:]
                 # Reference: plain tensor indexing on the device, on a copy of dst.
@@ -168,7 +168,8 @@ def check_copies(torch, device, small: bool, repeat: int) -> dict:
                                   dtype="bfloat16")
     raw = torch.randint(-128, 127, (nbytes,), dtype=torch.int8, device=device)
     kv = PagedKV({n: view_declared(raw, d) for n, d in decls.items()},
-                 num_blocks=num_blocks, blocks_per_chunk=per_chunk, declared=decls)
+                 num_blocks=num_blocks, blocks_per_chunk=per_chunk, declared=decls,
+                 asynchronous=True)
     chunk = kv.chunk_bytes
     scattered = random.Random(1).sample(range(num_blocks), per_chunk)
     consecutive = list(range(5, 5 + per_chunk))

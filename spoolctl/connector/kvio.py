@@ -103,7 +103,8 @@ class CopyEngine:
             self.stream.wait_event(ready)
             for dst, src in jobs:
                 dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            # blocking: a thread waiting for it (the commit thread) sleeps instead of spinning
+            done = torch.cuda.Event(blocking=True)
             done.record(self.stream)
         handle = CopyHandle(done, self.device)
         if order_compute:
@@ -129,11 +130,15 @@ class PagedKV:
     ``declared``: vLLM's declaration per layer (``layouts.declarations``); every tensor is
     proven against it, and a layer without one must be an alias (KV sharing) of a declared
     layer's tensor. ``engine`` runs the copies (default: one for the tensors' device).
+    ``asynchronous``: capture/restore return as soon as the copies are queued (the caller
+    owns the handles: ``wait`` before reading a captured buffer, ``put(buf, after=h)`` for
+    a restored one); otherwise each call returns once its copies finished, which is what a
+    caller that ignores the handles needs on a device.
     """
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int | None,
                  blocks_per_chunk: int, declared: Mapping[str, LayerDecl] | None = None,
-                 engine: CopyEngine | None = None):
+                 engine: CopyEngine | None = None, asynchronous: bool = False):
         if not kv_caches:
             raise ConfigError("vLLM registered no KV cache tensors", fix="report this as a bug")
         if blocks_per_chunk <= 0:
@@ -160,6 +165,7 @@ class PagedKV:
         self.layout_digest = hash_bytes(
             json.dumps(self.layout_json, sort_keys=True, separators=(",", ":")).encode())
         self.engine = engine if engine is not None else CopyEngine(self.device)
+        self.asynchronous = asynchronous
 
     @staticmethod
     def _geometry(name: str, t: torch.Tensor, kv_caches: Mapping[str, torch.Tensor],
@@ -213,13 +219,13 @@ class PagedKV:
                 order_compute: bool = True) -> CopyHandle:
         """Copy the blocks ``block_ids`` of every layer into ``out`` (uint8, chunk_bytes).
 
-        Read ``out`` only after ``handle.wait()`` (immediately true on CPU).
+        Asynchronous: read ``out`` only after ``handle.wait()`` (at once on CPU).
         """
         if len(block_ids) != self.blocks_per_chunk or out.numel() != self.chunk_bytes:
             raise ValueError("capture needs one whole chunk")
         jobs = [(out[d:d + n], self._flat[li][s:s + n])
                 for li, s, d, n in self._plan(block_ids)]
-        return self.engine.run(jobs, order_compute=order_compute)
+        return self._finish(self.engine.run(jobs, order_compute=order_compute))
 
     def restore(self, src: torch.Tensor, block_ids: Sequence[int], skip: int = 0, *,
                 skip_null: bool = False, order_compute: bool = True) -> CopyHandle:
@@ -228,13 +234,19 @@ class PagedKV:
         ``skip_null``: positions holding block id 0 (vLLM's null block, shared by every
         request) are left alone. The compute stream is ordered after the copy unless
         ``order_compute=False`` (then call ``handle.order_before_compute()`` before the
-        forward that reads these blocks). Reuse ``src`` only once ``handle.done()``.
+        forward that reads these blocks). Asynchronous: reuse ``src`` only once
+        ``handle.done()`` (``BufferPool.put(src, after=handle)``).
         """
         if len(block_ids) != self.blocks_per_chunk or src.numel() != self.chunk_bytes:
             raise ValueError("restore needs one whole chunk")
         jobs = [(self._flat[li][s:s + n], src[d:d + n])
                 for li, s, d, n in self._plan(block_ids, first=skip, skip_null=skip_null)]
-        return self.engine.run(jobs, order_compute=order_compute)
+        return self._finish(self.engine.run(jobs, order_compute=order_compute))
+
+    def _finish(self, handle: CopyHandle) -> CopyHandle:
+        if not self.asynchronous:
+            handle.wait()
+        return handle
 
 
 def _append(plan: list[tuple[int, int, int, int]], li: int, s: int, d: int, n: int) -> None:
