@@ -196,7 +196,7 @@ class PagedKV:
         for b in block_ids:
             if not 0 <= b < self.num_blocks:  # a flat byte view would not catch it
                 raise ValueError(f"block id {b} outside 0..{self.num_blocks - 1}")
-        runs = [(j, start, n) for j, start, n in _runs(block_ids, skip_null=skip_null)]
+        runs = _runs(block_ids, skip_null=skip_null)
         plan: list[tuple[int, int, int, int]] = []
         for li, (g, off) in enumerate(zip(self.layers, self._offsets, strict=True)):
             page = g.page_bytes
