@@ -81,7 +81,7 @@ def test_block_ids_outside_the_cache_are_refused_before_any_byte_moves():
         with pytest.raises(ValueError, match="outside"):
             kv.restore(buf, ids)
     assert torch.equal(raw, before) and not buf.any()
-    with pytest.raises(ValueError, match="whole chunk"):
+    with pytest.raises(ValueError, match="a chunk is 2 blocks"):
         kv.capture([1, 2, 3], buf)
 
 

@@ -76,6 +76,12 @@ class CopyHandle:
 DONE = CopyHandle()
 
 
+def last(handles: Sequence[CopyHandle]) -> CopyHandle:
+    """The handle that completes a batch issued on one ``CopyEngine``: its stream runs
+    copies in order, so the last one finishing means every earlier one did."""
+    return handles[-1] if handles else DONE
+
+
 class CopyEngine:
     """Runs byte-range copies for one device (see the module docstring for the ordering)."""
 
@@ -189,13 +195,20 @@ class PagedKV:
 
     # -- copy plans ---------------------------------------------------------------------------
 
+    def check(self, block_ids: Sequence[int]) -> None:
+        """ValueError unless ``block_ids`` is one chunk of ids inside the cache (checked
+        before any copy is issued: a flat byte view would not catch a bad id)."""
+        if len(block_ids) != self.blocks_per_chunk:
+            raise ValueError(f"a chunk is {self.blocks_per_chunk} blocks, not {len(block_ids)}")
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} outside 0..{self.num_blocks - 1}")
+
     def _plan(self, block_ids: Sequence[int], *, first: int = 0, skip_null: bool = False
               ) -> list[tuple[int, int, int, int]]:
         """``(layer, kv byte offset, chunk byte offset, bytes)`` for positions ``first..``
         of ``block_ids``, coalesced into the fewest contiguous ranges."""
-        for b in block_ids:
-            if not 0 <= b < self.num_blocks:  # a flat byte view would not catch it
-                raise ValueError(f"block id {b} outside 0..{self.num_blocks - 1}")
+        self.check(block_ids)
         runs = _runs(block_ids, skip_null=skip_null)
         plan: list[tuple[int, int, int, int]] = []
         for li, (g, off) in enumerate(zip(self.layers, self._offsets, strict=True)):
@@ -221,7 +234,7 @@ class PagedKV:
 
         Asynchronous: read ``out`` only after ``handle.wait()`` (at once on CPU).
         """
-        if len(block_ids) != self.blocks_per_chunk or out.numel() != self.chunk_bytes:
+        if out.numel() != self.chunk_bytes:
             raise ValueError("capture needs one whole chunk")
         jobs = [(out[d:d + n], self._flat[li][s:s + n])
                 for li, s, d, n in self._plan(block_ids)]
@@ -237,7 +250,7 @@ class PagedKV:
         forward that reads these blocks). Asynchronous: reuse ``src`` only once
         ``handle.done()`` (``BufferPool.put(src, after=handle)``).
         """
-        if len(block_ids) != self.blocks_per_chunk or src.numel() != self.chunk_bytes:
+        if src.numel() != self.chunk_bytes:
             raise ValueError("restore needs one whole chunk")
         jobs = [(self._flat[li][s:s + n], src[d:d + n])
                 for li, s, d, n in self._plan(block_ids, first=skip, skip_null=skip_null)]
