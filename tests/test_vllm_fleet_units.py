@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -425,3 +427,13 @@ def test_stores_carry_their_block_hashes_and_idle_steps_end(tmp_path: Path):
     now[0] += IDLE_LIMIT_S
     assert not sched.has_pending_push_work()  # never longer than the limit after activity
     sched.shutdown()
+
+
+def test_the_fleet_parts_import_without_vllm_or_torch():
+    code = ("import sys, spoolctl.connector.events, spoolctl.connector.admission, "
+            "spoolctl.connector.host_budget, spoolctl.connector.coordinator, "
+            "spoolctl.connector.inventory, spoolctl.connector.holdings;"
+            "print('vllm' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "False"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spoolctl import metrics as m
 from spoolctl.store.errors import SpoolError
@@ -41,8 +41,10 @@ from .events import ChunkHashes, EventLedger, HashBook, chunk_hashes
 from .host_budget import RankSite, shares
 from .inventory import Applied, key_bytes
 from .lookup import KIND, RankLookup
-from .messages import SpoolConnectorMetadata
 from .stats import ConnectorCounters
+
+if TYPE_CHECKING:
+    from .messages import SpoolConnectorMetadata
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -243,11 +245,3 @@ class Coordinator:
                 self._slept_at = self._clock()
             return True
         return False
-
-    def state(self) -> dict[str, Any]:
-        """Diagnostics: what is announced, admitted and shared."""
-        ledger = self._ledger
-        return {"events": ledger is not None,
-                "announced": ledger.advertised if ledger is not None else 0,
-                "unresolved": ledger.unresolved if ledger is not None else 0,
-                "admission_tracked": len(self._admission), "shares": dict(self._shares)}

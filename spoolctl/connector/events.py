@@ -35,7 +35,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .inventory import Applied
 
@@ -149,17 +149,14 @@ class Removed:
     hashes: ChunkHashes
 
 
-class QuorumView:
+class QuorumView(Protocol):
     """What the ledger asks of the inventory view (``inventory.InventoryView``)."""
 
-    def has_all(self, key: bytes) -> bool:  # pragma: no cover - protocol
-        raise NotImplementedError
+    def has_all(self, key: bytes) -> bool: ...
 
-    def holds(self, rank: int, key: bytes) -> bool:  # pragma: no cover - protocol
-        raise NotImplementedError
+    def holds(self, rank: int, key: bytes) -> bool: ...
 
-    def settled(self, rank: int) -> bool:  # pragma: no cover - protocol
-        raise NotImplementedError
+    def settled(self, rank: int) -> bool: ...
 
 
 # Resolves chunk keys to their hashes from the stores (manifest index); returns what it found.

@@ -199,11 +199,6 @@ class SchedulerSide:
     def inventory_state(self) -> dict:
         return self._ranks.state()
 
-    @property
-    def coordination_state(self) -> dict:
-        """KV events announced, admission table size, host budget shares."""
-        return self._coord.state()
-
     def shutdown(self) -> None:
         """Let go of the rank stores read here (closed with their last user)."""
         for store in self._ranks.stop_reading_locally():
