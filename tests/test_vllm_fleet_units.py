@@ -118,7 +118,8 @@ def test_a_chunk_is_announced_once_every_rank_holds_it_and_withdrawn_when_one_dr
 
     r1.withdraw(k(1))
     ledger.applied([view.apply(r1.report(16))])
-    assert ledger.take(view, lambda keys: {}) == [Removed(k(1), c1)]
+    # A removal names the chunk's blocks (a router needs no parent to forget them).
+    assert ledger.take(view, lambda keys: {}) == [Removed(k(1), ChunkHashes(None, c1.blocks))]
     assert ledger.advertised == 1 and not ledger.pending
 
 
@@ -163,7 +164,7 @@ def test_a_restated_rank_is_reconciled_once_settled():
     assert view.resync_requests() == {0: 1} and ledger.pending
     inv.resync()
     ledger.applied([view.apply(inv.report(16))])  # the restatement: k(1) is gone
-    assert ledger.take(view, lambda keys: {}) == [Removed(k(1), c1)]
+    assert ledger.take(view, lambda keys: {}) == [Removed(k(1), ChunkHashes(None, c1.blocks))]
 
 
 def test_parents_come_before_their_children():
@@ -172,6 +173,13 @@ def test_parents_come_before_their_children():
     assert [r.key for r in parents_first(recs)] == [k(0), k(1), k(2), k(3)]
     lone = Stored(k(9), ChunkHashes(h(100), (h(101),)))  # parent not announced here
     assert parents_first([lone]) == [lone]
+
+
+def test_announced_hashes_are_kept_packed_and_come_back_whole():
+    from spoolctl.connector.events import _pack, _unpack
+
+    for blocks in ((h(1), h(2)), (b"\x01" * 8, b"\x02" * 8), (b"\x03" * 8, h(4))):
+        assert _unpack(_pack(ChunkHashes(h(0), blocks))) == ChunkHashes(None, blocks)
 
 
 def test_announcements_are_bounded():

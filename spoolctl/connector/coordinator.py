@@ -111,11 +111,14 @@ class Coordinator:
         """A lookup found ``present`` among the request's chunks ``keys``."""
         self._active_at = self._clock()
         raw = [key_bytes(k) for k in keys]
+        ledger = self._ledger
         if self._per_chunk:
             found = chunk_hashes(getattr(request, "block_hashes", None) or (), len(raw),
                                  self._per_chunk)
-            for key, hashes in zip(raw, found, strict=True):
-                if hashes is not None:
+            for key, hashes, held in zip(raw, found, present, strict=True):
+                # Needed for a chunk about to be stored, or one to announce on this hit.
+                if hashes is not None and (not held or (ledger is not None
+                                                        and not ledger.is_advertised(key))):
                     self._book.note(key, hashes)
         self._admission.sighted(req_id, (k for k, p in zip(raw, present, strict=True)
                                          if not p))

@@ -41,11 +41,14 @@ from .inventory import Applied
 
 # The manifest index field holding a chunk's vLLM block hashes.
 INDEX_FIELD = "vllm_block_hashes"
-# Chunks whose hashes are remembered between a lookup and the chunk's commit on every rank.
-HASHBOOK_ENTRIES = 32768
-# Chunks announced at most (memory bound: ~0.6 KiB each with 16 blocks per chunk). Beyond it
-# chunks are simply not announced: a router then routes as if they were not on disk.
-MAX_ADVERTISED = 1 << 18
+# Chunks whose hashes are remembered between a lookup and the chunk's commit on every rank
+# (~1.2 KiB each with 16 blocks of sha256 per chunk; a chunk forgotten here is resolved from
+# its manifest instead).
+HASHBOOK_ENTRIES = 8192
+# Chunks announced at most: their block hashes are kept (packed, ~0.7 KiB each with 16 blocks
+# of sha256) to withdraw them later. Beyond it chunks are simply not announced: a router then
+# routes as if they were not on disk.
+MAX_ADVERTISED = 1 << 16
 _MAX_HASH_BYTES = 64
 _HEX = re.compile(r"^[0-9a-f]{2,128}$")
 
@@ -176,7 +179,7 @@ class EventLedger:
     def __init__(self, book: HashBook, *, max_advertised: int = MAX_ADVERTISED):
         self._book = book
         self._max = max_advertised
-        self._advertised: dict[bytes, ChunkHashes] = {}
+        self._advertised: dict[bytes, bytes] = {}  # key -> packed block hashes
         self._candidates: dict[bytes, None] = {}  # insertion-ordered set
         self._removed: dict[bytes, None] = {}
         self._reconcile: set[int] = set()  # ranks to compare with once they are settled
@@ -225,11 +228,11 @@ class EventLedger:
         removed, self._removed = self._removed, {}
         for key in removed:
             if key in self._advertised and not view.has_all(key):
-                out.append(Removed(key, self._advertised.pop(key)))
+                out.append(Removed(key, _unpack(self._advertised.pop(key))))
         for rank in [r for r in self._reconcile if view.settled(r)]:
             self._reconcile.discard(rank)
             for key in [k for k in self._advertised if not view.holds(rank, k)]:
-                out.append(Removed(key, self._advertised.pop(key)))
+                out.append(Removed(key, _unpack(self._advertised.pop(key))))
         candidates, self._candidates = self._candidates, {}
         due = [k for k in candidates if k not in self._advertised and view.has_all(k)]
         known = {k: h for k in due if (h := self._book.get(k)) is not None}
@@ -245,9 +248,28 @@ class EventLedger:
             if len(self._advertised) >= self._max:
                 self.over_limit += 1
                 continue
-            self._advertised[key] = hashes
+            self._advertised[key] = _pack(hashes)
             stored.append(Stored(key, hashes))
         return out + parents_first(stored)
+
+
+def _pack(hashes: ChunkHashes) -> bytes:
+    """A chunk's block hashes in one bytes object (what a removal needs; no parent)."""
+    sizes = {len(b) for b in hashes.blocks}
+    if len(sizes) == 1:
+        return bytes([sizes.pop()]) + b"".join(hashes.blocks)
+    return b"\x00" + b"".join(bytes([len(b)]) + b for b in hashes.blocks)
+
+
+def _unpack(packed: bytes) -> ChunkHashes:
+    size, body = packed[0], packed[1:]
+    if size:
+        return ChunkHashes(None, tuple(body[i:i + size] for i in range(0, len(body), size)))
+    blocks, i = [], 0
+    while i < len(body):
+        blocks.append(body[i + 1:i + 1 + body[i]])
+        i += 1 + body[i]
+    return ChunkHashes(None, tuple(blocks))
 
 
 def parents_first(records: list[Stored]) -> list[Stored]:
