@@ -445,3 +445,26 @@ def test_the_fleet_parts_import_without_vllm_or_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_busy_rank_still_notices_deletions_behind_its_back(tmp_path: Path):
+    import time
+
+    root = Path(os.path.realpath(tmp_path)) / "rank-0000"
+    store = Store.open(root, create=True, max_bytes=1 << 30)
+    hold = RankHoldings(store, kind="vllm", namespace="ns0", rank=0, epoch=1, rescan_s=0.2)
+    try:
+        keys = [k(i).hex() for i in range(3)]
+        for key in keys:
+            store.put(kind="vllm", namespace="ns0", key=key, objects={"kv": b"x"})
+        hold.start()
+        assert hold.held_keys() == set(keys)
+        store.release(entry_id_for("vllm", "ns0", keys[0]))  # e.g. an operator's clean
+        deadline = time.monotonic() + 30
+        while keys[0] in hold.held_keys() and time.monotonic() < deadline:
+            hold.committed(keys[1])  # commits keep waking the thread
+            time.sleep(0.02)
+        assert hold.held_keys() == set(keys[1:])
+    finally:
+        hold.stop()
+        store.close()

@@ -169,14 +169,20 @@ class RankHoldings:
     # -- background thread (store I/O) --------------------------------------------------------
 
     def _run(self) -> None:
+        scanned = self._clock()
         while not self._stop.is_set():
-            woke = self._wake.wait(self.rescan_s)
+            self._wake.wait(max(0.0, scanned + self.rescan_s - self._clock()))
             self._wake.clear()
             if self._stop.is_set():
                 return
             steps = (self._apply_share, self._delete_acknowledged, self._drop_requested)
-            for step in (*steps, self._enforce_capacity) if woke \
-                    else (*steps, self.rescan, self._enforce_capacity):
+            # A rescan every rescan_s even when commits keep waking the thread (a busy store
+            # must still notice deletions made behind its back, e.g. ``spoolctl clean``).
+            due = self._clock() - scanned >= self.rescan_s
+            if due:
+                scanned = self._clock()
+            for step in (*steps, self.rescan, self._enforce_capacity) if due \
+                    else (*steps, self._enforce_capacity):
                 try:
                     step()
                 except BusyError:
