@@ -285,6 +285,17 @@ def test_host_budget_record_is_atomic_and_checked(tmp_path: Path):
     with pytest.raises(host_budget.HostBudgetError, match="not a host budget record"):
         host_budget.read(d)
     assert host_budget.forget(d) and not host_budget.forget(d)
+    os.mkfifo(d / host_budget.FILENAME)  # never blocks status
+    with pytest.raises(host_budget.HostBudgetError, match="not a regular file"):
+        host_budget.read(d)
+    host_budget.record(d, 9)  # the workers replace it
+    assert host_budget.read(d) == 9
+    host_budget.forget(d)
+    (d / host_budget.FILENAME).symlink_to(d / "elsewhere.json")
+    (d / "elsewhere.json").write_text(json.dumps({"schema": host_budget.SCHEMA, "max_bytes": 3}))
+    with pytest.raises(host_budget.HostBudgetError, match="symbolic link"):
+        host_budget.read(d)
+    host_budget.forget(d)
     link = d / "link"
     link.symlink_to(d)
     host_budget.record(link, 7)  # never written through a symlink
@@ -468,3 +479,30 @@ def test_a_busy_rank_still_notices_deletions_behind_its_back(tmp_path: Path):
     finally:
         hold.stop()
         store.close()
+
+
+def test_status_shows_the_host_total_against_the_host_budget(tmp_path: Path):
+    spoolctl = Path(sys.executable).with_name("spoolctl")
+    if not spoolctl.exists():
+        pytest.skip("the spoolctl console script is not installed next to this interpreter")
+    dep = Path(os.path.realpath(tmp_path)) / "spool" / "vllm-v1-deadbeef"
+    for rank in range(2):
+        with Store.open(dep / f"rank-{rank:04d}", create=True, max_bytes=1 << 20) as store:
+            store.put(kind="vllm", namespace=f"ns{rank}", key=k(0).hex(),
+                      objects={"kv": bytes(4096)})
+    env = {**os.environ, "COLUMNS": "200"}
+
+    def status(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(spoolctl), "status", "--root", str(dep), *args],
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    assert "host total" in status().stdout and "(no host budget)" in status().stdout
+    host_budget.record(dep, 2 << 20)
+    doc = json.loads(status("--json").stdout)
+    assert doc["host"]["max_bytes"] == 2 << 20
+    assert doc["host"]["bytes"] == sum(r["bytes"] for r in doc["ranks"])
+    assert "of 2.0 MiB host budget" in status().stdout
+    (dep / host_budget.FILENAME).write_text("[not json")
+    proc = status()
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert "host budget record unreadable" in proc.stdout

@@ -24,6 +24,7 @@ without a new process or lock shared between the ranks' processes:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from spoolctl.store.fsio import fsync_dir, read_small, write_tmp
+from spoolctl.store.fsio import fsync_dir, write_tmp
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -128,14 +129,28 @@ class HostBudgetError(ValueError):
 
 def read(deployment_dir: Path) -> int | None:
     """The host budget recorded in ``deployment_dir``, None when there is none.
-    ``HostBudgetError`` when the record is unreadable or malformed."""
+    ``HostBudgetError`` when the record is unreadable or malformed (never blocks on a FIFO,
+    never follows a symlink)."""
     path = deployment_dir / FILENAME
+    fix = "it is rewritten when the deployment's workers start (or delete it)"
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        data = read_small(path, 4096)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise HostBudgetError(f"cannot read {path}: {os.strerror(exc.errno or 0)}") from None
+        what = "is a symbolic link" if exc.errno == errno.ELOOP else \
+            f"cannot be read ({os.strerror(exc.errno or 0)})"
+        raise HostBudgetError(f"{path} {what}; {fix}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HostBudgetError(f"{path} is not a regular file; {fix}")
+        data = os.read(fd, 4097)
+    except OSError as exc:
+        raise HostBudgetError(f"{path} cannot be read ({os.strerror(exc.errno or 0)}); "
+                              f"{fix}") from None
+    finally:
+        os.close(fd)
     try:
         doc = json.loads(data) if len(data) <= 4096 else None
     except ValueError:
@@ -143,6 +158,5 @@ def read(deployment_dir: Path) -> int | None:
     budget = doc.get("max_bytes") if isinstance(doc, dict) and doc.get("schema") == SCHEMA \
         else None
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-        raise HostBudgetError(f"{path} is not a host budget record; it is rewritten when "
-                              "the deployment's workers start (or delete it)")
+        raise HostBudgetError(f"{path} is not a host budget record; {fix}")
     return budget
