@@ -506,3 +506,25 @@ def test_status_shows_the_host_total_against_the_host_budget(tmp_path: Path):
     proc = status()
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
     assert "host budget record unreadable" in proc.stdout
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"spoolctl_host_max_size": "lots"}, "invalid size"),
+    ({"spoolctl_admit_after": 0}, "spoolctl_admit_after must be at least 1"),
+    ({"spoolctl_admit_after": "2x"}, "spoolctl_admit_after must be an integer"),
+    ({"spoolctl_admit_window": "0"}, "spoolctl_admit_window must be positive"),
+    ({"spoolctl_admit_window": "soon"}, "invalid duration"),
+    ({"spoolctl_kv_events": "yes"}, "spoolctl_kv_events"),
+])
+def test_fleet_options_fail_startup_with_one_line(extra, needle):
+    from spoolctl.connector.settings import parse_settings
+    from spoolctl.store.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        parse_settings({"spoolctl_root": "/abs", **extra}, block_size=32)
+    assert needle in info.value.message and "\n" not in str(info.value)
+    ok = parse_settings({"spoolctl_root": "/abs", "spoolctl_host_max_size": "1GiB",
+                         "spoolctl_admit_after": 2, "spoolctl_admit_window": "10m"},
+                        block_size=32)
+    assert (ok.host_max_bytes, ok.admit_after, ok.admit_window, ok.kv_events) == \
+        (1 << 30, 2, 600.0, "on")
