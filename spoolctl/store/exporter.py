@@ -1,16 +1,17 @@
 """Export selected entries of the stores under a root as one streaming archive.
 
-The archive (``archive.py``) is written front to back to a sink without seeking and
-without holding more than one entry in memory (an entry's new objects up to
-``ENTRY_BUFFER`` bytes; a larger object is streamed). Every object is verified against
-its digest as it is read (the store's verified read), so an archive never carries bytes
-the store would not hand to a model. An entry that fails verification is quarantined by
-the store and left out; one deleted meanwhile (eviction, cleanup) is left out too. A
-streamed object that fails only at its end cannot be taken back: the export stops with a
-CorruptionError and no end record, which every import refuses as truncated.
+The archive (``archive.py``) is written front to back to a sink without seeking; memory is
+bounded by the read-ahead (``READ_AHEAD_BYTES``: the next entries are read and verified on
+helper threads while one is written; an entry over ``ENTRY_BUFFER`` is streamed). Every
+object is verified against its digest as it is read (the store's verified read), so an
+archive never carries bytes the store would not hand to a model. An entry that fails
+verification is quarantined by the store and left out; one deleted meanwhile (eviction,
+cleanup) is left out too. A streamed object that fails only at its end cannot be taken back:
+the export stops with a CorruptionError and no end record, which every import refuses as
+truncated.
 
-Only the store's public API is used (``Store.open/entries/manifest/read``), plus its
-layout to stream a large object from its file.
+Only the store's public API is used (``Store.open/entries/manifest/read``), plus its layout
+to stream a large object from its file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +50,10 @@ from .store import Store
 # written, so a corrupt entry is simply left out; larger objects are streamed.
 ENTRY_BUFFER = 64 << 20
 STREAM_CHUNK = 4 << 20
+# Entries read and verified ahead of the writer (by READERS threads), bounded in bytes.
+READERS = 2
+READ_AHEAD = 8
+READ_AHEAD_BYTES = 128 << 20
 
 Progress = Callable[[int, int], None]  # (archive bytes written, entries written)
 
@@ -144,8 +151,11 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
         writer.add(INDEX_NAME, index.to_bytes(), index.created)
         counts = {place: SectionCount(place) for place in opened}
         emitted: dict[str, set[str]] = {place: set() for place in opened}
-        for c in chosen.parts:
-            _emit_entry(opened[c.place], c, writer, counts[c.place], emitted[c.place], report)
+        pool = stack.enter_context(ThreadPoolExecutor(READERS,
+                                                      thread_name_prefix="spoolctl-export"))
+        for c, loaded in _read_ahead(opened, chosen.parts, pool):
+            _emit_entry(opened[c.place], c, loaded, writer, counts[c.place], emitted[c.place],
+                        report)
             if progress is not None:
                 progress(writer.offset, report.entries)
         writer.add(END_NAME, end_record(counts.values()), time.time())
@@ -158,44 +168,82 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
     return report
 
 
-def _emit_entry(store: Store, c: Candidate, writer: TarWriter, count: SectionCount,
-                emitted: set[str], report: ExportReport) -> None:
-    """Write one entry: its objects not yet in this store's section, then its manifest."""
+@dataclass
+class _Loaded:
+    """One entry read ahead by a worker: ``status`` ok, gone or corrupt; ``payloads`` holds
+    its objects verified in memory unless the entry is ``large`` (streamed instead)."""
+
+    status: str
+    manifest: Manifest | None = None
+    data: bytes = b""
+    payloads: dict[str, memoryview] = field(default_factory=dict)
+    large: bool = False
+
+
+def _load(store: Store, c: Candidate) -> _Loaded:
     try:
         manifest = store.manifest(c.entry_id)
+        unique = {ref.digest: ref for ref in manifest.objects}
+        if sum(r.size for r in unique.values()) > ENTRY_BUFFER:
+            return _Loaded("ok", manifest, encode(manifest), large=True)
+        payloads = {d: store.read(manifest, ref.name) for d, ref in unique.items()}
     except NotFoundError:
-        report.gone += 1
-        return
+        return _Loaded("gone")
     except CorruptionError:
-        report.corrupt += 1  # the store quarantined it
+        return _Loaded("corrupt")  # the store quarantined it
+    return _Loaded("ok", manifest, encode(manifest), payloads)
+
+
+def _read_ahead(opened: dict[str, Store], parts: list[Candidate],
+                pool: ThreadPoolExecutor) -> Iterator[tuple[Candidate, _Loaded]]:
+    """``_load`` every part on ``pool``, yielded in order, with a bounded read-ahead (the
+    next entry is read and verified while this one is written)."""
+    window: deque[tuple[Candidate, Future[_Loaded]]] = deque()
+    ahead_bytes = 0
+    it = iter(parts)
+    exhausted = False
+    while True:
+        while not exhausted and (not window or (len(window) < READ_AHEAD and
+                                                ahead_bytes < READ_AHEAD_BYTES)):
+            c = next(it, None)
+            if c is None:
+                exhausted = True
+                break
+            window.append((c, pool.submit(_load, opened[c.place], c)))
+            ahead_bytes += min(c.size, ENTRY_BUFFER)
+        if not window:
+            return
+        c, fut = window.popleft()
+        ahead_bytes -= min(c.size, ENTRY_BUFFER)
+        yield c, fut.result()
+
+
+def _emit_entry(store: Store, c: Candidate, loaded: _Loaded, writer: TarWriter,
+                count: SectionCount, emitted: set[str], report: ExportReport) -> None:
+    """Write one entry: its objects not yet in this store's section, then its manifest."""
+    if loaded.status != "ok" or loaded.manifest is None:
+        if loaded.status == "gone":
+            report.gone += 1
+        else:
+            report.corrupt += 1
         return
+    manifest = loaded.manifest
     new: dict[str, ObjectRef] = {}
     for ref in manifest.objects:
         if ref.digest not in emitted and ref.digest not in new:
             new[ref.digest] = ref
-    data = encode(manifest)
-    buffered: list[tuple[ObjectRef, memoryview]] = []
-    if sum(r.size for r in new.values()) <= ENTRY_BUFFER:
-        try:
-            buffered = [(ref, store.read(manifest, ref.name)) for ref in new.values()]
-        except NotFoundError:
-            report.gone += 1
-            return
-        except CorruptionError:
-            report.corrupt += 1
-            return
-        for ref, payload in buffered:
-            writer.add(object_member(c.place, ref.digest), payload, manifest.created)
-    else:
-        for ref in new.values():
-            _stream_object(store, manifest, ref, writer, c.place)
     for ref in new.values():
+        if loaded.large:
+            _stream_object(store, manifest, ref, writer, c.place)
+        else:
+            writer.add(object_member(c.place, ref.digest), loaded.payloads[ref.digest],
+                       manifest.created)
         emitted.add(ref.digest)
         count.objects += 1
         count.bytes += ref.size
-    writer.add(manifest_member(c.place, manifest.entry_id), data, manifest.created)
+    writer.add(manifest_member(c.place, manifest.entry_id), loaded.data, manifest.created)
     count.entries += 1
-    count.bytes += len(data)
+    count.bytes += len(loaded.data)
 
 
 def _stream_object(store: Store, manifest: Manifest, ref: ObjectRef, writer: TarWriter,

@@ -41,6 +41,7 @@ from .selection import resolve_deployments
 from .store import Store
 
 Progress = Callable[[int, int], None]  # (source bytes consumed, entries done)
+FLUSH_THREADS = 4
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Importer:
         self.progress = progress
         self._stack = contextlib.ExitStack()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="spoolctl-import-hash")
+        self._flusher = ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="spoolctl-import-sync")
         self.sections: dict[str, Section] = {}
         self.report = ImportReport(source="", target=str(self.layout.path))
         self._entries_done = 0
@@ -137,7 +139,8 @@ class Importer:
             store = self._stack.enter_context(
                 Store.open(dest, create=True, max_bytes=self.store_max_bytes
                            if tally.created else None))
-            self.sections[place] = Section(store, tally, self._pool, strict=strict, wants=wants)
+            self.sections[place] = Section(store, tally, self._pool, self._flusher,
+                                           strict=strict, wants=wants)
 
     def section(self, place: str) -> Section:
         sec = self.sections.get(place)
@@ -181,6 +184,7 @@ class Importer:
             self.report.seconds = time.perf_counter() - started
             self._stack.close()
             self._pool.shutdown(wait=True)
+            self._flusher.shutdown(wait=True)
         return self.report
 
     def from_archive(self, stream: BinaryIO, name: str = "-") -> ImportReport:

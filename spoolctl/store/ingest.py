@@ -17,14 +17,14 @@ import contextlib
 import os
 import stat
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from .digest import Hasher
 from .errors import ArchiveError, ManifestError
-from .fsio import ensure_real_dirs, io_error, tmp_name
+from .fsio import ensure_real_dirs, full_fsync, io_error, tmp_name
 from .manifest import decode, encode
 from .publish import StagedEntry, object_present, publish_entries
 from .store import LOW_WATERMARK, Store
@@ -34,6 +34,8 @@ BATCH_BYTES = 256 << 20
 BATCH_ENTRIES = 1024
 # Never fill a disk to the last byte: keep this much free (less on a tiny filesystem).
 DISK_RESERVE = 64 << 20
+# Staged objects whose flush to disk may be in flight at once (each holds a thread's fd).
+MAX_FLUSHING = 64
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -78,9 +80,10 @@ def _drain(source: Source) -> None:
 def stage_object(store: Store, source: Source, size: int, digest: str,
                  pool: ThreadPoolExecutor) -> Path:
     """Copy ``size`` bytes of ``source`` into a new file in the store's ``tmp/``, hashing
-    them on the way (hash + write of one chunk overlap the read of the next). Returns the
-    file if its digest is ``digest``; otherwise deletes it and raises DigestMismatch.
-    Not fsynced here: ``publish_entries`` flushes a batch at once."""
+    them on the way: chunk i is hashed on ``pool`` while this thread writes it and reads
+    chunk i+1. Returns the file if its digest is ``digest``; otherwise deletes it and
+    raises DigestMismatch. Not fsynced here (``Section`` flushes it on a helper thread
+    while the next objects are read)."""
     path = store.layout.tmp / tmp_name()
     try:
         ensure_real_dirs(store.root, store.layout.tmp)
@@ -89,14 +92,8 @@ def stage_object(store: Store, source: Source, size: int, digest: str,
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc
     hasher = Hasher()
-
-    def hash_write(view: memoryview) -> None:
-        hasher.update(view)
-        while view:
-            view = view[os.write(fd, view):]
-
-    bufs = [memoryview(bytearray(min(COPY_CHUNK, size))), memoryview(bytearray(
-        min(COPY_CHUNK, size)))] if size else []
+    n_buf = min(COPY_CHUNK, size)
+    bufs = [memoryview(bytearray(n_buf)), memoryview(bytearray(n_buf))] if size else []
     pending = None
     try:
         try:
@@ -111,17 +108,16 @@ def stage_object(store: Store, source: Source, size: int, digest: str,
                                            fix="the transfer was cut short; run it again")
                     got += n
                 if pending is not None:
-                    pending.result()
-                pending = pool.submit(hash_write, view)
+                    pending.result()  # the hasher takes chunks in order
+                pending = pool.submit(hasher.update, view)
+                rest = view
+                while rest:
+                    rest = rest[os.write(fd, rest):]
                 left -= got
                 i ^= 1
-            if pending is not None:
-                pending.result()
-                pending = None
         finally:
             if pending is not None:
-                with contextlib.suppress(BaseException):
-                    pending.result()
+                pending.result()
             os.close(fd)
     except OSError as exc:
         _unlink(path)
@@ -133,6 +129,18 @@ def stage_object(store: Store, source: Source, size: int, digest: str,
         _unlink(path)
         raise DigestMismatch(digest)
     return path
+
+
+def fsync_if_present(path: Path) -> None:
+    """Flush a staged file to disk (it may have been discarded meanwhile: then nothing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: Path) -> None:
@@ -152,12 +160,15 @@ def free_bytes(path: Path) -> int:
 class Section:
     """One target store receiving one store (place) of the source."""
 
-    def __init__(self, store: Store, tally: PlaceTally, pool: ThreadPoolExecutor, *,
+    def __init__(self, store: Store, tally: PlaceTally, pool: ThreadPoolExecutor,
+                 flusher: ThreadPoolExecutor, *,
                  strict: bool, wants: Callable[[Any], bool] | None = None,
                  skip_all: bool = False):
         self.store = store
         self.tally = tally
         self.pool = pool
+        self.flusher = flusher
+        self.flushing: list[Future[None]] = []
         self.strict = strict  # archive rules (an unexpected member is a defect)
         self.wants = wants
         self.skip_all = skip_all
@@ -219,6 +230,13 @@ class Section:
                                fix="the archive is damaged in transit or on disk; export "
                                    "it again") from None
         self.pending[digest] = (staged, size)
+        # Start its flush to disk now, overlapping the next reads; the batch waits for it.
+        self.flushing.append(self.flusher.submit(fsync_if_present, staged))
+        if len(self.flushing) > MAX_FLUSHING:
+            try:
+                self.flushing.pop(0).result()
+            except OSError as exc:
+                raise io_error(exc, "flushing an imported object", staged) from exc
 
     def abort_entry(self) -> None:
         """Forget the objects read since the last manifest (a peer entry that vanished)."""
@@ -301,8 +319,17 @@ class Section:
         """Publish the entries verified so far (one commit batch)."""
         batch, sizes = self.batch, self.batch_staged
         self.batch, self.batch_staged, self.batch_bytes = [], {}, 0
+        flushing, self.flushing = self.flushing, []
+        try:
+            for fut in flushing:
+                fut.result()
+        except OSError as exc:
+            for entry in batch:
+                for path in entry.staged.values():
+                    _unlink(path)
+            raise io_error(exc, "flushing imported objects", self.store.layout.tmp) from exc
         if batch:
-            outcomes = publish_entries(self.store, batch)
+            outcomes = publish_entries(self.store, batch, synced=True)
             for entry in batch:
                 outcome = outcomes.get(entry.manifest.entry_id)
                 if outcome == "published":
@@ -345,6 +372,7 @@ class SkipSection(Section):
         self.pending, self.pending_present, self.pending_dropped = {}, set(), set()
         self.batch, self.batch_staged, self.batch_bytes = [], {}, 0
         self.dropped = set()
+        self.flushing = []
 
     def refresh_room(self) -> None:
         return None

@@ -105,11 +105,13 @@ def _fsync_all(paths: Iterable[Path], pool: ThreadPoolExecutor) -> None:
         f.result()
 
 
-def publish_entries(store: Store, batch: list[StagedEntry]) -> dict[str, str]:
+def publish_entries(store: Store, batch: list[StagedEntry], *, synced: bool = False
+                    ) -> dict[str, str]:
     """Commit ``batch`` (manifest-last, crash-safe); return each entry id's outcome:
     ``published``, ``present`` (a committed entry of that id already existed: the staged
     copy is dropped) or ``vanished`` (an object it relies on is no longer in the store).
 
+    ``synced``: the caller already flushed every staged file to disk (step 1 is skipped).
     Staged files are consumed: moved into the store or deleted, also on error. Raises
     StoreIOError on a disk failure (entries whose manifest was not yet published stay
     invisible), BusyError if the maintenance lock cannot be taken.
@@ -118,7 +120,7 @@ def publish_entries(store: Store, batch: list[StagedEntry]) -> dict[str, str]:
     outcomes: dict[str, str] = {}
     try:
         if batch:
-            store._guarded(lambda: _publish_locked(store, batch, staged, outcomes))
+            store._guarded(lambda: _publish_locked(store, batch, staged, outcomes, synced))
     finally:
         for path in staged.values():  # whatever was not moved into objects/
             with contextlib.suppress(OSError):
@@ -127,7 +129,7 @@ def publish_entries(store: Store, batch: list[StagedEntry]) -> dict[str, str]:
 
 
 def _publish_locked(store: Store, batch: list[StagedEntry], staged: dict[str, Path],
-                    outcomes: dict[str, str]) -> None:
+                    outcomes: dict[str, str], synced: bool) -> None:
     with store._maintenance(exclusive=False, timeout=store.lock_timeout,
                             what="importing entries"), \
             ThreadPoolExecutor(FSYNC_WORKERS, thread_name_prefix="spoolctl-import") as pool:
@@ -147,7 +149,8 @@ def _publish_locked(store: Store, batch: list[StagedEntry], staged: dict[str, Pa
             return
         current = Path()
         try:
-            _fsync_all((staged[d] for d in sorted(needed)), pool)
+            if not synced:
+                _fsync_all((staged[d] for d in sorted(needed)), pool)
             store.checkpoint("import.objects_fsynced")
             dirs: set[Path] = set()
             for digest in sorted(needed):
