@@ -280,7 +280,8 @@ def test_large_objects_are_streamed_and_a_late_mismatch_stops_the_archive(base: 
     path.write_bytes(bytes(data))
     with open(base / "bad.tar", "wb") as f, pytest.raises(CorruptionError, match="incomplete"):
         exporter.export(a, FdSink(f.fileno()))
-    with open(base / "bad.tar", "rb") as f, pytest.raises(ArchiveError, match="does not match its digest"):
+    with open(base / "bad.tar", "rb") as f, \
+            pytest.raises(ArchiveError, match="does not match its digest"):
         Importer(base / "c").from_archive(f)
 
 

@@ -125,7 +125,7 @@ def test_reader_refuses_pax_headers_and_gnu_long_names():
     info = tarfile.TarInfo("objects/ab/" + "x" * 300)
     info.size = 1
     for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
-        with pytest.raises(ArchiveError, match="pax|GNU"):
+        with pytest.raises(ArchiveError, match=r"pax|GNU"):
             TarReader(io.BytesIO(_tar_with(info, b"x", fmt))).next()
 
 
@@ -261,7 +261,7 @@ def test_routing_sends_rank_stores_only_to_their_own_deployment(tmp_path: Path):
     assert fresh.route("") == base / "fresh"
     _mk(base / "b" / D2 / "rank-0000")
     serving = Target(inspect_root(base / "b"))
-    with pytest.raises(ConfigError, match="another deployment|never reads") as exc:
+    with pytest.raises(ConfigError, match=r"another deployment|never reads") as exc:
         serving.route(f"{D1}/rank-0000")
     assert "--deployment" in str(exc.value)
     assert Target(inspect_root(base / "b"), frozenset({D1})).route(f"{D1}/rank-0000") == \
