@@ -93,7 +93,8 @@ def _load_messages(path: Path, model: str) -> Any:
 @app.command("prefill")
 def prefill_cmd(
     model: Annotated[str | None, typer.Option(
-        "--model", help="Local model directory; with --server, the served model name "
+        "--model", metavar="<dir|name>",
+        help="Local model directory; with --server, the served model name "
         "(default: the server's only model).", show_default=False)] = None,
     backend: Annotated[str, typer.Option("--backend", help="pytorch or mlx.")] = "pytorch",
     server: Annotated[str | None, typer.Option(
@@ -107,7 +108,7 @@ def prefill_cmd(
     concurrency: Annotated[int, typer.Option(
         "--concurrency", min=1, max=256, help="--server: requests in flight at once.")] = 4,
     rate: Annotated[float | None, typer.Option(
-        "--rate", min=0.001, show_default=False,
+        "--rate", min=0.001, show_default=False, metavar="<requests/s>",
         help="--server: at most this many requests per second.")] = None,
     timeout: Annotated[float, typer.Option(
         "--timeout", min=0.1, help="--server: seconds to wait for one response.")] = 600.0,

@@ -55,10 +55,12 @@ class ExportHint(str, enum.Enum):
 
 
 KindOption = Annotated[list[str] | None, typer.Option(
-    "--kind", help="Only entries of this kind (vllm, pytorch, mlx, genai); repeatable.",
+    "--kind", metavar="<kind>",
+    help="Only entries of this kind (vllm, pytorch, mlx, genai); repeatable.",
     show_default=False)]
 NamespaceOption = Annotated[list[str] | None, typer.Option(
-    "--namespace", help="Only entries of this namespace; repeatable.", show_default=False)]
+    "--namespace", metavar="<namespace>",
+    help="Only entries of this namespace; repeatable.", show_default=False)]
 ProgressOption = Annotated[bool | None, typer.Option(
     "--progress/--no-progress", help="Progress on stderr (default: when stderr is a terminal).",
     show_default=False)]
@@ -167,17 +169,20 @@ def _archive_sink(output: str, force: bool):
 def export_cmd(
     root: RootOption = None,
     output: Annotated[str, typer.Option(
-        "--output", "-o", help="Archive file to write, or - for stdout.")] = "-",
+        "--output", "-o", metavar="<file|->",
+        help="Archive file to write, or - for stdout.")] = "-",
     kind: KindOption = None,
     namespace: NamespaceOption = None,
     deployment: Annotated[list[str] | None, typer.Option(
-        "--deployment", help="Only this vLLM deployment (its directory name or a unique "
+        "--deployment", metavar="<deployment>",
+        help="Only this vLLM deployment (its directory name or a unique "
         "prefix); repeatable.", show_default=False)] = None,
     hint: Annotated[ExportHint, typer.Option(
         "--hint", help="Entries with this hint: retain (live), release or any.")] =
         ExportHint.retain,
     max_size: Annotated[str | None, typer.Option(
-        "--max-size", help="At most this many bytes, most recently used entries first "
+        "--max-size", metavar="<size>",
+        help="At most this many bytes, most recently used entries first "
         "(e.g. 50GiB).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")]
         = False,
@@ -240,20 +245,24 @@ def export_cmd(
 @app.command("import")
 def import_cmd(
     source: Annotated[str, typer.Argument(
+        metavar="source",
         help="Archive file, - for stdin, or another store root (a peer's root mounted "
         "here, read only).", show_default=False)],
     root: RootOption = None,
     deployment: Annotated[list[str] | None, typer.Option(
-        "--deployment", help="Import only this vLLM deployment's chunks (directory name or "
+        "--deployment", metavar="<deployment>",
+        help="Import only this vLLM deployment's chunks (directory name or "
         "unique prefix), also into a root that serves other deployments; repeatable.",
         show_default=False)] = None,
     kind: KindOption = None,
     namespace: NamespaceOption = None,
     max_size: Annotated[str | None, typer.Option(
-        "--max-size", help="From a store root: at most this many bytes, newest first.",
+        "--max-size", metavar="<size>",
+        help="From a store root: at most this many bytes, newest first.",
         show_default=False)] = None,
     store_max_size: Annotated[str | None, typer.Option(
-        "--store-max-size", help="Max size recorded in stores the import creates.",
+        "--store-max-size", metavar="<size>",
+        help="Max size recorded in stores the import creates.",
         show_default=False)] = None,
     progress: ProgressOption = None,
     json_output: JsonOption = False,
