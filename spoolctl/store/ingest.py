@@ -30,8 +30,8 @@ from .publish import StagedEntry, object_present, publish_entries
 from .store import LOW_WATERMARK, Store
 
 COPY_CHUNK = 1 << 20
-BATCH_BYTES = 256 << 20
-BATCH_ENTRIES = 1024
+BATCH_BYTES = 512 << 20
+BATCH_ENTRIES = 4096
 # Never fill a disk to the last byte: keep this much free (less on a tiny filesystem).
 DISK_RESERVE = 64 << 20
 # Staged objects whose flush to disk may be in flight at once (each holds a thread's fd).

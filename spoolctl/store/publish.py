@@ -43,7 +43,7 @@ from .store import Store
 FILE_MODE = 0o600
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-FSYNC_WORKERS = 8
+FSYNC_WORKERS = 16
 # Crash-test points of this path (``SPOOLCTL_CRASH_AT``; see store/faults.py).
 CHECKPOINTS = ("import.objects_fsynced", "import.object_published", "import.intents",
                "import.manifest_published", "import.committed")
@@ -105,6 +105,13 @@ def _fsync_all(paths: Iterable[Path], pool: ThreadPoolExecutor) -> None:
         f.result()
 
 
+def _fsync_dirs(dirs: Iterable[Path], pool: ThreadPoolExecutor) -> None:
+    """Make the renames in ``dirs`` durable. Concurrently: the filesystem journal commits the
+    concurrent flushes together instead of one commit per directory."""
+    for f in [pool.submit(fsync_dir, d) for d in sorted(dirs)]:
+        f.result()
+
+
 def publish_entries(store: Store, batch: list[StagedEntry], *, synced: bool = False
                     ) -> dict[str, str]:
     """Commit ``batch`` (manifest-last, crash-safe); return each entry id's outcome:
@@ -160,8 +167,7 @@ def _publish_locked(store: Store, batch: list[StagedEntry], staged: dict[str, Pa
                 os.replace(staged.pop(digest), current)
                 dirs.add(current.parent)
                 store.checkpoint("import.object_published")
-            for d in sorted(dirs):
-                fsync_dir(d)
+            _fsync_dirs(dirs, pool)
         except OSError as exc:
             raise io_error(exc, "publishing imported objects", current) from exc
         _commit_manifests(store, todo, pool, outcomes)
@@ -190,8 +196,7 @@ def _commit_manifests(store: Store, todo: list[StagedEntry], pool: ThreadPoolExe
             published.add(entry.manifest.entry_id)
             dirs.add(current.parent)
             store.checkpoint("import.manifest_published")
-        for d in sorted(dirs):
-            fsync_dir(d)
+        _fsync_dirs(dirs, pool)
         for entry in todo:
             store.catalog.mark_committed(entry.manifest.entry_id, entry.manifest.supersedes)
             outcomes[entry.manifest.entry_id] = "published"
