@@ -208,6 +208,8 @@ def export_cmd(
     try:
         with _archive_sink(output, force) as fd, _Progress("export", show) as bar:
             report = export(source, FdSink(fd), selection, progress=bar)
+    except KeyboardInterrupt:
+        raise typer.Abort() from None  # one line, exit 2; a file output is not left behind
     except BrokenPipeError:
         with contextlib.suppress(OSError):  # no flush error on the dead pipe at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -306,6 +308,9 @@ def import_cmd(
             else:
                 with _archive_source(source) as stream:
                     report = importer.from_archive(stream, source)
+        except KeyboardInterrupt:
+            # Entries committed so far stay (each is complete); staged files were removed.
+            raise typer.Abort() from None
         except ArchiveError as exc:
             from .app import _one_line  # defined after the commands are registered
 
