@@ -3,7 +3,7 @@
 Each object is streamed from the source into the target store's ``tmp/`` while it is
 hashed; it is kept only if its bytes match its digest (its member name), its size matches
 what its manifest says, and that manifest validates (envelope digest, entry id). Verified
-entries are then published in batches by ``publish.publish_entries`` -- the store's
+entries are then published in batches by ``import_commit.publish_entries`` -- the store's
 commit protocol -- so an entry is visible complete or not at all, also after a crash.
 Objects the target already holds are not written again (the archive's copy is read and
 discarded); entries it already holds are skipped.

@@ -6,7 +6,7 @@ streams each object into the target store's ``tmp/`` while hashing it
 (``stage_object``), keeps it only if it matches its digest, checks the manifest that
 follows (validates, names exactly those objects, sizes agree, every other object it names
 is already here), applies the capacity rules (never above the low watermark, never a full
-disk, never evicting) and hands complete entries to ``publish.publish_entries`` in
+disk, never evicting) and hands complete entries to ``import_commit.publish_entries`` in
 batches. Rules for archives are strict (``ArchiveError`` on any defect); a peer's
 corrupt or vanished entry is skipped by the caller (``DigestMismatch``/``abort_entry``).
 """
@@ -25,8 +25,8 @@ from typing import Any, Protocol
 from .digest import Hasher
 from .errors import ArchiveError, ManifestError
 from .fsio import ensure_real_dirs, full_fsync, io_error, tmp_name
+from .import_commit import StagedEntry, object_present, publish_entries
 from .manifest import decode, encode
-from .publish import StagedEntry, object_present, publish_entries
 from .store import LOW_WATERMARK, Store
 
 COPY_CHUNK = 1 << 20
