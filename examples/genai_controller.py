@@ -28,8 +28,7 @@ from pathlib import Path
 from google import genai
 from google.genai import types
 
-from spoolctl.controllers.contract import CachePrepareParams, Element
-from spoolctl.controllers.genai import GoogleGenAICacheController
+from spoolctl.controllers import CachePrepareParams, Element, GoogleGenAICacheController
 from spoolctl.controllers.genai_records import format_expiry, genai_status
 
 MANUAL = " ".join(f"Section {i}: the pump must be primed before start-up, step {i}."

@@ -24,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from spoolctl.controllers import CachePrepareParams, Element
-from spoolctl.controllers.mlx import MlxCacheController
+from spoolctl.controllers import CachePrepareParams, Element, MlxCacheController
 
 DOC = " ".join(f"Clause {i}: the pump is primed before start-up, valve {i} stays shut."
                for i in range(40))

@@ -24,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from spoolctl.controllers import CachePrepareParams, Element
-from spoolctl.controllers.pytorch import PyTorchCacheController
+from spoolctl.controllers import CachePrepareParams, Element, PyTorchCacheController
 
 DOC = " ".join(f"Clause {i}: the pump is primed before start-up, valve {i} stays shut."
                for i in range(40))

@@ -42,9 +42,9 @@ CRASH_EXIT_CODE = 86  # spoolctl.store.faults.CRASH_EXIT_CODE (kept literal: chi
 
 COMMIT_POINTS = (
     "object.tmp_written", "object.fsynced", "object.published", "object.dir_fsynced",
-    "catalog.intent", "manifest.tmp_written", "manifest.published", "manifest.dir_fsynced",
-    "catalog.committed",
-)
+    "catalog.intent", "manifest.tmp_written", "manifest.fsynced", "manifest.published",
+    "manifest.dir_fsynced", "catalog.committed",
+)  # = spoolctl.store.faults.COMMIT_CHECKPOINTS
 # After these the manifest is durable: the entry must survive the crash.
 DURABLE_POINTS = ("manifest.published", "manifest.dir_fsynced", "catalog.committed")
 CLEAN_POINTS = ("clean.catalog_deleted", "clean.manifest_deleted", "clean.object_deleted")

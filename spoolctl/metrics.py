@@ -8,9 +8,9 @@ cannot leak one.
 
 Two groups:
 
-* Store gauges (``STORE_GAUGES``), computed from a store's catalog, quarantine
-  and scrub state by ``collect_store_gauges`` and rendered in the Prometheus
-  text format by ``render_store_metrics`` (used by ``spoolctl metrics``).
+* Store gauges (``STORE_GAUGES``), computed from one ``Store.facts()`` snapshot by
+  ``store_gauges`` (the same facts ``spoolctl status`` shows) and rendered in the
+  Prometheus text format by ``render_store_metrics`` (used by ``spoolctl metrics``).
 * Connector metrics (``CONNECTOR_METRICS``): counters/histograms the vLLM
   connector records in-process and exports through vLLM's own ``/metrics``.
   The connector imports the name constants from here; it must not invent its own.
@@ -20,13 +20,12 @@ Framework-free: only ``prometheus_client`` (a base dependency) and the store.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from spoolctl.store import Store
+    from spoolctl.store import Store, StoreFacts
 
 PREFIX = "spoolctl_"
 
@@ -163,49 +162,49 @@ class Sample:
     labels: tuple[tuple[str, str], ...] = ()
 
 
-def collect_store_gauges(store: Store, *, now: float | None = None) -> list[Sample]:
-    """Read the store's current gauges (catalog totals, quarantine, tmp, scrub state)."""
-    from spoolctl.store import QuarantineReason
-    from spoolctl.store.scrub import ScrubState
+def store_gauges(facts: StoreFacts) -> list[Sample]:
+    """Every store gauge from one facts snapshot (``Store.facts()``); pure.
 
-    del now  # gauges are point-in-time; kept for a stable signature
-    totals = store.totals()
-    max_bytes = store.max_bytes or 0
-    released_n, released_b = store.released()
-    items = store.quarantine_items()
-    tmp_files, tmp_bytes = store.tmp_usage()
+    The vLLM connector's store gauges (bytes, max bytes, quarantined bytes) are the same
+    samples, picked by spec."""
+    from spoolctl.store import QuarantineReason
+
+    max_bytes = facts.max_bytes or 0
     out = [
-        Sample(STORE_ENTRIES, totals.entries),
-        Sample(STORE_BYTES, totals.bytes),
+        Sample(STORE_ENTRIES, facts.totals.entries),
+        Sample(STORE_BYTES, facts.totals.bytes),
         Sample(STORE_MAX_BYTES, max_bytes),
-        Sample(STORE_USAGE_RATIO, totals.bytes / max_bytes if max_bytes else 0.0),
-        Sample(RELEASED_ENTRIES, released_n),
-        Sample(RELEASED_BYTES, released_b),
-        Sample(QUARANTINED_BYTES, sum(i.bytes for i in items)),
-        Sample(TMP_FILES, tmp_files),
-        Sample(TMP_BYTES, tmp_bytes),
-        Sample(OWNER_PRESENT, 1 if store.owner() is not None else 0),
+        Sample(STORE_USAGE_RATIO, facts.usage_ratio or 0.0),
+        Sample(RELEASED_ENTRIES, facts.released_entries),
+        Sample(RELEASED_BYTES, facts.released_bytes),
+        Sample(QUARANTINED_BYTES, facts.quarantine.bytes),
+        Sample(TMP_FILES, facts.tmp_files),
+        Sample(TMP_BYTES, facts.tmp_bytes),
+        Sample(OWNER_PRESENT, 1 if facts.owner is not None else 0),
     ]
-    by_kind = store.by_kind()
     for kind in sorted(LABEL_VALUES["kind"]):
-        slot = by_kind.get(kind, {"entries": 0, "bytes": 0})
+        slot = facts.by_kind.get(kind, {"entries": 0, "bytes": 0})
         out.append(Sample(KIND_ENTRIES, slot["entries"], (("kind", kind),)))
         out.append(Sample(KIND_BYTES, slot["bytes"], (("kind", kind),)))
     counts = {r.value: 0 for r in QuarantineReason}
-    for item in items:
-        counts[item.reason if item.reason in counts else "unknown"] += 1
+    for reason, n in facts.quarantine.by_reason.items():
+        counts[reason if reason in counts else "unknown"] += n
     for reason, n in sorted(counts.items()):
         out.append(Sample(QUARANTINED_ITEMS, n, (("reason", reason),)))
-    summary = ScrubState.summary_of(store)
-    last = summary.last_cycle
+    last, current = facts.scrub.last_cycle, facts.scrub.current_cycle
     out.append(Sample(SCRUB_LAST_COMPLETED, last.finished if last and last.finished else 0))
     out.append(Sample(SCRUB_LAST_CHECKED, last.checked if last else 0))
     out.append(Sample(SCRUB_LAST_QUARANTINED, last.quarantined if last else 0))
-    current = summary.current_cycle
-    out.append(Sample(SCRUB_PROGRESS, current.progress(totals.entries) if current else 0.0))
+    out.append(Sample(SCRUB_PROGRESS,
+                      current.progress(facts.totals.entries) if current else 0.0))
     for sample in out:
         check_labels(sample.spec, dict(sample.labels))
     return out
+
+
+def collect_store_gauges(store: Store) -> list[Sample]:
+    """Read the store's current gauges (one ``Store.facts()`` snapshot)."""
+    return store_gauges(store.facts())
 
 
 def render_samples(samples: list[Sample]) -> str:
@@ -233,4 +232,4 @@ def render_samples(samples: list[Sample]) -> str:
 
 def render_store_metrics(store: Store) -> str:
     """The store's gauges in Prometheus text format (for ``spoolctl metrics``)."""
-    return render_samples(collect_store_gauges(store, now=time.time()))
+    return render_samples(collect_store_gauges(store))

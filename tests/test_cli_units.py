@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from spoolctl.cli import render
 from spoolctl.cli.app import app
 from spoolctl.cli.scrub_cmds import parse_rate_option
 from spoolctl.cli.vllm_config import kv_transfer_config
+from spoolctl.controllers.genai_records import expires_in
 from spoolctl.store import ConfigError, Store
 
 runner = CliRunner()
@@ -24,9 +26,9 @@ def test_rel_time_and_expiry() -> None:
     assert render.rel_time(now - 7200, now) == "2h ago"
     assert render.rel_time(now + 3 * 86400 + 5, now) == "in 3d"
     assert render.rel_time(None) == "never"
-    assert render.expires_in({"expire_time": now + 90}, now) == 90
-    assert render.expires_in({"expire_time": "soon"}, now) is None
-    assert render.expires_in({}, now) is None
+    assert expires_in({"expire_time": now + 90}, now) == 90
+    assert expires_in({"expire_time": "soon"}, now) is None
+    assert expires_in({}, now) is None
     assert render.expiry_text(-1) == "expired"
 
 
@@ -77,3 +79,56 @@ def test_status_json_in_process(store_root: Path) -> None:
     assert doc["released"]["entries"] == 1 and doc["max_bytes"] is None
     with Store.open(store_root) as store:
         assert time.time() - 60 < store.marker.created <= time.time()
+
+
+def test_root_resolves_to_one_store_or_the_rank_stores_of_a_deployment(tmp_path: Path) -> None:
+    from spoolctl.cli.targets import resolve_targets
+
+    base = Path(os.path.realpath(tmp_path))
+    single = resolve_targets(base / "store")  # not there yet: one store (open says why)
+    assert single.kind == "store" and [t.root for t in single.stores] == [base / "store"]
+    dep = base / "deployment"
+    for rank in (1, 0):
+        Store.open(dep / f"rank-{rank:04d}", create=True).close()
+    (dep / "rank-0002").symlink_to(dep / "rank-0000")  # never followed
+    (dep / "notes").mkdir()
+    targets = resolve_targets(dep)
+    assert targets.kind == "deployment"
+    assert [(t.rank, t.root.name) for t in targets.stores] == [(0, "rank-0000"),
+                                                                (1, "rank-0001")]
+    inner = resolve_targets(dep / "rank-0000")  # a rank store is a store
+    assert inner.kind == "store" and inner.stores[0].rank is None
+
+
+def test_deployment_status_folds_rank_reports() -> None:
+    from spoolctl.connector.topology import RankReport, deployment_status
+
+    def report(rank: int, keys: set[str], quarantined: int = 0) -> RankReport:
+        return RankReport(rank=rank, root=f"/r/rank-{rank:04d}", entries=len(keys), bytes=10,
+                          max_bytes=None, quarantined=quarantined, chunk_keys=frozenset(keys))
+
+    ok = deployment_status("/r", [report(1, {"a", "b"}), report(0, {"a", "b"})])
+    assert ok.agree and not ok.has_findings
+    doc = ok.to_json()
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["complete_chunks"] == 2
+    gap = deployment_status("/r", [report(0, {"a"}), report(2, {"a", "b"})])
+    assert gap.to_json()["missing_ranks"] == [1] and gap.has_findings
+    assert gap.to_json()["ranks"][0]["missing_chunks"] == 1
+    assert deployment_status("/r", [report(0, {"a"}, quarantined=1)]).has_findings
+
+
+def test_genai_expiry_summary() -> None:
+    from spoolctl.controllers.genai_records import expiry_summary
+    from spoolctl.store import CatalogRow
+
+    def row(index: dict) -> CatalogRow:
+        return CatalogRow("0" * 64, "genai", "ns", "k", 0, 0, 0.0, 0.0, "retain",
+                          "committed", None, index)
+
+    now = 1_000.0
+    rows = [row({"expire_time": now - 5}), row({"expire_time": now + 50}),
+            row({"expire_time": now + 20}), row({"expire_time": "soon"})]
+    assert expiry_summary(rows, now).to_json() == {"entries": 4, "expired": 1,
+                                                   "next_expiry_in_s": 20.0}
+    assert expiry_summary([], now).to_json() == {"entries": 0, "expired": 0,
+                                                 "next_expiry_in_s": None}

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from spoolctl.controllers import CachePrepareParams, LocalCacheController, render_segments
+from spoolctl.controllers import (
+    CachePrepareParams,
+    GenerateResult,
+    LocalCacheController,
+    render_segments,
+)
 from spoolctl.controllers.tokens import (
     TokenPrefix,
     common_prefix_tokens,
@@ -110,6 +115,33 @@ def test_handle_reloads_from_disk_without_memory_and_runs_cold_after_release(bac
         ctl.release(h.ref)
         after = ctl.generate(h, "Q?", 6)
         assert after.tokens == want and after.usage.cache_read_tokens == 0
+
+
+def test_explicit_params_win_over_the_handle_and_a_foreign_handle_runs_cold(backend,
+                                                                            store_root, caplog):
+    """Decision 1022: ``generate(handle, params=P)`` answers P; the handle's cache serves it
+    only if the handle is P's entry. A handle prepared for other params is refused (one
+    WARNING line, no id in it) and P runs cold -- never the other prompt's answer."""
+    a = params()
+    b = params(data=["Clause 9: the buyer may cancel within fourteen days of delivery. " * 4])
+    volatile_tail = params(data=[DOC, {"content": "Today is Monday.", "cache": "volatile"}])
+    with LocalCacheController(backend, store_root) as ctl:
+        ha = ctl.prepare(a)
+        with caplog.at_level("WARNING", logger="spoolctl.controllers"):
+            r = ctl.generate(ha, "Q?", 6, params=b)
+        assert r.tokens == cold_tokens(backend, b, "Q?", 6) and type(r) is GenerateResult
+        assert r.usage.cache_read_tokens == 0
+        assert "prepared for other params" in caplog.text and ha.ref[:8] not in caplog.text
+        # Same cacheable prefix (only a volatile element differs): the same entry, used.
+        tail = ctl.generate(ha, "Q?", 6, params=volatile_tail)
+        assert tail.tokens == cold_tokens(backend, volatile_tail, "Q?", 6)
+        assert tail.usage.cache_read_tokens == ha.cached_tokens
+        # Without params= the handle's own params are the query.
+        own = ctl.generate(ha, "Q?", 6)
+        assert own.tokens == cold_tokens(backend, a, "Q?", 6)
+        assert own.usage.cache_read_tokens == ha.cached_tokens
+        with pytest.raises(ConfigError, match="params twice"):
+            ctl.generate(a, "Q?", 6, params=b)
 
 
 def test_key_covers_tools_effort_formatter_but_not_tool_order(backend, store_root):
@@ -240,3 +272,48 @@ def test_engine_and_cli_modules_import_no_framework():
             "       if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_controller_is_importable_from_the_package_without_loading_its_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, spoolctl.controllers as c, spoolctl.controllers.mlx_vlm\n"
+            "bad = [m for m in ('torch', 'transformers', 'mlx', 'mlx_vlm', 'google.genai')\n"
+            "       if m in sys.modules]\n"
+            "assert not bad, bad\n"
+            "names = ('PyTorchCacheController', 'MlxCacheController', 'MlxVlmCacheController',\n"
+            "         'GoogleGenAICacheController')\n"
+            "assert set(names) <= set(dir(c)), dir(c)\n"
+            "from spoolctl.controllers import MlxVlmCacheController, PyTorchCacheController\n"
+            "assert 'torch' not in sys.modules and 'mlx_vlm' not in sys.modules\n"
+            "try:\n"
+            "    c.NoSuchController\n"
+            "except AttributeError:\n"
+            "    pass\n"
+            "else:\n"
+            "    raise AssertionError('unknown names must raise AttributeError')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    pytest.importorskip("google.genai")
+    from spoolctl.controllers import GoogleGenAICacheController
+    from spoolctl.controllers.genai import GoogleGenAICacheController as direct
+
+    assert GoogleGenAICacheController is direct
+
+
+def test_warning_log_reasons_carry_no_path_file_name_or_id():
+    """Decision 1023: every controller renders an exception for a default log line through
+    ``logsafe.reason``: no store path, no file name, no id or digest."""
+    from spoolctl.controllers.logsafe import reason
+    from spoolctl.store import StoreIOError
+
+    entry = "ab" * 32
+    root = "/srv/spool/rank-0003"
+    err = StoreIOError(f"cannot read the manifest of entry {entry}",
+                       path=f"{root}/manifests/ab/{entry}.json", fix="run spoolctl scrub")
+    assert reason(err) == "cannot read the manifest of entry <id>"
+    oserr = FileNotFoundError(2, "No such file or directory", f"{root}/objects/ab/{entry}.obj")
+    assert reason(oserr) == "FileNotFoundError: No such file or directory"
+    long = ValueError("x" * 190 + entry)  # an id that the clip would cut into a fragment
+    text = reason(long)
+    assert len(text) <= 200 and "ab" * 4 not in text

@@ -21,7 +21,12 @@ from google import genai
 from google.genai import types
 from google.oauth2.credentials import Credentials
 
-from spoolctl.controllers.contract import CachePrepareParams, Element, PromptCacheController
+from spoolctl.controllers.contract import (
+    CachePrepareParams,
+    Element,
+    GenerateResult,
+    PromptCacheController,
+)
 from spoolctl.controllers.genai import GoogleGenAICacheController, generate_with_cache
 from spoolctl.controllers.genai_clean import clean_remote, default_client_factory
 from spoolctl.controllers.genai_records import (
@@ -303,6 +308,23 @@ def test_concurrent_identical_aprepares_in_asyncio_make_one_create(ctl, server):
     assert creates(server) == 1
 
 
+def test_coalesced_handles_count_the_created_tokens_once(ctl, server):
+    """Decision 1021: every waiter gets the creator's cache as "coalesced" with nothing
+    written or reused by itself, so usage summed over callers counts one create."""
+    gate = server.state.create_gate = threading.Event()
+    handles = []
+    threads = run_threads(lambda: handles.append(ctl.prepare(params())), 4)
+    wait_until(lambda: ctl.stats()["coalesced"] == 3 and creates(server) == 1)
+    gate.set()
+    for t in threads:
+        t.join(30)
+    (made,) = [h for h in handles if h.source == "cold"]
+    joined = [h for h in handles if h.source == "coalesced"]
+    assert len(joined) == 3 and {h.ref for h in joined} == {made.ref}
+    assert all(h.written_tokens == h.reused_tokens == 0 for h in joined)
+    assert sum(h.written_tokens for h in handles) == made.cached_tokens > 0
+
+
 def test_failed_create_is_reported_to_every_waiter_and_not_cached(ctl, server, store):
     gate = server.state.create_gate = threading.Event()
     server.fail_next(500, method="POST", path="cachedContents$")
@@ -529,6 +551,36 @@ def test_generate_from_params_prepares_and_needs_params_for_foreign_handles(ctl,
     assert body["generationConfig"]["maxOutputTokens"] == 5
     with pytest.raises(ConfigError, match="not prepared by this controller"):
         ctl.generate(type(result.handle)(), "hi")
+
+
+def test_explicit_params_win_over_the_handle_and_a_foreign_handle_runs_cold(ctl, server,
+                                                                            caplog):
+    """Decision 1022: ``generate(handle, params=P)`` answers P, with the handle's cache only
+    if the handle is P's cache; a cache of other params is never sent with P's prompt."""
+    a, b = params(), params(doc="another document entirely " * 40)
+    ha = ctl.prepare(a)
+    with caplog.at_level(logging.WARNING, logger="spoolctl.genai"):
+        res = ctl.generate(ha, "hi", params=b)
+    body = server.requests("POST", ":generateContent")[-1].body
+    assert "cachedContent" not in body and res.usage.cache_read_tokens == 0 and not res.handle
+    assert type(res) is GenerateResult  # one result class for every controller
+    assert "another document entirely" in body["contents"][0]["parts"][0]["text"]
+    assert "prepared for other params" in caplog.text
+    # Only the volatile question differs: the same cache, used.
+    same = params(data=[Element(BOOK, role="user"), Element("Who wrote it?", role="user",
+                                                            cache="volatile")])
+    res = ctl.generate(ha, "hi", params=same)
+    body = server.requests("POST", ":generateContent")[-1].body
+    assert body["cachedContent"] == ha.ref and res.usage.cache_read_tokens == ha.cached_tokens
+    assert [c["parts"][0]["text"] for c in body["contents"]] == ["Who wrote it?", "hi"]
+    # A handle this controller did not prepare is checked against its store record.
+    with GoogleGenAICacheController(ctl._client, ctl.store) as other:
+        res = other.generate(ha, "hi", params=b)
+        assert res.usage.cache_read_tokens == 0 and not res.handle
+        res = other.generate(ha, "hi", params=a)
+        assert res.usage.cache_read_tokens == ha.cached_tokens and res.handle == ha
+    with pytest.raises(ConfigError, match="params twice"):
+        ctl.generate(a, "hi", params=b)
 
 
 def test_agenerate(ctl, server):

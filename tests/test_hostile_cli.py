@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from spoolctl.cli.app import main
@@ -70,12 +70,13 @@ def _outside_snapshot(base: Path) -> set[str]:
     return set(os.listdir(base.parent)) | {f"/{p}" for p in os.listdir("/")}
 
 
-@pytest.fixture(scope="module")
-def outside(sandbox: Path):
+@contextlib.contextmanager
+def nothing_outside(sandbox: Path, argv_log: list[list[str]]):
+    """Fail this example if anything appeared next to the sandbox (e.g. through a ".."
+    name) or at / while it ran; the failure names the commands it ran."""
     before = _outside_snapshot(sandbox)
     yield
-    # nothing appeared next to the sandbox (e.g. through a ".." name) or at /
-    assert _outside_snapshot(sandbox) - before == set()
+    assert _outside_snapshot(sandbox) - before == set(), argv_log
 
 
 def _store_tree(base: Path) -> set[str]:
@@ -84,12 +85,12 @@ def _store_tree(base: Path) -> set[str]:
 
 @SETTINGS
 @given(root=ARG)
-def test_random_relative_roots_are_refused(sandbox, outside, root: str) -> None:
-    if os.path.isabs(root):
-        return
+def test_random_relative_roots_are_refused(sandbox, root: str) -> None:
+    assume(not os.path.isabs(root))
     before = _store_tree(sandbox)
     argv = ["init", "--root", root]
-    code, _, err = run(argv)
+    with nothing_outside(sandbox, [argv]):
+        code, _, err = run(argv)
     assert_clean_outcome(argv, code, err)
     assert code == 2
     assert _store_tree(sandbox) == before  # nothing created, not even relative to the cwd
@@ -97,41 +98,50 @@ def test_random_relative_roots_are_refused(sandbox, outside, root: str) -> None:
 
 @SETTINGS
 @given(name=NAME)
-def test_random_root_names_create_nothing_outside(sandbox, outside, name: str) -> None:
-    for command in (["status"], ["ls"], ["doctor"], ["clean", "--dry-run", "--yes"]):
-        argv = [*command, "--root", f"{sandbox}/{name}"]
-        code, _, err = run(argv)
-        assert_clean_outcome(argv, code, err)
+def test_random_root_names_create_nothing_outside(sandbox, name: str) -> None:
+    ran: list[list[str]] = []
+    with nothing_outside(sandbox, ran):
+        for command in (["status"], ["ls"], ["doctor"], ["clean", "--dry-run", "--yes"]):
+            argv = [*command, "--root", f"{sandbox}/{name}"]
+            ran.append(argv)
+            code, _, err = run(argv)
+            assert_clean_outcome(argv, code, err)
 
 
 @SETTINGS
 @given(value=ARG)
-def test_random_sizes_durations_rates(sandbox, outside, value: str) -> None:
+def test_random_sizes_durations_rates(sandbox, value: str) -> None:
     root = str(sandbox / "store")
-    for argv in (["init", "--root", root, "--max-size", value],
-                 ["clean", "--root", root, "--min-age", value, "--dry-run", "--yes"],
-                 ["scrub", "--root", root, "--rate", value, "--max-items", "1"],
-                 ["scrub", "--root", root, "--max-items", value],
-                 ["ls", "--root", root, "--kind", value]):
-        code, _, err = run(argv)
-        assert_clean_outcome(argv, code, err)
+    ran: list[list[str]] = []
+    with nothing_outside(sandbox, ran):
+        for argv in (["init", "--root", root, "--max-size", value],
+                     ["clean", "--root", root, "--min-age", value, "--dry-run", "--yes"],
+                     ["scrub", "--root", root, "--rate", value, "--max-items", "1"],
+                     ["scrub", "--root", root, "--max-items", value],
+                     ["ls", "--root", root, "--kind", value]):
+            ran.append(argv)
+            code, _, err = run(argv)
+            assert_clean_outcome(argv, code, err)
     with Store.open(root) as store:
         assert len(store.entries()) == 1  # nothing was cleaned or evicted by junk input
 
 
 @SETTINGS
 @given(ident=st.one_of(ARG, HEXISH))
-def test_random_ids_and_item_names(sandbox, outside, ident: str) -> None:
+def test_random_ids_and_item_names(sandbox, ident: str) -> None:
     root = str(sandbox / "store")
     before = _store_tree(sandbox)
-    for argv in (["inspect", "--root", root, "--", ident],
-                 ["request-auth", "--root", root, "--", ident],
-                 ["quarantine", "show", "--root", root, "--", ident],
-                 ["quarantine", "restore", "--root", root, "--", ident],
-                 ["quarantine", "purge", "--root", root, "--yes", "--", ident]):
-        code, _, err = run(argv)
-        assert_clean_outcome(argv, code, err)
-        assert code in (1, 2), (argv, code)  # nothing valid to find
+    ran: list[list[str]] = []
+    with nothing_outside(sandbox, ran):
+        for argv in (["inspect", "--root", root, "--", ident],
+                     ["request-auth", "--root", root, "--", ident],
+                     ["quarantine", "show", "--root", root, "--", ident],
+                     ["quarantine", "restore", "--root", root, "--", ident],
+                     ["quarantine", "purge", "--root", root, "--yes", "--", ident]):
+            ran.append(argv)
+            code, _, err = run(argv)
+            assert_clean_outcome(argv, code, err)
+            assert code in (1, 2), (argv, code)  # nothing valid to find
     assert _store_tree(sandbox) - before <= {"store/state/auth.sqlite3",
                                              "store/state/auth.sqlite3-wal",
                                              "store/state/auth.sqlite3-shm"}

@@ -287,3 +287,31 @@ def test_read_only_never_writes_and_release_deletes_at_close(backend, vlm_dir, i
         assert not ctl.prepare(ro)  # released: out of reuse at once, even read-only
     with Store.open(root) as store:
         assert store.entries() == []
+
+
+def test_default_logs_name_no_store_path_or_id(backend, vlm_dir, images, tmp_path,
+                                               caplog) -> None:
+    """Decision 1023: the VLM controller's warnings (a store too small to commit, a corrupt
+    snapshot) say what happened, never the store path or an id (docs/SECURITY.md)."""
+    import logging
+
+    root = tmp_path / "store"
+    p = image_params(str(vlm_dir), images["red"])
+    caplog.set_level(logging.INFO)
+    with MlxVlmCacheController(backend, root, max_bytes=4096) as ctl:  # < one snapshot
+        small = ctl.prepare(p)
+        assert small.source == "cold" and ctl.stats()["commit_failures"] == 1
+        assert ctl.store.entries() == []
+    with MlxVlmCacheController(backend, tmp_path / "big", memory_entries=0) as ctl:
+        handle = ctl.prepare(p)
+        manifest = ctl.store.manifest(handle.ref)
+        obj = ctl.store.layout.object_path(manifest.object(OBJECT_NAME).digest)
+        obj.write_bytes(obj.read_bytes()[:-9] + b"corrupted")
+        assert ctl.generate(handle, QUESTION, NEW).usage.cache_read_tokens == 0
+        ids = {small.ref, handle.ref, manifest.object(OBJECT_NAME).digest}
+    text = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
+    assert "not persisted" in text and "treated as a miss" in text  # the paths ran
+    assert str(tmp_path) not in text
+    for value in ids:
+        for i in range(len(value) - 7):
+            assert value[i:i + 8] not in text, "an id fragment reached a default log"

@@ -143,17 +143,37 @@ def test_wheel_in_a_fresh_venv_runs_help_version_init_and_doctor(artifacts) -> N
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     checks = {c["name"]: c["status"] for c in json.loads(doctor.stdout)["checks"]}
     assert checks["root.marker"] == "ok" and checks["fs.fsync"] == "ok"
-    probe = subprocess.run(
-        [str(bindir / "python"), "-c",
-         "import sys, spoolctl, spoolctl.store, spoolctl.cli.app, spoolctl.controllers;"
-         "print(spoolctl.__file__);"
-         "print(sorted(m for m in ('torch', 'vllm', 'mlx', 'google.genai', 'transformers')"
-         " if m in sys.modules))"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=120)
+
+    def python(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(bindir / "python"), "-c", code], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    probe = python("import sys, spoolctl, spoolctl.store, spoolctl.cli.app, spoolctl.controllers;"
+                   "print(spoolctl.__file__);"
+                   "print(sorted(m for m in ('torch', 'vllm', 'mlx', 'google.genai', "
+                   "'transformers') if m in sys.modules))")
     assert probe.returncode == 0, probe.stderr
     location, frameworks = probe.stdout.strip().splitlines()
     assert location.startswith(str(artifacts["base"] / "venv-base")), location
     assert frameworks == "[]"
+    # Every controller is a name of spoolctl.controllers; without its framework the error
+    # names the extra to install (at import for google-genai, at construction for torch).
+    (work / "model").mkdir(exist_ok=True)
+    (work / "model" / "config.json").write_text("{}")
+    lazy = python("from spoolctl.controllers import *\n"
+                  "from spoolctl.controllers import PyTorchCacheController, MlxVlmCacheController\n"
+                  "try:\n"
+                  "    from spoolctl.controllers import GoogleGenAICacheController\n"
+                  "except ImportError as exc:\n"
+                  "    print('genai:', exc)\n"
+                  "try:\n"
+                  "    PyTorchCacheController('model')\n"
+                  "except Exception as exc:\n"
+                  "    print('torch:', type(exc).__name__, exc)\n")
+    assert lazy.returncode == 0, lazy.stderr
+    assert "genai: GoogleGenAICacheController needs" in lazy.stdout, lazy.stdout
+    assert "pip install 'spoolctl[genai]'" in lazy.stdout
+    assert "torch: ConfigError" in lazy.stdout and "spoolctl[torch]" in lazy.stdout
 
 
 @pytest.mark.slow

@@ -245,6 +245,49 @@ def test_concurrent_identical_prepares_are_coalesced(backend, store_root):
         assert sum(h.written_tokens for h in handles) == handles[0].cached_tokens
 
 
+class Gated(Counting):
+    """A backend whose prefills wait for ``gate`` and announce themselves in ``started``."""
+
+    def __init__(self, backend: PyTorchBackend):
+        super().__init__(backend)
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def prefill(self, cache, tokens):
+        self.started.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().prefill(cache, tokens)
+
+
+def test_read_only_prepare_joins_a_writers_flight(backend, store_root):
+    """Decision 1021: a read-only prepare that arrives while a writer prefills the same key
+    waits for it and gets its entry ("coalesced", nothing written by the reader), instead
+    of missing on disk; it is counted as coalesced when it joins."""
+    gated = Gated(backend)
+    handles: dict[str, object] = {}
+    with LocalCacheController(gated, store_root) as ctl:
+        writer = threading.Thread(target=lambda: handles.update(
+            writer=ctl.prepare(CachePrepareParams(**P1))))
+        writer.start()
+        assert gated.started.wait(60)
+        reader = threading.Thread(target=lambda: handles.update(
+            reader=ctl.prepare(CachePrepareParams(**P1, read_only=True))))
+        reader.start()
+        deadline = time.monotonic() + 30
+        while ctl.stats()["coalesced"] < 1:  # counted on joining, before the writer is done
+            assert time.monotonic() < deadline, "the read-only prepare did not join"
+            time.sleep(0.01)
+        assert "reader" not in handles
+        gated.gate.set()
+        writer.join(60)
+        reader.join(60)
+        w, r = handles["writer"], handles["reader"]
+        assert w.source == "cold" and r.source == "coalesced" and r.ref == w.ref
+        assert r.written_tokens == r.reused_tokens == 0 and r.cached_tokens == w.cached_tokens
+        assert len(gated.prefills) == 1
+        assert ctl.generate(r, QUESTION, 8).tokens == cold(backend, CachePrepareParams(**P1))
+
+
 def test_two_processes_preparing_the_same_params_prefill_once(backend, tiny_model_dir,
                                                               store_root, tmp_path):
     want = cold(backend, CachePrepareParams(**P1))

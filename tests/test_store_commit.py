@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,18 +117,70 @@ def test_supersedes_records_and_releases_the_base(store: Store) -> None:
     assert store.lookup("pytorch", "ns", "base") is None
 
 
-def test_invalid_ids_are_refused_before_touching_disk(store: Store) -> None:
-    for bad in ("../../etc/passwd", "ABC", "g" * 64, "", "0" * 63):
+_PATH_EVENTS = frozenset({"open", "os.rename", "os.remove", "os.mkdir", "os.rmdir",
+                          "os.scandir", "os.listdir", "os.chmod", "os.truncate",
+                          "sqlite3.connect", "shutil.rmtree"})
+_recorders: list[tuple[str, list[tuple[str, str]]]] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if not _recorders or event not in _PATH_EVENTS:
+        return
+    for arg in args:
+        if isinstance(arg, (str, bytes, os.PathLike)):
+            path = os.fsdecode(arg)
+            for root, seen in _recorders:
+                if path.startswith(root):
+                    seen.append((event, path))
+
+
+sys.addaudithook(_audit)  # hooks cannot be removed: it records only inside _disk_access
+
+
+@contextlib.contextmanager
+def _disk_access(root: Path):
+    """Record every file-system call (open, rename, remove, mkdir, scandir...) on a path
+    under ``root`` made inside the block, through Python's audit hooks."""
+    seen: list[tuple[str, str]] = []
+    entry = (str(root), seen)
+    _recorders.append(entry)
+    try:
+        yield seen
+    finally:
+        _recorders.remove(entry)
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file()}
+
+
+def test_disk_access_recorder_sees_a_commit(store: Store, store_root: Path) -> None:
+    with _disk_access(store_root) as seen:
+        store.put(kind="mlx", namespace="ns", key="k", objects={"a": b"x"})
+    assert {"open", "os.rename"} <= {event for event, _ in seen}
+
+
+def test_invalid_ids_are_refused_before_touching_disk(store: Store, store_root: Path) -> None:
+    store.put(kind="mlx", namespace="ns", key="existing", objects={"a": b"x"})
+    before = _tree(store_root)
+    valid = {"ok": b"payload that would be written first"}
+    with _disk_access(store_root) as seen:
+        for bad in ("../../etc/passwd", "ABC", "g" * 64, "", "0" * 63):
+            with pytest.raises(InvalidIdError):
+                store.manifest(bad)
+            with pytest.raises(InvalidIdError):
+                store.release(bad)
+        with pytest.raises(InvalidIdError):  # a valid object before the bad name
+            store.put(kind="pytorch", namespace="ns", key="k", objects={**valid, "../x": b"1"})
         with pytest.raises(InvalidIdError):
-            store.manifest(bad)
+            store.put(kind="nope", namespace="ns", key="k", objects=valid)
         with pytest.raises(InvalidIdError):
-            store.release(bad)
-    with pytest.raises(InvalidIdError):
-        store.put(kind="pytorch", namespace="ns", key="k", objects={"../x": b"1"})
-    with pytest.raises(InvalidIdError):
-        store.put(kind="nope", namespace="ns", key="k", objects={})
-    with pytest.raises(InvalidIdError):
-        store.put(kind="mlx", namespace="has space", key="k", objects={})
+            store.put(kind="mlx", namespace="has space", key="k", objects=valid)
+        with pytest.raises(InvalidIdError):
+            store.put(kind="mlx", namespace="ns", key="k", objects=valid, supersedes="../x")
+    assert seen == []  # not one open, scandir or rename under the root
+    assert _tree(store_root) == before
 
 
 def test_resolve_prefix(store: Store) -> None:

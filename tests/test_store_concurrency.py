@@ -51,29 +51,62 @@ def test_two_committers_and_a_cleaner_lose_nothing(store_root: Path, tmp_path: P
 
 
 def test_threads_commit_and_read_one_store(store: Store) -> None:
+    """Four threads commit, read back and release while a clean runs in the middle of their
+    work: the clean deletes exactly entries released before it, no retained entry is lost,
+    and every read returns the bytes committed."""
+    import time
+
     errors: list[BaseException] = []
+    progress = threading.Semaphore(0)  # one release per thread per signal
+    cleaned = threading.Event()
+    committed: dict[str, bytes] = {}
+    released: dict[str, float] = {}  # entry id -> when release() returned
+    spans: dict[int, list[tuple[float, float]]] = {n: [] for n in range(4)}
 
     def work(n: int) -> None:
         try:
-            for i in range(30):
+            i, after_clean = 0, 0
+            while after_clean < 5:  # keep committing until 5 iterations past the clean
+                start = time.monotonic()
                 data = f"{n}-{i}".encode() * 100
                 m = store.put(kind="mlx", namespace="t", key=f"{n}-{i}", objects={"a": data})
                 assert bytes(store.read(m, "a")) == data
+                committed[m.entry_id] = data
                 if i % 2:
-                    store.release(m.entry_id)
+                    assert store.release(m.entry_id)
+                    released[m.entry_id] = time.monotonic()
+                    progress.release()
+                spans[n].append((start, time.monotonic()))
+                i += 1
+                after_clean += cleaned.is_set()
         except BaseException as exc:  # collected for the main thread
             errors.append(exc)
+            progress.release()
 
     threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
     for t in threads:
         t.start()
-    cleaner_report = store.clean_released()
+    for _ in range(8):  # at least 8 entries released (by any threads) before the clean
+        assert progress.acquire(timeout=60)
+    clean_start = time.monotonic()
+    report = store.clean_released()
+    clean_end = time.monotonic()
+    cleaned.set()
     for t in threads:
         t.join()
-    assert not errors
+    assert not errors, errors
+    # The clean ran while every thread was committing: each one worked before and after it.
+    for n, done in spans.items():
+        assert done[0][0] < clean_start and done[-1][1] > clean_end, n
+    before_clean = {e for e, t in released.items() if t < clean_start}
+    assert len(before_clean) >= 8 and before_clean <= set(report.entry_ids)
+    assert set(report.entry_ids) <= set(released)  # it deleted released entries only
+    assert report.entries == len(report.entry_ids)
     store.clean_released()
-    assert cleaner_report.entries >= 0
-    assert store.totals().entries == 4 * 15
+    retained = set(committed) - set(released)
+    assert {r.entry_id for r in store.entries()} == retained
+    for entry_id in retained:
+        assert bytes(store.read(store.manifest(entry_id), "a")) == committed[entry_id]
 
 
 def test_a_deleter_is_not_starved_by_back_to_back_commits(store_root: Path) -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from spoolctl.store import Store, StoreIOError
+from spoolctl.store.faults import COMMIT_CHECKPOINTS
 
 WORKER = str(Path(__file__).with_name("store_worker.py"))
-FAIL_POINTS = [
-    "object.tmp_written", "object.fsynced", "object.published", "object.dir_fsynced",
-    "catalog.intent", "manifest.tmp_written", "manifest.published", "manifest.dir_fsynced",
-]
+# Every commit checkpoint up to the durable manifest (an error after the catalog commit has
+# nothing left to undo).
+FAIL_POINTS = [p for p in COMMIT_CHECKPOINTS if p != "catalog.committed"]
 
 
 @pytest.fixture

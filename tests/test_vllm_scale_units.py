@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_configs import vllm_configs
 
 from spoolctl.connector.chain import MMSpan, chain_root, chunk_keys
 from spoolctl.connector.settings import parse_settings
@@ -132,13 +133,13 @@ def _feature(identifier: str | None, offset: int, length: int, modality: str | N
 
 def test_vllm_multimodal_features_key_the_chain_and_incomplete_identity_bypasses():
     pytest.importorskip("vllm")
-    from spoolctl.connector.connector import SpoolConnector, _Bypass
+    from spoolctl.connector.lookup import Bypass, mm_spans
 
     tokens = list(range(3, 3 + 200))
     root = chain_root("vllm-v1-ns", None)
 
     def keys(features):
-        spans = SpoolConnector._mm_spans(_vllm_request("r", tokens, features))
+        spans = mm_spans(_vllm_request("r", tokens, features))
         return chunk_keys(root, tokens, 64, spans)
 
     img_a, img_b = keys([_feature("a" * 64, 80, 30)]), keys([_feature("b" * 64, 80, 30)])
@@ -155,8 +156,8 @@ def test_vllm_multimodal_features_key_the_chain_and_incomplete_identity_bypasses
     for incomplete in (_feature("", 80, 30), _feature(None, 80, 30),
                        _feature("a" * 64, 80, 30, modality=""),
                        _feature("renderer0-mm-7-image-0", 80, 30)):
-        with pytest.raises(_Bypass):
-            SpoolConnector._mm_spans(_vllm_request("r", tokens, [incomplete]))
+        with pytest.raises(Bypass):
+            mm_spans(_vllm_request("r", tokens, [incomplete]))
 
 
 def test_group_semantics_supported_and_fail_closed():
@@ -280,7 +281,7 @@ def test_vllm_classifies_the_spec_kinds_the_connector_relies_on():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from spoolctl.connector.connector import _group_infos
+    from spoolctl.connector.introspect import group_infos
 
     class Group:
         def __init__(self, names, spec):
@@ -293,33 +294,18 @@ def test_vllm_classifies_the_spec_kinds_the_connector_relies_on():
             Group(["b"], SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32,
                                            dtype=torch.float32, sliding_window=16))]
 
-    infos = _group_infos(Config(), 32)
+    infos = group_infos(Config(), 32)
     assert [(g.kind, g.sliding_window) for g in infos] == [("full_attention", 16),
                                                            ("sliding_window", 16)]
 
 
 def _scheduler_connector(groups: list, tmp_path: Path, **extra: str):
     """A scheduler-role SpoolConnector over hand-built vLLM configs and real vLLM specs."""
-    from types import SimpleNamespace
-
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from spoolctl.connector.connector import SpoolConnector
 
-    tcfg = SimpleNamespace(
-        kv_connector_extra_config={"spoolctl_root": str(tmp_path), "spoolctl_chunk_tokens": 64,
-                                   **extra},
-        kv_load_failure_policy="recompute")
-    vcfg = SimpleNamespace(
-        kv_transfer_config=tcfg,
-        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
-        model_config=SimpleNamespace(model="/m", revision=None, dtype="float32",
-                                     multimodal_config=None),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                        decode_context_parallel_size=1))
-    kcfg = SimpleNamespace(num_blocks=64, kv_cache_groups=[
-        SimpleNamespace(layer_names=[f"layer.{i}"], kv_cache_spec=spec)
-        for i, spec in enumerate(groups)])
+    vcfg, kcfg = vllm_configs(str(tmp_path), groups, **extra)
     return SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
 
 
@@ -337,16 +323,15 @@ def test_connector_startup_per_group_layout(tmp_path: Path):
 
     from spoolctl import metrics as m
     from spoolctl.connector.connector import SpoolConnector
-    from spoolctl.connector.plan import GroupedPlanner, Planner
 
     common = {"block_size": 32, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
     full, slide = FullAttentionSpec(**common), SlidingWindowSpec(**common, sliding_window=32)
     assert supports_hma(SpoolConnector)
     single = _scheduler_connector([full], tmp_path)
     hybrid = _scheduler_connector([slide, full], tmp_path)
-    assert isinstance(single._planner, Planner) and not single._grouped
-    assert isinstance(hybrid._planner, GroupedPlanner) and hybrid._grouped
-    assert [(g.name, g.stored_blocks) for g in hybrid._layouts] == [("g0", 1), ("g1", 2)]
+    assert single.format.name == "single" and not single.format.load_async
+    assert hybrid.format.name == "grouped" and hybrid.format.load_async
+    assert [(g.name, g.stored_blocks) for g in hybrid.format.layouts] == [("g0", 1), ("g1", 2)]
     assert single.namespace != hybrid.namespace
 
     local = ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)

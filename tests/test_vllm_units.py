@@ -198,7 +198,9 @@ def test_contract_matches_installed_vllm_and_reports_drift():
 def test_import_spoolctl_connector_does_not_import_vllm_or_torch():
     code = ("import sys, spoolctl, spoolctl.connector, spoolctl.connector.plan, "
             "spoolctl.connector.chain, spoolctl.connector.identity, spoolctl.connector.settings, "
-            "spoolctl.connector.topology;"
+            "spoolctl.connector.topology, spoolctl.connector.lookup, spoolctl.connector.formats, "
+            "spoolctl.connector.introspect, spoolctl.connector.groups, "
+            "spoolctl.connector.rankstores;"
             "print('vllm' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

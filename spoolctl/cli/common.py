@@ -1,15 +1,22 @@
-"""Shared CLI plumbing: the --root/--json options, exit codes, output helpers."""
+"""Shared CLI plumbing: the --root/--json options, exit codes, and the one output sink.
+
+Output: a command's result is one JSON-ready document. ``emit`` prints it as JSON for
+scripts (``--json``), or hands it to the command's *view* (document -> rich renderables)
+for people. A command prints its result no other way, so both outputs come from the same
+data and cannot drift apart.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 
 from spoolctl.store import Store
 
@@ -59,3 +66,20 @@ def open_store(root: Path | None, *, create: bool = False, max_bytes: int | None
 def emit_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
+
+
+View = Callable[[Any], "RenderableType | list[RenderableType]"]
+
+
+def emit(doc: Any, *, json_output: bool, view: View) -> None:
+    """Print ``doc`` as JSON (``json_output``) or as what ``view(doc)`` renders, on stdout.
+
+    A view returns one renderable or a list of them; a ``str`` is rich markup, a
+    ``rich.text.Text`` is printed as is (use it for text that came from the store).
+    """
+    if json_output:
+        emit_json(doc)
+        return
+    shown = view(doc)
+    for renderable in shown if isinstance(shown, list) else [shown]:
+        console.print(renderable)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.panel import Panel
@@ -14,7 +14,7 @@ from spoolctl.store.quarantine import QuarantineItem
 
 from . import render
 from .app import app
-from .common import EXIT_OK, JsonOption, RootOption, console, emit_json, open_store
+from .common import EXIT_OK, JsonOption, RootOption, console, emit, open_store
 
 quarantine_app = typer.Typer(
     name="quarantine", help="Inspect, restore and purge quarantined evidence.",
@@ -35,17 +35,18 @@ def q_ls(root: RootOption = None, json_output: JsonOption = False) -> None:
     """
     with open_store(root) as store:
         items = store.quarantine_items()
-    if json_output:
-        emit_json({"items": [i.to_json() for i in items], "count": len(items),
-                   "bytes": sum(i.bytes for i in items)})
-        return
-    t = Table(title=f"{len(items)} quarantined items", title_justify="left")
+    emit({"items": [i.to_json() for i in items], "count": len(items),
+          "bytes": sum(i.bytes for i in items)}, json_output=json_output, view=_ls_view)
+
+
+def _ls_view(doc: dict[str, Any]) -> Table:
+    t = Table(title=f"{doc['count']} quarantined items", title_justify="left")
     for col in ("item", "reason", "entry", "size", "when"):
         t.add_column(col, no_wrap=True)
-    for i in items:
-        t.add_row(i.item_id, i.reason, (i.entry_id or "-")[:12], render.size(i.bytes),
-                  render.rel_time(i.time))
-    console.print(t)
+    for i in doc["items"]:
+        t.add_row(i["item"], i["reason"], (i["entry_id"] or "-")[:12], render.size(i["bytes"]),
+                  render.rel_time(i["time"]))
+    return t
 
 
 @quarantine_app.command("show")
@@ -57,14 +58,15 @@ def q_show(item: ItemArg, root: RootOption = None, json_output: JsonOption = Fal
     with open_store(root) as store:
         found = store.quarantine.get(item)
         files = sorted(p.name for p in found.path.iterdir())
-    if json_output:
-        emit_json({**found.to_json(), "contents": files})
-        return
-    console.print(Panel(
-        f"reason   {found.reason}\ndetail   {found.detail}\nentry    {found.entry_id or '-'}\n"
-        f"kind     {found.kind or '-'}\nwhen     {render.rel_time(found.time)}\n"
-        f"size     {render.size(found.bytes)}\npath     {found.path}\n"
-        f"files    {', '.join(files)}", title=found.item_id, title_align="left"))
+    emit({**found.to_json(), "contents": files}, json_output=json_output, view=_show_view)
+
+
+def _show_view(doc: dict[str, Any]) -> Panel:
+    return Panel(
+        f"reason   {doc['reason']}\ndetail   {doc['detail']}\nentry    {doc['entry_id'] or '-'}\n"
+        f"kind     {doc['kind'] or '-'}\nwhen     {render.rel_time(doc['time'])}\n"
+        f"size     {render.size(doc['bytes'])}\npath     {doc['path']}\n"
+        f"files    {', '.join(doc['contents'])}", title=doc["item"], title_align="left")
 
 
 @quarantine_app.command("restore")
@@ -77,11 +79,9 @@ def q_restore(item: ItemArg, root: RootOption = None, json_output: JsonOption = 
     """
     with open_store(root) as store:
         manifest = store.restore_quarantined(item)
-    doc = {"item": item, "restored": True, "entry_id": manifest.entry_id}
-    if json_output:
-        emit_json(doc)
-    else:
-        console.print(f"[green]restored[/green] entry {manifest.entry_id} from {item}")
+    emit({"item": item, "restored": True, "entry_id": manifest.entry_id},
+         json_output=json_output,
+         view=lambda doc: f"[green]restored[/green] entry {doc['entry_id']} from {doc['item']}")
 
 
 def _select(items: list[QuarantineItem], older_than: float | None, now: float
@@ -113,10 +113,10 @@ def q_purge(
         if not dry_run:
             for i in chosen:
                 store.quarantine.remove(i)
-    doc = {"dry_run": dry_run, "purged": [i.item_id for i in chosen], "count": len(chosen),
-           "bytes": sum(i.bytes for i in chosen)}
-    if json_output:
-        emit_json(doc)
-    else:
-        verb = "would purge" if dry_run else "purged"
-        console.print(f"{verb} {doc['count']} items, {render.size(doc['bytes'])}")
+    emit({"dry_run": dry_run, "purged": [i.item_id for i in chosen], "count": len(chosen),
+          "bytes": sum(i.bytes for i in chosen)}, json_output=json_output, view=_purge_view)
+
+
+def _purge_view(doc: dict[str, Any]) -> str:
+    verb = "would purge" if doc["dry_run"] else "purged"
+    return f"{verb} {doc['count']} items, {render.size(doc['bytes'])}"

@@ -1,6 +1,6 @@
 """Rendering helpers for people: relative times, sizes, short ids, progress, confirmation.
 
-Pure formatting functions (``rel_time``, ``short_id``, ``expires_in``) are kept
+Pure formatting functions (``rel_time``, ``short_id``, ``expiry_text``) are kept
 free of I/O so they can be unit-tested; the rest decides what a terminal gets
 (colours and progress bars only on a TTY; rich honours ``NO_COLOR`` itself).
 """
@@ -43,14 +43,6 @@ def rel_time(t: float | None, now: float | None = None) -> str:
 
 def short_id(entry_id: str, n: int = 12) -> str:
     return entry_id[:n]
-
-
-def expires_in(index: dict, now: float | None = None) -> float | None:
-    """Seconds until a genai entry's server-side cache expires (negative: expired)."""
-    value = index.get("expire_time") if isinstance(index, dict) else None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    return float(value) - (time.time() if now is None else now)
 
 
 def expiry_text(seconds: float | None) -> str:

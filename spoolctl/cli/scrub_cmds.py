@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -14,7 +14,8 @@ from spoolctl.store.scrub import Scrubber
 
 from . import render
 from .app import app
-from .common import EXIT_FINDINGS, JsonOption, RootOption, console, emit_json, open_store
+from .common import EXIT_FINDINGS, JsonOption, RootOption, emit, open_store
+from .targets import resolve_entry
 
 DEFAULT_STEP_ITEMS = 10_000
 
@@ -56,32 +57,31 @@ def scrub_cmd(
                     completed=cycle.checked + cycle.quarantined + cycle.absent,
                     total=max(n, cycle.total_at_start, 1)))
     assert report is not None  # wait=True: BusyError instead of None
-    doc = report.to_json()
-    if json_output:
-        emit_json(doc)
-    else:
-        t = Table(title=f"scrub cycle {report.cycle_id}"
-                  f"{' (resumed)' if report.resumed else ''}", show_header=False,
-                  title_justify="left")
-        t.add_column("what", style="bold")
-        t.add_column("value")
-        t.add_row("authenticated", f"{report.checked} entries, {render.size(report.bytes)}")
-        t.add_row("quarantined", f"[red]{len(report.quarantined)}[/red]" if report.quarantined
-                  else "0")
-        for q in report.quarantined[:20]:
-            t.add_row("", f"{q['entry_id'][:16]}  {q['reason']}")
-        t.add_row("deleted meanwhile", str(report.absent))
-        t.add_row("cycle", "complete" if report.cycle_completed else
-                  "in progress (run again to continue)")
-        if report.cycle_completed:
-            t.add_row("orphans reclaimed", f"{report.orphans.get('objects', 0)} objects, "
-                      f"{render.size(report.orphans.get('bytes', 0))}")
-            t.add_row("temp files reclaimed", f"{report.tmp.get('files', 0)}, "
-                      f"{render.size(report.tmp.get('bytes', 0))}")
-        t.add_row("time", f"{report.seconds:.2f}s")
-        console.print(t)
+    emit(report.to_json(), json_output=json_output, view=_scrub_view)
     if report.quarantined:
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _scrub_view(doc: dict[str, Any]) -> Table:
+    t = Table(title=f"scrub cycle {doc['cycle_id']}{' (resumed)' if doc['resumed'] else ''}",
+              show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    t.add_row("authenticated", f"{doc['checked']} entries, {render.size(doc['bytes'])}")
+    found = doc["quarantined"]
+    t.add_row("quarantined", f"[red]{len(found)}[/red]" if found else "0")
+    for q in found[:20]:
+        t.add_row("", f"{q['entry_id'][:16]}  {q['reason']}")
+    t.add_row("deleted meanwhile", str(doc["absent"]))
+    t.add_row("cycle", "complete" if doc["cycle_completed"] else
+              "in progress (run again to continue)")
+    if doc["cycle_completed"]:
+        t.add_row("orphans reclaimed", f"{doc['orphans'].get('objects', 0)} objects, "
+                  f"{render.size(doc['orphans'].get('bytes', 0))}")
+        t.add_row("temp files reclaimed", f"{doc['tmp'].get('files', 0)}, "
+                  f"{render.size(doc['tmp'].get('bytes', 0))}")
+    t.add_row("time", f"{doc['seconds']:.2f}s")
+    return t
 
 
 @app.command("request-auth")
@@ -105,8 +105,6 @@ def request_auth_cmd(
         if len(entry) == 64:
             entry_id = entry  # a full id that is not there is an answer: absent
         else:
-            from .store_cmds import resolve_entry
-
             try:
                 entry_id = resolve_entry(store, entry)
             except CorruptionError as exc:  # the prefix names an entry already quarantined
@@ -120,11 +118,7 @@ def request_auth_cmd(
                 if not wait:
                     doc = {"entry_id": entry_id, "result": "queued", "request_id": request_id,
                            "owner": owner.to_json()}
-                    if json_output:
-                        emit_json(doc)
-                    else:
-                        console.print(f"queued request {request_id} for {owner.role} pid "
-                                      f"{owner.pid}; rerun with --wait to wait for the receipt")
+                    emit(doc, json_output=json_output, view=_queued_view)
                     return
                 result = queue.wait(request_id, timeout)
             if result is None:
@@ -132,13 +126,22 @@ def request_auth_cmd(
                     f"no receipt from the owner ({owner.role} pid {owner.pid}) within "
                     f"{timeout:g}s; request {request_id} stays queued",
                     path=store.root, fix="retry with a longer --timeout, or check the worker")
-    if json_output:
-        emit_json(result.to_json())
-    else:
-        color = {"authenticated": "green", "absent": "yellow", "quarantined": "red"}[
-            result.result]
-        extra = f" ({result.reason})" if result.reason else ""
-        console.print(f"[{color}]{result.result}[/{color}]{extra}  {entry_id}  {result.detail}"
-                      f"{'  via owner' if result.via == 'owner' else ''}")
+    emit(result.to_json(), json_output=json_output, view=_auth_view)
     if result.result != "authenticated":
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _queued_view(doc: dict[str, Any]) -> str:
+    owner = doc["owner"]
+    return (f"queued request {doc['request_id']} for {owner['role']} pid {owner['pid']}; "
+            "rerun with --wait to wait for the receipt")
+
+
+_RESULT_COLORS = {"authenticated": "green", "absent": "yellow", "quarantined": "red"}
+
+
+def _auth_view(doc: dict[str, Any]) -> str:
+    color = _RESULT_COLORS[doc["result"]]
+    extra = f" ({doc['reason']})" if doc.get("reason") else ""
+    return (f"[{color}]{doc['result']}[/{color}]{extra}  {doc['entry_id']}  {doc['detail']}"
+            f"{'  via owner' if doc.get('via') == 'owner' else ''}")

@@ -147,6 +147,27 @@ def group_layouts(groups: Sequence[GroupInfo], chunk_tokens: int) -> list[GroupL
     return out
 
 
+def choose_layouts(groups: Sequence[GroupInfo], chunk_tokens: int, *,
+                   decode_context_parallel: int = 1,
+                   pipeline_parallel: int = 1) -> tuple[list[GroupLayout], str | None]:
+    """The stored format for ``groups``: ``(layouts, None)`` for the grouped format,
+    ``([], None)`` for the single format, ``([], reason)`` for a layout the connector
+    cannot persist (one line, see ``check_groups``)."""
+    grouped = not is_single(groups)
+    unsupported = check_groups(groups, chunk_tokens if grouped else None)
+    if unsupported is None and grouped and decode_context_parallel > 1:
+        unsupported = f"decode context parallelism ({decode_context_parallel}) with " \
+                      f"{len(groups)} KV cache group(s)"
+    if unsupported is None and grouped and pipeline_parallel > 1:
+        # Each stage sees only its own layers' groups, the scheduler stage 0's: the
+        # per-group format would differ between stages.
+        unsupported = f"pipeline parallelism ({pipeline_parallel}) with {len(groups)} KV " \
+                      "cache group(s)"
+    if unsupported is not None or not grouped:
+        return [], unsupported
+    return group_layouts(groups, chunk_tokens), None
+
+
 def unsupported_error(reason: str) -> ConfigError:
     """The one startup error for a layout the connector cannot persist."""
     return ConfigError(

@@ -283,9 +283,6 @@ class InventoryView:
         state.keys.update(report.added)
         state.next_seq = report.seq + 1
 
-    def forget(self, rank: int) -> None:
-        self._ranks.pop(rank, None)
-
     def has(self, rank: int, keys: Iterable[bytes]) -> list[bool]:
         state = self._ranks.get(rank)
         if state is None or not state.synced:

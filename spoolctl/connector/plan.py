@@ -11,9 +11,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .chain import longest_run
 from .groups import GroupLayout
+
+
+class ScheduledStep(NamedTuple):
+    """One request scheduled in one step (read from vLLM's ``SchedulerOutput`` by
+    ``introspect.scheduled_requests``)."""
+
+    req_id: str
+    # Per KV cache group: the whole block table when ``first`` (a new or resumed request),
+    # else the ids appended this step; None when nothing was appended.
+    tables: Sequence[Sequence[int]] | None
+    first: bool
+    computed_before: int  # computed tokens before the step
+    computed_after: int  # and after it
+
+
+def hit_tokens(run: int, num_prompt_tokens: int, chunk_tokens: int) -> int:
+    """Tokens of a hit of ``run`` present chunks from the start of a prompt.
+
+    The hit is cut so that at least one prompt token is left to compute (vLLM needs one to
+    sample from). When the prompt ends exactly on a chunk boundary and that last chunk is
+    present, everything but the last token is loaded: the whole chunk is copied and vLLM's
+    forward overwrites the last token's slot.
+    """
+    usable = max(0, (num_prompt_tokens - 1) // chunk_tokens)
+    hit = min(run, usable) * chunk_tokens
+    if run > usable and num_prompt_tokens > 1 and \
+            num_prompt_tokens == (usable + 1) * chunk_tokens:
+        hit = num_prompt_tokens - 1
+    return hit
 
 
 @dataclass(frozen=True)
@@ -72,28 +102,18 @@ class Planner:
 
     def lookup(
         self, req_id: str, keys: Sequence[str], present: Sequence[bool],
-        num_prompt_tokens: int, num_computed: int,
+        num_prompt_tokens: int, num_computed: int, *, restore: bool = True,
     ) -> int:
-        """Record a lookup; return the tokens to load beyond ``num_computed``.
-
-        The hit is the run of present chunks from the start, cut so that at least one
-        prompt token is left to compute (vLLM needs one to sample from). When the prompt
-        ends exactly on a chunk boundary and that last chunk is present, everything but the
-        last token is loaded: the whole chunk is copied and vLLM's forward overwrites the
-        last token's slot.
-        """
+        """Record a lookup; return the tokens to load beyond ``num_computed`` (0 when
+        ``restore`` is False: absent chunks are still stored). See ``hit_tokens``."""
         if len(keys) != len(present):
             raise ValueError("keys and present must have the same length")
-        run = longest_run(present)
-        usable = max(0, (num_prompt_tokens - 1) // self.chunk_tokens)
-        hit_tokens = min(run, usable) * self.chunk_tokens
-        if run > usable and num_prompt_tokens > 1 and \
-                num_prompt_tokens == (usable + 1) * self.chunk_tokens:
-            hit_tokens = num_prompt_tokens - 1
+        hit = hit_tokens(longest_run(present), num_prompt_tokens, self.chunk_tokens) \
+            if restore else 0
         self.requests[req_id] = RequestPlan(
             keys=list(keys), present=list(present), num_prompt_tokens=num_prompt_tokens,
             lookup_computed=num_computed)
-        return max(0, hit_tokens - num_computed)
+        return max(0, hit - num_computed)
 
     def allocated(self, req_id: str, num_external_tokens: int) -> None:
         """vLLM allocated blocks; ``num_external_tokens`` > 0 means a load is due."""
@@ -162,16 +182,6 @@ class Planner:
 
 
 # -- grouped format (SupportsHMA: several KV cache groups, sliding windows) -------------------
-
-
-def _hit_tokens(run: int, num_prompt_tokens: int, chunk_tokens: int) -> int:
-    """Tokens of a hit of ``run`` present chunks (see ``Planner.lookup``)."""
-    usable = max(0, (num_prompt_tokens - 1) // chunk_tokens)
-    hit = min(run, usable) * chunk_tokens
-    if run > usable and num_prompt_tokens > 1 and \
-            num_prompt_tokens == (usable + 1) * chunk_tokens:
-        hit = num_prompt_tokens - 1
-    return hit
 
 
 @dataclass(frozen=True)
@@ -249,7 +259,7 @@ class GroupedPlanner:
         ``restore`` is False: absent chunks are still stored)."""
         if len(keys) != len(present):
             raise ValueError("keys and present must have the same length")
-        hit = _hit_tokens(longest_run(present), num_prompt_tokens, self.chunk_tokens) \
+        hit = hit_tokens(longest_run(present), num_prompt_tokens, self.chunk_tokens) \
             if restore else 0
         self.requests[req_id] = GroupedRequest(
             keys=list(keys), present=list(present), num_prompt_tokens=num_prompt_tokens,

@@ -117,3 +117,57 @@ def compare_ranks(keys_by_rank: dict[int, set[str]]) -> RankDisagreement:
     return RankDisagreement(
         ranks=ranks, missing_ranks=missing, complete_keys=len(common),
         partial={r: len(union - keys_by_rank[r]) for r in ranks})
+
+
+# -- deployment status (what ``spoolctl status`` shows for a deployment directory) ----------
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's store as ``status`` summarises it: its size and its live chunk keys."""
+
+    rank: int
+    root: str
+    entries: int
+    bytes: int
+    max_bytes: int | None
+    quarantined: int
+    chunk_keys: frozenset[str]
+
+
+@dataclass(frozen=True)
+class DeploymentStatus:
+    """Every rank store of one deployment directory and whether the ranks agree.
+
+    Ranks agree when the rank numbering has no gaps and every rank holds the same live
+    chunk keys; a chunk missing on any rank is a miss for the whole deployment.
+    """
+
+    deployment: str
+    ranks: tuple[RankReport, ...]
+    comparison: RankDisagreement
+
+    @property
+    def agree(self) -> bool:
+        return self.comparison.agree
+
+    @property
+    def has_findings(self) -> bool:
+        """What ``status --check`` flags: disagreeing ranks or quarantined items."""
+        return not self.agree or any(r.quarantined for r in self.ranks)
+
+    def to_json(self) -> dict:
+        rows = [{"rank": r.rank, "root": r.root, "entries": r.entries, "bytes": r.bytes,
+                 "max_bytes": r.max_bytes, "chunks": len(r.chunk_keys),
+                 "quarantined": r.quarantined,
+                 "missing_chunks": self.comparison.partial[r.rank]} for r in self.ranks]
+        return {"deployment": self.deployment, "ranks": rows, "agree": self.agree,
+                "missing_ranks": list(self.comparison.missing_ranks),
+                "complete_chunks": self.comparison.complete_keys}
+
+
+def deployment_status(deployment: str, ranks: Iterable[RankReport]) -> DeploymentStatus:
+    """Fold per-rank reports into the deployment's status (ranks in rank order)."""
+    ordered = tuple(sorted(ranks, key=lambda r: r.rank))
+    return DeploymentStatus(deployment, ordered,
+                            compare_ranks({r.rank: set(r.chunk_keys) for r in ordered}))

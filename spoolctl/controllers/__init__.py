@@ -1,17 +1,32 @@
 """Prompt-cache controllers: the contract, the shared local engine and its backends.
 
-Importing this package imports no framework; backends import theirs lazily::
+Importing this package imports no framework. Every controller is importable from
+here; the framework-backed ones load their module on first access (PEP 562), and
+their framework only when one is built::
 
     from spoolctl.controllers import CachePrepareParams, open_local_controller
     with open_local_controller("pytorch", "/models/llama", root="/var/cache/spool") as ctl:
         handle = ctl.prepare(CachePrepareParams(model="/models/llama", instructions=[doc]))
         result = ctl.generate(handle, "Question: ...", max_new_tokens=64)
+
+| name | module | extra |
+|---|---|---|
+| ``PyTorchCacheController``, ``PyTorchBackend`` | ``pytorch`` | ``spoolctl[torch]`` |
+| ``MlxCacheController``, ``MlxBackend`` | ``mlx`` | ``spoolctl[mlx]`` |
+| ``MlxVlmCacheController``, ``MlxVlmBackend`` | ``mlx_vlm`` | ``spoolctl[vlm]`` |
+| ``GoogleGenAICacheController`` | ``genai`` | ``spoolctl[genai]`` |
+
+A name whose module cannot be imported (google-genai is imported with its module)
+raises ImportError naming the extra to install; the others raise ConfigError naming
+it when a backend is built without its framework. ``__all__`` lists only the eagerly
+imported names, so ``from spoolctl.controllers import *`` works on a base install.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spoolctl.store.errors import ConfigError
 
@@ -19,15 +34,52 @@ from .contract import (
     CacheHandle,
     CachePrepareParams,
     Element,
+    GenerateResult,
+    ImageInput,
     Includes,
+    KVBackend,
     PromptCacheController,
     ToolDefinition,
     Usage,
     render_segments,
 )
-from .local import GenerateResult, KVBackend, LocalCacheController
+from .local import LocalCacheController
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ resolves them
+    from .genai import GoogleGenAICacheController  # noqa: F401
+    from .mlx import MlxBackend, MlxCacheController  # noqa: F401
+    from .mlx_vlm import MlxVlmBackend, MlxVlmCacheController  # noqa: F401
+    from .pytorch import PyTorchBackend, PyTorchCacheController  # noqa: F401
 
 BACKENDS = ("pytorch", "mlx")
+
+#: Lazily loaded names: (module, the extra that installs its framework).
+_LAZY: dict[str, tuple[str, str]] = {
+    "PyTorchCacheController": (".pytorch", "torch"),
+    "PyTorchBackend": (".pytorch", "torch"),
+    "MlxCacheController": (".mlx", "mlx"),
+    "MlxBackend": (".mlx", "mlx"),
+    "MlxVlmCacheController": (".mlx_vlm", "vlm"),
+    "MlxVlmBackend": (".mlx_vlm", "vlm"),
+    "GoogleGenAICacheController": (".genai", "genai"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Framework-backed classes load their module only when first asked for.
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, extra = _LAZY[name]
+    try:
+        loaded = importlib.import_module(module, __name__)
+    except ImportError as exc:
+        raise ImportError(f"{name} needs a framework that is not installed ({exc}): "
+                          f"pip install 'spoolctl[{extra}]'", name=exc.name) from exc
+    return getattr(loaded, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 
 def load_backend(name: str, model: str | Path, **options: Any) -> KVBackend:
@@ -37,9 +89,9 @@ def load_backend(name: str, model: str | Path, **options: Any) -> KVBackend:
 
         return PyTorchBackend(model, **options)
     if name == "mlx":
-        from . import mlx as mlx_backend
+        from .mlx import MlxBackend
 
-        return mlx_backend.MlxBackend(model, **options)
+        return MlxBackend(model, **options)
     raise ConfigError(f"unknown backend {name!r}", fix=f"use one of: {', '.join(BACKENDS)}")
 
 
@@ -50,25 +102,13 @@ def open_local_controller(
     return LocalCacheController(load_backend(backend, model), root, **options)
 
 
-_LAZY = {"PyTorchCacheController": ".pytorch", "PyTorchBackend": ".pytorch",
-         "MlxCacheController": ".mlx", "MlxBackend": ".mlx"}
-
-
-def __getattr__(name: str) -> Any:
-    # Framework-backed classes load their framework only when first asked for.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "BACKENDS",
     "CacheHandle",
     "CachePrepareParams",
     "Element",
     "GenerateResult",
+    "ImageInput",
     "Includes",
     "KVBackend",
     "LocalCacheController",

@@ -1,8 +1,11 @@
-"""The prompt-cache controller contract: parameters, handles, usage, the protocol.
+"""The prompt-cache controller contract: parameters, handles, results, the protocols.
 
 Pure data and hashing only (no framework imports). Every controller --
-PyTorch, MLX, Google GenAI -- takes ``CachePrepareParams`` and returns a
-``CacheHandle``; the same parameters always derive the same key.
+PyTorch, MLX, mlx-vlm, Google GenAI -- takes ``CachePrepareParams`` and returns a
+``CacheHandle``; the same parameters always derive the same key; every
+``generate`` returns a ``GenerateResult``. ``PromptCacheController`` is what a
+controller offers, ``KVBackend`` what a framework adapter gives the local engine
+(``spoolctl.controllers.local``).
 """
 
 from __future__ import annotations
@@ -308,6 +311,24 @@ class Usage:
                 "cache_write_tokens": self.cache_write_tokens}
 
 
+@dataclass(frozen=True)
+class GenerateResult:
+    """What every controller's ``generate`` returns.
+
+    ``usage``: token counts of the call. ``handle``: the handle the call used (the
+    GenAI controller returns the empty handle when the server had lost the cache and
+    the request re-ran cold). ``text``: the answer (None when a local backend cannot
+    decode). ``tokens``: the new token ids (local controllers; empty for hosted ones).
+    ``response``: the SDK's response object (hosted controllers; None locally).
+    """
+
+    usage: Usage
+    handle: CacheHandle
+    text: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    response: Any = field(default=None, repr=False)
+
+
 @runtime_checkable
 class PromptCacheController(Protocol):
     """The contract every controller implements.
@@ -331,6 +352,59 @@ class PromptCacheController(Protocol):
     def __enter__(self) -> PromptCacheController: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class KVBackend(Protocol):
+    """What a framework adapter gives the local engine. All token ids are plain ``int``.
+
+    * ``kind``: the store entry kind ("pytorch" | "mlx").
+    * ``identity()``: model id/path + revision/weights digest, dtype, device, framework
+      versions. Hashed into the namespace and written to every manifest; two backends
+      whose caches are not interchangeable must differ here.
+    * ``tokenize_segments(segments)``: one id list per text segment (no special tokens
+      except, at most, a BOS at the start of the first segment).
+    * ``new_cache()``: an empty cache.
+    * ``prefill(cache, tokens)``: extend ``cache`` (empty, loaded or trimmed) by ``tokens``
+      (non-empty) and return it.
+    * ``trim(cache, keep_tokens)``: keep the first ``keep_tokens`` (0 < keep <= length) and
+      return the cache (may be the same object, modified).
+    * ``serialize(cache, token_count)``: ``(objects, layout)``, the payload objects (name ->
+      bytes) and a JSON-able layout description for ``deserialize``. Never pickle.
+    * ``deserialize(objects, layout, token_count)``: a cache covering exactly
+      ``token_count`` tokens; raise ``SpoolError`` or ``ValueError`` on ANY mismatch with the
+      loaded model (layer count, heads, head dim, dtype, length...).
+    * ``generate(cache, cached_tokens, prompt_tokens, max_new_tokens)``: greedy decode.
+      ``prompt_tokens`` is the whole prompt; ``cache`` (or None) covers its first
+      ``cached_tokens`` (always < len(prompt_tokens)). Must leave ``cache`` unchanged
+      (clone first if decoding extends it in place) and return only the new token ids.
+
+    Optional: ``clone(cache)`` (default ``copy.deepcopy``), ``decode(tokens) -> str``.
+    """
+
+    kind: str
+
+    def identity(self) -> dict[str, str]: ...
+
+    def tokenize_segments(self, segments: list[str]) -> list[list[int]]: ...
+
+    def new_cache(self) -> Any: ...
+
+    def prefill(self, cache: Any, tokens: list[int]) -> Any: ...
+
+    def trim(self, cache: Any, keep_tokens: int) -> Any: ...
+
+    def serialize(
+        self, cache: Any, token_count: int
+    ) -> tuple[dict[str, bytes | memoryview], dict]: ...
+
+    def deserialize(
+        self, objects: dict[str, memoryview], layout: dict, token_count: int
+    ) -> Any: ...
+
+    def generate(
+        self, cache: Any | None, cached_tokens: int, prompt_tokens: list[int], max_new_tokens: int
+    ) -> list[int]: ...
 
 
 def render_segments(params: CachePrepareParams, *, include_volatile: bool = True) -> list[str]:

@@ -18,11 +18,14 @@ Contract (same as the local controllers, see ``contract.py``):
 * ``generate(...)`` / ``agenerate(...)``: ``generate_content`` with
   ``cached_content=handle.ref``, leaving out what ``handle.includes`` says the
   cache holds, with ``Usage.cache_read_tokens`` from ``cached_content_token_count``.
+  Which params and which cache a call runs with follows the one rule of
+  ``targets.resolve_target`` (decision 1022).
 
 Server errors become one-line SpoolErrors (``genai_records.remote_error``). The
-logic is written once, as generators that yield the I/O they need (``_Remote``
-calls, ``_Local`` store calls); ``_drive_sync`` and ``_drive_async`` run them on
-``client.caches`` / ``client.aio.caches``.
+logic is written once, as generators that yield the I/O they need (``genai_io``:
+``Remote`` calls, ``Local`` store calls), run by ``drive_sync`` / ``drive_async``;
+single-flight is ``flight.PrepareFlights``; ``generate_content`` is
+``genai_generate``. Pure record logic is ``genai_records``.
 """
 
 from __future__ import annotations
@@ -33,80 +36,35 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from google import genai
-from google.genai import errors as genai_errors
 
 from spoolctl.store import ConfigError, NotFoundError, SpoolError, Store, entry_id_for
 
-from .contract import CacheHandle, CachePrepareParams, Element, Includes, Usage
+from .contract import CacheHandle, CachePrepareParams, GenerateResult
+from .flight import Flight, PrepareFlights
+from .genai_generate import Query, agenerate_with_cache, generate_with_cache, with_max_tokens
+from .genai_io import Local, Remote, Step, drive_async, drive_sync, iter_one, target_of
 from .genai_records import (
     DEFAULT_TTL,
     KIND,
     GenaiRecord,
-    GenaiTarget,
     cache_request,
-    generate_request,
     parse_ttl,
-    remote_error,
     store_key,
     to_unix,
     validate_name,
 )
+from .logsafe import reason
+from .targets import refuse_foreign, resolve_target
 
 log = logging.getLogger("spoolctl.genai")
 
-_TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (genai_errors.APIError, OSError)
-try:  # the SDK's transports; their errors are "service unavailable", not bugs
-    import httpx
-
-    _TRANSPORT_ERRORS += (httpx.HTTPError,)
-except ImportError:  # pragma: no cover
-    pass
-try:
-    import aiohttp
-
-    _TRANSPORT_ERRORS += (aiohttp.ClientError,)
-except ImportError:  # pragma: no cover
-    pass
-
-
-def target_of(client: genai.Client) -> GenaiTarget:
-    """The API shape a client talks to (Gemini API or a Vertex AI project/location)."""
-    api = client._api_client  # the SDK exposes these facts only on its api client
-    base = api._http_options.base_url or None
-    if base is not None and (urlsplit(base).hostname or "").endswith("googleapis.com"):
-        base = None  # Google's own endpoint: derived again from api/project/location
-    version = api._http_options.api_version
-    if api.vertexai:
-        return GenaiTarget("vertex", project=api.project, location=api.location,
-                           base_url=base, api_version=version)
-    return GenaiTarget("gemini", base_url=base, api_version=version)
-
-
-@dataclass(frozen=True)
-class _Remote:
-    """One ``caches`` call: ``op`` in create/get/update/delete."""
-
-    op: str
-    kwargs: Mapping[str, Any]
-    action: str
-    where: str
-
-
-@dataclass(frozen=True)
-class _Local:
-    """One store call (run in a worker thread under asyncio)."""
-
-    fn: Callable[[], Any]
-
-
-_Step = Generator[_Remote | _Local, Any, Any]
+__all__ = ["GenaiStats", "GenerateResult", "GoogleGenAICacheController", "Query",
+           "agenerate_with_cache", "generate_with_cache", "target_of"]
 
 
 @dataclass
@@ -126,20 +84,6 @@ class GenaiStats:
 
     def to_json(self) -> dict[str, int]:
         return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """What ``generate`` returns: the text, the usage, the handle used (empty when the
-    request ran cold) and the SDK response."""
-
-    text: str
-    usage: Usage
-    handle: CacheHandle
-    response: Any = field(repr=False, default=None)
-
-
-Query = str | Element | Sequence[Element | str] | None
 
 
 class GoogleGenAICacheController:
@@ -186,7 +130,7 @@ class GoogleGenAICacheController:
         self._memory: dict[str, GenaiRecord] = {}  # controller key -> live record
         self._created: dict[str, str] = {}  # name -> entry id, created here, not yet deleted
         self._released_ok: list[str] = []  # entry ids deleted on the server by this controller
-        self._inflight: dict[tuple[str, bool], Future[CacheHandle]] = {}
+        self._flights = PrepareFlights(self._lock)
         self._closing = False
         self._closed = False
 
@@ -220,6 +164,7 @@ class GoogleGenAICacheController:
 
         Returns the empty handle when nothing can be cached (see ``cache_request``).
         Raises a SpoolError (one line) when the server refuses or fails the create.
+        Concurrent identical prepares share one create (``flight.py``).
         """
         request = cache_request(params)
         if request is None:
@@ -227,13 +172,12 @@ class GoogleGenAICacheController:
         ckey = params.key()
         joined = self._join(ckey, params.read_only)
         if isinstance(joined, CacheHandle):
-            return self._remember(params, joined)
-        fut, owner = joined
-        if not owner:
-            return self._remember(params, dataclasses.replace(fut.result(), source="coalesced"))
-        handle = self._complete(
-            ckey, params.read_only, fut,
-            lambda: self._drive_sync(self._prepare_steps(params, ckey, request)))
+            handle = joined
+        elif not joined.leader:
+            handle = self._flights.wait(joined)
+        else:
+            handle = self._flights.lead(joined, lambda: drive_sync(
+                self._client, self._prepare_steps(params, ckey, request)))
         return self._remember(params, handle)
 
     async def aprepare(self, params: CachePrepareParams) -> CacheHandle:
@@ -244,17 +188,12 @@ class GoogleGenAICacheController:
         ckey = params.key()
         joined = self._join(ckey, params.read_only)
         if isinstance(joined, CacheHandle):
-            return self._remember(params, joined)
-        fut, owner = joined
-        if not owner:
-            handle = await asyncio.wrap_future(fut)
-            return self._remember(params, dataclasses.replace(handle, source="coalesced"))
-        try:
-            handle = await self._drive_async(self._prepare_steps(params, ckey, request))
-        except BaseException as exc:
-            self._finish(ckey, params.read_only, fut, exc=exc)
-            raise
-        self._finish(ckey, params.read_only, fut, result=handle)
+            handle = joined
+        elif not joined.leader:
+            handle = await self._flights.await_(joined)
+        else:
+            handle = await self._flights.alead(joined, lambda: drive_async(
+                self._client, self._prepare_steps(params, ckey, request)))
         return self._remember(params, handle)
 
     def _remember(self, params: CachePrepareParams, handle: CacheHandle) -> CacheHandle:
@@ -263,9 +202,12 @@ class GoogleGenAICacheController:
                 self._params[handle.ref] = params
         return handle
 
-    def _join(self, ckey: str, read_only: bool) -> CacheHandle | tuple[Future[CacheHandle], bool]:
-        """A memory hit, or the in-flight future to wait on (owner=False), or a new one
-        this caller must complete (owner=True)."""
+    def _known(self, ref: str) -> CachePrepareParams | None:
+        with self._lock:
+            return self._params.get(ref)
+
+    def _join(self, ckey: str, read_only: bool) -> CacheHandle | Flight:
+        """A memory hit, or this caller's place in the flight of ``ckey``."""
         with self._lock:
             if self._closing:
                 raise ConfigError("the genai cache controller is closed",
@@ -274,44 +216,20 @@ class GoogleGenAICacheController:
             if rec is not None and rec.remaining(self.clock()) > self.min_remaining:
                 self._stats.memory_hits += 1
                 return _handle(rec, "memory")
-            for key in ((ckey, False), (ckey, True)) if read_only else ((ckey, False),):
-                fut = self._inflight.get(key)
-                if fut is not None:
-                    self._stats.coalesced += 1
-                    return fut, False
-            fut = Future()
-            self._inflight[(ckey, read_only)] = fut
-            return fut, True
-
-    def _complete(self, ckey: str, read_only: bool, fut: Future[CacheHandle],
-                  run: Callable[[], CacheHandle]) -> CacheHandle:
-        try:
-            handle = run()
-        except BaseException as exc:
-            self._finish(ckey, read_only, fut, exc=exc)
-            raise
-        self._finish(ckey, read_only, fut, result=handle)
-        return handle
-
-    def _finish(self, ckey: str, read_only: bool, fut: Future[CacheHandle], *,
-                result: CacheHandle | None = None, exc: BaseException | None = None) -> None:
-        with self._lock:
-            self._inflight.pop((ckey, read_only), None)
-            self._lock.notify_all()
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)  # type: ignore[arg-type]
+            flight = self._flights.join(ckey, read_only)
+            if not flight.leader:
+                self._stats.coalesced += 1
+            return flight
 
     def _prepare_steps(self, params: CachePrepareParams, ckey: str,
-                       request: dict[str, Any]) -> _Step:
+                       request: dict[str, Any]) -> Step:
         now = self.clock()
-        yield _Local(lambda: self.sweep_expired(now))
+        yield Local(lambda: self.sweep_expired(now))
         with self._lock:
             rec = self._memory.get(ckey)
         source = "memory"
         if rec is None:
-            rec = yield _Local(lambda: self._find_in_store(ckey, now))
+            rec = yield Local(lambda: self._find_in_store(ckey, now))
             source = "store"
             if rec is not None and self.verify_store_hits:
                 rec = yield from self._confirm(rec)
@@ -328,20 +246,20 @@ class GoogleGenAICacheController:
         if params.read_only:
             return CacheHandle.empty()
         config = {"ttl": self.ttl, "display_name": self.display_name, **request}
-        cc = yield _Remote("create", {"model": params.model, "config": config},
+        cc = yield Remote("create", {"model": params.model, "config": config},
                            "creating a cached content", self.target.describe())
         rec = self._record_of(cc, params, ckey)
         try:
-            yield _Local(lambda: self.store.put(
+            yield Local(lambda: self.store.put(
                 kind=KIND, namespace=self.namespace, key=rec.store_key(), objects={},
                 meta=rec.meta(), index=rec.index()))
         except SpoolError:
             # Unrecorded caches would be billed with nothing to find them by: undo.
             try:
-                yield _Remote("delete", {"name": rec.name}, "deleting an unrecorded cache",
+                yield Remote("delete", {"name": rec.name}, "deleting an unrecorded cache",
                               rec.name)
             except SpoolError as exc:
-                log.warning("could not record or delete cache %s: %s", rec.name, exc)
+                log.warning("could not record or delete cache %s: %s", rec.name, reason(exc))
             raise
         with self._lock:
             self._memory[ckey] = rec
@@ -374,29 +292,29 @@ class GoogleGenAICacheController:
             return GenaiRecord.from_manifest(manifest, row)
         return None
 
-    def _confirm(self, rec: GenaiRecord) -> _Step:
+    def _confirm(self, rec: GenaiRecord) -> Step:
         """Check a store record against the server; None (and the record released) if gone."""
         try:
-            cc = yield _Remote("get", {"name": rec.name}, "checking a cached content", rec.name)
+            cc = yield Remote("get", {"name": rec.name}, "checking a cached content", rec.name)
         except NotFoundError:
-            yield _Local(lambda: self._forget(rec, "gone on the server"))
+            yield Local(lambda: self._forget(rec, "gone on the server"))
             return None
         expire = to_unix(cc.expire_time)
         if expire is not None and expire != rec.expire_time:
-            yield _Local(lambda: self.store.update_index(rec.entry_id, {"expire_time": expire}))
+            yield Local(lambda: self.store.update_index(rec.entry_id, {"expire_time": expire}))
             rec = _replace(rec, expire_time=expire)
         return rec
 
-    def _extend(self, rec: GenaiRecord) -> _Step:
+    def _extend(self, rec: GenaiRecord) -> Step:
         """PATCH the TTL of a cache about to expire; None if it is already gone."""
         try:
-            cc = yield _Remote("update", {"name": rec.name, "config": {"ttl": self.ttl}},
+            cc = yield Remote("update", {"name": rec.name, "config": {"ttl": self.ttl}},
                                "extending a cached content", rec.name)
         except NotFoundError:
-            yield _Local(lambda: self._forget(rec, "gone on the server"))
+            yield Local(lambda: self._forget(rec, "gone on the server"))
             return None
         expire = to_unix(cc.expire_time) or self.clock() + self.ttl_seconds
-        yield _Local(lambda: self.store.update_index(rec.entry_id, {"expire_time": expire}))
+        yield Local(lambda: self.store.update_index(rec.entry_id, {"expire_time": expire}))
         with self._lock:
             self._stats.extends += 1
         return _replace(rec, expire_time=expire)
@@ -444,7 +362,7 @@ class GoogleGenAICacheController:
         if rec is None:
             raise NotFoundError(f"no live cache {ref} in this controller's store",
                                 path=self.store.root, fix="prepare() it first")
-        cc = self._drive_sync(iter_one(_Remote("update", {"name": ref,
+        cc = drive_sync(self._client, iter_one(Remote("update", {"name": ref,
                                                           "config": {"ttl": seconds_ttl}},
                                                "extending a cached content", ref)))
         expire = to_unix(cc.expire_time) or self.clock() + parse_ttl(seconds_ttl)
@@ -463,10 +381,10 @@ class GoogleGenAICacheController:
         A server failure is logged in one line and recorded (``remote_pending``,
         ``remote_error``); the record stays released for ``clean_remote`` to retry.
         """
-        self._drive_sync(self._release_steps(validate_name(ref)))
+        drive_sync(self._client, self._release_steps(validate_name(ref)))
 
     async def arelease(self, ref: str) -> None:
-        await self._drive_async(self._release_steps(validate_name(ref)))
+        await drive_async(self._client, self._release_steps(validate_name(ref)))
 
     def _lookup_name(self, name: str) -> GenaiRecord | None:
         with self._lock:
@@ -481,8 +399,8 @@ class GoogleGenAICacheController:
                     return None
         return None
 
-    def _release_steps(self, name: str) -> _Step:
-        rec = yield _Local(lambda: self._lookup_name(name))
+    def _release_steps(self, name: str) -> Step:
+        rec = yield Local(lambda: self._lookup_name(name))
         if rec is None:
             log.debug("release of unknown genai cache %s ignored", name)
             return None
@@ -495,22 +413,22 @@ class GoogleGenAICacheController:
             # Held before released, so no cleanup can drop the record in between.
             self.store.update_index(rec.entry_id, {"remote_pending": True})
             self.store.release(rec.entry_id)
-        yield _Local(mark)
+        yield Local(mark)
         if rec.expire_time <= self.clock():
-            yield _Local(lambda: self._settled(rec, None))
+            yield Local(lambda: self._settled(rec, None))
             return None
         try:
-            yield _Remote("delete", {"name": name}, "deleting a cached content", name)
+            yield Remote("delete", {"name": name}, "deleting a cached content", name)
         except NotFoundError:
             pass  # already gone: the goal is met
         except SpoolError as exc:
             failure = str(exc)[:300]
-            yield _Local(lambda: self.store.update_index(rec.entry_id, {"remote_error": failure}))
+            yield Local(lambda: self.store.update_index(rec.entry_id, {"remote_error": failure}))
             with self._lock:
                 self._stats.delete_failures += 1
             log.warning("%s", failure)
             return None
-        yield _Local(lambda: self._settled(rec, "deleted"))
+        yield Local(lambda: self._settled(rec, "deleted"))
         return None
 
     def _settled(self, rec: GenaiRecord, deleted: str | None) -> None:
@@ -526,13 +444,8 @@ class GoogleGenAICacheController:
             if self._closed:
                 return None
             self._closing = True
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while self._inflight:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    log.warning("closing with %d prepare(s) still in flight", len(self._inflight))
-                    break
-                self._lock.wait(left)
+            if not self._flights.wait_idle(timeout):
+                log.warning("closing with %d prepare(s) still in flight", len(self._flights))
             return list(self._created)
 
     def _end_close(self) -> None:
@@ -543,7 +456,7 @@ class GoogleGenAICacheController:
             if done:
                 self.store.delete_released(done)
         except SpoolError as exc:  # records stay released; `spoolctl clean` removes them
-            log.warning("could not delete released genai records at close: %s", exc)
+            log.warning("could not delete released genai records at close: %s", reason(exc))
         finally:
             if self._owns_store:
                 self.store.close()
@@ -559,7 +472,7 @@ class GoogleGenAICacheController:
                 try:
                     self.release(name)
                 except SpoolError as exc:  # a store failure: keep closing the others
-                    log.warning("could not release %s at close: %s", name, exc)
+                    log.warning("could not release %s at close: %s", name, reason(exc))
         finally:
             self._end_close()
 
@@ -572,26 +485,26 @@ class GoogleGenAICacheController:
                 try:
                     await self.arelease(name)
                 except SpoolError as exc:
-                    log.warning("could not release %s at close: %s", name, exc)
+                    log.warning("could not release %s at close: %s", name, reason(exc))
         finally:
             await asyncio.to_thread(self._end_close)
 
     # -- generate ------------------------------------------------------------------------------
 
-    def _generate_target(self, target: CachePrepareParams | CacheHandle,
-                         params: CachePrepareParams | None) -> tuple[CachePrepareParams, bool]:
-        if isinstance(target, CachePrepareParams):
-            return target, True
-        if not isinstance(target, CacheHandle):
-            raise ConfigError(f"generate() takes params or a handle, not {type(target).__name__}",
-                              fix="pass CachePrepareParams or a CacheHandle")
-        if target.ref is not None:
-            with self._lock:
-                params = self._params.get(target.ref, params)
-        if params is None:
-            raise ConfigError("this handle was not prepared by this controller",
-                              fix="pass the CachePrepareParams (or params=) instead")
-        return params, False
+    def _belongs(self, handle: CacheHandle, params: CachePrepareParams) -> bool:
+        """Whether ``handle`` is the cache ``params`` map to: by the params it was prepared
+        for here, else by its record (memory, then the store)."""
+        if handle.ref is None:
+            return True
+        known = self._known(handle.ref)
+        if known is not None:
+            return known.key() == params.key()
+        try:
+            rec = self._lookup_name(handle.ref)
+        except SpoolError as exc:
+            log.warning("could not look up a cache handle, running cold: %s", reason(exc))
+            return False
+        return rec is not None and rec.key == params.key()
 
     def generate(self, target: CachePrepareParams | CacheHandle, prompt: Query = "", *,
                  params: CachePrepareParams | None = None,
@@ -601,21 +514,26 @@ class GoogleGenAICacheController:
         (volatile ones included) and tools, then ``prompt``, sending only what the cache
         does not hold.
 
-        ``target`` is the params (prepared here) or a handle from this controller's
-        ``prepare`` (an empty handle needs ``params=``). If the cache turns out to be
-        gone on the server, the request is re-run cold (``cache_read_tokens = 0``).
+        ``target`` is the params (prepared here) or a handle; which params and which
+        cache a call runs with follows ``targets.resolve_target`` (decision 1022):
+        ``params=`` is the query when given, a handle of other params is refused (the
+        query runs cold). If the cache turns out to be gone on the server, the request
+        is re-run cold (``cache_read_tokens = 0``, ``result.handle`` empty).
         """
-        params, fresh = self._generate_target(target, params)
-        handle = self.prepare(params) if fresh else target
-        cfg = _with_max_tokens(config, max_new_tokens)
+        query, handle = resolve_target(target, params, self._known)
+        if handle is None:
+            handle = self.prepare(query)
+        else:
+            handle = refuse_foreign(handle, self._belongs(handle, query), log)
+        cfg = with_max_tokens(config, max_new_tokens)
         try:
-            result = generate_with_cache(self._client, params, handle, prompt, config=cfg)
+            result = generate_with_cache(self._client, query, handle, prompt, config=cfg)
         except NotFoundError as exc:
             if not handle:
                 raise
             log.warning("%s; rerunning cold", exc)
             self._drop_handle(handle)
-            result = generate_with_cache(self._client, params, CacheHandle.empty(), prompt,
+            result = generate_with_cache(self._client, query, CacheHandle.empty(), prompt,
                                          config=cfg)
         return self._count_usage(result)
 
@@ -624,17 +542,21 @@ class GoogleGenAICacheController:
                         config: Mapping[str, Any] | None = None,
                         max_new_tokens: int | None = None) -> GenerateResult:
         """``generate`` for asyncio (``client.aio.models``)."""
-        params, fresh = self._generate_target(target, params)
-        handle = await self.aprepare(params) if fresh else target
-        cfg = _with_max_tokens(config, max_new_tokens)
+        query, handle = resolve_target(target, params, self._known)
+        if handle is None:
+            handle = await self.aprepare(query)
+        else:
+            belongs = await asyncio.to_thread(self._belongs, handle, query)
+            handle = refuse_foreign(handle, belongs, log)
+        cfg = with_max_tokens(config, max_new_tokens)
         try:
-            result = await agenerate_with_cache(self._client, params, handle, prompt, config=cfg)
+            result = await agenerate_with_cache(self._client, query, handle, prompt, config=cfg)
         except NotFoundError as exc:
             if not handle:
                 raise
             log.warning("%s; rerunning cold", exc)
             self._drop_handle(handle)
-            result = await agenerate_with_cache(self._client, params, CacheHandle.empty(),
+            result = await agenerate_with_cache(self._client, query, CacheHandle.empty(),
                                                 prompt, config=cfg)
         return self._count_usage(result)
 
@@ -650,61 +572,6 @@ class GoogleGenAICacheController:
             self._stats.cache_read_tokens += result.usage.cache_read_tokens
         return result
 
-    # -- drivers ---------------------------------------------------------------------------
-
-    def _drive_sync(self, steps: _Step) -> Any:
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.throw(error) if error is not None else steps.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value, error = None, None
-            try:
-                if isinstance(step, _Local):
-                    value = step.fn()
-                else:
-                    value = _call(getattr(self._client.caches, step.op), step)
-            except SpoolError as exc:
-                error = exc
-
-    async def _drive_async(self, steps: _Step) -> Any:
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.throw(error) if error is not None else steps.send(value)
-            except StopIteration as stop:
-                return stop.value
-            value, error = None, None
-            try:
-                if isinstance(step, _Local):
-                    value = await asyncio.to_thread(step.fn)
-                else:
-                    value = await _acall(getattr(self._client.aio.caches, step.op), step)
-            except SpoolError as exc:
-                error = exc
-
-
-def iter_one(step: _Remote) -> _Step:
-    """A one-step program: the result of ``step``."""
-    return (yield step)
-
-
-def _call(fn: Callable[..., Any], step: _Remote) -> Any:
-    try:
-        return fn(**step.kwargs)
-    except _TRANSPORT_ERRORS as exc:
-        raise remote_error(exc, step.action, step.where) from exc
-
-
-async def _acall(fn: Callable[..., Any], step: _Remote) -> Any:
-    try:
-        return await fn(**step.kwargs)
-    except _TRANSPORT_ERRORS as exc:
-        raise remote_error(exc, step.action, step.where) from exc
-
 
 def _replace(rec: GenaiRecord, **changes: Any) -> GenaiRecord:
     return dataclasses.replace(rec, **changes)
@@ -716,87 +583,3 @@ def _handle(rec: GenaiRecord, source: str) -> CacheHandle:
     return CacheHandle(ref=rec.name, includes=rec.includes, cached_tokens=rec.token_count,
                        written_tokens=0 if reused else rec.token_count,
                        reused_tokens=rec.token_count if reused else 0, source=source)
-
-
-# -- generate helpers (usable without a controller) ----------------------------------------------
-
-def _with_max_tokens(config: Mapping[str, Any] | None,
-                     max_new_tokens: int | None) -> dict[str, Any] | None:
-    if max_new_tokens is None:
-        return dict(config) if config is not None else None
-    if max_new_tokens < 1:
-        raise ConfigError("max_new_tokens must be >= 1", fix="ask for at least one token")
-    return {**(config or {}), "max_output_tokens": max_new_tokens}
-
-
-def _query_elements(query: Query) -> list[Element]:
-    if query is None:
-        return []
-    if isinstance(query, (str, Element)):
-        query = [query]
-    query = [q for q in query if not (isinstance(q, str) and not q)]  # "" means no prompt
-    return [Element.coerce(q) if not isinstance(q, str) else Element(q, role="user")
-            for q in query]
-
-
-def _generate_args(params: CachePrepareParams, handle: CacheHandle, query: Query,
-                   config: Mapping[str, Any] | None) -> dict[str, Any]:
-    includes = handle.includes if handle else Includes()
-    contents, cfg = generate_request(params, includes, _query_elements(query), config,
-                                     cached_content=handle.ref if handle else None)
-    return {"model": params.model, "contents": contents, "config": cfg}
-
-
-def _result(response: Any, handle: CacheHandle) -> GenerateResult:
-    meta = response.usage_metadata
-    usage = Usage(
-        prompt_tokens=int(getattr(meta, "prompt_token_count", None) or 0),
-        completion_tokens=int(getattr(meta, "candidates_token_count", None) or 0),
-        cache_read_tokens=int(getattr(meta, "cached_content_token_count", None) or 0),
-    )
-    try:
-        text = response.text or ""
-    except ValueError:  # no text parts (e.g. only a function call)
-        text = ""
-    return GenerateResult(text=text, usage=usage, handle=handle, response=response)
-
-
-def generate_with_cache(client: genai.Client, params: CachePrepareParams, handle: CacheHandle,
-                        query: Query = None, *,
-                        config: Mapping[str, Any] | None = None) -> GenerateResult:
-    """``client.models.generate_content`` with ``cached_content=handle.ref``, sending only
-    what the cache lacks (per ``handle.includes``) plus ``query``. Usage reports
-    ``cache_read_tokens`` from ``usage_metadata.cached_content_token_count``."""
-    args = _generate_args(params, handle, query, config)
-    step = _Remote("generate_content", args, "generating", params.model)
-    try:
-        response = client.models.generate_content(**args)
-    except _TRANSPORT_ERRORS as exc:
-        raise _generate_error(exc, step, handle) from exc
-    return _result(response, handle)
-
-
-async def agenerate_with_cache(client: genai.Client, params: CachePrepareParams,
-                               handle: CacheHandle,
-                               query: Query = None, *,
-                               config: Mapping[str, Any] | None = None) -> GenerateResult:
-    args = _generate_args(params, handle, query, config)
-    step = _Remote("generate_content", args, "generating", params.model)
-    try:
-        response = await client.aio.models.generate_content(**args)
-    except _TRANSPORT_ERRORS as exc:
-        raise _generate_error(exc, step, handle) from exc
-    return _result(response, handle)
-
-
-def _generate_error(exc: BaseException, step: _Remote, handle: CacheHandle) -> SpoolError:
-    # A missing cache in a generate call is a 403 "CachedContent not found" from the
-    # service; report it as the miss it is so callers re-prepare.
-    message = str(getattr(exc, "message", "") or "")
-    if handle and getattr(exc, "code", None) in (403, 404) and "CachedContent" in message:
-        err = NotFoundError(f"cached content {handle.ref} is gone on the server "
-                            f"({getattr(exc, 'code', '')}: {' '.join(message.split())[:200]})",
-                            fix="prepare() again to create a new cache")
-        err.code = getattr(exc, "code", None)  # type: ignore[attr-defined]
-        return err
-    return remote_error(exc, step.action, step.where)

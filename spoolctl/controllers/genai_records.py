@@ -381,3 +381,36 @@ def format_expiry(seconds: float) -> str:
     m, sec = divmod(rem, 60)
     text = f"{h}h {m:02d}m" if h else (f"{m}m {sec:02d}s" if m else f"{sec}s")
     return f"in {text}" if seconds > 0 else f"expired {text} ago"
+
+
+# -- expiry (what ``spoolctl status`` / ``ls`` / ``inspect`` show) ------------------------------
+
+
+def expires_in(index: Mapping[str, Any], now: float) -> float | None:
+    """Seconds until the server-side cache a genai index records expires (negative: expired);
+    None if the index holds no numeric ``expire_time``."""
+    value = index.get("expire_time") if isinstance(index, Mapping) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return float(value) - now
+
+
+@dataclass(frozen=True)
+class GenaiExpiry:
+    """How many genai entries a store records, how many have expired, and the next expiry."""
+
+    entries: int = 0
+    expired: int = 0
+    next_expiry_in_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entries": self.entries, "expired": self.expired,
+                "next_expiry_in_s": self.next_expiry_in_s}
+
+
+def expiry_summary(rows: Sequence[CatalogRow], now: float) -> GenaiExpiry:
+    """Summarise the expiry of ``rows`` (genai catalog rows; those without a valid
+    ``expire_time`` count as entries only)."""
+    left = [e for e in (expires_in(r.index, now) for r in rows) if e is not None]
+    return GenaiExpiry(entries=len(rows), expired=sum(1 for e in left if e <= 0),
+                       next_expiry_in_s=min((e for e in left if e > 0), default=None))

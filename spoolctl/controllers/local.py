@@ -1,16 +1,18 @@
-"""The local prompt-cache controller engine, shared by the PyTorch and MLX controllers.
+"""The local prompt-cache controller engine, shared by the PyTorch, MLX and mlx-vlm controllers.
 
-Everything but the framework lives here, once: key derivation, namespaces,
-token prefixes, base selection and incremental prefill, the in-memory LRU,
-coalescing of concurrent identical ``prepare`` calls (threads), cross-process
-single-flight (a lock per key stripe under the store's ``state/``), release,
-``close()`` and usage. A backend (``KVBackend``) only tokenizes, prefills,
-trims, generates and turns its KV cache into bytes and back.
+Everything but the framework and the entry format lives here, once: the in-memory
+LRU, single-flight of concurrent identical ``prepare`` calls (``flight.py``),
+cross-process single-flight (a lock per key stripe under the store's ``state/``),
+disk lookups with verification and quarantine, base selection and incremental
+prefill, commit, release, ``close()``, the target of ``generate`` (``targets.py``)
+and its usage. What an entry is -- key, prompt rendering, manifest fields, bytes,
+continuation -- is the controller's ``EntryFormat`` (``entry_format.py``); the
+framework is the format's backend (``contract.KVBackend`` for plain KV caches).
 
 Guarantees:
 
-* Same parameters -> same entry (id = kind + backend-identity namespace +
-  ``CachePrepareParams.key()``), served from memory, else from disk.
+* Same parameters -> same entry (id = kind + backend-identity namespace + key),
+  served from memory, else from disk.
 * A stored cache is used only if its manifest identity, token ids, prefix
   digests and payload digests all verify, and its tokens are a prefix of the
   prompt. Anything else is a miss (quarantined when the bytes are bad): the
@@ -20,22 +22,21 @@ Guarantees:
   LRU clock update); they use exact hits only, else an empty handle.
 * Store trouble while writing (full disk, busy lock) never fails ``prepare``:
   the cache is still served from memory, just not persisted.
+* Default log lines never name an entry, a digest or a store path (``logsafe``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import shutil
 import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import Future
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from spoolctl.store import (
     ConfigError,
@@ -45,17 +46,19 @@ from spoolctl.store import (
     QuarantineReason,
     SpoolError,
     Store,
-    entry_id_for,
     validate_entry_id,
 )
 from spoolctl.store.locks import hold
 
-from .contract import CacheHandle, CachePrepareParams, Usage, render_segments
-from .tokens import TokenPrefix, common_prefix_tokens, namespace_for, rank_bases
+from .contract import CacheHandle, CachePrepareParams, GenerateResult, KVBackend, Usage
+from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan, Prompt
+from .flight import PrepareFlights
+from .logsafe import reason
+from .targets import FOREIGN_HANDLE, resolve_target
+from .tokens import TokenPrefix, common_prefix_tokens, rank_bases
 
 log = logging.getLogger("spoolctl.controllers")
 
-FORMAT = "spoolctl-local-kv/v1"
 LOCAL_KINDS = frozenset({"pytorch", "mlx"})
 DEFAULT_MEMORY_ENTRIES = 4
 DEFAULT_LOCK_TIMEOUT = 600.0
@@ -63,74 +66,12 @@ LOCK_STRIPES = 256  # lock files per store: bounded, and two keys rarely share o
 MAX_BASE_TRIES = 3
 MAX_KNOWN_PARAMS = 4096  # refs whose params generate(handle) can look up
 
-
-def _safe(exc: BaseException) -> str:
-    """What a default (WARNING) log line may say about ``exc``.
-
-    Never an entry id or a store path: entry ids and object digests are derived from the
-    prompt, and logs travel further than the store (see docs/SECURITY.md). A SpoolError's
-    message carries no path (that is in ``exc.path``); other text is clipped.
-    """
-    if isinstance(exc, SpoolError):
-        return exc.message
-    return str(exc)[:200]
+__all__ = ["DEFAULT_LOCK_TIMEOUT", "DEFAULT_MEMORY_ENTRIES", "FORMAT", "LOCK_STRIPES",
+           "ControllerStats", "GenerateResult", "KVBackend", "LocalCacheController"]
 
 
 class _TransientReadError(Exception):
     """The store could not read an entry right now (I/O, busy): not the entry's fault."""
-
-
-@runtime_checkable
-class KVBackend(Protocol):
-    """What a framework adapter provides. All token ids are plain ``int``.
-
-    * ``kind``: the store entry kind ("pytorch" | "mlx").
-    * ``identity()``: model id/path + revision/weights digest, dtype, device, framework
-      versions. Hashed into the namespace and written to every manifest; two backends
-      whose caches are not interchangeable must differ here.
-    * ``tokenize_segments(segments)``: one id list per text segment (no special tokens
-      except, at most, a BOS at the start of the first segment).
-    * ``new_cache()``: an empty cache.
-    * ``prefill(cache, tokens)``: extend ``cache`` (empty, loaded or trimmed) by ``tokens``
-      (non-empty) and return it.
-    * ``trim(cache, keep_tokens)``: keep the first ``keep_tokens`` (0 < keep <= length) and
-      return the cache (may be the same object, modified).
-    * ``serialize(cache, token_count)``: ``(objects, layout)``, the payload objects (name ->
-      bytes) and a JSON-able layout description for ``deserialize``. Never pickle.
-    * ``deserialize(objects, layout, token_count)``: a cache covering exactly
-      ``token_count`` tokens; raise ``SpoolError`` or ``ValueError`` on ANY mismatch with the
-      loaded model (layer count, heads, head dim, dtype, length...).
-    * ``generate(cache, cached_tokens, prompt_tokens, max_new_tokens)``: greedy decode.
-      ``prompt_tokens`` is the whole prompt; ``cache`` (or None) covers its first
-      ``cached_tokens`` (always < len(prompt_tokens)). Must leave ``cache`` unchanged
-      (clone first if decoding extends it in place) and return only the new token ids.
-
-    Optional: ``clone(cache)`` (default ``copy.deepcopy``), ``decode(tokens) -> str``.
-    """
-
-    kind: str
-
-    def identity(self) -> dict[str, str]: ...
-
-    def tokenize_segments(self, segments: list[str]) -> list[list[int]]: ...
-
-    def new_cache(self) -> Any: ...
-
-    def prefill(self, cache: Any, tokens: list[int]) -> Any: ...
-
-    def trim(self, cache: Any, keep_tokens: int) -> Any: ...
-
-    def serialize(
-        self, cache: Any, token_count: int
-    ) -> tuple[dict[str, bytes | memoryview], dict]: ...
-
-    def deserialize(
-        self, objects: dict[str, memoryview], layout: dict, token_count: int
-    ) -> Any: ...
-
-    def generate(
-        self, cache: Any | None, cached_tokens: int, prompt_tokens: list[int], max_new_tokens: int
-    ) -> list[int]: ...
 
 
 @dataclass
@@ -150,57 +91,28 @@ class ControllerStats:
     commit_failures: int = 0
 
 
-@dataclass(frozen=True)
-class GenerateResult:
-    """Output of ``generate``: new token ids, their text (if the backend decodes), usage,
-    and the handle that was used."""
-
-    tokens: list[int]
-    usage: Usage
-    handle: CacheHandle
-    text: str | None = None
-
-
-@dataclass(frozen=True)
-class _Plan:
-    params: CachePrepareParams
-    key: str
-    entry_id: str
-    prefix: TokenPrefix
-    group: str
-    elements: tuple[str, ...]
-    lead_segments: int
-
-
-@dataclass
-class _Loaded:
-    cache: Any
-    prefix: TokenPrefix
-
-
 class LocalCacheController:
-    """A ``PromptCacheController`` for in-process inference, generic over a ``KVBackend``.
+    """A ``PromptCacheController`` for in-process inference, generic over a backend and
+    its entry format.
 
-    ``root``: a store root path, an open ``Store`` (not closed by this controller), or
-    None for a managed temporary store that ``close()`` removes entirely.
-    ``memory_entries``: how many loaded caches stay in memory (LRU).
+    ``backend``: a ``KVBackend``, whose entries are ``KVEntryFormat``'s, or the backend
+    of ``entry_format`` (the VLM controller passes its ``VlmEntryFormat``). ``root``: a
+    store root path, an open ``Store`` (not closed by this controller), or None for a
+    managed temporary store that ``close()`` removes entirely. ``memory_entries``: how
+    many loaded caches stay in memory (LRU).
     ``lock_timeout``: how long ``prepare`` waits for another process preparing the same
     key stripe before giving up and returning an empty handle (run cold).
     """
 
-    # The manifest format this controller writes and accepts, and how a rejection names it
-    # (a subclass with its own entry format overrides both).
-    entry_format = FORMAT
-    entry_noun = "a local KV cache entry"
-
     def __init__(
         self,
-        backend: KVBackend,
+        backend: KVBackend | Any,
         root: str | Path | Store | None = None,
         *,
         max_bytes: int | None = None,
         memory_entries: int = DEFAULT_MEMORY_ENTRIES,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        entry_format: EntryFormat | None = None,
     ):
         if getattr(backend, "kind", None) not in LOCAL_KINDS:
             raise ConfigError(f"unsupported backend kind {getattr(backend, 'kind', None)!r}",
@@ -208,9 +120,10 @@ class LocalCacheController:
         if memory_entries < 0:
             raise ConfigError("memory_entries must be >= 0", fix="pass 0 to keep nothing loaded")
         self.backend = backend
-        self.kind: str = backend.kind
-        self.identity = dict(backend.identity())
-        self.namespace = namespace_for(self.kind, self.identity)
+        self.format: EntryFormat = entry_format or KVEntryFormat(backend)
+        self.kind: str = self.format.kind
+        self.identity = self.format.identity
+        self.namespace = self.format.namespace
         self.memory_entries = memory_entries
         self.lock_timeout = lock_timeout
         self._managed: Path | None = None
@@ -223,12 +136,10 @@ class LocalCacheController:
             self.store = Store.open(str(self._managed), create=True, max_bytes=max_bytes)
         else:
             self.store = Store.open(str(root), create=True, max_bytes=max_bytes)
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)
-        self._memory: OrderedDict[str, _Loaded] = OrderedDict()
+        self._lock = threading.Condition(threading.RLock())
+        self._flights = PrepareFlights(self._lock)
+        self._memory: OrderedDict[str, Loaded] = OrderedDict()
         self._params: OrderedDict[str, CachePrepareParams] = OrderedDict()
-        self._inflight: dict[tuple[str, bool], Future[CacheHandle]] = {}
-        self._active = 0
         self._released: set[str] = set()
         self._closed = False
         self._stats = ControllerStats()
@@ -241,10 +152,6 @@ class LocalCacheController:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Wait for in-flight prepares, delete this controller's released entries, drop
         loaded caches, and remove a managed store entirely. Idempotent."""
@@ -252,8 +159,7 @@ class LocalCacheController:
             if self._closed:
                 return
             self._closed = True
-            while self._active:
-                self._idle.wait()
+            self._flights.wait_idle()
             released = sorted(self._released)
             self._released.clear()
             self._memory.clear()
@@ -262,7 +168,7 @@ class LocalCacheController:
             if self._managed is None and released:
                 self.store.delete_released(released)
         except SpoolError as exc:  # bytes stay released; `spoolctl clean` removes them
-            log.warning("could not delete released entries at close: %s", _safe(exc))
+            log.warning("could not delete released entries at close: %s", reason(exc))
         finally:
             if self._owns_store:
                 self.store.close()
@@ -275,8 +181,7 @@ class LocalCacheController:
 
     def record_query(self) -> None:
         """Count one query served (statistics only)."""
-        with self._lock:
-            self._stats.queries += 1
+        self._count(queries=1)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -291,7 +196,13 @@ class LocalCacheController:
 
     def entry_id(self, params: CachePrepareParams) -> str:
         """The store entry id ``params`` map to with this backend."""
-        return entry_id_for(self.kind, self.namespace, params.key())
+        return self.format.entry_id(params)
+
+    def _plan(self, params: CachePrepareParams) -> Plan | None:
+        return self.format.plan(params)
+
+    def _prefix_of(self, manifest: Manifest) -> TokenPrefix:
+        return self.format.check(manifest.meta, None)
 
     def prepare(self, params: CachePrepareParams) -> CacheHandle:
         """Return a handle to a cache of the cacheable prefix of ``params``.
@@ -308,7 +219,6 @@ class LocalCacheController:
         plan = self._plan(params)
         if plan is None:
             return CacheHandle.empty()
-        flight = (plan.entry_id, params.read_only)
         with self._lock:
             self._check_open()
             self._stats.prepares += 1
@@ -318,49 +228,14 @@ class LocalCacheController:
                 self._stats.memory_hits += 1
                 self._know(plan.entry_id, params)
                 return self._handle(plan, source="memory")
-            future = self._inflight.get(flight)
-            leader = future is None
-            if leader:
-                future = Future()
-                self._inflight[flight] = future
-                self._active += 1
-        if not leader:
-            handle = future.result()
-            self._count(coalesced=1)
-            # The leader did the work; this caller wrote and reused nothing itself.
-            return replace(handle, written_tokens=0, reused_tokens=0,
-                           source="coalesced" if handle else handle.source)
-        try:
-            handle = self._prepare_slow(plan)
-            future.set_result(handle)
-            return handle
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        finally:
-            with self._lock:
-                del self._inflight[flight]
-                self._active -= 1
-                self._idle.notify_all()
+            flight = self._flights.join(plan.entry_id, params.read_only)
+            if not flight.leader:
+                self._stats.coalesced += 1
+        if not flight.leader:
+            return self._flights.wait(flight)
+        return self._flights.lead(flight, lambda: self._prepare_slow(plan))
 
-    def _plan(self, params: CachePrepareParams) -> _Plan | None:
-        segments = render_segments(params, include_volatile=False)
-        if not segments:
-            return None
-        ids = self.backend.tokenize_segments(segments)
-        if len(ids) != len(segments):
-            raise ConfigError("the backend returned the wrong number of token lists",
-                              fix="fix the backend's tokenize_segments()")
-        prefix = TokenPrefix.from_segments(ids)
-        if not len(prefix):
-            return None
-        key = params.key()
-        return _Plan(params=params, key=key,
-                     entry_id=entry_id_for(self.kind, self.namespace, key), prefix=prefix,
-                     group=params.group_hash(), elements=tuple(params.element_hashes()),
-                     lead_segments=1 if params.tools else 0)
-
-    def _handle(self, plan: _Plan, *, source: str, written: int = 0, reused: int = 0,
+    def _handle(self, plan: Plan, *, source: str, written: int = 0, reused: int = 0,
                 supersedes: str | None = None) -> CacheHandle:
         return CacheHandle(ref=plan.entry_id, includes=plan.params.includes(),
                            supersedes=supersedes, cached_tokens=len(plan.prefix),
@@ -375,9 +250,8 @@ class LocalCacheController:
         with hold(path, exclusive=True, timeout=self.lock_timeout, what="preparing a cache"):
             yield
 
-    def _prepare_slow(self, plan: _Plan) -> CacheHandle:
-        params = plan.params
-        if params.read_only:
+    def _prepare_slow(self, plan: Plan) -> CacheHandle:
+        if plan.params.read_only:
             loaded = self._load_exact(plan, touch=False)
             if loaded is None:
                 return CacheHandle.empty()
@@ -389,31 +263,31 @@ class LocalCacheController:
         except SpoolError as exc:
             if isinstance(exc, ConfigError):
                 raise
-            log.warning("prepare fell back to a cold run: %s", _safe(exc))
+            log.warning("prepare fell back to a cold run: %s", reason(exc))
             return CacheHandle.empty()
 
-    def _prepare_locked(self, plan: _Plan) -> CacheHandle:
+    def _prepare_locked(self, plan: Plan) -> CacheHandle:
         loaded = self._load_exact(plan, touch=True)
         if loaded is not None:
             self._remember(plan, loaded)
             return self._handle(plan, source="disk")
-        based = self._from_base(plan)
+        based = self._from_base(plan) if self.format.bases else None
         if based is not None:
             cache, keep, base_id = based
             suffix = list(plan.prefix.tokens[keep:])
             try:
                 if suffix:
-                    cache = self.backend.prefill(cache, suffix)
+                    cache = self.format.extend(cache, suffix)
                 source, written, reused = "incremental", len(suffix), keep
             except Exception as exc:  # a base the model cannot extend: start over cold
                 log.warning("incremental prefill on a base failed, prefilling cold: %s",
-                            _safe(exc))
+                            reason(exc))
                 based = None
         if based is None:
-            cache = self.backend.prefill(self.backend.new_cache(), list(plan.prefix.tokens))
+            cache = self.format.prefill(plan)
             base_id, source, written, reused = None, "cold", len(plan.prefix), 0
         persisted = self._commit(plan, cache, base_id)
-        self._remember(plan, _Loaded(cache, plan.prefix))
+        self._remember(plan, Loaded(cache, plan.prefix))
         with self._lock:
             if source == "cold":
                 self._stats.cold_prefills += 1
@@ -428,24 +302,25 @@ class LocalCacheController:
         return self._handle(plan, source=source, written=written, reused=reused,
                             supersedes=base_id if persisted else None)
 
-    def _commit(self, plan: _Plan, cache: Any, base_id: str | None) -> bool:
-        n = len(plan.prefix)
+    def _commit(self, plan: Plan, cache: Any, base_id: str | None) -> bool:
         try:
-            objects, layout = self.backend.serialize(cache, n)
+            objects, layout = self.format.serialize(cache, plan)
         except Exception as exc:  # the cache still serves this process from memory
-            log.warning("cache could not be serialized, not persisted: %s", exc)
+            log.warning("cache could not be serialized, not persisted: %s", reason(exc))
             self._count(commit_failures=1)
             return False
-        meta = {"format": self.entry_format, "identity": self.identity, "layout": layout,
-                "model": plan.params.model, "lead_segments": plan.lead_segments,
-                "includes": plan.params.includes().to_json(), **plan.prefix.to_meta()}
-        index = {"group": plan.group, "elements": list(plan.elements), "tokens": n}
+        own_meta, own_index = self.format.describe(plan)
+        meta = {"format": self.format.name, "identity": self.identity, "layout": layout,
+                "model": plan.params.model, "includes": plan.params.includes().to_json(),
+                **own_meta, **plan.prefix.to_meta()}
+        index = {"group": plan.group, "elements": list(plan.elements),
+                 "tokens": len(plan.prefix), **own_index}
         try:
-            self.store.put(kind=self.kind, namespace=self.namespace, key=plan.key,
+            self.store.put(kind=self.kind, namespace=plan.namespace, key=plan.key,
                            objects=objects, meta=meta, index=index, supersedes=base_id)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
-            log.warning("cache not persisted (%s); serving it from memory", _safe(exc))
+            log.warning("cache not persisted (%s); serving it from memory", reason(exc))
             self._count(commit_failures=1)
             return False
         with self._lock:
@@ -453,7 +328,7 @@ class LocalCacheController:
             self._released.discard(plan.entry_id)
         return True
 
-    def _remember(self, plan: _Plan, loaded: _Loaded) -> None:
+    def _remember(self, plan: Plan, loaded: Loaded) -> None:
         with self._lock:
             self._know(plan.entry_id, plan.params)
             if self.memory_entries == 0:
@@ -470,39 +345,32 @@ class LocalCacheController:
         while len(self._params) > MAX_KNOWN_PARAMS:
             self._params.popitem(last=False)
 
+    def _known(self, ref: str) -> CachePrepareParams | None:
+        with self._lock:
+            return self._params.get(ref)
+
     # -- loading ------------------------------------------------------------------------
 
-    def _load_exact(self, plan: _Plan, *, touch: bool) -> _Loaded | None:
+    def _load_exact(self, plan: Plan, *, touch: bool) -> Loaded | None:
         try:
-            manifest = self.store.lookup(self.kind, self.namespace, plan.key, touch=touch)
+            manifest = self.store.lookup(self.kind, plan.namespace, plan.key, touch=touch)
         except SpoolError as exc:
-            log.warning("cache lookup failed, treating as a miss: %s", _safe(exc))
+            log.warning("cache lookup failed, treating as a miss: %s", reason(exc))
             return None
         if manifest is None:
             return None
-        loaded = self._load_manifest(manifest, expect=plan.prefix,
-                                     quarantine=not plan.params.read_only)
+        loaded = self._load_manifest(manifest, plan=plan, quarantine=not plan.params.read_only)
         if loaded is not None:
             self._count(disk_hits=1)
         return loaded
 
-    def _prefix_of(self, manifest: Manifest) -> TokenPrefix:
-        meta = manifest.meta
-        if meta.get("format") != self.entry_format:
-            raise ValueError(f"not {self.entry_noun} (format {str(meta.get('format'))[:40]!r})")
-        if meta.get("identity") != self.identity:
-            raise ValueError("model identity in the manifest does not match the loaded model")
-        if not isinstance(meta.get("layout"), dict):
-            raise ValueError("manifest has no layout")
-        return TokenPrefix.from_meta(meta)
-
-    def _load_manifest(self, manifest: Manifest, *, expect: TokenPrefix | None,
-                       quarantine: bool = True) -> _Loaded | None:
-        """Verify and deserialize an entry; None (after quarantining bad entries) on any
-        defect. ``expect``: the exact token prefix the entry must hold."""
+    def _load_manifest(self, manifest: Manifest, *, plan: Plan | None,
+                       quarantine: bool = True) -> Loaded | None:
+        """Verify and load an entry; None (after quarantining bad entries) on any defect.
+        ``plan``: the plan the entry must hold exactly (None: a base, any prefix)."""
         try:
-            prefix = self._prefix_of(manifest)
-            if expect is not None and prefix != expect:
+            prefix = self.format.check(manifest.meta, plan)
+            if plan is not None and prefix != plan.prefix:
                 raise ValueError("cached token ids differ from the prompt's")
             try:
                 objects = self.store.read_all(manifest)
@@ -513,38 +381,34 @@ class LocalCacheController:
             # Any error from here on, SpoolError included, is a defect of the entry itself
             # (its bytes verified but do not fit this model): quarantine it, so the next
             # prepare rebuilds it instead of missing on it forever.
-            cache = self.backend.deserialize(objects, dict(manifest.meta["layout"]), len(prefix))
-            return _Loaded(cache, prefix)
+            cache = self.format.load(objects, manifest.meta, prefix, plan)
+            return Loaded(cache, prefix)
         except (CorruptionError, NotFoundError) as exc:
             # The store has already quarantined a corrupt entry; a deleted one is a miss.
-            log.warning("cache entry unusable, treated as a miss: %s", _safe(exc))
+            log.warning("cache entry unusable, treated as a miss: %s", reason(exc))
             log.debug("unusable entry: %s (%s)", manifest.entry_id, exc)
         except _TransientReadError as exc:  # I/O trouble: a miss, the entry may be fine later
-            log.warning("cache entry unreadable, treated as a miss: %s", _safe(exc.__cause__))
+            log.warning("cache entry unreadable, treated as a miss: %s", reason(exc.__cause__))
         except Exception as exc:  # any mismatch inside the payload or its description
-            log.warning("cache entry rejected, treated as a miss: %s", _safe(exc))
+            log.warning("cache entry rejected, treated as a miss: %s", reason(exc))
             log.debug("rejected entry: %s", manifest.entry_id)
             if quarantine:
                 with contextlib.suppress(SpoolError):
-                    self.store.quarantine_entry(manifest.entry_id,
-                                                QuarantineReason.MANIFEST_VALIDATION,
-                                                f"{self.kind} cache rejected: {str(exc)[:300]}")
+                    self.store.quarantine_entry(
+                        manifest.entry_id, QuarantineReason.MANIFEST_VALIDATION,
+                        f"{self.format.label} cache rejected: {str(exc)[:300]}")
         self._count(load_failures=1)
         with self._lock:
             self._memory.pop(manifest.entry_id, None)
         return None
 
-    def _clone(self, cache: Any) -> Any:
-        clone = getattr(self.backend, "clone", None)
-        return clone(cache) if clone is not None else copy.deepcopy(cache)
-
-    def _from_base(self, plan: _Plan) -> tuple[Any, int, str] | None:
+    def _from_base(self, plan: Plan) -> tuple[Any, int, str] | None:
         """Best retained base: load it, trim it to the common token prefix. None if no
         usable base (any failure falls back to a cold prefill)."""
         try:
-            rows = self.store.entries(kind=self.kind, namespace=self.namespace, hint="retain")
+            rows = self.store.entries(kind=self.kind, namespace=plan.namespace, hint="retain")
         except SpoolError as exc:
-            log.warning("base selection skipped: %s", _safe(exc))
+            log.warning("base selection skipped: %s", reason(exc))
             return None
         candidates = rank_bases([(r.entry_id, r.key, r.index) for r in rows],
                                 group=plan.group, elements=plan.elements,
@@ -556,10 +420,10 @@ class LocalCacheController:
                 keep = common_prefix_tokens(in_memory.prefix, plan.prefix)
                 if keep == 0:
                     continue
-                cache, base_len = self._clone(in_memory.cache), len(in_memory.prefix)
+                cache, base_len = self.format.clone(in_memory.cache), len(in_memory.prefix)
             else:
                 try:
-                    manifest = self.store.lookup(self.kind, self.namespace, cand.key,
+                    manifest = self.store.lookup(self.kind, plan.namespace, cand.key,
                                                  touch=False)
                 except SpoolError:
                     continue
@@ -571,15 +435,15 @@ class LocalCacheController:
                     keep = -1  # bad meta: _load_manifest below rejects and quarantines it
                 if keep == 0:
                     continue
-                loaded = self._load_manifest(manifest, expect=None)
+                loaded = self._load_manifest(manifest, plan=None)
                 if loaded is None:
                     continue
                 cache, base_len = loaded.cache, len(loaded.prefix)
             try:
                 if keep < base_len:
-                    cache = self.backend.trim(cache, keep)
+                    cache = self.format.trim(cache, keep)
             except Exception as exc:
-                log.warning("could not trim a base: %s", _safe(exc))
+                log.warning("could not trim a base: %s", reason(exc))
                 continue
             return cache, keep, cand.entry_id
         return None
@@ -600,7 +464,7 @@ class LocalCacheController:
         except SpoolError as exc:
             if isinstance(exc, ConfigError):
                 raise
-            log.warning("a release was not recorded: %s", _safe(exc))
+            log.warning("a release was not recorded: %s", reason(exc))
 
     # -- generate ----------------------------------------------------------------------------
 
@@ -612,60 +476,50 @@ class LocalCacheController:
         *,
         params: CachePrepareParams | None = None,
     ) -> GenerateResult:
-        """Greedy-generate after the full prompt: every instruction and data element of the
-        params (volatile ones included), then ``prompt`` as a last segment.
+        """Greedy-generate after the full prompt: every element of the params (volatile
+        ones included; images too for VLM prompts), then ``prompt``.
 
-        ``target`` is the params (prepared here) or a handle from this controller's
-        ``prepare`` (an empty handle needs ``params=``). The cache is used only if its
-        tokens are a prefix of the prompt; if using it fails, the request is re-run cold
-        (``usage.cache_read_tokens = 0``).
+        ``target`` is the params (prepared here) or a handle; which params and which
+        cache a call runs with follows ``targets.resolve_target`` (decision 1022):
+        ``params=`` is the query when given, a handle of other params is refused. The
+        cache is used only if its tokens are a prefix of the prompt; if using it fails,
+        the request is re-run cold (``usage.cache_read_tokens = 0``).
         """
         self._check_open()
         if max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be >= 1", fix="ask for at least one token")
+        query, handle = resolve_target(target, params, self._known)
         written = 0
-        if isinstance(target, CachePrepareParams):
-            params = target
-            handle = self.prepare(params)
+        if handle is None:
+            handle = self.prepare(query)
             written = handle.written_tokens
-        elif isinstance(target, CacheHandle):
-            handle = target
-            if handle.ref is not None:
-                with self._lock:
-                    params = self._params.get(handle.ref, params)
-            if params is None:
-                raise ConfigError("this handle was not prepared by this controller",
-                                  fix="pass the CachePrepareParams (or params=) instead")
-        else:
-            raise ConfigError(f"generate() takes params or a handle, not {type(target).__name__}",
-                              fix="pass CachePrepareParams or a CacheHandle")
-        segments = render_segments(params, include_volatile=True)
-        if prompt:
-            segments.append(prompt)
-        if not segments:
-            raise ConfigError("the prompt is empty", fix="pass instructions, data or a prompt")
-        prompt_tokens = [t for seg in self.backend.tokenize_segments(segments) for t in seg]
-        if not prompt_tokens:
-            raise ConfigError("the prompt tokenizes to nothing", fix="pass a non-empty prompt")
-        cache, cached = self._cache_for(handle, params, prompt_tokens)
-        try:
-            out = self.backend.generate(cache, cached, prompt_tokens, max_new_tokens)
-        except Exception as exc:
-            if cache is None:
-                raise
-            log.warning("generation from the cache failed, rerunning cold: %s", exc)
-            cache, cached = None, 0
-            out = self.backend.generate(None, 0, prompt_tokens, max_new_tokens)
+        rendered = self.format.prompt(query, prompt)
+        cache, cached = self._cache_for(handle, query, rendered)
+        out: list[int] | None = None
+        if cache is not None:
+            try:
+                out, cached = self.format.run(cache, cached, rendered, max_new_tokens)
+            except Exception as exc:
+                log.warning("generation from the cache failed, rerunning cold: %s", reason(exc))
+        if out is None:
+            out, cached = self.format.run(None, 0, rendered, max_new_tokens)
+        return self._result(handle, rendered, out, cached=cached, written=written)
+
+    def _result(self, handle: CacheHandle, prompt: Prompt, out: list[int], *, cached: int,
+                written: int) -> GenerateResult:
+        """The one place a local generate call's usage is accounted."""
         self.record_query()
-        usage = Usage(prompt_tokens=len(prompt_tokens), completion_tokens=len(out),
+        usage = Usage(prompt_tokens=len(prompt.tokens), completion_tokens=len(out),
                       cache_read_tokens=cached, cache_write_tokens=written)
-        decode = getattr(self.backend, "decode", None)
-        text = decode(out) if decode is not None else None
-        return GenerateResult(tokens=list(out), usage=usage, handle=handle, text=text)
+        return GenerateResult(usage=usage, handle=handle, text=self.format.decode(out),
+                              tokens=list(out))
 
     def _cache_for(self, handle: CacheHandle, params: CachePrepareParams,
-                   prompt_tokens: list[int]) -> tuple[Any | None, int]:
+                   prompt: Prompt) -> tuple[Any | None, int]:
         if handle.ref is None:
+            return None, 0
+        if handle.ref != self.format.entry_id(params):
+            log.warning(FOREIGN_HANDLE)
             return None, 0
         with self._lock:
             loaded = self._memory.get(handle.ref)
@@ -677,21 +531,8 @@ class LocalCacheController:
             if loaded is None:  # released, deleted or corrupt meanwhile: run cold
                 return None, 0
             self._remember(plan, loaded)
-        return self._fit(loaded, prompt_tokens)
-
-    def _fit(self, loaded: _Loaded, prompt_tokens: list[int]) -> tuple[Any | None, int]:
-        """The cache and how many prompt tokens it covers, keeping at least one prompt
-        token uncached (decoding needs the logits of the last prompt token)."""
-        if not loaded.prefix.is_prefix_of(prompt_tokens):
-            return None, 0
-        cached = len(loaded.prefix)
-        if cached < len(prompt_tokens):
-            return loaded.cache, cached
-        keep = len(prompt_tokens) - 1
-        if keep <= 0:
-            return None, 0
         try:
-            return self.backend.trim(self._clone(loaded.cache), keep), keep
+            return self.format.fit(loaded, prompt)
         except Exception as exc:
-            log.warning("could not trim the cache for this prompt: %s", exc)
+            log.warning("could not fit the cache to this prompt, running cold: %s", reason(exc))
             return None, 0

@@ -30,7 +30,7 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,21 @@ def model_digest(model_dir: Path) -> str:
             while n := f.readinto(buf):
                 h.update(view[:n])
     return h.hexdigest()
+
+
+def slice_caches(cache: Sequence[Any], keep: int, make: Callable[[], Any]) -> list[Any]:
+    """New ``KVCache`` objects (made by ``make``) holding the first ``keep`` tokens of each
+    layer of ``cache``. Slicing makes new arrays, so writes into the copy (mlx assigns into
+    its buffers in place) never reach the original. The caller checks ``keep``."""
+    out = []
+    for c in cache:
+        n = make()
+        if keep > 0:
+            n.keys = c.keys[..., :keep, :]
+            n.values = c.values[..., :keep, :]
+            n.offset = keep
+        out.append(n)
+    return out
 
 
 class _NamedBytesIO(io.BytesIO):
@@ -279,15 +294,7 @@ class MlxBackend:
         keep = size if keep is None else keep
         if not 0 <= keep <= size:
             raise ValueError(f"cannot keep {keep} tokens of a {size}-token cache")
-        out = []
-        for c in cache:
-            n = self._cache_mod.KVCache()
-            if keep > 0:
-                n.keys = c.keys[..., :keep, :]
-                n.values = c.values[..., :keep, :]
-                n.offset = keep
-            out.append(n)
-        return out
+        return slice_caches(cache, keep, self._cache_mod.KVCache)
 
     def prefill(self, cache: Sequence[Any] | None, tokens: Sequence[int]) -> list[Any]:
         """A new cache: ``cache`` (not modified) extended by ``tokens``."""

@@ -1,7 +1,9 @@
-"""mlx-vlm adapter: persistent prompt caches for vision-language models on MLX.
+"""mlx-vlm controller: persistent prompt caches for vision-language models on MLX.
 
-The only module of spoolctl that imports ``mlx_vlm`` (lazily, in
-``MlxVlmBackend.__init__``); ``import spoolctl.controllers.mlx_vlm`` works without it.
+``MlxVlmCacheController`` is the local engine (``local.LocalCacheController``) with
+the ``VlmEntryFormat`` defined here over an ``MlxVlmBackend`` (``mlx_vlm_backend``,
+the only module that imports ``mlx_vlm``; ``import spoolctl.controllers.mlx_vlm``
+works without it).
 
 Contract (see docs/controllers-mlx-vlm.md and docs/decisions/0700-0702):
 
@@ -28,94 +30,51 @@ Contract (see docs/controllers-mlx-vlm.md and docs/decisions/0700-0702):
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import tempfile
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from spoolctl.store import QuarantineReason, SpoolError, Store, entry_id_for
-from spoolctl.store.digest import hash_bytes, hash_parts
+from spoolctl.store import Store, entry_id_for
+from spoolctl.store.digest import hash_parts
 from spoolctl.store.errors import ConfigError
 
-from .contract import CacheHandle, CachePrepareParams, ImageInput, Usage
-from .local import (
-    DEFAULT_LOCK_TIMEOUT,
-    DEFAULT_MEMORY_ENTRIES,
-    GenerateResult,
-    LocalCacheController,
-    _Loaded,
-    _Plan,
+from .contract import CachePrepareParams
+from .entry_format import Loaded, Plan, Prompt, check_common
+from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from .mlx_vlm_backend import (
+    KIND,
+    MAX_IMAGE_FILE,
+    OBJECT_NAME,
+    SNAPSHOT_LAYOUT,
+    VISION_CACHE_SIZE,
+    MlxVlmBackend,
+    NormalizedImage,
+    VlmSnapshot,
+    snapshot_format,
 )
-from .mlx import CacheFormatError, model_digest
 from .tokens import TokenPrefix, namespace_for
 from .vlm_prompt import (
     MODE_IMAGE,
     MODE_TEXT,
-    ImageIdentity,
     extra_hash_of,
     images_digest,
     images_in_prefix,
     render_vlm,
 )
 
-log = logging.getLogger("spoolctl.controllers")
-
-KIND = "mlx"
 FORMAT = "spoolctl-mlx-vlm/v1"
-OBJECT_NAME = "snapshot"
-SNAPSHOT_LAYOUT = "exact_cache_v1"
-#: Largest image file spoolctl decodes (a decompression bomb guard on top of PIL's).
-MAX_IMAGE_FILE = 64 << 20
-VISION_CACHE_SIZE = 20
 
-
-def snapshot_format(mlx_vlm_version: str) -> str:
-    """The snapshot format id: mlx-vlm's exact-snapshot layout and minor series."""
-    parts = mlx_vlm_version.split(".")
-    series = ".".join(parts[:2]) if len(parts) >= 2 else mlx_vlm_version
-    return f"mlx-vlm-{SNAPSHOT_LAYOUT}/{series}"
-
-
-@contextlib.contextmanager
-def _hub_offline():
-    """Keep mlx-vlm's processor helpers off the network while loading a local directory
-    (the Qwen helper otherwise asks the hub for an optional file); an explicit
-    ``HF_HUB_OFFLINE`` setting of the user wins, and the variable is restored after."""
-    previous = os.environ.get("HF_HUB_OFFLINE")
-    if previous is None:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-
-
-@dataclass
-class VlmSnapshot:
-    """A loaded or prefilled prompt cache and the token ids it covers."""
-
-    cache: list[Any]
-    token_ids: tuple[int, ...]
-    extra_hash: int
+__all__ = ["FORMAT", "KIND", "MAX_IMAGE_FILE", "OBJECT_NAME", "SNAPSHOT_LAYOUT",
+           "VISION_CACHE_SIZE", "MlxVlmBackend", "MlxVlmCacheController", "NormalizedImage",
+           "VlmEntryFormat", "VlmSnapshot", "snapshot_format"]
 
 
 @dataclass(frozen=True)
-class NormalizedImage:
-    """A decoded image after RGB conversion and the ``max_image_size`` resize."""
+class VlmPlanData:
+    """The VLM part of a plan: mode, the prefix's normalized images and their digest,
+    the snapshot ``extra_hash``, and the encoded prefix."""
 
-    image: Any  # PIL.Image.Image
-    identity: ImageIdentity
-
-
-@dataclass(frozen=True)
-class _VlmPlan(_Plan):
-    namespace: str = ""
     mode: str = MODE_TEXT
     images: tuple[NormalizedImage, ...] = ()
     image_digest: str = ""
@@ -124,331 +83,23 @@ class _VlmPlan(_Plan):
     encoded: Any = field(default=None, compare=False, repr=False)
 
 
-class MlxVlmBackend:
-    """Loads one mlx-vlm model and runs it: encoding, prefill, snapshot codec, generation.
+class VlmEntryFormat:
+    """Exact-match mlx-vlm snapshot entries (see the module docstring)."""
 
-    ``model`` is a local model directory ``mlx_vlm.load`` reads. Forward passes are
-    serialized by a lock (the model object also keeps per-prompt mRoPE state).
-    """
-
+    name = FORMAT
+    noun = "an mlx-vlm entry"
+    label = "mlx-vlm"
     kind = KIND
+    bases = False  # exact-match only (decision 0701)
 
-    def __init__(self, model: str | os.PathLike[str]):
-        try:
-            import mlx.core as mx
-            import mlx_vlm
-            from mlx_vlm import apc
-            from mlx_vlm.models import cache as vlm_cache
-            from mlx_vlm.utils import prepare_inputs
-            from mlx_vlm.vision_cache import VisionFeatureCache
-            from PIL import Image
-        except ImportError as exc:
-            raise ConfigError(f"mlx-vlm is not usable here ({exc})",
-                              fix="pip install 'spoolctl[vlm]' (see docs/controllers-mlx-vlm.md)"
-                              ) from None
-        self._mx, self._apc, self._cache_mod = mx, apc, vlm_cache
-        self._mlx_vlm, self._prepare_inputs, self._Image = mlx_vlm, prepare_inputs, Image
-        self.mlx_vlm_version = str(getattr(mlx_vlm, "__version__", "unknown"))
-        self.mlx_version = str(mx.__version__)
-        self.format = snapshot_format(self.mlx_vlm_version)
-        self.model_name = os.fspath(model)
-        self.model_dir = Path(self.model_name).expanduser()
-        if not self.model_dir.is_dir():
-            raise ConfigError("model path is not a directory", path=self.model_dir,
-                              fix="pass a local mlx-vlm model directory")
-        self.model_dir = self.model_dir.resolve()
-        self._lock = threading.RLock()
-        try:
-            with _hub_offline():
-                self.model, self.processor = mlx_vlm.load(str(self.model_dir))
-        except Exception as exc:  # mlx-vlm raises many types for an unusable directory
-            raise ConfigError(f"mlx-vlm cannot load the model: {exc}", path=self.model_dir,
-                              fix="pass a model directory mlx-vlm supports") from None
-        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        self.vision_cache = VisionFeatureCache(max_size=VISION_CACHE_SIZE)
-        self.uses_vision_cache = hasattr(self.model, "encode_image") or \
-            hasattr(self.model, "encode_images")
-        self.placeholder = self._image_placeholder()
-        self._probe()
-        self._identity = {
-            "framework": "mlx-vlm",
-            "mlx_vlm_version": self.mlx_vlm_version,
-            "mlx_version": self.mlx_version,
-            "snapshot_format": self.format,
-            "model": str(self.model_dir),
-            "model_digest": model_digest(self.model_dir),
-            "model_type": str(getattr(self.model.config, "model_type", "")),
-            "dtype": self.dtype,
-            "device": self.device,
-        }
-
-    # -- setup ---------------------------------------------------------------------------
-
-    def _image_placeholder(self) -> str:
-        """The text mlx-vlm's processor expands into one image's tokens."""
-        cfg = self.model.config
-        token = getattr(self.processor, "image_token", None)
-        if not token:
-            idx = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
-            if idx is None:
-                raise ConfigError("this model declares no image token", path=self.model_dir,
-                                  fix="use a vision-language model mlx-vlm supports")
-            token = self.tokenizer.convert_ids_to_tokens(int(idx))
-        start = getattr(cfg, "vision_start_token_id", None)
-        end = getattr(cfg, "vision_end_token_id", None)
-        if start is not None and end is not None:  # Qwen-VL style framing
-            return (self.tokenizer.convert_ids_to_tokens(int(start)) + token +
-                    self.tokenizer.convert_ids_to_tokens(int(end)))
-        return token
-
-    def _probe(self) -> None:
-        cache = self.new_cache()
-        classes = {type(c).__name__ for c in cache}
-        if classes != {"KVCache"}:
-            raise ConfigError(f"model uses mlx-vlm cache types {sorted(classes)}; spoolctl "
-                              "supports language models whose prompt cache is plain KVCache",
-                              path=self.model_dir, fix="use a full-attention VLM (Qwen2-VL...)")
-        self.num_layers = len(cache)
-        from mlx.utils import tree_flatten
-
-        first = next(iter(p for _, p in tree_flatten(self.model.language_model.parameters())),
-                     None)
-        self.dtype = str(first.dtype).rsplit(".", 1)[-1] if first is not None else "unknown"
-        mx = self._mx
-        self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-        eos = getattr(self.model.config, "eos_token_id", None)
-        eos = eos if isinstance(eos, list) else [eos]
-        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
-        self._eos = {int(t) for t in [*eos, tok_eos] if t is not None}
-
-    def identity(self) -> dict[str, str]:
-        return dict(self._identity)
-
-    # -- images and encoding -----------------------------------------------------------------
-
-    def load_images(self, images: Sequence[ImageInput],
-                    max_image_size: int | None) -> tuple[NormalizedImage, ...]:
-        """Decode, convert to RGB and resize (longest edge <= ``max_image_size``) each
-        image; ConfigError naming the file if it cannot be read as an image."""
-        out = []
-        for index, ref in enumerate(images):
-            path = Path(ref.source).expanduser()
-            try:
-                if path.stat().st_size > MAX_IMAGE_FILE:
-                    raise ConfigError("image file is larger than 64 MiB", path=path,
-                                      fix="pass a smaller image")
-                with self._Image.open(path) as im:
-                    im.load()
-                    img = im.convert("RGB") if im.mode != "RGB" else im.copy()
-            except FileNotFoundError:
-                raise ConfigError("image file not found", path=path,
-                                  fix="check the image path") from None
-            except (OSError, ValueError, self._Image.DecompressionBombError) as exc:
-                raise ConfigError(f"cannot read the image: {exc}", path=path,
-                                  fix="pass a PNG or JPEG file") from None
-            if max_image_size is not None and max(img.size) > max_image_size:
-                ratio = max_image_size / max(img.size)
-                img = img.resize((max(1, int(img.width * ratio)),
-                                  max(1, int(img.height * ratio))))
-            ident = ImageIdentity(index=index, before=ref.before, mode=img.mode,
-                                  width=img.width, height=img.height,
-                                  pixels_digest=hash_bytes(img.tobytes()))
-            out.append(NormalizedImage(img, ident))
-        return tuple(out)
-
-    def encode(self, text: str, images: Sequence[NormalizedImage]) -> dict[str, Any]:
-        """mlx-vlm's model inputs for ``text`` (with one placeholder per image)."""
-        from mlx_vlm.generate.dispatch import should_add_special_tokens
-
-        cfg = self.model.config
-        with self._lock:
-            inputs = self._prepare_inputs(
-                self.processor, images=[i.image for i in images] or None, prompts=text,
-                image_token_index=getattr(cfg, "image_token_index", None)
-                or getattr(cfg, "image_token_id", None),
-                add_special_tokens=should_add_special_tokens(cfg.model_type, self.processor))
-        ids = [int(t) for t in inputs["input_ids"].flatten().tolist()]
-        return {"ids": ids, "inputs": dict(inputs)}
-
-    # -- caches -----------------------------------------------------------------------------
-
-    def new_cache(self) -> list[Any]:
-        return self._cache_mod.make_prompt_cache(self.model.language_model)
-
-    def _copy(self, cache: Sequence[Any], keep: int) -> list[Any]:
-        """An independent cache of the first ``keep`` tokens (slices are new arrays)."""
-        out = []
-        for c in cache:
-            if type(c).__name__ != "KVCache" or int(c.offset) < keep:
-                raise ValueError("not a prompt cache of this model or too short")
-            n = self._cache_mod.KVCache()
-            if keep > 0:
-                n.keys = c.keys[..., :keep, :]
-                n.values = c.values[..., :keep, :]
-                n.offset = keep
-            out.append(n)
-        return out
-
-    def _kwargs(self, encoded: Mapping[str, Any]) -> dict[str, Any]:
-        inputs = dict(encoded["inputs"])
-        kwargs = {k: v for k, v in inputs.items()
-                  if k not in ("input_ids", "pixel_values", "attention_mask")}
-        kwargs.update(input_ids=inputs["input_ids"], pixel_values=inputs.get("pixel_values"),
-                      mask=inputs.get("attention_mask"))
-        return kwargs
-
-    def _run(self, encoded: Mapping[str, Any], images: Sequence[NormalizedImage],
-             max_tokens: int, **extra: Any) -> tuple[list[int], int]:
-        """Greedy tokens from mlx-vlm and how many prompt tokens it reused from a cache."""
-        out: list[int] = []
-        reused = 0
-        with self._lock:
-            for r in self._mlx_vlm.stream_generate(
-                    self.model, self.processor, "", image=[i.image for i in images] or None,
-                    max_tokens=max_tokens, temperature=0.0, vision_cache=self.vision_cache,
-                    **self._kwargs(encoded), **extra):
-                reused = int(getattr(r, "cached_tokens", 0) or 0)
-                out.append(int(r.token))
-                if int(r.token) in self._eos or len(out) >= max_tokens:
-                    break
-        return out, reused
-
-    def prefill(self, encoded: Mapping[str, Any], images: Sequence[NormalizedImage],
-                extra_hash: int) -> VlmSnapshot:
-        """A fresh snapshot of the prompt cache after ``encoded`` (cold prefill)."""
-        n = len(encoded["ids"])
-        cache = self.new_cache()
-        self._run(encoded, images, 1, prompt_cache=cache)
-        # Decoding one token may have appended it (and its successor) to the cache.
-        return VlmSnapshot(self._copy(cache, n), tuple(encoded["ids"]), extra_hash)
-
-    def serialize(self, snap: VlmSnapshot, cache_hash: int) -> tuple[dict[str, bytes], dict]:
-        """mlx-vlm exact-snapshot bytes (safetensors) and the layout meta."""
-        with tempfile.TemporaryDirectory(prefix="spoolctl-vlm-") as tmp:
-            store = self._apc.DiskBlockStore(Path(tmp), "snap", num_workers=1)
-            try:
-                with self._lock:
-                    ok = store.save_exact_cache(cache_hash, list(snap.token_ids),
-                                                snap.extra_hash, snap.cache, synchronous=True)
-            finally:
-                store.close()
-            files = sorted((Path(tmp) / "snap").glob("exact_*.safetensors"))
-            if not ok or len(files) != 1:
-                raise ValueError("mlx-vlm did not write an exact snapshot")
-            data = files[0].read_bytes()
-            name = files[0].name
-        layout = {"format": self.format, "snapshot_layout": SNAPSHOT_LAYOUT,
-                  "mlx_vlm_version": self.mlx_vlm_version, "object": OBJECT_NAME,
-                  "file_name": name, "cache_hash": str(cache_hash),
-                  "extra_hash": str(snap.extra_hash), "layers": self.num_layers,
-                  "classes": ["KVCache"] * self.num_layers, "dtype": self.dtype,
-                  "token_count": len(snap.token_ids)}
-        return {OBJECT_NAME: data}, layout
-
-    def deserialize(self, objects: Mapping[str, Any], layout: Mapping[str, Any],
-                    token_count: int) -> VlmSnapshot:
-        """Rebuild a snapshot; CacheFormatError on any mismatch with this model."""
-        expected = {"format": self.format, "snapshot_layout": SNAPSHOT_LAYOUT,
-                    "object": OBJECT_NAME, "layers": self.num_layers,
-                    "classes": ["KVCache"] * self.num_layers, "dtype": self.dtype,
-                    "token_count": token_count}
-        for name, want in expected.items():
-            if layout.get(name) != want:
-                raise CacheFormatError(f"snapshot layout {name}={layout.get(name)!r} does not "
-                                       f"match this model ({want!r})")
-        if set(objects) != {OBJECT_NAME}:
-            raise CacheFormatError(f"entry holds objects {sorted(objects)}")
-        name = str(layout.get("file_name", ""))
-        if not (name.startswith("exact_") and name.endswith(".safetensors")
-                and "/" not in name and len(name) == len("exact_") + 32 + len(".safetensors")):
-            raise CacheFormatError("snapshot file name is not canonical")
-        try:
-            cache_hash, extra_hash = int(layout["cache_hash"]), int(layout["extra_hash"])
-        except (KeyError, TypeError, ValueError):
-            raise CacheFormatError("snapshot hashes are missing") from None
-        with tempfile.TemporaryDirectory(prefix="spoolctl-vlm-") as tmp:
-            (Path(tmp) / "snap").mkdir()
-            (Path(tmp) / "snap" / name).write_bytes(objects[OBJECT_NAME])
-            store = self._apc.DiskBlockStore(Path(tmp), "snap", num_workers=1)
-            try:
-                with self._lock:
-                    got = store.load_exact_cache(cache_hash)
-            except Exception as exc:  # mlx-vlm may raise on a malformed file
-                raise CacheFormatError(f"mlx-vlm could not load the snapshot: {exc}") from None
-            finally:
-                store.close()
-        if got is None:
-            raise CacheFormatError("mlx-vlm rejected the snapshot (hash, layout or tensors)")
-        token_ids, got_extra, cache = got
-        if got_extra != extra_hash or len(token_ids) != token_count:
-            raise CacheFormatError("snapshot extra_hash or token count does not match")
-        if len(cache) != self.num_layers or any(
-                type(c).__name__ != "KVCache" or int(c.offset) != token_count for c in cache):
-            raise CacheFormatError("loaded snapshot does not match its layout")
-        return VlmSnapshot(list(cache), tuple(int(t) for t in token_ids), extra_hash)
-
-    def generate(self, snap: VlmSnapshot | None, encoded: Mapping[str, Any],
-                 images: Sequence[NormalizedImage], max_new_tokens: int) -> tuple[list[int], int]:
-        """Greedy continuation of ``encoded``; returns (tokens, prompt tokens reused).
-
-        A snapshot is continued through ``PromptCacheState`` (it primes Qwen-VL's
-        mRoPE state) on a private copy, so the snapshot itself is never modified.
-        The whole prompt is always passed (with its images); mlx-vlm reuses the
-        snapshot only if its ids are a prefix and the rest is text.
-        """
-        from mlx_vlm import PromptCacheState
-
-        ids = encoded["ids"]
-        extra: dict[str, Any] = {}
-        if snap is not None:
-            keep = min(len(snap.token_ids), len(ids) - 1)
-            if keep < 1 or tuple(ids[:keep]) != snap.token_ids[:keep]:
-                raise ValueError("the snapshot is not a prefix of the prompt")
-            state = PromptCacheState()
-            state.update(list(snap.token_ids[:keep]), self._copy(snap.cache, keep))
-            extra["prompt_cache_state"] = state
-        return self._run(encoded, images, max_new_tokens, **extra)
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(tokens)))
-
-
-class MlxVlmCacheController(LocalCacheController):
-    """Prompt caches for mlx-vlm models: ``LocalCacheController``'s store, memory LRU,
-    coalescing, locks, release and close, with exact-match VLM entries (see the module
-    docstring). ``generate`` takes the params (or a handle) and a final prompt.
-    """
-
-    entry_format = FORMAT
-    entry_noun = "an mlx-vlm entry"
-
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | MlxVlmBackend,
-        root: str | os.PathLike[str] | Store | None = None,
-        *,
-        max_bytes: int | None = None,
-        memory_entries: int = DEFAULT_MEMORY_ENTRIES,
-        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
-    ):
-        backend = model if isinstance(model, MlxVlmBackend) else MlxVlmBackend(model)
-        if root is not None and not isinstance(root, Store):
-            root = os.fspath(root)
-        super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout)
-        self.vlm: MlxVlmBackend = backend
+    def __init__(self, backend: MlxVlmBackend):
+        self.vlm = backend
+        self.identity = dict(backend.identity())
         self.namespaces = {mode: namespace_for(KIND, {**self.identity, "vlm_mode": mode})
                            for mode in (MODE_TEXT, MODE_IMAGE)}
         self.namespace = self.namespaces[MODE_TEXT]
 
-    # -- planning ----------------------------------------------------------------------------
-
-    def entry_id(self, params: CachePrepareParams) -> str:
-        plan = self._plan(params)
-        if plan is None:
-            raise ConfigError("these params have no cacheable prefix",
-                              fix="add cacheable instructions or data")
-        return plan.entry_id
+    # -- keys and plans --------------------------------------------------------------------
 
     def _identify(self, params: CachePrepareParams
                   ) -> tuple[str, str, str, tuple[NormalizedImage, ...], str]:
@@ -462,7 +113,11 @@ class MlxVlmCacheController(LocalCacheController):
                          digest.encode())
         return mode, self.namespaces[mode], key, images, digest
 
-    def _plan(self, params: CachePrepareParams) -> _VlmPlan | None:
+    def entry_id(self, params: CachePrepareParams) -> str:
+        _, namespace, key, _, _ = self._identify(params)
+        return entry_id_for(KIND, namespace, key)
+
+    def plan(self, params: CachePrepareParams) -> Plan | None:
         if not params.has_cacheable_prefix() and not params.images:
             return None
         mode, namespace, key, images, digest = self._identify(params)
@@ -473,198 +128,112 @@ class MlxVlmCacheController(LocalCacheController):
         encoded = self.vlm.encode(text, images)
         if not encoded["ids"]:
             return None
-        return _VlmPlan(params=params, key=key, entry_id=entry_id_for(KIND, namespace, key),
-                        prefix=TokenPrefix.from_segments([encoded["ids"]]),
-                        group=params.group_hash(), elements=tuple(params.element_hashes()),
-                        lead_segments=1 if params.tools else 0, namespace=namespace,
-                        mode=mode, images=images, image_digest=digest,
-                        extra_hash=extra_hash_of(digest) if digest else 0, text=text,
-                        encoded=encoded)
+        data = VlmPlanData(mode=mode, images=images, image_digest=digest,
+                           extra_hash=extra_hash_of(digest) if digest else 0, text=text,
+                           encoded=encoded)
+        return Plan(params=params, key=key, namespace=namespace,
+                    entry_id=entry_id_for(KIND, namespace, key),
+                    prefix=TokenPrefix.from_segments([encoded["ids"]]),
+                    group=params.group_hash(), elements=tuple(params.element_hashes()),
+                    lead_segments=1 if params.tools else 0, extra=data)
 
-    # -- prepare -------------------------------------------------------------------------------
+    def prompt(self, params: CachePrepareParams, text: str) -> Prompt:
+        images = self.vlm.load_images(params.images, params.max_image_size)
+        rendered = render_vlm(params, params.images, self.vlm.placeholder,
+                              include_volatile=True, prompt=text)
+        if not rendered:
+            raise ConfigError("the prompt is empty", fix="pass instructions, data or a prompt")
+        encoded = self.vlm.encode(rendered, images)
+        if not encoded["ids"]:
+            raise ConfigError("the prompt tokenizes to nothing", fix="pass a non-empty prompt")
+        return Prompt(list(encoded["ids"]), extra=(encoded, images))
 
-    def _prepare_locked(self, plan: _VlmPlan) -> CacheHandle:  # type: ignore[override]
-        loaded = self._load_exact(plan, touch=True)
-        if loaded is not None:
-            self._remember(plan, loaded)
-            return self._handle(plan, source="disk")
-        snap = self.vlm.prefill(plan.encoded, plan.images, plan.extra_hash)
-        self._commit(plan, snap, None)
-        self._remember(plan, _Loaded(snap, plan.prefix))
-        with self._lock:
-            self._stats.cold_prefills += 1
-            self._stats.tokens_written += len(plan.prefix)
-        return self._handle(plan, source="cold", written=len(plan.prefix))
+    # -- entries ---------------------------------------------------------------------------
 
-    def _from_base(self, plan: _Plan) -> None:
-        return None  # VLM entries are exact-match only (decision 0701)
-
-    def _commit(self, plan: _VlmPlan, cache: Any, base_id: str | None) -> bool:  # type: ignore[override]
-        cache_hash = extra_hash_of(plan.key)
-        try:
-            objects, layout = self.vlm.serialize(cache, cache_hash)
-        except Exception as exc:
-            log.warning("VLM snapshot could not be serialized, not persisted: %s", exc)
-            self._count(commit_failures=1)
-            return False
-        meta = {"format": self.entry_format, "identity": self.identity, "layout": layout,
-                "model": plan.params.model, "vlm_mode": plan.mode,
-                "image_count": len(plan.images),
-                "images": [i.identity.to_meta() for i in plan.images],
-                "image_digest": plan.image_digest, "max_image_size": plan.params.max_image_size,
-                "extra_hash": str(plan.extra_hash),
-                "vision_feature_cache": self.vlm.uses_vision_cache,
-                "includes": plan.params.includes().to_json(), **plan.prefix.to_meta()}
-        index = {"group": plan.group, "elements": list(plan.elements),
-                 "tokens": len(plan.prefix), "vlm_mode": plan.mode, "exact_only": True}
-        try:
-            self.store.put(kind=KIND, namespace=plan.namespace, key=plan.key, objects=objects,
-                           meta=meta, index=index)
-        except SpoolError as exc:
-            log.warning("VLM snapshot not persisted (%s); serving it from memory", exc)
-            self._count(commit_failures=1)
-            return False
-        with self._lock:
-            self._released.discard(plan.entry_id)
-        return True
-
-    # -- loading ---------------------------------------------------------------------------------
-
-    def _check_images(self, plan: _VlmPlan, meta: Mapping[str, Any]) -> None:
-        """ValueError unless the entry's mode and image identity are exactly the plan's."""
-        want = {"vlm_mode": plan.mode, "image_count": len(plan.images),
-                "images": [i.identity.to_meta() for i in plan.images],
-                "image_digest": plan.image_digest,
-                "max_image_size": plan.params.max_image_size if plan.images else
+    def check(self, meta: Mapping[str, Any], plan: Plan | None) -> TokenPrefix:
+        """The common checks, then (with a plan) that the entry's mode and image identity
+        are exactly the plan's."""
+        prefix = check_common(meta, name=self.name, noun=self.noun, identity=self.identity)
+        if plan is None:
+            return prefix
+        data: VlmPlanData = plan.extra
+        want = {"vlm_mode": data.mode, "image_count": len(data.images),
+                "images": [i.identity.to_meta() for i in data.images],
+                "image_digest": data.image_digest,
+                "max_image_size": plan.params.max_image_size if data.images else
                 meta.get("max_image_size"),
-                "extra_hash": str(plan.extra_hash)}
+                "extra_hash": str(data.extra_hash)}
         for name, value in want.items():
             if meta.get(name) != value:
                 raise ValueError(f"entry {name} does not match the prompt")
-        layout = meta.get("layout") or {}
-        if layout.get("extra_hash") != str(plan.extra_hash):
+        if meta["layout"].get("extra_hash") != str(data.extra_hash):
             raise ValueError("snapshot extra_hash does not match the prompt's images")
+        return prefix
 
-    def _load_exact(self, plan: _VlmPlan, *, touch: bool) -> _Loaded | None:  # type: ignore[override]
-        quarantine = not plan.params.read_only
-        try:
-            manifest = self.store.lookup(KIND, plan.namespace, plan.key, touch=touch)
-        except SpoolError as exc:
-            log.warning("cache lookup failed, treating as a miss: %s", exc)
-            return None
-        if manifest is None:
-            return None
-        try:
-            self._check_images(plan, manifest.meta)
-        except ValueError as exc:
-            self._reject(manifest.entry_id, exc, quarantine)
-            return None
-        loaded = self._load_manifest(manifest, expect=plan.prefix, quarantine=quarantine)
-        if loaded is None:
-            return None
-        if loaded.cache.token_ids != plan.prefix.tokens or \
-                loaded.cache.extra_hash != plan.extra_hash:
-            self._reject(manifest.entry_id, ValueError("snapshot token ids differ from the "
-                                                       "manifest's"), quarantine)
-            return None
-        self._count(disk_hits=1)
-        return loaded
+    def prefill(self, plan: Plan) -> VlmSnapshot:
+        data: VlmPlanData = plan.extra
+        return self.vlm.prefill(data.encoded, data.images, data.extra_hash)
 
-    def _reject(self, entry_id: str, exc: Exception, quarantine: bool) -> None:
-        # No entry id in default logs: it is derived from the prompt (docs/SECURITY.md).
-        log.warning("VLM cache entry rejected, treated as a miss: %s",
-                    exc.message if isinstance(exc, SpoolError) else str(exc)[:200])
-        log.debug("rejected VLM entry: %s", entry_id)
-        self._count(load_failures=1)
-        with self._lock:
-            self._memory.pop(entry_id, None)
-        if quarantine:
-            with contextlib.suppress(SpoolError):
-                self.store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
-                                            f"mlx-vlm cache rejected: {str(exc)[:300]}")
+    def serialize(self, cache: VlmSnapshot, plan: Plan) -> tuple[dict[str, Any], dict]:
+        return self.vlm.serialize(cache, extra_hash_of(plan.key))
 
-    # -- generate ------------------------------------------------------------------------------
+    def describe(self, plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+        data: VlmPlanData = plan.extra
+        meta = {"vlm_mode": data.mode, "image_count": len(data.images),
+                "images": [i.identity.to_meta() for i in data.images],
+                "image_digest": data.image_digest, "max_image_size": plan.params.max_image_size,
+                "extra_hash": str(data.extra_hash),
+                "vision_feature_cache": self.vlm.uses_vision_cache}
+        return meta, {"vlm_mode": data.mode, "exact_only": True}
 
-    def generate(  # type: ignore[override]
-        self,
-        target: CachePrepareParams | CacheHandle,
-        prompt: str = "",
-        max_new_tokens: int = 32,
-        *,
-        params: CachePrepareParams | None = None,
-    ) -> GenerateResult:
-        """Greedy-generate after the full prompt (every element and image, then ``prompt``).
+    def load(self, objects: dict[str, memoryview], meta: Mapping[str, Any],
+             prefix: TokenPrefix, plan: Plan | None) -> VlmSnapshot:
+        snap = self.vlm.deserialize(objects, dict(meta["layout"]), len(prefix))
+        if snap.token_ids != prefix.tokens or (
+                plan is not None and snap.extra_hash != plan.extra.extra_hash):
+            raise ValueError("snapshot token ids differ from the manifest's")
+        return snap
 
-        ``target``: params (prepared here) or a handle from ``prepare``. With a handle,
-        ``params=`` (if given) is the query; a handle whose entry is not the one these
-        params map to (another mode, another image, another text) is refused and the
-        query runs cold (``usage.cache_read_tokens = 0``), as is any failure to use it.
-        """
-        self._check_open()
-        if max_new_tokens < 1:
-            raise ConfigError("max_new_tokens must be >= 1", fix="ask for at least one token")
-        written = 0
-        if isinstance(target, CachePrepareParams):
-            params = target
-            handle = self.prepare(params)
-            written = handle.written_tokens
-        elif isinstance(target, CacheHandle):
-            handle = target
-            if params is None and handle.ref is not None:
-                with self._lock:
-                    params = self._params.get(handle.ref)
-            if params is None:
-                raise ConfigError("this handle was not prepared by this controller",
-                                  fix="pass the CachePrepareParams (or params=) instead")
-        else:
-            raise ConfigError(f"generate() takes params or a handle, not {type(target).__name__}",
-                              fix="pass CachePrepareParams or a CacheHandle")
-        images = self.vlm.load_images(params.images, params.max_image_size)
-        text = render_vlm(params, params.images, self.vlm.placeholder, include_volatile=True,
-                          prompt=prompt)
-        if not text:
-            raise ConfigError("the prompt is empty", fix="pass instructions, data or a prompt")
-        encoded = self.vlm.encode(text, images)
-        if not encoded["ids"]:
-            raise ConfigError("the prompt tokenizes to nothing", fix="pass a non-empty prompt")
-        snap = self._snapshot_for(handle, params, encoded["ids"])
-        out, reused = [], 0
-        if snap is not None:
-            try:
-                out, reused = self.vlm.generate(snap, encoded, images, max_new_tokens)
-            except Exception as exc:
-                log.warning("generation from the VLM cache failed, rerunning cold: %s", exc)
-                snap = None
-        if snap is None:
-            out, _ = self.vlm.generate(None, encoded, images, max_new_tokens)
-            reused = 0
-        self.record_query()
-        usage = Usage(prompt_tokens=len(encoded["ids"]), completion_tokens=len(out),
-                      cache_read_tokens=reused, cache_write_tokens=written)
-        return GenerateResult(tokens=out, usage=usage, handle=handle, text=self.vlm.decode(out))
+    # -- generation ----------------------------------------------------------------------------
 
-    def _snapshot_for(self, handle: CacheHandle, params: CachePrepareParams,
-                      prompt_ids: list[int]) -> VlmSnapshot | None:
-        if handle.ref is None or len(prompt_ids) < 2:
-            return None
-        _, namespace, key, _, _ = self._identify(params)
-        if entry_id_for(KIND, namespace, key) != handle.ref:
-            # Another mode (text-only ref for an image query or back), another image,
-            # another text: never load it into this query.
-            log.warning("the cache handle does not belong to this prompt; running cold")
-            return None
-        with self._lock:
-            loaded = self._memory.get(handle.ref)
-        if loaded is None:  # evicted, or memory_entries=0: reload from disk (verified)
-            plan = self._plan(params)
-            if plan is None or plan.entry_id != handle.ref:
-                return None
-            loaded = self._load_exact(plan, touch=not params.read_only)
-            if loaded is None:
-                return None
-            self._remember(plan, loaded)
+    def fit(self, loaded: Loaded, prompt: Prompt) -> tuple[Any | None, int]:
         # The entry holds exactly the ids its key was prepared with; they must also be
         # the leading ids of this prompt (tokenization across the boundary may differ).
-        if not loaded.prefix.is_prefix_of(prompt_ids):
-            return None
-        return loaded.cache
+        if len(prompt.tokens) < 2 or not loaded.prefix.is_prefix_of(prompt.tokens):
+            return None, 0
+        return loaded.cache, len(loaded.prefix)
+
+    def run(self, cache: VlmSnapshot | None, cached: int, prompt: Prompt,
+            max_new_tokens: int) -> tuple[list[int], int]:
+        encoded, images = prompt.extra
+        out, reused = self.vlm.generate(cache, encoded, images, max_new_tokens)
+        return out, reused if cache is not None else 0
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.vlm.decode(tokens)
+
+
+class MlxVlmCacheController(LocalCacheController):
+    """Prompt caches for mlx-vlm models: ``LocalCacheController``'s store, memory LRU,
+    coalescing, locks, release, close and generate, with exact-match VLM entries
+    (``VlmEntryFormat``; see the module docstring). ``generate`` takes the params (or a
+    handle) and a final prompt.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | MlxVlmBackend,
+        root: str | os.PathLike[str] | Store | None = None,
+        *,
+        max_bytes: int | None = None,
+        memory_entries: int = DEFAULT_MEMORY_ENTRIES,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    ):
+        backend = model if isinstance(model, MlxVlmBackend) else MlxVlmBackend(model)
+        if root is not None and not isinstance(root, Store):
+            root = os.fspath(root)
+        fmt = VlmEntryFormat(backend)
+        super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
+                         lock_timeout=lock_timeout, entry_format=fmt)
+        self.vlm: MlxVlmBackend = backend
+        self.namespaces = fmt.namespaces

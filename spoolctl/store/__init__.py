@@ -9,11 +9,13 @@ Public API (stable; everything else in this package is internal)::
         payload = store.read(hit, "kv")                       # verified bytes
         store.release(hit.entry_id)                           # hint: out of reuse now
         store.clean_released()                                # bytes deleted
+        facts = store.facts()                                 # status/metrics snapshot
 
 Importing this package never imports torch, vllm, mlx or google-genai.
 """
 
 from .catalog import CatalogRow, Totals
+from .clean import CLEAN_STEPS, CleanReport
 from .errors import (
     BusyError,
     CapacityError,
@@ -27,17 +29,22 @@ from .errors import (
     SpoolError,
     StoreIOError,
 )
+from .facts import StoreFacts
+from .gc import DeleteReport
 from .keys import KINDS, entry_id_for, validate_entry_id
 from .manifest import Manifest, ObjectRef
 from .quarantine import QuarantineItem
+from .recovery import ReconcileReport
 from .sizes import format_size, parse_duration, parse_rate, parse_size
-from .store import DeleteReport, ReconcileReport, Store
+from .store import Store
 
 __all__ = [
+    "CLEAN_STEPS",
     "KINDS",
     "BusyError",
     "CapacityError",
     "CatalogRow",
+    "CleanReport",
     "ConfigError",
     "CorruptionError",
     "DeleteReport",
@@ -52,6 +59,7 @@ __all__ = [
     "RootError",
     "SpoolError",
     "Store",
+    "StoreFacts",
     "StoreIOError",
     "Totals",
     "entry_id_for",

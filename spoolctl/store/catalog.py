@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .manifest import Manifest
-from .sqlite_files import connect_private
+from .sqlite_files import DamagedDatabaseError, connect_private
 
 SCHEMA_VERSION = "1"
 
@@ -137,7 +137,7 @@ class Catalog:
             raise
         if version != SCHEMA_VERSION:
             self._db.close()
-            raise sqlite3.DatabaseError(f"catalog schema {version!r} is not {SCHEMA_VERSION!r}")
+            raise DamagedDatabaseError(f"catalog schema {version!r} is not {SCHEMA_VERSION!r}")
 
     def close(self) -> None:
         with self._lock:
@@ -357,13 +357,6 @@ class Catalog:
                 f"AND state='committed' AND {NOT_HELD} ORDER BY last_access ASC LIMIT ?",
                 (hint, limit - len(out)))]
         return out
-
-    def object_digests(self, entry_id: str) -> list[str]:
-        return [r[0] for r in self._read(
-            "SELECT digest FROM entry_objects WHERE entry_id=?", (entry_id,))]
-
-    def known_object(self, digest: str) -> bool:
-        return bool(self._read("SELECT 1 FROM objects WHERE digest=?", (digest,)))
 
     def all_entry_ids(self) -> set[str]:
         return {r[0] for r in self._read("SELECT entry_id FROM entries")}

@@ -1,8 +1,9 @@
 """Named durability checkpoints for crash testing.
 
-Every durability step of the store calls ``checkpoint(name)``. In production
-this is a dictionary miss. A test sets ``SPOOLCTL_CRASH_AT=<name>`` (optionally
-``<name>:<n>`` to crash at the n-th pass) in a subprocess, which then dies with
+Every durability step of the store calls ``checkpoint(name)`` with a name from
+``CHECKPOINTS`` (any other name is refused). In production this is two set lookups.
+A test sets ``SPOOLCTL_CRASH_AT=<name>`` (optionally ``<name>:<n>`` to crash at the
+n-th pass) in a subprocess, which then dies with
 ``os._exit(CRASH_EXIT_CODE)`` exactly there, like a power cut or kill -9
 (no cleanup handlers, no buffered writes flushed).
 """
@@ -18,25 +19,21 @@ ENV = "SPOOLCTL_CRASH_AT"
 # to prove a disk error there leaves the store consistent.
 FAIL_ENV = "SPOOLCTL_FAIL_AT"
 
-CHECKPOINTS: tuple[str, ...] = (
-    "object.tmp_written",
-    "object.fsynced",
-    "object.published",
-    "object.dir_fsynced",
+# Every checkpoint the store passes, by operation. ``checkpoint()`` refuses any other name, so
+# this list cannot go stale: a new durability step must be named here to run at all.
+COMMIT_CHECKPOINTS: tuple[str, ...] = (
+    "object.tmp_written", "object.fsynced", "object.published", "object.dir_fsynced",
     "catalog.intent",
-    "manifest.tmp_written",
-    "manifest.published",
-    "manifest.dir_fsynced",
+    "manifest.tmp_written", "manifest.fsynced", "manifest.published", "manifest.dir_fsynced",
     "catalog.committed",
-    "clean.catalog_deleted",
-    "clean.manifest_deleted",
-    "clean.object_deleted",
-    "evict.catalog_deleted",
-    "evict.manifest_deleted",
-    "quarantine.catalog_deleted",
-    "quarantine.moved",
-    "scrub.progress_saved",
 )
+DELETE_CHECKPOINTS: tuple[str, ...] = tuple(
+    f"{step}.{point}" for step in ("clean", "evict")
+    for point in ("manifest_deleted", "catalog_deleted", "object_deleted"))
+QUARANTINE_CHECKPOINTS: tuple[str, ...] = ("quarantine.catalog_deleted", "quarantine.moved")
+SCRUB_CHECKPOINTS: tuple[str, ...] = ("scrub.progress_saved",)
+CHECKPOINTS: frozenset[str] = frozenset(
+    COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS)
 
 _target: str | None = None
 _countdown = 0
@@ -48,6 +45,7 @@ def _load() -> None:
     fail = os.environ.get(FAIL_ENV)
     if fail:
         point, _, code = fail.partition(":")
+        _known(point, FAIL_ENV)
         _fail = (point, int(getattr(errno, code or "EIO")))
     else:
         _fail = None
@@ -56,16 +54,28 @@ def _load() -> None:
         _target = None
         return
     name, _, count = spec.partition(":")
+    _known(name, ENV)
     _target = name
     _countdown = int(count) if count else 1
+
+
+def _known(name: str, where: str) -> None:
+    if name not in CHECKPOINTS:
+        raise ValueError(f"unknown checkpoint {name!r} (in {where}); "
+                         f"known: {', '.join(sorted(CHECKPOINTS))}")
 
 
 _load()
 
 
 def checkpoint(name: str) -> None:
-    """Mark a durability step; die here if a test asked for it."""
+    """Mark a durability step; die here if a test asked for it.
+
+    Raises ValueError for a name not in ``CHECKPOINTS`` (a step nobody can crash-test).
+    """
     global _countdown
+    if name not in CHECKPOINTS:
+        _known(name, "checkpoint()")
     if _fail is not None and name == _fail[0]:
         raise OSError(_fail[1], os.strerror(_fail[1]))
     if _target is None or name != _target:

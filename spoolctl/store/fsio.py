@@ -14,12 +14,13 @@ import secrets
 import stat
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .digest import Hasher
-from .errors import CorruptionError, QuarantineReason, StoreIOError
+from .errors import CorruptionError, ManifestError, QuarantineReason, StoreIOError
+from .manifest import MAX_MANIFEST_BYTES, Manifest, decode
 
 IS_DARWIN = sys.platform == "darwin"
 FILE_MODE = 0o600
@@ -101,12 +102,14 @@ def io_error(exc: OSError, what: str, path: Path) -> StoreIOError:
 
 
 def write_tmp(
-    tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *, checkpoint=None
+    tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *,
+    on_written: Callable[[], None] | None = None,
 ) -> tuple[Path, str, int]:
     """Write ``chunks`` to a new file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), hash
     them on the way, fsync, and return ``(tmp_path, digest, size)``.
 
-    On any error the partial file is removed and StoreIOError raised.
+    ``on_written`` is called once the bytes are written, before the fsync (a crash-test
+    checkpoint). On any error the partial file is removed and StoreIOError raised.
     """
     path = tmp_dir / tmp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
@@ -127,8 +130,8 @@ def write_tmp(
                     n = os.write(fd, view)
                     size += n
                     view = view[n:]
-            if checkpoint:
-                checkpoint("object.tmp_written")
+            if on_written is not None:
+                on_written()
             # The bytes are in the page cache: flush them to disk on a helper thread while
             # this thread hashes them, so a commit costs about write + max(fsync, hash).
             flushed = _fsync_pool().submit(full_fsync, fd)
@@ -167,6 +170,25 @@ def read_small(path: Path, limit: int) -> bytes:
     finally:
         os.close(fd)
     return data
+
+
+def read_manifest(path: Path, entry_id: str) -> Manifest:
+    """Read and decode the manifest file of ``entry_id`` at ``path`` (bounded, no symlinks).
+
+    Raises FileNotFoundError if there is none, ManifestError if it is unreadable or does
+    not validate (including a manifest that belongs to another entry id).
+    """
+    try:
+        data = read_small(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(path) from None
+        raise ManifestError(f"manifest unreadable: {os.strerror(exc.errno or 0)}",
+                            reason=QuarantineReason.MANIFEST_IO, path=path,
+                            entry_id=entry_id) from None
+    return decode(data, expected_entry_id=entry_id, path=str(path))
 
 
 _hash_pool_lock = threading.Lock()

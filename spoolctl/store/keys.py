@@ -79,7 +79,3 @@ def validate_entry_prefix(prefix: str) -> str:
         )
     return prefix
 
-
-def fanout(hex_id: str) -> str:
-    """The two-character fan-out directory of a hex id."""
-    return hex_id[:2]

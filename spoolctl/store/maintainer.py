@@ -91,7 +91,6 @@ class BackgroundMaintainer:
         self.counters = MaintainerCounters()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._lease: OwnerLease | None = None
 
@@ -127,7 +126,6 @@ class BackgroundMaintainer:
         with self._lock:
             thread = self._thread
             self._stop.set()
-            self._wake.set()
             if thread is not None:
                 thread.join(timeout)
                 if thread.is_alive():
@@ -140,10 +138,6 @@ class BackgroundMaintainer:
                     log.warning("releasing the owner lease failed: %s", exc)
                 self._lease = None
 
-    def wake(self) -> None:
-        """Run the next step now instead of waiting for the interval."""
-        self._wake.set()
-
     def _main(self) -> None:
         # Lower this thread's CPU priority on Linux (per-thread nice); elsewhere the
         # rate limit alone keeps it polite.
@@ -152,8 +146,7 @@ class BackgroundMaintainer:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while not self._stop.is_set():
             self.step()
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
+            self._stop.wait(self.interval_s)
 
     def step(self) -> None:
         """One round of maintenance (also callable directly, e.g. from tests)."""

@@ -40,7 +40,7 @@ from .digest import Hasher
 from .errors import BusyError, CorruptionError, NotFoundError, QuarantineReason, StoreIOError
 from .fsio import open_for_read
 from .locks import try_hold
-from .sqlite_files import connect_private
+from .sqlite_files import DamagedDatabaseError, connect_private, is_damaged
 
 if TYPE_CHECKING:
     from .store import Store
@@ -169,14 +169,14 @@ class ScrubState:
         cursor and in-flight id are well formed (a corrupt page can read as a bogus row)."""
         result = self._db.execute("PRAGMA quick_check").fetchone()
         if not result or result[0] != "ok":
-            raise sqlite3.DatabaseError(f"scrub state failed quick_check: {result}")
+            raise DamagedDatabaseError(f"scrub state failed quick_check: {result}")
         cur = self.current()
         if cur is not None and not (
                 isinstance(cur.started, float) and isinstance(cur.cursor, str)
                 and _ID_OR_EMPTY.fullmatch(cur.cursor)
                 and (cur.inflight is None or (isinstance(cur.inflight, str)
                                               and _ID_OR_EMPTY.fullmatch(cur.inflight)))):
-            raise sqlite3.DatabaseError("scrub state holds a malformed cycle row")
+            raise DamagedDatabaseError("scrub state holds a malformed cycle row")
 
     @classmethod
     def open_checked(cls, store: Store) -> ScrubState:
@@ -186,8 +186,6 @@ class ScrubState:
         fresh one started: progress is advisory, so the worst outcome is one cycle that
         starts over; every entry is still verified. Transient errors raise StoreIOError.
         """
-        from .store import _is_catalog_corruption
-
         path = store.layout.state / SCRUB_DB
         try:
             state = cls(path)
@@ -198,7 +196,7 @@ class ScrubState:
                 raise
             return state
         except sqlite3.DatabaseError as exc:
-            if not _is_catalog_corruption(exc):
+            if not is_damaged(exc):
                 raise StoreIOError(f"scrub state unavailable: {exc}", path=path,
                                    fix="check free space and the disk (`spoolctl doctor`)"
                                    ) from None
@@ -378,7 +376,8 @@ class Scrubber:
         cursor = cycle.inflight or cycle.cursor
         total = store.totals().entries
         while True:
-            batch = store._guarded(lambda c=cursor: store.catalog.iter_ids_after(c, BATCH))
+            batch = store.run_with_catalog_repair(
+                lambda c=cursor: store.catalog.iter_ids_after(c, BATCH))
             if not batch:
                 self._finish(state, cycle, report)
                 break

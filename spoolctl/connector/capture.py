@@ -1,0 +1,92 @@
+"""The capture and commit path (worker): KV blocks -> staging buffer -> background commit.
+
+After a step's forward the worker captures each chunk the scheduler planned to store
+(``stage``): it reserves staging memory with the ``StoreWriter`` (non-blocking; over the
+``spoolctl_staging_bytes`` budget the chunk is skipped and counted), copies the chunk's
+blocks into a recycled staging buffer with the format's ``fill(buf) -> objects``, and
+queues the commit. The writer's thread commits it into this rank's store (``commit``) and
+tells ``RankHoldings``, which reports it to the scheduler. A chunk that fails to capture
+is skipped and counted; nothing here can affect a response.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from spoolctl import metrics as m
+from spoolctl.store import Store
+
+from .holdings import RankHoldings
+from .kvio import BufferPool
+from .lookup import KIND
+from .stats import ConnectorCounters
+from .writer import PendingStore, StoreWriter
+
+log = logging.getLogger("spoolctl.connector")
+
+# A chunk's objects as the format captured them: object name -> bytes (views of a buffer).
+Objects = Mapping[str, memoryview]
+
+
+def rank_commit(store: Store, namespace: str,
+                holdings: RankHoldings) -> Callable[[str, Objects, Mapping[str, Any]], None]:
+    """``put(key, objects, meta)`` committing one chunk entry into this rank's store."""
+
+    def put(key: str, objects: Objects, meta: Mapping[str, Any]) -> None:
+        # No commit-time eviction: holdings withdraws victims from the scheduler first.
+        store.put(kind=KIND, namespace=namespace, key=key, objects=objects, meta=meta,
+                  evict=False)
+        holdings.committed(key)
+
+    return put
+
+
+class ChunkStager:
+    """Captures chunks of ``chunk_bytes`` into staging buffers and queues their commits with
+    ``put`` (see ``rank_commit``). ``meta`` is recorded in every chunk's manifest."""
+
+    def __init__(self, put: Callable[[str, Objects, Mapping[str, Any]], None], *,
+                 chunk_bytes: int, staging_bytes: int, meta: Mapping[str, Any],
+                 counters: ConnectorCounters):
+        self._chunk_bytes = chunk_bytes
+        self._meta = dict(meta)
+        self._counters = counters
+        # One slot per chunk the staging budget admits: a successful reserve() always finds one.
+        self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes))
+        self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters)
+
+    def stage(self, key: str, index: int, fill: Callable[[torch.Tensor], Objects]) -> None:
+        """Capture chunk ``index`` (``key``) with ``fill(buf) -> objects`` and queue its
+        commit; a chunk over the staging budget or failing to capture is skipped, counted."""
+        nbytes = self._chunk_bytes
+        if not self._writer.reserve(key, nbytes):
+            return
+        buf = self._bufs.get()
+        if buf is None:  # more chunks in flight than slots: same as over budget
+            self._writer.cancel(key, nbytes)
+            self._counters.inc(m.STORES_SKIPPED, reason="budget")
+            return
+        try:
+            objects = fill(buf)
+        except Exception:
+            self._bufs.put(buf)
+            self._writer.cancel(key, nbytes)
+            log.exception("spoolctl: could not capture a chunk; not stored")
+            self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+            return
+        meta_doc = dict(self._meta, chunk_index=index)
+        self._writer.submit(PendingStore(
+            key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf)))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued commits; False on timeout."""
+        return self._writer.flush(timeout)
+
+    def close(self, timeout: float | None) -> bool:
+        """Stop accepting chunks, drain (bounded) and stop the writer; False if some were
+        left uncommitted."""
+        return self._writer.close(timeout)

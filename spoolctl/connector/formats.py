@@ -1,0 +1,135 @@
+"""The two stored chunk formats: strategy objects behind one interface (``KVFormat``).
+
+The format is chosen once at startup from the runtime KV cache groups
+(``introspect.probe`` -> ``groups.choose_layouts``; ``format_for``):
+
+* ``SingleFormat`` (``format_single``): one full-attention group. One object ``kv`` per
+  chunk; restores run synchronously in ``start_load_kv`` and a failure is reported per
+  block (``get_block_ids_with_load_errors``: vLLM recomputes from the first bad block).
+* ``GroupedFormat`` (``format_grouped``): full-attention and sliding-window groups
+  (``SupportsHMA``). One object per group (``g0``, ``g1``...; a sliding group only its
+  in-window tail); restores are asynchronous for vLLM (``load_kv_async``) and reported per
+  request (``get_transfer_results``: a failed request is recomputed in full).
+
+Each format has one half per vLLM role, built by the format object:
+
+* ``Planning`` (scheduler, ``planning()``): records lookups, plans restores into the blocks
+  vLLM allocated for a hit and captures of chunks once computed (``plan``), and fills each
+  step's ``SpoolConnectorMetadata``.
+* ``Copier`` (worker, ``copier()``): binds vLLM's KV tensors (``bind``), restores the
+  step's planned chunks through the ``RestorePipeline``, yields the chunks to capture for
+  the ``ChunkStager``, and holds the restore outcomes vLLM collects.
+
+Everything else (lookups, inventory, the store, staging, the restore pipeline) is shared.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .plan import GroupedPlanner, Planner, ScheduledStep
+from .stats import ConnectorCounters
+
+if TYPE_CHECKING:
+    import torch
+
+    from .introspect import Deployment
+    from .messages import SpoolConnectorMetadata
+    from .restore import RestorePipeline
+
+# One chunk to capture: (key, chunk index, fill(buf) -> {object name: bytes}).
+Capture = tuple[str, int, "Callable[[torch.Tensor], Mapping[str, memoryview]]"]
+
+
+class Planning(ABC):
+    """Scheduler half of a format: per-request planning state (not thread-safe)."""
+
+    def __init__(self, planner: Planner | GroupedPlanner):
+        self.planner = planner
+
+    def lookup(self, req_id: str, keys: Sequence[str], present: Sequence[bool],
+               num_prompt_tokens: int, num_computed: int, *, restore: bool = True) -> int:
+        """Record a lookup; the tokens to restore beyond ``num_computed`` (see ``plan``)."""
+        return self.planner.lookup(req_id, keys, present, num_prompt_tokens, num_computed,
+                                   restore=restore)
+
+    @abstractmethod
+    def allocated(self, req_id: str, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM allocated ``blocks`` (its ``KVCacheBlocks``) for ``num_external_tokens``."""
+
+    @abstractmethod
+    def plan_step(self, steps: Iterable[ScheduledStep], meta: SpoolConnectorMetadata) -> None:
+        """Add this step's restores and captures to ``meta``."""
+
+    def finished(self, req_id: str) -> None:
+        self.planner.finished(req_id)
+
+
+class Copier(ABC):
+    """Worker half of a format: copies between vLLM's KV tensors and chunk buffers.
+
+    Unbound until ``bind``; an unbound copier fails every planned restore (reported to
+    vLLM for recomputation) and captures nothing.
+    """
+
+    def __init__(self, counters: ConnectorCounters):
+        self._counters = counters
+        self.chunk_bytes = 0  # one chunk's bytes, every object together (set by bind)
+        self.layout_digest = ""  # recorded in every manifest, checked before a restore
+        self.layout_json: dict = {}
+        self._failed_blocks: set[int] = set()
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+
+    @abstractmethod
+    def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None) -> None:
+        """Adopt vLLM's registered KV tensors; ConfigError for a layout it cannot copy."""
+
+    @abstractmethod
+    def restore(self, meta: SpoolConnectorMetadata, pipeline: RestorePipeline | None) -> None:
+        """Run this step's planned restores (``pipeline`` None: cannot restore: fail them)."""
+
+    @abstractmethod
+    def captures(self, meta: SpoolConnectorMetadata) -> Iterator[Capture]:
+        """This step's planned captures, in order."""
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks whose restore failed since the last call (vLLM recomputes them)."""
+        errors, self._failed_blocks = self._failed_blocks, set()
+        return errors
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous restore ended since the last call, and those of
+        them that failed."""
+        done, self._recv_done = self._recv_done, set()
+        failed, self._recv_failed = self._recv_failed, set()
+        return done, failed & done
+
+
+class KVFormat(ABC):
+    """A stored chunk format (see the module docstring)."""
+
+    name: ClassVar[str]
+    # Restores are reported per request (``get_transfer_results``): vLLM's load_kv_async.
+    load_async: ClassVar[bool]
+
+    @abstractmethod
+    def planning(self) -> Planning:
+        """A new scheduler half."""
+
+    @abstractmethod
+    def copier(self, counters: ConnectorCounters) -> Copier:
+        """A new, unbound worker half."""
+
+
+def format_for(deployment: Deployment) -> KVFormat:
+    """The format of ``deployment`` (grouped when it has per-group layouts)."""
+    if deployment.layouts:
+        from .format_grouped import GroupedFormat
+
+        return GroupedFormat(deployment.chunk_tokens, deployment.groups, deployment.layouts)
+    from .format_single import SingleFormat
+
+    return SingleFormat(deployment.chunk_tokens, deployment.block_size)

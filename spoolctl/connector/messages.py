@@ -1,0 +1,63 @@
+"""The connector's wire messages: what vLLM carries between the scheduler and the workers.
+
+* ``SpoolConnectorMetadata``: scheduler -> every worker, each step: the restores and
+  captures planned for the step (single format: ``loads`` / ``stores``; grouped format:
+  ``request_loads`` / ``group_stores``, see ``plan``) and the inventory protocol's
+  acknowledgements and resync requests (``inventory``).
+* ``SpoolHandshake``: each worker -> scheduler, once at startup: where its store is and
+  everything it holds.
+* ``SpoolWorkerMeta``: every worker -> scheduler, each step: inventory changes (vLLM
+  aggregates the workers' messages with ``aggregate``).
+
+vLLM pickles these between processes; they hold plain data only (no stores, no tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from .inventory import Ack, InventoryReport
+from .plan import ChunkLoad, ChunkStore, GroupChunkStore, RequestLoad
+
+
+@dataclass
+class SpoolConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, sent from the scheduler to every worker."""
+
+    loads: list[ChunkLoad] = field(default_factory=list)
+    stores: list[ChunkStore] = field(default_factory=list)
+    # Grouped format (several KV cache groups / sliding windows): asynchronous restores,
+    # one per request, and per-group captures.
+    request_loads: list[RequestLoad] = field(default_factory=list)
+    group_stores: list[GroupChunkStore] = field(default_factory=list)
+    # Inventory protocol: the last report applied per rank, and ranks asked to restate.
+    acks: dict[int, Ack] = field(default_factory=dict)
+    resync: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SpoolHandshake(KVConnectorHandshakeMetadata):
+    """A worker's startup message: where its store is and everything it holds."""
+
+    rank: int
+    host: str
+    root: str
+    store_id: str
+    report: InventoryReport
+
+
+@dataclass
+class SpoolWorkerMeta(KVConnectorWorkerMetadata):
+    """One step's inventory changes from every worker (vLLM aggregates across workers)."""
+
+    reports: list[InventoryReport] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        extra = other.reports if isinstance(other, SpoolWorkerMeta) else []
+        return SpoolWorkerMeta(reports=[*self.reports, *extra])

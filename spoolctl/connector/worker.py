@@ -1,0 +1,220 @@
+"""The worker side of the connector: one rank's store, restores before and captures after
+the forward.
+
+``WorkerSide`` is built by ``SpoolConnector`` in each worker process. It opens this rank's
+store (``<root>/<deployment digest>/rank-<NNNN>``, shared with a same-process scheduler
+through ``rankstores``) and, once vLLM registers its KV tensors (``register_kv_caches``),
+binds the format's ``Copier`` and starts its parts:
+
+* ``RestorePipeline`` (``restore``): verified reads on helper threads, copies into KV;
+* ``ChunkStager`` (``capture``): captures into staging memory, committed in the background;
+* ``RankHoldings`` (``holdings``): the rank's inventory reported to the scheduler and
+  capacity enforced by withdraw-then-delete;
+* the background maintainer (scrub, ``spoolctl request-auth``), when enabled;
+* ``WorkerTelemetry`` (``telemetry``): the counters, gauges and maintainer progress vLLM
+  collects each step.
+
+A layout the copier cannot handle disables this rank (``spoolctl_on_unsupported =
+"disable"``) or fails startup. ``shutdown`` drains queued commits (bounded), stops every
+thread and closes the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from spoolctl.store import Store
+from spoolctl.store.errors import ConfigError
+
+from .formats import Copier
+from .introspect import Deployment, host_identity
+from .lookup import KIND
+from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from .rankstores import OpenStores
+from .stats import ConnectorCounters
+from .telemetry import WorkerTelemetry
+
+if TYPE_CHECKING:
+    import torch
+
+    from .capture import ChunkStager
+    from .holdings import RankHoldings
+    from .restore import RestorePipeline
+
+log = logging.getLogger("spoolctl.connector")
+
+FLUSH_ON_SHUTDOWN_S = 30.0
+# Threads reading + verifying restores (and refreshing gauges).
+READ_THREADS = 4
+
+
+class WorkerSide:
+    """See the module docstring. vLLM calls into it from one thread (the engine loop)."""
+
+    def __init__(self, deployment: Deployment, copier: Copier, counters: ConnectorCounters,
+                 stores: OpenStores):
+        """``copier``: the format's worker half, bound at ``register_kv_caches``."""
+        self._dep, self._copier = deployment, copier
+        self._counters, self._stores = counters, stores
+        self._place = deployment.place
+        counters.part = str(self._place.rank)
+        self._namespace = deployment.identity.namespace
+        self._enabled = deployment.enabled
+        self._store: Store | None = stores.acquire(
+            deployment.rank_root(self._place), create=True,
+            max_bytes=deployment.settings.max_bytes)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pipeline: RestorePipeline | None = None
+        self._stager: ChunkStager | None = None
+        self._holdings: RankHoldings | None = None
+        self._maintainer: Any = None
+        self._telemetry = WorkerTelemetry(counters)
+
+    # -- startup -------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                           num_blocks: int | None) -> None:
+        from .capture import ChunkStager, rank_commit
+        from .holdings import RankHoldings
+        from .restore import RestorePipeline
+
+        if not self._enabled or self._store is None:
+            # A layout declared unsupported at startup (spoolctl_on_unsupported=disable):
+            # never copied. No handshake follows, so the scheduler counts no rank: all misses.
+            return
+        settings = self._dep.settings
+        try:
+            self._copier.bind(kv_caches, num_blocks)
+        except ConfigError as exc:
+            if settings.on_unsupported != "disable":
+                raise
+            # No handshake follows, so the scheduler never counts this rank: all misses.
+            log.warning("spoolctl: connector disabled on this rank "
+                        "(spoolctl_on_unsupported=disable): %s", exc.message)
+            self._enabled = False
+            return
+        copier, store, ns = self._copier, self._store, self._namespace
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
+        self._pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
+                                         pool=self._pool, counters=self._counters,
+                                         on_lost=self._lost)
+        holdings = self._holdings = RankHoldings(
+            store, kind=KIND, namespace=ns, rank=self._place.rank,
+            epoch=store.next_generation(f"vllm-connector:{ns}"))
+        holdings.start()
+        meta = {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
+                "chunk_bytes": copier.chunk_bytes, "deployment": self._dep.identity.summary(),
+                "kv_layout": copier.layout_json}
+        self._stager = ChunkStager(rank_commit(store, ns, holdings),
+                                   chunk_bytes=copier.chunk_bytes,
+                                   staging_bytes=settings.staging_bytes, meta=meta,
+                                   counters=self._counters)
+        self._start_maintainer(store)
+
+    def _start_maintainer(self, store: Store) -> None:
+        settings = self._dep.settings
+        if settings.scrub_rate <= 0:
+            return
+        from spoolctl.store.maintainer import BackgroundMaintainer
+
+        try:
+            self._maintainer = BackgroundMaintainer(
+                store, scrub_rate_bytes=settings.scrub_rate,
+                interval_s=settings.maintenance_interval, role="vllm-worker",
+                enforce_capacity=False)  # RankHoldings evicts (withdraw, then delete)
+            self._maintainer.start()
+        except Exception as exc:  # maintenance is an optimisation; never block serving
+            log.warning("spoolctl: background maintenance not started: %s", exc)
+            self._maintainer = None
+
+    def handshake(self) -> SpoolHandshake | None:
+        """This rank's startup message to the scheduler (None: disabled, never counted)."""
+        if self._holdings is None or self._store is None:
+            return None
+        return SpoolHandshake(rank=self._place.rank, host=host_identity(),
+                              root=str(self._store.root), store_id=self._store.marker.store_id,
+                              report=self._holdings.handshake_report())
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def start_load(self, meta: SpoolConnectorMetadata) -> None:
+        """Run the step's restores, then apply the scheduler's inventory messages."""
+        self._copier.restore(meta, self._pipeline)
+        # Only now, after this step's loads: every plan built before the scheduler applied
+        # a withdrawal has been served, so acknowledged entries may be deleted.
+        if self._holdings is not None:
+            self._holdings.on_scheduler(meta.acks, meta.resync)
+
+    def save(self, meta: SpoolConnectorMetadata) -> None:
+        """Capture the step's planned chunks (after the forward) and queue their commits."""
+        if self._stager is None:
+            return
+        for key, index, fill in self._copier.captures(meta):
+            self._stager.stage(key, index, fill)
+
+    def step_report(self) -> SpoolWorkerMeta | None:
+        """This step's inventory changes for the scheduler, if any."""
+        if self._holdings is None:
+            return None
+        report = self._holdings.step_report()
+        return SpoolWorkerMeta(reports=[report]) if report is not None else None
+
+    def take_load_errors(self) -> set[int]:
+        return self._copier.take_load_errors()
+
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        return self._copier.take_transfer_results()
+
+    def take_stats(self) -> dict[str, Any]:
+        if self._store is not None:
+            self._telemetry.refresh_gauges(self._store, self._pool)
+        self._telemetry.collect(self._holdings, self._maintainer)
+        return self._counters.take()
+
+    def _lost(self, key: str) -> None:
+        if self._holdings is not None:
+            self._holdings.lost(key)
+
+    # -- diagnostics and lifecycle -------------------------------------------------------------
+
+    @property
+    def store_roots(self) -> list[str]:
+        return [str(self._store.root)] if self._store is not None else []
+
+    @property
+    def inventory_state(self) -> dict:
+        return self._holdings.state() if self._holdings is not None else {}
+
+    @property
+    def maintainer(self) -> Any:
+        return self._maintainer
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._stager.flush(timeout) if self._stager is not None else True
+
+    def shutdown(self) -> None:
+        """Drain queued commits (bounded), stop every thread, close the store."""
+        if self._stager is not None:
+            if not self._stager.close(FLUSH_ON_SHUTDOWN_S):
+                log.warning("spoolctl: shutdown before all stores were committed; "
+                            "the rest are skipped")
+            self._stager = None
+        if self._maintainer is not None:
+            with contextlib.suppress(Exception):
+                self._maintainer.stop()
+            self._maintainer = None
+        if self._holdings is not None:
+            with contextlib.suppress(Exception):
+                self._holdings.stop()
+            self._holdings = None
+        self._pipeline = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._store is not None:
+            self._stores.release(self._store)
+            self._store = None

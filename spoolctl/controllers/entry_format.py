@@ -1,0 +1,248 @@
+"""Entry formats: the variation point of the local engine (decision 1020).
+
+``LocalCacheController`` (``local.py``) does everything that is the same for every
+local entry: single-flight, key locks, the memory LRU, disk lookups, verification,
+quarantine, base selection, commit, release, close, usage. What an entry *is* -- how
+params become a prompt and a key, what the manifest must say, how a cache becomes
+bytes and back, how a cache is continued -- is an ``EntryFormat``:
+
+* ``KVEntryFormat`` (here): plain KV caches of a ``KVBackend`` (PyTorch, mlx-lm);
+  prefix-matching, incremental prefill from bases (``bases = True``).
+* ``VlmEntryFormat`` (``mlx_vlm.py``): mlx-vlm exact snapshots with image identity;
+  exact-match only (``bases = False``).
+
+Everything here is pure logic over the backend; no store I/O.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from spoolctl.store import ConfigError, entry_id_for
+
+from .contract import CachePrepareParams, KVBackend, render_segments
+from .tokens import TokenPrefix, namespace_for
+
+#: The manifest format of plain local KV entries (PyTorch and mlx-lm).
+FORMAT = "spoolctl-local-kv/v1"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``prepare`` works on: the key, entry and token prefix params map to.
+
+    ``lead_segments``: segments before the first element (the tools block), which base
+    selection must match exactly. ``extra``: the format's own data (e.g. VLM images).
+    """
+
+    params: CachePrepareParams
+    key: str
+    namespace: str
+    entry_id: str
+    prefix: TokenPrefix
+    group: str
+    elements: tuple[str, ...]
+    lead_segments: int = 0
+    extra: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass
+class Loaded:
+    """A cache in memory and the token prefix it covers."""
+
+    cache: Any
+    prefix: TokenPrefix
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The whole prompt of a ``generate`` call: its token ids and the format's inputs."""
+
+    tokens: list[int]
+    extra: Any = field(default=None, compare=False, repr=False)
+
+
+class EntryFormat(Protocol):
+    """What the local engine asks of an entry format.
+
+    * ``name`` / ``noun`` / ``label``: the manifest ``format`` marker, how a rejection
+      names an entry ("not a local KV cache entry"), and the quarantine note's prefix.
+    * ``kind``, ``identity``, ``namespace``: the store kind, the backend identity written
+      to every manifest, and the default namespace.
+    * ``bases``: whether entries may serve as bases of incremental prefills; if True the
+      format also offers ``clone``, ``trim`` and ``extend``.
+    * ``plan(params)``: the plan, or None when nothing can be cached.
+    * ``entry_id(params)``: the entry ``params`` map to, cheaply (no prefill).
+    * ``check(meta, plan)``: the token prefix an entry's manifest meta records, after
+      checking it belongs to this format and backend (and, with ``plan``, to that plan);
+      ValueError on any mismatch.
+    * ``prefill(plan)``: a cold cache of the plan's prefix.
+    * ``serialize(cache, plan)``: ``(objects, layout)``; ``describe(plan)``: the format's
+      own manifest ``meta`` and catalog ``index`` fields.
+    * ``load(objects, meta, prefix, plan)``: the cache back from verified bytes; SpoolError
+      or ValueError on any mismatch.
+    * ``prompt(params, text)``: the whole prompt (every element, then ``text``) --
+      the one place a format renders messages for ``generate``.
+    * ``fit(loaded, prompt)``: ``(cache, cached tokens)`` to continue, or ``(None, 0)``.
+    * ``run(cache, cached, prompt, max_new_tokens)``: greedy new token ids and how many
+      prompt tokens came from the cache.
+    * ``decode(tokens)``: the text, or None.
+    """
+
+    name: str
+    noun: str
+    label: str
+    kind: str
+    identity: dict[str, str]
+    namespace: str
+    bases: bool
+
+    def plan(self, params: CachePrepareParams) -> Plan | None: ...
+
+    def entry_id(self, params: CachePrepareParams) -> str: ...
+
+    def check(self, meta: Mapping[str, Any], plan: Plan | None) -> TokenPrefix: ...
+
+    def prefill(self, plan: Plan) -> Any: ...
+
+    def serialize(self, cache: Any, plan: Plan) -> tuple[dict[str, Any], dict]: ...
+
+    def describe(self, plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def load(self, objects: dict[str, memoryview], meta: Mapping[str, Any],
+             prefix: TokenPrefix, plan: Plan | None) -> Any: ...
+
+    def prompt(self, params: CachePrepareParams, text: str) -> Prompt: ...
+
+    def fit(self, loaded: Loaded, prompt: Prompt) -> tuple[Any | None, int]: ...
+
+    def run(self, cache: Any | None, cached: int, prompt: Prompt,
+            max_new_tokens: int) -> tuple[list[int], int]: ...
+
+    def decode(self, tokens: list[int]) -> str | None: ...
+
+
+def check_common(meta: Mapping[str, Any], *, name: str, noun: str,
+                 identity: Mapping[str, str]) -> TokenPrefix:
+    """The checks every format makes on manifest meta: format marker, backend identity,
+    a layout, and a well-formed token prefix (ValueError otherwise)."""
+    if meta.get("format") != name:
+        raise ValueError(f"not {noun} (format {str(meta.get('format'))[:40]!r})")
+    if meta.get("identity") != identity:
+        raise ValueError("model identity in the manifest does not match the loaded model")
+    if not isinstance(meta.get("layout"), dict):
+        raise ValueError("manifest has no layout")
+    return TokenPrefix.from_meta(meta)
+
+
+class KVEntryFormat:
+    """Plain KV cache entries of a ``KVBackend``: the prompt is rendered by
+    ``render_segments`` and tokenized per segment, so element prefixes line up with
+    token prefixes (what base selection and incremental prefill rely on)."""
+
+    name = FORMAT
+    noun = "a local KV cache entry"
+    bases = True
+
+    def __init__(self, backend: KVBackend):
+        self.backend = backend
+        self.kind: str = backend.kind
+        self.label = self.kind
+        self.identity = dict(backend.identity())
+        self.namespace = namespace_for(self.kind, self.identity)
+
+    # -- prompts: the one rendering point -----------------------------------------------
+
+    def _tokens(self, params: CachePrepareParams, text: str | None) -> list[list[int]]:
+        """Token ids per segment: the cacheable prefix (``text is None``), or the whole
+        prompt (every element, volatile ones included, then ``text`` if non-empty)."""
+        segments = render_segments(params, include_volatile=text is not None)
+        if text:
+            segments.append(text)
+        if not segments:
+            return []
+        ids = self.backend.tokenize_segments(segments)
+        if len(ids) != len(segments):
+            raise ConfigError("the backend returned the wrong number of token lists",
+                              fix="fix the backend's tokenize_segments()")
+        return ids
+
+    def plan(self, params: CachePrepareParams) -> Plan | None:
+        prefix = TokenPrefix.from_segments(self._tokens(params, None))
+        if not len(prefix):
+            return None
+        key = params.key()
+        return Plan(params=params, key=key, namespace=self.namespace,
+                    entry_id=entry_id_for(self.kind, self.namespace, key), prefix=prefix,
+                    group=params.group_hash(), elements=tuple(params.element_hashes()),
+                    lead_segments=1 if params.tools else 0)
+
+    def entry_id(self, params: CachePrepareParams) -> str:
+        return entry_id_for(self.kind, self.namespace, params.key())
+
+    def prompt(self, params: CachePrepareParams, text: str) -> Prompt:
+        segments = self._tokens(params, text)
+        if not segments:
+            raise ConfigError("the prompt is empty", fix="pass instructions, data or a prompt")
+        tokens = [t for seg in segments for t in seg]
+        if not tokens:
+            raise ConfigError("the prompt tokenizes to nothing", fix="pass a non-empty prompt")
+        return Prompt(tokens)
+
+    # -- entries ---------------------------------------------------------------------------
+
+    def check(self, meta: Mapping[str, Any], plan: Plan | None) -> TokenPrefix:
+        return check_common(meta, name=self.name, noun=self.noun, identity=self.identity)
+
+    def prefill(self, plan: Plan) -> Any:
+        return self.backend.prefill(self.backend.new_cache(), list(plan.prefix.tokens))
+
+    def serialize(self, cache: Any, plan: Plan) -> tuple[dict[str, Any], dict]:
+        return self.backend.serialize(cache, len(plan.prefix))
+
+    def describe(self, plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {"lead_segments": plan.lead_segments}, {}
+
+    def load(self, objects: dict[str, memoryview], meta: Mapping[str, Any],
+             prefix: TokenPrefix, plan: Plan | None) -> Any:
+        return self.backend.deserialize(objects, dict(meta["layout"]), len(prefix))
+
+    # -- bases --------------------------------------------------------------------------------
+
+    def clone(self, cache: Any) -> Any:
+        clone = getattr(self.backend, "clone", None)
+        return clone(cache) if clone is not None else copy.deepcopy(cache)
+
+    def trim(self, cache: Any, keep: int) -> Any:
+        return self.backend.trim(cache, keep)
+
+    def extend(self, cache: Any, tokens: list[int]) -> Any:
+        return self.backend.prefill(cache, tokens)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def fit(self, loaded: Loaded, prompt: Prompt) -> tuple[Any | None, int]:
+        """The cache and how many prompt tokens it covers, keeping at least one prompt
+        token uncached (decoding needs the logits of the last prompt token). A failed
+        trim raises (the engine logs it and runs cold)."""
+        if not loaded.prefix.is_prefix_of(prompt.tokens):
+            return None, 0
+        cached = len(loaded.prefix)
+        if cached < len(prompt.tokens):
+            return loaded.cache, cached
+        keep = len(prompt.tokens) - 1
+        if keep <= 0:
+            return None, 0
+        return self.backend.trim(self.clone(loaded.cache), keep), keep
+
+    def run(self, cache: Any | None, cached: int, prompt: Prompt,
+            max_new_tokens: int) -> tuple[list[int], int]:
+        out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens)
+        return list(out), cached if cache is not None else 0
+
+    def decode(self, tokens: list[int]) -> str | None:
+        decode = getattr(self.backend, "decode", None)
+        return decode(tokens) if decode is not None else None

@@ -1,0 +1,80 @@
+"""The cleaning pass (``spoolctl clean``, the cron job) as data: which steps run, in which
+order, and what each deleted or would delete.
+
+Steps, always in this order: ``released`` (delete released entries), ``capacity`` (evict
+down to the low watermark if over the maximum), ``tmp`` (abandoned temp files),
+``orphans`` (reconcile catalog and disk, delete unreferenced objects). ``dry_run`` runs
+every step as a plan: the report says what would go and nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+from .gc import DeleteReport
+from .recovery import ReconcileReport
+
+if TYPE_CHECKING:
+    from .store import Store
+
+CLEAN_STEPS: tuple[str, ...] = ("released", "capacity", "tmp", "orphans")
+_TOTALS = ("entries", "objects", "files", "bytes")
+
+
+@dataclass
+class CleanReport:
+    """What one cleaning pass did (or, with ``dry_run``, would do), step by step."""
+
+    dry_run: bool
+    deleted: dict[str, DeleteReport] = field(default_factory=dict)
+    orphans: ReconcileReport | None = None
+
+    @property
+    def quarantined(self) -> int:
+        """Manifests found invalid (and quarantined) while reconciling."""
+        return self.orphans.quarantined if self.orphans is not None else 0
+
+    def steps_json(self) -> dict[str, dict[str, Any]]:
+        """Per step, in the order run: entries/objects/files/bytes (and, for orphans, what
+        reconciling found)."""
+        out: dict[str, dict[str, Any]] = {}
+        for step in CLEAN_STEPS:
+            if step in self.deleted:
+                out[step] = self.deleted[step].to_json()
+            elif step == "orphans" and self.orphans is not None:
+                rep = self.orphans
+                out[step] = {**rep.orphan_objects.to_json(), "indexed": rep.indexed,
+                             "dropped_rows": rep.dropped_rows, "quarantined": rep.quarantined,
+                             "young_orphans": rep.young_orphans}
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        steps = self.steps_json()
+        total = {k: sum(int(step.get(k, 0)) for step in steps.values()) for k in _TOTALS}
+        return {"dry_run": self.dry_run, "steps": steps, "total": total}
+
+
+def run_clean(store: Store, steps: Iterable[str] = CLEAN_STEPS, *, min_age: float,
+              dry_run: bool) -> CleanReport:
+    """Run ``steps`` (any of ``CLEAN_STEPS``; always in their fixed order) on ``store``.
+
+    ``min_age``: temp files and orphan objects must be at least this many seconds old.
+    """
+    wanted = set(steps)
+    unknown = wanted - set(CLEAN_STEPS)
+    if unknown:
+        raise ConfigError(f"unknown clean step(s): {', '.join(sorted(unknown))}",
+                          fix=f"use {', '.join(CLEAN_STEPS)}")
+    report = CleanReport(dry_run=dry_run)
+    if "released" in wanted:
+        report.deleted["released"] = store.clean_released(dry_run=dry_run)
+    if "capacity" in wanted:
+        report.deleted["capacity"] = store.enforce_capacity(dry_run=dry_run)
+    if "tmp" in wanted:
+        report.deleted["tmp"] = store.clean_tmp(min_age=min_age, dry_run=dry_run)
+    if "orphans" in wanted:
+        report.orphans = store.collect_orphans(min_age=min_age, dry_run=dry_run)
+    return report

@@ -1,0 +1,111 @@
+"""Making files visible in the store durably: the one copy of write-temp / fsync / rename /
+fsync-directory.
+
+A file is published in three steps, each its own method, so that a batch (group commit)
+can run one step for many files before the next and fsync each directory once:
+
+1. ``stage``: write the bytes to a new temp file in ``tmp/`` (``O_EXCL|O_NOFOLLOW``,
+   0600), hash them on the way and fsync the file. Nothing is visible yet; a crash leaves
+   a temp file named after the writer's pid, which is reclaimed once the writer is dead.
+2. ``place``: rename it to its final path, after checking that neither the root nor any
+   directory below it on the way is a symlink (a directory swapped after open must not
+   redirect the write).
+3. ``sync``: fsync each distinct parent directory once, which makes the renames durable.
+
+``publish`` is steps 2 and 3 for one file. Each step passes a named crash checkpoint
+``<what>.tmp_written`` / ``.fsynced`` / ``.published`` / ``.dir_fsynced`` (see
+``faults``) when ``what`` is given. Steps raise ``OSError``; ``failing`` turns it into
+the store's ``StoreIOError`` and removes the staged temp file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fsio import ensure_real_dirs, fsync_dir, io_error, write_tmp
+
+Chunks = Iterable[bytes | bytearray | memoryview]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A durable temp file: written, hashed and fsynced, not yet visible."""
+
+    tmp: Path
+    digest: str
+    size: int
+
+
+class Publisher:
+    """Publishes files under ``root`` through temp files in ``tmp_dir``."""
+
+    def __init__(self, root: Path, tmp_dir: Path, checkpoint: Callable[[str], None]):
+        self.root = root
+        self.tmp_dir = tmp_dir
+        self._checkpoint = checkpoint
+
+    def _mark(self, what: str | None, step: str) -> None:
+        if what is not None:
+            self._checkpoint(f"{what}.{step}")
+
+    def stage(self, chunks: Chunks, *, what: str | None) -> Staged:
+        """Step 1: write ``chunks`` to a temp file, hash and fsync it.
+
+        Raises StoreIOError (nothing left behind) if the disk fails.
+        """
+        tmp, digest, size = write_tmp(self.tmp_dir, chunks,
+                                      on_written=lambda: self._mark(what, "tmp_written"))
+        staged = Staged(tmp, digest, size)
+        with self.failing(staged, "writing", tmp):
+            self._mark(what, "fsynced")
+        return staged
+
+    def check_dirs(self, directory: Path) -> None:
+        """Raise OSError(ELOOP) unless every directory from the root to ``directory`` is
+        a real directory (call before looking at or writing a final path)."""
+        ensure_real_dirs(self.root, directory)
+
+    def place(self, src: Path, final: Path, *, what: str | None,
+              placed: list[Path] | None = None) -> None:
+        """Step 2: rename ``src`` to ``final`` (atomic; replaces what is there).
+
+        ``final`` is appended to ``placed`` as soon as the rename is done, so a caller that
+        sees an error afterwards knows the file is visible (and must not roll back).
+        """
+        ensure_real_dirs(self.root, final.parent)
+        os.replace(src, final)
+        if placed is not None:
+            placed.append(final)
+        self._mark(what, "published")
+
+    def sync(self, directories: Iterable[Path], *, what: str | None) -> None:
+        """Step 3: fsync each directory once, making the renames into it durable."""
+        for directory in dict.fromkeys(directories):
+            fsync_dir(directory)
+            self._mark(what, "dir_fsynced")
+
+    def publish(self, src: Path, final: Path, *, what: str | None,
+                placed: list[Path] | None = None) -> None:
+        """Steps 2 and 3 for one file (``placed``: see ``place``)."""
+        self.place(src, final, what=what, placed=placed)
+        self.sync([final.parent], what=what)
+
+    @staticmethod
+    def discard(staged: Staged) -> None:
+        """Remove a staged temp file that will not be published (best effort)."""
+        with contextlib.suppress(OSError):
+            os.unlink(staged.tmp)
+
+    @contextlib.contextmanager
+    def failing(self, staged: Staged, what: str, path: Path) -> Iterator[None]:
+        """On OSError in the block: discard ``staged`` and raise StoreIOError for ``what``
+        at ``path`` (a staged file already renamed is not touched: its name is unique)."""
+        try:
+            yield
+        except OSError as exc:
+            self.discard(staged)
+            raise io_error(exc, what, path) from exc

@@ -1,0 +1,211 @@
+"""The connector's parts on their own, without an engine: the two format strategies
+capturing into and restoring from a real store through the capture path and the restore
+pipeline, the all-ranks lookup, and stores shared by the roles of one process and closed
+at shutdown."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from vllm_configs import vllm_configs
+
+from spoolctl import metrics as m
+from spoolctl.connector.inventory import InventoryReport, RankInventory, key_bytes
+from spoolctl.connector.lookup import RankLookup
+from spoolctl.connector.rankstores import OpenStores
+from spoolctl.connector.stats import ConnectorCounters
+from spoolctl.connector.topology import all_ranks
+from spoolctl.store import Store, entry_id_for
+
+NS = "vllm-v1-parts"
+KEYS = ["a" * 64, "b" * 64, "c" * 64]
+
+
+def _root(tmp_path: Path, name: str = "rank-0000") -> Path:
+    return Path(os.path.realpath(tmp_path)) / name
+
+
+def _flip_object_byte(store: Store, key: str, name: str) -> None:
+    manifest = store.manifest(entry_id_for("vllm", NS, key))
+    ref = next(o for o in manifest.objects if o.name == name)
+    path = store.layout.object_path(ref.digest)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _capture_all(copier, meta, store: Store, counters: ConnectorCounters) -> None:
+    """Run the worker's capture path (stager -> writer thread -> store) for ``meta``."""
+    from spoolctl.connector.capture import ChunkStager, rank_commit
+    from spoolctl.connector.holdings import RankHoldings
+
+    holdings = RankHoldings(store, kind="vllm", namespace=NS, rank=0, epoch=1)
+    stager = ChunkStager(rank_commit(store, NS, holdings), chunk_bytes=copier.chunk_bytes,
+                         staging_bytes=8 * copier.chunk_bytes,
+                         meta={"layout": copier.layout_digest}, counters=counters)
+    for key, index, fill in copier.captures(meta):
+        stager.stage(key, index, fill)
+    assert stager.close(30)
+    assert holdings.held_keys() >= {k for k, _, _ in copier.captures(meta)}
+
+
+def test_single_format_round_trip_and_a_corrupt_chunk_fails_from_there(tmp_path: Path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from spoolctl.connector.format_single import SingleFormat
+    from spoolctl.connector.messages import SpoolConnectorMetadata
+    from spoolctl.connector.plan import ChunkLoad, ChunkStore
+    from spoolctl.connector.restore import RestorePipeline
+
+    fmt, counters = SingleFormat(chunk_tokens=64, block_size=32), ConnectorCounters()
+    src = {f"layers.{i}": torch.randn(12, 2, 32, 64) for i in range(2)}
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    writer, reader, unbound = fmt.copier(counters), fmt.copier(counters), fmt.copier(counters)
+    writer.bind(src, 12)
+    reader.bind(dst, 12)
+    assert reader.layout_digest == writer.layout_digest and reader.chunk_bytes > 0
+    load = SpoolConnectorMetadata(loads=[ChunkLoad("r", 1, KEYS[1], (5, 6)),
+                                         ChunkLoad("r", 0, KEYS[0], (1, 2))])
+    with Store.open(_root(tmp_path), create=True) as store, ThreadPoolExecutor(2) as pool:
+        _capture_all(writer, SpoolConnectorMetadata(stores=[
+            ChunkStore("r", 0, KEYS[0], (3, 4)), ChunkStore("r", 1, KEYS[1], (7, 8))]),
+            store, counters)
+        lost: list[str] = []
+        pipeline = RestorePipeline(store, NS, chunk_bytes=reader.chunk_bytes, pool=pool,
+                                   counters=counters, on_lost=lost.append)
+        reader.restore(load, pipeline)
+        assert reader.take_load_errors() == set()
+        for name in src:
+            for to, frm in ((1, 3), (2, 4), (5, 7), (6, 8)):
+                assert torch.equal(dst[name][to], src[name][frm])
+        # A flipped byte in chunk 1: quarantined, withdrawn, its blocks recomputed by vLLM;
+        # chunk 0 (before it) is still restored.
+        _flip_object_byte(store, KEYS[1], "kv")
+        for t in dst.values():
+            t.zero_()
+        reader.restore(load, pipeline)
+        assert reader.take_load_errors() == {5, 6}
+        assert lost == [KEYS[1]]
+        assert counters.total(m.LOAD_ERRORS) == 1 and counters.total(m.QUARANTINE_EVENTS) == 1
+        assert len(store.quarantine_items()) == 1
+        assert store.live([entry_id_for("vllm", NS, KEYS[1])]) == set()
+        assert all(torch.equal(dst[n][1], src[n][3]) and not dst[n][5].any() for n in src)
+        # A worker that could not bind its KV (or is shut down) restores nothing: every
+        # planned block is reported.
+        unbound.restore(load, pipeline)
+        assert unbound.take_load_errors() == {1, 2, 5, 6}
+        assert list(unbound.captures(load)) == []
+
+
+def test_grouped_format_round_trip_per_group_and_a_foreign_plan_fails_the_request(
+        tmp_path: Path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from spoolctl.connector.format_grouped import GroupedFormat
+    from spoolctl.connector.groups import GroupInfo, group_layouts
+    from spoolctl.connector.messages import SpoolConnectorMetadata
+    from spoolctl.connector.plan import GroupChunkLoad, GroupChunkStore, RequestLoad
+    from spoolctl.connector.restore import RestorePipeline
+
+    # Group 0 sliding (window 32, block 32: the last block of each 2-block chunk), group 1 full.
+    groups = [GroupInfo(0, "sliding_window", ("s.0",), 32, sliding_window=32),
+              GroupInfo(1, "full_attention", ("f.0",), 32)]
+    fmt, counters = GroupedFormat(64, groups, group_layouts(groups, 64)), ConnectorCounters()
+    src = {"s.0": torch.randn(10, 2, 32, 64), "f.0": torch.randn(10, 2, 32, 64),
+           "alias": torch.randn(10, 2, 32, 64)}  # a KV-sharing alias layer, in no group
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    writer, reader = fmt.copier(counters), fmt.copier(counters)
+    writer.bind(src, 10)
+    reader.bind(dst, 10)
+    assert writer.chunk_bytes == 3 * 2 * 32 * 64 * 4  # one sliding block + two full blocks
+    with Store.open(_root(tmp_path), create=True) as store, ThreadPoolExecutor(2) as pool:
+        _capture_all(writer, SpoolConnectorMetadata(group_stores=[
+            GroupChunkStore("r", 0, KEYS[0], ((4,), (5, 6)))]), store, counters)
+        manifest = store.manifest(entry_id_for("vllm", NS, KEYS[0]))
+        assert sorted(o.name for o in manifest.objects) == ["g0", "g1"]
+        pipeline = RestorePipeline(store, NS, chunk_bytes=reader.chunk_bytes, pool=pool,
+                                   counters=counters, on_lost=lambda key: None)
+        reader.restore(SpoolConnectorMetadata(request_loads=[RequestLoad("r", (
+            GroupChunkLoad(0, KEYS[0], ((7,), (8, 9))),))]), pipeline)
+        assert reader.take_transfer_results() == ({"r"}, set())
+        assert torch.equal(dst["s.0"][7], src["s.0"][4])
+        assert torch.equal(dst["f.0"][8], src["f.0"][5])
+        assert torch.equal(dst["f.0"][9], src["f.0"][6])
+        assert not dst["alias"].any()
+        # A plan made for another group layout, or one the scheduler could not make: the
+        # request is reported finished and failed (vLLM recomputes it in full).
+        reader.restore(SpoolConnectorMetadata(request_loads=[
+            RequestLoad("x", (GroupChunkLoad(0, KEYS[0], ((7,),)),)),
+            RequestLoad("y", (), ok=False)]), pipeline)
+        assert reader.take_transfer_results() == ({"x", "y"}, {"x", "y"})
+        assert reader.take_transfer_results() == (set(), set())
+        assert counters.total(m.LOAD_ERRORS, reason="unknown") == 2
+
+
+def test_rank_lookup_needs_every_rank_and_forgets_a_rank_after_a_gap(tmp_path: Path):
+    lookup = RankLookup(all_ranks(2, 1))
+    assert lookup.present(KEYS) == [False, False, False]  # no rank known yet
+    with Store.open(_root(tmp_path), create=True) as store:
+        for key in KEYS[:2]:
+            store.put(kind="vllm", namespace=NS, key=key, objects={"kv": b"x"})
+        assert lookup.read_locally(0, store, NS) is None
+        inv = RankInventory(1, epoch=1)
+        for key in (KEYS[0], KEYS[2]):
+            inv.add(key_bytes(key))
+        assert lookup.apply([inv.report(16)]) == []
+        assert lookup.present(KEYS) == [True, False, False]  # only chunk 0 is on both
+        assert lookup.state() == {0: {"source": "catalog", "known": 0},
+                                  1: {"source": "reports", "known": 2}}
+        # A report out of sequence: rank 1 is no longer trusted until it restates.
+        assert lookup.apply([InventoryReport(1, 1, 5, added=(key_bytes(KEYS[1]),))]) == [1]
+        assert lookup.present(KEYS) == [False, False, False]
+        assert lookup.resync_requests() == {1: 1}
+        assert lookup.stop_reading_locally() == [store]
+        assert lookup.local_stores() == []
+
+
+def test_open_stores_are_shared_and_closed_by_their_last_user(tmp_path: Path):
+    stores = OpenStores()
+    root = str(_root(tmp_path))
+    first = stores.acquire(root, create=True, max_bytes=None)
+    assert stores.acquire(root, create=False, max_bytes=None) is first
+    stores.release(first)
+    assert stores.roots() == [root]
+    first.totals()  # still open for the other user
+    stores.release(first)
+    assert stores.roots() == []
+    stores.release(first)  # a second release is harmless
+    again = stores.acquire(root, create=False, max_bytes=None)
+    assert again is not first
+    stores.release(again)
+
+
+def test_scheduler_and_worker_of_one_process_share_the_rank_store_and_close_it(
+        tmp_path: Path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.rankstores import OPEN_STORES
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(str(_root(tmp_path, "spool")), [spec], num_blocks=8,
+                              spoolctl_scrub_rate="0")
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+    sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+    sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
+    (root,) = worker.store_roots
+    assert sched.store_roots == [root] and root in OPEN_STORES.roots()
+    assert sched.inventory_state == {0: {"source": "catalog", "known": 0}}
+    sched.shutdown()
+    assert root in OPEN_STORES.roots()  # the worker still uses it
+    worker.shutdown()
+    assert root not in OPEN_STORES.roots()
+    assert worker.flush(0) and worker.store_roots == [] and sched.store_roots == []
+
