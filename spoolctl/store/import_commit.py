@@ -19,8 +19,8 @@ open, exactly as after an interrupted ``put``. All of it runs under the store's 
 maintenance lock, so no deletion runs in between.
 
 This is the one function an import publishes through, so the store's group commit
-(issue #19) can replace its body. It uses the store's internals (its maintenance lock and
-catalog) because it *is* a commit path of the store; see decision 1601.
+(issue #19) can replace its body. It uses the store's maintenance lock and catalog directly
+because it *is* a commit path of the store (like ``commit.Committer``); see decision 1601.
 """
 
 from __future__ import annotations
@@ -44,9 +44,7 @@ FILE_MODE = 0o600
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 FSYNC_WORKERS = 16
-# Crash-test points of this path (``SPOOLCTL_CRASH_AT``; see store/faults.py).
-CHECKPOINTS = ("import.objects_fsynced", "import.object_published", "import.intents",
-               "import.manifest_published", "import.committed")
+# Crash-test points of this path: faults.IMPORT_CHECKPOINTS (``SPOOLCTL_CRASH_AT``).
 
 
 @dataclass
@@ -127,7 +125,8 @@ def publish_entries(store: Store, batch: list[StagedEntry], *, synced: bool = Fa
     outcomes: dict[str, str] = {}
     try:
         if batch:
-            store._guarded(lambda: _publish_locked(store, batch, staged, outcomes, synced))
+            store.run_with_catalog_repair(
+                lambda: _publish_locked(store, batch, staged, outcomes, synced))
     finally:
         for path in staged.values():  # whatever was not moved into objects/
             with contextlib.suppress(OSError):
@@ -137,8 +136,7 @@ def publish_entries(store: Store, batch: list[StagedEntry], *, synced: bool = Fa
 
 def _publish_locked(store: Store, batch: list[StagedEntry], staged: dict[str, Path],
                     outcomes: dict[str, str], synced: bool) -> None:
-    with store._maintenance(exclusive=False, timeout=store.lock_timeout,
-                            what="importing entries"), \
+    with store.maintenance(exclusive=False, what="importing entries"), \
             ThreadPoolExecutor(FSYNC_WORKERS, thread_name_prefix="spoolctl-import") as pool:
         todo: list[StagedEntry] = []
         for entry in batch:

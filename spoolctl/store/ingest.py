@@ -25,9 +25,10 @@ from typing import Any, Protocol
 from .digest import Hasher
 from .errors import ArchiveError, ManifestError
 from .fsio import ensure_real_dirs, full_fsync, io_error, tmp_name
+from .gc import LOW_WATERMARK
 from .import_commit import StagedEntry, object_present, publish_entries
 from .manifest import decode, encode
-from .store import LOW_WATERMARK, Store
+from .store import Store
 
 COPY_CHUNK = 1 << 20
 BATCH_BYTES = 512 << 20
