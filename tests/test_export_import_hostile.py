@@ -5,6 +5,7 @@ no temp files left. Archives are built from a real export, then altered member b
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -299,10 +300,9 @@ def test_random_damage_is_refused_or_harmless(base, exported):
             a, b = sorted(rng.randrange(content) for _ in range(2))
             data = data[:a] + data[b:]
         target = base / f"t{i}"
-        try:
+        # a refusal (a flip in the index can also make it claim more bytes or another place)
+        with contextlib.suppress(ArchiveError, CapacityError, ConfigError):
             Importer(target).from_archive(io.BytesIO(bytes(data)))
-        except (ArchiveError, CapacityError, ConfigError):  # a refusal (a flip in the index
-            pass  # can make it claim more bytes or another place)
         if target.exists():
             got = snapshot(target)
             assert all(got[e] == expected[e] for e in got), i
