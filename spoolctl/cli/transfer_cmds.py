@@ -77,8 +77,9 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if self.enabled:
-            self._p = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(), DownloadColumn(),
-                               TransferSpeedColumn(), TextColumn("{task.fields[entries]} entries"),
+            self._p = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
+                               DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                               TextColumn("{task.fields[entries]} entries"),
                                TimeElapsedColumn(), console=err_console, transient=True)
             self._p.__enter__()
             self._task = self._p.add_task(self.label, total=None, entries=0)

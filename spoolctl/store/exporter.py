@@ -55,7 +55,8 @@ READERS = 2
 READ_AHEAD = 8
 READ_AHEAD_BYTES = 128 << 20
 
-Progress = Callable[[int, int], None]  # (archive bytes written, entries written)
+# (archive bytes written, entries written, planned total bytes or None)
+Progress = Callable[[int, int, int | None], None]
 
 
 @dataclass
@@ -157,14 +158,14 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
             _emit_entry(opened[c.place], c, loaded, writer, counts[c.place], emitted[c.place],
                         report)
             if progress is not None:
-                progress(writer.offset, report.entries)
+                progress(writer.offset, report.entries, index.bytes)
         writer.add(END_NAME, end_record(counts.values()), time.time())
         writer.close()
         report.stores = list(counts.values())
     report.archive_bytes = writer.offset
     report.seconds = time.perf_counter() - started
     if progress is not None:
-        progress(writer.offset, report.entries)
+        progress(writer.offset, report.entries, writer.offset)
     return report
 
 

@@ -40,7 +40,8 @@ from .places import Target, check_single_layout, inspect_root
 from .selection import resolve_deployments
 from .store import Store
 
-Progress = Callable[[int, int], None]  # (source bytes consumed, entries done)
+# (source bytes consumed, entries done, planned total bytes or None)
+Progress = Callable[[int, int, int | None], None]
 FLUSH_THREADS = 4
 
 
@@ -91,6 +92,7 @@ class Importer:
         self.sections: dict[str, Section] = {}
         self.report = ImportReport(source="", target=str(self.layout.path))
         self._entries_done = 0
+        self.planned_bytes: int | None = None
 
     # -- planning (before anything is written) -------------------------------------------
 
@@ -107,6 +109,7 @@ class Importer:
         for place in places:
             dep = place.split("/", 1)[0] if place else None
             routes[place] = None if accept and dep not in accept else target.route(place)
+        self.planned_bytes = sum(declared.values())
         per_dest: dict[Path, int] = {}
         for place, dest in routes.items():
             if dest is not None:
@@ -154,7 +157,7 @@ class Importer:
         self._entries_done += 1
         self.report.source_bytes = source_bytes
         if self.progress is not None:
-            self.progress(source_bytes, self._entries_done)
+            self.progress(source_bytes, self._entries_done, self.planned_bytes)
 
     # -- running ---------------------------------------------------------------------------
 
