@@ -51,8 +51,8 @@ from .store import Store
 ENTRY_BUFFER = 64 << 20
 STREAM_CHUNK = 4 << 20
 # Entries read and verified ahead of the writer (by READERS threads), bounded in bytes.
-READERS = 2
-READ_AHEAD = 8
+READERS = 4
+READ_AHEAD = 16
 READ_AHEAD_BYTES = 128 << 20
 
 # (archive bytes written, entries written, planned total bytes or None)

@@ -42,7 +42,7 @@ from .store import Store
 
 # (source bytes consumed, entries done, planned total bytes or None)
 Progress = Callable[[int, int, int | None], None]
-FLUSH_THREADS = 4
+FLUSH_THREADS = 8
 
 
 @dataclass
