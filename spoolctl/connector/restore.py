@@ -35,7 +35,7 @@ from spoolctl.store import Store
 from spoolctl.store.errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from spoolctl.store.keys import entry_id_for
 
-from .kvio import BufferPool
+from .kvio import BufferPool, CopyHandle
 from .lookup import KIND
 from .stats import ConnectorCounters
 
@@ -58,22 +58,26 @@ class ChunkRestore:
     key: str
     valid: Callable[[Any], bool]
     fill: Callable[[Store, Any, torch.Tensor], int]
-    copy: Callable[[torch.Tensor], None]
+    # Issues the copies (compute stream ordered after them); the buffer is reused once the
+    # returned handle is done (None: the copy already finished).
+    copy: Callable[[torch.Tensor], CopyHandle | None]
 
 
 class RestorePipeline:
     """Restores chunks from one rank store. ``pool`` runs the reads (not owned here)."""
 
     def __init__(self, store: Store, namespace: str, *, chunk_bytes: int, pool: Executor,
-                 counters: ConnectorCounters, on_lost: Callable[[str], None]):
+                 counters: ConnectorCounters, on_lost: Callable[[str], None],
+                 pin: bool = False):
         self._store = store
         self._namespace = namespace
         self._pool = pool
         self._counters = counters
         self._on_lost = on_lost
         self.read_ahead = max(2, min(READ_AHEAD, READ_AHEAD_BYTES // chunk_bytes))
-        # One buffer per chunk in flight: a read always finds a free one.
-        self._bufs = BufferPool(chunk_bytes, slots=self.read_ahead)
+        # One buffer per chunk in flight: a read always finds a free one (or waits for the
+        # device copy still reading it). Pinned when the KV cache is on a CUDA device.
+        self._bufs = BufferPool(chunk_bytes, slots=self.read_ahead, pin=pin)
 
     def run(self, items: Sequence[ChunkRestore]) -> int | None:
         """Restore ``items`` in order (see the module docstring). Returns the position of
@@ -96,13 +100,14 @@ class RestorePipeline:
             for pos, item in enumerate(items):
                 buf, reason, nbytes = pending.popleft().result()
                 if buf is not None:
+                    handle = None
                     try:
-                        item.copy(buf)
+                        handle = item.copy(buf)
                     except Exception:  # a copy bug must not take the worker down
                         log.exception("spoolctl: restore copy failed, recomputing")
                         reason = "unknown"
                     finally:
-                        self._bufs.put(buf)
+                        self._bufs.put(buf, after=handle)
                 if reason is not None:
                     self._counters.inc(m.LOAD_ERRORS, reason=reason)
                     failed_at = pos
@@ -118,6 +123,10 @@ class RestorePipeline:
             self._counters.inc(m.RESTORE_BYTES, restored)
             self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - started)
         return failed_at
+
+    def close(self) -> None:
+        """Wait for copies still reading restore buffers and release (unpin) them."""
+        self._bufs.close()
 
     def read(self, item: ChunkRestore) -> ReadResult:
         """Load ``item``'s manifest, check it (a mismatch is quarantined), then fill a
