@@ -319,9 +319,9 @@ def test_real_vllm_server_is_warmed_and_a_restart_restores(tiny_model_dir, tmp_p
     with Store.open(ranks[0]) as st:
         keys = {row.key for row in st.entries()}
     chain = chain_root(ranks[0].parent.name, None)
-    # What a restart can restore: each prompt's leading run of chunks on disk. (Behind the
-    # OpenAI server the connector sometimes leaves a finished request's last chunks
-    # unstored -- a connector issue, reported; the client reports what the server did.)
+    # What a restart can restore: each prompt's leading run of chunks on disk. (Before the
+    # gpu-path merge, the connector behind the OpenAI server sometimes left a finished
+    # one-token request's last chunks unstored; the client must report what the server did.)
     stored = [CHUNK * longest_run([k in keys for k in chunk_keys(chain, p, CHUNK)])
               for p in prompts]
     assert sum(stored) >= 3 * CHUNK
