@@ -63,7 +63,7 @@ def _root_callback(
 def _register() -> None:
     # Each module adds its commands to ``app``; imported here so the app is complete
     # whichever module is imported first.
-    from . import commands, prefill, vllm_config  # noqa: F401
+    from . import commands, prefill, transfer_cmds, vllm_config  # noqa: F401
 
 
 _register()

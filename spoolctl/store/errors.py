@@ -93,3 +93,10 @@ class CorruptionError(SpoolError):
 
 class ManifestError(CorruptionError):
     """A manifest that cannot be read or does not validate."""
+
+
+class ArchiveError(SpoolError):
+    """An export archive that is malformed, truncated, hostile or inconsistent (CLI exit 1).
+
+    Raised before anything of the defective part is published; entries completed and
+    verified before the defect stay (each was committed on its own)."""
