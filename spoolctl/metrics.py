@@ -41,6 +41,7 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "disabled", "corrupt",
         # skipped-store reasons
         "budget", "capacity", "io_error", "busy", "too_short", "exists", "shutdown",
+        "admission",
         # quarantine reasons (spoolctl.store.QuarantineReason values)
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
         "payload_missing", "object_collision", "catalog", "scrub_state", "unknown",
@@ -150,7 +151,22 @@ CONNECTOR_METRICS: tuple[MetricSpec, ...] = (
     SCRUBBED_ENTRIES, MAINTENANCE_ERRORS, EVICTED_ENTRIES, AUTH_REQUESTS,
 )
 
-ALL_METRICS: tuple[MetricSpec, ...] = STORE_GAUGES + CONNECTOR_METRICS
+# -- KV events, write admission (issue 20; exported by the vLLM scheduler and /metrics) ------
+
+EVENTS_STORED = _c("kv_events_stored_chunks_total",
+                   "Chunks announced to routers as held by the spool tier (BlockStored).")
+EVENTS_REMOVED = _c("kv_events_removed_chunks_total",
+                    "Chunks withdrawn from routers (BlockRemoved).")
+EVENTS_UNRESOLVED = _c("kv_events_unresolved_chunks_total",
+                       "Chunks on every rank that could not be announced: no vLLM block "
+                       "hashes recorded, or recorded under another hash seed.")
+WRITE_AMPLIFICATION = _g("write_amplification_ratio",
+                         "KV bytes written / KV bytes restored since the metrics process "
+                         "started (+Inf before the first restore, 0 before any write).")
+
+CONNECTOR_METRICS += (EVENTS_STORED, EVENTS_REMOVED, EVENTS_UNRESOLVED)
+
+ALL_METRICS: tuple[MetricSpec, ...] = STORE_GAUGES + CONNECTOR_METRICS + (WRITE_AMPLIFICATION,)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from rich.json import JSON
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from spoolctl.store import CatalogRow, Store, StoreFacts, parse_size
 from spoolctl.store.keys import validate_kind
@@ -100,7 +101,8 @@ def status(
 
     Given a vLLM deployment directory (`<root>/<deployment digest>`, holding one
     `rank-NNNN` store per rank), summarises every rank on this host and flags ranks that
-    disagree (a chunk some ranks lack, or a missing rank); `--check` then exits 1.
+    disagree (a chunk some ranks lack, or a missing rank); `--check` then exits 1. It also
+    shows the host total against the deployment's host disk budget, if one is set.
 
     Example: [bold]spoolctl status --root /var/cache/spoolctl --json[/bold]
     """
@@ -164,6 +166,7 @@ def _status_view(doc: dict[str, Any]) -> Table:
 
 def deployment_status_of(targets: Targets) -> DeploymentStatus:
     """Per-rank status of a deployment directory (``connector.topology.deployment_status``)."""
+    from spoolctl.connector import host_budget
     from spoolctl.connector.topology import RankReport, deployment_status
 
     reports = []
@@ -176,7 +179,14 @@ def deployment_status_of(targets: Targets) -> DeploymentStatus:
             rank=target.rank, root=facts.root, entries=facts.totals.entries,
             bytes=facts.totals.bytes, max_bytes=facts.max_bytes,
             quarantined=facts.quarantine.items, chunk_keys=keys))
-    return deployment_status(str(targets.given), reports)
+    # Issue 20 (host disk budget): the budget the deployment's workers recorded.
+    budget, error = None, None
+    try:
+        budget = host_budget.read(targets.given)
+    except host_budget.HostBudgetError as exc:
+        error = str(exc)
+    return deployment_status(str(targets.given), reports, host_max_bytes=budget,
+                             host_budget_error=error)
 
 
 def _deployment_view(doc: dict[str, Any]) -> list[Any]:
@@ -197,7 +207,18 @@ def _deployment_view(doc: dict[str, Any]) -> list[Any]:
                    + (f"no store for rank {gaps}; " if gaps else "")
                    + f"{doc['complete_chunks']} chunks on every rank; a chunk missing "
                    "on any rank is a miss everywhere until re-stored")
-    return [t, verdict]
+    return [t, verdict, _host_line(doc["host"])]
+
+
+def _host_line(host: dict[str, Any]) -> Text:
+    """Issue 20: the host total against the host disk budget."""
+    total = render.size(host["bytes"])
+    if host.get("error"):
+        return Text(f"host total {total}; host budget record unreadable: {host['error']}")
+    if not host["max_bytes"]:
+        return Text(f"host total {total} (no host budget)")
+    return Text(f"host total {total} of {render.size(host['max_bytes'])} host budget "
+                f"({host['usage_pct']:.1f}%)")
 
 
 # -- ls / inspect ---------------------------------------------------------------------------
