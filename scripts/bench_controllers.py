@@ -54,7 +54,7 @@ def build_params(backend, total_tokens: int, elements: int = 10):
         n = len(backend.tokenize_segments([text + "\n"])[0])
         text = element_text(rng, max(1, int(words * per / max(n, 1))))
         data.append(text)
-    return CachePrepareParams(model="bench", instructions=["You are a bench assistant."],
+    return CachePrepareParams(instructions=["You are a bench assistant."],
                               data=data)
 
 

@@ -56,8 +56,8 @@ SYSTEM_B = "You are a terse assistant for valve questions. Answer from the notes
 DOC_A = "Manual: the pump starts when the valve is open and the tank is full. " * 3
 DOC_B = "Notes: a valve must be closed slowly; check the gasket every week. " * 3
 QUESTION = "Question: when does the pump start?"
-SURVIVOR = {"model": "tiny", "instructions": [SYSTEM_A], "data": [DOC_A]}
-VICTIM = {"model": "tiny", "instructions": [SYSTEM_B], "data": [DOC_B]}
+SURVIVOR = {"instructions": [SYSTEM_A], "data": [DOC_A]}
+VICTIM = {"instructions": [SYSTEM_B], "data": [DOC_B]}
 GEN_TOKENS = 6
 
 

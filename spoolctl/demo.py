@@ -90,13 +90,11 @@ def demo_prompts(run_id: str, scale: int = 1) -> dict[str, CachePrepareParams]:
     """Three realistic long prompts (contracts assistant, tool agent, support bot)."""
     tag = f"(session {run_id})"
     contract = CachePrepareParams(
-        model="demo",
         instructions=[{"role": "system", "content": "You are a careful contracts assistant. "
                        f"Answer from the reference documents only, citing clauses. {tag}"}],
         data=["\n".join(_clauses(7 * scale)), "\n".join(_clauses(5 * scale)[::-1])],
     )
     agent = CachePrepareParams(
-        model="demo",
         instructions=[{"role": "system", "content": "You are an operations agent. Use the "
                        f"tools when they help; think step by step. {tag}"}],
         tools=[{"name": n, "description": f"{n} tool: returns JSON results for a query",
@@ -110,7 +108,6 @@ def demo_prompts(run_id: str, scale: int = 1) -> dict[str, CachePrepareParams]:
                 8 * scale))],
     )
     support = CachePrepareParams(
-        model="demo",
         instructions=[{"role": "system", "content": "You are a support assistant for the "
                        f"spool store product. Be brief and exact. {tag}"}],
         data=["Manual: " + " ".join(

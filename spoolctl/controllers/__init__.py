@@ -43,7 +43,9 @@ from .contract import (
     Usage,
     render_segments,
 )
+from .decoding import Decoding
 from .local import LocalCacheController
+from .local_use import Restored
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ resolves them
     from .genai import GoogleGenAICacheController  # noqa: F401
@@ -106,6 +108,7 @@ __all__ = [
     "BACKENDS",
     "CacheHandle",
     "CachePrepareParams",
+    "Decoding",
     "Element",
     "GenerateResult",
     "ImageInput",
@@ -113,6 +116,7 @@ __all__ = [
     "KVBackend",
     "LocalCacheController",
     "PromptCacheController",
+    "Restored",
     "ToolDefinition",
     "Usage",
     "load_backend",
