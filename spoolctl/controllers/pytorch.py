@@ -142,9 +142,7 @@ class PyTorchBackend:
                               fix="check the directory holds a causal LM and its tokenizer") \
                 from None
         self.model.to(self.device).eval()
-        # 5.24 renamed the cache argument (decision 1705): use the one this model takes.
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = cache_argument(self.model.forward)
         self.dtype = next(self.model.parameters()).dtype
         self.config = self.model.config.get_text_config(decoder=True) \
             if hasattr(self.model.config, "get_text_config") else self.model.config
@@ -431,6 +429,17 @@ class PyTorchBackend:
                     if float((a.float() - b.float()).abs().max()) > rtol * scale:
                         raise ValueError(f"position {pos} of the cache does not match token "
                                          f"{int(tokens[pos])} recomputed")
+
+
+def cache_argument(forward: Any) -> str:
+    """The name under which ``forward`` (and ``generate``) take the KV cache: ``cache``
+    where the model declares it (transformers >= 5.24, which deprecates the old name),
+    else ``past_key_values`` (decision 1705)."""
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _usable_device(torch: Any, device: str) -> Any:
