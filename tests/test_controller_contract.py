@@ -161,7 +161,8 @@ def test_key_covers_tools_effort_formatter_but_not_tool_order(backend, store_roo
         b = ctl.prepare(params(tools=[t2, t1]))
         c = ctl.prepare(params(tools=[t1]))
         d = ctl.prepare(params(tools=[t1, t2], reasoning_effort="high"))
-        e = ctl.prepare(params(tools=[t1, t2], formatter_options={"template": "plain"}))
+        e = ctl.prepare(params(tools=[t1, t2],
+                               formatter_options={"chat_template_kwargs": {"x": 1}}))
         assert a.ref == b.ref and b.source == "memory"
         assert len({a.ref, c.ref, d.ref, e.ref}) == 4
         assert a.includes.tools and a.includes.instructions and a.includes.data_element_count == 1

@@ -95,9 +95,9 @@ def test_accepted_spellings_are_one_key():
     auto = CachePrepareParams(model="m", instructions=["Be brief."],
                               tools=base.tools, formatter_options={"template": "auto"})
     assert base.key() == openai_style.key() == auto.key()
-    assert base.key() != CachePrepareParams(model="m", instructions=["Be brief."],
-                                            tools=base.tools,
-                                            formatter_options={"template": "plain"}).key()
+    assert base.key() != CachePrepareParams(
+        model="m", instructions=["Be brief."], tools=base.tools,
+        formatter_options={"chat_template_kwargs": {"enable_thinking": False}}).key()
     assert CachePrepareParams(model=Path("/m"), data=["x"]).model == "/m"
 
 

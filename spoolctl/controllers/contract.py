@@ -314,7 +314,11 @@ class CachePrepareParams:
 
     @property
     def formatter_hash(self) -> str:
-        return hash_parts(b"formatter/v1", _canonical(dict(self.formatter_options)))
+        """Digest of the formatter options that shape the text. The ``template`` choice is
+        left out: what it resolved to (plain, or which chat template) is added to the key
+        by the local controllers, which know the model (``render.render_id``)."""
+        options = {k: v for k, v in self.formatter_options.items() if k != "template"}
+        return hash_parts(b"formatter/v1", _canonical(options))
 
     def cacheable(self) -> tuple[tuple[Element, ...], tuple[Element, ...]]:
         """The cacheable prefix: leading non-volatile instructions, then data (if all

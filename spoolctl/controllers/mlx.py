@@ -430,6 +430,7 @@ class MlxBackend:
 
     def save_file(self, cache: Sequence[Any], tokens: Sequence[int], path: str | Path) -> None:
         """Write ``cache`` as an mlx-lm ``save_prompt_cache`` file (with the token ids)."""
+        _check_file_name(path)
         used = self._copy(cache, len(tokens))
         with self._lock:
             self._cache_mod.save_prompt_cache(
@@ -438,14 +439,15 @@ class MlxBackend:
 
     def load_file(self, path: str | Path) -> tuple[list[Any], list[int] | None]:
         """An mlx-lm prompt-cache file: (cache, token ids if the file records them)."""
+        _check_file_name(path)
+        if not Path(path).is_file():
+            raise ConfigError("prompt cache file not found", path=path,
+                              fix="pass a file written by save_prompt_cache")
         try:
             with self._lock:
                 cache, meta = self._cache_mod.load_prompt_cache(os.fspath(path),
                                                                 return_metadata=True)
-        except FileNotFoundError:
-            raise ConfigError("prompt cache file not found", path=path,
-                              fix="pass a file written by save_prompt_cache") from None
-        except Exception as exc:
+        except Exception as exc:  # mlx raises RuntimeError/ValueError/KeyError for bad files
             raise ConfigError(f"mlx-lm cannot load the prompt cache file: {str(exc)[:200]}",
                               path=path, fix="pass a file written by save_prompt_cache") from None
         tokens = None
@@ -456,6 +458,13 @@ class MlxBackend:
                 raise ConfigError("the file's token list is malformed", path=path,
                                   fix="re-export it") from None
         return list(cache), tokens
+
+
+def _check_file_name(path: str | os.PathLike[str]) -> None:
+    # mlx picks the file format from the suffix: anything else cannot be read back.
+    if Path(path).suffix != ".safetensors":
+        raise ConfigError("an mlx-lm prompt cache file name must end in .safetensors",
+                          path=path, fix="e.g. prompt-cache.safetensors")
 
 
 class MlxCacheController(LocalCacheController):
