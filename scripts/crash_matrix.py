@@ -184,7 +184,9 @@ class ControllerTrials:
         self.framework = framework
         self.model_dir = model_dir
         self.backend = make_backend(framework, model_dir)
-        self.params = {name: CachePrepareParams(**p)
+        # The controller normalises params.model to the resolved model directory; spelled
+        # that way here too, params.key() is the key of the entries the trials look for.
+        self.params = {name: CachePrepareParams(model=str(Path(model_dir).resolve()), **p)
                        for name, p in (("survivor", SURVIVOR), ("victim", VICTIM))}
         self.cold = {name: self._generate(None, p) for name, p in self.params.items()}
 
