@@ -6,8 +6,9 @@ their framework only when one is built::
 
     from spoolctl.controllers import CachePrepareParams, open_local_controller
     with open_local_controller("pytorch", "/models/llama", root="/var/cache/spool") as ctl:
-        handle = ctl.prepare(CachePrepareParams(model="/models/llama", instructions=[doc]))
+        handle = ctl.prepare(CachePrepareParams(instructions=[doc]))  # the controller's model
         result = ctl.generate(handle, "Question: ...", max_new_tokens=64)
+        print(result.usage.to_json())  # read from memory / disk, computed, written
 
 | name | module | extra |
 |---|---|---|
