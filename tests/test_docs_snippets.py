@@ -144,6 +144,8 @@ def placeholders(world: dict[str, Path], cwd: Path) -> list[tuple[str, str]]:
 
 def needs(block: Block, world: dict[str, Path]) -> str | None:
     """Why a block cannot run in this environment (a missing optional framework), or None."""
+    if ".venv/" in block.code and not (Path(sys.prefix) / "bin" / "activate").exists():
+        return "the tests do not run in a virtualenv (the page's .venv)"
     if "qwen2-vl" in block.code and "vlm" not in world:
         return "mlx-vlm is not installed here"
     if re.search(r"\bmlx\b|Mlx", block.code):
