@@ -15,6 +15,7 @@ when SQLite reports damage, and the two guards every operation passes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import sqlite3
 from collections.abc import Callable
@@ -72,14 +73,30 @@ class CatalogHealth:
 
     def _shedding(self, fn: Callable[[], T]) -> T:
         """Run ``fn``, an operation that frees space (or must work on a full disk to let
-        one run); if it fails for lack of space, delete the reserve file and retry once."""
-        try:
-            return fn()
-        except (StoreIOError, OSError) as exc:
-            if not is_no_space(exc) or not self.reserve.release():
-                raise
-            log.warning("disk full: released the store's reserve to %s", fn.__name__)
-        return fn()
+        one run); while it fails for lack of space, delete a piece of the reserve and retry
+        (at most once per piece)."""
+        while True:
+            try:
+                result = fn()
+                break
+            except (StoreIOError, OSError) as exc:
+                if not is_no_space(exc):
+                    raise
+                if not self.reserve.release():
+                    # Nothing left to give: say so, instead of advising the very command
+                    # that just failed.
+                    what = exc.message if isinstance(exc, StoreIOError) else str(exc)
+                    raise StoreIOError(
+                        f"{what} (the store's reserve is used up)",
+                        path=getattr(exc, "path", None) or self.root,
+                        fix="free space on this filesystem outside the store (other "
+                            "files), then rerun", errno=errno.ENOSPC) from None
+                log.warning("disk full: released a piece of the store's reserve (%d left)",
+                            self.reserve.count)
+        # Put the reserve back at once if the pass freed room for it, before another
+        # program takes the space again (best effort: a lstat when it is in place).
+        self.reserve.ensure()
+        return result
 
     # -- catalog health ----------------------------------------------------------------
 

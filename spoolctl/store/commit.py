@@ -36,7 +36,7 @@ from .gc import LOW_WATERMARK
 from .inputs import is_bytes_like, payload_size
 from .manifest import Manifest, ObjectRef, encode
 from .publish import Publisher, Staged
-from .reserve import RESERVE_BYTES, headroom_ok
+from .reserve import HEADROOM_BYTES, headroom_ok
 
 if TYPE_CHECKING:
     from .store import Store
@@ -190,7 +190,7 @@ def store_full(where: Path) -> SpoolError:
     from .errors import StoreIOError
 
     return StoreIOError(f"committing an entry refused: No space left on device (less than "
-                        f"{RESERVE_BYTES >> 20} MiB free, kept for maintenance)", path=where,
+                        f"{HEADROOM_BYTES >> 10} KiB free, kept for maintenance)", path=where,
                         fix="free disk space: `spoolctl clean --released` and lowering the "
                             "max size work on a full disk (docs/runbook.md)",
                         errno=errno.ENOSPC)

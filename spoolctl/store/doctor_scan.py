@@ -195,12 +195,14 @@ def reserve_check(layout: Layout) -> list:
     from .reserve import Reserve
 
     reserve = Reserve(layout.state)
-    if reserve.present:
+    have = reserve.count
+    if have == reserve.pieces:
         return [_check("fs.reserve", "ok",
-                       f"{reserve.size >> 20} MiB reserved so a full disk can be shed")]
+                       f"{reserve.size >> 10} KiB reserved so a full disk can be shed")]
     return [_check("fs.reserve", "warn",
-                   "no reserve file: on a full disk, cleaning may have to wait for free space",
-                   "free a few MiB; the store re-creates state/reserve at its next open")]
+                   f"{have} of {reserve.pieces} reserve pieces in place: on a full disk, "
+                   "cleaning may have to wait for free space",
+                   "free a few MiB; the store re-creates state/reserve.* at its next open")]
 
 
 def file_type_of(path: Path) -> str | None:

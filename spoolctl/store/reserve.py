@@ -5,19 +5,22 @@ the filesystem at 100%, SQLite cannot even create its shared-memory file, so rec
 release, deleting released entries or evicting to a lowered max size would all fail with
 ENOSPC. Two rules keep shedding possible (decision 1103):
 
-* **A reserve file** ``state/reserve`` (``RESERVE_BYTES``, allocated up front) holds disk
-  space for the store's own maintenance. An operation that *sheds* load (release, clean,
-  eviction, orphan collection, lowering the max size, opening the catalog to do any of
-  these) that fails for lack of space deletes the reserve and retries once. The reserve is
-  re-created, best effort, when there is room again (next open, or after a shedding pass).
+* **A reserve** of ``PIECES`` files ``state/reserve.<n>`` (``PIECE_BYTES`` each, allocated
+  up front) holds disk space for the store's own maintenance. An operation that *sheds*
+  load (release, clean, eviction, orphan collection, lowering the max size, and opening
+  the catalog to do any of these: SQLite must create its 32 KiB shared-memory file and
+  write-ahead log before the first write) that fails for lack of space deletes one piece
+  and retries, piece by piece. Pieces let several operations in a row run on a disk that
+  another program keeps full (a release frees nothing; the clean after it still needs
+  room). After each shedding operation, and at each open, missing pieces are re-created
+  from whatever space is free, before another program can take it.
 * **Commit headroom**: a commit refuses to start (StoreIOError, ENOSPC) while the
-  filesystem has less than ``RESERVE_BYTES`` free, so the store's own writers never eat
-  the space the reserve just gave back; they resume once maintenance (or the operator)
-  has freed room.
+  filesystem has less than ``HEADROOM_BYTES`` free, so the store's own writers stop short
+  of a full disk and never take the room a piece just gave back.
 
 So the disk a store may occupy is bounded by its max size, plus the entries in flight,
-plus this reserve. Everything here is best effort: a filesystem that cannot hold the
-reserve (smaller than it, or already full when the store is created) works as before.
+plus this reserve (``RESERVE_BYTES``). Everything here is best effort: a filesystem that
+cannot hold the reserve works as before, with fewer pieces or none.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from .errors import StoreIOError
 from .fsio import FILE_MODE, fsync_dir, full_fsync, tmp_name
 
 RESERVE_NAME = "reserve"
-RESERVE_BYTES = 1 << 20
+PIECES = 8
+PIECE_BYTES = 128 << 10
+RESERVE_BYTES = PIECES * PIECE_BYTES
+HEADROOM_BYTES = PIECE_BYTES
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -44,32 +50,53 @@ def is_no_space(exc: BaseException) -> bool:
 
 
 class Reserve:
-    """The reserve file of one store (``state/reserve``)."""
+    """The reserve of one store: ``state/reserve.0`` ... ``state/reserve.<PIECES-1>``."""
 
-    def __init__(self, state_dir: Path, size: int = RESERVE_BYTES):
-        self.path = state_dir / RESERVE_NAME
-        self.size = size
+    def __init__(self, state_dir: Path, pieces: int = PIECES, piece_bytes: int = PIECE_BYTES):
+        self.state_dir = state_dir
+        self.pieces = pieces
+        self.piece_bytes = piece_bytes
 
     @property
-    def present(self) -> bool:
+    def size(self) -> int:
+        return self.pieces * self.piece_bytes
+
+    def _path(self, n: int) -> Path:
+        return self.state_dir / f"{RESERVE_NAME}.{n}"
+
+    def _present(self, n: int) -> bool:
         try:
-            return os.lstat(self.path).st_size >= self.size
+            return os.lstat(self._path(n)).st_size >= self.piece_bytes
         except OSError:
             return False
 
-    def ensure(self) -> bool:
-        """Create the reserve if it is missing and the filesystem has room for it plus the
-        commit headroom; True if it is in place afterwards. Never raises."""
-        if self.present:
-            return True
+    @property
+    def count(self) -> int:
+        """How many pieces are in place."""
+        return sum(self._present(n) for n in range(self.pieces))
+
+    @property
+    def present(self) -> bool:
+        return self.count == self.pieces
+
+    def ensure(self) -> int:
+        """Create the missing pieces while the filesystem has room for them; return how
+        many pieces are in place afterwards. Never raises. Costs one lstat per piece when
+        the reserve is whole."""
+        for n in range(self.pieces):
+            if not self._present(n) and not self._create(n):
+                break
+        return self.count
+
+    def _create(self, n: int) -> bool:
         try:
-            if shutil.disk_usage(self.path.parent).free < 2 * self.size:
+            if shutil.disk_usage(self.state_dir).free < self.piece_bytes:
                 return False
-            tmp = self.path.with_name(f".{RESERVE_NAME}.{tmp_name()}")
+            tmp = self.state_dir / f".{RESERVE_NAME}.{tmp_name()}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
                          FILE_MODE)
             try:
-                _allocate(fd, self.size)
+                _allocate(fd, self.piece_bytes)
                 full_fsync(fd)
             except OSError:
                 os.close(fd)
@@ -77,21 +104,25 @@ class Reserve:
                     os.unlink(tmp)
                 return False
             os.close(fd)
-            os.replace(tmp, self.path)
-            fsync_dir(self.path.parent)
+            os.replace(tmp, self._path(n))
+            fsync_dir(self.state_dir)
             return True
         except OSError:
             return False
 
     def release(self) -> bool:
-        """Delete the reserve (its space goes back to the filesystem); True if there was one."""
-        try:
-            os.unlink(self.path)
-        except OSError:
-            return False
-        with contextlib.suppress(OSError):
-            fsync_dir(self.path.parent)
-        return True
+        """Delete one piece (its space goes back to the filesystem); True if there was one."""
+        for n in reversed(range(self.pieces)):
+            try:
+                os.unlink(self._path(n))
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return False
+            with contextlib.suppress(OSError):
+                fsync_dir(self.state_dir)
+            return True
+        return False
 
 
 def _allocate(fd: int, size: int) -> None:
@@ -109,7 +140,7 @@ def _allocate(fd: int, size: int) -> None:
         written += os.write(fd, block[: min(len(block), size - written)])
 
 
-def headroom_ok(directory: Path, need: int = RESERVE_BYTES) -> bool:
+def headroom_ok(directory: Path, need: int = HEADROOM_BYTES) -> bool:
     """True if the filesystem of ``directory`` has at least ``need`` bytes free (or its
     free space cannot be read: then the write itself finds out)."""
     try:
