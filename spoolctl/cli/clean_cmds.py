@@ -78,7 +78,7 @@ def clean_cmd(
         for target in targets.stores:
             with open_store(target.root) as store:
                 plan = store.clean(steps, min_age=age, dry_run=True)
-            console.print(Text(target.label, style="bold"))
+            console.print(text(target.label, "bold"))
             console.print(_steps_table(plan.steps_json(), True))
         if not typer.confirm("Delete these?", default=False):
             raise typer.Exit(EXIT_OK)

@@ -69,6 +69,14 @@ def metrics_cmd(
         for target in targets.stores:
             assert target.rank is not None and target.deployment is not None
             try:
+                store_down(target.deployment, target.rank)  # a name fit for a label?
+            except ValueError:
+                err_console.print(text(f"error: {target.label}: the deployment directory name "
+                                       "cannot be a metric label; its gauges are left out"),
+                                  soft_wrap=True)
+                code = EXIT_USAGE
+                continue
+            try:
                 with open_store(target.root, read_only_ok=True) as store:
                     samples += with_target(collect_store_gauges(store), target.deployment,
                                            target.rank)

@@ -221,10 +221,16 @@ class Recovery:
             try:
                 kept = parse_index(index_json)
             except ValueError:
-                kept = {}
+                loaded = None
                 with contextlib.suppress(ValueError, TypeError, RecursionError):
                     loaded = json.loads(index_json) if isinstance(index_json, str) else None
-                    kept = valid_facts(loaded) if isinstance(loaded, dict) else {}
+                if isinstance(loaded, dict):
+                    kept = valid_facts(loaded)
+                else:
+                    # The catalog-only facts are lost (a remote delete may be owed): keep
+                    # the entry retained, so nothing is deleted on a guess; an expiring
+                    # record is settled by its owner once it has expired.
+                    kept, hint = {}, "retain"
             catalog.index_manifest(manifest, path.lstat().st_size,
                                    hint=hint if hint in ("retain", "release") else "retain",
                                    last_access=time.time(),
