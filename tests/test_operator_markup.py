@@ -45,7 +45,7 @@ def hostile(tmp_path: Path) -> tuple[Path, str]:
         obj = store.layout.object_path(bad.objects[0].digest)
         obj.write_bytes(b"z" * 100)  # corrupt: quarantined by the scrub below
     # a file that does not belong, named badly
-    (root / f"unknown-[red]x\x1b]8;;evil\x07\x1b[2J\u202e").write_text("?")
+    (root / "unknown-[red]x\x1b]8;;evil\x07\x1b[2J\u202e").write_text("?")
     return root, m.entry_id
 
 

@@ -10,7 +10,6 @@ are still good (a pending remote delete is not forgotten)."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from pathlib import Path
 
