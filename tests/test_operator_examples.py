@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_engines import run_engine  # noqa: E402
+from vllm_engines import run_engine
 
-from spoolctl.store import Store  # noqa: E402
-from spoolctl.store.scrub import ScrubState  # noqa: E402
+from spoolctl.store import Store
+from spoolctl.store.scrub import ScrubState
 
 pytestmark = pytest.mark.slow
 
