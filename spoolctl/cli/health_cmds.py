@@ -110,7 +110,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
     user (outside a store, so not the store's private ``publish`` path)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if os.path.lexists(tmp):  # a leftover (or anything planted there): never open it
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             os.write(fd, data)
             os.fsync(fd)
