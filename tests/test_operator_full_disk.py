@@ -17,6 +17,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -74,6 +76,24 @@ def test_every_shedding_step_works_on_a_full_disk(mount_tmpfs) -> None:
         assert store.totals().bytes <= 0.9 * (2 << 20) and store.released() == (0, 0)
         for row in store.entries():  # what is left is whole
             store.read_all(store.manifest(row.entry_id))
+
+
+def test_operations_that_free_nothing_keep_working_on_a_disk_kept_full(mount_tmpfs) -> None:
+    """A release frees nothing, and each process needs room for SQLite's scratch files: the
+    store takes that room back into its reserve when it closes, so the next one has it too,
+    however many times another program fills the disk in between."""
+    fs = mount_tmpfs("16m")
+    root, made = _store_on(fs, entries=10, size=100_000)
+    for m in made:
+        fill(fs)
+        proc = subprocess.run(
+            [sys.executable, "-c", "from spoolctl.store import Store\n"
+             f"with Store.open({str(root)!r}) as s: assert s.release({m.entry_id!r})"],
+            capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    with Store.open(root, read_only=True) as store:
+        assert store.released()[0] == len(made)
+        assert store.reserve.count == store.reserve.pieces
 
 
 def test_without_the_reserve_the_steps_fail_and_say_what_to_do(mount_tmpfs) -> None:

@@ -64,6 +64,10 @@ class CatalogHealth:
         if self._catalog is not None:
             self._catalog.close()
             self._catalog = None
+            if not self.read_only and self.reserve.count < self.reserve.most:
+                # The last connection's close deleted SQLite's -wal/-shm files: take that
+                # room back into the reserve before another program does.
+                self.reserve.ensure()
 
     def _writable(self, what: str) -> None:
         """ReadOnlyError unless this store was opened for writing."""

@@ -190,7 +190,8 @@ def store_full(where: Path) -> SpoolError:
     from .errors import StoreIOError
 
     return StoreIOError(f"committing an entry refused: No space left on device (less than "
-                        f"{HEADROOM_BYTES >> 10} KiB free, kept for maintenance)", path=where,
+                        f"{HEADROOM_BYTES >> 10} KiB free: that room is kept for maintenance)",
+                        path=where,
                         fix="free disk space: `spoolctl clean --released` and lowering the "
                             "max size work on a full disk (docs/runbook.md)",
                         errno=errno.ENOSPC)

@@ -195,12 +195,16 @@ def reserve_check(layout: Layout) -> list:
     from .reserve import Reserve
 
     reserve = Reserve(layout.state)
-    have = reserve.count
-    if have == reserve.pieces:
+    have, want = reserve.count, reserve.pieces
+    if want == 0:
+        return [_check("fs.reserve", "ok", "the filesystem is too small for a full-disk "
+                       "reserve (under 4 MiB)")]
+    if have >= want:
         return [_check("fs.reserve", "ok",
-                       f"{reserve.size >> 10} KiB reserved so a full disk can be shed")]
+                       f"{have * reserve.piece_bytes >> 10} KiB reserved so a full disk can "
+                       "be shed")]
     return [_check("fs.reserve", "warn",
-                   f"{have} of {reserve.pieces} reserve pieces in place: on a full disk, "
+                   f"{have} of {want} reserve pieces in place: on a full disk, "
                    "cleaning may have to wait for free space",
                    "free a few MiB; the store re-creates state/reserve.* at its next open")]
 

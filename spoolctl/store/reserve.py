@@ -5,18 +5,20 @@ the filesystem at 100%, SQLite cannot even create its shared-memory file, so rec
 release, deleting released entries or evicting to a lowered max size would all fail with
 ENOSPC. Two rules keep shedding possible (decision 1103):
 
-* **A reserve** of ``PIECES`` files ``state/reserve.<n>`` (``PIECE_BYTES`` each, allocated
-  up front) holds disk space for the store's own maintenance. An operation that *sheds*
-  load (release, clean, eviction, orphan collection, lowering the max size, and opening
-  the catalog to do any of these: SQLite must create its 32 KiB shared-memory file and
-  write-ahead log before the first write) that fails for lack of space deletes one piece
-  and retries, piece by piece. Pieces let several operations in a row run on a disk that
-  another program keeps full (a release frees nothing; the clean after it still needs
-  room). After each shedding operation, and at each open, missing pieces are re-created
-  from whatever space is free, before another program can take it.
+* **A reserve** of up to ``PIECES`` files ``state/reserve.<n>`` (``PIECE_BYTES`` each,
+  allocated up front; at most 1/64 of the filesystem, so a small filesystem is not eaten
+  by it and one under 4 MiB gets none) holds disk space for the store's own maintenance.
+  An operation that *sheds* load (release, clean, eviction, orphan collection, lowering
+  the max size, and opening the catalog to do any of these: SQLite must create its 32 KiB
+  shared-memory file and write-ahead log before the first write) that fails for lack of
+  space deletes one piece and retries, piece by piece. Pieces let several operations in a
+  row run on a disk that another program keeps full (a release frees nothing; the clean
+  after it still needs room). After each shedding operation, and at each open, missing
+  pieces are re-created from whatever space is free, before another program can take it.
 * **Commit headroom**: a commit refuses to start (StoreIOError, ENOSPC) while the
-  filesystem has less than ``HEADROOM_BYTES`` free, so the store's own writers stop short
-  of a full disk and never take the room a piece just gave back.
+  filesystem has less than ``HEADROOM_BYTES`` free (1/64 of a small filesystem), so the
+  store's own writers stop short of a full disk and never take the room a piece just gave
+  back.
 
 So the disk a store may occupy is bounded by its max size, plus the entries in flight,
 plus this reserve (``RESERVE_BYTES``). Everything here is best effort: a filesystem that
@@ -35,10 +37,11 @@ from .errors import StoreIOError
 from .fsio import FILE_MODE, fsync_dir, full_fsync, tmp_name
 
 RESERVE_NAME = "reserve"
-PIECES = 8
-PIECE_BYTES = 128 << 10
+PIECES = 16
+PIECE_BYTES = 64 << 10
 RESERVE_BYTES = PIECES * PIECE_BYTES
-HEADROOM_BYTES = PIECE_BYTES
+HEADROOM_BYTES = 128 << 10
+FS_SHARE = 64  # the reserve (and the headroom) take at most 1/64 of the filesystem
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -54,8 +57,17 @@ class Reserve:
 
     def __init__(self, state_dir: Path, pieces: int = PIECES, piece_bytes: int = PIECE_BYTES):
         self.state_dir = state_dir
-        self.pieces = pieces
+        self.most = pieces
         self.piece_bytes = piece_bytes
+
+    @property
+    def pieces(self) -> int:
+        """How many pieces this filesystem gets: 1/64 of its size, at most ``PIECES``."""
+        try:
+            total = shutil.disk_usage(self.state_dir).total
+        except OSError:
+            return self.most
+        return min(self.most, total // (FS_SHARE * self.piece_bytes))
 
     @property
     def size(self) -> int:
@@ -73,11 +85,11 @@ class Reserve:
     @property
     def count(self) -> int:
         """How many pieces are in place."""
-        return sum(self._present(n) for n in range(self.pieces))
+        return sum(self._present(n) for n in range(self.most))
 
     @property
     def present(self) -> bool:
-        return self.count == self.pieces
+        return self.count >= self.pieces
 
     def ensure(self) -> int:
         """Create the missing pieces while the filesystem has room for them; return how
@@ -112,7 +124,7 @@ class Reserve:
 
     def release(self) -> bool:
         """Delete one piece (its space goes back to the filesystem); True if there was one."""
-        for n in reversed(range(self.pieces)):
+        for n in reversed(range(self.most)):
             try:
                 os.unlink(self._path(n))
             except FileNotFoundError:
@@ -141,9 +153,10 @@ def _allocate(fd: int, size: int) -> None:
 
 
 def headroom_ok(directory: Path, need: int = HEADROOM_BYTES) -> bool:
-    """True if the filesystem of ``directory`` has at least ``need`` bytes free (or its
-    free space cannot be read: then the write itself finds out)."""
+    """True if the filesystem of ``directory`` has at least ``need`` bytes free (1/64 of a
+    small filesystem), or its free space cannot be read (then the write finds out)."""
     try:
-        return shutil.disk_usage(directory).free >= need
+        usage = shutil.disk_usage(directory)
     except OSError:
         return True
+    return usage.free >= min(need, usage.total // FS_SHARE)
