@@ -15,7 +15,6 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
-from rich.text import Text
 
 from spoolctl.store import CLEAN_STEPS, SpoolError, Store, parse_duration
 
@@ -30,8 +29,8 @@ from .common import (
     RankOption,
     RootOption,
     console,
+    err_console,
     open_store,
-    plain,
     text,
 )
 from .fanout import finish, run_on_targets
@@ -87,6 +86,9 @@ def clean_cmd(
         remote = _clean_genai(store, genai, dry_run)  # before local cleanup: settles holds
         report = store.clean(steps, min_age=age, dry_run=dry_run)
         doc = {**report.to_json(), "genai": remote}
+        where = "" if _target.rank is None else f"{_target.label}: "
+        for step, error in report.errors.items():  # on stderr too: cron mails it
+            err_console.print(text(f"error: {where}clean {step}: {error}"), soft_wrap=True)
         if report.errors or remote.get("error"):
             return doc, EXIT_USAGE
         findings = report.quarantined or report.failed or report.malformed_count or \
@@ -146,9 +148,7 @@ def _steps_table(steps: dict[str, dict[str, Any]], dry_run: bool) -> Table:
 def _clean_view(doc: dict[str, Any]) -> list[Any]:
     # Lines about remote caches carry server text, rows and paths carry store text:
     # printed as plain text, never markup.
-    out: list[Any] = [_steps_table(doc["steps"], doc["dry_run"])]
-    for step, error in doc.get("errors", {}).items():
-        out.append(Text.assemble(("error: ", "red"), f"{step}: ", plain(error)))
+    out: list[Any] = [_steps_table(doc["steps"], doc["dry_run"])]  # step errors: stderr
     malformed = doc.get("malformed_rows") or {}
     if malformed.get("count"):
         out.append(text(f"skipped {malformed['count']} malformed catalog row(s), e.g. "

@@ -25,7 +25,17 @@ from rich.text import Text
 
 from spoolctl.store import CorruptionError, NotFoundError, SpoolError, Store
 
-from .common import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE, View, emit, open_store, plain, text
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_USAGE,
+    View,
+    emit,
+    err_console,
+    open_store,
+    plain,
+    text,
+)
 from .targets import StoreTarget, Targets
 
 # fn(store, target) -> (document, exit code)
@@ -122,7 +132,16 @@ def run_on_targets(targets: Targets, job: StoreJob, *, json_output: bool, view: 
     results = run_each(targets, job, read_only_ok=read_only_ok)
     doc = multi_doc(targets, results)
     emit(doc, json_output=json_output, view=multi_view(view, empty=empty))
+    report_errors(results)
     return doc["exit"]
+
+
+def report_errors(results: list[StoreResult]) -> None:
+    """One line on stderr per store that failed (cron mails stderr; the JSON on stdout goes
+    to a log nobody reads until something is wrong)."""
+    for r in results:
+        if r.error is not None and not r.not_found:
+            err_console.print(text(f"error: {r.target.label}: {r.error}"), soft_wrap=True)
 
 
 def finish(code: int) -> None:
