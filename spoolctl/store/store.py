@@ -30,8 +30,8 @@ Contract (see docs/format.md for the on-disk format):
 * Every catalog call goes through ``run_with_catalog_repair``: if SQLite reports the
   catalog damaged, it is quarantined, rebuilt from the manifests and the call retried once.
 * Operations that shed load (release, clean, eviction, orphan collection, lowering the
-  max size) still work on a full disk: one that fails for lack of space deletes the
-  store's reserve file and retries once (``reserve``, decision 1103).
+  max size) still work on a full disk: one that fails for lack of space deletes a piece of
+  the store's reserve and retries (``reserve``, decision 1103).
 * ``read_only=True`` opens a store this process may not (or must not) write: nothing is
   created, locked, touched or quarantined, and every write raises ReadOnlyError.
 """
@@ -136,7 +136,7 @@ class Store(CatalogHealth):
         foreign or malformed markers and (unless ``allow_foreign_owner``) roots, even
         empty ones, owned by another user with a RootError. ``max_bytes`` is recorded in
         the marker. Removes temp files abandoned by dead writers, resolves interrupted
-        commits when no other process is busy, keeps the reserve file in place, and
+        commits when no other process is busy, keeps the reserve in place, and
         reports unknown files in ``unknown_files``.
 
         ``read_only``: open without writing anything (no directory, marker, catalog
