@@ -272,7 +272,6 @@ def test_a_read_only_controller_never_writes(backend, store_root):
         LocalCacheController(backend, None, read_only=True)
 
 
-@pytest.mark.xfail(strict=True, reason="store read-only open: issue #15/#22 store side")
 def test_a_read_only_controller_reads_a_store_it_cannot_write(backend, mount_tmpfs):
     """A developer reading a cache someone else wrote: the files are readable, nothing in
     the store can be written (a read-only filesystem: even root cannot write there)."""
