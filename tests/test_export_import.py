@@ -197,8 +197,10 @@ def test_chunks_of_another_deployment_are_refused_unless_named(base: Path):
     assert doc["imported"] == 8 and (other / D1 / "rank-0001").is_dir()
 
 
-COMMIT_STEPS = ["import.objects_fsynced", "import.object_published:3", "import.intents",
-                "import.manifest_published:4", "import.committed"]
+# The import commits through the store's group commit: its checkpoints, mid-batch.
+COMMIT_STEPS = ["manifest.tmp_written:5", "manifest.fsynced", "object.published:3",
+                "object.dir_fsynced:2", "catalog.intent", "manifest.published:4",
+                "manifest.dir_fsynced", "catalog.committed"]
 
 
 @pytest.mark.parametrize("step", COMMIT_STEPS)
@@ -217,7 +219,7 @@ def test_crash_mid_import_leaves_only_complete_entries(base: Path, step: str):
         assert tmp_files(b) == []
     visible = snapshot(b)
     assert all(visible[e] == expected[e] for e in visible)
-    if step.startswith("import.manifest_published"):
+    if step.startswith("manifest.published"):
         assert len(visible) == 4  # the four manifests renamed before the crash
     doc = cli_json("import", "--root", str(b), str(archive))
     assert doc["complete"] and snapshot(b) == expected
@@ -229,7 +231,7 @@ def test_disk_error_while_publishing_is_one_line_and_leaves_the_store_consistent
     fill(a, 6)
     cli_json("export", "--root", str(a), "-o", str(archive))
     proc = cli("import", "--root", str(b), str(archive),
-               env={"SPOOLCTL_FAIL_AT": "import.manifest_published:ENOSPC"})
+               env={"SPOOLCTL_FAIL_AT": "manifest.published:ENOSPC"})
     err = proc.stderr.decode()
     assert proc.returncode == 2 and "No space left" in err and len(err.splitlines()) == 1
     with Store.open(b) as store:

@@ -171,14 +171,27 @@ class Catalog:
 
     def record_intent(self, manifest: Manifest, manifest_size: int, now: float) -> None:
         """Record a commit in flight: pending row plus its object references."""
+        self.record_intents([(manifest, manifest_size)], now)
+
+    def record_intents(self, entries: Iterable[tuple[Manifest, int]], now: float) -> None:
+        """Record a batch of commits in flight (one transaction): a pending row per
+        (manifest, manifest size) plus its object references."""
         with self._write() as db:
-            self._insert(db, manifest, manifest_size, now, hint="retain", state="pending")
+            for manifest, manifest_size in entries:
+                self._insert(db, manifest, manifest_size, now, hint="retain", state="pending")
 
     def mark_committed(self, entry_id: str, supersedes: str | None) -> None:
+        self.mark_committed_many([(entry_id, supersedes)])
+
+    def mark_committed_many(self, entries: Iterable[tuple[str, str | None]]) -> None:
+        """Mark rows committed, in order, in one transaction; release what each supersedes."""
         with self._write() as db:
-            db.execute("UPDATE entries SET state='committed' WHERE entry_id=?", (entry_id,))
-            if supersedes:
-                db.execute("UPDATE entries SET hint='release' WHERE entry_id=?", (supersedes,))
+            for entry_id, supersedes in entries:
+                db.execute("UPDATE entries SET state='committed' WHERE entry_id=?",
+                           (entry_id,))
+                if supersedes:
+                    db.execute("UPDATE entries SET hint='release' WHERE entry_id=?",
+                               (supersedes,))
 
     def index_manifest(
         self, manifest: Manifest, manifest_size: int, *, hint: str = "retain",

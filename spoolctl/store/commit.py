@@ -1,21 +1,34 @@
-"""Committing one entry, manifest-last.
+"""Committing entries, manifest-last: one (``Store.put``) or many together (group commit).
 
-The sequence (each step durable before the next; see docs/format.md):
+``put`` is a batch of one; a batch makes many entries durable with one round of flushes per
+step instead of one per entry. Each step is durable before the next (docs/format.md):
 
-0. every object is staged in ``tmp/`` (written, hashed, fsynced) *before any is
-   published*, each bounded while it streams by what is left of the entry's size budget
-   (90% of the store's max size): a put that is too large, or whose stream yields
-   something that is not bytes, fails in ``tmp/`` and leaves nothing behind;
-1. each staged object is renamed to ``objects/<aa>/<digest>.obj`` (content-addressed: an
-   identical object already there is reused, a damaged one is quarantined and replaced);
-2. the catalog records the commit's *intent* (a pending row pinning those objects);
-3. the manifest is staged and renamed to ``manifests/<aa>/<entry_id>.json``;
-4. the catalog row is marked committed (and a superseded entry released).
+1. **stage**: every object of every entry is written to ``tmp/`` and hashed, its flush
+   started at once (flushes overlap the next writes, and the filesystem merges concurrent
+   flushes into few journal commits); then the entry's manifest is built, written to
+   ``tmp/``, its flush started. The commit waits for every flush. Nothing is visible.
+   Objects are bounded while they stream by what is left of their entry's size budget
+   (90% of the store's max size).
+2. **objects**: each staged object is renamed to ``objects/<aa>/<digest>.obj``
+   (content-addressed: an identical object already there is reused, a damaged one is
+   quarantined and replaced); every fan-out directory holding an object of the batch,
+   reused ones included, is fsynced once.
+3. **intent**: one catalog transaction records a pending row per entry.
+4. **manifests**: each manifest is renamed to ``manifests/<aa>/<entry_id>.json`` -- only
+   now is an entry visible -- and each manifest directory fsynced once.
+5. **committed**: one catalog transaction marks the rows committed (superseded entries
+   released).
 
-A crash before 3 leaves only orphans and a pending row, which recovery rolls back; a
-crash after 3 leaves a complete entry, which recovery marks committed. An error before
-3 rolls the intent back at once. The caller (``Store.put``) holds the maintenance lock
-shared, so no deletion runs meanwhile.
+A crash before step 4 leaves only temp files, orphans and pending rows, which recovery
+rolls back; a crash during step 4 leaves each entry complete or invisible (a manifest is
+renamed only after every object it names is durable), and recovery marks the complete ones
+committed. Per entry, all or nothing (decision 1400): an entry whose arguments, size or
+own objects fail is refused (its outcome carries the error) and the rest of the batch goes
+on; a failure of a step shared by the batch (a directory fsync, a manifest rename, the
+catalog) raises, and no entry whose manifest was not yet renamed becomes visible. The
+caller (``Store``) holds the maintenance lock shared, so no deletion runs meanwhile.
+Checkpoints (``faults.COMMIT_CHECKPOINTS``) are passed once per object, manifest or
+directory, in the order above.
 """
 
 from __future__ import annotations
@@ -27,21 +40,91 @@ import sqlite3
 import stat
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CapacityError, ConfigError, ManifestError, QuarantineReason, SpoolError
-from .fsio import SizeLimitExceeded, hash_file, io_error, read_manifest
+from .errors import (
+    CapacityError,
+    ConfigError,
+    ManifestError,
+    NotFoundError,
+    QuarantineReason,
+    SpoolError,
+)
+from .fsio import (
+    Flushing,
+    SizeLimitExceeded,
+    flush_pool,
+    fsync_dir,
+    hash_file,
+    io_error,
+    read_manifest,
+)
 from .gc import LOW_WATERMARK
 from .inputs import is_bytes_like, payload_size
 from .manifest import Manifest, ObjectRef, encode
-from .publish import Publisher, Staged
+from .publish import Publisher
 from .reserve import HEADROOM_BYTES, headroom_ok
 
 if TYPE_CHECKING:
     from .store import Store
 
 Payload = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
+# Flushes a batch may have in flight before staging waits for the oldest (each holds a file
+# descriptor until its fsync is done).
+MAX_FLUSHING = 64
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """One entry for ``Store.put_many``: the arguments of ``Store.put``."""
+
+    kind: str
+    namespace: str
+    key: str
+    objects: Mapping[str, Payload]
+    meta: Mapping[str, Any] | None = None
+    index: Mapping[str, Any] | None = None
+    supersedes: str | None = None
+
+
+@dataclass
+class PutOutcome:
+    """What became of one entry of a batch.
+
+    ``status``: ``committed`` (written now), ``present`` (already committed: returned as
+    is), ``failed`` (refused: ``error`` says why; nothing of it is visible) or ``vanished``
+    (an imported entry whose object is no longer in the store)."""
+
+    entry_id: str
+    status: str
+    manifest: Manifest | None = None
+    error: SpoolError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None
+
+
+@dataclass
+class Pending:
+    """One entry of a batch being committed (internal to the commit and its callers).
+
+    Either ``request`` (payloads to stage; the manifest is built here) or ``manifest`` +
+    ``data`` (an entry built elsewhere, its objects already verified in ``tmp/``: the
+    import's path) is set."""
+
+    entry_id: str
+    request: PutRequest | None = None
+    manifest: Manifest | None = None
+    data: bytes | None = None
+    staged: list[tuple[str, Flushing]] = field(default_factory=list)
+    manifest_tmp: Flushing | None = None
+    outcome: PutOutcome | None = None
+
+    def fail(self, error: SpoolError, status: str = "failed") -> None:
+        self.outcome = PutOutcome(self.entry_id, status, error=error)
 
 
 class Committer:
@@ -68,49 +151,63 @@ class Committer:
             "may take at most 90% of it)", path=self._store.root,
             fix="raise the store's max size (`spoolctl init --max-size`)")
 
-    def commit(self, entry_id: str, *, kind: str, namespace: str, key: str,
-               objects: Mapping[str, Payload], meta: Mapping[str, Any] | None,
-               index: Mapping[str, Any] | None, supersedes: str | None) -> Manifest:
-        """Commit one entry (validated by the caller) and return its manifest; an entry
-        already committed under ``entry_id`` is returned as is (revived if released)."""
-        store = self._store
-        existing = self.existing(entry_id, supersedes)
-        if existing is not None:
-            return existing
-        self.check_fits(sum(payload_size(p) for p in objects.values() if is_bytes_like(p)))
-        if not headroom_ok(store.layout.tmp):
-            # Leave the filesystem's last megabyte to maintenance (reserve.py): a commit
-            # must never take the room that lets `spoolctl clean` shed load.
-            raise store_full(store.layout.tmp)
-        refs = self.publish_objects(objects)
-        manifest = Manifest.new(
-            kind=kind, namespace=namespace, key=key, created=time.time(), objects=refs,
-            meta=meta, index=index, supersedes=supersedes,
-        )
-        data = encode(manifest)
-        store.catalog.record_intent(manifest, len(data), time.time())
-        final = store.layout.manifest_path(entry_id)
-        published: list[Path] = []
-        try:
-            store.checkpoint("catalog.intent")
-            staged = self._publisher.stage([data], what="manifest")
-            with self._publisher.failing(staged, "publishing the manifest", final):
-                self._publisher.publish(staged.tmp, final, what="manifest", placed=published)
-            store.catalog.mark_committed(entry_id, supersedes)
-            store.checkpoint("catalog.committed")
-        except (OSError, SpoolError, sqlite3.DatabaseError) as exc:
-            if not published:
-                # Roll back the intent so the row does not pin the objects; they become
-                # orphans, reclaimed by age. Best effort: recovery does the same.
-                with contextlib.suppress(sqlite3.DatabaseError):
-                    store.catalog.delete_entries([entry_id])
-            if isinstance(exc, OSError):
-                raise io_error(exc, "committing an entry", final) from exc
-            raise
-        return manifest
+    # -- the batch ------------------------------------------------------------------------
 
-    def existing(self, entry_id: str, supersedes: str | None) -> Manifest | None:
-        """The already-committed entry ``entry_id`` (revived if released), or None."""
+    def commit(self, batch: list[Pending], *, given: dict[str, Path] | None = None,
+               revive: bool = True) -> None:
+        """Commit ``batch`` (arguments already validated), setting each entry's outcome.
+
+        ``given``: objects already written and flushed in ``tmp/`` and verified (digest ->
+        path), which prebuilt entries rely on; they are consumed (moved into the store or
+        deleted), also on error. ``revive``: an entry already committed is revived if
+        released (``put``); without it, it is only reported present (import). Raises on a
+        failure of a shared step (see the module docstring)."""
+        given = {} if given is None else given
+        first: dict[str, Pending] = {}
+        try:
+            live = self._not_present(batch, first, revive)
+            if live:
+                if not headroom_ok(self._store.layout.tmp):
+                    # Leave the filesystem's last megabyte to maintenance (reserve.py): a
+                    # commit must never take the room that lets `spoolctl clean` shed load.
+                    raise store_full(self._store.layout.tmp)
+                self._stage(live, given)
+                todo = self._place_objects([p for p in live if p.outcome is None], given)
+                if todo:
+                    self._commit_manifests(todo)
+        finally:
+            for p in batch:
+                self._discard(p)
+            for path in given.values():
+                _unlink(path)
+            given.clear()
+        for p in batch:  # a repeated id names the same entry: it gets the first's outcome
+            head = first.get(p.entry_id)
+            if p.outcome is None and head is not None and head.outcome is not None:
+                o = head.outcome
+                p.outcome = PutOutcome(p.entry_id, "present" if o.ok else o.status,
+                                       o.manifest, o.error)
+
+    def _not_present(self, batch: list[Pending], first: dict[str, Pending],
+                     revive: bool) -> list[Pending]:
+        """Entries still to write: the first of each id, unless it is committed already."""
+        live = []
+        for p in batch:
+            if p.outcome is not None or p.entry_id in first:
+                continue
+            first[p.entry_id] = p
+            supersedes = p.request.supersedes if p.request else None
+            existing = self.existing(p.entry_id, supersedes, revive=revive)
+            if existing is not None:
+                p.outcome = PutOutcome(p.entry_id, "present", existing)
+            else:
+                live.append(p)
+        return live
+
+    def existing(self, entry_id: str, supersedes: str | None, *,
+                 revive: bool = True) -> Manifest | None:
+        """The already-committed entry ``entry_id`` (revived if released and ``revive``),
+        or None."""
         store = self._store
         catalog = store.catalog
         row = catalog.get(entry_id)
@@ -127,32 +224,77 @@ class Committer:
                 return None  # an object was lost: rewrite the entry
             if row is None:
                 catalog.index_manifest(manifest, path.stat().st_size, last_access=time.time())
-            elif row.hint != "retain":
+            elif row.hint != "retain" and revive:
                 catalog.set_hint(entry_id, "retain")
             if supersedes:
                 catalog.set_hint(supersedes, "release")
             return manifest
         return None
 
-    def publish_objects(self, objects: Mapping[str, Payload]) -> tuple[ObjectRef, ...]:
-        """Stage every object (step 0), then publish each (step 1). On any error every
-        staged temp file is removed: nothing of a failed put stays on disk but objects it
-        already published (only after every object was staged and checked)."""
-        budget = self.budget()
-        staged: list[tuple[str, Staged]] = []
-        try:
-            for name, payload in objects.items():
-                left = None if budget is None else budget - sum(st.size for _, st in staged)
-                staged.append((name, self._stage(name, payload, left)))
-            return tuple(self._place(name, st) for name, st in staged)
-        finally:
-            for _, st in staged:
-                self._publisher.discard(st)  # no-op for a file already renamed
+    # -- step 1: stage ----------------------------------------------------------------------
 
-    def _stage(self, name: str, payload: Payload, left: int | None) -> Staged:
+    def _stage(self, live: list[Pending], given: dict[str, Path]) -> None:
+        flushing: list[Flushing] = []
+        for p in live:
+            try:
+                if p.request is not None:
+                    self._stage_objects(p, flushing)
+                    p.manifest = Manifest.new(
+                        kind=p.request.kind, namespace=p.request.namespace, key=p.request.key,
+                        created=time.time(),
+                        objects=tuple(ObjectRef(name, f.digest, f.size) for name, f in p.staged),
+                        meta=p.request.meta, index=p.request.index,
+                        supersedes=p.request.supersedes)
+                    p.data = encode(p.manifest)
+                else:
+                    missing = [r for r in p.manifest.objects
+                               if r.digest not in given and not object_present(self._store, r)]
+                    if missing:
+                        p.fail(NotFoundError(f"object {missing[0].name} of entry "
+                                             f"{p.entry_id} is no longer in the store"),
+                               "vanished")
+                        continue
+                p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest")
+                _bound(flushing, p.manifest_tmp)
+            except SpoolError as exc:
+                p.fail(exc)
+                self._discard(p)
+            except ValueError as exc:  # a manifest that does not validate (caller checked)
+                p.fail(ConfigError(f"entry {p.entry_id[:16]}: {exc}",
+                                   fix="check the entry's meta, index and objects"))
+                self._discard(p)
+        for p in live:  # every flush of the batch is in flight: wait for them, in order
+            if p.outcome is not None:
+                continue
+            try:
+                for _name, f in p.staged:
+                    _flushed(f, "writing an object")
+                    self._publisher.mark("object", "fsynced")
+                assert p.manifest_tmp is not None
+                _flushed(p.manifest_tmp, "writing a manifest")
+                self._publisher.mark("manifest", "fsynced")
+            except SpoolError as exc:
+                p.fail(exc)
+                self._discard(p)
+            except OSError as exc:  # an injected fault at a checkpoint (faults.FAIL_ENV)
+                p.fail(io_error(exc, "writing an entry", self._store.layout.tmp))
+                self._discard(p)
+
+    def _stage_objects(self, p: Pending, flushing: list[Flushing]) -> None:
+        assert p.request is not None
+        objects = p.request.objects
+        self.check_fits(sum(payload_size(v) for v in objects.values() if is_bytes_like(v)))
+        budget = self.budget()
+        for name, payload in objects.items():
+            left = None if budget is None else budget - sum(f.size for _, f in p.staged)
+            f = self._stage_one(name, payload, left)
+            p.staged.append((name, f))
+            _bound(flushing, f)
+
+    def _stage_one(self, name: str, payload: Payload, left: int | None) -> Flushing:
         chunks = [payload] if is_bytes_like(payload) else payload
         try:
-            return self._publisher.stage(chunks, what="object", limit=left)
+            return self._publisher.stage_flushing(chunks, what="object", limit=left)
         except SizeLimitExceeded:
             raise self._too_large(f"more than {self.budget()} bytes (object {name} was "
                                   "still streaming)") from None
@@ -160,29 +302,169 @@ class Committer:
             raise ConfigError(f"object {name}: a streamed chunk is not bytes-like ({exc})",
                               fix="yield bytes, bytearray or memoryview chunks") from None
 
-    def publish_object(self, name: str, payload: Payload) -> ObjectRef:
-        """Stage ``payload`` and make it ``objects/<aa>/<digest>.obj`` (steps 0 and 1)."""
-        staged = self._stage(name, payload, self.budget())
-        try:
-            return self._place(name, staged)
-        finally:
-            self._publisher.discard(staged)
+    # -- step 2: objects --------------------------------------------------------------------
 
-    def _place(self, name: str, staged: Staged) -> ObjectRef:
-        """Publish one staged object (step 1)."""
-        ref = ObjectRef(name=name, digest=staged.digest, size=staged.size)
-        final = self._store.layout.object_path(staged.digest)
-        with self._publisher.failing(staged, "publishing an object", final):
-            self._publisher.check_dirs(final.parent)
-            if os.path.lexists(final):
-                if _existing_object_ok(final, staged.digest, staged.size):
-                    self._publisher.discard(staged)  # content-addressed: already stored
-                    return ref
-                self._store.quarantine_files(None, QuarantineReason.OBJECT_COLLISION,
-                                             "existing object did not match its name; replaced",
-                                             [(final, "object")])
-            self._publisher.publish(staged.tmp, final, what="object")
-        return ref
+    def _place_objects(self, todo: list[Pending], given: dict[str, Path]) -> list[Pending]:
+        """Rename every staged object into place; fsync their directories once each. An
+        entry whose object cannot be placed is refused; the others go on."""
+        layout = self._store.layout
+        done: set[str] = set()
+        dirs: set[Path] = set()
+        for p in todo:
+            final = layout.objects
+            try:
+                for _name, f in p.staged:
+                    final = layout.object_path(f.digest)
+                    self._place(f.path, final, f.digest, f.size, done)
+                    dirs.add(final.parent)
+                assert p.manifest is not None
+                for ref in p.manifest.objects:
+                    final = layout.object_path(ref.digest)
+                    if ref.digest in given:  # verified by the import: replaces what is there
+                        self._publisher.check_dirs(final.parent)
+                        self._publisher.place(given.pop(ref.digest), final, what="object")
+                        done.add(ref.digest)
+                    # Reused objects too: a manifest may only name objects whose names are
+                    # durable (another commit may have renamed one in and not synced yet).
+                    dirs.add(final.parent)
+            except OSError as exc:
+                p.fail(io_error(exc, "publishing an object", final))
+                self._discard(p)
+        todo = [p for p in todo if p.outcome is None]
+        if todo:
+            self._sync(dirs, "object", "publishing objects")
+        return todo
+
+    def _place(self, src: Path, final: Path, digest: str, size: int, done: set[str]) -> None:
+        if digest in done:  # an earlier entry of this batch placed the same bytes
+            _unlink(src)
+            return
+        self._publisher.check_dirs(final.parent)
+        if os.path.lexists(final):
+            if _existing_object_ok(final, digest, size):
+                _unlink(src)  # content-addressed: already stored
+                done.add(digest)
+                return
+            self._store.quarantine_files(None, QuarantineReason.OBJECT_COLLISION,
+                                         "existing object did not match its name; replaced",
+                                         [(final, "object")])
+        self._publisher.place(src, final, what="object")
+        done.add(digest)
+
+    def _sync(self, dirs: Iterable[Path], what: str, doing: str) -> None:
+        """fsync ``dirs`` concurrently (the filesystem merges them); StoreIOError if any
+        fails."""
+        pending = [(d, flush_pool().submit(fsync_dir, d)) for d in sorted(set(dirs))]
+        failed: tuple[Path, OSError] | None = None
+        for d, fut in pending:
+            try:
+                fut.result()
+                if failed is None:
+                    self._publisher.mark(what, "dir_fsynced")
+            except OSError as exc:
+                failed = failed or (d, exc)
+        if failed is not None:
+            raise io_error(failed[1], doing, failed[0])
+
+    # -- steps 3-5: intent, manifests, committed -----------------------------------------
+
+    def _commit_manifests(self, todo: list[Pending]) -> None:
+        store = self._store
+        catalog = store.catalog
+        recorded: list[str] = []
+        published: set[str] = set()
+        final = store.layout.manifests
+        try:
+            catalog.record_intents([(p.manifest, len(p.data)) for p in todo], time.time())
+            recorded = [p.entry_id for p in todo]
+            self._publisher.mark("catalog", "intent")
+            for p in todo:
+                final = store.layout.manifest_path(p.entry_id)
+                placed: list[Path] = []
+                try:
+                    self._publisher.place(p.manifest_tmp.path, final, what="manifest",
+                                          placed=placed)
+                finally:
+                    if placed:
+                        published.add(p.entry_id)
+            self._sync((store.layout.manifest_path(p.entry_id).parent for p in todo),
+                       "manifest", "publishing manifests")
+            catalog.mark_committed_many([(p.entry_id, p.manifest.supersedes) for p in todo])
+            self._publisher.mark("catalog", "committed")
+        except (OSError, SpoolError, sqlite3.DatabaseError) as exc:
+            # Roll back the intents of entries that never became visible, so their rows do
+            # not pin the objects (orphans now, reclaimed by age). Best effort: recovery does
+            # the same. A renamed manifest's pending row is resolved by recovery.
+            with contextlib.suppress(sqlite3.DatabaseError):
+                catalog.delete_entries([e for e in recorded if e not in published])
+            if isinstance(exc, OSError):
+                raise io_error(exc, "committing entries", final) from exc
+            raise
+        for p in todo:
+            p.outcome = PutOutcome(p.entry_id, "committed", p.manifest)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _discard(self, p: Pending) -> None:
+        """Remove what ``p`` staged and did not publish (renamed files are gone already)."""
+        for _name, f in p.staged:
+            _discard_flushing(f)
+        if p.manifest_tmp is not None:
+            _discard_flushing(p.manifest_tmp)
+
+    def publish_object(self, name: str, payload: Payload) -> ObjectRef:
+        """Stage ``payload`` and make it ``objects/<aa>/<digest>.obj``, its directory synced
+        (no entry names it: an orphan until one does)."""
+        f = self._stage_one(name, payload, self.budget())
+        try:
+            _flushed(f, "writing an object")
+            self._publisher.mark("object", "fsynced")
+            final = self._store.layout.object_path(f.digest)
+            try:
+                self._place(f.path, final, f.digest, f.size, set())
+            except OSError as exc:
+                raise io_error(exc, "publishing an object", final) from exc
+            self._sync([final.parent], "object", "publishing an object")
+            return ObjectRef(name=name, digest=f.digest, size=f.size)
+        finally:
+            _discard_flushing(f)
+
+
+def object_present(store: Store, ref: ObjectRef) -> bool:
+    """True if the store holds a regular file of the right size for ``ref`` (cheap: lstat;
+    its bytes are verified by every read and by scrub, like any stored object)."""
+    try:
+        st = os.lstat(store.layout.object_path(ref.digest))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == ref.size
+
+
+def _bound(flushing: list[Flushing], f: Flushing) -> None:
+    """Track ``f``; wait for the oldest flushes while more than MAX_FLUSHING are in flight
+    (their results are read later, in order)."""
+    flushing.append(f)
+    while len(flushing) > MAX_FLUSHING:
+        with contextlib.suppress(OSError):
+            flushing.pop(0).flushed.result()
+
+
+def _flushed(f: Flushing, what: str) -> None:
+    try:
+        f.flushed.result()
+    except OSError as exc:
+        raise io_error(exc, what, f.path) from exc
+
+
+def _discard_flushing(f: Flushing) -> None:
+    with contextlib.suppress(OSError):
+        f.flushed.result()  # its descriptor is closed before the file goes
+    _unlink(f.path)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def store_full(where: Path) -> SpoolError:

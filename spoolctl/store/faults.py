@@ -21,24 +21,21 @@ FAIL_ENV = "SPOOLCTL_FAIL_AT"
 
 # Every checkpoint the store passes, by operation. ``checkpoint()`` refuses any other name, so
 # this list cannot go stale: a new durability step must be named here to run at all.
+# A commit (``Store.put``, ``Store.put_many``, an import) passes them in this order, each
+# once per object, manifest or directory of the batch (``commit``): crash at the n-th pass
+# with ``<name>:<n>`` to stop in the middle of a step of a batch.
 COMMIT_CHECKPOINTS: tuple[str, ...] = (
-    "object.tmp_written", "object.fsynced", "object.published", "object.dir_fsynced",
-    "catalog.intent",
-    "manifest.tmp_written", "manifest.fsynced", "manifest.published", "manifest.dir_fsynced",
-    "catalog.committed",
+    "object.tmp_written", "manifest.tmp_written", "object.fsynced", "manifest.fsynced",
+    "object.published", "object.dir_fsynced", "catalog.intent",
+    "manifest.published", "manifest.dir_fsynced", "catalog.committed",
 )
 DELETE_CHECKPOINTS: tuple[str, ...] = tuple(
     f"{step}.{point}" for step in ("clean", "evict")
     for point in ("manifest_deleted", "catalog_deleted", "object_deleted"))
 QUARANTINE_CHECKPOINTS: tuple[str, ...] = ("quarantine.catalog_deleted", "quarantine.moved")
 SCRUB_CHECKPOINTS: tuple[str, ...] = ("scrub.progress_saved",)
-# The import's batch commit (store/import_commit.py).
-IMPORT_CHECKPOINTS: tuple[str, ...] = (
-    "import.objects_fsynced", "import.object_published", "import.intents",
-    "import.manifest_published", "import.committed")
 CHECKPOINTS: frozenset[str] = frozenset(
-    COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
-    + IMPORT_CHECKPOINTS)
+    COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS)
 
 _target: str | None = None
 _countdown = 0

@@ -15,7 +15,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .digest import Hasher
@@ -32,6 +32,8 @@ _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 READ_CHUNK = 8 << 20
 # Granularity of the read/hash and write/hash pipelines.
 PIPE_CHUNK = 2 << 20
+# Objects up to this size are read whole and hashed on the reading thread (no hand-off).
+INLINE_HASH_MAX = 4 << 20
 
 
 def full_fsync(fd: int) -> None:
@@ -132,6 +134,40 @@ def write_tmp(
     error the partial file is removed; an OS error is raised as StoreIOError, a chunk
     that is not bytes-like as TypeError.
     """
+    tmp = write_tmp_flushing(tmp_dir, chunks, on_written=on_written, limit=limit)
+    try:
+        tmp.flushed.result()
+    except OSError as exc:
+        _unlink_quietly(tmp.path)
+        raise io_error(exc, "writing", tmp.path) from exc
+    return tmp.path, tmp.digest, tmp.size
+
+
+class Flushing:
+    """A temp file written and hashed whose flush to disk may still be running.
+
+    ``flushed`` completes (or raises the OSError of the fsync) once the bytes are durable;
+    its descriptor is closed by then either way. The caller owns ``path``: it removes it
+    if the flush failed or the file is not used."""
+
+    __slots__ = ("digest", "flushed", "path", "size")
+
+    def __init__(self, path: Path, digest: str, size: int, flushed: Future[None]):
+        self.path, self.digest, self.size, self.flushed = path, digest, size, flushed
+
+
+def write_tmp_flushing(
+    tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *,
+    on_written: Callable[[], None] | None = None, limit: int | None = None,
+) -> Flushing:
+    """``write_tmp`` without waiting for the fsync: write ``chunks``, start the flush on
+    a helper thread, hash the bytes on this one while it runs, and return.
+
+    A group commit stages many files this way, so their flushes overlap each other (and
+    the next writes) and the filesystem can merge them into a few journal commits. The
+    chunks are kept referenced until hashed. Errors as for ``write_tmp``; a failed flush
+    is reported by ``Flushing.flushed``.
+    """
     path = tmp_dir / tmp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
     try:
@@ -141,6 +177,7 @@ def write_tmp(
         raise io_error(exc, "creating a temporary file", path) from exc
     hasher = Hasher()
     size = 0
+    flushed: Future[None] | None = None
     try:
         try:
             views = []
@@ -157,21 +194,29 @@ def write_tmp(
                 on_written()
             # The bytes are in the page cache: flush them to disk on a helper thread while
             # this thread hashes them, so a commit costs about write + max(fsync, hash).
-            flushed = _fsync_pool().submit(full_fsync, fd)
-            try:
-                for view in views:
-                    hasher.update(view)
-            finally:
-                flushed.result()
+            flushed = flush_pool().submit(_fsync_close, fd)
+            for view in views:
+                hasher.update(view)
         finally:
-            os.close(fd)
+            if flushed is None:
+                os.close(fd)
     except OSError as exc:
         _unlink_quietly(path)
         raise io_error(exc, "writing", path) from exc
     except BaseException:
+        if flushed is not None:
+            with contextlib.suppress(OSError):
+                flushed.result()  # the descriptor must be closed before the file goes
         _unlink_quietly(path)
         raise
-    return path, hasher.hexdigest(), size
+    return Flushing(path, hasher.hexdigest(), size, flushed)
+
+
+def _fsync_close(fd: int) -> None:
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -263,17 +308,21 @@ _hash_pool_lock = threading.Lock()
 _hash_pool: ThreadPoolExecutor | None = None
 
 
-_fsync_pool_lock = threading.Lock()
-_fsync_executor: ThreadPoolExecutor | None = None
+_flush_pool_lock = threading.Lock()
+_flush_executor: ThreadPoolExecutor | None = None
+# fsyncs in flight at once: concurrent flushes of many files (a group commit) are merged by
+# the filesystem into few journal commits; each thread mostly waits on the disk.
+FLUSH_WORKERS = 16
 
 
-def _fsync_pool() -> ThreadPoolExecutor:
-    global _fsync_executor
-    with _fsync_pool_lock:
-        if _fsync_executor is None:
-            _fsync_executor = ThreadPoolExecutor(max_workers=4,
+def flush_pool() -> ThreadPoolExecutor:
+    """The shared pool that runs fsyncs (of files and directories) off the calling thread."""
+    global _flush_executor
+    with _flush_pool_lock:
+        if _flush_executor is None:
+            _flush_executor = ThreadPoolExecutor(max_workers=FLUSH_WORKERS,
                                                  thread_name_prefix="spoolctl-fsync")
-        return _fsync_executor
+        return _flush_executor
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -289,7 +338,8 @@ def read_verified(
 ) -> memoryview:
     """Read the object at ``path`` and prove it is ``digest`` of ``size`` bytes, in one pass.
 
-    Reading and hashing are pipelined (chunk i is hashed on a helper thread while
+    Objects up to ``INLINE_HASH_MAX`` are read whole and hashed inline (a raw read plus
+    the hash); larger ones are pipelined (chunk i is hashed on a helper thread while
     chunk i+1 is read; both release the GIL), so verification costs little over a
     raw read. Returns a view of the bytes (``into`` if given). Raises
     ``FileNotFoundError`` if the object is missing, ``CorruptionError`` on a size
@@ -314,11 +364,14 @@ def read_verified(
         if len(buf) != size:
             raise ValueError("destination buffer has the wrong size")
         hasher = Hasher()
+        # Small objects are hashed inline: handing a chunk to the helper thread costs more
+        # than it overlaps (INLINE_HASH_MAX, measured by scripts/bench_store.py --probe).
+        inline = size <= INLINE_HASH_MAX
         pending = None
         offset = 0
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
             while offset < size:
-                end = min(offset + PIPE_CHUNK, size)
+                end = size if inline else min(offset + PIPE_CHUNK, size)
                 window = buf[offset:end]
                 got = 0
                 while got < len(window):
@@ -330,10 +383,13 @@ def read_verified(
                             path=path,
                         )
                     got += n
-                # Hash chunk i on the helper thread while chunk i+1 is read.
-                if pending is not None:
-                    pending.result()
-                pending = _pool().submit(hasher.update, window)
+                if inline:
+                    hasher.update(window)
+                else:
+                    # Hash chunk i on the helper thread while chunk i+1 is read.
+                    if pending is not None:
+                        pending.result()
+                    pending = _pool().submit(hasher.update, window)
                 offset = end
             if pending is not None:
                 pending.result()

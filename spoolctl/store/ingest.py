@@ -329,19 +329,25 @@ class Section:
                 for path in entry.staged.values():
                     _unlink(path)
             raise io_error(exc, "flushing imported objects", self.store.layout.tmp) from exc
+        failed = None
         if batch:
-            outcomes = publish_entries(self.store, batch, synced=True)
+            outcomes = publish_entries(self.store, batch)
             for entry in batch:
                 outcome = outcomes.get(entry.manifest.entry_id)
-                if outcome == "published":
+                status = outcome.status if outcome is not None else "failed"
+                if status == "committed":
                     self.tally.imported += 1
                     self.tally.objects_written += len(entry.staged)
                     self.tally.bytes_written += sum(sizes[d] for d in entry.staged) + \
                         len(entry.data)
-                elif outcome == "present":
+                elif status == "present":
                     self.tally.present += 1
-                else:
+                elif status == "vanished":
                     self.tally.skipped_vanished += 1
+                elif failed is None and outcome is not None:
+                    failed = outcome.error
+        if failed is not None:
+            raise failed
         self.refresh_room()
 
     def finish(self) -> None:

@@ -12,7 +12,8 @@ can run one step for many files before the next and fsync each directory once:
    redirect the write).
 3. ``sync``: fsync each distinct parent directory once, which makes the renames durable.
 
-``publish`` is steps 2 and 3 for one file. Each step passes a named crash checkpoint
+``stage_flushing`` is step 1 without waiting for the fsync, for a group commit that
+starts many flushes before it waits for any. ``publish`` is steps 2 and 3 for one file. Each step passes a named crash checkpoint
 ``<what>.tmp_written`` / ``.fsynced`` / ``.published`` / ``.dir_fsynced`` (see
 ``faults``) when ``what`` is given. Steps raise ``OSError``; ``failing`` turns it into
 the store's ``StoreIOError`` and removes the staged temp file.
@@ -26,7 +27,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fsio import ensure_real_dirs, fsync_dir, io_error, write_tmp
+from .fsio import (
+    Flushing,
+    ensure_real_dirs,
+    fsync_dir,
+    io_error,
+    write_tmp,
+    write_tmp_flushing,
+)
 
 Chunks = Iterable[bytes | bytearray | memoryview]
 
@@ -48,7 +56,8 @@ class Publisher:
         self.tmp_dir = tmp_dir
         self._checkpoint = checkpoint
 
-    def _mark(self, what: str | None, step: str) -> None:
+    def mark(self, what: str | None, step: str) -> None:
+        """Pass the crash checkpoint ``<what>.<step>`` (nothing when ``what`` is None)."""
         if what is not None:
             self._checkpoint(f"{what}.{step}")
 
@@ -59,11 +68,20 @@ class Publisher:
         more than ``limit`` bytes arrive, TypeError for a chunk that is not bytes-like.
         """
         tmp, digest, size = write_tmp(self.tmp_dir, chunks, limit=limit,
-                                      on_written=lambda: self._mark(what, "tmp_written"))
+                                      on_written=lambda: self.mark(what, "tmp_written"))
         staged = Staged(tmp, digest, size)
         with self.failing(staged, "writing", tmp):
-            self._mark(what, "fsynced")
+            self.mark(what, "fsynced")
         return staged
+
+    def stage_flushing(self, chunks: Chunks, *, what: str | None,
+                       limit: int | None = None) -> Flushing:
+        """Step 1 without waiting for the flush (a group commit): write ``chunks`` to a temp
+        file and hash them; the fsync runs on a helper thread (``Flushing.flushed``). The
+        caller passes ``<what>.fsynced`` once it has waited for it, and removes the file
+        if it is not published. Errors as for ``stage``."""
+        return write_tmp_flushing(self.tmp_dir, chunks, limit=limit,
+                                  on_written=lambda: self.mark(what, "tmp_written"))
 
     def check_dirs(self, directory: Path) -> None:
         """Raise OSError(ELOOP) unless every directory from the root to ``directory`` is
@@ -81,13 +99,13 @@ class Publisher:
         os.replace(src, final)
         if placed is not None:
             placed.append(final)
-        self._mark(what, "published")
+        self.mark(what, "published")
 
     def sync(self, directories: Iterable[Path], *, what: str | None) -> None:
         """Step 3: fsync each directory once, making the renames into it durable."""
         for directory in dict.fromkeys(directories):
             fsync_dir(directory)
-            self._mark(what, "dir_fsynced")
+            self.mark(what, "dir_fsynced")
 
     def publish(self, src: Path, final: Path, *, what: str | None,
                 placed: list[Path] | None = None) -> None:

@@ -52,7 +52,7 @@ from . import faults
 from .catalog import Catalog, CatalogRow, Totals
 from .catalog_health import CatalogHealth
 from .clean import CLEAN_STEPS, CleanReport, run_clean
-from .commit import Committer, Payload
+from .commit import Committer, Payload, Pending, PutOutcome, PutRequest
 from .errors import (
     BusyError,
     ConfigError,
@@ -61,6 +61,8 @@ from .errors import (
     ManifestError,
     NotFoundError,
     QuarantineReason,
+    SpoolError,
+    StoreIOError,
 )
 from .facts import StoreFacts, collect
 from .fsio import io_error, read_manifest, read_verified
@@ -71,7 +73,7 @@ from .gc import (
     clean_tmp,
     tmp_usage,
 )
-from .inputs import check_put
+from .inputs import check_put, is_bytes_like
 from .keys import entry_id_for, validate_entry_id, validate_entry_prefix
 from .locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
 from .manifest import Manifest, canonical_json
@@ -90,7 +92,7 @@ DEFAULT_LOCK_TIMEOUT = 60.0
 # Bounded work done inline after a commit; the rest is left to the next pass/cron.
 COMMIT_EVICTION_BUDGET = 256
 
-__all__ = ["DeleteReport", "ReconcileReport", "Store"]
+__all__ = ["DeleteReport", "PutOutcome", "PutRequest", "ReconcileReport", "Store"]
 
 
 class Store(CatalogHealth):
@@ -229,21 +231,84 @@ class Store(CatalogHealth):
         (``inputs.check_put``); a streamed payload that grows past the size budget raises
         CapacityError while it streams, leaving nothing on disk.
         """
-        entry_id = check_put(kind=kind, namespace=namespace, key=key, objects=objects,
-                             meta=meta, index=index, supersedes=supersedes)
+        request = PutRequest(kind, namespace, key, objects, meta, index, supersedes)
+        entry_id = check_put(**request.__dict__)
         self._writable("committing an entry")
-        manifest = self.run_with_catalog_repair(lambda: self._put_locked(
-            entry_id, kind, namespace, key, objects, meta, index, supersedes))
+        outcome = self._commit([Pending(entry_id, request=request)], evict)[0]
+        if outcome.error is not None:
+            raise outcome.error
+        assert outcome.manifest is not None
+        return outcome.manifest
+
+    def put_many(self, requests: Iterable[PutRequest], *, evict: bool = True
+                 ) -> list[PutOutcome]:
+        """Commit many entries together (group commit) and return one outcome per request,
+        in order.
+
+        The entries are made durable with one round of flushes per step of the commit
+        (``commit``): the same protocol and crash guarantees as ``put``, for each entry.
+        Per entry, all or nothing: an entry whose arguments are bad (ConfigError,
+        InvalidIdError), that does not fit (CapacityError) or whose objects cannot be
+        written is refused -- ``outcome.error`` says why and nothing of it is visible --
+        and the others are committed. A failure shared by the batch (lock timeout, a
+        directory fsync, the catalog) raises BusyError / StoreIOError; entries whose
+        manifest was not yet published stay invisible. Commit-time eviction runs once,
+        after the batch (see ``put``). Callers bound a batch's size: staged payloads stay
+        referenced until the batch is durable.
+        """
+        requests = list(requests)
+        pending: list[Pending] = []
+        for r in requests:
+            try:
+                if not isinstance(r, PutRequest):
+                    raise ConfigError(f"put_many takes PutRequest items, got {type(r).__name__}",
+                                      fix="pass PutRequest(kind=..., namespace=..., key=..., "
+                                          "objects=...)")
+                pending.append(Pending(check_put(**r.__dict__), request=r))
+            except SpoolError as exc:
+                pending.append(Pending("", outcome=PutOutcome("", "failed", error=exc)))
+        self._writable("committing entries")
+        return self._commit(pending, evict)
+
+    def _commit(self, pending: list[Pending], evict: bool) -> list[PutOutcome]:
+        first_try = True
+
+        def commit() -> None:
+            nonlocal first_try
+            if not first_try:
+                # The catalog was rebuilt mid-commit and the batch runs again: a streamed
+                # payload was consumed by the first try and cannot be read twice.
+                for p in pending:
+                    if p.outcome is None and p.request and not all(
+                            is_bytes_like(v) for v in p.request.objects.values()):
+                        p.fail(StoreIOError("the catalog was repaired during this commit; a "
+                                            "streamed payload cannot be read twice",
+                                            path=self.root, fix="commit the entry again"))
+            first_try = False
+            with self.maintenance(exclusive=False, what="committing entries"):
+                self._committer.commit([p for p in pending if p.outcome is None])
+        if any(p.outcome is None for p in pending):
+            self.run_with_catalog_repair(commit)
         if evict and self.max_bytes is not None and self.totals().bytes > self.max_bytes:
             with contextlib.suppress(BusyError):
-                self.enforce_capacity(budget=COMMIT_EVICTION_BUDGET, wait=False)
-        return manifest
+                self.enforce_capacity(budget=COMMIT_EVICTION_BUDGET + len(pending), wait=False)
+        outcomes = [p.outcome for p in pending]
+        assert all(o is not None for o in outcomes), "every entry of a batch has an outcome"
+        return outcomes  # type: ignore[return-value]
 
-    def _put_locked(self, entry_id, kind, namespace, key, objects, meta, index, supersedes):
-        with self.maintenance(exclusive=False, what="committing an entry"):
-            return self._committer.commit(entry_id, kind=kind, namespace=namespace, key=key,
-                                          objects=objects, meta=meta, index=index,
-                                          supersedes=supersedes)
+    def commit_prebuilt(self, pending: list[Pending], given: dict[str, Path]) -> None:
+        """Commit entries whose manifests were built, and objects staged in ``tmp/`` and
+        verified, elsewhere (the import: ``import_commit``); sets each one's outcome.
+
+        ``given`` (digest -> staged file) is consumed. An entry already committed is
+        reported present, not revived. Raises as ``put_many`` does for a shared failure."""
+        self._writable("importing entries")
+
+        def commit() -> None:
+            with self.maintenance(exclusive=False, what="importing entries"):
+                self._committer.commit([p for p in pending if p.outcome is None],
+                                       given=given, revive=False)
+        self.run_with_catalog_repair(commit)
 
     # -- lookup and read ----------------------------------------------------------------
 
