@@ -1,12 +1,22 @@
 #!/usr/bin/env python3
 """Store throughput next to the raw disk, measured in the same run.
 
-For entries of 1, 16 and 64 MiB: commit (``Store.put``: write, hash, fsync, publish,
-manifest, catalog) vs raw write+fsync of the same bytes, and verified read
-(``Store.read``: read + digest in one pass) vs a raw read of the same file. Reads are
-cold (page cache dropped) when running as root, else warm (reported). Prints JSON.
+Rows (every reference measured in the same run, alternating with the store's side):
 
-    python scripts/bench_store.py [--dir /path/on/nvme] [--repeat 3]
+* single entries of 1, 16 and 64 MiB: commit (``Store.put``: write, hash, fsync, publish,
+  manifest, catalog) vs a raw write + fsync of the same bytes; verified read
+  (``Store.read``: read + digest in one pass) vs a raw read of the same file;
+* batches: 32 entries of 256 KiB and of 1 MiB committed with one ``Store.put_many`` (group
+  commit) vs the same bytes written raw as 32 files, each written and fsynced in turn, then
+  their directory fsynced once (the same durability: data and names on disk).
+
+Reads are cold (page cache dropped) when running as root, else warm (reported). After a
+drop, a small unrelated file is read first on both sides, so that only the *data* is cold
+(the interpreter's and BLAKE3's code pages are what a serving process has in memory).
+Ratios are the store's throughput over the reference's, from the medians. Prints JSON.
+
+    python scripts/bench_store.py [--dir /path/on/nvme] [--repeat 5]
+    python scripts/bench_store.py --probe     # where inline hashing beats the helper thread
 """
 
 from __future__ import annotations
@@ -19,10 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from spoolctl.store import Store
-from spoolctl.store.fsio import READ_CHUNK, full_fsync
+from spoolctl.store import Store, fsio
+from spoolctl.store.commit import PutRequest
+from spoolctl.store.fsio import READ_CHUNK, fsync_dir, full_fsync
 
 MiB = 1 << 20
+KiB = 1 << 10
+BATCH = 32
 
 
 def drop_caches() -> bool:
@@ -37,12 +50,26 @@ def drop_caches() -> bool:
 
 def raw_write(path: Path, data: bytes) -> float:
     t = time.perf_counter()
+    _write_fsync(path, data)
+    return time.perf_counter() - t
+
+
+def _write_fsync(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
     full_fsync(fd)
     os.close(fd)
+
+
+def raw_batch(directory: Path, blobs: list[bytes]) -> float:
+    """Write each blob to its own file, fsync it, next; then fsync the directory once."""
+    directory.mkdir()
+    t = time.perf_counter()
+    for i, data in enumerate(blobs):
+        _write_fsync(directory / f"{i}.bin", data)
+    fsync_dir(directory)
     return time.perf_counter() - t
 
 
@@ -59,27 +86,40 @@ def raw_read(path: Path, size: int) -> float:
     return time.perf_counter() - t
 
 
-def bench(base: Path, size: int, repeat: int) -> dict:
+def cold(warm_up) -> bool:
+    """Drop the page cache, then run ``warm_up`` (reads a small unrelated file the same way
+    as the timed read, so its code is in memory again). False when not root."""
+    dropped = drop_caches()
+    warm_up()
+    return dropped
+
+
+def bench_single(base: Path, size: int, repeat: int) -> dict:
     raw_w, raw_r, commit, vread = [], [], [], []
-    cold = True
-    for i in range(repeat):
-        data = os.urandom(size)
-        raw_path = base / f"raw-{size}-{i}.bin"
-        os.sync()  # start each timed write with no dirty pages from the previous one
-        raw_w.append(raw_write(raw_path, data))
-        with Store.open(base / "store", create=True) as store:
+    was_cold = True
+    with Store.open(base / "store", create=True) as store:
+        warm_m = store.put(kind="vllm", namespace="bench", key=f"warm-{size}",
+                           objects={"kv": os.urandom(64 * KiB)})
+        warm_raw = base / f"warm-{size}.bin"
+        warm_raw.write_bytes(os.urandom(64 * KiB))
+        for i in range(repeat):
+            data = os.urandom(size)
+            raw_path = base / f"raw-{size}-{i}.bin"
+            os.sync()  # start each timed write with no dirty pages from the previous one
+            raw_w.append(raw_write(raw_path, data))
             os.sync()
             t = time.perf_counter()
-            m = store.put(kind="vllm", namespace="bench", key=f"{size}-{i}", objects={"kv": data})
+            m = store.put(kind="vllm", namespace="bench", key=f"{size}-{i}",
+                          objects={"kv": data})
             commit.append(time.perf_counter() - t)
-            cold = drop_caches() and cold
+            was_cold = cold(lambda: raw_read(warm_raw, 64 * KiB)) and was_cold
             raw_r.append(raw_read(raw_path, size))
-            cold = drop_caches() and cold
+            was_cold = cold(lambda: store.read(warm_m, "kv")) and was_cold
             t = time.perf_counter()
             view = store.read(m, "kv")
             vread.append(time.perf_counter() - t)
             assert len(view) == size
-        raw_path.unlink()
+            raw_path.unlink()
 
     def mbps(times: list[float]) -> float:
         return round(size / statistics.median(times) / MiB, 1)
@@ -90,26 +130,116 @@ def bench(base: Path, size: int, repeat: int) -> dict:
         "commit_mib_s": mbps(commit),
         "raw_read_mib_s": mbps(raw_r),
         "verified_read_mib_s": mbps(vread),
-        "cold_reads": cold,
+        "cold_reads": was_cold,
     }
     out["commit_vs_raw_write"] = round(out["commit_mib_s"] / out["raw_write_fsync_mib_s"], 2)
     out["verified_read_vs_raw_read"] = round(out["verified_read_mib_s"] / out["raw_read_mib_s"], 2)
     return out
 
 
+def bench_batch(base: Path, size: int, repeat: int) -> dict:
+    raw, ours = [], []
+    with Store.open(base / "store", create=True) as store:
+        for i in range(repeat):
+            blobs = [os.urandom(size) for _ in range(BATCH)]
+            requests = [PutRequest("vllm", "bench-batch", f"{size}-{i}-{k}", {"kv": b})
+                        for k, b in enumerate(blobs)]
+            raw_dir = base / f"raw-batch-{size}-{i}"
+            sides = [("raw", lambda d=raw_dir, b=blobs: raw_batch(d, b)),
+                     ("ours", lambda r=requests: _timed_put_many(store, r))]
+            if i % 2:
+                sides.reverse()  # alternate which side runs first
+            for name, run in sides:
+                os.sync()
+                (raw if name == "raw" else ours).append(run())
+            for p in raw_dir.iterdir():
+                p.unlink()
+    total = size * BATCH
+
+    def mbps(times: list[float]) -> float:
+        return round(total / statistics.median(times) / MiB, 1)
+
+    out = {"entry_kib": size // KiB, "entries_per_batch": BATCH,
+           "raw_files_fsynced_mib_s": mbps(raw), "batch_commit_mib_s": mbps(ours),
+           "raw_seconds": [round(x, 4) for x in raw],
+           "batch_seconds": [round(x, 4) for x in ours]}
+    out["batch_commit_vs_raw"] = round(out["batch_commit_mib_s"] / out["raw_files_fsynced_mib_s"],
+                                       2)
+    return out
+
+
+def _timed_put_many(store: Store, requests: list[PutRequest]) -> float:
+    t = time.perf_counter()
+    outcomes = store.put_many(requests)
+    took = time.perf_counter() - t
+    assert all(o.status == "committed" for o in outcomes), [o.error for o in outcomes]
+    return took
+
+
+def probe(base: Path, repeat: int) -> dict:
+    """Verified-read time with inline hashing vs the helper-thread pipeline, by size,
+    warm (page cache) and, as root, cold."""
+    rows = []
+    saved = fsio.INLINE_HASH_MAX
+    try:
+        with Store.open(base / "probe", create=True) as store:
+            warm_m = store.put(kind="vllm", namespace="p", key="warm",
+                               objects={"kv": os.urandom(64 * KiB)})
+            for size in (64 * KiB, 256 * KiB, MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB):
+                m = store.put(kind="vllm", namespace="p", key=str(size),
+                              objects={"kv": os.urandom(size)})
+                row = {"size_kib": size // KiB}
+                for temp in ("warm", "cold"):
+                    times: dict[str, list[float]] = {"inline": [], "pipelined": []}
+                    for _ in range(repeat):
+                        for mode in ("inline", "pipelined"):
+                            fsio.INLINE_HASH_MAX = size if mode == "inline" else 0
+                            if temp == "cold" and not cold(lambda: store.read(warm_m, "kv")):
+                                break
+                            t = time.perf_counter()
+                            store.read(m, "kv")
+                            times[mode].append(time.perf_counter() - t)
+                    if times["inline"] and times["pipelined"]:
+                        row[f"{temp}_inline_ms"] = round(statistics.median(times["inline"])
+                                                         * 1e3, 3)
+                        row[f"{temp}_pipelined_ms"] = round(
+                            statistics.median(times["pipelined"]) * 1e3, 3)
+                rows.append(row)
+    finally:
+        fsio.INLINE_HASH_MAX = saved
+    return {"benchmark": "store-inline-hash-probe", "current_threshold_kib": saved // KiB,
+            "loadavg": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--sizes", default="1,16,64", help="entry sizes in MiB")
+    parser.add_argument("--sizes", default="1,16,64", help="single entry sizes in MiB")
+    parser.add_argument("--batch-sizes", default="256,1024",
+                        help=f"entry sizes in KiB for batches of {BATCH} (empty: none)")
+    parser.add_argument("--probe", action="store_true",
+                        help="measure inline vs pipelined hashing of verified reads instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         base = Path(os.path.realpath(tmp))
-        results = [bench(base, int(s) * MiB, args.repeat) for s in args.sizes.split(",")]
+        if args.probe:
+            print(json.dumps(probe(base, args.repeat), indent=2))
+            return
+        load_before = os.getloadavg()
+        results = [bench_single(base, int(s) * MiB, args.repeat)
+                   for s in args.sizes.split(",") if s]
+        batches = [bench_batch(base, int(s) * KiB, args.repeat)
+                   for s in args.batch_sizes.split(",") if s]
     print(json.dumps({
-        "benchmark": "store", "goal": {"verified_read_vs_raw_read": 0.9,
-                                       "commit_vs_raw_write": 0.8},
+        "benchmark": "store",
+        "goal": {"verified_read_vs_raw_read": 0.9, "commit_vs_raw_write": 0.8,
+                 "batch_commit_vs_raw": 0.8},
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "cpus": os.cpu_count(),
         "results": results,
+        "batches": batches,
     }, indent=2))
 
 

@@ -1,6 +1,6 @@
 """Crash matrix: kill a real process at every durability checkpoint, N times, and check.
 
-    python scripts/crash_matrix.py --repeat 5                 # store + scrub + pytorch (+ mlx)
+    python scripts/crash_matrix.py --repeat 5           # store + batch + scrub + pytorch (+ mlx)
     python scripts/crash_matrix.py --repeat 3 --only pytorch  # one family
     python scripts/crash_matrix.py child ...                  # internal: the process that dies
 
@@ -8,6 +8,8 @@ Families and what one trial does:
 
 * ``store``   -- a store writer (``tests/store_worker.py``) dies at a commit, clean, eviction
   or quarantine checkpoint (``SPOOLCTL_CRASH_AT``, ``spoolctl.store.faults``).
+* ``batch``   -- a group commit (``Store.put_many``) of 8 entries, plus one that fails while
+  it streams, dies at every commit checkpoint, at its first, a middle and a late pass.
 * ``scrub``   -- ``spoolctl scrub --until-complete`` dies at the n-th ``scrub.progress_saved``
   with one corrupt entry in the store; the next scrub must resume the same cycle.
 * ``pytorch`` / ``mlx`` -- a process running a real controller ``prepare`` dies at a store
@@ -15,7 +17,8 @@ Families and what one trial does:
   and compares greedy tokens with a cold run.
 
 After every trial the invariants are checked: the interrupted entry is complete or absent (and
-present once its manifest was durable), no committed entry was lost, nothing in the catalog
+present once its manifest was durable; in a batch, exactly the entries whose manifest was
+renamed before the crash are present), no committed entry was lost, nothing in the catalog
 fails verification, and ``spoolctl clean --min-age 0s --yes`` leaves no temp file and no
 unreferenced object. Prints one JSON document: trials, crashes reached, violations per family
 (``violations`` must be 0). The tests (``tests/test_reliability_crash.py``) run one repetition
@@ -41,10 +44,14 @@ STORE_WORKER = REPO / "tests" / "store_worker.py"
 CRASH_EXIT_CODE = 86  # spoolctl.store.faults.CRASH_EXIT_CODE (kept literal: child has no import)
 
 COMMIT_POINTS = (
-    "object.tmp_written", "object.fsynced", "object.published", "object.dir_fsynced",
-    "catalog.intent", "manifest.tmp_written", "manifest.fsynced", "manifest.published",
-    "manifest.dir_fsynced", "catalog.committed",
+    "object.tmp_written", "manifest.tmp_written", "object.fsynced", "manifest.fsynced",
+    "object.published", "object.dir_fsynced", "catalog.intent",
+    "manifest.published", "manifest.dir_fsynced", "catalog.committed",
 )  # = spoolctl.store.faults.COMMIT_CHECKPOINTS
+# A group commit passes each of these once per batch; the others once per object, manifest or
+# directory: batch trials crash at the first, a middle and the last-but-one pass of those.
+BATCH_ONCE = ("catalog.intent", "catalog.committed")
+BATCH_SIZE = 8
 # After these the manifest is durable: the entry must survive the crash.
 DURABLE_POINTS = ("manifest.published", "manifest.dir_fsynced", "catalog.committed")
 CLEAN_POINTS = ("clean.catalog_deleted", "clean.manifest_deleted", "clean.object_deleted")
@@ -287,6 +294,60 @@ def store_trial(root: Path, point: str, rng: random.Random) -> dict[str, Any]:
     return {"point": point, "crashed": crashed, "problems": problems}
 
 
+def batch_trial(root: Path, point: str) -> dict[str, Any]:
+    """A group commit killed at ``point`` (``name:n``): every entry of the batch is whole or
+    absent, visible exactly when its manifest was renamed before the crash."""
+    from spoolctl.store import Store
+
+    sys.path.insert(0, str(STORE_WORKER.parent))
+    from store_worker import batch_objects
+
+    worker = [sys.executable, str(STORE_WORKER), str(root)]
+    problems: list[str] = []
+    _run([*worker, "put", "keep", "30000"], None)
+    code = _run([*worker, "put-batch", "v", str(BATCH_SIZE), "20000"], point)
+    crashed = code == CRASH_EXIT_CODE
+    if not crashed:
+        problems.append(f"worker did not reach {point} (exit {code})")
+    problems += check_store(root)
+    name, _, nth = point.partition(":")
+    with Store.open(root) as store:
+        if store.lookup("pytorch", "crash", "keep") is None:
+            problems.append("a committed entry was lost")
+        if store.lookup("pytorch", "crash", "v-bad") is not None:
+            problems.append("the entry that failed while streaming is visible")
+        visible = []
+        for i in range(BATCH_SIZE):
+            hit = store.lookup("pytorch", "crash", f"v-{i}")
+            if hit is None:
+                continue
+            visible.append(i)
+            want = batch_objects("v", i, 20000)
+            if {n: bytes(store.read(hit, n)) for n in want} != want:
+                problems.append(f"entry v-{i} has the wrong bytes")
+        if name == "manifest.published":
+            expect = list(range(int(nth)))
+        elif name in ("manifest.dir_fsynced", "catalog.committed"):
+            expect = list(range(BATCH_SIZE))
+        else:
+            expect = []
+        if visible != expect:
+            problems.append(f"visible entries {visible}, expected {expect}")
+    problems += check_reclaimed(root)
+    problems += check_store(root)
+    return {"point": point, "crashed": crashed, "problems": problems}
+
+
+def batch_points() -> list[str]:
+    """Every commit checkpoint at its first pass, and the repeated ones also mid-step."""
+    out = []
+    for p in COMMIT_POINTS:
+        passes = (1,) if p in BATCH_ONCE else (1, 2, 3) if p.endswith("dir_fsynced") \
+            else (1, BATCH_SIZE // 2, BATCH_SIZE - 1)
+        out += [f"{p}:{n}" for n in passes]
+    return out
+
+
 def scrub_trial(root: Path, nth: int, rng: random.Random) -> dict[str, Any]:
     """``spoolctl scrub`` killed at its nth progress save; a rerun resumes and finishes the
     cycle: every healthy entry authenticated, the corrupt one quarantined, none lost."""
@@ -359,10 +420,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="repetitions of every trial")
     ap.add_argument("--only", action="append",
-                    choices=["store", "scrub", "pytorch", "mlx"], help="families to run")
+                    choices=["store", "batch", "scrub", "pytorch", "mlx"],
+                    help="families to run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    families = args.only or ["store", "scrub", "pytorch", "mlx"]
+    families = args.only or ["store", "batch", "scrub", "pytorch", "mlx"]
     rng = random.Random(args.seed)
     report: dict[str, Any] = {"repeat": args.repeat, "seed": args.seed, "families": {}}
     with tempfile.TemporaryDirectory(prefix="spool-crash-") as tmp:
@@ -372,6 +434,10 @@ def main() -> None:
             points = COMMIT_POINTS + CLEAN_POINTS + EVICT_POINTS + QUARANTINE_POINTS
             report["families"]["store"] = _family(
                 "store", [(p, lambda r, p=p: store_trial(r, p, rng)) for p in points],
+                args.repeat, base)
+        if "batch" in families:
+            report["families"]["batch"] = _family(
+                "batch", [(p, lambda r, p=p: batch_trial(r, p)) for p in batch_points()],
                 args.repeat, base)
         if "scrub" in families:
             report["families"]["scrub"] = _family(

@@ -13,13 +13,26 @@ import random
 import sys
 import time
 
-from spoolctl.store import BusyError, Store
+from spoolctl.store import BusyError, PutRequest, Store
 
 
 def payload(key: str, size: int) -> bytes:
     """Deterministic bytes for a key, so any reader can check what it got."""
     rnd = random.Random(key)
     return rnd.randbytes(size)
+
+
+def batch_objects(prefix: str, i: int, size: int) -> dict[str, bytes]:
+    """Objects of entry ``i`` of a batch: entry 2 shares object ``b`` with entry 1, so a
+    batch also publishes an object two of its entries name."""
+    shared = f"{prefix}-1b" if i == 2 else f"{prefix}-{i}b"
+    return {"a": payload(f"{prefix}-{i}", size), "b": payload(shared, size // 2 + 1)}
+
+
+def bad_stream(prefix: str):
+    """A streamed payload that fails half-way (a chunk that is not bytes)."""
+    yield payload(prefix + "-bad", 5000)
+    yield "not bytes"
 
 
 def main() -> None:
@@ -29,6 +42,16 @@ def main() -> None:
         key, size = args[0], int(args[1])
         store.put(kind="pytorch", namespace="crash", key=key,
                   objects={"a": payload(key, size), "b": payload(key + "b", size // 2 + 1)})
+    elif command == "put-batch":
+        # One group commit of N entries (plus one that fails while it streams, which must
+        # never become visible); prints the outcomes.
+        prefix, n, size = args[0], int(args[1]), int(args[2])
+        requests = [PutRequest("pytorch", "crash", f"{prefix}-{i}",
+                               batch_objects(prefix, i, size)) for i in range(n)]
+        requests.insert(n // 2, PutRequest("pytorch", "crash", f"{prefix}-bad",
+                                           {"a": bad_stream(prefix)}))
+        outcomes = store.put_many(requests)
+        print(json.dumps([o.status for o in outcomes]))
     elif command == "release-clean":
         entry_id = store.entry_id("pytorch", "crash", args[0])
         store.release(entry_id)

@@ -56,6 +56,23 @@ def test_mlx_prepare_killed_at_commit_checkpoint(mlx_trials, store_root: Path,
     assert result["problems"] == []
 
 
+# Group commit: either side of the manifest-last boundary and the middle of the renames (every
+# point and pass runs in tests/test_store_crash.py and scripts/crash_matrix.py --only batch).
+@pytest.mark.parametrize("point", ["object.dir_fsynced:2", "catalog.intent:1",
+                                   "manifest.published:4", "manifest.dir_fsynced:1"])
+def test_group_commit_killed_at_a_checkpoint_of_the_batch(store_root: Path, point: str) -> None:
+    result = cm.batch_trial(store_root, point)
+    assert result["crashed"], f"the worker never reached {point}"
+    assert result["problems"] == []
+
+
+def test_batch_points_cover_every_commit_checkpoint() -> None:
+    from spoolctl.store.faults import COMMIT_CHECKPOINTS
+
+    assert cm.COMMIT_POINTS == COMMIT_CHECKPOINTS
+    assert {p.partition(":")[0] for p in cm.batch_points()} == set(COMMIT_CHECKPOINTS)
+
+
 @pytest.mark.parametrize("nth", [1, 3, 6])
 def test_scrub_killed_at_progress_save_resumes(store_root: Path, nth: int) -> None:
     result = cm.scrub_trial(store_root, nth, random.Random(nth))

@@ -2,9 +2,11 @@
 
 Public API (stable; everything else in this package is internal)::
 
-    from spoolctl.store import Store
+    from spoolctl.store import PutRequest, Store
     with Store.open("/var/cache/spoolctl", create=True, max_bytes=200 << 30) as store:
         m = store.put(kind="pytorch", namespace="model-x", key="abc", objects={"kv": data})
+        outcomes = store.put_many(                            # many entries, one
+            [PutRequest("vllm", "model-x", k, {"kv": b}) for k, b in chunks])  # group commit
         hit = store.lookup("pytorch", "model-x", "abc")      # Manifest | None
         payload = store.read(hit, "kv")                       # verified bytes
         store.release(hit.entry_id)                           # hint: out of reuse now
@@ -15,13 +17,14 @@ Public API (stable; everything else in this package is internal)::
         store.lookup(...); store.read(...)                    # write: reads only
 
 Bad arguments raise the store's own errors (ConfigError, InvalidIdError) before anything
-is written; see ``Store.put``.
+is written; see ``Store.put``. ``put_many`` reports them per entry (``PutOutcome.error``).
 
 Importing this package never imports torch, vllm, mlx or google-genai.
 """
 
 from .catalog import CatalogRow, Totals
 from .clean import CLEAN_STEPS, CleanReport
+from .commit import PutOutcome, PutRequest
 from .errors import (
     BusyError,
     CapacityError,
@@ -60,6 +63,8 @@ __all__ = [
     "ManifestError",
     "NotFoundError",
     "ObjectRef",
+    "PutOutcome",
+    "PutRequest",
     "QuarantineItem",
     "QuarantineReason",
     "ReadOnlyError",

@@ -32,7 +32,7 @@ _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 READ_CHUNK = 8 << 20
 # Granularity of the read/hash and write/hash pipelines.
 PIPE_CHUNK = 2 << 20
-# Objects up to this size are read whole and hashed on the reading thread (no hand-off).
+# Objects up to this size are hashed on the reading thread (no hand-off; decision 1402).
 INLINE_HASH_MAX = 4 << 20
 
 
@@ -338,10 +338,10 @@ def read_verified(
 ) -> memoryview:
     """Read the object at ``path`` and prove it is ``digest`` of ``size`` bytes, in one pass.
 
-    Objects up to ``INLINE_HASH_MAX`` are read whole and hashed inline (a raw read plus
-    the hash); larger ones are pipelined (chunk i is hashed on a helper thread while
-    chunk i+1 is read; both release the GIL), so verification costs little over a
-    raw read. Returns a view of the bytes (``into`` if given). Raises
+    Objects up to ``INLINE_HASH_MAX`` are hashed inline, chunk by chunk (a raw read plus
+    the hash, no thread hand-off); larger ones are pipelined (chunk i is hashed on a
+    helper thread while chunk i+1 is read; both release the GIL), so verification costs
+    little over a raw read. Returns a view of the bytes (``into`` if given). Raises
     ``FileNotFoundError`` if the object is missing, ``CorruptionError`` on a size
     or digest mismatch or if the object is not a regular file (never blocks on a FIFO),
     ``OSError`` (e.g. EACCES) if it cannot be read. The returned bytes are only ever
@@ -364,14 +364,15 @@ def read_verified(
         if len(buf) != size:
             raise ValueError("destination buffer has the wrong size")
         hasher = Hasher()
-        # Small objects are hashed inline: handing a chunk to the helper thread costs more
-        # than it overlaps (INLINE_HASH_MAX, measured by scripts/bench_store.py --probe).
+        # Small objects are hashed inline, chunk by chunk (the kernel's readahead keeps the
+        # disk busy meanwhile): handing a chunk to the helper thread costs more than it
+        # overlaps (INLINE_HASH_MAX, measured with scripts/bench_store.py --probe).
         inline = size <= INLINE_HASH_MAX
         pending = None
         offset = 0
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
             while offset < size:
-                end = size if inline else min(offset + PIPE_CHUNK, size)
+                end = min(offset + PIPE_CHUNK, size)
                 window = buf[offset:end]
                 got = 0
                 while got < len(window):
