@@ -15,8 +15,9 @@ can run one step for many files before the next and fsync each directory once:
 ``stage_flushing`` is step 1 without waiting for the fsync, for a group commit that
 starts many flushes before it waits for any. ``publish`` is steps 2 and 3 for one file.
 Each step passes a named crash checkpoint ``<what>.tmp_written`` / ``.fsynced`` /
-``.published`` / ``.dir_fsynced`` (see ``faults``) when ``what`` is given. Steps raise ``OSError``; ``failing`` turns it into
-the store's ``StoreIOError`` and removes the staged temp file.
+``.published`` / ``.dir_fsynced`` (see ``faults``) when ``what`` is given. Steps raise
+``OSError``; ``failing`` turns it into the store's ``StoreIOError`` and removes the staged
+temp file.
 """
 
 from __future__ import annotations
