@@ -15,8 +15,9 @@ binds the format's ``Copier`` and starts its parts:
   collects each step.
 
 A layout the copier cannot handle disables this rank (``spoolctl_on_unsupported =
-"disable"``) or fails startup. ``shutdown`` drains queued commits (bounded), stops every
-thread and closes the store.
+"disable"``) or fails startup. Queued commits are drained (bounded) at interpreter exit,
+before the thread pools they need shut down (``exitdrain``), and at ``shutdown``, which
+then stops every thread and closes the store.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from spoolctl.store import Store
 from spoolctl.store.errors import ConfigError
 
+from . import exitdrain
 from .formats import Copier
 from .introspect import Deployment, host_identity
 from .lookup import KIND
@@ -113,6 +115,8 @@ class WorkerSide:
                                    chunk_bytes=copier.chunk_bytes,
                                    staging_bytes=settings.staging_bytes, meta=meta,
                                    counters=self._counters)
+        # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
+        exitdrain.register(self._stager)
         self._start_maintainer(store)
 
     def _start_maintainer(self, store: Store) -> None:
@@ -199,6 +203,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         """Drain queued commits (bounded), stop every thread, close the store."""
         if self._stager is not None:
+            exitdrain.unregister(self._stager)
             if not self._stager.close(FLUSH_ON_SHUTDOWN_S):
                 log.warning("spoolctl: shutdown before all stores were committed; "
                             "the rest are skipped")
