@@ -6,7 +6,8 @@ store (``<root>/<deployment digest>/rank-<NNNN>``, shared with a same-process sc
 through ``rankstores``) and, once vLLM registers its KV tensors (``register_kv_caches``),
 binds the format's ``Copier`` and starts its parts:
 
-* ``RestorePipeline`` (``restore``): verified reads on helper threads, copies into KV;
+* ``RestorePipeline`` (``restore``): verified reads on helper threads, copies into KV at
+  the engine's safe points (``start_load``, ``take_transfer_results``);
 * ``ChunkStager`` (``capture``): captures into staging memory, committed in the background;
 * ``RankHoldings`` (``holdings``): the rank's inventory reported to the scheduler and
   capacity enforced by withdraw-then-delete;
@@ -146,7 +147,8 @@ class WorkerSide:
     # -- per step ------------------------------------------------------------------------------
 
     def start_load(self, meta: SpoolConnectorMetadata) -> None:
-        """Run the step's restores, then apply the scheduler's inventory messages."""
+        """Begin (asynchronous) or run (grouped format) the step's restores, then apply the
+        scheduler's inventory messages."""
         self._copier.restore(meta, self._pipeline)
         # Only now, after this step's loads: every plan built before the scheduler applied
         # a withdrawal has been served, so acknowledged entries may be deleted.
@@ -170,7 +172,12 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         return self._copier.take_load_errors()
 
-    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+    def take_transfer_results(self, finished: set[str], *,
+                              idle: bool = False) -> tuple[set[str], set[str]]:
+        """A safe point after the step's forward: copy restored chunks into the KV cache,
+        then the requests whose restore ended (and of them those that failed). ``finished``:
+        requests vLLM finished; ``idle``: nothing computed this step."""
+        self._copier.poll(self._pipeline, finished, idle=idle)
         return self._copier.take_transfer_results()
 
     def take_stats(self) -> dict[str, Any]:
@@ -216,7 +223,9 @@ class WorkerSide:
             with contextlib.suppress(Exception):
                 self._holdings.stop()
             self._holdings = None
-        self._pipeline = None
+        if self._pipeline is not None:  # restores in flight: their reads end, buffers back
+            self._pipeline.close()
+            self._pipeline = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
