@@ -251,19 +251,16 @@ def test_paged_kv_capture_restore_roundtrip_in_cpu_layout():
     assert other.layout_digest != a.layout_digest
 
 
-def test_paged_kv_block_dim_other_than_zero():
+def test_paged_kv_never_guesses_the_block_dimension():
+    """vLLM registers [blocks, heads, states, content] views; a tensor whose block
+    dimension would have to be guessed from sizes (K/V first, 2 blocks) is refused."""
     torch = pytest.importorskip("torch")
     from spoolctl.connector.kvio import PagedKV
+    from spoolctl.store.errors import ConfigError
 
-    src = {"l": torch.randn(2, 10, 32, 4, 16)}  # [K/V, num_blocks, block, heads, dim]
-    dst = {"l": torch.zeros_like(src["l"])}
-    a, b = PagedKV(src, num_blocks=10, blocks_per_chunk=1), PagedKV(dst, num_blocks=10,
-                                                                   blocks_per_chunk=1)
-    assert a.layers[0].block_dim == 1
-    buf = torch.empty(a.chunk_bytes, dtype=torch.uint8)
-    a.capture([4], buf)
-    b.restore(buf, [6])
-    assert torch.equal(dst["l"][:, 6], src["l"][:, 4])
+    with pytest.raises(ConfigError) as err:  # [K/V, num_blocks, block, heads, dim]
+        PagedKV({"l": torch.randn(2, 10, 32, 4, 16)}, num_blocks=10, blocks_per_chunk=1)
+    assert "l" in err.value.message
 
 
 # -- background writer against a real store --------------------------------------------------
@@ -455,14 +452,14 @@ def test_restore_never_writes_the_null_block():
 
 
 def test_kv_tensor_without_a_block_dimension_is_refused():
-    """A view whose pages are not indexed by vLLM's block count (e.g. kernel-split) would be
+    """A view whose leading dimension is not a whole number of (kernel) blocks would be
     copied along the wrong dimension: refused with the layer name and the fix."""
     torch = pytest.importorskip("torch")
     from spoolctl.connector.kvio import PagedKV
     from spoolctl.store.errors import ConfigError
 
-    ok = PagedKV({"layer.0": torch.zeros(2, 7, 4, 8)}, num_blocks=7, blocks_per_chunk=1)
-    assert ok.layers[0].block_dim == 1
+    ok = PagedKV({"layer.0": torch.zeros(14, 2, 4, 8)}, num_blocks=7, blocks_per_chunk=1)
+    assert ok.layers[0].block_shape == (2, 2, 4, 8)  # two kernel blocks per block
     with pytest.raises(ConfigError) as err:
-        PagedKV({"layer.0": torch.zeros(2, 14, 4, 8)}, num_blocks=7, blocks_per_chunk=1)
+        PagedKV({"layer.0": torch.zeros(2, 7, 4, 8)}, num_blocks=7, blocks_per_chunk=1)
     assert "layer.0" in err.value.message and "spoolctl_on_unsupported" in str(err.value.fix)

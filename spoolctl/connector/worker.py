@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from .capture import ChunkStager
     from .holdings import RankHoldings
+    from .kvio import CopyEngine
     from .restore import RestorePipeline
 
 log = logging.getLogger("spoolctl.connector")
@@ -75,14 +76,22 @@ class WorkerSide:
         self._stager: ChunkStager | None = None
         self._holdings: RankHoldings | None = None
         self._maintainer: Any = None
+        self._engine: CopyEngine | None = None
         self._telemetry = WorkerTelemetry(counters)
 
     # -- startup -------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
-                           num_blocks: int | None) -> None:
+                           kv_cache_config: Any, layout: str | None) -> None:
+        """Bind the format's copier to vLLM's KV tensors, each proven against what vLLM
+        declares for it (``kv_cache_config`` and the resolved KV cache ``layout`` name), and
+        start the restore, capture and inventory parts. Copies run on one ``CopyEngine``
+        for the tensors' device; on CUDA its staging buffers are pinned."""
         from .capture import ChunkStager, rank_commit
         from .holdings import RankHoldings
+        from .introspect import num_blocks
+        from .kvio import CopyEngine
+        from .layouts import LayoutError, declarations
         from .restore import RestorePipeline
 
         if not self._enabled or self._store is None:
@@ -91,7 +100,13 @@ class WorkerSide:
             return
         settings = self._dep.settings
         try:
-            self._copier.bind(kv_caches, num_blocks)
+            if layout is None:
+                raise LayoutError("vLLM resolved no KV cache layout for this model")
+            declared = declarations(kv_cache_config, layout)
+            first = next(iter(kv_caches.values()), None)  # none: bind refuses it
+            self._engine = CopyEngine(first.device) if first is not None else None
+            self._copier.bind(kv_caches, num_blocks(kv_cache_config), declared=declared,
+                              engine=self._engine)
         except ConfigError as exc:
             if settings.on_unsupported != "disable":
                 raise
@@ -102,9 +117,10 @@ class WorkerSide:
             return
         copier, store, ns = self._copier, self._store, self._namespace
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
+        pin = self._engine is not None and self._engine.cuda
         self._pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
                                          pool=self._pool, counters=self._counters,
-                                         on_lost=self._lost)
+                                         on_lost=self._lost, pin=pin)
         holdings = self._holdings = RankHoldings(
             store, kind=KIND, namespace=ns, rank=self._place.rank,
             epoch=store.next_generation(f"vllm-connector:{ns}"))
@@ -115,7 +131,7 @@ class WorkerSide:
         self._stager = ChunkStager(rank_commit(store, ns, holdings),
                                    chunk_bytes=copier.chunk_bytes,
                                    staging_bytes=settings.staging_bytes, meta=meta,
-                                   counters=self._counters)
+                                   counters=self._counters, pin=pin)
         # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
         exitdrain.register(self._stager)
         self._start_maintainer(store)
@@ -207,8 +223,15 @@ class WorkerSide:
     def flush(self, timeout: float | None = None) -> bool:
         return self._stager.flush(timeout) if self._stager is not None else True
 
+    def drain_copies(self) -> None:
+        """Wait until every KV copy issued so far finished (vLLM's sleep mode calls this
+        through ``unregister_kv_caches`` before it releases the KV cache memory)."""
+        if self._engine is not None:
+            self._engine.synchronize()
+
     def shutdown(self) -> None:
         """Drain queued commits (bounded), stop every thread, close the store."""
+        self.drain_copies()
         if self._stager is not None:
             exitdrain.unregister(self._stager)
             if not self._stager.close(FLUSH_ON_SHUTDOWN_S):
@@ -223,12 +246,12 @@ class WorkerSide:
             with contextlib.suppress(Exception):
                 self._holdings.stop()
             self._holdings = None
-        if self._pipeline is not None:  # restores in flight: their reads end, buffers back
-            self._pipeline.close()
-            self._pipeline = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._pipeline is not None:  # restores in flight end, their buffers come back
+            self._pipeline.close()
+            self._pipeline = None
         if self._store is not None:
             self._stores.release(self._store)
             self._store = None

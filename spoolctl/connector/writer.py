@@ -39,6 +39,9 @@ class PendingStore:
     nbytes: int
     meta: Mapping[str, Any]
     on_done: Callable[[], None] | None = None  # called once the payload is no longer used
+    # Blocks until the payload's bytes are in place (a device-to-host copy still running on
+    # the copy stream): called on the commit thread, never on the forward path.
+    ready: Callable[[], None] | None = None
 
 
 class StoreWriter:
@@ -108,6 +111,8 @@ class StoreWriter:
         started = time.perf_counter()
         reason = None
         try:
+            if item.ready is not None:
+                item.ready()
             self._put(item.key, item.payload, item.meta)
         except CapacityError:
             reason = "capacity"
