@@ -69,6 +69,7 @@ _STAGER = """
     import torch
     from spoolctl.connector import exitdrain
     from spoolctl.connector.capture import ChunkStager
+    from spoolctl.connector.kvio import DONE
     from spoolctl.connector.stats import ConnectorCounters
     from spoolctl.store import Store
 
@@ -88,7 +89,7 @@ _STAGER = """
 
     def fill(buf, i):
         buf.fill_(i % 251)
-        return {"kv": memoryview(buf.numpy())}
+        return {"kv": memoryview(buf.numpy())}, DONE  # a host-side fill: no copy to wait for
 
     for i in range(n):
         stager.stage(f"chunk-{i}", i, lambda buf, i=i: fill(buf, i))
