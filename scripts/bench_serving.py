@@ -339,7 +339,7 @@ def main() -> None:
             "local_questions": [tokens(QUESTION_TOKENS) for _ in docs],
             "streams": {p: [tokens(STREAM_PROMPT_TOKENS) for _ in range(args.streams)]
                         for p in ("restores", "no_restores")},
-            "max_model_len": n_tok + 1024,
+            "max_model_len": max(n_tok, *WARMUP_LENGTHS) + 1024,
             # every document cached in memory at once, plus the streams and a spare prompt
             "kv_bytes": (args.arrivals + 2) * n_tok * KV_BYTES_PER_TOKEN + (128 << 20)}
     report: dict = {"model": args.preset, "prefix_tokens": args.prefix_tokens,

@@ -13,11 +13,12 @@ Every phase is a new engine process (so "restore" is after a genuine restart):
     native_restore  same fs tier directory, restart       -> peer restore TTFT
 
 The model is generated locally (``spoolctl.tinymodel`` preset ``small``: Llama, hidden
-512, 4 layers, float32), prompts are seeded random tokens, one distinct prompt per
-size. Page cache is dropped before each restore phase when running as root, so the
-restores read from disk. vLLM's CPU offloading refuses to run on CPU ("only supported
-on CUDA-alike"); ``MemmoveTieringSpec`` below swaps in a synchronous CPU copy worker
-and leaves the rest (CPU primary tier, fs secondary tier, lookups, file format) stock.
+512, 4 layers, float32), prompts are seeded random tokens, ``--repeat`` distinct prompts
+per size (medians reported, every value printed). Page cache is dropped before each
+restore when running as root, so the restores read from disk. vLLM's CPU offloading
+refuses to run on CPU ("only supported on CUDA-alike"); ``MemmoveTieringSpec`` below
+swaps in a synchronous CPU copy worker and leaves the rest (CPU primary tier, fs
+secondary tier, lookups, file format) stock.
 
 Both stores are complete before their restore phase: the spoolctl phase flushes its
 commits, the native phase waits until every full block of the prompt is a file (its fs
@@ -34,6 +35,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -198,6 +200,23 @@ def _time_connector_hooks() -> None:
         setattr(SpoolConnector, name, timed)
 
 
+def _aggregate(entries: list[dict]) -> dict:
+    """One size's distinct prompts (``--repeat``): median TTFTs, every TTFT, the smallest
+    hit count, whether every store completed, hook times of the median run."""
+    by_ttft = sorted(entries, key=lambda e: e["ttft_s"])
+    mid = by_ttft[len(by_ttft) // 2]
+    out = {"ttft_s": mid["ttft_s"], "ttft_all_s": [round(e["ttft_s"], 4) for e in entries],
+           "num_cached_tokens": min(e["num_cached_tokens"] for e in entries),
+           "tokens": [e["token"] for e in entries],
+           "connector_hook_s": mid["connector_hook_s"]}
+    if "paired_cold_ttft_s" in mid:
+        out["paired_cold_ttft_s"] = statistics.median(e["paired_cold_ttft_s"] for e in entries)
+        out["ttft_s"] = statistics.median(e["ttft_s"] for e in entries)
+    if "stored_completely" in mid:
+        out["stored_completely"] = all(e["stored_completely"] for e in entries)
+    return out
+
+
 def run_phase(job: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -250,7 +269,7 @@ def run_phase(job: dict) -> dict:
     if phase == "native_store":
         # Every full block of every warm-up prompt, before measuring.
         _wait_native_blocks(native_root, sum(n // BLOCK_SIZE for n in WARMUP_LENGTHS), nudge)
-    for size, tokens in job["prompts"].items():
+    def measure(tokens: list[int]) -> dict:
         paired_cold = None
         if phase == "spool_store":
             # A paired cold reference in the same process, right before the measured store:
@@ -262,6 +281,8 @@ def run_phase(job: dict) -> dict:
             t0 = time.perf_counter()
             llm.generate([{"prompt_token_ids": fresh}], bypass, use_tqdm=False)
             paired_cold = time.perf_counter() - t0
+        if phase.endswith("restore") and job["drop_each"]:
+            _drop_page_cache()  # every restore reads from disk
         _HOOK_SECONDS.clear()
         before_files = _block_files(native_root) if phase == "native_store" else 0
         t0 = time.perf_counter()
@@ -283,7 +304,10 @@ def run_phase(job: dict) -> dict:
             files, waited = _wait_native_blocks(native_root, want, nudge)
             entry["stored_completely"] = files >= want
             entry["store_drain_s"] = waited
-        out["sizes"][size] = entry
+        return entry
+
+    for size, reps in job["prompts"].items():
+        out["sizes"][size] = _aggregate([measure(tokens) for tokens in reps])
     if worker is not None:
         out["connector_counters"] = worker.counters.totals()
     # A clean engine shutdown, as a user's would be (the connectors drain what they queued).
@@ -314,6 +338,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="scratch dir on the disk under test")
     ap.add_argument("--preset", default="small", help="spoolctl.tinymodel preset")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="spoolctl chunk size")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="distinct prompts per size (each measured once per phase; medians)")
     ap.add_argument("--phase-job", help=argparse.SUPPRESS)
     ap.add_argument("--phase-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -333,8 +359,10 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     native_root.mkdir()
     rng = random.Random(1234)
-    prompts = {str(n): [rng.randrange(3, 500) for _ in range(n)] for n in sizes}
+    prompts = {str(n): [[rng.randrange(3, 500) for _ in range(n)] for _ in range(args.repeat)]
+               for n in sizes}
     base = {"model": str(model), "spool_root": str(spool_root), "native_root": str(native_root),
+            "drop_each": _drop_page_cache(),
             "prompts": prompts, "chunk_tokens": args.chunk_tokens,
             "max_model_len": max(sizes) + 64,
             "kv_bytes": max(256 << 20, 3 * max(sizes) * 8192 * 2)}
@@ -415,7 +443,7 @@ def size_report(n: int, chunk: int, by_phase: dict[str, dict]) -> dict:
         "spool_restore_over_native_restore": ratio,
         "store_overhead": round(store["ttft_s"] / cold - 1, 4),
         "native_store_overhead": round(by_phase["native_store"]["ttft_s"] / cold - 1, 4),
-        "same_first_token": len({ph["token"] for ph in by_phase.values()}) == 1,
+        "same_first_token": len({tuple(ph["tokens"]) for ph in by_phase.values()}) == 1,
         "paired_cold": round(store["paired_cold_ttft_s"], 4),
         "store_overhead_paired": round(store["ttft_s"] / store["paired_cold_ttft_s"] - 1, 4),
         # Time the connector's hooks held the engine loop, as a fraction of cold TTFT: the
