@@ -38,10 +38,6 @@ OBJECT = "kv"
 # (instead of spinning through empty steps on the core the reads need); short, so new
 # requests are admitted without noticeable delay.
 IDLE_WAIT_S = 0.02
-# Bytes copied into the KV cache per safe point while other requests run (everything when
-# none does): on CPU a copy is a memcpy on the engine thread, and an 8K-token restore in
-# one step would lengthen that step for every decoding request.
-COPY_BUDGET_BYTES = 16 << 20
 
 
 class SingleFormat(KVFormat):
@@ -134,9 +130,7 @@ class SingleCopier(Copier):
         gone = finished & self._restoring.keys()
         if gone:
             pipeline.cancel(gone)
-        ended = pipeline.pump(wait_s=IDLE_WAIT_S, budget=None) if idle else \
-            pipeline.pump(wait_s=0.0, budget=COPY_BUDGET_BYTES)
-        for req_id, failed_at in ended:
+        for req_id, failed_at in pipeline.pump(wait_s=IDLE_WAIT_S if idle else 0.0):
             req = self._restoring.pop(req_id, None)
             if req is None:
                 continue

@@ -147,22 +147,16 @@ class RestorePipeline:
             if r.req_id in wanted:
                 r.cancelled = True
 
-    def pump(self, wait_s: float | None = 0.0,
-             budget: int | None = None) -> list[tuple[str, int | None]]:
+    def pump(self, wait_s: float | None = 0.0) -> list[tuple[str, int | None]]:
         """Copy what was read, read more; return the restores that ended, each with the
         position of its first failed chunk (None: every chunk restored, or cancelled).
         ``wait_s`` > 0: wait up to that long (None: forever) for the active restores to end
-        instead of returning when nothing is ready. ``budget``: copy at most about this
-        many bytes in this call (at least one chunk; None: everything read), so a safe
-        point between other requests' forwards stays short."""
+        instead of returning when nothing is ready."""
         deadline = None if wait_s is None else time.monotonic() + wait_s
         ended: list[tuple[str, int | None]] = []
-        left_bytes = budget
         while True:
-            left_bytes = self._advance(left_bytes)
+            self._advance()
             ended += self._take_ended()
-            if left_bytes is not None and left_bytes <= 0:
-                return ended
             heads = [r.reads[0] for r in self._active if r.reads]
             if not heads or (wait_s is not None and wait_s <= 0):
                 return ended
@@ -190,13 +184,10 @@ class RestorePipeline:
         self.pump(wait_s=None)
         self._bufs.close()
 
-    def _advance(self, budget: int | None = None) -> int | None:
-        """Copy the chunks read so far, in order per request, while ``budget`` bytes last
-        (None: no limit); then submit more reads. Returns the budget left."""
+    def _advance(self) -> None:
+        """Copy the chunks read so far, in order per request; then submit more reads."""
         for r in self._active:
             while r.reads and r.reads[0].done():
-                if budget is not None and budget <= 0:
-                    break
                 self._in_flight -= 1
                 buf, reason, nbytes = r.reads.popleft().result()
                 if r.failed_at is not None or r.cancelled:
@@ -218,10 +209,7 @@ class RestorePipeline:
                 else:
                     r.copied += 1
                     r.nbytes += nbytes
-                    if budget is not None:
-                        budget -= nbytes
         self._submit()
-        return budget
 
     def _release(self, buf: torch.Tensor, handle: CopyHandle | None) -> None:
         """Give a restore buffer back; it is handed out again once its copy (``handle``)
