@@ -42,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(build_tiny_model(Path(tmp) / "model", "tiny"))
         root = args.root or str(Path(tmp).resolve() / "store")
+        # No model= needed: the params are for the controller's own model (any spelling of
+        # its directory, or its model_id, would be the same key; another model is refused).
         params = CachePrepareParams(
-            model=model,
-            instructions=[Element("Answer from the manual only.")],
+            instructions=[Element("Answer from the manual only.", role="system")],
             data=[Element(DOC, role="user")],
         )
         question = "Which valve stays shut?"
@@ -53,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         with MlxCacheController(model, root) as ctl:  # "process" 1: cold
             handle = ctl.prepare(params)
             first = ctl.generate(handle, question, max_new_tokens=8)
+            # usage of the first generate reports the cold prepare: computed and written
             report["cold"] = {"source": handle.source, "cached_tokens": handle.cached_tokens,
-                              "written_tokens": handle.written_tokens, "tokens": first.tokens}
+                              "written_tokens": handle.written_tokens, "tokens": first.tokens,
+                              "usage": first.usage.to_json()}
 
         with MlxCacheController(model, root) as ctl:  # "process" 2: after a restart
             handle = ctl.prepare(params)
@@ -64,14 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                                  "same_tokens": again.tokens == first.tokens}
 
             grown = CachePrepareParams(
-                model=model, instructions=params.instructions,
+                instructions=params.instructions,
                 data=[*params.data, Element("Appendix: valve 41 is new.", role="user")])
             bigger = ctl.prepare(grown)
             report["incremental"] = {"source": bigger.source,
                                      "reused_tokens": bigger.reused_tokens,
                                      "written_tokens": bigger.written_tokens,
-                                     "supersedes": bigger.supersedes == handle.ref}
-            ctl.release(bigger.ref)
+                                     "supersedes": bigger.supersedes == handle.ref,
+                                     "usage": ctl.generate(bigger, question,
+                                                           max_new_tokens=8).usage.to_json()}
+            ctl.release(bigger)
             report["entries_before_close"] = ctl.store.totals().entries
         with MlxCacheController(model, root) as ctl:
             report["entries_after_close"] = ctl.store.totals().entries

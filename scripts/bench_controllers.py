@@ -9,6 +9,12 @@ On the locally generated "small" Llama (a 4K-token prefill takes seconds on a CP
 * incremental: the same prompt grown by ~10% (one more element), prepared in a fresh
   controller: base loaded from disk, trimmed, only the suffix prefilled, committed; the
   in-run reference is the same suffix prefilled onto an in-memory base (pure compute).
+* decode: ``generate`` from a memory hit (transformers' ``model.generate`` continued from
+  the cache, decision 1703) vs the hand-written greedy loop spoolctl used before, on the
+  same cache; the tokens must be equal.
+* render: ``prompt_tokens`` of the same params on a tiny model with a chat template,
+  rendered through the template vs the plain format (decision 1702), and a memory-hit
+  ``prepare`` (params normalisation, plan, handle bookkeeping).
 
 Prints one JSON document. Goals: disk hit >= 10x faster than cold; incremental cost close
 to the suffix's share of a cold prefill. Usage::
@@ -54,7 +60,7 @@ def build_params(backend, total_tokens: int, elements: int = 10):
         n = len(backend.tokenize_segments([text + "\n"])[0])
         text = element_text(rng, max(1, int(words * per / max(n, 1))))
         data.append(text)
-    return CachePrepareParams(model="bench", instructions=["You are a bench assistant."],
+    return CachePrepareParams(instructions=["You are a bench assistant."],
                               data=data)
 
 
@@ -65,6 +71,44 @@ def median_time(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def reference_greedy(backend, cache, cached: int, ids: list[int], new: int) -> list[int]:
+    """The greedy loop spoolctl used before decision 1703 (clone, prefill, argmax steps)."""
+    import torch
+
+    work = backend.clone(cache)
+    logits = backend._forward(work, ids[cached:])
+    out: list[int] = []
+    while True:
+        token = int(torch.argmax(logits).item())
+        out.append(token)
+        if token in backend.eos_ids or len(out) >= new:
+            return out
+        logits = backend._forward(work, [token])
+
+
+def render_section(work: Path, tokens: int, repeat: int) -> dict:
+    """Chat-template rendering vs plain, and a memory-hit prepare, on the tiny chat model."""
+    from spoolctl.controllers import CachePrepareParams, LocalCacheController
+    from spoolctl.controllers.pytorch import PyTorchBackend
+    from spoolctl.tinymodel import build_tiny_model
+
+    backend = PyTorchBackend(build_tiny_model(work / "chat-model", "tiny-chat"))
+    params = build_params(backend, tokens)
+    plain = CachePrepareParams(instructions=params.instructions, data=params.data,
+                               formatter_options={"template": "plain"})
+    with LocalCacheController(backend, work / "render-store") as ctl:
+        chat_s = median_time(lambda: ctl.prompt_tokens(params, "Q?"), repeat * 5)
+        plain_s = median_time(lambda: ctl.prompt_tokens(plain, "Q?"), repeat * 5)
+        ctl.prepare(params)
+        hit_s = median_time(lambda: ctl.prepare(params), repeat * 20)
+        return {"prompt_tokens_chat": len(ctl.prompt_tokens(params, "Q?")),
+                "prompt_tokens_plain": len(ctl.prompt_tokens(plain, "Q?")),
+                "render_chat_template_s": round(chat_s, 5),
+                "render_plain_s": round(plain_s, 5),
+                "chat_vs_plain": round(chat_s / plain_s, 2),
+                "memory_hit_prepare_s": round(hit_s, 5)}
 
 
 def child(model: str, root: str, params_json: str, repeat: int) -> None:
@@ -162,6 +206,19 @@ def main() -> None:
     base_cache = backend.prefill(backend.new_cache(), ids[:len(ids) - written])
     suffix_s = median_time(lambda: backend.prefill(backend.clone(base_cache),
                                                    ids[len(ids) - written:]), args.repeat)
+    # Decode from a memory hit: the controller (model.generate) vs the old hand loop.
+    question, new = "Question: which valve stays shut?", 32
+    with PyTorchCacheController(backend, work / "cold0") as ctl:
+        h = ctl.prepare(full)
+        prompt = ctl.prompt_tokens(h, question)
+        ctl.generate(h, question, new)  # the first use reports the prepare; warm-up
+        gen_s = median_time(lambda: ctl.generate(h, question, new), args.repeat)
+        ours = ctl.generate(h, question, new).tokens
+        cache = ctl.restore(h).cache
+    loop_s = median_time(lambda: reference_greedy(backend, cache, h.cached_tokens, prompt, new),
+                         args.repeat)
+    same = reference_greedy(backend, cache, h.cached_tokens, prompt, new) == ours
+    render = render_section(work, args.tokens, args.repeat)
     doc = {
         "bench": "controllers/pytorch",
         "model": {"preset": args.preset, "dtype": "float32", "device": "cpu",
@@ -180,6 +237,10 @@ def main() -> None:
         "bare_suffix_prefill_s": round(suffix_s, 4),
         "incremental_store_overhead_s": round(inc_s - suffix_s, 4),
         "goal_disk_hit_10x": cold_s / hit["seconds"] >= 10,
+        "decode": {"new_tokens": len(ours), "generate_s": round(gen_s, 4),
+                   "reference_greedy_loop_s": round(loop_s, 4),
+                   "generate_vs_loop": round(gen_s / loop_s, 2), "same_tokens": same},
+        "render": render,
     }
     print(json.dumps(doc, indent=2))
     import shutil

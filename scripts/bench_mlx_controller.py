@@ -59,7 +59,7 @@ def first_token_time(fn) -> float:
 def bench_size(model: Path, backend: MlxBackend, size: int, repeat: int, work: Path) -> dict:
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    p = CachePrepareParams(model="bench", data=[document(backend, size)])
+    p = CachePrepareParams(data=[document(backend, size)])
     ids = [t for s in backend.tokenize_segments([*render_segments(p), QUESTION]) for t in s]
     colds, prepares, restarts, peers = [], [], [], []
     entry_bytes = peer_bytes = cached = 0

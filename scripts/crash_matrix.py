@@ -56,8 +56,8 @@ SYSTEM_B = "You are a terse assistant for valve questions. Answer from the notes
 DOC_A = "Manual: the pump starts when the valve is open and the tank is full. " * 3
 DOC_B = "Notes: a valve must be closed slowly; check the gasket every week. " * 3
 QUESTION = "Question: when does the pump start?"
-SURVIVOR = {"model": "tiny", "instructions": [SYSTEM_A], "data": [DOC_A]}
-VICTIM = {"model": "tiny", "instructions": [SYSTEM_B], "data": [DOC_B]}
+SURVIVOR = {"instructions": [SYSTEM_A], "data": [DOC_A]}
+VICTIM = {"instructions": [SYSTEM_B], "data": [DOC_B]}
 GEN_TOKENS = 6
 
 
@@ -184,7 +184,9 @@ class ControllerTrials:
         self.framework = framework
         self.model_dir = model_dir
         self.backend = make_backend(framework, model_dir)
-        self.params = {name: CachePrepareParams(**p)
+        # The controller normalises params.model to the resolved model directory; spelled
+        # that way here too, params.key() is the key of the entries the trials look for.
+        self.params = {name: CachePrepareParams(model=str(Path(model_dir).resolve()), **p)
                        for name, p in (("survivor", SURVIVOR), ("victim", VICTIM))}
         self.cold = {name: self._generate(None, p) for name, p in self.params.items()}
 

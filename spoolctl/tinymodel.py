@@ -32,6 +32,8 @@ class TinyModelSpec:
     max_position_embeddings: int = 16384
     seed: int = 0
     sliding_window: int | None = None
+    #: Give the tokenizer ChatML special tokens and a chat template (``CHAT_TEMPLATE``).
+    chat: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -41,6 +43,8 @@ class TinyModelSpec:
 PRESETS: dict[str, TinyModelSpec] = {
     # tests: builds in seconds, 1.7 MB
     "tiny": TinyModelSpec(),
+    # tests of chat-template rendering: the tiny model with a ChatML template
+    "tiny-chat": TinyModelSpec(chat=True),
     # demo and benchmarks: a 4K-token prefill takes seconds on a 2-core CPU
     "small": TinyModelSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=4),
@@ -56,6 +60,27 @@ You are a helpful assistant. Answer the question using the reference documents b
 Tools: search, calculator, weather, calendar. Data: tables, logs, contracts, manuals.
 The quick brown fox jumps over the lazy dog. 0123456789 !@#$%^&*()[]{};:'",.<>/?\\|`~-_=+
 """
+
+
+#: A ChatML template in the style of Qwen's: BOS, an optional tools block that takes the
+#: first system message in, one block per message, the assistant generation prompt.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{{- messages[0].content + '\\n' }}{%- endif %}"
+    "{{- '# Tools' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message.role == 'system') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 
 
 def publish_dir(target: Path, write: Callable[[Path], None]) -> Path:
@@ -76,7 +101,7 @@ def publish_dir(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def _train_tokenizer(vocab_size: int):
+def _train_tokenizer(vocab_size: int, chat: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,14 +110,17 @@ def _train_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>", "<pad>"],
+        special_tokens=["<s>", "</s>", "<pad>", *(CHAT_TOKENS if chat else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 50, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        **({"additional_special_tokens": CHAT_TOKENS} if chat else {}))
+    if chat:
+        out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | str = "tiny") -> Path:
@@ -116,7 +144,7 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | str = "
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _train_tokenizer(spec.vocab_size)
+    tokenizer = _train_tokenizer(spec.vocab_size, spec.chat)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,

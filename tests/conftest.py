@@ -39,6 +39,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a ChatML chat template (``tiny-chat`` preset), built once."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from spoolctl.tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat", "tiny-chat")
+
+
 @pytest.fixture
 def mount_tmpfs(tmp_path: Path):
     """Mount size-limited tmpfs filesystems for this test: ``mount_tmpfs("4m") -> Path``.

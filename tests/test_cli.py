@@ -118,8 +118,6 @@ def test_bad_arguments_exit_2_with_one_line(root: Path, tmp_path: Path) -> None:
         ("init", "--root", str(root) + "x", "--max-size", "-5"),
         ("status", "--root", "relative/store"),
         ("status", "--root", missing),
-        ("inspect", "deadbeef", "--root", str(root)),
-        ("inspect", "ab" * 32, "--root", str(root)),
         ("inspect", "not-hex!", "--root", str(root)),
         ("request-auth", "XYZ", "--root", str(root)),
         ("ls", "--root", str(root), "--sort", "sideways"),
@@ -138,6 +136,12 @@ def test_bad_arguments_exit_2_with_one_line(root: Path, tmp_path: Path) -> None:
         assert len(lines) == 1 and lines[0].startswith("error:"), (args, proc.stderr)
         assert "Traceback" not in proc.stderr
     assert not Path(str(root) + "x").exists()  # a bad size creates nothing
+    # Not found is a finding (exit 1, docs/cli.md), with the same one line.
+    for args in (("inspect", "deadbeef", "--root", str(root)),
+                 ("inspect", "ab" * 32, "--root", str(root))):
+        proc = cli(*args)
+        assert proc.returncode == 1, (args, proc.returncode, proc.stderr)
+        assert proc.stderr.startswith("error: no entry ") and proc.stderr.count("\n") == 1
     # --debug shows the traceback instead.
     debug = cli("--debug", "status", "--root", "relative/store")
     assert debug.returncode != 0 and "Traceback" in debug.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from spoolctl.controllers import (
+    CacheHandle,
     CachePrepareParams,
     GenerateResult,
     LocalCacheController,
@@ -36,13 +37,13 @@ def make_backend(name: str, model_dir: Path):
         pytest.importorskip("transformers")
         from spoolctl.controllers.pytorch import PyTorchBackend
 
-        return PyTorchBackend(model_dir)
+        return PyTorchBackend(model_dir, model_id="tiny")
     if name == "mlx":
         pytest.importorskip("mlx.core", reason="mlx is not installed here; "
                             "pip install 'mlx-lm[cpu]'")
         from spoolctl.controllers.mlx import MlxBackend
 
-        return MlxBackend(model_dir)
+        return MlxBackend(model_dir, model_id="tiny")
     raise AssertionError(f"no factory for backend {name}")
 
 
@@ -84,10 +85,13 @@ def test_warm_generation_equals_cold_and_reports_usage(backend, store_root):
         r2 = ctl.generate(r1.handle, "Question: how long are invoices kept?", 10)
         assert r1.tokens == want and r2.tokens == want
         cached = r1.handle.cached_tokens
-        # Cache tokens are reported separately, not subtracted from prompt_tokens.
+        # Cache tokens are reported separately, not subtracted from prompt_tokens. The
+        # first call prefilled and wrote the prefix (nothing read); the second read it.
         assert r1.usage.prompt_tokens > cached > 0
-        assert r1.usage.cache_read_tokens == cached and r1.usage.cache_write_tokens == cached
-        assert r2.usage.cache_read_tokens == cached and r2.usage.cache_write_tokens == 0
+        assert r1.usage.cache_read_tokens == 0 and r1.usage.cache_write_tokens == cached
+        assert r1.usage.computed_tokens == r1.usage.prompt_tokens
+        assert r2.usage.cache_read_tokens == r2.usage.cache_memory_tokens == cached
+        assert r2.usage.cache_write_tokens == 0
         assert r2.usage.completion_tokens == len(want)
         assert ctl.stats()["queries"] == 2
         ctl.record_query()
@@ -99,6 +103,8 @@ def test_prompt_fully_cached_keeps_one_token_to_run(backend, store_root):
     ids = [t for seg in backend.tokenize_segments(render_segments(p)) for t in seg]
     want = backend.generate(None, 0, ids, 6)
     with LocalCacheController(backend, store_root) as ctl:
+        first = ctl.generate(p, "", 6)  # cold: the prefix was computed by this call
+        assert first.tokens == want and first.usage.cache_read_tokens == 0
         r = ctl.generate(p, "", 6)  # no extra prompt: the cache covers the whole prompt
         assert r.tokens == want
         assert r.usage.cache_read_tokens == r.handle.cached_tokens - 1 == len(ids) - 1
@@ -110,8 +116,10 @@ def test_handle_reloads_from_disk_without_memory_and_runs_cold_after_release(bac
     want = cold_tokens(backend, p, "Q?", 6)
     with LocalCacheController(backend, store_root, memory_entries=0) as ctl:
         h = ctl.prepare(p)
-        r = ctl.generate(h, "Q?", 6)
-        assert r.tokens == want and r.usage.cache_read_tokens == h.cached_tokens
+        r = ctl.generate(h, "Q?", 6)  # reports the cold prepare: written, not read
+        assert r.tokens == want and r.usage.cache_write_tokens == h.cached_tokens
+        again = ctl.generate(h, "Q?", 6)  # nothing in memory: reloaded from disk
+        assert again.tokens == want and again.usage.cache_disk_tokens == h.cached_tokens
         ctl.release(h.ref)
         after = ctl.generate(h, "Q?", 6)
         assert after.tokens == want and after.usage.cache_read_tokens == 0
@@ -133,9 +141,10 @@ def test_explicit_params_win_over_the_handle_and_a_foreign_handle_runs_cold(back
         assert r.usage.cache_read_tokens == 0
         assert "prepared for other params" in caplog.text and ha.ref[:8] not in caplog.text
         # Same cacheable prefix (only a volatile element differs): the same entry, used.
+        # (The refused call did not consume the handle's cold prefill: this one reports it.)
         tail = ctl.generate(ha, "Q?", 6, params=volatile_tail)
         assert tail.tokens == cold_tokens(backend, volatile_tail, "Q?", 6)
-        assert tail.usage.cache_read_tokens == ha.cached_tokens
+        assert tail.usage.cache_write_tokens == ha.cached_tokens
         # Without params= the handle's own params are the query.
         own = ctl.generate(ha, "Q?", 6)
         assert own.tokens == cold_tokens(backend, a, "Q?", 6)
@@ -152,7 +161,8 @@ def test_key_covers_tools_effort_formatter_but_not_tool_order(backend, store_roo
         b = ctl.prepare(params(tools=[t2, t1]))
         c = ctl.prepare(params(tools=[t1]))
         d = ctl.prepare(params(tools=[t1, t2], reasoning_effort="high"))
-        e = ctl.prepare(params(tools=[t1, t2], formatter_options={"style": "chatml"}))
+        e = ctl.prepare(params(tools=[t1, t2],
+                               formatter_options={"chat_template_kwargs": {"x": 1}}))
         assert a.ref == b.ref and b.source == "memory"
         assert len({a.ref, c.ref, d.ref, e.ref}) == 4
         assert a.includes.tools and a.includes.instructions and a.includes.data_element_count == 1
@@ -168,8 +178,11 @@ def test_volatile_elements_are_never_cached(backend, store_root):
         assert not first_volatile and first_volatile.ref is None
         r = ctl.generate(params(instructions=[{"content": "now", "cache": "volatile"}]), "Hi", 4)
         assert r.usage.cache_read_tokens == 0 and r.usage.prompt_tokens > 0
-        with pytest.raises(ConfigError):
-            ctl.generate(first_volatile, "Hi", 4)
+        # The empty handle of this controller's prepare still names its params: cold run.
+        again = ctl.generate(first_volatile, "Hi", 4)
+        assert again.tokens == r.tokens and again.usage.cache_read_tokens == 0
+        with pytest.raises(ConfigError, match="not prepared by this controller"):
+            ctl.generate(CacheHandle.empty(), "Hi", 4)
 
 
 def test_release_takes_entry_out_of_reuse_and_close_deletes_it(backend, store_root):

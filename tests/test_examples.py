@@ -117,6 +117,9 @@ def _run_example(name: str, *args: str, timeout: int = 600) -> dict:
 
 def _check_local_controller_report(report: dict) -> None:
     assert report["cold"]["source"] == "cold" and report["cold"]["written_tokens"] > 0
+    cold_usage = report["cold"]["usage"]  # the first generate reports the cold prepare
+    assert cold_usage["cache_read_tokens"] == 0
+    assert cold_usage["cache_write_tokens"] == report["cold"]["cached_tokens"]
     restart = report["restart"]
     assert restart["source"] == "disk"
     assert restart["cached_tokens"] == report["cold"]["cached_tokens"]
@@ -126,6 +129,8 @@ def _check_local_controller_report(report: dict) -> None:
     assert inc["source"] == "incremental" and inc["supersedes"]
     assert inc["reused_tokens"] == report["cold"]["cached_tokens"]
     assert 0 < inc["written_tokens"] < inc["reused_tokens"]
+    assert inc["usage"]["cache_read_tokens"] == inc["reused_tokens"]
+    assert inc["usage"]["cache_write_tokens"] == inc["written_tokens"]
     assert report["entries_before_close"] == 2 and report["entries_after_close"] == 0
 
 

@@ -181,7 +181,7 @@ def test_hostile_payload_with_a_valid_digest_is_a_cold_run(torch_harness: Harnes
     from spoolctl.controllers import CachePrepareParams
     from spoolctl.controllers.pytorch import PyTorchCacheController
 
-    params = CachePrepareParams(model="tiny", instructions=["Be brief."],
+    params = CachePrepareParams(instructions=["Be brief."],
                                 data=["The valve opens at noon. " * 4])
     backend = torch_harness.backend
     with PyTorchCacheController(backend, None) as ctl:

@@ -82,7 +82,7 @@ def test_controller_prepare_survives_a_swap(tiny_model_dir: Path, store_root: Pa
     from spoolctl.controllers import CachePrepareParams
     from spoolctl.controllers.pytorch import PyTorchCacheController
 
-    params = CachePrepareParams(model="tiny", instructions=["Be brief."], data=["Doc. " * 8])
+    params = CachePrepareParams(instructions=["Be brief."], data=["Doc. " * 8])
     with PyTorchCacheController(tiny_model_dir, str(store_root)) as ctl:
         cold = ctl.generate(params, "Q?", 4).tokens
         ctl.release(ctl.prepare(params).ref)

@@ -62,10 +62,12 @@ def test_prepare_commits_an_mlx_entry_and_reuses_it(backend, tmp_path: Path) -> 
         h = ctl.prepare(p)
         assert h and h.source == "cold" and h.cached_tokens > 0
         assert h.written_tokens == h.cached_tokens and h.reused_tokens == 0
-        result = ctl.generate(h, QUESTION, NEW)
+        result = ctl.generate(h, QUESTION, NEW)  # reports the cold prepare
         assert result.tokens == cold_tokens(backend, p)
-        assert result.usage.cache_read_tokens == h.cached_tokens
+        assert result.usage.cache_read_tokens == 0
+        assert result.usage.cache_write_tokens == h.cached_tokens
         assert result.usage.prompt_tokens > h.cached_tokens
+        assert ctl.generate(h, QUESTION, NEW).usage.cache_memory_tokens == h.cached_tokens
         assert ctl.prepare(p).source == "memory"
     with Store.open(root) as store:
         rows = store.entries(kind="mlx")
@@ -104,8 +106,8 @@ def _run_process(model: Path, root: Path, p: dict) -> dict:
 
 def test_restart_reuses_the_cache_with_cold_tokens(backend, tiny_model_dir: Path,
                                                    tmp_path: Path) -> None:
-    raw = {"model": "tiny", "instructions": ["You are a helpful assistant."],
-           "data": [DOC_A, DOC_B, DOC_C]}
+    # No "model": the controller's own (what a local app usually means).
+    raw = {"instructions": ["You are a helpful assistant."], "data": [DOC_A, DOC_B, DOC_C]}
     root = tmp_path / "store"
     first = _run_process(tiny_model_dir, root, raw)
     second = _run_process(tiny_model_dir, root, raw)  # a new process: nothing in memory
@@ -160,6 +162,7 @@ def test_cache_covering_the_whole_prompt_gives_cold_tokens(backend, tmp_path: Pa
     p = params(str(backend.model_dir), DOC_A)
     with MlxCacheController(backend, tmp_path / "store") as ctl:
         h = ctl.prepare(p)
+        ctl.generate(h, "", NEW)  # the first call reports the cold prepare
         result = ctl.generate(h, "", NEW)  # the prompt is exactly the cached prefix
         assert result.tokens == cold_tokens(backend, p, prompt="")
         assert result.usage.cache_read_tokens == h.cached_tokens - 1
@@ -262,16 +265,16 @@ def test_another_model_never_reuses_the_entry(backend, tiny_model_dir: Path,
                                               tmp_path: Path) -> None:
     import shutil
 
-    p = params("tiny", DOC_A)
+    p = params("tiny", DOC_A)  # one model id for both: only the namespace tells them apart
     root = tmp_path / "store"
-    with MlxCacheController(backend, root) as ctl:
+    with MlxCacheController(tiny_model_dir, root, model_id="tiny") as ctl:
         first = ctl.prepare(p)
     other_dir = tmp_path / "other"
     shutil.copytree(tiny_model_dir, other_dir)
     cfg = json.loads((other_dir / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-5  # a different model with identical shapes
     (other_dir / "config.json").write_text(json.dumps(cfg))
-    with MlxCacheController(other_dir, root) as ctl:
+    with MlxCacheController(other_dir, root, model_id="tiny") as ctl:
         h = ctl.prepare(p)
         assert h.source == "cold" and h.ref != first.ref
     with Store.open(root) as store:
@@ -291,7 +294,7 @@ def test_model_path_controller_builds_its_own_backend(tiny_model_dir: Path) -> N
     with MlxCacheController(tiny_model_dir) as ctl:  # managed temporary store
         assert ctl.kind == "mlx" and isinstance(ctl.backend, MlxBackend)
         managed = ctl.store.root
-        assert ctl.prepare(params("tiny", DOC_A)).source == "cold"
+        assert ctl.prepare(params(str(tiny_model_dir) + "/", DOC_A)).source == "cold"
     assert not managed.exists()
 
 

@@ -229,6 +229,8 @@ def test_text_ref_is_refused_for_an_image_query(backend, vlm_dir, images, tmp_pa
         back = ctl.generate(ih, QUESTION, NEW, params=tp)
         assert back.usage.cache_read_tokens == 0
         assert back.tokens == cold_tokens(backend, tp)
+        # The first use of ih reports its cold prepare (written); the next one reads it.
+        assert ctl.generate(ih, QUESTION, NEW).usage.cache_write_tokens == ih.cached_tokens
         assert ctl.generate(ih, QUESTION, NEW).usage.cache_read_tokens == ih.cached_tokens
     assert th.ref != ih.ref
 

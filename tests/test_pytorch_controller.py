@@ -30,7 +30,7 @@ P2 = {"model": "tiny", "instructions": [SYSTEM], "data": [DOC1, DOC2]}
 
 @pytest.fixture(scope="module")
 def backend(tiny_model_dir) -> PyTorchBackend:
-    return PyTorchBackend(tiny_model_dir)
+    return PyTorchBackend(tiny_model_dir, model_id="tiny")
 
 
 class Counting:
@@ -82,7 +82,7 @@ import json, os, sys, time
 from spoolctl.controllers import CachePrepareParams
 from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
 model, root, prompt = sys.argv[1:4]
-backend = PyTorchBackend(model)
+backend = PyTorchBackend(model, model_id="tiny")
 calls = []
 real = backend.prefill
 def prefill(cache, tokens):
@@ -143,8 +143,10 @@ def test_incremental_prefill_equals_cold_and_writes_only_the_suffix(backend, sto
         assert h2.written_tokens == h2.cached_tokens - h1.cached_tokens > 0
         assert counting.prefills == [h2.written_tokens]  # only the suffix ran
         assert ctl.store.row(h1.ref).hint == "release"  # the base was released
-        r = ctl.generate(h2, QUESTION, 8)
-        assert r.tokens == cold(backend, p2) and r.usage.cache_read_tokens == h2.cached_tokens
+        r = ctl.generate(h2, QUESTION, 8)  # reports the incremental prepare
+        assert r.tokens == cold(backend, p2)
+        assert r.usage.cache_disk_tokens == r.usage.cache_read_tokens == h1.cached_tokens
+        assert r.usage.cache_write_tokens == h2.written_tokens
     with Store.open(store_root) as s:  # close deleted the released base, kept the new entry
         assert s.row(h1.ref) is None and s.row(h2.ref).hint == "retain"
         assert s.manifest(h2.ref).supersedes == h1.ref
@@ -210,8 +212,8 @@ def test_wrong_model_dtype_or_revision_is_a_miss(backend, tiny_model_dir, store_
         h32 = ctl.prepare(p)
         objects = ctl.store.read_all(ctl.store.manifest(h32.ref))
         layout32 = dict(ctl.store.manifest(h32.ref).meta["layout"])
-    bf16 = PyTorchBackend(tiny_model_dir, dtype="bfloat16")
-    vouched = PyTorchBackend(tiny_model_dir, revision="v2")
+    bf16 = PyTorchBackend(tiny_model_dir, dtype="bfloat16", model_id="tiny")
+    vouched = PyTorchBackend(tiny_model_dir, revision="v2", model_id="tiny")
     for other in (bf16, vouched):
         with PyTorchCacheController(other, store_root) as ctl:
             h = ctl.prepare(p)
@@ -389,8 +391,11 @@ def test_store_too_small_still_serves_the_request_from_memory(backend, store_roo
     with PyTorchCacheController(backend, store_root, max_bytes=64 << 10) as ctl:  # < one entry
         h = ctl.prepare(p)
         assert h.source == "cold" and ctl.stats()["commit_failures"] == 1
-        r = ctl.generate(h, QUESTION, 8)
-        assert r.tokens == cold(backend, p) and r.usage.cache_read_tokens == h.cached_tokens
+        assert h.written_tokens == 0 and h.computed_tokens == h.cached_tokens
+        r = ctl.generate(h, QUESTION, 8)  # computed, not written (the commit failed)
+        assert r.tokens == cold(backend, p) and r.usage.cache_write_tokens == 0
+        again = ctl.generate(h, QUESTION, 8)
+        assert again.usage.cache_memory_tokens == h.cached_tokens
         assert ctl.store.entries() == []
 
 

@@ -24,7 +24,7 @@ QUESTION = "When does the pump start?"
 def _params(n: int = 1):
     from spoolctl.controllers import CachePrepareParams
 
-    return CachePrepareParams(model="tiny", instructions=["Answer from the manual."],
+    return CachePrepareParams(instructions=["Answer from the manual."],
                               data=[f"Manual {n}: the pump starts when the tank is full. " * 6])
 
 

@@ -38,7 +38,7 @@ def backend(tiny_model_dir: Path):
 def _params():
     from spoolctl.controllers import CachePrepareParams
 
-    return CachePrepareParams(model="tiny", instructions=[SYSTEM], data=[DOC])
+    return CachePrepareParams(instructions=[SYSTEM], data=[DOC])
 
 
 def _hex_fragments(value: str, width: int = 8) -> set[str]:

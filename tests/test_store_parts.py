@@ -82,8 +82,8 @@ def test_real_sqlite_errors_are_classified_by_code(tmp_path: Path) -> None:
     ("database is locked", SQLITE_BUSY, False),
     ("database or disk is full", SQLITE_FULL, False),
     ("disk I/O error", 10, False),
-    ("unable to open database file", None, False),
-    ("attempt to write a readonly database", None, False),
+    ("unable to open database file", 14, False),
+    ("attempt to write a readonly database", 8, False),
     ("Cannot operate on a closed database.", None, False),
 ])
 def test_python_310_fallback_reads_the_code_from_the_message(text, code, damaged) -> None:

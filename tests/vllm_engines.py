@@ -20,6 +20,7 @@ from spoolctl import metrics as m
 from spoolctl.store import Store, entry_id_for
 
 DRIVER = Path(__file__).with_name("vllm_support.py")
+FLEET_DRIVER = Path(__file__).with_name("vllm_fleet.py")
 
 
 def bind_env(workers: int) -> dict[str, str]:
@@ -35,8 +36,10 @@ def bind_env(workers: int) -> dict[str, str]:
 
 
 def run_engine(job: dict, workdir: Path, name: str, *, env: Mapping[str, str] | None = None,
-               unset: tuple[str, ...] = ()) -> dict:
-    """Run ``job`` in a new engine process; return the driver's JSON result, plus ``log``."""
+               unset: tuple[str, ...] = (), driver: Path = DRIVER) -> dict:
+    """Run ``job`` in a new engine process; return the driver's JSON result, plus ``log``.
+    ``driver``: ``vllm_support.py`` (in-process engine) or ``vllm_fleet.py`` (engine core
+    in its own process with vLLM's busy loop, KV events)."""
     job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
     job_path.write_text(json.dumps(job))
     workers = job.get("tp", 1) * job.get("pp", 1)
@@ -44,7 +47,7 @@ def run_engine(job: dict, workdir: Path, name: str, *, env: Mapping[str, str] | 
                     **(env or {}))
     for var in unset:
         full_env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(DRIVER), str(job_path), str(out_path)],
+    proc = subprocess.run([sys.executable, str(driver), str(job_path), str(out_path)],
                           env=full_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-6000:]}"
     out = json.loads(out_path.read_text())

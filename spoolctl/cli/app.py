@@ -2,14 +2,16 @@
 
 ``main()`` turns every SpoolError into one line on stderr and exit code 2
 (usage/configuration) or 1 (findings such as corruption), never a traceback
-unless ``--debug`` is given.
+unless ``--debug`` is given. Usage errors are recognised without importing ``click``:
+typer vendors its own copy (``typer._click``) and a base install has no ``click``
+package, so exceptions are matched by class name. Log lines carry store text (paths,
+file names), so they are printed with control characters escaped too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 
 import typer
@@ -19,7 +21,7 @@ from spoolctl import __version__
 from spoolctl.store.errors import ConfigError, CorruptionError, NotFoundError, SpoolError
 from spoolctl.store.root import ALLOW_FOREIGN_ENV
 
-from .common import EXIT_FINDINGS, EXIT_USAGE, err_console
+from .common import EXIT_FINDINGS, EXIT_USAGE, err_console, plain
 
 app = typer.Typer(
     name="spoolctl",
@@ -57,31 +59,44 @@ def _root_callback(
         # Bare `spoolctl` shows the status of the default root (help is `--help`).
         from .store_cmds import status
 
-        status(root=None, json_output=False, check=False)
+        status(root=None, json_output=False, check=False, rank=None, deployment=None)
 
 
 def _register() -> None:
     # Each module adds its commands to ``app``; imported here so the app is complete
     # whichever module is imported first.
-    from . import commands, prefill, vllm_config  # noqa: F401
+    from . import commands, prefill, transfer_cmds, vllm_config  # noqa: F401
 
 
 _register()
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
 def _one_line(text: str) -> str:
     """Error text safe to print: control characters (newlines, terminal escapes) from user
     input are shown escaped, and rich markup in it is not interpreted."""
-    return escape(_CONTROL.sub(lambda m: repr(m.group())[1:-1], text))
+    return escape(plain(text))
+
+
+class _SafeFormatter(logging.Formatter):
+    """Log lines with control characters shown escaped (messages name store files)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return plain(super().format(record))
+
+
+def _is(exc: BaseException, *names: str) -> bool:
+    """True if ``exc`` is an instance of a class named one of ``names`` (click's classes,
+    whichever copy of click typer uses)."""
+    return any(cls.__name__ in names for cls in type(exc).__mro__)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
-    logging.basicConfig(level=logging.WARNING, format="spoolctl: %(levelname)s: %(message)s")
+    if not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(_SafeFormatter("spoolctl: %(levelname)s: %(message)s"))
+        logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         code = app(args=argv, standalone_mode=False, prog_name="spoolctl")
         # Without standalone mode click returns (not raises) a command's typer.Exit code.
@@ -102,10 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         err_console.print("aborted")
         sys.exit(EXIT_USAGE)
     except Exception as exc:  # click usage errors and anything unexpected
-        import click
-
-        usage_errors = (click.exceptions.ClickException, getattr(typer, "TyperException", ()))
-        if isinstance(exc, usage_errors):
+        if _is(exc, "ClickException", "TyperException"):
             # One line, like every other error (typer >= 0.2x vendors click, so both bases).
             ctx = getattr(exc, "ctx", None)
             where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
@@ -114,11 +126,12 @@ def main(argv: list[str] | None = None) -> None:
                                   f"{_one_line(where)}",
                                   markup=True, highlight=False, soft_wrap=True)
             sys.exit(EXIT_USAGE)
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
+        if _is(exc, "Exit"):
+            sys.exit(getattr(exc, "exit_code", 0))
         if debug:
             raise
         err_console.print(f"[red]error:[/red] unexpected {type(exc).__name__}: "
                           f"{_one_line(str(exc))} "
-                          "(rerun with --debug for a traceback and report it)")
+                          "(rerun with --debug for a traceback and report it)",
+                          highlight=False, soft_wrap=True)
         sys.exit(EXIT_USAGE)

@@ -1,5 +1,13 @@
 """``spoolctl clean``: the cron job. The store plans and runs the deletions as data
-(``Store.clean``); this command parses, asks (interactive, without ``--yes``) and renders."""
+(``Store.clean``); this command parses, asks (interactive, without ``--yes``) and renders,
+on one store or on every rank store of a vLLM deployment directory or base root.
+
+One bad part never stops it: a malformed catalog row is skipped and reported, a file
+that cannot be deleted is counted, a step that fails is recorded while the others run,
+and a rank that fails does not stop the other ranks. Exit 0: done; 1: findings
+(something quarantined, files that could not be deleted, malformed rows, a failed remote
+delete); 2: a step or a store failed.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +15,26 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
-from rich.text import Text
 
-from spoolctl.store import CLEAN_STEPS, Store, parse_duration
+from spoolctl.store import CLEAN_STEPS, SpoolError, Store, parse_duration
 
 from . import render
 from .app import app
-from .common import EXIT_FINDINGS, EXIT_OK, JsonOption, RootOption, console, emit, open_store
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_USAGE,
+    DeploymentOption,
+    JsonOption,
+    RankOption,
+    RootOption,
+    console,
+    err_console,
+    open_store,
+    text,
+)
+from .fanout import finish, run_on_targets
+from .targets import StoreTarget, resolve_targets
 
 
 @app.command("clean")
@@ -35,46 +56,83 @@ def clean_cmd(
         False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (needed under cron).")] =
         False,
+    rank: RankOption = None,
+    deployment: DeploymentOption = None,
     json_output: JsonOption = False,
 ) -> None:
     """Delete what is safe to delete (the cron job).
 
     Released entries, capacity overflow, abandoned temp files and orphan objects: all
-    four when no selector is given.
+    four when no selector is given. Works on a full disk. Given a vLLM base root (the
+    root of `spoolctl config vllm`) or a deployment directory, cleans every rank store
+    under it and reports per rank.
 
     Example (cron): [bold]spoolctl clean --yes --json[/bold]
     """
     age = parse_duration(min_age)
     chosen = {"released": released, "capacity": capacity, "tmp": tmp, "orphans": orphans}
     steps = [step for step in CLEAN_STEPS if chosen[step]] or list(CLEAN_STEPS)
-    ask = render.require_yes(yes, dry_run, "clean")
-    with open_store(root) as store:
-        if ask:
-            plan = store.clean(steps, min_age=age, dry_run=True)
+    targets = resolve_targets(root, rank=rank, deployment=deployment)
+    if render.require_yes(yes, dry_run, "clean") and targets.stores:
+        for target in targets.stores:
+            with open_store(target.root) as store:
+                plan = store.clean(steps, min_age=age, dry_run=True)
+            console.print(text(target.label, "bold"))
             console.print(_steps_table(plan.steps_json(), True))
-            if not typer.confirm("Delete these?", default=False):
-                raise typer.Exit(EXIT_OK)
-        remote = _clean_genai(store, genai, dry_run)  # before local cleanup: it settles holds
+        if not typer.confirm("Delete these?", default=False):
+            raise typer.Exit(EXIT_OK)
+
+    def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
+        remote = _clean_genai(store, genai, dry_run)  # before local cleanup: settles holds
         report = store.clean(steps, min_age=age, dry_run=dry_run)
-    emit({**report.to_json(), "genai": remote}, json_output=json_output, view=_clean_view)
-    if report.quarantined or remote.get("failed"):
-        raise typer.Exit(EXIT_FINDINGS)
+        doc = {**report.to_json(), "genai": remote}
+        where = "" if _target.rank is None else f"{_target.label}: "
+        for step, error in report.errors.items():  # on stderr too: cron mails it
+            err_console.print(text(f"error: {where}clean {step}: {error}"), soft_wrap=True)
+        if report.errors or remote.get("error"):
+            return doc, EXIT_USAGE
+        findings = report.quarantined or report.failed or report.malformed_count or \
+            remote.get("failed") or remote.get("malformed")
+        return doc, EXIT_FINDINGS if findings else EXIT_OK
+
+    finish(run_on_targets(targets, job, json_output=json_output, view=_clean_view))
 
 
 def _clean_genai(store: Store, enabled: bool, dry_run: bool) -> dict[str, Any]:
     """Server-side deletes owed by released/expired genai caches (``--genai``); without the
-    flag, only say what was skipped."""
-    from spoolctl.controllers.genai_records import pending_remote_deletes
-
+    flag, only say what was skipped. A record that cannot be read is counted, never fatal."""
     if not enabled:
-        pending = pending_remote_deletes(store)
-        lines = [f"skipped {len(pending)} genai cache(s) still to delete on the server: "
+        pending, malformed = _pending_remote(store)
+        lines = [f"skipped {pending} genai cache(s) still to delete on the server: "
                  "rerun with --genai and credentials"] if pending else []
-        return {"skipped_pending": len(pending), "lines": lines}
+        if malformed:
+            lines.append(f"{malformed} genai record(s) could not be read and were skipped "
+                         "(`spoolctl doctor`)")
+        return {"skipped_pending": pending, "malformed": malformed, "lines": lines}
     from spoolctl.controllers.genai_clean import clean_remote
 
-    report = clean_remote(store, dry_run=dry_run)
+    try:
+        report = clean_remote(store, dry_run=dry_run)
+    except (SpoolError, ValueError, TypeError, KeyError) as exc:  # one bad record
+        return {"error": str(exc)[:300], "lines": [f"genai step failed: {str(exc)[:300]}; the "
+                                                    "local steps still ran"]}
     return {**report.to_json(), "lines": report.lines()}
+
+
+def _pending_remote(store: Store) -> tuple[int, int]:
+    """(released genai caches still owed a server delete, records that could not be read):
+    row by row, so one bad record is counted and skipped."""
+    import time
+
+    from spoolctl.controllers.genai_records import status_of_row
+
+    now, pending, malformed = time.time(), 0, 0
+    for row in store.entries(kind="genai"):
+        try:
+            pending += status_of_row(row, now).state == "delete-pending"
+        except (ValueError, TypeError, KeyError, AttributeError):
+            malformed += 1
+    return pending, malformed
 
 
 def _steps_table(steps: dict[str, dict[str, Any]], dry_run: bool) -> Table:
@@ -88,6 +146,17 @@ def _steps_table(steps: dict[str, dict[str, Any]], dry_run: bool) -> Table:
 
 
 def _clean_view(doc: dict[str, Any]) -> list[Any]:
-    # Lines about remote caches carry server text: printed as plain text, never markup.
-    return [_steps_table(doc["steps"], doc["dry_run"]),
-            *(Text(line) for line in doc["genai"].get("lines", []))]
+    # Lines about remote caches carry server text, rows and paths carry store text:
+    # printed as plain text, never markup.
+    out: list[Any] = [_steps_table(doc["steps"], doc["dry_run"])]  # step errors: stderr
+    malformed = doc.get("malformed_rows") or {}
+    if malformed.get("count"):
+        out.append(text(f"skipped {malformed['count']} malformed catalog row(s), e.g. "
+                        + "; ".join(f"{r['entry_id'][:16]}: {r['reason']}"
+                                    for r in malformed["rows"][:3])
+                        + " (`spoolctl clean --orphans` re-indexes them)", "yellow"))
+    if doc.get("failed"):
+        out.append(text(f"{doc['failed']} file(s) or directories could not be deleted or "
+                        "read (`spoolctl doctor` says why)", "yellow"))
+    out.extend(text(line) for line in doc["genai"].get("lines", []))
+    return out

@@ -8,5 +8,6 @@ import importlib
 
 from .app import app  # noqa: F401
 
-for _module in ("store_cmds", "clean_cmds", "health_cmds", "scrub_cmds", "quarantine_cmds"):
+for _module in ("store_cmds", "entry_cmds", "clean_cmds", "health_cmds", "scrub_cmds",
+                "quarantine_cmds"):
     importlib.import_module(f"{__package__}.{_module}")

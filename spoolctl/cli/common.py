@@ -4,12 +4,20 @@ Output: a command's result is one JSON-ready document. ``emit`` prints it as JSO
 scripts (``--json``), or hands it to the command's *view* (document -> rich renderables)
 for people. A command prints its result no other way, so both outputs come from the same
 data and cannot drift apart.
+
+Text that comes from a store or a client (keys, namespaces, meta, display names, paths,
+quarantine details, error messages) is data, never markup: views pass it through
+``plain`` (control characters shown escaped, so no terminal escape sequence, OSC 8
+hyperlink or bidi override reaches the terminal) and ``esc`` / ``text`` (rich markup
+escaped). JSON output is the document itself, unchanged.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +25,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console, RenderableType
+from rich.markup import escape
+from rich.text import Text
 
-from spoolctl.store import Store
+from spoolctl.store import ConfigError, RootError, Store, StoreIOError
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -49,6 +59,12 @@ RootOption = Annotated[
                  "~/.cache/spoolctl/store.", show_default=False),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+RankOption = Annotated[int | None, typer.Option(
+    "--rank", min=0, max=9999, help="Only this rank's store (when --root is a vLLM base root "
+    "or deployment directory).", show_default=False)]
+DeploymentOption = Annotated[str | None, typer.Option(
+    "--deployment", help="Only this deployment directory (its name, or a unique prefix of "
+    "at least 4 characters) under a vLLM base root.", show_default=False)]
 
 # stdout carries results (tables or JSON); stderr carries errors and progress.
 console = Console(highlight=False)
@@ -59,8 +75,56 @@ def resolve_root(root: Path | None) -> Path:
     return root if root is not None else default_store_root()
 
 
-def open_store(root: Path | None, *, create: bool = False, max_bytes: int | None = None) -> Store:
-    return Store.open(str(resolve_root(root)), create=create, max_bytes=max_bytes)
+def open_store(root: Path | None, *, create: bool = False, max_bytes: int | None = None,
+               read_only_ok: bool = False) -> Store:
+    """Open the store at ``root``. ``read_only_ok`` (commands that only read): if it cannot
+    be opened for writing because of permissions (a read-only or immutable catalog, a
+    directory this user cannot write), open it read-only and say so on stderr."""
+    path = str(resolve_root(root))
+    try:
+        return Store.open(path, create=create, max_bytes=max_bytes)
+    except (StoreIOError, ConfigError) as exc:
+        if not read_only_ok or create or not permission_problem(exc):
+            raise
+        why = exc.message
+    store = Store.open(path, read_only=True)
+    err_console.print(Text(f"spoolctl: warning: {plain(path)} cannot be written "
+                           f"({plain(why)}); read-only view (`spoolctl doctor` says why)"),
+                      soft_wrap=True)
+    return store
+
+
+def permission_problem(exc: Exception) -> bool:
+    """True if ``exc`` says the store cannot be *written* (permissions, read-only or
+    immutable files), as opposed to being absent, foreign-owned or damaged."""
+    if isinstance(exc, RootError):
+        return False
+    if isinstance(exc, StoreIOError):
+        return exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+    return isinstance(exc, ConfigError) and exc.message.startswith("permission denied")
+
+
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
+                     "\u2060-\u2069\ufeff]")
+
+
+def plain(value: Any) -> str:
+    """``value`` as text safe for a terminal: control characters (C0, DEL, C1: escape
+    sequences, OSC 8 hyperlinks, clear-screen...), zero-width and bidi-override characters
+    are shown as ``\\x1b`` / ``\\u202e`` escapes instead of acting on the terminal."""
+    text = value if isinstance(value, str) else str(value)
+    return _UNSAFE.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100
+                       else f"\\u{ord(m.group()):04x}", text)
+
+
+def esc(value: Any) -> str:
+    """``plain(value)`` with rich markup escaped, to embed store text in a markup string."""
+    return escape(plain(value))
+
+
+def text(value: Any, style: str | None = None) -> Text:
+    """``plain(value)`` as a rich Text (never parsed as markup)."""
+    return Text(plain(value), style=style or "")
 
 
 def emit_json(doc: Any) -> None:

@@ -1,5 +1,11 @@
 """Watching a store's health: ``metrics`` (Prometheus gauges from the store's facts) and
-``doctor`` (checks of the root, filesystem and SQLite files)."""
+``doctor`` (checks of the root, filesystem, SQLite files, permissions and rows), on one
+store or on every rank store of a vLLM deployment directory or base root.
+
+``metrics`` on several stores writes one exposition with ``deployment`` and ``rank``
+labels on every gauge; a rank that cannot be read gets ``spoolctl_store_up 0`` and the
+command exits 2 after writing the others (node_exporter keeps getting the healthy ranks).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,26 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from spoolctl.store import ConfigError
+from spoolctl.store import ConfigError, SpoolError
 
 from .app import app
-from .common import EXIT_FINDINGS, JsonOption, RootOption, emit, open_store, resolve_root
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_USAGE,
+    DeploymentOption,
+    JsonOption,
+    RankOption,
+    RootOption,
+    emit,
+    err_console,
+    esc,
+    open_store,
+    resolve_root,
+    text,
+)
+from .fanout import finish, multi_doc, multi_view, worst
+from .targets import resolve_targets
 
 
 @app.command("metrics")
@@ -23,21 +45,51 @@ def metrics_cmd(
     textfile: Annotated[Path | None, typer.Option(
         "--textfile", help="Write atomically to this .prom file (node_exporter textfile "
         "collector) instead of stdout.")] = None,
+    rank: RankOption = None,
+    deployment: DeploymentOption = None,
 ) -> None:
     """Print store gauges in Prometheus exposition format.
 
+    On a vLLM base root or deployment directory: the gauges of every rank store, labelled
+    `deployment` and `rank`; a rank that cannot be read shows `spoolctl_store_up 0`.
+
     Example: [bold]spoolctl metrics --textfile /var/lib/node_exporter/textfile/spoolctl.prom[/bold]
     """
-    from spoolctl.metrics import render_store_metrics
+    from spoolctl.metrics import collect_store_gauges, render_samples, store_down, with_target
 
     if textfile is not None:
         _check_textfile(textfile)
-    with open_store(root) as store:
-        text = render_store_metrics(store)
+    targets = resolve_targets(root, rank=rank, deployment=deployment)
+    code = EXIT_OK
+    if targets.single:
+        with open_store(targets.given, read_only_ok=True) as store:
+            samples = collect_store_gauges(store)
+    else:
+        samples = []
+        for target in targets.stores:
+            assert target.rank is not None and target.deployment is not None
+            try:
+                store_down(target.deployment, target.rank)  # a name fit for a label?
+            except ValueError:
+                err_console.print(text(f"error: {target.label}: the deployment directory name "
+                                       "cannot be a metric label; its gauges are left out"),
+                                  soft_wrap=True)
+                code = EXIT_USAGE
+                continue
+            try:
+                with open_store(target.root, read_only_ok=True) as store:
+                    samples += with_target(collect_store_gauges(store), target.deployment,
+                                           target.rank)
+            except SpoolError as exc:
+                samples += store_down(target.deployment, target.rank)
+                err_console.print(text(f"error: {target.label}: {exc}"), soft_wrap=True)
+                code = EXIT_USAGE
+    exposition = render_samples(samples)
     if textfile is None:
-        typer.echo(text, nl=False)
-        return
-    _write_atomic(textfile, text.encode())
+        typer.echo(exposition, nl=False)
+    else:
+        _write_atomic(textfile, exposition.encode())
+    finish(code)
 
 
 def _check_textfile(path: Path) -> None:
@@ -58,7 +110,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
     user (outside a store, so not the store's private ``publish`` path)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if os.path.lexists(tmp):  # a leftover (or anything planted there): never open it
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             os.write(fd, data)
             os.fsync(fd)
@@ -73,33 +128,61 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 @app.command("doctor")
-def doctor_cmd(root: RootOption = None, json_output: JsonOption = False) -> None:
+def doctor_cmd(
+    root: RootOption = None,
+    rank: RankOption = None,
+    deployment: DeploymentOption = None,
+    json_output: JsonOption = False,
+) -> None:
     """Check the root, the filesystem and SQLite health; print what to fix.
 
-    Root: marker, permissions, owner. Filesystem: type, free space vs max size, O_DIRECT,
-    fsync. Exit 1 when a check fails.
+    Root: marker, permissions, owner. Filesystem: type, free space vs max size, the
+    full-disk reserve, O_DIRECT, fsync. Catalog: integrity, writability, malformed rows.
+    Files: directories and files this user cannot read or write, special files, entries
+    the scrub could not read. Exit 1 when a check fails. On a vLLM base root or
+    deployment directory: every rank store.
 
     Example: [bold]spoolctl doctor --root /var/cache/spoolctl[/bold]
     """
     from spoolctl.store.doctor import run_checks
 
-    path = resolve_root(root)
-    checks = run_checks(path)
-    failed = any(c.status == "fail" for c in checks)
-    emit({"root": str(path), "ok": not failed, "checks": [c.to_json() for c in checks]},
-         json_output=json_output, view=_doctor_view)
-    if failed:
-        raise typer.Exit(EXIT_FINDINGS)
+    def one(path: Path) -> tuple[dict[str, Any], int]:
+        checks = run_checks(path)
+        failed = any(c.status == "fail" for c in checks)
+        return ({"root": str(path), "ok": not failed, "checks": [c.to_json() for c in checks]},
+                EXIT_FINDINGS if failed else EXIT_OK)
+
+    try:
+        targets = resolve_targets(root, rank=rank, deployment=deployment)
+    except ConfigError:
+        if rank is not None or deployment is not None:
+            raise
+        targets = None  # not a store or vLLM root: the checks say what is wrong with it
+    if targets is None or targets.single:
+        doc, code = one(resolve_root(root) if targets is None else targets.given)
+        emit(doc, json_output=json_output, view=_doctor_view)
+        finish(code)
+        return
+    from .fanout import StoreResult
+
+    results = []
+    for target in targets.stores:
+        doc, code = one(target.root)
+        results.append(StoreResult(target, code, doc=doc))
+    doc = multi_doc(targets, results)
+    emit(doc, json_output=json_output, view=multi_view(_doctor_view))
+    finish(worst([r.code for r in results]))
 
 
 _COLORS = {"ok": "green", "warn": "yellow", "fail": "red"}
 
 
 def _doctor_view(doc: dict[str, Any]) -> Table:
-    t = Table(title=f"doctor {doc['root']}", title_justify="left")
+    t = Table(title=f"doctor {esc(doc['root'])}", title_justify="left")
     for col in ("check", "status", "detail", "fix"):
         t.add_column(col)
     for c in doc["checks"]:
         color = _COLORS[c["status"]]
-        t.add_row(c["name"], f"[{color}]{c['status']}[/{color}]", c["detail"], c["fix"])
+        t.add_row(c["name"], f"[{color}]{c['status']}[/{color}]", text(c["detail"]),
+                  text(c["fix"]))
     return t

@@ -22,6 +22,7 @@ from spoolctl.store.errors import ConfigError
 from .app import app
 from .common import (
     ENV_ROOT,
+    EXIT_FINDINGS,
     JsonOption,
     RootOption,
     console,
@@ -91,8 +92,29 @@ def _load_messages(path: Path, model: str) -> Any:
 
 @app.command("prefill")
 def prefill_cmd(
-    model: Annotated[Path, typer.Option("--model", help="Local model directory.")],
+    model: Annotated[str | None, typer.Option(
+        "--model", metavar="<dir|name>",
+        help="Local model directory; with --server, the served model name "
+        "(default: the server's only model).", show_default=False)] = None,
     backend: Annotated[str, typer.Option("--backend", help="pytorch or mlx.")] = "pytorch",
+    server: Annotated[str | None, typer.Option(
+        "--server", metavar="<url>", show_default=False,
+        help="A running vLLM server (OpenAI API, e.g. http://127.0.0.1:8000): send each "
+        "prompt as a one-token request so the server prefills and stores it.")] = None,
+    prompts_file: Annotated[str | None, typer.Option(
+        "--prompts-file", metavar="<file|->", show_default=False,
+        help="--server: JSON Lines, one prompt per line: \"text\", [token ids] or "
+        "{\"prompt\": ..., \"cache_salt\": ..., \"name\": ...}.")] = None,
+    concurrency: Annotated[int, typer.Option(
+        "--concurrency", min=1, max=256, help="--server: requests in flight at once.")] = 4,
+    rate: Annotated[float | None, typer.Option(
+        "--rate", min=0.001, show_default=False, metavar="<requests/s>",
+        help="--server: at most this many requests per second.")] = None,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=0.1, help="--server: seconds to wait for one response.")] = 600.0,
+    retries: Annotated[int, typer.Option(
+        "--retries", min=0, max=20, help="--server: retries of a transient failure "
+        "(connection error, 429, 502-504).")] = 3,
     prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text.")] = None,
     prompt_file: Annotated[Path | None, typer.Option("--prompt-file",
                                                      help="Prompt text file.")] = None,
@@ -112,17 +134,36 @@ def prefill_cmd(
 ) -> None:
     """Prefill a prompt's cacheable prefix into the store (a second run is a cache hit).
 
+    With --server, warm a running vLLM server instead (e.g. a replica started after
+    deploy): each prompt of --prompts-file is sent as a one-token request, with bounded
+    concurrency and rate; per prompt the server's cached vs computed tokens are reported
+    (start vLLM with --enable-prompt-tokens-details to get the cached count). Exit 1 if a
+    prompt failed.
+
     Example: [bold]spoolctl prefill --model /models/llama --prompt-file manual.txt --json[/bold]
+
+    Example: [bold]spoolctl prefill --server http://127.0.0.1:8000 --prompts-file
+    prompts.jsonl --concurrency 8[/bold]
     """
     from spoolctl.controllers import BACKENDS, CachePrepareParams, LocalCacheController
 
+    if server is not None:
+        _prefill_server(server, model, prompt, prompt_file, prompts_file, messages_file,
+                        concurrency=concurrency, rate=rate, timeout=timeout, retries=retries,
+                        json_out=json_out)
+        return
+    if prompts_file is not None:
+        raise ConfigError("--prompts-file needs --server",
+                          fix="use --prompt-file for one prompt into the local store")
+    if model is None:
+        raise ConfigError("--model is required", fix="pass a local model directory")
     sources = [s for s in (prompt, prompt_file, messages_file) if s is not None]
     if len(sources) != 1:
         raise ConfigError("give exactly one of --prompt, --prompt-file, --messages-file",
                           fix="e.g. spoolctl prefill --model DIR --prompt-file prompt.txt")
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}", fix=f"use one of: {', '.join(BACKENDS)}")
-    model_dir = model.expanduser().resolve()
+    model_dir = Path(model).expanduser().resolve()
     if not model_dir.is_dir():
         raise ConfigError("model directory not found", path=model_dir,
                           fix="pass a local model directory (save_pretrained format)")
@@ -154,6 +195,92 @@ def prefill_cmd(
     load_s = time.perf_counter() - t0
     _prepare_and_render(LocalCacheController(kv, resolve_root(root)), params, json_out,
                         backend=backend, model=str(model_dir), load_s=load_s)
+
+
+def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file: Path | None,
+                    prompts_file: str | None, messages_file: Path | None, *, concurrency: int,
+                    rate: float | None, timeout: float, retries: int, json_out: bool) -> None:
+    """``prefill --server``: warm a running vLLM server (spoolctl.server_warmup)."""
+    from rich.markup import escape
+
+    from spoolctl import server_warmup as sw
+
+    if messages_file is not None:
+        raise ConfigError("--messages-file is for the local backends",
+                          fix="with --server use --prompts-file (JSON Lines) or --prompt")
+    sources = [s for s in (prompt, prompt_file, prompts_file) if s is not None]
+    if len(sources) != 1:
+        raise ConfigError("with --server give exactly one of --prompts-file, --prompt, "
+                          "--prompt-file", fix="e.g. --prompts-file prompts.jsonl")
+    target = sw.Server.parse(url)
+    if prompts_file is not None:
+        prompts = sw.read_prompts_file(prompts_file)
+    else:
+        text = prompt if prompt is not None else _read_text(prompt_file, "prompt file")
+        if not text:
+            raise ConfigError("the prompt is empty", fix="pass a non-empty prompt")
+        prompts = [sw.WarmPrompt("#1", text)]
+    client = sw.Client(target, timeout=timeout,
+                       api_key=os.environ.get(sw.API_KEY_ENV) or None)
+    try:
+        served = sw.served_models(client)
+    except sw.ServerError as exc:
+        raise ConfigError(f"cannot reach the server's model list ({exc})",
+                          path=client.server.url,
+                          fix="check --server and that vLLM is up (GET /v1/models)") from None
+    if model is None:
+        if len(served) != 1:
+            raise ConfigError(f"the server serves {len(served)} models",
+                              path=client.server.url, fix="name one with --model")
+        model = served[0]
+    elif model not in served:
+        raise ConfigError(f"the server does not serve {model[:120]!r}", path=client.server.url,
+                          fix=f"use one of: {', '.join(served[:5]) or 'none'}")
+    show = not json_out and err_console.is_terminal
+    done = [0, 0, 0]  # prompts, prompt tokens, cached tokens
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn("[bold]prefill"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tokens]}"), console=err_console, transient=True,
+                  disable=not show) as bar:
+        task = bar.add_task("prefill", total=len(prompts), tokens="")
+
+        def progress(r: sw.PromptResult) -> None:
+            done[0] += 1
+            done[1] += r.prompt_tokens or 0
+            done[2] += r.cached_tokens or 0
+            bar.update(task, completed=done[0],
+                       tokens=f"{done[1]} tokens, {done[2]} cached")
+
+        report = sw.warm(client, model, prompts, concurrency=concurrency, rate=rate,
+                         retries=retries, progress=progress)
+    doc = report.to_json()
+    if json_out:
+        emit_json(doc)
+    else:
+        table = Table(title=f"spoolctl prefill --server {escape(doc['server'])}",
+                      title_justify="left")
+        for col in ("prompt", "tokens", "cached", "computed", "seconds", "result"):
+            table.add_column(col, justify="left" if col in ("prompt", "result") else "right")
+
+        def num(v: int | None) -> str:
+            return "n/a" if v is None else str(v)
+
+        for r in report.results:
+            table.add_row(escape(r.name), num(r.prompt_tokens), num(r.cached_tokens),
+                          num(r.computed_tokens), f"{r.seconds:.3f}",
+                          "ok" if r.ok else f"[red]{escape(r.error or '')}[/red]")
+        console.print(table)
+        console.print(f"{doc['ok']} of {doc['prompts']} prompts prefilled in "
+                      f"{doc['seconds']:.2f}s: {doc['prompt_tokens']} prompt tokens, "
+                      f"{num(doc['cached_tokens'])} cached, {num(doc['computed_tokens'])} "
+                      "computed", highlight=False)
+        if doc["ok"] and not doc["cached_reported"]:
+            console.print("the server does not report cached tokens: start vLLM with "
+                          "--enable-prompt-tokens-details", highlight=False)
+    if report.failed:
+        raise typer.Exit(EXIT_FINDINGS)
 
 
 def _prefill_vlm(model_dir: Path, params: Any, images: list[Path], max_image_size: int | None,

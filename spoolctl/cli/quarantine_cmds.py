@@ -1,4 +1,6 @@
-"""``spoolctl quarantine ls|show|restore|purge``: inspect and manage corrupt evidence."""
+"""``spoolctl quarantine ls|show|restore|purge``: inspect and manage corrupt evidence, on
+one store or on every rank store of a vLLM deployment directory or base root (an item id
+is looked for in each). Reasons and details come from the store: shown as plain text."""
 
 from __future__ import annotations
 
@@ -8,13 +10,29 @@ from typing import Annotated, Any
 import typer
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
-from spoolctl.store import parse_duration
-from spoolctl.store.quarantine import QuarantineItem
+from spoolctl.store import NotFoundError, Store, parse_duration
+from spoolctl.store.quarantine import QuarantineItem, validate_item_id
 
 from . import render
 from .app import app
-from .common import EXIT_OK, JsonOption, RootOption, console, emit, open_store
+from .common import (
+    EXIT_OK,
+    DeploymentOption,
+    JsonOption,
+    RankOption,
+    RootOption,
+    console,
+    emit,
+    esc,
+    open_store,
+    plain,
+    text,
+)
+from .entry_cmds import found_in
+from .fanout import finish, multi_doc, multi_view, run_each, run_on_targets
+from .targets import StoreTarget, Targets, resolve_targets
 
 quarantine_app = typer.Typer(
     name="quarantine", help="Inspect, restore and purge quarantined evidence.",
@@ -25,18 +43,22 @@ ItemArg = Annotated[str, typer.Argument(help="Item id as shown by `spoolctl quar
 
 
 @quarantine_app.command("ls")
-def q_ls(root: RootOption = None, json_output: JsonOption = False) -> None:
+def q_ls(root: RootOption = None, rank: RankOption = None, deployment: DeploymentOption = None,
+         json_output: JsonOption = False) -> None:
     """List quarantined items with their reason.
 
     Reasons: manifest_io, manifest_validation, payload_digest, payload_size,
-    payload_missing, object_collision, catalog, unknown.
+    payload_missing, object_collision, catalog, scrub_state, auth_queue, unknown.
 
     Example: [bold]spoolctl quarantine ls --json[/bold]
     """
-    with open_store(root) as store:
+    def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
         items = store.quarantine_items()
-    emit({"items": [i.to_json() for i in items], "count": len(items),
-          "bytes": sum(i.bytes for i in items)}, json_output=json_output, view=_ls_view)
+        return {"items": [i.to_json() for i in items], "count": len(items),
+                "bytes": sum(i.bytes for i in items)}, EXIT_OK
+
+    finish(run_on_targets(resolve_targets(root, rank=rank, deployment=deployment), job,
+                          json_output=json_output, view=_ls_view, read_only_ok=True))
 
 
 def _ls_view(doc: dict[str, Any]) -> Table:
@@ -44,77 +66,126 @@ def _ls_view(doc: dict[str, Any]) -> Table:
     for col in ("item", "reason", "entry", "size", "when"):
         t.add_column(col, no_wrap=True)
     for i in doc["items"]:
-        t.add_row(i["item"], i["reason"], (i["entry_id"] or "-")[:12], render.size(i["bytes"]),
-                  render.rel_time(i["time"]))
+        t.add_row(text(i["item"]), text(i["reason"]), text((i["entry_id"] or "-")[:12]),
+                  render.size(i["bytes"]), render.rel_time(i["time"]))
     return t
 
 
+def _on_item(targets: Targets, item: str, job, *, json_output: bool, view,
+             read_only_ok: bool = False) -> None:
+    """Run ``job`` on the store holding quarantine item ``item`` (any rank store)."""
+    validate_item_id(item)
+    if targets.single:
+        finish(run_on_targets(targets, job, json_output=json_output, view=view,
+                              read_only_ok=read_only_ok))
+        return
+    results = found_in(run_each(targets, job, read_only_ok=read_only_ok),
+                       f"no quarantine item {item} under {targets.given}")
+    doc = multi_doc(targets, results)
+    emit(doc, json_output=json_output, view=multi_view(view))
+    finish(doc["exit"])
+
+
 @quarantine_app.command("show")
-def q_show(item: ItemArg, root: RootOption = None, json_output: JsonOption = False) -> None:
+def q_show(item: ItemArg, root: RootOption = None, rank: RankOption = None,
+           deployment: DeploymentOption = None, json_output: JsonOption = False) -> None:
     """Show one item: reason, detail, entry, and the files it holds.
 
     Example: [bold]spoolctl quarantine show 20260101T120000Z-payload_digest-1a2b3c4d[/bold]
     """
-    with open_store(root) as store:
+    def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
         found = store.quarantine.get(item)
-        files = sorted(p.name for p in found.path.iterdir())
-    emit({**found.to_json(), "contents": files}, json_output=json_output, view=_show_view)
+        try:
+            files = sorted(p.name for p in found.path.iterdir())
+        except OSError:
+            files = []
+        return {**found.to_json(), "contents": files}, EXIT_OK
+
+    _on_item(resolve_targets(root, rank=rank, deployment=deployment), item, job,
+             json_output=json_output, view=_show_view, read_only_ok=True)
 
 
 def _show_view(doc: dict[str, Any]) -> Panel:
-    return Panel(
-        f"reason   {doc['reason']}\ndetail   {doc['detail']}\nentry    {doc['entry_id'] or '-'}\n"
-        f"kind     {doc['kind'] or '-'}\nwhen     {render.rel_time(doc['time'])}\n"
-        f"size     {render.size(doc['bytes'])}\npath     {doc['path']}\n"
-        f"files    {', '.join(doc['contents'])}", title=doc["item"], title_align="left")
+    body = Text(
+        f"reason   {plain(doc['reason'])}\ndetail   {plain(doc['detail'])}\n"
+        f"entry    {plain(doc['entry_id'] or '-')}\nkind     {plain(doc['kind'] or '-')}\n"
+        f"when     {render.rel_time(doc['time'])}\nsize     {render.size(doc['bytes'])}\n"
+        f"path     {plain(doc['path'])}\nfiles    {plain(', '.join(doc['contents']))}")
+    return Panel(body, title=esc(doc["item"]), title_align="left")
 
 
 @quarantine_app.command("restore")
-def q_restore(item: ItemArg, root: RootOption = None, json_output: JsonOption = False) -> None:
+def q_restore(item: ItemArg, root: RootOption = None, rank: RankOption = None,
+              deployment: DeploymentOption = None, json_output: JsonOption = False) -> None:
     """Re-verify an item; re-admit its entry only if it now verifies.
 
-    If it still fails, nothing is moved and the exit code is 1.
+    If it still fails, nothing is moved and the exit code is 1; if an object it needs was
+    reclaimed meanwhile, it says so and how to purge the item (exit 1).
 
     Example: [bold]spoolctl quarantine restore 20260101T120000Z-payload_digest-1a2b3c4d[/bold]
     """
-    with open_store(root) as store:
+    def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
         manifest = store.restore_quarantined(item)
-    emit({"item": item, "restored": True, "entry_id": manifest.entry_id},
-         json_output=json_output,
-         view=lambda doc: f"[green]restored[/green] entry {doc['entry_id']} from {doc['item']}")
+        return {"item": item, "restored": True, "entry_id": manifest.entry_id}, EXIT_OK
+
+    _on_item(resolve_targets(root, rank=rank, deployment=deployment), item, job,
+             json_output=json_output,
+             view=lambda doc: f"[green]restored[/green] entry {esc(doc['entry_id'])} from "
+                              f"{esc(doc['item'])}")
 
 
-def _select(items: list[QuarantineItem], older_than: float | None, now: float
-            ) -> list[QuarantineItem]:
-    return [i for i in items if older_than is None or now - i.time >= older_than]
+def _select(items: list[QuarantineItem], older_than: float | None, now: float,
+            wanted: list[str]) -> list[QuarantineItem]:
+    return [i for i in items if (older_than is None or now - i.time >= older_than)
+            and (not wanted or i.item_id in wanted)]
 
 
 @quarantine_app.command("purge")
 def q_purge(
+    items: Annotated[list[str] | None, typer.Argument(
+        help="Only these item ids (default: every item, or those --older-than).",
+        show_default=False)] = None,
     root: RootOption = None,
     older_than: Annotated[str | None, typer.Option(
         "--older-than", help="Only items quarantined at least this long ago (e.g. 7d).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+    rank: RankOption = None,
+    deployment: DeploymentOption = None,
     json_output: JsonOption = False,
 ) -> None:
     """Delete quarantined items (evidence is never deleted automatically).
 
     Example: [bold]spoolctl quarantine purge --older-than 7d --yes[/bold]
     """
+    wanted = [validate_item_id(i) for i in (items or [])]
     age = parse_duration(older_than) if older_than is not None else None
     ask = render.require_yes(yes, dry_run, "quarantine purge")
-    with open_store(root) as store:
-        chosen = _select(store.quarantine_items(), age, time.time())
+    targets = resolve_targets(root, rank=rank, deployment=deployment)
+    now = time.time()
+    if ask or wanted:
+        chosen = []
+        for target in targets.stores:
+            with open_store(target.root, read_only_ok=True) as store:
+                chosen += _select(store.quarantine_items(), age, now, wanted)
+        missing = sorted(set(wanted) - {i.item_id for i in chosen})
+        if missing:  # checked before anything is purged
+            raise NotFoundError(f"no quarantine item {missing[0]}", path=targets.given,
+                                fix="list items with `spoolctl quarantine ls`")
         if ask and chosen:
             console.print(f"{len(chosen)} items, {render.size(sum(i.bytes for i in chosen))}")
             if not typer.confirm("Purge them?", default=False):
                 raise typer.Exit(EXIT_OK)
+
+    def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
+        chosen = _select(store.quarantine_items(), age, now, wanted)
         if not dry_run:
             for i in chosen:
                 store.quarantine.remove(i)
-    emit({"dry_run": dry_run, "purged": [i.item_id for i in chosen], "count": len(chosen),
-          "bytes": sum(i.bytes for i in chosen)}, json_output=json_output, view=_purge_view)
+        return {"dry_run": dry_run, "purged": [i.item_id for i in chosen],
+                "count": len(chosen), "bytes": sum(i.bytes for i in chosen)}, EXIT_OK
+
+    finish(run_on_targets(targets, job, json_output=json_output, view=_purge_view))
 
 
 def _purge_view(doc: dict[str, Any]) -> str:

@@ -1,4 +1,9 @@
-"""Verification commands: ``scrub`` (deep, resumable) and ``request-auth`` (one entry now)."""
+"""Verification commands: ``scrub`` (deep, resumable) and ``request-auth`` (one entry now),
+on one store or on every rank store of a vLLM deployment directory or base root.
+
+A scrub never stops at the same object run after run: an object it cannot read is an
+``unreadable`` finding (exit 1) and the cycle moves on.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,27 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from spoolctl.store import BusyError, CorruptionError, parse_rate
+from spoolctl.store import BusyError, CorruptionError, Store, parse_rate
 from spoolctl.store.auth_requests import AuthQueue, authenticate
 from spoolctl.store.keys import validate_entry_prefix
 from spoolctl.store.scrub import Scrubber
 
 from . import render
 from .app import app
-from .common import EXIT_FINDINGS, JsonOption, RootOption, emit, open_store
-from .targets import resolve_entry
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    DeploymentOption,
+    JsonOption,
+    RankOption,
+    RootOption,
+    emit,
+    esc,
+    text,
+)
+from .entry_cmds import found_in
+from .fanout import finish, multi_doc, multi_view, run_each, run_on_targets
+from .targets import StoreTarget, resolve_entry, resolve_targets
 
 DEFAULT_STEP_ITEMS = 10_000
 
@@ -37,29 +54,36 @@ def scrub_cmd(
         DEFAULT_STEP_ITEMS,
     until_complete: Annotated[bool, typer.Option(
         "--until-complete", help="Keep going until the current cycle completes.")] = False,
+    rank: RankOption = None,
+    deployment: DeploymentOption = None,
     json_output: JsonOption = False,
 ) -> None:
     """Deep scrub: re-read and verify every manifest and object at a bounded rate.
 
-    Resumes where the last scrub stopped. Quarantines what fails (exit 1) and, at the
-    end of a cycle, reclaims proven orphans and abandoned temp files.
+    Resumes where the last scrub stopped. Quarantines what fails and records what it
+    cannot read (exit 1), and at the end of a cycle reclaims proven orphans and abandoned
+    temp files. On a vLLM base root or deployment directory: one step on every rank
+    store (`--max-items` per rank).
 
     Example (cron): [bold]spoolctl scrub --rate 64MiB/s --until-complete[/bold]
     """
     rate_bytes = parse_rate_option(rate)
-    with open_store(root) as store:
+    targets = resolve_targets(root, rank=rank, deployment=deployment)
+
+    def job(store: Store, target: StoreTarget) -> tuple[dict[str, Any], int]:
         total = store.totals().entries
         scrubber = Scrubber(store, rate_bytes=rate_bytes)
-        with render.progress_bar("scrub", total, enabled=not json_output) as bar:
+        label = "scrub" if target.rank is None else f"scrub rank {target.rank:04d}"
+        with render.progress_bar(label, total, enabled=not json_output) as bar:
             report = scrubber.run(
                 max_items=max_items, until_complete=until_complete, wait=True,
                 progress=lambda cycle, n: bar.update(
-                    completed=cycle.checked + cycle.quarantined + cycle.absent,
-                    total=max(n, cycle.total_at_start, 1)))
-    assert report is not None  # wait=True: BusyError instead of None
-    emit(report.to_json(), json_output=json_output, view=_scrub_view)
-    if report.quarantined:
-        raise typer.Exit(EXIT_FINDINGS)
+                    completed=cycle.done, total=max(n, cycle.total_at_start, 1)))
+        assert report is not None  # wait=True: BusyError instead of None
+        findings = report.quarantined or report.unreadable
+        return report.to_json(), EXIT_FINDINGS if findings else EXIT_OK
+
+    finish(run_on_targets(targets, job, json_output=json_output, view=_scrub_view))
 
 
 def _scrub_view(doc: dict[str, Any]) -> Table:
@@ -71,7 +95,12 @@ def _scrub_view(doc: dict[str, Any]) -> Table:
     found = doc["quarantined"]
     t.add_row("quarantined", f"[red]{len(found)}[/red]" if found else "0")
     for q in found[:20]:
-        t.add_row("", f"{q['entry_id'][:16]}  {q['reason']}")
+        t.add_row("", text(f"{q['entry_id'][:16]}  {q['reason']}"))
+    unreadable = doc.get("unreadable", [])
+    if unreadable:
+        t.add_row("unreadable", f"[red]{len(unreadable)}[/red] (moved on; `spoolctl doctor`)")
+        for u in unreadable[:20]:
+            t.add_row("", text(f"{u['entry_id'][:16]}  {u['detail']}"))
     t.add_row("deleted meanwhile", str(doc["absent"]))
     t.add_row("cycle", "complete" if doc["cycle_completed"] else
               "in progress (run again to continue)")
@@ -92,49 +121,73 @@ def request_auth_cmd(
         "--wait", help="When a worker owns the store, wait for its receipt.")] = False,
     timeout: Annotated[float, typer.Option(
         "--timeout", min=0.0, help="Seconds to wait for the receipt.")] = 60.0,
+    rank: RankOption = None,
+    deployment: DeploymentOption = None,
     json_output: JsonOption = False,
 ) -> None:
     """Authenticate one entry now: authenticated (0), absent or quarantined (1).
 
-    If a live worker owns the store the request is queued for it.
+    If a live worker owns the store the request is queued for it. On a vLLM base root
+    or deployment directory, the entry is looked for in every rank store.
 
     Example: [bold]spoolctl request-auth 3fa9c2d1 --wait --timeout 30[/bold]
     """
     validate_entry_prefix(entry)
-    with open_store(root) as store:
-        if len(entry) == 64:
-            entry_id = entry  # a full id that is not there is an answer: absent
-        else:
-            try:
-                entry_id = resolve_entry(store, entry)
-            except CorruptionError as exc:  # the prefix names an entry already quarantined
-                entry_id = exc.entry_id or entry
-        owner = store.owner()
-        if owner is None:
-            result = authenticate(store, entry_id)
-        else:
-            with AuthQueue.of(store) as queue:
-                request_id = queue.submit(entry_id)
-                if not wait:
-                    doc = {"entry_id": entry_id, "result": "queued", "request_id": request_id,
-                           "owner": owner.to_json()}
-                    emit(doc, json_output=json_output, view=_queued_view)
-                    return
-                result = queue.wait(request_id, timeout)
-            if result is None:
-                raise BusyError(
-                    f"no receipt from the owner ({owner.role} pid {owner.pid}) within "
-                    f"{timeout:g}s; request {request_id} stays queued",
-                    path=store.root, fix="retry with a longer --timeout, or check the worker")
-    emit(result.to_json(), json_output=json_output, view=_auth_view)
-    if result.result != "authenticated":
-        raise typer.Exit(EXIT_FINDINGS)
+    targets = resolve_targets(root, rank=rank, deployment=deployment)
+
+    def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
+        return _request_auth(store, entry, wait, timeout)
+
+    if targets.single:
+        finish(run_on_targets(targets, job, json_output=json_output, view=_result_view))
+        return
+    results = run_each(targets, job)
+    if len(entry) == 64:  # a full id: absent where it is not; keep the ranks that know it
+        known = [r for r in results if not (r.doc and r.doc.get("result") == "absent")]
+        results = known or results
+    else:
+        results = found_in(results, f"no entry {entry[:64]} under {targets.given}")
+    doc = multi_doc(targets, results)
+    emit(doc, json_output=json_output, view=multi_view(_result_view))
+    finish(doc["exit"])
+
+
+def _result_view(doc: dict[str, Any]) -> Any:
+    return _queued_view(doc) if doc.get("result") == "queued" else _auth_view(doc)
+
+
+def _request_auth(store: Store, entry: str, wait: bool, timeout: float
+                  ) -> tuple[dict[str, Any], int]:
+    """One store's answer for ``entry`` (see ``request_auth_cmd``)."""
+    if len(entry) == 64:
+        entry_id = entry  # a full id that is not there is an answer: absent
+    else:
+        try:
+            entry_id = resolve_entry(store, entry)
+        except CorruptionError as exc:  # the prefix names an entry already quarantined
+            entry_id = exc.entry_id or entry
+    owner = store.owner()
+    if owner is None:
+        result = authenticate(store, entry_id)
+    else:
+        with AuthQueue.of(store) as queue:
+            request_id = queue.submit(entry_id)
+            if not wait:
+                return {"entry_id": entry_id, "result": "queued", "request_id": request_id,
+                        "owner": owner.to_json()}, EXIT_OK
+            result = queue.wait(request_id, timeout)
+        if result is None:
+            raise BusyError(
+                f"no receipt from the owner ({owner.role} pid {owner.pid}) within "
+                f"{timeout:g}s; request {request_id} stays queued",
+                path=store.root, fix="retry with a longer --timeout, or check the worker")
+    return result.to_json(), EXIT_OK if result.result == "authenticated" else EXIT_FINDINGS
 
 
 def _queued_view(doc: dict[str, Any]) -> str:
     owner = doc["owner"]
-    return (f"queued request {doc['request_id']} for {owner['role']} pid {owner['pid']}; "
-            "rerun with --wait to wait for the receipt")
+    return (f"queued request {doc['request_id']} for {esc(owner['role'])} pid "
+            f"{owner['pid']}; rerun with --wait to wait for the receipt")
 
 
 _RESULT_COLORS = {"authenticated": "green", "absent": "yellow", "quarantined": "red"}
@@ -142,6 +195,6 @@ _RESULT_COLORS = {"authenticated": "green", "absent": "yellow", "quarantined": "
 
 def _auth_view(doc: dict[str, Any]) -> str:
     color = _RESULT_COLORS[doc["result"]]
-    extra = f" ({doc['reason']})" if doc.get("reason") else ""
-    return (f"[{color}]{doc['result']}[/{color}]{extra}  {doc['entry_id']}  {doc['detail']}"
-            f"{'  via owner' if doc.get('via') == 'owner' else ''}")
+    extra = f" ({esc(doc['reason'])})" if doc.get("reason") else ""
+    return (f"[{color}]{doc['result']}[/{color}]{extra}  {esc(doc['entry_id'])}  "
+            f"{esc(doc['detail'])}{'  via owner' if doc.get('via') == 'owner' else ''}")

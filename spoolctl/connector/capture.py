@@ -6,7 +6,8 @@ After a step's forward the worker captures each chunk the scheduler planned to s
 blocks into a recycled staging buffer with the format's ``fill(buf) -> objects``, and
 queues the commit. The writer's thread commits it into this rank's store (``commit``) and
 tells ``RankHoldings``, which reports it to the scheduler. A chunk that fails to capture
-is skipped and counted; nothing here can affect a response.
+is skipped and counted; nothing here can affect a response. A chunk's manifest index may
+carry its vLLM block hashes (hashes only, for the KV events: ``events``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ log = logging.getLogger("spoolctl.connector")
 
 # A chunk's objects as the format captured them: object name -> bytes (views of a buffer).
 Objects = Mapping[str, memoryview]
+# The manifest index travels to ``rank_commit`` inside the commit's meta under this key
+# (the writer passes meta through untouched).
+INDEX_KEY = "_index"
 
 
 def rank_commit(store: Store, namespace: str,
@@ -37,9 +41,11 @@ def rank_commit(store: Store, namespace: str,
     """``put(key, objects, meta)`` committing one chunk entry into this rank's store."""
 
     def put(key: str, objects: Objects, meta: Mapping[str, Any]) -> None:
+        index = meta.get(INDEX_KEY)
+        meta = {k: v for k, v in meta.items() if k != INDEX_KEY}
         # No commit-time eviction: holdings withdraws victims from the scheduler first.
         store.put(kind=KIND, namespace=namespace, key=key, objects=objects, meta=meta,
-                  evict=False)
+                  index=index, evict=False)
         holdings.committed(key)
 
     return put
@@ -62,11 +68,12 @@ class ChunkStager:
         self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters)
 
     def stage(self, key: str, index: int,
-              fill: Callable[[torch.Tensor], tuple[Objects, CopyHandle]]) -> None:
+              fill: Callable[[torch.Tensor], tuple[Objects, CopyHandle]], *,
+              index_doc: Mapping[str, Any] | None = None) -> None:
         """Capture chunk ``index`` (``key``) with ``fill(buf) -> (objects, handle)`` and queue
-        its commit; a chunk over the staging budget or failing to capture is skipped,
-        counted. The copy may still run on the device when this returns: the writer thread
-        waits for ``handle`` before it reads the buffer."""
+        its commit (``index_doc``: its manifest index); a chunk over the staging budget or
+        failing to capture is skipped, counted. The copy may still run on the device when
+        this returns: the writer thread waits for ``handle`` before it reads the buffer."""
         nbytes = self._chunk_bytes
         if not self._writer.reserve(key, nbytes):
             return
@@ -84,6 +91,8 @@ class ChunkStager:
             self._counters.inc(m.STORES_SKIPPED, reason="io_error")
             return
         meta_doc = dict(self._meta, chunk_index=index)
+        if index_doc:
+            meta_doc[INDEX_KEY] = dict(index_doc)
         self._writer.submit(PendingStore(
             key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf),
             ready=handle.wait))

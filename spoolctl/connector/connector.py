@@ -8,7 +8,9 @@ the part that does the work. Where to find things:
 * ``formats`` (``format_single``, ``format_grouped``): the two stored chunk formats, each a
   strategy with a scheduler half (``Planning``) and a worker half (``Copier``).
 * ``scheduler``: ``SchedulerSide`` (lookups, planning, what every rank holds), using
-  ``lookup`` (chunk keys, bypass rules, the all-ranks quorum) and ``plan`` (pure planners).
+  ``lookup`` (chunk keys, bypass rules, the all-ranks quorum) and ``plan`` (pure planners),
+  and ``coordinator`` (KV events for routers via ``events`` + ``kvevents``, the host disk
+  budget's shares via ``host_budget``, write admission via ``admission``, idle steps).
 * ``worker``: ``WorkerSide`` (one rank's store), using ``restore`` (the restore pipeline),
   ``capture`` + ``writer`` (capture into staging, background commits), ``holdings`` +
   ``inventory`` (what the rank holds, reported to the scheduler; withdraw-then-delete
@@ -39,6 +41,7 @@ neither restored nor stored. No prompt text, token ids, salts or keys are logged
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -135,6 +138,15 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM calls this instead of request_finished once the connector claims SupportsHMA
         # (for one group too).
         return self.scheduler.finished(request)
+
+    def take_events(self) -> Iterable[Any]:
+        # The spool tier's KV events for routers (stores, removals, the startup inventory).
+        return self.scheduler.take_events()
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps an idle engine stepping while reports, acknowledgements or events are due:
+        # vLLM moves connector messages and publishes events only in engine steps.
+        return self.scheduler.has_pending_work()
 
     def reset_cache(self) -> bool | None:
         # The store is persistent and shared with the CLI; a reset of vLLM's prefix cache

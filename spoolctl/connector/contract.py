@@ -36,6 +36,8 @@ EXPECTED: Mapping[str, tuple[str, ...]] = {
     "get_required_kvcache_layout": ("vllm_config",),
     "shutdown": (),
     "reset_cache": (),
+    "take_events": (),
+    "has_pending_push_work": (),
     "get_handshake_metadata": (),
     "build_connector_worker_meta": (),
     "set_xfer_handshake_metadata": ("metadata",),

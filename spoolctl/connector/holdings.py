@@ -19,6 +19,11 @@ no steps, a scheduler that never learnt of this rank) is deleted anyway, so the 
 stays bounded; a restore planned against it meanwhile fails its read and is
 recomputed, as for any entry lost behind the connector's back.
 
+Two more reasons to withdraw an entry come from the scheduler (``on_scheduler``):
+another rank withdrew the same chunk (``drops``: the chunk is a miss everywhere now, so
+every rank frees it), and a host disk budget share (``host_budget``): the store's
+recorded max size becomes ``min(spoolctl_max_size, share)``, enforced as above.
+
 All store I/O runs on one daemon thread, never on vLLM's engine loop; the methods
 the connector calls from the engine loop only take a lock and touch memory.
 """
@@ -29,12 +34,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from spoolctl.store import Store
 from spoolctl.store.errors import BusyError, SpoolError
 from spoolctl.store.keys import entry_id_for
 
+from .host_budget import effective_max
 from .inventory import (
     HANDSHAKE_MAX_KEYS,
     STEP_MAX_KEYS,
@@ -57,7 +63,10 @@ class RankHoldings:
 
     def __init__(self, store: Store, *, kind: str, namespace: str, rank: int, epoch: int,
                  rescan_s: float = RESCAN_S, ack_timeout_s: float = ACK_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 per_rank_max: int | None = None, share: int | None = None):
+        """``per_rank_max``: ``spoolctl_max_size``; ``share``: this rank's host budget share
+        until the scheduler sends one (None: no host budget)."""
         self.store = store
         self.kind = kind
         self.namespace = namespace
@@ -69,6 +78,9 @@ class RankHoldings:
         self._inv = RankInventory(rank, epoch)
         self._lock = threading.Lock()
         self._deletable: list[bytes] = []  # acknowledged withdrawals, deleted by the thread
+        self._drops: list[bytes] = []  # chunks the scheduler asked every rank to drop
+        self._per_rank_max = per_rank_max
+        self._share = share  # the host budget share to apply (None: no host budget)
         self._scan_adds: set[bytes] | None = None  # commits seen while a rescan runs
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -76,6 +88,7 @@ class RankHoldings:
         self.evicted_entries = 0
         self.evicted_bytes = 0
         self.withdrawn_then_deleted = 0  # deletions that waited for the scheduler's ack
+        self.dropped = 0  # entries withdrawn because another rank withdrew them
 
     @property
     def epoch(self) -> int:
@@ -84,7 +97,9 @@ class RankHoldings:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Scan the store (so the handshake carries the inventory), then start the thread."""
+        """Apply the host budget share, scan the store (so the handshake carries the
+        inventory), then start the thread."""
+        self._apply_share()
         self.rescan()
         self._thread = threading.Thread(target=self._run, name="spoolctl-holdings", daemon=True)
         self._thread.start()
@@ -123,8 +138,10 @@ class RankHoldings:
         with self._lock:
             return self._inv.report(STEP_MAX_KEYS)
 
-    def on_scheduler(self, acks: Mapping[int, Ack], resync: Mapping[int, int]) -> None:
-        """Apply the scheduler's acknowledgement and resync request for this rank."""
+    def on_scheduler(self, acks: Mapping[int, Ack], resync: Mapping[int, int],
+                     drops: Iterable[bytes] = (), share: int | None = None) -> None:
+        """Apply the scheduler's acknowledgement and resync request for this rank, the
+        chunks every rank should drop and this rank's host budget share."""
         ack = acks.get(self.rank)
         with self._lock:
             if resync_for(resync, self.rank, self._inv.epoch):
@@ -132,7 +149,12 @@ class RankHoldings:
             done = self._inv.acked(ack) if ack is not None else []
             if done:
                 self._deletable.extend(done)
-        if done:
+            held = [k for k in drops if self._inv.holds(k)]
+            self._drops.extend(held)
+            wake = bool(done or held)
+            if share is not None and self._share is not None and share != self._share:
+                self._share, wake = share, True
+        if wake:
             self._wake.set()
 
     @property
@@ -147,13 +169,20 @@ class RankHoldings:
     # -- background thread (store I/O) --------------------------------------------------------
 
     def _run(self) -> None:
+        scanned = self._clock()
         while not self._stop.is_set():
-            woke = self._wake.wait(self.rescan_s)
+            self._wake.wait(max(0.0, scanned + self.rescan_s - self._clock()))
             self._wake.clear()
             if self._stop.is_set():
                 return
-            for step in ((self._delete_acknowledged, self._enforce_capacity) if woke
-                         else (self._delete_acknowledged, self.rescan, self._enforce_capacity)):
+            steps = (self._apply_share, self._delete_acknowledged, self._drop_requested)
+            # A rescan every rescan_s even when commits keep waking the thread (a busy store
+            # must still notice deletions made behind its back, e.g. ``spoolctl clean``).
+            due = self._clock() - scanned >= self.rescan_s
+            if due:
+                scanned = self._clock()
+            for step in (*steps, self.rescan, self._enforce_capacity) if due \
+                    else (*steps, self._enforce_capacity):
                 try:
                     step()
                 except BusyError:
@@ -184,13 +213,35 @@ class RankHoldings:
     def _entry_id(self, raw: bytes) -> str:
         return entry_id_for(self.kind, self.namespace, raw.hex())
 
+    def _apply_share(self) -> None:
+        """Record the effective max size (``min(spoolctl_max_size, share)``) in the store."""
+        with self._lock:
+            share = self._share
+        if share is None:
+            return
+        bound = effective_max(self._per_rank_max, share)
+        if bound != self.store.max_bytes:
+            self.store.set_max_bytes(bound)
+
+    def _drop_requested(self) -> None:
+        with self._lock:
+            keys, self._drops = self._drops, []
+        if keys:
+            self.dropped += self._withdraw([self._entry_id(k) for k in keys])
+
     def _enforce_capacity(self) -> None:
         if self.store.max_bytes is None or self.store.totals().bytes <= self.store.max_bytes:
             return
         plan = self.store.enforce_capacity(dry_run=True, budget=EVICTION_BUDGET, wait=False)
+        self._withdraw(plan.entry_ids)
+
+    def _withdraw(self, entry_ids: Iterable[str]) -> int:
+        """Withdraw entries (release them, report their removal) and delete those the
+        scheduler cannot count on; the rest are deleted once acknowledged. Returns how
+        many were withdrawn."""
         now: list[str] = []
-        expired = 0
-        for entry_id in plan.entry_ids:
+        expired = withdrawn = 0
+        for entry_id in entry_ids:
             row = self.store.row(entry_id)
             if row is None:
                 continue
@@ -207,6 +258,7 @@ class RankHoldings:
                     if not wait:
                         self._withdrawn_at.pop(raw, None)
             self.store.release(entry_id)
+            withdrawn += 1
             if not wait:
                 now.append(entry_id)
         if expired:
@@ -215,6 +267,7 @@ class RankHoldings:
                         "recomputed)", expired, self.ack_timeout_s)
         if now:
             self._delete(now)
+        return withdrawn
 
     def _delete_acknowledged(self) -> None:
         with self._lock:
@@ -236,4 +289,5 @@ class RankHoldings:
             return {"epoch": self._inv.epoch, "held": self._inv.held_count,
                     "awaiting_ack": self._inv.awaiting,
                     "withdrawn_then_deleted": self.withdrawn_then_deleted,
-                    "evicted_entries": self.evicted_entries}
+                    "evicted_entries": self.evicted_entries, "dropped": self.dropped,
+                    "max_bytes": self.store.max_bytes}

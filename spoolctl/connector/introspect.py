@@ -46,6 +46,13 @@ class Deployment:
     mm_unhashed: bool
     # This rank's identity (the scheduler's is rank 0's); its namespace keys its entries.
     identity: DeploymentIdentity
+    # KV events for routers (``events``, ``kvevents``): whether vLLM publishes events and
+    # the connector adds the spool tier's; vLLM's block hash granularity and algorithm; the
+    # KV cache group the events name (index, vLLM's spec kind).
+    kv_events: bool = False
+    hash_block_size: int = 0
+    hash_algo: str = "sha256"
+    event_group: tuple[int, str | None] = (0, None)
 
     @property
     def chunk_tokens(self) -> int:
@@ -104,9 +111,49 @@ def probe(vllm_config: Any, kv_cache_config: Any, *, scheduler: bool) -> Deploym
         engine=engine_tag(kv_layout(vllm_config, kv_cache_config)),
         tp_rank=tp_rank, pp_rank=pp_rank,
         group_format=[g.to_json() for g in layouts] if layouts else None)
+    hbs = hash_block_size(vllm_config, kv_cache_config, block_size)
+    publish = kv_events_enabled(vllm_config) and settings.kv_events == "on"
+    if publish and chunk % hbs:
+        log.warning("spoolctl: no KV events: vLLM hashes blocks of %d tokens, which do not "
+                    "divide the %d-token chunks", hbs, chunk)
+        publish = False
     return Deployment(settings=settings, block_size=block_size, groups=tuple(groups),
                       layouts=tuple(layouts), enabled=enabled, mm_unhashed=mm_unhashed,
-                      identity=identity)
+                      identity=identity, kv_events=publish, hash_block_size=hbs,
+                      hash_algo=str(getattr(vllm_config.cache_config,
+                                            "prefix_caching_hash_algo", "sha256")),
+                      event_group=event_group(groups))
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``kv_events_config``)."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False)
+                and getattr(cfg, "publisher", "null") != "null")
+
+
+def hash_block_size(vllm_config: Any, kv_cache_config: Any, block_size: int) -> int:
+    """The tokens per vLLM block hash (``Request.block_hashes``): the block size with one
+    KV cache group, vLLM's resolved hash granularity with several."""
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        size = int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
+        return size if size > 0 else block_size
+    except Exception:  # an older or newer vLLM: hashes follow the block size
+        return block_size
+
+
+_MAIN_ATTENTION = ("full_attention", "mla_attention", "sink_full_attention")
+
+
+def event_group(groups: list[GroupInfo]) -> tuple[int, str | None]:
+    """The KV cache group the spool tier's events name: the first full-attention group
+    (routers index those), else group 0."""
+    for g in groups:
+        if g.kind in _MAIN_ATTENTION:
+            return g.index, g.kind
+    return (groups[0].index, groups[0].kind) if groups else (0, None)
 
 
 def num_blocks(kv_cache_config: Any) -> int | None:

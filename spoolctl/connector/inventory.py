@@ -29,11 +29,18 @@ Protocol (one ``RankInventory`` per worker, one ``InventoryView`` in the schedul
   connector's back (an operator's ``clean``, scrub quarantine, a failed read) are
   withdrawn when noticed; a load planned in between fails verification and vLLM
   recomputes it on every rank.
+* **Withdrawn on every rank.** A chunk one rank withdrew is useless on the others (the
+  quorum makes it a miss everywhere): the scheduler asks every rank to drop it too
+  (``InventoryView.take_drops``, sent in the step metadata), so that a capacity or host
+  budget eviction on one rank frees the same chunk on all of them.
+* **More to say.** A report says whether its rank still has unsent changes (``more``): an
+  idle engine keeps stepping until they are out (``InventoryView.busy``).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -63,6 +70,7 @@ class InventoryReport:
     added: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
     reset: bool = False
+    more: bool = False  # the rank has changes this report could not carry
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.epoch <= 0 or self.seq < 0:
@@ -159,6 +167,9 @@ class RankInventory:
             return True
         return False
 
+    def holds(self, key: bytes) -> bool:
+        return key in self._held
+
     @property
     def held(self) -> frozenset[bytes]:
         """A copy of the held keys (O(n): for rescans and diagnostics, not per step)."""
@@ -206,7 +217,8 @@ class RankInventory:
             if key in self._awaiting:
                 self._awaiting[key] = seq
         return InventoryReport(self.rank, self.epoch, seq, tuple(added), tuple(removed),
-                               reset=reset)
+                               reset=reset,
+                               more=bool(self._unsent_adds or self._unsent_withdrawals))
 
     def acked(self, ack: Ack) -> list[bytes]:
         """Apply an acknowledgement; return the withdrawn keys that may now be deleted."""
@@ -243,29 +255,57 @@ class _RankState:
     next_seq: int
     keys: set[bytes] = field(default_factory=set)
     synced: bool = True
+    more: bool = False  # its last report said more changes follow
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What applying one report changed in the scheduler's view of ``rank``.
+
+    ``kind``: "delta" (``added``/``removed`` applied), "reset" (the rank restated its
+    inventory from ``added``; more may follow), "forgotten" (a gap: the rank's keys are
+    unknown until it restates them) or "dropped" (stale or duplicate: nothing changed).
+    """
+
+    rank: int
+    kind: str
+    added: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+
+
+# Chunks remembered as already dropped on every rank (not asked for again).
+DROP_MEMORY = 8192
 
 
 class InventoryView:
-    """The scheduler's side: the reported inventory of every remote rank."""
+    """The scheduler's side: the reported inventory of every remote rank.
 
-    def __init__(self) -> None:
+    ``ranks``: every rank of the deployment (``has_all`` needs them all; a rank never heard
+    of holds nothing).
+    """
+
+    def __init__(self, ranks: Iterable[int] = ()) -> None:
+        self._all = tuple(ranks)
         self._ranks: dict[int, _RankState] = {}
         self._resync: dict[int, int] = {}  # rank -> epoch asked to reset
+        self._drops: dict[bytes, None] = {}  # chunks every rank should drop (ordered set)
+        self._dropped: OrderedDict[bytes, None] = OrderedDict()  # asked already
         self.dropped = 0  # stale or out-of-order reports ignored (diagnostics)
 
-    def apply(self, report: InventoryReport) -> None:
+    def apply(self, report: InventoryReport) -> Applied:
         state = self._ranks.get(report.rank)
         if state is not None and report.epoch < state.epoch:
             self.dropped += 1
-            return  # a report from before the rank restarted
+            return Applied(report.rank, "dropped")  # a report from before the rank restarted
         if report.reset:
             if state is not None and report.epoch == state.epoch and report.seq < state.next_seq:
                 self.dropped += 1
-                return  # a duplicate of a reset already applied
-            self._ranks[report.rank] = _RankState(report.epoch, report.seq + 1,
-                                                  set(report.added) - set(report.removed))
+                return Applied(report.rank, "dropped")  # a duplicate of a reset already applied
+            keys = set(report.added) - set(report.removed)
+            self._ranks[report.rank] = _RankState(report.epoch, report.seq + 1, keys,
+                                                  more=report.more)
             self._resync.pop(report.rank, None)
-            return
+            return Applied(report.rank, "reset", tuple(keys))
         if state is None or report.epoch > state.epoch or report.seq > state.next_seq:
             # A rank we never saw reset, a restart whose first report we missed, or a
             # gap: what we know is unreliable. Forget it and ask for a restatement.
@@ -275,19 +315,59 @@ class InventoryView:
                 synced=False)
             self._resync[report.rank] = epoch
             self.dropped += 1
-            return
+            return Applied(report.rank, "forgotten")
         if report.seq < state.next_seq or not state.synced:
             self.dropped += 1
-            return  # a duplicate, or waiting for the reset we asked for
+            return Applied(report.rank, "dropped")  # a duplicate, or waiting for our reset
         state.keys.difference_update(report.removed)
         state.keys.update(report.added)
         state.next_seq = report.seq + 1
+        state.more = report.more
+        self._note_drops(report.rank, report.removed)
+        return Applied(report.rank, "delta", report.added, report.removed)
+
+    def _note_drops(self, rank: int, removed: Iterable[bytes]) -> None:
+        """A chunk ``rank`` withdrew that other ranks still hold: every rank should drop it."""
+        for key in removed:
+            if key in self._dropped or key in self._drops:
+                continue
+            if any(r != rank and s.synced and key in s.keys for r, s in self._ranks.items()):
+                self._drops[key] = None
+
+    def take_drops(self, limit: int) -> list[bytes]:
+        """Up to ``limit`` chunks every rank should drop (each asked for once)."""
+        out = []
+        for key in list(self._drops)[:limit]:
+            del self._drops[key]
+            self._dropped[key] = None
+            out.append(key)
+        while len(self._dropped) > DROP_MEMORY:
+            self._dropped.popitem(last=False)
+        return out
 
     def has(self, rank: int, keys: Iterable[bytes]) -> list[bool]:
         state = self._ranks.get(rank)
         if state is None or not state.synced:
             return [False for _ in keys]
         return [k in state.keys for k in keys]
+
+    def holds(self, rank: int, key: bytes) -> bool:
+        state = self._ranks.get(rank)
+        return state is not None and state.synced and key in state.keys
+
+    def has_all(self, key: bytes) -> bool:
+        """Whether every rank of the deployment reported ``key`` (the quorum)."""
+        return bool(self._all) and all(self.holds(r, key) for r in self._all)
+
+    def settled(self, rank: int) -> bool:
+        """Whether ``rank``'s reported inventory is complete (synced, nothing more due)."""
+        state = self._ranks.get(rank)
+        return state is not None and state.synced and not state.more
+
+    def busy(self) -> bool:
+        """Whether reports are still due: a rank said more follows, a reset is awaited, or
+        drops are waiting to be sent."""
+        return bool(self._resync or self._drops) or any(s.more for s in self._ranks.values())
 
     def acks(self) -> dict[int, Ack]:
         """What to acknowledge to each rank: the last report applied in its epoch."""

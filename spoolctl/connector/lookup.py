@@ -21,7 +21,7 @@ from spoolctl.store import Store
 from spoolctl.store.keys import entry_id_for
 
 from .chain import MMSpan, chain_root, chunk_keys
-from .inventory import Ack, InventoryReport, InventoryView, key_bytes
+from .inventory import Ack, Applied, InventoryReport, InventoryView, key_bytes
 from .topology import RankPlace, quorum
 
 # Every entry the connector writes is of this kind.
@@ -89,7 +89,8 @@ class RankLookup:
     def __init__(self, places: Sequence[RankPlace]):
         self._places = list(places)
         self._local: dict[int, tuple[Store, str]] = {}  # rank -> (its store, its namespace)
-        self._view = InventoryView()
+        self._view = InventoryView(p.rank for p in self._places)
+        self.last_applied: list[Applied] = []  # what the last ``apply`` changed, per report
 
     def present(self, keys: list[str]) -> list[bool]:
         """Which of ``keys`` *every* rank holds (committed, retained): the quorum."""
@@ -115,6 +116,11 @@ class RankLookup:
         for store, ns in self._local.values():
             store.touch(entry_id_for(KIND, ns, k) for k in keys)
 
+    @property
+    def places(self) -> list[RankPlace]:
+        """Every rank of the deployment."""
+        return list(self._places)
+
     def place_of(self, rank: int) -> RankPlace | None:
         return next((p for p in self._places if p.rank == rank), None)
 
@@ -134,11 +140,20 @@ class RankLookup:
 
     def apply(self, reports: Iterable[InventoryReport]) -> list[int]:
         """Apply ranks' inventory reports in order; return the ranks the scheduler newly
-        lost track of (a gap or a restart: their chunks are misses until they restate)."""
+        lost track of (a gap or a restart: their chunks are misses until they restate).
+        What each report changed is left in ``last_applied`` (for the KV events)."""
         before = self._view.resync_requests()
-        for report in reports:
-            self._view.apply(report)
+        self.last_applied = [self._view.apply(report) for report in reports]
         return sorted(self._view.resync_requests().keys() - before.keys())
+
+    @property
+    def view(self) -> InventoryView:
+        """Every rank's reported inventory (all ranks report, wherever they are read)."""
+        return self._view
+
+    def local_readers(self) -> list[tuple[Store, str]]:
+        """(store, namespace) of every rank read here directly, in rank order."""
+        return [self._local[r] for r in sorted(self._local)]
 
     def acks(self) -> dict[int, Ack]:
         return self._view.acks()

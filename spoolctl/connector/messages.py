@@ -3,8 +3,10 @@
 * ``SpoolConnectorMetadata``: scheduler -> every worker, each step: the restores and
   captures planned for the step (single format: ``loads`` / ``stores``; grouped format:
   ``request_loads`` / ``group_stores``, see ``plan``), whether the step computes nothing
-  (``idle``) and the inventory protocol's acknowledgements and resync requests
-  (``inventory``).
+  (``idle``), the inventory protocol's acknowledgements and resync requests
+  (``inventory``), the chunks every rank should drop, each rank's host-budget share
+  (``host_budget``) and the vLLM block hashes of the chunks to store (recorded in their
+  manifests for the KV events, ``events``).
 * ``SpoolHandshake``: each worker -> scheduler, once at startup: where its store is and
   everything it holds.
 * ``SpoolWorkerMeta``: every worker -> scheduler, each step: inventory changes (vLLM
@@ -23,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from .events import ChunkHashes
 from .inventory import Ack, InventoryReport
 from .plan import ChunkStore, GroupChunkStore, RequestLoad, SingleRequestLoad
 
@@ -44,6 +47,13 @@ class SpoolConnectorMetadata(KVConnectorMetadata):
     # Inventory protocol: the last report applied per rank, and ranks asked to restate.
     acks: dict[int, Ack] = field(default_factory=dict)
     resync: dict[int, int] = field(default_factory=dict)
+    # Chunks a rank withdrew: every rank drops its copy too (32-byte keys).
+    drops: list[bytes] = field(default_factory=list)
+    # Host budget: each rank's share in bytes (sent when it changes).
+    capacity: dict[int, int] = field(default_factory=dict)
+    # vLLM block hashes of this step's chunks to store (by key), under ``hash_identity``.
+    chunk_hashes: dict[str, ChunkHashes] = field(default_factory=dict)
+    hash_identity: str = ""
 
 
 @dataclass
@@ -55,6 +65,7 @@ class SpoolHandshake(KVConnectorHandshakeMetadata):
     root: str
     store_id: str
     report: InventoryReport
+    chunk_bytes: int = 0  # one chunk's bytes on this rank (host budget shares)
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Workers and the scheduler hand ``ConnectorCounters.take()`` payloads to vLLM;
 vLLM aggregates them (``SpoolStats.aggregate``) and calls ``SpoolPromMetrics.observe``
 in the API server, which exports them on vLLM's own ``/metrics`` under the
-``spoolctl_`` names of ``spoolctl.metrics``.
+``spoolctl_`` names of ``spoolctl.metrics``. The write amplification gauge (bytes written /
+bytes restored) is derived here from the two byte counters as they are observed, so it
+covers every worker of an engine.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from spoolctl import metrics as m
 
-from .stats import WORKER_GAUGES, gauge_value, known, merge, parse_label_key
+from .stats import (
+    WORKER_GAUGES,
+    gauge_value,
+    known,
+    merge,
+    parse_label_key,
+    write_amplification,
+)
 
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -66,10 +75,11 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
             else:
                 continue
             self._defs[spec.name] = metric
-        for spec in WORKER_GAUGES:
+        for spec in (*WORKER_GAUGES, m.WRITE_AMPLIFICATION):
             self._defs[spec.name] = self._gauge_cls(
                 name=spec.name, documentation=spec.help, labelnames=list(self._labelnames),
                 multiprocess_mode="mostrecent")
+        self._io: dict[int, list[float]] = {}  # engine -> [bytes written, bytes restored]
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = list(self.per_engine_labelvalues[engine_idx])
@@ -80,6 +90,7 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
             for key, value in slot.items():
                 labels = m.check_labels(spec, parse_label_key(key))
                 metric.labels(*engine_labels, *(labels[n] for n in spec.labels)).inc(value)
+        self._amplification(transfer_stats_data, engine_idx, engine_labels)
         for name, by_part in (transfer_stats_data.get("gauges") or {}).items():
             metric = self._defs.get(name)
             if metric is not None:
@@ -91,6 +102,17 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
             child = metric.labels(*engine_labels)
             for v in values:
                 child.observe(v)
+
+    def _amplification(self, data: dict[str, Any], engine_idx: int, labels: list) -> None:
+        counters = data.get("counters") or {}
+        written = sum((counters.get(m.STORE_WRITE_BYTES.name) or {}).values())
+        restored = sum((counters.get(m.RESTORE_BYTES.name) or {}).values())
+        if not written and not restored:
+            return
+        io = self._io.setdefault(engine_idx, [0.0, 0.0])
+        io[0] += written
+        io[1] += restored
+        self._defs[m.WRITE_AMPLIFICATION.name].labels(*labels).set(write_amplification(*io))
 
 
 __all__ = ["SpoolPromMetrics", "SpoolStats"]

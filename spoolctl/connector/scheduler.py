@@ -11,6 +11,10 @@ instead, through a store shared with a same-process worker (``rankstores``).
 A request whose restore failed (``failed_recving``, or a block reported invalid) is never
 restored again (a deterministic failure would otherwise loop): when vLLM looks it up anew
 it recomputes in full, and its absent chunks are still stored.
+
+What concerns the fleet and the host rather than one request (KV events for routers, the
+host disk budget's shares, drops, write admission, keeping an idle engine stepping while
+any of it is due) is the ``Coordinator``'s (``coordinator``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from typing import Any
 from spoolctl import metrics as m
 from spoolctl.store.errors import SpoolError
 
+from .coordinator import Coordinator
 from .formats import KVFormat
+from .host_budget import RankSite
 from .introspect import Deployment, host_identity, scheduled_requests
 from .lookup import Bypass, RankLookup, request_keys
 from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
@@ -48,6 +54,7 @@ class SchedulerSide:
         # Until the workers' handshakes arrive every rank is unknown: all misses.
         self._ranks = RankLookup(all_ranks(ident.tp_size, ident.pp_size))
         self._no_restore: set[str] = set()
+        self._coord = Coordinator(deployment, self._ranks, counters)
 
     # -- what each rank holds ------------------------------------------------------------------
 
@@ -56,14 +63,18 @@ class SchedulerSide:
         its catalog directly when its store is on this host (and inventory mode allows)."""
         here = host_identity()
         tp_size = self._dep.identity.tp_size
+        sites: dict[int, RankSite] = {}
         for (pp_rank, tp_rank), hs in metadata.items():
             if not isinstance(hs, SpoolHandshake) or hs.rank != pp_rank * tp_size + tp_rank:
                 log.warning("spoolctl: ignoring a malformed handshake from pp %s tp %s; that "
                             "rank's chunks are misses", pp_rank, tp_rank)
                 continue
             self._ranks.apply([hs.report])
+            self._coord.reports_applied(self._ranks.last_applied)
+            sites[hs.rank] = RankSite(hs.host, hs.chunk_bytes)
             if self._dep.settings.inventory == "auto" and hs.host == here:
                 self._adopt_local(hs)
+        self._coord.handshakes(sites)
 
     def _adopt_local(self, hs: SpoolHandshake) -> None:
         place = self._ranks.place_of(hs.rank)
@@ -73,8 +84,8 @@ class SchedulerSide:
         if os.path.normpath(hs.root) != os.path.normpath(root):
             return
         try:
-            store = self._stores.acquire(root, create=False,
-                                         max_bytes=self._dep.settings.max_bytes)
+            # A reader: never changes the max size the rank records (its worker sets it).
+            store = self._stores.acquire(root, create=False, max_bytes=None)
         except SpoolError as exc:
             log.warning("spoolctl: rank %d store not readable here (%s); using its reports",
                         hs.rank, exc.message)
@@ -99,6 +110,7 @@ class SchedulerSide:
             log.warning("spoolctl: lost track of rank %d's inventory (a report went missing "
                         "or the rank restarted); its chunks are misses until it restates it",
                         rank)
+        self._coord.reports_applied(self._ranks.last_applied)
 
     # -- per request ---------------------------------------------------------------------------
 
@@ -119,6 +131,7 @@ class SchedulerSide:
             log.warning("spoolctl: lookup failed, serving without cache: %s", exc.message)
             self._counters.inc(m.LOOKUPS, result="error", reason="none")
             return 0, False
+        self._coord.looked_up(req_id, request, keys, present)
         n_prompt = len(request.prompt_token_ids)
         if req_id in self._no_restore:
             # Its asynchronous restore failed (a bad entry was quarantined): recompute it in
@@ -154,6 +167,7 @@ class SchedulerSide:
         meta.idle = all(s.computed_after <= s.computed_before for s in steps)
         meta.acks = self._ranks.acks()
         meta.resync = self._ranks.resync_requests()
+        self._coord.fill(meta)
         return meta
 
     def finished(self, request: Any, *, all_groups: bool = True) -> tuple[bool, dict | None]:
@@ -163,7 +177,18 @@ class SchedulerSide:
         self._planning.finished(request.request_id)
         if all_groups:
             self._no_restore.discard(request.request_id)
+            self._coord.finished(request.request_id)
         return False, None
+
+    # -- KV events and idle steps (``coordinator``) -------------------------------------------
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``take_events``: the spool tier's KV events due now."""
+        return self._coord.take_events()
+
+    def has_pending_work(self) -> bool:
+        """vLLM's ``has_pending_push_work``: whether an idle engine must step again."""
+        return self._coord.has_pending_work()
 
     # -- diagnostics and lifecycle -------------------------------------------------------------
 

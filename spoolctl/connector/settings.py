@@ -18,6 +18,13 @@ Keys (all optional except the root):
                              read the catalogs of ranks on its own host, use the workers'
                              inventory reports for the others) or ``reported`` (reports for
                              every rank, as if each were on another host)
+``spoolctl_host_max_size``   one disk budget for all rank stores of the deployment on a host
+                             (``host_budget``); ``spoolctl_max_size`` still bounds each rank
+``spoolctl_admit_after``     store a chunk only once this many requests within the window
+                             contained it (default 1: on its first sighting; ``admission``)
+``spoolctl_admit_window``    that window, e.g. ``10m`` or seconds (default 600)
+``spoolctl_kv_events``       ``on`` (default: publish the spool tier's KV events for routers
+                             when vLLM's ``kv_events_config`` enables events) or ``off``
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spoolctl.store.errors import ConfigError
-from spoolctl.store.sizes import parse_rate, parse_size
+from spoolctl.store.sizes import parse_duration, parse_rate, parse_size
 
 from .topology import RankPlace, rank_root
 
@@ -36,13 +43,16 @@ DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_STAGING_BYTES = 512 << 20
 DEFAULT_SCRUB_RATE = 32 << 20
 DEFAULT_MAINTENANCE_INTERVAL = 60.0
+DEFAULT_ADMIT_WINDOW = 600.0
 KNOWN_KEYS = frozenset({
     "spoolctl_root", "spoolctl_max_size", "spoolctl_chunk_tokens", "spoolctl_staging_bytes",
     "spoolctl_scrub_rate", "spoolctl_maintenance_interval", "spoolctl_on_unsupported",
-    "spoolctl_inventory",
+    "spoolctl_inventory", "spoolctl_host_max_size", "spoolctl_admit_after",
+    "spoolctl_admit_window", "spoolctl_kv_events",
 })
 ON_UNSUPPORTED = ("error", "disable")
 INVENTORY_MODES = ("auto", "reported")
+KV_EVENTS = ("on", "off")
 _WHERE = "kv_connector_extra_config"
 
 
@@ -58,8 +68,24 @@ class ConnectorSettings:
     maintenance_interval: float = DEFAULT_MAINTENANCE_INTERVAL
     on_unsupported: str = "error"
     inventory: str = "auto"
+    host_max_bytes: int | None = None
+    admit_after: int = 1
+    admit_window: float = DEFAULT_ADMIT_WINDOW
+    kv_events: str = "on"
 
     def __post_init__(self) -> None:
+        if self.kv_events not in KV_EVENTS:
+            raise ConfigError(f"spoolctl_kv_events={self.kv_events[:20]!r} is not one of on, "
+                              "off", path=_WHERE, fix='set "spoolctl_kv_events" to "on" or "off"')
+        if self.admit_after < 1:
+            raise ConfigError("spoolctl_admit_after must be at least 1", path=_WHERE,
+                              fix="set 1 to store on the first sighting, 2 on the second, ...")
+        if self.admit_window <= 0:
+            raise ConfigError("spoolctl_admit_window must be positive", path=_WHERE,
+                              fix="set a duration, e.g. 10m")
+        if self.host_max_bytes is not None and self.host_max_bytes <= 0:
+            raise ConfigError("spoolctl_host_max_size must be positive", path=_WHERE,
+                              fix="set a size, e.g. 400GiB")
         if self.inventory not in INVENTORY_MODES:
             raise ConfigError(f"spoolctl_inventory={self.inventory[:20]!r} is not one of "
                               "auto, reported", path=_WHERE,
@@ -132,7 +158,24 @@ def parse_settings(
         else DEFAULT_MAINTENANCE_INTERVAL,
         on_unsupported=str(extra.get("spoolctl_on_unsupported") or "error"),
         inventory=str(extra.get("spoolctl_inventory") or "auto"),
+        host_max_bytes=_optional(extra, "spoolctl_host_max_size", parse_size),
+        admit_after=_int(extra.get("spoolctl_admit_after", 1), "spoolctl_admit_after"),
+        admit_window=_optional(extra, "spoolctl_admit_window", _seconds,
+                               DEFAULT_ADMIT_WINDOW),
+        kv_events=str(extra.get("spoolctl_kv_events") or "on"),
     )
+
+
+def _optional(extra: Mapping[str, Any], name: str, parse: Any, default: Any = None) -> Any:
+    value = extra.get(name)
+    return default if value in (None, "") else parse(value)
+
+
+def _seconds(value: Any) -> float:
+    """A duration: a number of seconds or ``90s``/``15m``/``6h``..."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return parse_duration(str(value))
 
 
 def _int(value: Any, name: str) -> int:

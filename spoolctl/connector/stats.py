@@ -114,5 +114,12 @@ def gauge_value(by_part: Mapping[str, float]) -> float:
     return float(sum(by_part.values()))
 
 
+def write_amplification(written: float, restored: float) -> float:
+    """Bytes written per byte restored: 0 before any write, +Inf before the first restore."""
+    if written <= 0:
+        return 0.0
+    return written / restored if restored > 0 else float("inf")
+
+
 def known(name: str) -> m.MetricSpec | None:
     return _SPECS.get(name)

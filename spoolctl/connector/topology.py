@@ -146,6 +146,15 @@ class DeploymentStatus:
     deployment: str
     ranks: tuple[RankReport, ...]
     comparison: RankDisagreement
+    # The host disk budget (``spoolctl_host_max_size``, ``host_budget``) recorded for the
+    # deployment, and why it could not be read (issue 20: host total against the budget).
+    host_max_bytes: int | None = None
+    host_budget_error: str | None = None
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of every rank store of the deployment on this host."""
+        return sum(r.bytes for r in self.ranks)
 
     @property
     def agree(self) -> bool:
@@ -161,13 +170,21 @@ class DeploymentStatus:
                  "max_bytes": r.max_bytes, "chunks": len(r.chunk_keys),
                  "quarantined": r.quarantined,
                  "missing_chunks": self.comparison.partial[r.rank]} for r in self.ranks]
+        host = {"bytes": self.host_bytes, "max_bytes": self.host_max_bytes,
+                "usage_pct": round(100 * self.host_bytes / self.host_max_bytes, 1)
+                if self.host_max_bytes else None}
+        if self.host_budget_error is not None:
+            host["error"] = self.host_budget_error
         return {"deployment": self.deployment, "ranks": rows, "agree": self.agree,
                 "missing_ranks": list(self.comparison.missing_ranks),
-                "complete_chunks": self.comparison.complete_keys}
+                "complete_chunks": self.comparison.complete_keys, "host": host}
 
 
-def deployment_status(deployment: str, ranks: Iterable[RankReport]) -> DeploymentStatus:
+def deployment_status(deployment: str, ranks: Iterable[RankReport], *,
+                      host_max_bytes: int | None = None,
+                      host_budget_error: str | None = None) -> DeploymentStatus:
     """Fold per-rank reports into the deployment's status (ranks in rank order)."""
     ordered = tuple(sorted(ranks, key=lambda r: r.rank))
     return DeploymentStatus(deployment, ordered,
-                            compare_ranks({r.rank: set(r.chunk_keys) for r in ordered}))
+                            compare_ranks({r.rank: set(r.chunk_keys) for r in ordered}),
+                            host_max_bytes=host_max_bytes, host_budget_error=host_budget_error)

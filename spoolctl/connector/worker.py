@@ -10,7 +10,8 @@ binds the format's ``Copier`` and starts its parts:
   the engine's safe points (``start_load``, ``take_transfer_results``);
 * ``ChunkStager`` (``capture``): captures into staging memory, committed in the background;
 * ``RankHoldings`` (``holdings``): the rank's inventory reported to the scheduler and
-  capacity enforced by withdraw-then-delete;
+  capacity enforced by withdraw-then-delete (with a host disk budget, ``host_budget``, up
+  to this rank's share; chunks other ranks withdrew are dropped here too);
 * the background maintainer (scrub, ``spoolctl request-auth``), when enabled;
 * ``WorkerTelemetry`` (``telemetry``): the counters, gauges and maintainer progress vLLM
   collects each step.
@@ -27,6 +28,7 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spoolctl.store import Store
@@ -123,7 +125,8 @@ class WorkerSide:
                                          on_lost=self._lost, pin=pin)
         holdings = self._holdings = RankHoldings(
             store, kind=KIND, namespace=ns, rank=self._place.rank,
-            epoch=store.next_generation(f"vllm-connector:{ns}"))
+            epoch=store.next_generation(f"vllm-connector:{ns}"),
+            per_rank_max=settings.max_bytes, share=self._initial_share(store))
         holdings.start()
         meta = {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
                 "chunk_bytes": copier.chunk_bytes, "deployment": self._dep.identity.summary(),
@@ -135,6 +138,21 @@ class WorkerSide:
         # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
         exitdrain.register(self._stager)
         self._start_maintainer(store)
+
+    def _initial_share(self, store: Store) -> int | None:
+        """This rank's host budget share until the scheduler sends one (None: no host
+        budget); records the budget for ``spoolctl status`` (or undoes an earlier one)."""
+        from . import host_budget
+
+        budget = self._dep.settings.host_max_bytes
+        deployment_dir = Path(store.root).parent
+        if budget is None:
+            if host_budget.forget(deployment_dir):  # the recorded max was an old share
+                store.set_max_bytes(self._dep.settings.max_bytes)
+            return None
+        host_budget.record(deployment_dir, budget)
+        ident = self._dep.identity
+        return host_budget.initial_share(budget, ident.tp_size * ident.pp_size)
 
     def _start_maintainer(self, store: Store) -> None:
         settings = self._dep.settings
@@ -158,7 +176,8 @@ class WorkerSide:
             return None
         return SpoolHandshake(rank=self._place.rank, host=host_identity(),
                               root=str(self._store.root), store_id=self._store.marker.store_id,
-                              report=self._holdings.handshake_report())
+                              report=self._holdings.handshake_report(),
+                              chunk_bytes=self._copier.chunk_bytes)
 
     # -- per step ------------------------------------------------------------------------------
 
@@ -169,14 +188,17 @@ class WorkerSide:
         # Only now, after this step's loads: every plan built before the scheduler applied
         # a withdrawal has been served, so acknowledged entries may be deleted.
         if self._holdings is not None:
-            self._holdings.on_scheduler(meta.acks, meta.resync)
+            self._holdings.on_scheduler(meta.acks, meta.resync, meta.drops,
+                                        meta.capacity.get(self._place.rank))
 
     def save(self, meta: SpoolConnectorMetadata) -> None:
         """Capture the step's planned chunks (after the forward) and queue their commits."""
         if self._stager is None:
             return
         for key, index, fill in self._copier.captures(meta):
-            self._stager.stage(key, index, fill)
+            hashes = meta.chunk_hashes.get(key)
+            self._stager.stage(key, index, fill, index_doc=hashes.to_index(meta.hash_identity)
+                               if hashes is not None and meta.hash_identity else None)
 
     def step_report(self) -> SpoolWorkerMeta | None:
         """This step's inventory changes for the scheduler, if any."""

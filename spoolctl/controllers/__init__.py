@@ -6,8 +6,9 @@ their framework only when one is built::
 
     from spoolctl.controllers import CachePrepareParams, open_local_controller
     with open_local_controller("pytorch", "/models/llama", root="/var/cache/spool") as ctl:
-        handle = ctl.prepare(CachePrepareParams(model="/models/llama", instructions=[doc]))
+        handle = ctl.prepare(CachePrepareParams(instructions=[doc]))  # the controller's model
         result = ctl.generate(handle, "Question: ...", max_new_tokens=64)
+        print(result.usage.to_json())  # read from memory / disk, computed, written
 
 | name | module | extra |
 |---|---|---|
@@ -43,7 +44,9 @@ from .contract import (
     Usage,
     render_segments,
 )
+from .decoding import Decoding
 from .local import LocalCacheController
+from .local_use import Restored
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ resolves them
     from .genai import GoogleGenAICacheController  # noqa: F401
@@ -106,6 +109,7 @@ __all__ = [
     "BACKENDS",
     "CacheHandle",
     "CachePrepareParams",
+    "Decoding",
     "Element",
     "GenerateResult",
     "ImageInput",
@@ -113,6 +117,7 @@ __all__ = [
     "KVBackend",
     "LocalCacheController",
     "PromptCacheController",
+    "Restored",
     "ToolDefinition",
     "Usage",
     "load_backend",

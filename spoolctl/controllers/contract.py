@@ -11,6 +11,7 @@ controller offers, ``KVBackend`` what a framework adapter gives the local engine
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -41,12 +42,20 @@ class Element:
 
     def __post_init__(self) -> None:
         if not isinstance(self.content, str):
-            raise ConfigError("element content must be a string",
+            raise ConfigError(f"element content must be a string, not "
+                              f"{type(self.content).__name__}",
                               fix="pass text, or a message dict with a 'content' string")
-        if self.role is not None and self.role not in ROLES:
+        if not self.content:
+            # An empty element would cache nothing but a BOS token under its own key.
+            raise ConfigError("element content is empty",
+                              fix="drop the element, or give it some text")
+        if self.role is not None and (not isinstance(self.role, str) or self.role not in ROLES):
             raise ConfigError(f"unknown element role {self.role!r}",
                               fix=f"use one of: {', '.join(sorted(ROLES))}")
-        if self.cache not in CACHE_HINTS:
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ConfigError(f"element name must be a non-empty string, not {self.name!r}",
+                              fix="pass a name string or leave it out")
+        if not isinstance(self.cache, str) or self.cache not in CACHE_HINTS:
             raise ConfigError(f"unknown cache hint {self.cache!r}",
                               fix="use 'static', 'immutable' or 'volatile'")
 
@@ -63,7 +72,10 @@ class Element:
             if unknown:
                 raise ConfigError(f"unknown message fields {sorted(unknown)}",
                                   fix="a message has role, content and optional name and cache")
-            return cls(content=value.get("content", ""), role=value.get("role"),
+            if "content" not in value:
+                raise ConfigError("a message has no 'content'",
+                                  fix='use {"role": "user", "content": "..."}')
+            return cls(content=value["content"], role=value.get("role"),
                        name=value.get("name"), cache=value.get("cache", "static"))
         raise ConfigError(f"cannot use a {type(value).__name__} as a prompt element",
                           fix="pass a string or a message dict")
@@ -85,15 +97,39 @@ class ToolDefinition:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("tool name must be a non-empty string", fix="name every tool")
+        if not isinstance(self.description, str):
+            raise ConfigError(f"tool {self.name!r}: description must be a string",
+                              fix="pass a description string or leave it out")
+        if not isinstance(self.parameters, Mapping):
+            raise ConfigError(f"tool {self.name!r}: parameters must be a JSON schema object",
+                              fix='pass e.g. {"type": "object", "properties": {...}}')
+        try:
+            _canonical(dict(self.parameters))
+        except (TypeError, ValueError):
+            raise ConfigError(f"tool {self.name!r}: parameters are not JSON-serialisable",
+                              fix="use strings, numbers, booleans, lists and dicts") from None
 
     @classmethod
     def coerce(cls, value: ToolDefinition | Mapping[str, Any]) -> ToolDefinition:
+        """Accept a ToolDefinition, ``{name, description, parameters}`` or the OpenAI /
+        transformers form ``{"type": "function", "function": {name, ...}}``."""
         if isinstance(value, ToolDefinition):
             return value
         if isinstance(value, Mapping):
+            if value.get("type") == "function" and isinstance(value.get("function"), Mapping):
+                extra = set(value) - {"type", "function"}
+                if extra:
+                    raise ConfigError(f"unknown tool fields {sorted(extra)}",
+                                      fix='use {"type": "function", "function": {...}}')
+                value = value["function"]
+            unknown = set(value) - {"name", "description", "parameters"}
+            if unknown:
+                raise ConfigError(f"unknown tool fields {sorted(unknown)}",
+                                  fix="a tool has name, description and parameters")
             return cls(name=value.get("name", ""), description=value.get("description", ""),
-                       parameters=dict(value.get("parameters", {})))
-        raise ConfigError("a tool must be a ToolDefinition or a dict", fix="pass {name, ...}")
+                       parameters=value.get("parameters", {}))
+        raise ConfigError(f"a tool must be a ToolDefinition or a dict, not {type(value).__name__}",
+                          fix="pass {name, description, parameters}")
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description,
@@ -143,11 +179,73 @@ def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
+#: ``formatter_options`` keys and what they mean (local controllers; decision 1702).
+#: ``template``: "auto" (the tokenizer's chat template when it has one, else plain),
+#: "chat" (require the chat template), "plain" (``role: content`` lines).
+#: ``chat_template_kwargs``: extra variables handed to the chat template
+#: (e.g. ``{"enable_thinking": False}``).
+FORMATTER_OPTIONS: frozenset[str] = frozenset({"template", "chat_template_kwargs"})
+TEMPLATES: tuple[str, ...] = ("auto", "chat", "plain")
+
+
+def _sequence(value: Any, what: str, item: str) -> tuple[Any, ...]:
+    """A list-like field as a tuple; a lone string, dict or item is refused, not split
+    into characters or keys."""
+    if isinstance(value, (str, bytes, Mapping, Element, ToolDefinition, ImageInput)):
+        raise ConfigError(f"{what} must be a list of {item}s, not a single "
+                          f"{type(value).__name__}",
+                          fix=f"wrap it in a list: {what}=[...]")
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ConfigError(f"{what} must be a list of {item}s, not {type(value).__name__}",
+                          fix=f"pass {what}=[...]") from None
+
+
+def _formatter_options(value: Any) -> dict[str, Any]:
+    """Validate ``formatter_options`` and drop defaults, so ``{}`` and
+    ``{"template": "auto"}`` are one key."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"formatter_options must be a dict, not {type(value).__name__}",
+                          fix='pass e.g. {"template": "plain"}')
+    unknown = set(value) - FORMATTER_OPTIONS
+    if unknown:
+        raise ConfigError(f"unknown formatter option(s) {sorted(map(str, unknown))}",
+                          fix=f"use only: {', '.join(sorted(FORMATTER_OPTIONS))}")
+    out = dict(value)
+    template = out.get("template", "auto")
+    if template not in TEMPLATES:
+        raise ConfigError(f"unknown template {template!r} in formatter_options",
+                          fix=f"use one of: {', '.join(TEMPLATES)}")
+    kwargs = out.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError("formatter_options['chat_template_kwargs'] must be a dict with "
+                          "string keys", fix='pass e.g. {"enable_thinking": False}')
+    try:
+        _canonical(out)
+    except (TypeError, ValueError):
+        raise ConfigError("formatter_options must be JSON-serialisable",
+                          fix="use strings, numbers, booleans, lists and dicts") from None
+    if template == "auto":
+        out.pop("template", None)
+    if not kwargs:
+        out.pop("chat_template_kwargs", None)
+    return out
+
+
 @dataclass(frozen=True)
 class CachePrepareParams:
-    """What to prepare a cache for. Sequences are coerced to tuples of typed values."""
+    """What to prepare a cache for. Validated when built: one ConfigError naming the
+    field and the fix; list fields are coerced to tuples of typed values.
 
-    model: str
+    ``model``: for the local controllers the model directory (any spelling of its path)
+    or the controller's ``model_id``; None means "the controller's model". The local
+    controllers normalise it to their ``model_id`` (so ``/m/llama`` and ``/m/llama/``
+    are one key) and refuse another model. Hosted controllers need the server's model
+    name. ``formatter_options``: see ``FORMATTER_OPTIONS``.
+    """
+
+    model: str | None = None
     instructions: Sequence[Element] = ()
     data: Sequence[Element] = ()
     tools: Sequence[ToolDefinition] = ()
@@ -161,29 +259,53 @@ class CachePrepareParams:
     max_image_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ConfigError("model must be a non-empty string", fix="pass the model id or path")
-        object.__setattr__(self, "instructions",
-                           tuple(Element.coerce(e) for e in self.instructions))
-        object.__setattr__(self, "data", tuple(Element.coerce(e) for e in self.data))
-        tools = tuple(ToolDefinition.coerce(t) for t in self.tools)
+        model = self.model
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise ConfigError(f"model must be a non-empty string (or None for the "
+                              f"controller's model), not {self.model!r}",
+                              fix="pass the model directory, its model id, or leave it out")
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "instructions", tuple(
+            Element.coerce(e) for e in _sequence(self.instructions, "instructions", "element")))
+        object.__setattr__(self, "data", tuple(
+            Element.coerce(e) for e in _sequence(self.data, "data", "element")))
+        tools = tuple(ToolDefinition.coerce(t) for t in _sequence(self.tools, "tools", "tool"))
         if len({t.name for t in tools}) != len(tools):
             raise ConfigError("duplicate tool names", fix="give every tool a unique name")
         object.__setattr__(self, "tools", tools)
-        if self.reasoning_effort is not None and self.reasoning_effort not in EFFORTS:
+        if self.reasoning_effort is not None and (not isinstance(self.reasoning_effort, str)
+                                                  or self.reasoning_effort not in EFFORTS):
             raise ConfigError(f"unknown reasoning_effort {self.reasoning_effort!r}",
                               fix="use 'low', 'medium' or 'high'")
-        object.__setattr__(self, "images", tuple(ImageInput.coerce(i) for i in self.images))
+        if not isinstance(self.read_only, bool):
+            raise ConfigError(f"read_only must be True or False, not {self.read_only!r}",
+                              fix="pass read_only=True or leave it out")
+        object.__setattr__(self, "images", tuple(
+            ImageInput.coerce(i) for i in _sequence(self.images, "images", "image")))
         if self.max_image_size is not None and (
                 not isinstance(self.max_image_size, int) or isinstance(self.max_image_size, bool)
                 or self.max_image_size < 1):
             raise ConfigError(f"max_image_size must be a positive integer, not "
                               f"{self.max_image_size!r}", fix="pass e.g. 448, or None")
-        try:
-            _canonical(dict(self.formatter_options))
-        except (TypeError, ValueError):
-            raise ConfigError("formatter_options must be JSON-serialisable",
-                              fix="use strings, numbers, booleans, lists and dicts") from None
+        object.__setattr__(self, "formatter_options", _formatter_options(self.formatter_options))
+
+    @property
+    def template(self) -> str:
+        """The ``formatter_options`` template choice: "auto", "chat" or "plain"."""
+        return str(self.formatter_options.get("template", "auto"))
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        return dict(self.formatter_options.get("chat_template_kwargs", {}))
+
+    def _require_model(self) -> str:
+        if self.model is None:
+            raise ConfigError("params.model is not set",
+                              fix="a local controller fills it in (prepare through it); "
+                                  "hosted controllers need the server's model name")
+        return self.model
 
     @property
     def tools_hash(self) -> str:
@@ -192,7 +314,11 @@ class CachePrepareParams:
 
     @property
     def formatter_hash(self) -> str:
-        return hash_parts(b"formatter/v1", _canonical(dict(self.formatter_options)))
+        """Digest of the formatter options that shape the text. The ``template`` choice is
+        left out: what it resolved to (plain, or which chat template) is added to the key
+        by the local controllers, which know the model (``render.render_id``)."""
+        options = {k: v for k, v in self.formatter_options.items() if k != "template"}
+        return hash_parts(b"formatter/v1", _canonical(options))
 
     def cacheable(self) -> tuple[tuple[Element, ...], tuple[Element, ...]]:
         """The cacheable prefix: leading non-volatile instructions, then data (if all
@@ -227,7 +353,8 @@ class CachePrepareParams:
     def group_hash(self) -> str:
         """What must match for one entry to serve as another's base: everything but
         the elements (model, tools, formatter options, reasoning effort)."""
-        return hash_parts(KEY_SCHEMA, b"group", self.model.encode(), self.tools_hash.encode(),
+        return hash_parts(KEY_SCHEMA, b"group", self._require_model().encode(),
+                          self.tools_hash.encode(),
                           self.formatter_hash.encode(), (self.reasoning_effort or "").encode())
 
     @property
@@ -268,10 +395,17 @@ class CacheHandle:
     """A prepared cache. ``ref is None`` is the empty handle: no cache, run cold.
 
     ``cached_tokens`` is how many prompt tokens the cache covers (0 for hosted
-    caches until the server reports it). ``written_tokens`` were prefilled and
-    written by this call, ``reused_tokens`` taken from a base entry; ``source`` says
-    where the cache came from: "none", "memory", "disk", "coalesced", "cold",
-    "incremental" (hosted controllers may use their own words).
+    caches until the server reports it). What the ``prepare`` call did:
+    ``computed_tokens`` were prefilled by it, ``written_tokens`` of those were committed
+    to the store (0 when the commit failed and the cache lives in memory only),
+    ``reused_tokens`` came from a base entry. ``source`` says where the cache came from:
+    "none" (no cache: nothing cacheable, or a read-only miss), "memory", "disk",
+    "coalesced" (another caller's prefill), "cold", "incremental", "import"
+    (hosted controllers may use their own words).
+
+    ``prepare_id`` identifies the ``prepare`` call (not compared): the controller that
+    made the handle knows its params (so ``generate(handle)`` works for an empty handle
+    too) and reports the call's work in the usage of the first ``generate`` using it.
     """
 
     ref: str | None = None
@@ -282,6 +416,8 @@ class CacheHandle:
     written_tokens: int = 0
     reused_tokens: int = 0
     source: str = "none"
+    computed_tokens: int = 0
+    prepare_id: int | None = field(default=None, compare=False)
 
     @classmethod
     def empty(cls) -> CacheHandle:
@@ -294,21 +430,40 @@ class CacheHandle:
 @dataclass
 class Usage:
     """Token usage of one generate call. Cache tokens are reported separately and are
-    NOT subtracted from ``prompt_tokens``."""
+    NOT subtracted from ``prompt_tokens``.
+
+    ``cache_read_tokens``: prompt tokens served from a cache instead of being computed.
+    Local controllers split them into ``cache_memory_tokens`` (a cache already in this
+    process) and ``cache_disk_tokens`` (read and verified from the store by this call);
+    hosted controllers report the server's figure. ``computed_tokens`` is the rest of
+    the prompt (the model ran it). ``cache_write_tokens``: tokens this call newly
+    committed to the cache (for local controllers, the prefix its ``prepare`` prefilled
+    and stored). A prepare's work counts once: in the first ``generate`` that uses its
+    handle (or in ``generate(params)``, which prepares itself).
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    cache_memory_tokens: int = 0
+    cache_disk_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def computed_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cache_read_tokens)
+
     def to_json(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.total_tokens, "cache_read_tokens": self.cache_read_tokens,
-                "cache_write_tokens": self.cache_write_tokens}
+                "cache_write_tokens": self.cache_write_tokens,
+                "cache_memory_tokens": self.cache_memory_tokens,
+                "cache_disk_tokens": self.cache_disk_tokens,
+                "computed_tokens": self.computed_tokens}
 
 
 @dataclass(frozen=True)
@@ -362,8 +517,8 @@ class KVBackend(Protocol):
     * ``identity()``: model id/path + revision/weights digest, dtype, device, framework
       versions. Hashed into the namespace and written to every manifest; two backends
       whose caches are not interchangeable must differ here.
-    * ``tokenize_segments(segments)``: one id list per text segment (no special tokens
-      except, at most, a BOS at the start of the first segment).
+    * ``tokenize_segments(segments, *, bos=True)``: one id list per text segment (no
+      special tokens except, with ``bos``, a BOS at the start of the first segment).
     * ``new_cache()``: an empty cache.
     * ``prefill(cache, tokens)``: extend ``cache`` (empty, loaded or trimmed) by ``tokens``
       (non-empty) and return it.
@@ -374,19 +529,26 @@ class KVBackend(Protocol):
     * ``deserialize(objects, layout, token_count)``: a cache covering exactly
       ``token_count`` tokens; raise ``SpoolError`` or ``ValueError`` on ANY mismatch with the
       loaded model (layer count, heads, head dim, dtype, length...).
-    * ``generate(cache, cached_tokens, prompt_tokens, max_new_tokens)``: greedy decode.
+    * ``generate(cache, cached_tokens, prompt_tokens, max_new_tokens[, decoding=])``:
       ``prompt_tokens`` is the whole prompt; ``cache`` (or None) covers its first
       ``cached_tokens`` (always < len(prompt_tokens)). Must leave ``cache`` unchanged
       (clone first if decoding extends it in place) and return only the new token ids.
+      Greedy; ``decoding`` (a ``decoding.Decoding``) is passed only when the caller asks
+      for sampling, a streamer or framework kwargs.
 
-    Optional: ``clone(cache)`` (default ``copy.deepcopy``), ``decode(tokens) -> str``.
+    Optional: ``clone(cache)`` (default ``copy.deepcopy``), ``decode(tokens) -> str``,
+    ``chat_template() -> render.ChatTemplate | None`` (the model's chat template),
+    ``model_id`` / ``model_path`` (what ``params.model`` is normalised to and the
+    directory any spelling of it resolves to), ``length(cache)`` and
+    ``check_import(cache, tokens)`` (for ``import_cache``).
     """
 
     kind: str
 
     def identity(self) -> dict[str, str]: ...
 
-    def tokenize_segments(self, segments: list[str]) -> list[list[int]]: ...
+    def tokenize_segments(self, segments: list[str], *, bos: bool = True
+                          ) -> list[list[int]]: ...
 
     def new_cache(self) -> Any: ...
 
@@ -408,11 +570,12 @@ class KVBackend(Protocol):
 
 
 def render_segments(params: CachePrepareParams, *, include_volatile: bool = True) -> list[str]:
-    """The prompt as text segments, one per element, in prompt order (tools first,
-    then instructions, then data). Tokenizing each segment separately and
+    """The prompt in the plain format as text segments, one per element, in prompt order
+    (tools first, then instructions, then data). Tokenizing each segment separately and
     concatenating the ids gives token prefixes that line up with element prefixes.
 
-    This is the default plain formatter; ``formatter_options`` is part of the key.
+    The local controllers use it for models without a chat template, or with
+    ``formatter_options={"template": "plain"}`` (``render.py``).
     """
     segments: list[str] = []
     if params.tools:

@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from spoolctl.store import ConfigError, entry_id_for
+from spoolctl.store.digest import hash_parts
 
-from .contract import CachePrepareParams, KVBackend, render_segments
+from .contract import CachePrepareParams, KVBackend
+from .decoding import GREEDY, Decoding
+from .render import ChatTemplate, render, render_id
 from .tokens import TokenPrefix, namespace_for
 
 #: The manifest format of plain local KV entries (PyTorch and mlx-lm).
@@ -87,9 +90,13 @@ class EntryFormat(Protocol):
     * ``prompt(params, text)``: the whole prompt (every element, then ``text``) --
       the one place a format renders messages for ``generate``.
     * ``fit(loaded, prompt)``: ``(cache, cached tokens)`` to continue, or ``(None, 0)``.
-    * ``run(cache, cached, prompt, max_new_tokens)``: greedy new token ids and how many
-      prompt tokens came from the cache.
+    * ``run(cache, cached, prompt, max_new_tokens, decoding)``: new token ids and how
+      many prompt tokens came from the cache (``decoding``: ``decoding.Decoding``).
     * ``decode(tokens)``: the text, or None.
+
+    Optional (``LocalCacheController.restore`` / ``import_cache`` use them when present):
+    ``new_cache()``, and ``adopt(cache, plan)`` -- a checked copy of a framework cache
+    that must cover exactly the plan's prefix (ConfigError otherwise).
     """
 
     name: str
@@ -120,7 +127,7 @@ class EntryFormat(Protocol):
     def fit(self, loaded: Loaded, prompt: Prompt) -> tuple[Any | None, int]: ...
 
     def run(self, cache: Any | None, cached: int, prompt: Prompt,
-            max_new_tokens: int) -> tuple[list[int], int]: ...
+            max_new_tokens: int, decoding: Decoding = GREEDY) -> tuple[list[int], int]: ...
 
     def decode(self, tokens: list[int]) -> str | None: ...
 
@@ -139,9 +146,11 @@ def check_common(meta: Mapping[str, Any], *, name: str, noun: str,
 
 
 class KVEntryFormat:
-    """Plain KV cache entries of a ``KVBackend``: the prompt is rendered by
-    ``render_segments`` and tokenized per segment, so element prefixes line up with
-    token prefixes (what base selection and incremental prefill rely on)."""
+    """Plain KV cache entries of a ``KVBackend``. The prompt is rendered by
+    ``render.render`` -- the model's chat template when it has one (decision 1702), else
+    the plain format -- and tokenized per segment, so element prefixes line up with
+    token prefixes (what base selection and incremental prefill rely on). Keys of
+    template-rendered prompts also carry the template's identity."""
 
     name = FORMAT
     noun = "a local KV cache entry"
@@ -153,38 +162,51 @@ class KVEntryFormat:
         self.label = self.kind
         self.identity = dict(backend.identity())
         self.namespace = namespace_for(self.kind, self.identity)
+        get_template = getattr(backend, "chat_template", None)
+        self.template: ChatTemplate | None = get_template() if callable(get_template) else None
 
     # -- prompts: the one rendering point -----------------------------------------------
 
-    def _tokens(self, params: CachePrepareParams, text: str | None) -> list[list[int]]:
-        """Token ids per segment: the cacheable prefix (``text is None``), or the whole
-        prompt (every element, volatile ones included, then ``text`` if non-empty)."""
-        segments = render_segments(params, include_volatile=text is not None)
-        if text:
-            segments.append(text)
-        if not segments:
-            return []
-        ids = self.backend.tokenize_segments(segments)
-        if len(ids) != len(segments):
+    def _tokens(self, params: CachePrepareParams, text: str | None) -> tuple[list[list[int]], int]:
+        """Token ids per segment and the number of lead segments: the cacheable prefix
+        (``text is None``), or the whole prompt (every element, volatile ones included,
+        then ``text``)."""
+        segments = render(params, self.template, query=text)
+        if not segments.texts:
+            return [], segments.lead
+        ids = self.backend.tokenize_segments(segments.texts) if segments.bos else \
+            self.backend.tokenize_segments(segments.texts, bos=False)
+        if len(ids) != len(segments.texts):
             raise ConfigError("the backend returned the wrong number of token lists",
                               fix="fix the backend's tokenize_segments()")
-        return ids
+        return ids, segments.lead
+
+    def _key(self, params: CachePrepareParams) -> tuple[str, str]:
+        """(key, group): the params' own, plus the chat template's identity if one renders
+        them (plain keys are the keys spoolctl always used)."""
+        rid = render_id(params, self.template)
+        key, group = params.key(), params.group_hash()
+        if rid:
+            key = hash_parts(b"spoolctl-rendered/v1", key.encode(), rid.encode())
+            group = hash_parts(b"spoolctl-rendered/v1", group.encode(), rid.encode())
+        return key, group
 
     def plan(self, params: CachePrepareParams) -> Plan | None:
-        prefix = TokenPrefix.from_segments(self._tokens(params, None))
+        ids, lead = self._tokens(params, None)
+        prefix = TokenPrefix.from_segments(ids)
         if not len(prefix):
             return None
-        key = params.key()
+        key, group = self._key(params)
         return Plan(params=params, key=key, namespace=self.namespace,
                     entry_id=entry_id_for(self.kind, self.namespace, key), prefix=prefix,
-                    group=params.group_hash(), elements=tuple(params.element_hashes()),
-                    lead_segments=1 if params.tools else 0)
+                    group=group, elements=tuple(params.element_hashes()),
+                    lead_segments=lead)
 
     def entry_id(self, params: CachePrepareParams) -> str:
-        return entry_id_for(self.kind, self.namespace, params.key())
+        return entry_id_for(self.kind, self.namespace, self._key(params)[0])
 
     def prompt(self, params: CachePrepareParams, text: str) -> Prompt:
-        segments = self._tokens(params, text)
+        segments, _ = self._tokens(params, text)
         if not segments:
             raise ConfigError("the prompt is empty", fix="pass instructions, data or a prompt")
         tokens = [t for seg in segments for t in seg]
@@ -210,7 +232,7 @@ class KVEntryFormat:
              prefix: TokenPrefix, plan: Plan | None) -> Any:
         return self.backend.deserialize(objects, dict(meta["layout"]), len(prefix))
 
-    # -- bases --------------------------------------------------------------------------------
+    # -- bases and interop -------------------------------------------------------------------
 
     def clone(self, cache: Any) -> Any:
         clone = getattr(self.backend, "clone", None)
@@ -221,6 +243,35 @@ class KVEntryFormat:
 
     def extend(self, cache: Any, tokens: list[int]) -> Any:
         return self.backend.prefill(cache, tokens)
+
+    def new_cache(self) -> Any:
+        return self.backend.new_cache()
+
+    def adopt(self, cache: Any, plan: Plan) -> Any:
+        """A checked copy of a framework cache that must hold exactly the plan's prefix:
+        shapes, dtype and length (the backend's ``serialize`` checks), then a few
+        positions recomputed from the tokens (``check_import``)."""
+        tokens = list(plan.prefix.tokens)
+        try:
+            own = self.clone(cache)
+            length = self.backend.length(own)
+        except Exception as exc:
+            raise ConfigError(f"not a cache of this model: {str(exc)[:200]}",
+                              fix="pass the framework's own cache object (transformers "
+                                  "DynamicCache, mlx-lm prompt cache list)") from None
+        if length != len(tokens):
+            raise ConfigError(f"the cache holds {length} tokens, the cacheable prefix of these "
+                              f"params {len(tokens)}",
+                              fix="prefill exactly ctl.prefix_tokens(params) into it")
+        try:
+            self.backend.serialize(own, len(tokens))  # shapes, layers, dtype
+            self.backend.check_import(own, tokens)
+        except ValueError as exc:
+            raise ConfigError(f"the cache does not hold these tokens for this model: "
+                              f"{str(exc)[:200]}",
+                              fix="prefill exactly ctl.prefix_tokens(params) with this model "
+                                  "(same dtype)") from None
+        return own
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -238,9 +289,13 @@ class KVEntryFormat:
             return None, 0
         return self.backend.trim(self.clone(loaded.cache), keep), keep
 
-    def run(self, cache: Any | None, cached: int, prompt: Prompt,
-            max_new_tokens: int) -> tuple[list[int], int]:
-        out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens)
+    def run(self, cache: Any | None, cached: int, prompt: Prompt, max_new_tokens: int,
+            decoding: Decoding = GREEDY) -> tuple[list[int], int]:
+        if decoding.is_default:  # every KVBackend can decode greedily
+            out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens)
+        else:
+            out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens,
+                                        decoding=decoding)
         return list(out), cached if cache is not None else 0
 
     def decode(self, tokens: list[int]) -> str | None:

@@ -10,8 +10,9 @@ and asyncio tasks alike. The rules, written once here (decision 1021):
   a writing flight of the same key if there is one (it then gets the entry the writer
   made without writing anything itself), else a read-only one.
 * A joiner's handle is the leader's with ``source="coalesced"`` (the empty handle
-  stays empty) and ``written_tokens = reused_tokens = 0``: the joiner wrote and reused
-  nothing itself, so usage summed over callers counts the work once.
+  stays empty) and ``written_tokens = reused_tokens = computed_tokens = 0``: the joiner
+  wrote, reused and computed nothing itself, so usage summed over callers counts the
+  work once.
 * A joiner is counted when it joins (not when the leader finishes), so a caller can
   see how many are waiting.
 
@@ -43,7 +44,7 @@ class Flight:
 
 def coalesced(handle: CacheHandle) -> CacheHandle:
     """What a joiner gets from the leader's handle (see the module docstring)."""
-    return dataclasses.replace(handle, written_tokens=0, reused_tokens=0,
+    return dataclasses.replace(handle, written_tokens=0, reused_tokens=0, computed_tokens=0,
                                source="coalesced" if handle else handle.source)
 
 

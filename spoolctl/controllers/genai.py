@@ -59,6 +59,8 @@ from .genai_records import (
     validate_name,
 )
 from .logsafe import reason
+from .targets import hosted as _hosted
+from .targets import ref_of as _ref_of
 from .targets import refuse_foreign, resolve_target
 
 log = logging.getLogger("spoolctl.genai")
@@ -166,7 +168,7 @@ class GoogleGenAICacheController:
         Raises a SpoolError (one line) when the server refuses or fails the create.
         Concurrent identical prepares share one create (``flight.py``).
         """
-        request = cache_request(params)
+        request = cache_request(_hosted(params))
         if request is None:
             return CacheHandle.empty()
         ckey = params.key()
@@ -182,7 +184,7 @@ class GoogleGenAICacheController:
 
     async def aprepare(self, params: CachePrepareParams) -> CacheHandle:
         """``prepare`` for asyncio (``client.aio``); coalesces with threads and tasks alike."""
-        request = cache_request(params)
+        request = cache_request(_hosted(params))
         if request is None:
             return CacheHandle.empty()
         ckey = params.key()
@@ -201,6 +203,9 @@ class GoogleGenAICacheController:
             with self._lock:
                 self._params[handle.ref] = params
         return handle
+
+    def _known_handle(self, handle: CacheHandle) -> CachePrepareParams | None:
+        return self._known(handle.ref) if handle.ref is not None else None
 
     def _known(self, ref: str) -> CachePrepareParams | None:
         with self._lock:
@@ -375,16 +380,21 @@ class GoogleGenAICacheController:
 
     # -- release / close ---------------------------------------------------------------------
 
-    def release(self, ref: str) -> None:
-        """Delete cache ``ref`` on the server now and mark its record released.
+    def release(self, ref: str | CacheHandle) -> None:
+        """Delete cache ``ref`` (or a handle's) on the server now and mark its record
+        released; an empty handle does nothing.
 
         A server failure is logged in one line and recorded (``remote_pending``,
         ``remote_error``); the record stays released for ``clean_remote`` to retry.
         """
-        drive_sync(self._client, self._release_steps(validate_name(ref)))
+        name = _ref_of(ref)
+        if name is not None:
+            drive_sync(self._client, self._release_steps(validate_name(name)))
 
-    async def arelease(self, ref: str) -> None:
-        await drive_async(self._client, self._release_steps(validate_name(ref)))
+    async def arelease(self, ref: str | CacheHandle) -> None:
+        name = _ref_of(ref)
+        if name is not None:
+            await drive_async(self._client, self._release_steps(validate_name(name)))
 
     def _lookup_name(self, name: str) -> GenaiRecord | None:
         with self._lock:
@@ -520,7 +530,8 @@ class GoogleGenAICacheController:
         query runs cold). If the cache turns out to be gone on the server, the request
         is re-run cold (``cache_read_tokens = 0``, ``result.handle`` empty).
         """
-        query, handle = resolve_target(target, params, self._known)
+        query, handle = resolve_target(target, params, self._known_handle)
+        _hosted(query)
         if handle is None:
             handle = self.prepare(query)
         else:
@@ -542,7 +553,8 @@ class GoogleGenAICacheController:
                         config: Mapping[str, Any] | None = None,
                         max_new_tokens: int | None = None) -> GenerateResult:
         """``generate`` for asyncio (``client.aio.models``)."""
-        query, handle = resolve_target(target, params, self._known)
+        query, handle = resolve_target(target, params, self._known_handle)
+        _hosted(query)
         if handle is None:
             handle = await self.aprepare(query)
         else:

@@ -18,8 +18,13 @@ Guarantees:
   prompt. Anything else is a miss (quarantined when the bytes are bad): the
   request runs cold (``cache_read_tokens = 0``), never raises, never yields
   tokens a cold run would not.
-* ``read_only`` params never write to the store (no entry, no lock file, no
-  LRU clock update); they use exact hits only, else an empty handle.
+* ``read_only`` params -- and every call of a controller opened with
+  ``read_only=True`` -- never write to the store (no entry, no lock file, no LRU
+  clock update, no quarantine); they use exact hits only, else an empty handle that
+  ``generate`` still accepts (the query runs cold).
+* ``params.model`` is normalised to the controller's ``model_id`` (any spelling of the
+  model directory's path is the same key); another model is a ConfigError.
+* Usage is per call and honest (``usage.py``, decision 1701).
 * Store trouble while writing (full disk, busy lock) never fails ``prepare``:
   the cache is still served from memory, just not persisted.
 * Default log lines never name an entry, a digest or a store path (``logsafe``).
@@ -28,13 +33,17 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
+import itertools
 import logging
+import os
 import shutil
 import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +59,14 @@ from spoolctl.store import (
 )
 from spoolctl.store.locks import hold
 
-from .contract import CacheHandle, CachePrepareParams, GenerateResult, KVBackend, Usage
-from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan, Prompt
+from .contract import CacheHandle, CachePrepareParams, GenerateResult, KVBackend
+from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
 from .flight import PrepareFlights
+from .local_use import UseMixin
 from .logsafe import reason
-from .targets import FOREIGN_HANDLE, resolve_target
+from .targets import ref_of
 from .tokens import TokenPrefix, common_prefix_tokens, rank_bases
+from .usage import ControllerStats, PrepareWork
 
 log = logging.getLogger("spoolctl.controllers")
 
@@ -64,7 +75,10 @@ DEFAULT_MEMORY_ENTRIES = 4
 DEFAULT_LOCK_TIMEOUT = 600.0
 LOCK_STRIPES = 256  # lock files per store: bounded, and two keys rarely share one
 MAX_BASE_TRIES = 3
-MAX_KNOWN_PARAMS = 4096  # refs whose params generate(handle) can look up
+MAX_KNOWN_PARAMS = 4096  # refs / prepare calls whose params generate(handle) can look up
+#: One sequence for every controller of the process, so a handle of another controller
+#: never matches a prepare call of this one.
+_PREPARE_IDS = itertools.count(1)
 
 __all__ = ["DEFAULT_LOCK_TIMEOUT", "DEFAULT_MEMORY_ENTRIES", "FORMAT", "LOCK_STRIPES",
            "ControllerStats", "GenerateResult", "KVBackend", "LocalCacheController"]
@@ -74,24 +88,7 @@ class _TransientReadError(Exception):
     """The store could not read an entry right now (I/O, busy): not the entry's fault."""
 
 
-@dataclass
-class ControllerStats:
-    """Counters of one controller (``stats()``)."""
-
-    queries: int = 0
-    prepares: int = 0
-    memory_hits: int = 0
-    disk_hits: int = 0
-    coalesced: int = 0
-    cold_prefills: int = 0
-    incremental_prefills: int = 0
-    tokens_written: int = 0
-    tokens_reused: int = 0
-    load_failures: int = 0
-    commit_failures: int = 0
-
-
-class LocalCacheController:
+class LocalCacheController(UseMixin):
     """A ``PromptCacheController`` for in-process inference, generic over a backend and
     its entry format.
 
@@ -102,23 +99,31 @@ class LocalCacheController:
     many loaded caches stay in memory (LRU).
     ``lock_timeout``: how long ``prepare`` waits for another process preparing the same
     key stripe before giving up and returning an empty handle (run cold).
+    ``read_only``: open an existing store for reading only (e.g. a cache another user
+    wrote): exact hits only, nothing written, ``release``/``import_cache`` refused.
+    ``generate``, ``restore``, ``import_cache`` and friends are in ``local_use``.
     """
 
     def __init__(
         self,
         backend: KVBackend | Any,
-        root: str | Path | Store | None = None,
+        root: str | os.PathLike[str] | Store | None = None,
         *,
         max_bytes: int | None = None,
         memory_entries: int = DEFAULT_MEMORY_ENTRIES,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         entry_format: EntryFormat | None = None,
+        read_only: bool = False,
     ):
         if getattr(backend, "kind", None) not in LOCAL_KINDS:
             raise ConfigError(f"unsupported backend kind {getattr(backend, 'kind', None)!r}",
                               fix=f"use a backend of kind {' or '.join(sorted(LOCAL_KINDS))}")
-        if memory_entries < 0:
-            raise ConfigError("memory_entries must be >= 0", fix="pass 0 to keep nothing loaded")
+        if not isinstance(memory_entries, int) or memory_entries < 0:
+            raise ConfigError("memory_entries must be an integer >= 0",
+                              fix="pass 0 to keep nothing loaded")
+        if not isinstance(read_only, bool):
+            raise ConfigError(f"read_only must be True or False, not {read_only!r}",
+                              fix="pass read_only=True or leave it out")
         self.backend = backend
         self.format: EntryFormat = entry_format or KVEntryFormat(backend)
         self.kind: str = self.format.kind
@@ -126,23 +131,42 @@ class LocalCacheController:
         self.namespace = self.format.namespace
         self.memory_entries = memory_entries
         self.lock_timeout = lock_timeout
+        self.read_only = read_only
         self._managed: Path | None = None
         self._owns_store = True
         if isinstance(root, Store):
-            self.store = root
+            self._store = root
             self._owns_store = False
         elif root is None:
+            if read_only:
+                raise ConfigError("a read-only controller needs an existing store",
+                                  fix="pass root= the store directory to read")
             self._managed = Path(tempfile.mkdtemp(prefix="spoolctl-controller-"))
-            self.store = Store.open(str(self._managed), create=True, max_bytes=max_bytes)
+            self._store = Store.open(str(self._managed), create=True, max_bytes=max_bytes)
         else:
-            self.store = Store.open(str(root), create=True, max_bytes=max_bytes)
+            self._store = _open_store(root, max_bytes=max_bytes, read_only=read_only)
         self._lock = threading.Condition(threading.RLock())
         self._flights = PrepareFlights(self._lock)
         self._memory: OrderedDict[str, Loaded] = OrderedDict()
         self._params: OrderedDict[str, CachePrepareParams] = OrderedDict()
+        self._calls: OrderedDict[int, tuple[CachePrepareParams, PrepareWork | None]] = \
+            OrderedDict()
         self._released: set[str] = set()
         self._closed = False
+        self._warned_unfit = False
         self._stats = ControllerStats()
+
+    @property
+    def store(self) -> Store:
+        """The controller's store (ConfigError once the controller is closed)."""
+        self._check_open()
+        return self._store
+
+    @property
+    def model_id(self) -> str:
+        """The model identity that ``params.model`` is normalised to: an explicit
+        ``model_id`` given to the backend, else its resolved model directory."""
+        return str(getattr(self.backend, "model_id", None) or self.identity.get("model", ""))
 
     # -- context manager / lifecycle ------------------------------------------------------
 
@@ -164,20 +188,29 @@ class LocalCacheController:
             self._released.clear()
             self._memory.clear()
             self._params.clear()
+            self._calls.clear()
         try:
             if self._managed is None and released:
-                self.store.delete_released(released)
+                self._store.delete_released(released)
         except SpoolError as exc:  # bytes stay released; `spoolctl clean` removes them
             log.warning("could not delete released entries at close: %s", reason(exc))
         finally:
             if self._owns_store:
-                self.store.close()
+                self._store.close()
             if self._managed is not None:
                 shutil.rmtree(self._managed, ignore_errors=True)
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ConfigError("the controller is closed", fix="create a new controller")
+            raise ConfigError("the controller is closed (its store too)",
+                              fix="use the controller inside its `with` block, or create a "
+                                  "new one")
+
+    def _check_writable(self, what: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ConfigError(f"this controller is read-only: it does not {what}",
+                              fix="open the controller without read_only=True")
 
     def record_query(self) -> None:
         """Count one query served (statistics only)."""
@@ -192,11 +225,43 @@ class LocalCacheController:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
 
+    # -- params ----------------------------------------------------------------------------
+
+    def _normalize(self, params: Any) -> CachePrepareParams:
+        """``params`` for this controller: its model spelled as ``model_id`` (another
+        model is refused), ``read_only`` forced on a read-only controller."""
+        if not isinstance(params, CachePrepareParams):
+            raise ConfigError(f"expected CachePrepareParams, not {type(params).__name__}",
+                              fix="build CachePrepareParams(instructions=[...], data=[...])")
+        changes: dict[str, Any] = {}
+        model_id = self.model_id
+        if params.model != model_id:
+            if params.model is not None and not self._same_model(params.model):
+                raise ConfigError(
+                    f"params.model {params.model!r} is not the model this controller runs "
+                    f"({model_id})", fix=f"pass model={model_id!r}, the model's directory, "
+                                         "or leave model out")
+            changes["model"] = model_id
+        if self.read_only and not params.read_only:
+            changes["read_only"] = True
+        return dataclasses.replace(params, **changes) if changes else params
+
+    def _same_model(self, name: str) -> bool:
+        """Whether ``name`` spells this controller's model: its id, or a path that
+        resolves to its directory (trailing slashes, ``~``, symlinks, relative paths)."""
+        path = getattr(self.backend, "model_path", None)
+        if path is None:
+            return False
+        try:
+            return os.path.realpath(os.path.expanduser(name)) == os.path.realpath(path)
+        except (OSError, ValueError):
+            return False
+
     # -- prepare ---------------------------------------------------------------------------
 
     def entry_id(self, params: CachePrepareParams) -> str:
         """The store entry id ``params`` map to with this backend."""
-        return self.format.entry_id(params)
+        return self.format.entry_id(self._normalize(params))
 
     def _plan(self, params: CachePrepareParams) -> Plan | None:
         return self.format.plan(params)
@@ -209,16 +274,15 @@ class LocalCacheController:
 
         Memory hit, else disk hit, else incremental prefill from the best base, else
         cold prefill (committed unless ``read_only``). No cacheable prefix (or a
-        ``read_only`` miss) gives the empty handle. Raises only ConfigError for bad
-        parameters (or a closed controller); store and cache defects become misses.
+        ``read_only`` miss) gives the empty handle, which ``generate`` accepts (it runs
+        cold). Raises only ConfigError for bad parameters (or a closed controller);
+        store and cache defects become misses.
         """
-        if not isinstance(params, CachePrepareParams):
-            raise ConfigError(f"prepare() takes CachePrepareParams, not {type(params).__name__}",
-                              fix="build CachePrepareParams(model=..., instructions=[...])")
         self._check_open()
+        params = self._normalize(params)
         plan = self._plan(params)
         if plan is None:
-            return CacheHandle.empty()
+            return self._stamp(params, CacheHandle.empty(), None)
         with self._lock:
             self._check_open()
             self._stats.prepares += 1
@@ -226,37 +290,53 @@ class LocalCacheController:
             if loaded is not None and loaded.prefix == plan.prefix:
                 self._memory.move_to_end(plan.entry_id)
                 self._stats.memory_hits += 1
-                self._know(plan.entry_id, params)
-                return self._handle(plan, source="memory")
+                return self._stamp(params, self._handle(plan, source="memory"),
+                                   PrepareWork(memory=len(plan.prefix)))
             flight = self._flights.join(plan.entry_id, params.read_only)
             if not flight.leader:
                 self._stats.coalesced += 1
         if not flight.leader:
-            return self._flights.wait(flight)
-        return self._flights.lead(flight, lambda: self._prepare_slow(plan))
+            shared = self._flights.wait(flight)
+            # The leader's prefill, taken from memory: this call read it, wrote nothing.
+            return self._stamp(params, shared,
+                               PrepareWork(memory=shared.cached_tokens) if shared else None)
+        return self._flights.lead(flight, lambda: self._stamp(params, *self._prepare_slow(plan)))
+
+    def _stamp(self, params: CachePrepareParams, handle: CacheHandle,
+               work: PrepareWork | None) -> CacheHandle:
+        """``handle`` with a new ``prepare_id``; remember the call's params and work."""
+        handle = dataclasses.replace(handle, prepare_id=next(_PREPARE_IDS))
+        with self._lock:
+            self._calls[handle.prepare_id] = (params, work)
+            while len(self._calls) > MAX_KNOWN_PARAMS:
+                self._calls.popitem(last=False)
+            if handle.ref is not None:
+                self._know(handle.ref, params)
+        return handle
 
     def _handle(self, plan: Plan, *, source: str, written: int = 0, reused: int = 0,
-                supersedes: str | None = None) -> CacheHandle:
+                computed: int = 0, supersedes: str | None = None) -> CacheHandle:
         return CacheHandle(ref=plan.entry_id, includes=plan.params.includes(),
                            supersedes=supersedes, cached_tokens=len(plan.prefix),
-                           written_tokens=written, reused_tokens=reused, source=source)
+                           written_tokens=written, reused_tokens=reused, source=source,
+                           computed_tokens=computed)
 
     @contextlib.contextmanager
     def _key_lock(self, entry_id: str) -> Iterator[None]:
         # Stripes keep the number of lock files bounded (deleting a lock file someone may
         # be waiting on is unsafe, so they are never deleted).
         stripe = int(entry_id[:2], 16) % LOCK_STRIPES
-        path = self.store.layout.state / f"prepare-{stripe:02x}.lock"
+        path = self._store.layout.state / f"prepare-{stripe:02x}.lock"
         with hold(path, exclusive=True, timeout=self.lock_timeout, what="preparing a cache"):
             yield
 
-    def _prepare_slow(self, plan: Plan) -> CacheHandle:
+    def _prepare_slow(self, plan: Plan) -> tuple[CacheHandle, PrepareWork | None]:
         if plan.params.read_only:
             loaded = self._load_exact(plan, touch=False)
             if loaded is None:
-                return CacheHandle.empty()
+                return CacheHandle.empty(), None
             self._remember(plan, loaded)
-            return self._handle(plan, source="disk")
+            return self._handle(plan, source="disk"), PrepareWork(disk=len(plan.prefix))
         try:
             with self._key_lock(plan.entry_id):
                 return self._prepare_locked(plan)
@@ -264,30 +344,33 @@ class LocalCacheController:
             if isinstance(exc, ConfigError):
                 raise
             log.warning("prepare fell back to a cold run: %s", reason(exc))
-            return CacheHandle.empty()
+            return CacheHandle.empty(), None
 
-    def _prepare_locked(self, plan: Plan) -> CacheHandle:
+    def _prepare_locked(self, plan: Plan) -> tuple[CacheHandle, PrepareWork]:
+        total = len(plan.prefix)
         loaded = self._load_exact(plan, touch=True)
         if loaded is not None:
             self._remember(plan, loaded)
-            return self._handle(plan, source="disk")
+            return self._handle(plan, source="disk"), PrepareWork(disk=total)
         based = self._from_base(plan) if self.format.bases else None
+        base_where = ""
         if based is not None:
-            cache, keep, base_id = based
+            cache, keep, base_id, base_where = based
             suffix = list(plan.prefix.tokens[keep:])
             try:
                 if suffix:
                     cache = self.format.extend(cache, suffix)
-                source, written, reused = "incremental", len(suffix), keep
+                source, computed, reused = "incremental", len(suffix), keep
             except Exception as exc:  # a base the model cannot extend: start over cold
                 log.warning("incremental prefill on a base failed, prefilling cold: %s",
                             reason(exc))
                 based = None
         if based is None:
             cache = self.format.prefill(plan)
-            base_id, source, written, reused = None, "cold", len(plan.prefix), 0
+            base_id, source, computed, reused = None, "cold", total, 0
         persisted = self._commit(plan, cache, base_id)
         self._remember(plan, Loaded(cache, plan.prefix))
+        written = computed if persisted else 0
         with self._lock:
             if source == "cold":
                 self._stats.cold_prefills += 1
@@ -299,8 +382,12 @@ class LocalCacheController:
                 # The commit released the base (supersedes); it is ours to delete at close.
                 self._released.add(base_id)
                 self._memory.pop(base_id, None)
+        work = PrepareWork(memory=reused if base_where == "memory" else 0,
+                           disk=reused if base_where == "disk" else 0,
+                           computed=computed, written=written)
         return self._handle(plan, source=source, written=written, reused=reused,
-                            supersedes=base_id if persisted else None)
+                            computed=computed,
+                            supersedes=base_id if persisted else None), work
 
     def _commit(self, plan: Plan, cache: Any, base_id: str | None) -> bool:
         try:
@@ -316,8 +403,8 @@ class LocalCacheController:
         index = {"group": plan.group, "elements": list(plan.elements),
                  "tokens": len(plan.prefix), **own_index}
         try:
-            self.store.put(kind=self.kind, namespace=plan.namespace, key=plan.key,
-                           objects=objects, meta=meta, index=index, supersedes=base_id)
+            self._store.put(kind=self.kind, namespace=plan.namespace, key=plan.key,
+                            objects=objects, meta=meta, index=index, supersedes=base_id)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
             log.warning("cache not persisted (%s); serving it from memory", reason(exc))
@@ -340,26 +427,43 @@ class LocalCacheController:
 
     def _know(self, ref: str, params: CachePrepareParams) -> None:
         """Remember which params a ref was prepared for (for ``generate(handle)``); bounded."""
-        self._params[ref] = params
-        self._params.move_to_end(ref)
-        while len(self._params) > MAX_KNOWN_PARAMS:
-            self._params.popitem(last=False)
-
-    def _known(self, ref: str) -> CachePrepareParams | None:
         with self._lock:
-            return self._params.get(ref)
+            self._params[ref] = params
+            self._params.move_to_end(ref)
+            while len(self._params) > MAX_KNOWN_PARAMS:
+                self._params.popitem(last=False)
+
+    def _known(self, handle: CacheHandle) -> CachePrepareParams | None:
+        """The params this controller prepared ``handle`` for (its own prepare call,
+        else the last prepare of its ref), or None."""
+        with self._lock:
+            call = self._calls.get(handle.prepare_id) if handle.prepare_id else None
+            if call is not None:
+                return call[0]
+            return self._params.get(handle.ref) if handle.ref else None
+
+    def _take_work(self, handle: CacheHandle) -> PrepareWork | None:
+        """The work of ``handle``'s prepare call if not yet reported (then it is)."""
+        with self._lock:
+            call = self._calls.get(handle.prepare_id) if handle.prepare_id else None
+            if call is None or call[1] is None:
+                return None
+            self._calls[handle.prepare_id] = (call[0], None)
+            return call[1]
 
     # -- loading ------------------------------------------------------------------------
 
     def _load_exact(self, plan: Plan, *, touch: bool) -> Loaded | None:
         try:
-            manifest = self.store.lookup(self.kind, plan.namespace, plan.key, touch=touch)
+            manifest = self._store.lookup(self.kind, plan.namespace, plan.key,
+                                          touch=touch and not self.read_only)
         except SpoolError as exc:
             log.warning("cache lookup failed, treating as a miss: %s", reason(exc))
             return None
         if manifest is None:
             return None
-        loaded = self._load_manifest(manifest, plan=plan, quarantine=not plan.params.read_only)
+        loaded = self._load_manifest(manifest, plan=plan,
+                                     quarantine=not plan.params.read_only)
         if loaded is not None:
             self._count(disk_hits=1)
         return loaded
@@ -373,7 +477,7 @@ class LocalCacheController:
             if plan is not None and prefix != plan.prefix:
                 raise ValueError("cached token ids differ from the prompt's")
             try:
-                objects = self.store.read_all(manifest)
+                objects = self._store.read_all(manifest)
             except (CorruptionError, NotFoundError):
                 raise
             except SpoolError as exc:
@@ -392,9 +496,9 @@ class LocalCacheController:
         except Exception as exc:  # any mismatch inside the payload or its description
             log.warning("cache entry rejected, treated as a miss: %s", reason(exc))
             log.debug("rejected entry: %s", manifest.entry_id)
-            if quarantine:
+            if quarantine and not self.read_only:
                 with contextlib.suppress(SpoolError):
-                    self.store.quarantine_entry(
+                    self._store.quarantine_entry(
                         manifest.entry_id, QuarantineReason.MANIFEST_VALIDATION,
                         f"{self.format.label} cache rejected: {str(exc)[:300]}")
         self._count(load_failures=1)
@@ -402,11 +506,13 @@ class LocalCacheController:
             self._memory.pop(manifest.entry_id, None)
         return None
 
-    def _from_base(self, plan: Plan) -> tuple[Any, int, str] | None:
-        """Best retained base: load it, trim it to the common token prefix. None if no
-        usable base (any failure falls back to a cold prefill)."""
+    def _from_base(self, plan: Plan) -> tuple[Any, int, str, str] | None:
+        """Best retained base: load it, trim it to the common token prefix. Returns
+        ``(cache, kept tokens, base id, "memory" | "disk")``, or None if no usable base
+        (any failure falls back to a cold prefill)."""
         try:
-            rows = self.store.entries(kind=self.kind, namespace=plan.namespace, hint="retain")
+            rows = self._store.entries(kind=self.kind, namespace=plan.namespace,
+                                       hint="retain")
         except SpoolError as exc:
             log.warning("base selection skipped: %s", reason(exc))
             return None
@@ -421,10 +527,11 @@ class LocalCacheController:
                 if keep == 0:
                     continue
                 cache, base_len = self.format.clone(in_memory.cache), len(in_memory.prefix)
+                where = "memory"
             else:
                 try:
-                    manifest = self.store.lookup(self.kind, plan.namespace, cand.key,
-                                                 touch=False)
+                    manifest = self._store.lookup(self.kind, plan.namespace, cand.key,
+                                                  touch=False)
                 except SpoolError:
                     continue
                 if manifest is None:
@@ -438,101 +545,45 @@ class LocalCacheController:
                 loaded = self._load_manifest(manifest, plan=None)
                 if loaded is None:
                     continue
-                cache, base_len = loaded.cache, len(loaded.prefix)
+                cache, base_len, where = loaded.cache, len(loaded.prefix), "disk"
             try:
                 if keep < base_len:
                     cache = self.format.trim(cache, keep)
             except Exception as exc:
                 log.warning("could not trim a base: %s", reason(exc))
                 continue
-            return cache, keep, cand.entry_id
+            return cache, keep, cand.entry_id, where
         return None
 
     # -- release -------------------------------------------------------------------------
 
-    def release(self, ref: str) -> None:
-        """Hint that ``ref`` is no longer needed: out of reuse at once (memory and store);
-        its bytes are deleted by ``close()`` or store maintenance."""
+    def release(self, ref: str | CacheHandle) -> None:
+        """Hint that an entry (a handle, or its ``ref``) is no longer needed: out of reuse
+        at once (memory and store); its bytes are deleted by ``close()`` or store
+        maintenance. Releasing an empty handle does nothing."""
+        ref = ref_of(ref)
+        if ref is None:
+            return
         validate_entry_id(ref)
-        self._check_open()
+        self._check_writable("release entries")
         with self._lock:
             # Params stay known so generate(handle) still works (cold) after a release.
             self._memory.pop(ref, None)
             self._released.add(ref)
         try:
-            self.store.release(ref)
+            self._store.release(ref)
         except SpoolError as exc:
             if isinstance(exc, ConfigError):
                 raise
             log.warning("a release was not recorded: %s", reason(exc))
 
-    # -- generate ----------------------------------------------------------------------------
 
-    def generate(
-        self,
-        target: CachePrepareParams | CacheHandle,
-        prompt: str = "",
-        max_new_tokens: int = 32,
-        *,
-        params: CachePrepareParams | None = None,
-    ) -> GenerateResult:
-        """Greedy-generate after the full prompt: every element of the params (volatile
-        ones included; images too for VLM prompts), then ``prompt``.
-
-        ``target`` is the params (prepared here) or a handle; which params and which
-        cache a call runs with follows ``targets.resolve_target`` (decision 1022):
-        ``params=`` is the query when given, a handle of other params is refused. The
-        cache is used only if its tokens are a prefix of the prompt; if using it fails,
-        the request is re-run cold (``usage.cache_read_tokens = 0``).
-        """
-        self._check_open()
-        if max_new_tokens < 1:
-            raise ConfigError("max_new_tokens must be >= 1", fix="ask for at least one token")
-        query, handle = resolve_target(target, params, self._known)
-        written = 0
-        if handle is None:
-            handle = self.prepare(query)
-            written = handle.written_tokens
-        rendered = self.format.prompt(query, prompt)
-        cache, cached = self._cache_for(handle, query, rendered)
-        out: list[int] | None = None
-        if cache is not None:
-            try:
-                out, cached = self.format.run(cache, cached, rendered, max_new_tokens)
-            except Exception as exc:
-                log.warning("generation from the cache failed, rerunning cold: %s", reason(exc))
-        if out is None:
-            out, cached = self.format.run(None, 0, rendered, max_new_tokens)
-        return self._result(handle, rendered, out, cached=cached, written=written)
-
-    def _result(self, handle: CacheHandle, prompt: Prompt, out: list[int], *, cached: int,
-                written: int) -> GenerateResult:
-        """The one place a local generate call's usage is accounted."""
-        self.record_query()
-        usage = Usage(prompt_tokens=len(prompt.tokens), completion_tokens=len(out),
-                      cache_read_tokens=cached, cache_write_tokens=written)
-        return GenerateResult(usage=usage, handle=handle, text=self.format.decode(out),
-                              tokens=list(out))
-
-    def _cache_for(self, handle: CacheHandle, params: CachePrepareParams,
-                   prompt: Prompt) -> tuple[Any | None, int]:
-        if handle.ref is None:
-            return None, 0
-        if handle.ref != self.format.entry_id(params):
-            log.warning(FOREIGN_HANDLE)
-            return None, 0
-        with self._lock:
-            loaded = self._memory.get(handle.ref)
-        if loaded is None:  # evicted from memory (or memory_entries=0): reload from disk
-            plan = self._plan(params)
-            if plan is None or plan.entry_id != handle.ref:
-                return None, 0
-            loaded = self._load_exact(plan, touch=not params.read_only)
-            if loaded is None:  # released, deleted or corrupt meanwhile: run cold
-                return None, 0
-            self._remember(plan, loaded)
-        try:
-            return self.format.fit(loaded, prompt)
-        except Exception as exc:
-            log.warning("could not fit the cache to this prompt, running cold: %s", reason(exc))
-            return None, 0
+def _open_store(root: str | os.PathLike[str], *, max_bytes: int | None,
+                read_only: bool) -> Store:
+    """Open (create) the store at ``root``; ``read_only``: open an existing store for
+    reading, through the store's read-only mode where this store library has one."""
+    if not read_only:
+        return Store.open(os.fspath(root), create=True, max_bytes=max_bytes)
+    if "read_only" in inspect.signature(Store.open).parameters:
+        return Store.open(os.fspath(root), read_only=True)
+    return Store.open(os.fspath(root))

@@ -18,9 +18,14 @@ Contract of the backend (the protocol of ``spoolctl.controllers.local``):
   (``cache_format()``) for this model's shape: a format, class, dtype or shape
   mismatch raises ``CacheFormatError`` (a ValueError), which the controller
   treats as a miss (cold path, entry quarantined and rebuilt), never a crash.
-* ``generate`` is greedy and feeds mlx-lm only the uncached tokens; when the
-  cache covers the whole prompt (mlx-lm rejects an empty prompt) it trims the
-  last cached token and re-feeds it, which yields exactly the cold logits.
+* ``generate`` feeds mlx-lm only the uncached tokens; when the cache covers the
+  whole prompt (mlx-lm rejects an empty prompt) it trims the last cached token and
+  re-feeds it, which yields exactly the cold logits. Greedy by default; a
+  ``Decoding`` with a temperature samples through ``make_sampler``.
+* Interop (decision 1704): ``restore(handle).cache`` is mlx-lm's list of cache objects
+  (what ``load_prompt_cache`` returns); ``export_prompt_cache`` writes an entry as a
+  ``save_prompt_cache`` file and ``import_prompt_cache`` stores such a file (checked)
+  as the entry of some params.
 """
 
 from __future__ import annotations
@@ -28,136 +33,39 @@ from __future__ import annotations
 import io
 import json
 import os
-import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from spoolctl.store import Store
-from spoolctl.store.digest import Hasher
 from spoolctl.store.errors import ConfigError
 
+from .contract import CacheHandle, CachePrepareParams
+from .decoding import GREEDY, Decoding
 from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
-from .safetensors_layout import tiling_error
+from .mlx_format import (
+    CacheFormatError,
+    NamedBytesIO,
+    cache_format,
+    dtype_name,
+    model_digest,
+    safetensors_header,
+    slice_caches,
+)
+from .render import ChatTemplate, template_source
 
 KIND = "mlx"
 #: Name of the one payload object of an entry (the mlx-lm prompt-cache file).
 OBJECT_NAME = "kv"
 #: How many prompt tokens one forward pass takes while prefilling (bounds peak memory).
 PREFILL_STEP = 512
-_MAX_HEADER = 16 << 20
 # safetensors dtype codes mlx writes, by mlx dtype name.
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-
-
-class CacheFormatError(ValueError):
-    """Stored cache bytes that this mlx-lm cannot use (another cache format version,
-    another model shape, malformed file). Always a cache miss, never a crash.
-
-    A ValueError, not a SpoolError, on purpose: the local engine treats a SpoolError
-    from a backend as transient I/O (keep the entry, retry later) but a ValueError as
-    a defect of the entry (quarantine it, so the key is rebuilt instead of staying a
-    permanent miss). Entries of other mlx-lm versions live in another namespace (the
-    version is part of the identity), so only an inconsistent entry gets here.
-    """
-
-    def __init__(self, message: str, *, fix: str = "nothing to do: it is a cache miss and "
-                 "the entry is rebuilt"):
-        super().__init__(f"{message}: {fix}")
-        self.message = message
-        self.fix = fix
-
-
-def cache_format(mlx_lm_version: str) -> str:
-    """The on-disk cache format id for an mlx-lm version.
-
-    mlx-lm changed its prompt-cache file layout between minor releases (0.31 files
-    do not load in 0.32), and patch releases have kept it, so the format is named
-    by the major.minor series. A stored entry is reused only under the same id.
-    """
-    parts = mlx_lm_version.split(".")
-    series = ".".join(parts[:2]) if len(parts) >= 2 else mlx_lm_version
-    return f"mlx-lm-prompt-cache/{series}"
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def model_digest(model_dir: Path) -> str:
-    """Content digest of a model directory: every top-level regular file (weights,
-    config, tokenizer), by name and bytes. Hidden files are skipped.
-
-    Hashing the content (not the path or mtime) means a copied model keeps its
-    caches and a changed weight file never reuses a stale KV cache.
-    """
-    h = Hasher()
-    files = sorted(p for p in model_dir.iterdir()
-                   if not p.name.startswith(".") and p.is_file())
-    if not files:
-        raise ConfigError("model directory holds no files", path=model_dir,
-                          fix="pass a transformers-format model directory")
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
-    for p in files:
-        name = p.name.encode()
-        h.update(len(name).to_bytes(8, "big"))
-        h.update(name)
-        h.update(p.stat().st_size.to_bytes(8, "big"))
-        with open(p, "rb") as f:
-            while n := f.readinto(buf):
-                h.update(view[:n])
-    return h.hexdigest()
-
-
-def slice_caches(cache: Sequence[Any], keep: int, make: Callable[[], Any]) -> list[Any]:
-    """New ``KVCache`` objects (made by ``make``) holding the first ``keep`` tokens of each
-    layer of ``cache``. Slicing makes new arrays, so writes into the copy (mlx assigns into
-    its buffers in place) never reach the original. The caller checks ``keep``."""
-    out = []
-    for c in cache:
-        n = make()
-        if keep > 0:
-            n.keys = c.keys[..., :keep, :]
-            n.values = c.values[..., :keep, :]
-            n.offset = keep
-        out.append(n)
-    return out
-
-
-class _NamedBytesIO(io.BytesIO):
-    # mlx.core.load picks the file format from the name's suffix.
-    name = "prompt_cache.safetensors"
-
-
-def _safetensors_header(data: memoryview) -> dict[str, Any]:
-    """Parse and bounds-check a safetensors header (pure Python, before mlx sees it)."""
-    if len(data) < 8:
-        raise CacheFormatError("cache file is shorter than a safetensors header")
-    (size,) = struct.unpack("<Q", data[:8])
-    if size > min(_MAX_HEADER, len(data) - 8):
-        raise CacheFormatError("cache file header length is out of range")
-    try:
-        header = json.loads(bytes(data[8:8 + size]))
-    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: deep nesting
-        raise CacheFormatError("cache file header is not JSON") from None
-    if not isinstance(header, dict):
-        raise CacheFormatError("cache file header is not an object")
-    body = len(data) - 8 - size
-    spans: list[tuple[int, int]] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= body):
-            raise CacheFormatError(f"cache tensor {name!r} has invalid offsets")
-        spans.append((offsets[0], offsets[1]))
-    if (why := tiling_error(spans, body)) is not None:
-        raise CacheFormatError(f"cache file body is malformed: {why}")
-    return header
+#: Relative tolerance of ``check_import``'s recomputed positions, by dtype.
+_IMPORT_RTOL = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
+#: Metadata key of exported files: the token ids the cache covers (JSON).
+TOKENS_META = "spoolctl_tokens"
 
 
 class MlxBackend:
@@ -165,12 +73,15 @@ class MlxBackend:
 
     ``model`` is a local transformers/mlx-format model directory (or, as with
     ``mlx_lm.load``, a Hugging Face repo id already in the local hub cache).
+    ``model_id``: the name ``params.model`` is normalised to (default: the hub id as
+    given, else the resolved directory).
     Forward passes are serialised by a lock: one model, one compute stream.
     """
 
     kind = KIND
 
-    def __init__(self, model: str | os.PathLike[str], *, prefill_step: int = PREFILL_STEP):
+    def __init__(self, model: str | os.PathLike[str], *, prefill_step: int = PREFILL_STEP,
+                 model_id: str | None = None):
         try:
             import mlx.core as mx
             import mlx_lm
@@ -180,6 +91,9 @@ class MlxBackend:
                               fix="pip install 'spoolctl[mlx]' (on Linux: 'mlx-lm[cpu]')") from None
         if not isinstance(prefill_step, int) or prefill_step < 1:
             raise ConfigError("prefill_step must be a positive integer", fix="pass e.g. 512")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+            raise ConfigError(f"model_id must be a non-empty string, not {model_id!r}",
+                              fix="pass e.g. model_id='acme/llama-3-8b', or leave it out")
         self._mx = mx
         self._cache_mod = mlx_cache
         self.mlx_lm_version = str(mlx_lm.__version__)
@@ -189,6 +103,9 @@ class MlxBackend:
         self.model_name = os.fspath(model)
         self._lock = threading.RLock()
         self.model_dir = self._resolve(self.model_name)
+        self.model_path = self.model_dir
+        is_dir = Path(self.model_name).expanduser().is_dir()
+        self.model_id = model_id or (str(self.model_dir) if is_dir else self.model_name)
         try:
             self.model, self.tokenizer = mlx_lm.load(str(self.model_dir))
         except (OSError, ValueError, KeyError) as exc:
@@ -201,7 +118,7 @@ class MlxBackend:
             "mlx_lm_version": self.mlx_lm_version,
             "mlx_version": self.mlx_version,
             "cache_format": self.format,
-            "model": str(self.model_dir),
+            "model": self.model_id,
             "model_digest": model_digest(self.model_dir),
             "dtype": self.dtype,
             "device": self.device,
@@ -243,7 +160,7 @@ class MlxBackend:
         self.kv_heads = int(first.keys.shape[1])
         self.k_head_dim = int(first.keys.shape[3])
         self.v_head_dim = int(first.values.shape[3])
-        self.dtype = _dtype_name(first.keys.dtype)
+        self.dtype = dtype_name(first.keys.dtype)
         self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
         self._eos = {int(t) for t in (getattr(self.tokenizer, "eos_token_ids", None) or ())}
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -259,12 +176,30 @@ class MlxBackend:
     def identity(self) -> dict[str, str]:
         return dict(self._identity)
 
-    def tokenize_segments(self, segments: list[str]) -> list[list[int]]:
+    def tokenize_segments(self, segments: list[str], *, bos: bool = True) -> list[list[int]]:
         out = [[int(t) for t in self.tokenizer.encode(s, add_special_tokens=False)]
                for s in segments]
-        if out and self._bos:
+        if out and bos and self._bos:
             out[0] = self._bos + out[0]
         return out
+
+    def chat_template(self) -> ChatTemplate | None:
+        """mlx-lm's chat template of this tokenizer (None if it has none)."""
+        tok = self.tokenizer
+        if not getattr(tok, "has_chat_template", False):
+            return None
+        custom = getattr(tok, "_chat_template", None)  # an mlx-lm renderer module, if any
+        extra = f"{getattr(custom, '__module__', '')}.{getattr(custom, '__name__', '')}" \
+            if custom is not None else ""
+
+        def apply(messages: list[dict], *, tools: Any, add_generation_prompt: bool,
+                  **kwargs: Any) -> str:
+            return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
+
+        return ChatTemplate(apply=apply,
+                            source=template_source(getattr(tok, "chat_template", None), extra))
 
     def new_cache(self) -> list[Any]:
         return self._cache_mod.make_prompt_cache(self.model)
@@ -280,6 +215,9 @@ class MlxBackend:
     def size(cache: Sequence[Any]) -> int:
         """Tokens the cache covers."""
         return int(cache[0].offset) if cache else 0
+
+    def length(self, cache: Sequence[Any]) -> int:
+        return self.size(cache)
 
     def _copy(self, cache: Sequence[Any], keep: int | None = None) -> list[Any]:
         """An independent cache holding the first ``keep`` (default: all) tokens.
@@ -368,11 +306,11 @@ class MlxBackend:
             raise CacheFormatError(f"entry holds objects {sorted(objects)}, expected "
                                    f"[{OBJECT_NAME!r}]")
         data = memoryview(objects[OBJECT_NAME])
-        self._check_header(_safetensors_header(data), token_count)
+        self._check_header(safetensors_header(data), token_count)
         try:
             with self._lock:
                 cache, meta = self._cache_mod.load_prompt_cache(
-                    _NamedBytesIO(data), return_metadata=True)
+                    NamedBytesIO(data), return_metadata=True)
         except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CacheFormatError(f"mlx-lm could not load the cache file: {exc}") from None
         if meta.get("spoolctl_format") != self.format:
@@ -383,7 +321,7 @@ class MlxBackend:
             try:
                 ok = type(c).__name__ == "KVCache" and int(c.offset) == token_count and \
                     tuple(c.keys.shape) == shape_k and tuple(c.values.shape) == shape_v and \
-                    _dtype_name(c.keys.dtype) == self.dtype
+                    dtype_name(c.keys.dtype) == self.dtype
             except (AttributeError, TypeError, ValueError):  # a tensor missing from the file
                 ok = False
             if not ok:
@@ -409,14 +347,18 @@ class MlxBackend:
                 raise CacheFormatError(f"cache tensor {name!r} has shape {shape}")
 
     def generate(self, cache: Sequence[Any] | None, cached_tokens: int,
-                 prompt_tokens: Sequence[int], max_new_tokens: int) -> list[int]:
-        """Greedy continuation of ``prompt_tokens`` (stops at EOS or ``max_new_tokens``).
+                 prompt_tokens: Sequence[int], max_new_tokens: int,
+                 decoding: Decoding = GREEDY) -> list[int]:
+        """Continuation of ``prompt_tokens`` (stops at EOS or ``max_new_tokens``).
 
         ``cache`` (not modified) covers ``prompt_tokens[:cached_tokens]``; only the
         rest is fed to mlx-lm. If that rest is empty, the last cached token is
         trimmed and re-fed, since mlx-lm needs a non-empty prompt for the logits.
+        ``decoding``: greedy, or ``make_sampler(temp, top_p, top_k)``; its streamer gets
+        the prompt ids, every new token and ``end()``, as transformers feeds one.
         """
         from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_sampler
 
         mx = self._mx
         if max_new_tokens <= 0:
@@ -431,15 +373,98 @@ class MlxBackend:
                                  f"{cached_tokens} of a {len(prompt_tokens)}-token prompt")
             start = min(cached_tokens, len(prompt_tokens) - 1)
             work = self.trim(cache, start)
+        kwargs: dict[str, Any] = dict(decoding.extra)
+        if not decoding.greedy:
+            kwargs["sampler"] = make_sampler(temp=float(decoding.temperature),
+                                             top_p=float(decoding.top_p) if decoding.top_p < 1
+                                             else 0.0, top_k=decoding.top_k)
+        streamer = decoding.streamer
         out: list[int] = []
         with self._lock:
-            for token, _ in generate_step(mx.array(list(prompt_tokens[start:])), self.model,
-                                          prompt_cache=work, max_tokens=max_new_tokens,
-                                          prefill_step_size=self.prefill_step):
-                out.append(int(token))
-                if int(token) in self._eos:
-                    break
+            if decoding.seed is not None:
+                mx.random.seed(decoding.seed)
+            if streamer is not None:
+                import numpy as np
+
+                streamer.put(np.array([list(prompt_tokens)]))
+            try:
+                steps = generate_step(mx.array(list(prompt_tokens[start:])), self.model,
+                                      prompt_cache=work, max_tokens=max_new_tokens,
+                                      prefill_step_size=self.prefill_step, **kwargs)
+                for token, _ in steps:
+                    out.append(int(token))
+                    if streamer is not None:
+                        streamer.put(np.array([int(token)]))
+                    if int(token) in self._eos:
+                        break
+            except TypeError as exc:
+                if decoding.extra:
+                    raise ConfigError(f"mlx-lm refused generate_kwargs: {str(exc)[:200]}",
+                                      fix="pass only generate_step() keyword arguments") \
+                        from None
+                raise
+            finally:
+                if streamer is not None:
+                    streamer.end()
         return out
+
+    def check_import(self, cache: Sequence[Any], tokens: Sequence[int]) -> None:
+        """Recompute a few positions of ``cache`` from ``tokens`` (each on the cache cut
+        just before it) and compare every layer's K/V there; ValueError on a mismatch."""
+        mx = self._mx
+        n = len(tokens)
+        rtol = _IMPORT_RTOL.get(self.dtype, 6e-2)
+        for pos in sorted({0, n // 3, (2 * n) // 3, n - 1}):
+            with self._lock:
+                work = slice_caches(cache, pos, self._cache_mod.KVCache)
+                self.model(mx.array([[int(tokens[pos])]]), cache=work)
+                mx.eval([c.state for c in work])
+            for c, w in zip(cache, work, strict=True):
+                for a, b in ((c.keys[..., pos, :], w.keys[..., pos, :]),
+                             (c.values[..., pos, :], w.values[..., pos, :])):
+                    a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
+                    scale = float(mx.abs(b32).max().item()) + 1e-6
+                    if float(mx.abs(a32 - b32).max().item()) > rtol * scale:
+                        raise ValueError(f"position {pos} of the cache does not match token "
+                                         f"{int(tokens[pos])} recomputed")
+
+    def save_file(self, cache: Sequence[Any], tokens: Sequence[int], path: str | Path) -> None:
+        """Write ``cache`` as an mlx-lm ``save_prompt_cache`` file (with the token ids)."""
+        _check_file_name(path)
+        used = self._copy(cache, len(tokens))
+        with self._lock:
+            self._cache_mod.save_prompt_cache(
+                os.fspath(path), used,
+                metadata={"spoolctl_format": self.format, TOKENS_META: json.dumps(list(tokens))})
+
+    def load_file(self, path: str | Path) -> tuple[list[Any], list[int] | None]:
+        """An mlx-lm prompt-cache file: (cache, token ids if the file records them)."""
+        _check_file_name(path)
+        if not Path(path).is_file():
+            raise ConfigError("prompt cache file not found", path=path,
+                              fix="pass a file written by save_prompt_cache")
+        try:
+            with self._lock:
+                cache, meta = self._cache_mod.load_prompt_cache(os.fspath(path),
+                                                                return_metadata=True)
+        except Exception as exc:  # mlx raises RuntimeError/ValueError/KeyError for bad files
+            raise ConfigError(f"mlx-lm cannot load the prompt cache file: {str(exc)[:200]}",
+                              path=path, fix="pass a file written by save_prompt_cache") from None
+        tokens = None
+        if isinstance(meta, dict) and TOKENS_META in meta:
+            try:
+                tokens = [int(t) for t in json.loads(meta[TOKENS_META])]
+            except (TypeError, ValueError):
+                raise ConfigError("the file's token list is malformed", path=path,
+                                  fix="re-export it") from None
+        return list(cache), tokens
+
+
+def _check_file_name(path: str | os.PathLike[str]) -> None:
+    # mlx picks the file format from the suffix: anything else cannot be read back.
+    if Path(path).suffix != ".safetensors":
+        raise ConfigError("an mlx-lm prompt cache file name must end in .safetensors",
+                          path=path, fix="e.g. prompt-cache.safetensors")
 
 
 class MlxCacheController(LocalCacheController):
@@ -461,10 +486,38 @@ class MlxCacheController(LocalCacheController):
         memory_entries: int = DEFAULT_MEMORY_ENTRIES,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         prefill_step: int = PREFILL_STEP,
+        model_id: str | None = None,
+        read_only: bool = False,
     ):
         backend = model if isinstance(model, MlxBackend) else \
-            MlxBackend(model, prefill_step=prefill_step)
+            MlxBackend(model, prefill_step=prefill_step, model_id=model_id)
         if root is not None and not isinstance(root, Store):
             root = os.fspath(root)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout)
+                         lock_timeout=lock_timeout, read_only=read_only)
+        self.mlx: MlxBackend = backend
+
+    def export_prompt_cache(self, target: CachePrepareParams | CacheHandle,
+                            path: str | os.PathLike[str]) -> list[int]:
+        """Write the cache of a handle (params are prepared first) as an mlx-lm
+        ``save_prompt_cache`` file that ``mlx_lm.load_prompt_cache`` reads; the file also
+        records the token ids it covers. Returns those ids."""
+        restored = self.restore(target)
+        if not restored.tokens:
+            raise ConfigError("nothing to export: the handle holds no cache",
+                              fix="prepare params with a cacheable prefix (not read-only "
+                                  "on a miss)")
+        self.mlx.save_file(restored.cache, restored.tokens, path)
+        return restored.tokens
+
+    def import_prompt_cache(self, params: CachePrepareParams,
+                            path: str | os.PathLike[str]) -> CacheHandle:
+        """Store an mlx-lm prompt-cache file (``save_prompt_cache``, e.g. from
+        ``export_prompt_cache`` or your own prefill of ``prefix_tokens(params)``) as the
+        entry of ``params``. A file that records token ids must record exactly the
+        prefix's; every file is checked like ``import_cache``."""
+        cache, tokens = self.mlx.load_file(path)
+        if tokens is not None and tokens != self.prefix_tokens(params):
+            raise ConfigError("the file caches other tokens than these params' prefix",
+                              path=path, fix="export and import with the same params and model")
+        return self.import_cache(params, cache)

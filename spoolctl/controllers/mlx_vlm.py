@@ -40,6 +40,7 @@ from spoolctl.store.digest import hash_parts
 from spoolctl.store.errors import ConfigError
 
 from .contract import CachePrepareParams
+from .decoding import GREEDY, Decoding
 from .entry_format import Loaded, Plan, Prompt, check_common
 from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .mlx_vlm_backend import (
@@ -204,7 +205,11 @@ class VlmEntryFormat:
         return loaded.cache, len(loaded.prefix)
 
     def run(self, cache: VlmSnapshot | None, cached: int, prompt: Prompt,
-            max_new_tokens: int) -> tuple[list[int], int]:
+            max_new_tokens: int, decoding: Decoding = GREEDY) -> tuple[list[int], int]:
+        if not decoding.is_default:
+            raise ConfigError("the mlx-vlm controller decodes greedily only",
+                              fix="drop temperature / top_p / top_k / seed / streamer / "
+                                  "generate_kwargs")
         encoded, images = prompt.extra
         out, reused = self.vlm.generate(cache, encoded, images, max_new_tokens)
         return out, reused if cache is not None else 0

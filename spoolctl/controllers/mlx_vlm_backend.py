@@ -23,7 +23,7 @@ from spoolctl.store.digest import hash_bytes
 from spoolctl.store.errors import ConfigError
 
 from .contract import ImageInput
-from .mlx import CacheFormatError, model_digest, slice_caches
+from .mlx_format import CacheFormatError, model_digest, slice_caches
 from .vlm_prompt import ImageIdentity
 
 KIND = "mlx"
@@ -106,6 +106,9 @@ class MlxVlmBackend:
             raise ConfigError("model path is not a directory", path=self.model_dir,
                               fix="pass a local mlx-vlm model directory")
         self.model_dir = self.model_dir.resolve()
+        # What params.model is normalised to, and the path any spelling of it resolves to.
+        self.model_id = str(self.model_dir)
+        self.model_path = self.model_dir
         self._lock = threading.RLock()
         try:
             with _hub_offline():

@@ -7,13 +7,20 @@ tokens, head_dim]``); nothing is ever pickled or ``torch.load``-ed. Loading chec
 names, count, shapes and dtype against the loaded model before a tensor reaches
 it.
 
-Tested with transformers 5.19 (``cache.layers[i].keys/values``, negative
-``crop``); the 4.x cache (``key_cache``/``value_cache`` lists) is handled by the
-small accessors below but is not exercised by the test suite.
+Supported: transformers >= 5.19, < 5.24 (``cache.layers[i].keys/values``, negative
+``crop``; ``pyproject.toml`` bounds the ``torch`` extra to it). The cache argument
+of ``forward`` / ``generate`` is read from the model's signature once: ``cache=``
+where the model takes it (5.24 renamed it and deprecates ``past_key_values=``),
+else ``past_key_values=`` (in 5.19 ``cache=`` is swallowed by ``**kwargs`` and the
+cache silently not extended) -- decision 1705. Decoding is transformers' own
+``model.generate`` (sampling, streamers, logits processors), continued from the
+cache; a prefill checks that the model really extended the given cache.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import math
 import os
@@ -25,7 +32,9 @@ from typing import Any
 from spoolctl.store.digest import Hasher
 from spoolctl.store.errors import ConfigError
 
+from .decoding import GREEDY, Decoding
 from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from .render import ChatTemplate, template_source
 from .safetensors_layout import tiling_error
 
 KV_OBJECT = "kv"
@@ -34,7 +43,12 @@ MAX_HEADER = 16 << 20  # a KV header lists 2 tensors per layer: far below this
 PREFILL_CHUNK = 512  # tokens per forward: bounds attention memory on long prompts
 _HASH_BLOCK = 8 << 20
 # Files whose bytes define the model's outputs for given token ids.
-_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tiktoken", ".py")
+_MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tiktoken", ".py",
+                        ".jinja")
+#: Relative tolerance of ``check_import``'s recomputed positions, by dtype (a batched and a
+#: one-token forward differ by rounding; a cache of another token differs by O(1)).
+_IMPORT_RTOL = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
+IMPORT_CHECKS = 4  # positions of an imported cache recomputed from its tokens
 
 
 def quiet_frameworks() -> None:
@@ -75,15 +89,22 @@ class PyTorchBackend:
     """A transformers causal LM loaded with ``from_pretrained`` from a local directory.
 
     ``dtype``: "float32" | "float16" | "bfloat16" | None (the checkpoint's own).
-    ``device``: a torch device string ("cpu", "cuda", "cuda:1", "mps").
+    ``device``: a torch device string ("cpu", "cuda", "cuda:1", "mps"); one this torch
+    cannot use is a ConfigError.
     ``revision``: a caller-vouched revision string used instead of hashing the files.
+    ``model_id``: the name ``params.model`` is normalised to (default: the resolved
+    model directory); also the model in the identity, so a vouched id keeps caches
+    valid when the directory moves.
     """
 
     kind = "pytorch"
 
     def __init__(self, model: str | os.PathLike[str], *, dtype: str | None = "float32",
                  device: str = "cpu", revision: str | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, model_id: str | None = None):
+        if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+            raise ConfigError(f"model_id must be a non-empty string, not {model_id!r}",
+                              fix="pass e.g. model_id='acme/llama-3-8b', or leave it out")
         path = Path(model).expanduser()
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ConfigError("not a transformers model directory (no config.json)", path=path,
@@ -106,12 +127,10 @@ class PyTorchBackend:
         self._DynamicCache = DynamicCache
         self._v5 = int(transformers.__version__.split(".")[0]) >= 5
         self.path = path.resolve()
+        self.model_path = self.path
+        self.model_id = model_id or str(self.path)
         self.prefill_chunk = prefill_chunk
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigError(f"bad device {device!r}: {exc}", fix="use e.g. 'cpu' or 'cuda'") \
-                from None
+        self.device = _usable_device(torch, device)
         dtype_kw: dict[str, Any] = {}
         if dtype is not None:
             dtype_kw["dtype" if self._v5 else "torch_dtype"] = getattr(torch, dtype)
@@ -123,6 +142,7 @@ class PyTorchBackend:
                               fix="check the directory holds a causal LM and its tokenizer") \
                 from None
         self.model.to(self.device).eval()
+        self._cache_arg = cache_argument(self.model.forward)
         self.dtype = next(self.model.parameters()).dtype
         self.config = self.model.config.get_text_config(decoder=True) \
             if hasattr(self.model.config, "get_text_config") else self.model.config
@@ -165,7 +185,7 @@ class PyTorchBackend:
                     "framework": "transformers",
                     "transformers": transformers.__version__,
                     "torch": self._torch.__version__.split("+")[0],
-                    "model": str(self.path),
+                    "model": self.model_id,
                     "revision": self._revision or f"blake3:{model_digest(self.path)}",
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "device": self.device.type,
@@ -173,13 +193,30 @@ class PyTorchBackend:
                 }
             return dict(self._identity)
 
-    def tokenize_segments(self, segments: list[str]) -> list[list[int]]:
+    def tokenize_segments(self, segments: list[str], *, bos: bool = True) -> list[list[int]]:
+        """One id list per segment, no special tokens added except (``bos``) the
+        tokenizer's BOS in front of the first segment when the tokenizer adds one."""
         ids = [list(x) for x in
                self.tokenizer(list(segments), add_special_tokens=False)["input_ids"]] \
             if segments else []
-        if ids and self._bos is not None:
+        if ids and bos and self._bos is not None:
             ids[0] = [self._bos, *ids[0]]
         return ids
+
+    def chat_template(self) -> ChatTemplate | None:
+        """The tokenizer's chat template (None if it has none), rendering to text."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            return None
+        tokenizer = self.tokenizer
+
+        def apply(messages: list[dict], *, tools: Any, add_generation_prompt: bool,
+                  **kwargs: Any) -> str:
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **kwargs)
+
+        return ChatTemplate(apply=apply, source=template_source(template))
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
@@ -207,9 +244,8 @@ class PyTorchBackend:
                 chunk = torch.tensor([list(tokens[start:start + self.prefill_chunk])],
                                      dtype=torch.long, device=self.device)
                 before = self.length(cache)
-                # ``past_key_values=`` (not ``cache=``, which 5.19's forward silently drops).
-                out = self.model(input_ids=chunk, past_key_values=cache, use_cache=True,
-                                 logits_to_keep=1)
+                out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1,
+                                 **{self._cache_arg: cache})
                 if self.length(cache) != before + chunk.shape[1]:
                     raise RuntimeError("the model did not extend the given KV cache")
                 logits = out.logits[0, -1]
@@ -321,9 +357,31 @@ class PyTorchBackend:
 
     # -- generation ---------------------------------------------------------------------------
 
+    def _generation_config(self, decoding: Decoding, max_new_tokens: int) -> Any:
+        """The model's generation config with spoolctl's length and sampling settings
+        (sampling flags cleared for greedy decoding, so transformers has nothing to warn
+        about)."""
+        config = copy.deepcopy(self.model.generation_config)
+        config.max_new_tokens = max_new_tokens
+        config.max_length = None
+        config.min_new_tokens = None
+        config.do_sample = not decoding.greedy
+        config.temperature = decoding.temperature if not decoding.greedy else None
+        config.top_p = decoding.top_p if decoding.top_p < 1 else None
+        config.top_k = decoding.top_k or None
+        if config.pad_token_id is None:
+            config.pad_token_id = self.tokenizer.pad_token_id \
+                if self.tokenizer.pad_token_id is not None else min(self.eos_ids, default=None)
+        if self.eos_ids:
+            config.eos_token_id = sorted(self.eos_ids)
+        return config
+
     def generate(self, cache: Any | None, cached_tokens: int, prompt_tokens: list[int],
-                 max_new_tokens: int) -> list[int]:
-        """Greedy decoding; ``cache`` is cloned, never modified."""
+                 max_new_tokens: int, decoding: Decoding = GREEDY) -> list[int]:
+        """``model.generate`` continued from ``cache`` (cloned, never modified): the
+        uncached prompt tokens but the last are prefilled in chunks first, so a long
+        prompt never runs as one forward."""
+        torch = self._torch
         if not 0 <= cached_tokens < len(prompt_tokens):
             raise ValueError("the cache must leave at least one prompt token to run")
         if cache is None:
@@ -332,14 +390,79 @@ class PyTorchBackend:
             if self.length(cache) != cached_tokens:
                 raise ValueError("cache length differs from cached_tokens")
             work = self.clone(cache)
-        logits = self._forward(work, prompt_tokens[cached_tokens:])
-        out: list[int] = []
-        while True:
-            token = int(self._torch.argmax(logits).item())
-            out.append(token)
-            if token in self.eos_ids or len(out) >= max_new_tokens:
-                return out
-            logits = self._forward(work, [token])
+        if len(prompt_tokens) - cached_tokens > 1:
+            self._forward(work, prompt_tokens[cached_tokens:-1])
+        ids = torch.tensor([list(prompt_tokens)], dtype=torch.long, device=self.device)
+        if decoding.seed is not None:
+            torch.manual_seed(decoding.seed)
+        kwargs = {self._cache_arg: work, **decoding.extra}
+        try:
+            with torch.no_grad():
+                out = self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), streamer=decoding.streamer,
+                    generation_config=self._generation_config(decoding, max_new_tokens),
+                    **kwargs)
+        except (TypeError, ValueError) as exc:
+            if decoding.extra:  # most likely the caller's kwargs: say so
+                raise ConfigError(f"transformers refused generate_kwargs: {str(exc)[:200]}",
+                                  fix="pass only model.generate() keyword arguments") from None
+            raise
+        if self.length(work) < len(prompt_tokens):
+            raise RuntimeError("generate did not continue from the given KV cache")
+        return out[0, len(prompt_tokens):].tolist()
+
+    def check_import(self, cache: Any, tokens: Sequence[int]) -> None:
+        """Recompute a few positions of ``cache`` from ``tokens`` (each on the cache trimmed
+        just before it) and compare every layer's K/V there; ValueError on a mismatch.
+        Catches a cache of other tokens, another template, model or dtype."""
+        n = len(tokens)
+        rtol = _IMPORT_RTOL.get(str(self.dtype).removeprefix("torch."), 6e-2)
+        kv = self._kv(cache)
+        for pos in sorted({0, n // 3, (2 * n) // 3, n - 1})[:IMPORT_CHECKS]:
+            work = self.new_cache()
+            for i, (k, v) in enumerate(kv if pos else ()):
+                work.update(k[:, :, :pos].clone(), v[:, :, :pos].clone(), i)
+            self._forward(work, [int(tokens[pos])])
+            for (k, v), (k2, v2) in zip(kv, self._kv(work), strict=True):
+                for a, b in ((k[:, :, pos], k2[:, :, pos]), (v[:, :, pos], v2[:, :, pos])):
+                    scale = float(b.abs().max()) + 1e-6
+                    if float((a.float() - b.float()).abs().max()) > rtol * scale:
+                        raise ValueError(f"position {pos} of the cache does not match token "
+                                         f"{int(tokens[pos])} recomputed")
+
+
+def cache_argument(forward: Any) -> str:
+    """The name under which ``forward`` (and ``generate``) take the KV cache: ``cache``
+    where the model declares it (transformers >= 5.24, which deprecates the old name),
+    else ``past_key_values`` (decision 1705)."""
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _usable_device(torch: Any, device: str) -> Any:
+    """``torch.device(device)`` after checking this torch can allocate on it; a ConfigError
+    naming the cause otherwise (not the AssertionError a CPU-only torch raises later)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"bad device {device!r}: {exc}", fix="use e.g. 'cpu' or 'cuda'") \
+            from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} is not available: this torch "
+                          f"({torch.__version__}) has no CUDA support or sees no GPU",
+                          fix="pass device='cpu', or install a CUDA build of torch")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device!r} is not available: MPS needs Apple silicon "
+                          "and a torch built with MPS", fix="pass device='cpu'")
+    try:
+        torch.empty(1, device=dev)
+    except (AssertionError, RuntimeError) as exc:
+        raise ConfigError(f"device {device!r} is not usable: {str(exc)[:200]}",
+                          fix="pass device='cpu', or a device this machine has") from None
+    return dev
 
 
 class PyTorchCacheController(LocalCacheController):
@@ -347,14 +470,17 @@ class PyTorchCacheController(LocalCacheController):
 
     ``model``: a local model directory (or an already built ``PyTorchBackend``);
     ``root``: store root, open Store, or None for a managed temporary store.
+    ``restore(handle).cache`` is a ``transformers.DynamicCache``; ``import_cache`` takes one.
     """
 
     def __init__(self, model: str | os.PathLike[str] | PyTorchBackend,
                  root: Any = None, *, dtype: str | None = "float32", device: str = "cpu",
-                 revision: str | None = None, max_bytes: int | None = None,
+                 revision: str | None = None, model_id: str | None = None,
+                 max_bytes: int | None = None,
                  memory_entries: int = DEFAULT_MEMORY_ENTRIES,
-                 lock_timeout: float = DEFAULT_LOCK_TIMEOUT):
+                 lock_timeout: float = DEFAULT_LOCK_TIMEOUT, read_only: bool = False):
         backend = model if isinstance(model, PyTorchBackend) else \
-            PyTorchBackend(model, dtype=dtype, device=device, revision=revision)
+            PyTorchBackend(model, dtype=dtype, device=device, revision=revision,
+                           model_id=model_id)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout)
+                         lock_timeout=lock_timeout, read_only=read_only)

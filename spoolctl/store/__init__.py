@@ -11,6 +11,12 @@ Public API (stable; everything else in this package is internal)::
         store.clean_released()                                # bytes deleted
         facts = store.facts()                                 # status/metrics snapshot
 
+    with Store.open(path, read_only=True) as store:          # a cache this user cannot
+        store.lookup(...); store.read(...)                    # write: reads only
+
+Bad arguments raise the store's own errors (ConfigError, InvalidIdError) before anything
+is written; see ``Store.put``.
+
 Importing this package never imports torch, vllm, mlx or google-genai.
 """
 
@@ -25,6 +31,7 @@ from .errors import (
     ManifestError,
     NotFoundError,
     QuarantineReason,
+    ReadOnlyError,
     RootError,
     SpoolError,
     StoreIOError,
@@ -55,6 +62,7 @@ __all__ = [
     "ObjectRef",
     "QuarantineItem",
     "QuarantineReason",
+    "ReadOnlyError",
     "ReconcileReport",
     "RootError",
     "SpoolError",

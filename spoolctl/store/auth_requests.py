@@ -8,20 +8,26 @@ When a live worker holds the owner lease, an operator must not act behind its
 back: ``submit`` queues the request durably in ``state/auth_requests.sqlite3``,
 the worker's background maintainer answers it with ``process_pending`` (which
 writes a receipt: result, detail, time, pid), and ``wait`` polls for that
-receipt. Requests survive a restart of either side; a receipt is written once.
+receipt. Requests survive a restart of either side; a receipt is written once. A queue
+database that is damaged (or a special file in its place) is quarantined
+(``auth_queue``) and started afresh: it only holds requests, which can be asked again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sqlite3
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from .errors import CorruptionError, InvalidIdError, NotFoundError
+from .errors import CorruptionError, InvalidIdError, NotFoundError, QuarantineReason
 from .keys import validate_entry_id
-from .sqlite_files import connect_private
+from .sqlite_files import SUFFIXES, connect_private, is_damaged, sqlite_error
+
+log = logging.getLogger("spoolctl.store")
 
 if TYPE_CHECKING:
     from .store import Store
@@ -90,7 +96,19 @@ class AuthQueue:
 
     @classmethod
     def of(cls, store: Store) -> AuthQueue:
-        return cls(store.layout.state / AUTH_DB)
+        """The store's queue; a damaged one is quarantined and replaced by an empty one."""
+        path = store.layout.state / AUTH_DB
+        store._writable("queueing an authentication request")
+        try:
+            return cls(path)
+        except sqlite3.DatabaseError as exc:
+            if not is_damaged(exc):
+                raise sqlite_error(exc, path, "request queue") from None
+            why = f"request queue unreadable: {exc}"
+        store.quarantine.add(QuarantineReason.AUTH_QUEUE, why,
+                             [(path.with_name(AUTH_DB + s), "auth_queue") for s in SUFFIXES])
+        log.warning("request queue quarantined and reset: %s", why)
+        return cls(path)
 
     def close(self) -> None:
         self._db.close()

@@ -10,12 +10,17 @@ manifest and catalog leaves a pending row that recovery resolves by looking
 for the manifest. Running totals are kept by triggers, so ``status`` is O(1).
 
 One connection per Store, guarded by a lock (SQLite connections are not
-thread-safe); WAL mode lets other processes read while one writes.
+thread-safe); WAL mode lets other processes read while one writes. A read-only catalog
+(``read_only=True``) opens the file without creating or writing anything.
+
+Rows are validated on the way out (``rows``): a malformed row is skipped and remembered
+in ``malformed_seen``, never an exception that stops a whole listing or cleanup.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -23,9 +28,11 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .manifest import Manifest
-from .sqlite_files import DamagedDatabaseError, connect_private
+from .rows import NOT_HELD, WELL_FORMED, CatalogRow, MalformedRow, parse_row
+from .sqlite_files import DamagedDatabaseError, connect_private, connect_read_only
 
 SCHEMA_VERSION = "1"
 
@@ -65,6 +72,11 @@ CREATE TRIGGER IF NOT EXISTS entries_ins AFTER INSERT ON entries BEGIN
 CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
     UPDATE totals SET entries = entries - 1, bytes = bytes - OLD.manifest_size WHERE id = 0; END;
 """
+# Malformed rows, indexed by themselves: counting them (status, metrics) costs O(malformed),
+# not a scan of the catalog. The expression never raises (rows.WELL_FORMED), so maintaining
+# the index can never make a write fail.
+_DDL += ("CREATE INDEX IF NOT EXISTS entries_malformed ON entries(entry_id) "
+         f"WHERE NOT {WELL_FORMED};\n")
 
 _COLUMNS = (
     "entry_id, kind, namespace, key, size, manifest_size, created, last_access, hint, state, "
@@ -77,39 +89,12 @@ SORTS = {"size": "size DESC", "age": "created ASC", "access": "last_access DESC"
 TOUCH_GRANULARITY = 30.0
 # A row whose index carries ``"remote_pending": true`` records a remote resource (a
 # hosted genai cache) that still exists and must be deleted on its server first:
-# local cleanup and eviction skip it, so the record that lets a retry find it is kept.
-NOT_HELD = "COALESCE(json_extract(index_json, '$.remote_pending'), 0) = 0"
+# local cleanup and eviction skip it, so the record that lets a retry find it is kept
+# (``rows.NOT_HELD``; a row whose index is not JSON counts as held).
+MAX_MALFORMED_SEEN = 1000
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
-
-@dataclass(frozen=True)
-class CatalogRow:
-    """One entry as the catalog sees it."""
-
-    entry_id: str
-    kind: str
-    namespace: str
-    key: str
-    size: int
-    manifest_size: int
-    created: float
-    last_access: float
-    hint: str
-    state: str
-    supersedes: str | None
-    index: dict
-
-    @classmethod
-    def from_sql(cls, row: tuple) -> CatalogRow:
-        values = list(row)
-        values[-1] = json.loads(values[-1] or "{}")
-        return cls(*values)
-
-    def to_json(self) -> dict:
-        return {
-            "entry_id": self.entry_id, "kind": self.kind, "namespace": self.namespace,
-            "size": self.size, "created": self.created, "last_access": self.last_access,
-            "hint": self.hint, "state": self.state, "supersedes": self.supersedes,
-        }
+__all__ = ["NOT_HELD", "Catalog", "CatalogRow", "Totals"]
 
 
 @dataclass(frozen=True)
@@ -122,16 +107,25 @@ class Totals:
 class Catalog:
     """Typed access to the catalog database. All methods are thread-safe."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, read_only: bool = False):
         self.path = path
+        self.read_only = read_only
         self._lock = threading.RLock()
-        # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
-        # last transactions, which is safe because the catalog is derived (pending
-        # rows and unindexed manifests are reconciled; see docs/decisions/0003).
-        self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL", timeout=60)
+        # Malformed rows met while reading (entry id -> reason), for reports.
+        self.malformed_seen: dict[str, str] = {}
+        if read_only:
+            self._db = connect_read_only(path, timeout=60)
+        else:
+            # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
+            # last transactions, which is safe because the catalog is derived (pending
+            # rows and unindexed manifests are reconciled; see docs/decisions/0003).
+            self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL", timeout=60)
         try:
-            self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
-            (version,) = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+            if not read_only:
+                self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
+                                 (SCHEMA_VERSION,))
+            row = self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+            version = row[0] if row else None
         except BaseException:
             self._db.close()
             raise
@@ -159,6 +153,20 @@ class Catalog:
         with self._lock:
             return self._db.execute(sql, tuple(params)).fetchall()
 
+    def _rows(self, raw: list[tuple]) -> list[CatalogRow]:
+        """Parse rows; skip (and remember) malformed ones."""
+        out = []
+        for values in raw:
+            try:
+                out.append(parse_row(values))
+            except MalformedRow as exc:
+                self._seen(exc.entry_id, exc.reason)
+        return out
+
+    def _seen(self, entry_id: str, reason: str) -> None:
+        if len(self.malformed_seen) < MAX_MALFORMED_SEEN:
+            self.malformed_seen[entry_id] = reason
+
     # -- commit path ----------------------------------------------------------------------
 
     def record_intent(self, manifest: Manifest, manifest_size: int, now: float) -> None:
@@ -174,16 +182,17 @@ class Catalog:
 
     def index_manifest(
         self, manifest: Manifest, manifest_size: int, *, hint: str = "retain",
-        last_access: float | None = None,
+        last_access: float | None = None, index: dict | None = None,
     ) -> None:
-        """Index a manifest found on disk as committed (recovery and rebuild)."""
+        """Index a manifest found on disk as committed (recovery and rebuild); ``index``
+        replaces the manifest's index facts (a repair that keeps catalog-only facts)."""
         with self._write() as db:
             self._insert(db, manifest, manifest_size, last_access or manifest.created,
-                         hint=hint, state="committed")
+                         hint=hint, state="committed", index=index)
 
     @staticmethod
     def _insert(db, manifest: Manifest, manifest_size: int, now: float, *, hint: str,
-                state: str) -> None:
+                state: str, index: dict | None = None) -> None:
         db.execute("DELETE FROM entry_objects WHERE entry_id=?", (manifest.entry_id,))
         db.execute("DELETE FROM entries WHERE entry_id=?", (manifest.entry_id,))
         db.execute(
@@ -192,7 +201,7 @@ class Catalog:
                 manifest.entry_id, manifest.kind, manifest.namespace, manifest.key,
                 manifest.payload_bytes + manifest_size, manifest_size, manifest.created, now,
                 hint, state, manifest.supersedes,
-                json.dumps(dict(manifest.index), sort_keys=True),
+                json.dumps(dict(manifest.index if index is None else index), sort_keys=True),
             ),
         )
         for ref in manifest.objects:
@@ -222,7 +231,12 @@ class Catalog:
                              "state='committed'", (entry_id,)).fetchone()
             if row is None:
                 return False
-            index = json.loads(row[0] or "{}")
+            try:
+                index = json.loads(row[0] or "{}")
+            except (TypeError, ValueError, RecursionError):
+                index = None
+            if not isinstance(index, dict):
+                index = {}  # a malformed index is replaced by the new facts
             for k, v in changes.items():
                 if v is None:
                     index.pop(k, None)
@@ -251,8 +265,11 @@ class Catalog:
     # -- queries ------------------------------------------------------------------------
 
     def get(self, entry_id: str) -> CatalogRow | None:
-        rows = self._read(f"SELECT {_COLUMNS} FROM entries WHERE entry_id=?", (entry_id,))
-        return CatalogRow.from_sql(rows[0]) if rows else None
+        """The row of ``entry_id``; None if there is none or it is malformed (remembered
+        in ``malformed_seen``)."""
+        rows = self._rows(self._read(f"SELECT {_COLUMNS} FROM entries WHERE entry_id=?",
+                                     (entry_id,)))
+        return rows[0] if rows else None
 
     def live(self, entry_ids: Iterable[str]) -> set[str]:
         """The subset of ``entry_ids`` that are committed and retained (usable)."""
@@ -296,7 +313,7 @@ class Catalog:
         hint: str | None = None, sort: str = "access", limit: int | None = None,
         include_pending: bool = False, skip_held: bool = False,
     ) -> list[CatalogRow]:
-        where, params = [], []
+        where, params = [WELL_FORMED], []
         if not include_pending:
             where.append("state='committed'")
         if skip_held:
@@ -312,16 +329,41 @@ class Catalog:
         if limit is not None:
             sql += " LIMIT ?"
             params.append(limit)
-        return [CatalogRow.from_sql(r) for r in self._read(sql, params)]
+        return self._rows(self._read(sql, params))
+
+    def malformed(self, limit: int = 100) -> list[tuple[Any, str]]:
+        """(entry id exactly as stored, reason) of up to ``limit`` malformed rows (a full
+        scan). Show an id with ``rows.shown_id``: it may be anything."""
+        raw = self._read(f"SELECT {_COLUMNS} FROM entries WHERE NOT {WELL_FORMED} LIMIT ?",
+                         (limit,))
+        out = []
+        for values in raw:
+            try:
+                parse_row(values)
+                out.append((values[0], "a value of the wrong type"))
+            except MalformedRow as exc:
+                out.append((values[0], exc.reason))
+        return out
+
+    def raw_row(self, entry_id: Any) -> tuple[Any, Any] | None:
+        """(hint, index_json) of a row exactly as stored (for repairs)."""
+        rows = self._read("SELECT hint, index_json FROM entries WHERE entry_id=?", (entry_id,))
+        return rows[0] if rows else None
+
+    def malformed_count(self) -> int:
+        """How many rows are malformed (a full scan of the entries table)."""
+        return int(self._read(f"SELECT COUNT(*) FROM entries WHERE NOT {WELL_FORMED}")[0][0])
 
     def iter_ids_after(self, after: str, batch: int) -> list[tuple[str, str]]:
         """(entry_id, state) in id order, for resumable walks such as the scrubber."""
         return [(r[0], r[1]) for r in self._read(
-            "SELECT entry_id, state FROM entries WHERE entry_id > ? ORDER BY entry_id LIMIT ?",
-            (after, batch))]
+            "SELECT entry_id, state FROM entries WHERE entry_id > ? AND length(entry_id) = 64 "
+            "AND NOT entry_id GLOB '*[^0-9a-f]*' ORDER BY entry_id LIMIT ?", (after, batch))]
 
     def pending(self) -> list[str]:
-        return [r[0] for r in self._read("SELECT entry_id FROM entries WHERE state='pending'")]
+        return [r[0] for r in self._read(
+            "SELECT entry_id FROM entries WHERE state='pending' AND length(entry_id) = 64 "
+            "AND NOT entry_id GLOB '*[^0-9a-f]*'")]
 
     def totals(self) -> Totals:
         return Totals(*self._read("SELECT entries, objects, bytes FROM totals WHERE id=0")[0])
@@ -354,7 +396,8 @@ class Catalog:
                 break
             out += [(r[0], hint) for r in self._read(
                 f"SELECT entry_id FROM entries INDEXED BY entries_lru WHERE hint=? "
-                f"AND state='committed' AND {NOT_HELD} ORDER BY last_access ASC LIMIT ?",
+                f"AND state='committed' AND {NOT_HELD} AND {WELL_FORMED} "
+                "ORDER BY last_access ASC LIMIT ?",
                 (hint, limit - len(out)))]
         return out
 
@@ -366,7 +409,7 @@ class Catalog:
 
     # -- deletion ---------------------------------------------------------------------
 
-    def delete_entries(self, entry_ids: Iterable[str]) -> list[tuple[str, int]]:
+    def delete_entries(self, entry_ids: Iterable[Any]) -> list[tuple[str, int]]:
         """Drop entries; return the objects (digest, size) no remaining entry references.
 
         Set-based (a temp table of ids, then a few statements) so deleting thousands of
@@ -394,7 +437,10 @@ class Catalog:
                 "WHERE NOT EXISTS (SELECT 1 FROM entry_objects e WHERE e.digest = o.digest)"
             ).fetchall()
             db.executemany("DELETE FROM objects WHERE digest=?", [(d,) for d, _ in freed])
-        return [(digest, size) for digest, size in freed]
+        # Only well-formed digests name files: a hand-edited row must never become a path.
+        return [(digest, size) for digest, size in freed
+                if isinstance(digest, str) and _HEX64.fullmatch(digest)
+                and isinstance(size, int)]
 
     def quick_check(self) -> str:
         return str(self._read("PRAGMA quick_check")[0][0])

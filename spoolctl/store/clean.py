@@ -5,6 +5,11 @@ Steps, always in this order: ``released`` (delete released entries), ``capacity`
 down to the low watermark if over the maximum), ``tmp`` (abandoned temp files),
 ``orphans`` (reconcile catalog and disk, delete unreferenced objects). ``dry_run`` runs
 every step as a plan: the report says what would go and nothing changes.
+
+One bad part never stops the pass: malformed catalog rows are skipped by every step and
+reported (``malformed``; the orphans step re-indexes them from their manifests), files
+that cannot be deleted are counted per step (``failed``), and a step that fails outright
+is recorded in ``errors`` while the later steps still run.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
+from .errors import ConfigError, SpoolError
 from .gc import DeleteReport
 from .recovery import ReconcileReport
 
@@ -31,6 +36,9 @@ class CleanReport:
     dry_run: bool
     deleted: dict[str, DeleteReport] = field(default_factory=dict)
     orphans: ReconcileReport | None = None
+    malformed: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reason)
+    malformed_count: int = 0
+    errors: dict[str, str] = field(default_factory=dict)  # step -> one-line error
 
     @property
     def quarantined(self) -> int:
@@ -48,13 +56,27 @@ class CleanReport:
                 rep = self.orphans
                 out[step] = {**rep.orphan_objects.to_json(), "indexed": rep.indexed,
                              "dropped_rows": rep.dropped_rows, "quarantined": rep.quarantined,
-                             "young_orphans": rep.young_orphans}
+                             "young_orphans": rep.young_orphans,
+                             "repaired_rows": rep.repaired_rows}
+                if rep.unreadable:
+                    out[step]["unreadable"] = dict(list(rep.unreadable.items())[:20])
         return out
+
+    @property
+    def failed(self) -> int:
+        """Files that could not be deleted, over every step."""
+        return sum(len(r.failed) for r in self.deleted.values()) + (
+            len(self.orphans.orphan_objects.failed) + len(self.orphans.unreadable)
+            if self.orphans is not None else 0)
 
     def to_json(self) -> dict[str, Any]:
         steps = self.steps_json()
         total = {k: sum(int(step.get(k, 0)) for step in steps.values()) for k in _TOTALS}
-        return {"dry_run": self.dry_run, "steps": steps, "total": total}
+        return {"dry_run": self.dry_run, "steps": steps, "total": total,
+                "malformed_rows": {"count": self.malformed_count,
+                                   "rows": [{"entry_id": e, "reason": r}
+                                            for e, r in self.malformed]},
+                "failed": self.failed, "errors": dict(self.errors)}
 
 
 def run_clean(store: Store, steps: Iterable[str] = CLEAN_STEPS, *, min_age: float,
@@ -69,12 +91,27 @@ def run_clean(store: Store, steps: Iterable[str] = CLEAN_STEPS, *, min_age: floa
         raise ConfigError(f"unknown clean step(s): {', '.join(sorted(unknown))}",
                           fix=f"use {', '.join(CLEAN_STEPS)}")
     report = CleanReport(dry_run=dry_run)
-    if "released" in wanted:
-        report.deleted["released"] = store.clean_released(dry_run=dry_run)
-    if "capacity" in wanted:
-        report.deleted["capacity"] = store.enforce_capacity(dry_run=dry_run)
-    if "tmp" in wanted:
-        report.deleted["tmp"] = store.clean_tmp(min_age=min_age, dry_run=dry_run)
-    if "orphans" in wanted:
-        report.orphans = store.collect_orphans(min_age=min_age, dry_run=dry_run)
+    try:
+        report.malformed_count = store.malformed_count()
+        report.malformed = store.malformed_rows(20) if report.malformed_count else []
+    except SpoolError as exc:
+        report.errors["rows"] = str(exc)
+    runs = {
+        "released": lambda: store.clean_released(dry_run=dry_run),
+        "capacity": lambda: store.enforce_capacity(dry_run=dry_run),
+        "tmp": lambda: store.clean_tmp(min_age=min_age, dry_run=dry_run),
+        "orphans": lambda: store.collect_orphans(min_age=min_age, dry_run=dry_run),
+    }
+    for step in CLEAN_STEPS:
+        if step not in wanted:
+            continue
+        try:
+            result = runs[step]()
+        except SpoolError as exc:  # recorded; the later steps still run
+            report.errors[step] = str(exc)
+            continue
+        if step == "orphans":
+            report.orphans = result
+        else:
+            report.deleted[step] = result
     return report

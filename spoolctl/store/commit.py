@@ -2,9 +2,12 @@
 
 The sequence (each step durable before the next; see docs/format.md):
 
-1. each object is staged, fsynced and renamed to ``objects/<aa>/<digest>.obj``
-   (content-addressed: an identical object already there is reused, a damaged one is
-   quarantined and replaced);
+0. every object is staged in ``tmp/`` (written, hashed, fsynced) *before any is
+   published*, each bounded while it streams by what is left of the entry's size budget
+   (90% of the store's max size): a put that is too large, or whose stream yields
+   something that is not bytes, fails in ``tmp/`` and leaves nothing behind;
+1. each staged object is renamed to ``objects/<aa>/<digest>.obj`` (content-addressed: an
+   identical object already there is reused, a damaged one is quarantined and replaced);
 2. the catalog records the commit's *intent* (a pending row pinning those objects);
 3. the manifest is staged and renamed to ``manifests/<aa>/<entry_id>.json``;
 4. the catalog row is marked committed (and a superseded entry released).
@@ -18,6 +21,7 @@ shared, so no deletion runs meanwhile.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sqlite3
 import stat
@@ -26,11 +30,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CapacityError, ManifestError, QuarantineReason, SpoolError
-from .fsio import hash_file, io_error, read_manifest
+from .errors import CapacityError, ConfigError, ManifestError, QuarantineReason, SpoolError
+from .fsio import SizeLimitExceeded, hash_file, io_error, read_manifest
 from .gc import LOW_WATERMARK
+from .inputs import is_bytes_like, payload_size
 from .manifest import Manifest, ObjectRef, encode
-from .publish import Publisher
+from .publish import Publisher, Staged
+from .reserve import HEADROOM_BYTES, headroom_ok
 
 if TYPE_CHECKING:
     from .store import Store
@@ -45,14 +51,22 @@ class Committer:
         self._store = store
         self._publisher = publisher
 
+    def budget(self) -> int | None:
+        """The most bytes one entry may hold: 90% of the max size (None: unbounded)."""
+        max_bytes = self._store.max_bytes
+        return None if max_bytes is None else int(max_bytes * LOW_WATERMARK)
+
     def check_fits(self, size: int) -> None:
         """CapacityError if an entry of ``size`` bytes exceeds the store's low watermark."""
-        max_bytes = self._store.max_bytes
-        if max_bytes is not None and size > max_bytes * LOW_WATERMARK:
-            raise CapacityError(
-                f"entry of {size} bytes does not fit the store (max {max_bytes})",
-                path=self._store.root,
-                fix="raise the store's max size (`spoolctl init --max-size`)")
+        budget = self.budget()
+        if budget is not None and size > budget:
+            raise self._too_large(f"{size} bytes")
+
+    def _too_large(self, size: str) -> CapacityError:
+        return CapacityError(
+            f"entry of {size} does not fit the store (max {self._store.max_bytes}; one entry "
+            "may take at most 90% of it)", path=self._store.root,
+            fix="raise the store's max size (`spoolctl init --max-size`)")
 
     def commit(self, entry_id: str, *, kind: str, namespace: str, key: str,
                objects: Mapping[str, Payload], meta: Mapping[str, Any] | None,
@@ -63,10 +77,12 @@ class Committer:
         existing = self.existing(entry_id, supersedes)
         if existing is not None:
             return existing
-        self.check_fits(sum(len(memoryview(p).cast("B")) for p in objects.values()
-                            if isinstance(p, (bytes, bytearray, memoryview))))
-        refs = tuple(self.publish_object(name, payload) for name, payload in objects.items())
-        self.check_fits(sum(r.size for r in refs))
+        self.check_fits(sum(payload_size(p) for p in objects.values() if is_bytes_like(p)))
+        if not headroom_ok(store.layout.tmp):
+            # Leave the filesystem's last megabyte to maintenance (reserve.py): a commit
+            # must never take the room that lets `spoolctl clean` shed load.
+            raise store_full(store.layout.tmp)
+        refs = self.publish_objects(objects)
         manifest = Manifest.new(
             kind=kind, namespace=namespace, key=key, created=time.time(), objects=refs,
             meta=meta, index=index, supersedes=supersedes,
@@ -118,10 +134,42 @@ class Committer:
             return manifest
         return None
 
+    def publish_objects(self, objects: Mapping[str, Payload]) -> tuple[ObjectRef, ...]:
+        """Stage every object (step 0), then publish each (step 1). On any error every
+        staged temp file is removed: nothing of a failed put stays on disk but objects it
+        already published (only after every object was staged and checked)."""
+        budget = self.budget()
+        staged: list[tuple[str, Staged]] = []
+        try:
+            for name, payload in objects.items():
+                left = None if budget is None else budget - sum(st.size for _, st in staged)
+                staged.append((name, self._stage(name, payload, left)))
+            return tuple(self._place(name, st) for name, st in staged)
+        finally:
+            for _, st in staged:
+                self._publisher.discard(st)  # no-op for a file already renamed
+
+    def _stage(self, name: str, payload: Payload, left: int | None) -> Staged:
+        chunks = [payload] if is_bytes_like(payload) else payload
+        try:
+            return self._publisher.stage(chunks, what="object", limit=left)
+        except SizeLimitExceeded:
+            raise self._too_large(f"more than {self.budget()} bytes (object {name} was "
+                                  "still streaming)") from None
+        except TypeError as exc:
+            raise ConfigError(f"object {name}: a streamed chunk is not bytes-like ({exc})",
+                              fix="yield bytes, bytearray or memoryview chunks") from None
+
     def publish_object(self, name: str, payload: Payload) -> ObjectRef:
-        """Stage ``payload`` and make it ``objects/<aa>/<digest>.obj`` (step 1)."""
-        chunks = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        staged = self._publisher.stage(chunks, what="object")
+        """Stage ``payload`` and make it ``objects/<aa>/<digest>.obj`` (steps 0 and 1)."""
+        staged = self._stage(name, payload, self.budget())
+        try:
+            return self._place(name, staged)
+        finally:
+            self._publisher.discard(staged)
+
+    def _place(self, name: str, staged: Staged) -> ObjectRef:
+        """Publish one staged object (step 1)."""
         ref = ObjectRef(name=name, digest=staged.digest, size=staged.size)
         final = self._store.layout.object_path(staged.digest)
         with self._publisher.failing(staged, "publishing an object", final):
@@ -135,6 +183,18 @@ class Committer:
                                              [(final, "object")])
             self._publisher.publish(staged.tmp, final, what="object")
         return ref
+
+
+def store_full(where: Path) -> SpoolError:
+    """The error of a commit refused because the filesystem is (nearly) full."""
+    from .errors import StoreIOError
+
+    return StoreIOError(f"committing an entry refused: No space left on device (less than "
+                        f"{HEADROOM_BYTES >> 10} KiB free: that room is kept for maintenance)",
+                        path=where,
+                        fix="free disk space: `spoolctl clean --released` and lowering the "
+                            "max size work on a full disk (docs/runbook.md)",
+                        errno=errno.ENOSPC)
 
 
 def _existing_object_ok(path: Path, digest: str, size: int) -> bool:

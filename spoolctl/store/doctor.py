@@ -2,7 +2,9 @@
 
 Each check returns a ``Check`` with a status (``ok``, ``warn``, ``fail``), what
 was seen, and what to do about it. Checks never modify store data; they only
-create and remove their own probe files under ``tmp/``.
+create and remove their own probe files under ``tmp/``. Every file is opened without
+blocking (a FIFO is a finding, not a hang) and every database read-only; the checks of
+every file and row are in ``doctor_scan``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from . import doctor_scan
 from .errors import SpoolError
 from .fsio import DIR_MODE, full_fsync, probe_o_direct, tmp_name
 from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker
 from .sizes import format_size
+from .sqlite_files import connect_read_only
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -79,7 +83,12 @@ def run_checks(root: str | os.PathLike[str]) -> list[Check]:
         return checks
     checks.extend(_permission_checks(layout))
     checks.extend(_filesystem_checks(layout, marker.max_bytes))
+    checks.extend(doctor_scan.reserve_check(layout))
     checks.extend(_sqlite_checks(layout))
+    checks.extend(doctor_scan.catalog_write_check(layout))
+    checks.extend(doctor_scan.row_checks(layout))
+    checks.extend(doctor_scan.tree_checks(layout))
+    checks.extend(doctor_scan.scrub_checks(layout))
     return checks
 
 
@@ -142,7 +151,7 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
 
         used = 0
         with contextlib.suppress(sqlite3.DatabaseError, OSError):
-            cat = Catalog(layout.state / "catalog.sqlite3")
+            cat = Catalog(layout.state / "catalog.sqlite3", read_only=True)
             try:
                 used = cat.totals().bytes
             finally:
@@ -156,7 +165,7 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
         else:
             out.append(Check("fs.free", "ok", f"{format_size(usage.free)} free, store may grow "
                              f"by {format_size(need)}"))
-    odirect = probe_o_direct(layout.tmp)
+    odirect = probe_o_direct(layout.tmp) if os.access(layout.tmp, os.W_OK) else False
     out.append(Check("fs.o_direct", "ok",
                      "supported" if odirect else "not supported: buffered I/O is used"))
     probe = layout.tmp / f".doctor-{tmp_name()}"
@@ -181,13 +190,13 @@ def _sqlite_checks(layout: Layout) -> list[Check]:
     out = []
     for name in ("catalog.sqlite3", "scrub.sqlite3", "auth_requests.sqlite3"):
         path = layout.state / name
-        if not path.exists():
+        if not os.path.lexists(path):
             status: Status = "warn" if name == "catalog.sqlite3" else "ok"
             out.append(Check(f"sqlite.{name}", status, "not created yet",
                              "open the store once to create it" if status == "warn" else ""))
             continue
         try:
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+            db = connect_read_only(path, timeout=10)  # never follows a link or opens a FIFO
             try:
                 result = str(db.execute("PRAGMA quick_check").fetchone()[0])
                 mode = str(db.execute("PRAGMA journal_mode").fetchone()[0])

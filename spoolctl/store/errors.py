@@ -21,6 +21,7 @@ class QuarantineReason(str, enum.Enum):
     OBJECT_COLLISION = "object_collision"
     CATALOG = "catalog"
     SCRUB_STATE = "scrub_state"  # state/scrub.sqlite3 unreadable: quarantined and reset
+    AUTH_QUEUE = "auth_queue"  # state/auth_requests.sqlite3 unreadable: quarantined and reset
     UNKNOWN = "unknown"
 
 
@@ -66,8 +67,20 @@ class BusyError(SpoolError):
     """A lock or lease could not be taken within its timeout."""
 
 
+class ReadOnlyError(ConfigError):
+    """A write was attempted on a store opened with ``read_only=True``."""
+
+
 class StoreIOError(SpoolError):
-    """The disk failed under a write (ENOSPC, EIO...). Nothing partial was published."""
+    """The disk failed under a write (ENOSPC, EIO...). Nothing partial was published.
+
+    ``errno`` is the OS error number when one is known (ENOSPC for a full disk, also when
+    SQLite reported it), so callers can tell a full disk from other failures."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, fix: str | None = None,
+                 errno: int | None = None):
+        super().__init__(message, path=path, fix=fix)
+        self.errno = errno
 
 
 class CapacityError(SpoolError):
@@ -93,3 +106,10 @@ class CorruptionError(SpoolError):
 
 class ManifestError(CorruptionError):
     """A manifest that cannot be read or does not validate."""
+
+
+class ArchiveError(SpoolError):
+    """An export archive that is malformed, truncated, hostile or inconsistent (CLI exit 1).
+
+    Raised before anything of the defective part is published; entries completed and
+    verified before the defect stay (each was committed on its own)."""

@@ -2,8 +2,9 @@
 vLLM connector's gauges all read, so each fact is computed in one place.
 
 ``collect`` reads, once each: the catalog totals and per-kind counts (O(1) / one grouped
-query), the released backlog, the quarantine directory, ``tmp/``, the owner lease and the
-scrub progress database. It never changes the store. The snapshot is plain data; readers
+query), the released backlog, the malformed catalog rows (one scan), the quarantine
+directory, ``tmp/``, the owner lease and the scrub progress database. It never changes
+the store, and works on a store opened read-only. The snapshot is plain data; readers
 render it (``to_json`` is the ``status --json`` shape of these facts).
 """
 
@@ -52,6 +53,8 @@ class StoreFacts:
     owner: OwnerInfo | None
     scrub: ScrubSummary
     unknown_files: tuple[str, ...] = ()
+    malformed_rows: int = 0
+    read_only: bool = False
 
     @property
     def usage_ratio(self) -> float | None:
@@ -68,9 +71,17 @@ class StoreFacts:
         return last.quarantined if last else 0
 
     @property
+    def scrub_unreadable(self) -> int:
+        """Entries the last (or the current) scrub cycle could not read."""
+        last, cur = self.scrub.last_cycle, self.scrub.current_cycle
+        return max(last.unreadable if last else 0, cur.unreadable if cur else 0)
+
+    @property
     def needs_attention(self) -> bool:
-        """What ``status --check`` flags: quarantine, over max size, scrub findings."""
-        return bool(self.quarantine.items or self.over_max or self.last_scrub_quarantined)
+        """What ``status --check`` flags: quarantine, over max size, scrub findings
+        (quarantined or unreadable entries), malformed catalog rows."""
+        return bool(self.quarantine.items or self.over_max or self.last_scrub_quarantined
+                    or self.scrub_unreadable or self.malformed_rows)
 
     def to_json(self) -> dict[str, Any]:
         last = self.scrub.last_cycle
@@ -93,6 +104,9 @@ class StoreFacts:
             "scrub": self.scrub.to_json(self.totals.entries),
             "owner": self.owner.to_json() if self.owner else None,
             "unknown_files": list(self.unknown_files),
+            "malformed_rows": self.malformed_rows,
+            "scrub_unreadable": self.scrub_unreadable,
+            "read_only": self.read_only,
         }
 
 
@@ -120,4 +134,6 @@ def collect(store: Store) -> StoreFacts:
         owner=store.owner(),
         scrub=ScrubState.summary_of(store),
         unknown_files=tuple(store.unknown_files),
+        malformed_rows=store.malformed_count(),
+        read_only=store.read_only,
     )

@@ -32,8 +32,13 @@ DELETE_CHECKPOINTS: tuple[str, ...] = tuple(
     for point in ("manifest_deleted", "catalog_deleted", "object_deleted"))
 QUARANTINE_CHECKPOINTS: tuple[str, ...] = ("quarantine.catalog_deleted", "quarantine.moved")
 SCRUB_CHECKPOINTS: tuple[str, ...] = ("scrub.progress_saved",)
+# The import's batch commit (store/import_commit.py).
+IMPORT_CHECKPOINTS: tuple[str, ...] = (
+    "import.objects_fsynced", "import.object_published", "import.intents",
+    "import.manifest_published", "import.committed")
 CHECKPOINTS: frozenset[str] = frozenset(
-    COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS)
+    COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
+    + IMPORT_CHECKPOINTS)
 
 _target: str | None = None
 _countdown = 0

@@ -29,6 +29,7 @@ DIR_MODE = 0o700
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 READ_CHUNK = 8 << 20
 # Granularity of the read/hash and write/hash pipelines.
 PIPE_CHUNK = 2 << 20
@@ -85,6 +86,13 @@ def ensure_real_dirs(root: Path, directory: Path) -> None:
                           str(current))
 
 
+def describe_os_error(exc: OSError) -> str:
+    """The reason of an OSError in a few words, without the path (callers name it once)."""
+    if isinstance(exc, SpecialFileError):
+        return exc.strerror or "not a regular file"
+    return os.strerror(exc.errno) if exc.errno else (exc.strerror or type(exc).__name__)
+
+
 def tmp_name() -> str:
     """A unique in-flight file name that records the writer's pid (for abandonment checks)."""
     return f"{os.getpid()}-{secrets.token_hex(8)}.part"
@@ -92,25 +100,38 @@ def tmp_name() -> str:
 
 def io_error(exc: OSError, what: str, path: Path) -> StoreIOError:
     fix = {
-        errno.ENOSPC: "free disk space or lower the store's max size",
-        errno.EDQUOT: "raise the disk quota or lower the store's max size",
+        errno.ENOSPC: "free disk space: `spoolctl clean --released` and lowering the max size "
+                      "work on a full disk (docs/runbook.md)",
+        errno.EDQUOT: "raise the disk quota, or shed entries: `spoolctl clean --released`",
         errno.EROFS: "remount the filesystem read-write",
         errno.EACCES: "check the store's owner and permissions (`spoolctl doctor`)",
         errno.ELOOP: "a store directory was swapped for a symlink: inspect the store "
                      "before using it again",
     }.get(exc.errno or 0, "check the disk (`spoolctl doctor`, dmesg)")
-    return StoreIOError(f"{what} failed: {os.strerror(exc.errno or 0)}", path=path, fix=fix)
+    return StoreIOError(f"{what} failed: {describe_os_error(exc)}", path=path, fix=fix,
+                        errno=exc.errno)
+
+
+class SizeLimitExceeded(Exception):
+    """A streamed payload grew past the ``limit`` given to ``write_tmp`` (nothing kept)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"payload larger than {limit} bytes")
+        self.limit = limit
 
 
 def write_tmp(
     tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *,
-    on_written: Callable[[], None] | None = None,
+    on_written: Callable[[], None] | None = None, limit: int | None = None,
 ) -> tuple[Path, str, int]:
     """Write ``chunks`` to a new file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), hash
     them on the way, fsync, and return ``(tmp_path, digest, size)``.
 
     ``on_written`` is called once the bytes are written, before the fsync (a crash-test
-    checkpoint). On any error the partial file is removed and StoreIOError raised.
+    checkpoint). ``limit``: once more than this many bytes arrived, stop and raise
+    SizeLimitExceeded (a streamed payload is bounded while it streams, not after). On any
+    error the partial file is removed; an OS error is raised as StoreIOError, a chunk
+    that is not bytes-like as TypeError.
     """
     path = tmp_dir / tmp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
@@ -127,6 +148,8 @@ def write_tmp(
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
                 views.append(view)
+                if limit is not None and size + len(view) > limit:
+                    raise SizeLimitExceeded(limit)
                 while view:
                     n = os.write(fd, view)
                     size += n
@@ -157,13 +180,58 @@ def _unlink_quietly(path: Path) -> None:
         os.unlink(path)
 
 
+class SpecialFileError(OSError):
+    """A store path is not a regular file (a FIFO, socket, device or directory).
+
+    Raised instead of opening it for I/O: reading a FIFO would block forever, and no
+    spoolctl process ever creates anything but regular files in a store."""
+
+    def __init__(self, path: Path | str, mode: int):
+        super().__init__(errno.EINVAL, f"not a regular file ({file_kind(mode)})", str(path))
+        self.kind = file_kind(mode)
+
+
+def file_kind(mode: int) -> str:
+    """``fifo``, ``socket``, ``directory``... for an ``st_mode`` (for messages)."""
+    for test, name in ((stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISREG, "regular file")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = FILE_MODE) -> int:
+    """Open a store file without ever blocking and only if it is a regular file.
+
+    ``O_NONBLOCK`` makes the open of a FIFO return at once (a plain open for reading
+    waits for a writer forever), ``O_NOFOLLOW`` refuses a symlink at the last component,
+    and ``fstat`` on the descriptor refuses anything that is not a regular file with
+    ``SpecialFileError``. The descriptor is switched back to blocking mode (which regular
+    files ignore anyway)."""
+    fd = os.open(path, flags | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, mode)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecialFileError(path, st.st_mode)
+        if _O_NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_for_read(path: Path) -> int:
-    """Open a store file for reading without following a symlink at its last component."""
-    return os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+    """Open a store file for reading: no symlink at its last component, never blocks,
+    regular files only (``open_regular``)."""
+    return open_regular(path)
 
 
 def read_small(path: Path, limit: int) -> bytes:
-    """Read a whole small file (manifest, marker) without following symlinks."""
+    """Read a whole small file (manifest, marker, reason) without following symlinks;
+    at most ``limit + 1`` bytes, so a caller can tell an oversized file."""
     fd = open_for_read(path)
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
@@ -186,7 +254,7 @@ def read_manifest(path: Path, entry_id: str) -> Manifest:
     except OSError as exc:
         if exc.errno == errno.ENOENT:
             raise FileNotFoundError(path) from None
-        raise ManifestError(f"manifest unreadable: {os.strerror(exc.errno or 0)}",
+        raise ManifestError(f"manifest unreadable: {describe_os_error(exc)}",
                             reason=QuarantineReason.MANIFEST_IO, path=path,
                             entry_id=entry_id) from None
     return decode(data, expected_entry_id=entry_id, path=str(path))
@@ -243,9 +311,15 @@ def read_verified(
     chunk i+1 is read; both release the GIL), so verification costs little over a
     raw read. Returns a view of the bytes (``into`` if given). Raises
     ``FileNotFoundError`` if the object is missing, ``CorruptionError`` on a size
-    or digest mismatch. The returned bytes are only ever handed out verified.
+    or digest mismatch or if the object is not a regular file (never blocks on a FIFO),
+    ``OSError`` (e.g. EACCES) if it cannot be read. The returned bytes are only ever
+    handed out verified.
     """
-    fd = open_for_read(path)
+    try:
+        fd = open_for_read(path)
+    except SpecialFileError as exc:
+        raise CorruptionError(f"object is not a regular file ({exc.kind})",
+                              reason=QuarantineReason.PAYLOAD_MISSING, path=path) from None
     try:
         actual = os.fstat(fd).st_size
         if actual != size:
@@ -337,18 +411,22 @@ _unlink_pool_lock = threading.Lock()
 _unlink_pool: ThreadPoolExecutor | None = None
 
 
-def _unlink_sized(path: Path) -> int | None:
-    """Unlink ``path``; return its size, or None if it was already gone."""
+def _unlink_sized(path: Path) -> int | OSError | None:
+    """Unlink ``path``; return its size, None if it was already gone, or the OSError that
+    kept it (EACCES, EROFS...: the caller reports it and moves on)."""
     try:
         size = os.lstat(path).st_size
         os.unlink(path)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        return exc
     return size
 
 
-def unlink_many(paths: list[Path]) -> Iterable[int | None]:
-    """Unlink ``paths`` concurrently; yield, in order, each one's size (None if absent).
+def unlink_many(paths: list[Path]) -> Iterable[int | OSError | None]:
+    """Unlink ``paths`` concurrently; yield, in order, each one's size (None if absent,
+    the OSError if it could not be deleted).
 
     Results are yielded as they complete in order, so a caller can mark a checkpoint
     after each; other unlinks may already be in flight at that moment.

@@ -9,6 +9,12 @@
   visible that is incomplete (leftover objects are orphans, see ``recovery``);
 * ``clean_tmp``: temp files whose writer is dead (or that are too old to be in flight).
 
+On a full disk a deletion must still go through (it is how space comes back): if the
+catalog cannot record a batch for lack of space, the batch is split and each part's
+objects are deleted before the next part is recorded, so each step frees room for the
+next. A file that cannot be deleted (a directory without write permission) is counted in
+``DeleteReport.failed`` and its entry kept, never an exception that stops the pass.
+
 Locking is the caller's job: ``Store`` holds the exclusive maintenance lock around every
 method here except ``clean_tmp`` (temp files of live writers are never touched, so it
 needs no lock). Results are ``DeleteReport`` data; ``dry_run`` plans without deleting.
@@ -17,14 +23,17 @@ needs no lock). Results are ``DeleteReport`` data; ``dry_run`` plans without del
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .fsio import fsync_dir, unlink_many
+from .fsio import describe_os_error, fsync_dir, unlink_many
+from .sqlite_files import no_space
 
 if TYPE_CHECKING:
     from .store import Store
@@ -34,6 +43,7 @@ DELETE_BATCH = 1000
 DEFAULT_ORPHAN_AGE = 3600.0
 LIVE_WRITER_GRACE = 3600.0
 _TMP_RE = re.compile(r"([0-9]+)-[0-9a-f]{16}\.part")
+log = logging.getLogger("spoolctl.store")
 
 
 @dataclass
@@ -46,6 +56,8 @@ class DeleteReport:
     files: int = 0
     dry_run: bool = False
     entry_ids: list[str] = field(default_factory=list)
+    # files that could not be deleted (path: reason), e.g. a directory without write access
+    failed: dict[str, str] = field(default_factory=dict)
 
     def add(self, other: DeleteReport) -> None:
         self.entries += other.entries
@@ -53,12 +65,17 @@ class DeleteReport:
         self.bytes += other.bytes
         self.files += other.files
         self.entry_ids.extend(other.entry_ids)
+        self.failed.update(other.failed)
 
     def to_json(self) -> dict:
-        return {
+        doc = {
             "entries": self.entries, "objects": self.objects, "bytes": self.bytes,
             "files": self.files, "dry_run": self.dry_run,
         }
+        if self.failed:
+            doc["failed"] = len(self.failed)
+            doc["failed_paths"] = dict(list(self.failed.items())[:20])
+        return doc
 
 
 class GarbageCollector:
@@ -78,9 +95,15 @@ class GarbageCollector:
             return report
         # Id order: each batch touches few manifest fan-out dirs, so it needs few
         # directory fsyncs (10k released entries: ~256 instead of ~2,500).
-        while rows := catalog.list(hint="release", sort="id", limit=DELETE_BATCH,
-                                   skip_held=True):
-            report.add(self.delete_entries([r.entry_id for r in rows], "clean"))
+        kept: set[str] = set()  # entries whose manifest could not be deleted
+        while rows := [r for r in catalog.list(hint="release", sort="id",
+                                               limit=DELETE_BATCH + len(kept), skip_held=True)
+                       if r.entry_id not in kept]:
+            done = self.delete_entries([r.entry_id for r in rows], "clean")
+            report.add(done)
+            kept.update(e for e in (r.entry_id for r in rows) if e not in done.entry_ids)
+            if len(rows) < DELETE_BATCH:
+                break
         return report
 
     def delete_if_released(self, entry_ids: list[str]) -> DeleteReport:
@@ -122,9 +145,12 @@ class GarbageCollector:
                     break
             if not batch:
                 break
-            report.add(self.delete_entries(batch, "evict"))
+            done = self.delete_entries(batch, "evict")
+            report.add(done)
             remaining -= len(batch)
             total = catalog.totals().bytes
+            if not done.entry_ids:
+                break  # nothing could be deleted (permissions): do not spin
         return report
 
     def delete_entries(self, entry_ids: list[str], step: str) -> DeleteReport:
@@ -134,28 +160,55 @@ class GarbageCollector:
         """
         store = self._store
         layout = store.layout
-        report = DeleteReport(entries=len(entry_ids), entry_ids=list(entry_ids))
+        report = DeleteReport()
         dirs: set[Path] = set()
+        deleted: list[str] = []
         paths = [layout.manifest_path(entry_id) for entry_id in entry_ids]
-        for path, size in zip(paths, unlink_many(paths), strict=True):  # concurrent (fsio)
+        for entry_id, path, size in zip(entry_ids, paths, unlink_many(paths), strict=True):
+            if isinstance(size, OSError):  # the entry stays whole: its row is kept too
+                report.failed[str(path)] = describe_os_error(size)
+                continue
+            deleted.append(entry_id)
             if size is not None:
                 report.bytes += size
                 dirs.add(path.parent)
             store.checkpoint(f"{step}.manifest_deleted")
         for d in dirs:
             fsync_dir(d)
-        freed = store.catalog.delete_entries(entry_ids)
-        store.checkpoint(f"{step}.catalog_deleted")
-        paths = [layout.object_path(digest) for digest, _size in freed]
-        for (_digest, size), gone in zip(freed, unlink_many(paths), strict=True):
-            if gone is not None:
-                report.objects += 1
-                report.bytes += size
-            store.checkpoint(f"{step}.object_deleted")
+        report.entries, report.entry_ids = len(deleted), list(deleted)
+        chunk = max(len(deleted), 1)
+        while deleted:
+            part = deleted[:chunk]
+            try:
+                freed = store.catalog.delete_entries(part)
+            except sqlite3.OperationalError as exc:
+                if not no_space(exc, store.catalog.path) or chunk == 1:
+                    raise
+                chunk = max(1, chunk // 16)  # smaller transactions need less journal space
+                log.warning("disk full: deleting in batches of %d entries", chunk)
+                continue
+            deleted = deleted[len(part):]
+            store.checkpoint(f"{step}.catalog_deleted")
+            self._unlink_objects(freed, report, step)
         # No fsync of the object directories: an object unlink lost in a crash leaves an
         # unreferenced object, which orphan collection reclaims (the catalog deletion above
         # is already durable). This halves the directory fsyncs of every deletion batch.
+        if report.failed:
+            log.warning("could not delete %d file(s), e.g. %s", len(report.failed),
+                        next(iter(report.failed.items())))
         return report
+
+    def _unlink_objects(self, freed: list[tuple[str, int]], report: DeleteReport,
+                        step: str) -> None:
+        store = self._store
+        paths = [store.layout.object_path(digest) for digest, _size in freed]
+        for path, (_digest, size), gone in zip(paths, freed, unlink_many(paths), strict=True):
+            if isinstance(gone, OSError):
+                report.failed[str(path)] = describe_os_error(gone)  # an orphan until fixed
+            elif gone is not None:
+                report.objects += 1
+                report.bytes += size
+            store.checkpoint(f"{step}.object_deleted")
 
 
 def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool) -> DeleteReport:
@@ -168,7 +221,12 @@ def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool) -> DeleteReport:
     """
     report = DeleteReport(dry_run=dry_run)
     now = time.time()
-    for e in os.scandir(tmp_dir):
+    try:
+        found = list(os.scandir(tmp_dir))
+    except OSError as exc:
+        report.failed[str(tmp_dir)] = describe_os_error(exc)
+        return report
+    for e in found:
         m = _TMP_RE.fullmatch(e.name)
         try:
             st = e.stat(follow_symlinks=False)
@@ -179,21 +237,27 @@ def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool) -> DeleteReport:
         age = now - st.st_mtime
         if alive and age < max(min_age, LIVE_WRITER_GRACE):
             continue
+        if not dry_run:
+            try:
+                os.unlink(e.path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                report.failed[e.path] = describe_os_error(exc)
+                continue
         report.files += 1
         report.bytes += st.st_size
-        if not dry_run:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(e.path)
     return report
 
 
 def tmp_usage(tmp_dir: Path) -> tuple[int, int]:
     """(files, bytes) under ``tmp_dir``."""
     files = size = 0
-    for e in os.scandir(tmp_dir):
-        with contextlib.suppress(FileNotFoundError):
-            size += e.stat(follow_symlinks=False).st_size
-            files += 1
+    with contextlib.suppress(OSError):  # an unreadable tmp/ is doctor's finding
+        for e in os.scandir(tmp_dir):
+            with contextlib.suppress(FileNotFoundError):
+                size += e.stat(follow_symlinks=False).st_size
+                files += 1
     return files, size
 
 

@@ -10,7 +10,11 @@
   killed worker never leaves a stale owner.
 
 Each acquisition opens its own file description, so threads of one process
-exclude each other exactly like separate processes do.
+exclude each other exactly like separate processes do. A lock file is opened only if
+its directory (``state/``) and the root above it are real directories, never through a
+symlink, never blocking, and only if it is a regular file (``fsio.open_regular``): a
+``state/`` swapped for a link after the store was opened cannot make lock files appear
+outside the root, and a FIFO in a lock's place is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -26,15 +30,32 @@ from pathlib import Path
 
 import portalocker
 
-from .errors import BusyError
-from .fsio import FILE_MODE
+from .errors import BusyError, StoreIOError
+from .fsio import FILE_MODE, ensure_real_dirs, io_error, open_regular, read_small, write_tmp
 
 _POLL = 0.01
 
 
 def _open_lock_file(path: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+    try:
+        ensure_real_dirs(path.parent.parent, path.parent)
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except OSError as exc:
+        raise io_error(exc, "opening a lock file", path) from exc
     return os.fdopen(fd, "r+b")
+
+
+def _open_lock_file_read_only(path: Path):
+    """The lock file opened for reading only (flock works on it), or None if it does not
+    exist: a read-only store process creates nothing."""
+    try:
+        ensure_real_dirs(path.parent.parent, path.parent)
+        fd = open_regular(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise io_error(exc, "opening a lock file", path) from exc
+    return os.fdopen(fd, "rb")
 
 
 def _acquire(path: Path, flags: portalocker.LockFlags, timeout: float | None):
@@ -178,11 +199,14 @@ class OwnerLease:
         if fh is None:
             return False
         self._fh = fh
-        tmp = self._info_path.with_suffix(f".{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.info.to_json(), f)
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, self._info_path)
+        try:
+            # a unique temp file (O_EXCL|O_NOFOLLOW, 0600), never a predictable name
+            tmp, _, _ = write_tmp(self._info_path.parent,
+                                  [json.dumps(self.info.to_json()).encode()])
+            os.replace(tmp, self._info_path)
+        except (OSError, StoreIOError):
+            # who holds the lease is advisory; the lock itself is the lease
+            pass
         return True
 
     @property
@@ -200,12 +224,27 @@ class OwnerLease:
 
 
 def read_owner(lock_path: Path, info_path: Path) -> OwnerInfo | None:
-    """The live owner, or None. A lease whose process died is not reported."""
-    with try_hold(lock_path, exclusive=False) as free:
-        if free:
-            return None
+    """The live owner, or None. A lease whose process died is not reported.
+
+    Opens the lock file read-only and creates nothing (works on a store this process
+    cannot write)."""
+    fh = _open_lock_file_read_only(lock_path)
+    if fh is None:
+        return None
     try:
-        doc = json.loads(info_path.read_text())
-        return OwnerInfo(int(doc["pid"]), str(doc["host"]), str(doc["role"]), float(doc["since"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            portalocker.lock(fh, portalocker.LockFlags.SHARED
+                             | portalocker.LockFlags.NON_BLOCKING)
+        except portalocker.exceptions.LockException:
+            pass  # held exclusively: a live owner
+        else:
+            portalocker.unlock(fh)
+            return None
+    finally:
+        fh.close()
+    try:
+        doc = json.loads(read_small(info_path, 1 << 16))
+        return OwnerInfo(int(doc["pid"]), str(doc["host"])[:255], str(doc["role"])[:64],
+                         float(doc["since"]))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return OwnerInfo(pid=0, host="?", role="unknown", since=0.0)

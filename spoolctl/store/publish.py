@@ -52,12 +52,13 @@ class Publisher:
         if what is not None:
             self._checkpoint(f"{what}.{step}")
 
-    def stage(self, chunks: Chunks, *, what: str | None) -> Staged:
+    def stage(self, chunks: Chunks, *, what: str | None, limit: int | None = None) -> Staged:
         """Step 1: write ``chunks`` to a temp file, hash and fsync it.
 
-        Raises StoreIOError (nothing left behind) if the disk fails.
+        Raises StoreIOError (nothing left behind) if the disk fails, SizeLimitExceeded if
+        more than ``limit`` bytes arrive, TypeError for a chunk that is not bytes-like.
         """
-        tmp, digest, size = write_tmp(self.tmp_dir, chunks,
+        tmp, digest, size = write_tmp(self.tmp_dir, chunks, limit=limit,
                                       on_written=lambda: self._mark(what, "tmp_written"))
         staged = Staged(tmp, digest, size)
         with self.failing(staged, "writing", tmp):

@@ -10,6 +10,7 @@ automatically; ``spoolctl quarantine purge`` does it on request.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InvalidIdError, NotFoundError, QuarantineReason
-from .fsio import DIR_MODE, ensure_real_dirs, fsync_dir, io_error, write_tmp
+from .fsio import DIR_MODE, ensure_real_dirs, fsync_dir, io_error, read_small, write_tmp
 
 SCHEMA = "spoolctl-quarantine/v1"
 REASON_FILE = "reason.json"
@@ -74,17 +75,23 @@ class Quarantine:
         kind: str | None = None,
         checkpoint=None,
     ) -> Path:
-        """Move ``files`` ((path, role) pairs) into a new item; missing files are skipped."""
+        """Move ``files`` ((path, role) pairs) into a new item; missing files are skipped.
+
+        Raises StoreIOError if the item cannot be made (a read-only or full directory)."""
+        try:
+            return self._add(reason, detail, files, entry_id=entry_id, kind=kind,
+                             checkpoint=checkpoint)
+        except OSError as exc:
+            raise io_error(exc, "quarantining", self.directory) from exc
+
+    def _add(self, reason, detail, files, *, entry_id, kind, checkpoint) -> Path:
         now = time.time()
         item_id = (
             time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
             + f"-{reason.value}-{secrets.token_hex(4)}"
         )
         item = self.directory / item_id
-        try:
-            ensure_real_dirs(self.directory.parent, self.directory)  # no redirected evidence
-        except OSError as exc:
-            raise io_error(exc, "quarantining", self.directory) from exc
+        ensure_real_dirs(self.directory.parent, self.directory)  # no redirected evidence
         os.mkdir(item, DIR_MODE)
         doc = {
             "schema": SCHEMA, "item": item_id, "reason": reason.value, "detail": detail[:500],
@@ -110,6 +117,8 @@ class Quarantine:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise io_error(exc, "listing the quarantine", self.directory) from exc
         for name in names:
             if _ITEM_RE.fullmatch(name):
                 out.append(self._load(name))
@@ -125,27 +134,36 @@ class Quarantine:
     def _load(self, name: str) -> QuarantineItem:
         path = self.directory / name
         size = 0
-        for child in path.iterdir():
-            if child.name != REASON_FILE and child.is_file() and not child.is_symlink():
-                size += child.stat().st_size
         try:
-            doc = json.loads((path / REASON_FILE).read_text())
+            for child in os.scandir(path):
+                if child.name != REASON_FILE and child.is_file(follow_symlinks=False):
+                    size += child.stat(follow_symlinks=False).st_size
+        except OSError:
+            pass  # an unreadable item still lists, with what its reason file says
+        try:
+            # read_small: bounded, never follows a symlink, never blocks on a FIFO
+            doc = json.loads(read_small(path / REASON_FILE, 1 << 20))
             if not isinstance(doc, dict):
                 raise ValueError
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             doc = {"reason": QuarantineReason.UNKNOWN.value, "detail": "reason.json unreadable"}
         reason = str(doc.get("reason", "unknown"))
         if reason not in {r.value for r in QuarantineReason}:
             reason = QuarantineReason.UNKNOWN.value
         files = [f for f in doc.get("files", []) if isinstance(f, dict)]
+        when = doc.get("time")
         return QuarantineItem(
-            item_id=name, path=path, reason=reason, detail=str(doc.get("detail", "")),
-            time=float(doc.get("time", 0.0) or 0.0),
+            item_id=name, path=path, reason=reason, detail=str(doc.get("detail", ""))[:500],
+            time=float(when) if isinstance(when, (int, float)) and not isinstance(when, bool)
+            and math.isfinite(when) else 0.0,
             entry_id=doc.get("entry_id") if isinstance(doc.get("entry_id"), str) else None,
             kind=doc.get("kind") if isinstance(doc.get("kind"), str) else None,
             files=files, bytes=size,
         )
 
     def remove(self, item: QuarantineItem) -> None:
-        shutil.rmtree(item.path)
-        fsync_dir(self.directory)
+        try:
+            shutil.rmtree(item.path)
+            fsync_dir(self.directory)
+        except OSError as exc:
+            raise io_error(exc, "purging a quarantine item", item.path) from exc

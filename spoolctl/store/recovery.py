@@ -12,13 +12,18 @@ the manifests:
   files that do not belong in the store;
 * ``readmit``: move a quarantined entry back once it verifies again.
 
-A manifest that does not decode is quarantined on the way. Locking is the caller's job:
-``Store`` holds the exclusive maintenance lock around each of these.
+A manifest that does not decode is quarantined on the way. Catalog rows that are not
+what spoolctl writes (``rows``) are re-indexed from their manifest, keeping the
+catalog-only facts that are still well formed. A directory that cannot be read is
+reported (``ReconcileReport.unreadable``) and left alone: nothing under it is taken for
+gone, so no row is dropped and no object deleted because of a permission problem.
+Locking is the caller's job: ``Store`` holds the exclusive maintenance lock around each.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
@@ -27,11 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import CorruptionError, ManifestError, QuarantineReason
-from .fsio import read_manifest, read_verified
+from .errors import CorruptionError, ManifestError, NotFoundError, QuarantineReason
+from .fsio import SpecialFileError, describe_os_error, read_manifest, read_verified
 from .gc import DeleteReport, GarbageCollector
 from .manifest import Manifest
 from .root import KNOWN_TOP
+from .rows import parse_index, valid_facts
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -53,12 +59,15 @@ class ReconcileReport:
     orphan_objects: DeleteReport = field(default_factory=DeleteReport)
     young_orphans: int = 0
     unknown_files: list[str] = field(default_factory=list)
+    repaired_rows: int = 0
+    unreadable: dict[str, str] = field(default_factory=dict)  # directory -> reason
 
     def to_json(self) -> dict:
         return {
             "indexed": self.indexed, "dropped_rows": self.dropped_rows,
             "quarantined": self.quarantined, "orphans": self.orphan_objects.to_json(),
             "young_orphans": self.young_orphans, "unknown_files": self.unknown_files[:100],
+            "repaired_rows": self.repaired_rows, "unreadable": dict(self.unreadable),
         }
 
 
@@ -71,22 +80,24 @@ class Recovery:
 
     # -- walking the manifests ---------------------------------------------------------
 
-    def manifest_files(self) -> Iterator[Path]:
-        """Every well-named regular file under ``manifests/<aa>/``, in fan-out order."""
-        for fan in sorted(os.scandir(self._store.layout.manifests), key=lambda e: e.name):
+    def manifest_files(self, unreadable: dict[str, str] | None = None) -> Iterator[Path]:
+        """Every well-named file under ``manifests/<aa>/`` (regular or not: a special file
+        in a manifest's place is quarantined by the caller), in fan-out order. A directory
+        that cannot be read is added to ``unreadable`` (path -> reason) and skipped."""
+        unreadable = {} if unreadable is None else unreadable
+        for fan in _scan(self._store.layout.manifests, unreadable, sort=True):
             if not fan.is_dir(follow_symlinks=False):
                 continue
-            with os.scandir(fan.path) as it:
-                for e in it:
-                    if _MAN_RE.fullmatch(e.name) and e.is_file(follow_symlinks=False):
-                        yield Path(e.path)
+            for e in _scan(Path(fan.path), unreadable):
+                if _MAN_RE.fullmatch(e.name) and not e.is_dir(follow_symlinks=False) \
+                        and not e.is_symlink():
+                    yield Path(e.path)
 
     def has_manifests(self) -> bool:
-        for fan in os.scandir(self._store.layout.manifests):
-            if fan.is_dir(follow_symlinks=False):
-                with os.scandir(fan.path) as it:
-                    if any(_MAN_RE.fullmatch(e.name) for e in it):
-                        return True
+        for fan in _scan(self._store.layout.manifests, {}):
+            if fan.is_dir(follow_symlinks=False) and \
+                    any(_MAN_RE.fullmatch(e.name) for e in _scan(Path(fan.path), {})):
+                return True
         return False
 
     def decode_found(self, path: Path) -> Manifest | None:
@@ -94,7 +105,10 @@ class Recovery:
         entry_id = path.name[:-5]
         try:
             return read_manifest(path, entry_id)
-        except ManifestError as exc:
+        except (ManifestError, SpecialFileError) as exc:
+            if isinstance(exc, SpecialFileError):
+                exc = ManifestError(f"manifest is not a regular file ({exc.kind})",
+                                    reason=QuarantineReason.MANIFEST_IO, path=path)
             self._store.quarantine_files(entry_id, exc.reason, exc.message,
                                          [(path, "manifest")])
             return None
@@ -108,7 +122,7 @@ class Recovery:
         for path in self.manifest_files():
             manifest = self.decode_found(path)
             if manifest is not None:
-                catalog.index_manifest(manifest, path.stat().st_size)
+                catalog.index_manifest(manifest, path.lstat().st_size)
 
     def resolve_pending(self) -> None:
         """Finish or roll back commits interrupted by a crash."""
@@ -130,7 +144,7 @@ class Recovery:
             self.resolve_pending()
         indexed = catalog.all_entry_ids()
         on_disk: set[str] = set()
-        for path in self.manifest_files():
+        for path in self.manifest_files(report.unreadable):
             entry_id = path.name[:-5]
             on_disk.add(entry_id)
             if entry_id in indexed or dry_run:
@@ -139,35 +153,90 @@ class Recovery:
             if manifest is None:
                 report.quarantined += 1
             else:
-                catalog.index_manifest(manifest, path.stat().st_size)
+                catalog.index_manifest(manifest, path.lstat().st_size)
                 report.indexed += 1
         report.unknown_files += self._unknown_in(layout.manifests, _MAN_RE)
-        gone = sorted(indexed - on_disk)
+        # A manifest fan-out that could not be listed hides its entries: never take them
+        # for gone (that would drop their rows and delete their objects).
+        hidden = {Path(p).name for p in report.unreadable if Path(p).parent == layout.manifests}
+        hidden_all = str(layout.manifests) in report.unreadable
+        gone = sorted(e for e in indexed - on_disk
+                      if not hidden_all and (not isinstance(e, str) or e[:2] not in hidden))
         if gone and not dry_run:
-            freed = catalog.delete_entries(gone)
-            for digest, _size in freed:
-                with contextlib.suppress(FileNotFoundError):
+            for digest, _size in catalog.delete_entries(gone):
+                with contextlib.suppress(OSError):  # left an orphan: reclaimed below or later
                     os.unlink(layout.object_path(digest))
         report.dropped_rows = len(gone)
-        known = catalog.all_digests()
+        if not dry_run:
+            report.repaired_rows = self.repair_rows()
+        self._collect_objects(report, catalog.all_digests(), min_age, dry_run)
+        report.unknown_files += self._unknown_in(layout.objects, _OBJ_RE)
+        return report
+
+    def _collect_objects(self, report: ReconcileReport, known: set[str], min_age: float,
+                         dry_run: bool) -> None:
+        """Delete unreferenced objects older than ``min_age`` (count the younger ones)."""
         now = time.time()
-        for fan in os.scandir(layout.objects):
+        for fan in _scan(self._store.layout.objects, report.unreadable):
             if not fan.is_dir(follow_symlinks=False):
                 continue
-            for e in os.scandir(fan.path):
+            for e in _scan(Path(fan.path), report.unreadable):
                 if not _OBJ_RE.fullmatch(e.name) or e.name[:-4] in known:
                     continue
-                st = e.stat(follow_symlinks=False)
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
                 if now - st.st_mtime < min_age:
                     report.young_orphans += 1
                     continue
+                if not dry_run:
+                    try:
+                        os.unlink(e.path)
+                    except FileNotFoundError:
+                        continue
+                    except OSError as exc:
+                        report.orphan_objects.failed[e.path] = describe_os_error(exc)
+                        continue
                 report.orphan_objects.objects += 1
                 report.orphan_objects.bytes += st.st_size
-                if not dry_run:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
-        report.unknown_files += self._unknown_in(layout.objects, _OBJ_RE)
-        return report
+
+    def repair_rows(self, limit: int = 10_000) -> int:
+        """Re-index malformed catalog rows from their manifests, keeping the catalog-only
+        facts that are still well formed (hint, remote_pending...); drop rows whose
+        manifest is gone. Returns how many rows were repaired or dropped."""
+        store = self._store
+        catalog = store.catalog
+        done = 0
+        for entry_id, _why in catalog.malformed(limit):
+            raw = catalog.raw_row(entry_id)
+            named = isinstance(entry_id, str) and _MAN_RE.fullmatch(f"{entry_id}.json")
+            path = store.layout.manifests / str(entry_id)[:2] / f"{entry_id}.json"
+            manifest = self.decode_found(path) if named and os.path.lexists(path) else None
+            if manifest is None:
+                catalog.delete_entries([entry_id])  # no manifest: nothing to keep
+                done += 1
+                continue
+            hint, index_json = raw if raw else ("retain", None)
+            try:
+                kept = parse_index(index_json)
+            except ValueError:
+                loaded = None
+                with contextlib.suppress(ValueError, TypeError, RecursionError):
+                    loaded = json.loads(index_json) if isinstance(index_json, str) else None
+                if isinstance(loaded, dict):
+                    kept = valid_facts(loaded)
+                else:
+                    # The catalog-only facts are lost (a remote delete may be owed): keep
+                    # the entry retained, so nothing is deleted on a guess; an expiring
+                    # record is settled by its owner once it has expired.
+                    kept, hint = {}, "retain"
+            catalog.index_manifest(manifest, path.lstat().st_size,
+                                   hint=hint if hint in ("retain", "release") else "retain",
+                                   last_access=time.time(),
+                                   index={**dict(manifest.index), **kept})
+            done += 1
+        return done
 
     def readmit(self, item: QuarantineItem, entry_id: str, publisher: Publisher) -> Manifest:
         """Move a quarantined entry back if, and only if, its manifest and every object
@@ -178,22 +247,40 @@ class Recovery:
         """
         layout = self._store.layout
         src = item.path / f"{entry_id}.json"
+        purge = f"purge it with `spoolctl quarantine purge {item.item_id} --yes`"
         try:
             manifest = read_manifest(src, entry_id)
         except FileNotFoundError:
             raise CorruptionError("the item has no manifest to restore",
-                                  reason=QuarantineReason.MANIFEST_IO, path=src) from None
+                                  reason=QuarantineReason.MANIFEST_IO, path=src,
+                                  fix=purge) from None
+        except OSError as exc:
+            raise CorruptionError(f"the item's manifest is unreadable: {describe_os_error(exc)}",
+                                  reason=QuarantineReason.MANIFEST_IO, path=src,
+                                  fix=purge) from None
         moves = []
         for ref in manifest.objects:
             in_item = item.path / f"{ref.digest}.obj"
             in_store = layout.object_path(ref.digest)
-            candidate = in_item if in_item.exists() else in_store
+            candidate = in_item if os.path.lexists(in_item) else in_store
             try:
                 read_verified(candidate, digest=ref.digest, size=ref.size)
-            except (OSError, CorruptionError) as exc:
-                raise CorruptionError(f"object {ref.name} still fails: {exc}",
-                                      reason=QuarantineReason.PAYLOAD_DIGEST,
-                                      path=candidate) from None
+            except FileNotFoundError:
+                # Orphan collection reclaimed a healthy sibling after the quarantine (only
+                # the bad object is kept as evidence): the entry cannot come back whole.
+                raise NotFoundError(
+                    f"entry {entry_id[:16]} can no longer be restored: its object "
+                    f"{ref.name} was reclaimed after the entry was quarantined",
+                    fix=purge) from None
+            except CorruptionError as exc:
+                raise CorruptionError(f"object {ref.name} still fails: {exc.message}",
+                                      reason=exc.reason, path=candidate, fix=purge) from None
+            except OSError as exc:
+                raise CorruptionError(f"object {ref.name} cannot be read: "
+                                      f"{describe_os_error(exc)}",
+                                      reason=QuarantineReason.PAYLOAD_MISSING, path=candidate,
+                                      fix="fix its permissions (`spoolctl doctor`) and retry"
+                                      ) from None
             if candidate == in_item:
                 moves.append((in_item, in_store))
         for a, b in moves:
@@ -209,11 +296,11 @@ class Recovery:
     @staticmethod
     def _unknown_in(parent: Path, pattern: re.Pattern[str]) -> list[str]:
         out = []
-        for fan in os.scandir(parent):
+        for fan in _scan(parent, {}):
             if not fan.is_dir(follow_symlinks=False) or len(fan.name) != 2:
                 out.append(fan.path)
                 continue
-            for e in os.scandir(fan.path):
+            for e in _scan(Path(fan.path), {}):
                 if not pattern.fullmatch(e.name) or not e.name.startswith(fan.name) or \
                         not e.is_file(follow_symlinks=False):
                     out.append(e.path)
@@ -221,3 +308,17 @@ class Recovery:
 
     def unknown_top_level(self) -> list[str]:
         return sorted(name for name in os.listdir(self._store.root) if name not in KNOWN_TOP)
+
+
+def _scan(directory: Path, unreadable: dict[str, str], *, sort: bool = False) -> list:
+    """The entries of ``directory``; [] (and ``unreadable[directory] = reason``) if it
+    cannot be listed."""
+    try:
+        with os.scandir(directory) as it:
+            found = list(it)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        unreadable[str(directory)] = describe_os_error(exc)
+        return []
+    return sorted(found, key=lambda e: e.name) if sort else found

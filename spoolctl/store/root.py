@@ -1,23 +1,35 @@
-"""Store roots: validation, the ``.spoolctl-root`` marker, and the directory layout."""
+"""Store roots: validation, the ``.spoolctl-root`` marker, and the directory layout.
+
+Rules (docs/concepts.md, "Roots"): a root is absolute and reached through no symlink;
+it is created only when new or empty, adopted only with a valid marker, and used only by
+the user who owns it (from the very first open: an empty directory owned by someone else
+is refused too, so root cannot seed root-owned files into a user's directory). A
+read-only open creates and rewrites nothing, so it may read a store another user owns.
+The marker is validated strictly: wrong types are a one-line RootError, never a guess.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import secrets
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RootError
-from .fsio import DIR_MODE, fsync_dir, read_small, write_tmp
+from .errors import InvalidIdError, RootError
+from .fsio import DIR_MODE, describe_os_error, fsync_dir, read_small, write_tmp
 
 MARKER = ".spoolctl-root"
 ROOT_SCHEMA = "spoolctl-root/v1"
 SUBDIRS = ("objects", "manifests", "tmp", "quarantine", "state")
 FANOUT = [f"{i:02x}" for i in range(256)]
 KNOWN_TOP = frozenset((MARKER, *SUBDIRS))
+_STORE_ID_RE = re.compile(r"[0-9A-Za-z_-]{1,64}")
+_HEX64_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -51,10 +63,20 @@ class Layout:
         return self.root / "state"
 
     def object_path(self, digest: str) -> Path:
-        return self.objects / digest[:2] / f"{digest}.obj"
+        return self.objects / digest[:2] / f"{_hex64(digest, 'object digest')}.obj"
 
     def manifest_path(self, entry_id: str) -> Path:
-        return self.manifests / entry_id[:2] / f"{entry_id}.json"
+        return self.manifests / entry_id[:2] / f"{_hex64(entry_id, 'entry id')}.json"
+
+
+def _hex64(value: str, what: str) -> str:
+    """No path is ever built from anything but 64 lowercase hex characters (the last line
+    of defence against ids read from a hand-edited catalog or a foreign file)."""
+    if not isinstance(value, str) or not _HEX64_RE.fullmatch(value):
+        raise InvalidIdError(f"invalid {what} {str(value)[:80]!r}",
+                             fix="this value came from a damaged catalog or file: run "
+                                 "`spoolctl doctor`")
+    return value
 
 
 @dataclass(frozen=True)
@@ -114,28 +136,61 @@ def read_marker(layout: Layout) -> Marker:
             path=layout.root,
             fix="run `spoolctl init --root PATH` to create a store there",
         ) from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise RootError(
-            f"unreadable store marker ({type(exc).__name__})",
+            f"unreadable store marker: {describe_os_error(exc)}",
             path=layout.marker,
-            fix="check the file; if the store is damaged move it aside and run `spoolctl init`",
+            fix="make it a readable regular file again (see docs/format.md), or move the "
+                "store aside",
         ) from None
+    except (ValueError, RecursionError):
+        raise RootError(
+            "store marker is not valid JSON",
+            path=layout.marker,
+            fix="restore it (see docs/format.md for its fields), or move the store aside",
+        ) from None
+    return marker_from_json(doc, layout.marker)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def marker_from_json(doc: object, path: Path) -> Marker:
+    """Validate a parsed marker strictly (types, not just presence); RootError if wrong.
+
+    ``max_bytes`` must be a positive integer or null: ``true`` is not 1 byte (it would make
+    capacity maintenance evict everything) and ``"10GiB"`` is not a size."""
     if not isinstance(doc, dict) or doc.get("schema") != ROOT_SCHEMA:
         schema = doc.get("schema") if isinstance(doc, dict) else None
         raise RootError(
             f"store marker has schema {str(schema)[:60]!r}, expected {ROOT_SCHEMA!r}",
-            path=layout.marker,
+            path=path,
             fix="this root belongs to another tool or version; use a different --root",
         )
+    fix = "correct it by hand (docs/format.md) or move the store aside"
     max_bytes = doc.get("max_bytes")
-    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
-        raise RootError("store marker has an invalid max_bytes", path=layout.marker,
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
+                                  or max_bytes <= 0):
+        raise RootError(f"store marker has an invalid max_bytes ({_show(max_bytes)}): it must "
+                        "be a positive integer or null", path=path,
                         fix="set it again with `spoolctl init --root PATH --max-size SIZE`")
-    return Marker(
-        store_id=str(doc.get("store_id", "")),
-        created=float(doc.get("created", 0.0)),
-        max_bytes=max_bytes,
-    )
+    created = doc.get("created", 0.0)
+    if not _number(created):
+        raise RootError(f"store marker has an invalid created ({_show(created)}): it must be "
+                        "a number (unix seconds)", path=path, fix=fix)
+    store_id = doc.get("store_id", "")
+    if not isinstance(store_id, str) or not _STORE_ID_RE.fullmatch(store_id):
+        raise RootError(f"store marker has an invalid store_id ({_show(store_id)})",
+                        path=path, fix=fix)
+    return Marker(store_id=store_id, created=float(created), max_bytes=max_bytes)
+
+
+def _show(value: object) -> str:
+    """A short, one-line rendering of a hand-edited value for an error message."""
+    text = json.dumps(value, ensure_ascii=True, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def write_marker(layout: Layout, marker: Marker) -> None:
@@ -181,12 +236,13 @@ def ensure_layout(layout: Layout) -> None:
 ALLOW_FOREIGN_ENV = "SPOOLCTL_ALLOW_FOREIGN_OWNER"
 
 
-def check_owner(root: Path, *, allow_foreign_owner: bool) -> None:
+def check_owner(root: Path, *, allow_foreign_owner: bool, st: os.stat_result | None = None
+                ) -> None:
     """Refuse a root owned by another user (including root's own use of a user's store):
     acting on it would create files the owner cannot read and mix tenants' data."""
     if allow_foreign_owner or os.environ.get(ALLOW_FOREIGN_ENV) == "1" or os.name != "posix":
         return
-    owner = os.lstat(root).st_uid
+    owner = (st or os.lstat(root)).st_uid
     if owner != os.geteuid():
         raise RootError(
             f"store root is owned by uid {owner}, not by this user (uid {os.geteuid()})",
@@ -195,13 +251,31 @@ def check_owner(root: Path, *, allow_foreign_owner: bool) -> None:
         )
 
 
+def check_layout(layout: Layout) -> None:
+    """For a read-only open: every directory of the layout exists as a real directory."""
+    for name in SUBDIRS:
+        try:
+            st = os.lstat(layout.root / name)
+        except FileNotFoundError:
+            raise RootError(f"store layout is incomplete: {name}/ is missing",
+                            path=layout.root / name,
+                            fix="open the store once as its owner (e.g. `spoolctl status`) "
+                                "to recreate it") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise RootError("expected a directory, found a symlink or file",
+                            path=layout.root / name, fix="inspect the store before using it")
+
+
 def create_or_adopt(
-    root: Path, *, create: bool, max_bytes: int | None, allow_foreign_owner: bool = False
+    root: Path, *, create: bool, max_bytes: int | None, allow_foreign_owner: bool = False,
+    read_only: bool = False,
 ) -> tuple[Layout, Marker]:
     """Open the root at ``root``; create it when ``create`` and it is new or empty.
 
-    Refuses a non-empty directory without a marker and a marker of another schema.
-    ``max_bytes`` (when given) is recorded in the marker.
+    Refuses a non-empty directory without a marker, a marker of another schema or with
+    malformed fields, and (unless ``allow_foreign_owner``) a root, even an empty one, owned
+    by another user. ``max_bytes`` (when given) is recorded in the marker. ``read_only``
+    writes nothing: no directory or marker is created, repaired or rewritten.
     """
     layout = Layout(root)
     try:
@@ -211,6 +285,12 @@ def create_or_adopt(
     if st is not None and not stat.S_ISDIR(st.st_mode):
         raise RootError("store root is not a directory", path=root, fix="choose another --root")
     has_marker = st is not None and os.path.lexists(layout.marker)
+    if read_only:
+        if st is None:
+            raise RootError("store root does not exist", path=root, fix="check the path")
+        marker = read_marker(layout)
+        check_layout(layout)
+        return layout, marker
     if not has_marker:
         if not create:
             if st is None:
@@ -223,6 +303,10 @@ def create_or_adopt(
                 path=root,
                 fix="point --root at an empty or new directory",
             )
+        if st is not None:
+            # The foreign-owner rule holds from the first open: an empty directory someone
+            # else owns is theirs (creating the store in it would seed files they cannot use).
+            check_owner(root, allow_foreign_owner=allow_foreign_owner, st=st)
         os.makedirs(root, mode=DIR_MODE, exist_ok=True)
         os.chmod(root, DIR_MODE)
         marker = Marker(store_id=secrets.token_hex(8), created=time.time(), max_bytes=max_bytes)

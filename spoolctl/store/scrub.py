@@ -9,7 +9,11 @@ being verified), so a killed scrub resumes where it stopped:
   if its catalog row was already dropped by an interrupted quarantine (its
   manifest is then re-checked from disk and quarantined, never re-admitted);
 * a failed entry is quarantined (its manifest and bad object moved out of the
-  store, its catalog row dropped) before the cursor passes it.
+  store, its catalog row dropped) before the cursor passes it;
+* an object the scrubber cannot read (permissions, an I/O error) is recorded as an
+  ``unreadable`` finding and the walk moves on: nothing is moved, so fixing the cause
+  (``spoolctl doctor`` names it) makes the entry whole again. A scrub never stops at the
+  same object on every run.
 
 When the walk reaches the end, the cycle reclaims proven orphans (objects no
 catalog row references, older than the cycle start, under the exclusive
@@ -38,9 +42,9 @@ from typing import TYPE_CHECKING
 from . import faults
 from .digest import Hasher
 from .errors import BusyError, CorruptionError, NotFoundError, QuarantineReason, StoreIOError
-from .fsio import open_for_read
+from .fsio import SpecialFileError, describe_os_error, open_for_read
 from .locks import try_hold
-from .sqlite_files import DamagedDatabaseError, connect_private, is_damaged
+from .sqlite_files import DamagedDatabaseError, connect_private, connect_read_only, is_damaged
 
 if TYPE_CHECKING:
     from .store import Store
@@ -58,6 +62,8 @@ MIN_TMP_AGE = 3600.0
 # Orphans must also be at least this old: filesystem timestamps are coarse (jiffies), so
 # "older than the cycle start" alone could catch an object written just after it.
 MIN_ORPHAN_AGE = 60.0
+# The findings reason of an entry whose object could not be read (not a quarantine).
+UNREADABLE = "unreadable"
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS cycles(
@@ -102,13 +108,19 @@ class Cycle:
     tmp_files: int
     tmp_bytes: int
     updated: float
+    unreadable: int = 0  # entries with an object that could not be read (findings)
+
+    @property
+    def done(self) -> int:
+        """Entries this cycle has passed, whatever their outcome."""
+        return self.checked + self.quarantined + self.absent + self.unreadable
 
     def progress(self, total_now: int) -> float:
         """Fraction of the cycle done (by entries), 0..1."""
         if self.finished is not None:
             return 1.0
         denom = max(self.total_at_start, total_now, 1)
-        return min(1.0, (self.checked + self.quarantined + self.absent) / denom)
+        return min(1.0, self.done / denom)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -135,11 +147,12 @@ class ScrubSummary:
 class ScrubState:
     """Typed access to ``state/scrub.sqlite3`` (one connection, one thread at a time)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, read_only: bool = False):
         self.path = path
         # NORMAL in WAL mode survives kill -9 (the case resumption is for); a power
         # cut may lose the last few progress saves, which only repeats some work.
-        self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL")
+        self._db = connect_read_only(path) if read_only else \
+            connect_private(path, ddl=_DDL, synchronous="NORMAL")
 
     @classmethod
     def of(cls, store: Store) -> ScrubState:
@@ -147,11 +160,12 @@ class ScrubState:
 
     @classmethod
     def summary_of(cls, store: Store) -> ScrubSummary:
-        """Summary for status/metrics; an absent or unreadable scrub db reads as empty."""
+        """Summary for status/metrics; an absent or unreadable scrub db reads as empty.
+        Opened read-only: a reader never creates or changes the progress database."""
         if not (store.layout.state / SCRUB_DB).exists():
             return ScrubSummary(None, None, [])
         try:
-            state = cls.of(store)
+            state = cls(store.layout.state / SCRUB_DB, read_only=True)
         except sqlite3.DatabaseError:
             return ScrubSummary(None, None, [])
         try:
@@ -212,7 +226,14 @@ class ScrubState:
             "SELECT cycle_id, started, finished, total_at_start, cursor, inflight, checked, "
             "bytes, quarantined, absent, orphan_objects, orphan_bytes, tmp_files, tmp_bytes, "
             f"updated FROM cycles WHERE {where} ORDER BY cycle_id DESC LIMIT 1").fetchone()
-        return Cycle(*row) if row else None
+        if not row:
+            return None
+        # Unreadable entries are counted from their findings: no schema change, so an
+        # older progress database (or a read-only one) reads the same way.
+        (unreadable,) = self._db.execute(
+            "SELECT COUNT(*) FROM findings WHERE cycle_id=? AND reason=?",
+            (row[0], UNREADABLE)).fetchone()
+        return Cycle(*row, unreadable=unreadable)
 
     def current(self) -> Cycle | None:
         return self._cycle("finished IS NULL")
@@ -272,6 +293,7 @@ class ScrubReport:
     bytes: int = 0
     absent: int = 0
     quarantined: list[dict] = field(default_factory=list)
+    unreadable: list[dict] = field(default_factory=list)
     cycle_completed: bool = False
     resumed: bool = False
     orphans: dict = field(default_factory=dict)
@@ -406,12 +428,19 @@ class Scrubber:
     def _one(self, state: ScrubState, cycle_id: int, entry_id: str, report: ScrubReport, *,
              next_cursor: str) -> None:
         """Verify one entry, then record the outcome and clear ``inflight``."""
-        outcome, nbytes, reason = self.verify_entry(entry_id)
-        counts = {"checked": 0, "quarantined": 0, "absent": 0}
+        try:
+            outcome, nbytes, reason = self.verify_entry(entry_id)
+        except StoreIOError as exc:  # e.g. quarantining failed: the directory is read-only
+            log.warning("scrub: cannot verify %s: %s", entry_id[:16], exc)
+            outcome, nbytes, reason = UNREADABLE, 0, exc.message
+        counts = {"checked": 0, "quarantined": 0, "absent": 0, UNREADABLE: 0}
         counts[outcome] = 1
         if outcome == "quarantined":
             state.add_finding(cycle_id, entry_id, reason)
             report.quarantined.append({"entry_id": entry_id, "reason": reason})
+        elif outcome == UNREADABLE:
+            state.add_finding(cycle_id, entry_id, UNREADABLE)
+            report.unreadable.append({"entry_id": entry_id, "detail": reason})
         elif outcome == "checked":
             report.checked += 1
             report.bytes += nbytes
@@ -425,7 +454,10 @@ class Scrubber:
         """Re-read and verify ``entry_id`` now, paced by the rate limit.
 
         Returns ``(outcome, bytes_read, reason)`` where outcome is ``checked``,
-        ``quarantined`` (moved to quarantine now) or ``absent`` (deleted meanwhile).
+        ``quarantined`` (moved to quarantine now), ``absent`` (deleted meanwhile) or
+        ``unreadable`` (an object could not be read: permissions or an I/O error; nothing
+        is moved and ``reason`` says why). An object that is not a regular file (a FIFO,
+        a symlink) is damage: quarantined.
         """
         store = self.store
         try:
@@ -446,12 +478,14 @@ class Scrubber:
                 if not path.exists():
                     return "absent", nbytes, ""  # deleted by maintenance meanwhile
                 problem = (QuarantineReason.PAYLOAD_MISSING, f"object {ref.name} missing")
+            except SpecialFileError as exc:
+                problem = (QuarantineReason.PAYLOAD_MISSING,
+                           f"object {ref.name} is not a regular file ({exc.kind})")
             except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    problem = (QuarantineReason.PAYLOAD_DIGEST, f"object {ref.name} is a symlink")
-                else:
-                    raise StoreIOError(f"scrub read failed: {os.strerror(exc.errno or 0)}",
-                                       path=obj, fix="check the disk (`spoolctl doctor`)") from exc
+                if exc.errno != errno.ELOOP:
+                    log.warning("scrub: cannot read %s: %s", obj, describe_os_error(exc))
+                    return UNREADABLE, nbytes, f"object {ref.name}: {describe_os_error(exc)}"
+                problem = (QuarantineReason.PAYLOAD_DIGEST, f"object {ref.name} is a symlink")
             nbytes += ref.size
             if problem is not None:
                 reason, detail = problem

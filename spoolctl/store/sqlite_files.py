@@ -6,25 +6,41 @@ carries it (``sqlite_errorcode``); on 3.10 it is recovered from the message, whi
 builds from fixed per-code strings (``sqlite3_errstr``). ``is_damaged`` says whether an
 error means the file itself is not what spoolctl wrote (rebuild or reset it);
 ``sqlite_error`` turns any other error into the store's own error with its fix.
+
+Before SQLite sees a path, ``check_files`` makes sure the database and its ``-wal`` /
+``-shm`` companions are regular files (or absent): SQLite would follow a symlink out of
+the store, and block forever reading a FIFO. A special file there is damage
+(``DamagedDatabaseError``: quarantined and rebuilt or reset like a corrupt one).
+``connect_read_only`` opens a database without creating or writing anything, for a
+process that may not write the store (``Store.open(..., read_only=True)``).
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import sqlite3
+import stat
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote
 
 from .errors import BusyError, SpoolError, StoreIOError
-from .fsio import precreate_private
+from .fsio import file_kind, precreate_private
 
 # Primary result codes (https://sqlite.org/rescode.html); sqlite3 exports them only on 3.11+.
 SQLITE_ERROR = 1
+SQLITE_PERM = 3
 SQLITE_BUSY = 5
 SQLITE_LOCKED = 6
+SQLITE_READONLY = 8
 SQLITE_IOERR = 10
 SQLITE_CORRUPT = 11
 SQLITE_FULL = 13
+SQLITE_CANTOPEN = 14
 SQLITE_NOTADB = 26
+SUFFIXES = ("", "-wal", "-shm")
 
 # A static statement of ours failing with SQLITE_ERROR means the schema it names is gone or
 # altered ("no such table", "no such column"): the database is not the one we created.
@@ -40,6 +56,8 @@ _TEXT_CODES: tuple[tuple[str, int], ...] = (
     ("database is locked", SQLITE_BUSY),
     ("database or disk is full", SQLITE_FULL),
     ("disk i/o error", SQLITE_IOERR),
+    ("attempt to write a readonly database", SQLITE_READONLY),
+    ("unable to open database file", SQLITE_CANTOPEN),
     ("no such table", SQLITE_ERROR),
     ("no such column", SQLITE_ERROR),
     ("has no column named", SQLITE_ERROR),
@@ -75,11 +93,69 @@ def sqlite_error(exc: sqlite3.Error, path: Path, what: str = "catalog") -> Spool
     if code in (SQLITE_BUSY, SQLITE_LOCKED):
         return BusyError(f"{what} is locked by another process", path=path,
                          fix="retry; if it persists check `spoolctl status` for the owner")
-    if code == SQLITE_FULL:
+    if no_space(exc, path):
         return StoreIOError(f"{what} write failed: No space left on device", path=path,
-                            fix="free disk space or lower the store's max size")
+                            errno=errno.ENOSPC,
+                            fix="free disk space: `spoolctl clean --released` and lowering "
+                                "the max size work on a full disk (docs/runbook.md)")
+    if code in (SQLITE_READONLY, SQLITE_PERM, SQLITE_CANTOPEN):
+        return StoreIOError(f"{what} cannot be written ({exc})", path=path,
+                            fix="the file, its directory or the filesystem is read-only or "
+                                "owned by another user: `spoolctl doctor` names which",
+                            errno=errno.EACCES)
     return StoreIOError(f"{what} I/O failed: {exc}", path=path,
                         fix="check free space and the disk (`spoolctl doctor`)")
+
+
+def no_space(exc: sqlite3.Error, path: Path) -> bool:
+    """True if ``exc`` means the disk under the database at ``path`` is full. SQLite
+    reports a failed -shm/-wal extension on a full disk as an I/O error, not SQLITE_FULL."""
+    code = error_code(exc)
+    return code == SQLITE_FULL or (code == SQLITE_IOERR and _disk_full(path))
+
+
+def _disk_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path.parent).free < (64 << 10)
+    except OSError:
+        return False
+
+
+def check_files(path: Path) -> None:
+    """Raise DamagedDatabaseError if the database at ``path`` or its -wal/-shm file exists
+    and is not a regular file (a FIFO, a symlink, a directory...)."""
+    for suffix in SUFFIXES:
+        p = path.with_name(path.name + suffix)
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise DamagedDatabaseError(f"{p.name} is not a regular file ({file_kind(st.st_mode)})")
+
+
+def connect_read_only(path: Path, *, timeout: float = 30) -> sqlite3.Connection:
+    """A connection that never writes or creates anything (``mode=ro``), falling back to
+    ``immutable=1`` when SQLite cannot set up its shared-memory index (a WAL database
+    whose directory this process cannot write, with no readable -shm file). Immutable
+    reads the main file only: a snapshot that may lack the newest commits of a writer
+    that is running right now, never a torn one. Raises sqlite3 errors as they come
+    (absent file: SQLITE_CANTOPEN)."""
+    check_files(path)
+    if not path.exists():
+        raise sqlite3.OperationalError("unable to open database file")
+    uri = "file:" + quote(str(path), safe="/")
+    try:
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=timeout,
+                             isolation_level=None, check_same_thread=False)
+        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.OperationalError as exc:
+        if error_code(exc) not in (SQLITE_CANTOPEN, SQLITE_READONLY, SQLITE_IOERR,
+                                   SQLITE_PERM):
+            raise
+    return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=timeout,
+                           isolation_level=None, check_same_thread=False)
 
 
 def connect_private(
@@ -87,7 +163,9 @@ def connect_private(
 ) -> sqlite3.Connection:
     """A WAL-mode connection to ``path`` (created 0600: SQLite would make it 0644, and its
     -wal/-shm files inherit the mode), with ``ddl`` applied. Autocommit mode; the caller
-    manages transactions. The connection is closed again if setup fails."""
+    manages transactions. The connection is closed again if setup fails. A special file in
+    the database's place raises DamagedDatabaseError before SQLite opens it."""
+    check_files(path)
     precreate_private(path)
     db = sqlite3.connect(str(path), timeout=timeout, isolation_level=None,
                          check_same_thread=False)

@@ -29,6 +29,11 @@ Contract (see docs/format.md for the on-disk format):
   concurrent reader sees either the whole entry or a clean miss.
 * Every catalog call goes through ``run_with_catalog_repair``: if SQLite reports the
   catalog damaged, it is quarantined, rebuilt from the manifests and the call retried once.
+* Operations that shed load (release, clean, eviction, orphan collection, lowering the
+  max size) still work on a full disk: one that fails for lack of space deletes a piece of
+  the store's reserve and retries (``reserve``, decision 1103).
+* ``read_only=True`` opens a store this process may not (or must not) write: nothing is
+  created, locked, touched or quarantined, and every write raises ReadOnlyError.
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from . import faults
 from .catalog import Catalog, CatalogRow, Totals
+from .catalog_health import CatalogHealth
 from .clean import CLEAN_STEPS, CleanReport, run_clean
 from .commit import Committer, Payload
 from .errors import (
@@ -65,19 +71,16 @@ from .gc import (
     clean_tmp,
     tmp_usage,
 )
-from .keys import (
-    entry_id_for,
-    validate_entry_id,
-    validate_entry_prefix,
-    validate_object_name,
-)
+from .inputs import check_put
+from .keys import entry_id_for, validate_entry_id, validate_entry_prefix
 from .locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
 from .manifest import Manifest, canonical_json
 from .publish import Publisher
 from .quarantine import Quarantine, QuarantineItem
 from .recovery import ReconcileReport, Recovery
+from .reserve import Reserve
 from .root import Layout, Marker, check_root_path, create_or_adopt
-from .sqlite_files import is_damaged, sqlite_error
+from .rows import index_problem, shown_id
 
 log = logging.getLogger("spoolctl.store")
 
@@ -90,7 +93,7 @@ COMMIT_EVICTION_BUDGET = 256
 __all__ = ["DeleteReport", "ReconcileReport", "Store"]
 
 
-class Store:
+class Store(CatalogHealth):
     """One store root. Thread-safe; many processes may open the same root.
 
     Open with ``Store.open``; use as a context manager or call ``close()``.
@@ -98,10 +101,13 @@ class Store:
     ``quarantine_files`` are for the store's own parts (gc, recovery, scrub, facts).
     """
 
-    def __init__(self, layout: Layout, marker: Marker, *, lock_timeout: float):
+    def __init__(self, layout: Layout, marker: Marker, *, lock_timeout: float,
+                 read_only: bool = False):
         self.layout = layout
         self.marker = marker
         self.lock_timeout = lock_timeout
+        self.read_only = read_only
+        self.reserve = Reserve(layout.state)
         self.quarantine = Quarantine(layout.quarantine, layout.tmp)
         self.unknown_files: list[str] = []
         self._catalog: Catalog | None = None
@@ -122,24 +128,40 @@ class Store:
         max_bytes: int | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         allow_foreign_owner: bool = False,
+        read_only: bool = False,
     ) -> Store:
         """Open (or with ``create`` make) the store at ``root``.
 
         Refuses relative or symlinked roots, non-empty unmarked directories,
-        foreign markers and (unless ``allow_foreign_owner``) roots owned by another
-        user with a RootError. ``max_bytes`` is recorded in the marker.
-        Removes temp files abandoned by dead writers, resolves interrupted commits
-        when no other process is busy, and reports unknown files in ``unknown_files``.
+        foreign or malformed markers and (unless ``allow_foreign_owner``) roots, even
+        empty ones, owned by another user with a RootError. ``max_bytes`` is recorded in
+        the marker. Removes temp files abandoned by dead writers, resolves interrupted
+        commits when no other process is busy, keeps the reserve in place, and
+        reports unknown files in ``unknown_files``.
+
+        ``read_only``: open without writing anything (no directory, marker, catalog
+        repair, lock file, lease, temp file or LRU update; corrupt entries are misses but
+        stay where they are), for a store this process cannot or must not write, such as
+        a cache another user wrote. Every write method then raises ReadOnlyError.
         """
         path = check_root_path(root)
+        if read_only and (create or max_bytes is not None):
+            raise ConfigError("a read-only open cannot create a store or set its max size",
+                              fix="drop create/max_bytes, or open it writable")
         try:
             layout, marker = create_or_adopt(path, create=create, max_bytes=max_bytes,
-                                             allow_foreign_owner=allow_foreign_owner)
+                                             allow_foreign_owner=allow_foreign_owner,
+                                             read_only=read_only)
         except PermissionError as exc:
             raise ConfigError("permission denied opening the store", path=exc.filename or path,
                               fix="run as the store's owner or fix its permissions") from None
-        store = cls(layout, marker, lock_timeout=lock_timeout)
-        store._open_catalog()
+        store = cls(layout, marker, lock_timeout=lock_timeout, read_only=read_only)
+        if read_only:
+            store._open_catalog_read_only()
+            store.unknown_files = store._recovery.unknown_top_level()
+            return store
+        store._shedding(store._open_catalog)  # on a full disk too: the reserve makes room
+        store.reserve.ensure()
         clean_tmp(layout.tmp, min_age=float("inf"), dry_run=False)  # dead writers' files
         with try_hold_gated(store._maint_lock, store._maint_gate) as alone:
             if alone:
@@ -174,74 +196,11 @@ class Store:
         return hold_gated(self._maint_lock, self._maint_gate, exclusive=exclusive,
                           timeout=self.lock_timeout if wait else 0, what=what)
 
-    @property
-    def catalog(self) -> Catalog:
-        assert self._catalog is not None, "store is closed"
-        return self._catalog
-
-    def close(self) -> None:
-        if self._catalog is not None:
-            self._catalog.close()
-            self._catalog = None
-
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- catalog health ----------------------------------------------------------------
-
-    @property
-    def _catalog_path(self) -> Path:
-        return self.layout.state / "catalog.sqlite3"
-
-    def _open_catalog(self) -> None:
-        fresh = not self._catalog_path.exists()
-        try:
-            self._catalog = Catalog(self._catalog_path)
-        except sqlite3.DatabaseError as exc:
-            if not is_damaged(exc):
-                raise sqlite_error(exc, self._catalog_path) from None
-            self._rebuild_catalog(f"catalog unreadable: {exc}")
-            return
-        if fresh and self._recovery.has_manifests():
-            self._rebuild_catalog(None)
-
-    def run_with_catalog_repair(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (catalog work); if SQLite reports the catalog damaged, quarantine the
-        catalog, rebuild it from the manifests and run ``fn`` once more.
-
-        Any other SQLite failure (busy, full, I/O) becomes BusyError / StoreIOError.
-        """
-        try:
-            return fn()
-        except sqlite3.DatabaseError as exc:
-            if not is_damaged(exc):
-                raise sqlite_error(exc, self._catalog_path) from None
-            self._rebuild_catalog(f"catalog corrupt: {exc}")
-        try:
-            return fn()
-        except sqlite3.DatabaseError as exc:
-            raise sqlite_error(exc, self._catalog_path) from None
-
-    def _rebuild_catalog(self, why: str | None) -> None:
-        """Quarantine the catalog (if ``why``) and rebuild it from manifests.
-
-        Runs under the exclusive maintenance lock so two processes never rebuild
-        at once; every hint comes back as retain (safe: nothing is lost).
-        """
-        with self.maintenance(exclusive=True, what="rebuilding the catalog"):
-            self.close()
-            if why is not None:
-                files = [
-                    (self.layout.state / f"catalog.sqlite3{suffix}", "catalog")
-                    for suffix in ("", "-wal", "-shm")
-                ]
-                self.quarantine.add(QuarantineReason.CATALOG, why, files)
-                log.warning("catalog quarantined and rebuilt: %s", why)
-            self._catalog = Catalog(self._catalog_path)
-            self._recovery.index_all(self._catalog)
 
     # -- commit -----------------------------------------------------------------------
 
@@ -266,12 +225,13 @@ class Store:
         alone exceeds the store's low watermark, BusyError on lock timeout.
         ``evict=False`` skips the commit-time capacity check, for an owner (the vLLM
         connector) that must withdraw entries from its peers before deleting them.
+        Bad arguments raise ConfigError / InvalidIdError before anything is written
+        (``inputs.check_put``); a streamed payload that grows past the size budget raises
+        CapacityError while it streams, leaving nothing on disk.
         """
-        entry_id = entry_id_for(kind, namespace, key)
-        for name in objects:
-            validate_object_name(name)
-        if supersedes is not None:
-            validate_entry_id(supersedes)
+        entry_id = check_put(kind=kind, namespace=namespace, key=key, objects=objects,
+                             meta=meta, index=index, supersedes=supersedes)
+        self._writable("committing an entry")
         manifest = self.run_with_catalog_repair(lambda: self._put_locked(
             entry_id, kind, namespace, key, objects, meta, index, supersedes))
         if evict and self.max_bytes is not None and self.totals().bytes > self.max_bytes:
@@ -300,7 +260,7 @@ class Store:
             manifest = self.manifest(entry_id)
         except (NotFoundError, CorruptionError):
             return None
-        if touch:
+        if touch and not self.read_only:
             self.touch([entry_id])
         return manifest
 
@@ -319,10 +279,14 @@ class Store:
         Used as a restart epoch: every caller gets a larger number than any earlier
         caller on this root; the value is at least the time in milliseconds, so it keeps
         growing across a catalog rebuild (unless the clock was set back)."""
+        self._writable("advancing a generation counter")
         return self.run_with_catalog_repair(lambda: self.catalog.next_generation(name))
 
     def touch(self, entry_ids: Iterable[str]) -> None:
-        """Move the LRU clock of ``entry_ids`` (cheap: skipped when recent)."""
+        """Move the LRU clock of ``entry_ids`` (cheap: skipped when recent; a no-op on a
+        read-only store)."""
+        if self.read_only:
+            return
         ids = list(entry_ids)
         with contextlib.suppress(BusyError):
             self.run_with_catalog_repair(lambda: self.catalog.touch(ids, time.time()))
@@ -340,7 +304,8 @@ class Store:
             raise NotFoundError(f"no entry {entry_id}", path=self.root,
                                 fix="list entries with `spoolctl ls`") from None
         except ManifestError as exc:
-            self.quarantine_entry(entry_id, exc.reason, exc.message)
+            if not self.read_only:
+                self.quarantine_entry(entry_id, exc.reason, exc.message)
             raise
 
     def read(self, manifest: Manifest, name: str, *, into: memoryview | None = None) -> memoryview:
@@ -356,8 +321,9 @@ class Store:
             return read_verified(path, digest=ref.digest, size=ref.size, into=into)
         except CorruptionError as exc:
             exc.entry_id = manifest.entry_id
-            self.quarantine_entry(manifest.entry_id, exc.reason, exc.message,
-                                  bad_digests=[ref.digest])
+            if not self.read_only:
+                self.quarantine_entry(manifest.entry_id, exc.reason, exc.message,
+                                      bad_digests=[ref.digest])
             raise
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ELOOP):
@@ -367,8 +333,9 @@ class Store:
                                     fix="nothing to do: it is a cache miss") from None
             reason = QuarantineReason.PAYLOAD_MISSING
             bad = [ref.digest] if exc.errno == errno.ELOOP else []
-            self.quarantine_entry(manifest.entry_id, reason, f"object {name} missing",
-                                  bad_digests=bad)
+            if not self.read_only:
+                self.quarantine_entry(manifest.entry_id, reason, f"object {name} missing",
+                                      bad_digests=bad)
             raise CorruptionError(f"object {name} of entry {manifest.entry_id} is missing",
                                   reason=reason, path=path, entry_id=manifest.entry_id,
                                   fix="the entry was quarantined; it is a cache miss") from None
@@ -392,9 +359,15 @@ class Store:
 
     def release(self, entry_id: str) -> bool:
         """Mark ``entry_id`` released: out of reuse at once, bytes deleted by cleanup.
-        Returns False if there is no such committed entry."""
+        Returns False if there is no such committed entry. Works on a full disk (the
+        reserve makes room for the catalog write)."""
         validate_entry_id(entry_id)
-        return self.run_with_catalog_repair(lambda: self.catalog.set_hint(entry_id, "release"))
+        self._writable("releasing an entry")
+
+        def release() -> bool:
+            return self.run_with_catalog_repair(
+                lambda: self.catalog.set_hint(entry_id, "release"))
+        return self._shedding(release)
 
     def update_index(self, entry_id: str, changes: Mapping[str, Any]) -> bool:
         """Merge ``changes`` into the catalog copy of the entry's index (None deletes a key).
@@ -404,11 +377,15 @@ class Store:
         a catalog rebuild restores the manifest's index. False if there is no entry.
         """
         validate_entry_id(entry_id)
+        self._writable("updating an entry's index")
         try:
             canonical_json(dict(changes))
         except (TypeError, ValueError):
             raise ConfigError("index changes must be finite JSON values",
                               fix="pass strings, numbers, booleans, lists, dicts or None") from None
+        problem = index_problem({k: v for k, v in changes.items() if v is not None})
+        if problem is not None:
+            raise ConfigError(problem, fix="expire_time is unix seconds; remote_pending a bool")
         return self.run_with_catalog_repair(
             lambda: self.catalog.update_index(entry_id, dict(changes)))
 
@@ -420,6 +397,7 @@ class Store:
     ) -> Path:
         """Remove ``entry_id`` from the catalog and move its manifest (and the objects
         named in ``bad_digests``) into a new quarantine item."""
+        self._writable("quarantining an entry")
         files = [(self.layout.manifest_path(entry_id), "manifest")]
         files += [(self.layout.object_path(d), "object") for d in bad_digests]
         return self.quarantine_files(entry_id, reason, detail, files)
@@ -446,8 +424,10 @@ class Store:
     def restore_quarantined(self, item_id: str) -> Manifest:
         """Re-admit a quarantined entry if, and only if, it now verifies.
 
-        Raises CorruptionError (nothing moved) if its manifest or objects still fail.
+        Raises CorruptionError (nothing moved) if its manifest or objects still fail, and
+        NotFoundError if an object it needs is gone (reclaimed after the quarantine).
         """
+        self._writable("restoring from quarantine")
         item = self.quarantine.get(item_id)
         if item.entry_id is None:
             raise ConfigError(f"quarantine item {item_id} holds no entry", path=item.path,
@@ -468,17 +448,21 @@ class Store:
         def run() -> DeleteReport:
             with self.maintenance(exclusive=True, what="cleaning released entries"):
                 return self._gc.clean_released(dry_run)
-        return self.run_with_catalog_repair(run)
+        if dry_run:
+            return self.run_with_catalog_repair(run)
+        self._writable("cleaning released entries")
+        return self._shedding(lambda: self.run_with_catalog_repair(run))
 
     def delete_released(self, entry_ids: Iterable[str]) -> DeleteReport:
         """Delete those of ``entry_ids`` that are still released (a controller's own
         released entries at ``close()``); an entry revived by a later commit is kept."""
         ids = [validate_entry_id(e) for e in entry_ids]
+        self._writable("deleting released entries")
 
         def run() -> DeleteReport:
             with self.maintenance(exclusive=True, what="deleting released entries"):
                 return self._gc.delete_if_released(ids)
-        return self.run_with_catalog_repair(run)
+        return self._shedding(lambda: self.run_with_catalog_repair(run))
 
     def enforce_capacity(
         self, *, dry_run: bool = False, budget: int | None = None, wait: bool = True
@@ -491,13 +475,18 @@ class Store:
         def run() -> DeleteReport:
             with self.maintenance(exclusive=True, wait=wait, what="capacity maintenance"):
                 return self._gc.evict(dry_run, budget)
-        return self.run_with_catalog_repair(run)
+        if dry_run:
+            return self.run_with_catalog_repair(run)
+        self._writable("capacity maintenance")
+        return self._shedding(lambda: self.run_with_catalog_repair(run))
 
     def clean_tmp(
         self, *, min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False
     ) -> DeleteReport:
         """Delete temp files whose writer is dead, or that are older than ``min_age``
         seconds and whose writer is not a live process of this host (``gc.clean_tmp``)."""
+        if not dry_run:
+            self._writable("cleaning temp files")
         return clean_tmp(self.layout.tmp, min_age=min_age, dry_run=dry_run)
 
     def collect_orphans(
@@ -512,7 +501,10 @@ class Store:
         def run() -> ReconcileReport:
             with self.maintenance(exclusive=True, what="collecting orphans"):
                 return self._recovery.reconcile(min_age, dry_run)
-        return self.run_with_catalog_repair(run)
+        if dry_run:
+            return self.run_with_catalog_repair(run)
+        self._writable("collecting orphans")
+        return self._shedding(lambda: self.run_with_catalog_repair(run))
 
     def clean(self, steps: Iterable[str] = CLEAN_STEPS, *,
               min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False) -> CleanReport:
@@ -537,8 +529,18 @@ class Store:
         return self.run_with_catalog_repair(lambda: self.catalog.released_stats())
 
     def entries(self, **filters: Any) -> list[CatalogRow]:
-        """Catalog rows; see ``Catalog.list`` for filters (kind, namespace, hint, sort, limit)."""
+        """Catalog rows; see ``Catalog.list`` for filters (kind, namespace, hint, sort, limit).
+        Malformed rows are skipped (``malformed_rows`` reports them)."""
         return self.run_with_catalog_repair(lambda: self.catalog.list(**filters))
+
+    def malformed_rows(self, limit: int = 100) -> list[tuple[str, str]]:
+        """(entry id as stored, reason) of catalog rows that are not what spoolctl writes
+        (skipped by every listing and cleanup; ``collect_orphans`` repairs them)."""
+        return [(shown_id(e), why) for e, why in
+                self.run_with_catalog_repair(lambda: self.catalog.malformed(limit))]
+
+    def malformed_count(self) -> int:
+        return self.run_with_catalog_repair(lambda: self.catalog.malformed_count())
 
     def row(self, entry_id: str) -> CatalogRow | None:
         validate_entry_id(entry_id)
@@ -567,12 +569,20 @@ class Store:
 
     def acquire_owner_lease(self, role: str) -> OwnerLease | None:
         """Take the owner lease (non-blocking); None if another live process holds it."""
+        self._writable("taking the owner lease")
         lease = OwnerLease(self.layout.state / "owner.lock", self.layout.state / "owner.json", role)
         return lease if lease.try_acquire() else None
 
     def set_max_bytes(self, max_bytes: int | None) -> None:
+        """Record a new max size in the marker (works on a full disk: lowering the max
+        size is how an operator sheds load)."""
         from .root import write_marker
 
-        self.marker = Marker(self.marker.store_id, self.marker.created, max_bytes)
-        write_marker(self.layout, self.marker)
+        self._writable("setting the max size")
+        marker = Marker(self.marker.store_id, self.marker.created, max_bytes)
+        try:
+            self._shedding(lambda: write_marker(self.layout, marker))
+        except OSError as exc:
+            raise io_error(exc, "writing the store marker", self.layout.marker) from exc
+        self.marker = marker
 

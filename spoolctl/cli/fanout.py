@@ -1,0 +1,150 @@
+"""Running one command on every store a ``--root`` names, and reporting per store.
+
+``run_on_targets`` is how an operator command acts on a root (``targets``):
+
+* one store: the command's document, printed as before (errors raise: one line, exit 2
+  or 1 from ``app.main``);
+* a deployment directory or base root: the command runs on each rank store in turn; a
+  store that fails (foreign-owned, corrupt marker, busy...) becomes that rank's error and
+  the others still run. One document holds every rank's result or error, the human
+  output shows each rank under its own heading, and the exit code is the worst of the
+  ranks (2 > 1 > 0);
+* an empty base root (no engine has started yet): "nothing to do", exit 0 (cron stays
+  quiet until there is something to maintain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import typer
+from rich.rule import Rule
+from rich.text import Text
+
+from spoolctl.store import CorruptionError, NotFoundError, SpoolError, Store
+
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_USAGE,
+    View,
+    emit,
+    err_console,
+    open_store,
+    plain,
+    text,
+)
+from .targets import StoreTarget, Targets
+
+# fn(store, target) -> (document, exit code)
+StoreJob = Callable[[Store, StoreTarget], tuple[dict[str, Any], int]]
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """One store's outcome: its document, or the one-line error it failed with."""
+
+    target: StoreTarget
+    code: int
+    doc: dict[str, Any] | None = None
+    error: str | None = None
+    not_found: bool = False  # the error was NotFoundError (an entry/item not in this store)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.target.to_json(), "exit": self.code}
+        if self.error is not None:
+            out["error"] = self.error
+        else:
+            out["result"] = self.doc
+        return out
+
+
+def error_code(exc: SpoolError) -> int:
+    """The exit code of a SpoolError (as ``app.main`` maps it)."""
+    return EXIT_FINDINGS if isinstance(exc, (CorruptionError, NotFoundError)) else EXIT_USAGE
+
+
+def run_each(targets: Targets, job: StoreJob, *, read_only_ok: bool = False
+             ) -> list[StoreResult]:
+    """Run ``job`` on every store of ``targets``; a SpoolError ends that store's turn only."""
+    results = []
+    for target in targets.stores:
+        try:
+            with open_store(target.root, read_only_ok=read_only_ok) as store:
+                doc, code = job(store, target)
+        except SpoolError as exc:
+            results.append(StoreResult(target, error_code(exc), error=str(exc),
+                                       not_found=isinstance(exc, NotFoundError)))
+            continue
+        results.append(StoreResult(target, code, doc=doc))
+    return results
+
+
+def worst(codes: list[int]) -> int:
+    return max(codes, default=EXIT_OK)
+
+
+def multi_doc(targets: Targets, results: list[StoreResult], **extra: Any) -> dict[str, Any]:
+    """The JSON document of a command run on several stores."""
+    return {"root": str(targets.given), "kind": targets.kind,
+            "stores": [r.to_json() for r in results],
+            "exit": worst([r.code for r in results]), **extra}
+
+
+def multi_view(view: View, *, empty: str = "nothing to do") -> View:
+    """A view of ``multi_doc`` documents: each store's result through ``view`` under a
+    heading naming the store, errors as one escaped line, then a one-line summary."""
+
+    def render(doc: dict[str, Any]) -> list[Any]:
+        stores = doc["stores"]
+        if not stores:
+            return [Text(f"{empty}: no spoolctl store under {plain(doc['root'])} yet "
+                         "(no vLLM deployment has started)")]
+        out: list[Any] = []
+        for s in stores:
+            where = f"{s['deployment']}/" if s.get("deployment") else ""
+            name = f"rank-{s['rank']:04d}" if s.get("rank") is not None else s["root"]
+            out.append(Rule(text(f"{where}{name}"), align="left"))
+            if "error" in s:
+                out.append(Text.assemble(("error: ", "red"), plain(s["error"])))
+                continue
+            shown = view(s["result"])
+            out.extend(shown if isinstance(shown, list) else [shown])
+        failed = sum(1 for s in stores if "error" in s)
+        out.append(Text(f"{len(stores)} stores under {plain(doc['root'])}"
+                        + (f", {failed} failed" if failed else "")))
+        return out
+    return render
+
+
+def run_on_targets(targets: Targets, job: StoreJob, *, json_output: bool, view: View,
+                   read_only_ok: bool = False, empty: str = "nothing to do") -> int:
+    """Run ``job`` on ``targets`` and emit the result (see the module docstring); return
+    the exit code (the caller raises ``typer.Exit`` with it, or use ``finish``)."""
+    if targets.single:
+        target = targets.stores[0]
+        with open_store(target.root, read_only_ok=read_only_ok) as store:
+            doc, code = job(store, target)
+        emit(doc, json_output=json_output, view=view)
+        return code
+    results = run_each(targets, job, read_only_ok=read_only_ok)
+    doc = multi_doc(targets, results)
+    emit(doc, json_output=json_output, view=multi_view(view, empty=empty))
+    report_errors(results)
+    return doc["exit"]
+
+
+def report_errors(results: list[StoreResult]) -> None:
+    """One line on stderr per store that failed (cron mails stderr; the JSON on stdout goes
+    to a log nobody reads until something is wrong)."""
+    for r in results:
+        if r.error is not None and not r.not_found:
+            err_console.print(text(f"error: {r.target.label}: {r.error}"), soft_wrap=True)
+
+
+def finish(code: int) -> None:
+    """Exit with ``code`` unless it is 0 (a command's normal return)."""
+    if code:
+        raise typer.Exit(code)

@@ -1,0 +1,374 @@
+"""``spoolctl export`` and ``spoolctl import``: copy verified entries between hosts.
+
+``spoolctl export --root A | ssh host spoolctl import --root B -`` warms a new replica
+(docs/runbook.md). Thin: parses options, opens the archive stream, calls
+``store.exporter`` / ``store.importer`` / ``store.peer``, renders. Exit codes: 0 done,
+1 a defective archive or corrupt source (ArchiveError / CorruptionError), 2 usage,
+configuration or capacity refusals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from spoolctl.store import ConfigError, StoreIOError, format_size, parse_size
+from spoolctl.store.archive import FdSink
+from spoolctl.store.errors import ArchiveError
+from spoolctl.store.selection import Selection
+
+from .app import app
+from .common import (
+    EXIT_FINDINGS,
+    JsonOption,
+    RootOption,
+    console,
+    emit_json,
+    err_console,
+    resolve_root,
+)
+
+
+class ExportHint(str, enum.Enum):
+    retain = "retain"
+    release = "release"
+    any = "any"
+
+
+KindOption = Annotated[list[str] | None, typer.Option(
+    "--kind", metavar="<kind>",
+    help="Only entries of this kind (vllm, pytorch, mlx, genai); repeatable.",
+    show_default=False)]
+NamespaceOption = Annotated[list[str] | None, typer.Option(
+    "--namespace", metavar="<namespace>",
+    help="Only entries of this namespace; repeatable.", show_default=False)]
+ProgressOption = Annotated[bool | None, typer.Option(
+    "--progress/--no-progress", help="Progress on stderr (default: when stderr is a terminal).",
+    show_default=False)]
+
+
+class _Progress:
+    """Bytes, entries and rate on stderr (a terminal only), or nothing."""
+
+    def __init__(self, label: str, enabled: bool):
+        self.label = label
+        self.enabled = enabled
+        self._p: Progress | None = None
+        self._task: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            self._p = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
+                               DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                               TextColumn("{task.fields[entries]} entries"),
+                               TimeElapsedColumn(), console=err_console, transient=True)
+            self._p.__enter__()
+            self._task = self._p.add_task(self.label, total=None, entries=0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._p is not None:
+            self._p.__exit__(None, None, None)
+
+    def __call__(self, done: int, entries: int, total: int | None = None) -> None:
+        if self._p is not None:
+            self._p.update(self._task, completed=done, entries=entries,
+                           **({"total": total} if total else {}))
+
+
+def _want_progress(flag: bool | None, json_output: bool) -> bool:
+    if flag is not None:
+        return flag
+    return not json_output and err_console.is_terminal
+
+
+def _selection(kind: list[str] | None, namespace: list[str] | None,
+               deployment: list[str] | None, hint: str | None,
+               max_size: str | None) -> Selection:
+    return Selection(kinds=frozenset(kind or ()), namespaces=frozenset(namespace or ()),
+                     deployments=tuple(deployment or ()), hint=hint,
+                     max_bytes=parse_size(max_size) if max_size is not None else None)
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _archive_sink(output: str, force: bool):
+    """A file descriptor to write the archive to; for a regular file, a temp name in the same
+    directory renamed into place only when the archive is complete."""
+    if output == "-":
+        if sys.stdout.isatty():
+            raise ConfigError("refusing to write an archive to a terminal",
+                              fix="redirect stdout (> FILE, | ssh ...) or pass -o FILE")
+        sys.stdout.flush()
+        yield sys.stdout.fileno()
+        return
+    path = Path(output).expanduser()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise ConfigError(f"cannot use the output: {os.strerror(exc.errno or 0)}", path=path,
+                          fix="pass a writable file path") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError("the output is a directory", path=path,
+                              fix="pass a file name, e.g. -o replica.tar")
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))  # a FIFO or device
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+        return
+    if st is not None and not force:
+        raise ConfigError("the output file exists", path=path,
+                          fix="remove it, choose another name or add --force")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the output: {os.strerror(exc.errno or 0)}",
+                          path=path, fix="pass a path in a writable directory") from None
+    done = False
+    try:
+        yield fd
+        # No fsync: every import verifies every byte and the end record, so an archive
+        # damaged by a crash is refused, never trusted (and tar does not fsync either).
+        done = True
+    finally:
+        os.close(fd)
+        if done:
+            os.replace(tmp, path)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+@app.command("export")
+def export_cmd(
+    root: RootOption = None,
+    output: Annotated[str, typer.Option(
+        "--output", "-o", metavar="<file|->",
+        help="Archive file to write, or - for stdout.")] = "-",
+    kind: KindOption = None,
+    namespace: NamespaceOption = None,
+    deployment: Annotated[list[str] | None, typer.Option(
+        "--deployment", metavar="<deployment>",
+        help="Only this vLLM deployment (its directory name or a unique "
+        "prefix); repeatable.", show_default=False)] = None,
+    hint: Annotated[ExportHint, typer.Option(
+        "--hint", help="Entries with this hint: retain (live), release or any.")] =
+        ExportHint.retain,
+    max_size: Annotated[str | None, typer.Option(
+        "--max-size", metavar="<size>",
+        help="At most this many bytes, most recently used entries first "
+        "(e.g. 50GiB).", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")]
+        = False,
+    progress: ProgressOption = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Write selected entries as one streaming, verified archive (tar) to a file or stdout.
+
+    --root may be a store, a vLLM deployment directory or the connector's base root (every
+    rank store under it; a vLLM chunk is taken only when every rank holds it). The archive
+    lists with `tar -tvf`; import it with `spoolctl import`. With -o - (the default) the
+    archive goes to stdout and the --json summary to stderr.
+
+    Example: [bold]spoolctl export --root /nvme/spool | ssh new-host spoolctl import
+    --root /nvme/spool -[/bold]
+    """
+    from spoolctl.store.exporter import export
+
+    selection = _selection(kind, namespace, deployment,
+                           None if hint is ExportHint.any else hint.value, max_size)
+    source = resolve_root(root)
+    show = _want_progress(progress, json_output)
+    try:
+        with _archive_sink(output, force) as fd, _Progress("export", show) as bar:
+            report = export(source, FdSink(fd), selection, progress=bar)
+    except KeyboardInterrupt:
+        raise typer.Abort() from None  # one line, exit 2; a file output is not left behind
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):  # no flush error on the dead pipe at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise StoreIOError("the archive's reader closed the pipe before the end",
+                           path=output, fix="see the importing side's error") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            raise StoreIOError(f"writing the archive failed: {os.strerror(exc.errno or 0)}",
+                               path=output, fix="free space where the archive is written") \
+                from None
+        raise
+    doc = report.to_json()
+    doc["output"] = output
+    if json_output:
+        if output == "-":
+            sys.stderr.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        else:
+            emit_json(doc)
+        return
+    out = err_console if output == "-" else console
+    left = doc["left_out"]
+    out.print(f"exported {doc['entries']} entries ({format_size(doc['bytes'])}, "
+              f"{doc['objects']} objects) from {len(doc['stores'])} store(s) in "
+              f"{doc['seconds']:.2f}s ({format_size(doc['bytes_per_second'] or 0)}/s)"
+              + (f" to {escape(output)}" if output != "-" else ""), highlight=False)
+    skipped = {k: v for k, v in left.items() if v}
+    if skipped:
+        out.print("left out: " + ", ".join(f"{k.replace('_', ' ')} {v}"
+                                           for k, v in skipped.items()), highlight=False)
+
+
+# -- import ------------------------------------------------------------------------------
+
+
+@app.command("import")
+def import_cmd(
+    source: Annotated[str, typer.Argument(
+        metavar="source",
+        help="Archive file, - for stdin, or another store root (a peer's root mounted "
+        "here, read only).", show_default=False)],
+    root: RootOption = None,
+    deployment: Annotated[list[str] | None, typer.Option(
+        "--deployment", metavar="<deployment>",
+        help="Import only this vLLM deployment's chunks (directory name or "
+        "unique prefix), also into a root that serves other deployments; repeatable.",
+        show_default=False)] = None,
+    kind: KindOption = None,
+    namespace: NamespaceOption = None,
+    max_size: Annotated[str | None, typer.Option(
+        "--max-size", metavar="<size>",
+        help="From a store root: at most this many bytes, newest first.",
+        show_default=False)] = None,
+    store_max_size: Annotated[str | None, typer.Option(
+        "--store-max-size", metavar="<size>",
+        help="Max size recorded in stores the import creates.",
+        show_default=False)] = None,
+    progress: ProgressOption = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Import an archive (or a peer's store root): verify every byte, then publish.
+
+    Every object is checked against its digest and every manifest validated before the
+    entry is committed (crash-safe, like any commit); objects and entries already present
+    are skipped; the store's capacity is respected (never evicts; what does not fit is
+    skipped). vLLM chunks go to the rank store of their own deployment under --root.
+    A defective archive stops the import (exit 1); entries verified before the defect stay.
+
+    Example: [bold]ssh old-host spoolctl export --root /nvme/spool | spoolctl import
+    --root /nvme/spool -[/bold]
+    """
+    from spoolctl.store.importer import Importer
+
+    target = resolve_root(root)
+    store_max = parse_size(store_max_size) if store_max_size is not None else None
+    selection = _selection(kind, namespace, None, None, max_size)
+    show = _want_progress(progress, json_output)
+    is_dir = source != "-" and Path(source).expanduser().is_dir()
+    if max_size is not None and not is_dir:
+        raise ConfigError("--max-size selects entries from a store root", fix="limit an "
+                          "archive when exporting it (spoolctl export --max-size)")
+
+    def wants(manifest: Any) -> bool:
+        return selection.wants(manifest.kind, manifest.namespace)
+
+    with _Progress("import", show) as bar:
+        importer = Importer(target, accept=tuple(deployment or ()), store_max_bytes=store_max,
+                            progress=bar, wants=None if is_dir else wants)
+        try:
+            if is_dir:
+                from spoolctl.store.peer import import_from_root
+
+                peer = Path(os.path.abspath(Path(source).expanduser()))
+                report = import_from_root(importer, peer, Selection(
+                    kinds=selection.kinds, namespaces=selection.namespaces,
+                    deployments=tuple(deployment or ()), max_bytes=selection.max_bytes))
+            else:
+                with _archive_source(source) as stream:
+                    report = importer.from_archive(stream, source)
+        except KeyboardInterrupt:
+            # Entries committed so far stay (each is complete); staged files were removed.
+            raise typer.Abort() from None
+        except ArchiveError as exc:
+            from .app import _one_line  # defined after the commands are registered
+
+            partial = getattr(exc, "report", None)
+            bar.enabled = False
+            if partial is not None:
+                _render_import(partial.to_json(), json_output)
+            err_console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False,
+                              soft_wrap=True)
+            raise typer.Exit(EXIT_FINDINGS) from None
+    _render_import(report.to_json(), json_output)
+
+
+@contextlib.contextmanager
+def _archive_source(source: str):
+    if source == "-":
+        if sys.stdin.isatty():
+            raise ConfigError("stdin is a terminal, not an archive",
+                              fix="pipe an archive in (spoolctl export ... | spoolctl import -)"
+                                  " or pass a file")
+        yield sys.stdin.buffer
+        return
+    path = Path(source).expanduser()
+    try:
+        f = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        raise ConfigError("archive not found", path=path, fix="check the path") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the archive: {os.strerror(exc.errno or 0)}", path=path,
+                          fix="pass a readable file") from None
+    with f:
+        yield f
+
+
+def _render_import(doc: dict[str, Any], json_output: bool) -> None:
+    if json_output:
+        emit_json(doc)
+        return
+    t = Table(title="spoolctl import" + ("" if doc["complete"] else " (stopped)"),
+              title_justify="left")
+    for col in ("store", "imported", "present", "skipped", "written", "target"):
+        t.add_column(col, justify="left" if col in ("store", "target") else "right")
+    for p in doc["stores"]:
+        skipped = p["skipped_capacity"] + p["skipped_vanished"] + p["skipped_corrupt"] + \
+            p["filtered"]
+        t.add_row(escape(p["place"] or "(store)"), str(p["imported"]), str(p["present"]),
+                  str(skipped), format_size(p["bytes_written"]), escape(p["root"] or "-"))
+    console.print(t)
+    rate = doc["bytes_per_second"]
+    console.print(f"{doc['imported']} entries imported, {doc['present']} already present, "
+                  f"{format_size(doc['bytes_written'])} written in {doc['seconds']:.2f}s"
+                  + (f" ({format_size(rate)}/s read)" if rate else ""), highlight=False)
+    notes = [(doc["skipped_capacity"], "skipped: the store is full (low watermark)"),
+             (doc["skipped_vanished"], "skipped: deleted in the source meanwhile"),
+             (doc["skipped_corrupt"], "skipped: corrupt in the source"),
+             (doc["filtered"], "not selected")]
+    for n, text in notes:
+        if n:
+            console.print(f"{n} {text}", highlight=False)
+

@@ -1,0 +1,84 @@
+"""Write admission: store a chunk only on its N-th sighting within a window (pure).
+
+Prompts seen once and never again (one-off documents, unique user turns) are the bulk of
+what a disk tier writes and the part it never reads back: they cost SSD endurance and write
+bandwidth for nothing. With ``spoolctl_admit_after = N`` (default 1: store on the first
+sighting, the behaviour without admission) the scheduler plans the store of a chunk only
+once N requests within ``spoolctl_admit_window`` seconds contained it, the same idea as
+NVIDIA Dynamo's KVBM writing a block to disk on its second sighting.
+
+What is kept: for each chunk key sighted, 8 bytes of the key (the chunk chain hash, never
+tokens or text), a count and the time of the first sighting in the current window, in a
+table of at most ``capacity`` chunks (least recently sighted forgotten first, so memory is
+bounded whatever the traffic). The table lives in the scheduler's memory: a restart starts
+counting afresh. A sighting is counted once per request (a request looked up again after
+preemption is the same sighting). Forgetting a chunk only delays its admission; a
+truncated-key collision only admits a chunk early: neither can affect a response.
+
+Not thread-safe (vLLM's scheduler is single-threaded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+DEFAULT_WINDOW_S = 600.0
+DEFAULT_CAPACITY = 1 << 16
+_KEY_BYTES = 8
+
+
+class Admission:
+    """Counts sightings of chunk keys; ``admitted(key)`` once seen ``after`` times within
+    ``window_s`` (``after == 1``: everything is admitted and nothing is kept)."""
+
+    def __init__(self, after: int = 1, *, window_s: float = DEFAULT_WINDOW_S,
+                 capacity: int = DEFAULT_CAPACITY,
+                 clock: Callable[[], float] = time.monotonic):
+        if after < 1:
+            raise ValueError("after must be at least 1")
+        if window_s <= 0 or capacity <= 0:
+            raise ValueError("window and capacity must be positive")
+        self.after = after
+        self.window_s = window_s
+        self._capacity = capacity
+        self._clock = clock
+        # truncated key -> (sightings in the current window, when the window started)
+        self._table: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        self._counted: set[str] = set()  # requests whose chunks were counted
+
+    @property
+    def enabled(self) -> bool:
+        return self.after > 1
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def sighted(self, req_id: str, keys: Iterable[bytes]) -> None:
+        """Request ``req_id`` contains the chunks ``keys`` (counted once per request)."""
+        if not self.enabled or req_id in self._counted:
+            return
+        self._counted.add(req_id)
+        now = self._clock()
+        for key in keys:
+            short = key[:_KEY_BYTES]
+            count, since = self._table.pop(short, (0, now))
+            if now - since > self.window_s:
+                count, since = 0, now  # the earlier sightings are outside the window
+            self._table[short] = (count + 1, since)
+        while len(self._table) > self._capacity:
+            self._table.popitem(last=False)
+
+    def admitted(self, key: bytes) -> bool:
+        """Whether chunk ``key`` was sighted often enough, recently enough, to be stored."""
+        if not self.enabled:
+            return True
+        # Counts only ever cover one window (``sighted`` restarts them), so the N-th
+        # sighting was within it even if the store is planned a moment after it closed.
+        entry = self._table.get(key[:_KEY_BYTES])
+        return entry is not None and entry[0] >= self.after
+
+    def finished(self, req_id: str) -> None:
+        """The request left: a later request with the same id is a new sighting."""
+        self._counted.discard(req_id)

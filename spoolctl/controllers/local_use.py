@@ -1,0 +1,240 @@
+"""Using prepared caches: ``generate``, and the interop calls of the local controllers.
+
+The half of ``LocalCacheController`` that consumes what ``prepare`` made (``local.py``
+makes it). A mixin over the engine's state: the memory LRU, the store, the entry
+format, the known prepare calls.
+
+* ``generate``: decoding settings (``decoding.Decoding``: sampling, a streamer,
+  framework kwargs), the target rule (``targets.py``, decision 1022), per-call usage
+  (``usage.py``, decision 1701).
+* ``prompt_tokens`` / ``prefix_tokens``: the token ids spoolctl runs and caches for a
+  query, rendered exactly as ``generate`` renders them (chat template included).
+* ``restore``: the cache of a handle in the framework's own type (transformers
+  ``DynamicCache``, mlx-lm's list of cache objects), an independent copy, for the
+  framework's own generate (decision 1704).
+* ``import_cache``: the other way: a cache the framework computed becomes the store
+  entry of some params, after its length, shape and a few recomputed positions check.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spoolctl.store import ConfigError
+
+from .contract import CacheHandle, CachePrepareParams, GenerateResult
+from .decoding import Decoding
+from .entry_format import Loaded, Prompt
+from .logsafe import reason
+from .targets import FOREIGN_HANDLE, resolve_target
+from .usage import call_usage
+
+if TYPE_CHECKING:
+    from .local import LocalCacheController
+
+log = logging.getLogger("spoolctl.controllers")
+
+UNFIT = ("the prepared cache is not where this prompt starts as rendered (the chat template "
+         "renders the cached messages differently once more follow); running cold")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A prepared cache in the framework's own type (see ``UseMixin.restore``).
+
+    ``cache`` covers exactly ``tokens`` (the cacheable prefix as spoolctl tokenized it;
+    empty for an empty handle, with a fresh empty cache). It is an independent copy:
+    the framework's generate may extend it in place without touching the stored entry.
+    """
+
+    cache: Any = field(repr=False)
+    tokens: list[int]
+    handle: CacheHandle
+
+
+class UseMixin:
+    """``generate`` and the interop calls (see the module docstring)."""
+
+    def generate(
+        self: LocalCacheController,
+        target: CachePrepareParams | CacheHandle,
+        prompt: str = "",
+        max_new_tokens: int = 32,
+        *,
+        params: CachePrepareParams | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        streamer: Any = None,
+        generate_kwargs: Mapping[str, Any] | None = None,
+    ) -> GenerateResult:
+        """Generate after the full prompt: every element of the params (volatile ones
+        included; images too for VLM prompts), then ``prompt`` (the user's turn under a
+        chat template).
+
+        ``target`` is the params (prepared here) or a handle; which params and which
+        cache a call runs with follows ``targets.resolve_target`` (decision 1022):
+        ``params=`` is the query when given, a handle of other params is refused. The
+        cache is used only if its tokens are a prefix of the prompt; if using it fails,
+        the request is re-run cold (``usage.cache_read_tokens = 0``).
+
+        Decoding is greedy unless ``temperature > 0`` (then ``top_p`` / ``top_k``
+        sampling, seeded by ``seed``); ``streamer`` is a transformers-style streamer
+        (``put``/``end``, e.g. ``TextStreamer``); ``generate_kwargs`` go to the
+        framework's own generate call verbatim (see ``decoding.py``).
+        """
+        self._check_open()
+        if not isinstance(prompt, str):
+            raise ConfigError(f"prompt must be a string, not {type(prompt).__name__}",
+                              fix="pass the user's text; put messages in the params")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, not {max_new_tokens!r}",
+                              fix="ask for at least one token")
+        decoding = Decoding(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            streamer=streamer, extra=generate_kwargs or {})
+        query, handle = self._resolve(target, params)
+        if handle is None:
+            handle = self.prepare(query)
+        rendered = self.format.prompt(query, prompt)
+        belongs = handle.ref is None or handle.ref == self.format.entry_id(query)
+        work = self._take_work(handle) if belongs else None
+        cache, cached, reloaded = self._cache_for(handle, query, rendered, belongs)
+        out: list[int] | None = None
+        if cache is not None:
+            try:
+                out, cached = self.format.run(cache, cached, rendered, max_new_tokens, decoding)
+            except ConfigError:
+                raise
+            except Exception as exc:
+                log.warning("generation from the cache failed, rerunning cold: %s", reason(exc))
+        if out is None:
+            out, cached = self.format.run(None, 0, rendered, max_new_tokens, decoding)
+        self.record_query()
+        usage = call_usage(work, cached=cached, prompt_tokens=len(rendered.tokens),
+                           completion_tokens=len(out), reloaded=reloaded)
+        return GenerateResult(usage=usage, handle=handle, text=self.format.decode(out),
+                              tokens=list(out))
+
+    def _resolve(self: LocalCacheController, target: Any, params: Any
+                 ) -> tuple[CachePrepareParams, CacheHandle | None]:
+        if isinstance(target, CachePrepareParams):
+            target = self._normalize(target)
+        if params is not None:
+            params = self._normalize(params)
+        return resolve_target(target, params, self._known)
+
+    def _loaded(self: LocalCacheController, handle: CacheHandle,
+                params: CachePrepareParams) -> tuple[Loaded | None, bool]:
+        """The loaded cache of ``handle`` (memory, else reloaded from disk when it was
+        evicted) and whether it was reloaded; (None, False) if it is gone."""
+        with self._lock:
+            loaded = self._memory.get(handle.ref)
+        if loaded is not None:
+            return loaded, False
+        plan = self._plan(params)
+        if plan is None or plan.entry_id != handle.ref:
+            return None, False
+        loaded = self._load_exact(plan, touch=not params.read_only)
+        if loaded is None:  # released, deleted or corrupt meanwhile
+            return None, False
+        self._remember(plan, loaded)
+        return loaded, True
+
+    def _cache_for(self: LocalCacheController, handle: CacheHandle,
+                   params: CachePrepareParams, prompt: Prompt,
+                   belongs: bool) -> tuple[Any | None, int, bool]:
+        """``(cache, cached tokens, reloaded from disk)`` to continue from."""
+        if handle.ref is None:
+            return None, 0, False
+        if not belongs:
+            log.warning(FOREIGN_HANDLE)
+            return None, 0, False
+        loaded, reloaded = self._loaded(handle, params)
+        if loaded is None:
+            return None, 0, False
+        try:
+            cache, cached = self.format.fit(loaded, prompt)
+        except Exception as exc:
+            log.warning("could not fit the cache to this prompt, running cold: %s", reason(exc))
+            return None, 0, False
+        if cache is None and not self._warned_unfit:
+            self._warned_unfit = True
+            log.warning(UNFIT)
+        return cache, cached, reloaded
+
+    # -- interop ----------------------------------------------------------------------------
+
+    def prompt_tokens(self: LocalCacheController, target: CachePrepareParams | CacheHandle,
+                      prompt: str = "", *, params: CachePrepareParams | None = None
+                      ) -> list[int]:
+        """The token ids ``generate(target, prompt)`` runs: the whole prompt, rendered
+        (chat template included) and tokenized exactly as ``generate`` does. They start
+        with the prefix tokens of the target's cache."""
+        self._check_open()
+        query, _ = self._resolve(target, params)
+        return list(self.format.prompt(query, prompt).tokens)
+
+    def prefix_tokens(self: LocalCacheController, params: CachePrepareParams) -> list[int]:
+        """The token ids of the cacheable prefix of ``params`` (what an entry for them
+        holds; [] when nothing is cacheable). Prefill exactly these to ``import_cache``."""
+        self._check_open()
+        plan = self._plan(self._normalize(params))
+        return list(plan.prefix.tokens) if plan is not None else []
+
+    def restore(self: LocalCacheController,
+                target: CachePrepareParams | CacheHandle) -> Restored:
+        """The cache of a handle (params are prepared first) in the framework's own type,
+        an independent copy covering ``Restored.tokens``: pass it to the framework's
+        generate with input ids that start with those tokens and have at least one more
+        (``prompt_tokens`` gives them). An empty handle restores an empty cache."""
+        self._check_open()
+        clone = getattr(self.format, "clone", None)
+        new = getattr(self.format, "new_cache", None)
+        if clone is None or new is None:
+            raise ConfigError(f"restore() is not supported by the {self.format.label} "
+                              "controller", fix="use generate()")
+        handle = self.prepare(target) if isinstance(target, CachePrepareParams) else target
+        if not isinstance(handle, CacheHandle):
+            raise ConfigError(f"restore() takes params or a handle, not {type(handle).__name__}",
+                              fix="pass the handle prepare() returned")
+        query = self._known(handle)
+        if handle.ref is not None and query is None:
+            raise ConfigError("this handle was not prepared by this controller",
+                              fix="prepare() the params with this controller first")
+        loaded = self._loaded(handle, query)[0] if handle.ref is not None else None
+        if loaded is None:
+            return Restored(cache=new(), tokens=[], handle=handle)
+        return Restored(cache=clone(loaded.cache), tokens=list(loaded.prefix.tokens),
+                        handle=handle)
+
+    def import_cache(self: LocalCacheController, params: CachePrepareParams,
+                     cache: Any) -> CacheHandle:
+        """Store ``cache`` -- the framework's own cache object, covering exactly
+        ``prefix_tokens(params)`` -- as the entry of ``params`` (``source="import"``).
+
+        Checked before anything is written: the cache type, layer count, shapes and
+        dtype, its length, and a few positions recomputed from the tokens (a cache of
+        other tokens, another template or another model is refused with a ConfigError).
+        The cache object is copied; the caller keeps theirs.
+        """
+        self._check_writable("import caches")
+        params = self._normalize(params)
+        adopt = getattr(self.format, "adopt", None)
+        if adopt is None:
+            raise ConfigError(f"import_cache() is not supported by the {self.format.label} "
+                              "controller", fix="use prepare()")
+        plan = self._plan(params)
+        if plan is None:
+            raise ConfigError("these params have no cacheable prefix to import",
+                              fix="mark fewer elements volatile")
+        own = adopt(cache, plan)
+        with self._key_lock(plan.entry_id):
+            persisted = self._commit(plan, own, None)
+        self._remember(plan, Loaded(own, plan.prefix))
+        written = len(plan.prefix) if persisted else 0
+        return self._stamp(params, self._handle(plan, source="import", written=written), None)

@@ -1,0 +1,218 @@
+"""Doctor checks that look at every file and row: what this user cannot read or write,
+special files where a store keeps regular ones, malformed catalog rows, the catalog's
+writability, scrub findings and the full-disk reserve (pure reads; never blocks).
+
+Each function returns ``Check`` records (``doctor.Check``); ``doctor.run_checks`` adds
+them after the root, filesystem and SQLite checks. Permission problems are reported as
+what the operator must fix (``chown``/``chmod``/``chattr -i``), never as corruption:
+nothing is moved, and fixing them makes every entry whole again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from .fsio import describe_os_error, file_kind
+from .root import SUBDIRS, Layout
+from .sqlite_files import SUFFIXES
+
+MAX_EXAMPLES = 5
+
+
+def _check(name: str, status: str, detail: str, fix: str = ""):
+    from .doctor import Check
+
+    return Check(name, status, detail, fix)  # type: ignore[arg-type]
+
+
+def _examples(paths: list[str]) -> str:
+    shown = ", ".join(paths[:MAX_EXAMPLES])
+    return shown + (f" and {len(paths) - MAX_EXAMPLES} more" if len(paths) > MAX_EXAMPLES else "")
+
+
+def _walk(layout: Layout, dirs_bad: list[str]) -> Iterator[os.DirEntry]:
+    """Every entry under objects/, manifests/ and tmp/ (two levels); directories that
+    cannot be listed or entered go to ``dirs_bad``."""
+    for top in (layout.objects, layout.manifests, layout.tmp):
+        try:
+            with os.scandir(top) as it:
+                children = list(it)
+        except OSError as exc:
+            dirs_bad.append(f"{top} ({describe_os_error(exc)})")
+            continue
+        for child in children:
+            yield child
+            if top == layout.tmp or not child.is_dir(follow_symlinks=False):
+                continue
+            if not os.access(child.path, os.R_OK | os.W_OK | os.X_OK):
+                dirs_bad.append(f"{child.path} (permission denied)")
+                continue
+            try:
+                with os.scandir(child.path) as it:
+                    yield from list(it)
+            except OSError as exc:
+                dirs_bad.append(f"{child.path} ({describe_os_error(exc)})")
+
+
+def tree_checks(layout: Layout) -> list:
+    """Unreadable files and directories, and special files, in the store's tree."""
+    dirs_bad: list[str] = []
+    for name in SUBDIRS:
+        p = layout.root / name
+        if p.is_dir() and not os.access(p, os.R_OK | os.W_OK | os.X_OK):
+            dirs_bad.append(f"{p} (permission denied)")
+    unreadable: list[str] = []
+    special: list[str] = []
+    for e in _walk(layout, dirs_bad):
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            special.append(f"{e.path} ({file_kind(st.st_mode)})")
+        elif not os.access(e.path, os.R_OK):
+            unreadable.append(e.path)
+    owner = "the store's owner" if not hasattr(os, "geteuid") else f"uid {os.geteuid()}"
+    out = []
+    if dirs_bad:
+        out.append(_check("store.directories", "fail",
+                          f"{len(dirs_bad)} directories cannot be listed or changed: "
+                          f"{_examples(dirs_bad)}",
+                          f"chown -R {owner} and chmod 700 them; until then clean and scrub "
+                          "skip what is under them"))
+    else:
+        out.append(_check("store.directories", "ok", "every store directory is usable"))
+    if unreadable:
+        out.append(_check("store.files", "fail",
+                          f"{len(unreadable)} files cannot be read: {_examples(unreadable)}",
+                          f"chown {owner} and chmod 600 them; reads of those entries miss and "
+                          "scrub records them as unreadable until then"))
+    else:
+        out.append(_check("store.files", "ok", "every object and manifest is readable"))
+    if special:
+        out.append(_check("store.special_files", "fail",
+                          f"{len(special)} special files where regular files belong: "
+                          f"{_examples(special)}",
+                          "`spoolctl scrub` (or a read) quarantines them; remove any outside "
+                          "objects/ and manifests/ by hand"))
+    return out
+
+
+def catalog_write_check(layout: Layout) -> list:
+    """Can this user write the catalog (file, -wal/-shm, state/)? Opens for writing
+    without writing (an immutable or read-only file refuses the open)."""
+    path = layout.state / "catalog.sqlite3"
+    problems = []
+    if not os.access(layout.state, os.W_OK | os.X_OK):
+        problems.append(f"{layout.state} is not writable")
+    for suffix in SUFFIXES:
+        p = path.with_name(path.name + suffix)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            why = "immutable or append-only (chattr)" if exc.errno == errno.EPERM else \
+                describe_os_error(exc)
+            problems.append(f"{p.name}: {why}")
+            continue
+        os.close(fd)
+    if not problems:
+        return [_check("catalog.writable", "ok", "the catalog can be written")]
+    return [_check("catalog.writable", "fail", "; ".join(problems),
+                   "make the catalog writable by the store's owner (chattr -i, chmod 600, "
+                   "chown, or remount read-write); until then only read-only commands work")]
+
+
+def row_checks(layout: Layout) -> list:
+    """Malformed catalog rows (read-only; a full scan)."""
+    from .catalog import Catalog
+
+    path = layout.state / "catalog.sqlite3"
+    if not path.exists():
+        return []
+    try:
+        cat = Catalog(path, read_only=True)
+    except (sqlite3.DatabaseError, OSError):
+        return []  # the sqlite checks already report an unreadable catalog
+    try:
+        count = cat.malformed_count()
+        bad = cat.malformed(MAX_EXAMPLES) if count else []
+    except sqlite3.DatabaseError:
+        return []
+    finally:
+        cat.close()
+    if not count:
+        return [_check("catalog.rows", "ok", "every catalog row is well formed")]
+    from .rows import shown_id
+
+    shown = "; ".join(f"{shown_id(e)[:16]}: {why}" for e, why in bad)
+    return [_check("catalog.rows", "fail", f"{count} malformed catalog rows ({shown})",
+                   "`spoolctl clean --orphans` re-indexes them from their manifests; until "
+                   "then clean, status and metrics skip them")]
+
+
+def scrub_checks(layout: Layout) -> list:
+    """Entries the last scrub could not read (the scrub moved on; they need a fix)."""
+    from .scrub import SCRUB_DB, UNREADABLE, ScrubState
+
+    path = layout.state / SCRUB_DB
+    if not path.exists():
+        return []
+    try:
+        state = ScrubState(path, read_only=True)
+    except (sqlite3.DatabaseError, OSError):
+        return []
+    try:
+        summary = state.summary()
+        cycle = summary.current_cycle or summary.last_cycle
+        count = cycle.unreadable if cycle else 0
+        rows = state._db.execute(
+            "SELECT entry_id FROM findings WHERE cycle_id=? AND reason=? LIMIT ?",
+            (cycle.cycle_id if cycle else -1, UNREADABLE, MAX_EXAMPLES)).fetchall()
+    except sqlite3.DatabaseError:
+        return []
+    finally:
+        state.close()
+    if not count:
+        return []
+    ids = ", ".join(str(r[0])[:16] for r in rows)
+    return [_check("scrub.unreadable", "fail",
+                   f"the scrub could not read {count} entries ({ids})",
+                   "fix the permissions `store.files` names (or check the disk: dmesg); the "
+                   "next scrub cycle verifies them again")]
+
+
+def reserve_check(layout: Layout) -> list:
+    from .reserve import Reserve
+
+    reserve = Reserve(layout.state)
+    have, want = reserve.count, reserve.pieces
+    if want == 0:
+        return [_check("fs.reserve", "ok", "the filesystem is too small for a full-disk "
+                       "reserve (under 4 MiB)")]
+    if have >= want:
+        return [_check("fs.reserve", "ok",
+                       f"{have * reserve.piece_bytes >> 10} KiB reserved so a full disk can "
+                       "be shed")]
+    return [_check("fs.reserve", "warn",
+                   f"{have} of {want} reserve pieces in place: on a full disk, "
+                   "cleaning may have to wait for free space",
+                   "free a few MiB; the store re-creates state/reserve.* at its next open")]
+
+
+def file_type_of(path: Path) -> str | None:
+    """``fifo`` etc. if ``path`` exists and is not a regular file, else None."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return file_kind(st.st_mode)
+    return None

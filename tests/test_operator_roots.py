@@ -1,0 +1,168 @@
+"""Issue 15.1 / decision 1100: every operator command accepts the vLLM connector's base
+root (``spoolctl config vllm --root R``) and a deployment directory under it, acts on every
+rank store, reports per rank (human and JSON), exits with the worst rank's code, and
+narrows with ``--rank`` / ``--deployment``. The stores here are written through the store
+API in the connector's layout; ``test_operator_examples.py`` does the same against stores
+written by a real vLLM engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from operator_cli import run, run_json, script
+
+from spoolctl.store import Store, entry_id_for
+from spoolctl.store.scrub import ScrubState
+
+DEP_A = "vllm-v1-" + "a1" * 24
+DEP_B = "vllm-v1-" + "b2" * 24
+
+
+class _Proc:
+    def __init__(self, code: int, out: str, err: str):
+        self.returncode, self.stdout, self.stderr = code, out, err
+
+
+def cli(*args: str) -> _Proc:
+    return _Proc(*run(*args))
+
+
+cli_json = run_json
+
+
+def _fill(rank_root: Path, rank: int, released: int = 1, n: int = 3) -> list[str]:
+    ids = []
+    with Store.open(rank_root, create=True) as store:
+        for i in range(n):
+            m = store.put(kind="vllm", namespace=f"vllm-v1-ns-r{rank}", key=f"{i:064x}",
+                          objects={"kv": os.urandom(2048)}, meta={"chunk_index": i})
+            ids.append(m.entry_id)
+        for entry_id in ids[:released]:
+            store.release(entry_id)
+    return ids
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    """A base root: deployment A with ranks 0 and 1, deployment B with rank 0."""
+    base = Path(os.path.realpath(tmp_path)) / "spool"
+    for dep, ranks in ((DEP_A, (0, 1)), (DEP_B, (0,))):
+        for rank in ranks:
+            _fill(base / dep / f"rank-{rank:04d}", rank)
+    return base
+
+
+def _ranks(doc: dict) -> list[tuple[str, int]]:
+    return [(s["deployment"], s["rank"]) for s in doc["stores"]]
+
+
+ALL = [(DEP_A, 0), (DEP_A, 1), (DEP_B, 0)]
+
+
+def test_cron_commands_act_on_every_rank_of_a_base_root(base: Path, tmp_path: Path) -> None:
+    clean = cli_json("clean", "--root", str(base), "--yes")
+    assert clean["kind"] == "base" and _ranks(clean) == ALL and clean["exit"] == 0
+    for s in clean["stores"]:
+        assert s["result"]["steps"]["released"]["entries"] == 1
+        with Store.open(s["root"]) as store:
+            assert store.released() == (0, 0) and store.totals().entries == 2
+    scrub = cli_json("scrub", "--root", str(base), "--rate", "0")
+    assert _ranks(scrub) == ALL
+    for s in scrub["stores"]:
+        assert s["result"]["checked"] == 2 and s["result"]["cycle_completed"]
+        with Store.open(s["root"]) as store:  # progress recorded on each rank
+            assert ScrubState.summary_of(store).last_cycle.checked == 2
+    prom = Path(os.path.realpath(tmp_path)) / "spoolctl.prom"
+    proc = script("metrics", "--root", str(base), "--textfile", str(prom))
+    assert proc.returncode == 0, proc.stderr
+    text = prom.read_text()
+    for dep, rank in ALL:
+        line = f'spoolctl_store_entries{{deployment="{dep}",rank="{rank:04d}"}} 2.0'
+        assert line in text, text
+        assert f'spoolctl_store_up{{deployment="{dep}",rank="{rank:04d}"}} 1.0' in text
+
+
+def test_a_deployment_directory_and_the_filters(base: Path) -> None:
+    dep = base / DEP_A
+    doc = cli_json("clean", "--root", str(dep), "--yes", "--dry-run")
+    assert doc["kind"] == "deployment" and _ranks(doc) == ALL[:2]
+    assert cli_json("ls", "--root", str(base), "--rank", "1")["stores"][0]["rank"] == 1
+    narrowed = cli_json("status", "--root", str(base), "--deployment", DEP_B[:12])
+    assert _ranks(narrowed) == [(DEP_B, 0)]
+    assert narrowed["deployments"][DEP_B]["agree"]
+    for args in (("--rank", "7"), ("--deployment", "nope")):
+        proc = cli("status", "--root", str(base), *args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    one = cli("status", "--root", str(dep / "rank-0000"), "--rank", "0")
+    assert one.returncode == 2 and "apply to a vLLM base root" in one.stderr
+
+
+def test_every_command_accepts_the_base_root(base: Path) -> None:
+    target = _fill(base / DEP_A / "rank-0001", 1, released=0)[2]  # already there: same ids
+    assert cli_json("status", "--root", str(base))["exit"] == 0
+    assert [s["result"]["count"] for s in cli_json("ls", "--root", str(base))["stores"]] == \
+        [3, 3, 3]
+    found = cli_json("inspect", target[:12], "--root", str(base))
+    assert _ranks(found) == [(DEP_A, 1)] and found["stores"][0]["result"]["entry_id"] == target
+    assert cli_json("request-auth", target, "--root", str(base))["stores"][0]["result"][
+        "result"] == "authenticated"
+    absent = cli("inspect", "ab" * 32, "--root", str(base))
+    assert absent.returncode == 1 and absent.stderr.startswith("error: no entry")
+    assert cli_json("doctor", "--root", str(base))["kind"] == "base"
+    assert cli_json("quarantine", "ls", "--root", str(base))["exit"] == 0
+    assert cli_json("quarantine", "purge", "--root", str(base), "--yes")["exit"] == 0
+    inited = cli_json("init", "--root", str(base), "--max-size", "1GiB")
+    assert [s["result"]["max_bytes"] for s in inited["stores"]] == [1 << 30] * 3
+    human = cli("clean", "--root", str(base), "--yes")
+    assert human.returncode == 0, human.stderr
+    for dep, rank in ALL:  # each rank under its own heading
+        assert f"{dep}/rank-{rank:04d}" in human.stdout
+    assert "3 stores under" in human.stdout
+
+
+def test_one_failing_rank_does_not_stop_the_others(base: Path) -> None:
+    bad = base / DEP_A / "rank-0001"
+    marker = json.loads((bad / ".spoolctl-root").read_text())
+    (bad / ".spoolctl-root").write_text(json.dumps({**marker, "created": "yesterday"}))
+    doc = cli_json("clean", "--root", str(base), "--yes", expect=2)
+    by_rank = {(s["deployment"], s["rank"]): s for s in doc["stores"]}
+    assert "invalid created" in by_rank[(DEP_A, 1)]["error"]
+    for key in ((DEP_A, 0), (DEP_B, 0)):
+        assert by_rank[key]["exit"] == 0
+        with Store.open(by_rank[key]["root"]) as store:
+            assert store.released() == (0, 0)
+
+
+def test_an_empty_base_root_is_nothing_to_do(tmp_path: Path) -> None:
+    base = Path(os.path.realpath(tmp_path)) / "spool"
+    base.mkdir()
+    (base / DEP_A).mkdir()  # the connector made the directory, no rank store yet
+    for args in (["clean", "--yes"], ["scrub"], ["status"], ["ls"]):
+        proc = cli(*args, "--root", str(base))
+        assert proc.returncode == 0, (args, proc.stderr)
+        assert "nothing to" in proc.stdout and proc.stderr == ""
+    assert cli_json("clean", "--root", str(base), "--yes")["stores"] == []
+    assert not (base / ".spoolctl-root").exists() and sorted(os.listdir(base)) == [DEP_A]
+
+
+def test_a_path_that_is_no_root_says_so_without_advising_init(tmp_path: Path) -> None:
+    odd = Path(os.path.realpath(tmp_path)) / "odd"
+    odd.mkdir()
+    (odd / "notes.txt").write_text("hello")
+    for args in (["clean", "--yes"], ["scrub"], ["metrics"], ["status"]):
+        proc = script(*args, "--root", str(odd))
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and "spoolctl init" not in proc.stderr
+        assert "deployment directory or base root" in proc.stderr
+
+
+def test_status_of_a_base_root_checks_every_deployment(base: Path) -> None:
+    with Store.open(base / DEP_A / "rank-0001") as store:
+        store.release(entry_id_for("vllm", "vllm-v1-ns-r1", f"{2:064x}"))
+    doc = cli_json("status", "--root", str(base), "--check", expect=1)
+    assert not doc["deployments"][DEP_A]["agree"] and doc["deployments"][DEP_B]["agree"]
+    table = cli("status", "--root", str(base))
+    assert table.returncode == 0 and "ranks disagree" in table.stdout

@@ -1,0 +1,99 @@
+"""Run spoolctl as an unprivileged user, for tests of permissions (root ignores mode bits).
+
+    python tests/unprivileged.py cli ARGS...   # ``spoolctl ARGS`` as that user
+    python tests/unprivileged.py py CODE       # exec CODE as that user
+
+Started as root, it loads every module spoolctl may need, then drops to ``nobody``
+(``os.setgid``/``os.setuid``; the interpreter itself may live where ``nobody`` cannot
+read, so nothing is imported after the drop). Started as another user, it runs as that
+user. ``unprivileged_uid()`` says which uid the work runs as, so a test can give it the
+files it owns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+
+NOBODY = 65534
+
+
+def unprivileged_uid() -> int:
+    return NOBODY if os.geteuid() == 0 else os.geteuid()
+
+
+def _preload() -> None:
+    import spoolctl
+
+    for mod in pkgutil.walk_packages(spoolctl.__path__, "spoolctl."):
+        if mod.name.startswith(("spoolctl.connector.", "spoolctl.controllers.")) and \
+                mod.name not in ("spoolctl.connector.topology",
+                                 "spoolctl.controllers.genai_records",
+                                 "spoolctl.controllers.contract"):
+            continue  # framework adapters: not used by the store or the CLI
+        if mod.name in ("spoolctl.tinymodel", "spoolctl.tinyvlm", "spoolctl.demo",
+                        "spoolctl.connector_plugin"):
+            continue
+        importlib.import_module(mod.name)
+    for name in ("rich.json", "rich.progress", "rich.panel", "rich.rule", "rich.table",
+                 "rich.text", "rich.markup", "rich.console", "rich.highlighter",
+                 "rich.syntax", "rich.pretty", "rich.traceback", "rich.live",
+                 "prometheus_client", "sqlite3", "json", "urllib.parse", "shutil",
+                 "concurrent.futures", "textwrap", "encodings.idna", "unicodedata",
+                 "typer.rich_utils", "typer.completion"):
+        importlib.import_module(name)
+    _rehearse()
+
+
+def _rehearse() -> None:
+    """Run the commands once, as root, on a throwaway store: whatever they import lazily
+    (rich renderables, typer's parameter checks...) is loaded before the drop."""
+    import contextlib
+    import io
+    import shutil
+    import tempfile
+
+    from spoolctl.cli.app import main as cli
+    from spoolctl.store import Store
+
+    # on tmpfs when there is one: the rehearsal's fsyncs are then free
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    base = tempfile.mkdtemp(prefix="spool-rehearse-", dir=shm)
+    try:
+        root = os.path.join(base, "store")
+        with Store.open(root, create=True) as store:
+            m = store.put(kind="pytorch", namespace="ns", key="k", objects={"kv": b"x"},
+                          meta={"a": [1, "b"]})
+        runs = [["status"], ["ls"], ["inspect", m.entry_id], ["doctor"], ["scrub"],
+                ["quarantine", "ls"], ["clean", "--dry-run", "--yes"], ["metrics"],
+                ["request-auth", m.entry_id], ["inspect", "beef"], ["status", "--nope"]]
+        for args in runs:
+            for extra in ([], ["--json"]):
+                with contextlib.redirect_stdout(io.StringIO()), \
+                        contextlib.redirect_stderr(io.StringIO()), \
+                        contextlib.suppress(SystemExit):
+                    cli([*args, "--root", root, *extra])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main() -> None:
+    mode, args = sys.argv[1], sys.argv[2:]
+    _preload()
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        os.environ["HOME"] = "/tmp"
+    if mode == "cli":
+        from spoolctl.cli.app import main as cli
+
+        cli(args)
+    else:
+        exec(compile(args[0], "<unprivileged>", "exec"), {"__name__": "__main__"})
+
+
+if __name__ == "__main__":
+    main()
