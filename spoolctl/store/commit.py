@@ -55,7 +55,7 @@ from .errors import (
 from .fsio import (
     Flushing,
     SizeLimitExceeded,
-    flush_pool,
+    flush_submit,
     fsync_dir,
     hash_file,
     io_error,
@@ -354,7 +354,7 @@ class Committer:
     def _sync(self, dirs: Iterable[Path], what: str, doing: str) -> None:
         """fsync ``dirs`` concurrently (the filesystem merges them); StoreIOError if any
         fails."""
-        pending = [(d, flush_pool().submit(fsync_dir, d)) for d in sorted(set(dirs))]
+        pending = [(d, flush_submit(fsync_dir, d)) for d in sorted(set(dirs))]
         failed: tuple[Path, OSError] | None = None
         for d, fut in pending:
             try:
