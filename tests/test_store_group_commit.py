@@ -186,3 +186,29 @@ def test_put_many_on_a_read_only_store_and_wrong_items(store_root: Path) -> None
 
     with Store.open(store_root, read_only=True) as store, pytest.raises(ReadOnlyError):
         store.put_many(_requests(1))
+
+
+def test_a_batch_committed_at_interpreter_exit(store_root: Path) -> None:
+    """At exit ``concurrent.futures`` refuses new work before ``atexit`` handlers run (vLLM's
+    shutdown, a controller's close): a batch committed then flushes on the calling thread."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, os, sys\n"
+        "from spoolctl.store import PutRequest, Store\n"
+        "s = Store.open(sys.argv[1], create=True)\n"
+        "def at_exit():\n"
+        "    out = s.put_many([PutRequest('vllm', 'exit', f'k{i}', {'kv': os.urandom(9000)})\n"
+        "                      for i in range(6)])\n"
+        "    print(','.join(o.status for o in out), flush=True)\n"
+        "atexit.register(at_exit)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(store_root)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ",".join(["committed"] * 6), proc.stderr
+    with Store.open(store_root) as s:
+        assert len(s.live_keys("vllm", "exit")) == 6
+        for row in s.entries(namespace="exit"):
+            s.verify(row.entry_id)

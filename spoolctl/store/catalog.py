@@ -72,6 +72,33 @@ CREATE TRIGGER IF NOT EXISTS entries_ins AFTER INSERT ON entries BEGIN
 CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
     UPDATE totals SET entries = entries - 1, bytes = bytes - OLD.manifest_size WHERE id = 0; END;
 """
+# Entries and bytes per (kind, hint, state), kept by triggers like ``totals``: ``status``
+# and the metrics read them in O(kinds) instead of grouping every row of the store. A
+# catalog made before this table is filled once when first opened writable (``meta``
+# ``kind_totals``); until then a read-only open groups the rows instead.
+_DDL += """
+CREATE TABLE IF NOT EXISTS kind_totals(
+    kind TEXT NOT NULL, hint TEXT NOT NULL, state TEXT NOT NULL,
+    entries INTEGER NOT NULL, bytes INTEGER NOT NULL,
+    PRIMARY KEY (kind, hint, state)) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS kind_totals_ins AFTER INSERT ON entries BEGIN
+    INSERT INTO kind_totals VALUES (NEW.kind, NEW.hint, NEW.state, 1, NEW.size)
+    ON CONFLICT(kind, hint, state) DO UPDATE
+    SET entries = entries + 1, bytes = bytes + NEW.size; END;
+CREATE TRIGGER IF NOT EXISTS kind_totals_del AFTER DELETE ON entries BEGIN
+    UPDATE kind_totals SET entries = entries - 1, bytes = bytes - OLD.size
+    WHERE kind = OLD.kind AND hint = OLD.hint AND state = OLD.state; END;
+CREATE TRIGGER IF NOT EXISTS kind_totals_upd AFTER UPDATE OF kind, hint, state, size ON entries
+BEGIN
+    UPDATE kind_totals SET entries = entries - 1, bytes = bytes - OLD.size
+    WHERE kind = OLD.kind AND hint = OLD.hint AND state = OLD.state;
+    INSERT INTO kind_totals VALUES (NEW.kind, NEW.hint, NEW.state, 1, NEW.size)
+    ON CONFLICT(kind, hint, state) DO UPDATE
+    SET entries = entries + 1, bytes = bytes + NEW.size; END;
+"""
+# Pending rows (commits in flight or interrupted), indexed by themselves: every writable
+# open looks for them, which must not scan a store of a million entries.
+_DDL += "CREATE INDEX IF NOT EXISTS entries_pending ON entries(entry_id) WHERE state='pending';\n"
 # Malformed rows, indexed by themselves: counting them (status, metrics) costs O(malformed),
 # not a scan of the catalog. The expression never raises (rows.WELL_FORMED), so maintaining
 # the index can never make a write fail.
@@ -132,6 +159,27 @@ class Catalog:
         if version != SCHEMA_VERSION:
             self._db.close()
             raise DamagedDatabaseError(f"catalog schema {version!r} is not {SCHEMA_VERSION!r}")
+        try:
+            if not read_only:
+                self._fill_kind_totals()
+            self._kind_totals = bool(self._db.execute(
+                "SELECT 1 FROM meta WHERE k='kind_totals'").fetchone())
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _fill_kind_totals(self) -> None:
+        """Fill ``kind_totals`` from the rows once, for a catalog made before it existed
+        (its triggers keep it from then on, also for older writers of this file)."""
+        if self._db.execute("SELECT 1 FROM meta WHERE k='kind_totals'").fetchone():
+            return
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM meta WHERE k='kind_totals'").fetchone():
+                return  # another process filled it meanwhile
+            db.execute("DELETE FROM kind_totals")
+            db.execute("INSERT INTO kind_totals SELECT kind, hint, state, COUNT(*), "
+                       "COALESCE(SUM(size), 0) FROM entries GROUP BY kind, hint, state")
+            db.execute("INSERT INTO meta VALUES ('kind_totals', '1')")
 
     def close(self) -> None:
         with self._lock:
@@ -324,25 +372,55 @@ class Catalog:
     def list(
         self, *, kind: str | None = None, namespace: str | None = None,
         hint: str | None = None, sort: str = "access", limit: int | None = None,
-        include_pending: bool = False, skip_held: bool = False,
+        include_pending: bool = False, skip_held: bool = False, after: str | None = None,
     ) -> list[CatalogRow]:
+        """Well-formed rows matching the filters, in ``sort`` order, at most ``limit``.
+
+        ``after`` (only with ``sort="id"``): rows whose id sorts after it, walking the
+        primary key from there (a cleanup that pages through a million rows reads each
+        once). With ``sort="access"`` and a ``limit`` the newest rows are read from the
+        ``(hint, last_access)`` index, one walk per hint merged, instead of sorting every
+        row of the store."""
         where, params = [WELL_FORMED], []
         if not include_pending:
             where.append("state='committed'")
         if skip_held:
             where.append(NOT_HELD)
-        for column, value in (("kind", kind), ("namespace", namespace), ("hint", hint)):
+        for column, value in (("kind", kind), ("namespace", namespace)):
             if value is not None:
                 where.append(f"{column}=?")
                 params.append(value)
-        sql = f"SELECT {_COLUMNS} FROM entries"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
+        if sort == "access" and limit is not None and after is None:
+            return self._newest(where, params, hint, limit)
+        if hint is not None:
+            where.append("hint=?")
+            params.append(hint)
+        source = "entries"
+        if after is not None:
+            if sort != "id":
+                raise ValueError("after= pages in id order only")
+            # The primary key, named: SQLite would otherwise pick a filter column's index
+            # and sort every match for each page.
+            source = "entries INDEXED BY sqlite_autoindex_entries_1"
+            where.append("entry_id > ?")
+            params.append(after)
+        sql = f"SELECT {_COLUMNS} FROM {source} WHERE " + " AND ".join(where)
         sql += f" ORDER BY {SORTS[sort]}"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(limit)
         return self._rows(self._read(sql, params))
+
+    def _newest(self, where: list[str], params: list, hint: str | None,
+                limit: int) -> list[CatalogRow]:
+        rows: list[CatalogRow] = []
+        for h in (hint,) if hint is not None else ("retain", "release"):
+            rows += self._rows(self._read(
+                f"SELECT {_COLUMNS} FROM entries INDEXED BY entries_lru WHERE hint=? AND "
+                + " AND ".join(where) + " ORDER BY last_access DESC LIMIT ?",
+                [h, *params, limit]))
+        rows.sort(key=lambda r: r.last_access, reverse=True)
+        return rows[:limit]
 
     def malformed(self, limit: int = 100) -> list[tuple[Any, str]]:
         """(entry id exactly as stored, reason) of up to ``limit`` malformed rows (a full
@@ -374,17 +452,25 @@ class Catalog:
             "AND NOT entry_id GLOB '*[^0-9a-f]*' ORDER BY entry_id LIMIT ?", (after, batch))]
 
     def pending(self) -> list[str]:
+        """Ids of pending rows. SQLite answers from the partial index ``entries_pending``
+        (no scan of the store); not named with INDEXED BY, so a read-only open of a catalog
+        made before the index existed still works (by a scan)."""
         return [r[0] for r in self._read(
-            "SELECT entry_id FROM entries WHERE state='pending' AND length(entry_id) = 64 "
-            "AND NOT entry_id GLOB '*[^0-9a-f]*'")]
+            "SELECT entry_id FROM entries WHERE state='pending' "
+            "AND length(entry_id) = 64 AND NOT entry_id GLOB '*[^0-9a-f]*'")]
 
     def totals(self) -> Totals:
         return Totals(*self._read("SELECT entries, objects, bytes FROM totals WHERE id=0")[0])
 
     def by_kind(self) -> dict[str, dict[str, int]]:
-        rows = self._read(
-            "SELECT kind, hint, COUNT(*), SUM(size) FROM entries WHERE state='committed' "
-            "GROUP BY kind, hint")
+        """Committed entries per kind: entries, bytes, released (O(kinds), ``kind_totals``)."""
+        if self._kind_totals:
+            rows = self._read("SELECT kind, hint, entries, bytes FROM kind_totals "
+                              "WHERE state='committed' AND entries > 0")
+        else:  # a read-only open of a catalog that was never opened writable since
+            rows = self._read(
+                "SELECT kind, hint, COUNT(*), SUM(size) FROM entries WHERE state='committed' "
+                "GROUP BY kind, hint")
         out: dict[str, dict[str, int]] = {}
         for kind, hint, count, size in rows:
             slot = out.setdefault(kind, {"entries": 0, "bytes": 0, "released": 0})
@@ -395,8 +481,11 @@ class Catalog:
         return out
 
     def released_stats(self) -> tuple[int, int]:
-        count, size = self._read(
-            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries WHERE hint='release'")[0]
+        """(count, bytes) of released entries (O(kinds), ``kind_totals``)."""
+        sql = ("SELECT COALESCE(SUM(entries), 0), COALESCE(SUM(bytes), 0) FROM kind_totals "
+               "WHERE hint='release'") if self._kind_totals else \
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries WHERE hint='release'"
+        count, size = self._read(sql)[0]
         return count, size
 
     def eviction_order(self, limit: int) -> list[tuple[str, str]]:
