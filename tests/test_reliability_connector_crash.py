@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 DRIVER = Path(__file__).with_name("vllm_support.py")
 CHUNK = 64
 rng = random.Random(11)
-PROMPT = [rng.randrange(3, 500) for _ in range(4 * CHUNK + 9)]  # 4 chunks -> 4 commits
+PROMPT = [rng.randrange(3, 500) for _ in range(4 * CHUNK + 9)]  # 4 chunks -> 4 entries
 
 
 def engine(job: dict, work: Path, name: str, crash_at: str | None = None):
@@ -53,7 +53,14 @@ def test_engine_killed_inside_a_store_commit(point, tiny_model_dir, tmp_path) ->
             assert row.state == "committed"
             store.verify(row.entry_id)
         survivors = store.totals().entries
-        assert survivors == int(point.rsplit(":", 1)[1]) - (0 if "manifest" in point else 1)
+        nth = int(point.rsplit(":", 1)[1])
+        if "manifest" in point:  # a published manifest is a commit: chunks 0..nth-1
+            assert survivors == nth
+        else:
+            # The nth chunk's object never became durable, so neither it nor any chunk of
+            # its group commit is visible; chunks committed in an earlier batch are (how the
+            # writer grouped them depends on timing: chunks queued together commit together).
+            assert survivors <= nth - 1
     proc, out = engine({**base, "requests": [
         {"name": "cold", "tokens": PROMPT, "bypass": True},
         {"name": "p", "tokens": PROMPT},

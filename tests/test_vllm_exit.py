@@ -83,8 +83,14 @@ _STAGER = """
             never.wait()  # a commit that never finishes (a hung disk)
         store.put(kind="vllm", namespace="ns", key=key, objects=objects, meta=meta)
 
+    put_many = None
+    if mode == "many":  # the worker's group commit (rank_commit_many)
+        from spoolctl.connector.capture import rank_commit_many
+        from spoolctl.connector.holdings import RankHoldings
+        put_many = rank_commit_many(store, "ns", RankHoldings(store, kind="vllm",
+                                                              namespace="ns", rank=0, epoch=1))
     stager = ChunkStager(put, chunk_bytes=1 << 20, staging_bytes=n << 20, meta={},
-                         counters=ConnectorCounters())
+                         counters=ConnectorCounters(), put_many=put_many)
     exitdrain.register(stager)
 
     def fill(buf, i):
@@ -92,15 +98,16 @@ _STAGER = """
         return {"kv": memoryview(buf.numpy())}, DONE  # a host-side fill: no copy to wait for
 
     for i in range(n):
-        stager.stage(f"chunk-{i}", i, lambda buf, i=i: fill(buf, i))
+        stager.stage(f"{i:064x}", i, lambda buf, i=i: fill(buf, i))
     print("queued", flush=True)
     # ...and the script ends here, with the commits still queued.
 """
 
 
-def test_chunks_queued_at_exit_are_committed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["ok", "many"])
+def test_chunks_queued_at_exit_are_committed(tmp_path: Path, mode: str) -> None:
     root = tmp_path / "store"
-    proc = _python(_STAGER, str(root), "24", "ok", "30")
+    proc = _python(_STAGER, str(root), "24", mode, "30")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "queued" in proc.stdout
     assert "uncommitted" not in proc.stderr
@@ -108,7 +115,7 @@ def test_chunks_queued_at_exit_are_committed(tmp_path: Path) -> None:
         entries = store.entries(kind="vllm")
         assert len(entries) == 24
         for e in entries:  # whole, verified chunks with their own bytes
-            i = int(e.key.split("-")[1])
+            i = int(e.key, 16)
             data = bytes(store.read(store.manifest(e.entry_id), "kv"))
             assert data == bytes([i % 251]) * (1 << 20)
 

@@ -4,28 +4,30 @@ After a step's forward the worker captures each chunk the scheduler planned to s
 (``stage``): it reserves staging memory with the ``StoreWriter`` (non-blocking; over the
 ``spoolctl_staging_bytes`` budget the chunk is skipped and counted), copies the chunk's
 blocks into a recycled staging buffer with the format's ``fill(buf) -> objects``, and
-queues the commit. The writer's thread commits it into this rank's store (``commit``) and
-tells ``RankHoldings``, which reports it to the scheduler. A chunk that fails to capture
-is skipped and counted; nothing here can affect a response. A chunk's manifest index may
-carry its vLLM block hashes (hashes only, for the KV events: ``events``).
+queues the commit. The writer's thread commits it into this rank's store and tells
+``RankHoldings``, which reports it to the scheduler: the chunks queued together as one
+group commit (``rank_commit_many``, ``Store.put_many``), each with its own outcome. A
+chunk that fails to capture is skipped and counted; nothing here can affect a response. A
+chunk's manifest index may carry its vLLM block hashes (hashes only, for the KV events:
+``events``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from spoolctl import metrics as m
-from spoolctl.store import Store
+from spoolctl.store import PutRequest, Store, StoreIOError
 
 from .holdings import RankHoldings
 from .kvio import BufferPool, CopyHandle
 from .lookup import KIND
 from .stats import ConnectorCounters
-from .writer import PendingStore, StoreWriter
+from .writer import PendingStore, PutMany, StoreWriter
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -51,13 +53,41 @@ def rank_commit(store: Store, namespace: str,
     return put
 
 
+def rank_commit_many(store: Store, namespace: str, holdings: RankHoldings) -> PutMany:
+    """``put_many([(key, objects, meta), ...])`` committing chunk entries into this rank's
+    store together (one group commit); per chunk, None or the error that kept it out."""
+
+    def put_many(items: Sequence[tuple[str, Objects, Mapping[str, Any]]],
+                 ) -> list[BaseException | None]:
+        requests = [
+            PutRequest(KIND, namespace, key, objects,
+                       meta={k: v for k, v in meta.items() if k != INDEX_KEY},
+                       index=meta.get(INDEX_KEY))
+            for key, objects, meta in items]
+        # No commit-time eviction: holdings withdraws victims from the scheduler first.
+        outcomes = store.put_many(requests, evict=False)
+        errors: list[BaseException | None] = []
+        for (key, _, _), outcome in zip(items, outcomes, strict=True):
+            if outcome.ok:
+                holdings.committed(key)
+                errors.append(None)
+            else:
+                errors.append(outcome.error or StoreIOError(
+                    f"chunk {key} was not committed ({outcome.status})", path=store.root))
+        return errors
+
+    return put_many
+
+
 class ChunkStager:
     """Captures chunks of ``chunk_bytes`` into staging buffers and queues their commits with
-    ``put`` (see ``rank_commit``). ``meta`` is recorded in every chunk's manifest."""
+    ``put`` (see ``rank_commit``), or chunks queued together with ``put_many`` if given
+    (``rank_commit_many``). ``meta`` is recorded in every chunk's manifest."""
 
     def __init__(self, put: Callable[[str, Objects, Mapping[str, Any]], None], *,
                  chunk_bytes: int, staging_bytes: int, meta: Mapping[str, Any],
-                 counters: ConnectorCounters, pin: bool = False):
+                 counters: ConnectorCounters, pin: bool = False,
+                 put_many: PutMany | None = None):
         self._chunk_bytes = chunk_bytes
         self._meta = dict(meta)
         self._counters = counters
@@ -65,7 +95,8 @@ class ChunkStager:
         # one. Pinned when the KV cache is on a CUDA device (device copies are then DMA).
         self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes),
                                 pin=pin)
-        self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters)
+        self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
+                                   put_many=put_many)
 
     def stage(self, key: str, index: int,
               fill: Callable[[torch.Tensor], tuple[Objects, CopyHandle]], *,

@@ -89,7 +89,7 @@ class WorkerSide:
         declares for it (``kv_cache_config`` and the resolved KV cache ``layout`` name), and
         start the restore, capture and inventory parts. Copies run on one ``CopyEngine``
         for the tensors' device; on CUDA its staging buffers are pinned."""
-        from .capture import ChunkStager, rank_commit
+        from .capture import ChunkStager, rank_commit, rank_commit_many
         from .holdings import RankHoldings
         from .introspect import num_blocks
         from .kvio import CopyEngine
@@ -134,7 +134,8 @@ class WorkerSide:
         self._stager = ChunkStager(rank_commit(store, ns, holdings),
                                    chunk_bytes=copier.chunk_bytes,
                                    staging_bytes=settings.staging_bytes, meta=meta,
-                                   counters=self._counters, pin=pin)
+                                   counters=self._counters, pin=pin,
+                                   put_many=rank_commit_many(store, ns, holdings))
         # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
         exitdrain.register(self._stager)
         self._start_maintainer(store)

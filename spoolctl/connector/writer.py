@@ -1,12 +1,17 @@
 """Off-critical-path commits of captured chunks, with bounded staging memory.
 
 The forward path only reserves staging bytes (``reserve``, non-blocking) and
-hands a filled buffer to ``submit``; one daemon thread commits it with
-``Store.put``. When the staging budget is exhausted the chunk is skipped and
-counted (reason ``budget``), never waited for. A failed commit (disk full, I/O
-error, capacity, busy lock) is counted by reason and dropped: it can never
-affect a response. ``flush`` waits (bounded) for queued commits, e.g. before a
-clean shutdown.
+hands a filled buffer to ``submit``; one daemon thread commits it. When the staging
+budget is exhausted the chunk is skipped and counted (reason ``budget``), never waited
+for. A failed commit (disk full, I/O error, capacity, busy lock) is counted by reason
+and dropped: it can never affect a response. ``flush`` waits (bounded) for queued
+commits, e.g. before a clean shutdown or at interpreter exit (``exitdrain``).
+
+Chunks that are queued together (a request's chunks captured in one step, or everything
+that queued while the previous commit ran) are committed together, up to
+``WRITE_BATCH``, through ``put_many`` (``Store.put_many``: one round of fsyncs for the
+batch, decision 1400), with an outcome per chunk: each is committed or skipped and
+counted on its own. Without ``put_many`` each chunk is one ``put``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +29,23 @@ from spoolctl.store.errors import (
     BusyError,
     CapacityError,
     SpoolError,
-    StoreIOError,
 )
 
 from .stats import ConnectorCounters
 
 log = logging.getLogger("spoolctl.connector")
+
+# Chunks committed together at most: bounds how long the first chunk of a batch waits to
+# be reported committed (the scheduler learns of it then) and what one batch holds; 32
+# chunks of 2 MiB already cost about one round of fsyncs (docs/benchmarks.md, batch rows).
+WRITE_BATCH = 32
+
+# ``put(key, payload, meta)``: commit one chunk (raises SpoolError if it is not stored).
+Put = Callable[[str, Any, Mapping[str, Any]], None]
+# ``put_many([(key, payload, meta), ...])``: commit chunks together; per chunk, in order,
+# None if it was committed or the exception that kept it out. An exception raised by the
+# call itself (a failure shared by the batch) counts against every chunk of it.
+PutMany = Callable[[Sequence[tuple[str, Any, Mapping[str, Any]]]], list[BaseException | None]]
 
 
 @dataclass
@@ -45,11 +61,13 @@ class PendingStore:
 
 
 class StoreWriter:
-    """One background committer. ``put`` is ``Store.put``-like: ``put(key, payload, meta)``."""
+    """One background committer: ``put`` commits one chunk, ``put_many`` (if given) the
+    chunks queued together (see the module docstring)."""
 
-    def __init__(self, put: Callable[[str, Any, Mapping[str, Any]], None], *,
-                 staging_bytes: int, counters: ConnectorCounters):
+    def __init__(self, put: Put, *, staging_bytes: int, counters: ConnectorCounters,
+                 put_many: PutMany | None = None):
         self._put = put
+        self._put_many = put_many
         self._budget = staging_bytes
         self._counters = counters
         self._lock = threading.Condition()
@@ -100,38 +118,75 @@ class StoreWriter:
             item = self._queue.get()
             if item is None:
                 return
+            batch, stop = [item], False
+            while self._put_many is not None and len(batch) < WRITE_BATCH:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True  # close(): commit what was taken, then end
+                    break
+                batch.append(more)
             try:
-                self._commit(item)
+                self._commit(batch)
             finally:
-                if item.on_done is not None:
-                    item.on_done()
-                self._release(item.key, item.nbytes)
+                for done in batch:
+                    try:
+                        if done.on_done is not None:
+                            done.on_done()
+                    finally:
+                        self._release(done.key, done.nbytes)
+            if stop:
+                return
 
-    def _commit(self, item: PendingStore) -> None:
+    def _commit(self, batch: list[PendingStore]) -> None:
         started = time.perf_counter()
-        reason = None
-        try:
-            if item.ready is not None:
-                item.ready()
-            self._put(item.key, item.payload, item.meta)
-        except CapacityError:
-            reason = "capacity"
-        except BusyError:
-            reason = "busy"
-        except StoreIOError as exc:
-            reason = "io_error"
-            log.warning("spoolctl: store skipped: %s", exc.message)
-        except SpoolError as exc:
-            reason = "io_error"
-            log.warning("spoolctl: store skipped: %s", exc.message)
-        except Exception:  # a bug must not take the worker down; the chunk is just not cached
-            reason = "io_error"
-            log.exception("spoolctl: unexpected error while storing a chunk")
-        if reason is not None:
+        ready: list[PendingStore] = []
+        for item in batch:
+            try:
+                if item.ready is not None:
+                    item.ready()  # the device copy into the staging buffer
+                ready.append(item)
+            except Exception:  # the copy failed: its bytes cannot be trusted
+                log.exception("spoolctl: a chunk's copy failed; not stored")
+                self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+        if self._put_many is None:
+            for item in ready:
+                self._outcomes([item], [_call(self._put, item)], started)
+                started = time.perf_counter()
+        elif ready:
+            try:
+                errors = self._put_many([(i.key, i.payload, i.meta) for i in ready])
+                if len(errors) != len(ready):
+                    raise RuntimeError(f"put_many returned {len(errors)} outcomes for "
+                                       f"{len(ready)} chunks")
+            except Exception as exc:  # shared by the batch (lock, catalog, a bug)
+                errors = [exc] * len(ready)
+            self._outcomes(ready, errors, started)
+
+    def _outcomes(self, items: list[PendingStore], errors: Sequence[BaseException | None],
+                  started: float) -> None:
+        """Count each chunk: committed (bytes, and the time since its commit began) or
+        skipped by reason; one warning per distinct failure of a batch."""
+        elapsed = time.perf_counter() - started
+        warned: set[str] = set()
+        for item, exc in zip(items, errors, strict=True):
+            if exc is None:
+                self._counters.inc(m.STORE_WRITE_BYTES, item.nbytes)
+                self._counters.observe(m.STORE_WRITE_SECONDS, elapsed)
+                continue
+            reason = _reason(exc)
             self._counters.inc(m.STORES_SKIPPED, reason=reason)
-            return
-        self._counters.inc(m.STORE_WRITE_BYTES, item.nbytes)
-        self._counters.observe(m.STORE_WRITE_SECONDS, time.perf_counter() - started)
+            if reason != "io_error":
+                continue
+            if isinstance(exc, SpoolError):
+                if exc.message not in warned:
+                    warned.add(exc.message)
+                    log.warning("spoolctl: store skipped: %s", exc.message)
+            elif "bug" not in warned:  # a bug must not take the worker down
+                warned.add("bug")
+                log.error("spoolctl: unexpected error while storing a chunk", exc_info=exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted chunk is committed or skipped; False on timeout."""
@@ -152,3 +207,20 @@ class StoreWriter:
         self._queue.put(None)
         self._thread.join(timeout=1.0 if drained else 0.1)
         return drained
+
+
+def _call(put: Put, item: PendingStore) -> BaseException | None:
+    try:
+        put(item.key, item.payload, item.meta)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    """The ``stores_skipped_total`` reason of a commit that failed with ``exc``."""
+    if isinstance(exc, CapacityError):
+        return "capacity"
+    if isinstance(exc, BusyError):
+        return "busy"
+    return "io_error"  # StoreIOError (a full disk too), another SpoolError, or a bug
