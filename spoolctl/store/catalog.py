@@ -251,20 +251,31 @@ class Catalog:
             self._insert(db, manifest, manifest_size, last_access or manifest.created,
                          hint=hint, state="committed", index=index)
 
+    def index_manifests(self, found: Iterable[tuple[Manifest, int]]) -> None:
+        """Index manifests found on disk as committed (retain, last access = created), in
+        one transaction: a rebuild indexes thousands per transaction, not one each."""
+        rows, refs = [], []
+        for manifest, manifest_size in found:
+            rows.append(_row(manifest, manifest_size, manifest.created, "retain", "committed"))
+            refs += [(manifest.entry_id, ref.digest, ref.size) for ref in manifest.objects]
+        ids = [(row[0],) for row in rows]
+        with self._write() as db:  # statement by statement over the batch (executemany)
+            db.executemany("DELETE FROM entry_objects WHERE entry_id=?", ids)
+            db.executemany("DELETE FROM entries WHERE entry_id=?", ids)
+            db.executemany(f"INSERT INTO entries({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                           rows)
+            db.executemany("INSERT OR IGNORE INTO objects VALUES (?, ?)",
+                           [(digest, size) for _, digest, size in refs])
+            db.executemany("INSERT OR IGNORE INTO entry_objects VALUES (?, ?)",
+                           [(entry_id, digest) for entry_id, digest, _ in refs])
+
     @staticmethod
     def _insert(db, manifest: Manifest, manifest_size: int, now: float, *, hint: str,
                 state: str, index: dict | None = None) -> None:
         db.execute("DELETE FROM entry_objects WHERE entry_id=?", (manifest.entry_id,))
         db.execute("DELETE FROM entries WHERE entry_id=?", (manifest.entry_id,))
-        db.execute(
-            f"INSERT INTO entries({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                manifest.entry_id, manifest.kind, manifest.namespace, manifest.key,
-                manifest.payload_bytes + manifest_size, manifest_size, manifest.created, now,
-                hint, state, manifest.supersedes,
-                json.dumps(dict(manifest.index if index is None else index), sort_keys=True),
-            ),
-        )
+        db.execute(f"INSERT INTO entries({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                   _row(manifest, manifest_size, now, hint, state, index))
         for ref in manifest.objects:
             db.execute("INSERT OR IGNORE INTO objects VALUES (?, ?)", (ref.digest, ref.size))
             db.execute("INSERT OR IGNORE INTO entry_objects VALUES (?, ?)",
@@ -546,6 +557,15 @@ class Catalog:
 
     def quick_check(self) -> str:
         return str(self._read("PRAGMA quick_check")[0][0])
+
+
+def _row(manifest: Manifest, manifest_size: int, last_access: float, hint: str, state: str,
+         index: dict | None = None) -> tuple:
+    """The ``entries`` row of ``manifest`` (``_COLUMNS`` order)."""
+    return (manifest.entry_id, manifest.kind, manifest.namespace, manifest.key,
+            manifest.payload_bytes + manifest_size, manifest_size, manifest.created,
+            last_access, hint, state, manifest.supersedes,
+            json.dumps(dict(manifest.index if index is None else index), sort_keys=True))
 
 
 def _chunks(items: list[str], n: int) -> Iterator[list[str]]:

@@ -3,12 +3,14 @@ recovery. Its parts, one module each:
 
 * ``publish``: the one write-temp / fsync / rename / fsync-directory sequence, used for
   objects and manifests (and reusable by a batch commit);
-* ``commit``: the manifest-last commit of one entry;
+* ``commit``: the manifest-last commit of a batch of entries (group commit; ``put`` is a
+  batch of one);
 * ``gc``: garbage collection (clean released entries, evict, the deletion order, temp files);
 * ``recovery``: catalog rebuild, interrupted commits, reconciling catalog and disk,
   re-admitting quarantined entries;
 * ``clean``: the cron job's cleaning pass as data;
 * ``facts``: one snapshot of the store's facts for status, metrics and gauges;
+* ``queries`` / ``quarantining``: ``Store``'s read-only queries and quarantine methods;
 * ``catalog`` / ``quarantine`` / ``locks`` / ``fsio``: the index, the evidence, the
   inter-process locks and single-file I/O.
 
@@ -49,7 +51,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import faults
-from .catalog import Catalog, CatalogRow, Totals
+from .catalog import Catalog
 from .catalog_health import CatalogHealth
 from .clean import CLEAN_STEPS, CleanReport, run_clean
 from .commit import Committer, Payload, Pending, PutOutcome, PutRequest
@@ -57,32 +59,31 @@ from .errors import (
     BusyError,
     ConfigError,
     CorruptionError,
-    InvalidIdError,
     ManifestError,
     NotFoundError,
     QuarantineReason,
     SpoolError,
     StoreIOError,
 )
-from .facts import StoreFacts, collect
 from .fsio import io_error, read_manifest, read_verified
 from .gc import (
     DEFAULT_ORPHAN_AGE,
     DeleteReport,
     GarbageCollector,
     clean_tmp,
-    tmp_usage,
 )
 from .inputs import check_put, is_bytes_like
-from .keys import entry_id_for, validate_entry_id, validate_entry_prefix
+from .keys import entry_id_for, validate_entry_id
 from .locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
 from .manifest import Manifest, canonical_json
 from .publish import Publisher
-from .quarantine import Quarantine, QuarantineItem
+from .quarantine import Quarantine
+from .quarantining import Quarantining
+from .queries import Queries
 from .recovery import ReconcileReport, Recovery
 from .reserve import Reserve
 from .root import Layout, Marker, check_root_path, create_or_adopt
-from .rows import index_problem, shown_id
+from .rows import index_problem
 
 log = logging.getLogger("spoolctl.store")
 
@@ -95,7 +96,7 @@ COMMIT_EVICTION_BUDGET = 256
 __all__ = ["DeleteReport", "PutOutcome", "PutRequest", "ReconcileReport", "Store"]
 
 
-class Store(CatalogHealth):
+class Store(CatalogHealth, Quarantining, Queries):
     """One store root. Thread-safe; many processes may open the same root.
 
     Open with ``Store.open``; use as a context manager or call ``close()``.
@@ -454,55 +455,6 @@ class Store(CatalogHealth):
         return self.run_with_catalog_repair(
             lambda: self.catalog.update_index(entry_id, dict(changes)))
 
-    # -- quarantine ------------------------------------------------------------------------
-
-    def quarantine_entry(
-        self, entry_id: str, reason: QuarantineReason, detail: str,
-        *, bad_digests: Iterable[str] = (),
-    ) -> Path:
-        """Remove ``entry_id`` from the catalog and move its manifest (and the objects
-        named in ``bad_digests``) into a new quarantine item."""
-        self._writable("quarantining an entry")
-        files = [(self.layout.manifest_path(entry_id), "manifest")]
-        files += [(self.layout.object_path(d), "object") for d in bad_digests]
-        return self.quarantine_files(entry_id, reason, detail, files)
-
-    def quarantine_files(self, entry_id: str | None, reason: QuarantineReason, detail: str,
-                         files: list[tuple[Path, str]]) -> Path:
-        """Drop ``entry_id``'s catalog row (if any) and move ``files`` ((path, role) pairs)
-        into a new quarantine item."""
-        kind = None
-        if entry_id is not None and self._catalog is not None:
-            with contextlib.suppress(sqlite3.DatabaseError):
-                row = self.catalog.get(entry_id)
-                kind = row.kind if row else None
-                self.catalog.delete_entries([entry_id])
-        self.checkpoint("quarantine.catalog_deleted")
-        item = self.quarantine.add(reason, detail, files, entry_id=entry_id, kind=kind,
-                                   checkpoint=self.checkpoint)
-        log.warning("quarantined %s: %s", item.name, reason.value)
-        return item
-
-    def quarantine_items(self) -> list[QuarantineItem]:
-        return self.quarantine.items()
-
-    def restore_quarantined(self, item_id: str) -> Manifest:
-        """Re-admit a quarantined entry if, and only if, it now verifies.
-
-        Raises CorruptionError (nothing moved) if its manifest or objects still fail, and
-        NotFoundError if an object it needs is gone (reclaimed after the quarantine).
-        """
-        self._writable("restoring from quarantine")
-        item = self.quarantine.get(item_id)
-        if item.entry_id is None:
-            raise ConfigError(f"quarantine item {item_id} holds no entry", path=item.path,
-                              fix="inspect it with `spoolctl quarantine show`; purge when done")
-        entry_id = validate_entry_id(item.entry_id)
-        with self.maintenance(exclusive=False, what="restoring from quarantine"):
-            manifest = self._recovery.readmit(item, entry_id, self._publisher)
-        self.quarantine.remove(item)
-        return manifest
-
     # -- maintenance (what to delete: gc; what to repair: recovery) -----------------------
 
     def clean_released(self, *, dry_run: bool = False) -> DeleteReport:
@@ -577,57 +529,7 @@ class Store(CatalogHealth):
         their fixed order, reported step by step; ``dry_run`` only plans."""
         return run_clean(self, steps, min_age=min_age, dry_run=dry_run)
 
-    # -- information ---------------------------------------------------------------------
-
-    def facts(self) -> StoreFacts:
-        """One snapshot of everything status, metrics and gauges report (``facts``)."""
-        return collect(self)
-
-    def totals(self) -> Totals:
-        return self.run_with_catalog_repair(lambda: self.catalog.totals())
-
-    def by_kind(self) -> dict[str, dict[str, int]]:
-        return self.run_with_catalog_repair(lambda: self.catalog.by_kind())
-
-    def released(self) -> tuple[int, int]:
-        """(count, bytes) of released entries waiting for cleanup."""
-        return self.run_with_catalog_repair(lambda: self.catalog.released_stats())
-
-    def entries(self, **filters: Any) -> list[CatalogRow]:
-        """Catalog rows; see ``Catalog.list`` for filters (kind, namespace, hint, sort, limit).
-        Malformed rows are skipped (``malformed_rows`` reports them)."""
-        return self.run_with_catalog_repair(lambda: self.catalog.list(**filters))
-
-    def malformed_rows(self, limit: int = 100) -> list[tuple[str, str]]:
-        """(entry id as stored, reason) of catalog rows that are not what spoolctl writes
-        (skipped by every listing and cleanup; ``collect_orphans`` repairs them)."""
-        return [(shown_id(e), why) for e, why in
-                self.run_with_catalog_repair(lambda: self.catalog.malformed(limit))]
-
-    def malformed_count(self) -> int:
-        return self.run_with_catalog_repair(lambda: self.catalog.malformed_count())
-
-    def row(self, entry_id: str) -> CatalogRow | None:
-        validate_entry_id(entry_id)
-        return self.run_with_catalog_repair(lambda: self.catalog.get(entry_id))
-
-    def resolve(self, text: str) -> str:
-        """Resolve a full id or a unique prefix (>= 4 hex) to an entry id."""
-        validate_entry_prefix(text)
-        if len(text) == 64:
-            return text
-        matches = self.run_with_catalog_repair(lambda: self.catalog.resolve_prefix(text))
-        if not matches:
-            raise NotFoundError(f"no entry matches {text}", path=self.root,
-                                fix="list entries with `spoolctl ls`")
-        if len(matches) > 1:
-            raise InvalidIdError(f"entry prefix {text} is ambiguous",
-                                 fix="type more characters of the id")
-        return matches[0]
-
-    def tmp_usage(self) -> tuple[int, int]:
-        """(files, bytes) under tmp/."""
-        return tmp_usage(self.layout.tmp)
+    # -- ownership and size ------------------------------------------------------------
 
     def owner(self) -> OwnerInfo | None:
         return read_owner(self.layout.state / "owner.lock", self.layout.state / "owner.json")
