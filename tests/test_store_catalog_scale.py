@@ -228,3 +228,22 @@ def test_clean_pages_in_id_order_and_ends_with_an_undeletable_manifest(
     monkeypatch.undo()
     assert [r.entry_id for r in store.entries(hint="release")] == [kept]
     assert store.clean_released().entries == 0  # still there, still terminates
+
+
+def test_rebuild_in_batches_indexes_every_manifest(store_root: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from spoolctl.store import recovery
+
+    monkeypatch.setattr(recovery, "REBUILD_BATCH", 3)
+    with Store.open(store_root, create=True) as s:
+        ids = sorted(_put(s, kind, f"{kind}{i}", size=30 + i) for kind in ("vllm", "mlx")
+                     for i in range(5))
+        before = s.totals()
+    for suffix in ("", "-wal", "-shm"):
+        (store_root / "state" / f"catalog.sqlite3{suffix}").unlink(missing_ok=True)
+    with Store.open(store_root) as s:  # rebuilt from the manifests, 3 per transaction
+        assert sorted(r.entry_id for r in s.entries()) == ids
+        assert s.totals() == before
+        _check(s)
+        for entry_id in ids:
+            s.verify(entry_id)

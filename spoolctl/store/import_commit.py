@@ -7,7 +7,7 @@ This module hands such entries to the store's group commit (``commit.Committer``
 prebuilt entries: the same steps, checkpoints and crash guarantees as ``Store.put_many``
 (docs/format.md), skipping only the staging of objects the import already staged. An entry
 already committed is reported present (not revived); one that relies on an object no longer
-in the store is reported vanished. See decisions 1601 and 1401.
+in the store is reported vanished. See decisions 1601 and 1400.
 """
 
 from __future__ import annotations
