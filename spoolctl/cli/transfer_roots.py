@@ -150,13 +150,13 @@ def export_doc(doc: dict[str, Any], source: Source) -> dict[str, Any]:
 
 
 def export_view(doc: dict[str, Any], output: str) -> list[Any]:
-    """Per-store rows (when there are several, or one failed), then the summary line."""
+    """Per-store rows (for rank stores: which ranks, and how each went), then the summary."""
     out: list[Any] = []
     stores = doc["stores"]
     if not stores:
         out.append(Text(f"nothing to export: no spoolctl store under {plain(doc['root'])} "
                         "yet (no vLLM deployment has started); the archive is empty"))
-    elif len(stores) > 1 or any("error" in s for s in stores):
+    elif doc["kind"] != "store":  # rank stores: which ones, and how each went
         t = Table(title="spoolctl export", title_justify="left")
         for col in ("store", "entries", "objects", "size", "result"):
             t.add_column(col, justify="left" if col in ("store", "result") else "right",
