@@ -80,7 +80,7 @@ def test_malformed_genai_records_are_skipped_reported_and_repaired(store_root: P
                              index={"name": "../../v1beta/models/evil", "expire_time": 4e9,
                                     "remote_pending": True}).entry_id
             ctl.close()
-        a, b, c = (pending[h.ref] for h in handles)
+        a, b, _c = (pending[h.ref] for h in handles)  # the third stays well-formed
         _edit(store_root, a, "$.token_count", "many")
         _edit(store_root, b, "$.display_name", [1, 2])
 
