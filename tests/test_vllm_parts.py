@@ -52,12 +52,22 @@ def _capture_all(copier, meta, store: Store, counters: ConnectorCounters) -> Non
     assert holdings.held_keys() >= {k for k, _, _ in copier.captures(meta)}
 
 
+def _restore_now(copier, meta, pipeline) -> tuple[set[str], set[str], set[int]]:
+    """Begin ``meta``'s restores and pump them to the end, as the worker's safe points do;
+    (requests reported done, failed, blocks to recompute)."""
+    copier.restore(meta, pipeline)
+    while pipeline is not None and pipeline.busy:
+        copier.poll(pipeline, set(), idle=True)
+    done, failed = copier.take_transfer_results()
+    return done, failed, copier.take_load_errors()
+
+
 def test_single_format_round_trip_and_a_corrupt_chunk_fails_from_there(tmp_path: Path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     from spoolctl.connector.format_single import SingleFormat
     from spoolctl.connector.messages import SpoolConnectorMetadata
-    from spoolctl.connector.plan import ChunkLoad, ChunkStore
+    from spoolctl.connector.plan import ChunkLoad, ChunkStore, SingleRequestLoad
     from spoolctl.connector.restore import RestorePipeline
 
     fmt, counters = SingleFormat(chunk_tokens=64, block_size=32), ConnectorCounters()
@@ -67,8 +77,8 @@ def test_single_format_round_trip_and_a_corrupt_chunk_fails_from_there(tmp_path:
     writer.bind(src, 12)
     reader.bind(dst, 12)
     assert reader.layout_digest == writer.layout_digest and reader.chunk_bytes > 0
-    load = SpoolConnectorMetadata(loads=[ChunkLoad("r", 1, KEYS[1], (5, 6)),
-                                         ChunkLoad("r", 0, KEYS[0], (1, 2))])
+    load = SpoolConnectorMetadata(loads=[SingleRequestLoad("r", (
+        ChunkLoad("r", 0, KEYS[0], (1, 2)), ChunkLoad("r", 1, KEYS[1], (5, 6))))])
     with Store.open(_root(tmp_path), create=True) as store, ThreadPoolExecutor(2) as pool:
         _capture_all(writer, SpoolConnectorMetadata(stores=[
             ChunkStore("r", 0, KEYS[0], (3, 4)), ChunkStore("r", 1, KEYS[1], (7, 8))]),
@@ -76,28 +86,27 @@ def test_single_format_round_trip_and_a_corrupt_chunk_fails_from_there(tmp_path:
         lost: list[str] = []
         pipeline = RestorePipeline(store, NS, chunk_bytes=reader.chunk_bytes, pool=pool,
                                    counters=counters, on_lost=lost.append)
-        reader.restore(load, pipeline)
-        assert reader.take_load_errors() == set()
+        assert _restore_now(reader, load, pipeline) == ({"r"}, set(), set())
         for name in src:
             for to, frm in ((1, 3), (2, 4), (5, 7), (6, 8)):
                 assert torch.equal(dst[name][to], src[name][frm])
-        # A flipped byte in chunk 1: quarantined, withdrawn, its blocks recomputed by vLLM;
-        # chunk 0 (before it) is still restored.
+        # A flipped byte in chunk 1: quarantined, withdrawn, its blocks recomputed by vLLM
+        # (reported with the request, in the same step); chunk 0 (before it) is restored.
         _flip_object_byte(store, KEYS[1], "kv")
         for t in dst.values():
             t.zero_()
-        reader.restore(load, pipeline)
-        assert reader.take_load_errors() == {5, 6}
+        assert _restore_now(reader, load, pipeline) == ({"r"}, set(), {5, 6})
         assert lost == [KEYS[1]]
         assert counters.total(m.LOAD_ERRORS) == 1 and counters.total(m.QUARANTINE_EVENTS) == 1
         assert len(store.quarantine_items()) == 1
         assert store.live([entry_id_for("vllm", NS, KEYS[1])]) == set()
         assert all(torch.equal(dst[n][1], src[n][3]) and not dst[n][5].any() for n in src)
         # A worker that could not bind its KV (or is shut down) restores nothing: every
-        # planned block is reported.
-        unbound.restore(load, pipeline)
-        assert unbound.take_load_errors() == {1, 2, 5, 6}
+        # planned block is reported; a request vLLM allocated too little for fails whole.
+        assert _restore_now(unbound, load, pipeline) == ({"r"}, set(), {1, 2, 5, 6})
         assert list(unbound.captures(load)) == []
+        short = SpoolConnectorMetadata(loads=[SingleRequestLoad("s", (), ok=False)])
+        assert _restore_now(reader, short, pipeline) == ({"s"}, {"s"}, set())
 
 
 def test_grouped_format_round_trip_per_group_and_a_foreign_plan_fails_the_request(

@@ -329,7 +329,7 @@ def test_connector_startup_per_group_layout(tmp_path: Path):
     assert supports_hma(SpoolConnector)
     single = _scheduler_connector([full], tmp_path)
     hybrid = _scheduler_connector([slide, full], tmp_path)
-    assert single.format.name == "single" and not single.format.load_async
+    assert single.format.name == "single" and single.format.load_async
     assert hybrid.format.name == "grouped" and hybrid.format.load_async
     assert [(g.name, g.stored_blocks) for g in hybrid.format.layouts] == [("g0", 1), ("g1", 2)]
     assert single.namespace != hybrid.namespace

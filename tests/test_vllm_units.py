@@ -88,18 +88,22 @@ def test_plan_loads_into_allocated_blocks_and_stores_new_chunks_once_computed():
     keys = [f"{i:064x}" for i in range(4)]
     ext = p.lookup("r", keys, [True, True, False, False], 260, 32)
     assert ext == 96
-    p.allocated("r", ext)
     blocks = list(range(10, 19))
-    loads, stores = p.scheduled("r", blocks, replace=True, computed_after=32 + 96 + 100)
-    assert [(ld.index, ld.block_ids, ld.skip) for ld in loads] == [
+    # Planned when vLLM allocates the hit's blocks (the request then waits for its KV).
+    p.allocated("r", blocks[:4], ext)
+    (load,) = p.take_loads()
+    assert load.req_id == "r" and load.ok and p.take_loads() == []
+    assert [(ld.index, ld.block_ids, ld.skip) for ld in load.loads] == [
         (0, (10, 11), 1), (1, (12, 13), 0)]
-    assert loads[0].target_blocks == (11,)
+    assert load.loads[0].target_blocks == (11,)
+    assert load.target_blocks == {11, 12, 13}
+    stores = p.scheduled("r", blocks, replace=True, computed_after=32 + 96 + 100)
     assert [(s.index, s.block_ids) for s in stores] == [(2, (14, 15))]  # chunk 3 not done yet
-    loads, stores = p.scheduled("r", [19], replace=False, computed_after=260)
-    assert loads == [] and [(s.index, s.block_ids) for s in stores] == [(3, (16, 17))]
-    assert p.scheduled("r", None, replace=False, computed_after=261) == ([], [])
+    stores = p.scheduled("r", [19], replace=False, computed_after=260)
+    assert [(s.index, s.block_ids) for s in stores] == [(3, (16, 17))]
+    assert p.scheduled("r", None, replace=False, computed_after=261) == []
     p.finished("r")
-    assert p.scheduled("r", blocks, replace=True, computed_after=300) == ([], [])
+    assert p.scheduled("r", blocks, replace=True, computed_after=300) == []
 
 
 def test_plan_load_ending_inside_the_last_chunk_copies_that_whole_chunk():
@@ -107,20 +111,32 @@ def test_plan_load_ending_inside_the_last_chunk_copies_that_whole_chunk():
     keys = [f"{i:064x}" for i in range(2)]
     ext = p.lookup("r", keys, [True, True], 128, 0)
     assert ext == 127
-    p.allocated("r", ext)
-    loads, stores = p.scheduled("r", [4, 5, 6, 7], replace=True, computed_after=128)
-    assert [(ld.index, ld.block_ids) for ld in loads] == [(0, (4, 5)), (1, (6, 7))]
-    assert stores == []  # both chunks were present at lookup
+    p.allocated("r", [4, 5, 6, 7], ext)
+    (load,) = p.take_loads()
+    assert [(ld.index, ld.block_ids) for ld in load.loads] == [(0, (4, 5)), (1, (6, 7))]
+    assert p.scheduled("r", [4, 5, 6, 7], replace=True, computed_after=128) == []  # present
+
+
+def test_plan_load_without_the_blocks_it_needs_fails_the_request():
+    p = Planner(chunk_tokens=64, block_size=32)
+    keys = [f"{i:064x}" for i in range(2)]
+    ext = p.lookup("r", keys, [True, True], 200, 0)
+    p.allocated("r", [4, 5, 6], ext)  # chunk 1 needs blocks 2 and 3
+    (load,) = p.take_loads()
+    assert not load.ok and load.loads == ()
+    p.lookup("q", keys, [False, False], 200, 0)
+    p.allocated("q", [1, 2], 0)  # a miss: nothing to restore
+    assert p.take_loads() == []
 
 
 def test_plan_after_preemption_uses_the_new_blocks():
     p = Planner(chunk_tokens=64, block_size=32)
     keys = [f"{i:064x}" for i in range(2)]
     p.lookup("r", keys, [False, False], 130, 0)
-    p.allocated("r", 0)
-    _, stores = p.scheduled("r", [1, 2], replace=True, computed_after=64)
+    p.allocated("r", None, 0)
+    stores = p.scheduled("r", [1, 2], replace=True, computed_after=64)
     assert [s.block_ids for s in stores] == [(1, 2)]
-    _, stores = p.scheduled("r", [7, 8, 9, 10, 11], replace=True, computed_after=130)
+    stores = p.scheduled("r", [7, 8, 9, 10, 11], replace=True, computed_after=130)
     assert [s.block_ids for s in stores] == [(9, 10)]
 
 

@@ -24,9 +24,10 @@ the part that does the work. Where to find things:
 Behaviour in short. Scheduler role: computes each request's chunk chain, looks it up for
 every rank (a chunk is a hit only if every rank holds it) and plans restores (into the
 blocks vLLM allocated for the hit) and stores (of complete chunks once computed). Worker
-role: restores before the forward (read + verify in one pass, then copy whole blocks) and
-captures stored chunks after the forward into bounded staging memory, committed by a
-background thread.
+role: restores asynchronously (read + verify in one pass on helper threads while other
+requests run, copy whole blocks at the engine's safe points, report the request when its
+KV is in place) and captures stored chunks after the forward into bounded staging memory,
+committed by a background thread (drained at exit).
 
 Failure model: anything wrong with a stored chunk (corrupt, short, missing, deleted,
 layout mismatch) quarantines it where applicable and is reported to vLLM, which recomputes
@@ -184,7 +185,9 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # restores complete in start_load_kv, before the forward
+        # Restored requests are not in the forward until their restore is reported
+        # (load_kv_async): nothing to wait for per layer.
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -199,7 +202,11 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.step_report()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done, failed = self.worker.take_transfer_results()
+        # Called after the step's forward, before get_block_ids_with_load_errors: the safe
+        # point where restored chunks are copied and finished restores reported.
+        meta = self._step_meta()
+        done, failed = self.worker.take_transfer_results(
+            set(finished_req_ids or ()), idle=meta is not None and meta.idle)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

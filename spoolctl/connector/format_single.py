@@ -1,11 +1,15 @@
 """The single format: one full-attention KV cache group, one object ``kv`` per chunk.
 
 A chunk entry holds the chunk's ``chunk_tokens / block_size`` blocks of every layer in
-one object (layer-major, ``kvio``). Restores run synchronously in ``start_load_kv``,
-before the forward; a request's chunks are restored in order and on the first failure
-that chunk's and every later chunk's blocks are reported through
-``get_block_ids_with_load_errors`` (vLLM truncates the request at the first failed block
-and recomputes from there). See ``formats`` for the interface.
+one object (layer-major, ``kvio``). Restores are asynchronous for vLLM (``load_kv_async``,
+decision 1200): planned when vLLM allocates the hit's blocks, begun in ``start_load_kv``
+(reads and verification on helper threads, ``restore.RestorePipeline``), copied into the
+KV blocks at the engine's safe points while other requests run, and reported per request
+in ``get_transfer_results`` once every chunk is in place. A request's chunks are copied in
+order; on the first failure that chunk's and every later chunk's blocks are reported
+through ``get_block_ids_with_load_errors`` in the same step (vLLM truncates the request
+at the first failed block and recomputes from there; the scheduler does not restore it
+again). See ``formats`` for the interface.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from spoolctl import metrics as m
 
 from .formats import Capture, Captured, Copier, KVFormat, Planning
-from .plan import ChunkLoad, Planner, ScheduledStep
+from .plan import ChunkLoad, Planner, ScheduledStep, SingleRequestLoad
 from .stats import ConnectorCounters
 
 if TYPE_CHECKING:
@@ -30,11 +34,15 @@ if TYPE_CHECKING:
     from .restore import ChunkRestore, RestorePipeline
 
 OBJECT = "kv"
+# With nothing else to run, the engine waits this long per step for restores to progress
+# (instead of spinning through empty steps on the core the reads need); short, so new
+# requests are admitted without noticeable delay.
+IDLE_WAIT_S = 0.02
 
 
 class SingleFormat(KVFormat):
     name = "single"
-    load_async = False
+    load_async = True
 
     def __init__(self, chunk_tokens: int, block_size: int):
         self.chunk_tokens = chunk_tokens
@@ -50,16 +58,37 @@ class SingleFormat(KVFormat):
 class SinglePlanning(Planning):
     planner: Planner
 
+    def __init__(self, planner: Planner):
+        super().__init__(planner)
+        # Requests restoring now: the blocks they load (to tell which of them failed).
+        self._loading: dict[str, frozenset[int]] = {}
+
     def allocated(self, req_id: str, blocks: Any, num_external_tokens: int) -> None:
-        self.planner.allocated(req_id, num_external_tokens)
+        table = blocks.get_block_ids()[0] if num_external_tokens > 0 else None
+        self.planner.allocated(req_id, table, num_external_tokens)
 
     def plan_step(self, steps: Iterable[ScheduledStep], meta: SpoolConnectorMetadata) -> None:
+        meta.loads = self.planner.take_loads()
+        for load in meta.loads:
+            self._loading[load.req_id] = load.target_blocks
         for step in steps:
-            loads, stores = self.planner.scheduled(
+            meta.stores += self.planner.scheduled(
                 step.req_id, step.tables[0] if step.tables else None, replace=step.first,
                 computed_after=step.computed_after)
-            meta.loads += loads
-            meta.stores += stores
+
+    def load_failures(self, finished: set[str], failed: set[str],
+                      invalid_blocks: set[int]) -> set[str]:
+        """Failed requests, and those whose restore reported a failed block."""
+        out = set(failed)
+        if invalid_blocks:
+            out |= {r for r, blocks in self._loading.items() if blocks & invalid_blocks}
+        for req_id in finished | failed:
+            self._loading.pop(req_id, None)
+        return out
+
+    def finished(self, req_id: str) -> None:
+        super().finished(req_id)
+        self._loading.pop(req_id, None)
 
 
 class SingleCopier(Copier):
@@ -67,6 +96,7 @@ class SingleCopier(Copier):
         super().__init__(counters)
         self._blocks_per_chunk = blocks_per_chunk
         self._kv: PagedKV | None = None
+        self._restoring: dict[str, SingleRequestLoad] = {}
 
     def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None, *,
              declared: Mapping[str, LayerDecl] | None = None,
@@ -80,29 +110,45 @@ class SingleCopier(Copier):
         self._kv = kv
 
     def restore(self, meta: SpoolConnectorMetadata, pipeline: RestorePipeline | None) -> None:
-        if not meta.loads:
-            return
-        if self._kv is None or pipeline is None:
-            # Cannot happen when the scheduler only plans against ranks that reported; if it
-            # does, the target blocks hold garbage: have vLLM recompute them.
-            for load in meta.loads:
-                self._failed_blocks.update(load.target_blocks)
-            self._counters.inc(m.LOAD_ERRORS, len(meta.loads), reason="unknown")
-            return
-        by_req: dict[str, list[ChunkLoad]] = {}
-        for load in meta.loads:
-            by_req.setdefault(load.req_id, []).append(load)
-        for loads in by_req.values():
-            self._restore_request(sorted(loads, key=lambda ld: ld.index), pipeline)
+        """Begin this step's planned restores; ``poll`` copies and reports them."""
+        for req in meta.loads:
+            if not req.ok or self._kv is None or pipeline is None:
+                # No plan (vLLM allocated less than the hit), or nothing to copy into (cannot
+                # happen when the scheduler only plans against ranks that reported): the
+                # target blocks hold garbage, have vLLM recompute them.
+                self._counters.inc(m.LOAD_ERRORS, reason="unknown")
+                self._fail(req, 0)
+                continue
+            self._restoring[req.req_id] = req
+            pipeline.begin(req.req_id, [self._chunk_restore(load) for load in req.loads])
 
-    def _restore_request(self, loads: list[ChunkLoad], pipeline: RestorePipeline) -> None:
-        """Restore a request's chunks in order. On the first failure this chunk and every
-        later one are recomputed by vLLM (it truncates the request at the first failed
-        block): report all their blocks, load nothing more."""
-        failed_at = pipeline.run([self._chunk_restore(load) for load in loads])
-        if failed_at is not None:
-            for rest in loads[failed_at:]:
-                self._failed_blocks.update(rest.target_blocks)
+    def poll(self, pipeline: RestorePipeline | None, finished: set[str], *,
+             idle: bool) -> None:
+        """Copy what was read (a safe point), and record the restores that ended."""
+        if pipeline is None or not self._restoring:
+            return
+        gone = finished & self._restoring.keys()
+        if gone:
+            pipeline.cancel(gone)
+        for req_id, failed_at in pipeline.pump(wait_s=IDLE_WAIT_S if idle else 0.0):
+            req = self._restoring.pop(req_id, None)
+            if req is None:
+                continue
+            if failed_at is None:
+                self._recv_done.add(req_id)
+            else:
+                self._fail(req, failed_at)
+
+    def _fail(self, req: SingleRequestLoad, failed_at: int) -> None:
+        """Report ``req`` finished with its chunks from ``failed_at`` on to recompute: in
+        ``get_block_ids_with_load_errors`` in the same step (vLLM truncates the request at
+        the first of them), or as failed when there is no block to name."""
+        self._recv_done.add(req.req_id)
+        blocks = {b for load in req.loads[failed_at:] for b in load.target_blocks}
+        if blocks:
+            self._failed_blocks.update(blocks)
+        else:
+            self._recv_failed.add(req.req_id)
 
     def _chunk_restore(self, load: ChunkLoad) -> ChunkRestore:
         from .restore import ChunkRestore

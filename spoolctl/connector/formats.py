@@ -4,8 +4,10 @@ The format is chosen once at startup from the runtime KV cache groups
 (``introspect.probe`` -> ``groups.choose_layouts``; ``format_for``):
 
 * ``SingleFormat`` (``format_single``): one full-attention group. One object ``kv`` per
-  chunk; restores run synchronously in ``start_load_kv`` and a failure is reported per
-  block (``get_block_ids_with_load_errors``: vLLM recomputes from the first bad block).
+  chunk; restores are asynchronous for vLLM (``load_kv_async``): read and verified on
+  helper threads while other requests run, copied at the engine's safe points (``poll``),
+  reported per request (``get_transfer_results``); a failure is reported per block
+  (``get_block_ids_with_load_errors``: vLLM recomputes from the first bad block).
 * ``GroupedFormat`` (``format_grouped``): full-attention and sliding-window groups
   (``SupportsHMA``). One object per group (``g0``, ``g1``...; a sliding group only its
   in-window tail); restores are asynchronous for vLLM (``load_kv_async``) and reported per
@@ -70,6 +72,13 @@ class Planning(ABC):
     def plan_step(self, steps: Iterable[ScheduledStep], meta: SpoolConnectorMetadata) -> None:
         """Add this step's restores and captures to ``meta``."""
 
+    def load_failures(self, finished: set[str], failed: set[str],
+                      invalid_blocks: set[int]) -> set[str]:
+        """The requests whose restore failed, from the workers' step output (restores that
+        ``finished``, requests ``failed``, blocks reported invalid). They are not restored
+        again when vLLM looks them up anew: a deterministic failure would otherwise loop."""
+        return set(failed)
+
     def finished(self, req_id: str) -> None:
         self.planner.finished(req_id)
 
@@ -101,6 +110,14 @@ class Copier(ABC):
     @abstractmethod
     def restore(self, meta: SpoolConnectorMetadata, pipeline: RestorePipeline | None) -> None:
         """Run this step's planned restores (``pipeline`` None: cannot restore: fail them)."""
+
+    def poll(self, pipeline: RestorePipeline | None, finished: set[str], *,
+             idle: bool) -> None:
+        """A safe point (``get_transfer_results``): copy restored chunks, record the
+        restores that ended. ``finished``: requests vLLM finished (stop restoring them);
+        ``idle``: no request computes this step, wait a little for restores. Formats that
+        restore within ``restore`` have nothing to do here."""
+        return
 
     @abstractmethod
     def captures(self, meta: SpoolConnectorMetadata) -> Iterator[Capture]:

@@ -2,10 +2,11 @@
 
 * ``SpoolConnectorMetadata``: scheduler -> every worker, each step: the restores and
   captures planned for the step (single format: ``loads`` / ``stores``; grouped format:
-  ``request_loads`` / ``group_stores``, see ``plan``) and the inventory protocol's
-  acknowledgements and resync requests (``inventory``), the chunks every rank should drop,
-  each rank's host-budget share (``host_budget``) and the vLLM block hashes of the chunks
-  to store (recorded in their manifests for the KV events, ``events``).
+  ``request_loads`` / ``group_stores``, see ``plan``), whether the step computes nothing
+  (``idle``), the inventory protocol's acknowledgements and resync requests
+  (``inventory``), the chunks every rank should drop, each rank's host-budget share
+  (``host_budget``) and the vLLM block hashes of the chunks to store (recorded in their
+  manifests for the KV events, ``events``).
 * ``SpoolHandshake``: each worker -> scheduler, once at startup: where its store is and
   everything it holds.
 * ``SpoolWorkerMeta``: every worker -> scheduler, each step: inventory changes (vLLM
@@ -26,19 +27,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .events import ChunkHashes
 from .inventory import Ack, InventoryReport
-from .plan import ChunkLoad, ChunkStore, GroupChunkStore, RequestLoad
+from .plan import ChunkStore, GroupChunkStore, RequestLoad, SingleRequestLoad
 
 
 @dataclass
 class SpoolConnectorMetadata(KVConnectorMetadata):
     """One step's plan, sent from the scheduler to every worker."""
 
-    loads: list[ChunkLoad] = field(default_factory=list)
+    # Single format: restores begun this step (asynchronous, one per request), captures.
+    loads: list[SingleRequestLoad] = field(default_factory=list)
     stores: list[ChunkStore] = field(default_factory=list)
     # Grouped format (several KV cache groups / sliding windows): asynchronous restores,
     # one per request, and per-group captures.
     request_loads: list[RequestLoad] = field(default_factory=list)
     group_stores: list[GroupChunkStore] = field(default_factory=list)
+    # No request computes tokens this step (only restores are pending): a worker may wait
+    # for them rather than return at once.
+    idle: bool = False
     # Inventory protocol: the last report applied per rank, and ranks asked to restate.
     acks: dict[int, Ack] = field(default_factory=dict)
     resync: dict[int, int] = field(default_factory=dict)

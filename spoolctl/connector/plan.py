@@ -2,8 +2,9 @@
 
 The scheduler connector feeds the ``Planner`` what vLLM tells it (lookups, block
 allocations, scheduled token counts) and gets back the chunk loads and stores
-for the step. Loads are planned once, into the blocks allocated for the hit;
-a chunk is stored in the step in which its last prompt token is computed, if
+for the step. Loads are planned once, into the blocks allocated for the hit, when vLLM
+allocates them (restores are asynchronous: the request waits until every worker reported
+it); a chunk is stored in the step in which its last prompt token is computed, if
 it was not already present in the store when the request was looked up.
 """
 
@@ -85,8 +86,22 @@ class RequestPlan:
     num_prompt_tokens: int
     lookup_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
-    load_range: tuple[int, int] | None = None
     next_store: int = 0
+
+
+@dataclass(frozen=True)
+class SingleRequestLoad:
+    """One request's asynchronous restore: its chunk loads in prompt order. ``ok=False``:
+    the plan could not be made (vLLM allocated fewer blocks than the hit needs); the worker
+    reports the request as failed and vLLM recomputes it."""
+
+    req_id: str
+    loads: tuple[ChunkLoad, ...]
+    ok: bool = True
+
+    @property
+    def target_blocks(self) -> frozenset[int]:
+        return frozenset(b for ld in self.loads for b in ld.target_blocks)
 
 
 class Planner:
@@ -99,6 +114,7 @@ class Planner:
         self.block_size = block_size
         self.blocks_per_chunk = chunk_tokens // block_size
         self.requests: dict[str, RequestPlan] = {}
+        self._loads: list[SingleRequestLoad] = []
 
     def lookup(
         self, req_id: str, keys: Sequence[str], present: Sequence[bool],
@@ -115,32 +131,40 @@ class Planner:
             lookup_computed=num_computed)
         return max(0, hit - num_computed)
 
-    def allocated(self, req_id: str, num_external_tokens: int) -> None:
-        """vLLM allocated blocks; ``num_external_tokens`` > 0 means a load is due."""
+    def allocated(self, req_id: str, block_ids: Sequence[int] | None,
+                  num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks (``block_ids``: its whole table) for
+        ``num_external_tokens`` tokens to restore beyond its lookup's computed tokens: plan
+        the restore into them now (``take_loads`` hands it to the workers)."""
         plan = self.requests.get(req_id)
-        if plan is None:
+        if plan is None or num_external_tokens <= 0:
             return
-        if num_external_tokens > 0:
-            start = plan.lookup_computed
-            plan.load_range = (start, start + num_external_tokens)
-        else:
-            plan.load_range = None
+        if block_ids is not None:
+            plan.block_ids = list(block_ids)
+        start = plan.lookup_computed
+        loads = self._plan_loads(req_id, plan, start, start + num_external_tokens)
+        self._loads.append(SingleRequestLoad(req_id, tuple(loads or ()), ok=loads is not None))
+
+    def take_loads(self) -> list[SingleRequestLoad]:
+        """The restores planned since the last call."""
+        loads, self._loads = self._loads, []
+        return loads
 
     def scheduled(
         self, req_id: str, block_ids: Sequence[int] | None, *, replace: bool, computed_after: int,
-    ) -> tuple[list[ChunkLoad], list[ChunkStore]]:
+    ) -> list[ChunkStore]:
         """The request runs this step. ``block_ids`` are its blocks (``replace``) or new blocks
-        to append; ``computed_after`` is its computed token count at the end of the step."""
+        to append; ``computed_after`` is its computed token count at the end of the step.
+        Returns the chunks to capture after this step's forward."""
         plan = self.requests.get(req_id)
         if plan is None:
-            return [], []
+            return []
         if block_ids is not None:
             if replace:
                 plan.block_ids = list(block_ids)
             else:
                 plan.block_ids.extend(block_ids)
-        loads = self._loads(req_id, plan)
-        return loads, self._stores(req_id, plan, computed_after)
+        return self._stores(req_id, plan, computed_after)
 
     def _blocks_of(self, plan: RequestPlan, index: int) -> tuple[int, ...] | None:
         lo = index * self.blocks_per_chunk
@@ -149,17 +173,15 @@ class Planner:
             return None
         return tuple(plan.block_ids[lo:hi])
 
-    def _loads(self, req_id: str, plan: RequestPlan) -> list[ChunkLoad]:
-        if plan.load_range is None:
-            return []
-        start, end = plan.load_range
-        plan.load_range = None
+    def _plan_loads(self, req_id: str, plan: RequestPlan, start: int,
+                    end: int) -> list[ChunkLoad] | None:
+        """Chunk loads for tokens ``[start, end)``; None if a chunk's blocks are missing."""
         loads = []
         # A load may end inside its last chunk (prompt's last token): copy that whole chunk.
         for index in range(start // self.chunk_tokens, -(-end // self.chunk_tokens)):
             blocks = self._blocks_of(plan, index)
-            if blocks is None:  # vLLM did not allocate what it asked for: load nothing more
-                break
+            if blocks is None or index >= len(plan.keys):
+                return None  # vLLM did not allocate what the hit needs: restore nothing
             skip = max(0, start - index * self.chunk_tokens) // self.block_size
             loads.append(ChunkLoad(req_id, index, plan.keys[index], blocks, skip))
         return loads

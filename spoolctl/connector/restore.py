@@ -1,13 +1,24 @@
-"""The restore pipeline (worker): verified reads on helper threads, copies into KV in order.
+"""The restore pipeline (worker): verified reads on helper threads, copies into KV at safe
+points on the engine thread, several requests at once.
 
-A restore is a sequence of ``ChunkRestore`` items, one per chunk, in prompt order. Each is
-read and verified on a helper thread (``read``: the chunk's manifest is loaded and checked
-against this deployment's layout with ``valid``, then ``fill`` reads its objects into a
-restore buffer, each byte verified by the store as it is read; reads and hashing release
-the GIL), ``read_ahead`` chunks ahead of the one being copied, and copied into vLLM's KV
-blocks by ``copy`` on the caller's thread, in order. The first chunk that fails stops the
-restore: ``run`` returns its position (the caller reports it and everything after it to
-vLLM for recomputation).
+A request's restore is a sequence of ``ChunkRestore`` items, one per chunk, in prompt order
+(``begin``). Each is read and verified on a helper thread (``read``: the chunk's manifest is
+loaded and checked against this deployment's layout with ``valid``, then ``fill`` reads its
+objects into a restore buffer, each byte verified by the store as it is read; reads and
+hashing release the GIL). The engine thread calls ``pump`` at its safe points (vLLM's
+per-step hooks, between forwards): it copies every chunk read so far into the KV blocks
+(``copy``, in prompt order per request), submits more reads, and returns the requests whose
+restore ended, with the position of the first chunk that failed (the caller reports it and
+everything after it to vLLM for recomputation), or None. Nothing unverified is ever
+copied. While others requests decode, restores progress on the helper threads; when the
+engine has nothing else to do, ``pump(wait_s=...)`` waits for reads instead of returning at
+once (vLLM would otherwise spin through empty steps).
+
+Reads run at most ``slots`` chunks ahead of the copies, over every request together, first
+come first served: each read has a recycled buffer of its own (``kvio.BufferPool``), so
+host memory is bounded (``RESTORE_BUFFER_BYTES``). ``run`` is the synchronous form (one
+request, waited for). ``cancel`` stops a request vLLM finished while it was loading: its
+reads in flight are discarded, it still ends (vLLM frees its blocks only then).
 
 Failures are classified here, for every format: a manifest that does not match this
 deployment is quarantined (``manifest_validation``); a corrupt object was quarantined by
@@ -23,9 +34,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,9 +52,11 @@ from .stats import ConnectorCounters
 
 log = logging.getLogger("spoolctl.connector")
 
-# Chunks read + verified ahead of the one being copied (at most READ_AHEAD_BYTES).
-READ_AHEAD = 8
-READ_AHEAD_BYTES = 256 << 20
+# Chunks read + verified ahead of the copies, every request together: at most
+# READ_AHEAD chunks and RESTORE_BUFFER_BYTES of host memory (a whole 8K-token restore of a
+# small model fits, so it never waits for the engine's next safe point to keep reading).
+READ_AHEAD = 64
+RESTORE_BUFFER_BYTES = 256 << 20
 
 # A helper thread's read of one chunk: (buffer, None, bytes read) or (None, reason, 0).
 ReadResult = tuple["torch.Tensor | None", "str | None", int]
@@ -53,7 +66,7 @@ ReadResult = tuple["torch.Tensor | None", "str | None", int]
 class ChunkRestore:
     """One chunk to restore: ``valid(manifest)`` checks its entry fits this deployment,
     ``fill(store, manifest, buf) -> bytes`` reads its verified objects into ``buf`` (helper
-    thread), ``copy(buf)`` writes them into the KV blocks (caller's thread)."""
+    thread), ``copy(buf)`` writes them into the KV blocks (engine thread, safe point)."""
 
     key: str
     valid: Callable[[Any], bool]
@@ -63,8 +76,43 @@ class ChunkRestore:
     copy: Callable[[torch.Tensor], CopyHandle | None]
 
 
+@dataclass
+class _Restore:
+    """One request's restore in flight (engine thread only)."""
+
+    req_id: str
+    items: Sequence[ChunkRestore]
+    started: float
+    reads: deque[Future] = field(default_factory=deque)  # submitted, in prompt order
+    submitted: int = 0
+    copied: int = 0
+    nbytes: int = 0
+    failed_at: int | None = None
+    cancelled: bool = False
+
+    @property
+    def wants_reads(self) -> bool:
+        return self.failed_at is None and not self.cancelled and \
+            self.submitted < len(self.items)
+
+    @property
+    def ended(self) -> bool:
+        return not self.reads and (self.failed_at is not None or self.cancelled
+                                   or self.copied == len(self.items))
+
+
+def copy_into_kv(item: ChunkRestore, buf: torch.Tensor) -> CopyHandle | None:
+    """Copy one verified chunk buffer into its KV blocks (engine thread: a safe point, the
+    blocks belong to a request vLLM does not run until its restore is reported). On a
+    device the copy runs on the copy engine's stream and the compute stream is ordered
+    after it (``kvio.PagedKV.restore``): the forward that first reads these blocks, one
+    step later at the earliest, waits for it. Returns the copy's handle (None: done)."""
+    return item.copy(buf)
+
+
 class RestorePipeline:
-    """Restores chunks from one rank store. ``pool`` runs the reads (not owned here)."""
+    """Restores chunks from one rank store. ``pool`` runs the reads (not owned here).
+    ``begin``, ``pump``, ``cancel``, ``run`` and ``close`` are called from one thread."""
 
     def __init__(self, store: Store, namespace: str, *, chunk_bytes: int, pool: Executor,
                  counters: ConnectorCounters, on_lost: Callable[[str], None],
@@ -74,59 +122,121 @@ class RestorePipeline:
         self._pool = pool
         self._counters = counters
         self._on_lost = on_lost
-        self.read_ahead = max(2, min(READ_AHEAD, READ_AHEAD_BYTES // chunk_bytes))
-        # One buffer per chunk in flight: a read always finds a free one (or waits for the
-        # device copy still reading it). Pinned when the KV cache is on a CUDA device.
-        self._bufs = BufferPool(chunk_bytes, slots=self.read_ahead, pin=pin)
+        self.slots = max(2, min(READ_AHEAD, RESTORE_BUFFER_BYTES // chunk_bytes))
+        # One buffer per chunk read and not yet copied: a read always finds a free one (or
+        # waits for the device copy still reading it). Pinned when the KV cache is on a
+        # CUDA device.
+        self._bufs = BufferPool(chunk_bytes, slots=self.slots, pin=pin)
+        self._active: list[_Restore] = []
+        self._in_flight = 0
+
+    @property
+    def busy(self) -> bool:
+        """Some restore has not ended yet."""
+        return bool(self._active)
+
+    def begin(self, req_id: str, items: Sequence[ChunkRestore]) -> None:
+        """Start restoring ``items`` for ``req_id`` (after the restores begun before it)."""
+        self._active.append(_Restore(req_id, list(items), time.perf_counter()))
+        self._submit()
+
+    def cancel(self, req_ids: Iterable[str]) -> None:
+        """Stop the restores of ``req_ids`` (finished by vLLM while loading)."""
+        wanted = set(req_ids)
+        for r in self._active:
+            if r.req_id in wanted:
+                r.cancelled = True
+
+    def pump(self, wait_s: float | None = 0.0) -> list[tuple[str, int | None]]:
+        """Copy what was read, read more; return the restores that ended, each with the
+        position of its first failed chunk (None: every chunk restored, or cancelled).
+        ``wait_s`` > 0: wait up to that long (None: forever) for the active restores to end
+        instead of returning when nothing is ready."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        ended: list[tuple[str, int | None]] = []
+        while True:
+            self._advance()
+            ended += self._take_ended()
+            heads = [r.reads[0] for r in self._active if r.reads]
+            if not heads or (wait_s is not None and wait_s <= 0):
+                return ended
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return ended
+            wait(heads, timeout=left, return_when=FIRST_COMPLETED)
 
     def run(self, items: Sequence[ChunkRestore]) -> int | None:
-        """Restore ``items`` in order (see the module docstring). Returns the position of
-        the first item that failed (counted in LOAD_ERRORS), else None."""
-        started = time.perf_counter()
-        restored = 0
-        pending: deque[Future] = deque()
-        it = iter(items)
-        failed_at = None
+        """Restore ``items`` now and wait for them (see the module docstring). Returns the
+        position of the first item that failed (counted in LOAD_ERRORS), else None."""
+        token = object()
+        req_id = f"sync-{id(token)}"
+        self.begin(req_id, items)
+        while True:
+            for rid, failed_at in self.pump(wait_s=None):
+                if rid == req_id:
+                    return failed_at
 
-        def refill() -> None:
-            while len(pending) < self.read_ahead:
-                item = next(it, None)
-                if item is None:
-                    return
-                pending.append(self._pool.submit(self.read, item))
+    def close(self) -> None:
+        """Stop every restore; wait for the reads in flight, then for the copies still
+        reading restore buffers, and release (unpin) the buffers."""
+        for r in self._active:
+            r.cancelled = True
+        self.pump(wait_s=None)
+        self._bufs.close()
 
-        try:
-            refill()
-            for pos, item in enumerate(items):
-                buf, reason, nbytes = pending.popleft().result()
+    def _advance(self) -> None:
+        """Copy the chunks read so far, in order per request; then submit more reads."""
+        for r in self._active:
+            while r.reads and r.reads[0].done():
+                self._in_flight -= 1
+                buf, reason, nbytes = r.reads.popleft().result()
+                if r.failed_at is not None or r.cancelled:
+                    if buf is not None:  # read past a failure or for a cancelled request
+                        self._bufs.put(buf)
+                    continue
                 if buf is not None:
                     handle = None
                     try:
-                        handle = item.copy(buf)
+                        handle = copy_into_kv(r.items[r.copied], buf)
                     except Exception:  # a copy bug must not take the worker down
                         log.exception("spoolctl: restore copy failed, recomputing")
                         reason = "unknown"
                     finally:
-                        self._bufs.put(buf, after=handle)
+                        self._release(buf, handle)
                 if reason is not None:
                     self._counters.inc(m.LOAD_ERRORS, reason=reason)
-                    failed_at = pos
-                    break
-                restored += nbytes
-                refill()
-        finally:
-            for fut in pending:  # bounded by the read-ahead; their buffers are recycled
-                buf, _, _ = fut.result()
-                if buf is not None:
-                    self._bufs.put(buf)
-        if restored:
-            self._counters.inc(m.RESTORE_BYTES, restored)
-            self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - started)
-        return failed_at
+                    r.failed_at = r.copied
+                else:
+                    r.copied += 1
+                    r.nbytes += nbytes
+        self._submit()
 
-    def close(self) -> None:
-        """Wait for copies still reading restore buffers and release (unpin) them."""
-        self._bufs.close()
+    def _release(self, buf: torch.Tensor, handle: CopyHandle | None) -> None:
+        """Give a restore buffer back; it is handed out again once its copy (``handle``)
+        no longer reads it."""
+        self._bufs.put(buf, after=handle)
+
+    def _submit(self) -> None:
+        for r in self._active:  # first come, first served
+            while r.wants_reads and self._in_flight < self.slots:
+                r.reads.append(self._pool.submit(self.read, r.items[r.submitted]))
+                r.submitted += 1
+                self._in_flight += 1
+            if self._in_flight >= self.slots:
+                return
+
+    def _take_ended(self) -> list[tuple[str, int | None]]:
+        ended, still = [], []
+        for r in self._active:
+            if not r.ended:
+                still.append(r)
+                continue
+            if r.nbytes:
+                self._counters.inc(m.RESTORE_BYTES, r.nbytes)
+                self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - r.started)
+            ended.append((r.req_id, None if r.cancelled else r.failed_at))
+        self._active = still
+        return ended
 
     def read(self, item: ChunkRestore) -> ReadResult:
         """Load ``item``'s manifest, check it (a mismatch is quarantined), then fill a

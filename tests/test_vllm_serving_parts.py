@@ -1,0 +1,164 @@
+"""The asynchronous restore pipeline on its own (no engine): real store, real reads and
+BLAKE3 verification on helper threads, copies only when the engine thread pumps.
+
+What vLLM's step loop relies on: several requests restore at once, each copied in prompt
+order and only at a safe point (``pump``, on the calling thread); reads stay within the
+buffer budget; a corrupt chunk fails its own request from that chunk on and nothing
+else; a request vLLM finished while it was loading is stopped and still reported; every
+buffer comes back.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from spoolctl import metrics as m  # noqa: E402
+from spoolctl.connector.restore import ChunkRestore, RestorePipeline  # noqa: E402
+from spoolctl.connector.stats import ConnectorCounters  # noqa: E402
+from spoolctl.store import Store, entry_id_for  # noqa: E402
+
+NS = "vllm-v1-serving-parts"
+CHUNK = 64 << 10
+
+
+def _payload(req: str, i: int) -> bytes:
+    """Distinct bytes per chunk (objects are content-addressed: equal payloads share one)."""
+    return (f"{req}:{i}:".encode() * CHUNK)[:CHUNK]
+
+
+class Target:
+    """Stands in for the KV cache: records what was copied, where and on which thread."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[str, int, bytes, int]] = []
+        self.reading = 0
+        self.most_reading = 0
+        self._lock = threading.Lock()
+
+    def items(self, req: str, n: int, *, slow: float = 0.0) -> list[ChunkRestore]:
+        def item(i: int) -> ChunkRestore:
+            def valid(manifest) -> bool:
+                return manifest.object("kv").size == CHUNK
+
+            def fill(store: Store, manifest, buf) -> int:
+                with self._lock:
+                    self.reading += 1
+                    self.most_reading = max(self.most_reading, self.reading)
+                try:
+                    time.sleep(slow)
+                    store.read(manifest, "kv", into=memoryview(buf.numpy()))
+                finally:
+                    with self._lock:
+                        self.reading -= 1
+                return CHUNK
+
+            def copy(buf) -> None:
+                self.copies.append((req, i, bytes(buf.numpy()), threading.get_ident()))
+
+            return ChunkRestore(key=f"{req}-{i}", valid=valid, fill=fill, copy=copy)
+
+        return [item(i) for i in range(n)]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with Store.open(os.path.realpath(tmp_path / "rank-0000"), create=True) as s:
+        for req, n in (("a", 6), ("b", 5), ("c", 40)):
+            for i in range(n):
+                s.put(kind="vllm", namespace=NS, key=f"{req}-{i}",
+                      objects={"kv": _payload(req, i)})
+        yield s
+
+
+def _pipeline(store: Store, pool, counters=None, lost=None) -> RestorePipeline:
+    return RestorePipeline(store, NS, chunk_bytes=CHUNK, pool=pool,
+                           counters=counters or ConnectorCounters(),
+                           on_lost=(lost.append if lost is not None else lambda key: None))
+
+
+def _pump_all(pipe: RestorePipeline) -> dict[str, int | None]:
+    ended: dict[str, int | None] = {}
+    while pipe.busy:
+        ended.update(pipe.pump(wait_s=0.05))
+    return ended
+
+
+def test_requests_restore_together_each_in_order_and_only_when_pumped(store: Store) -> None:
+    target = Target()
+    with ThreadPoolExecutor(4) as pool:
+        pipe = _pipeline(store, pool)
+        pipe.begin("a", target.items("a", 6))
+        pipe.begin("b", target.items("b", 5))
+        time.sleep(0.5)  # the reads finish on the helper threads...
+        assert target.copies == []  # ...but nothing touches the KV cache until a safe point
+        assert _pump_all(pipe) == {"a": None, "b": None}
+    me = threading.get_ident()
+    assert all(thread == me for *_, thread in target.copies)
+    for req, n in (("a", 6), ("b", 5)):
+        mine = [(i, data) for r, i, data, _ in target.copies if r == req]
+        assert [i for i, _ in mine] == list(range(n))  # each chunk once, in prompt order
+        assert all(data == _payload(req, i) for i, data in mine)  # the verified bytes
+
+
+def test_reads_stay_within_the_buffer_budget(store: Store) -> None:
+    target = Target()
+    with ThreadPoolExecutor(16) as pool:
+        pipe = _pipeline(store, pool)
+        pipe.slots = 3  # a small budget, to see it hold
+        pipe.begin("c", target.items("c", 40, slow=0.01))
+        assert _pump_all(pipe) == {"c": None}
+    assert target.most_reading <= 3
+    assert [i for _, i, _, _ in target.copies] == list(range(40))
+
+
+def test_corrupt_chunk_fails_its_request_from_there_and_nothing_else(store: Store) -> None:
+    manifest = store.manifest(entry_id_for("vllm", NS, "a-2"))
+    path = store.layout.object_path(manifest.object("kv").digest)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(bytes(data))
+    target, counters, lost = Target(), ConnectorCounters(), []
+    with ThreadPoolExecutor(4) as pool:
+        pipe = _pipeline(store, pool, counters, lost)
+        pipe.begin("a", target.items("a", 6))
+        pipe.begin("b", target.items("b", 5))
+        assert _pump_all(pipe) == {"a": 2, "b": None}
+    assert [i for r, i, _, _ in target.copies if r == "a"] == [0, 1]  # never the bad one
+    assert [i for r, i, _, _ in target.copies if r == "b"] == list(range(5))
+    assert lost == ["a-2"]
+    assert counters.total(m.LOAD_ERRORS) == 1
+    assert store.live([entry_id_for("vllm", NS, "a-2")]) == set()  # quarantined
+
+
+def test_cancelled_request_stops_and_still_ends_and_every_buffer_comes_back(
+        store: Store) -> None:
+    target = Target()
+    with ThreadPoolExecutor(2) as pool:
+        pipe = _pipeline(store, pool)
+        pipe.begin("c", target.items("c", 40, slow=0.02))
+        pipe.begin("a", target.items("a", 6))
+        pipe.pump()
+        pipe.cancel(["c"])
+        ended = _pump_all(pipe)
+    assert ended == {"c": None, "a": None}
+    assert len([1 for r, *_ in target.copies if r == "c"]) < 40
+    assert [i for r, i, _, _ in target.copies if r == "a"] == list(range(6))
+    bufs = [pipe._bufs.get() for _ in range(pipe.slots)]
+    assert all(b is not None for b in bufs)  # all slots free again
+
+
+def test_synchronous_run_is_the_same_pipeline(store: Store) -> None:
+    target = Target()
+    with ThreadPoolExecutor(4) as pool:
+        pipe = _pipeline(store, pool)
+        assert pipe.run(target.items("b", 5)) is None
+        assert not pipe.busy
+    assert [i for _, i, _, _ in target.copies] == list(range(5))
