@@ -75,7 +75,7 @@ OPT_OUTS = {
     ("docs/controllers.md", "talks to the Gemini API"),
     ("docs/connector.md", "starts a vLLM server on a real model"),
     ("docs/operations.md", "installs systemd units"),
-    ("docs/benchmarks.md", "starts six vLLM engine processes"),
+    ("docs/benchmarks.md", "starts vLLM engines on generated models"),
     ("docs/benchmarks.md", "the first line needs a CUDA device"),
 }
 TIMEOUT = 600
