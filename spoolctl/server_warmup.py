@@ -241,7 +241,7 @@ class Client:
             raise ServerError("the response is larger than 16 MiB", resp.status)
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: hostile nesting
             raise ServerError("the response is not JSON", resp.status) from None
 
 
@@ -252,7 +252,7 @@ def _error_text(raw: bytes) -> str:
     """The server's error message (OpenAI-style ``{"error": {"message"}}``): bounded, and
     control characters (terminal escapes, newlines) shown escaped -- it is data."""
     text = None
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
+    with contextlib.suppress(ValueError, AttributeError, TypeError, RecursionError):
         doc = json.loads(raw)
         err = doc.get("error", doc)
         msg = err.get("message") if isinstance(err, dict) else err
@@ -328,13 +328,22 @@ class WarmReport:
         }
 
 
+def _count(value: Any) -> int | None:
+    """A token count as the server reported it: a non-negative integer (not a bool)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 53
+    return value if ok else None
+
+
 def _parse_usage(doc: Any) -> tuple[int, int | None]:
+    """(prompt tokens, cached tokens or None). A cached count that is not a count or
+    exceeds the prompt is not believed (None: shown as n/a), never a negative computed."""
     usage = doc.get("usage") if isinstance(doc, dict) else None
-    if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
+    prompt = _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
+    if prompt is None:
         raise ServerError("the response has no usage.prompt_tokens", 200)
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return usage["prompt_tokens"], cached if isinstance(cached, int) else None
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return prompt, cached if cached is not None and cached <= prompt else None
 
 
 def warm_one(client: Client, model: str, p: WarmPrompt, limiter: RateLimiter, *,

@@ -1,44 +1,69 @@
-"""Every Python and shell block of the pages below runs, on CPU, with tiny local models.
+"""Every Python and shell block of the docs runs, on CPU, with tiny local models.
 
 A reader copies these blocks; a block that fails as written is a bug. Rules:
 
-* Pages covered: ``PAGES`` (the lead extends the list; pages other helpers own are not
-  run yet, so their additions cannot fail here for trivial reasons).
+* Pages covered: ``PAGES``, every page under ``docs/`` and the README (a new page is
+  covered without being listed). ``docs/cli.md`` is generated from ``--help`` and has no
+  blocks to copy; its ``Example:`` lines are what a reader runs, so they run too, in order,
+  in one world (``test_cli_reference_examples_run``).
 * Blocks: fenced ```` ```python ````, ```` ```bash ````, ```` ```sh ```` and
   ```` ```console ```` (its ``$ `` lines). Python blocks run with the test interpreter, shell
   blocks with ``bash -euo pipefail``; both in a fresh directory with ``HOME`` there (so
   ``~/.cache/spoolctl/store`` is private), the test venv's ``bin`` first on ``PATH`` (as for a
   user who installed spoolctl) and ``.venv`` linked to it (as after ``scripts/run.sh``).
-* Placeholder paths a reader replaces with their own are mapped (``PLACEHOLDERS``):
+* One test per page (``test_doc_page_runs``): its blocks run top to bottom in one fresh
+  directory, as a reader follows the page; each must exit 0, a one-command block with
+  ``--json`` (or a benchmark script) must print one JSON document, and ``AFTER`` checks what
+  a page claims beyond that (the transfer page: the old host's entries land on the new one).
+  The tiny models are built once per session (``tiny_chat_model_dir``) or per module.
+* Benchmark commands run at smoke sizes (``SCALED``; the page's sizes take minutes to hours);
+  the command a reader copies must still be on the page.
+* Placeholder paths a reader replaces with their own are mapped (``placeholders``):
   ``/models/llama`` is the tiny Llama with a chat template (PyTorch and mlx-lm load it),
-  ``/models/qwen2-vl-2b`` a tiny Qwen2-VL, ``/var/cache/...`` and ``/data/...`` live in the
-  fresh directory, where ``chart.png`` exists.
+  ``/models/qwen2-vl-2b`` a tiny Qwen2-VL, ``/var/cache/...``, ``/var/lib/...``, ``/data/...``,
+  ``/nvme/...`` and ``/path/on/the/nvme`` live in the fresh directory, where ``chart.png``,
+  ``manual.txt`` and ``prompts.jsonl`` exist; ``http://127.0.0.1:8000`` is a small local
+  stand-in for a vLLM server's OpenAI API (``prefill --server`` runs against it for real).
+  What a page assumes already exists is there (``seed``): the default store with entries
+  and a quarantined item, a vLLM connector root with a two-rank deployment where a block
+  names ``/var/cache/spoolctl/vllm`` or ``/nvme/spool``.
+* Commands a reader runs elsewhere are shimmed, not faked: ``ssh HOST CMD`` runs CMD here
+  with the fresh directory's paths moved under ``hosts/HOST/`` (another host's disk), and
+  ``sudo [-u USER]`` runs the command as this user (an ``install -o/-g`` owner becomes
+  this user).
 * ``pip install`` lines are checked, not run (CI has no business installing from PyPI): every
   extra they name exists in ``pyproject.toml`` and every ``==`` pin equals
   ``scripts/constraints.txt``.
 * Blocks included from ``examples/`` (``--8<--``) run in ``tests/test_examples.py``.
 * Opt-out: ``<!-- snippet: skip: REASON -->`` on the line before the fence, for a block that
-  cannot run here (it starts a server, needs a key and the network, or is the test suite
-  itself). ``test_opt_outs_are_few_and_say_why`` lists them; keep it short.
+  cannot run here (it starts a server, needs a key and the network, installs system
+  services, or is the test suite itself). ``test_opt_outs_are_few_and_say_why`` lists
+  them; keep it short. A block that needs a tool this machine may lack (mlx, promtool)
+  is skipped with that reason where it is missing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "docs/index.md", "docs/quickstart.md", "docs/install.md",
-         "docs/concepts.md", "docs/controllers.md", "docs/controllers-mlx-vlm.md"]
+CLI_PAGE = "docs/cli.md"
+PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")
+                              if str(p.relative_to(REPO)) != CLI_PAGE)]
 LANGS = {"python", "bash", "sh", "console"}
-SKIP = re.compile(r"<!--\s*snippet:\s*skip:\s*(?P<reason>.+?)\s*-->")
+SKIP = re.compile(r"^\s*<!--\s*snippet:\s*skip:\s*(?P<reason>.+?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)\s*$")
 #: Known opt-outs (page, reason start): a new one must be added here on purpose.
 OPT_OUTS = {
@@ -48,6 +73,10 @@ OPT_OUTS = {
     ("docs/install.md", "builds the sdist and wheel"),
     ("docs/install.md", "starts a web server (mkdocs serve)"),
     ("docs/controllers.md", "talks to the Gemini API"),
+    ("docs/connector.md", "starts a vLLM server on a real model"),
+    ("docs/operations.md", "installs systemd units"),
+    ("docs/benchmarks.md", "starts vLLM engines on generated models"),
+    ("docs/benchmarks.md", "the first line needs a CUDA device"),
 }
 TIMEOUT = 600
 
@@ -106,16 +135,87 @@ def test_opt_outs_are_few_and_say_why():
     for page, reason in found:
         assert any(page == p and reason.startswith(r) for p, r in OPT_OUTS), \
             f"new opt-out {page}: {reason!r}: add it to OPT_OUTS on purpose (or make it run)"
-    assert len(found) == len(OPT_OUTS) <= 8
+    assert len(found) == len(OPT_OUTS) <= 10
 
 
 # -- running ---------------------------------------------------------------------------------
 
+DEPLOYMENT = "vllm-v1-" + "d0c5" * 12  # a connector deployment directory the pages' roots hold
+VLLM_URL = "http://127.0.0.1:8000"
+
+
+class FakeVllm:
+    """A small stand-in for a vLLM server's OpenAI API (``/v1/models``,
+    ``/v1/completions``), answering with the usage vLLM reports, so ``prefill --server``
+    blocks run for real. (tests/test_prefill_server.py runs it against real vLLM.)"""
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, doc: dict) -> None:
+                data = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send({"data": [{"id": "/models/llama"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                p = body["prompt"]
+                n = len(p) if isinstance(p, list) else len(p.split())
+                self._send({"choices": [{"text": "x"}], "usage": {
+                    "prompt_tokens": n, "completion_tokens": 1,
+                    "prompt_tokens_details": {"cached_tokens": 0}}})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+SUDO = r"""#!/usr/bin/env bash
+# docs test shim: run the command as this user (the pages' `sudo -u vllm ...`)
+while [[ $# -gt 0 && "$1" == -* ]]; do
+  case "$1" in -u|-g) shift 2 ;; *) shift ;; esac
+done
+if [[ "${1:-}" == install ]]; then  # `install -o vllm -g vllm`: this user owns it here
+  args=()
+  while [[ $# -gt 0 ]]; do
+    case "$1" in -o) args+=(-o "$(id -un)"); shift 2 ;; -g) args+=(-g "$(id -gn)"); shift 2 ;;
+                 *) args+=("$1"); shift ;; esac
+  done
+  set -- "${args[@]}"
+fi
+exec "$@"
+"""
+SSH = r"""#!/usr/bin/env bash
+# docs test shim: `ssh HOST CMD` runs CMD here, the work dir's paths moved to HOST's disk
+host="$1"; shift
+cmd="$*"
+exec bash -c "${cmd//$SNIPPET_WORK\//$SNIPPET_WORK/hosts/$host/}"
+"""
+
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, tiny_chat_model_dir) -> dict[str, Path]:
-    """What the placeholders point at: models and a picture, built once."""
-    out = {"llama": tiny_chat_model_dir}
+def world(tmp_path_factory, tiny_chat_model_dir) -> dict[str, Path | str]:
+    """What the placeholders point at: models, a picture, a fake vLLM server, the shims."""
+    out: dict[str, Path | str] = {"llama": tiny_chat_model_dir}
+    shims = tmp_path_factory.mktemp("shims")
+    for name, text in (("sudo", SUDO), ("ssh", SSH)):
+        (shims / name).write_text(text)
+        (shims / name).chmod(0o755)
+    out["shims"] = shims
     try:
         import mlx_vlm  # noqa: F401
         from PIL import Image
@@ -130,20 +230,25 @@ def world(tmp_path_factory, tiny_chat_model_dir) -> dict[str, Path]:
         out["picture"] = picture
     except ImportError:
         pass
-    return out
+    server = FakeVllm()
+    out["vllm_url"] = server.url
+    yield out
+    server.close()
 
 
-def placeholders(world: dict[str, Path], cwd: Path) -> list[tuple[str, str]]:
+def placeholders(world: dict, cwd: Path) -> list[tuple[str, str]]:
     """(placeholder, replacement), longest first."""
     pairs = [("/models/llama", str(world["llama"])), ("/var/cache/", f"{cwd}/var/cache/"),
-             ("/data/", f"{cwd}/data/")]
+             ("/var/lib/", f"{cwd}/var/lib/"), ("/data/", f"{cwd}/data/"),
+             ("/nvme/", f"{cwd}/nvme/"), ("/path/on/the/nvme", f"{cwd}/nvme/bench"),
+             (VLLM_URL, str(world["vllm_url"]))]
     if "vlm" in world:
         pairs.append(("/models/qwen2-vl-2b", str(world["vlm"])))
     return sorted(pairs, key=lambda p: -len(p[0]))
 
 
-def needs(block: Block, world: dict[str, Path]) -> str | None:
-    """Why a block cannot run in this environment (a missing optional framework), or None."""
+def needs(block: Block, world: dict) -> str | None:
+    """Why a block cannot run in this environment (a missing optional tool), or None."""
     if ".venv/" in block.code and not (Path(sys.prefix) / "bin" / "activate").exists():
         return "the tests do not run in a virtualenv (the page's .venv)"
     if "qwen2-vl" in block.code and "vlm" not in world:
@@ -153,7 +258,98 @@ def needs(block: Block, world: dict[str, Path]) -> str | None:
             import mlx.core  # noqa: F401
         except ImportError:
             return "mlx is not installed here"
+    if re.search(r"^\s*promtool\b", block.code, re.M) and shutil.which("promtool") is None:
+        return "promtool is not installed here (scripts/check_examples.sh checks the rules)"
     return None
+
+
+def _fill(root: Path, n: int, *, kind: str = "pytorch", namespace: str = "ns",
+          released: int = 0, first: int = 0) -> list[str]:
+    from spoolctl.store import Store
+
+    ids = []
+    with Store.open(root, create=True) as store:
+        for i in range(n):
+            ids.append(store.put(kind=kind, namespace=namespace, key=f"{first + i:064x}",
+                                 objects={"kv": os.urandom(4096 + i)}).entry_id)
+        for entry_id in ids[:released]:
+            store.release(entry_id)
+    return ids
+
+
+def _connector_root(base: Path, *, first: int = 0) -> None:
+    """A vLLM connector base root: one deployment, two ranks, the same chunks on both (keys
+    ``first``, ``first + 1``, ...; the first one released)."""
+    for rank in (0, 1):
+        _fill(base / DEPLOYMENT / f"rank-{rank:04d}", 4, kind="vllm",
+              namespace=f"vllm-v1-ns-rank{rank}", released=1, first=first)
+
+
+def seed(cwd: Path, code: str) -> dict[str, str]:
+    """Create what a page assumes exists; return id placeholders and their real values
+    (``3fa9c2d1`` -> an entry of the default store, a quarantine item id -> a real one)."""
+    from spoolctl.store import QuarantineReason, Store
+
+    for d in ("data", "var/cache", "var/lib/node_exporter/textfile", "nvme/bench"):
+        (cwd / d).mkdir(parents=True, exist_ok=True)
+    for name in ("scripts", "examples"):
+        (cwd / name).symlink_to(REPO / name, target_is_directory=True)
+    (cwd / "manual.txt").write_text("The manual. " * 40)
+    (cwd / "prompts.jsonl").write_text('"The manual says"\n[1, 2, 3, 4]\n'
+                                       '{"prompt": "Hello there", "cache_salt": "tenant-1", '
+                                       '"name": "manual"}\n')
+    default = cwd / ".cache" / "spoolctl" / "store"
+    ids = _fill(default, 6, released=2)
+    with Store.open(default) as store:
+        item = store.quarantine_entry(ids[-1], QuarantineReason.PAYLOAD_DIGEST,
+                                      "seeded by the docs test").name
+    if "/var/cache/spoolctl/vllm" in code:
+        _connector_root(cwd / "var" / "cache" / "spoolctl" / "vllm")
+    if "/nvme/spool" in code:
+        _connector_root(cwd / "nvme" / "spool")
+    if "ssh old-host" in code:  # other chunks than this host's, so an import shows
+        _connector_root(cwd / "hosts" / "old-host" / "nvme" / "spool", first=100)
+    return {"3fa9c2d1": ids[2][:8], "20260101T120000Z-payload_digest-1a2b3c4d": item}
+
+
+def run_code(lang: str, code: str, world: dict, cwd: Path) -> subprocess.CompletedProcess:
+    """Run one block's code (placeholders already mapped) in ``cwd`` as a reader would."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLCTL_")}
+    env.update({"HOME": str(cwd), "XDG_CACHE_HOME": str(cwd / ".cache"), "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "NO_COLOR": "1", "SNIPPET_WORK": str(cwd),
+                "PATH": os.pathsep.join([str(world["shims"]), str(Path(sys.executable).parent),
+                                         env.get("PATH", "")])})
+    if lang == "python":
+        script = cwd / "snippet.py"
+        script.write_text(code)
+        argv = [sys.executable, str(script)]
+    else:
+        argv = ["bash", "-euo", "pipefail", "-c", code]
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def fresh_dir(tmp_path: Path, world: dict, codes: list[str]) -> tuple[Path, list[str]]:
+    """A fresh work dir with the world a page assumes; ``codes`` with placeholders mapped."""
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
+    if "picture" in world:
+        (cwd / "data").mkdir()
+        for dest in (cwd / "chart.png", cwd / "data" / "chart.png"):
+            dest.write_bytes(Path(world["picture"]).read_bytes())
+    pairs = dict(placeholders(world, cwd))
+    # One pass: a replacement (under cwd) must not be mapped again by a shorter placeholder.
+    pattern = re.compile("|".join(re.escape(p) for p in pairs))
+    mapped = [pattern.sub(lambda m: pairs[m[0]], code) for code in codes]
+    ids = seed(cwd, "\n".join(mapped))
+    return cwd, [_ids(code, ids) for code in mapped]
+
+
+def _ids(code: str, ids: dict[str, str]) -> str:
+    for placeholder, real in ids.items():
+        code = code.replace(placeholder, real)
+    return code
 
 
 def check_pip(line: str) -> None:
@@ -191,41 +387,128 @@ def shell_commands(block: Block) -> tuple[str, list[str]]:
     return "\n".join(run), pip
 
 
-@pytest.mark.parametrize("block", [b for b in ALL if b.skip is None], ids=lambda b: b.id)
-def test_doc_block_runs(block: Block, world, tmp_path: Path) -> None:
-    why = needs(block, world)
-    if why:
-        pytest.skip(why)
-    cwd = tmp_path / "work"
-    (cwd / "data").mkdir(parents=True)
-    (cwd / "var" / "cache").mkdir(parents=True)
-    (cwd / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
-    if "picture" in world:
-        for dest in (cwd / "chart.png", cwd / "data" / "chart.png"):
-            dest.write_bytes(world["picture"].read_bytes())
-    code = block.code
-    for placeholder, real in placeholders(world, cwd):
-        code = code.replace(placeholder, real)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLCTL_")}
-    env.update({"HOME": str(cwd), "XDG_CACHE_HOME": str(cwd / ".cache"), "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "NO_COLOR": "1",
-                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"})
-    if block.page == "docs/quickstart.md":  # "after the demo": the default store exists
-        from spoolctl.store import Store
+#: Benchmark commands run at smoke sizes: the page's sizes take minutes to hours and belong on
+#: a quiet host. The command a reader copies must still be on the page (checked below), and
+#: the scaled run must print the JSON report the page describes.
+SCALED = {
+    "python scripts/bench_store.py --dir /path/on/the/nvme --repeat 5":
+        "python scripts/bench_store.py --dir /path/on/the/nvme --repeat 1 --sizes 1",
+    "python scripts/bench_controllers.py --tokens 4096 --repeat 2":
+        "python scripts/bench_controllers.py --tokens 256 --repeat 1 --preset tiny",
+    "python scripts/bench_cli.py --entries 100000 --released 10000":
+        "python scripts/bench_cli.py --entries 1500 --released 150 --dir .",
+}
 
-        Store.open(str(cwd / ".cache" / "spoolctl" / "store"), create=True).close()
+
+def test_scaled_commands_are_still_on_the_pages():
+    text = "\n".join(b.code for b in ALL if b.skip is None)
+    for command in SCALED:
+        assert command in text, f"SCALED names a command no page has any more: {command}"
+
+
+def commands(code: str) -> list[str]:
+    """The shell commands of a block: continuation lines joined, comments and blanks gone."""
+    out = []
+    for line in re.sub(r"\\\n\s*", " ", code).splitlines():
+        bare = line.split(" #", 1)[0].strip()
+        if bare and not bare.startswith("#"):
+            out.append(bare)
+    return out
+
+
+def check_claims(block: Block, code: str, proc: subprocess.CompletedProcess) -> None:
+    """What the text says a one-command block prints: ``--json`` and the benchmark scripts
+    print one JSON document on stdout."""
     if block.lang == "python":
-        script = cwd / "snippet.py"
-        script.write_text(code)
-        argv = [sys.executable, str(script)]
-    else:
-        code, pip = shell_commands(Block(block.page, block.line, block.lang, code, None))
-        for line in pip:
-            check_pip(line)
+        return
+    cmds = commands(code)
+    if len(cmds) == 1 and ("--json" in cmds[0].split() or "scripts/bench_" in cmds[0]):
+        try:
+            json.loads(proc.stdout)
+        except ValueError as e:
+            pytest.fail(f"{block.id}: `{cmds[0]}` did not print one JSON document ({e}):\n"
+                        f"{proc.stdout[-2000:]}")
+
+
+def check_transfer(cwd: Path) -> None:
+    """docs/transfer.md: every rank store of the old host's root lands in the same place on
+    the new host: each entry the old host still serves (not released) is there after."""
+    from spoolctl.store import Store
+
+    old_base = cwd / "hosts" / "old-host" / "nvme" / "spool" / DEPLOYMENT
+    new_base = cwd / "nvme" / "spool" / DEPLOYMENT
+    for rank in (0, 1):
+        with Store.open(old_base / f"rank-{rank:04d}") as store:
+            served = {(r.namespace, r.key) for r in store.entries()
+                      if r.state == "committed" and r.hint != "release"}
+        with Store.open(new_base / f"rank-{rank:04d}") as store:
+            landed = {(r.namespace, r.key) for r in store.entries() if r.state == "committed"}
+        assert len(served) == 3 and served <= landed, f"rank {rank}: {served - landed} missing"
+
+
+#: After-checks of what a page claims, beyond exit 0: (page, block line) -> check(cwd).
+AFTER = {("docs/transfer.md", 8): check_transfer}
+RUNNABLE_PAGES = sorted({b.page for b in ALL if b.skip is None})
+
+
+@pytest.mark.parametrize("page", RUNNABLE_PAGES)
+def test_doc_page_runs(page: str, world, tmp_path: Path) -> None:
+    """A page's runnable blocks run top to bottom in one fresh directory, as a reader who
+    follows the page; each exits 0 and prints what its text claims."""
+    todo: list[tuple[Block, str]] = []
+    missing: set[str] = set()
+    for block in (b for b in ALL if b.page == page and b.skip is None):
+        code = block.code
+        if block.lang != "python":
+            code, pip = shell_commands(block)
+            for line in pip:
+                check_pip(line)
+        for command, scaled in SCALED.items():
+            code = code.replace(command, scaled)
         if not code.strip():
-            return
-        argv = ["bash", "-euo", "pipefail", "-c", code]
-    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
-    assert proc.returncode == 0, (f"{block.id} failed (exit {proc.returncode}):\n"
-                                  f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            continue  # only pip lines: checked above
+        if why := needs(block, world):
+            missing.add(why)
+        else:
+            todo.append((block, code))
+    if missing and not todo:
+        pytest.skip("; ".join(sorted(missing)))
+    if not todo:
+        return
+    cwd, mapped = fresh_dir(tmp_path, world, [code for _b, code in todo])
+    for (block, _code), code in zip(todo, mapped, strict=True):
+        proc = run_code(block.lang, code, world, cwd)
+        assert proc.returncode == 0, (f"{block.id} failed (exit {proc.returncode}):\n"
+                                      f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        check_claims(block, code, proc)
+        if (check := AFTER.get((block.page, block.line))) is not None:
+            check(cwd)
+
+
+# -- the CLI reference's examples ----------------------------------------------------------
+
+EXAMPLE = re.compile(r"^Example(?: \([^)]*\))?: `(?P<cmd>[^`]+)`$")
+#: Examples of docs/cli.md that cannot run here, and why (keep it short).
+CLI_SKIPS = {"vllm serve": "starts a vLLM server on a real model (tests/test_operator_examples"
+                           ".py serves with the root of `spoolctl config vllm`)"}
+
+
+def cli_examples() -> list[tuple[int, str]]:
+    lines = (REPO / CLI_PAGE).read_text().splitlines()
+    return [(n + 1, m["cmd"]) for n, line in enumerate(lines) if (m := EXAMPLE.match(line))]
+
+
+def test_cli_reference_examples_run(world, tmp_path: Path) -> None:
+    """Every ``Example:`` of the generated CLI reference runs, in page order, in one world
+    (``init`` first creates the store the next examples use); each exits 0."""
+    examples = cli_examples()
+    assert len(examples) >= 15, "the CLI reference lost its examples"
+    runnable = [(n, cmd) for n, cmd in examples
+                if not any(cmd.startswith(prefix) for prefix in CLI_SKIPS)]
+    assert len(examples) - len(runnable) <= len(CLI_SKIPS)
+    cwd, script = fresh_dir(tmp_path, world, [cmd for _n, cmd in runnable])
+    for (n, _cmd), cmd in zip(runnable, script, strict=True):
+        proc = run_code("bash", cmd, world, cwd)
+        assert proc.returncode == 0, (f"{CLI_PAGE}:{n} `{cmd}` failed (exit "
+                                      f"{proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                                      f"{proc.stderr[-3000:]}")

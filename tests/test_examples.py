@@ -161,6 +161,7 @@ def test_genai_controller_example_runs_against_the_local_fake(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # test_vllm_exit runs the same generate-exit-restart in the default run
 def test_vllm_offline_example_restores_after_a_restart(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     root = str(tmp_path / "store")

@@ -102,3 +102,119 @@ def test_a_base_root_with_a_hostile_deployment_name(tmp_path: Path) -> None:
             assert proc.returncode == 2 and "cannot be a metric label" in out
         else:
             assert proc.returncode == 0 and "[link=evil.example]x[red]dep" in out, out
+
+
+# -- commands added after issue 15: export, import, prefill --server, status with a host budget
+
+
+def _hostile_dir(tmp_path: Path, name: str) -> Path:
+    """A directory whose own name is hostile (markup, OSC 8, clear screen, bidi)."""
+    return Path(os.path.realpath(tmp_path)) / f"{name}[link=https:evil.example]x[red]\x1b[2J\u202e"
+
+
+def test_export_and_import_show_paths_and_names_as_data(hostile, tmp_path: Path) -> None:
+    root, _entry = hostile
+    archive = _hostile_dir(tmp_path, "a") / f"{LINK.replace('/', '')}.tar"
+    archive.parent.mkdir()
+    exported = script("export", "--root", str(root), "-o", str(archive), env=TERMINAL)
+    out = _check(exported, "export")
+    assert exported.returncode == 0 and "[link=https:evil.example]x[red]" in out, out
+    target = _hostile_dir(tmp_path, "b")
+    imported = script("import", "--root", str(target), str(archive), env=TERMINAL)
+    out = _check(imported, "import")
+    assert imported.returncode == 0 and "[link=https:evil.example]x[red]" in out, out
+    # a peer root as the source, and a failing import whose error names the hostile path
+    peer = script("import", "--root", str(_hostile_dir(tmp_path, "c")), str(root),
+                  env=TERMINAL)
+    assert peer.returncode == 0, _check(peer, "import <peer root>")
+    missing = script("import", "--root", str(target), str(archive) + "\x1b]8;;x\x07",
+                     env=TERMINAL)
+    assert missing.returncode == 2 and "\\x1b]8;;x\\x07" in _check(missing, "import missing")
+
+
+def test_export_of_a_base_root_with_a_hostile_deployment_name(tmp_path: Path) -> None:
+    base = Path(os.path.realpath(tmp_path)) / "spool"
+    good = "vllm-v1-" + "1" * 48
+    for dep in (good, "[link=evil.example]x[red]dep\x1b[2J\u202e"):
+        with Store.open(base / dep / "rank-0000", create=True) as store:
+            store.put(kind="vllm", namespace="vllm-v1-ns", key=KEY, objects={"kv": b"x"})
+    proc = script("export", "--root", str(base), "-o", str(tmp_path / "x.tar"), env=TERMINAL)
+    out = _check(proc, "export")
+    # the good deployment is exported, the other is that store's error, shown literally
+    assert proc.returncode == 2 and "[link=evil.example]x[red]dep" in out, out
+    assert "cannot be carried in an archive" in out
+
+
+def _fake_server(reply: dict, models: tuple[str, ...]):
+    """A minimal OpenAI-style server: GET /v1/models, POST /v1/completions answering
+    ``reply`` (status, document) -- hostile text included."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def _send(self, status: int, doc) -> None:
+            data = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200, {"data": [{"id": m} for m in models]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            status, doc = reply.get(body["prompt"], (200, {"usage": {"prompt_tokens": 3}}))
+            self._send(status, doc)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_prefill_server_shows_prompt_names_and_server_text_as_data(tmp_path: Path) -> None:
+    evil = f"{LINK} {RAW}"
+    replies = {"bad": (400, {"error": {"message": evil}}),
+               "deep": (200, json.loads("[" * 50 + "]" * 50)),
+               "lies": (200, {"usage": {"prompt_tokens": 3,
+                                        "prompt_tokens_details": {"cached_tokens": 99}}})}
+    server = _fake_server(replies, models=(f"m{LINK}",))
+    try:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text("\n".join(json.dumps({"prompt": p, "name": f"{p} {evil}"})
+                                     for p in ("ok", "bad", "deep", "lies")) + "\n")
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        proc = script("prefill", "--server", url, "--prompts-file", str(prompts),
+                      "--retries", "0", env=TERMINAL)
+        out = _check(proc, "prefill --server")
+        assert proc.returncode == 1, out  # "bad" failed
+        assert out.count("[link=https://evil.example]x[/link]") >= 5, out  # names + error
+        doc = json.loads(script("prefill", "--server", url, "--prompts-file", str(prompts),
+                                "--retries", "0", "--json").stdout)
+        lies = doc["results"][3]
+        assert lies["cached_tokens"] is None and lies["computed_tokens"] is None  # not believed
+        # a model the server does not serve: the served names are data in the error line
+        proc = script("prefill", "--server", url, "--prompt", "x", "--model", evil,
+                      env=TERMINAL)
+        assert proc.returncode == 2 and "does not serve" in _check(proc, "prefill --model")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_status_host_budget_errors_show_paths_as_data(tmp_path: Path) -> None:
+    base = Path(os.path.realpath(tmp_path)) / "spool"
+    dep = base / "[link=evil.example]x[red]dep\x1b[2J\u202e"
+    with Store.open(dep / "rank-0000", create=True) as store:
+        store.put(kind="vllm", namespace=NS, key=KEY, objects={"kv": b"x"})
+    (dep / "host-budget.json").write_text("[" * 3000)  # deep nesting: hostile, not a record
+    proc = script("status", "--root", str(base), env=TERMINAL)
+    out = _check(proc, "status")
+    assert proc.returncode == 0 and "host budget record unreadable" in out, out
+    assert "[link=evil.example]x[red]dep" in out

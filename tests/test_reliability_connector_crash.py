@@ -39,7 +39,8 @@ def engine(job: dict, work: Path, name: str, crash_at: str | None = None):
     return proc, (json.loads(out_path.read_text()) if out_path.exists() else None)
 
 
-@pytest.mark.parametrize("point", ["object.fsynced:2", "manifest.published:3"])
+@pytest.mark.parametrize("point", [
+    pytest.param("object.fsynced:2", marks=pytest.mark.extended), "manifest.published:3"])
 def test_engine_killed_inside_a_store_commit(point, tiny_model_dir, tmp_path) -> None:
     work = Path(os.path.realpath(tmp_path))
     base = {"model": str(tiny_model_dir), "root": str(work / "store"),

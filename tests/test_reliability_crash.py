@@ -36,7 +36,16 @@ def mlx_trials(tiny_model_dir: Path) -> cm.ControllerTrials:
         pytest.skip(f"mlx cannot load here: {exc}")
 
 
-@pytest.mark.parametrize("point", cm.COMMIT_POINTS)
+# The default run kills the controller on either side of the manifest-last boundary and at
+# the first and last step; every other point runs with ``-m extended`` (the store-level
+# matrix in tests/test_store_crash.py covers every point in the default run).
+_DEFAULT_POINTS = ("object.tmp_written", "manifest.tmp_written", "manifest.published",
+                   "catalog.committed")
+
+
+@pytest.mark.parametrize("point", [
+    p if p in _DEFAULT_POINTS else pytest.param(p, marks=pytest.mark.extended)
+    for p in cm.COMMIT_POINTS])
 def test_pytorch_prepare_killed_at_commit_checkpoint(torch_trials, store_root: Path,
                                                      point: str) -> None:
     result = torch_trials.trial(store_root, point)

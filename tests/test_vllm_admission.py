@@ -25,7 +25,7 @@ from vllm_engines import FLEET_DRIVER, run_engine
 from spoolctl.connector.chain import chain_root, chunk_keys
 from spoolctl.store import Store
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 CHUNK = 64
 CHUNK_KV = CHUNK * 1024  # the tiny model's KV: 1 KiB per token

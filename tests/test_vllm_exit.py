@@ -190,7 +190,9 @@ def _generate_then_exit(tiny_model_dir: Path, root: Path, *, single_process: boo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("single_process", [True, False], ids=["single-process", "multiprocess"])
+@pytest.mark.parametrize("single_process", [
+    pytest.param(True, id="single-process"),
+    pytest.param(False, id="multiprocess", marks=pytest.mark.extended)])
 def test_generate_then_exit_then_restart_restores_the_whole_prompt(
         tiny_model_dir: Path, tmp_path: Path, single_process: bool) -> None:
     pytest.importorskip("vllm")

@@ -28,7 +28,7 @@ from vllm_engines import FLEET_DRIVER, run_engine
 from spoolctl import metrics as m
 from spoolctl.store import Store
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 TP = 2
 CHUNK = 64

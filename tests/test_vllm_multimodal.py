@@ -171,6 +171,7 @@ def test_keys_bind_media_only_from_the_chunk_that_overlaps_it(mm):
     assert not any(i in stored for i in ids[TEXT_CHUNKS:])
 
 
+@pytest.mark.extended
 def test_unhashed_media_identifiers_are_not_reused_across_restarts(mm):
     img_a, img_b = mm["images"]
     job = {**mm["base"], "root": str(mm["work"] / "store-unhashed"),

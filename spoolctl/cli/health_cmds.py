@@ -147,7 +147,7 @@ def doctor_cmd(
     from spoolctl.store.doctor import run_checks
 
     def one(path: Path) -> tuple[dict[str, Any], int]:
-        checks = run_checks(path)
+        checks = run_checks(path) + _genai_checks(path)
         failed = any(c.status == "fail" for c in checks)
         return ({"root": str(path), "ok": not failed, "checks": [c.to_json() for c in checks]},
                 EXIT_FINDINGS if failed else EXIT_OK)
@@ -172,6 +172,37 @@ def doctor_cmd(
     doc = multi_doc(targets, results)
     emit(doc, json_output=json_output, view=multi_view(_doctor_view))
     finish(worst([r.code for r in results]))
+
+
+def _genai_checks(path: Path) -> list[Any]:
+    """``genai.records``: GenAI records whose facts the GenAI helpers cannot read (skipped
+    by ``clean --genai`` and the controller). Only when the store opens read-only and holds
+    genai records; anything else is the store checks' business."""
+    from spoolctl.controllers.genai_records import index_problem
+    from spoolctl.store import Store
+    from spoolctl.store.doctor import Check
+
+    bad: list[str] = []
+    total = 0
+    try:
+        with Store.open(path, read_only=True) as store:
+            for row in store.entries(kind="genai"):
+                total += 1
+                problem = index_problem(row.index)
+                if problem is not None:
+                    bad.append(f"{row.entry_id[:16]}: {problem}")
+    except (SpoolError, OSError):
+        return []
+    if not total:
+        return []
+    if not bad:
+        return [Check("genai.records", "ok", f"{total} GenAI records readable")]
+    return [Check("genai.records", "fail",
+                  f"{len(bad)} GenAI record(s) with a malformed value, skipped by `clean "
+                  f"--genai` and the controller ({'; '.join(bad[:3])})",
+                  "`spoolctl clean --genai --yes` re-indexes them from their manifests; a "
+                  "record whose manifest is bad too was written by another tool: delete its "
+                  "cache on the server by hand")]
 
 
 _COLORS = {"ok": "green", "warn": "yellow", "fail": "red"}

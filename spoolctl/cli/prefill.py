@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from spoolctl.store import format_size
 from spoolctl.store.errors import ConfigError
@@ -29,7 +30,9 @@ from .common import (
     default_root,
     emit_json,
     err_console,
+    plain,
     resolve_root,
+    text,
 )
 
 MAX_PROMPT_FILE = 64 << 20
@@ -79,8 +82,8 @@ def _load_messages(path: Path, model: str) -> Any:
     text = _read_text(path, "messages file")
     try:
         doc = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"messages file is not valid JSON ({exc})", path=path,
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise ConfigError(f"messages file is not valid JSON ({str(exc)[:200]})", path=path,
                           fix="fix the JSON syntax") from None
     try:
         return params_from_messages(doc, model, path)
@@ -201,8 +204,6 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
                     prompts_file: str | None, messages_file: Path | None, *, concurrency: int,
                     rate: float | None, timeout: float, retries: int, json_out: bool) -> None:
     """``prefill --server``: warm a running vLLM server (spoolctl.server_warmup)."""
-    from rich.markup import escape
-
     from spoolctl import server_warmup as sw
 
     if messages_file is not None:
@@ -259,28 +260,34 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
     if json_out:
         emit_json(doc)
     else:
-        table = Table(title=f"spoolctl prefill --server {escape(doc['server'])}",
-                      title_justify="left")
-        for col in ("prompt", "tokens", "cached", "computed", "seconds", "result"):
-            table.add_column(col, justify="left" if col in ("prompt", "result") else "right")
-
-        def num(v: int | None) -> str:
-            return "n/a" if v is None else str(v)
-
-        for r in report.results:
-            table.add_row(escape(r.name), num(r.prompt_tokens), num(r.cached_tokens),
-                          num(r.computed_tokens), f"{r.seconds:.3f}",
-                          "ok" if r.ok else f"[red]{escape(r.error or '')}[/red]")
-        console.print(table)
-        console.print(f"{doc['ok']} of {doc['prompts']} prompts prefilled in "
-                      f"{doc['seconds']:.2f}s: {doc['prompt_tokens']} prompt tokens, "
-                      f"{num(doc['cached_tokens'])} cached, {num(doc['computed_tokens'])} "
-                      "computed", highlight=False)
-        if doc["ok"] and not doc["cached_reported"]:
-            console.print("the server does not report cached tokens: start vLLM with "
-                          "--enable-prompt-tokens-details", highlight=False)
+        for renderable in _server_view(doc):
+            console.print(renderable)
     if report.failed:
         raise typer.Exit(EXIT_FINDINGS)
+
+
+def _server_view(doc: dict[str, Any]) -> list[Any]:
+    """The human report of ``prefill --server``. Prompt names come from the prompts file,
+    errors and the URL from the server or the user: data, never markup (``text``)."""
+
+    def num(v: int | None) -> str:
+        return "n/a" if v is None else str(v)
+
+    table = Table(title=text(f"spoolctl prefill --server {doc['server']}"), title_justify="left")
+    for col in ("prompt", "tokens", "cached", "computed", "seconds", "result"):
+        table.add_column(col, justify="left" if col in ("prompt", "result") else "right")
+    for r in doc["results"]:
+        table.add_row(text(r["name"]), num(r["prompt_tokens"]), num(r["cached_tokens"]),
+                      num(r["computed_tokens"]), f"{r['seconds']:.3f}",
+                      "ok" if r["ok"] else text(r["error"] or "", "red"))
+    out: list[Any] = [table, Text(
+        f"{doc['ok']} of {doc['prompts']} prompts prefilled in {doc['seconds']:.2f}s: "
+        f"{doc['prompt_tokens']} prompt tokens, {num(doc['cached_tokens'])} cached, "
+        f"{num(doc['computed_tokens'])} computed")]
+    if doc["ok"] and not doc["cached_reported"]:
+        out.append(Text("the server does not report cached tokens: start vLLM with "
+                        "--enable-prompt-tokens-details"))
+    return out
 
 
 def _prefill_vlm(model_dir: Path, params: Any, images: list[Path], max_image_size: int | None,
@@ -332,7 +339,7 @@ def _render_prefill(doc: dict, json_out: bool) -> None:
                        ("tokens written", "tokens_written"),
                        ("tokens reused from a base", "tokens_reused"),
                        ("seconds", "seconds"), ("store", "root")):
-        table.add_row(label, str(doc[key]))
+        table.add_row(label, text(doc[key]))  # the root is store text: data, not markup
     console.print(table)
 
 
@@ -369,7 +376,7 @@ def demo_cmd(
     target = (model_dir or _models_home() / preset).expanduser().resolve()
     quiet = json_out or not err_console.is_terminal
     report = run_demo(resolve_root(root).expanduser(), target, preset=preset,
-                      progress=None if quiet else (lambda m: err_console.print(f"[dim]{m}[/dim]")))
+                      progress=None if quiet else (lambda m: err_console.print(text(m, "dim"))))
     if json_out:
         emit_json(report.to_json())
         return
@@ -385,11 +392,11 @@ def demo_cmd(
                       f"{inc.cold_s:.3f}", f"{inc.warm_s:.3f}", f"{inc.speedup:.1f}x",
                       "yes" if inc.same_tokens else "[red]NO[/red]")
     console.print(table)
-    console.print(
-        f"store {report.root}: the demo wrote {report.entries_created} entries "
+    console.print(Text(
+        f"store {plain(report.root)}: the demo wrote {report.entries_created} entries "
         f"({format_size(report.bytes_created)}); after release + close "
         f"{report.entries_after_cleanup} remain. Store now: {report.store_entries} entries, "
-        f"{format_size(report.store_bytes)}.")
+        f"{format_size(report.store_bytes)}."))
     console.print("warm = prepare() in a fresh controller (nothing in memory): read from disk, "
                   "verified, loaded. cold s of the incremental row = a cold prefill of the "
                   "grown prompt.")

@@ -128,7 +128,8 @@ def status(
     json_output: JsonOption = False,
     check: Annotated[bool, typer.Option(
         "--check", help="Exit 1 if anything needs attention: quarantined items, "
-        "over max size, findings in the last scrub, malformed catalog rows.")] = False,
+        "over max size, findings in the last scrub, malformed catalog rows or GenAI "
+        "records.")] = False,
     rank: RankOption = None,
     deployment: DeploymentOption = None,
 ) -> None:
@@ -151,7 +152,8 @@ def status(
             facts = store.facts()
             doc = status_doc(store, facts)
         emit(doc, json_output=json_output, view=_status_view)
-        finish(EXIT_FINDINGS if check and facts.needs_attention else EXIT_OK)
+        attention = facts.needs_attention or bool(doc["genai"]["malformed"])
+        finish(EXIT_FINDINGS if check and attention else EXIT_OK)
         return
     doc, findings = deployment_status_doc(targets)
     emit(doc, json_output=json_output, view=_deployment_view)
@@ -185,6 +187,9 @@ def _status_view(doc: dict[str, Any]) -> Table:
         nxt = doc["genai"]["next_expiry_in_s"]
         t.add_row("genai caches", f"{doc['genai']['entries']} ({doc['genai']['expired']} expired"
                   f"{', next expiry ' + render.expiry_text(nxt) if nxt else ''})")
+    if doc["genai"].get("malformed"):
+        t.add_row("malformed genai", Text(f"{doc['genai']['malformed']} record(s) the GenAI "
+                                          "helpers skip (`spoolctl doctor`)", style="red"))
     scrub = doc["scrub"]
     last = scrub["last_cycle"]
     if last:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -29,9 +28,8 @@ from rich.progress import (
     TimeElapsedColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
 
-from spoolctl.store import ConfigError, StoreIOError, format_size, parse_size
+from spoolctl.store import ConfigError, StoreIOError, parse_size
 from spoolctl.store.archive import FdSink
 from spoolctl.store.errors import ArchiveError
 from spoolctl.store.selection import Selection
@@ -40,11 +38,21 @@ from .app import app
 from .common import (
     EXIT_FINDINGS,
     JsonOption,
+    RankOption,
     RootOption,
     console,
     emit_json,
     err_console,
-    resolve_root,
+    text,
+)
+from .transfer_roots import (
+    export_doc,
+    export_source,
+    export_view,
+    import_doc,
+    import_target,
+    import_view,
+    peer_source,
 )
 
 
@@ -176,8 +184,9 @@ def export_cmd(
     namespace: NamespaceOption = None,
     deployment: Annotated[list[str] | None, typer.Option(
         "--deployment", metavar="<deployment>",
-        help="Only this vLLM deployment (its directory name or a unique "
-        "prefix); repeatable.", show_default=False)] = None,
+        help="Only this deployment directory under a vLLM base root (its name, or a unique "
+        "prefix of at least 4 characters); repeatable.", show_default=False)] = None,
+    rank: RankOption = None,
     hint: Annotated[ExportHint, typer.Option(
         "--hint", help="Entries with this hint: retain (live), release or any.")] =
         ExportHint.retain,
@@ -193,22 +202,25 @@ def export_cmd(
     """Write selected entries as one streaming, verified archive (tar) to a file or stdout.
 
     --root may be a store, a vLLM deployment directory or the connector's base root (every
-    rank store under it; a vLLM chunk is taken only when every rank holds it). The archive
-    lists with `tar -tvf`; import it with `spoolctl import`. With -o - (the default) the
-    archive goes to stdout and the --json summary to stderr.
+    rank store under it, per-rank results; a vLLM chunk is taken only when every rank
+    holds it, unless --rank picks one rank). A rank store that cannot be read is reported
+    and the others are exported (exit 2); an empty base root gives an empty archive. The
+    archive lists with `tar -tvf`; import it with `spoolctl import`. With -o - (the
+    default) the archive goes to stdout and the --json summary to stderr.
 
     Example: [bold]spoolctl export --root /nvme/spool | ssh new-host spoolctl import
     --root /nvme/spool -[/bold]
     """
     from spoolctl.store.exporter import export
 
-    selection = _selection(kind, namespace, deployment,
+    selection = _selection(kind, namespace, None,
                            None if hint is ExportHint.any else hint.value, max_size)
-    source = resolve_root(root)
+    source = export_source(root, rank, deployment)
     show = _want_progress(progress, json_output)
     try:
         with _archive_sink(output, force) as fd, _Progress("export", show) as bar:
-            report = export(source, FdSink(fd), selection, progress=bar)
+            report = export(source.layout.path, FdSink(fd), selection, progress=bar,
+                            layout=source.layout, quorum=source.quorum)
     except KeyboardInterrupt:
         raise typer.Abort() from None  # one line, exit 2; a file output is not left behind
     except BrokenPipeError:
@@ -222,24 +234,24 @@ def export_cmd(
                                path=output, fix="free space where the archive is written") \
                 from None
         raise
-    doc = report.to_json()
+    doc = export_doc(report.to_json(), source)
     doc["output"] = output
     if json_output:
         if output == "-":
             sys.stderr.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         else:
             emit_json(doc)
-        return
-    out = err_console if output == "-" else console
-    left = doc["left_out"]
-    out.print(f"exported {doc['entries']} entries ({format_size(doc['bytes'])}, "
-              f"{doc['objects']} objects) from {len(doc['stores'])} store(s) in "
-              f"{doc['seconds']:.2f}s ({format_size(doc['bytes_per_second'] or 0)}/s)"
-              + (f" to {escape(output)}" if output != "-" else ""), highlight=False)
-    skipped = {k: v for k, v in left.items() if v}
-    if skipped:
-        out.print("left out: " + ", ".join(f"{k.replace('_', ' ')} {v}"
-                                           for k, v in skipped.items()), highlight=False)
+    else:
+        out = err_console if output == "-" else console
+        for renderable in export_view(doc, output):
+            out.print(renderable)
+    if output != "-":  # the document went to stdout: each failed store on stderr too
+        for s in doc["stores"]:
+            if "error" in s:
+                err_console.print(text(f"error: {s['place'] or s['root']}: {s['error']}"),
+                                  soft_wrap=True)
+    if doc["exit"]:
+        raise typer.Exit(doc["exit"])
 
 
 # -- import ------------------------------------------------------------------------------
@@ -257,6 +269,10 @@ def import_cmd(
         help="Import only this vLLM deployment's chunks (directory name or "
         "unique prefix), also into a root that serves other deployments; repeatable.",
         show_default=False)] = None,
+    rank: Annotated[int | None, typer.Option(
+        "--rank", min=0, max=9999, show_default=False,
+        help="Import only this rank's stores of the source (a host of a multi-host "
+        "deployment takes its own ranks).")] = None,
     kind: KindOption = None,
     namespace: NamespaceOption = None,
     max_size: Annotated[str | None, typer.Option(
@@ -283,7 +299,7 @@ def import_cmd(
     """
     from spoolctl.store.importer import Importer
 
-    target = resolve_root(root)
+    layout = import_target(root)
     store_max = parse_size(store_max_size) if store_max_size is not None else None
     selection = _selection(kind, namespace, None, None, max_size)
     show = _want_progress(progress, json_output)
@@ -296,8 +312,9 @@ def import_cmd(
         return selection.wants(manifest.kind, manifest.namespace)
 
     with _Progress("import", show) as bar:
-        importer = Importer(target, accept=tuple(deployment or ()), store_max_bytes=store_max,
-                            progress=bar, wants=None if is_dir else wants)
+        importer = Importer(layout.path, accept=tuple(deployment or ()),
+                            store_max_bytes=store_max, progress=bar,
+                            wants=None if is_dir else wants, rank=rank, layout=layout)
         try:
             if is_dir:
                 from spoolctl.store.peer import import_from_root
@@ -305,7 +322,8 @@ def import_cmd(
                 peer = Path(os.path.abspath(Path(source).expanduser()))
                 report = import_from_root(importer, peer, Selection(
                     kinds=selection.kinds, namespaces=selection.namespaces,
-                    deployments=tuple(deployment or ()), max_bytes=selection.max_bytes))
+                    deployments=tuple(deployment or ()), max_bytes=selection.max_bytes),
+                    layout=peer_source(peer))
             else:
                 with _archive_source(source) as stream:
                     report = importer.from_archive(stream, source)
@@ -318,11 +336,11 @@ def import_cmd(
             partial = getattr(exc, "report", None)
             bar.enabled = False
             if partial is not None:
-                _render_import(partial.to_json(), json_output)
+                _render_import(import_doc(partial.to_json(), layout), json_output)
             err_console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False,
                               soft_wrap=True)
             raise typer.Exit(EXIT_FINDINGS) from None
-    _render_import(report.to_json(), json_output)
+    _render_import(import_doc(report.to_json(), layout), json_output)
 
 
 @contextlib.contextmanager
@@ -350,25 +368,5 @@ def _render_import(doc: dict[str, Any], json_output: bool) -> None:
     if json_output:
         emit_json(doc)
         return
-    t = Table(title="spoolctl import" + ("" if doc["complete"] else " (stopped)"),
-              title_justify="left")
-    for col in ("store", "imported", "present", "skipped", "written", "target"):
-        t.add_column(col, justify="left" if col in ("store", "target") else "right")
-    for p in doc["stores"]:
-        skipped = p["skipped_capacity"] + p["skipped_vanished"] + p["skipped_corrupt"] + \
-            p["filtered"]
-        t.add_row(escape(p["place"] or "(store)"), str(p["imported"]), str(p["present"]),
-                  str(skipped), format_size(p["bytes_written"]), escape(p["root"] or "-"))
-    console.print(t)
-    rate = doc["bytes_per_second"]
-    console.print(f"{doc['imported']} entries imported, {doc['present']} already present, "
-                  f"{format_size(doc['bytes_written'])} written in {doc['seconds']:.2f}s"
-                  + (f" ({format_size(rate)}/s read)" if rate else ""), highlight=False)
-    notes = [(doc["skipped_capacity"], "skipped: the store is full (low watermark)"),
-             (doc["skipped_vanished"], "skipped: deleted in the source meanwhile"),
-             (doc["skipped_corrupt"], "skipped: corrupt in the source"),
-             (doc["filtered"], "not selected")]
-    for n, text in notes:
-        if n:
-            console.print(f"{n} {text}", highlight=False)
-
+    for renderable in import_view(doc):
+        console.print(renderable)

@@ -153,7 +153,7 @@ def read(deployment_dir: Path) -> int | None:
         os.close(fd)
     try:
         doc = json.loads(data) if len(data) <= 4096 else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: hostile nesting
         doc = None
     budget = doc.get("max_bytes") if isinstance(doc, dict) and doc.get("schema") == SCHEMA \
         else None

@@ -6,26 +6,23 @@ Contract (same as the local controllers, see ``contract.py``):
   instruction, cacheable contents, tools...). A live, unexpired cache is reused from
   memory, else from the store (confirmed with one ``caches.get``); otherwise one
   ``caches.create`` is made, recorded in the store (``kind="genai"``) and returned.
-  Concurrent identical prepares -- threads and asyncio tasks alike -- share one
-  create. ``read_only`` never creates. Expired records are swept first. A cache
-  with less than ``min_remaining`` seconds left is extended with one PATCH.
+  Concurrent identical prepares (threads and asyncio tasks) share one create.
+  ``read_only`` never creates. Expired records are swept first. A cache with less than
+  ``min_remaining`` seconds left is extended with one PATCH.
 * ``release(ref)``: the server resource is deleted at once (it is billed per hour).
-  The entry is marked released; if the delete fails it stays released with
-  ``remote_pending`` so ``clean_remote`` (``spoolctl clean --genai``) retries it.
-  A failure is logged as one line, never raised: release is a hint.
-* ``close()``: waits for in-flight prepares, deletes every cache this controller
-  created, and removes the local records whose server delete succeeded.
+  The entry is marked released; a failed delete stays released with ``remote_pending``
+  for ``clean_remote`` (``spoolctl clean --genai``); logged in one line, never raised.
+* ``close()``: waits for in-flight prepares, deletes its caches (and records of those deleted).
 * ``generate(...)`` / ``agenerate(...)``: ``generate_content`` with
   ``cached_content=handle.ref``, leaving out what ``handle.includes`` says the
   cache holds, with ``Usage.cache_read_tokens`` from ``cached_content_token_count``.
   Which params and which cache a call runs with follows the one rule of
   ``targets.resolve_target`` (decision 1022).
 
-Server errors become one-line SpoolErrors (``genai_records.remote_error``). The
-logic is written once, as generators that yield the I/O they need (``genai_io``:
-``Remote`` calls, ``Local`` store calls), run by ``drive_sync`` / ``drive_async``;
-single-flight is ``flight.PrepareFlights``; ``generate_content`` is
-``genai_generate``. Pure record logic is ``genai_records``.
+Server errors become one-line SpoolErrors (``genai_records.remote_error``); a record that
+cannot be read is a miss (logged), never a failed call. Logic is written once, as
+generators yielding their I/O (``genai_io``), run by ``drive_sync`` / ``drive_async``;
+single-flight: ``flight``; ``generate_content``: ``genai_generate``; records: ``genai_records``.
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ from typing import Any
 from google import genai
 
 from spoolctl.store import ConfigError, NotFoundError, SpoolError, Store, entry_id_for
+from spoolctl.store.rows import MalformedRow
 
 from .contract import CacheHandle, CachePrepareParams, GenerateResult
 from .flight import Flight, PrepareFlights
@@ -53,6 +51,8 @@ from .genai_records import (
     KIND,
     GenaiRecord,
     cache_request,
+    expire_of,
+    index_problem,
     parse_ttl,
     store_key,
     to_unix,
@@ -288,13 +288,15 @@ class GoogleGenAICacheController:
         """The live record for ``ckey`` with the latest expiry, or None."""
         rows = [r for r in self.store.entries(kind=KIND, namespace=self.namespace, hint="retain")
                 if r.index.get("key") == ckey and not r.index.get("remote_pending")
-                and float(r.index.get("expire_time", 0)) > now]
-        for row in sorted(rows, key=lambda r: -float(r.index["expire_time"])):
+                and index_problem(r.index) is None and expire_of(r.index) > now]
+        for row in sorted(rows, key=lambda r: -expire_of(r.index)):
             try:
-                manifest = self.store.manifest(row.entry_id)
+                return GenaiRecord.from_manifest(self.store.manifest(row.entry_id), row)
             except SpoolError:  # corrupt manifests are quarantined by the store: a miss
                 continue
-            return GenaiRecord.from_manifest(manifest, row)
+            except MalformedRow as exc:  # one bad record is a miss, never a failed prepare
+                log.warning("genai record %s skipped: %s", row.entry_id[:16], exc.reason)
+                continue
         return None
 
     def _confirm(self, rec: GenaiRecord) -> Step:
@@ -343,8 +345,8 @@ class GoogleGenAICacheController:
         now = self.clock() if now is None else now
         swept = []
         for row in self.store.entries(kind=KIND, namespace=self.namespace):
-            if float(row.index.get("expire_time", 0)) > now:
-                continue
+            if index_problem(row.index) is not None or expire_of(row.index) > now:
+                continue  # a malformed record is left to `spoolctl clean`'s report
             if row.hint == "retain" or row.index.get("remote_pending"):
                 self.store.update_index(row.entry_id, {"remote_pending": None})
                 self.store.release(row.entry_id)
@@ -405,7 +407,7 @@ class GoogleGenAICacheController:
             if row.index.get("name") == name:
                 try:
                     return GenaiRecord.from_manifest(self.store.manifest(row.entry_id), row)
-                except SpoolError:
+                except (SpoolError, MalformedRow):
                     return None
         return None
 

@@ -10,8 +10,11 @@ Called by ``spoolctl clean --genai`` *before* ``Store.clean_released``:
   drops expired caches itself) and released, so local cleanup removes it.
 
 Settled records are released and no longer held, so ``clean_released`` deletes
-them; pending ones are skipped by it. google-genai is imported only when a
-server delete is actually attempted with the default client factory.
+them; pending ones are skipped by it. A record whose facts cannot be read (a value that
+is not what spoolctl writes, ``genai_records.index_problem``) is skipped and reported in
+``malformed``; the others are still handled (one bad row never stops the job).
+google-genai is imported only when a server delete is actually attempted with the
+default client factory.
 """
 
 from __future__ import annotations
@@ -23,8 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spoolctl.store import ConfigError, NotFoundError, SpoolError, Store
+from spoolctl.store.rows import MalformedRow
 
-from .genai_records import KIND, GenaiRecord, GenaiTarget, remote_error
+from .genai_records import (
+    KIND,
+    GenaiRecord,
+    GenaiTarget,
+    expire_of,
+    index_problem,
+    index_problems,
+    remote_error,
+)
 
 ClientFactory = Callable[[GenaiTarget], Any]
 """Returns a ``google.genai.Client`` for a target, or None (or raises ConfigError with the
@@ -42,6 +54,8 @@ class GenaiCleanReport:
     expired: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    malformed: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reason)
+    repaired: list[str] = field(default_factory=list)  # entry ids re-indexed from manifests
     dry_run: bool = False
 
     @property
@@ -53,6 +67,9 @@ class GenaiCleanReport:
                 "expired": self.expired,
                 "failed": [{"name": n, "error": e} for n, e in self.failed],
                 "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
+                "malformed": len(self.malformed),
+                "malformed_records": [{"entry_id": e, "reason": r} for e, r in self.malformed],
+                "repaired": self.repaired,
                 "dry_run": self.dry_run}
 
     def lines(self) -> list[str]:
@@ -62,6 +79,9 @@ class GenaiCleanReport:
                f"{len(self.already_gone)} already gone, {len(self.expired)} expired"]
         out += [f"genai: failed {n}: {e}" for n, e in self.failed]
         out += [f"genai: skipped {n}: {r}" for n, r in self.skipped]
+        out += [f"genai: skipped malformed record {e[:16]}: {r} (`spoolctl doctor`)"
+                for e, r in self.malformed]
+        out += [f"genai: re-indexed record {e[:16]} from its manifest" for e in self.repaired]
         return out
 
 
@@ -120,10 +140,19 @@ def clean_remote(
     clients: dict[GenaiTarget, Any] = {}
     refusals: dict[GenaiTarget, str] = {}
     for row in store.entries(kind=KIND, sort="age"):
+        if index_problems(row.index) and not dry_run and _repair(store, row.entry_id):
+            report.repaired.append(row.entry_id)
+            row = store.row(row.entry_id) or row
         index = row.index
-        name = str(index.get("name", row.entry_id))
+        problem = index_problem(index)
+        if problem is None and index.get("remote_pending") and not index.get("name"):
+            problem = "a pending server delete without the cache's name"
+        if problem is not None:
+            report.malformed.append((row.entry_id, problem))
+            continue
+        name = str(index.get("name") or row.entry_id)
         pending = bool(index.get("remote_pending"))
-        if float(index.get("expire_time", 0.0)) <= now:
+        if expire_of(index) <= now:
             if row.hint == "retain" or pending:
                 report.expired.append(name)
                 if not dry_run:
@@ -133,6 +162,9 @@ def clean_remote(
             continue  # live, or released and already deleted on the server
         try:
             target = GenaiRecord.from_manifest(store.manifest(row.entry_id), row).target
+        except MalformedRow as exc:
+            report.malformed.append((row.entry_id, exc.reason))
+            continue
         except SpoolError as exc:
             report.skipped.append((name, f"record unreadable: {exc}"))
             continue
@@ -157,6 +189,31 @@ def clean_remote(
         report.deleted.append(name)
         _settle(store, row.entry_id)
     return report
+
+
+def _repair(store: Store, entry_id: str) -> bool:
+    """Re-index the malformed fields of a genai record from its manifest (the values it was
+    written with; ``remote_error``, which only the catalog holds, is cleared). True if the
+    record is readable afterwards. A manifest that cannot be read repairs nothing."""
+    row = store.row(entry_id)
+    if row is None:
+        return False
+    bad = index_problems(row.index)
+    if not bad or "*" in bad or {"expire_time", "remote_pending"} & set(bad):
+        return False  # the store's own facts: `spoolctl clean --orphans` repairs those
+    try:
+        written = store.manifest(entry_id).index
+    except SpoolError:
+        return False
+    fixes: dict[str, Any] = {}
+    for f in bad:
+        good = f in written and not index_problems({f: written[f]})
+        if f != "remote_error" and not good:
+            return False  # the manifest holds no good value either: nothing to repair from
+        fixes[f] = written[f] if f != "remote_error" else None
+    store.update_index(entry_id, fixes)
+    fixed = store.row(entry_id)
+    return fixed is not None and not index_problems(fixed.index)
 
 
 def _client_for(target: GenaiTarget, factory: ClientFactory, clients: dict[GenaiTarget, Any],

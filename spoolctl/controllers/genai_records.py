@@ -9,6 +9,9 @@
   dict forms the SDK accepts for ``caches.create`` and ``generate_content``.
 * ``remote_error``: an SDK/transport exception turned into one SpoolError line.
 * ``genai_status``: the rows ``spoolctl status`` shows for genai entries.
+* ``index_problem`` / ``from_manifest``: a record is read field by field; a value the
+  helpers cannot use raises ``MalformedRow`` (the store's "bad row", a ValueError) naming
+  it, so every job skips that one record, reports it and goes on (issue 15 item 7).
 
 Store mapping: one entry per server resource, ``kind="genai"``, ``namespace =
 target.namespace()``, ``key = "<controller key>/<resource name>"`` (so a cache
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from spoolctl.store.errors import (
     SpoolError,
 )
 from spoolctl.store.keys import MAX_KEY_LEN
+from spoolctl.store.rows import MalformedRow
 
 from .contract import CachePrepareParams, Element, Includes
 
@@ -126,9 +131,16 @@ class GenaiTarget:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> GenaiTarget:
-        return cls(api=doc.get("api", "gemini"), project=doc.get("project"),
-                   location=doc.get("location"), base_url=doc.get("base_url"),
-                   api_version=doc.get("api_version"))
+        """The target a record names; ConfigError for a value that is not what
+        ``to_json`` writes (text or null)."""
+        if not isinstance(doc, Mapping):
+            raise ConfigError("a genai target is not an object", fix="see docs/format.md")
+        fields = {k: doc.get(k) for k in ("project", "location", "base_url", "api_version")}
+        fields["api"] = doc.get("api", "gemini")
+        bad = sorted(k for k, v in fields.items() if v is not None and not isinstance(v, str))
+        if bad:
+            raise ConfigError(f"genai target {bad[0]} is not text", fix="see docs/format.md")
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -176,24 +188,102 @@ class GenaiRecord:
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, row: CatalogRow | None = None) -> GenaiRecord:
-        """Rebuild from a manifest; the catalog row (when given) supplies mutable facts."""
+        """Rebuild from a manifest; the catalog row (when given) supplies mutable facts.
+
+        Raises MalformedRow naming the first value that is not what ``meta()``/``index()``
+        write (a record edited by hand or written by another tool): callers skip that
+        record and report it."""
         meta = manifest.meta
         index = dict(row.index) if row is not None else dict(manifest.index)
+        entry_id = manifest.entry_id
+        problem = index_problem(index)
+        if problem is not None:
+            raise MalformedRow(entry_id, problem)
+        name = meta.get("name")
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise MalformedRow(entry_id, "meta name is not a cachedContents name")
+        for field_name in ("model", "key", "display_name"):
+            if not isinstance(meta.get(field_name, ""), str):
+                raise MalformedRow(entry_id, f"meta {field_name} is not text")
+        create = meta.get("create_time", manifest.created)
+        expire = index.get("expire_time", meta.get("expire_time", 0.0))
+        if not _is_number(create) or not _is_number(expire if expire is not None else 0.0):
+            raise MalformedRow(entry_id, "meta create_time or expire_time is not a number")
+        tokens = meta.get("token_count", 0)
         inc = meta.get("includes") or {}
+        if not _is_count(tokens):
+            raise MalformedRow(entry_id, "meta token_count is not a count")
+        if not isinstance(inc, Mapping) or not _is_count(inc.get("data_element_count", 0)):
+            raise MalformedRow(entry_id, "meta includes is not what spoolctl writes")
+        try:
+            target = GenaiTarget.from_json(meta.get("target") or {})
+        except ConfigError as exc:
+            raise MalformedRow(entry_id, exc.message) from None
         return cls(
-            entry_id=manifest.entry_id, name=meta["name"], model=meta.get("model", ""),
+            entry_id=entry_id, name=name, model=meta.get("model", ""),
             key=meta.get("key", ""), display_name=meta.get("display_name", ""),
-            create_time=float(meta.get("create_time", manifest.created)),
-            expire_time=float(index.get("expire_time", meta.get("expire_time", 0.0))),
-            token_count=int(meta.get("token_count", 0)),
+            create_time=float(create), expire_time=float(expire or 0.0),
+            token_count=int(tokens),
             includes=Includes(instructions=bool(inc.get("instructions", False)),
                               data_element_count=int(inc.get("data_element_count", 0)),
                               tools=bool(inc.get("tools", False))),
-            target=GenaiTarget.from_json(meta.get("target") or {}),
+            target=target,
             hint=row.hint if row is not None else "retain",
             remote_pending=bool(index.get("remote_pending", False)),
             remote_error=index.get("remote_error"),
         )
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def index_problems(index: Any) -> dict[str, str]:
+    """The fields of a genai catalog ``index`` the GenAI helpers cannot use, with why
+    (empty if they can use it all; ``"*"`` if it is not an object at all).
+
+    Missing fields are fine (defaults); a field that is present must have the type
+    ``GenaiRecord.index()`` writes -- the store itself checks only the facts it
+    interprets (``expire_time``, ``remote_pending``)."""
+    if not isinstance(index, Mapping):
+        return {"*": "index is not an object"}
+    out: dict[str, str] = {}
+    name = index.get("name")
+    if name is not None and not (isinstance(name, str) and _NAME_RE.fullmatch(name)):
+        out["name"] = "index name is not a cachedContents name"
+    expire = index.get("expire_time")
+    if expire is not None and not _is_number(expire):
+        out["expire_time"] = "index expire_time is not a number"
+    pending = index.get("remote_pending")
+    if pending is not None and not isinstance(pending, bool):
+        out["remote_pending"] = "index remote_pending is not true or false"
+    tokens = index.get("token_count")
+    if tokens is not None and not _is_count(tokens):
+        out["token_count"] = "index token_count is not a count"
+    for field_name in TEXT_FIELDS:
+        value = index.get(field_name)
+        if value is not None and not isinstance(value, str):
+            out[field_name] = f"index {field_name} is not text"
+    return out
+
+
+TEXT_FIELDS = ("model", "key", "display_name", "remote_error")
+
+
+def index_problem(index: Any) -> str | None:
+    """The first of ``index_problems`` (None if the GenAI helpers can read ``index``)."""
+    problems = index_problems(index)
+    return next(iter(problems.values()), None)
+
+
+def expire_of(index: Mapping[str, Any]) -> float:
+    """The recorded expiry (unix seconds) of a well-formed index; 0 (expired) if absent."""
+    value = index.get("expire_time")
+    return float(value) if _is_number(value) else 0.0
 
 
 def store_key(controller_key: str, name: str) -> str:
@@ -342,9 +432,13 @@ class GenaiStatusRow:
 
 
 def status_of_row(row: CatalogRow, now: float) -> GenaiStatusRow:
-    """Status from the catalog row alone (no manifest read)."""
+    """Status from the catalog row alone (no manifest read); MalformedRow if a value is
+    not what spoolctl writes (``index_problem``)."""
     index = row.index
-    expire = float(index.get("expire_time", 0.0))
+    problem = index_problem(index)
+    if problem is not None:
+        raise MalformedRow(row.entry_id, problem)
+    expire = expire_of(index)
     pending = bool(index.get("remote_pending", False))
     if pending:
         state = "expired" if now >= expire else "delete-pending"
@@ -353,18 +447,26 @@ def status_of_row(row: CatalogRow, now: float) -> GenaiStatusRow:
     else:
         state = "expired" if now >= expire else "live"
     return GenaiStatusRow(
-        entry_id=row.entry_id, name=str(index.get("name", "?")), model=str(index.get("model", "")),
-        display_name=str(index.get("display_name", "")), namespace=row.namespace, state=state,
-        expires_in=expire - now, token_count=int(index.get("token_count", 0)),
+        entry_id=row.entry_id, name=index.get("name") or "?", model=index.get("model") or "",
+        display_name=index.get("display_name") or "", namespace=row.namespace, state=state,
+        expires_in=expire - now, token_count=index.get("token_count") or 0,
         remote_error=index.get("remote_error"))
 
 
-def genai_status(store: Store, now: float | None = None) -> list[GenaiStatusRow]:
-    """Every genai entry of ``store`` with its state and seconds to expiry (soonest first)."""
+def genai_status(store: Store, now: float | None = None,
+                 malformed: list[MalformedRow] | None = None) -> list[GenaiStatusRow]:
+    """Every genai entry of ``store`` with its state and seconds to expiry (soonest first).
+    A record that cannot be read is skipped (appended to ``malformed`` when given)."""
     import time
 
     now = time.time() if now is None else now
-    rows = [status_of_row(r, now) for r in store.entries(kind=KIND, sort="age")]
+    rows = []
+    for r in store.entries(kind=KIND, sort="age"):
+        try:
+            rows.append(status_of_row(r, now))
+        except MalformedRow as exc:
+            if malformed is not None:
+                malformed.append(exc)
     return sorted(rows, key=lambda r: r.expires_in)
 
 
@@ -402,15 +504,18 @@ class GenaiExpiry:
     entries: int = 0
     expired: int = 0
     next_expiry_in_s: float | None = None
+    malformed: int = 0  # records the GenAI helpers cannot read (``index_problem``)
 
     def to_json(self) -> dict[str, Any]:
         return {"entries": self.entries, "expired": self.expired,
-                "next_expiry_in_s": self.next_expiry_in_s}
+                "next_expiry_in_s": self.next_expiry_in_s, "malformed": self.malformed}
 
 
 def expiry_summary(rows: Sequence[CatalogRow], now: float) -> GenaiExpiry:
     """Summarise the expiry of ``rows`` (genai catalog rows; those without a valid
-    ``expire_time`` count as entries only)."""
+    ``expire_time`` count as entries only) and count the records the GenAI helpers
+    would skip as malformed."""
     left = [e for e in (expires_in(r.index, now) for r in rows) if e is not None]
     return GenaiExpiry(entries=len(rows), expired=sum(1 for e in left if e <= 0),
-                       next_expiry_in_s=min((e for e in left if e > 0), default=None))
+                       next_expiry_in_s=min((e for e in left if e > 0), default=None),
+                       malformed=sum(1 for r in rows if index_problem(r.index) is not None))

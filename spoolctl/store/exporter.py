@@ -39,10 +39,10 @@ from .archive import (
     object_member,
 )
 from .digest import Hasher
-from .errors import CorruptionError, NotFoundError, QuarantineReason
+from .errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from .fsio import open_for_read
 from .manifest import Manifest, ObjectRef, encode
-from .places import find_stores
+from .places import Layout, find_stores
 from .selection import Candidate, Selection, plan, resolve_deployments
 from .store import Store
 
@@ -72,6 +72,8 @@ class ExportReport:
     over_budget: int = 0
     incomplete_chunks: int = 0
     filtered: int = 0
+    # store place -> the one-line error it could not be opened with (several stores only)
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def entries(self) -> int:
@@ -92,6 +94,7 @@ class ExportReport:
                 "bytes_per_second": round(self.archive_bytes / self.seconds)
                 if self.seconds > 0 else None,
                 "stores": [s.to_json() for s in self.stores],
+                "failed": dict(self.failed),
                 "left_out": {"deleted_meanwhile": self.gone, "corrupt": self.corrupt,
                              "over_budget": self.over_budget,
                              "incomplete_chunks": self.incomplete_chunks,
@@ -109,29 +112,43 @@ def _summary(store: Store, row_id: str | None) -> dict[str, Any] | None:
 
 
 def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
-           selection: Selection | None = None, *, progress: Progress | None = None
-           ) -> ExportReport:
+           selection: Selection | None = None, *, progress: Progress | None = None,
+           layout: Layout | None = None, quorum: bool | None = None) -> ExportReport:
     """Write the entries of the stores under ``root`` chosen by ``selection`` to ``sink``.
 
-    ``root`` is a store, a deployment directory or a connector base root. Raises
-    ConfigError for a bad root or selection, CorruptionError if a streamed object fails
-    verification (the archive then has no end record).
+    ``root`` is a store, a deployment directory or a connector base root; a caller that
+    has already resolved it (the CLI, through ``cli.targets``) passes ``layout`` instead
+    (possibly with no store: an empty archive) and may turn the rank ``quorum`` off (one
+    rank of a deployment). With several stores, one that cannot be opened is recorded in
+    ``failed`` and the others are exported (its deployment's chunks are then incomplete
+    and left out). Raises ConfigError for a bad root or selection, CorruptionError if a
+    streamed object fails verification (the archive then has no end record).
     """
     selection = selection or Selection()
     started = time.perf_counter()
-    layout = find_stores(root)
+    layout = layout if layout is not None else find_stores(root)
+    quorum = layout.quorum if quorum is None else quorum
     stores = list(layout.stores)
     if selection.deployments:
         wanted = resolve_deployments(selection.deployments, layout.deployments)
         stores = [s for s in stores if s.place.split("/", 1)[0] in wanted and s.place]
     report = ExportReport(root=str(layout.path))
     with contextlib.ExitStack() as stack:
-        opened = {s.place: stack.enter_context(Store.open(s.path)) for s in stores}
+        opened: dict[str, Store] = {}
+        for s in stores:
+            try:
+                opened[s.place] = stack.enter_context(Store.open(s.path))
+            except SpoolError as exc:
+                if len(stores) == 1:
+                    raise
+                report.failed[s.place] = str(exc)
         candidates = {place: [Candidate(place, r.entry_id, r.kind, r.namespace, r.key, r.size,
                                         r.last_access, r.hint)
                               for r in st.entries(sort="access", include_pending=False)]
                       for place, st in opened.items()}
-        chosen = plan(candidates, selection, quorum=layout.quorum)
+        for place in report.failed:  # a rank that failed still counts for the quorum
+            candidates[place] = []
+        chosen = plan(candidates, selection, quorum=quorum)
         report.over_budget = chosen.over_budget
         report.incomplete_chunks = chosen.incomplete_chunks
         report.filtered = chosen.filtered

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .archive import ArchiveIndex, SectionCount, TarReader, parse_end_record
-from .errors import ArchiveError, CapacityError
+from .archive import ArchiveIndex, SectionCount, TarReader, parse_end_record, rank_of
+from .errors import ArchiveError, CapacityError, ConfigError
 from .ingest import PlaceTally, Section, SkipSection, free_bytes
-from .places import Target, check_single_layout, inspect_root
+from .places import Layout, Target, check_single_layout, inspect_root
 from .selection import resolve_deployments
 from .store import Store
 
@@ -75,13 +75,17 @@ class Importer:
     """Imports into the stores under ``target`` (a store, deployment dir or base root).
 
     ``accept``: deployments whose chunks may be imported into a base root that serves
-    other deployments, and (when given) the only deployments imported. ``store_max_bytes``
-    is recorded in stores the import creates."""
+    other deployments, and (when given) the only deployments imported. ``rank``: import
+    only that rank's stores of the source (a host of a multi-host deployment takes its own
+    ranks). ``store_max_bytes`` is recorded in stores the import creates. ``layout``: the
+    target already classified by the caller (the CLI, through ``cli.targets``)."""
 
     def __init__(self, target: str | os.PathLike[str], *, accept: tuple[str, ...] = (),
                  store_max_bytes: int | None = None, progress: Progress | None = None,
-                 wants: Callable[[Any], bool] | None = None):
-        self.layout = inspect_root(target)
+                 wants: Callable[[Any], bool] | None = None, rank: int | None = None,
+                 layout: Layout | None = None):
+        self.layout = layout if layout is not None else inspect_root(target)
+        self.rank = rank
         self.wants = wants
         self.accept_given = tuple(accept)
         self.store_max_bytes = store_max_bytes
@@ -101,6 +105,14 @@ class Importer:
         """Route every source store, check capacity, open (or create) the targets."""
         places = list(declared)
         check_single_layout(places)
+        if self.rank is not None and "" in places:
+            raise ConfigError("--rank selects rank stores; this source is a single store",
+                              fix="drop --rank")
+        if self.rank is not None and places and \
+                all(rank_of(p) != self.rank for p in places):
+            have = sorted({r for p in places if (r := rank_of(p)) is not None})
+            raise ConfigError(f"the source has no store for rank {self.rank}",
+                              fix="ranks there: " + ", ".join(str(r) for r in have[:20]))
         deployments = {p.split("/", 1)[0] for p in places if p}
         accept = resolve_deployments(self.accept_given, deployments) \
             if self.accept_given else set()
@@ -108,7 +120,9 @@ class Importer:
         routes: dict[str, Path | None] = {}
         for place in places:
             dep = place.split("/", 1)[0] if place else None
-            routes[place] = None if accept and dep not in accept else target.route(place)
+            skip = (accept and dep not in accept) or \
+                (self.rank is not None and rank_of(place) != self.rank)
+            routes[place] = None if skip else target.route(place)
         self.planned_bytes = sum(declared.values())
         per_dest: dict[Path, int] = {}
         for place, dest in routes.items():

@@ -22,7 +22,7 @@ from .fsio import open_for_read, read_small
 from .importer import Importer, ImportReport
 from .ingest import DigestMismatch, Section
 from .manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode
-from .places import find_stores
+from .places import Layout, find_stores
 from .root import Layout as RootLayout
 from .selection import Candidate, Selection, plan, resolve_deployments
 
@@ -97,11 +97,13 @@ def _scan(place: str, root: Path, counts: dict[str, int]) -> list[Candidate]:
 
 
 def import_from_root(importer: Importer, source: str | os.PathLike[str],
-                     selection: Selection | None = None) -> ImportReport:
+                     selection: Selection | None = None, *, layout: Layout | None = None
+                     ) -> ImportReport:
     """Copy the entries of the stores under the peer root ``source`` chosen by
-    ``selection`` (newest first) into ``importer``'s target."""
+    ``selection`` (newest first) into ``importer``'s target (``layout``: ``source``
+    already classified by the caller)."""
     selection = dataclasses.replace(selection or Selection(), hint=None)
-    layout = find_stores(source)
+    layout = layout if layout is not None else find_stores(source)
     stores = list(layout.stores)
     if selection.deployments:
         wanted = resolve_deployments(selection.deployments, layout.deployments)
