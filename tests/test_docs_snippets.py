@@ -391,12 +391,12 @@ def shell_commands(block: Block) -> tuple[str, list[str]]:
 #: a quiet host. The command a reader copies must still be on the page (checked below), and
 #: the scaled run must print the JSON report the page describes.
 SCALED = {
-    "python scripts/bench_store.py --dir /path/on/the/nvme --repeat 5":
+    "python scripts/bench_store.py --dir /path/on/the/nvme --repeat 7":
         "python scripts/bench_store.py --dir /path/on/the/nvme --repeat 1 --sizes 1",
     "python scripts/bench_controllers.py --tokens 4096 --repeat 2":
         "python scripts/bench_controllers.py --tokens 256 --repeat 1 --preset tiny",
-    "python scripts/bench_cli.py --entries 100000 --released 10000":
-        "python scripts/bench_cli.py --entries 1500 --released 150 --dir .",
+    "python scripts/bench_cli.py --entries 1000000":
+        "python scripts/bench_cli.py --entries 1500 --released 150 --small 1200 --dir .",
 }
 
 
