@@ -128,7 +128,8 @@ def test_genai_expiry_summary() -> None:
     now = 1_000.0
     rows = [row({"expire_time": now - 5}), row({"expire_time": now + 50}),
             row({"expire_time": now + 20}), row({"expire_time": "soon"})]
+    # "soon" is not a time: counted as malformed, never as expired or next.
     assert expiry_summary(rows, now).to_json() == {"entries": 4, "expired": 1,
-                                                   "next_expiry_in_s": 20.0}
+                                                   "next_expiry_in_s": 20.0, "malformed": 1}
     assert expiry_summary([], now).to_json() == {"entries": 0, "expired": 0,
-                                                 "next_expiry_in_s": None}
+                                                 "next_expiry_in_s": None, "malformed": 0}
