@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchutil import drop_page_cache
+
 HERE = Path(__file__).resolve()
 BLOCK_SIZE = 128
 QUESTION_TOKENS = 32
@@ -238,16 +240,6 @@ def measure(job: dict) -> dict:
 # -- orchestration ------------------------------------------------------------------------------
 
 
-def _drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def _spawn(job: dict, workdir: Path) -> dict:
     name = f"{job['arm']}-{job['kind']}"
     job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
@@ -356,7 +348,7 @@ def main() -> None:
         if arm != "none":
             prep = _spawn({**job, "kind": "prepare"}, workdir)
             report["stored_completely"][arm] = prep["stored_completely"]
-        report["page_cache_dropped"].append(_drop_page_cache())
+        report["page_cache_dropped"].append(drop_page_cache())
         report["arms"][arm] = res = _spawn({**job, "kind": "measure"}, workdir)
         print(f"# {arm}: restores TTFT p50 {res['restores']['ttft_s']['p50']:.3f}s "
               f"p99 {res['restores']['ttft_s']['p99']:.3f}s hits "

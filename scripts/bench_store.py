@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchutil import drop_page_cache
+
 from spoolctl.store import Store, fsio
 from spoolctl.store.commit import PutRequest
 from spoolctl.store.fsio import READ_CHUNK, fsync_dir, full_fsync
@@ -36,16 +38,6 @@ from spoolctl.store.fsio import READ_CHUNK, fsync_dir, full_fsync
 MiB = 1 << 20
 KiB = 1 << 10
 BATCH = 32
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def raw_write(path: Path, data: bytes) -> float:
@@ -89,7 +81,7 @@ def raw_read(path: Path, size: int) -> float:
 def cold(warm_up) -> bool:
     """Drop the page cache, then run ``warm_up`` (reads a small unrelated file the same way
     as the timed read, so its code is in memory again). False when not root."""
-    dropped = drop_caches()
+    dropped = drop_page_cache()
     warm_up()
     return dropped
 

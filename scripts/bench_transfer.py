@@ -34,20 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchutil import drop_page_cache
+
 from spoolctl.store import Store
 
 MiB = 1 << 20
 SPOOLCTL = [sys.executable, "-c", "from spoolctl.cli.app import main; main()"]
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def build(root: Path, total: int, entry: int) -> tuple[int, int]:
@@ -71,7 +63,7 @@ WARM_CODE = [sys.executable, "-c", "import spoolctl.cli.app, spoolctl.store.expo
 
 def timed(cmd: list[str], cold: bool) -> float:
     if cold:
-        drop_caches()
+        drop_page_cache()
         subprocess.run(WARM_CODE, check=True)
         subprocess.run(["tar", "--version"], check=True, stdout=subprocess.DEVNULL)
     else:

@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchutil import drop_page_cache
+
 HERE = Path(__file__).resolve()
 BLOCK_SIZE = 128
 # Fresh random prompts of these lengths run before measuring, in every phase, so each phase
@@ -124,16 +126,6 @@ def __getattr__(name: str):
 
 
 # -- one engine phase (child process) ---------------------------------------------------------
-
-
-def _drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _block_files(path: Path) -> int:
@@ -282,7 +274,7 @@ def run_phase(job: dict) -> dict:
             llm.generate([{"prompt_token_ids": fresh}], bypass, use_tqdm=False)
             paired_cold = time.perf_counter() - t0
         if phase.endswith("restore") and job["drop_each"]:
-            _drop_page_cache()  # every restore reads from disk
+            drop_page_cache()  # every restore reads from disk
         _HOOK_SECONDS.clear()
         before_files = _block_files(native_root) if phase == "native_store" else 0
         t0 = time.perf_counter()
@@ -365,7 +357,7 @@ def main() -> None:
     prompts = {str(n): [[rng.randrange(3, 500) for _ in range(n)] for _ in range(args.repeat)]
                for n in sizes}
     base = {"model": str(model), "spool_root": str(spool_root), "native_root": str(native_root),
-            "drop_each": args.drop == "each" and _drop_page_cache(),
+            "drop_each": args.drop == "each" and drop_page_cache(),
             "prompts": prompts, "chunk_tokens": args.chunk_tokens,
             "max_model_len": max(sizes) + 64,
             "kv_bytes": max(256 << 20, 3 * max(sizes) * 8192 * 2)}
@@ -374,7 +366,7 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     for phase in ("cold", "spool_store", "spool_restore", "native_store", "native_restore"):
         if phase.endswith("restore"):
-            dropped.append(_drop_page_cache())
+            dropped.append(drop_page_cache())
         phases[phase] = _spawn({**base, "phase": phase}, workdir)
         print(f"# {phase}: " + ", ".join(
             f"{k}={v['ttft_s']:.3f}s hit {v['num_cached_tokens']}"

@@ -12,24 +12,9 @@ from __future__ import annotations
 import re
 import time
 
+from query_plans import query_plans as _plans
+
 from spoolctl.store import Store, entry_id_for
-
-
-def _plans(store: Store, call) -> list[str]:
-    db = store.catalog._db
-    statements: list[str] = []
-    db.set_trace_callback(statements.append)
-    try:
-        call()
-    finally:
-        db.set_trace_callback(None)
-    plans = []
-    for sql in statements:
-        if not re.match(r"\s*(SELECT|UPDATE)", sql, re.I):
-            continue
-        rows = db.execute(f"EXPLAIN QUERY PLAN {sql}").fetchall()
-        plans.append(" | ".join(str(r[-1]) for r in rows))
-    return plans
 
 
 def test_live_and_touch_search_by_primary_key(store: Store) -> None:

@@ -9,11 +9,11 @@ not times, show that pending rows, the newest rows and cleanup pages need no sca
 
 from __future__ import annotations
 
-import re
 import sqlite3
 from pathlib import Path
 
 import pytest
+from query_plans import query_plans
 
 from spoolctl.store import PutRequest, QuarantineReason, Store, entry_id_for
 from spoolctl.store import gc as gc_mod
@@ -137,22 +137,10 @@ def test_catalog_made_before_kind_totals(store_root: Path) -> None:
             assert ro.released() == _expected_released(db) == (3, ro.released()[1])
 
 
-def _plans(store: Store, call) -> list[str]:
-    db = store.catalog._db
-    statements: list[str] = []
-    db.set_trace_callback(statements.append)
-    try:
-        call()
-    finally:
-        db.set_trace_callback(None)
-    return [" | ".join(str(r[-1]) for r in db.execute(f"EXPLAIN QUERY PLAN {sql}"))
-            for sql in statements if re.match(r"\s*SELECT", sql, re.I)]
-
-
 def test_pending_rows_come_from_their_index(store: Store) -> None:
     for i in range(30):
         _put(store, "vllm", f"k{i}")
-    plans = _plans(store, store.catalog.pending)
+    plans = query_plans(store, store.catalog.pending)
     assert plans and all("entries_pending" in p and "SCAN entries" not in p.replace(
         "SCAN entries USING INDEX entries_pending", "") for p in plans), plans
     with store.catalog._write() as db:  # an interrupted commit, as a crash leaves it
@@ -172,7 +160,7 @@ def test_newest_rows_walk_the_lru_index(store: Store) -> None:
     assert [r.entry_id for r in newest] == ids[::-1][:5]
     assert [r.entry_id for r in store.entries(sort="access", limit=3, hint="release")] == \
         [ids[9], ids[6], ids[3]]
-    for plan in _plans(store, lambda: store.entries(sort="access", limit=5)):
+    for plan in query_plans(store, lambda: store.entries(sort="access", limit=5)):
         assert "entries_lru" in plan and "TEMP B-TREE" not in plan, plan
 
 
@@ -185,8 +173,10 @@ def test_id_pages_walk_the_primary_key(store: Store) -> None:
         got += [r.entry_id for r in page]
         after = page[-1].entry_id
     assert got == ids
-    for plan in _plans(store, lambda: store.catalog.list(hint="release", sort="id", limit=3,
-                                                         after=ids[2])):
+    def page() -> object:
+        return store.catalog.list(hint="release", sort="id", limit=3, after=ids[2])
+
+    for plan in query_plans(store, page):
         assert "PRIMARY KEY (entry_id>?)" in plan and "TEMP B-TREE" not in plan, plan
     with pytest.raises(ValueError):
         store.catalog.list(sort="age", after="")
