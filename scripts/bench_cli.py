@@ -182,6 +182,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.released is None:
         args.released = args.entries // 10
+    if args.dir:  # the disk to measure: made if missing, like --work elsewhere
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="spoolctl-bench-", dir=os.path.realpath(args.dir)))
     root = base / "store"
     try:

@@ -89,6 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     if shutil.which("tar") is None:
         sys.exit("tar not found: the reference needs it")
+    if args.dir:  # the disk to measure: made if missing, like --work elsewhere
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     base = Path(os.path.realpath(tempfile.mkdtemp(prefix="bench-transfer-", dir=args.dir)))
     try:
         src = base / "src"
