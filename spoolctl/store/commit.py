@@ -60,6 +60,7 @@ from .fsio import (
     hash_file,
     io_error,
     read_manifest,
+    unlink_quietly,
 )
 from .gc import LOW_WATERMARK
 from .inputs import is_bytes_like, payload_size
@@ -179,7 +180,7 @@ class Committer:
             for p in batch:
                 self._discard(p)
             for path in given.values():
-                _unlink(path)
+                unlink_quietly(path)
             given.clear()
         for p in batch:  # a repeated id names the same entry: it gets the first's outcome
             head = first.get(p.entry_id)
@@ -337,12 +338,12 @@ class Committer:
 
     def _place(self, src: Path, final: Path, digest: str, size: int, done: set[str]) -> None:
         if digest in done:  # an earlier entry of this batch placed the same bytes
-            _unlink(src)
+            unlink_quietly(src)
             return
         self._publisher.check_dirs(final.parent)
         if os.path.lexists(final):
             if _existing_object_ok(final, digest, size):
-                _unlink(src)  # content-addressed: already stored
+                unlink_quietly(src)  # content-addressed: already stored
                 done.add(digest)
                 return
             self._store.quarantine_files(None, QuarantineReason.OBJECT_COLLISION,
@@ -459,12 +460,7 @@ def _flushed(f: Flushing, what: str) -> None:
 def _discard_flushing(f: Flushing) -> None:
     with contextlib.suppress(OSError):
         f.flushed.result()  # its descriptor is closed before the file goes
-    _unlink(f.path)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    unlink_quietly(f.path)
 
 
 def store_full(where: Path) -> SpoolError:

@@ -139,7 +139,7 @@ def write_tmp(
     try:
         tmp.flushed.result()
     except OSError as exc:
-        _unlink_quietly(tmp.path)
+        unlink_quietly(tmp.path)
         raise io_error(exc, "writing", tmp.path) from exc
     return tmp.path, tmp.digest, tmp.size
 
@@ -195,32 +195,34 @@ def write_tmp_flushing(
                 on_written()
             # The bytes are in the page cache: flush them to disk on a helper thread while
             # this thread hashes them, so a commit costs about write + max(fsync, hash).
-            flushed = _submit(flush_pool, _fsync_close, fd)
+            flushed = _submit(flush_pool, fsync_close, fd)
             for view in views:
                 hasher.update(view)
         finally:
             if flushed is None:
                 os.close(fd)
     except OSError as exc:
-        _unlink_quietly(path)
+        unlink_quietly(path)
         raise io_error(exc, "writing", path) from exc
     except BaseException:
         if flushed is not None:
             with contextlib.suppress(OSError):
                 flushed.result()  # the descriptor must be closed before the file goes
-        _unlink_quietly(path)
+        unlink_quietly(path)
         raise
     return Flushing(path, hasher.hexdigest(), size, flushed)
 
 
-def _fsync_close(fd: int) -> None:
+def fsync_close(fd: int) -> None:
+    """fsync ``fd`` (``full_fsync``), then close it whatever happened."""
     try:
         full_fsync(fd)
     finally:
         os.close(fd)
 
 
-def _unlink_quietly(path: Path) -> None:
+def unlink_quietly(path: Path) -> None:
+    """Remove ``path`` if it can be removed (cleanup on a path already failing)."""
     with contextlib.suppress(OSError):
         os.unlink(path)
 
@@ -462,7 +464,7 @@ def probe_o_direct(directory: Path) -> bool:
     except OSError:
         return False
     os.close(fd)
-    _unlink_quietly(path)
+    unlink_quietly(path)
     return True
 
 

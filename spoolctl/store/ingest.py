@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from .digest import Hasher
 from .errors import ArchiveError, ManifestError
-from .fsio import ensure_real_dirs, full_fsync, io_error, tmp_name
+from .fsio import ensure_real_dirs, fsync_close, io_error, tmp_name, unlink_quietly
 from .gc import LOW_WATERMARK
 from .import_commit import StagedEntry, object_present, publish_entries
 from .manifest import decode, encode
@@ -121,13 +121,13 @@ def stage_object(store: Store, source: Source, size: int, digest: str,
                 pending.result()
             os.close(fd)
     except OSError as exc:
-        _unlink(path)
+        unlink_quietly(path)
         raise io_error(exc, "writing an imported object", path) from exc
     except BaseException:
-        _unlink(path)
+        unlink_quietly(path)
         raise
     if hasher.hexdigest() != digest:
-        _unlink(path)
+        unlink_quietly(path)
         raise DigestMismatch(digest)
     return path
 
@@ -138,15 +138,7 @@ def fsync_if_present(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
     except FileNotFoundError:
         return
-    try:
-        full_fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    fsync_close(fd)
 
 
 def free_bytes(path: Path) -> int:
@@ -242,7 +234,7 @@ class Section:
     def abort_entry(self) -> None:
         """Forget the objects read since the last manifest (a peer entry that vanished)."""
         for digest, (path, _size) in self.pending.items():
-            _unlink(path)
+            unlink_quietly(path)
             self.seen.discard("o" + digest)
         for digest in self.pending_present | self.pending_dropped:
             self.seen.discard("o" + digest)
@@ -253,7 +245,7 @@ class Section:
 
     def _discard_entry(self, *, dropped: bool) -> None:
         for digest, (path, _size) in self.pending.items():
-            _unlink(path)
+            unlink_quietly(path)
             if dropped:
                 self.dropped.add(digest)
         if dropped:
@@ -327,7 +319,7 @@ class Section:
         except OSError as exc:
             for entry in batch:
                 for path in entry.staged.values():
-                    _unlink(path)
+                    unlink_quietly(path)
             raise io_error(exc, "flushing imported objects", self.store.layout.tmp) from exc
         failed = None
         if batch:
@@ -365,7 +357,7 @@ class Section:
         self._discard_entry(dropped=False)
         for entry in self.batch:
             for path in entry.staged.values():
-                _unlink(path)
+                unlink_quietly(path)
         self.batch, self.batch_staged, self.batch_bytes = [], {}, 0
 
 class SkipSection(Section):
