@@ -28,22 +28,14 @@ import threading
 import time
 from pathlib import Path
 
+from vllm_support import _rank_state  # runs in each worker: flush, report what it holds
+
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-# collective_rpc with a function (the worker-state probe below) crosses into the engine
-# core process; local test processes only.
+# collective_rpc with a function (the worker-state probe, vllm_support._rank_state) crosses
+# into the engine core process; local test processes only.
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _worker_state(worker_self, timeout: float = 60.0) -> dict:
-    """Runs in each worker: wait for its connector's commits, report what it holds."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    conn = get_kv_transfer_group()
-    return {"flushed": conn.flush(timeout), "counters": conn.counters.totals(),
-            "store_root": conn.store_roots[0], "namespace": conn.namespace,
-            "inventory": conn.inventory_state}
 
 
 class Events:
@@ -135,7 +127,7 @@ def make_llm(job: dict, events: Events | None):
 
 
 def _flush(llm) -> list[dict]:
-    states = llm.collective_rpc(_worker_state, args=(60.0,))
+    states = llm.collective_rpc(_rank_state, args=(60.0,))
     if not all(s["flushed"] for s in states):
         raise RuntimeError("connector stores did not finish within 60 s")
     return states
