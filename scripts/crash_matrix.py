@@ -44,8 +44,8 @@ STORE_WORKER = REPO / "tests" / "store_worker.py"
 CRASH_EXIT_CODE = 86  # spoolctl.store.faults.CRASH_EXIT_CODE (kept literal: child has no import)
 
 COMMIT_POINTS = (
-    "object.tmp_written", "manifest.tmp_written", "object.fsynced", "manifest.fsynced",
-    "object.published", "object.dir_fsynced", "catalog.intent",
+    "object.tmp_written", "manifest.tmp_written", "catalog.intent", "object.fsynced",
+    "manifest.fsynced", "object.published", "object.dir_fsynced",
     "manifest.published", "manifest.dir_fsynced", "catalog.committed",
 )  # = spoolctl.store.faults.COMMIT_CHECKPOINTS
 # A group commit passes each of these once per batch; the others once per object, manifest or

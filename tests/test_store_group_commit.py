@@ -92,6 +92,35 @@ def test_a_bad_entry_is_refused_alone_and_never_visible(store_root: Path) -> Non
         assert on_disk == referenced
 
 
+def test_an_entry_failing_after_its_intent_leaves_no_pending_row(store: Store) -> None:
+    """The intents are recorded while the flushes run (decision 1404): an entry whose flush
+    then fails is refused alone, and its pending row goes at once (not only at the next
+    open), so it pins no object and hides nothing from status."""
+    real = store.checkpoint
+    passes = Counter()
+
+    def failing(name: str) -> None:
+        passes[name] += 1
+        if name == "object.fsynced" and passes[name] == 3:  # the second entry's first object
+            raise OSError(5, "Input/output error")
+        real(name)
+    store.checkpoint = failing
+    requests = _requests(4)
+    outcomes = store.put_many(requests)
+    assert passes["catalog.intent"] == 1
+    assert [o.status for o in outcomes] == ["committed", "failed", "committed", "committed"]
+    assert isinstance(outcomes[1].error, StoreIOError)
+    rows = store.entries(include_pending=True)
+    assert sorted(r.key for r in rows) == ["k0", "k2", "k3"]
+    assert all(r.state == "committed" for r in rows)
+    assert store.lookup("vllm", "batch", "k1") is None
+    assert list(store.layout.tmp.iterdir()) == []
+    store.checkpoint = real
+    (again,) = store.put_many([requests[1]])  # and it commits on a retry
+    assert again.status == "committed"
+    assert bytes(store.read(again.manifest, "kv")) == requests[1].objects["kv"]
+
+
 def test_repeated_keys_and_present_entries(store: Store) -> None:
     first = store.put(kind="vllm", namespace="batch", key="old", objects={"kv": b"old"})
     store.release(first.entry_id)

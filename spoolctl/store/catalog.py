@@ -224,9 +224,12 @@ class Catalog:
     def record_intents(self, entries: Iterable[tuple[Manifest, int]], now: float) -> None:
         """Record a batch of commits in flight (one transaction): a pending row per
         (manifest, manifest size) plus its object references."""
+        rows, refs = [], []
+        for manifest, manifest_size in entries:
+            rows.append(_row(manifest, manifest_size, now, "retain", "pending"))
+            refs += [(manifest.entry_id, ref.digest, ref.size) for ref in manifest.objects]
         with self._write() as db:
-            for manifest, manifest_size in entries:
-                self._insert(db, manifest, manifest_size, now, hint="retain", state="pending")
+            self._insert_rows(db, rows, refs)
 
     def mark_committed(self, entry_id: str, supersedes: str | None) -> None:
         self.mark_committed_many([(entry_id, supersedes)])
@@ -258,16 +261,22 @@ class Catalog:
         for manifest, manifest_size in found:
             rows.append(_row(manifest, manifest_size, manifest.created, "retain", "committed"))
             refs += [(manifest.entry_id, ref.digest, ref.size) for ref in manifest.objects]
+        with self._write() as db:
+            self._insert_rows(db, rows, refs)
+
+    @staticmethod
+    def _insert_rows(db, rows: list[tuple], refs: list[tuple[str, str, int]]) -> None:
+        """Insert (replace) ``entries`` rows and their object references, statement by
+        statement over the batch (executemany)."""
         ids = [(row[0],) for row in rows]
-        with self._write() as db:  # statement by statement over the batch (executemany)
-            db.executemany("DELETE FROM entry_objects WHERE entry_id=?", ids)
-            db.executemany("DELETE FROM entries WHERE entry_id=?", ids)
-            db.executemany(f"INSERT INTO entries({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                           rows)
-            db.executemany("INSERT OR IGNORE INTO objects VALUES (?, ?)",
-                           [(digest, size) for _, digest, size in refs])
-            db.executemany("INSERT OR IGNORE INTO entry_objects VALUES (?, ?)",
-                           [(entry_id, digest) for entry_id, digest, _ in refs])
+        db.executemany("DELETE FROM entry_objects WHERE entry_id=?", ids)
+        db.executemany("DELETE FROM entries WHERE entry_id=?", ids)
+        db.executemany(f"INSERT INTO entries({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                       rows)
+        db.executemany("INSERT OR IGNORE INTO objects VALUES (?, ?)",
+                       [(digest, size) for _, digest, size in refs])
+        db.executemany("INSERT OR IGNORE INTO entry_objects VALUES (?, ?)",
+                       [(entry_id, digest) for entry_id, digest, _ in refs])
 
     @staticmethod
     def _insert(db, manifest: Manifest, manifest_size: int, now: float, *, hint: str,

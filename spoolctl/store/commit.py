@@ -6,18 +6,25 @@ step instead of one per entry. Each step is durable before the next (docs/format
 1. **stage**: every object of every entry is written to ``tmp/`` and hashed, its flush
    started at once (flushes overlap the next writes, and the filesystem merges concurrent
    flushes into few journal commits); then the entry's manifest is built, written to
-   ``tmp/``, its flush started. The commit waits for every flush. Nothing is visible.
-   Objects are bounded while they stream by what is left of their entry's size budget
-   (90% of the store's max size).
-2. **objects**: each staged object is renamed to ``objects/<aa>/<digest>.obj``
+   ``tmp/``, its flush started. Objects are bounded while they stream by what is left of
+   their entry's size budget (90% of the store's max size).
+2. **intent**: while those flushes run, one catalog transaction records a pending row per
+   entry (its object references pin the objects against a concurrent clean from now on);
+   then the commit waits for every flush. Nothing is visible. An entry that fails from
+   here on has its pending row removed again.
+3. **objects**: each staged object is renamed to ``objects/<aa>/<digest>.obj``
    (content-addressed: an identical object already there is reused, a damaged one is
    quarantined and replaced); every fan-out directory holding an object of the batch,
    reused ones included, is fsynced once.
-3. **intent**: one catalog transaction records a pending row per entry.
 4. **manifests**: each manifest is renamed to ``manifests/<aa>/<entry_id>.json`` -- only
    now is an entry visible -- and each manifest directory fsynced once.
 5. **committed**: one catalog transaction marks the rows committed (superseded entries
    released).
+
+The intent is recorded before the flushes are waited for because the transaction then
+costs nothing on the critical path (it overlaps the disk's flush); recording it earlier
+than the objects' renames is safe: a pending row whose manifest never appears is rolled
+back by recovery like any interrupted commit (decision 1404).
 
 A crash before step 4 leaves only temp files, orphans and pending rows, which recovery
 rolls back; a crash during step 4 leaves each entry complete or invisible (a manifest is
@@ -172,8 +179,13 @@ class Committer:
                     # Leave the filesystem's last megabyte to maintenance (reserve.py): a
                     # commit must never take the room that lets `spoolctl clean` shed load.
                     raise store_full(self._store.layout.tmp)
-                self._stage(live, given)
-                todo = self._place_objects([p for p in live if p.outcome is None], given)
+                recorded = self._stage(live, given)
+                try:
+                    todo = self._place_objects([p for p in live if p.outcome is None], given)
+                except BaseException:
+                    self._forget_intents(recorded)  # nothing of the batch is visible
+                    raise
+                self._forget_intents([p for p in recorded if p.outcome is not None])
                 if todo:
                     self._commit_manifests(todo)
         finally:
@@ -234,7 +246,14 @@ class Committer:
 
     # -- step 1: stage ----------------------------------------------------------------------
 
-    def _stage(self, live: list[Pending], given: dict[str, Path]) -> None:
+    def _stage(self, live: list[Pending], given: dict[str, Path]) -> list[Pending]:
+        """Steps 1-2: stage every entry, record the intents, wait for the flushes. Returns
+        the entries whose intent was recorded (some may have failed since)."""
+        tmp = self._store.layout.tmp
+        try:  # once for the batch: it stages its files within milliseconds
+            self._publisher.check_dirs(tmp)
+        except OSError as exc:
+            raise io_error(exc, "creating a temporary file", tmp) from exc
         flushing: list[Flushing] = []
         for p in live:
             try:
@@ -255,7 +274,8 @@ class Committer:
                                              f"{p.entry_id} is no longer in the store"),
                                "vanished")
                         continue
-                p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest")
+                p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest",
+                                                                checked=True)
                 _bound(flushing, p.manifest_tmp)
             except SpoolError as exc:
                 p.fail(exc)
@@ -264,6 +284,15 @@ class Committer:
                 p.fail(ConfigError(f"entry {p.entry_id[:16]}: {exc}",
                                    fix="check the entry's meta, index and objects"))
                 self._discard(p)
+        recorded = [p for p in live if p.outcome is None]
+        if recorded:
+            try:
+                self._store.catalog.record_intents(
+                    [(p.manifest, len(p.data)) for p in recorded], time.time())
+                self._publisher.mark("catalog", "intent")
+            except OSError as exc:  # an injected fault at the checkpoint (faults.FAIL_ENV)
+                self._forget_intents(recorded)
+                raise io_error(exc, "committing entries", self._store.layout.manifests) from exc
         for p in live:  # every flush of the batch is in flight: wait for them, in order
             if p.outcome is not None:
                 continue
@@ -280,6 +309,15 @@ class Committer:
             except OSError as exc:  # an injected fault at a checkpoint (faults.FAIL_ENV)
                 p.fail(io_error(exc, "writing an entry", self._store.layout.tmp))
                 self._discard(p)
+        return recorded
+
+    def _forget_intents(self, failed: list[Pending]) -> None:
+        """Remove the pending rows of entries refused after their intent was recorded, so
+        they do not pin objects (left as orphans, reclaimed by age). Best effort: recovery
+        rolls back any pending row whose manifest never appeared."""
+        if failed:
+            with contextlib.suppress(sqlite3.DatabaseError):
+                self._store.catalog.delete_entries([p.entry_id for p in failed])
 
     def _stage_objects(self, p: Pending, flushing: list[Flushing]) -> None:
         assert p.request is not None
@@ -288,14 +326,16 @@ class Committer:
         budget = self.budget()
         for name, payload in objects.items():
             left = None if budget is None else budget - sum(f.size for _, f in p.staged)
-            f = self._stage_one(name, payload, left)
+            f = self._stage_one(name, payload, left, checked=True)
             p.staged.append((name, f))
             _bound(flushing, f)
 
-    def _stage_one(self, name: str, payload: Payload, left: int | None) -> Flushing:
+    def _stage_one(self, name: str, payload: Payload, left: int | None, *,
+                   checked: bool = False) -> Flushing:
         chunks = [payload] if is_bytes_like(payload) else payload
         try:
-            return self._publisher.stage_flushing(chunks, what="object", limit=left)
+            return self._publisher.stage_flushing(chunks, what="object", limit=left,
+                                                  checked=checked)
         except SizeLimitExceeded:
             raise self._too_large(f"more than {self.budget()} bytes (object {name} was "
                                   "still streaming)") from None
@@ -303,7 +343,7 @@ class Committer:
             raise ConfigError(f"object {name}: a streamed chunk is not bytes-like ({exc})",
                               fix="yield bytes, bytearray or memoryview chunks") from None
 
-    # -- step 2: objects --------------------------------------------------------------------
+    # -- step 3: objects --------------------------------------------------------------------
 
     def _place_objects(self, todo: list[Pending], given: dict[str, Path]) -> list[Pending]:
         """Rename every staged object into place; fsync their directories once each. An
@@ -341,6 +381,7 @@ class Committer:
             unlink_quietly(src)
             return
         self._publisher.check_dirs(final.parent)
+        checked = True
         if os.path.lexists(final):
             if _existing_object_ok(final, digest, size):
                 unlink_quietly(src)  # content-addressed: already stored
@@ -349,7 +390,8 @@ class Committer:
             self._store.quarantine_files(None, QuarantineReason.OBJECT_COLLISION,
                                          "existing object did not match its name; replaced",
                                          [(final, "object")])
-        self._publisher.place(src, final, what="object")
+            checked = False  # the quarantine moved files meanwhile: check again
+        self._publisher.place(src, final, what="object", checked=checked)
         done.add(digest)
 
     def _sync(self, dirs: Iterable[Path], what: str, doing: str) -> None:
@@ -367,18 +409,15 @@ class Committer:
         if failed is not None:
             raise io_error(failed[1], doing, failed[0])
 
-    # -- steps 3-5: intent, manifests, committed -----------------------------------------
+    # -- steps 4-5: manifests, committed -----------------------------------------
 
     def _commit_manifests(self, todo: list[Pending]) -> None:
         store = self._store
         catalog = store.catalog
-        recorded: list[str] = []
+        recorded = [p.entry_id for p in todo]  # their intents are in the catalog (step 2)
         published: set[str] = set()
         final = store.layout.manifests
         try:
-            catalog.record_intents([(p.manifest, len(p.data)) for p in todo], time.time())
-            recorded = [p.entry_id for p in todo]
-            self._publisher.mark("catalog", "intent")
             for p in todo:
                 final = store.layout.manifest_path(p.entry_id)
                 placed: list[Path] = []

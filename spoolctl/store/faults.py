@@ -25,8 +25,8 @@ FAIL_ENV = "SPOOLCTL_FAIL_AT"
 # once per object, manifest or directory of the batch (``commit``): crash at the n-th pass
 # with ``<name>:<n>`` to stop in the middle of a step of a batch.
 COMMIT_CHECKPOINTS: tuple[str, ...] = (
-    "object.tmp_written", "manifest.tmp_written", "object.fsynced", "manifest.fsynced",
-    "object.published", "object.dir_fsynced", "catalog.intent",
+    "object.tmp_written", "manifest.tmp_written", "catalog.intent", "object.fsynced",
+    "manifest.fsynced", "object.published", "object.dir_fsynced",
     "manifest.published", "manifest.dir_fsynced", "catalog.committed",
 )
 DELETE_CHECKPOINTS: tuple[str, ...] = tuple(

@@ -72,20 +72,32 @@ def precreate_private(path: Path) -> None:
 
 def ensure_real_dirs(root: Path, directory: Path) -> None:
     """Raise OSError(ELOOP) unless ``root`` and every directory from it down to
-    ``directory`` is a real directory, not a symlink.
+    ``directory`` is a real directory, not a symlink (ValueError if ``directory`` is not
+    under ``root``).
 
     Called just before each write into the store, so a directory swapped for a link
     *after* the store was opened (TOCTOU) never redirects a write outside the root.
     This narrows the race to the moment between this check and the write; dir-fd based
-    I/O (openat) would close it completely (docs/SECURITY.md).
+    I/O (openat) would close it completely (docs/SECURITY.md). Works on strings, not
+    ``pathlib``: a group commit calls it several times per entry.
     """
-    current = root
-    for part in ("", *directory.relative_to(root).parts):
-        current = current / part if part else current
-        st = os.lstat(current)
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise OSError(errno.ELOOP, "store directory replaced by a symlink or file",
-                          str(current))
+    top, below = os.fspath(root), os.fspath(directory)
+    if below != top:
+        prefix = top if top.endswith(os.sep) else top + os.sep
+        if not below.startswith(prefix):
+            raise ValueError(f"{below!r} is not under {top!r}")
+    current = top
+    _check_real_dir(current)
+    for part in below[len(top):].split(os.sep):
+        if part:
+            current = os.path.join(current, part)
+            _check_real_dir(current)
+
+
+def _check_real_dir(path: str) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.ELOOP, "store directory replaced by a symlink or file", path)
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -160,6 +172,7 @@ class Flushing:
 def write_tmp_flushing(
     tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *,
     on_written: Callable[[], None] | None = None, limit: int | None = None,
+    checked: bool = False,
 ) -> Flushing:
     """``write_tmp`` without waiting for the fsync: write ``chunks``, start the flush on
     a helper thread, hash the bytes on this one while it runs, and return.
@@ -167,12 +180,14 @@ def write_tmp_flushing(
     A group commit stages many files this way, so their flushes overlap each other (and
     the next writes) and the filesystem can merge them into a few journal commits. The
     chunks are kept referenced until hashed. Errors as for ``write_tmp``; a failed flush
-    is reported by ``Flushing.flushed``.
+    is reported by ``Flushing.flushed``. ``checked``: the caller ran ``ensure_real_dirs``
+    on ``tmp_dir`` when its batch began (a batch stages many files within milliseconds).
     """
     path = tmp_dir / tmp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
     try:
-        ensure_real_dirs(tmp_dir.parent, tmp_dir)
+        if not checked:
+            ensure_real_dirs(tmp_dir.parent, tmp_dir)
         fd = os.open(path, flags, FILE_MODE)
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc

@@ -76,12 +76,13 @@ class Publisher:
         return staged
 
     def stage_flushing(self, chunks: Chunks, *, what: str | None,
-                       limit: int | None = None) -> Flushing:
+                       limit: int | None = None, checked: bool = False) -> Flushing:
         """Step 1 without waiting for the flush (a group commit): write ``chunks`` to a temp
         file and hash them; the fsync runs on a helper thread (``Flushing.flushed``). The
         caller passes ``<what>.fsynced`` once it has waited for it, and removes the file
-        if it is not published. Errors as for ``stage``."""
-        return write_tmp_flushing(self.tmp_dir, chunks, limit=limit,
+        if it is not published. ``checked``: the caller checked ``tmp/`` with
+        ``check_dirs`` at the start of this batch's staging. Errors as for ``stage``."""
+        return write_tmp_flushing(self.tmp_dir, chunks, limit=limit, checked=checked,
                                   on_written=lambda: self.mark(what, "tmp_written"))
 
     def check_dirs(self, directory: Path) -> None:
@@ -90,13 +91,16 @@ class Publisher:
         ensure_real_dirs(self.root, directory)
 
     def place(self, src: Path, final: Path, *, what: str | None,
-              placed: list[Path] | None = None) -> None:
+              placed: list[Path] | None = None, checked: bool = False) -> None:
         """Step 2: rename ``src`` to ``final`` (atomic; replaces what is there).
 
         ``final`` is appended to ``placed`` as soon as the rename is done, so a caller that
         sees an error afterwards knows the file is visible (and must not roll back).
+        ``checked``: the caller ran ``check_dirs(final.parent)`` just before (no other
+        file system call in between), so it is not repeated.
         """
-        ensure_real_dirs(self.root, final.parent)
+        if not checked:
+            ensure_real_dirs(self.root, final.parent)
         os.replace(src, final)
         if placed is not None:
             placed.append(final)
