@@ -11,7 +11,10 @@ as the reference, and times ``status``'s in-process work separately. For ``clean
 the reference is unlinking the same number of plain files on the same disk; for the
 scrub step, the same step on a store of ``--small`` entries built in the same run.
 Last, the catalog is deleted and rebuilt from the manifests (``Store.open``, in process),
-against reading every manifest file raw (open + read, the same files, just before).
+against reading every manifest file raw (open + read, the same files, just before), twice:
+warm (the files in the page cache: decoding is what is measured) and, when running as root,
+cold (page cache dropped before each side: what a rebuild after a reboot or a lost catalog
+meets).
 
 Building: entries are written with the store's own manifest encoder and catalog
 indexer in one transaction per 5,000 entries (what a catalog rebuild does), with no
@@ -31,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchutil import drop_page_cache
 
 from spoolctl.store import Store
 from spoolctl.store.digest import hash_bytes
@@ -214,13 +219,22 @@ def main() -> None:
         result["scrub_reference"] = {"entries": args.small, **ref}
         shutil.rmtree(small)
         # Rebuild: the reference reads the same manifest files first (same cache state).
-        files, raw_s = raw_manifest_read(root)
-        indexed, rebuild_s = rebuild(root)
-        assert indexed == files == args.entries - args.released, (indexed, files)
-        result["raw_manifest_read"] = {"files": files, "seconds": raw_s,
-                                       "per_second": round(files / raw_s)}
-        result["rebuild"] = {"entries": indexed, "seconds": rebuild_s,
-                             "per_second": round(indexed / rebuild_s)}
+        result["rebuild"] = {}
+        for cache in ("warm", "cold"):
+            if cache == "cold" and not drop_page_cache():
+                continue  # not root: no cold figure
+            files, raw_s = raw_manifest_read(root)
+            if cache == "cold":
+                drop_page_cache()
+            indexed, rebuild_s = rebuild(root)
+            assert indexed == files == args.entries - args.released, (indexed, files)
+            result["rebuild"][cache] = {
+                "raw_manifest_read": {"files": files, "seconds": raw_s,
+                                      "per_second": round(files / raw_s)},
+                "rebuild": {"entries": indexed, "seconds": rebuild_s,
+                            "per_second": round(indexed / rebuild_s)},
+                "rebuild_rate_vs_raw_read": round((indexed / rebuild_s) / (files / raw_s), 3),
+            }
         result["loadavg"] = [round(x, 2) for x in os.getloadavg()]
         result["cpus"] = os.cpu_count()
         ratios = {
@@ -228,7 +242,6 @@ def main() -> None:
                                      / result["raw_unlink_reference_seconds"], 2),
             "scrub_step_vs_small_store": round(scrub["in_process_seconds"]
                                                / ref["in_process_seconds"], 2),
-            "rebuild_rate_vs_raw_read": round((indexed / rebuild_s) / (files / raw_s), 3),
         }
         result["ratios"] = ratios
         result["goals"] = {
@@ -237,7 +250,8 @@ def main() -> None:
             "clean_le_1_5x_unlink": ratios["clean_vs_unlink"] <= 1.5,
             "scrub_step_independent_of_size (<= 1.5x small store)":
                 ratios["scrub_step_vs_small_store"] <= 1.5,
-            "rebuild_ge_0_5x_raw_read": ratios["rebuild_rate_vs_raw_read"] >= 0.5,
+            **{f"rebuild_ge_0_5x_raw_read_{cache}": r["rebuild_rate_vs_raw_read"] >= 0.5
+               for cache, r in result["rebuild"].items()},
         }
         print(json.dumps(result, indent=2))
     finally:

@@ -220,20 +220,74 @@ def test_clean_pages_in_id_order_and_ends_with_an_undeletable_manifest(
     assert store.clean_released().entries == 0  # still there, still terminates
 
 
-def test_rebuild_in_batches_indexes_every_manifest(store_root: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def _schema(db) -> set[tuple[str, str]]:
+    return {(t, n) for t, n in db.execute(
+        "SELECT type, name FROM sqlite_master WHERE type IN ('index', 'trigger') "
+        "AND sql IS NOT NULL")}
+
+
+def test_rebuild_loads_every_manifest_with_indexes_triggers_and_totals(
+        store_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild loads in bulk (decision 1405): afterwards the catalog has every manifest,
+    the same totals, every index and trigger (writes keep the totals right again), and
+    manifests that do not decode are quarantined on the way."""
     from spoolctl.store import recovery
 
-    monkeypatch.setattr(recovery, "REBUILD_BATCH", 3)
+    monkeypatch.setattr(recovery, "PREFETCH_SAMPLE", 0)  # prefetch every directory
     with Store.open(store_root, create=True) as s:
         ids = sorted(_put(s, kind, f"{kind}{i}", size=30 + i) for kind in ("vllm", "mlx")
-                     for i in range(5))
-        before = s.totals()
+                     for i in range(40))
+        assert s.release(ids[0])
+        before, schema = s.totals(), _schema(s.catalog._db)
+        bad = s.layout.manifest_path(ids[-1])
+    bad.write_bytes(bad.read_bytes()[:-20])  # truncated: quarantined by the rebuild
     for suffix in ("", "-wal", "-shm"):
         (store_root / "state" / f"catalog.sqlite3{suffix}").unlink(missing_ok=True)
-    with Store.open(store_root) as s:  # rebuilt from the manifests, 3 per transaction
-        assert sorted(r.entry_id for r in s.entries()) == ids
-        assert s.totals() == before
+    with Store.open(store_root) as s:
+        assert sorted(r.entry_id for r in s.entries()) == ids[:-1]
+        assert all(r.hint == "retain" for r in s.entries())  # hints come back as retain
+        assert s.totals().entries == before.entries - 1
+        assert _schema(s.catalog._db) == schema
         _check(s)
-        for entry_id in ids:
+        assert [i.entry_id for i in s.quarantine_items()] == [ids[-1]]
+        for entry_id in ids[:-1]:
             s.verify(entry_id)
+        _put(s, "genai", "after")  # the triggers are back: totals follow new writes
+        assert s.release(ids[1])
+        _check(s)
+        assert s.totals().entries == before.entries
+
+
+def test_a_rebuild_that_fails_midway_leaves_the_catalog_as_it_was(
+        store_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load is one transaction: a failure while reading the manifests leaves the empty
+    catalog with its indexes and triggers (never a half-loaded one without them), and the
+    next open rebuilds it."""
+    from spoolctl.store import recovery
+
+    with Store.open(store_root, create=True) as s:
+        ids = sorted(_put(s, "vllm", f"k{i}") for i in range(60))
+        schema = _schema(s.catalog._db)
+    for suffix in ("", "-wal", "-shm"):
+        (store_root / "state" / f"catalog.sqlite3{suffix}").unlink(missing_ok=True)
+    real, calls = recovery._read_fan, []
+
+    def failing(fan: Path):
+        calls.append(fan)
+        if len(calls) == 5:
+            raise OSError(5, "Input/output error")
+        return real(fan)
+    monkeypatch.setattr(recovery, "_read_fan", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        Store.open(store_root)
+    import sqlite3
+
+    db = sqlite3.connect(store_root / "state" / "catalog.sqlite3")
+    assert db.execute("SELECT COUNT(*) FROM entries").fetchone() == (0,)
+    assert db.execute("SELECT entries FROM totals").fetchone() == (0,)
+    assert _schema(db) == schema
+    db.close()
+    monkeypatch.undo()
+    with Store.open(store_root) as s:  # no longer fresh, but empty with manifests: rebuilt
+        assert sorted(r.entry_id for r in s.entries()) == ids
+        _check(s)

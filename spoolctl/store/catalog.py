@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import catalog_load
 from .manifest import Manifest
 from .rows import NOT_HELD, WELL_FORMED, CatalogRow, MalformedRow, parse_row
 from .sqlite_files import DamagedDatabaseError, connect_private, connect_read_only
@@ -254,15 +255,21 @@ class Catalog:
             self._insert(db, manifest, manifest_size, last_access or manifest.created,
                          hint=hint, state="committed", index=index)
 
-    def index_manifests(self, found: Iterable[tuple[Manifest, int]]) -> None:
-        """Index manifests found on disk as committed (retain, last access = created), in
-        one transaction: a rebuild indexes thousands per transaction, not one each."""
-        rows, refs = [], []
-        for manifest, manifest_size in found:
-            rows.append(_row(manifest, manifest_size, manifest.created, "retain", "committed"))
-            refs += [(manifest.entry_id, ref.digest, ref.size) for ref in manifest.objects]
+    def load(self, found: Iterable[Iterable[tuple[Manifest, int]]]) -> int:
+        """Replace every entry with the manifests found on disk (retain, last access =
+        created), one batch of (manifest, manifest size) at a time, in one transaction
+        (``catalog_load``: a rebuild). Returns the number of entries."""
+        def batches() -> Iterator[tuple[list[tuple], list[tuple[str, str, int]]]]:
+            for batch in found:
+                rows, refs = [], []
+                for manifest, size in batch:
+                    rows.append(_row(manifest, size, manifest.created, "retain", "committed"))
+                    refs += [(manifest.entry_id, r.digest, r.size) for r in manifest.objects]
+                yield rows, refs
         with self._write() as db:
-            self._insert_rows(db, rows, refs)
+            count = catalog_load.load(db, batches(), ddl=_DDL, columns=_COLUMNS)
+        self._kind_totals = True
+        return count
 
     @staticmethod
     def _insert_rows(db, rows: list[tuple], refs: list[tuple[str, str, int]]) -> None:

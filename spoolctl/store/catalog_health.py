@@ -133,7 +133,9 @@ class CatalogHealth:
                 raise sqlite_error(exc, self._catalog_path) from None
             self._rebuild_catalog(f"catalog unreadable: {exc}")
             return
-        if fresh and self._recovery.has_manifests():
+        # A new catalog, or an empty one (a rebuild that failed midway rolled back), of a
+        # store that has manifests: build it from them.
+        if (fresh or self._catalog.totals().entries == 0) and self._recovery.has_manifests():
             self._rebuild_catalog(None)
 
     def run_with_catalog_repair(self, fn: Callable[[], T]) -> T:
@@ -175,4 +177,6 @@ class CatalogHealth:
                 self.quarantine.add(QuarantineReason.CATALOG, why, files)
                 log.warning("catalog quarantined and rebuilt: %s", why)
             self._catalog = Catalog(self._catalog_path)
+            if why is None and self._catalog.totals().entries:
+                return  # another process rebuilt it while this one waited for the lock
             self._recovery.index_all(self._catalog)

@@ -296,11 +296,57 @@ def read_small(path: Path, limit: int) -> bytes:
     at most ``limit + 1`` bytes, so a caller can tell an oversized file."""
     fd = open_for_read(path)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
+        parts, left = [], limit + 1
+        while left > 0:  # a regular file reads whole unless a signal cuts a read short
+            part = os.read(fd, left)
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
     finally:
         os.close(fd)
-    return data
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def in_page_cache(path: str) -> bool | None:
+    """True if the first byte of ``path`` can be read without waiting for the disk, False
+    if it cannot, None if that cannot be told here (no ``RWF_NOWAIT``) or the file cannot
+    be opened. Never follows a symlink, never blocks on a FIFO."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None or not hasattr(os, "preadv"):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.preadv(fd, [bytearray(1)], 0, nowait)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def prefetch(path: str) -> None:
+    """Ask the kernel to start reading ``path`` into the page cache and return without
+    waiting for it (``POSIX_FADV_WILLNEED``; nothing where the platform has no fadvise).
+    Never follows a symlink and never blocks on a FIFO; errors are ignored: the real read
+    that follows reports them."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def read_manifest(path: Path, entry_id: str) -> Manifest:
@@ -309,6 +355,11 @@ def read_manifest(path: Path, entry_id: str) -> Manifest:
     Raises FileNotFoundError if there is none, ManifestError if it is unreadable or does
     not validate (including a manifest that belongs to another entry id).
     """
+    return read_manifest_sized(path, entry_id)[0]
+
+
+def read_manifest_sized(path: Path, entry_id: str) -> tuple[Manifest, int]:
+    """``read_manifest`` and the size of the file it read (what the catalog records)."""
     try:
         data = read_small(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
@@ -319,7 +370,7 @@ def read_manifest(path: Path, entry_id: str) -> Manifest:
         raise ManifestError(f"manifest unreadable: {describe_os_error(exc)}",
                             reason=QuarantineReason.MANIFEST_IO, path=path,
                             entry_id=entry_id) from None
-    return decode(data, expected_entry_id=entry_id, path=str(path))
+    return decode(data, expected_entry_id=entry_id, path=str(path)), len(data)
 
 
 _hash_pool_lock = threading.Lock()
