@@ -164,8 +164,11 @@ def test_newest_rows_walk_the_lru_index(store: Store) -> None:
         assert "entries_lru" in plan and "TEMP B-TREE" not in plan, plan
 
 
-def test_id_pages_walk_the_primary_key(store: Store) -> None:
+def test_id_pages_walk_the_released_index_or_the_primary_key(store: Store) -> None:
+    """Released rows page through their own partial index (a clean pass reads only them,
+    decision 1406); other filters walk the primary key; neither sorts a page."""
     ids = sorted(_put(store, "vllm", f"k{i}") for i in range(10))
+    kept = sorted(_put(store, "vllm", f"keep{i}") for i in range(10))
     for entry_id in ids:
         store.release(entry_id)
     got, after = [], ""
@@ -173,13 +176,39 @@ def test_id_pages_walk_the_primary_key(store: Store) -> None:
         got += [r.entry_id for r in page]
         after = page[-1].entry_id
     assert got == ids
-    def page() -> object:
+    def released_page() -> object:
         return store.catalog.list(hint="release", sort="id", limit=3, after=ids[2])
 
-    for plan in query_plans(store, page):
+    def any_page() -> object:
+        return store.catalog.list(sort="id", limit=3, after=ids[2])
+
+    for plan in query_plans(store, released_page):
+        assert "INDEX entries_released (entry_id>?)" in plan and "TEMP B-TREE" not in plan, \
+            plan
+    for plan in query_plans(store, any_page):
         assert "PRIMARY KEY (entry_id>?)" in plan and "TEMP B-TREE" not in plan, plan
+    assert [r.entry_id for r in store.catalog.list(hint="retain", sort="id", after="")] == kept
     with pytest.raises(ValueError):
         store.catalog.list(sort="age", after="")
+    with pytest.raises(ValueError):
+        store.catalog.list(hint="release'; DROP TABLE entries; --", sort="id", after="")
+
+
+def test_a_catalog_without_the_released_index_still_pages_read_only(store_root: Path) -> None:
+    """A catalog made before the released index (opened read-only, so not upgraded) pages
+    released rows by the primary key instead."""
+    import sqlite3
+
+    with Store.open(store_root, create=True) as s:
+        ids = sorted(_put(s, "vllm", f"k{i}") for i in range(5))
+        for entry_id in ids:
+            s.release(entry_id)
+    db = sqlite3.connect(store_root / "state" / "catalog.sqlite3")
+    db.execute("DROP INDEX entries_released")
+    db.commit()
+    db.close()
+    with Store.open(store_root, read_only=True) as s:
+        assert [r.entry_id for r in s.catalog.list(hint="release", sort="id", after="")] == ids
 
 
 def test_clean_pages_in_id_order_and_ends_with_an_undeletable_manifest(

@@ -31,85 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from . import catalog_load
+from .catalog_schema import COLUMNS as _COLUMNS
+from .catalog_schema import DDL as _DDL
+from .catalog_schema import SCHEMA_VERSION
 from .manifest import Manifest
 from .rows import NOT_HELD, WELL_FORMED, CatalogRow, MalformedRow, parse_row
 from .sqlite_files import DamagedDatabaseError, connect_private, connect_read_only
 
-SCHEMA_VERSION = "1"
-
-_DDL = """
-CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS totals(
-    id INTEGER PRIMARY KEY CHECK (id = 0),
-    entries INTEGER NOT NULL, objects INTEGER NOT NULL, bytes INTEGER NOT NULL);
-INSERT OR IGNORE INTO totals VALUES (0, 0, 0, 0);
-CREATE TABLE IF NOT EXISTS entries(
-    entry_id TEXT PRIMARY KEY,
-    kind TEXT NOT NULL,
-    namespace TEXT NOT NULL,
-    key TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    manifest_size INTEGER NOT NULL,
-    created REAL NOT NULL,
-    last_access REAL NOT NULL,
-    hint TEXT NOT NULL CHECK (hint IN ('retain', 'release')),
-    state TEXT NOT NULL CHECK (state IN ('pending', 'committed')),
-    supersedes TEXT,
-    index_json TEXT NOT NULL DEFAULT '{}'
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS entries_ns ON entries(kind, namespace, hint);
-CREATE INDEX IF NOT EXISTS entries_lru ON entries(hint, last_access);
-CREATE TABLE IF NOT EXISTS entry_objects(
-    entry_id TEXT NOT NULL, digest TEXT NOT NULL, PRIMARY KEY (entry_id, digest)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS entry_objects_digest ON entry_objects(digest);
-CREATE TABLE IF NOT EXISTS objects(digest TEXT PRIMARY KEY, size INTEGER NOT NULL) WITHOUT ROWID;
-CREATE TRIGGER IF NOT EXISTS objects_ins AFTER INSERT ON objects BEGIN
-    UPDATE totals SET objects = objects + 1, bytes = bytes + NEW.size WHERE id = 0; END;
-CREATE TRIGGER IF NOT EXISTS objects_del AFTER DELETE ON objects BEGIN
-    UPDATE totals SET objects = objects - 1, bytes = bytes - OLD.size WHERE id = 0; END;
-CREATE TRIGGER IF NOT EXISTS entries_ins AFTER INSERT ON entries BEGIN
-    UPDATE totals SET entries = entries + 1, bytes = bytes + NEW.manifest_size WHERE id = 0; END;
-CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
-    UPDATE totals SET entries = entries - 1, bytes = bytes - OLD.manifest_size WHERE id = 0; END;
-"""
-# Entries and bytes per (kind, hint, state), kept by triggers like ``totals``: ``status``
-# and the metrics read them in O(kinds) instead of grouping every row of the store. A
-# catalog made before this table is filled once when first opened writable (``meta``
-# ``kind_totals``); until then a read-only open groups the rows instead.
-_DDL += """
-CREATE TABLE IF NOT EXISTS kind_totals(
-    kind TEXT NOT NULL, hint TEXT NOT NULL, state TEXT NOT NULL,
-    entries INTEGER NOT NULL, bytes INTEGER NOT NULL,
-    PRIMARY KEY (kind, hint, state)) WITHOUT ROWID;
-CREATE TRIGGER IF NOT EXISTS kind_totals_ins AFTER INSERT ON entries BEGIN
-    INSERT INTO kind_totals VALUES (NEW.kind, NEW.hint, NEW.state, 1, NEW.size)
-    ON CONFLICT(kind, hint, state) DO UPDATE
-    SET entries = entries + 1, bytes = bytes + NEW.size; END;
-CREATE TRIGGER IF NOT EXISTS kind_totals_del AFTER DELETE ON entries BEGIN
-    UPDATE kind_totals SET entries = entries - 1, bytes = bytes - OLD.size
-    WHERE kind = OLD.kind AND hint = OLD.hint AND state = OLD.state; END;
-CREATE TRIGGER IF NOT EXISTS kind_totals_upd AFTER UPDATE OF kind, hint, state, size ON entries
-BEGIN
-    UPDATE kind_totals SET entries = entries - 1, bytes = bytes - OLD.size
-    WHERE kind = OLD.kind AND hint = OLD.hint AND state = OLD.state;
-    INSERT INTO kind_totals VALUES (NEW.kind, NEW.hint, NEW.state, 1, NEW.size)
-    ON CONFLICT(kind, hint, state) DO UPDATE
-    SET entries = entries + 1, bytes = bytes + NEW.size; END;
-"""
-# Pending rows (commits in flight or interrupted), indexed by themselves: every writable
-# open looks for them, which must not scan a store of a million entries.
-_DDL += "CREATE INDEX IF NOT EXISTS entries_pending ON entries(entry_id) WHERE state='pending';\n"
-# Malformed rows, indexed by themselves: counting them (status, metrics) costs O(malformed),
-# not a scan of the catalog. The expression never raises (rows.WELL_FORMED), so maintaining
-# the index can never make a write fail.
-_DDL += ("CREATE INDEX IF NOT EXISTS entries_malformed ON entries(entry_id) "
-         f"WHERE NOT {WELL_FORMED};\n")
-
-_COLUMNS = (
-    "entry_id, kind, namespace, key, size, manifest_size, created, last_access, hint, state, "
-    "supersedes, index_json"
-)
 SORTS = {"size": "size DESC", "age": "created ASC", "access": "last_access DESC",
          # id order groups a deletion batch into few manifest fan-out directories (fsyncs)
          "id": "entry_id ASC"}
@@ -121,6 +49,7 @@ TOUCH_GRANULARITY = 30.0
 # (``rows.NOT_HELD``; a row whose index is not JSON counts as held).
 MAX_MALFORMED_SEEN = 1000
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_HINTS = {"retain": "retain", "release": "release"}
 
 __all__ = ["NOT_HELD", "Catalog", "CatalogRow", "Totals"]
 
@@ -165,6 +94,10 @@ class Catalog:
                 self._fill_kind_totals()
             self._kind_totals = bool(self._db.execute(
                 "SELECT 1 FROM meta WHERE k='kind_totals'").fetchone())
+            # A catalog made before the index, opened read-only, does not have it.
+            self._released_index = bool(self._db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='index' AND name='entries_released'"
+            ).fetchone())
         except BaseException:
             self._db.close()
             raise
@@ -419,16 +352,23 @@ class Catalog:
                 params.append(value)
         if sort == "access" and limit is not None and after is None:
             return self._newest(where, params, hint, limit)
+        literal = None
         if hint is not None:
-            where.append("hint=?")
-            params.append(hint)
+            literal = _HINTS.get(hint)  # the plain string, also for a str enum member
+            if literal is None:
+                raise ValueError(f"unknown hint {hint!r}")
+            # A literal, not a parameter: only then may SQLite use the partial index below.
+            where.append(f"hint='{literal}'")
         source = "entries"
         if after is not None:
             if sort != "id":
                 raise ValueError("after= pages in id order only")
-            # The primary key, named: SQLite would otherwise pick a filter column's index
-            # and sort every match for each page.
-            source = "entries INDEXED BY sqlite_autoindex_entries_1"
+            # Named: SQLite would otherwise pick a filter column's index and sort every
+            # match for each page. Released rows have their own index (O(released) a pass);
+            # any other filter walks the primary key (each row read once a pass).
+            source = ("entries INDEXED BY entries_released"
+                      if literal == "release" and self._released_index
+                      else "entries INDEXED BY sqlite_autoindex_entries_1")
             where.append("entry_id > ?")
             params.append(after)
         sql = f"SELECT {_COLUMNS} FROM {source} WHERE " + " AND ".join(where)
