@@ -51,12 +51,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from fake_openai import FakeOpenAI, prompt_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 CLI_PAGE = "docs/cli.md"
@@ -144,44 +143,13 @@ DEPLOYMENT = "vllm-v1-" + "d0c5" * 12  # a connector deployment directory the pa
 VLLM_URL = "http://127.0.0.1:8000"
 
 
-class FakeVllm:
-    """A small stand-in for a vLLM server's OpenAI API (``/v1/models``,
-    ``/v1/completions``), answering with the usage vLLM reports, so ``prefill --server``
-    blocks run for real. (tests/test_prefill_server.py runs it against real vLLM.)"""
-
-    def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def _send(self, doc: dict) -> None:
-                data = json.dumps(doc).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send({"data": [{"id": "/models/llama"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                p = body["prompt"]
-                n = len(p) if isinstance(p, list) else len(p.split())
-                self._send({"choices": [{"text": "x"}], "usage": {
-                    "prompt_tokens": n, "completion_tokens": 1,
-                    "prompt_tokens_details": {"cached_tokens": 0}}})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def fake_vllm() -> FakeOpenAI:
+    """A small stand-in for a vLLM server's OpenAI API answering with the usage vLLM
+    reports, so ``prefill --server`` blocks run for real. (tests/test_prefill_server.py
+    runs it against real vLLM.)"""
+    return FakeOpenAI(lambda body, _attempt: (200, {"choices": [{"text": "x"}], "usage": {
+        "prompt_tokens": prompt_tokens(body), "completion_tokens": 1,
+        "prompt_tokens_details": {"cached_tokens": 0}}}), models=("/models/llama",))
 
 
 SUDO = r"""#!/usr/bin/env bash
@@ -230,7 +198,7 @@ def world(tmp_path_factory, tiny_chat_model_dir) -> dict[str, Path | str]:
         out["picture"] = picture
     except ImportError:
         pass
-    server = FakeVllm()
+    server = fake_vllm()
     out["vllm_url"] = server.url
     yield out
     server.close()

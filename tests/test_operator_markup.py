@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fake_openai import FakeOpenAI
 from operator_cli import ENV, script
 
 from spoolctl.store import Store, entry_id_for
@@ -145,37 +146,12 @@ def test_export_of_a_base_root_with_a_hostile_deployment_name(tmp_path: Path) ->
     assert "cannot be carried in an archive" in out
 
 
-def _fake_server(reply: dict, models: tuple[str, ...]):
-    """A minimal OpenAI-style server: GET /v1/models, POST /v1/completions answering
-    ``reply`` (status, document) -- hostile text included."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *a):
-            pass
-
-        def _send(self, status: int, doc) -> None:
-            data = json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._send(200, {"data": [{"id": m} for m in models]})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            status, doc = reply.get(body["prompt"], (200, {"usage": {"prompt_tokens": 3}}))
-            self._send(status, doc)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+def _fake_server(reply: dict, models: tuple[str, ...]) -> FakeOpenAI:
+    """A fake OpenAI-style server answering ``reply[prompt]`` (status, document) --
+    hostile text included -- and a plain usage for any other prompt."""
+    return FakeOpenAI(
+        lambda body, _attempt: reply.get(body["prompt"], (200, {"usage": {"prompt_tokens": 3}})),
+        models=models)
 
 
 def test_prefill_server_shows_prompt_names_and_server_text_as_data(tmp_path: Path) -> None:
@@ -189,7 +165,7 @@ def test_prefill_server_shows_prompt_names_and_server_text_as_data(tmp_path: Pat
         prompts = tmp_path / "p.jsonl"
         prompts.write_text("\n".join(json.dumps({"prompt": p, "name": f"{p} {evil}"})
                                      for p in ("ok", "bad", "deep", "lies")) + "\n")
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+        url = server.url
         proc = script("prefill", "--server", url, "--prompts-file", str(prompts),
                       "--retries", "0", env=TERMINAL)
         out = _check(proc, "prefill --server")
@@ -204,8 +180,7 @@ def test_prefill_server_shows_prompt_names_and_server_text_as_data(tmp_path: Pat
                       env=TERMINAL)
         assert proc.returncode == 2 and "does not serve" in _check(proc, "prefill --model")
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def test_status_host_budget_errors_show_paths_as_data(tmp_path: Path) -> None:

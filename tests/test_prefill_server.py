@@ -12,87 +12,19 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
+from fake_openai import FakeOpenAI, prompt_tokens
 from transfer_support import ENV, cli
 
 from spoolctl.connector.chain import chain_root, chunk_keys, longest_run
 from spoolctl.server_warmup import RateLimiter, WarmPrompt, parse_prompt_line
 from spoolctl.store import Store
 
-Reply = tuple[int, Any]
-
-
-class Fake:
-    """A fake vLLM server: ``complete(body, attempt)`` answers POST /v1/completions."""
-
-    def __init__(self, complete: Callable[[dict, int], Reply], models=("tiny",), delay=0.0):
-        self.complete = complete
-        self.models = models
-        self.delay = delay
-        self.bodies: list[dict] = []
-        self.headers: list[dict] = []
-        self.attempts: dict[str, int] = {}
-        self.inflight = self.max_inflight = 0
-        self.lock = threading.Lock()
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            disable_nagle_algorithm = True
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def _send(self, status: int, doc: Any) -> None:
-                data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/v1/models":
-                    self._send(200, {"data": [{"id": m} for m in fake.models]})
-                else:
-                    self._send(404, {"error": {"message": "no such path"}})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with fake.lock:
-                    fake.inflight += 1
-                    fake.max_inflight = max(fake.max_inflight, fake.inflight)
-                    fake.bodies.append(body)
-                    fake.headers.append(dict(self.headers))
-                    key = json.dumps(body["prompt"])
-                    fake.attempts[key] = fake.attempts.get(key, 0) + 1
-                    attempt = fake.attempts[key]
-                try:
-                    if fake.delay:
-                        time.sleep(fake.delay)
-                    status, doc = fake.complete(body, attempt)
-                    self._send(status, doc)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (its timeout): nothing to answer
-                finally:
-                    with fake.lock:
-                        fake.inflight -= 1
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+Fake = FakeOpenAI
 
 
 def usage(prompt_tokens: int, cached: int | None) -> dict:
@@ -102,9 +34,7 @@ def usage(prompt_tokens: int, cached: int | None) -> dict:
                                                   "prompt_tokens_details": details}}
 
 
-def n_tokens(body: dict) -> int:
-    p = body["prompt"]
-    return len(p) if isinstance(p, list) else len(p.split())
+n_tokens = prompt_tokens
 
 
 @pytest.fixture
