@@ -158,10 +158,7 @@ class Catalog:
     def record_intents(self, entries: Iterable[tuple[Manifest, int]], now: float) -> None:
         """Record a batch of commits in flight (one transaction): a pending row per
         (manifest, manifest size) plus its object references."""
-        rows, refs = [], []
-        for manifest, manifest_size in entries:
-            rows.append(_row(manifest, manifest_size, now, "retain", "pending"))
-            refs += [(manifest.entry_id, ref.digest, ref.size) for ref in manifest.objects]
+        rows, refs = _rows_and_refs(entries, "pending", now)
         with self._write() as db:
             self._insert_rows(db, rows, refs)
 
@@ -192,15 +189,9 @@ class Catalog:
         """Replace every entry with the manifests found on disk (retain, last access =
         created), one batch of (manifest, manifest size) at a time, in one transaction
         (``catalog_load``: a rebuild). Returns the number of entries."""
-        def batches() -> Iterator[tuple[list[tuple], list[tuple[str, str, int]]]]:
-            for batch in found:
-                rows, refs = [], []
-                for manifest, size in batch:
-                    rows.append(_row(manifest, size, manifest.created, "retain", "committed"))
-                    refs += [(manifest.entry_id, r.digest, r.size) for r in manifest.objects]
-                yield rows, refs
+        batches = (_rows_and_refs(batch, "committed") for batch in found)
         with self._write() as db:
-            count = catalog_load.load(db, batches(), ddl=_DDL, columns=_COLUMNS)
+            count = catalog_load.load(db, batches, ddl=_DDL, columns=_COLUMNS)
         self._kind_totals = True
         return count
 
@@ -522,6 +513,20 @@ def _row(manifest: Manifest, manifest_size: int, last_access: float, hint: str, 
             manifest.payload_bytes + manifest_size, manifest_size, manifest.created,
             last_access, hint, state, manifest.supersedes,
             json.dumps(dict(manifest.index if index is None else index), sort_keys=True))
+
+
+def _rows_and_refs(entries: Iterable[tuple[Manifest, int]], state: str,
+                   last_access: float | None = None
+                   ) -> tuple[list[tuple], list[tuple[str, str, int]]]:
+    """The retained ``entries`` rows of (manifest, manifest size) pairs and their object
+    references (entry id, digest, size); last access ``last_access``, or each manifest's
+    creation time if None."""
+    rows, refs = [], []
+    for manifest, size in entries:
+        rows.append(_row(manifest, size, manifest.created if last_access is None
+                         else last_access, "retain", state))
+        refs += [(manifest.entry_id, r.digest, r.size) for r in manifest.objects]
+    return rows, refs
 
 
 def _chunks(items: list[str], n: int) -> Iterator[list[str]]:

@@ -125,7 +125,6 @@ class CatalogHealth:
             raise sqlite_error(exc, self._catalog_path) from None
 
     def _open_catalog(self) -> None:
-        fresh = not self._catalog_path.exists()
         try:
             self._catalog = Catalog(self._catalog_path)
         except sqlite3.DatabaseError as exc:
@@ -133,9 +132,9 @@ class CatalogHealth:
                 raise sqlite_error(exc, self._catalog_path) from None
             self._rebuild_catalog(f"catalog unreadable: {exc}")
             return
-        # A new catalog, or an empty one (a rebuild that failed midway rolled back), of a
-        # store that has manifests: build it from them.
-        if (fresh or self._catalog.totals().entries == 0) and self._recovery.has_manifests():
+        # An empty catalog (new, or a rebuild that failed midway rolled back) of a store
+        # that has manifests: build it from them.
+        if self._catalog.totals().entries == 0 and self._recovery.has_manifests():
             self._rebuild_catalog(None)
 
     def run_with_catalog_repair(self, fn: Callable[[], T]) -> T:

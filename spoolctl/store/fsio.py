@@ -313,11 +313,7 @@ def in_page_cache(path: str) -> bool | None:
     if it cannot, None if that cannot be told here (no ``RWF_NOWAIT``) or the file cannot
     be opened. Never follows a symlink, never blocks on a FIFO."""
     nowait = getattr(os, "RWF_NOWAIT", None)
-    if nowait is None or not hasattr(os, "preadv"):
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
-    except OSError:
+    if nowait is None or not hasattr(os, "preadv") or (fd := _peek_open(path)) is None:
         return None
     try:
         os.preadv(fd, [bytearray(1)], 0, nowait)
@@ -335,16 +331,21 @@ def prefetch(path: str) -> None:
     waiting for it (``POSIX_FADV_WILLNEED``; nothing where the platform has no fadvise).
     Never follows a symlink and never blocks on a FIFO; errors are ignored: the real read
     that follows reports them."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
-    except OSError:
+    if not hasattr(os, "posix_fadvise") or (fd := _peek_open(path)) is None:
         return
     try:
         _advise_willneed(fd)
     finally:
         os.close(fd)
+
+
+def _peek_open(path: str) -> int | None:
+    """A read-only descriptor of ``path`` for a hint to the kernel, or None if it cannot be
+    opened (never follows a symlink, never blocks on a FIFO)."""
+    try:
+        return os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def read_manifest(path: Path, entry_id: str) -> Manifest:

@@ -99,11 +99,8 @@ class Recovery:
         that cannot be read is added to ``unreadable`` (path -> reason) and skipped."""
         unreadable = {} if unreadable is None else unreadable
         for fan in _scan(self._store.layout.manifests, unreadable, sort=True):
-            if not fan.is_dir(follow_symlinks=False):
-                continue
-            for e in _scan(Path(fan.path), unreadable):
-                if _MAN_RE.fullmatch(e.name) and not e.is_dir(follow_symlinks=False) \
-                        and not e.is_symlink():
+            if fan.is_dir(follow_symlinks=False):
+                for e in _manifest_entries(Path(fan.path), unreadable):
                     yield Path(e.path)
 
     def has_manifests(self) -> bool:
@@ -124,7 +121,7 @@ class Recovery:
     def _quarantine_undecodable(self, path: Path, exc: OSError | ManifestError) -> None:
         """Quarantine the manifest at ``path`` that failed with ``exc`` (nothing if it is
         simply gone)."""
-        if isinstance(exc, FileNotFoundError) and not isinstance(exc, SpecialFileError):
+        if isinstance(exc, FileNotFoundError):
             return
         if isinstance(exc, SpecialFileError):
             exc = ManifestError(f"manifest is not a regular file ({exc.kind})",
@@ -355,8 +352,7 @@ def _prefetch_fan(fan: Path) -> list[os.DirEntry]:
     """The well-named manifest files of the fan-out directory ``fan``, each asked into the
     page cache unless a sample of them is there already (on a store in memory that would
     only cost time)."""
-    found = [e for e in _scan(fan, {}) if _MAN_RE.fullmatch(e.name)
-             and not e.is_dir(follow_symlinks=False) and not e.is_symlink()]
+    found = _manifest_entries(fan, {})
     if all(in_page_cache(e.path) for e in found[:PREFETCH_SAMPLE]):
         return found
     for e in found:
@@ -374,6 +370,13 @@ def _read_fan(found: list[os.DirEntry]
             yield path, read_manifest_sized(path, e.name[:-5])
         except (ManifestError, SpecialFileError, FileNotFoundError) as exc:
             yield path, exc
+
+
+def _manifest_entries(fan: Path, unreadable: dict[str, str]) -> list[os.DirEntry]:
+    """The well-named files of the manifest fan-out directory ``fan`` (regular or not;
+    never a directory or a symlink); ``unreadable`` as for ``_scan``."""
+    return [e for e in _scan(fan, unreadable) if _MAN_RE.fullmatch(e.name)
+            and not e.is_dir(follow_symlinks=False) and not e.is_symlink()]
 
 
 def _scan(directory: Path, unreadable: dict[str, str], *, sort: bool = False) -> list:
