@@ -50,6 +50,25 @@ def test_commit_refuses_a_swapped_directory(store: Store, outside: Path, sub: st
     assert [r.state for r in store.entries(include_pending=True)] == ["committed"]
 
 
+def test_a_group_commit_checks_tmp_before_every_file(store: Store, outside: Path) -> None:
+    """tmp/ swapped for a link while a batch is staging (here: by the first entry's stream
+    ending): no later file of the batch is written through it, nothing becomes visible."""
+    from spoolctl.store import PutRequest
+
+    def swapping_stream():
+        yield DATA
+        _swap(store.layout.tmp, outside)
+
+    outcomes = store.put_many([
+        PutRequest("pytorch", "ns", "first", {"kv": swapping_stream()}),
+        PutRequest("pytorch", "ns", "second", {"kv": DATA + b"2"}),
+    ])
+    assert [o.status for o in outcomes] == ["failed", "failed"]
+    assert all(isinstance(o.error, StoreIOError) for o in outcomes)
+    assert list(outside.iterdir()) == []
+    assert store.entries(include_pending=True) == []
+
+
 def test_quarantine_refuses_a_swapped_directory(store: Store, outside: Path) -> None:
     m = store.put(kind="pytorch", namespace="ns", key="k", objects={"kv": DATA})
     obj = store.layout.object_path(m.objects[0].digest)

@@ -249,11 +249,6 @@ class Committer:
     def _stage(self, live: list[Pending], given: dict[str, Path]) -> list[Pending]:
         """Steps 1-2: stage every entry, record the intents, wait for the flushes. Returns
         the entries whose intent was recorded (some may have failed since)."""
-        tmp = self._store.layout.tmp
-        try:  # once for the batch: it stages its files within milliseconds
-            self._publisher.check_dirs(tmp)
-        except OSError as exc:
-            raise io_error(exc, "creating a temporary file", tmp) from exc
         flushing: list[Flushing] = []
         for p in live:
             try:
@@ -274,8 +269,7 @@ class Committer:
                                              f"{p.entry_id} is no longer in the store"),
                                "vanished")
                         continue
-                p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest",
-                                                                checked=True)
+                p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest")
                 _bound(flushing, p.manifest_tmp)
             except SpoolError as exc:
                 p.fail(exc)
@@ -326,16 +320,14 @@ class Committer:
         budget = self.budget()
         for name, payload in objects.items():
             left = None if budget is None else budget - sum(f.size for _, f in p.staged)
-            f = self._stage_one(name, payload, left, checked=True)
+            f = self._stage_one(name, payload, left)
             p.staged.append((name, f))
             _bound(flushing, f)
 
-    def _stage_one(self, name: str, payload: Payload, left: int | None, *,
-                   checked: bool = False) -> Flushing:
+    def _stage_one(self, name: str, payload: Payload, left: int | None) -> Flushing:
         chunks = [payload] if is_bytes_like(payload) else payload
         try:
-            return self._publisher.stage_flushing(chunks, what="object", limit=left,
-                                                  checked=checked)
+            return self._publisher.stage_flushing(chunks, what="object", limit=left)
         except SizeLimitExceeded:
             raise self._too_large(f"more than {self.budget()} bytes (object {name} was "
                                   "still streaming)") from None

@@ -172,7 +172,6 @@ class Flushing:
 def write_tmp_flushing(
     tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *,
     on_written: Callable[[], None] | None = None, limit: int | None = None,
-    checked: bool = False,
 ) -> Flushing:
     """``write_tmp`` without waiting for the fsync: write ``chunks``, start the flush on
     a helper thread, hash the bytes on this one while it runs, and return.
@@ -180,14 +179,12 @@ def write_tmp_flushing(
     A group commit stages many files this way, so their flushes overlap each other (and
     the next writes) and the filesystem can merge them into a few journal commits. The
     chunks are kept referenced until hashed. Errors as for ``write_tmp``; a failed flush
-    is reported by ``Flushing.flushed``. ``checked``: the caller ran ``ensure_real_dirs``
-    on ``tmp_dir`` when its batch began (a batch stages many files within milliseconds).
+    is reported by ``Flushing.flushed``.
     """
     path = tmp_dir / tmp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
     try:
-        if not checked:
-            ensure_real_dirs(tmp_dir.parent, tmp_dir)
+        ensure_real_dirs(tmp_dir.parent, tmp_dir)
         fd = os.open(path, flags, FILE_MODE)
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc

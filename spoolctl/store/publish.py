@@ -76,13 +76,12 @@ class Publisher:
         return staged
 
     def stage_flushing(self, chunks: Chunks, *, what: str | None,
-                       limit: int | None = None, checked: bool = False) -> Flushing:
+                       limit: int | None = None) -> Flushing:
         """Step 1 without waiting for the flush (a group commit): write ``chunks`` to a temp
         file and hash them; the fsync runs on a helper thread (``Flushing.flushed``). The
         caller passes ``<what>.fsynced`` once it has waited for it, and removes the file
-        if it is not published. ``checked``: the caller checked ``tmp/`` with
-        ``check_dirs`` at the start of this batch's staging. Errors as for ``stage``."""
-        return write_tmp_flushing(self.tmp_dir, chunks, limit=limit, checked=checked,
+        if it is not published. Errors as for ``stage``."""
+        return write_tmp_flushing(self.tmp_dir, chunks, limit=limit,
                                   on_written=lambda: self.mark(what, "tmp_written"))
 
     def check_dirs(self, directory: Path) -> None:
