@@ -42,6 +42,8 @@ def test_eviction_order_released_then_lru_down_to_low_watermark(store_root: Path
         assert left == {"e0", "e2", "e3", "e5"}
         assert store.totals().bytes <= int(size * 0.75 * 0.9)
         assert report.entries == 6 - len(left)
+        # What it freed, manifests (sizes from the catalog) and objects alike.
+        assert report.bytes == size - store.totals().bytes
 
 
 def test_shared_objects_of_live_entries_are_kept(store_root: Path) -> None:

@@ -164,34 +164,30 @@ def test_newest_rows_walk_the_lru_index(store: Store) -> None:
         assert "entries_lru" in plan and "TEMP B-TREE" not in plan, plan
 
 
-def test_id_pages_walk_the_released_index_or_the_primary_key(store: Store) -> None:
-    """Released rows page through their own partial index (a clean pass reads only them,
-    decision 1406); other filters walk the primary key; neither sorts a page."""
+def test_released_pages_walk_the_released_index(store: Store) -> None:
+    """Clean pages through released rows by id on their own partial index (decision 1406),
+    never sorting a page, and gets only what it may delete: committed rows, not held for
+    a remote delete, with each manifest's size."""
     ids = sorted(_put(store, "vllm", f"k{i}") for i in range(10))
     kept = sorted(_put(store, "vllm", f"keep{i}") for i in range(10))
     for entry_id in ids:
         store.release(entry_id)
+    with store.catalog._write() as db:  # one held for a remote delete, one mid-commit
+        db.execute("UPDATE entries SET index_json='{\"remote_pending\": true}' "
+                   "WHERE entry_id=?", (ids[1],))
+        db.execute("UPDATE entries SET state='pending' WHERE entry_id=?", (ids[2],))
     got, after = [], ""
-    while page := store.catalog.list(hint="release", sort="id", limit=3, after=after):
-        got += [r.entry_id for r in page]
-        after = page[-1].entry_id
-    assert got == ids
-    def released_page() -> object:
-        return store.catalog.list(hint="release", sort="id", limit=3, after=ids[2])
-
-    def any_page() -> object:
-        return store.catalog.list(sort="id", limit=3, after=ids[2])
-
-    for plan in query_plans(store, released_page):
+    while page := store.catalog.released_page(after, 3):
+        got += page
+        after = page[-1][0]
+    assert [e for e, _ in got] == [e for e in ids if e not in (ids[1], ids[2])]
+    assert all(size == store.layout.manifest_path(e).stat().st_size for e, size in got)
+    assert not set(kept) & {e for e, _ in got}
+    plans = query_plans(store, lambda: store.catalog.released_page(ids[2], 3))
+    assert plans
+    for plan in plans:
         assert "INDEX entries_released (entry_id>?)" in plan and "TEMP B-TREE" not in plan, \
             plan
-    for plan in query_plans(store, any_page):
-        assert "PRIMARY KEY (entry_id>?)" in plan and "TEMP B-TREE" not in plan, plan
-    assert [r.entry_id for r in store.catalog.list(hint="retain", sort="id", after="")] == kept
-    with pytest.raises(ValueError):
-        store.catalog.list(sort="age", after="")
-    with pytest.raises(ValueError):
-        store.catalog.list(hint="release'; DROP TABLE entries; --", sort="id", after="")
 
 
 def test_a_catalog_without_the_released_index_still_pages_read_only(store_root: Path) -> None:
@@ -208,7 +204,9 @@ def test_a_catalog_without_the_released_index_still_pages_read_only(store_root: 
     db.commit()
     db.close()
     with Store.open(store_root, read_only=True) as s:
-        assert [r.entry_id for r in s.catalog.list(hint="release", sort="id", after="")] == ids
+        assert [e for e, _ in s.catalog.released_page("", 100)] == ids
+        for plan in query_plans(s, lambda: s.catalog.released_page(ids[0], 3)):
+            assert "PRIMARY KEY (entry_id>?)" in plan and "TEMP B-TREE" not in plan, plan
 
 
 def test_clean_pages_in_id_order_and_ends_with_an_undeletable_manifest(
@@ -220,29 +218,33 @@ def test_clean_pages_in_id_order_and_ends_with_an_undeletable_manifest(
         store.release(entry_id)
     # A manifest that cannot be unlinked (a directory in its place; root ignores modes).
     path = store.layout.manifest_path(kept)
+    sizes = {e: store.catalog.get(e).size for e in ids}  # objects + manifest
     path.unlink()
     path.mkdir()
     (path / "x").write_bytes(b"")
     deleted: list[list[str]] = []
     pages = 0
-    real_delete, real_list = store.catalog.delete_entries, store.catalog.list
+    real_delete, real_page = store.catalog.delete_entries, store.catalog.released_page
 
     def spy_delete(entry_ids):
         deleted.append(list(entry_ids))
         return real_delete(entry_ids)
 
-    def counting_list(**kw):
+    def counting_page(after, limit):
         nonlocal pages
         pages += 1
         assert pages <= 10, "clean keeps asking for the same rows"
-        return real_list(**kw)
+        return real_page(after, limit)
 
     monkeypatch.setattr(store.catalog, "delete_entries", spy_delete)
-    monkeypatch.setattr(store.catalog, "list", counting_list)
+    monkeypatch.setattr(store.catalog, "released_page", counting_page)
     report = store.clean_released()
     flat = [e for batch in deleted for e in batch]
     assert flat == [e for e in ids if e != kept]  # id order, each once
     assert report.entries == 10 and str(path) in report.failed
+    # The bytes freed: every deleted manifest (sizes from the catalog) and object.
+    assert report.objects == 10
+    assert report.bytes == sum(sizes[e] for e in ids if e != kept)
     assert pages == 4  # ceil(11 / 3) pages, the last one short
     monkeypatch.undo()
     assert [r.entry_id for r in store.entries(hint="release")] == [kept]

@@ -37,6 +37,7 @@ from .catalog_schema import SCHEMA_VERSION
 from .manifest import Manifest
 from .rows import NOT_HELD, WELL_FORMED, CatalogRow, MalformedRow, parse_row
 from .sqlite_files import DamagedDatabaseError, connect_private, connect_read_only
+from .wal_checkpoints import BackgroundCheckpoints
 
 SORTS = {"size": "size DESC", "age": "created ASC", "access": "last_access DESC",
          # id order groups a deletion batch into few manifest fan-out directories (fsyncs)
@@ -68,6 +69,7 @@ class Catalog:
         self.path = path
         self.read_only = read_only
         self._lock = threading.RLock()
+        self._checkpoints: BackgroundCheckpoints | None = None
         # Malformed rows met while reading (entry id -> reason), for reports.
         self.malformed_seen: dict[str, str] = {}
         if read_only:
@@ -120,8 +122,35 @@ class Catalog:
             self._db.close()
 
     @contextmanager
+    def background_checkpoints(self) -> Iterator[None]:
+        """While inside, this connection's commits do not checkpoint the WAL: a helper
+        thread does after each write transaction, and the next one waits for it
+        (``wal_checkpoints``, decision 1407). For a long run of large write transactions
+        (``clean``), whose file work between them then overlaps the checkpoints."""
+        with self._lock:
+            nested = self._checkpoints is not None  # then the outer one stays in charge
+            if not nested:
+                previous = int(self._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+                self._db.execute("PRAGMA wal_autocheckpoint=0")
+                self._checkpoints = BackgroundCheckpoints(self.path)
+        if nested:
+            yield
+            return
+        try:
+            yield
+        finally:
+            with self._lock:
+                checkpoints, self._checkpoints = self._checkpoints, None
+                try:
+                    checkpoints.close()
+                finally:
+                    self._db.execute(f"PRAGMA wal_autocheckpoint={previous}")
+
+    @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
+            if self._checkpoints is not None:
+                self._checkpoints.wait()  # the log restarts at this write, not grows
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -130,6 +159,8 @@ class Catalog:
                 raise
             else:
                 self._db.execute("COMMIT")
+            if self._checkpoints is not None:
+                self._checkpoints.start()
 
     def _read(self, sql: str, params: Iterable = ()) -> list[tuple]:
         with self._lock:
@@ -297,6 +328,17 @@ class Catalog:
             found.update(r[0] for r in rows)
         return found
 
+    def manifest_sizes(self, entry_ids: Iterable[str]) -> dict[str, int]:
+        """Each of ``entry_ids``' manifest size as recorded (absent or malformed rows
+        left out): what deleting its manifest frees, without a stat of the file."""
+        sizes: dict[str, int] = {}
+        for chunk in _chunks(list(entry_ids), 500):
+            sizes.update(self._read(
+                "SELECT entry_id, manifest_size FROM entries WHERE typeof(manifest_size)="
+                f"'integer' AND manifest_size >= 0 AND entry_id IN ({','.join('?' * len(chunk))})",
+                chunk))
+        return sizes
+
     def live_keys(self, kind: str, namespace: str) -> set[str]:
         """The keys of every committed, retained entry of ``(kind, namespace)``."""
         return {r[0] for r in self._read(
@@ -323,15 +365,13 @@ class Catalog:
     def list(
         self, *, kind: str | None = None, namespace: str | None = None,
         hint: str | None = None, sort: str = "access", limit: int | None = None,
-        include_pending: bool = False, skip_held: bool = False, after: str | None = None,
+        include_pending: bool = False, skip_held: bool = False,
     ) -> list[CatalogRow]:
         """Well-formed rows matching the filters, in ``sort`` order, at most ``limit``.
 
-        ``after`` (only with ``sort="id"``): rows whose id sorts after it, walking the
-        primary key from there (a cleanup that pages through a million rows reads each
-        once). With ``sort="access"`` and a ``limit`` the newest rows are read from the
+        With ``sort="access"`` and a ``limit`` the newest rows are read from the
         ``(hint, last_access)`` index, one walk per hint merged, instead of sorting every
-        row of the store."""
+        row of the store (``released_page`` pages through released rows by id)."""
         where, params = [WELL_FORMED], []
         if not include_pending:
             where.append("state='committed'")
@@ -341,33 +381,38 @@ class Catalog:
             if value is not None:
                 where.append(f"{column}=?")
                 params.append(value)
-        if sort == "access" and limit is not None and after is None:
+        if sort == "access" and limit is not None:
             return self._newest(where, params, hint, limit)
         literal = None
         if hint is not None:
             literal = _HINTS.get(hint)  # the plain string, also for a str enum member
             if literal is None:
                 raise ValueError(f"unknown hint {hint!r}")
-            # A literal, not a parameter: only then may SQLite use the partial index below.
+            # A literal, not a parameter: only then may SQLite use the released rows'
+            # partial index.
             where.append(f"hint='{literal}'")
-        source = "entries"
-        if after is not None:
-            if sort != "id":
-                raise ValueError("after= pages in id order only")
-            # Named: SQLite would otherwise pick a filter column's index and sort every
-            # match for each page. Released rows have their own index (O(released) a pass);
-            # any other filter walks the primary key (each row read once a pass).
-            source = ("entries INDEXED BY entries_released"
-                      if literal == "release" and self._released_index
-                      else "entries INDEXED BY sqlite_autoindex_entries_1")
-            where.append("entry_id > ?")
-            params.append(after)
-        sql = f"SELECT {_COLUMNS} FROM {source} WHERE " + " AND ".join(where)
+        sql = f"SELECT {_COLUMNS} FROM entries WHERE " + " AND ".join(where)
         sql += f" ORDER BY {SORTS[sort]}"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(limit)
         return self._rows(self._read(sql, params))
+
+    def released_page(self, after: str, limit: int) -> list[tuple[str, int]]:
+        """``(entry_id, manifest_size)`` of up to ``limit`` released rows that ``clean``
+        may delete (committed, well formed, not held for a remote delete) whose ids sort
+        after ``after``, in id order: one page of a pass that reads each released row once.
+
+        Only ids and sizes: building whole rows cost more than the query. The index is
+        named, or SQLite would pick a filter column's index and sort every match for each
+        page: released rows have their own (O(released) a pass, decision 1406); a catalog
+        opened read-only from before it walks the primary key (each row read once)."""
+        source = ("entries INDEXED BY entries_released" if self._released_index
+                  else "entries INDEXED BY sqlite_autoindex_entries_1")
+        return [(entry_id, size) for entry_id, size in self._read(
+            f"SELECT entry_id, manifest_size FROM {source} WHERE hint='release' AND "
+            f"state='committed' AND {WELL_FORMED} AND {NOT_HELD} AND entry_id > ? "
+            "ORDER BY entry_id LIMIT ?", (after, limit))]
 
     def _newest(self, where: list[str], params: list, hint: str | None,
                 limit: int) -> list[CatalogRow]:

@@ -1,9 +1,12 @@
 """Garbage collection: what a store may delete, and in which order.
 
-* ``clean_released``: every released entry (except those held for a remote delete);
+* ``clean_released``: every released entry (except those held for a remote delete), in
+  batches whose steps overlap: one batch's catalog rows are deleted while the next
+  batch's manifests and the previous batch's objects are unlinked (decision 1407);
 * ``evict``: released entries first, then least recently used, down to the low
   watermark (90% of the maximum);
-* ``delete_entries``: the one deletion sequence every path uses, manifests first, then
+* ``delete_entries``: the one deletion sequence (``clean_released`` runs its steps
+  overlapped across batches, each entry in the same order): manifests first, then
   catalog rows, then the objects no remaining entry references, so a concurrent reader
   sees either the whole entry or a clean miss and a crash at any point leaves nothing
   visible that is incomplete (leftover objects are orphans, see ``recovery``);
@@ -28,6 +31,7 @@ import os
 import re
 import sqlite3
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,14 +100,46 @@ class GarbageCollector:
         # Id order: each batch touches few manifest fan-out dirs, so it needs few
         # directory fsyncs (10k released entries: ~256 instead of ~2,500). Paged by id, so
         # a pass over a million rows reads each once.
-        after = ""
-        while rows := catalog.list(hint="release", sort="id", limit=DELETE_BATCH,
-                                   skip_held=True, after=after):
-            report.add(self.delete_entries([r.entry_id for r in rows], "clean"))
-            after = rows[-1].entry_id
-            if len(rows) < DELETE_BATCH:
-                break
+        # The catalog checkpoints on a helper thread meanwhile, overlapping the unlinks
+        # (decision 1407).
+        #
+        # Pipelined: a batch's catalog rows are deleted while the next batch's manifests
+        # and the previous batch's objects are being unlinked (the unlinks wait on the
+        # filesystem's journal, the deletion on SQLite). Each entry still goes manifest
+        # (its directory fsynced), then row, then objects.
+        with catalog.background_checkpoints():
+            page = catalog.released_page("", DELETE_BATCH)
+            manifests = self._start_manifests(page)
+            objects: _Unlinking | None = None
+            try:
+                while manifests is not None:
+                    full = len(page) == DELETE_BATCH
+                    page = catalog.released_page(page[-1][0], DELETE_BATCH) if full else []
+                    upcoming = self._start_manifests(page)
+                    deleted = self._finish_manifests(manifests, report, "clean")
+                    manifests = upcoming
+                    unlinking = self._drop_rows(deleted, report, "clean")
+                    if objects is not None:
+                        self._finish_objects(objects, report, "clean")
+                    objects = unlinking
+            except BaseException:
+                # What is in flight still completes (a manifest unlinked without its row
+                # deleted is a clean miss: the next pass or reconcile drops the row).
+                for pending in (manifests, objects):
+                    if pending is not None:
+                        pending.drain()
+                raise
+            if objects is not None:
+                self._finish_objects(objects, report, "clean")
+        self._log_failed(report)
         return report
+
+    def _start_manifests(self, page: list[tuple[str, int]]) -> _Unlinking | None:
+        """Start unlinking the manifests of ``page`` ((entry id, manifest size) rows)."""
+        if not page:
+            return None
+        paths = [self._store.layout.manifest_path(entry_id) for entry_id, _ in page]
+        return _Unlinking(page, paths, unlink_many(paths))
 
     def delete_if_released(self, entry_ids: list[str]) -> DeleteReport:
         """Delete those of ``entry_ids`` that are still released."""
@@ -157,25 +193,46 @@ class GarbageCollector:
 
         ``step`` ("clean" or "evict") names the crash checkpoints passed on the way.
         """
-        store = self._store
-        layout = store.layout
         report = DeleteReport()
+        sizes = self._store.catalog.manifest_sizes(entry_ids)
+        page = [(entry_id, sizes.get(entry_id, 0)) for entry_id in entry_ids]
+        paths = [self._store.layout.manifest_path(entry_id) for entry_id in entry_ids]
+        deleted = self._finish_manifests(_Unlinking(page, paths, unlink_many(paths)), report,
+                                         step)
+        objects = self._drop_rows(deleted, report, step)
+        if objects is not None:
+            self._finish_objects(objects, report, step)
+        self._log_failed(report)
+        return report
+
+    def _finish_manifests(self, unlinking: _Unlinking, report: DeleteReport,
+                          step: str) -> list[str]:
+        """Wait for the manifest unlinks and fsync their directories; return the entries
+        whose manifest is gone (one that could not be deleted keeps its entry whole)."""
         dirs: set[Path] = set()
         deleted: list[str] = []
-        paths = [layout.manifest_path(entry_id) for entry_id in entry_ids]
-        for entry_id, path, size in zip(entry_ids, paths, unlink_many(paths), strict=True):
-            if isinstance(size, OSError):  # the entry stays whole: its row is kept too
-                report.failed[str(path)] = describe_os_error(size)
+        for (entry_id, size), path, gone in unlinking.results():
+            if isinstance(gone, OSError):  # the entry stays whole: its row is kept too
+                report.failed[str(path)] = describe_os_error(gone)
                 continue
             deleted.append(entry_id)
-            if size is not None:
-                report.bytes += size
+            if gone:
+                report.bytes += size  # the catalog's size: no stat (decision 1407)
                 dirs.add(path.parent)
-            store.checkpoint(f"{step}.manifest_deleted")
+            self._store.checkpoint(f"{step}.manifest_deleted")
         for d in dirs:
             fsync_dir(d)
-        report.entries, report.entry_ids = len(deleted), list(deleted)
+        report.entries += len(deleted)
+        report.entry_ids.extend(deleted)
+        return deleted
+
+    def _drop_rows(self, deleted: list[str], report: DeleteReport,
+                   step: str) -> _Unlinking | None:
+        """Delete the catalog rows of ``deleted``; return the unlinks of the objects no
+        entry references any more, started and in flight (None if there are none)."""
+        store = self._store
         chunk = max(len(deleted), 1)
+        objects: _Unlinking | None = None
         while deleted:
             part = deleted[:chunk]
             try:
@@ -188,26 +245,50 @@ class GarbageCollector:
                 continue
             deleted = deleted[len(part):]
             store.checkpoint(f"{step}.catalog_deleted")
-            self._unlink_objects(freed, report, step)
+            if objects is not None:  # a full disk: each part's objects go before the next
+                self._finish_objects(objects, report, step)  # part is recorded
+            paths = [store.layout.object_path(digest) for digest, _size in freed]
+            objects = _Unlinking(freed, paths, unlink_many(paths))
         # No fsync of the object directories: an object unlink lost in a crash leaves an
         # unreferenced object, which orphan collection reclaims (the catalog deletion above
         # is already durable). This halves the directory fsyncs of every deletion batch.
+        return objects
+
+    def _finish_objects(self, unlinking: _Unlinking, report: DeleteReport,
+                        step: str) -> None:
+        for (_digest, size), path, gone in unlinking.results():
+            if isinstance(gone, OSError):
+                report.failed[str(path)] = describe_os_error(gone)  # an orphan until fixed
+            elif gone:
+                report.objects += 1
+                report.bytes += size
+            self._store.checkpoint(f"{step}.object_deleted")
+
+    @staticmethod
+    def _log_failed(report: DeleteReport) -> None:
         if report.failed:
             log.warning("could not delete %d file(s), e.g. %s", len(report.failed),
                         next(iter(report.failed.items())))
-        return report
 
-    def _unlink_objects(self, freed: list[tuple[str, int]], report: DeleteReport,
-                        step: str) -> None:
-        store = self._store
-        paths = [store.layout.object_path(digest) for digest, _size in freed]
-        for path, (_digest, size), gone in zip(paths, freed, unlink_many(paths), strict=True):
-            if isinstance(gone, OSError):
-                report.failed[str(path)] = describe_os_error(gone)  # an orphan until fixed
-            elif gone is not None:
-                report.objects += 1
-                report.bytes += size
-            store.checkpoint(f"{step}.object_deleted")
+
+@dataclass
+class _Unlinking:
+    """Files being unlinked (``unlink_many``), each with its catalog facts: (entry id,
+    manifest size) for a manifest, (digest, size) for an object."""
+
+    facts: list[tuple[str, int]]
+    paths: list[Path]
+    outcomes: Iterable[bool | OSError]
+
+    def results(self) -> Iterator[tuple[tuple[str, int], Path, bool | OSError]]:
+        """(facts, path, outcome) per file, in order, each as its unlink completes."""
+        return zip(self.facts, self.paths, self.outcomes, strict=True)
+
+    def drain(self) -> None:
+        """Wait for every unlink still in flight, whatever its outcome."""
+        with contextlib.suppress(Exception):
+            for _ in self.outcomes:
+                pass
 
 
 def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool) -> DeleteReport:
