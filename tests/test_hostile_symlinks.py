@@ -5,6 +5,7 @@ still answers (from memory, cold) instead of failing."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -52,7 +53,9 @@ def test_commit_refuses_a_swapped_directory(store: Store, outside: Path, sub: st
 
 def test_a_group_commit_checks_tmp_before_every_file(store: Store, outside: Path) -> None:
     """tmp/ swapped for a link while a batch is staging (here: by the first entry's stream
-    ending): no later file of the batch is written through it, nothing becomes visible."""
+    ending): no later file of the batch is written through it (each is created after a
+    check, then written through its descriptor), nothing becomes visible, and the error
+    names the swap."""
     from spoolctl.store import PutRequest
 
     def swapping_stream():
@@ -64,7 +67,9 @@ def test_a_group_commit_checks_tmp_before_every_file(store: Store, outside: Path
         PutRequest("pytorch", "ns", "second", {"kv": DATA + b"2"}),
     ])
     assert [o.status for o in outcomes] == ["failed", "failed"]
-    assert all(isinstance(o.error, StoreIOError) for o in outcomes)
+    for o in outcomes:  # named as a swap, at tmp/, not as a missing file
+        assert isinstance(o.error, StoreIOError) and o.error.errno == errno.ELOOP
+        assert str(store.layout.tmp) in str(o.error)
     assert list(outside.iterdir()) == []
     assert store.entries(include_pending=True) == []
 

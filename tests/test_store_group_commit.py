@@ -121,6 +121,43 @@ def test_an_entry_failing_after_its_intent_leaves_no_pending_row(store: Store) -
     assert bytes(store.read(again.manifest, "kv")) == requests[1].objects["kv"]
 
 
+def test_a_batch_creates_its_files_ahead_and_bounded(store_root: Path) -> None:
+    """A batch creates its temp files together before their flushes start (decision 1408),
+    at most MAX_FLUSHING ahead (a 100-entry import must not run out of descriptors), and
+    leaves none behind, also those of an entry refused after they were created."""
+    from spoolctl.store.commit import MAX_FLUSHING
+
+    store = Store.open(store_root, create=True, max_bytes=4 << 20)
+    fd_dir = Path("/proc/self/fd")
+    baseline = len(list(fd_dir.iterdir()))
+    in_tmp: list[int] = []
+    fds: list[int] = []
+    real = store.checkpoint
+
+    def watching(name: str) -> None:
+        if name == "object.tmp_written":
+            in_tmp.append(len(list(store.layout.tmp.iterdir())))
+            fds.append(len(list(fd_dir.iterdir())))
+        real(name)
+    store.checkpoint = watching
+    requests = _requests(100, size=2000)  # 300 files: objects "kv" and "ids", a manifest
+    requests[50] = PutRequest("vllm", "batch", "too-big",
+                              {"kv": os.urandom(4 << 20)})
+    outcomes = store.put_many(requests)
+    assert [o.status for o in outcomes].count("committed") == 99
+    assert isinstance(outcomes[50].error, CapacityError)
+    # the first file written found the first MAX_FLUSHING of the batch created already
+    assert in_tmp[0] == MAX_FLUSHING
+    # descriptors: created ahead plus flushing, each at most MAX_FLUSHING (and a few more
+    # for the catalog and the flush threads' own work)
+    assert max(fds) - baseline <= 2 * MAX_FLUSHING + 8
+    assert list(store.layout.tmp.iterdir()) == []
+    for r in requests[:3]:
+        hit = store.lookup("vllm", "batch", r.key)
+        assert hit is not None and bytes(store.read(hit, "kv")) == r.objects["kv"]
+    store.close()
+
+
 def test_repeated_keys_and_present_entries(store: Store) -> None:
     first = store.put(kind="vllm", namespace="batch", key="old", objects={"kv": b"old"})
     store.release(first.entry_id)

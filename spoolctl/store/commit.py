@@ -3,10 +3,11 @@
 ``put`` is a batch of one; a batch makes many entries durable with one round of flushes per
 step instead of one per entry. Each step is durable before the next (docs/format.md):
 
-1. **stage**: every object of every entry is written to ``tmp/`` and hashed, its flush
-   started at once (flushes overlap the next writes, and the filesystem merges concurrent
-   flushes into few journal commits); then the entry's manifest is built, written to
-   ``tmp/``, its flush started. Objects are bounded while they stream by what is left of
+1. **stage**: the batch's temp files are created in ``tmp/`` ahead, up to MAX_FLUSHING
+   together (decision 1408); every object of every entry is written to one and hashed,
+   its flush started at once (flushes overlap the next writes, and the filesystem merges
+   concurrent flushes into few journal commits); then the entry's manifest is built,
+   written, its flush started. Objects are bounded while they stream by what is left of
    their entry's size budget (90% of the store's max size).
 2. **intent**: while those flushes run, one catalog transaction records a pending row per
    entry (its object references pin the objects against a concurrent clean from now on);
@@ -46,6 +47,7 @@ import os
 import sqlite3
 import stat
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +64,7 @@ from .errors import (
 from .fsio import (
     Flushing,
     SizeLimitExceeded,
+    TmpFile,
     flush_submit,
     fsync_dir,
     hash_file,
@@ -250,34 +253,15 @@ class Committer:
         """Steps 1-2: stage every entry, record the intents, wait for the flushes. Returns
         the entries whose intent was recorded (some may have failed since)."""
         flushing: list[Flushing] = []
-        for p in live:
-            try:
-                if p.request is not None:
-                    self._stage_objects(p, flushing)
-                    p.manifest = Manifest.new(
-                        kind=p.request.kind, namespace=p.request.namespace, key=p.request.key,
-                        created=time.time(),
-                        objects=tuple(ObjectRef(name, f.digest, f.size) for name, f in p.staged),
-                        meta=p.request.meta, index=p.request.index,
-                        supersedes=p.request.supersedes)
-                    p.data = encode(p.manifest)
-                else:
-                    missing = [r for r in p.manifest.objects
-                               if r.digest not in given and not object_present(self._store, r)]
-                    if missing:
-                        p.fail(NotFoundError(f"object {missing[0].name} of entry "
-                                             f"{p.entry_id} is no longer in the store"),
-                               "vanished")
-                        continue
-                p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest")
-                _bound(flushing, p.manifest_tmp)
-            except SpoolError as exc:
-                p.fail(exc)
-                self._discard(p)
-            except ValueError as exc:  # a manifest that does not validate (caller checked)
-                p.fail(ConfigError(f"entry {p.entry_id[:16]}: {exc}",
-                                   fix="check the entry's meta, index and objects"))
-                self._discard(p)
+        # Every file the batch writes, created ahead (decision 1408): one per object, one
+        # per manifest.
+        ahead = _TmpAhead(self._publisher, sum(
+            (len(p.request.objects) if p.request is not None else 0) + 1 for p in live))
+        try:
+            for p in live:
+                self._stage_entry(p, flushing, ahead, given)
+        finally:
+            ahead.close()  # what a refused entry did not use
         recorded = [p for p in live if p.outcome is None]
         if recorded:
             try:
@@ -305,6 +289,39 @@ class Committer:
                 self._discard(p)
         return recorded
 
+    def _stage_entry(self, p: Pending, flushing: list[Flushing], ahead: _TmpAhead,
+                     given: dict[str, Path]) -> None:
+        """Step 1 for one entry: its objects (a new entry) and its manifest written, their
+        flushes started; on failure the entry is refused and what it staged removed."""
+        try:
+            if p.request is not None:
+                self._stage_objects(p, flushing, ahead)
+                p.manifest = Manifest.new(
+                    kind=p.request.kind, namespace=p.request.namespace, key=p.request.key,
+                    created=time.time(),
+                    objects=tuple(ObjectRef(name, f.digest, f.size) for name, f in p.staged),
+                    meta=p.request.meta, index=p.request.index,
+                    supersedes=p.request.supersedes)
+                p.data = encode(p.manifest)
+            else:
+                missing = [r for r in p.manifest.objects
+                           if r.digest not in given and not object_present(self._store, r)]
+                if missing:
+                    p.fail(NotFoundError(f"object {missing[0].name} of entry "
+                                         f"{p.entry_id} is no longer in the store"),
+                           "vanished")
+                    return
+            p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest",
+                                                            into=ahead.next())
+            _bound(flushing, p.manifest_tmp)
+        except SpoolError as exc:
+            p.fail(exc)
+            self._discard(p)
+        except ValueError as exc:  # a manifest that does not validate (caller checked)
+            p.fail(ConfigError(f"entry {p.entry_id[:16]}: {exc}",
+                               fix="check the entry's meta, index and objects"))
+            self._discard(p)
+
     def _forget_intents(self, failed: list[Pending]) -> None:
         """Remove the pending rows of entries refused after their intent was recorded, so
         they do not pin objects (left as orphans, reclaimed by age). Best effort: recovery
@@ -313,21 +330,25 @@ class Committer:
             with contextlib.suppress(sqlite3.DatabaseError):
                 self._store.catalog.delete_entries([p.entry_id for p in failed])
 
-    def _stage_objects(self, p: Pending, flushing: list[Flushing]) -> None:
+    def _stage_objects(self, p: Pending, flushing: list[Flushing],
+                       ahead: _TmpAhead | None = None) -> None:
         assert p.request is not None
         objects = p.request.objects
         self.check_fits(sum(payload_size(v) for v in objects.values() if is_bytes_like(v)))
         budget = self.budget()
         for name, payload in objects.items():
             left = None if budget is None else budget - sum(f.size for _, f in p.staged)
-            f = self._stage_one(name, payload, left)
+            f = self._stage_one(name, payload, left,
+                                None if ahead is None else ahead.next())
             p.staged.append((name, f))
             _bound(flushing, f)
 
-    def _stage_one(self, name: str, payload: Payload, left: int | None) -> Flushing:
+    def _stage_one(self, name: str, payload: Payload, left: int | None,
+                   into: TmpFile | None = None) -> Flushing:
         chunks = [payload] if is_bytes_like(payload) else payload
         try:
-            return self._publisher.stage_flushing(chunks, what="object", limit=left)
+            return self._publisher.stage_flushing(chunks, what="object", limit=left,
+                                                  into=into)
         except SizeLimitExceeded:
             raise self._too_large(f"more than {self.budget()} bytes (object {name} was "
                                   "still streaming)") from None
@@ -346,6 +367,11 @@ class Committer:
         for p in todo:
             final = layout.objects
             try:
+                if p.staged:
+                    # Written through descriptors opened ahead (decision 1408), renamed by
+                    # path: a tmp/ swapped for a link since then is named as such.
+                    final = layout.tmp
+                    self._publisher.check_dirs(layout.tmp)
                 for _name, f in p.staged:
                     final = layout.object_path(f.digest)
                     self._place(f.path, final, f.digest, f.size, done)
@@ -408,8 +434,9 @@ class Committer:
         catalog = store.catalog
         recorded = [p.entry_id for p in todo]  # their intents are in the catalog (step 2)
         published: set[str] = set()
-        final = store.layout.manifests
+        final = store.layout.tmp
         try:
+            self._publisher.check_dirs(final)  # the manifests are renamed from tmp/
             for p in todo:
                 final = store.layout.manifest_path(p.entry_id)
                 placed: list[Path] = []
@@ -470,6 +497,35 @@ def object_present(store: Store, ref: ObjectRef) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and st.st_size == ref.size
+
+
+class _TmpAhead:
+    """The temp files of a batch, created ahead, up to MAX_FLUSHING at a time: together,
+    before the flushes they wait on start (``fsio.create_tmp``, decision 1408).
+
+    ``next`` hands out one, or None when one could not be created (the writer then creates
+    its own and reports that error for its entry); ``close`` removes those not handed out.
+    tmp/ is still checked before each file is created; the writes go through the
+    descriptors, so a tmp/ swapped afterwards redirects none of them."""
+
+    def __init__(self, publisher: Publisher, count: int):
+        self._publisher = publisher
+        self._left = count  # files the batch still needs that are not created yet
+        self._ready: deque[TmpFile] = deque()
+
+    def next(self) -> TmpFile | None:
+        if not self._ready and self._left > 0:
+            for _ in range(min(self._left, MAX_FLUSHING)):
+                try:
+                    self._ready.append(self._publisher.create_tmp())
+                except SpoolError:
+                    break
+                self._left -= 1
+        return self._ready.popleft() if self._ready else None
+
+    def close(self) -> None:
+        while self._ready:
+            self._ready.popleft().discard()
 
 
 def _bound(flushing: list[Flushing], f: Flushing) -> None:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from .fsio import (
     Flushing,
+    TmpFile,
+    create_tmp,
     ensure_real_dirs,
     fsync_dir,
     io_error,
@@ -75,13 +77,19 @@ class Publisher:
             self.mark(what, "fsynced")
         return staged
 
+    def create_tmp(self) -> TmpFile:
+        """A new empty temp file, to be written by ``stage_flushing(..., into=)`` (a group
+        commit creates its files ahead, decision 1408). StoreIOError if it cannot be."""
+        return create_tmp(self.tmp_dir)
+
     def stage_flushing(self, chunks: Chunks, *, what: str | None,
-                       limit: int | None = None) -> Flushing:
+                       limit: int | None = None, into: TmpFile | None = None) -> Flushing:
         """Step 1 without waiting for the flush (a group commit): write ``chunks`` to a temp
-        file and hash them; the fsync runs on a helper thread (``Flushing.flushed``). The
-        caller passes ``<what>.fsynced`` once it has waited for it, and removes the file
-        if it is not published. Errors as for ``stage``."""
-        return write_tmp_flushing(self.tmp_dir, chunks, limit=limit,
+        file (``into``, made by ``create_tmp``, or a new one) and hash them; the fsync runs
+        on a helper thread (``Flushing.flushed``). The caller passes ``<what>.fsynced`` once
+        it has waited for it, and removes the file if it is not published. Errors as for
+        ``stage``."""
+        return write_tmp_flushing(self.tmp_dir, chunks, limit=limit, into=into,
                                   on_written=lambda: self.mark(what, "tmp_written"))
 
     def check_dirs(self, directory: Path) -> None:
