@@ -330,16 +330,14 @@ class Committer:
             with contextlib.suppress(sqlite3.DatabaseError):
                 self._store.catalog.delete_entries([p.entry_id for p in failed])
 
-    def _stage_objects(self, p: Pending, flushing: list[Flushing],
-                       ahead: _TmpAhead | None = None) -> None:
+    def _stage_objects(self, p: Pending, flushing: list[Flushing], ahead: _TmpAhead) -> None:
         assert p.request is not None
         objects = p.request.objects
         self.check_fits(sum(payload_size(v) for v in objects.values() if is_bytes_like(v)))
         budget = self.budget()
         for name, payload in objects.items():
             left = None if budget is None else budget - sum(f.size for _, f in p.staged)
-            f = self._stage_one(name, payload, left,
-                                None if ahead is None else ahead.next())
+            f = self._stage_one(name, payload, left, ahead.next())
             p.staged.append((name, f))
             _bound(flushing, f)
 

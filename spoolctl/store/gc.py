@@ -138,8 +138,8 @@ class GarbageCollector:
         """Start unlinking the manifests of ``page`` ((entry id, manifest size) rows)."""
         if not page:
             return None
-        paths = [self._store.layout.manifest_path(entry_id) for entry_id, _ in page]
-        return _Unlinking(page, paths, unlink_many(paths))
+        return _Unlinking.start(page, [self._store.layout.manifest_path(entry_id)
+                                       for entry_id, _ in page])
 
     def delete_if_released(self, entry_ids: list[str]) -> DeleteReport:
         """Delete those of ``entry_ids`` that are still released."""
@@ -195,10 +195,8 @@ class GarbageCollector:
         """
         report = DeleteReport()
         sizes = self._store.catalog.manifest_sizes(entry_ids)
-        page = [(entry_id, sizes.get(entry_id, 0)) for entry_id in entry_ids]
-        paths = [self._store.layout.manifest_path(entry_id) for entry_id in entry_ids]
-        deleted = self._finish_manifests(_Unlinking(page, paths, unlink_many(paths)), report,
-                                         step)
+        manifests = self._start_manifests([(e, sizes.get(e, 0)) for e in entry_ids])
+        deleted = [] if manifests is None else self._finish_manifests(manifests, report, step)
         objects = self._drop_rows(deleted, report, step)
         if objects is not None:
             self._finish_objects(objects, report, step)
@@ -247,8 +245,8 @@ class GarbageCollector:
             store.checkpoint(f"{step}.catalog_deleted")
             if objects is not None:  # a full disk: each part's objects go before the next
                 self._finish_objects(objects, report, step)  # part is recorded
-            paths = [store.layout.object_path(digest) for digest, _size in freed]
-            objects = _Unlinking(freed, paths, unlink_many(paths))
+            objects = _Unlinking.start(freed, [store.layout.object_path(digest)
+                                               for digest, _size in freed])
         # No fsync of the object directories: an object unlink lost in a crash leaves an
         # unreferenced object, which orphan collection reclaims (the catalog deletion above
         # is already durable). This halves the directory fsyncs of every deletion batch.
@@ -279,6 +277,11 @@ class _Unlinking:
     facts: list[tuple[str, int]]
     paths: list[Path]
     outcomes: Iterable[bool | OSError]
+
+    @staticmethod
+    def start(facts: list[tuple[str, int]], paths: list[Path]) -> _Unlinking:
+        """Start unlinking ``paths`` (``unlink_many``), one per fact, in order."""
+        return _Unlinking(facts, paths, unlink_many(paths))
 
     def results(self) -> Iterator[tuple[tuple[str, int], Path, bool | OSError]]:
         """(facts, path, outcome) per file, in order, each as its unlink completes."""
