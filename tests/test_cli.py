@@ -14,26 +14,15 @@ import time
 from pathlib import Path
 
 import pytest
+from operator_cli import ENV, SPOOLCTL, script, script_json
+from waiting import wait_until
 
 from spoolctl.store import Store
 
-SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
-ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-ENV.pop("SPOOLCTL_CRASH_AT", None)
-ENV.pop("SPOOLCTL_ROOT", None)
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
-
-def cli(*args: str, env: dict | None = None, timeout: float = 120, stdin=subprocess.DEVNULL
-        ) -> subprocess.CompletedProcess:
-    """Run the installed console script; stdin is not a terminal (like cron)."""
-    return subprocess.run([SPOOLCTL, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env or ENV, stdin=stdin)
-
-
-def cli_json(*args: str, expect: int = 0) -> dict:
-    proc = cli(*args, "--json")
-    assert proc.returncode == expect, (proc.returncode, proc.stdout, proc.stderr)
-    return json.loads(proc.stdout)
+cli = script  # the installed console script, stdin not a terminal (like cron)
+cli_json = script_json
 
 
 def payload(key: str, size: int) -> bytes:
@@ -311,15 +300,12 @@ def test_scrub_sigkill_midway_then_rerun(root: Path) -> None:
     proc = subprocess.Popen([SPOOLCTL, "scrub", "--root", str(root), "--rate", "64KiB/s"],
                             env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
+    def progressed() -> bool:
+        row = _safe_cycle(root) if (root / "state" / "scrub.sqlite3").exists() else None
+        return bool(row and row[0] >= 2)
+
     try:
-        while time.monotonic() < deadline:
-            row = _safe_cycle(root) if (root / "state" / "scrub.sqlite3").exists() else None
-            if row and row[0] >= 2:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("scrub made no progress")
+        wait_until(progressed, 60, what="two scrubbed entries")
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
@@ -400,14 +386,15 @@ def test_clean_capacity_selector(root: Path) -> None:
 
 
 CHURN_SCRIPT = textwrap.dedent("""
-    import json, random, sys, time
+    import json, os, random, sys, time
     from spoolctl.store import Store, NotFoundError, CorruptionError
     def payload(key, size):
         return random.Random(key).randbytes(size)
     store = Store.open(sys.argv[1])
-    deadline = time.monotonic() + float(sys.argv[2])
+    stop = sys.argv[2]  # churns until the test creates this file (or 10 minutes pass)
+    deadline = time.monotonic() + 600
     hits = misses = wrong = i = 0
-    while time.monotonic() < deadline:
+    while not os.path.exists(stop) and time.monotonic() < deadline:
         key = f"c{i}"
         m = store.put(kind="pytorch", namespace="churn", key=key,
                       objects={"kv": payload(key, 3000)})
@@ -430,20 +417,26 @@ CHURN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_clean_races_commits_and_lookups_without_wrong_answers(root: Path) -> None:
+def test_clean_races_commits_and_lookups_without_wrong_answers(root: Path,
+                                                              tmp_path: Path) -> None:
     fill(root, 1)
-    churn = subprocess.Popen([sys.executable, "-c", CHURN_SCRIPT, str(root), "8"], env=ENV,
-                             stdout=subprocess.PIPE, text=True)
+    stop = tmp_path / "stop-churn"
+    churn = subprocess.Popen([sys.executable, "-c", CHURN_SCRIPT, str(root), str(stop)],
+                             env=ENV, stdout=subprocess.PIPE, text=True)
     cleans = deleted = 0
-    while churn.poll() is None:
-        doc = cli_json("clean", "--root", str(root), "--released", "--yes")
-        deleted += doc["steps"]["released"]["entries"]
-        cleans += 1
-    out, _ = churn.communicate(timeout=60)
+    try:
+        # cleans race the churn until several of them have deleted what it released
+        while churn.poll() is None and (cleans < 3 or deleted == 0) and cleans < 200:
+            doc = cli_json("clean", "--root", str(root), "--released", "--yes")
+            deleted += doc["steps"]["released"]["entries"]
+            cleans += 1
+    finally:
+        stop.touch()
+    out, _ = churn.communicate(timeout=120)
     assert churn.returncode == 0
     stats = json.loads(out)
     assert stats["wrong"] == 0
-    assert stats["hits"] > 0 and cleans >= 2 and deleted > 0
+    assert stats["hits"] > 0 and cleans >= 3 and deleted > 0
     # Every retained (odd) key is intact; every released one is gone after a final clean.
     cli_json("clean", "--root", str(root), "--released", "--yes")
     assert cli_json("quarantine", "ls", "--root", str(root))["count"] == 0

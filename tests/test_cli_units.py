@@ -17,6 +17,8 @@ from spoolctl.cli.vllm_config import kv_transfer_config
 from spoolctl.controllers.genai_records import expires_in
 from spoolctl.store import ConfigError, Store
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 runner = CliRunner()
 
 

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from spoolctl.cli.app import main
 from spoolctl.store import Store
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 SETTINGS = settings(max_examples=25, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])

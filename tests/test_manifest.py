@@ -13,6 +13,8 @@ from spoolctl.store.digest import hash_bytes
 from spoolctl.store.manifest import Manifest, ObjectRef, canonical_json, decode, encode
 from spoolctl.store.sizes import format_size, parse_duration, parse_rate, parse_size
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 
 def _manifest(**kw) -> Manifest:
     args = dict(kind="vllm", namespace="ns", key="k", created=1.5,

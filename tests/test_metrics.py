@@ -13,6 +13,8 @@ from spoolctl import metrics
 from spoolctl.store import Store
 from spoolctl.store.scrub import Scrubber
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 
 def _parse(text: str) -> dict[tuple[str, tuple], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value

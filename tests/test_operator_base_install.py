@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 NO_CLICK = ("import sys; sys.modules['click'] = None\n"
             "from spoolctl.cli.app import main\n"
             "main(sys.argv[1:])\n")

@@ -27,6 +27,8 @@ from operator_cli import run, script
 
 from spoolctl.store import CapacityError, ConfigError, Store, StoreIOError
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 
 def fill(fs: Path) -> None:
     """Fill ``fs`` to 100%, like another program would (a big file, then small ones)."""

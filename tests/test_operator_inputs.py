@@ -24,6 +24,8 @@ from operator_cli import run, run_json
 
 from spoolctl.store import ConfigError, InvalidIdError, SpoolError, Store
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 
 @pytest.mark.parametrize(("field", "value", "says"), [
     ("created", "2026-01-01", "invalid created"),

@@ -20,6 +20,8 @@ from operator_cli import ENV, script
 from spoolctl.store import Store, entry_id_for
 from spoolctl.store.quarantine import REASON_FILE
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 LINK = "[link=https://evil.example]x[/link]"
 KEY = f"{LINK}[red]hidden[/red]"
 NS = "[red]ns[/red][link=https://evil.example]n[/link]"

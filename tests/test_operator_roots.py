@@ -17,6 +17,8 @@ from operator_cli import run, run_json, script
 from spoolctl.store import Store, entry_id_for
 from spoolctl.store.scrub import ScrubState
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 DEP_A = "vllm-v1-" + "a1" * 24
 DEP_B = "vllm-v1-" + "b2" * 24
 

@@ -18,6 +18,8 @@ from operator_cli import run, run_json
 
 from spoolctl.store import ConfigError, Store
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 GENAI_NS = "gemini-" + "0" * 24
 
 

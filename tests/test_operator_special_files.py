@@ -24,6 +24,8 @@ from operator_cli import script
 from spoolctl.store import Store, StoreIOError
 from spoolctl.store.quarantine import REASON_FILE
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 HANG = 30  # seconds: far more than any of these commands needs
 
 

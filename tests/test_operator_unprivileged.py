@@ -33,8 +33,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from operator_cli import script
 
 from spoolctl.store import RootError, Store
+
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
 RUNNER = str(Path(__file__).with_name("unprivileged.py"))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,10 +47,9 @@ UID = unprivileged_uid()
 
 
 def as_user(mode: str, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLCTL_")} | {
-        "COLUMNS": "200", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, RUNNER, mode, *args], capture_output=True,
-                          text=True, timeout=120, env=env, cwd="/tmp")
+    """The CLI (``cli``) or a Python snippet (``py``) as the unprivileged user, through the
+    one CLI runner (same environment as every other CLI test)."""
+    return script(RUNNER, mode, *args, program=sys.executable, cwd="/tmp")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

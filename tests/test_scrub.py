@@ -7,12 +7,15 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from spoolctl.store import BusyError, Store
 from spoolctl.store.auth_requests import AuthQueue, authenticate, process_pending
 from spoolctl.store.locks import try_hold
 from spoolctl.store.maintainer import BackgroundMaintainer
 from spoolctl.store.scrub import RateLimiter, Scrubber, ScrubState
+
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
 
 def _put(store: Store, n: int, size: int = 2048, ns: str = "m") -> list[str]:
@@ -130,10 +133,7 @@ def test_maintainer_owner_scrubs_and_answers(store_root: Path) -> None:
         m.start()  # idempotent
         try:
             assert m.owns_store and store.owner().role == "vllm-worker"
-            deadline = time.monotonic() + 30
-            while m.counters.scrub_cycles_completed < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert m.counters.scrub_cycles_completed >= 1
+            wait_until(lambda: m.counters.scrub_cycles_completed >= 1, what="a scrub cycle")
             assert m.counters.quarantine_events["payload_digest"] == 1
             assert m.counters.scrubbed_entries >= 4
             with AuthQueue.of(store) as queue:
@@ -157,12 +157,9 @@ def test_maintainer_without_lease_still_enforces_capacity(store_root: Path) -> N
             m.start()
             try:
                 assert not m.owns_store
-                deadline = time.monotonic() + 30
-                while m.counters.evicted_entries == 0 and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                wait_until(lambda: m.counters.evicted_entries > 0, what="an eviction")
             finally:
                 m.stop()
-            assert m.counters.evicted_entries > 0
             assert other_store.totals().bytes <= 60_000
             assert m.counters.scrubbed_entries == 0  # no scrub without the lease
             assert not (store_root / "state" / "scrub.sqlite3").exists()

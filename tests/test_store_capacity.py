@@ -4,13 +4,15 @@ objects kept; an entry too large to fit is refused."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
+from waiting import StepClock
 
 from spoolctl.store import CapacityError, Store
 from spoolctl.store import catalog as catalog_mod
+
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
 
 @pytest.fixture(autouse=True)
@@ -24,12 +26,11 @@ def _put(store: Store, key: str, size: int = 10_000, shared: bytes | None = None
     if shared is not None:
         objects["s"] = shared
     m = store.put(kind="vllm", namespace="cap", key=key, objects=objects)
-    time.sleep(0.01)  # distinct LRU timestamps
     return m
 
 
 def test_eviction_order_released_then_lru_down_to_low_watermark(store_root: Path) -> None:
-    with Store.open(store_root, create=True) as store:
+    with Store.open(store_root, create=True, clock=StepClock()) as store:
         entries = {k: _put(store, k) for k in ("e0", "e1", "e2", "e3", "e4", "e5")}
         assert store.lookup("vllm", "cap", "e0") is not None  # e0 becomes most recent
         store.release(entries["e4"].entry_id)
@@ -48,7 +49,7 @@ def test_eviction_order_released_then_lru_down_to_low_watermark(store_root: Path
 
 def test_shared_objects_of_live_entries_are_kept(store_root: Path) -> None:
     shared = os.urandom(20_000)
-    with Store.open(store_root, create=True) as store:
+    with Store.open(store_root, create=True, clock=StepClock()) as store:
         old = _put(store, "old", shared=shared)
         new = _put(store, "new", shared=shared)
         store.set_max_bytes(store.totals().bytes - 1)
@@ -61,7 +62,7 @@ def test_shared_objects_of_live_entries_are_kept(store_root: Path) -> None:
 
 
 def test_commits_keep_the_store_bounded(store_root: Path) -> None:
-    with Store.open(store_root, create=True, max_bytes=200_000) as store:
+    with Store.open(store_root, create=True, clock=StepClock(), max_bytes=200_000) as store:
         for i in range(40):
             _put(store, f"k{i}", size=20_000)
             assert store.totals().bytes <= 200_000
@@ -70,7 +71,7 @@ def test_commits_keep_the_store_bounded(store_root: Path) -> None:
 
 
 def test_entry_larger_than_the_store_is_refused(store_root: Path) -> None:
-    with Store.open(store_root, create=True, max_bytes=50_000) as store:
+    with Store.open(store_root, create=True, clock=StepClock(), max_bytes=50_000) as store:
         with pytest.raises(CapacityError, match="max size"):
             _put(store, "huge", size=60_000)
         assert store.totals().entries == 0
@@ -79,7 +80,7 @@ def test_entry_larger_than_the_store_is_refused(store_root: Path) -> None:
 
 
 def test_dry_run_changes_nothing(store_root: Path) -> None:
-    with Store.open(store_root, create=True) as store:
+    with Store.open(store_root, create=True, clock=StepClock()) as store:
         for i in range(4):
             _put(store, f"k{i}")
         store.set_max_bytes(store.totals().bytes // 2)

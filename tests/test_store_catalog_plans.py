@@ -12,9 +12,12 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
 from query_plans import query_plans as _plans
 
 from spoolctl.store import Store, entry_id_for
+
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
 
 def test_live_and_touch_search_by_primary_key(store: Store) -> None:

@@ -17,6 +17,8 @@ from spoolctl.store import (
     Store,
 )
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 
 def _objects_on_disk(root: Path) -> list[Path]:
     return sorted((root / "objects").rglob("*.obj"))

@@ -10,7 +10,12 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+from waiting import wait_until
+
 from spoolctl.store import Store
+
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
 WORKER = str(Path(__file__).with_name("store_worker.py"))
 
@@ -111,19 +116,18 @@ def test_threads_commit_and_read_one_store(store: Store) -> None:
 
 def test_a_deleter_is_not_starved_by_back_to_back_commits(store_root: Path) -> None:
     """flock has no writer preference; the gate makes a clean get in while commits run."""
-    import time
-
     Store.open(store_root, create=True).close()
     stop = threading.Event()
     errors: list[BaseException] = []
+    commits = [0, 0, 0]
 
     def committer(n: int) -> None:
         try:
             with Store.open(store_root) as s:
-                i = 0
                 while not stop.is_set():
-                    s.put(kind="vllm", namespace="gate", key=f"{n}-{i}", objects={"a": b"x" * 512})
-                    i += 1
+                    s.put(kind="vllm", namespace="gate", key=f"{n}-{commits[n]}",
+                          objects={"a": b"x" * 512})
+                    commits[n] += 1
         except BaseException as exc:
             errors.append(exc)
 
@@ -131,10 +135,12 @@ def test_a_deleter_is_not_starved_by_back_to_back_commits(store_root: Path) -> N
     for t in threads:
         t.start()
     try:
-        time.sleep(0.5)
+        # every committer is committing back to back before the deleter comes
+        wait_until(lambda: all(c >= 3 for c in commits) or errors, what="three busy committers")
         with Store.open(store_root, lock_timeout=20) as s:
             for _ in range(5):
                 s.clean_released()  # raises BusyError if starved for 20 s
+        assert all(c >= 3 for c in commits)
     finally:
         stop.set()
         for t in threads:

@@ -14,6 +14,8 @@ import pytest
 from spoolctl.store import Store
 from spoolctl.store.faults import COMMIT_CHECKPOINTS, CRASH_EXIT_CODE
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 WORKER = str(Path(__file__).with_name("store_worker.py"))
 # Every commit checkpoint the store has (a new one is crash-tested without editing this).
 COMMIT_POINTS = list(COMMIT_CHECKPOINTS)

@@ -14,6 +14,8 @@ import pytest
 from spoolctl.store import Store, StoreIOError
 from spoolctl.store.faults import COMMIT_CHECKPOINTS
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 WORKER = str(Path(__file__).with_name("store_worker.py"))
 # Every commit checkpoint up to the durable manifest (an error after the catalog commit has
 # nothing left to undo).

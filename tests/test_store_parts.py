@@ -34,6 +34,8 @@ from spoolctl.store.sqlite_files import (
     sqlite_error,
 )
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 # -- SQLite errors ----------------------------------------------------------------------------
 
 

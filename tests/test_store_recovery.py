@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from spoolctl.store import Store
+
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
 
 def test_young_orphans_are_kept_old_ones_reclaimed(store: Store) -> None:

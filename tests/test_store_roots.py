@@ -14,6 +14,8 @@ import pytest
 
 from spoolctl.store import RootError, Store
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 
 def test_create_sets_layout_marker_and_private_modes(store_root: Path) -> None:
     with Store.open(store_root, create=True, max_bytes=1 << 30) as store:

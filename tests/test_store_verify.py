@@ -11,6 +11,8 @@ import pytest
 
 from spoolctl.store import CorruptionError, ManifestError, Store
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 
 def _put(store: Store, key: str = "k", size: int = 20_000):
     data = os.urandom(size)
