@@ -1,6 +1,8 @@
-"""Running the spoolctl CLI from the operator-path tests: in-process (``run``: the real
-``main(argv)``, fast) or as the installed console script (``script``: a real process, for
-what only a process shows, such as hangs and exit codes under cron)."""
+"""The one way the tests run the spoolctl CLI: in-process (``run``: the real ``main(argv)``,
+fast) or as the installed console script (``script``: a real process, for what only a process
+shows, such as hangs, signals and exit codes under cron). Both see the same environment:
+none of the developer's ``SPOOLCTL_*`` variables (a root, a crash point), a wide terminal, no
+colour, unbuffered output."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 SPOOLCTL = str(Path(sys.executable).with_name("spoolctl"))
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLCTL_")} | {
-    "COLUMNS": "200", "NO_COLOR": "1"}
+    "COLUMNS": "200", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run(*argv: str) -> tuple[int, str, str]:
@@ -41,8 +44,20 @@ def run_json(*argv: str, expect: int = 0) -> dict:
     return json.loads(out)
 
 
-def script(*argv: str, timeout: float = 120, env: dict | None = None
-           ) -> subprocess.CompletedProcess:
-    """The installed console script, stdin not a terminal (like cron)."""
-    return subprocess.run([SPOOLCTL, *argv], capture_output=True, text=True, timeout=timeout,
-                          env=env or ENV, stdin=subprocess.DEVNULL)
+def script(*argv: str, timeout: float = 120, env: Mapping[str, str] | None = None,
+           stdin: bytes | str | None = None, text: bool = True, program: str = SPOOLCTL,
+           cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
+    """``program ARGV`` (the installed console script) in a real process. ``env`` adds to (or
+    overrides) ``ENV``; ``stdin`` is fed to it, else stdin is not a terminal (like cron);
+    ``text=False`` gives bytes (archives on stdout)."""
+    feed: dict = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
+    return subprocess.run([program, *argv], capture_output=True, text=text, timeout=timeout,
+                          env={**ENV, **(env or {})}, cwd=cwd, **feed)
+
+
+def script_json(*argv: str, expect: int = 0, stdin: bytes | str | None = None,
+                timeout: float = 120) -> dict:
+    """``script(ARGV, --json)``, its exit code checked, its stdout parsed."""
+    proc = script(*argv, "--json", stdin=stdin, timeout=timeout)
+    assert proc.returncode == expect, (argv, proc.returncode, proc.stdout, proc.stderr)
+    return json.loads(proc.stdout)

@@ -10,9 +10,9 @@ import logging
 import os
 import socket
 import threading
-import time
 
 import pytest
+from waiting import wait_until
 
 pytest.importorskip("google.genai")
 
@@ -252,13 +252,6 @@ def test_cache_close_to_expiry_is_extended_with_a_patch(client, store, server, c
 
 
 # -- coalescing ------------------------------------------------------------------------------
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
 
 def run_threads(fn, n: int) -> list[threading.Thread]:
     threads = [threading.Thread(target=fn) for _ in range(n)]

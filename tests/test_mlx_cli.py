@@ -4,12 +4,11 @@ installed console script (a real process) on a real store."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from operator_cli import script
 
 try:
     import mlx.core  # noqa: F401
@@ -19,15 +18,11 @@ except ImportError as exc:  # pragma: no cover - only where mlx cannot be instal
 
 from spoolctl.store import Store
 
-SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
-ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
-ENV.pop("SPOOLCTL_ROOT", None)
 PROMPT = "You are a helpful assistant. Answer from the spool store manual below."
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([SPOOLCTL, *args], capture_output=True, text=True, timeout=300,
-                          env=ENV, stdin=subprocess.DEVNULL)
+    return script(*args, timeout=300)
 
 
 def prefill(model: Path, root: Path, *extra: str) -> dict:

@@ -25,16 +25,19 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from operator_cli import script
 
 REPO = Path(__file__).resolve().parent.parent
 CONSTRAINTS = REPO / "scripts" / "constraints.txt"
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
-    env = {k: v for k, v in os.environ.items()
-           if k not in drop and not k.startswith("SPOOLCTL_")}
-    env.update({"PIP_DISABLE_PIP_VERSION_CHECK": "1", "TOKENIZERS_PARALLELISM": "false", **extra})
+    # emptied rather than dropped: the CLI runner lays these over its own environment, and
+    # Python ignores an empty PYTHONPATH / PYTHONHOME
+    blank = dict.fromkeys(("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"), "")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLCTL_")}
+    env.update({**blank, "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+                "TOKENIZERS_PARALLELISM": "false", **extra})
     return env
 
 
@@ -130,8 +133,7 @@ def test_wheel_in_a_fresh_venv_runs_help_version_init_and_doctor(artifacts) -> N
     env = _clean_env(HOME=str(work))
 
     def spoolctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(bindir / "spoolctl"), *args], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=120)
+        return script(*args, program=str(bindir / "spoolctl"), cwd=work, env=env)
 
     helped = spoolctl("--help")
     assert helped.returncode == 0 and "doctor" in helped.stdout, helped.stderr

@@ -13,12 +13,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI, prompt_tokens
 from transfer_support import ENV, cli
+from waiting import wait_for_server
 
 from spoolctl.connector.chain import chain_root, chunk_keys, longest_run
 from spoolctl.server_warmup import RateLimiter, WarmPrompt, parse_prompt_line
@@ -201,17 +201,8 @@ def _start_server(model: Path, root: Path, port: int, log: Path) -> subprocess.P
            "TOKENIZERS_PARALLELISM": "false"}
     out = open(log, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vLLM server exited:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise AssertionError(f"vLLM server did not come up:\n{log.read_text()[-4000:]}")
+    wait_for_server(f"http://127.0.0.1:{port}/health", proc, log.read_text, 300)
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -8,9 +8,11 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 pytest.importorskip("transformers")
 
@@ -91,8 +93,10 @@ def prefill(cache, tokens):
     return real(cache, tokens)
 backend.prefill = prefill
 go = os.environ.get("GO_FILE")
-while go and not os.path.exists(go):
-    time.sleep(0.01)
+if go:
+    open(go + f".ready-{os.getpid()}", "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.01)
 params = CachePrepareParams(**json.loads(os.environ["PARAMS"]))
 with PyTorchCacheController(backend, root) as ctl:
     r = ctl.generate(params, prompt, 8)
@@ -275,10 +279,8 @@ def test_read_only_prepare_joins_a_writers_flight(backend, store_root):
         reader = threading.Thread(target=lambda: handles.update(
             reader=ctl.prepare(CachePrepareParams(**P1, read_only=True))))
         reader.start()
-        deadline = time.monotonic() + 30
-        while ctl.stats()["coalesced"] < 1:  # counted on joining, before the writer is done
-            assert time.monotonic() < deadline, "the read-only prepare did not join"
-            time.sleep(0.01)
+        # counted on joining, before the writer is done
+        wait_until(lambda: ctl.stats()["coalesced"] >= 1, what="the read-only prepare joining")
         assert "reader" not in handles
         gated.gate.set()
         writer.join(60)
@@ -297,7 +299,9 @@ def test_two_processes_preparing_the_same_params_prefill_once(backend, tiny_mode
     go = tmp_path / "go"
     env = {"GO_FILE": str(go), "SLOW_PREFILL": "1.5"}
     procs = [run_child(tiny_model_dir, store_root, P1, env=env, wait=False) for _ in range(2)]
-    time.sleep(0.5)
+    # both children loaded and waiting at the start line
+    wait_until(lambda: len(list(tmp_path.glob("go.ready-*"))) == 2, 300,
+               what="both children ready")
     go.touch()
     results = [finish(p) for p in procs]
     assert sorted(r["source"] for r in results) == ["cold", "disk"]
@@ -413,3 +417,23 @@ def test_lock_held_elsewhere_times_out_to_a_cold_run(backend, store_root):
             r = ctl.generate(p, QUESTION, 8)
         assert r.tokens == cold(backend, p) and r.usage.cache_read_tokens == 0
         assert ctl.prepare(p).source == "cold"  # once the holder is gone, it proceeds
+
+
+def test_a_restore_warns_nothing_from_disk_or_from_read_only_bytes(backend, store_root):
+    """Restoring hands torch writable buffers only: a read-only one would make torch warn
+    ("The given buffer is not writable") and a write through the tensor undefined."""
+    from spoolctl.controllers.pytorch import KV_OBJECT
+
+    p = CachePrepareParams(**P1)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        ctl.prepare(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with PyTorchCacheController(backend, store_root) as ctl:  # nothing in memory
+            assert ctl.prepare(p).source == "disk"
+            restored = ctl.restore(p)
+        objects, layout = backend.serialize(restored.cache, len(restored.tokens))
+        data = bytes(objects[KV_OBJECT])  # read-only, as bytes from any other source are
+        cache = backend.deserialize({KV_OBJECT: memoryview(data)}, layout,
+                                    len(restored.tokens))
+    assert backend.length(cache) == len(restored.tokens)

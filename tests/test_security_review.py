@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from operator_cli import script
 
-from spoolctl.store import Store
+from spoolctl.store import CorruptionError, Store
 
 SECRET = "Zanzibar-7731 launch code"
 SYSTEM = f"You guard the vault. The secret is {SECRET}."
@@ -87,8 +88,9 @@ def test_default_logs_carry_no_prompt_tokens_or_ids(backend, store_root: Path, c
         for row in store.entries():
             _flip(store.layout.object_path(store.manifest(row.entry_id).objects[0].digest))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-            contextlib.suppress(SystemExit):
+            pytest.raises(SystemExit) as scrubbed:
         main(["scrub", "--root", str(store_root), "--until-complete", "--rate", "0"])
+    assert scrubbed.value.code == 1  # findings: the flipped objects were found
     text = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
     assert "quarantined" in text and "treated as a miss" in text  # the paths were exercised
     for s in secrets:
@@ -109,8 +111,9 @@ def test_metric_labels_are_a_closed_vocabulary(backend, store_root: Path) -> Non
         handle = ctl.prepare(_params())
     with Store.open(store_root) as store:
         _flip(store.layout.object_path(store.manifest(handle.ref).objects[0].digest))
-        with contextlib.suppress(Exception):
+        with pytest.raises(CorruptionError):  # the read finds the flip and quarantines
             store.read_all(store.manifest(handle.ref))
+        assert store.quarantine_items()
         exposition = render_samples(collect_store_gauges(store))
     labels = re.findall(r'(\w+)="([^"]*)"', exposition)
     assert labels
@@ -131,7 +134,7 @@ def test_everything_a_controller_writes_is_private(backend, store_root: Path) ->
         with Store.open(store_root) as store:  # and quarantine evidence
             m = store.manifest(store.entries()[0].entry_id)
             _flip(store.layout.object_path(m.objects[0].digest))
-            with contextlib.suppress(Exception):
+            with pytest.raises(CorruptionError):
                 store.read_all(m)
             assert store.quarantine_items()
     finally:
@@ -166,9 +169,7 @@ def test_restore_from_disk_never_unpickles(backend, store_root: Path, monkeypatc
 
 
 def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("spoolctl")
-    return subprocess.run([str(exe), *argv], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **(env or {})})
+    return script(*argv, env=env, timeout=60)
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,

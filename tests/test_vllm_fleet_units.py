@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from waiting import wait_until
 
 from spoolctl import metrics as m
 from spoolctl.connector import host_budget
@@ -459,7 +460,6 @@ def test_the_fleet_parts_import_without_vllm_or_torch():
 
 
 def test_a_busy_rank_still_notices_deletions_behind_its_back(tmp_path: Path):
-    import time
 
     root = Path(os.path.realpath(tmp_path)) / "rank-0000"
     store = Store.open(root, create=True, max_bytes=1 << 30)
@@ -471,10 +471,12 @@ def test_a_busy_rank_still_notices_deletions_behind_its_back(tmp_path: Path):
         hold.start()
         assert hold.held_keys() == set(keys)
         store.release(entry_id_for("vllm", "ns0", keys[0]))  # e.g. an operator's clean
-        deadline = time.monotonic() + 5  # 25 rescan periods
-        while keys[0] in hold.held_keys() and time.monotonic() < deadline:
+
+        def dropped() -> bool:
             hold.committed(keys[1])  # commits keep waking the thread
-            time.sleep(0.02)
+            return keys[0] not in hold.held_keys()
+
+        wait_until(dropped, 5, what="the released key leaving the holdings")  # 25 rescans
         assert hold.held_keys() == set(keys[1:])
     finally:
         hold.stop()

@@ -186,7 +186,7 @@ def test_group_semantics_supported_and_fail_closed():
     assert "window" in check_groups([GroupInfo(0, "sliding_window", ("x",), 32)], 64)
     assert "LCM is 96" in check_groups(
         [slide, GroupInfo(1, "full_attention", ("l1",), 96)], 64)
-    assert check_groups([]) is not None
+    assert check_groups([]) == "vLLM reported no KV cache groups"
     assert "unknown" in check_groups([GroupInfo(0, "unknown", ("x",), 16)])
     err = unsupported_error(check_groups([GroupInfo(0, "mamba", ("m",), 16)]))
     assert isinstance(err, ConfigError) and "spoolctl_on_unsupported" in str(err)

@@ -13,12 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from waiting import wait_for_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
@@ -59,20 +59,7 @@ class Server:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def wait_ready(self, timeout: float = 420) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health",
-                                            timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        self.kill()
-        pytest.fail(f"server not ready after {timeout} s:\n{self.log()}")
+        wait_for_server(f"http://127.0.0.1:{self.port}/health", self.proc, self.log, timeout)
 
     def complete(self, tokens: list[int]) -> dict:
         body = json.dumps({"model": self.model, "prompt": tokens, "max_tokens": 8,

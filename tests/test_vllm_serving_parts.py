@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -41,6 +42,7 @@ class Target:
         self.copies: list[tuple[str, int, bytes, int]] = []
         self.reading = 0
         self.most_reading = 0
+        self.filled = 0  # reads finished
         self._lock = threading.Lock()
 
     def items(self, req: str, n: int, *, slow: float = 0.0) -> list[ChunkRestore]:
@@ -58,6 +60,7 @@ class Target:
                 finally:
                     with self._lock:
                         self.reading -= 1
+                        self.filled += 1
                 return CHUNK
 
             def copy(buf) -> None:
@@ -97,7 +100,8 @@ def test_requests_restore_together_each_in_order_and_only_when_pumped(store: Sto
         pipe = _pipeline(store, pool)
         pipe.begin("a", target.items("a", 6))
         pipe.begin("b", target.items("b", 5))
-        time.sleep(0.5)  # the reads finish on the helper threads...
+        # the reads the pipeline starts by itself finish on the helper threads...
+        wait_until(lambda: target.filled >= min(11, pipe.slots), what="the first reads")
         assert target.copies == []  # ...but nothing touches the KV cache until a safe point
         assert _pump_all(pipe) == {"a": None, "b": None}
     me = threading.get_ident()

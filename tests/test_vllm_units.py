@@ -8,7 +8,7 @@ import inspect
 import os
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -329,15 +329,18 @@ def test_writer_counts_capacity_and_io_failures_without_raising(tmp_path: Path):
 def test_writer_flush_times_out_instead_of_blocking(tmp_path: Path):
     from spoolctl.connector.writer import PendingStore, StoreWriter
 
+    disk = threading.Event()  # a put that waits until the test lets the disk answer
+
     def slow_put(key, payload, meta):
-        time.sleep(0.5)
+        assert disk.wait(60)
 
     counters = ConnectorCounters()
     w = StoreWriter(slow_put, staging_bytes=100, counters=counters)
     assert w.reserve("a" * 64, 10)
     w.submit(PendingStore("a" * 64, b"x", 10, {}))
-    assert not w.flush(0.05)
-    assert w.flush(5)
+    assert not w.flush(0.05)  # the put cannot have finished: flush gives up at its bound
+    disk.set()
+    assert w.flush(30)
 
 
 # -- stats ----------------------------------------------------------------------------------

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-from spoolctl.store import Store
+from operator_cli import ENV, SPOOLCTL, script  # noqa: F401 - ENV, SPOOLCTL used by importers
 
-SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
-ENV = {k: v for k, v in os.environ.items()
-       if k not in ("SPOOLCTL_CRASH_AT", "SPOOLCTL_FAIL_AT", "SPOOLCTL_ROOT")}
+from spoolctl.store import Store
 
 
 def cli(*args: str, stdin: bytes | None = None, env: dict | None = None,
         timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the installed ``spoolctl`` (bytes in, bytes out)."""
-    return subprocess.run([SPOOLCTL, *args], input=stdin, capture_output=True, timeout=timeout,
-                          env={**ENV, **(env or {})})
+    return script(*args, stdin=stdin, env=env, timeout=timeout, text=False)
 
 
 def cli_json(*args: str, expect: int = 0, stdin: bytes | None = None) -> dict:

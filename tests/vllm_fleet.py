@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from vllm_support import _rank_state  # runs in each worker: flush, report what it holds
+from waiting import wait_until
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 # collective_rpc with a function (the worker-state probe, vllm_support._rank_state) crosses
@@ -84,15 +85,18 @@ class Events:
 
     def wait(self, hashes: list[list], kind: str, timeout: float) -> bool:
         want = [list(h) for h in hashes]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def seen() -> bool:
             with self._lock:
                 got = [r["block_hashes"] for r in self.records
                        if r["phase"] == self.phase and r["type"] == kind]
-            if all(h in got for h in want):
-                return True
-            time.sleep(0.1)
-        return False
+            return all(h in got for h in want)
+
+        try:
+            wait_until(seen, timeout, what=f"{kind} events", interval=0.1)
+        except AssertionError:
+            return False
+        return True
 
 
 def _jsonable(value):

@@ -314,6 +314,12 @@ class PyTorchBackend:
         """Parse a safetensors buffer into tensors that VIEW it (no copy; the cache copies
         once when it takes them). Strict: every offset, dtype and size is checked."""
         torch = self._torch
+        data = memoryview(data)
+        if data.readonly:
+            # torch cannot make a tensor that views a read-only buffer without undefined
+            # behaviour on write (and warns); the store's verified reads are writable, so
+            # only bytes handed in by other callers are copied, once.
+            data = memoryview(bytearray(data))
         dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
         if len(data) < 8:
             raise ValueError("KV object too short for a safetensors header")

@@ -254,11 +254,12 @@ class Catalog:
 
     # -- hints and the LRU clock --------------------------------------------------------
 
-    def set_hint(self, entry_id: str, hint: str) -> bool:
+    def set_hint(self, entry_id: str, hint: str, now: float) -> bool:
+        """Set the hint of a committed entry; ``now`` (the store's clock) is its access."""
         with self._write() as db:
             cur = db.execute(
                 "UPDATE entries SET hint=?, last_access=? WHERE entry_id=? AND state='committed'",
-                (hint, time.time(), entry_id),
+                (hint, now, entry_id),
             )
             return cur.rowcount > 0
 

@@ -46,7 +46,6 @@ import errno
 import os
 import sqlite3
 import stat
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -239,11 +238,11 @@ class Committer:
             if not all(store.layout.object_path(r.digest).exists() for r in manifest.objects):
                 return None  # an object was lost: rewrite the entry
             if row is None:
-                catalog.index_manifest(manifest, path.stat().st_size, last_access=time.time())
+                catalog.index_manifest(manifest, path.stat().st_size, last_access=store.clock())
             elif row.hint != "retain" and revive:
-                catalog.set_hint(entry_id, "retain")
+                catalog.set_hint(entry_id, "retain", store.clock())
             if supersedes:
-                catalog.set_hint(supersedes, "release")
+                catalog.set_hint(supersedes, "release", store.clock())
             return manifest
         return None
 
@@ -266,7 +265,7 @@ class Committer:
         if recorded:
             try:
                 self._store.catalog.record_intents(
-                    [(p.manifest, len(p.data)) for p in recorded], time.time())
+                    [(p.manifest, len(p.data)) for p in recorded], self._store.clock())
                 self._publisher.mark("catalog", "intent")
             except OSError as exc:  # an injected fault at the checkpoint (faults.FAIL_ENV)
                 self._forget_intents(recorded)
@@ -298,7 +297,7 @@ class Committer:
                 self._stage_objects(p, flushing, ahead)
                 p.manifest = Manifest.new(
                     kind=p.request.kind, namespace=p.request.namespace, key=p.request.key,
-                    created=time.time(),
+                    created=self._store.clock(),
                     objects=tuple(ObjectRef(name, f.digest, f.size) for name, f in p.staged),
                     meta=p.request.meta, index=p.request.index,
                     supersedes=p.request.supersedes)

@@ -46,7 +46,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -105,8 +105,11 @@ class Store(CatalogHealth, Quarantining, Queries):
     """
 
     def __init__(self, layout: Layout, marker: Marker, *, lock_timeout: float,
-                 read_only: bool = False):
+                 read_only: bool = False, clock: Callable[[], float] = time.time):
         self.layout = layout
+        # Wall-clock seconds for the LRU clock and commit times (last access, created);
+        # injectable so that tests order entries without sleeping.
+        self.clock = clock
         self.marker = marker
         self.lock_timeout = lock_timeout
         self.read_only = read_only
@@ -132,6 +135,7 @@ class Store(CatalogHealth, Quarantining, Queries):
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         allow_foreign_owner: bool = False,
         read_only: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> Store:
         """Open (or with ``create`` make) the store at ``root``.
 
@@ -146,6 +150,9 @@ class Store(CatalogHealth, Quarantining, Queries):
         repair, lock file, lease, temp file or LRU update; corrupt entries are misses but
         stay where they are), for a store this process cannot or must not write, such as
         a cache another user wrote. Every write method then raises ReadOnlyError.
+
+        ``clock``: the wall clock (seconds) for last-access and commit times, ``time.time``
+        unless a test injects one.
         """
         path = check_root_path(root)
         if read_only and (create or max_bytes is not None):
@@ -158,7 +165,8 @@ class Store(CatalogHealth, Quarantining, Queries):
         except PermissionError as exc:
             raise ConfigError("permission denied opening the store", path=exc.filename or path,
                               fix="run as the store's owner or fix its permissions") from None
-        store = cls(layout, marker, lock_timeout=lock_timeout, read_only=read_only)
+        store = cls(layout, marker, lock_timeout=lock_timeout, read_only=read_only,
+                    clock=clock)
         if read_only:
             store._open_catalog_read_only()
             store.unknown_files = store._recovery.unknown_top_level()
@@ -355,7 +363,7 @@ class Store(CatalogHealth, Quarantining, Queries):
             return
         ids = list(entry_ids)
         with contextlib.suppress(BusyError):
-            self.run_with_catalog_repair(lambda: self.catalog.touch(ids, time.time()))
+            self.run_with_catalog_repair(lambda: self.catalog.touch(ids, self.clock()))
 
     def manifest(self, entry_id: str) -> Manifest:
         """Load and validate the manifest of ``entry_id``.
@@ -432,7 +440,7 @@ class Store(CatalogHealth, Quarantining, Queries):
 
         def release() -> bool:
             return self.run_with_catalog_repair(
-                lambda: self.catalog.set_hint(entry_id, "release"))
+                lambda: self.catalog.set_hint(entry_id, "release", self.clock()))
         return self._shedding(release)
 
     def update_index(self, entry_id: str, changes: Mapping[str, Any]) -> bool:
