@@ -31,10 +31,10 @@ Ratios are the store's throughput over the reference's, from the medians. Prints
     python scripts/bench_store.py --probe     # where inline hashing beats the helper thread
     python scripts/bench_store.py --tags      # cost of entry tags (decision 2011)
 
-``--tags`` measures what a tag key costs, both sides in the same run and alternating: two
-stores, one opened with a tag key and one without, each committing the same entries
-(``put``, 64 KiB and 1 MiB), loading their manifests (``Store.manifest``: read, decode,
-digest, and on the keyed side the tag check) and doing a verified read of every entry
+``--tags`` measures what a tag key costs, both sides in the same run, taking turns entry by
+entry: two stores, one opened with a tag key and one without, each committing the same
+entries (``put``, 64 KiB and 1 MiB), loading their manifests (``Store.manifest``: read,
+decode, digest, and on the keyed side the tag check) and doing a verified read of every entry
 (``lookup`` + ``read``, warm page cache); plus the tag computation alone.
 """
 
@@ -291,38 +291,40 @@ def probe(base: Path, repeat: int) -> dict:
 
 def bench_tags(base: Path, repeat: int, entries: int = 32) -> dict:
     """Same-run cost of tagging (commit) and checking (every manifest load) -- see the
-    module docstring. Ratios are keyed throughput over unkeyed, from the medians."""
+    module docstring. Each operation is timed on its own, the two stores taking turns
+    entry by entry (which goes first alternates), so load on the machine falls on both
+    sides alike; ratios are keyed throughput over unkeyed, from the medians."""
     key = TagKey(os.urandom(32), "bench")
     rows = []
     with Store.open(base / "tags-off", create=True, tag_key=None) as off, \
             Store.open(base / "tags-on", create=True, tag_key=key) as on:
+        stores = {"off": off, "on": on}
         for size in (64 * KiB, MiB):
             times: dict[str, dict[str, list[float]]] = {
-                side: {"commit": [], "manifest": [], "read": []} for side in ("off", "on")}
+                side: {"commit": [], "manifest": [], "read": []} for side in stores}
             for i in range(repeat):
-                blobs = [os.urandom(size) for _ in range(entries)]
-                sides = [("off", off), ("on", on)]
-                if i % 2:
-                    sides.reverse()
-                for side, store in sides:
-                    keys = [f"{size}-{i}-{k}" for k in range(entries)]
-                    os.sync()
-                    t = time.perf_counter()
-                    ids = [store.put(kind="vllm", namespace="tags", key=k, objects={"kv": b})
-                           .entry_id for k, b in zip(keys, blobs, strict=True)]
-                    times[side]["commit"].append((time.perf_counter() - t) / entries)
-                    t = time.perf_counter()
-                    for e in ids:
-                        store.manifest(e)
-                    times[side]["manifest"].append((time.perf_counter() - t) / entries)
-                    t = time.perf_counter()
-                    for k in keys:
-                        m = store.lookup("vllm", "tags", k, touch=False)
-                        assert m is not None and len(store.read(m, "kv")) == size
-                    times[side]["read"].append((time.perf_counter() - t) / entries)
-            row: dict = {"entry_kib": size // KiB, "entries": entries}
+                keys = [f"{size}-{i}-{k}" for k in range(entries)]
+                ids: dict[str, list[str]] = {side: [] for side in stores}
+                for k, name in enumerate(keys):
+                    data = os.urandom(size)
+                    for side in (("off", "on") if k % 2 else ("on", "off")):
+                        t = time.perf_counter()
+                        m = stores[side].put(kind="vllm", namespace="tags", key=name,
+                                             objects={"kv": data})
+                        times[side]["commit"].append(time.perf_counter() - t)
+                        ids[side].append(m.entry_id)
+                for k, name in enumerate(keys):
+                    for side in (("off", "on") if k % 2 else ("on", "off")):
+                        t = time.perf_counter()
+                        stores[side].manifest(ids[side][k])
+                        times[side]["manifest"].append(time.perf_counter() - t)
+                        t = time.perf_counter()
+                        hit = stores[side].lookup("vllm", "tags", name, touch=False)
+                        assert hit is not None and len(stores[side].read(hit, "kv")) == size
+                        times[side]["read"].append(time.perf_counter() - t)
+            row: dict = {"entry_kib": size // KiB, "samples_per_side": repeat * entries}
             for op in ("commit", "manifest", "read"):
-                med = {side: statistics.median(times[side][op]) for side in ("off", "on")}
+                med = {side: statistics.median(times[side][op]) for side in stores}
                 row[f"{op}_us_untagged"] = round(med["off"] * 1e6, 1)
                 row[f"{op}_us_tagged"] = round(med["on"] * 1e6, 1)
                 row[f"{op}_tagged_vs_untagged"] = round(med["off"] / med["on"], 3)
