@@ -239,3 +239,31 @@ def test_controllers_and_the_connector_get_the_key_the_same_way(store_root, key_
     with pytest.raises(ConfigError, match="absolute"):
         parse_settings({"spoolctl_root": "/srv/spool", "spoolctl_tag_key_file": "tag.key"},
                        block_size=32)
+
+
+def test_a_request_queue_from_before_verified_is_upgraded_in_place(store):
+    """Queues created by earlier versions allow only authenticated/absent/quarantined: the
+    first open rebuilds the table (rows kept) so a worker can answer ``verified``."""
+    import sqlite3
+
+    from spoolctl.store.auth_requests import AUTH_DB, AuthQueue, process_pending
+
+    (entry_id,) = [store.put(kind=KIND, namespace=NS, key=KEY, objects={"kv": GOOD}).entry_id]
+    path = store.layout.state / AUTH_DB
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE requests(request_id INTEGER PRIMARY KEY AUTOINCREMENT,
+            entry_id TEXT NOT NULL, created REAL NOT NULL, requester_pid INTEGER NOT NULL,
+            result TEXT CHECK (result IS NULL OR result IN ('authenticated', 'absent',
+                                                            'quarantined')),
+            reason TEXT, detail TEXT, answered REAL, answered_by INTEGER);
+        CREATE INDEX requests_pending ON requests(result, request_id);""")
+    old.execute("INSERT INTO requests(entry_id, created, requester_pid) VALUES (?, 1.0, 1)",
+                (entry_id,))
+    old.commit()
+    old.close()
+    assert process_pending(store) == 1
+    with AuthQueue.of(store) as queue:
+        got = queue.receipt(1)
+    assert got is not None and got.result == "verified" and got.proves == "integrity"
+
