@@ -29,6 +29,13 @@ Ratios are the store's throughput over the reference's, from the medians. Prints
 
     python scripts/bench_store.py [--dir /path/on/nvme] [--repeat 5]
     python scripts/bench_store.py --probe     # where inline hashing beats the helper thread
+    python scripts/bench_store.py --tags      # cost of entry tags (decision 2011)
+
+``--tags`` measures what a tag key costs, both sides in the same run, taking turns entry by
+entry: two stores, one opened with a tag key and one without, each committing the same
+entries (``put``, 64 KiB and 1 MiB), loading their manifests (``Store.manifest``: read,
+decode, digest, and on the keyed side the tag check) and doing a verified read of every entry
+(``lookup`` + ``read``, warm page cache); plus the tag computation alone.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from benchutil import drop_page_cache
 
 from spoolctl.store import Manifest, Store, fsio
 from spoolctl.store.commit import PutRequest
+from spoolctl.store.entry_tags import TagKey
 from spoolctl.store.fsio import READ_CHUNK, fsync_dir, full_fsync
 
 MiB = 1 << 20
@@ -281,6 +289,62 @@ def probe(base: Path, repeat: int) -> dict:
             "loadavg": [round(x, 2) for x in os.getloadavg()], "rows": rows}
 
 
+def bench_tags(base: Path, repeat: int, entries: int = 32) -> dict:
+    """Same-run cost of tagging (commit) and checking (every manifest load) -- see the
+    module docstring. Each operation is timed on its own, the two stores taking turns
+    entry by entry (which goes first alternates), so load on the machine falls on both
+    sides alike; ratios are keyed throughput over unkeyed, from the medians."""
+    key = TagKey(os.urandom(32), "bench")
+    rows = []
+    with Store.open(base / "tags-off", create=True, tag_key=None) as off, \
+            Store.open(base / "tags-on", create=True, tag_key=key) as on:
+        stores = {"off": off, "on": on}
+        for size in (64 * KiB, MiB):
+            times: dict[str, dict[str, list[float]]] = {
+                side: {"commit": [], "manifest": [], "read": []} for side in stores}
+            for i in range(repeat):
+                keys = [f"{size}-{i}-{k}" for k in range(entries)]
+                ids: dict[str, list[str]] = {side: [] for side in stores}
+                for k, name in enumerate(keys):
+                    data = os.urandom(size)
+                    for side in (("off", "on") if k % 2 else ("on", "off")):
+                        t = time.perf_counter()
+                        m = stores[side].put(kind="vllm", namespace="tags", key=name,
+                                             objects={"kv": data})
+                        times[side]["commit"].append(time.perf_counter() - t)
+                        ids[side].append(m.entry_id)
+                for k, name in enumerate(keys):
+                    for side in (("off", "on") if k % 2 else ("on", "off")):
+                        t = time.perf_counter()
+                        stores[side].manifest(ids[side][k])
+                        times[side]["manifest"].append(time.perf_counter() - t)
+                        t = time.perf_counter()
+                        hit = stores[side].lookup("vllm", "tags", name, touch=False)
+                        assert hit is not None and len(stores[side].read(hit, "kv")) == size
+                        times[side]["read"].append(time.perf_counter() - t)
+            row: dict = {"entry_kib": size // KiB, "samples_per_side": repeat * entries}
+            for op in ("commit", "manifest", "read"):
+                med = {side: statistics.median(times[side][op]) for side in stores}
+                row[f"{op}_us_untagged"] = round(med["off"] * 1e6, 1)
+                row[f"{op}_us_tagged"] = round(med["on"] * 1e6, 1)
+                row[f"{op}_tagged_vs_untagged"] = round(med["off"] / med["on"], 3)
+            rows.append(row)
+    digest = "ab" * 32
+    n = 20000
+    t = time.perf_counter()
+    for _ in range(n):
+        key.mac(digest)
+    mac_us = (time.perf_counter() - t) / n * 1e6
+    tag = key.tag(digest)
+    t = time.perf_counter()
+    for _ in range(n):
+        key.problem(tag, digest)
+    check_us = (time.perf_counter() - t) / n * 1e6
+    return {"benchmark": "store-tags", "repeat": repeat, "mac_us": round(mac_us, 2),
+            "check_us": round(check_us, 2),
+            "loadavg": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
@@ -290,11 +354,16 @@ def main() -> None:
                         help=f"entry sizes in KiB for batches of {BATCH} (empty: none)")
     parser.add_argument("--probe", action="store_true",
                         help="measure inline vs pipelined hashing of verified reads instead")
+    parser.add_argument("--tags", action="store_true",
+                        help="measure the cost of entry tags (keyed vs unkeyed store) instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         base = Path(os.path.realpath(tmp))
         if args.probe:
             print(json.dumps(probe(base, args.repeat), indent=2))
+            return
+        if args.tags:
+            print(json.dumps(bench_tags(base, args.repeat), indent=2))
             return
         load_before = os.getloadavg()
         results = [bench_single(base, int(s) * MiB, args.repeat)

@@ -49,7 +49,7 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         # quarantine reasons (spoolctl.store.QuarantineReason values)
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
         "payload_missing", "object_collision", "catalog", "scrub_state", "auth_queue",
-        "unknown",
+        "auth_tag", "unknown",
     }),
     "step": frozenset({"scrub", "capacity", "auth", "orphans", "tmp", "lease"}),
 }

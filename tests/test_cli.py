@@ -188,7 +188,7 @@ def test_corrupt_byte_scrub_quarantine_restore(root: Path) -> None:
     evidence = Path(item["path"]) / obj.name
     flip_byte(evidence)
     assert cli_json("quarantine", "restore", item["item"], "--root", str(root))["restored"]
-    assert cli_json("request-auth", bad, "--root", str(root))["result"] == "authenticated"
+    assert cli_json("request-auth", bad, "--root", str(root))["result"] == "verified"
     assert cli_json("quarantine", "ls", "--root", str(root))["count"] == 0
     with Store.open(root) as store:
         m = store.lookup("pytorch", "model-a", "k2")
@@ -199,13 +199,13 @@ def test_request_auth_healthy_corrupt_missing(root: Path) -> None:
     ids = fill(root, 3)
     flip_byte(object_path(root, ids[1]))
     ok = cli_json("request-auth", ids[0], "--root", str(root))
-    assert ok["result"] == "authenticated" and ok["via"] == "direct"
+    assert ok["result"] == "verified" and ok["via"] == "direct"
     bad = cli_json("request-auth", ids[1][:8], "--root", str(root), expect=1)
     assert bad["result"] == "quarantined" and bad["reason"] == "payload_digest"
     absent = cli_json("request-auth", "0" * 64, "--root", str(root), expect=1)
     assert absent["result"] == "absent"
     human = cli("request-auth", ids[0], "--root", str(root))
-    assert human.returncode == 0 and "authenticated" in human.stdout
+    assert human.returncode == 0 and "verified" in human.stdout
 
 
 OWNER_SCRIPT = textwrap.dedent("""
@@ -235,7 +235,7 @@ def test_request_auth_queued_for_live_owner(root: Path) -> None:
         queued = cli_json("request-auth", ids[0], "--root", str(root))
         assert queued["result"] == "queued" and queued["request_id"] >= 1
         got = cli_json("request-auth", ids[0], "--root", str(root), "--wait", "--timeout", "60")
-        assert got["result"] == "authenticated" and got["via"] == "owner"
+        assert got["result"] == "verified" and got["via"] == "owner"
         got = cli_json("request-auth", ids[2], "--root", str(root), "--wait", "--timeout", "60",
                        expect=1)
         assert got["result"] == "quarantined" and got["via"] == "owner"

@@ -61,8 +61,11 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def server(clock):
+def server(clock, monkeypatch):
     with FakeGenAIServer(clock=clock) as srv:
+        # the operator's opt-in for a non-Google endpoint (decision 2010): without it
+        # clean_remote sends no credentials to the fake's plain-http address
+        monkeypatch.setenv("SPOOLCTL_GENAI_ENDPOINTS", srv.base_url)
         yield srv
 
 

@@ -58,8 +58,8 @@ def test_clean_skips_then_deletes_a_cache_whose_server_delete_failed(store_root:
         text = run("clean", "--root", str(store_root), "--yes")
         assert "rerun with --genai" in text.stdout
 
-        remote = run("clean", "--genai", "--root", str(store_root), "--yes", "--json",
-                     key="test-key")
+        remote = run("clean", "--genai", "--genai-endpoint", server.base_url,
+                     "--root", str(store_root), "--yes", "--json", key="test-key")
         doc = json.loads(remote.stdout)
         assert remote.returncode == 0, remote.stderr
         assert doc["genai"]["deleted"] == [handle.ref]

@@ -94,7 +94,8 @@ def test_malformed_genai_records_are_skipped_reported_and_repaired(store_root: P
         plain = run("clean", "--yes", "--root", str(store_root), "--json")
         assert plain.returncode == 1 and json.loads(plain.stdout)["genai"]["malformed"] == 3
 
-        proc = run("clean", "--genai", "--yes", "--root", str(store_root), "--json")
+        proc = run("clean", "--genai", "--genai-endpoint", server.base_url, "--yes",
+                   "--root", str(store_root), "--json")
         doc = json.loads(proc.stdout)["genai"]
         assert proc.returncode == 1, proc.stderr  # findings: two records could not be read
         assert sorted(doc["deleted"]) == sorted(h.ref for h in handles)  # a, b re-indexed
@@ -107,7 +108,8 @@ def test_malformed_genai_records_are_skipped_reported_and_repaired(store_root: P
         with Store.open(store_root) as store:
             left = {r.entry_id for r in store.entries(kind="genai")}
         assert left == {other, evil}  # kept: their server deletes may still be owed
-        human = run("clean", "--genai", "--yes", "--root", str(store_root))
+        human = run("clean", "--genai", "--genai-endpoint", server.base_url, "--yes",
+                    "--root", str(store_root))
         assert human.returncode == 1 and "skipped malformed record" in human.stdout
 
 

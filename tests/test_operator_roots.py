@@ -110,7 +110,7 @@ def test_every_command_accepts_the_base_root(base: Path) -> None:
     found = cli_json("inspect", target[:12], "--root", str(base))
     assert _ranks(found) == [(DEP_A, 1)] and found["stores"][0]["result"]["entry_id"] == target
     assert cli_json("request-auth", target, "--root", str(base))["stores"][0]["result"][
-        "result"] == "authenticated"
+        "result"] == "verified"
     absent = cli("inspect", "ab" * 32, "--root", str(base))
     assert absent.returncode == 1 and absent.stderr.startswith("error: no entry")
     assert cli_json("doctor", "--root", str(base))["kind"] == "base"

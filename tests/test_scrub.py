@@ -114,7 +114,7 @@ def test_auth_queue_round_trip(store: Store) -> None:
     assert process_pending(store) == 3
     assert process_pending(store) == 0  # a receipt is written once
     with AuthQueue.of(store) as queue:
-        assert queue.receipt(a).result == "authenticated"
+        assert queue.receipt(a).result == "verified"
         got = queue.receipt(b)
         assert got.result == "quarantined" and got.reason == "payload_digest"
         assert queue.receipt(c).result == "absent"
@@ -137,7 +137,7 @@ def test_maintainer_owner_scrubs_and_answers(store_root: Path) -> None:
             assert m.counters.quarantine_events["payload_digest"] == 1
             assert m.counters.scrubbed_entries >= 4
             with AuthQueue.of(store) as queue:
-                assert queue.receipt(request).result == "authenticated"
+                assert queue.receipt(request).result == "verified"
         finally:
             m.stop()
             m.stop()

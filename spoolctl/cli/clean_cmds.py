@@ -6,7 +6,7 @@ One bad part never stops it: a malformed catalog row is skipped and reported, a 
 that cannot be deleted is counted, a step that fails is recorded while the others run,
 and a rank that fails does not stop the other ranks. Exit 0: done; 1: findings
 (something quarantined, files that could not be deleted, malformed rows, a failed remote
-delete); 2: a step or a store failed.
+delete, a genai record whose endpoint was refused); 2: a step or a store failed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from spoolctl.store import CLEAN_STEPS, SpoolError, Store, parse_duration
+from spoolctl.store import CLEAN_STEPS, ConfigError, SpoolError, Store, parse_duration
 
 from . import render
 from .app import app
@@ -50,6 +50,10 @@ def clean_cmd(
         "--genai", help="First delete released/expired Gemini/Vertex caches on their server "
         "(credentials from GEMINI_API_KEY/GOOGLE_API_KEY or Google default credentials).")] =
         False,
+    genai_endpoint: Annotated[list[str] | None, typer.Option(
+        "--genai-endpoint", help="Also send credentials to this origin (scheme://host:port) "
+        "when a record names it; besides Google's https endpoints only these and "
+        "SPOOLCTL_GENAI_ENDPOINTS are used. Repeatable.")] = None,
     min_age: Annotated[str, typer.Option(
         "--min-age", help="Orphans and temp files must be this old (e.g. 1h).")] = "1h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report; change nothing.")] =
@@ -70,6 +74,7 @@ def clean_cmd(
     Example (cron): [bold]spoolctl clean --yes --json[/bold]
     """
     age = parse_duration(min_age)
+    endpoints = _endpoint_policy(genai, genai_endpoint or [])
     chosen = {"released": released, "capacity": capacity, "tmp": tmp, "orphans": orphans}
     steps = [step for step in CLEAN_STEPS if chosen[step]] or list(CLEAN_STEPS)
     targets = resolve_targets(root, rank=rank, deployment=deployment)
@@ -83,7 +88,8 @@ def clean_cmd(
             raise typer.Exit(EXIT_OK)
 
     def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
-        remote = _clean_genai(store, genai, dry_run)  # before local cleanup: settles holds
+        # before local cleanup: settles holds
+        remote = _clean_genai(store, genai, dry_run, endpoints)
         report = store.clean(steps, min_age=age, dry_run=dry_run)
         doc = {**report.to_json(), "genai": remote}
         where = "" if _target.rank is None else f"{_target.label}: "
@@ -92,13 +98,26 @@ def clean_cmd(
         if report.errors or remote.get("error"):
             return doc, EXIT_USAGE
         findings = report.quarantined or report.failed or report.malformed_count or \
-            remote.get("failed") or remote.get("malformed")
+            remote.get("failed") or remote.get("malformed") or remote.get("refused")
         return doc, EXIT_FINDINGS if findings else EXIT_OK
 
     finish(run_on_targets(targets, job, json_output=json_output, view=_clean_view))
 
 
-def _clean_genai(store: Store, enabled: bool, dry_run: bool) -> dict[str, Any]:
+def _endpoint_policy(enabled: bool, extra: list[str]) -> Any:
+    """Where ``--genai`` may send credentials besides Google (operator configuration only:
+    ``--genai-endpoint`` and ``SPOOLCTL_GENAI_ENDPOINTS``); checked before any store opens."""
+    if not enabled:
+        if extra:
+            raise ConfigError("--genai-endpoint without --genai", fix="add --genai")
+        return None
+    from spoolctl.controllers.genai_endpoints import EndpointPolicy
+
+    return EndpointPolicy.from_operator(extra)
+
+
+def _clean_genai(store: Store, enabled: bool, dry_run: bool,
+                 endpoints: Any = None) -> dict[str, Any]:
     """Server-side deletes owed by released/expired genai caches (``--genai``); without the
     flag, only say what was skipped. A record that cannot be read is counted, never fatal."""
     if not enabled:
@@ -112,7 +131,7 @@ def _clean_genai(store: Store, enabled: bool, dry_run: bool) -> dict[str, Any]:
     from spoolctl.controllers.genai_clean import clean_remote
 
     try:
-        report = clean_remote(store, dry_run=dry_run)
+        report = clean_remote(store, dry_run=dry_run, endpoints=endpoints)
     except (SpoolError, ValueError, TypeError, KeyError) as exc:  # one bad record
         return {"error": str(exc)[:300], "lines": [f"genai step failed: {str(exc)[:300]}; the "
                                                     "local steps still ran"]}

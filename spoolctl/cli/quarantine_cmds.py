@@ -48,7 +48,7 @@ def q_ls(root: RootOption = None, rank: RankOption = None, deployment: Deploymen
     """List quarantined items with their reason.
 
     Reasons: manifest_io, manifest_validation, payload_digest, payload_size,
-    payload_missing, object_collision, catalog, scrub_state, auth_queue, unknown.
+    payload_missing, object_collision, catalog, scrub_state, auth_queue, auth_tag, unknown.
 
     Example: [bold]spoolctl quarantine ls --json[/bold]
     """

@@ -81,7 +81,9 @@ def scrub_cmd(
                     completed=cycle.done, total=max(n, cycle.total_at_start, 1)))
         assert report is not None  # wait=True: BusyError instead of None
         findings = report.quarantined or report.unreadable
-        return report.to_json(), EXIT_FINDINGS if findings else EXIT_OK
+        # what a clean pass proves: digests only, or with a tag key also the writer
+        doc = {**report.to_json(), "proves": "integrity" if store.tag_key is None else "origin"}
+        return doc, EXIT_FINDINGS if findings else EXIT_OK
 
     finish(run_on_targets(targets, job, json_output=json_output, view=_scrub_view))
 
@@ -91,7 +93,8 @@ def _scrub_view(doc: dict[str, Any]) -> Table:
               show_header=False, title_justify="left")
     t.add_column("what", style="bold")
     t.add_column("value")
-    t.add_row("authenticated", f"{doc['checked']} entries, {render.size(doc['bytes'])}")
+    what = "authenticated" if doc.get("proves") == "origin" else "verified (digests)"
+    t.add_row(what, f"{doc['checked']} entries, {render.size(doc['bytes'])}")
     found = doc["quarantined"]
     t.add_row("quarantined", f"[red]{len(found)}[/red]" if found else "0")
     for q in found[:20]:
@@ -125,9 +128,12 @@ def request_auth_cmd(
     deployment: DeploymentOption = None,
     json_output: JsonOption = False,
 ) -> None:
-    """Authenticate one entry now: authenticated (0), absent or quarantined (1).
+    """Check one entry now: authenticated or verified (0), absent or quarantined (1).
 
-    If a live worker owns the store the request is queued for it. On a vLLM base root
+    authenticated: a tag key is configured (SPOOLCTL_TAG_KEY_FILE) and the entry's tag
+    and every digest are valid, so a holder of the key wrote it. verified: no key, so
+    only the digests were checked: integrity, not who wrote it. If a live worker owns
+    the store the request is queued for it (and answered with its key). On a vLLM base root
     or deployment directory, the entry is looked for in every rank store.
 
     Example: [bold]spoolctl request-auth 3fa9c2d1 --wait --timeout 30[/bold]
@@ -181,7 +187,7 @@ def _request_auth(store: Store, entry: str, wait: bool, timeout: float
                 f"no receipt from the owner ({owner.role} pid {owner.pid}) within "
                 f"{timeout:g}s; request {request_id} stays queued",
                 path=store.root, fix="retry with a longer --timeout, or check the worker")
-    return result.to_json(), EXIT_OK if result.result == "authenticated" else EXIT_FINDINGS
+    return result.to_json(), EXIT_OK if result.healthy else EXIT_FINDINGS
 
 
 def _queued_view(doc: dict[str, Any]) -> str:
@@ -190,7 +196,8 @@ def _queued_view(doc: dict[str, Any]) -> str:
             f"{owner['pid']}; rerun with --wait to wait for the receipt")
 
 
-_RESULT_COLORS = {"authenticated": "green", "absent": "yellow", "quarantined": "red"}
+_RESULT_COLORS = {"authenticated": "green", "verified": "green", "absent": "yellow",
+                  "quarantined": "red"}
 
 
 def _auth_view(doc: dict[str, Any]) -> str:

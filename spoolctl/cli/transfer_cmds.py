@@ -283,6 +283,9 @@ def import_cmd(
         "--store-max-size", metavar="<size>",
         help="Max size recorded in stores the import creates.",
         show_default=False)] = None,
+    retag: Annotated[bool, typer.Option(
+        "--retag", help="With a tag key: tag entries the key does not authenticate "
+        "(you vouch for the source) instead of skipping them.")] = False,
     progress: ProgressOption = None,
     json_output: JsonOption = False,
 ) -> None:
@@ -293,6 +296,8 @@ def import_cmd(
     are skipped; the store's capacity is respected (never evicts; what does not fit is
     skipped). vLLM chunks go to the rank store of their own deployment under --root.
     A defective archive stops the import (exit 1); entries verified before the defect stay.
+    With a tag key (SPOOLCTL_TAG_KEY_FILE), entries without a tag valid under it are
+    skipped (exit 1) unless --retag.
 
     Example: [bold]ssh old-host spoolctl export --root /nvme/spool | spoolctl import
     --root /nvme/spool -[/bold]
@@ -314,7 +319,8 @@ def import_cmd(
     with _Progress("import", show) as bar:
         importer = Importer(layout.path, accept=tuple(deployment or ()),
                             store_max_bytes=store_max, progress=bar,
-                            wants=None if is_dir else wants, rank=rank, layout=layout)
+                            wants=None if is_dir else wants, rank=rank, layout=layout,
+                            retag=retag)
         try:
             if is_dir:
                 from spoolctl.store.peer import import_from_root
@@ -340,7 +346,10 @@ def import_cmd(
             err_console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False,
                               soft_wrap=True)
             raise typer.Exit(EXIT_FINDINGS) from None
-    _render_import(import_doc(report.to_json(), layout), json_output)
+    doc = import_doc(report.to_json(), layout)
+    _render_import(doc, json_output)
+    if doc["skipped_unauthenticated"]:
+        raise typer.Exit(EXIT_FINDINGS)
 
 
 @contextlib.contextmanager

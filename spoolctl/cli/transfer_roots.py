@@ -199,7 +199,7 @@ def import_view(doc: dict[str, Any]) -> list[Any]:
                      overflow="fold")
     for p in doc["stores"]:
         skipped = p["skipped_capacity"] + p["skipped_vanished"] + p["skipped_corrupt"] + \
-            p["filtered"]
+            p["filtered"] + p.get("skipped_unauthenticated", 0)
         t.add_row(text(p["place"] or "(store)"), str(p["imported"]), str(p["present"]),
                   str(skipped), format_size(p["bytes_written"]),
                   text(p["root"] or "- (not selected)"))
@@ -214,6 +214,8 @@ def import_view(doc: dict[str, Any]) -> list[Any]:
     notes = [(doc["skipped_capacity"], "skipped: the store is full (low watermark)"),
              (doc["skipped_vanished"], "skipped: deleted in the source meanwhile"),
              (doc["skipped_corrupt"], "skipped: corrupt in the source"),
+             (doc.get("skipped_unauthenticated", 0), "skipped: not authenticated by this "
+              "store's tag key (`--retag` if you vouch for the source)"),
              (doc["filtered"], "not selected")]
     out.extend(Text(f"{n} {what}") for n, what in notes if n)
     return out

@@ -14,6 +14,7 @@ import logging
 import threading
 
 from spoolctl.store import Store
+from spoolctl.store.entry_tags import TagKey
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -25,12 +26,14 @@ class OpenStores:
         self._lock = threading.Lock()
         self._open: dict[str, tuple[Store, int]] = {}
 
-    def acquire(self, root: str, *, create: bool, max_bytes: int | None) -> Store:
-        """The open store at ``root`` (opened now if needed: ``Store.open``'s errors)."""
+    def acquire(self, root: str, *, create: bool, max_bytes: int | None,
+                tag_key: TagKey | None = None) -> Store:
+        """The open store at ``root`` (opened now if needed: ``Store.open``'s errors), with
+        ``tag_key`` (``ConnectorSettings.tag_key``: both roles pass the same one)."""
         with self._lock:
             held = self._open.get(root)
             if held is None:
-                store = Store.open(root, create=create, max_bytes=max_bytes)
+                store = Store.open(root, create=create, max_bytes=max_bytes, tag_key=tag_key)
                 self._open[root] = (store, 1)
                 return store
             store, users = held

@@ -85,7 +85,8 @@ class SchedulerSide:
             return
         try:
             # A reader: never changes the max size the rank records (its worker sets it).
-            store = self._stores.acquire(root, create=False, max_bytes=None)
+            store = self._stores.acquire(root, create=False, max_bytes=None,
+                                         tag_key=self._dep.settings.tag_key())
         except SpoolError as exc:
             log.warning("spoolctl: rank %d store not readable here (%s); using its reports",
                         hs.rank, exc.message)

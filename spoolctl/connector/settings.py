@@ -25,6 +25,10 @@ Keys (all optional except the root):
 ``spoolctl_admit_window``    that window, e.g. ``10m`` or seconds (default 600)
 ``spoolctl_kv_events``       ``on`` (default: publish the spool tier's KV events for routers
                              when vLLM's ``kv_events_config`` enables events) or ``off``
+``spoolctl_tag_key_file``    absolute path of the tag key file (``store.entry_tags``): every
+                             chunk is tagged when stored and its tag checked on restore
+                             (default: ``SPOOLCTL_TAG_KEY_FILE`` / ``SPOOLCTL_TAG_KEY``; none:
+                             digests only). Read by the worker and the scheduler at start-up.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from spoolctl.store.entry_tags import TagKey
 from spoolctl.store.errors import ConfigError
 from spoolctl.store.sizes import parse_duration, parse_rate, parse_size
 
@@ -48,7 +53,7 @@ KNOWN_KEYS = frozenset({
     "spoolctl_root", "spoolctl_max_size", "spoolctl_chunk_tokens", "spoolctl_staging_bytes",
     "spoolctl_scrub_rate", "spoolctl_maintenance_interval", "spoolctl_on_unsupported",
     "spoolctl_inventory", "spoolctl_host_max_size", "spoolctl_admit_after",
-    "spoolctl_admit_window", "spoolctl_kv_events",
+    "spoolctl_admit_window", "spoolctl_kv_events", "spoolctl_tag_key_file",
 })
 ON_UNSUPPORTED = ("error", "disable")
 INVENTORY_MODES = ("auto", "reported")
@@ -72,8 +77,12 @@ class ConnectorSettings:
     admit_after: int = 1
     admit_window: float = DEFAULT_ADMIT_WINDOW
     kv_events: str = "on"
+    tag_key_file: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tag_key_file is not None and not os.path.isabs(self.tag_key_file):
+            raise ConfigError("spoolctl_tag_key_file must be an absolute path", path=_WHERE,
+                              fix="give the full path of the key file")
         if self.kv_events not in KV_EVENTS:
             raise ConfigError(f"spoolctl_kv_events={self.kv_events[:20]!r} is not one of on, "
                               "off", path=_WHERE, fix='set "spoolctl_kv_events" to "on" or "off"')
@@ -110,6 +119,13 @@ class ConnectorSettings:
             raise ConfigError("spoolctl_root must be an absolute path", path=self.root,
                               fix="give the full path of the base directory for rank stores")
         return rank_root(self.root, digest, place)
+
+    def tag_key(self) -> TagKey | None:
+        """The tag key: from ``spoolctl_tag_key_file`` when set, else the environment's
+        (``TagKey.from_environment``); None when neither configures one. Reads the file."""
+        if self.tag_key_file is not None:
+            return TagKey.from_file(self.tag_key_file)
+        return TagKey.from_environment()
 
 
 def parse_settings(
@@ -163,6 +179,7 @@ def parse_settings(
         admit_window=_optional(extra, "spoolctl_admit_window", _seconds,
                                DEFAULT_ADMIT_WINDOW),
         kv_events=str(extra.get("spoolctl_kv_events") or "on"),
+        tag_key_file=_optional(extra, "spoolctl_tag_key_file", str),
     )
 
 

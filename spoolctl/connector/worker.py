@@ -72,7 +72,7 @@ class WorkerSide:
         self._enabled = deployment.enabled
         self._store: Store | None = stores.acquire(
             deployment.rank_root(self._place), create=True,
-            max_bytes=deployment.settings.max_bytes)
+            max_bytes=deployment.settings.max_bytes, tag_key=deployment.settings.tag_key())
         self._pool: ThreadPoolExecutor | None = None
         self._pipeline: RestorePipeline | None = None
         self._stager: ChunkStager | None = None

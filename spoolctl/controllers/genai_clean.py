@@ -6,6 +6,9 @@ Called by ``spoolctl clean --genai`` *before* ``Store.clean_released``:
   server (Gemini API or the Vertex AI project/location recorded in its manifest);
   success or "already gone" (404) settles it, a failure keeps it pending with the
   error recorded, and a target without credentials is skipped and reported;
+* a record whose target is not Google's endpoint over https (nor an origin the operator
+  allowed, ``genai_endpoints``) is refused before any client is built: no credentials go
+  there, the record stays pending and lands in ``refused`` (a finding);
 * a record whose cache has expired is settled without a request (the service
   drops expired caches itself) and released, so local cleanup removes it.
 
@@ -28,6 +31,7 @@ from typing import Any
 from spoolctl.store import ConfigError, NotFoundError, SpoolError, Store
 from spoolctl.store.rows import MalformedRow
 
+from .genai_endpoints import EndpointPolicy
 from .genai_records import (
     KIND,
     GenaiRecord,
@@ -55,18 +59,20 @@ class GenaiCleanReport:
     failed: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     malformed: list[tuple[str, str]] = field(default_factory=list)  # (entry id, reason)
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (name, one line): endpoint
     repaired: list[str] = field(default_factory=list)  # entry ids re-indexed from manifests
     dry_run: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.failed
+        return not self.failed and not self.refused
 
     def to_json(self) -> dict[str, Any]:
         return {"deleted": self.deleted, "already_gone": self.already_gone,
                 "expired": self.expired,
                 "failed": [{"name": n, "error": e} for n, e in self.failed],
                 "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
+                "refused": [{"name": n, "reason": r} for n, r in self.refused],
                 "malformed": len(self.malformed),
                 "malformed_records": [{"entry_id": e, "reason": r} for e, r in self.malformed],
                 "repaired": self.repaired,
@@ -79,6 +85,7 @@ class GenaiCleanReport:
                f"{len(self.already_gone)} already gone, {len(self.expired)} expired"]
         out += [f"genai: failed {n}: {e}" for n, e in self.failed]
         out += [f"genai: skipped {n}: {r}" for n, r in self.skipped]
+        out += [f"genai: refused {n}: {r}" for n, r in self.refused]
         out += [f"genai: skipped malformed record {e[:16]}: {r} (`spoolctl doctor`)"
                 for e, r in self.malformed]
         out += [f"genai: re-indexed record {e[:16]} from its manifest" for e in self.repaired]
@@ -91,7 +98,8 @@ def default_client_factory(target: GenaiTarget) -> Any:
     Gemini API: ``GEMINI_API_KEY`` or ``GOOGLE_API_KEY``. Vertex AI: Application
     Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS`` or gcloud's ADC file).
     The recorded base URL and API version are reused, so a cache is deleted on the
-    server that made it.
+    server that made it -- which is why ``clean_remote`` checks the target against its
+    ``EndpointPolicy`` before it calls any factory.
     """
     try:
         from google import genai
@@ -127,14 +135,18 @@ def clean_remote(
     client_factory: ClientFactory | None = None,
     now: float | None = None,
     dry_run: bool = False,
+    endpoints: EndpointPolicy | None = None,
 ) -> GenaiCleanReport:
     """Delete owed genai caches on their servers and settle expired records (see module doc).
 
     Never raises for a server or credential problem: each lands in ``failed`` or
     ``skipped`` with one line of explanation. Call ``store.clean_released()`` after
-    it to drop the settled records.
+    it to drop the settled records. ``endpoints`` says where credentials may go
+    (default: ``EndpointPolicy.from_operator()``, Google's endpoints plus
+    ``SPOOLCTL_GENAI_ENDPOINTS``); it is checked whatever ``client_factory`` does.
     """
     factory = client_factory or default_client_factory
+    policy = EndpointPolicy.from_operator() if endpoints is None else endpoints
     now = time.time() if now is None else now
     report = GenaiCleanReport(dry_run=dry_run)
     clients: dict[GenaiTarget, Any] = {}
@@ -167,6 +179,10 @@ def clean_remote(
             continue
         except SpoolError as exc:
             report.skipped.append((name, f"record unreadable: {exc}"))
+            continue
+        refused = policy.check(target, row.entry_id)
+        if refused is not None:
+            report.refused.append((name, refused))
             continue
         client = _client_for(target, factory, clients, refusals)
         if client is None:

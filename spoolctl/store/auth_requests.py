@@ -1,8 +1,16 @@
 """Authenticate one entry now, directly or through the store's live owner.
 
 ``authenticate`` re-reads and verifies an entry's manifest and every object in
-this process and answers ``authenticated``, ``absent`` or ``quarantined`` (a
-failure quarantines the entry, exactly like any verified read).
+this process and answers what that proves (decision 2011):
+
+* ``authenticated``: the store has a tag key and the entry's tag is valid under it, and
+  every object matched its digest: the entry was committed by a holder of the key and
+  is intact (``proves = "origin"``);
+* ``verified``: no tag key is configured; every object matched its digest. That proves
+  integrity only (``proves = "integrity"``): anyone who can write the store could have
+  written a consistent manifest and objects;
+* ``absent`` or ``quarantined`` (a failure -- including, with a key, a missing or bad
+  tag -- quarantines the entry, exactly like any verified read).
 
 When a live worker holds the owner lease, an operator must not act behind its
 back: ``submit`` queues the request durably in ``state/auth_requests.sqlite3``,
@@ -33,8 +41,10 @@ if TYPE_CHECKING:
     from .store import Store
 
 AUTH_DB = "auth_requests.sqlite3"
-Result = Literal["authenticated", "absent", "quarantined"]
-RESULTS: tuple[str, ...] = ("authenticated", "absent", "quarantined")
+Result = Literal["authenticated", "verified", "absent", "quarantined"]
+RESULTS: tuple[str, ...] = ("authenticated", "verified", "absent", "quarantined")
+# What a healthy answer proves; absent/quarantined prove nothing.
+PROVES = {"authenticated": "origin", "verified": "integrity"}
 # Receipts older than this are dropped when new requests are processed.
 RECEIPT_TTL = 7 * 86400.0
 
@@ -44,7 +54,8 @@ CREATE TABLE IF NOT EXISTS requests(
     entry_id TEXT NOT NULL,
     created REAL NOT NULL,
     requester_pid INTEGER NOT NULL,
-    result TEXT CHECK (result IS NULL OR result IN ('authenticated', 'absent', 'quarantined')),
+    result TEXT CHECK (result IS NULL OR result IN ('authenticated', 'verified', 'absent',
+                                                    'quarantined')),
     reason TEXT,
     detail TEXT,
     answered REAL,
@@ -65,8 +76,17 @@ class AuthResult:
     via: Literal["direct", "owner"] = "direct"
     request_id: int | None = None
 
+    @property
+    def proves(self) -> str | None:
+        """``origin`` (tag and digests), ``integrity`` (digests only) or None."""
+        return PROVES.get(self.result)
+
+    @property
+    def healthy(self) -> bool:
+        return self.result in PROVES
+
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "proves": self.proves}
 
 
 def authenticate(store: Store, entry_id: str) -> AuthResult:
@@ -84,7 +104,11 @@ def authenticate(store: Store, entry_id: str) -> AuthResult:
     except CorruptionError as exc:
         return AuthResult(entry_id, "quarantined", reason=exc.reason.value, detail=exc.message)
     detail = f"{len(manifest.objects)} objects, {manifest.payload_bytes} bytes verified"
-    return AuthResult(entry_id, "authenticated", detail=detail)
+    if store.tag_key is None:
+        return AuthResult(entry_id, "verified", detail=detail + "; digests only: no tag key "
+                          "configured, so the writer is not authenticated")
+    return AuthResult(entry_id, "authenticated",
+                      detail=detail + f"; tag valid under key {store.tag_key.key_id}")
 
 
 class AuthQueue:
@@ -93,6 +117,7 @@ class AuthQueue:
     def __init__(self, path: Path):
         self.path = path
         self._db = connect_private(path, ddl=_DDL, synchronous="FULL")
+        _allow_verified(self._db)
 
     @classmethod
     def of(cls, store: Store) -> AuthQueue:
@@ -160,6 +185,28 @@ class AuthQueue:
         cutoff = (now or time.time()) - RECEIPT_TTL
         self._db.execute("DELETE FROM requests WHERE result IS NOT NULL AND answered < ?",
                          (cutoff,))
+
+
+def _allow_verified(db: sqlite3.Connection) -> None:
+    """A queue created before ``verified`` existed refuses that result (its CHECK lists
+    three): rebuild the table with today's DDL, rows kept, in one transaction."""
+    row = db.execute("SELECT sql FROM sqlite_master WHERE type='table' AND name='requests'"
+                     ).fetchone()
+    if row is None or "'verified'" in (row[0] or ""):
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("DROP INDEX IF EXISTS requests_pending")
+        db.execute("ALTER TABLE requests RENAME TO requests_before_verified")
+        for stmt in _DDL.split(";"):
+            if stmt.strip():
+                db.execute(stmt)
+        db.execute("INSERT INTO requests SELECT * FROM requests_before_verified")
+        db.execute("DROP TABLE requests_before_verified")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
 
 
 def process_pending(store: Store, *, limit: int = 100) -> int:

@@ -230,6 +230,8 @@ class Committer:
         if (row is not None and row.state == "committed") or (row is None and path.exists()):
             try:
                 manifest = read_manifest(path, entry_id)
+                if store.tag_key is not None:  # an untagged or forged entry is rewritten
+                    store._authenticate(manifest, path)
             except FileNotFoundError:
                 return None
             except ManifestError as exc:
@@ -301,7 +303,7 @@ class Committer:
                     objects=tuple(ObjectRef(name, f.digest, f.size) for name, f in p.staged),
                     meta=p.request.meta, index=p.request.index,
                     supersedes=p.request.supersedes)
-                p.data = encode(p.manifest)
+                p.data = encode(p.manifest, self._store.tag_key)
             else:
                 missing = [r for r in p.manifest.objects
                            if r.digest not in given and not object_present(self._store, r)]

@@ -22,6 +22,7 @@ class QuarantineReason(str, enum.Enum):
     CATALOG = "catalog"
     SCRUB_STATE = "scrub_state"  # state/scrub.sqlite3 unreadable: quarantined and reset
     AUTH_QUEUE = "auth_queue"  # state/auth_requests.sqlite3 unreadable: quarantined and reset
+    AUTH_TAG = "auth_tag"  # a tag key is configured and the entry has no valid tag (2011)
     UNKNOWN = "unknown"
 
 

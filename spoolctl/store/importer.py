@@ -60,8 +60,8 @@ class ImportReport:
 
     def to_json(self) -> dict[str, Any]:
         keys = ("imported", "present", "skipped_capacity", "skipped_vanished",
-                "skipped_corrupt", "filtered", "objects_written", "objects_present",
-                "bytes_written")
+                "skipped_corrupt", "skipped_unauthenticated", "filtered", "objects_written",
+                "objects_present", "bytes_written")
         return {"source": self.source, "target": self.target, "complete": self.complete,
                 "error": self.error, "source_bytes": self.source_bytes,
                 "seconds": round(self.seconds, 4),
@@ -78,13 +78,16 @@ class Importer:
     other deployments, and (when given) the only deployments imported. ``rank``: import
     only that rank's stores of the source (a host of a multi-host deployment takes its own
     ranks). ``store_max_bytes`` is recorded in stores the import creates. ``layout``: the
-    target already classified by the caller (the CLI, through ``cli.targets``)."""
+    target already classified by the caller (the CLI, through ``cli.targets``). ``retag``:
+    the operator vouches for the source, so entries the target's tag key does not
+    authenticate are tagged with it instead of skipped (needs a key; decision 2011)."""
 
     def __init__(self, target: str | os.PathLike[str], *, accept: tuple[str, ...] = (),
                  store_max_bytes: int | None = None, progress: Progress | None = None,
                  wants: Callable[[Any], bool] | None = None, rank: int | None = None,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, retag: bool = False):
         self.layout = layout if layout is not None else inspect_root(target)
+        self.retag = retag
         self.rank = rank
         self.wants = wants
         self.accept_given = tuple(accept)
@@ -156,8 +159,11 @@ class Importer:
             store = self._stack.enter_context(
                 Store.open(dest, create=True, max_bytes=self.store_max_bytes
                            if tally.created else None))
+            if self.retag and store.tag_key is None:
+                raise ConfigError("--retag needs a tag key to tag with", path=dest,
+                                  fix="set SPOOLCTL_TAG_KEY_FILE (see docs/SECURITY.md)")
             self.sections[place] = Section(store, tally, self._pool, self._flusher,
-                                           strict=strict, wants=wants)
+                                           strict=strict, wants=wants, retag=self.retag)
 
     def section(self, place: str) -> Section:
         sec = self.sections.get(place)

@@ -27,7 +27,7 @@ from .errors import ArchiveError, ManifestError
 from .fsio import ensure_real_dirs, fsync_close, io_error, tmp_name, unlink_quietly
 from .gc import LOW_WATERMARK
 from .import_commit import StagedEntry, object_present, publish_entries
-from .manifest import decode, encode
+from .manifest import decode, encode, envelope_digest
 from .store import Store
 
 COPY_CHUNK = 1 << 20
@@ -64,6 +64,7 @@ class PlaceTally:
     skipped_capacity: int = 0
     skipped_vanished: int = 0
     skipped_corrupt: int = 0
+    skipped_unauthenticated: int = 0  # the target has a tag key; the entry no valid tag
     filtered: int = 0
     objects_written: int = 0
     objects_present: int = 0
@@ -156,8 +157,12 @@ class Section:
     def __init__(self, store: Store, tally: PlaceTally, pool: ThreadPoolExecutor,
                  flusher: ThreadPoolExecutor, *,
                  strict: bool, wants: Callable[[Any], bool] | None = None,
-                 skip_all: bool = False):
+                 skip_all: bool = False, retag: bool = False):
         self.store = store
+        # With a tag key on the target: an entry whose tag this key does not verify is
+        # skipped, unless the operator vouches for the source (``retag``): then it is
+        # tagged anew (decision 2011). Without a key, tags travel as they are.
+        self.retag = retag
         self.tally = tally
         self.pool = pool
         self.flusher = flusher
@@ -295,7 +300,14 @@ class Section:
         if row is not None and row.state == "committed":
             self.tally.present += 1
             return self._discard_entry(dropped=False)
-        body = encode(manifest)
+        key = self.store.tag_key
+        fresh = None
+        if key is not None and key.problem(manifest.tag, envelope_digest(manifest)):
+            if not self.retag:
+                self.tally.skipped_unauthenticated += 1
+                return self._discard_entry(dropped=False)
+            fresh = key
+        body = encode(manifest, fresh)
         if len(body) > self.room:
             self.tally.skipped_capacity += 1
             return self._discard_entry(dropped=True)

@@ -4,6 +4,7 @@ On disk a manifest is a JSON envelope::
 
     {"schema": "spoolctl-manifest/v1",
      "digest": "<blake3 hex of the canonical JSON of body>",
+     "tag": {"alg", "key_id", "mac"},        # optional: keyed MAC of "digest" (entry_tags)
      "body": {"entry_id", "kind", "namespace", "key", "created",
               "objects": [{"name", "digest", "size"}],
               "meta": {...}, "index": {...}, "supersedes": null | "<entry id>"}}
@@ -12,7 +13,8 @@ On disk a manifest is a JSON envelope::
 ``index`` the small facts the catalog indexes for selection (element hashes...).
 Decoding checks the envelope digest, every field, and that ``entry_id`` is the
 id of ``(kind, namespace, key)``, so a manifest copied or swapped onto another
-entry's file name is rejected.
+entry's file name is rejected. ``tag`` is written only when the committing store has a
+tag key (``entry_tags``); decoding checks its shape, ``Store.manifest`` its value.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .digest import hash_bytes, is_digest
+from .entry_tags import TagKey, check_tag_field
 from .errors import ManifestError, QuarantineReason, SpoolError
 from .keys import (
     entry_id_for,
@@ -75,6 +78,10 @@ class Manifest:
     meta: Mapping[str, Any] = field(default_factory=dict)
     index: Mapping[str, Any] = field(default_factory=dict)
     supersedes: str | None = None
+    # Envelope facts, not body: the authentication tag as read, and the envelope digest it
+    # was verified against (None for a manifest built in this process).
+    tag: Mapping[str, str] | None = field(default=None, compare=False, repr=False)
+    digest: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_kind(self.kind)
@@ -155,11 +162,25 @@ def canonical_json(value: Any) -> bytes:
     ).encode()
 
 
-def encode(manifest: Manifest) -> bytes:
-    """Serialise a manifest into its on-disk envelope."""
+def envelope_digest(manifest: Manifest) -> str:
+    """The digest of the manifest's body (what its envelope records and its tag covers)."""
+    return manifest.digest or hash_bytes(canonical_json(manifest.body()))
+
+
+def encode(manifest: Manifest, tag_key: TagKey | None = None) -> bytes:
+    """Serialise a manifest into its on-disk envelope.
+
+    With ``tag_key`` the envelope gets a fresh tag; without, a tag read with the manifest
+    is kept when it was made for this very body (an export carries its tags), else none."""
     body = manifest.body()
+    digest = hash_bytes(canonical_json(body))
+    envelope: dict[str, Any] = {"schema": SCHEMA, "digest": digest, "body": body}
+    if tag_key is not None:
+        envelope["tag"] = tag_key.tag(digest)
+    elif manifest.tag is not None and manifest.digest == digest:
+        envelope["tag"] = dict(manifest.tag)
     data = json.dumps(
-        {"schema": SCHEMA, "digest": hash_bytes(canonical_json(body)), "body": body},
+        envelope,
         sort_keys=True,
         separators=(",", ":"),
         allow_nan=False,
@@ -214,7 +235,7 @@ def decode(
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise bad(f"not valid JSON ({type(exc).__name__})") from None
-    if not isinstance(doc, dict) or set(doc) != {"schema", "digest", "body"}:
+    if not isinstance(doc, dict) or set(doc) - {"tag"} != {"schema", "digest", "body"}:
         raise bad("not a manifest envelope")
     if doc["schema"] != SCHEMA:
         raise bad(f"unsupported schema {str(doc['schema'])[:40]!r}")
@@ -248,6 +269,8 @@ def decode(
             meta=body["meta"],
             index=body["index"],
             supersedes=body["supersedes"],
+            tag=check_tag_field(doc["tag"]) if "tag" in doc else None,
+            digest=doc["digest"],
         )
     except ManifestError:
         raise

@@ -36,6 +36,10 @@ Contract (see docs/format.md for the on-disk format):
   the store's reserve and retries (``reserve``, decision 1103).
 * ``read_only=True`` opens a store this process may not (or must not) write: nothing is
   created, locked, touched or quarantined, and every write raises ReadOnlyError.
+* With a tag key (``entry_tags``; by default from ``SPOOLCTL_TAG_KEY_FILE`` /
+  ``SPOOLCTL_TAG_KEY``), every commit tags its manifest and ``manifest`` -- the one way
+  every reader gets a manifest -- refuses one without a valid tag: quarantined
+  (``auth_tag``) and a miss, never handed on (decision 2011).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from .catalog import Catalog
 from .catalog_health import CatalogHealth
 from .clean import CLEAN_STEPS, CleanReport, run_clean
 from .commit import Committer, Payload, Pending, PutOutcome, PutRequest
+from .entry_tags import FROM_ENVIRONMENT, TagKey
 from .errors import (
     BusyError,
     ConfigError,
@@ -75,7 +80,7 @@ from .gc import (
 from .inputs import check_put, is_bytes_like
 from .keys import entry_id_for, validate_entry_id
 from .locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
-from .manifest import Manifest, canonical_json
+from .manifest import Manifest, canonical_json, envelope_digest
 from .publish import Publisher
 from .quarantine import Quarantine
 from .quarantining import Quarantining
@@ -105,8 +110,10 @@ class Store(CatalogHealth, Quarantining, Queries):
     """
 
     def __init__(self, layout: Layout, marker: Marker, *, lock_timeout: float,
-                 read_only: bool = False, clock: Callable[[], float] = time.time):
+                 read_only: bool = False, tag_key: TagKey | None = None,
+                 clock: Callable[[], float] = time.time):
         self.layout = layout
+        self.tag_key = tag_key
         # Wall-clock seconds for the LRU clock and commit times (last access, created);
         # injectable so that tests order entries without sleeping.
         self.clock = clock
@@ -135,6 +142,7 @@ class Store(CatalogHealth, Quarantining, Queries):
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         allow_foreign_owner: bool = False,
         read_only: bool = False,
+        tag_key: TagKey | None = FROM_ENVIRONMENT,
         clock: Callable[[], float] = time.time,
     ) -> Store:
         """Open (or with ``create`` make) the store at ``root``.
@@ -151,10 +159,18 @@ class Store(CatalogHealth, Quarantining, Queries):
         stay where they are), for a store this process cannot or must not write, such as
         a cache another user wrote. Every write method then raises ReadOnlyError.
 
+        ``tag_key``: the key that tags and authenticates entries (``entry_tags``); by
+        default the operator's, from the environment (None when none is configured);
+        ``None`` opens without one. A key file inside the root is refused (ConfigError).
+
         ``clock``: the wall clock (seconds) for last-access and commit times, ``time.time``
         unless a test injects one.
         """
         path = check_root_path(root)
+        if tag_key is FROM_ENVIRONMENT:
+            tag_key = TagKey.from_environment()
+        if tag_key is not None:
+            tag_key.check_outside(path)
         if read_only and (create or max_bytes is not None):
             raise ConfigError("a read-only open cannot create a store or set its max size",
                               fix="drop create/max_bytes, or open it writable")
@@ -166,7 +182,7 @@ class Store(CatalogHealth, Quarantining, Queries):
             raise ConfigError("permission denied opening the store", path=exc.filename or path,
                               fix="run as the store's owner or fix its permissions") from None
         store = cls(layout, marker, lock_timeout=lock_timeout, read_only=read_only,
-                    clock=clock)
+                    tag_key=tag_key, clock=clock)
         if read_only:
             store._open_catalog_read_only()
             store.unknown_files = store._recovery.unknown_top_level()
@@ -369,11 +385,16 @@ class Store(CatalogHealth, Quarantining, Queries):
         """Load and validate the manifest of ``entry_id``.
 
         Raises NotFoundError if there is none, ManifestError (after quarantining
-        the entry) if it is unreadable or invalid.
+        the entry) if it is unreadable or invalid, or -- with a tag key -- if its tag does
+        not authenticate it (reason ``auth_tag``).
         """
         validate_entry_id(entry_id)
+        path = self.layout.manifest_path(entry_id)
         try:
-            return read_manifest(self.layout.manifest_path(entry_id), entry_id)
+            manifest = read_manifest(path, entry_id)
+            if self.tag_key is not None:
+                self._authenticate(manifest, path)
+            return manifest
         except FileNotFoundError:
             raise NotFoundError(f"no entry {entry_id}", path=self.root,
                                 fix="list entries with `spoolctl ls`") from None
@@ -381,6 +402,17 @@ class Store(CatalogHealth, Quarantining, Queries):
             if not self.read_only:
                 self.quarantine_entry(entry_id, exc.reason, exc.message)
             raise
+
+    def _authenticate(self, manifest: Manifest, path: Path) -> None:
+        """ManifestError (``auth_tag``) unless ``manifest``'s tag is valid under the key."""
+        assert self.tag_key is not None
+        problem = self.tag_key.problem(manifest.tag, envelope_digest(manifest))
+        if problem is not None:
+            raise ManifestError(
+                f"entry {manifest.entry_id} is not authenticated: {problem}",
+                reason=QuarantineReason.AUTH_TAG, path=path, entry_id=manifest.entry_id,
+                fix="the entry was quarantined and is a miss; expected once for entries "
+                    "written before this key, otherwise find who wrote the store")
 
     def read(self, manifest: Manifest, name: str, *, into: memoryview | None = None) -> memoryview:
         """Return object ``name`` of ``manifest``, verified against its digest in the same pass.
