@@ -25,6 +25,8 @@ from spoolctl.store.digest import hash_bytes
 from spoolctl.store.entry_tags import KEY_ENV, KEY_FILE_ENV, TagKey
 from spoolctl.store.manifest import Manifest, ObjectRef, encode
 
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
 KIND, NS, KEY = "pytorch", "model-x", "victim"
 GOOD = b"the victim's real KV " * 200
 EVIL = b"attacker-chosen KV!! " * 200
