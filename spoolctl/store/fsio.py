@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import secrets
 import stat
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .digest import Hasher
+from .dirfd import DirFds
 from .errors import CorruptionError, ManifestError, QuarantineReason, StoreIOError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, decode
 
@@ -583,11 +585,12 @@ _unlink_pool_lock = threading.Lock()
 _unlink_pool: ThreadPoolExecutor | None = None
 
 
-def _unlink(path: Path) -> bool | OSError:
-    """Unlink ``path``; True if it was deleted, False if it was already gone, or the
-    OSError that kept it (EACCES, EROFS...: the caller reports it and moves on)."""
+def _unlink(path: Path, dirs: DirFds) -> bool | OSError:
+    """Unlink ``path`` through its directory's descriptor in ``dirs``; True if it was
+    deleted, False if it was already gone, or the OSError that kept it (EACCES, EROFS,
+    ELOOP for a directory swapped for a symlink...: the caller reports it and moves on)."""
     try:
-        os.unlink(path)
+        dirs.unlink(path)
     except FileNotFoundError:
         return False
     except OSError as exc:
@@ -595,9 +598,11 @@ def _unlink(path: Path) -> bool | OSError:
     return True
 
 
-def unlink_many(paths: list[Path]) -> Iterable[bool | OSError]:
-    """Unlink ``paths`` concurrently; yield, in order, each one's outcome (True: deleted,
-    False: already gone, or the OSError that kept it).
+def unlink_many(paths: list[Path], dirs: DirFds) -> Iterable[bool | OSError]:
+    """Unlink ``paths`` concurrently, each through its directory's descriptor in ``dirs``
+    (so a directory swapped for a symlink after it was opened is never followed; the
+    caller keeps ``dirs`` open until the results are consumed); yield, in order, each
+    one's outcome (True: deleted, False: already gone, or the OSError that kept it).
 
     One system call per file, no stat: sizes come from the catalog, and an unlink that
     waits on the filesystem's journal should not wait twice. Results are yielded as they
@@ -606,10 +611,10 @@ def unlink_many(paths: list[Path]) -> Iterable[bool | OSError]:
     """
     global _unlink_pool
     if len(paths) < 2 * UNLINK_WORKERS:
-        return (_unlink(p) for p in paths)
+        return (_unlink(p, dirs) for p in paths)
     with _unlink_pool_lock:
         if _unlink_pool is None:
             _unlink_pool = ThreadPoolExecutor(max_workers=UNLINK_WORKERS,
                                               thread_name_prefix="spoolctl-unlink")
         pool = _unlink_pool
-    return pool.map(_unlink, paths)
+    return pool.map(_unlink, paths, itertools.repeat(dirs))

@@ -1,0 +1,180 @@
+"""Directory descriptors: how the store deletes, creates and renames (issue 35.1).
+
+A store belongs to the serving user while root runs its maintenance, so whoever can write
+the store can swap any of its directories for a symlink at any moment, including between
+a check and the call that acts on a path. Every delete, create and rename under a root
+therefore goes through a descriptor of the directory it acts in, opened component by
+component from ``/`` with ``O_DIRECTORY|O_NOFOLLOW`` (``open_dir``), and names only one
+entry of it (``unlink(name, dir_fd=)``, ``open(name, dir_fd=)``, ``replace(src_dir_fd=,
+dst_dir_fd=)``, ``scandir(fd)``). A directory swapped for a symlink before the open is
+refused (OSError ``ELOOP``/``ENOTDIR``); one swapped after it is no longer reached at all:
+the descriptor still names the directory that was checked.
+
+Store roots never cross a symlink (``root.check_root_path``), so walking from ``/`` costs
+nothing they were allowed. The walk is a handful of ``openat`` calls; a pass over many
+files keeps its descriptors in a ``DirFds`` for the length of the pass, never longer (a
+cached descriptor of a directory recreated since would write into the deleted one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+# ``os.unlink(dir_fd=)`` and friends: every POSIX platform the store runs on (Linux, macOS).
+SUPPORTED = os.open in os.supports_dir_fd and os.unlink in os.supports_dir_fd
+
+
+def open_dir(path: str | os.PathLike[str]) -> int:
+    """A descriptor of the directory at absolute ``path``, every component of which was
+    opened relative to the one before with ``O_DIRECTORY|O_NOFOLLOW``.
+
+    Raises OSError: ``ELOOP`` (or ``ENOTDIR``) if a component is a symlink or not a
+    directory, ``ENOENT`` if one is missing, ``EACCES`` as the walk meets it. The caller
+    closes the descriptor."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        raise ValueError(f"not an absolute path: {text!r}")
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        for part in Path(os.path.normpath(text)).parts[1:]:
+            try:
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:  # named after the whole path, as a plain open would
+                code = exc.errno
+                if code == errno.ENOTDIR and _is_link(part, fd):
+                    code = errno.ELOOP  # Linux says ENOTDIR for a link under O_DIRECTORY
+                raise OSError(code, os.strerror(code or 0), text) from None
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def opened(path: str | os.PathLike[str]) -> Iterator[int]:
+    """``open_dir(path)`` as a context manager (closed on exit)."""
+    fd = open_dir(path)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _split(path: str | os.PathLike[str]) -> tuple[str, str]:
+    parent, name = os.path.split(os.fspath(path))
+    if not name or name in (".", ".."):
+        raise ValueError(f"no file name in {os.fspath(path)!r}")
+    return parent, name
+
+
+def unlink(path: str | os.PathLike[str]) -> None:
+    """Remove the file at ``path`` through its directory's descriptor (OSError as
+    ``os.unlink``, plus ``ELOOP`` for a symlinked directory on the way)."""
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        os.unlink(name, dir_fd=fd)
+
+
+def create(path: str | os.PathLike[str], flags: int, mode: int) -> int:
+    """``os.open(path, flags | O_NOFOLLOW, mode)`` through its directory's descriptor."""
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        return os.open(name, flags | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=fd)
+
+
+def mkdir(path: str | os.PathLike[str], mode: int) -> None:
+    """``os.mkdir(path, mode)`` through its parent's descriptor."""
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        os.mkdir(name, mode, dir_fd=fd)
+
+
+def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """``os.replace(src, dst)`` through the descriptors of both directories."""
+    src_parent, src_name = _split(src)
+    dst_parent, dst_name = _split(dst)
+    with opened(src_parent) as sfd:
+        if dst_parent == src_parent:
+            os.replace(src_name, dst_name, src_dir_fd=sfd, dst_dir_fd=sfd)
+            return
+        with opened(dst_parent) as dfd:
+            os.replace(src_name, dst_name, src_dir_fd=sfd, dst_dir_fd=dfd)
+
+
+def rmtree(path: str | os.PathLike[str]) -> None:
+    """Remove the directory tree at ``path`` (``shutil.rmtree`` relative to its parent's
+    descriptor: it never follows a symlink inside the tree either)."""
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        shutil.rmtree(name, dir_fd=fd)
+
+
+def listing(fd: int) -> list[os.DirEntry]:
+    """The entries of the directory open at ``fd`` (``scandir`` on the descriptor: each
+    entry's ``stat(follow_symlinks=False)`` is relative to it too)."""
+    with os.scandir(fd) as it:
+        return list(it)
+
+
+class DirFds:
+    """Directory descriptors opened once each (``open_dir``) for the length of one pass
+    over many files; thread-safe (the unlink pool shares one). Close it when the pass ends.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int | OSError] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, directory: str | os.PathLike[str]) -> int:
+        """The descriptor of ``directory`` (opened on first use); the OSError of its open,
+        raised again on every later use, if it could not be opened."""
+        key = os.fspath(directory)
+        with self._lock:
+            got = self._fds.get(key)
+            if got is None:
+                try:
+                    got = open_dir(key)
+                except OSError as exc:
+                    got = exc
+                self._fds[key] = got
+        if isinstance(got, OSError):
+            raise OSError(got.errno, got.strerror, got.filename)
+        return got
+
+    def unlink(self, path: str | os.PathLike[str]) -> None:
+        """``os.unlink`` of ``path`` through its directory's descriptor."""
+        parent, name = _split(path)
+        os.unlink(name, dir_fd=self.fd(parent))
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            if isinstance(fd, int):
+                os.close(fd)
+
+    def __enter__(self) -> DirFds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
