@@ -15,6 +15,7 @@ own commands (the descriptors, schema checks and modes are the same code), and o
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -164,3 +165,46 @@ def test_a_fanout_swapped_mid_clean_deletes_nothing_outside(base: Path) -> None:
     out, err = proc.communicate(timeout=120)
     assert precious.read_bytes() == b"precious\n", (out, err)
     assert proc.returncode != 0 and "Too many levels of symbolic links" in out, (out, err)
+
+
+def test_doctor_reports_a_symlinked_tmp_and_writes_nothing_through_it(base: Path) -> None:
+    root, _ = _owned_store(base)
+    secret = base / "secret"
+    secret.mkdir(mode=0o700)
+    os.utime(secret, ns=(1, 1))
+    attacker(f"""
+        import os
+        os.rename({str(root / 'tmp')!r}, {str(root / 'tmp.moved')!r})
+        os.symlink({str(secret)!r}, {str(root / 'tmp')!r})
+    """)
+    proc = operator("doctor", "--json", "--root", str(root))
+    out, err = proc.communicate(timeout=120)
+    checks = {c["name"]: c for c in json.loads(out)["checks"]}
+    assert checks["root.layout"]["status"] == "fail", checks
+    assert "tmp (symlink)" in checks["root.layout"]["detail"]
+    assert proc.returncode == 1, err
+    # the probe files were neither created nor removed in the link's target
+    assert os.stat(secret).st_mtime_ns == 1 and not os.listdir(secret)
+
+
+def test_a_quarantine_swapped_mid_purge_is_not_purged_through(base: Path) -> None:
+    root, _ = _owned_store(base)
+    item = "20260101T000000Z-payload_digest-0123abcd"
+    for where in (root / "quarantine", base / "secret"):
+        (where / item).mkdir(parents=True, mode=0o700)
+        (where / item / "reason.json").write_text('{"reason": "payload_digest"}')
+    (base / "secret" / item / "precious").write_bytes(b"precious\n")
+    (base / "secret").chmod(0o700)
+    _give(root)
+    pause = Paused(base, "quarantine.listed")
+    proc = operator("quarantine", "purge", "--yes", "--root", str(root), env=pause.env)
+    pause.wait_reached(proc)
+    attacker(f"""
+        import os
+        os.rename({str(root / 'quarantine')!r}, {str(root / 'quarantine.moved')!r})
+        os.symlink({str(base / 'secret')!r}, {str(root / 'quarantine')!r})
+    """)
+    pause.resume()
+    out, err = proc.communicate(timeout=120)
+    assert (base / "secret" / item / "precious").read_bytes() == b"precious\n", (out, err)
+    assert proc.returncode != 0, out

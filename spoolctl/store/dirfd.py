@@ -25,7 +25,6 @@ import shutil
 import stat
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -47,7 +46,9 @@ def open_dir(path: str | os.PathLike[str]) -> int:
         raise ValueError(f"not an absolute path: {text!r}")
     fd = os.open("/", _DIR_FLAGS)
     try:
-        for part in Path(os.path.normpath(text)).parts[1:]:
+        for part in os.path.normpath(text).split(os.sep):
+            if not part:
+                continue
             try:
                 nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except OSError as exc:  # named after the whole path, as a plain open would

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from . import doctor_scan
+from . import dirfd, doctor_scan
 from .errors import SpoolError
-from .fsio import DIR_MODE, full_fsync, probe_o_direct, tmp_name
+from .fsio import DIR_MODE, file_kind, full_fsync, probe_o_direct, tmp_name
 from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker
 from .sizes import format_size
 from .sqlite_files import connect_read_only
@@ -104,13 +104,18 @@ def _permission_checks(layout: Layout) -> list[Check]:
         out.append(Check("root.owner", "ok", f"owned by uid {uid}"))
     loose = []
     missing = []
+    swapped = []
     for name in SUBDIRS:
         p = layout.root / name
         try:
-            mode = stat.S_IMODE(os.lstat(p).st_mode)
+            st_sub = os.lstat(p)
         except FileNotFoundError:
             missing.append(name)
             continue
+        if not stat.S_ISDIR(st_sub.st_mode):  # a symlink would lead root's commands away
+            swapped.append(f"{name} ({file_kind(st_sub.st_mode)})")
+            continue
+        mode = stat.S_IMODE(st_sub.st_mode)
         if mode & 0o077:
             loose.append(f"{name} ({oct(mode)})")
     root_mode = stat.S_IMODE(st.st_mode)
@@ -119,6 +124,12 @@ def _permission_checks(layout: Layout) -> list[Check]:
     if missing:
         out.append(Check("root.layout", "fail", f"missing directories: {', '.join(missing)}",
                          "open the store once (e.g. `spoolctl status`) to recreate them"))
+    if swapped:
+        out.append(Check("root.layout", "fail",
+                         f"not a directory: {', '.join(swapped)}",
+                         "someone who can write the store replaced a store directory: inspect "
+                         "where it points, remove it and open the store as its owner to "
+                         "recreate it (no spoolctl command acts through it)"))
     if loose:
         out.append(Check("root.permissions", "warn",
                          f"readable by others: {', '.join(loose)}",
@@ -170,7 +181,8 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
                      "supported" if odirect else "not supported: buffered I/O is used"))
     probe = layout.tmp / f".doctor-{tmp_name()}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # created and removed through tmp/'s descriptor: never through a swapped tmp/
+        fd = dirfd.create(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, b"spoolctl doctor probe\n")
             full_fsync(fd)
@@ -182,7 +194,7 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
                          "check the disk (dmesg) and free space"))
     finally:
         with contextlib.suppress(OSError):
-            os.unlink(probe)
+            dirfd.unlink(probe)
     return out
 
 

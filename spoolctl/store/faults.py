@@ -39,8 +39,9 @@ DELETE_CHECKPOINTS: tuple[str, ...] = tuple(
     for point in ("manifest_deleted", "catalog_deleted", "object_deleted"))
 QUARANTINE_CHECKPOINTS: tuple[str, ...] = ("quarantine.catalog_deleted", "quarantine.moved")
 SCRUB_CHECKPOINTS: tuple[str, ...] = ("scrub.progress_saved",)
-# Between a listing and the deletions it chose (``gc.clean_tmp``): where a swap would race.
-RACE_CHECKPOINTS: tuple[str, ...] = ("tmp.listed",)
+# Between a listing and the deletions it chose (``gc.clean_tmp``, a quarantine purge): where
+# a swap would race.
+RACE_CHECKPOINTS: tuple[str, ...] = ("tmp.listed", "quarantine.listed")
 CHECKPOINTS: frozenset[str] = frozenset(
     COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
     + RACE_CHECKPOINTS)

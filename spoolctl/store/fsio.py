@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from . import dirfd
 from .digest import Hasher
 from .dirfd import DirFds
 from .errors import CorruptionError, ManifestError, QuarantineReason, StoreIOError
@@ -566,12 +567,13 @@ def probe_o_direct(directory: Path) -> bool:
     if not flag:
         return False
     path = directory / f".odirect-probe-{tmp_name()}"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag | _O_CLOEXEC, FILE_MODE)
+    try:  # through the directory's descriptor: a swapped directory is refused (ELOOP)
+        fd = dirfd.create(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, FILE_MODE)
     except OSError:
         return False
     os.close(fd)
-    unlink_quietly(path)
+    with contextlib.suppress(OSError):
+        dirfd.unlink(path)
     return True
 
 
