@@ -137,11 +137,34 @@ def _permission_checks(layout: Layout) -> list[Check]:
                          "are sensitive)"))
     else:
         out.append(Check("root.permissions", "ok", "directories are private (0700)"))
+    out.append(_parents_check(layout.root, st.st_uid))
     writable = os.access(layout.root, os.W_OK) and os.access(layout.tmp, os.W_OK)
     out.append(Check("root.writable", "ok" if writable else "fail",
                      "root and tmp/ are writable" if writable else "root or tmp/ is not writable",
                      "" if writable else "fix ownership/permissions or remount read-write"))
     return out
+
+
+def _parents_check(root: Path, owner: int) -> Check:
+    """``root.parents``: no directory above the root may be writable by others (unless
+    sticky) or owned by anyone but root and the store's owner: whoever can write a
+    parent can swap the store for another directory or a link (issue 35.4)."""
+    risky = []
+    for parent in root.parents:
+        try:
+            st = os.lstat(parent)
+        except OSError:
+            continue  # the walk to the root already worked; nothing to judge here
+        if st.st_uid not in (0, owner):
+            risky.append(f"{parent} (owned by uid {st.st_uid})")
+        elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            risky.append(f"{parent} ({oct(stat.S_IMODE(st.st_mode))})")
+    if not risky:
+        return Check("root.parents", "ok",
+                     "no directory above the root is writable by other users")
+    return Check("root.parents", "warn", f"writable by others: {', '.join(risky)}",
+                 "chmod go-w (or chown) the listed directories: who can write them can "
+                 "replace the store")
 
 
 def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
@@ -198,6 +221,29 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
     return out
 
 
+def _catalog_ddl() -> str:
+    from .catalog_schema import DDL
+
+    return DDL
+
+
+def _scrub_ddl() -> str:
+    from .scrub import _DDL
+
+    return _DDL
+
+
+def _auth_ddl() -> str:
+    from .auth_requests import _DDL
+
+    return _DDL
+
+
+# The schema each database must keep to (``sqlite_files.check_schema``, issue 35.3).
+_SCHEMAS = {"catalog.sqlite3": _catalog_ddl, "scrub.sqlite3": _scrub_ddl,
+            "auth_requests.sqlite3": _auth_ddl}
+
+
 def _sqlite_checks(layout: Layout) -> list[Check]:
     out = []
     for name in ("catalog.sqlite3", "scrub.sqlite3", "auth_requests.sqlite3"):
@@ -208,7 +254,8 @@ def _sqlite_checks(layout: Layout) -> list[Check]:
                              "open the store once to create it" if status == "warn" else ""))
             continue
         try:
-            db = connect_read_only(path, timeout=10)  # never follows a link or opens a FIFO
+            # never follows a link or opens a FIFO; runs nothing planted in the file
+            db = connect_read_only(path, timeout=10, ddl=_SCHEMAS[name]())
             try:
                 result = str(db.execute("PRAGMA quick_check").fetchone()[0])
                 mode = str(db.execute("PRAGMA journal_mode").fetchone()[0])
