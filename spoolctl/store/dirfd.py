@@ -44,24 +44,62 @@ def open_dir(path: str | os.PathLike[str]) -> int:
     text = os.fspath(path)
     if not os.path.isabs(text):
         raise ValueError(f"not an absolute path: {text!r}")
+    return _walk(text, None)
+
+
+def makedirs(path: str | os.PathLike[str], mode: int) -> int:
+    """Create the directory at absolute ``path`` and every missing parent, each with
+    exactly ``mode`` (set with ``fchmod`` on its own descriptor: neither the umask nor a
+    symlink swapped in meanwhile decides it), walking from ``/`` as ``open_dir`` does;
+    directories that exist are left as they are. Returns a descriptor of ``path`` (the
+    caller closes it). OSError as ``open_dir``, or that of the ``mkdir``."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        raise ValueError(f"not an absolute path: {text!r}")
+    return _walk(text, mode)
+
+
+def _walk(text: str, mode: int | None) -> int:
+    """``open_dir`` (``mode`` None) or ``makedirs`` (``mode``) of absolute ``text``."""
     fd = os.open("/", _DIR_FLAGS)
     try:
         for part in os.path.normpath(text).split(os.sep):
             if not part:
                 continue
-            try:
-                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:  # named after the whole path, as a plain open would
-                code = exc.errno
-                if code == errno.ENOTDIR and _is_link(part, fd):
-                    code = errno.ELOOP  # Linux says ENOTDIR for a link under O_DIRECTORY
-                raise OSError(code, os.strerror(code or 0), text) from None
+            nxt = _step(fd, part, text, mode)
             os.close(fd)
             fd = nxt
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _step(fd: int, part: str, text: str, mode: int | None) -> int:
+    """Open ``part`` of the directory at ``fd`` (creating it with ``mode`` if missing and
+    ``mode`` is given); errors are named after the whole path, as a plain open's would."""
+    try:
+        try:
+            return os.open(part, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            if mode is None:
+                raise
+        try:
+            os.mkdir(part, mode, dir_fd=fd)
+        except FileExistsError:
+            return os.open(part, _DIR_FLAGS, dir_fd=fd)  # made meanwhile: someone else's
+        made = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        try:
+            os.fchmod(made, mode)  # the umask only took bits away; this is the mode asked
+        except BaseException:
+            os.close(made)
+            raise
+        return made
+    except OSError as exc:
+        code = exc.errno
+        if code == errno.ENOTDIR and _is_link(part, fd):
+            code = errno.ELOOP  # Linux says ENOTDIR for a link under O_DIRECTORY
+        raise OSError(code, os.strerror(code or 0), text) from None
 
 
 def _is_link(name: str, dir_fd: int) -> bool:
