@@ -30,6 +30,12 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+# The directories on the way are opened for search only where the platform can (Linux's
+# O_PATH): a parent such as a home directory in mode 0711 can be crossed but not read, and
+# a plain O_RDONLY open of it would fail where the path itself works. The last directory is
+# opened for reading (it is listed, fsynced, fchmod-ed).
+_PASS_FLAGS = (getattr(os, "O_PATH", 0) | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+               if hasattr(os, "O_PATH") else _DIR_FLAGS)
 # ``os.unlink(dir_fd=)`` and friends: every POSIX platform the store runs on (Linux, macOS).
 SUPPORTED = os.open in os.supports_dir_fd and os.unlink in os.supports_dir_fd
 
@@ -61,12 +67,11 @@ def makedirs(path: str | os.PathLike[str], mode: int) -> int:
 
 def _walk(text: str, mode: int | None) -> int:
     """``open_dir`` (``mode`` None) or ``makedirs`` (``mode``) of absolute ``text``."""
-    fd = os.open("/", _DIR_FLAGS)
+    parts = [p for p in os.path.normpath(text).split(os.sep) if p]
+    fd = os.open("/", _PASS_FLAGS if parts else _DIR_FLAGS)
     try:
-        for part in os.path.normpath(text).split(os.sep):
-            if not part:
-                continue
-            nxt = _step(fd, part, text, mode)
+        for i, part in enumerate(parts):
+            nxt = _step(fd, part, text, mode, last=i == len(parts) - 1)
             os.close(fd)
             fd = nxt
     except BaseException:
@@ -75,20 +80,21 @@ def _walk(text: str, mode: int | None) -> int:
     return fd
 
 
-def _step(fd: int, part: str, text: str, mode: int | None) -> int:
+def _step(fd: int, part: str, text: str, mode: int | None, *, last: bool) -> int:
     """Open ``part`` of the directory at ``fd`` (creating it with ``mode`` if missing and
     ``mode`` is given); errors are named after the whole path, as a plain open's would."""
+    flags = _DIR_FLAGS if last else _PASS_FLAGS
     try:
         try:
-            return os.open(part, _DIR_FLAGS, dir_fd=fd)
+            return os.open(part, flags, dir_fd=fd)
         except FileNotFoundError:
             if mode is None:
                 raise
         try:
             os.mkdir(part, mode, dir_fd=fd)
         except FileExistsError:
-            return os.open(part, _DIR_FLAGS, dir_fd=fd)  # made meanwhile: someone else's
-        made = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            return os.open(part, flags, dir_fd=fd)  # made meanwhile: someone else's
+        made = os.open(part, _DIR_FLAGS, dir_fd=fd)  # readable: fchmod needs a real fd
         try:
             os.fchmod(made, mode)  # the umask only took bits away; this is the mode asked
         except BaseException:
@@ -185,19 +191,36 @@ class DirFds:
         self._lock = threading.Lock()
 
     def fd(self, directory: str | os.PathLike[str]) -> int:
-        """The descriptor of ``directory`` (opened on first use); the OSError of its open,
-        raised again on every later use, if it could not be opened."""
-        key = os.fspath(directory)
+        """The descriptor of absolute ``directory`` (opened on first use, relative to its
+        parent's, which is kept too: 64 fan-outs of one store cost 64 opens, not 64 walks
+        from /); the OSError of its open, raised again on every later use, if it could not
+        be opened. For ``*at`` calls only (opened for search where the platform allows)."""
+        key = os.path.normpath(os.fspath(directory))
+        if not os.path.isabs(key):
+            raise ValueError(f"not an absolute path: {key!r}")
         with self._lock:
-            got = self._fds.get(key)
-            if got is None:
-                try:
-                    got = open_dir(key)
-                except OSError as exc:
-                    got = exc
-                self._fds[key] = got
+            got = self._open(key)
         if isinstance(got, OSError):
             raise OSError(got.errno, got.strerror, got.filename)
+        return got
+
+    def _open(self, key: str) -> int | OSError:
+        got = self._fds.get(key)
+        if got is not None:
+            return got
+        parent, name = os.path.split(key)
+        if not name:  # the root directory
+            got = os.open(key, _PASS_FLAGS)
+        else:
+            up = self._open(parent)
+            if isinstance(up, OSError):
+                got = OSError(up.errno, up.strerror, key)
+            else:
+                try:
+                    got = _step(up, name, key, None, last=False)
+                except OSError as exc:
+                    got = exc
+        self._fds[key] = got
         return got
 
     def unlink(self, path: str | os.PathLike[str]) -> None:

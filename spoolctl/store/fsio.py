@@ -190,18 +190,22 @@ class TmpFile:
         unlink_quietly(self.path)
 
 
-def create_tmp(tmp_dir: Path) -> TmpFile:
-    """Create a new temp file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), after checking
-    that ``tmp_dir`` is a real directory; StoreIOError if it cannot be created.
+def create_tmp(tmp_dir: Path, dirs: DirFds | None = None) -> TmpFile:
+    """Create a new temp file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), through the
+    directory's descriptor (from ``dirs`` when given, else opened for this file: never
+    through a ``tmp/`` swapped for a link, issue 35.1); StoreIOError if it cannot be
+    created.
 
     A group commit creates its files ahead, several together before any of their flushes
     starts: on ext4 a file created while a journal commit is in flight waits for it (64
     files: 6 ms created between flushes, 2 ms together; decision 1408)."""
-    path = tmp_dir / tmp_name()
+    name = tmp_name()
+    path = tmp_dir / name
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
     try:
-        ensure_real_dirs(tmp_dir.parent, tmp_dir)
-        return TmpFile(path, os.open(path, flags, FILE_MODE))
+        if dirs is None:
+            return TmpFile(path, dirfd.create(path, flags, FILE_MODE))
+        return TmpFile(path, os.open(name, flags, FILE_MODE, dir_fd=dirs.fd(tmp_dir)))
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc
 
@@ -209,7 +213,7 @@ def create_tmp(tmp_dir: Path) -> TmpFile:
 def write_tmp_flushing(
     tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *,
     on_written: Callable[[], None] | None = None, limit: int | None = None,
-    into: TmpFile | None = None,
+    into: TmpFile | None = None, dirs: DirFds | None = None,
 ) -> Flushing:
     """``write_tmp`` without waiting for the fsync: write ``chunks``, start the flush on
     a helper thread, hash the bytes on this one while it runs, and return.
@@ -217,10 +221,11 @@ def write_tmp_flushing(
     A group commit stages many files this way, so their flushes overlap each other (and
     the next writes) and the filesystem can merge them into a few journal commits. The
     chunks are kept referenced until hashed. ``into``: a file ``create_tmp`` made ahead,
-    written instead of a new one (and owned from here on, also on error). Errors as for
-    ``write_tmp``; a failed flush is reported by ``Flushing.flushed``.
+    written instead of a new one (and owned from here on, also on error). ``dirs``: see
+    ``create_tmp``. Errors as for ``write_tmp``; a failed flush is reported by
+    ``Flushing.flushed``.
     """
-    tmp = create_tmp(tmp_dir) if into is None else into
+    tmp = create_tmp(tmp_dir, dirs) if into is None else into
     path, fd = tmp.path, tmp.fd
     hasher = Hasher()
     size = 0
@@ -268,9 +273,16 @@ def fsync_close(fd: int) -> None:
 
 
 def unlink_quietly(path: Path) -> None:
-    """Remove ``path`` if it can be removed (cleanup on a path already failing)."""
+    """Remove ``path`` if it can be removed (cleanup on a path already failing), through
+    its directory's descriptor (``dirfd.unlink``).
+
+    A commit calls this for every temp file of its batch, most of them renamed already:
+    one ``lstat`` tells those apart before the walk from / (the check only decides whether
+    to try; the unlink itself never resolves the path)."""
+    if not os.path.lexists(path):
+        return
     with contextlib.suppress(OSError):
-        os.unlink(path)
+        dirfd.unlink(path)
 
 
 class SpecialFileError(OSError):
