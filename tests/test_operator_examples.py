@@ -97,7 +97,7 @@ def _sh(command: str, env: dict[str, str], work: Path) -> subprocess.CompletedPr
     """Run an example's command line as its scheduler would, with local paths."""
     command = command.replace("/var/log/spoolctl", str(work / "log"))
     command = command.replace("/var/lib/node_exporter/textfile", str(work / "textfile"))
-    command = command.replace("/tmp/spoolctl-", str(work / "lock-"))
+    command = command.replace("/var/cache/spoolctl/spoolctl-", str(work / "lock-"))
     command = command.replace("/usr/local/bin/spoolctl", SPOOLCTL)
     command = re.sub(r"(^|\s)spoolctl(\s)", rf"\g<1>{SPOOLCTL}\g<2>", command)
     full = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), **env,

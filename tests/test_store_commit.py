@@ -132,7 +132,9 @@ def _audit(event: str, args: tuple) -> None:
         if isinstance(arg, (str, bytes, os.PathLike)):
             path = os.fsdecode(arg)
             for root, seen in _recorders:
-                if path.startswith(root):
+                # A relative name is one opened or renamed through a directory descriptor
+                # (store/dirfd.py: the walk from / and every call under a root): counted.
+                if path.startswith(root) or not os.path.isabs(path):
                     seen.append((event, path))
 
 

@@ -106,8 +106,10 @@ def _check_textfile(path: Path) -> None:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a same-directory temp file + rename, so a reader
-    (node_exporter) never sees a partial file. Mode 0644: node_exporter runs as another
-    user (outside a store, so not the store's private ``publish`` path)."""
+    (node_exporter) never sees a partial file. Mode 0644 whatever the umask (set with
+    ``fchmod``: under ``umask 077`` the create alone makes it 0600 and node_exporter, which
+    runs as another user, cannot read it); outside a store, so not the store's private
+    ``publish`` path."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         if os.path.lexists(tmp):  # a leftover (or anything planted there): never open it
@@ -115,6 +117,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
                      | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
+            os.fchmod(fd, 0o644)
             os.write(fd, data)
             os.fsync(fd)
         finally:

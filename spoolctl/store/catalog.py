@@ -73,7 +73,7 @@ class Catalog:
         # Malformed rows met while reading (entry id -> reason), for reports.
         self.malformed_seen: dict[str, str] = {}
         if read_only:
-            self._db = connect_read_only(path, timeout=60)
+            self._db = connect_read_only(path, timeout=60, ddl=_DDL)
         else:
             # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
             # last transactions, which is safe because the catalog is derived (pending

@@ -171,7 +171,13 @@ class Committer:
         path), which prebuilt entries rely on; they are consumed (moved into the store or
         deleted), also on error. ``revive``: an entry already committed is revived if
         released (``put``); without it, it is only reported present (import). Raises on a
-        failure of a shared step (see the module docstring)."""
+        failure of a shared step (see the module docstring). The batch's creates and renames
+        share one descriptor per directory (``Publisher.batch``, issue 35.1)."""
+        with self._publisher.batch():
+            self._commit(batch, given=given, revive=revive)
+
+    def _commit(self, batch: list[Pending], *, given: dict[str, Path] | None,
+                revive: bool) -> None:
         given = {} if given is None else given
         first: dict[str, Pending] = {}
         try:

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from . import doctor_scan
+from . import dirfd, doctor_scan
 from .errors import SpoolError
-from .fsio import DIR_MODE, full_fsync, probe_o_direct, tmp_name
+from .fsio import DIR_MODE, file_kind, full_fsync, probe_o_direct, tmp_name
 from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker
 from .sizes import format_size
 from .sqlite_files import connect_read_only
@@ -104,13 +104,18 @@ def _permission_checks(layout: Layout) -> list[Check]:
         out.append(Check("root.owner", "ok", f"owned by uid {uid}"))
     loose = []
     missing = []
+    swapped = []
     for name in SUBDIRS:
         p = layout.root / name
         try:
-            mode = stat.S_IMODE(os.lstat(p).st_mode)
+            st_sub = os.lstat(p)
         except FileNotFoundError:
             missing.append(name)
             continue
+        if not stat.S_ISDIR(st_sub.st_mode):  # a symlink would lead root's commands away
+            swapped.append(f"{name} ({file_kind(st_sub.st_mode)})")
+            continue
+        mode = stat.S_IMODE(st_sub.st_mode)
         if mode & 0o077:
             loose.append(f"{name} ({oct(mode)})")
     root_mode = stat.S_IMODE(st.st_mode)
@@ -119,6 +124,12 @@ def _permission_checks(layout: Layout) -> list[Check]:
     if missing:
         out.append(Check("root.layout", "fail", f"missing directories: {', '.join(missing)}",
                          "open the store once (e.g. `spoolctl status`) to recreate them"))
+    if swapped:
+        out.append(Check("root.layout", "fail",
+                         f"not a directory: {', '.join(swapped)}",
+                         "someone who can write the store replaced a store directory: inspect "
+                         "where it points, remove it and open the store as its owner to "
+                         "recreate it (no spoolctl command acts through it)"))
     if loose:
         out.append(Check("root.permissions", "warn",
                          f"readable by others: {', '.join(loose)}",
@@ -126,11 +137,34 @@ def _permission_checks(layout: Layout) -> list[Check]:
                          "are sensitive)"))
     else:
         out.append(Check("root.permissions", "ok", "directories are private (0700)"))
+    out.append(_parents_check(layout.root, st.st_uid))
     writable = os.access(layout.root, os.W_OK) and os.access(layout.tmp, os.W_OK)
     out.append(Check("root.writable", "ok" if writable else "fail",
                      "root and tmp/ are writable" if writable else "root or tmp/ is not writable",
                      "" if writable else "fix ownership/permissions or remount read-write"))
     return out
+
+
+def _parents_check(root: Path, owner: int) -> Check:
+    """``root.parents``: no directory above the root may be writable by others (unless
+    sticky) or owned by anyone but root and the store's owner: whoever can write a
+    parent can swap the store for another directory or a link (issue 35.4)."""
+    risky = []
+    for parent in root.parents:
+        try:
+            st = os.lstat(parent)
+        except OSError:
+            continue  # the walk to the root already worked; nothing to judge here
+        if st.st_uid not in (0, owner):
+            risky.append(f"{parent} (owned by uid {st.st_uid})")
+        elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            risky.append(f"{parent} ({oct(stat.S_IMODE(st.st_mode))})")
+    if not risky:
+        return Check("root.parents", "ok",
+                     "no directory above the root is writable by other users")
+    return Check("root.parents", "warn", f"writable by others: {', '.join(risky)}",
+                 "chmod go-w (or chown) the listed directories: who can write them can "
+                 "replace the store")
 
 
 def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
@@ -170,7 +204,8 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
                      "supported" if odirect else "not supported: buffered I/O is used"))
     probe = layout.tmp / f".doctor-{tmp_name()}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # created and removed through tmp/'s descriptor: never through a swapped tmp/
+        fd = dirfd.create(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, b"spoolctl doctor probe\n")
             full_fsync(fd)
@@ -182,8 +217,31 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
                          "check the disk (dmesg) and free space"))
     finally:
         with contextlib.suppress(OSError):
-            os.unlink(probe)
+            dirfd.unlink(probe)
     return out
+
+
+def _catalog_ddl() -> str:
+    from .catalog_schema import DDL
+
+    return DDL
+
+
+def _scrub_ddl() -> str:
+    from .scrub import _DDL
+
+    return _DDL
+
+
+def _auth_ddl() -> str:
+    from .auth_requests import _DDL
+
+    return _DDL
+
+
+# The schema each database must keep to (``sqlite_files.check_schema``, issue 35.3).
+_SCHEMAS = {"catalog.sqlite3": _catalog_ddl, "scrub.sqlite3": _scrub_ddl,
+            "auth_requests.sqlite3": _auth_ddl}
 
 
 def _sqlite_checks(layout: Layout) -> list[Check]:
@@ -196,7 +254,8 @@ def _sqlite_checks(layout: Layout) -> list[Check]:
                              "open the store once to create it" if status == "warn" else ""))
             continue
         try:
-            db = connect_read_only(path, timeout=10)  # never follows a link or opens a FIFO
+            # never follows a link or opens a FIFO; runs nothing planted in the file
+            db = connect_read_only(path, timeout=10, ddl=_SCHEMAS[name]())
             try:
                 result = str(db.execute("PRAGMA quick_check").fetchone()[0])
                 mode = str(db.execute("PRAGMA journal_mode").fetchone()[0])

@@ -18,6 +18,11 @@ ENV = "SPOOLCTL_CRASH_AT"
 # ``SPOOLCTL_FAIL_AT=<name>:<ENOSPC|EIO|...>`` raises that OSError at the checkpoint instead,
 # to prove a disk error there leaves the store consistent.
 FAIL_ENV = "SPOOLCTL_FAIL_AT"
+# ``SPOOLCTL_PAUSE_AT=<name>:<dir>`` stops at the checkpoint until a test has acted there: the
+# process writes a line to the FIFO ``<dir>/reached``, then waits for a line on the FIFO
+# ``<dir>/resume``. This makes a race deterministic (a store writer swapping a directory
+# for a symlink between root's listing and its unlinks, issue 35.1), without sleeps.
+PAUSE_ENV = "SPOOLCTL_PAUSE_AT"
 
 # Every checkpoint the store passes, by operation. ``checkpoint()`` refuses any other name, so
 # this list cannot go stale: a new durability step must be named here to run at all.
@@ -34,16 +39,28 @@ DELETE_CHECKPOINTS: tuple[str, ...] = tuple(
     for point in ("manifest_deleted", "catalog_deleted", "object_deleted"))
 QUARANTINE_CHECKPOINTS: tuple[str, ...] = ("quarantine.catalog_deleted", "quarantine.moved")
 SCRUB_CHECKPOINTS: tuple[str, ...] = ("scrub.progress_saved",)
+# Between a listing and the deletions it chose (``gc.clean_tmp``, a quarantine purge): where
+# a swap would race.
+RACE_CHECKPOINTS: tuple[str, ...] = ("tmp.listed", "quarantine.listed")
 CHECKPOINTS: frozenset[str] = frozenset(
-    COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS)
+    COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
+    + RACE_CHECKPOINTS)
 
 _target: str | None = None
 _countdown = 0
 _fail: tuple[str, int] | None = None
+_pause: tuple[str, str] | None = None
 
 
 def _load() -> None:
-    global _target, _countdown, _fail
+    global _target, _countdown, _fail, _pause
+    pause = os.environ.get(PAUSE_ENV)
+    if pause:
+        point, _, directory = pause.partition(":")
+        _known(point, PAUSE_ENV)
+        _pause = (point, directory)
+    else:
+        _pause = None
     fail = os.environ.get(FAIL_ENV)
     if fail:
         point, _, code = fail.partition(":")
@@ -80,11 +97,22 @@ def checkpoint(name: str) -> None:
         _known(name, "checkpoint()")
     if _fail is not None and name == _fail[0]:
         raise OSError(_fail[1], os.strerror(_fail[1]))
+    if _pause is not None and name == _pause[0]:
+        _wait_here(_pause[1])
     if _target is None or name != _target:
         return
     _countdown -= 1
     if _countdown <= 0:
         os._exit(CRASH_EXIT_CODE)
+
+
+def _wait_here(directory: str) -> None:
+    """Tell the test this checkpoint is reached and wait until it says to go on (each
+    FIFO open blocks until the test opens the other end)."""
+    with open(os.path.join(directory, "reached"), "w") as f:
+        f.write("reached\n")
+    with open(os.path.join(directory, "resume")) as f:
+        f.readline()
 
 
 def reload() -> None:

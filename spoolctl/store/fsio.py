@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import secrets
 import stat
@@ -19,7 +20,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from . import dirfd
 from .digest import Hasher
+from .dirfd import DirFds
 from .errors import CorruptionError, ManifestError, QuarantineReason, StoreIOError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, decode
 
@@ -187,18 +190,22 @@ class TmpFile:
         unlink_quietly(self.path)
 
 
-def create_tmp(tmp_dir: Path) -> TmpFile:
-    """Create a new temp file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), after checking
-    that ``tmp_dir`` is a real directory; StoreIOError if it cannot be created.
+def create_tmp(tmp_dir: Path, dirs: DirFds | None = None) -> TmpFile:
+    """Create a new temp file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), through the
+    directory's descriptor (from ``dirs`` when given, else opened for this file: never
+    through a ``tmp/`` swapped for a link, issue 35.1); StoreIOError if it cannot be
+    created.
 
     A group commit creates its files ahead, several together before any of their flushes
     starts: on ext4 a file created while a journal commit is in flight waits for it (64
     files: 6 ms created between flushes, 2 ms together; decision 1408)."""
-    path = tmp_dir / tmp_name()
+    name = tmp_name()
+    path = tmp_dir / name
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
     try:
-        ensure_real_dirs(tmp_dir.parent, tmp_dir)
-        return TmpFile(path, os.open(path, flags, FILE_MODE))
+        if dirs is None:
+            return TmpFile(path, dirfd.create(path, flags, FILE_MODE))
+        return TmpFile(path, os.open(name, flags, FILE_MODE, dir_fd=dirs.fd(tmp_dir)))
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc
 
@@ -206,7 +213,7 @@ def create_tmp(tmp_dir: Path) -> TmpFile:
 def write_tmp_flushing(
     tmp_dir: Path, chunks: Iterable[bytes | bytearray | memoryview], *,
     on_written: Callable[[], None] | None = None, limit: int | None = None,
-    into: TmpFile | None = None,
+    into: TmpFile | None = None, dirs: DirFds | None = None,
 ) -> Flushing:
     """``write_tmp`` without waiting for the fsync: write ``chunks``, start the flush on
     a helper thread, hash the bytes on this one while it runs, and return.
@@ -214,10 +221,11 @@ def write_tmp_flushing(
     A group commit stages many files this way, so their flushes overlap each other (and
     the next writes) and the filesystem can merge them into a few journal commits. The
     chunks are kept referenced until hashed. ``into``: a file ``create_tmp`` made ahead,
-    written instead of a new one (and owned from here on, also on error). Errors as for
-    ``write_tmp``; a failed flush is reported by ``Flushing.flushed``.
+    written instead of a new one (and owned from here on, also on error). ``dirs``: see
+    ``create_tmp``. Errors as for ``write_tmp``; a failed flush is reported by
+    ``Flushing.flushed``.
     """
-    tmp = create_tmp(tmp_dir) if into is None else into
+    tmp = create_tmp(tmp_dir, dirs) if into is None else into
     path, fd = tmp.path, tmp.fd
     hasher = Hasher()
     size = 0
@@ -265,9 +273,16 @@ def fsync_close(fd: int) -> None:
 
 
 def unlink_quietly(path: Path) -> None:
-    """Remove ``path`` if it can be removed (cleanup on a path already failing)."""
+    """Remove ``path`` if it can be removed (cleanup on a path already failing), through
+    its directory's descriptor (``dirfd.unlink``).
+
+    A commit calls this for every temp file of its batch, most of them renamed already:
+    one ``lstat`` tells those apart before the walk from / (the check only decides whether
+    to try; the unlink itself never resolves the path)."""
+    if not os.path.lexists(path):
+        return
     with contextlib.suppress(OSError):
-        os.unlink(path)
+        dirfd.unlink(path)
 
 
 class SpecialFileError(OSError):
@@ -564,12 +579,13 @@ def probe_o_direct(directory: Path) -> bool:
     if not flag:
         return False
     path = directory / f".odirect-probe-{tmp_name()}"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag | _O_CLOEXEC, FILE_MODE)
+    try:  # through the directory's descriptor: a swapped directory is refused (ELOOP)
+        fd = dirfd.create(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, FILE_MODE)
     except OSError:
         return False
     os.close(fd)
-    unlink_quietly(path)
+    with contextlib.suppress(OSError):
+        dirfd.unlink(path)
     return True
 
 
@@ -583,11 +599,12 @@ _unlink_pool_lock = threading.Lock()
 _unlink_pool: ThreadPoolExecutor | None = None
 
 
-def _unlink(path: Path) -> bool | OSError:
-    """Unlink ``path``; True if it was deleted, False if it was already gone, or the
-    OSError that kept it (EACCES, EROFS...: the caller reports it and moves on)."""
+def _unlink(path: Path, dirs: DirFds) -> bool | OSError:
+    """Unlink ``path`` through its directory's descriptor in ``dirs``; True if it was
+    deleted, False if it was already gone, or the OSError that kept it (EACCES, EROFS,
+    ELOOP for a directory swapped for a symlink...: the caller reports it and moves on)."""
     try:
-        os.unlink(path)
+        dirs.unlink(path)
     except FileNotFoundError:
         return False
     except OSError as exc:
@@ -595,9 +612,11 @@ def _unlink(path: Path) -> bool | OSError:
     return True
 
 
-def unlink_many(paths: list[Path]) -> Iterable[bool | OSError]:
-    """Unlink ``paths`` concurrently; yield, in order, each one's outcome (True: deleted,
-    False: already gone, or the OSError that kept it).
+def unlink_many(paths: list[Path], dirs: DirFds) -> Iterable[bool | OSError]:
+    """Unlink ``paths`` concurrently, each through its directory's descriptor in ``dirs``
+    (so a directory swapped for a symlink after it was opened is never followed; the
+    caller keeps ``dirs`` open until the results are consumed); yield, in order, each
+    one's outcome (True: deleted, False: already gone, or the OSError that kept it).
 
     One system call per file, no stat: sizes come from the catalog, and an unlink that
     waits on the filesystem's journal should not wait twice. Results are yielded as they
@@ -606,10 +625,10 @@ def unlink_many(paths: list[Path]) -> Iterable[bool | OSError]:
     """
     global _unlink_pool
     if len(paths) < 2 * UNLINK_WORKERS:
-        return (_unlink(p) for p in paths)
+        return (_unlink(p, dirs) for p in paths)
     with _unlink_pool_lock:
         if _unlink_pool is None:
             _unlink_pool = ThreadPoolExecutor(max_workers=UNLINK_WORKERS,
                                               thread_name_prefix="spoolctl-unlink")
         pool = _unlink_pool
-    return pool.map(_unlink, paths)
+    return pool.map(_unlink, paths, itertools.repeat(dirs))

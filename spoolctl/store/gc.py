@@ -30,12 +30,14 @@ import logging
 import os
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import dirfd, faults
 from .fsio import describe_os_error, fsync_dir, unlink_many
 from .sqlite_files import no_space
 
@@ -87,6 +89,22 @@ class GarbageCollector:
 
     def __init__(self, store: Store):
         self._store = store
+        # The directory descriptors of this thread's pass in progress (``_pass``): every
+        # unlink goes through one, never through a path resolved again (issue 35.1).
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def _pass(self) -> Iterator[dirfd.DirFds]:
+        """Directory descriptors for one deletion pass, closed when it ends."""
+        if getattr(self._local, "dirs", None) is not None:
+            yield self._local.dirs  # nested: one set for the pass
+            return
+        with dirfd.DirFds() as dirs:
+            self._local.dirs = dirs
+            try:
+                yield dirs
+            finally:
+                self._local.dirs = None
 
     def clean_released(self, dry_run: bool) -> DeleteReport:
         catalog = self._store.catalog
@@ -107,7 +125,7 @@ class GarbageCollector:
         # and the previous batch's objects are being unlinked (the unlinks wait on the
         # filesystem's journal, the deletion on SQLite). Each entry still goes manifest
         # (its directory fsynced), then row, then objects.
-        with catalog.background_checkpoints():
+        with catalog.background_checkpoints(), self._pass():
             page = catalog.released_page("", DELETE_BATCH)
             manifests = self._start_manifests(page)
             objects: _Unlinking | None = None
@@ -139,7 +157,13 @@ class GarbageCollector:
         if not page:
             return None
         return _Unlinking.start(page, [self._store.layout.manifest_path(entry_id)
-                                       for entry_id, _ in page])
+                                       for entry_id, _ in page], self._live_dirs())
+
+    def _live_dirs(self) -> dirfd.DirFds:
+        dirs = getattr(self._local, "dirs", None)
+        if dirs is None:
+            raise RuntimeError("unlinks outside a deletion pass")  # a programming error
+        return dirs
 
     def delete_if_released(self, entry_ids: list[str]) -> DeleteReport:
         """Delete those of ``entry_ids`` that are still released."""
@@ -195,11 +219,13 @@ class GarbageCollector:
         """
         report = DeleteReport()
         sizes = self._store.catalog.manifest_sizes(entry_ids)
-        manifests = self._start_manifests([(e, sizes.get(e, 0)) for e in entry_ids])
-        deleted = [] if manifests is None else self._finish_manifests(manifests, report, step)
-        objects = self._drop_rows(deleted, report, step)
-        if objects is not None:
-            self._finish_objects(objects, report, step)
+        with self._pass():
+            manifests = self._start_manifests([(e, sizes.get(e, 0)) for e in entry_ids])
+            deleted = ([] if manifests is None
+                       else self._finish_manifests(manifests, report, step))
+            objects = self._drop_rows(deleted, report, step)
+            if objects is not None:
+                self._finish_objects(objects, report, step)
         self._log_failed(report)
         return report
 
@@ -246,7 +272,7 @@ class GarbageCollector:
             if objects is not None:  # a full disk: each part's objects go before the next
                 self._finish_objects(objects, report, step)  # part is recorded
             objects = _Unlinking.start(freed, [store.layout.object_path(digest)
-                                               for digest, _size in freed])
+                                               for digest, _size in freed], self._live_dirs())
         # No fsync of the object directories: an object unlink lost in a crash leaves an
         # unreferenced object, which orphan collection reclaims (the catalog deletion above
         # is already durable). This halves the directory fsyncs of every deletion batch.
@@ -279,9 +305,11 @@ class _Unlinking:
     outcomes: Iterable[bool | OSError]
 
     @staticmethod
-    def start(facts: list[tuple[str, int]], paths: list[Path]) -> _Unlinking:
-        """Start unlinking ``paths`` (``unlink_many``), one per fact, in order."""
-        return _Unlinking(facts, paths, unlink_many(paths))
+    def start(facts: list[tuple[str, int]], paths: list[Path],
+              dirs: dirfd.DirFds) -> _Unlinking:
+        """Start unlinking ``paths`` (``unlink_many`` through ``dirs``), one per fact, in
+        order."""
+        return _Unlinking(facts, paths, unlink_many(paths, dirs))
 
     def results(self) -> Iterator[tuple[tuple[str, int], Path, bool | OSError]]:
         """(facts, path, outcome) per file, in order, each as its unlink completes."""
@@ -304,33 +332,52 @@ def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool) -> DeleteReport:
     """
     report = DeleteReport(dry_run=dry_run)
     now = time.time()
+    # Listed and unlinked through one descriptor of tmp/ (opened without following a link
+    # anywhere on its path): a tmp/ swapped for a symlink after the listing cannot turn an
+    # unlink into one outside the store (issue 35.1, ``dirfd``).
     try:
-        found = list(os.scandir(tmp_dir))
+        fd = dirfd.open_dir(tmp_dir)
     except OSError as exc:
         report.failed[str(tmp_dir)] = describe_os_error(exc)
         return report
-    for e in found:
-        m = _TMP_RE.fullmatch(e.name)
+    try:
         try:
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        writer = int(m.group(1)) if m else None
-        alive = writer is None or writer == os.getpid() or pid_alive(writer)
-        age = now - st.st_mtime
-        if alive and age < max(min_age, LIVE_WRITER_GRACE):
-            continue
-        if not dry_run:
-            try:
-                os.unlink(e.path)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                report.failed[e.path] = describe_os_error(exc)
-                continue
-        report.files += 1
-        report.bytes += st.st_size
+            found = dirfd.listing(fd)
+        except OSError as exc:
+            report.failed[str(tmp_dir)] = describe_os_error(exc)
+            return report
+        faults.checkpoint("tmp.listed")
+        for e in found:
+            _clean_tmp_entry(fd, e, os.path.join(tmp_dir, e.name), now, min_age, dry_run,
+                             report)
+    finally:
+        os.close(fd)
     return report
+
+
+def _clean_tmp_entry(fd: int, e: os.DirEntry, path: str, now: float, min_age: float,
+                     dry_run: bool, report: DeleteReport) -> None:
+    """``clean_tmp`` for one entry of the tmp/ directory open at ``fd``."""
+    m = _TMP_RE.fullmatch(e.name)
+    try:
+        st = e.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    writer = int(m.group(1)) if m else None
+    alive = writer is None or writer == os.getpid() or pid_alive(writer)
+    age = now - st.st_mtime
+    if alive and age < max(min_age, LIVE_WRITER_GRACE):
+        return
+    if not dry_run:
+        try:
+            os.unlink(e.name, dir_fd=fd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            report.failed[path] = describe_os_error(exc)
+            return
+    report.files += 1
+    report.bytes += st.st_size
 
 
 def tmp_usage(tmp_dir: Path) -> tuple[int, int]:

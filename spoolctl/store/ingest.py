@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import dirfd
 from .digest import Hasher
 from .errors import ArchiveError, ManifestError
-from .fsio import ensure_real_dirs, fsync_close, io_error, tmp_name, unlink_quietly
+from .fsio import fsync_close, io_error, tmp_name, unlink_quietly
 from .gc import LOW_WATERMARK
 from .import_commit import StagedEntry, object_present, publish_entries
 from .manifest import decode, encode, envelope_digest
@@ -87,10 +88,8 @@ def stage_object(store: Store, source: Source, size: int, digest: str,
     raises DigestMismatch. Not fsynced here (``Section`` flushes it on a helper thread
     while the next objects are read)."""
     path = store.layout.tmp / tmp_name()
-    try:
-        ensure_real_dirs(store.root, store.layout.tmp)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
-                     0o600)
+    try:  # through tmp/'s descriptor: never into a tmp/ swapped for a link (issue 35.1)
+        fd = dirfd.create(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc
     hasher = Hasher()

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import dirfd
 from .fsio import (
     Flushing,
     TmpFile,
@@ -58,6 +60,26 @@ class Publisher:
         self.root = root
         self.tmp_dir = tmp_dir
         self._checkpoint = checkpoint
+        self._local = threading.local()  # this thread's batch (``batch``)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Inside, this thread's creates and renames reuse one descriptor per directory
+        (``dirfd.DirFds``), opened at first use and closed when the batch ends; outside,
+        each opens its directories itself. Either way no path is resolved again after its
+        directory was opened without following a link (issue 35.1). Nests."""
+        if getattr(self._local, "dirs", None) is not None:
+            yield
+            return
+        with dirfd.DirFds() as dirs:
+            self._local.dirs = dirs
+            try:
+                yield
+            finally:
+                self._local.dirs = None
+
+    def _dirs(self) -> dirfd.DirFds | None:
+        return getattr(self._local, "dirs", None)
 
     def mark(self, what: str | None, step: str) -> None:
         """Pass the crash checkpoint ``<what>.<step>`` (nothing when ``what`` is None)."""
@@ -80,7 +102,7 @@ class Publisher:
     def create_tmp(self) -> TmpFile:
         """A new empty temp file, to be written by ``stage_flushing(..., into=)`` (a group
         commit creates its files ahead, decision 1408). StoreIOError if it cannot be."""
-        return create_tmp(self.tmp_dir)
+        return create_tmp(self.tmp_dir, self._dirs())
 
     def stage_flushing(self, chunks: Chunks, *, what: str | None,
                        limit: int | None = None, into: TmpFile | None = None) -> Flushing:
@@ -90,7 +112,8 @@ class Publisher:
         it has waited for it, and removes the file if it is not published. Errors as for
         ``stage``."""
         return write_tmp_flushing(self.tmp_dir, chunks, limit=limit, into=into,
-                                  on_written=lambda: self.mark(what, "tmp_written"))
+                                  on_written=lambda: self.mark(what, "tmp_written"),
+                                  dirs=self._dirs())
 
     def check_dirs(self, directory: Path) -> None:
         """Raise OSError(ELOOP) unless every directory from the root to ``directory`` is
@@ -108,7 +131,12 @@ class Publisher:
         """
         if not checked:
             ensure_real_dirs(self.root, final.parent)
-        os.replace(src, final)
+        dirs = self._dirs()
+        if dirs is None:
+            dirfd.replace(src, final)
+        else:  # both names resolved in directories opened without following a link
+            os.replace(src.name, final.name, src_dir_fd=dirs.fd(src.parent),
+                       dst_dir_fd=dirs.fd(final.parent))
         if placed is not None:
             placed.append(final)
         self.mark(what, "published")
@@ -129,7 +157,7 @@ class Publisher:
     def discard(staged: Staged) -> None:
         """Remove a staged temp file that will not be published (best effort)."""
         with contextlib.suppress(OSError):
-            os.unlink(staged.tmp)
+            dirfd.unlink(staged.tmp)
 
     @contextlib.contextmanager
     def failing(self, staged: Staged, what: str, path: Path) -> Iterator[None]:

@@ -14,11 +14,11 @@ import math
 import os
 import re
 import secrets
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import dirfd, faults
 from .errors import InvalidIdError, NotFoundError, QuarantineReason
 from .fsio import DIR_MODE, ensure_real_dirs, fsync_dir, io_error, read_small, write_tmp
 
@@ -92,17 +92,19 @@ class Quarantine:
         )
         item = self.directory / item_id
         ensure_real_dirs(self.directory.parent, self.directory)  # no redirected evidence
-        os.mkdir(item, DIR_MODE)
+        # Created, renamed into and purged through directory descriptors (issue 35.1): a
+        # quarantine/ swapped for a symlink after the check above is never followed.
+        dirfd.mkdir(item, DIR_MODE)
         doc = {
             "schema": SCHEMA, "item": item_id, "reason": reason.value, "detail": detail[:500],
             "time": now, "entry_id": entry_id, "kind": kind,
             "files": [{"name": p.name, "role": role, "original": str(p)} for p, role in files],
         }
         tmp, _, _ = write_tmp(self._tmp, [json.dumps(doc, indent=2).encode()])
-        os.replace(tmp, item / REASON_FILE)
+        dirfd.replace(tmp, item / REASON_FILE)
         for path, _role in files:
             try:
-                os.rename(path, item / path.name)
+                dirfd.replace(path, item / path.name)
             except FileNotFoundError:
                 continue
         if checkpoint:
@@ -163,7 +165,8 @@ class Quarantine:
 
     def remove(self, item: QuarantineItem) -> None:
         try:
-            shutil.rmtree(item.path)
+            faults.checkpoint("quarantine.listed")
+            dirfd.rmtree(item.path)
             fsync_dir(self.directory)
         except OSError as exc:
             raise io_error(exc, "purging a quarantine item", item.path) from exc

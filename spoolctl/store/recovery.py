@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import dirfd
 from .errors import CorruptionError, ManifestError, NotFoundError, QuarantineReason
 from .fsio import (
     SpecialFileError,
@@ -203,7 +204,7 @@ class Recovery:
         if gone and not dry_run:
             for digest, _size in catalog.delete_entries(gone):
                 with contextlib.suppress(OSError):  # left an orphan: reclaimed below or later
-                    os.unlink(layout.object_path(digest))
+                    dirfd.unlink(layout.object_path(digest))
         report.dropped_rows = len(gone)
         if not dry_run:
             report.repaired_rows = self.repair_rows()
@@ -218,26 +219,48 @@ class Recovery:
         for fan in _scan(self._store.layout.objects, report.unreadable):
             if not fan.is_dir(follow_symlinks=False):
                 continue
-            for e in _scan(Path(fan.path), report.unreadable):
-                if not _OBJ_RE.fullmatch(e.name) or e.name[:-4] in known:
-                    continue
+            # Listed and unlinked through the fan-out's descriptor (issue 35.1): one swapped
+            # for a symlink after the listing never turns an unlink into one elsewhere.
+            try:
+                fd = dirfd.open_dir(fan.path)
+            except OSError as exc:
+                report.unreadable[fan.path] = describe_os_error(exc)
+                continue
+            try:
+                self._collect_fan(fd, fan.path, report, known, now, min_age, dry_run)
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    def _collect_fan(fd: int, fan: str, report: ReconcileReport, known: set[str],
+                     now: float, min_age: float, dry_run: bool) -> None:
+        """``_collect_objects`` for the fan-out directory open at ``fd``."""
+        try:
+            found = dirfd.listing(fd)
+        except OSError as exc:
+            report.unreadable[fan] = describe_os_error(exc)
+            return
+        for e in found:
+            if not _OBJ_RE.fullmatch(e.name) or e.name[:-4] in known:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if now - st.st_mtime < min_age:
+                report.young_orphans += 1
+                continue
+            if not dry_run:
                 try:
-                    st = e.stat(follow_symlinks=False)
+                    os.unlink(e.name, dir_fd=fd)
                 except FileNotFoundError:
                     continue
-                if now - st.st_mtime < min_age:
-                    report.young_orphans += 1
+                except OSError as exc:
+                    report.orphan_objects.failed[os.path.join(fan, e.name)] = \
+                        describe_os_error(exc)
                     continue
-                if not dry_run:
-                    try:
-                        os.unlink(e.path)
-                    except FileNotFoundError:
-                        continue
-                    except OSError as exc:
-                        report.orphan_objects.failed[e.path] = describe_os_error(exc)
-                        continue
-                report.orphan_objects.objects += 1
-                report.orphan_objects.bytes += st.st_size
+            report.orphan_objects.objects += 1
+            report.orphan_objects.bytes += st.st_size
 
     def repair_rows(self, limit: int = 10_000) -> int:
         """Re-index malformed catalog rows from their manifests, keeping the catalog-only

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import dirfd
 from .errors import InvalidIdError, RootError
 from .fsio import DIR_MODE, describe_os_error, fsync_dir, read_small, write_tmp
 
@@ -307,8 +308,14 @@ def create_or_adopt(
             # The foreign-owner rule holds from the first open: an empty directory someone
             # else owns is theirs (creating the store in it would seed files they cannot use).
             check_owner(root, allow_foreign_owner=allow_foreign_owner, st=st)
-        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
-        os.chmod(root, DIR_MODE)
+        # Every directory made on the way gets DIR_MODE, not what the umask leaves, and the
+        # root's mode is set through its own descriptor, never through a path a writer of
+        # a parent could swap for a link meanwhile (issue 35.4).
+        fd = dirfd.makedirs(root, DIR_MODE)
+        try:
+            os.fchmod(fd, DIR_MODE)
+        finally:
+            os.close(fd)
         marker = Marker(store_id=secrets.token_hex(8), created=time.time(), max_bytes=max_bytes)
         ensure_layout(layout)
         write_marker(layout, marker)

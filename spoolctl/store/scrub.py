@@ -151,7 +151,7 @@ class ScrubState:
         self.path = path
         # NORMAL in WAL mode survives kill -9 (the case resumption is for); a power
         # cut may lose the last few progress saves, which only repeats some work.
-        self._db = connect_read_only(path) if read_only else \
+        self._db = connect_read_only(path, ddl=_DDL) if read_only else \
             connect_private(path, ddl=_DDL, synchronous="NORMAL")
 
     @classmethod

@@ -13,15 +13,32 @@ the store, and block forever reading a FIFO. A special file there is damage
 (``DamagedDatabaseError``: quarantined and rebuilt or reset like a corrupt one).
 ``connect_read_only`` opens a database without creating or writing anything, for a
 process that may not write the store (``Store.open(..., read_only=True)``).
+
+Whoever can write the store can plant views and triggers in these files (issue 35.3): a
+``BEFORE INSERT ON meta`` trigger or a view over an endless recursive query would spin
+every process that opens the file, root's maintenance included. So every connection
+(``_guarded``) has a deadline on every statement (``STATEMENT_DEADLINE``, enforced by a
+progress handler: a statement past it fails with SQLITE_INTERRUPT), and, before any
+statement touches a table, its schema is compared
+with what spoolctl's own DDL creates (``check_schema``): a table, index, trigger or view
+that is not ours, or one of ours with other SQL, is damage (``DamagedDatabaseError``:
+rebuilt or reset like a corrupt file, a finding for ``doctor``). Missing objects of
+ours are fine (a file of an older spoolctl: the DDL adds them). Parsing a schema runs
+none of it, so reading ``sqlite_master`` is safe. ``PRAGMA trusted_schema=OFF`` is not
+used: SQLite then refuses to parse our own catalog (its ``entries_malformed`` index calls
+``json_valid()``, "unsafe use"), and once every object is proved ours it adds nothing
+(decision 2001).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import sqlite3
 import stat
+import time
 from pathlib import Path
 from typing import Literal
 from urllib.parse import quote
@@ -34,6 +51,7 @@ SQLITE_ERROR = 1
 SQLITE_PERM = 3
 SQLITE_BUSY = 5
 SQLITE_LOCKED = 6
+SQLITE_INTERRUPT = 9
 SQLITE_READONLY = 8
 SQLITE_IOERR = 10
 SQLITE_CORRUPT = 11
@@ -54,6 +72,7 @@ _TEXT_CODES: tuple[tuple[str, int], ...] = (
     ("file is not a database", SQLITE_NOTADB),
     ("database table is locked", SQLITE_LOCKED),
     ("database is locked", SQLITE_BUSY),
+    ("interrupted", SQLITE_INTERRUPT),
     ("database or disk is full", SQLITE_FULL),
     ("disk i/o error", SQLITE_IOERR),
     ("attempt to write a readonly database", SQLITE_READONLY),
@@ -93,6 +112,10 @@ def sqlite_error(exc: sqlite3.Error, path: Path, what: str = "catalog") -> Spool
     if code in (SQLITE_BUSY, SQLITE_LOCKED):
         return BusyError(f"{what} is locked by another process", path=path,
                          fix="retry; if it persists check `spoolctl status` for the owner")
+    if code == SQLITE_INTERRUPT:
+        return StoreIOError(f"{what} query ran past its {STATEMENT_DEADLINE:.0f} s deadline",
+                            path=path, fix="run `spoolctl doctor`: a file planted in the "
+                            "store's state/ can make queries endless")
     if no_space(exc, path):
         return StoreIOError(f"{what} write failed: No space left on device", path=path,
                             errno=errno.ENOSPC,
@@ -134,42 +157,129 @@ def check_files(path: Path) -> None:
             raise DamagedDatabaseError(f"{p.name} is not a regular file ({file_kind(st.st_mode)})")
 
 
-def connect_read_only(path: Path, *, timeout: float = 30) -> sqlite3.Connection:
+# Seconds one statement may run before the progress handler interrupts it. A statement of
+# spoolctl's over a million-entry catalog takes well under a second (decision 1403); a bulk
+# rebuild is one ``executemany`` per table, seconds. Only a planted query gets near this.
+STATEMENT_DEADLINE = 120.0
+# The handler runs every this many SQLite VM instructions (about a millisecond of work).
+_PROGRESS_STEPS = 10_000
+
+
+class _Guarded(sqlite3.Connection):
+    """A connection whose every statement has a deadline (``STATEMENT_DEADLINE``): each
+    ``execute``/``executemany``/``executescript`` starts a new one, and the rows of a
+    query fetched later still count against the statement's own."""
+
+    deadline_s: float = STATEMENT_DEADLINE
+    _until: float = 0.0
+
+    def _start(self) -> None:
+        self._until = time.monotonic() + self.deadline_s
+
+    def _late(self) -> int:
+        return 1 if time.monotonic() > self._until else 0  # nonzero: SQLITE_INTERRUPT
+
+    def execute(self, *args, **kwargs):  # type: ignore[override]
+        self._start()
+        return super().execute(*args, **kwargs)
+
+    def executemany(self, *args, **kwargs):  # type: ignore[override]
+        self._start()
+        return super().executemany(*args, **kwargs)
+
+    def executescript(self, *args, **kwargs):  # type: ignore[override]
+        self._start()
+        return super().executescript(*args, **kwargs)
+
+
+def _guarded(target: str, *, uri: bool = False, timeout: float,
+             deadline: float | None = None) -> _Guarded:
+    """``sqlite3.connect`` in autocommit mode with the guards of the module docstring."""
+    db = sqlite3.connect(target, uri=uri, timeout=timeout, isolation_level=None,
+                         check_same_thread=False, factory=_Guarded)
+    assert isinstance(db, _Guarded)
+    if deadline is not None:
+        db.deadline_s = deadline
+    db._start()
+    db.set_progress_handler(db._late, _PROGRESS_STEPS)
+    return db
+
+
+@functools.lru_cache(maxsize=8)
+def _expected_schema(ddl: str) -> frozenset[tuple[str, str, str, str | None]]:
+    """(type, name, table, sql) of every object ``ddl`` creates (applied to an empty
+    in-memory database, so the text is SQLite's own normalised form of ours)."""
+    mem = sqlite3.connect(":memory:")
+    try:
+        mem.executescript(ddl)
+        return frozenset(mem.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+    finally:
+        mem.close()
+
+
+def check_schema(db: sqlite3.Connection, ddl: str) -> None:
+    """Raise DamagedDatabaseError if the database holds a table, index, trigger or view
+    that ``ddl`` does not create, or one of the same name with other SQL. Reading
+    ``sqlite_master`` runs none of them (nor does anything else before this returns)."""
+    expected = _expected_schema(ddl)
+    found = db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
+    for row in found:
+        if tuple(row) not in expected:
+            kind, name = str(row[0])[:20], str(row[1])[:80]
+            raise DamagedDatabaseError(f"holds a {kind} {name!r} that spoolctl did not create "
+                                       "(or altered)")
+
+
+def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None,
+                      deadline: float | None = None) -> sqlite3.Connection:
     """A connection that never writes or creates anything (``mode=ro``), falling back to
     ``immutable=1`` when SQLite cannot set up its shared-memory index (a WAL database
     whose directory this process cannot write, with no readable -shm file). Immutable
     reads the main file only: a snapshot that may lack the newest commits of a writer
     that is running right now, never a torn one. Raises sqlite3 errors as they come
-    (absent file: SQLITE_CANTOPEN)."""
+    (absent file: SQLITE_CANTOPEN). ``ddl``: the schema the file must keep to
+    (``check_schema``; DamagedDatabaseError otherwise, the connection closed).
+    ``deadline``: seconds per statement (default ``STATEMENT_DEADLINE``)."""
     check_files(path)
     if not path.exists():
         raise sqlite3.OperationalError("unable to open database file")
     uri = "file:" + quote(str(path), safe="/")
     try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=timeout,
-                             isolation_level=None, check_same_thread=False)
-        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-        return db
+        db = _guarded(f"{uri}?mode=ro", uri=True, timeout=timeout, deadline=deadline)
+        try:
+            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        except BaseException:
+            db.close()
+            raise
     except sqlite3.OperationalError as exc:
         if error_code(exc) not in (SQLITE_CANTOPEN, SQLITE_READONLY, SQLITE_IOERR,
                                    SQLITE_PERM):
             raise
-    return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=timeout,
-                           isolation_level=None, check_same_thread=False)
+        db = _guarded(f"{uri}?mode=ro&immutable=1", uri=True, timeout=timeout,
+                      deadline=deadline)
+    if ddl is not None:
+        try:
+            check_schema(db, ddl)
+        except BaseException:
+            db.close()
+            raise
+    return db
 
 
 def connect_private(
     path: Path, *, ddl: str, synchronous: Literal["NORMAL", "FULL"], timeout: float = 30
 ) -> sqlite3.Connection:
     """A WAL-mode connection to ``path`` (created 0600: SQLite would make it 0644, and its
-    -wal/-shm files inherit the mode), with ``ddl`` applied. Autocommit mode; the caller
-    manages transactions. The connection is closed again if setup fails. A special file in
-    the database's place raises DamagedDatabaseError before SQLite opens it."""
+    -wal/-shm files inherit the mode), with ``ddl`` applied once the file's schema proved
+    to be ``ddl``'s (``check_schema``). Autocommit mode; the caller manages transactions.
+    The connection is closed again if setup fails. A special file in the database's place,
+    or a schema that is not ours, raises DamagedDatabaseError before SQLite runs anything
+    of the file's."""
     check_files(path)
     precreate_private(path)
-    db = sqlite3.connect(str(path), timeout=timeout, isolation_level=None,
-                         check_same_thread=False)
+    db = _guarded(str(path), timeout=timeout)
     try:
+        check_schema(db, ddl)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={synchronous}")
         db.executescript(ddl)

@@ -1,0 +1,242 @@
+"""Directory descriptors: how the store deletes, creates and renames (issue 35.1).
+
+A store belongs to the serving user while root runs its maintenance, so whoever can write
+the store can swap any of its directories for a symlink at any moment, including between
+a check and the call that acts on a path. Every delete, create and rename under a root
+therefore goes through a descriptor of the directory it acts in, opened component by
+component from ``/`` with ``O_DIRECTORY|O_NOFOLLOW`` (``open_dir``), and names only one
+entry of it (``unlink(name, dir_fd=)``, ``open(name, dir_fd=)``, ``replace(src_dir_fd=,
+dst_dir_fd=)``, ``scandir(fd)``). A directory swapped for a symlink before the open is
+refused (OSError ``ELOOP``/``ENOTDIR``); one swapped after it is no longer reached at all:
+the descriptor still names the directory that was checked.
+
+Store roots never cross a symlink (``root.check_root_path``), so walking from ``/`` costs
+nothing they were allowed. The walk is a handful of ``openat`` calls; a pass over many
+files keeps its descriptors in a ``DirFds`` for the length of the pass, never longer (a
+cached descriptor of a directory recreated since would write into the deleted one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Iterator
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+# The directories on the way are opened for search only where the platform can (Linux's
+# O_PATH): a parent such as a home directory in mode 0711 can be crossed but not read, and
+# a plain O_RDONLY open of it would fail where the path itself works. The last directory is
+# opened for reading (it is listed, fsynced, fchmod-ed).
+_PASS_FLAGS = (getattr(os, "O_PATH", 0) | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+               if hasattr(os, "O_PATH") else _DIR_FLAGS)
+# ``os.unlink(dir_fd=)`` and friends: every POSIX platform the store runs on (Linux, macOS).
+SUPPORTED = os.open in os.supports_dir_fd and os.unlink in os.supports_dir_fd
+
+
+def open_dir(path: str | os.PathLike[str]) -> int:
+    """A descriptor of the directory at absolute ``path``, every component of which was
+    opened relative to the one before with ``O_DIRECTORY|O_NOFOLLOW``.
+
+    Raises OSError: ``ELOOP`` (or ``ENOTDIR``) if a component is a symlink or not a
+    directory, ``ENOENT`` if one is missing, ``EACCES`` as the walk meets it. The caller
+    closes the descriptor."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        raise ValueError(f"not an absolute path: {text!r}")
+    return _walk(text, None)
+
+
+def makedirs(path: str | os.PathLike[str], mode: int) -> int:
+    """Create the directory at absolute ``path`` and every missing parent, each with
+    exactly ``mode`` (set with ``fchmod`` on its own descriptor: neither the umask nor a
+    symlink swapped in meanwhile decides it), walking from ``/`` as ``open_dir`` does;
+    directories that exist are left as they are. Returns a descriptor of ``path`` (the
+    caller closes it). OSError as ``open_dir``, or that of the ``mkdir``."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        raise ValueError(f"not an absolute path: {text!r}")
+    return _walk(text, mode)
+
+
+def _walk(text: str, mode: int | None) -> int:
+    """``open_dir`` (``mode`` None) or ``makedirs`` (``mode``) of absolute ``text``."""
+    parts = [p for p in os.path.normpath(text).split(os.sep) if p]
+    fd = os.open("/", _PASS_FLAGS if parts else _DIR_FLAGS)
+    try:
+        for i, part in enumerate(parts):
+            nxt = _step(fd, part, text, mode, last=i == len(parts) - 1)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _step(fd: int, part: str, text: str, mode: int | None, *, last: bool) -> int:
+    """Open ``part`` of the directory at ``fd`` (creating it with ``mode`` if missing and
+    ``mode`` is given); errors are named after the whole path, as a plain open's would."""
+    flags = _DIR_FLAGS if last else _PASS_FLAGS
+    try:
+        try:
+            return os.open(part, flags, dir_fd=fd)
+        except FileNotFoundError:
+            if mode is None:
+                raise
+        try:
+            os.mkdir(part, mode, dir_fd=fd)
+        except FileExistsError:
+            return os.open(part, flags, dir_fd=fd)  # made meanwhile: someone else's
+        made = os.open(part, _DIR_FLAGS, dir_fd=fd)  # readable: fchmod needs a real fd
+        try:
+            os.fchmod(made, mode)  # the umask only took bits away; this is the mode asked
+        except BaseException:
+            os.close(made)
+            raise
+        return made
+    except OSError as exc:
+        code = exc.errno
+        if code == errno.ENOTDIR and _is_link(part, fd):
+            code = errno.ELOOP  # Linux says ENOTDIR for a link under O_DIRECTORY
+        raise OSError(code, os.strerror(code or 0), text) from None
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def opened(path: str | os.PathLike[str]) -> Iterator[int]:
+    """``open_dir(path)`` as a context manager (closed on exit)."""
+    fd = open_dir(path)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _split(path: str | os.PathLike[str]) -> tuple[str, str]:
+    parent, name = os.path.split(os.fspath(path))
+    if not name or name in (".", ".."):
+        raise ValueError(f"no file name in {os.fspath(path)!r}")
+    return parent, name
+
+
+def unlink(path: str | os.PathLike[str]) -> None:
+    """Remove the file at ``path`` through its directory's descriptor (OSError as
+    ``os.unlink``, plus ``ELOOP`` for a symlinked directory on the way)."""
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        os.unlink(name, dir_fd=fd)
+
+
+def create(path: str | os.PathLike[str], flags: int, mode: int) -> int:
+    """``os.open(path, flags | O_NOFOLLOW, mode)`` through its directory's descriptor."""
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        return os.open(name, flags | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=fd)
+
+
+def mkdir(path: str | os.PathLike[str], mode: int) -> None:
+    """``os.mkdir(path, mode)`` through its parent's descriptor."""
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        os.mkdir(name, mode, dir_fd=fd)
+
+
+def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """``os.replace(src, dst)`` through the descriptors of both directories."""
+    src_parent, src_name = _split(src)
+    dst_parent, dst_name = _split(dst)
+    with opened(src_parent) as sfd:
+        if dst_parent == src_parent:
+            os.replace(src_name, dst_name, src_dir_fd=sfd, dst_dir_fd=sfd)
+            return
+        with opened(dst_parent) as dfd:
+            os.replace(src_name, dst_name, src_dir_fd=sfd, dst_dir_fd=dfd)
+
+
+def rmtree(path: str | os.PathLike[str]) -> None:
+    """Remove the directory tree at ``path`` (``shutil.rmtree`` relative to its parent's
+    descriptor: it never follows a symlink inside the tree either)."""
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        shutil.rmtree(name, dir_fd=fd)
+
+
+def listing(fd: int) -> list[os.DirEntry]:
+    """The entries of the directory open at ``fd`` (``scandir`` on the descriptor: each
+    entry's ``stat(follow_symlinks=False)`` is relative to it too)."""
+    with os.scandir(fd) as it:
+        return list(it)
+
+
+class DirFds:
+    """Directory descriptors opened once each (``open_dir``) for the length of one pass
+    over many files; thread-safe (the unlink pool shares one). Close it when the pass ends.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int | OSError] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, directory: str | os.PathLike[str]) -> int:
+        """The descriptor of absolute ``directory`` (opened on first use, relative to its
+        parent's, which is kept too: 64 fan-outs of one store cost 64 opens, not 64 walks
+        from /); the OSError of its open, raised again on every later use, if it could not
+        be opened. For ``*at`` calls only (opened for search where the platform allows)."""
+        key = os.path.normpath(os.fspath(directory))
+        if not os.path.isabs(key):
+            raise ValueError(f"not an absolute path: {key!r}")
+        with self._lock:
+            got = self._open(key)
+        if isinstance(got, OSError):
+            raise OSError(got.errno, got.strerror, got.filename)
+        return got
+
+    def _open(self, key: str) -> int | OSError:
+        got = self._fds.get(key)
+        if got is not None:
+            return got
+        parent, name = os.path.split(key)
+        if not name:  # the root directory
+            got = os.open(key, _PASS_FLAGS)
+        else:
+            up = self._open(parent)
+            if isinstance(up, OSError):
+                got = OSError(up.errno, up.strerror, key)
+            else:
+                try:
+                    got = _step(up, name, key, None, last=False)
+                except OSError as exc:
+                    got = exc
+        self._fds[key] = got
+        return got
+
+    def unlink(self, path: str | os.PathLike[str]) -> None:
+        """``os.unlink`` of ``path`` through its directory's descriptor."""
+        parent, name = _split(path)
+        os.unlink(name, dir_fd=self.fd(parent))
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            if isinstance(fd, int):
+                os.close(fd)
+
+    def __enter__(self) -> DirFds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
