@@ -154,3 +154,14 @@ def test_unused_for_longer_than_the_rule_is_unused() -> None:
     v = judge([_use("a", 100, 200, "w1")], now=200 + 86400 * 31, unused_for=86400 * 30)
     assert v["a"].state == "unused"
     assert judge([_use("a", 100, 200, "w1")], now=300, unused_for=86400)["a"].state == "current"
+
+
+def test_a_narrowed_command_still_sees_the_successor(base: Path) -> None:
+    """`--deployment OLD` or `--root R/OLD`: the newer sibling is what makes it superseded."""
+    doc = run_json("status", "--root", str(base / DEP_OLD))
+    assert doc["deployments"][DEP_OLD]["lifecycle"]["successor"] == DEP_NEW
+    doc = run_json("clean", "--root", str(base), "--deployment", DEP_OLD[:12], "--rank", "1",
+                   "--superseded", "--yes")
+    assert [s["result"]["deployment_lifecycle"]["reclaimed"] for s in doc["stores"]] == [True]
+    assert _entries(base / DEP_OLD / "rank-0001") == 0
+    assert _entries(base / DEP_OLD / "rank-0000") == 3  # --rank 1 only

@@ -124,13 +124,13 @@ def clean_cmd(
 def _stale_deployments(targets: Targets, superseded: bool,
                        unused: float | None) -> dict[str, Verdict]:
     """The deployments the chosen rules reclaim (decision 2112), by directory name."""
-    from .lifecycle import deployment_uses, verdicts
+    from .lifecycle import deployment_uses, siblings, verdicts
 
     if targets.single:
         raise ConfigError("--superseded and --unused-for apply to a vLLM base root or "
                           "deployment directory, not to one store", path=targets.given,
                           fix="point --root at the root given to `spoolctl config vllm`")
-    judged = verdicts(deployment_uses(targets), unused_for=unused)
+    judged = verdicts(deployment_uses(siblings(targets)), unused_for=unused)
     return {name: v for name, v in judged.items()
             if (superseded and v.state == "superseded") or v.state == "unused"}
 

@@ -164,9 +164,9 @@ def doctor_cmd(
         finish(code)
         return
     from .fanout import StoreResult
-    from .lifecycle import deployment_uses, verdicts
+    from .lifecycle import deployment_uses, siblings, verdicts
 
-    uses = deployment_uses(targets)
+    uses = deployment_uses(siblings(targets))
     judged = verdicts(uses)
     results = []
     for target in targets.stores:

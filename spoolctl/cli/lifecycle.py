@@ -39,6 +39,23 @@ def rank_use(store: Store, name: str, rows: list[Any] | None = None) -> Deployme
                          max((r.last_access for r in live), default=None), identity)
 
 
+def siblings(targets: Targets) -> Targets:
+    """What a verdict must compare: every deployment of the base root, also when ``targets``
+    is narrowed (``--deployment``, ``--rank``) or is one deployment directory under a base
+    root (a successor is a sibling)."""
+    from .targets import resolve_targets
+
+    base = targets.given if targets.kind == "base" else targets.given.parent \
+        if targets.kind == "deployment" else None
+    if base is None:
+        return targets
+    try:
+        found = resolve_targets(base)
+    except SpoolError:  # the parent is not a base root: judge what was given
+        return targets
+    return found if found.kind == "base" else targets
+
+
 def deployment_uses(targets: Targets) -> dict[str, DeploymentUse]:
     """Every deployment's use, its ranks merged (ranks that cannot be opened are left out)."""
     def job(store: Store, target: StoreTarget) -> tuple[dict[str, Any], int]:

@@ -220,7 +220,7 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
     from spoolctl.connector.staleness import DeploymentUse
     from spoolctl.connector.topology import RankReport
 
-    from .lifecycle import lifecycle_json, rank_use, verdicts
+    from .lifecycle import deployment_uses, lifecycle_json, rank_use, siblings, verdicts
 
     def job(store: Store, target: StoreTarget) -> tuple[dict[str, Any], int]:
         facts = store.facts()
@@ -247,6 +247,9 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
         r.doc is not None and r.doc["attention"] for r in results)
     # Which deployments no longer match anything current (decision 2112).
     uses = {name: DeploymentUse.merge(name, parts) for name, parts in used.items()}
+    everyone = siblings(targets)
+    if len(everyone.stores) != len(targets.stores) or everyone.given != targets.given:
+        uses = {**uses, **deployment_uses(everyone)}  # narrowed: a successor is a sibling
     judged = verdicts(uses)
     extra: dict[str, Any] = {"deployments": {
         n: {**d.to_json(), "lifecycle": lifecycle_json(uses[n], judged[n])}
