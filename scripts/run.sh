@@ -72,7 +72,7 @@ BASE_TESTS=(tests/test_cli.py tests/test_cli_units.py tests/test_hostile_cli.py
             tests/test_operator_special_files.py tests/test_operator_full_disk.py
             tests/test_operator_markup.py tests/test_operator_rows.py
             tests/test_operator_unprivileged.py tests/test_operator_inputs.py
-            tests/test_operator_base_install.py)
+            tests/test_operator_base_install.py tests/test_operator_lifecycle.py)
 
 install_base_only() {
   local stamp; stamp=$(stamp_for base-only)
