@@ -175,3 +175,36 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | str = "
         (staging / "spoolctl-tinymodel.json").write_text(json.dumps(asdict(spec)))
 
     return publish_dir(target, write)
+
+
+def build_tiny_lora(model_dir: str | os.PathLike[str], path: str | os.PathLike[str], *,
+                    seed: int = 1, rank: int = 8) -> Path:
+    """Write a PEFT-format LoRA adapter (``adapter_config.json`` +
+    ``adapter_model.safetensors``) for the model at ``model_dir`` at ``path``: random
+    (seeded) low-rank updates of every layer's q_proj and v_proj, large enough to change
+    greedy output. No peft needed. Returns ``path``."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    kv_out = cfg["num_key_value_heads"] * cfg.get("head_dim",
+                                                  hidden // cfg["num_attention_heads"])
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, out in (("q_proj", hidden), ("v_proj", kv_out)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.5
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+              "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": ["q_proj", "v_proj"], "fan_in_fan_out": False,
+              "base_model_name_or_path": str(model_dir), "modules_to_save": None,
+              "use_rslora": False, "use_dora": False}
+
+    def write(staging: Path) -> None:
+        save_file(tensors, str(staging / "adapter_model.safetensors"))
+        (staging / "adapter_config.json").write_text(json.dumps(config))
+
+    return publish_dir(Path(path), write)

@@ -113,7 +113,7 @@ def test_cron_example_maintains_the_engines_stores(served: dict) -> None:
     env, commands = _cron_jobs()
     assert env["SPOOLCTL_ROOT"] == "/var/cache/spoolctl/vllm"
     env = {**env, "SPOOLCTL_ROOT": str(base)}  # the same R the engine was given
-    assert len(commands) == 3
+    assert len(commands) == 4
     for command in commands:
         proc = _sh(command, env, work)
         assert proc.returncode == 0, (command, proc.stdout, proc.stderr)
@@ -121,6 +121,9 @@ def test_cron_example_maintains_the_engines_stores(served: dict) -> None:
     clean = json.loads((work / "log" / "clean.log").read_text())
     assert clean["kind"] == "base" and [s["rank"] for s in clean["stores"]] == [0]
     assert clean["stores"][0]["result"]["steps"]["released"]["entries"] == 4
+    # The daily stale-deployment rule: the engine's one deployment is current, kept.
+    life = json.loads((work / "log" / "lifecycle.log").read_text())
+    assert [s["result"]["deployment_lifecycle"]["reclaimed"] for s in life["stores"]] == [False]
     scrub = json.loads((work / "log" / "scrub.log").read_text())
     assert scrub["stores"][0]["result"]["checked"] == served["total"] - 4
     with Store.open(rank_root) as store:

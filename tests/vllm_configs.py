@@ -17,8 +17,10 @@ def vllm_configs(root: str, specs: Sequence[Any], *, num_blocks: int = 64,
     """``(vllm_config, kv_cache_config)``: block size 32, chunk 64 tokens, one KV cache group
     per spec (layer ``layer.<i>``), store base ``root``; ``extra`` adds connector options."""
     tcfg = SimpleNamespace(
+        # No model files here: the operator's name for the weights stands in for their
+        # digest (decision 2110).
         kv_connector_extra_config={"spoolctl_root": root, "spoolctl_chunk_tokens": 64,
-                                   **extra},
+                                   "spoolctl_weights_id": "hand-built", **extra},
         kv_load_failure_policy="recompute")
     vcfg = SimpleNamespace(
         kv_transfer_config=tcfg,

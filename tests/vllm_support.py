@@ -116,8 +116,13 @@ def run(job: dict) -> dict:
 
             with Image.open(req["image"]) as img:
                 prompt["multi_modal_data"] = {"image": img.convert("RGB")}
+        lora = None
+        if req.get("lora"):  # [name, int id, adapter directory]
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(req["lora"][0], int(req["lora"][1]), req["lora"][2])
         started = time.perf_counter()
-        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0]
         elapsed = time.perf_counter() - started
         if not worker.flush(timeout=60):
             raise RuntimeError("connector stores did not finish within 60 s")

@@ -11,7 +11,7 @@ delete, a genai record whose endpoint was refused); 2: a step or a store failed.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -34,7 +34,10 @@ from .common import (
     text,
 )
 from .fanout import finish, run_on_targets
-from .targets import StoreTarget, resolve_targets
+from .targets import StoreTarget, Targets, resolve_targets
+
+if TYPE_CHECKING:
+    from spoolctl.connector.staleness import Verdict
 
 
 @app.command("clean")
@@ -54,6 +57,12 @@ def clean_cmd(
         "--genai-endpoint", help="Also send credentials to this origin (scheme://host:port) "
         "when a record names it; besides Google's https endpoints only these and "
         "SPOOLCTL_GENAI_ENDPOINTS are used. Repeatable.")] = None,
+    superseded: Annotated[bool, typer.Option(
+        "--superseded", help="Reclaim vLLM deployments a newer one of the same model replaced "
+        "(new weights, a vLLM upgrade) that nothing used since (see `status`).")] = False,
+    unused_for: Annotated[str | None, typer.Option(
+        "--unused-for", help="Reclaim vLLM deployments not used for this long (e.g. 30d).")] =
+        None,
     min_age: Annotated[str, typer.Option(
         "--min-age", help="Orphans and temp files must be this old (e.g. 1h).")] = "1h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report; change nothing.")] =
@@ -69,20 +78,30 @@ def clean_cmd(
     Released entries, capacity overflow, abandoned temp files and orphan objects: all
     four when no selector is given. Works on a full disk. Given a vLLM base root (the
     root of `spoolctl config vllm`) or a deployment directory, cleans every rank store
-    under it and reports per rank.
+    under it and reports per rank. `--superseded` and `--unused-for` reclaim whole vLLM
+    deployments by rule (alone, only those and the released step run).
 
     Example (cron): [bold]spoolctl clean --yes --json[/bold]
     """
     age = parse_duration(min_age)
     endpoints = _endpoint_policy(genai, genai_endpoint or [])
+    unused = parse_duration(unused_for) if unused_for is not None else None
     chosen = {"released": released, "capacity": capacity, "tmp": tmp, "orphans": orphans}
-    steps = [step for step in CLEAN_STEPS if chosen[step]] or list(CLEAN_STEPS)
+    by_rule = superseded or unused is not None
+    steps = [step for step in CLEAN_STEPS if chosen[step]] or \
+        (["released"] if by_rule else list(CLEAN_STEPS))
+    if by_rule and "released" not in steps:
+        steps = ["released", *steps]  # what reclaiming a deployment releases is deleted
     targets = resolve_targets(root, rank=rank, deployment=deployment)
+    stale = _stale_deployments(targets, superseded, unused) if by_rule else {}
     if render.require_yes(yes, dry_run, "clean") and targets.stores:
         for target in targets.stores:
             with open_store(target.root) as store:
                 plan = store.clean(steps, min_age=age, dry_run=True)
             console.print(text(target.label, "bold"))
+            why = stale.get(target.deployment or "")
+            if why is not None:
+                console.print(text(f"whole deployment: {why.state} ({why.reason})", "yellow"))
             console.print(_steps_table(plan.steps_json(), True))
         if not typer.confirm("Delete these?", default=False):
             raise typer.Exit(EXIT_OK)
@@ -90,8 +109,12 @@ def clean_cmd(
     def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
         # before local cleanup: settles holds
         remote = _clean_genai(store, genai, dry_run, endpoints)
+        lifecycle = _reclaim(store, stale.get(_target.deployment or ""), dry_run) \
+            if by_rule else None
         report = store.clean(steps, min_age=age, dry_run=dry_run)
         doc = {**report.to_json(), "genai": remote}
+        if lifecycle is not None:
+            doc["deployment_lifecycle"] = lifecycle
         where = "" if _target.rank is None else f"{_target.label}: "
         for step, error in report.errors.items():  # on stderr too: cron mails it
             err_console.print(text(f"error: {where}clean {step}: {error}"), soft_wrap=True)
@@ -114,6 +137,30 @@ def _endpoint_policy(enabled: bool, extra: list[str]) -> Any:
     from spoolctl.controllers.genai_endpoints import EndpointPolicy
 
     return EndpointPolicy.from_operator(extra)
+
+
+def _stale_deployments(targets: Targets, superseded: bool,
+                       unused: float | None) -> dict[str, Verdict]:
+    """The deployments the chosen rules reclaim (decision 2112), by directory name."""
+    from .lifecycle import deployment_uses, siblings, verdicts
+
+    if targets.single:
+        raise ConfigError("--superseded and --unused-for apply to a vLLM base root or "
+                          "deployment directory, not to one store", path=targets.given,
+                          fix="point --root at the root given to `spoolctl config vllm`")
+    judged = verdicts(deployment_uses(siblings(targets)), unused_for=unused)
+    return {name: v for name, v in judged.items()
+            if (superseded and v.state == "superseded") or v.state == "unused"}
+
+
+def _reclaim(store: Store, verdict: Verdict | None, dry_run: bool) -> dict[str, Any]:
+    """Release a stale deployment's chunks on this rank (the released step deletes them)."""
+    from .lifecycle import reclaim
+
+    if verdict is None:
+        return {"reclaimed": False, "state": "current"}
+    entries, size = reclaim(store, dry_run=dry_run)
+    return {"reclaimed": True, **verdict.to_json(), "entries": entries, "bytes": size}
 
 
 def _clean_genai(store: Store, enabled: bool, dry_run: bool,
@@ -178,4 +225,9 @@ def _clean_view(doc: dict[str, Any]) -> list[Any]:
         out.append(text(f"{doc['failed']} file(s) or directories could not be deleted or "
                         "read (`spoolctl doctor` says why)", "yellow"))
     out.extend(text(line) for line in doc["genai"].get("lines", []))
+    life = doc.get("deployment_lifecycle")
+    if life and life.get("reclaimed"):
+        out.append(text(f"deployment {life['state']} ({life['reason']}): "
+                        f"{life['entries']} chunk(s), {render.size(life['bytes'])} "
+                        + ("to release" if doc["dry_run"] else "released"), "yellow"))
     return out

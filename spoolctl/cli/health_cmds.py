@@ -167,14 +167,35 @@ def doctor_cmd(
         finish(code)
         return
     from .fanout import StoreResult
+    from .lifecycle import deployment_uses, siblings, verdicts
 
+    uses = deployment_uses(siblings(targets))
+    judged = verdicts(uses)
     results = []
     for target in targets.stores:
         doc, code = one(target.root)
+        stale = judged.get(target.deployment or "")
+        if stale is not None and stale.stale:  # a warning: stale is not broken
+            use = uses[target.deployment or ""]
+            doc["checks"].append(_lifecycle_check(stale, use.bytes).to_json())
         results.append(StoreResult(target, code, doc=doc))
     doc = multi_doc(targets, results)
     emit(doc, json_output=json_output, view=multi_view(_doctor_view))
     finish(worst([r.code for r in results]))
+
+
+def _lifecycle_check(verdict: Any, size: int) -> Any:
+    """``deployment.lifecycle``: a deployment that nothing will read again (decision 2112)."""
+    from spoolctl.store.doctor import Check
+
+    from . import render
+
+    return Check("deployment.lifecycle", "warn",
+                 f"deployment {verdict.state} ({verdict.reason}"
+                 + (f"; replaced by {verdict.successor[:24]}" if verdict.successor else "")
+                 + f"): {render.size(size)} no engine will read again",
+                 "`spoolctl clean --superseded --yes` reclaims it (or "
+                 "`--unused-for 30d`; see docs/runbook.md)")
 
 
 def _genai_checks(path: Path) -> list[Any]:

@@ -217,28 +217,43 @@ def _status_view(doc: dict[str, Any]) -> Table:
 def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
     """Per-rank status of a deployment directory or base root, and whether anything needs
     attention (ranks that disagree, quarantine, a rank's own findings)."""
+    from spoolctl.connector.staleness import DeploymentUse
     from spoolctl.connector.topology import RankReport
+
+    from .lifecycle import deployment_uses, lifecycle_json, rank_use, siblings, verdicts
 
     def job(store: Store, target: StoreTarget) -> tuple[dict[str, Any], int]:
         facts = store.facts()
-        keys = frozenset(r.key for r in store.entries(kind="vllm") if r.hint == "retain")
+        rows = store.entries(kind="vllm")
+        keys = frozenset(r.key for r in rows if r.hint == "retain")
         assert target.rank is not None
         report = RankReport(rank=target.rank, root=facts.root, entries=facts.totals.entries,
                             bytes=facts.totals.bytes, max_bytes=facts.max_bytes,
                             quarantined=facts.quarantine.items, chunk_keys=keys)
         return {"status": status_doc(store, facts), "_report": report,
+                "_use": rank_use(store, target.deployment or "", rows),
                 "attention": facts.needs_attention}, EXIT_OK
 
     results = run_each(targets, job, read_only_ok=True)
     groups: dict[str, list[Any]] = {}
+    used: dict[str, list[DeploymentUse]] = {}
     for r in results:
         if r.doc is not None:
             groups.setdefault(r.target.deployment or "", []).append(r.doc.pop("_report"))
+            used.setdefault(r.target.deployment or "", []).append(r.doc.pop("_use"))
     deployments = {name: _deployment_status(str(_dep_dir(targets, name)), reports)
                    for name, reports in groups.items()}
     findings = any(d.has_findings for d in deployments.values()) or any(
         r.doc is not None and r.doc["attention"] for r in results)
-    extra: dict[str, Any] = {"deployments": {n: d.to_json() for n, d in deployments.items()}}
+    # Which deployments no longer match anything current (decision 2112).
+    uses = {name: DeploymentUse.merge(name, parts) for name, parts in used.items()}
+    everyone = siblings(targets)
+    if len(everyone.stores) != len(targets.stores) or everyone.given != targets.given:
+        uses = {**uses, **deployment_uses(everyone)}  # narrowed: a successor is a sibling
+    judged = verdicts(uses)
+    extra: dict[str, Any] = {"deployments": {
+        n: {**d.to_json(), "lifecycle": lifecycle_json(uses[n], judged[n])}
+        for n, d in deployments.items()}}
     if targets.kind == "deployment" and len(deployments) == 1:
         # the shape scripts of one deployment directory read (ranks, agree, ...)
         extra.update(next(iter(deployments.values())).to_json())
@@ -301,7 +316,23 @@ def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[A
                    + (f"no store for rank {gaps}; " if gaps else "")
                    + f"{dep['complete_chunks']} chunks on every rank; a chunk missing "
                    "on any rank is a miss everywhere until re-stored")
-    return [t, verdict, _host_line(dep["host"])]
+    return [t, verdict, _host_line(dep["host"]), _lifecycle_line(dep.get("lifecycle"))]
+
+
+def _lifecycle_line(life: dict[str, Any] | None) -> Text:
+    """What the deployment is for (model, weights), when it was last used, and whether a
+    newer one replaced it (``clean --superseded`` reclaims it)."""
+    if not life:
+        return Text("")
+    weights = str(life.get("weights") or "not bound (stored before weights were)")[:24]
+    used = render.rel_time(life["last_used"]) if life.get("last_used") else "never"
+    line = Text(f"model {plain(str(life.get('model') or '?'))}, weights {plain(weights)}; "
+                f"last used {used}; {render.size(life['bytes'])} in {life['entries']} chunks")
+    if life["state"] == "superseded":
+        line.append(f"\nsuperseded ({life['reason']}) by {str(life['successor'])[:24]}: "
+                    "nothing will read it again; `spoolctl clean --superseded --yes` "
+                    "reclaims it", style="yellow")
+    return line
 
 
 def _host_line(host: dict[str, Any]) -> Text:

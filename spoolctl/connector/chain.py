@@ -53,10 +53,13 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def chain_root(namespace: str, cache_salt: str | None) -> str:
-    """The seed of a request's chain: binds the deployment and the cache salt."""
+def chain_root(namespace: str, cache_salt: str | None, adapter: str | None = None) -> str:
+    """The seed of a request's chain: binds the deployment, the cache salt and, for a LoRA
+    request, its adapter's content digest (requests without one keep their keys)."""
     salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
-    return hash_parts(SCHEMA, namespace.encode(), salt)
+    if adapter is None:
+        return hash_parts(SCHEMA, namespace.encode(), salt)
+    return hash_parts(SCHEMA, namespace.encode(), salt, b"lora:" + adapter.encode())
 
 
 def chunk_keys(

@@ -3,8 +3,9 @@
 The identity binds the model locator and revision, the model and KV cache
 dtypes, the block size, the runtime KV cache layout (every KV cache group's
 layer names and spec), the TP/PP topology and this rank's place in it, the
-engine's KV layout generation (vLLM major.minor and attention backend) and the
-connector's format version. Its digest is the store namespace, so a different
+engine's KV layout generation (vLLM major.minor and attention backend), the
+connector's format version and the content digest of the model's files
+(``weights``, decision 2110). Its digest is the store namespace, so a different
 deployment is a different namespace and can never read another's KV. It is
 derived from vLLM's public config objects by attribute access only.
 """
@@ -41,6 +42,9 @@ class DeploymentIdentity:
     engine: str
     chunk_tokens: int
     format_version: int = FORMAT_VERSION
+    # What the model's files are (``weights.weights_digest`` or the operator's
+    # ``spoolctl_weights_id``): new weights at the same path are a new namespace.
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -53,6 +57,8 @@ class DeploymentIdentity:
     def to_json(self) -> dict[str, Any]:
         doc = dataclasses.asdict(self)
         doc["kv_layout"] = [dict(g) for g in self.kv_layout]
+        if self.weights is None:  # identities made without weights keep their namespace
+            del doc["weights"]
         return doc
 
     @property
@@ -68,7 +74,8 @@ class DeploymentIdentity:
         return {"model": self.model, "revision": self.revision, "dtype": self.dtype,
                 "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
                 "tp": [self.tp_rank, self.tp_size], "pp": [self.pp_rank, self.pp_size],
-                "engine": self.engine, "chunk_tokens": self.chunk_tokens}
+                "engine": self.engine, "chunk_tokens": self.chunk_tokens,
+                "weights": self.weights}
 
 
 def _plain(value: Any) -> Any:
@@ -109,6 +116,7 @@ def kv_layout_of(kv_cache_config: Any, *, with_layers: bool = True) -> tuple[dic
 def identity_from_vllm(
     vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int, engine: str,
     tp_rank: int = 0, pp_rank: int = 0, group_format: list[dict[str, Any]] | None = None,
+    weights: str | None = None,
 ) -> DeploymentIdentity:
     """Derive the identity from vLLM's ``VllmConfig`` and runtime ``KVCacheConfig``.
 
@@ -139,4 +147,5 @@ def identity_from_vllm(
         pp_rank=pp_rank,
         engine=engine,
         chunk_tokens=chunk_tokens,
+        weights=weights,
     )

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from spoolctl.store.errors import ConfigError
 
 from .groups import GroupInfo, GroupLayout, choose_layouts, unsupported_error
 from .identity import DeploymentIdentity, identity_from_vllm
@@ -110,7 +113,8 @@ def probe(vllm_config: Any, kv_cache_config: Any, *, scheduler: bool) -> Deploym
         vllm_config, kv_cache_config, chunk_tokens=chunk,
         engine=engine_tag(kv_layout(vllm_config, kv_cache_config)),
         tp_rank=tp_rank, pp_rank=pp_rank,
-        group_format=[g.to_json() for g in layouts] if layouts else None)
+        group_format=[g.to_json() for g in layouts] if layouts else None,
+        weights=model_weights(vllm_config, settings))
     hbs = hash_block_size(vllm_config, kv_cache_config, block_size)
     publish = kv_events_enabled(vllm_config) and settings.kv_events == "on"
     if publish and chunk % hbs:
@@ -123,6 +127,34 @@ def probe(vllm_config: Any, kv_cache_config: Any, *, scheduler: bool) -> Deploym
                       hash_algo=str(getattr(vllm_config.cache_config,
                                             "prefix_caching_hash_algo", "sha256")),
                       event_group=event_group(groups))
+
+
+def model_weights(vllm_config: Any, settings: ConnectorSettings) -> str:
+    """What the served model's files are, for the identity (decision 2110): the operator's
+    ``spoolctl_weights_id``, else the content digest of the local model directory (or hub
+    cache snapshot). ConfigError when neither is available: serving KV that other weights
+    computed is never the fallback."""
+    if settings.weights_id is not None:
+        return f"id:{settings.weights_id}"
+    from .weights import memo_dir_for, resolve_model_dir, weights_digest
+
+    model = vllm_config.model_config
+    revision = getattr(model, "revision", None)
+    where = resolve_model_dir(str(model.model), None if revision is None else str(revision))
+    if where is None:
+        raise ConfigError("the spoolctl connector cannot find the model's files to bind its "
+                          "cache to them", path=str(model.model)[:200],
+                          fix='serve a local directory or a Hugging Face model, or set '
+                              '"spoolctl_weights_id" to a name that changes whenever the '
+                              "weights do")
+    memo = memo_dir_for(settings.weights_memo)
+    started = time.perf_counter()
+    found = weights_digest(where, memo_dir=memo)
+    log.info("spoolctl: weights digest of %d file(s), %d bytes in %.2f s (%d hashed, %d from "
+             "the hub cache, %d remembered)", found.files, found.bytes,
+             time.perf_counter() - started, found.hashed_bytes, found.hub_files,
+             found.memo_hits)
+    return f"blake3:{found.digest}"
 
 
 def kv_events_enabled(vllm_config: Any) -> bool:

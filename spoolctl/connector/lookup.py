@@ -2,7 +2,9 @@
 
 * ``request_keys`` names a request's complete prompt chunks (``chain``), or raises
   ``Bypass`` for a request that must not use the cache (connector disabled, bypass flag,
-  LoRA, prompt embeddings, multimodal items without a persistent content identity).
+  a LoRA adapter whose files cannot be read, prompt embeddings, multimodal items without a
+  persistent content identity). A LoRA request's chain is keyed by its adapter's content
+  digest (decision 2111).
 * ``RankLookup`` answers "which chunks does *every* rank hold" (the quorum, ``topology``):
   ranks whose store is on this host are read in their catalogs at every lookup, the others
   in the inventory they report (``inventory``). A rank withdraws an entry before deleting
@@ -14,7 +16,7 @@ No vLLM import: vLLM's request objects are read by attribute.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from spoolctl.store import Store
@@ -40,8 +42,6 @@ def bypass_reason(request: Any) -> str | None:
     params = getattr(request, "kv_transfer_params", None) or {}
     if isinstance(params, dict) and params.get("spoolctl_bypass"):
         return "requested"
-    if getattr(request, "lora_request", None) is not None:
-        return "lora"
     if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
         return "prompt_embeds"
     return None
@@ -69,16 +69,25 @@ def mm_spans(request: Any) -> list[MMSpan]:
 
 
 def request_keys(request: Any, *, namespace: str, chunk_tokens: int, enabled: bool = True,
-                 mm_unhashed: bool = False) -> list[str]:
+                 mm_unhashed: bool = False,
+                 adapters: Callable[[Any], str | None] | None = None) -> list[str]:
     """The chunk keys of ``request``'s prompt (see ``chain``); ``Bypass`` when it must not
-    use the cache. ``mm_unhashed``: vLLM names media by request counters, not content."""
+    use the cache. ``mm_unhashed``: vLLM names media by request counters, not content.
+    ``adapters``: a LoRA request's adapter -> its content digest (None: unreadable); without
+    it, LoRA requests bypass."""
     reason = "disabled" if not enabled else bypass_reason(request)
     if reason is not None:
         raise Bypass(reason)
+    adapter = None
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        adapter = adapters(lora) if adapters is not None else None
+        if adapter is None:
+            raise Bypass("lora")
     spans = mm_spans(request)
     if spans and mm_unhashed:
         raise Bypass("multimodal")  # identifiers are request counters, not content
-    root = chain_root(namespace, getattr(request, "cache_salt", None))
+    root = chain_root(namespace, getattr(request, "cache_salt", None), adapter)
     return chunk_keys(root, request.prompt_token_ids, chunk_tokens, spans)
 
 

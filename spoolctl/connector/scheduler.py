@@ -35,6 +35,7 @@ from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
 from .rankstores import OpenStores
 from .stats import ConnectorCounters
 from .topology import all_ranks
+from .weights import AdapterDigests, memo_dir_for
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -55,6 +56,8 @@ class SchedulerSide:
         self._ranks = RankLookup(all_ranks(ident.tp_size, ident.pp_size))
         self._no_restore: set[str] = set()
         self._coord = Coordinator(deployment, self._ranks, counters)
+        # LoRA requests are keyed by their adapter's content digest (decision 2111).
+        self._adapters = AdapterDigests(memo_dir_for(deployment.settings.weights_memo))
 
     # -- what each rank holds ------------------------------------------------------------------
 
@@ -123,7 +126,7 @@ class SchedulerSide:
         try:
             keys = request_keys(request, namespace=self._dep.chain_namespace,
                                 chunk_tokens=self._chunk, enabled=self._dep.enabled,
-                                mm_unhashed=self._dep.mm_unhashed)
+                                mm_unhashed=self._dep.mm_unhashed, adapters=self._adapters)
             present = self._ranks.present(keys)
         except Bypass as bypass:
             self._counters.inc(m.LOOKUPS, result="bypass", reason=bypass.args[0])

@@ -29,6 +29,12 @@ Keys (all optional except the root):
                              chunk is tagged when stored and its tag checked on restore
                              (default: ``SPOOLCTL_TAG_KEY_FILE`` / ``SPOOLCTL_TAG_KEY``; none:
                              digests only). Read by the worker and the scheduler at start-up.
+``spoolctl_weights_id``      a name the operator vouches changes whenever the model's files do
+                             (e.g. a release tag), used instead of the weights digest; needed
+                             only for a model that is not a local directory or hub cache snapshot
+``spoolctl_weights_memo``    directory remembering file digests by file identity (default
+                             ``~/.cache/spoolctl/weights``; ``off``: hash every file at each
+                             start) (``weights``, decision 2110)
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ KNOWN_KEYS = frozenset({
     "spoolctl_scrub_rate", "spoolctl_maintenance_interval", "spoolctl_on_unsupported",
     "spoolctl_inventory", "spoolctl_host_max_size", "spoolctl_admit_after",
     "spoolctl_admit_window", "spoolctl_kv_events", "spoolctl_tag_key_file",
+    "spoolctl_weights_id", "spoolctl_weights_memo",
 })
 ON_UNSUPPORTED = ("error", "disable")
 INVENTORY_MODES = ("auto", "reported")
@@ -78,11 +85,22 @@ class ConnectorSettings:
     admit_window: float = DEFAULT_ADMIT_WINDOW
     kv_events: str = "on"
     tag_key_file: str | None = None
+    # The operator's name for the weights (replaces the digest), and the digest memo
+    # directory: None = the default, "off" = none (decision 2110).
+    weights_id: str | None = None
+    weights_memo: str | None = None
 
     def __post_init__(self) -> None:
         if self.tag_key_file is not None and not os.path.isabs(self.tag_key_file):
             raise ConfigError("spoolctl_tag_key_file must be an absolute path", path=_WHERE,
                               fix="give the full path of the key file")
+        if self.weights_id is not None and not self.weights_id.strip():
+            raise ConfigError("spoolctl_weights_id must not be empty", path=_WHERE,
+                              fix="drop it (the weights are then hashed) or give a name that "
+                                  "changes whenever the weights do")
+        if self.weights_memo not in (None, "off") and not os.path.isabs(self.weights_memo):
+            raise ConfigError("spoolctl_weights_memo must be an absolute path or off",
+                              path=_WHERE, fix="give the full path of a private directory")
         if self.kv_events not in KV_EVENTS:
             raise ConfigError(f"spoolctl_kv_events={self.kv_events[:20]!r} is not one of on, "
                               "off", path=_WHERE, fix='set "spoolctl_kv_events" to "on" or "off"')
@@ -180,6 +198,9 @@ def parse_settings(
                                DEFAULT_ADMIT_WINDOW),
         kv_events=str(extra.get("spoolctl_kv_events") or "on"),
         tag_key_file=_optional(extra, "spoolctl_tag_key_file", str),
+        weights_id=None if extra.get("spoolctl_weights_id") is None
+        else str(extra["spoolctl_weights_id"]),
+        weights_memo=_optional(extra, "spoolctl_weights_memo", str),
     )
 
 

@@ -26,10 +26,13 @@ class Hasher:
 
     __slots__ = ("_h",)
 
-    def __init__(self) -> None:
-        # Single-threaded: callers pipeline hashing against I/O on a helper thread, and
-        # BLAKE3's own threads would only compete with that I/O for the cores.
-        self._h = blake3.blake3()
+    def __init__(self, *, threaded: bool = False) -> None:
+        # Single-threaded by default: callers pipeline hashing against I/O on a helper
+        # thread, and BLAKE3's own threads would only compete with that I/O for the cores.
+        # ``threaded``: one large file hashed while nothing else runs (model weights at
+        # engine start), fed in blocks of several MiB.
+        self._h = blake3.blake3(max_threads=blake3.blake3.AUTO) if threaded \
+            else blake3.blake3()
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._h.update(data)

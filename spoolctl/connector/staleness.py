@@ -1,0 +1,112 @@
+"""Which vLLM deployments under a base root are stale, and why (pure; no I/O, no vLLM).
+
+A deployment directory is named by its identity's digest (``identity``), so when the model's
+weights, the vLLM version or the connector format change, the next engine start writes a new
+directory and the old one is never read again. Its bytes stay on disk until someone reclaims
+them. ``judge`` names such directories from what their rank stores say (decision 2112):
+
+* **superseded**: another deployment of the same *lineage* (same model locator and revision,
+  dtypes, block and chunk size, TP/PP sizes: everything but the weights, the engine and the
+  format) stored its first chunk after this one was last used. The newer one replaced it
+  (new weights at the same path, a vLLM upgrade), and nothing has read the old one since.
+  Two deployments of one lineage that are both still in use (an A/B rollout) are both
+  current: each was used after the other started.
+* **unused**: not used for longer than the operator's threshold (``unused_for``).
+* **current**: neither.
+
+The identity facts come from a manifest's ``deployment`` record (``identity.summary()``); a
+deployment whose facts cannot be read is never superseded (only the unused rule applies).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_LINEAGE = ("model", "revision", "dtype", "kv_cache_dtype", "block_size", "chunk_tokens")
+
+
+@dataclass(frozen=True)
+class DeploymentUse:
+    """What a deployment's rank stores hold: entries, bytes, when its first chunk was
+    stored and when a chunk was last used (epoch seconds), and its identity facts."""
+
+    name: str
+    entries: int
+    bytes: int
+    first_stored: float | None
+    last_used: float | None
+    identity: Mapping[str, Any] | None
+
+    @staticmethod
+    def merge(name: str, parts: Iterable[DeploymentUse]) -> DeploymentUse:
+        """One deployment from its ranks' uses."""
+        parts = list(parts)
+        firsts = [p.first_stored for p in parts if p.first_stored is not None]
+        lasts = [p.last_used for p in parts if p.last_used is not None]
+        ident = next((p.identity for p in parts if p.identity), None)
+        return DeploymentUse(name, sum(p.entries for p in parts), sum(p.bytes for p in parts),
+                             min(firsts) if firsts else None, max(lasts) if lasts else None,
+                             ident)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``state``: current | superseded | unused; ``reason`` for people; ``successor``: the
+    deployment that replaced a superseded one."""
+
+    state: str
+    reason: str
+    successor: str | None = None
+
+    @property
+    def stale(self) -> bool:
+        return self.state != "current"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"state": self.state, "reason": self.reason, "successor": self.successor}
+
+
+def lineage(identity: Mapping[str, Any] | None) -> str | None:
+    """The facts two generations of one deployment share (see the module docstring)."""
+    if not isinstance(identity, Mapping):
+        return None
+    try:
+        doc = {k: identity.get(k) for k in _LINEAGE}
+        doc["tp"] = int(identity["tp"][1])
+        doc["pp"] = int(identity["pp"][1])
+        return json.dumps(doc, sort_keys=True, default=str)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _what_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    changed = [what for key, what in (("weights", "weights"), ("engine", "vLLM version"))
+               if old.get(key) != new.get(key)]
+    return " and ".join(changed) + " changed" if changed else "identity changed"
+
+
+def judge(uses: Iterable[DeploymentUse], *, now: float,
+          unused_for: float | None = None) -> dict[str, Verdict]:
+    """A verdict per deployment (see the module docstring)."""
+    uses = list(uses)
+    out: dict[str, Verdict] = {}
+    for use in uses:
+        line = lineage(use.identity)
+        successors = [] if line is None or use.last_used is None else [
+            other for other in uses
+            if other.name != use.name and lineage(other.identity) == line
+            and other.first_stored is not None and other.first_stored > use.last_used]
+        if successors:
+            newest = max(successors, key=lambda o: o.first_stored or 0.0)
+            assert use.identity is not None and newest.identity is not None
+            out[use.name] = Verdict("superseded", _what_changed(use.identity, newest.identity),
+                                    newest.name)
+        elif (unused_for is not None and use.last_used is not None
+              and now - use.last_used > unused_for):
+            out[use.name] = Verdict("unused", f"not used for {int(now - use.last_used)} s")
+        else:
+            out[use.name] = Verdict("current", "in use" if use.entries else "empty")
+    return out
