@@ -41,6 +41,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -152,6 +153,10 @@ class LocalCacheController(UseMixin):
         self._calls: OrderedDict[int, tuple[CachePrepareParams, PrepareWork | None]] = \
             OrderedDict()
         self._released: set[str] = set()
+        # Live handles of this controller by ref, and bases superseded by a strict
+        # extension whose release waits until no live handle holds them (decision 2100).
+        self._holders: dict[str, list[weakref.ref[CacheHandle]]] = {}
+        self._superseded: dict[str, str] = {}
         self._closed = False
         self._warned_unfit = False
         self._stats = ControllerStats()
@@ -184,6 +189,13 @@ class LocalCacheController(UseMixin):
                 return
             self._closed = True
             self._flights.wait_idle()
+            # Handles of a closed controller serve nothing: every deferred base goes now.
+            pending = sorted(self._superseded)
+            self._superseded.clear()
+            self._holders.clear()
+        for base_id in pending:
+            self._release_superseded(base_id)
+        with self._lock:
             released = sorted(self._released)
             self._released.clear()
             self._memory.clear()
@@ -280,6 +292,8 @@ class LocalCacheController(UseMixin):
         """
         self._check_open()
         params = self._normalize(params)
+        if self._superseded:
+            self._settle()
         plan = self._plan(params)
         if plan is None:
             return self._stamp(params, CacheHandle.empty(), None)
@@ -312,7 +326,45 @@ class LocalCacheController(UseMixin):
                 self._calls.popitem(last=False)
             if handle.ref is not None:
                 self._know(handle.ref, params)
+                self._hold(handle)
         return handle
+
+    # -- supersession: only strict extensions, only once nobody holds the base --------------
+
+    def _hold(self, handle: CacheHandle) -> None:
+        """Remember that ``handle`` (alive while its caller keeps it) holds its ref."""
+        refs = self._holders.setdefault(handle.ref, [])
+        refs[:] = [r for r in refs if r() is not None]
+        refs.append(weakref.ref(handle))
+        if len(self._holders) > MAX_KNOWN_PARAMS:
+            for ref in [r for r in self._holders if not self._held(r)]:
+                del self._holders[ref]
+
+    def _held(self, ref: str) -> bool:
+        """Whether a live handle of this controller holds ``ref`` (call under the lock)."""
+        refs = self._holders.get(ref)
+        if not refs:
+            return False
+        refs[:] = [r for r in refs if r() is not None]
+        return bool(refs)
+
+    def _settle(self) -> None:
+        """Release the superseded bases that no live handle holds any more."""
+        with self._lock:
+            ready = [b for b in self._superseded if not self._held(b)]
+            for base_id in ready:
+                del self._superseded[base_id]
+        for base_id in ready:
+            self._release_superseded(base_id)
+
+    def _release_superseded(self, base_id: str) -> None:
+        with self._lock:
+            self._memory.pop(base_id, None)
+            self._released.add(base_id)
+        try:
+            self._store.release(base_id)
+        except SpoolError as exc:  # it stays retained: LRU or `spoolctl clean` reclaims it
+            log.warning("a superseded base was not released: %s", reason(exc))
 
     def _handle(self, plan: Plan, *, source: str, written: int = 0, reused: int = 0,
                 computed: int = 0, supersedes: str | None = None) -> CacheHandle:
@@ -353,9 +405,9 @@ class LocalCacheController(UseMixin):
             self._remember(plan, loaded)
             return self._handle(plan, source="disk"), PrepareWork(disk=total)
         based = self._from_base(plan) if self.format.bases else None
-        base_where = ""
+        base_where, extends = "", False
         if based is not None:
-            cache, keep, base_id, base_where = based
+            cache, keep, base_id, base_where, extends = based
             suffix = list(plan.prefix.tokens[keep:])
             try:
                 if suffix:
@@ -368,7 +420,13 @@ class LocalCacheController(UseMixin):
         if based is None:
             cache = self.format.prefill(plan)
             base_id, source, computed, reused = None, "cold", total, 0
-        persisted = self._commit(plan, cache, base_id)
+        # Only a base this entry strictly extends is superseded; a sibling that shares a
+        # shorter prefix (the system message) stays (decision 2100). A base a live handle
+        # of this controller holds is released later, once nobody holds it.
+        supersedes = base_id if extends and computed > 0 else None
+        with self._lock:
+            deferred = supersedes is not None and self._held(supersedes)
+        persisted = self._commit(plan, cache, None if deferred else supersedes)
         self._remember(plan, Loaded(cache, plan.prefix))
         written = computed if persisted else 0
         with self._lock:
@@ -378,16 +436,19 @@ class LocalCacheController(UseMixin):
                 self._stats.incremental_prefills += 1
             self._stats.tokens_written += written
             self._stats.tokens_reused += reused
-            if base_id is not None and persisted:
-                # The commit released the base (supersedes); it is ours to delete at close.
-                self._released.add(base_id)
-                self._memory.pop(base_id, None)
+            if supersedes is not None and persisted:
+                if deferred:
+                    self._superseded[supersedes] = plan.entry_id
+                else:
+                    # The commit released the base (supersedes); ours to delete at close.
+                    self._released.add(supersedes)
+                    self._memory.pop(supersedes, None)
         work = PrepareWork(memory=reused if base_where == "memory" else 0,
                            disk=reused if base_where == "disk" else 0,
                            computed=computed, written=written)
         return self._handle(plan, source=source, written=written, reused=reused,
                             computed=computed,
-                            supersedes=base_id if persisted else None), work
+                            supersedes=supersedes if persisted else None), work
 
     def _commit(self, plan: Plan, cache: Any, base_id: str | None) -> bool:
         try:
@@ -506,10 +567,11 @@ class LocalCacheController(UseMixin):
             self._memory.pop(manifest.entry_id, None)
         return None
 
-    def _from_base(self, plan: Plan) -> tuple[Any, int, str, str] | None:
+    def _from_base(self, plan: Plan) -> tuple[Any, int, str, str, bool] | None:
         """Best retained base: load it, trim it to the common token prefix. Returns
-        ``(cache, kept tokens, base id, "memory" | "disk")``, or None if no usable base
-        (any failure falls back to a cold prefill)."""
+        ``(cache, kept tokens, base id, "memory" | "disk", whether the plan extends the
+        whole base)``, or None if no usable base (any failure falls back to a cold
+        prefill)."""
         try:
             rows = self._store.entries(kind=self.kind, namespace=plan.namespace,
                                        hint="retain")
@@ -552,7 +614,7 @@ class LocalCacheController(UseMixin):
             except Exception as exc:
                 log.warning("could not trim a base: %s", reason(exc))
                 continue
-            return cache, keep, cand.entry_id, where
+            return cache, keep, cand.entry_id, where, keep == base_len
         return None
 
     # -- release -------------------------------------------------------------------------
