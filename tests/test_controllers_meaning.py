@@ -3,11 +3,15 @@ transformers + torch and real mlx-lm on the locally built tiny Llama.
 
 * Supersession: only an entry the new one strictly extends is superseded, and only once
   no live handle holds it; siblings under one system message coexist (decision 2100).
+* Drift: a chat template that renders today's date moves the prefix the next day; that is
+  a miss with its own counter, never a quarantine (decision 2101).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import gc
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ pytest.importorskip("transformers")
 
 from spoolctl.controllers import CachePrepareParams, Element, LocalCacheController
 from spoolctl.store import Store
+from spoolctl.tinymodel import CHAT_TEMPLATE
 
 SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
 DOCS = [
@@ -27,16 +32,52 @@ QUESTION = "Question: when does the pump start?"
 NEW = 8
 
 
-@pytest.fixture(scope="module", params=["pytorch", "mlx"])
-def backend(request, tiny_model_dir: Path):
-    if request.param == "pytorch":
+def load(framework: str, model_dir: Path):
+    if framework == "pytorch":
         from spoolctl.controllers.pytorch import PyTorchBackend
 
-        return PyTorchBackend(tiny_model_dir)
+        return PyTorchBackend(model_dir)
     pytest.importorskip("mlx.core", reason="mlx-lm is not installed here")
     from spoolctl.controllers.mlx import MlxBackend
 
-    return MlxBackend(tiny_model_dir)
+    return MlxBackend(model_dir)
+
+
+@pytest.fixture(scope="module", params=["pytorch", "mlx"])
+def backend(request, tiny_model_dir: Path):
+    return load(request.param, tiny_model_dir)
+
+
+#: The Llama-3.1 pattern: the system header carries today's date from ``strftime_now``.
+DATED_TEMPLATE = "{%- set date_string = strftime_now('%d %b %Y') %}" + CHAT_TEMPLATE.replace(
+    "'<|im_start|>' + message.role + '\\n' + message.content",
+    "'<|im_start|>' + message.role + '\\n' + ('Today Date: ' + date_string + '\\n' "
+    "if message.role == 'system' else '') + message.content")
+
+
+@pytest.fixture(scope="module", params=["pytorch", "mlx"])
+def dated_backend(request, tiny_chat_model_dir: Path, tmp_path_factory):
+    assert DATED_TEMPLATE != "{%- set date_string = strftime_now('%d %b %Y') %}" + CHAT_TEMPLATE
+    model = tmp_path_factory.mktemp("models") / "dated"
+    shutil.copytree(tiny_chat_model_dir, model)
+    (model / "chat_template.jinja").write_text(DATED_TEMPLATE)
+    return load(request.param, model)
+
+
+@pytest.fixture
+def today(monkeypatch):
+    """The clock chat templates read (transformers' ``strftime_now``), set by the test."""
+    from transformers.utils import chat_template_utils
+
+    day = {"now": dt.datetime(2026, 12, 1, 9, 0)}
+
+    class Clock(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return day["now"]
+
+    monkeypatch.setattr(chat_template_utils, "datetime", Clock)
+    return day
 
 
 def params(*data: str, **kw) -> CachePrepareParams:
@@ -96,3 +137,29 @@ def test_a_held_base_serves_its_holder_until_released_then_is_superseded(backend
     assert retained(store_root) == {longer.ref}
     with Store.open(store_root) as s:
         assert s.row(ref) is None  # close deleted the superseded base
+
+
+# -- item 4: normal prompt drift is a miss of its own kind, not damage ---------------------
+
+
+def test_a_template_that_renders_the_date_moves_the_prefix_without_quarantine(
+        dated_backend, store_root, today):
+    p = params(DOCS[0])
+    with LocalCacheController(dated_backend, store_root) as ctl:
+        monday = ctl.prepare(p)
+        assert monday.source == "cold"
+        assert "01 Dec 2026" in ctl.backend.decode(ctl.prefix_tokens(p))
+    today["now"] = dt.datetime(2026, 12, 2, 9, 0)  # the next morning
+    with LocalCacheController(dated_backend, store_root) as ctl:
+        tuesday = ctl.prepare(p)
+        assert ctl.store.quarantine_items() == []  # nothing damaged, no operator alarm
+        assert tuesday.ref != monday.ref and tuesday.source in ("cold", "incremental")
+        assert "02 Dec 2026" in ctl.backend.decode(ctl.prefix_tokens(p))
+        assert ctl.stats()["prefix_moved"] == 1 and ctl.stats()["load_failures"] == 0
+        r = ctl.generate(tuesday, QUESTION, NEW)
+        assert r.tokens == cold(ctl, p)
+    with LocalCacheController(dated_backend, store_root) as ctl:  # later that day
+        again = ctl.prepare(p)
+        assert (again.source, again.ref) == ("disk", tuesday.ref)
+        assert ctl.stats()["prefix_moved"] == 0
+        assert ctl.store.quarantine_items() == []

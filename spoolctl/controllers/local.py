@@ -404,7 +404,14 @@ class LocalCacheController(UseMixin):
         if loaded is not None:
             self._remember(plan, loaded)
             return self._handle(plan, source="disk"), PrepareWork(disk=total)
-        based = self._from_base(plan) if self.format.bases else None
+        rows = self._relatives(plan) if self.format.bases else []
+        if any(_same_params(index, plan) for _, _, index in rows):
+            # The same params were stored under another rendering: the prompt moved (a
+            # template that renders the date). A miss of its own kind, never a quarantine.
+            self._count(prefix_moved=1)
+            log.info("the rendered prompt prefix changed since it was cached (e.g. a date "
+                     "in the chat template): a miss, prefilling it again")
+        based = self._from_base(plan, rows) if rows else None
         base_where, extends = "", False
         if based is not None:
             cache, keep, base_id, base_where, extends = based
@@ -567,19 +574,24 @@ class LocalCacheController(UseMixin):
             self._memory.pop(manifest.entry_id, None)
         return None
 
-    def _from_base(self, plan: Plan) -> tuple[Any, int, str, str, bool] | None:
-        """Best retained base: load it, trim it to the common token prefix. Returns
-        ``(cache, kept tokens, base id, "memory" | "disk", whether the plan extends the
-        whole base)``, or None if no usable base (any failure falls back to a cold
-        prefill)."""
+    def _relatives(self, plan: Plan) -> list[tuple[str, str, Any]]:
+        """``(entry id, key, catalog index)`` of the retained entries of the plan's
+        namespace other than its own (the candidates for a base); [] on store trouble."""
         try:
             rows = self._store.entries(kind=self.kind, namespace=plan.namespace,
                                        hint="retain")
         except SpoolError as exc:
             log.warning("base selection skipped: %s", reason(exc))
-            return None
-        candidates = rank_bases([(r.entry_id, r.key, r.index) for r in rows],
-                                group=plan.group, elements=plan.elements,
+            return []
+        return [(r.entry_id, r.key, r.index) for r in rows if r.entry_id != plan.entry_id]
+
+    def _from_base(self, plan: Plan, rows: list[tuple[str, str, Any]]
+                   ) -> tuple[Any, int, str, str, bool] | None:
+        """Best retained base: load it, trim it to the common token prefix. Returns
+        ``(cache, kept tokens, base id, "memory" | "disk", whether the plan extends the
+        whole base)``, or None if no usable base (any failure falls back to a cold
+        prefill)."""
+        candidates = rank_bases(rows, group=plan.group, elements=plan.elements,
                                 exclude=plan.entry_id, lead_segments=plan.lead_segments)
         for cand in candidates[:MAX_BASE_TRIES]:
             with self._lock:
@@ -638,6 +650,13 @@ class LocalCacheController(UseMixin):
             if isinstance(exc, ConfigError):
                 raise
             log.warning("a release was not recorded: %s", reason(exc))
+
+
+def _same_params(index: Any, plan: Plan) -> bool:
+    """Whether a catalog index row describes the plan's own params (same group, same
+    elements): with another entry id, the same params rendered other tokens."""
+    return isinstance(index, dict) and index.get("group") == plan.group \
+        and index.get("elements") == list(plan.elements)
 
 
 def _open_store(root: str | os.PathLike[str], *, max_bytes: int | None,
