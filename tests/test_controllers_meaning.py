@@ -163,3 +163,35 @@ def test_a_template_that_renders_the_date_moves_the_prefix_without_quarantine(
         assert (again.source, again.ref) == ("disk", tuesday.ref)
         assert ctl.stats()["prefix_moved"] == 0
         assert ctl.store.quarantine_items() == []
+
+
+# -- item 6: an import cannot quietly poison a shared store --------------------------------
+
+
+def test_an_import_of_another_token_anywhere_is_refused_by_default(backend, store_root):
+    """The cache of "Valve 3 is shut." offered as the cache of "Valve 4 is shut." (same
+    length, one token apart, at a position four sampled checks do not look at)."""
+    from spoolctl.store import ConfigError
+
+    true_p, claimed_p = params("Valve 3 is shut."), params("Valve 4 is shut.")
+    with LocalCacheController(backend, store_root) as ctl:
+        true_ids, claimed = ctl.prefix_tokens(true_p), ctl.prefix_tokens(claimed_p)
+        assert len(true_ids) == len(claimed)
+        changed = [i for i, (a, b) in enumerate(zip(true_ids, claimed, strict=True)) if a != b]
+        n = len(claimed)
+        assert changed and not set(changed) & {0, n // 3, (2 * n) // 3, n - 1}
+        poisoned = ctl.backend.prefill(ctl.backend.new_cache(), true_ids)
+        with pytest.raises(ConfigError, match=f"position {changed[0]} of the cache"):
+            ctl.import_cache(claimed_p, poisoned)
+        assert ctl.store.entries() == []  # nothing written
+        # The explicit opt-out is the old sampling, which a token change elsewhere passes.
+        assert ctl.import_cache(claimed_p, poisoned, check="sample").source == "import"
+        with pytest.raises(ConfigError, match="check must be one of full, sample"):
+            ctl.import_cache(claimed_p, poisoned, check="none")
+    fresh = store_root.parent / "fresh"
+    with LocalCacheController(backend, fresh) as ctl:  # a true cache passes the full check
+        own = ctl.backend.prefill(ctl.backend.new_cache(), claimed)
+        h = ctl.import_cache(claimed_p, own)
+        assert h.source == "import" and h.written_tokens == n
+        assert ctl.generate(h, QUESTION, NEW).tokens == cold(ctl, claimed_p)
+

@@ -260,10 +260,11 @@ class KVEntryFormat:
     def new_cache(self) -> Any:
         return self.backend.new_cache()
 
-    def adopt(self, cache: Any, plan: Plan) -> Any:
+    def adopt(self, cache: Any, plan: Plan, *, full: bool = True) -> Any:
         """A checked copy of a framework cache that must hold exactly the plan's prefix:
-        shapes, dtype and length (the backend's ``serialize`` checks), then a few
-        positions recomputed from the tokens (``check_import``)."""
+        shapes, dtype and length (the backend's ``serialize`` checks), then its K/V
+        recomputed from the tokens (``check_import``: every position when ``full``, else
+        four sampled positions)."""
         tokens = list(plan.prefix.tokens)
         try:
             own = self.clone(cache)
@@ -278,7 +279,7 @@ class KVEntryFormat:
                               fix="prefill exactly ctl.prefix_tokens(params) into it")
         try:
             self.backend.serialize(own, len(tokens))  # shapes, layers, dtype
-            self.backend.check_import(own, tokens)
+            self.backend.check_import(own, tokens, full=full)
         except ValueError as exc:
             raise ConfigError(f"the cache does not hold these tokens for this model: "
                               f"{str(exc)[:200]}",

@@ -48,7 +48,7 @@ _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tik
 #: Relative tolerance of ``check_import``'s recomputed positions, by dtype (a batched and a
 #: one-token forward differ by rounding; a cache of another token differs by O(1)).
 _IMPORT_RTOL = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
-IMPORT_CHECKS = 4  # positions of an imported cache recomputed from its tokens
+IMPORT_CHECKS = 4  # positions an imported cache's "sample" check recomputes
 
 
 def quiet_frameworks() -> None:
@@ -411,13 +411,21 @@ class PyTorchBackend:
             raise RuntimeError("generate did not continue from the given KV cache")
         return out[0, len(prompt_tokens):].tolist()
 
-    def check_import(self, cache: Any, tokens: Sequence[int]) -> None:
-        """Recompute a few positions of ``cache`` from ``tokens`` (each on the cache trimmed
-        just before it) and compare every layer's K/V there; ValueError on a mismatch.
-        Catches a cache of other tokens, another template, model or dtype."""
+    def check_import(self, cache: Any, tokens: Sequence[int], *, full: bool = True) -> None:
+        """Check that ``cache`` holds ``tokens`` for this model; ValueError on a mismatch.
+
+        ``full`` (the default): prefill ``tokens`` again, in chunks, and compare every
+        layer's K/V at every position -- a changed token anywhere changes at least its own
+        position's K/V (decision 2102); costs one prefill and a second cache's memory.
+        ``full=False``: recompute only four positions (first, two inside, last), each on the
+        cache trimmed just before it -- catches another template, model or dtype, not a
+        token changed elsewhere."""
         n = len(tokens)
         rtol = _IMPORT_RTOL.get(str(self.dtype).removeprefix("torch."), 6e-2)
         kv = self._kv(cache)
+        if full:
+            self._check_all_positions(kv, list(tokens), rtol)
+            return
         for pos in sorted({0, n // 3, (2 * n) // 3, n - 1})[:IMPORT_CHECKS]:
             work = self.new_cache()
             for i, (k, v) in enumerate(kv if pos else ()):
@@ -429,6 +437,27 @@ class PyTorchBackend:
                     if float((a.float() - b.float()).abs().max()) > rtol * scale:
                         raise ValueError(f"position {pos} of the cache does not match token "
                                          f"{int(tokens[pos])} recomputed")
+
+    def _check_all_positions(self, kv: list[tuple[Any, Any]], tokens: list[int],
+                             rtol: float) -> None:
+        """Prefill ``tokens`` chunk by chunk and compare each chunk's positions at once."""
+        torch = self._torch
+        work = self.new_cache()
+        for start in range(0, len(tokens), self.prefill_chunk):
+            end = min(start + self.prefill_chunk, len(tokens))
+            self._forward(work, tokens[start:end])
+            for (k, v), (k2, v2) in zip(kv, self._kv(work), strict=True):
+                for a, b in ((k, k2), (v, v2)):
+                    got = a[:, :, start:end].to(b.device).float()
+                    want = b[:, :, start:end].float()
+                    # per position: the largest error against that position's own scale
+                    err = (got - want).abs().amax(dim=(0, 1, 3))
+                    scale = want.abs().amax(dim=(0, 1, 3)) + 1e-6
+                    bad = torch.nonzero(err > rtol * scale)
+                    if len(bad):
+                        pos = start + int(bad[0, 0])
+                        raise ValueError(f"position {pos} of the cache does not match token "
+                                         f"{tokens[pos]} recomputed")
 
 
 def cache_argument(forward: Any) -> str:
