@@ -195,3 +195,143 @@ def test_an_import_of_another_token_anywhere_is_refused_by_default(backend, stor
         assert h.source == "import" and h.written_tokens == n
         assert ctl.generate(h, QUESTION, NEW).tokens == cold(ctl, claimed_p)
 
+
+# -- item 1 (controllers): the weights bind the entry --------------------------------------
+
+
+def replace_weights(model_dir: Path) -> None:
+    """A new fine-tune deployed in place: same files, same config, other weights."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    for name in tensors:
+        if name.endswith(("k_proj.weight", "v_proj.weight", "lm_head.weight")):
+            tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("framework", ["pytorch", "mlx"])
+def test_weights_replaced_at_the_same_path_are_a_cold_correct_prepare(
+        framework, tiny_model_dir, tmp_path, store_root):
+    model = tmp_path / "deployed"
+    shutil.copytree(tiny_model_dir, model)
+    p = params(DOCS[0])
+    with LocalCacheController(load(framework, model), store_root) as ctl:
+        old = ctl.prepare(p)
+        old_tokens = ctl.generate(old, QUESTION, NEW).tokens
+    with LocalCacheController(load(framework, model), store_root) as ctl:  # unchanged
+        assert ctl.prepare(p).source == "disk"
+    replace_weights(model)
+    with LocalCacheController(load(framework, model), store_root) as ctl:
+        new = ctl.prepare(p)
+        assert new.source == "cold" and new.ref != old.ref and new.reused_tokens == 0
+        r = ctl.generate(new, QUESTION, NEW)
+        assert r.tokens == cold(ctl, p) != old_tokens
+
+
+# -- item 7: names and defaults that mislead -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_backend(tiny_model_dir):
+    return load("pytorch", tiny_model_dir)
+
+
+def test_a_revision_name_never_turns_change_detection_off(tiny_model_dir, tmp_path,
+                                                          store_root):
+    from spoolctl.controllers.pytorch import PyTorchBackend
+
+    model = tmp_path / "deployed"
+    shutil.copytree(tiny_model_dir, model)
+    p = params(DOCS[0])
+    before = PyTorchBackend(model, revision="main")
+    assert before.identity()["revision"].startswith("blake3:")
+    assert before.identity()["revision_name"] == "main"
+    with LocalCacheController(before, store_root) as ctl:
+        old = ctl.prepare(p)
+    replace_weights(model)
+    with LocalCacheController(PyTorchBackend(model, revision="main"), store_root) as ctl:
+        new = ctl.prepare(p)
+        assert new.source == "cold" and new.ref != old.ref
+        assert ctl.generate(new, QUESTION, NEW).tokens == cold(ctl, p)
+    # Skipping the hash is an explicit, differently named promise.
+    trusted = PyTorchBackend(model, trusted_revision="ft-2026-12-01")
+    assert trusted.identity()["revision"] == "trusted:ft-2026-12-01"
+
+
+def test_the_dtype_follows_the_checkpoint_like_transformers(tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spoolctl.controllers.pytorch import PyTorchBackend
+
+    model = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(torch.bfloat16).save_pretrained(model)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(model)
+    reference = AutoModelForCausalLM.from_pretrained(model)
+    backend = PyTorchBackend(model)
+    assert backend.dtype == next(reference.parameters()).dtype == torch.bfloat16
+    assert PyTorchBackend(model, dtype="float32").dtype == torch.float32
+
+
+def _rng_state(framework: str):
+    if framework == "pytorch":
+        import torch
+
+        return torch.get_rng_state().tolist()
+    import mlx.core as mx
+
+    return [s.tolist() for s in mx.random.state]
+
+
+def test_seeded_sampling_uses_a_generator_of_its_own(backend, store_root):
+    """seed=0 in two threads at once gives what seed=0 gives serially, and never touches
+    the framework's global generator."""
+    import threading
+
+    framework = "pytorch" if backend.kind == "pytorch" else "mlx"
+    p = params(DOCS[0])
+    sample = {"temperature": 5.0, "seed": 0}
+    with LocalCacheController(backend, store_root) as ctl:
+        h = ctl.prepare(p)
+        before = _rng_state(framework)
+        serial = ctl.generate(h, QUESTION, 16, **sample).tokens
+        assert _rng_state(framework) == before
+        assert ctl.generate(h, QUESTION, 16, **sample).tokens == serial
+        assert ctl.generate(h, QUESTION, 16, temperature=5.0, seed=1).tokens != serial
+        out: list[list[int]] = []
+        barrier = threading.Barrier(2)
+
+        def run() -> None:
+            barrier.wait()
+            out.append(ctl.generate(h, QUESTION, 16, **sample).tokens)
+
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert out == [serial, serial]
+
+
+def test_a_store_a_controller_creates_is_bounded_and_its_limit_has_one_owner(
+        torch_backend, store_root):
+    from spoolctl.controllers.local import default_max_bytes
+    from spoolctl.store import ConfigError
+
+    with LocalCacheController(torch_backend, store_root) as ctl:
+        assert ctl.store.max_bytes == default_max_bytes(store_root) is not None
+        limit = ctl.store.max_bytes
+    with pytest.raises(ConfigError, match="size limit") as err:
+        LocalCacheController(torch_backend, store_root, max_bytes=limit // 2)
+    assert str(store_root) in str(err.value) and "spoolctl init" in str(err.value)
+    with Store.open(store_root) as s:
+        assert s.max_bytes == limit  # nothing rewritten
+    with LocalCacheController(torch_backend, store_root, max_bytes=limit) as ctl:
+        assert ctl.store.max_bytes == limit
+    other = store_root.parent / "explicit"
+    with LocalCacheController(torch_backend, other, max_bytes=64 << 20) as ctl:
+        assert ctl.store.max_bytes == 64 << 20
+    with LocalCacheController(torch_backend, other) as ctl:  # a worker leaving it out
+        assert ctl.store.max_bytes == 64 << 20

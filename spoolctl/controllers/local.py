@@ -59,6 +59,7 @@ from spoolctl.store import (
     validate_entry_id,
 )
 from spoolctl.store.locks import hold
+from spoolctl.store.root import MARKER as ROOT_MARKER
 
 from .contract import CacheHandle, CachePrepareParams, GenerateResult, KVBackend
 from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
@@ -76,6 +77,11 @@ DEFAULT_MEMORY_ENTRIES = 4
 DEFAULT_LOCK_TIMEOUT = 600.0
 LOCK_STRIPES = 256  # lock files per store: bounded, and two keys rarely share one
 MAX_BASE_TRIES = 3
+#: A store a controller creates without ``max_bytes`` is bounded: a tenth of its
+#: filesystem, at most 64 GiB, at least 1 GiB where the filesystem has 2 (decision 2104).
+DEFAULT_MAX_FRACTION = 10
+DEFAULT_MAX_CAP = 64 << 30
+DEFAULT_MAX_FLOOR = 1 << 30
 MAX_KNOWN_PARAMS = 4096  # refs / prepare calls whose params generate(handle) can look up
 #: One sequence for every controller of the process, so a handle of another controller
 #: never matches a prepare call of this one.
@@ -97,7 +103,10 @@ class LocalCacheController(UseMixin):
     of ``entry_format`` (the VLM controller passes its ``VlmEntryFormat``). ``root``: a
     store root path, an open ``Store`` (not closed by this controller), or None for a
     managed temporary store that ``close()`` removes entirely. ``memory_entries``: how
-    many loaded caches stay in memory (LRU).
+    many loaded caches stay in memory (LRU). ``max_bytes``: the size limit of a store
+    this controller creates (default: ``default_max_bytes``); the limit of an existing
+    store is its owner's (``spoolctl init --max-size``), and another value here is a
+    ConfigError, never a silent rewrite (decision 2104).
     ``lock_timeout``: how long ``prepare`` waits for another process preparing the same
     key stripe before giving up and returning an empty handle (run cold).
     ``read_only``: open an existing store for reading only (e.g. a cache another user
@@ -143,7 +152,9 @@ class LocalCacheController(UseMixin):
                 raise ConfigError("a read-only controller needs an existing store",
                                   fix="pass root= the store directory to read")
             self._managed = Path(tempfile.mkdtemp(prefix="spoolctl-controller-"))
-            self._store = Store.open(str(self._managed), create=True, max_bytes=max_bytes)
+            self._store = Store.open(str(self._managed), create=True,
+                                     max_bytes=max_bytes if max_bytes is not None
+                                     else default_max_bytes(self._managed))
         else:
             self._store = _open_store(root, max_bytes=max_bytes, read_only=read_only)
         self._lock = threading.Condition(threading.RLock())
@@ -659,12 +670,46 @@ def _same_params(index: Any, plan: Plan) -> bool:
         and index.get("elements") == list(plan.elements)
 
 
+def default_max_bytes(path: str | os.PathLike[str]) -> int:
+    """The size limit of a store created at ``path`` without one: a tenth of the size of
+    the filesystem that holds it, at most ``DEFAULT_MAX_CAP``, at least
+    ``DEFAULT_MAX_FLOOR`` (or half the filesystem, if smaller)."""
+    probe = Path(os.path.abspath(os.fspath(path)))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+        total = st.f_blocks * st.f_frsize
+    except OSError:
+        return DEFAULT_MAX_CAP
+    floor = min(DEFAULT_MAX_FLOOR, total // 2)
+    return max(1, min(DEFAULT_MAX_CAP, max(total // DEFAULT_MAX_FRACTION, floor)))
+
+
 def _open_store(root: str | os.PathLike[str], *, max_bytes: int | None,
                 read_only: bool) -> Store:
     """Open (create) the store at ``root``; ``read_only``: open an existing store for
-    reading, through the store's read-only mode where this store library has one."""
+    reading, through the store's read-only mode where this store library has one.
+
+    One owner of the size limit: a new store gets ``max_bytes`` (default
+    ``default_max_bytes``); an existing store keeps its own, and a different
+    ``max_bytes`` is refused rather than rewritten for every worker sharing the store."""
     if not read_only:
-        return Store.open(os.fspath(root), create=True, max_bytes=max_bytes)
+        path = os.fspath(root)
+        if not os.path.lexists(os.path.join(path, ROOT_MARKER)):
+            limit = max_bytes if max_bytes is not None else default_max_bytes(path)
+            return Store.open(path, create=True, max_bytes=limit)
+        store = Store.open(path, create=True)
+        if max_bytes is not None and max_bytes != store.max_bytes:
+            have = store.max_bytes
+            store.close()
+            raise ConfigError(
+                f"this store's size limit is {have if have is not None else 'unbounded'}"
+                f" bytes, not max_bytes={max_bytes}: the limit belongs to the store, not to "
+                "one of the workers sharing it", path=path,
+                fix=f"leave max_bytes out, or change the limit for every worker with "
+                    f"`spoolctl init --root {path} --max-size {max_bytes}`")
+        return store
     if "read_only" in inspect.signature(Store.open).parameters:
         return Store.open(os.fspath(root), read_only=True)
     return Store.open(os.fspath(root))

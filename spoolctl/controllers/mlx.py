@@ -374,15 +374,15 @@ class MlxBackend:
             start = min(cached_tokens, len(prompt_tokens) - 1)
             work = self.trim(cache, start)
         kwargs: dict[str, Any] = dict(decoding.extra)
-        if not decoding.greedy:
+        if not decoding.greedy and decoding.seed is not None:
+            kwargs["sampler"] = self._seeded_sampler(decoding)
+        elif not decoding.greedy:
             kwargs["sampler"] = make_sampler(temp=float(decoding.temperature),
                                              top_p=float(decoding.top_p) if decoding.top_p < 1
                                              else 0.0, top_k=decoding.top_k)
         streamer = decoding.streamer
         out: list[int] = []
         with self._lock:
-            if decoding.seed is not None:
-                mx.random.seed(decoding.seed)
             if streamer is not None:
                 import numpy as np
 
@@ -407,6 +407,27 @@ class MlxBackend:
                 if streamer is not None:
                     streamer.end()
         return out
+
+    def _seeded_sampler(self, decoding: Decoding) -> Any:
+        """``make_sampler``'s top-p / top-k filters and categorical draw, from a random key
+        of this call's own (``mx.random.seed`` would reseed the process-wide generator
+        other threads and models draw from; decision 2103)."""
+        from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+        mx = self._mx
+        key = mx.random.key(int(decoding.seed))
+        inv_temp = 1.0 / float(decoding.temperature)
+
+        def sampler(logprobs: Any) -> Any:
+            nonlocal key
+            key, draw = mx.random.split(key)
+            if decoding.top_p < 1:
+                logprobs = apply_top_p(logprobs, float(decoding.top_p))
+            if decoding.top_k > 0:
+                logprobs = apply_top_k(logprobs, decoding.top_k)
+            return mx.random.categorical(logprobs * inv_temp, key=draw)
+
+        return sampler
 
     def check_import(self, cache: Sequence[Any], tokens: Sequence[int], *,
                      full: bool = True) -> None:
