@@ -330,6 +330,10 @@ def test_a_store_a_controller_creates_is_bounded_and_its_limit_has_one_owner(
         assert s.max_bytes == limit  # nothing rewritten
     with LocalCacheController(torch_backend, store_root, max_bytes=limit) as ctl:
         assert ctl.store.max_bytes == limit
+    for bad in (0, -5, True, "1GiB"):  # refused before a directory or marker exists
+        with pytest.raises(ConfigError, match="max_bytes must be a positive number"):
+            LocalCacheController(torch_backend, store_root.parent / "bad", max_bytes=bad)
+        assert not (store_root.parent / "bad").exists()
     other = store_root.parent / "explicit"
     with LocalCacheController(torch_backend, other, max_bytes=64 << 20) as ctl:
         assert ctl.store.max_bytes == 64 << 20

@@ -131,6 +131,12 @@ class LocalCacheController(UseMixin):
         if not isinstance(memory_entries, int) or memory_entries < 0:
             raise ConfigError("memory_entries must be an integer >= 0",
                               fix="pass 0 to keep nothing loaded")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes <= 0):
+            # checked before any directory or marker exists: a bad limit never lands on disk
+            raise ConfigError(f"max_bytes must be a positive number of bytes, not {max_bytes!r}",
+                              fix="pass e.g. max_bytes=20 << 30, or leave it out for the "
+                                  "default")
         if not isinstance(read_only, bool):
             raise ConfigError(f"read_only must be True or False, not {read_only!r}",
                               fix="pass read_only=True or leave it out")
