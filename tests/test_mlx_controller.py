@@ -124,17 +124,19 @@ def test_incremental_prefill_equals_cold(backend, tmp_path: Path) -> None:
     grown = params(model, DOC_A, DOC_B, DOC_C)
     with MlxCacheController(backend, tmp_path / "store") as ctl:
         base = ctl.prepare(base_p)
+        base_ref, base_tokens = base.ref, base.cached_tokens
+        del base  # nobody holds the base any more: it is superseded at once (decision 2100)
         h = ctl.prepare(grown)
-        assert h.source == "incremental" and h.supersedes == base.ref
-        assert h.reused_tokens == base.cached_tokens
-        assert h.written_tokens == h.cached_tokens - base.cached_tokens > 0
+        assert h.source == "incremental" and h.supersedes == base_ref
+        assert h.reused_tokens == base_tokens
+        assert h.written_tokens == h.cached_tokens - base_tokens > 0
         assert ctl.generate(h, QUESTION, NEW).tokens == cold_tokens(backend, grown)
-        row = ctl.store.row(base.ref)
+        row = ctl.store.row(base_ref)
         assert row is not None and row.hint == "release"  # superseded: out of reuse
         assert ctl.store.row(h.ref).hint == "retain"
-        assert ctl.store.manifest(h.ref).supersedes == base.ref
+        assert ctl.store.manifest(h.ref).supersedes == base_ref
     with Store.open(tmp_path / "store") as store:
-        assert store.row(base.ref) is None  # close() deleted the superseded base
+        assert store.row(base_ref) is None  # close() deleted the superseded base
         loaded_meta = store.verify(h.ref).meta
         assert loaded_meta["token_count"] == h.cached_tokens
 
@@ -147,15 +149,17 @@ def test_incremental_from_a_diverging_base_trims_to_the_common_prefix(backend,
     with MlxCacheController(backend, tmp_path / "store") as ctl:
         base = ctl.prepare(first)
         h = ctl.prepare(other)
-        assert h.source == "incremental" and h.supersedes == base.ref
+        # A sibling, not an extension: the base stays (decision 2100).
+        assert h.source == "incremental" and h.supersedes is None
         assert 0 < h.reused_tokens < base.cached_tokens
         assert h.reused_tokens + h.written_tokens == h.cached_tokens
         assert ctl.generate(h, QUESTION, NEW).tokens == cold_tokens(backend, other)
-    # After a restart the grown entry serves from disk with the same tokens.
+    # After a restart both entries serve from disk with the same tokens.
     with MlxCacheController(backend, tmp_path / "store") as ctl:
         again = ctl.prepare(other)
         assert again.source == "disk" and again.ref == h.ref
         assert ctl.generate(again, QUESTION, NEW).tokens == cold_tokens(backend, other)
+        assert ctl.prepare(first).source == "disk"
 
 
 def test_cache_covering_the_whole_prompt_gives_cold_tokens(backend, tmp_path: Path) -> None:

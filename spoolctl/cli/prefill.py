@@ -123,8 +123,9 @@ def prefill_cmd(
                                                      help="Prompt text file.")] = None,
     messages_file: Annotated[Path | None, typer.Option(
         "--messages-file", help="JSON chat messages (or {instructions, data, tools}).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="pytorch: float32, float16, bfloat16.")
-                     ] = "float32",
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", help="pytorch: float32, float16, bfloat16 (default: the checkpoint's, as "
+                        "transformers loads it).")] = None,
     device: Annotated[str, typer.Option("--device", help="pytorch: cpu, cuda, mps...")] = "cpu",
     image: Annotated[list[Path] | None, typer.Option(
         "--image", metavar="<file>", show_default=False,

@@ -540,7 +540,7 @@ class KVBackend(Protocol):
     ``chat_template() -> render.ChatTemplate | None`` (the model's chat template),
     ``model_id`` / ``model_path`` (what ``params.model`` is normalised to and the
     directory any spelling of it resolves to), ``length(cache)`` and
-    ``check_import(cache, tokens)`` (for ``import_cache``).
+    ``check_import(cache, tokens, *, full)`` (for ``import_cache``).
     """
 
     kind: str

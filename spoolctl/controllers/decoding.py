@@ -9,8 +9,9 @@ their framework (decision 1703):
   streamer is fed like transformers feeds it (the prompt ids first, then every new
   token, then ``end()``), so a ``transformers.TextStreamer`` works with both.
 
-``temperature == 0`` (the default) is greedy decoding; ``seed`` seeds the framework's
-global random generator before sampling (``torch.manual_seed`` / ``mx.random.seed``).
+``temperature == 0`` (the default) is greedy decoding; ``seed`` seeds a random generator
+of the call's own (a ``torch.Generator`` / an ``mx.random.key``), never the framework's
+global one, so concurrent seeded calls give what serial ones give (decision 2103).
 ``extra`` is handed to the framework's own generate call verbatim (e.g.
 ``repetition_penalty`` for transformers, ``logits_processors`` for mlx-lm); the
 arguments spoolctl sets itself (prompt, cache, length, sampling, streamer) are refused

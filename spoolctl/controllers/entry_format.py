@@ -181,13 +181,26 @@ class KVEntryFormat:
                               fix="fix the backend's tokenize_segments()")
         return ids, segments.lead
 
-    def _key(self, params: CachePrepareParams) -> tuple[str, str]:
-        """(key, group): the params' own, plus the chat template's identity if one renders
-        them (plain keys are the keys spoolctl always used)."""
+    def _key(self, params: CachePrepareParams,
+             prefix: TokenPrefix | None = None) -> tuple[str, str]:
+        """(key, group): the params' own, plus -- if a chat template renders them -- the
+        template's identity and the digest of the rendered prefix tokens (plain keys are
+        the keys spoolctl always used).
+
+        A template may render more than the params (``strftime_now``: today's date in the
+        system header), so the same params can render other tokens tomorrow. Binding the
+        rendered tokens makes that a different entry -- a plain miss, counted as
+        ``prefix_moved`` -- instead of an entry whose tokens disagree with its key, which
+        only damage can explain (decision 2101). The group stays the params' own, so the
+        entry of yesterday's rendering is still found as a relative."""
         rid = render_id(params, self.template)
         key, group = params.key(), params.group_hash()
         if rid:
-            key = hash_parts(b"spoolctl-rendered/v1", key.encode(), rid.encode())
+            if prefix is None:
+                prefix = TokenPrefix.from_segments(self._tokens(params, None)[0])
+            rendered = prefix.hashes[-1] if prefix.hashes else ""
+            key = hash_parts(b"spoolctl-rendered/v2", key.encode(), rid.encode(),
+                             rendered.encode())
             group = hash_parts(b"spoolctl-rendered/v1", group.encode(), rid.encode())
         return key, group
 
@@ -196,7 +209,7 @@ class KVEntryFormat:
         prefix = TokenPrefix.from_segments(ids)
         if not len(prefix):
             return None
-        key, group = self._key(params)
+        key, group = self._key(params, prefix)
         return Plan(params=params, key=key, namespace=self.namespace,
                     entry_id=entry_id_for(self.kind, self.namespace, key), prefix=prefix,
                     group=group, elements=tuple(params.element_hashes()),
@@ -247,10 +260,11 @@ class KVEntryFormat:
     def new_cache(self) -> Any:
         return self.backend.new_cache()
 
-    def adopt(self, cache: Any, plan: Plan) -> Any:
+    def adopt(self, cache: Any, plan: Plan, *, full: bool = True) -> Any:
         """A checked copy of a framework cache that must hold exactly the plan's prefix:
-        shapes, dtype and length (the backend's ``serialize`` checks), then a few
-        positions recomputed from the tokens (``check_import``)."""
+        shapes, dtype and length (the backend's ``serialize`` checks), then its K/V
+        recomputed from the tokens (``check_import``: every position when ``full``, else
+        four sampled positions)."""
         tokens = list(plan.prefix.tokens)
         try:
             own = self.clone(cache)
@@ -265,7 +279,7 @@ class KVEntryFormat:
                               fix="prefill exactly ctl.prefix_tokens(params) into it")
         try:
             self.backend.serialize(own, len(tokens))  # shapes, layers, dtype
-            self.backend.check_import(own, tokens)
+            self.backend.check_import(own, tokens, full=full)
         except ValueError as exc:
             raise ConfigError(f"the cache does not hold these tokens for this model: "
                               f"{str(exc)[:200]}",

@@ -41,6 +41,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -58,6 +59,7 @@ from spoolctl.store import (
     validate_entry_id,
 )
 from spoolctl.store.locks import hold
+from spoolctl.store.root import MARKER as ROOT_MARKER
 
 from .contract import CacheHandle, CachePrepareParams, GenerateResult, KVBackend
 from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
@@ -75,6 +77,11 @@ DEFAULT_MEMORY_ENTRIES = 4
 DEFAULT_LOCK_TIMEOUT = 600.0
 LOCK_STRIPES = 256  # lock files per store: bounded, and two keys rarely share one
 MAX_BASE_TRIES = 3
+#: A store a controller creates without ``max_bytes`` is bounded: a tenth of its
+#: filesystem, at most 64 GiB, at least 1 GiB where the filesystem has 2 (decision 2104).
+DEFAULT_MAX_FRACTION = 10
+DEFAULT_MAX_CAP = 64 << 30
+DEFAULT_MAX_FLOOR = 1 << 30
 MAX_KNOWN_PARAMS = 4096  # refs / prepare calls whose params generate(handle) can look up
 #: One sequence for every controller of the process, so a handle of another controller
 #: never matches a prepare call of this one.
@@ -96,7 +103,10 @@ class LocalCacheController(UseMixin):
     of ``entry_format`` (the VLM controller passes its ``VlmEntryFormat``). ``root``: a
     store root path, an open ``Store`` (not closed by this controller), or None for a
     managed temporary store that ``close()`` removes entirely. ``memory_entries``: how
-    many loaded caches stay in memory (LRU).
+    many loaded caches stay in memory (LRU). ``max_bytes``: the size limit of a store
+    this controller creates (default: ``default_max_bytes``); the limit of an existing
+    store is its owner's (``spoolctl init --max-size``), and another value here is a
+    ConfigError, never a silent rewrite (decision 2104).
     ``lock_timeout``: how long ``prepare`` waits for another process preparing the same
     key stripe before giving up and returning an empty handle (run cold).
     ``read_only``: open an existing store for reading only (e.g. a cache another user
@@ -121,6 +131,12 @@ class LocalCacheController(UseMixin):
         if not isinstance(memory_entries, int) or memory_entries < 0:
             raise ConfigError("memory_entries must be an integer >= 0",
                               fix="pass 0 to keep nothing loaded")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes <= 0):
+            # checked before any directory or marker exists: a bad limit never lands on disk
+            raise ConfigError(f"max_bytes must be a positive number of bytes, not {max_bytes!r}",
+                              fix="pass e.g. max_bytes=20 << 30, or leave it out for the "
+                                  "default")
         if not isinstance(read_only, bool):
             raise ConfigError(f"read_only must be True or False, not {read_only!r}",
                               fix="pass read_only=True or leave it out")
@@ -142,7 +158,9 @@ class LocalCacheController(UseMixin):
                 raise ConfigError("a read-only controller needs an existing store",
                                   fix="pass root= the store directory to read")
             self._managed = Path(tempfile.mkdtemp(prefix="spoolctl-controller-"))
-            self._store = Store.open(str(self._managed), create=True, max_bytes=max_bytes)
+            self._store = Store.open(str(self._managed), create=True,
+                                     max_bytes=max_bytes if max_bytes is not None
+                                     else default_max_bytes(self._managed))
         else:
             self._store = _open_store(root, max_bytes=max_bytes, read_only=read_only)
         self._lock = threading.Condition(threading.RLock())
@@ -152,6 +170,10 @@ class LocalCacheController(UseMixin):
         self._calls: OrderedDict[int, tuple[CachePrepareParams, PrepareWork | None]] = \
             OrderedDict()
         self._released: set[str] = set()
+        # Live handles of this controller by ref, and bases superseded by a strict
+        # extension whose release waits until no live handle holds them (decision 2100).
+        self._holders: dict[str, list[weakref.ref[CacheHandle]]] = {}
+        self._superseded: dict[str, str] = {}
         self._closed = False
         self._warned_unfit = False
         self._stats = ControllerStats()
@@ -184,6 +206,13 @@ class LocalCacheController(UseMixin):
                 return
             self._closed = True
             self._flights.wait_idle()
+            # Handles of a closed controller serve nothing: every deferred base goes now.
+            pending = sorted(self._superseded)
+            self._superseded.clear()
+            self._holders.clear()
+        for base_id in pending:
+            self._release_superseded(base_id)
+        with self._lock:
             released = sorted(self._released)
             self._released.clear()
             self._memory.clear()
@@ -280,6 +309,8 @@ class LocalCacheController(UseMixin):
         """
         self._check_open()
         params = self._normalize(params)
+        if self._superseded:
+            self._settle()
         plan = self._plan(params)
         if plan is None:
             return self._stamp(params, CacheHandle.empty(), None)
@@ -312,7 +343,45 @@ class LocalCacheController(UseMixin):
                 self._calls.popitem(last=False)
             if handle.ref is not None:
                 self._know(handle.ref, params)
+                self._hold(handle)
         return handle
+
+    # -- supersession: only strict extensions, only once nobody holds the base --------------
+
+    def _hold(self, handle: CacheHandle) -> None:
+        """Remember that ``handle`` (alive while its caller keeps it) holds its ref."""
+        refs = self._holders.setdefault(handle.ref, [])
+        refs[:] = [r for r in refs if r() is not None]
+        refs.append(weakref.ref(handle))
+        if len(self._holders) > MAX_KNOWN_PARAMS:
+            for ref in [r for r in self._holders if not self._held(r)]:
+                del self._holders[ref]
+
+    def _held(self, ref: str) -> bool:
+        """Whether a live handle of this controller holds ``ref`` (call under the lock)."""
+        refs = self._holders.get(ref)
+        if not refs:
+            return False
+        refs[:] = [r for r in refs if r() is not None]
+        return bool(refs)
+
+    def _settle(self) -> None:
+        """Release the superseded bases that no live handle holds any more."""
+        with self._lock:
+            ready = [b for b in self._superseded if not self._held(b)]
+            for base_id in ready:
+                del self._superseded[base_id]
+        for base_id in ready:
+            self._release_superseded(base_id)
+
+    def _release_superseded(self, base_id: str) -> None:
+        with self._lock:
+            self._memory.pop(base_id, None)
+            self._released.add(base_id)
+        try:
+            self._store.release(base_id)
+        except SpoolError as exc:  # it stays retained: LRU or `spoolctl clean` reclaims it
+            log.warning("a superseded base was not released: %s", reason(exc))
 
     def _handle(self, plan: Plan, *, source: str, written: int = 0, reused: int = 0,
                 computed: int = 0, supersedes: str | None = None) -> CacheHandle:
@@ -352,10 +421,17 @@ class LocalCacheController(UseMixin):
         if loaded is not None:
             self._remember(plan, loaded)
             return self._handle(plan, source="disk"), PrepareWork(disk=total)
-        based = self._from_base(plan) if self.format.bases else None
-        base_where = ""
+        rows = self._relatives(plan) if self.format.bases else []
+        if any(_same_params(index, plan) for _, _, index in rows):
+            # The same params were stored under another rendering: the prompt moved (a
+            # template that renders the date). A miss of its own kind, never a quarantine.
+            self._count(prefix_moved=1)
+            log.info("the rendered prompt prefix changed since it was cached (e.g. a date "
+                     "in the chat template): a miss, prefilling it again")
+        based = self._from_base(plan, rows) if rows else None
+        base_where, extends = "", False
         if based is not None:
-            cache, keep, base_id, base_where = based
+            cache, keep, base_id, base_where, extends = based
             suffix = list(plan.prefix.tokens[keep:])
             try:
                 if suffix:
@@ -368,7 +444,13 @@ class LocalCacheController(UseMixin):
         if based is None:
             cache = self.format.prefill(plan)
             base_id, source, computed, reused = None, "cold", total, 0
-        persisted = self._commit(plan, cache, base_id)
+        # Only a base this entry strictly extends is superseded; a sibling that shares a
+        # shorter prefix (the system message) stays (decision 2100). A base a live handle
+        # of this controller holds is released later, once nobody holds it.
+        supersedes = base_id if extends and computed > 0 else None
+        with self._lock:
+            deferred = supersedes is not None and self._held(supersedes)
+        persisted = self._commit(plan, cache, None if deferred else supersedes)
         self._remember(plan, Loaded(cache, plan.prefix))
         written = computed if persisted else 0
         with self._lock:
@@ -378,16 +460,19 @@ class LocalCacheController(UseMixin):
                 self._stats.incremental_prefills += 1
             self._stats.tokens_written += written
             self._stats.tokens_reused += reused
-            if base_id is not None and persisted:
-                # The commit released the base (supersedes); it is ours to delete at close.
-                self._released.add(base_id)
-                self._memory.pop(base_id, None)
+            if supersedes is not None and persisted:
+                if deferred:
+                    self._superseded[supersedes] = plan.entry_id
+                else:
+                    # The commit released the base (supersedes); ours to delete at close.
+                    self._released.add(supersedes)
+                    self._memory.pop(supersedes, None)
         work = PrepareWork(memory=reused if base_where == "memory" else 0,
                            disk=reused if base_where == "disk" else 0,
                            computed=computed, written=written)
         return self._handle(plan, source=source, written=written, reused=reused,
                             computed=computed,
-                            supersedes=base_id if persisted else None), work
+                            supersedes=supersedes if persisted else None), work
 
     def _commit(self, plan: Plan, cache: Any, base_id: str | None) -> bool:
         try:
@@ -506,18 +591,24 @@ class LocalCacheController(UseMixin):
             self._memory.pop(manifest.entry_id, None)
         return None
 
-    def _from_base(self, plan: Plan) -> tuple[Any, int, str, str] | None:
-        """Best retained base: load it, trim it to the common token prefix. Returns
-        ``(cache, kept tokens, base id, "memory" | "disk")``, or None if no usable base
-        (any failure falls back to a cold prefill)."""
+    def _relatives(self, plan: Plan) -> list[tuple[str, str, Any]]:
+        """``(entry id, key, catalog index)`` of the retained entries of the plan's
+        namespace other than its own (the candidates for a base); [] on store trouble."""
         try:
             rows = self._store.entries(kind=self.kind, namespace=plan.namespace,
                                        hint="retain")
         except SpoolError as exc:
             log.warning("base selection skipped: %s", reason(exc))
-            return None
-        candidates = rank_bases([(r.entry_id, r.key, r.index) for r in rows],
-                                group=plan.group, elements=plan.elements,
+            return []
+        return [(r.entry_id, r.key, r.index) for r in rows if r.entry_id != plan.entry_id]
+
+    def _from_base(self, plan: Plan, rows: list[tuple[str, str, Any]]
+                   ) -> tuple[Any, int, str, str, bool] | None:
+        """Best retained base: load it, trim it to the common token prefix. Returns
+        ``(cache, kept tokens, base id, "memory" | "disk", whether the plan extends the
+        whole base)``, or None if no usable base (any failure falls back to a cold
+        prefill)."""
+        candidates = rank_bases(rows, group=plan.group, elements=plan.elements,
                                 exclude=plan.entry_id, lead_segments=plan.lead_segments)
         for cand in candidates[:MAX_BASE_TRIES]:
             with self._lock:
@@ -552,7 +643,7 @@ class LocalCacheController(UseMixin):
             except Exception as exc:
                 log.warning("could not trim a base: %s", reason(exc))
                 continue
-            return cache, keep, cand.entry_id, where
+            return cache, keep, cand.entry_id, where, keep == base_len
         return None
 
     # -- release -------------------------------------------------------------------------
@@ -578,12 +669,53 @@ class LocalCacheController(UseMixin):
             log.warning("a release was not recorded: %s", reason(exc))
 
 
+def _same_params(index: Any, plan: Plan) -> bool:
+    """Whether a catalog index row describes the plan's own params (same group, same
+    elements): with another entry id, the same params rendered other tokens."""
+    return isinstance(index, dict) and index.get("group") == plan.group \
+        and index.get("elements") == list(plan.elements)
+
+
+def default_max_bytes(path: str | os.PathLike[str]) -> int:
+    """The size limit of a store created at ``path`` without one: a tenth of the size of
+    the filesystem that holds it, at most ``DEFAULT_MAX_CAP``, at least
+    ``DEFAULT_MAX_FLOOR`` (or half the filesystem, if smaller)."""
+    probe = Path(os.path.abspath(os.fspath(path)))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+        total = st.f_blocks * st.f_frsize
+    except OSError:
+        return DEFAULT_MAX_CAP
+    floor = min(DEFAULT_MAX_FLOOR, total // 2)
+    return max(1, min(DEFAULT_MAX_CAP, max(total // DEFAULT_MAX_FRACTION, floor)))
+
+
 def _open_store(root: str | os.PathLike[str], *, max_bytes: int | None,
                 read_only: bool) -> Store:
     """Open (create) the store at ``root``; ``read_only``: open an existing store for
-    reading, through the store's read-only mode where this store library has one."""
+    reading, through the store's read-only mode where this store library has one.
+
+    One owner of the size limit: a new store gets ``max_bytes`` (default
+    ``default_max_bytes``); an existing store keeps its own, and a different
+    ``max_bytes`` is refused rather than rewritten for every worker sharing the store."""
     if not read_only:
-        return Store.open(os.fspath(root), create=True, max_bytes=max_bytes)
+        path = os.fspath(root)
+        if not os.path.lexists(os.path.join(path, ROOT_MARKER)):
+            limit = max_bytes if max_bytes is not None else default_max_bytes(path)
+            return Store.open(path, create=True, max_bytes=limit)
+        store = Store.open(path, create=True)
+        if max_bytes is not None and max_bytes != store.max_bytes:
+            have = store.max_bytes
+            store.close()
+            raise ConfigError(
+                f"this store's size limit is {have if have is not None else 'unbounded'}"
+                f" bytes, not max_bytes={max_bytes}: the limit belongs to the store, not to "
+                "one of the workers sharing it", path=path,
+                fix=f"leave max_bytes out, or change the limit for every worker with "
+                    f"`spoolctl init --root {path} --max-size {max_bytes}`")
+        return store
     if "read_only" in inspect.signature(Store.open).parameters:
         return Store.open(os.fspath(root), read_only=True)
     return Store.open(os.fspath(root))

@@ -13,7 +13,8 @@ format, the known prepare calls.
   ``DynamicCache``, mlx-lm's list of cache objects), an independent copy, for the
   framework's own generate (decision 1704).
 * ``import_cache``: the other way: a cache the framework computed becomes the store
-  entry of some params, after its length, shape and a few recomputed positions check.
+  entry of some params, after its length and shapes check and its K/V is recomputed from
+  the tokens (every position by default, four with ``check="sample"``; decision 2102).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spoolctl.controllers")
 
+#: ``import_cache(check=...)``: recompute every position, or four sampled ones.
+IMPORT_CHECKS = ("full", "sample")
 UNFIT = ("the prepared cache is not where this prompt starts as rendered (the chat template "
          "renders the cached messages differently once more follow); running cold")
 
@@ -213,15 +216,22 @@ class UseMixin:
                         handle=handle)
 
     def import_cache(self: LocalCacheController, params: CachePrepareParams,
-                     cache: Any) -> CacheHandle:
+                     cache: Any, *, check: str = "full") -> CacheHandle:
         """Store ``cache`` -- the framework's own cache object, covering exactly
         ``prefix_tokens(params)`` -- as the entry of ``params`` (``source="import"``).
 
         Checked before anything is written: the cache type, layer count, shapes and
-        dtype, its length, and a few positions recomputed from the tokens (a cache of
-        other tokens, another template or another model is refused with a ConfigError).
-        The cache object is copied; the caller keeps theirs.
+        dtype, its length, and its K/V against the tokens recomputed by this model
+        (a cache of other tokens, another template or another model is refused with a
+        ConfigError). ``check="full"`` (default) recomputes every position -- one prefill
+        -- so a token changed anywhere is caught; ``check="sample"`` recomputes four
+        positions only (cheap; the caller vouches for the rest). The cache object is
+        copied; the caller keeps theirs.
         """
+        if check not in IMPORT_CHECKS:
+            raise ConfigError(f"check must be one of {', '.join(IMPORT_CHECKS)}, not {check!r}",
+                              fix='leave it out (check="full"), or pass check="sample" to '
+                                  "recompute four positions only")
         self._check_writable("import caches")
         params = self._normalize(params)
         adopt = getattr(self.format, "adopt", None)
@@ -232,7 +242,7 @@ class UseMixin:
         if plan is None:
             raise ConfigError("these params have no cacheable prefix to import",
                               fix="mark fewer elements volatile")
-        own = adopt(cache, plan)
+        own = adopt(cache, plan, full=check == "full")
         with self._key_lock(plan.entry_id):
             persisted = self._commit(plan, own, None)
         self._remember(plan, Loaded(own, plan.prefix))

@@ -374,15 +374,15 @@ class MlxBackend:
             start = min(cached_tokens, len(prompt_tokens) - 1)
             work = self.trim(cache, start)
         kwargs: dict[str, Any] = dict(decoding.extra)
-        if not decoding.greedy:
+        if not decoding.greedy and decoding.seed is not None:
+            kwargs["sampler"] = self._seeded_sampler(decoding)
+        elif not decoding.greedy:
             kwargs["sampler"] = make_sampler(temp=float(decoding.temperature),
                                              top_p=float(decoding.top_p) if decoding.top_p < 1
                                              else 0.0, top_k=decoding.top_k)
         streamer = decoding.streamer
         out: list[int] = []
         with self._lock:
-            if decoding.seed is not None:
-                mx.random.seed(decoding.seed)
             if streamer is not None:
                 import numpy as np
 
@@ -408,12 +408,40 @@ class MlxBackend:
                     streamer.end()
         return out
 
-    def check_import(self, cache: Sequence[Any], tokens: Sequence[int]) -> None:
-        """Recompute a few positions of ``cache`` from ``tokens`` (each on the cache cut
-        just before it) and compare every layer's K/V there; ValueError on a mismatch."""
+    def _seeded_sampler(self, decoding: Decoding) -> Any:
+        """``make_sampler``'s top-p / top-k filters and categorical draw, from a random key
+        of this call's own (``mx.random.seed`` would reseed the process-wide generator
+        other threads and models draw from; decision 2103)."""
+        from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+        mx = self._mx
+        key = mx.random.key(int(decoding.seed))
+        inv_temp = 1.0 / float(decoding.temperature)
+
+        def sampler(logprobs: Any) -> Any:
+            nonlocal key
+            key, draw = mx.random.split(key)
+            if decoding.top_p < 1:
+                logprobs = apply_top_p(logprobs, float(decoding.top_p))
+            if decoding.top_k > 0:
+                logprobs = apply_top_k(logprobs, decoding.top_k)
+            return mx.random.categorical(logprobs * inv_temp, key=draw)
+
+        return sampler
+
+    def check_import(self, cache: Sequence[Any], tokens: Sequence[int], *,
+                     full: bool = True) -> None:
+        """Check that ``cache`` holds ``tokens`` for this model; ValueError on a mismatch.
+
+        ``full`` (the default): prefill ``tokens`` again, step by step, and compare every
+        layer's K/V at every position (decision 2102); ``full=False``: recompute four
+        positions only, each on the cache cut just before it."""
         mx = self._mx
         n = len(tokens)
         rtol = _IMPORT_RTOL.get(self.dtype, 6e-2)
+        if full:
+            self._check_all_positions(cache, [int(t) for t in tokens], rtol)
+            return
         for pos in sorted({0, n // 3, (2 * n) // 3, n - 1}):
             with self._lock:
                 work = slice_caches(cache, pos, self._cache_mod.KVCache)
@@ -427,6 +455,27 @@ class MlxBackend:
                     if float(mx.abs(a32 - b32).max().item()) > rtol * scale:
                         raise ValueError(f"position {pos} of the cache does not match token "
                                          f"{int(tokens[pos])} recomputed")
+
+    def _check_all_positions(self, cache: Sequence[Any], tokens: list[int],
+                             rtol: float) -> None:
+        mx = self._mx
+        work = self.new_cache()
+        for start in range(0, len(tokens), self.prefill_step):
+            end = min(start + self.prefill_step, len(tokens))
+            with self._lock:
+                self.model(mx.array([tokens[start:end]]), cache=work)
+                mx.eval([c.state for c in work])
+            for c, w in zip(cache, work, strict=True):
+                for a, b in ((c.keys, w.keys), (c.values, w.values)):
+                    got = a[..., start:end, :].astype(mx.float32)
+                    want = b[..., start:end, :].astype(mx.float32)
+                    err = mx.abs(got - want).max(axis=(0, 1, 3))
+                    scale = mx.abs(want).max(axis=(0, 1, 3)) + 1e-6
+                    bad = err > rtol * scale
+                    if bool(mx.any(bad).item()):
+                        pos = start + int(mx.argmax(bad.astype(mx.int32)).item())
+                        raise ValueError(f"position {pos} of the cache does not match token "
+                                         f"{tokens[pos]} recomputed")
 
     def save_file(self, cache: Sequence[Any], tokens: Sequence[int], path: str | Path) -> None:
         """Write ``cache`` as an mlx-lm ``save_prompt_cache`` file (with the token ids)."""
@@ -511,13 +560,13 @@ class MlxCacheController(LocalCacheController):
         return restored.tokens
 
     def import_prompt_cache(self, params: CachePrepareParams,
-                            path: str | os.PathLike[str]) -> CacheHandle:
+                            path: str | os.PathLike[str], *, check: str = "full") -> CacheHandle:
         """Store an mlx-lm prompt-cache file (``save_prompt_cache``, e.g. from
         ``export_prompt_cache`` or your own prefill of ``prefix_tokens(params)``) as the
         entry of ``params``. A file that records token ids must record exactly the
-        prefix's; every file is checked like ``import_cache``."""
+        prefix's; every file is checked like ``import_cache`` (``check`` as there)."""
         cache, tokens = self.mlx.load_file(path)
         if tokens is not None and tokens != self.prefix_tokens(params):
             raise ConfigError("the file caches other tokens than these params' prefix",
                               path=path, fix="export and import with the same params and model")
-        return self.import_cache(params, cache)
+        return self.import_cache(params, cache, check=check)

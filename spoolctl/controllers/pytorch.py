@@ -48,7 +48,7 @@ _MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tik
 #: Relative tolerance of ``check_import``'s recomputed positions, by dtype (a batched and a
 #: one-token forward differ by rounding; a cache of another token differs by O(1)).
 _IMPORT_RTOL = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
-IMPORT_CHECKS = 4  # positions of an imported cache recomputed from its tokens
+IMPORT_CHECKS = 4  # positions an imported cache's "sample" check recomputes
 
 
 def quiet_frameworks() -> None:
@@ -66,7 +66,7 @@ def model_digest(model_dir: Path) -> str:
 
     Hashing the weights costs about a second per 3 GB once per process; it makes a
     retrained model at the same path a different namespace, so its caches are never
-    mixed up (pass ``revision=`` to vouch for the files instead).
+    mixed up (pass ``trusted_revision=`` to vouch for the files instead).
     """
     h = Hasher()
     files = sorted(p for p in model_dir.rglob("*")
@@ -88,10 +88,16 @@ def model_digest(model_dir: Path) -> str:
 class PyTorchBackend:
     """A transformers causal LM loaded with ``from_pretrained`` from a local directory.
 
-    ``dtype``: "float32" | "float16" | "bfloat16" | None (the checkpoint's own).
+    ``dtype``: "float32" | "float16" | "bfloat16" | None (default: what transformers
+    loads, the checkpoint's own dtype).
     ``device``: a torch device string ("cpu", "cuda", "cuda:1", "mps"); one this torch
     cannot use is a ConfigError.
-    ``revision``: a caller-vouched revision string used instead of hashing the files.
+    ``revision``: a name for this version of the model (e.g. the hub revision it was
+    downloaded at), recorded in the identity next to the content digest of the files,
+    which is always computed: a revision name never turns change detection off.
+    ``trusted_revision``: a caller-vouched identifier used *instead of* hashing the files
+    (for huge checkpoints whose every change comes with a new identifier); a changed file
+    under the same identifier is not detected (decision 2103).
     ``model_id``: the name ``params.model`` is normalised to (default: the resolved
     model directory); also the model in the identity, so a vouched id keeps caches
     valid when the directory moves.
@@ -99,9 +105,10 @@ class PyTorchBackend:
 
     kind = "pytorch"
 
-    def __init__(self, model: str | os.PathLike[str], *, dtype: str | None = "float32",
+    def __init__(self, model: str | os.PathLike[str], *, dtype: str | None = None,
                  device: str = "cpu", revision: str | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, model_id: str | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, model_id: str | None = None,
+                 trusted_revision: str | None = None):
         if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
             raise ConfigError(f"model_id must be a non-empty string, not {model_id!r}",
                               fix="pass e.g. model_id='acme/llama-3-8b', or leave it out")
@@ -109,6 +116,10 @@ class PyTorchBackend:
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ConfigError("not a transformers model directory (no config.json)", path=path,
                               fix="pass a local directory written by save_pretrained()")
+        for name, value in (("revision", revision), ("trusted_revision", trusted_revision)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{name} must be a non-empty string, not {value!r}",
+                                  fix=f"pass e.g. {name}='3f1c2a9', or leave it out")
         if dtype is not None and dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r}",
                               fix=f"use one of: {', '.join(DTYPES)}")
@@ -152,6 +163,7 @@ class PyTorchBackend:
         self.head_dim = int(getattr(self.config, "head_dim", None)
                             or self.config.hidden_size // heads)
         self._revision = revision
+        self._trusted_revision = trusted_revision
         self._identity: dict[str, str] | None = None
         self._identity_lock = threading.Lock()
         bos = self.tokenizer.bos_token_id
@@ -186,7 +198,9 @@ class PyTorchBackend:
                     "transformers": transformers.__version__,
                     "torch": self._torch.__version__.split("+")[0],
                     "model": self.model_id,
-                    "revision": self._revision or f"blake3:{model_digest(self.path)}",
+                    "revision": f"trusted:{self._trusted_revision}"
+                    if self._trusted_revision else f"blake3:{model_digest(self.path)}",
+                    **({"revision_name": self._revision} if self._revision else {}),
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "device": self.device.type,
                     "kv_layout": f"hf-dynamic/L{self.num_layers}/H{self.kv_heads}/D{self.head_dim}",
@@ -363,18 +377,21 @@ class PyTorchBackend:
 
     # -- generation ---------------------------------------------------------------------------
 
-    def _generation_config(self, decoding: Decoding, max_new_tokens: int) -> Any:
+    def _generation_config(self, decoding: Decoding, max_new_tokens: int, *,
+                           sample: bool = True) -> Any:
         """The model's generation config with spoolctl's length and sampling settings
         (sampling flags cleared for greedy decoding, so transformers has nothing to warn
-        about)."""
+        about). ``sample=False``: a seeded sampler in ``logits_processor`` draws the
+        token, so transformers' own sampling stays off."""
         config = copy.deepcopy(self.model.generation_config)
         config.max_new_tokens = max_new_tokens
         config.max_length = None
         config.min_new_tokens = None
-        config.do_sample = not decoding.greedy
-        config.temperature = decoding.temperature if not decoding.greedy else None
-        config.top_p = decoding.top_p if decoding.top_p < 1 else None
-        config.top_k = decoding.top_k or None
+        sampling = sample and not decoding.greedy
+        config.do_sample = sampling
+        config.temperature = decoding.temperature if sampling else None
+        config.top_p = decoding.top_p if sampling and decoding.top_p < 1 else None
+        config.top_k = (decoding.top_k or None) if sampling else None
         if config.pad_token_id is None:
             config.pad_token_id = self.tokenizer.pad_token_id \
                 if self.tokenizer.pad_token_id is not None else min(self.eos_ids, default=None)
@@ -399,14 +416,19 @@ class PyTorchBackend:
         if len(prompt_tokens) - cached_tokens > 1:
             self._forward(work, prompt_tokens[cached_tokens:-1])
         ids = torch.tensor([list(prompt_tokens)], dtype=torch.long, device=self.device)
-        if decoding.seed is not None:
-            torch.manual_seed(decoding.seed)
         kwargs = {self._cache_arg: work, **decoding.extra}
+        seeded = decoding.seed is not None and not decoding.greedy
+        if seeded:
+            # A generator of this call's own: torch's global one is shared by every thread
+            # (two seed=0 calls at once would interleave their draws; decision 2103).
+            sampler = self._seeded_sampler(decoding)
+            kwargs["logits_processor"] = [*(kwargs.get("logits_processor") or []), sampler]
         try:
             with torch.no_grad():
                 out = self.model.generate(
                     ids, attention_mask=torch.ones_like(ids), streamer=decoding.streamer,
-                    generation_config=self._generation_config(decoding, max_new_tokens),
+                    generation_config=self._generation_config(decoding, max_new_tokens,
+                                                              sample=not seeded),
                     **kwargs)
         except (TypeError, ValueError) as exc:
             if decoding.extra:  # most likely the caller's kwargs: say so
@@ -417,13 +439,47 @@ class PyTorchBackend:
             raise RuntimeError("generate did not continue from the given KV cache")
         return out[0, len(prompt_tokens):].tolist()
 
-    def check_import(self, cache: Any, tokens: Sequence[int]) -> None:
-        """Recompute a few positions of ``cache`` from ``tokens`` (each on the cache trimmed
-        just before it) and compare every layer's K/V there; ValueError on a mismatch.
-        Catches a cache of other tokens, another template, model or dtype."""
+    def _seeded_sampler(self, decoding: Decoding) -> Any:
+        """A logits processor that samples like transformers (temperature, top-k, top-p
+        warpers, then a multinomial draw) from a generator seeded for this call only, and
+        leaves only the drawn token possible, so the (greedy) search picks it."""
+        import transformers
+
+        torch = self._torch
+        warpers = [transformers.TemperatureLogitsWarper(float(decoding.temperature))]
+        if decoding.top_k:
+            warpers.append(transformers.TopKLogitsWarper(decoding.top_k))
+        if decoding.top_p < 1:
+            warpers.append(transformers.TopPLogitsWarper(decoding.top_p))
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(int(decoding.seed))
+
+        class SeededSampler(transformers.LogitsProcessor):
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
+                for warp in warpers:
+                    scores = warp(input_ids, scores)
+                probs = torch.softmax(scores.float(), dim=-1)
+                drawn = torch.multinomial(probs, num_samples=1, generator=generator)
+                only = torch.full_like(scores, float("-inf"))
+                return only.scatter_(1, drawn, 0.0)
+
+        return SeededSampler()
+
+    def check_import(self, cache: Any, tokens: Sequence[int], *, full: bool = True) -> None:
+        """Check that ``cache`` holds ``tokens`` for this model; ValueError on a mismatch.
+
+        ``full`` (the default): prefill ``tokens`` again, in chunks, and compare every
+        layer's K/V at every position -- a changed token anywhere changes at least its own
+        position's K/V (decision 2102); costs one prefill and a second cache's memory.
+        ``full=False``: recompute only four positions (first, two inside, last), each on the
+        cache trimmed just before it -- catches another template, model or dtype, not a
+        token changed elsewhere."""
         n = len(tokens)
         rtol = _IMPORT_RTOL.get(str(self.dtype).removeprefix("torch."), 6e-2)
         kv = self._kv(cache)
+        if full:
+            self._check_all_positions(kv, list(tokens), rtol)
+            return
         for pos in sorted({0, n // 3, (2 * n) // 3, n - 1})[:IMPORT_CHECKS]:
             work = self.new_cache()
             for i, (k, v) in enumerate(kv if pos else ()):
@@ -435,6 +491,27 @@ class PyTorchBackend:
                     if float((a.float() - b.float()).abs().max()) > rtol * scale:
                         raise ValueError(f"position {pos} of the cache does not match token "
                                          f"{int(tokens[pos])} recomputed")
+
+    def _check_all_positions(self, kv: list[tuple[Any, Any]], tokens: list[int],
+                             rtol: float) -> None:
+        """Prefill ``tokens`` chunk by chunk and compare each chunk's positions at once."""
+        torch = self._torch
+        work = self.new_cache()
+        for start in range(0, len(tokens), self.prefill_chunk):
+            end = min(start + self.prefill_chunk, len(tokens))
+            self._forward(work, tokens[start:end])
+            for (k, v), (k2, v2) in zip(kv, self._kv(work), strict=True):
+                for a, b in ((k, k2), (v, v2)):
+                    got = a[:, :, start:end].to(b.device).float()
+                    want = b[:, :, start:end].float()
+                    # per position: the largest error against that position's own scale
+                    err = (got - want).abs().amax(dim=(0, 1, 3))
+                    scale = want.abs().amax(dim=(0, 1, 3)) + 1e-6
+                    bad = torch.nonzero(err > rtol * scale)
+                    if len(bad):
+                        pos = start + int(bad[0, 0])
+                        raise ValueError(f"position {pos} of the cache does not match token "
+                                         f"{tokens[pos]} recomputed")
 
 
 def cache_argument(forward: Any) -> str:
@@ -480,13 +557,14 @@ class PyTorchCacheController(LocalCacheController):
     """
 
     def __init__(self, model: str | os.PathLike[str] | PyTorchBackend,
-                 root: Any = None, *, dtype: str | None = "float32", device: str = "cpu",
+                 root: Any = None, *, dtype: str | None = None, device: str = "cpu",
                  revision: str | None = None, model_id: str | None = None,
+                 trusted_revision: str | None = None,
                  max_bytes: int | None = None,
                  memory_entries: int = DEFAULT_MEMORY_ENTRIES,
                  lock_timeout: float = DEFAULT_LOCK_TIMEOUT, read_only: bool = False):
         backend = model if isinstance(model, PyTorchBackend) else \
             PyTorchBackend(model, dtype=dtype, device=device, revision=revision,
-                           model_id=model_id)
+                           model_id=model_id, trusted_revision=trusted_revision)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
                          lock_timeout=lock_timeout, read_only=read_only)

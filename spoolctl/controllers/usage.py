@@ -63,4 +63,7 @@ class ControllerStats:
     tokens_written: int = 0
     tokens_reused: int = 0
     load_failures: int = 0
+    #: Misses because the same params rendered other prefix tokens than a stored entry
+    #: (a chat template that renders the date): normal drift, not damage (decision 2101).
+    prefix_moved: int = 0
     commit_failures: int = 0
