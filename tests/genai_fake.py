@@ -28,6 +28,7 @@ import datetime as dt
 import itertools
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+import pytest
 
 _TTL_RE = re.compile(r"([0-9]+(?:\.[0-9]{1,9})?)s")
 _VERTEX_PREFIX = re.compile(r"projects/([^/]+)/locations/([^/]+)/")
@@ -440,3 +443,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     do_GET = do_POST = do_PATCH = do_DELETE = _serve
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Fail any test that resolves a host other than the loopback fake: a refusal or the fake
+    must answer first. Import it into a test module to apply it there (autouse)."""
+    real = socket.getaddrinfo
+
+    def local_only(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise AssertionError(f"test tried to reach {host!r}")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", local_only)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from controller_backends import make_backend
 
 from spoolctl.controllers import (
     CacheHandle,
@@ -36,17 +37,6 @@ QUESTION = "When does the pump start?"
 NEW = 8
 TOOL = {"name": "search", "description": "search the manual",
         "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
-
-
-def make_backend(name: str, model_dir: Path):
-    if name == "pytorch":
-        from spoolctl.controllers.pytorch import PyTorchBackend
-
-        return PyTorchBackend(model_dir)
-    pytest.importorskip("mlx.core", reason="mlx is not installed here; pip install 'mlx-lm[cpu]'")
-    from spoolctl.controllers.mlx import MlxBackend
-
-    return MlxBackend(model_dir)
 
 
 @pytest.fixture(scope="module", params=["pytorch", "mlx"])

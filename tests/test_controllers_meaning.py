@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from controller_backends import make_backend
 
 pytest.importorskip("transformers")
 
@@ -32,20 +33,9 @@ QUESTION = "Question: when does the pump start?"
 NEW = 8
 
 
-def load(framework: str, model_dir: Path):
-    if framework == "pytorch":
-        from spoolctl.controllers.pytorch import PyTorchBackend
-
-        return PyTorchBackend(model_dir)
-    pytest.importorskip("mlx.core", reason="mlx-lm is not installed here")
-    from spoolctl.controllers.mlx import MlxBackend
-
-    return MlxBackend(model_dir)
-
-
 @pytest.fixture(scope="module", params=["pytorch", "mlx"])
 def backend(request, tiny_model_dir: Path):
-    return load(request.param, tiny_model_dir)
+    return make_backend(request.param, tiny_model_dir)
 
 
 #: The Llama-3.1 pattern: the system header carries today's date from ``strftime_now``.
@@ -61,7 +51,7 @@ def dated_backend(request, tiny_chat_model_dir: Path, tmp_path_factory):
     model = tmp_path_factory.mktemp("models") / "dated"
     shutil.copytree(tiny_chat_model_dir, model)
     (model / "chat_template.jinja").write_text(DATED_TEMPLATE)
-    return load(request.param, model)
+    return make_backend(request.param, model)
 
 
 @pytest.fixture
@@ -217,13 +207,13 @@ def test_weights_replaced_at_the_same_path_are_a_cold_correct_prepare(
     model = tmp_path / "deployed"
     shutil.copytree(tiny_model_dir, model)
     p = params(DOCS[0])
-    with LocalCacheController(load(framework, model), store_root) as ctl:
+    with LocalCacheController(make_backend(framework, model), store_root) as ctl:
         old = ctl.prepare(p)
         old_tokens = ctl.generate(old, QUESTION, NEW).tokens
-    with LocalCacheController(load(framework, model), store_root) as ctl:  # unchanged
+    with LocalCacheController(make_backend(framework, model), store_root) as ctl:  # unchanged
         assert ctl.prepare(p).source == "disk"
     replace_weights(model)
-    with LocalCacheController(load(framework, model), store_root) as ctl:
+    with LocalCacheController(make_backend(framework, model), store_root) as ctl:
         new = ctl.prepare(p)
         assert new.source == "cold" and new.ref != old.ref and new.reused_tokens == 0
         r = ctl.generate(new, QUESTION, NEW)
@@ -235,7 +225,7 @@ def test_weights_replaced_at_the_same_path_are_a_cold_correct_prepare(
 
 @pytest.fixture(scope="module")
 def torch_backend(tiny_model_dir):
-    return load("pytorch", tiny_model_dir)
+    return make_backend("pytorch", tiny_model_dir)
 
 
 def test_a_revision_name_never_turns_change_detection_off(tiny_model_dir, tmp_path,

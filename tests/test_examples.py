@@ -385,7 +385,7 @@ def test_cron_file_lines_are_valid() -> None:
         assert "%" not in fields[6], "an unescaped % ends a cron command"
         _parse_spoolctl(_spoolctl_argv(fields[6]))
         jobs += 1
-    assert jobs == 3
+    assert jobs == 4  # clean, scrub, metrics, the daily lifecycle clean
 
 
 def test_spoolctl_command_line_parser_rejects_bad_usage() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import threading
 
 import pytest
@@ -16,7 +15,7 @@ from waiting import wait_until
 
 pytest.importorskip("google.genai")
 
-from genai_fake import FakeClock, FakeGenAIServer
+from genai_fake import FakeClock, FakeGenAIServer, no_network  # noqa: F401 - autouse
 from google import genai
 from google.genai import types
 from google.oauth2.credentials import Credentials
@@ -42,17 +41,6 @@ MODEL = "gemini-2.0-flash"
 BOOK = "the long shared document " * 40
 
 
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Fail any test that resolves a host other than the loopback fake."""
-    real = socket.getaddrinfo
-
-    def local_only(host, *args, **kwargs):
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise AssertionError(f"test tried to reach {host!r}")
-        return real(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", local_only)
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test
 
 RUNNER = str(Path(__file__).with_name("unprivileged.py"))
 sys.path.insert(0, str(Path(__file__).parent))
+from owned_stores import owned_store  # noqa: E402
 from unprivileged import unprivileged_uid  # noqa: E402
 
 UID = unprivileged_uid()
@@ -71,31 +72,13 @@ def base():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _give(path: Path) -> None:
-    """Make the unprivileged user own ``path`` and everything under it."""
-    if os.geteuid() == 0:
-        for p in [path, *path.rglob("*")]:
-            os.lchown(p, UID, UID)
-
-
-def _store(base: Path, n: int = 3, released: int = 0) -> tuple[Path, list]:
-    root = base / "store"
-    with Store.open(root, create=True) as store:
-        made = [store.put(kind="pytorch", namespace="ns", key=f"k{i}",
-                          objects={"kv": os.urandom(4000)}) for i in range(n)]
-        for m in made[:released]:
-            store.release(m.entry_id)
-    _give(root)
-    return root, made
-
-
 def _obj(root: Path, manifest) -> Path:
     d = manifest.objects[0].digest
     return root / "objects" / d[:2] / f"{d}.obj"
 
 
 def test_an_unreadable_object_is_a_finding_and_the_scrub_moves_on(base: Path) -> None:
-    root, made = _store(base)
+    root, made = owned_store(base, 3)
     _obj(root, made[1]).chmod(0)
     proc = py(f"""
         from spoolctl.store import Store, StoreIOError
@@ -127,7 +110,7 @@ def test_an_unreadable_object_is_a_finding_and_the_scrub_moves_on(base: Path) ->
 
 
 def test_an_unreadable_fanout_directory_does_not_stop_clean(base: Path) -> None:
-    root, made = _store(base, n=6, released=6)
+    root, made = owned_store(base, n=6, released=6)
     hidden = made[0]
     fan = root / "manifests" / hidden.entry_id[:2]
     fan.chmod(0)
@@ -152,7 +135,7 @@ def test_an_unreadable_fanout_directory_does_not_stop_clean(base: Path) -> None:
 
 
 def test_a_read_only_catalog(base: Path) -> None:
-    root, _made = _store(base, released=1)
+    root, _made = owned_store(base, 3, released=1)
     (root / "state" / "catalog.sqlite3").chmod(0o400)
     status = cli("status", "--root", str(root), "--json")
     assert status.returncode == 0, status.stderr
@@ -170,7 +153,7 @@ def test_a_read_only_catalog(base: Path) -> None:
 def test_an_immutable_catalog(base: Path) -> None:
     if os.geteuid() != 0 or shutil.which("chattr") is None:
         pytest.skip("setting the immutable attribute needs root and chattr")
-    root, _ = _store(base)
+    root, _ = owned_store(base, 3)
     cat = root / "state" / "catalog.sqlite3"
     if subprocess.run(["chattr", "+i", str(cat)], capture_output=True).returncode != 0:
         pytest.skip("this filesystem does not support the immutable attribute")

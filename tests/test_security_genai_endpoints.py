@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 
 pytest.importorskip("google.genai")
 
-from genai_fake import FakeGenAIServer
+from genai_fake import FakeGenAIServer, no_network  # noqa: F401 - autouse
 from google import genai
 from google.genai import types
 
@@ -36,17 +35,6 @@ SPOOLCTL = str(Path(sys.executable).with_name("spoolctl"))
 KEY = "operator-secret-key"
 
 
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Fail any test that resolves a host other than loopback (a refusal must come first)."""
-    real = socket.getaddrinfo
-
-    def local_only(host, *args, **kwargs):
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise AssertionError(f"test tried to reach {host!r}")
-        return real(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", local_only)
 
 
 def _pending_record(store: Store, server: FakeGenAIServer) -> str:
