@@ -253,13 +253,21 @@ def test_a_request_queue_from_before_verified_is_upgraded_in_place(store):
     (entry_id,) = [store.put(kind=KIND, namespace=NS, key=KEY, objects={"kv": GOOD}).entry_id]
     path = store.layout.state / AUTH_DB
     old = sqlite3.connect(path)
+    # verbatim what spoolctl created before 'verified' (the schema check compares the text)
     old.executescript("""
-        CREATE TABLE requests(request_id INTEGER PRIMARY KEY AUTOINCREMENT,
-            entry_id TEXT NOT NULL, created REAL NOT NULL, requester_pid INTEGER NOT NULL,
-            result TEXT CHECK (result IS NULL OR result IN ('authenticated', 'absent',
-                                                            'quarantined')),
-            reason TEXT, detail TEXT, answered REAL, answered_by INTEGER);
-        CREATE INDEX requests_pending ON requests(result, request_id);""")
+CREATE TABLE IF NOT EXISTS requests(
+    request_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    entry_id TEXT NOT NULL,
+    created REAL NOT NULL,
+    requester_pid INTEGER NOT NULL,
+    result TEXT CHECK (result IS NULL OR result IN ('authenticated', 'absent', 'quarantined')),
+    reason TEXT,
+    detail TEXT,
+    answered REAL,
+    answered_by INTEGER
+);
+CREATE INDEX IF NOT EXISTS requests_pending ON requests(result, request_id);
+""")
     old.execute("INSERT INTO requests(entry_id, created, requester_pid) VALUES (?, 1.0, 1)",
                 (entry_id,))
     old.commit()

@@ -63,6 +63,22 @@ CREATE TABLE IF NOT EXISTS requests(
 );
 CREATE INDEX IF NOT EXISTS requests_pending ON requests(result, request_id);
 """
+# The queue as spoolctl created it before ``verified`` existed (verbatim: the schema check
+# compares SQLite's stored text); ``_allow_verified`` migrates it, rows kept.
+_DDL_BEFORE_VERIFIED = """
+CREATE TABLE IF NOT EXISTS requests(
+    request_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    entry_id TEXT NOT NULL,
+    created REAL NOT NULL,
+    requester_pid INTEGER NOT NULL,
+    result TEXT CHECK (result IS NULL OR result IN ('authenticated', 'absent', 'quarantined')),
+    reason TEXT,
+    detail TEXT,
+    answered REAL,
+    answered_by INTEGER
+);
+CREATE INDEX IF NOT EXISTS requests_pending ON requests(result, request_id);
+"""
 
 
 @dataclass(frozen=True)
@@ -116,7 +132,8 @@ class AuthQueue:
 
     def __init__(self, path: Path):
         self.path = path
-        self._db = connect_private(path, ddl=_DDL, synchronous="FULL")
+        self._db = connect_private(path, ddl=_DDL, synchronous="FULL",
+                                   earlier_ddl=(_DDL_BEFORE_VERIFIED,))
         _allow_verified(self._db)
 
     @classmethod

@@ -217,11 +217,13 @@ def _expected_schema(ddl: str) -> frozenset[tuple[str, str, str, str | None]]:
         mem.close()
 
 
-def check_schema(db: sqlite3.Connection, ddl: str) -> None:
+def check_schema(db: sqlite3.Connection, ddl: str, *, earlier: tuple[str, ...] = ()) -> None:
     """Raise DamagedDatabaseError if the database holds a table, index, trigger or view
-    that ``ddl`` does not create, or one of the same name with other SQL. Reading
-    ``sqlite_master`` runs none of them (nor does anything else before this returns)."""
-    expected = _expected_schema(ddl)
+    that ``ddl`` does not create, or one of the same name with other SQL. ``earlier``: the
+    DDL of schemas earlier spoolctl versions created, whose objects are ours too (the caller
+    migrates them). Reading ``sqlite_master`` runs none of them (nor does anything else
+    before this returns)."""
+    expected = frozenset().union(*(_expected_schema(d) for d in (ddl, *earlier)))
     found = db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
     for row in found:
         if tuple(row) not in expected:
@@ -267,11 +269,13 @@ def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None
 
 
 def connect_private(
-    path: Path, *, ddl: str, synchronous: Literal["NORMAL", "FULL"], timeout: float = 30
+    path: Path, *, ddl: str, synchronous: Literal["NORMAL", "FULL"], timeout: float = 30,
+    earlier_ddl: tuple[str, ...] = (),
 ) -> sqlite3.Connection:
     """A WAL-mode connection to ``path`` (created 0600: SQLite would make it 0644, and its
     -wal/-shm files inherit the mode), with ``ddl`` applied once the file's schema proved
-    to be ``ddl``'s (``check_schema``). Autocommit mode; the caller manages transactions.
+    to be ``ddl``'s or one of ``earlier_ddl``'s (``check_schema``; migrating an earlier one
+    is the caller's job). Autocommit mode; the caller manages transactions.
     The connection is closed again if setup fails. A special file in the database's place,
     or a schema that is not ours, raises DamagedDatabaseError before SQLite runs anything
     of the file's."""
@@ -279,7 +283,7 @@ def connect_private(
     precreate_private(path)
     db = _guarded(str(path), timeout=timeout)
     try:
-        check_schema(db, ddl)
+        check_schema(db, ddl, earlier=earlier_ddl)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={synchronous}")
         db.executescript(ddl)
