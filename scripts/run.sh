@@ -83,8 +83,17 @@ install_base_only() {
       --disable-pip-version-check -U pip wheel
   fi
   logged "$BASE_VENV/install.log" "$BASE_VENV/bin/python" -m pip install --quiet \
-    --disable-pip-version-check -c scripts/constraints.txt -e . pytest pytest-timeout hypothesis
+    --disable-pip-version-check -c scripts/constraints.txt -e . pytest pytest-timeout pytest-xdist hypothesis
   touch "$BASE_VENV/.spoolctl-$stamp"
+}
+
+# The default suite runs on every core (pytest-xdist, at most 4 workers; SPOOLCTL_TEST_WORKERS
+# overrides, 0 = in this process). Tests that start a real vLLM engine share one worker
+# (tests/conftest.py groups them): two engines would fight over the same cores.
+workers() {
+  local n="${SPOOLCTL_TEST_WORKERS:-}"
+  if [ -z "$n" ]; then n=$(nproc 2>/dev/null || echo 2); [ "$n" -gt 4 ] && n=4; fi
+  if [ "$n" -le 1 ]; then echo "-p no:xdist"; else echo "-n $n --dist loadgroup"; fi
 }
 
 job="${1:-demo}"
@@ -117,7 +126,9 @@ case "$job" in
     ;;
   test-rest)
     install_full
-    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not base and not extended" "$@"
+    # shellcheck disable=SC2046
+    exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider $(workers) \
+      -m "not base and not extended" "$@"
     ;;
   test-extended)
     # Out of the default run to keep it bounded on a 2-core CI host (decision 1900): every
@@ -127,8 +138,9 @@ case "$job" in
     ;;
   test-base)
     install_base_only
+    # shellcheck disable=SC2046
     SPOOLCTL_TEST_BASE_ONLY=1 exec "$BASE_VENV/bin/python" -m pytest -q -p no:cacheprovider \
-      -m "base and not extended" "$@"
+      $(workers) -m "base and not extended" "$@"
     ;;
   docs)
     install_full

@@ -33,6 +33,24 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+ENGINE_MODULE = re.compile(  # imports vLLM, or the tests' engine drivers
+    r"^\s*(from|import)\s+(vllm|vllm_engines|vllm_support|vllm_fleet)\b"
+    r"|importorskip\(\"vllm\"\)", re.MULTILINE)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``, as scripts/run.sh runs the suite) the real
+    vLLM engine tests (``slow`` tests in a module that imports vLLM or its test drivers) share
+    one worker: each engine takes every core, and two at once would only thrash them."""
+    sources: dict[Path, bool] = {}  # a module's tests start engines: read each source once
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in sources:
+            sources[path] = bool(ENGINE_MODULE.search(path.read_text(errors="replace")))
+        if sources[path] and item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("vllm-engine"))
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"not importable on this host (probed in a child process): {name}: {why}"
             for name, why in sorted(NATIVE_CRASHES.items())]
