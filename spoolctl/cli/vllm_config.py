@@ -43,10 +43,20 @@ def config_vllm(
 ) -> None:
     """Print the --kv-transfer-config JSON that starts vLLM with the spoolctl connector.
 
+    Checks, before vLLM loads a model: the root is absolute and not a symlink, and you can
+    create stores under it (run this as the user that runs vLLM); the max size is a size.
+    A root on tmpfs is accepted with a warning on stderr (the cache would live in RAM). The
+    connector repeats these checks at start-up and also refuses a max size below one chunk
+    of the model.
+
     Example: [bold]vllm serve MODEL --kv-transfer-config "$(spoolctl config vllm --root
     /nvme/spool --max-size 200GiB)"[/bold]
     """
+    from spoolctl.connector.preflight import check_root
+
     path = check_root_path(resolve_root(root))  # absolute, no symlink: fail here, not in vLLM
     if max_size is not None:
         parse_size(max_size)
+    for line in check_root(path):  # unwritable: ConfigError (exit 2); tmpfs: a warning
+        typer.echo(f"warning: {line}", err=True)
     typer.echo(json.dumps(kv_transfer_config(str(path), max_size), separators=(",", ":")))
