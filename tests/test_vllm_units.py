@@ -398,6 +398,16 @@ def test_stats_aggregate_and_prometheus_export():
     assert 'spoolctl_restore_seconds_count{engine="0"} 1.0' in text
     assert 'spoolctl_store_bytes{engine="0"} 4196.0' in text
 
+    # Written, nothing restored yet: no ratio (not +Inf); from the first restore on, one.
+    w1.inc(m.STORE_WRITE_BYTES, 3000)
+    prom.observe(w1.take(), 0)
+    text = generate_latest(reg).decode()
+    assert "spoolctl_write_amplification_ratio{" not in text and "+Inf" not in text.replace(
+        'le="+Inf"', "")
+    w1.inc(m.RESTORE_BYTES, 1000)
+    prom.observe(w1.take(), 0)
+    assert 'spoolctl_write_amplification_ratio{engine="0"} 3.0' in generate_latest(reg).decode()
+
 
 def test_buffer_pool_hands_out_distinct_slots_and_takes_them_back():
     torch = pytest.importorskip("torch")
