@@ -34,10 +34,12 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 
 # `spoolctl config vllm` checks the root (absolute, writable by this user, not tmpfs) and the
-# size, and prints the JSON document; kv_load_failure_policy=recompute makes a corrupt chunk a
-# recompute, never a failed request. `$PYTHON -m spoolctl` is the spoolctl installed in vLLM's
-# environment, whether or not its `spoolctl` script is on PATH.
-KV_CONFIG=$("$PYTHON" -m spoolctl config vllm --root "$SPOOL_ROOT" --max-size "$MAX_SIZE" | "$PYTHON" -c '
+# size (at least one chunk of a local MODEL) and prints the JSON document; a failed check
+# stops here with its one line (set -e), before vLLM starts. kv_load_failure_policy=recompute
+# makes a corrupt chunk a recompute, never a failed request. `$PYTHON -m spoolctl` is the
+# spoolctl installed in vLLM's environment, whether or not its script is on PATH.
+DOC=$("$PYTHON" -m spoolctl config vllm --root "$SPOOL_ROOT" --max-size "$MAX_SIZE" --model "$MODEL" --tp "$TP")
+KV_CONFIG=$(printf '%s' "$DOC" | "$PYTHON" -c '
 import json, sys
 doc = json.load(sys.stdin)
 doc["kv_connector_extra_config"]["spoolctl_root"] = sys.argv[1]

@@ -188,7 +188,7 @@ def test_vllm_serve_example_is_valid_shell_with_a_valid_spoolctl_call() -> None:
     assert calls
     for call in calls:
         argv = shlex.split(call.replace('"$SPOOL_ROOT"', "/srv/spool").replace(
-            '"$MAX_SIZE"', "200GiB"))
+            '"$MAX_SIZE"', "200GiB").replace('"$MODEL"', "/models/llama").replace('"$TP"', "2"))
         _parse_spoolctl(argv)
     assert "kv_load_failure_policy" in text and "spoolctl_bypass" in text
 

@@ -114,3 +114,23 @@ def test_doctor_warns_on_tmpfs(mount_tmpfs) -> None:
     doc = json.loads(out)
     fs = next(c for c in doc["checks"] if c["name"] == "fs.type")
     assert fs["status"] == "warn" and "tmpfs" in fs["detail"] and fs["fix"]
+
+
+def test_config_vllm_checks_the_max_size_against_a_local_model(tiny_model_dir, tmp_path):
+    """Before vLLM starts (examples/vllm_serve.sh passes --model): one line, exit 2."""
+    from spoolctl.connector.preflight import chunk_bytes_from_model_dir
+
+    assert chunk_bytes_from_model_dir(tiny_model_dir) == TINY_CHUNK_BYTES
+    assert chunk_bytes_from_model_dir(tiny_model_dir, tp=2) == TINY_CHUNK_BYTES // 2
+    root = str(Path(os.path.realpath(tmp_path)) / "spool")
+    code, out, err = run("config", "vllm", "--root", root, "--max-size", "64KiB",
+                         "--model", str(tiny_model_dir))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "smaller than one 256-token chunk" in err
+    code, out, _ = run("config", "vllm", "--root", root, "--max-size", "1GiB",
+                       "--model", str(tiny_model_dir))
+    assert code == 0 and json.loads(out)["kv_connector_extra_config"]["spoolctl_max_size"] \
+        == "1GiB"
+    # a hub id (no local config.json): nothing to check here, the connector checks
+    assert run("config", "vllm", "--root", root, "--max-size", "64KiB",
+               "--model", "org/model")[0] == 0

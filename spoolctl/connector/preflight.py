@@ -100,6 +100,29 @@ def _element_size(dtype: Any) -> int | None:
     return {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}.get(name)
 
 
+def chunk_bytes_from_model_dir(model_dir: str | os.PathLike[str], *, tp: int = 1,
+                               chunk_tokens: int = 256) -> int | None:
+    """The same estimate from a local model directory's ``config.json`` (for ``spoolctl
+    config vllm --model``, before vLLM starts; no framework needed): None for a hub id, a
+    config without these fields, or a quantized/MLA model whose KV size it cannot tell."""
+    import json
+
+    try:
+        with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+            cfg = json.load(f)
+        cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        head = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(
+            cfg["num_attention_heads"]))
+        size = _element_size(cfg.get("dtype") or cfg.get("torch_dtype"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
+        return None
+    if size is None or "kv_lora_rank" in cfg or min(layers, heads, head, tp) <= 0:
+        return None
+    return chunk_tokens * layers * max(1, heads // tp) * head * 2 * size
+
+
 def check_max_size(max_bytes: int | None, chunk_bytes: int | None, chunk_tokens: int) -> None:
     """Raise ConfigError when a bounded store cannot hold a single chunk."""
     if max_bytes is None or chunk_bytes is None or max_bytes >= chunk_bytes:
