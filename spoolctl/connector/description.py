@@ -65,7 +65,6 @@ def record(deployment_dir: Path, identity: DeploymentIdentity) -> None:
             pass  # rewritten below
         data = json.dumps(doc, sort_keys=True).encode() + b"\n"
         tmp, _, _ = write_tmp(deployment_dir, [data])
-        os.chmod(tmp, 0o644)  # a label for every operator (no secret: status shows it)
         os.replace(tmp, path)
         fsync_dir(deployment_dir)
     except Exception as exc:
