@@ -178,7 +178,7 @@ EVENTS_UNRESOLVED = _c("kv_events_unresolved_chunks_total",
                        "hashes recorded, or recorded under another hash seed.")
 WRITE_AMPLIFICATION = _g("write_amplification_ratio",
                          "KV bytes written / KV bytes restored since the metrics process "
-                         "started (+Inf before the first restore, 0 before any write).")
+                         "started (absent until the first restore; 0 if nothing was written).")
 
 CONNECTOR_METRICS += (EVENTS_STORED, EVENTS_REMOVED, EVENTS_UNRESOLVED)
 

@@ -199,14 +199,59 @@ def test_every_page_is_in_the_nav() -> None:
     assert on_disk == nav, f"not in nav: {on_disk - nav}; missing files: {nav - on_disk}"
 
 
-def test_decision_index_lists_every_record(tmp_path: Path) -> None:
-    hooks = _load_script("mkdocs_hooks")
-    (tmp_path / "0601-b.md").write_text("# 0601 — Second\n")
-    (tmp_path / "0600-a.md").write_text("intro\n# 0600 — First [x]\n")
+def test_decision_index_is_grouped_and_notes_changed_records(tmp_path: Path) -> None:
+    gen = _load_script("gen_decisions_index")
+    (tmp_path / "0601-b.md").write_text("# 0601 — Second\n\nStatus: superseded by 0900\n")
+    (tmp_path / "0600-a.md").write_text("intro\n# 0600 — First [x]\n\nStatus: accepted\n")
+    (tmp_path / "0001-c.md").write_text("# 0001 — Third\n\nStatus: accepted\n")
     (tmp_path / "notes.md").write_text("# not a record\n")
-    assert hooks.decision_index(tmp_path) == (
-        "- [0600 — First \\[x\\]](decisions/0600-a.md)\n"
-        "- [0601 — Second](decisions/0601-b.md)")
+    assert gen.index(tmp_path) == (
+        "### Store format and commit\n\n- [0001 — Third](decisions/0001-c.md)\n\n"
+        "### Docs and packaging\n\n- [0600 — First \\[x\\]](decisions/0600-a.md)\n"
+        "- [0601 — Second](decisions/0601-b.md) (superseded)")
+
+
+def test_decision_index_on_the_page_is_current() -> None:
+    """Issue 36.8: the index is in docs/decisions.md itself (the repository view showed an
+    empty page: it was filled only at site build)."""
+    gen = _load_script("gen_decisions_index")
+    assert gen.OUTPUT.read_text(encoding="utf-8") == gen.render(), \
+        "run `python scripts/gen_decisions_index.py`"
+    for path in sorted((DOCS / "decisions").glob("[0-9]*.md")):
+        assert f"(decisions/{path.name})" in gen.OUTPUT.read_text(encoding="utf-8")
+
+
+def test_every_decision_record_has_a_status_line() -> None:
+    for path in sorted((DOCS / "decisions").glob("[0-9]*.md")):
+        head = path.read_text(encoding="utf-8").splitlines()[:6]
+        assert any(line.startswith("Status: ") for line in head), \
+            f"{path.name}: add a 'Status: accepted' (or superseded/amended) line under the title"
+
+
+def test_user_facing_pages_cite_no_internal_issue_numbers() -> None:
+    """Readers cannot follow "issue 22": pages cite decisions, tests and sections instead
+    (decision records may name the issue that prompted them)."""
+    pages = [REPO / "README.md", *sorted(DOCS.glob("*.md")),
+             *sorted((REPO / "examples").rglob("*")), *sorted((REPO / "spoolctl" / "cli")
+                                                             .glob("*.py"))]
+    cite = re.compile(r"\bissues? #?\d+|\(#\d+\)", re.IGNORECASE)
+    for page in pages:
+        if page.is_file():
+            for n, line in enumerate(page.read_text(errors="replace").splitlines(), 1):
+                assert not cite.search(line), f"{page.relative_to(REPO)}:{n}: {line.strip()}"
+
+
+def test_store_api_page_names_every_public_name() -> None:
+    """Issue 36.8: the Store API has a reference page (the README pointed into
+    spoolctl/store/__init__.py), and it keeps up with ``spoolctl.store.__all__``."""
+    import spoolctl.store as store
+
+    page = (DOCS / "store-api.md").read_text(encoding="utf-8")
+    missing = [name for name in store.__all__ if f"`{name}" not in page]
+    assert not missing, f"docs/store-api.md does not name {missing}"
+    for method in ("put", "put_many", "lookup", "read", "release", "clean", "facts",
+                   "set_max_bytes", "restore_quarantined"):
+        assert callable(getattr(store.Store, method)) and f"`{method}(" in page
 
 
 def test_site_builds_with_strict(tmp_path: Path) -> None:

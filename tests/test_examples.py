@@ -182,13 +182,26 @@ def test_vllm_serve_example_is_valid_shell_with_a_valid_spoolctl_call() -> None:
     path = EXAMPLES / "vllm_serve.sh"
     subprocess.run(["bash", "-n", str(path)], check=True)
     text = path.read_text()
-    calls = re.findall(r"\$\((spoolctl [^|)]*)", text)
+    # spoolctl of vLLM's environment, never whatever `spoolctl` is on PATH (issue 36.9)
+    assert not re.findall(r"\$\(spoolctl ", text)
+    calls = re.findall(r'\$\("\$PYTHON" -m (spoolctl [^|)]*)', text)
     assert calls
     for call in calls:
         argv = shlex.split(call.replace('"$SPOOL_ROOT"', "/srv/spool").replace(
-            '"$MAX_SIZE"', "200GiB"))
+            '"$MAX_SIZE"', "200GiB").replace('"$MODEL"', "/models/llama").replace('"$TP"', "2"))
         _parse_spoolctl(argv)
     assert "kv_load_failure_policy" in text and "spoolctl_bypass" in text
+
+
+def test_python_m_spoolctl_works_without_spoolctl_on_path(tmp_path: Path) -> None:
+    """What the serve example and docs/connector.md run: ``python -m spoolctl config vllm``,
+    with a PATH that has no spoolctl script."""
+    root = Path(os.path.realpath(tmp_path)) / "spool"
+    proc = subprocess.run([sys.executable, "-m", "spoolctl", "config", "vllm", "--root",
+                           str(root), "--max-size", "1GiB"], capture_output=True, text=True,
+                          env={**os.environ, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["kv_connector_extra_config"]["spoolctl_root"] == str(root)
 
 
 def test_spoolctl_config_vllm_output_is_what_the_serve_example_edits(tmp_path: Path) -> None:

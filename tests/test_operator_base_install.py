@@ -47,6 +47,35 @@ def test_help_and_version_need_no_click(tmp_path) -> None:
         assert proc.returncode == 0 and proc.stdout, (argv, proc.stderr)
 
 
+NO_TORCH = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None\n"
+            "from spoolctl.cli.app import main\n"
+            "main(sys.argv[1:])\n")
+
+
+def test_a_command_that_needs_an_extra_names_it(tmp_path) -> None:
+    """Issue 36.1: `spoolctl demo` on a base install said "unexpected ModuleNotFoundError
+    ... report it"; it names the extra to install, in one line, exit 2."""
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH, "demo", "--preset", "tiny",
+                           "--root", str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("error: `spoolctl demo` needs the torch extra (torch is not "
+                                   "installed): pip install 'spoolctl[torch]'"), proc.stderr
+
+
+def test_each_framework_maps_to_its_extra() -> None:
+    from spoolctl.cli.extras import missing_extra
+
+    def gone(name: str) -> ModuleNotFoundError:
+        return ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    assert "pip install 'spoolctl[mlx]'" in missing_extra(gone("mlx_lm.models"), "spoolctl x")
+    assert "pip install 'spoolctl[genai]'" in missing_extra(gone("google.genai"), "spoolctl x")
+    assert "vLLM's own environment" in missing_extra(gone("vllm"), "spoolctl x")
+    assert missing_extra(gone("yaml"), "spoolctl x") is None  # not ours: still a bug report
+    assert missing_extra(ValueError("x"), "spoolctl x") is None
+
+
 @pytest.mark.skipif(os.environ.get("SPOOLCTL_TEST_BASE_ONLY") != "1",
                     reason="only in the base-install venv (bash scripts/run.sh test-base)")
 def test_the_base_venv_has_only_the_declared_dependencies() -> None:

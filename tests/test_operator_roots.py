@@ -168,3 +168,36 @@ def test_status_of_a_base_root_checks_every_deployment(base: Path) -> None:
     assert not doc["deployments"][DEP_A]["agree"] and doc["deployments"][DEP_B]["agree"]
     table = cli("status", "--root", str(base))
     assert table.returncode == 0 and "ranks disagree" in table.stdout
+
+
+def test_status_names_each_deployment_and_shows_its_capacity(base: Path) -> None:
+    """Issue 36.9: with several deployments on a root, status (human and JSON) says which is
+    which (model, dtype, TP from the deployment.json its workers write) and each rank's max
+    size and usage; a missing or unusable description is said, never fatal."""
+    from spoolctl.connector import description
+    from spoolctl.connector.identity import DeploymentIdentity
+
+    ident = DeploymentIdentity(model="/models/llama-3-8b", revision=None,
+                               dtype="torch.bfloat16", kv_cache_dtype="auto", block_size=16,
+                               kv_layout=(), tp_size=2, pp_size=1, tp_rank=0, pp_rank=0,
+                               engine="vllm-0.32", chunk_tokens=256, weights="w" * 16)
+    description.record(base / DEP_A, ident)
+    (base / DEP_B / "deployment.json").write_text("[not a description]")
+    for rank in (0, 1):
+        cli("init", "--root", str(base / DEP_A / f"rank-{rank:04d}"), "--max-size", "1MiB")
+    doc = cli_json("status", "--root", str(base))
+    a, b = doc["deployments"][DEP_A], doc["deployments"][DEP_B]
+    assert a["description"]["model"] == "/models/llama-3-8b"
+    assert (a["description"]["tp_size"], a["description"]["dtype"]) == (2, "torch.bfloat16")
+    assert b["description"] is None and "not a deployment description" in b[
+        "description_error"]
+    assert [r["max_bytes"] for r in a["ranks"]] == [1 << 20, 1 << 20]
+    out = cli("status", "--root", str(base)).stdout
+    assert "model /models/llama-3-8b, bfloat16 (KV cache auto), TP 2 x PP 1" in " ".join(
+        out.split())
+    usage = 100 * a["ranks"][0]["bytes"] / (1 << 20)
+    assert f"│ 1.0 MiB  │ {usage:.1f}%" in out  # A's ranks: max size, usage
+    assert "│ none     │ -" in out  # B's rank: no max size
+    words = " ".join(out.split())  # rich wraps long lines
+    assert "deployment.json is not a deployment description" in words
+    assert "hit rate: spoolctl_hit_tokens_total / spoolctl_lookup_tokens_total" in words

@@ -87,3 +87,25 @@ def test_dry_run_changes_nothing(store_root: Path) -> None:
         before = store.totals()
         plan = store.enforce_capacity(dry_run=True)
         assert plan.entries >= 2 and store.totals() == before
+
+
+def _disk_bytes(root: Path) -> int:
+    """Bytes the store takes on disk (allocated blocks of every file and directory: du)."""
+    total = os.lstat(root).st_blocks * 512
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def test_disk_overhead_is_what_the_docs_say(store_root: Path) -> None:
+    """docs/connector.md "What the max size counts" (issue 36.9): a full store takes at most
+    max size + 4 MiB + 4 KiB per entry on disk (fan-out directories, reserve, catalog, block
+    rounding), and the max size bounds the catalog's bytes."""
+    with Store.open(store_root, create=True, max_bytes=4 << 20) as store:
+        for i in range(24):
+            store.put(kind="vllm", namespace="ns", key=f"{i:064x}",
+                      objects={"kv": os.urandom(256 << 10)})
+        totals = store.totals()
+    assert totals.bytes <= 4 << 20 and totals.entries >= 10
+    assert _disk_bytes(store_root) <= (4 << 20) + (4 << 20) + totals.entries * 4096

@@ -256,8 +256,9 @@ def test_admission_memory_is_bounded_and_off_by_default():
 
 
 def test_write_amplification():
-    assert write_amplification(0, 0) == 0.0
-    assert write_amplification(10, 0) == float("inf")
+    assert write_amplification(0, 0) is None  # no ratio before the first restore
+    assert write_amplification(10, 0) is None  # (never +Inf on a dashboard)
+    assert write_amplification(0, 10) == 0.0
     assert write_amplification(30, 10) == 3.0
 
 

@@ -211,6 +211,13 @@ def test_scheduler_and_worker_of_one_process_share_the_rank_store_and_close_it(
     sched.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
     (root,) = worker.store_roots
     assert sched.store_roots == [root] and root in OPEN_STORES.roots()
+    # The deployment directory says what it is for (issue 36.9): model, dtype, TP/PP.
+    from spoolctl.connector import description
+
+    described = description.read(Path(root).parent)
+    assert described is not None and described["model"] == "/m"
+    assert described["dtype"] == "float32" and (described["tp_size"], described["pp_size"]) \
+        == (1, 1) and described["chunk_tokens"] == 64
     assert sched.inventory_state == {0: {"source": "catalog", "known": 0}}
     sched.shutdown()
     assert root in OPEN_STORES.roots()  # the worker still uses it

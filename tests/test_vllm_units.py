@@ -398,6 +398,16 @@ def test_stats_aggregate_and_prometheus_export():
     assert 'spoolctl_restore_seconds_count{engine="0"} 1.0' in text
     assert 'spoolctl_store_bytes{engine="0"} 4196.0' in text
 
+    # Written, nothing restored yet: no ratio (not +Inf); from the first restore on, one.
+    w1.inc(m.STORE_WRITE_BYTES, 3000)
+    prom.observe(w1.take(), 0)
+    text = generate_latest(reg).decode()
+    assert "spoolctl_write_amplification_ratio{" not in text and "+Inf" not in text.replace(
+        'le="+Inf"', "")
+    w1.inc(m.RESTORE_BYTES, 1000)
+    prom.observe(w1.take(), 0)
+    assert 'spoolctl_write_amplification_ratio{engine="0"} 3.0' in generate_latest(reg).decode()
+
 
 def test_buffer_pool_hands_out_distinct_slots_and_takes_them_back():
     torch = pytest.importorskip("torch")
@@ -466,3 +476,35 @@ def test_kv_tensor_without_a_block_dimension_is_refused():
     with pytest.raises(ConfigError) as err:
         PagedKV({"layer.0": torch.zeros(2, 7, 4, 8)}, num_blocks=7, blocks_per_chunk=1)
     assert "layer.0" in err.value.message and "spoolctl_on_unsupported" in str(err.value.fix)
+
+
+def test_store_gauges_follow_a_commit_while_the_server_goes_idle(tmp_path):
+    """Issue 36.9: 0.0 exported with 12.4 MiB stored. A commit shortly after the last
+    15-second refresh is exported within the idle tail of steps (1 s), not at the next
+    request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spoolctl.connector.telemetry import WorkerTelemetry
+
+    now = [100.0]
+    counters = ConnectorCounters(part="0")
+    telemetry = WorkerTelemetry(counters, clock=lambda: now[0])
+    with Store.open(tmp_path / "store", create=True, max_bytes=1 << 20) as store, \
+            ThreadPoolExecutor(1) as pool:
+        def step() -> float | None:
+            telemetry.refresh_gauges(store, pool)
+            pool.submit(lambda: None).result()  # the refresh, if one was due, has run
+            gauges = counters.take().get("gauges", {})
+            return gauges.get(m.STORE_BYTES.name, {}).get("0")
+
+        assert step() == 0.0  # first step: empty store
+        store.put(kind="vllm", namespace="ns", key="k", objects={"kv": b"x" * 4096})
+        counters.inc(m.STORE_WRITE_BYTES, 4096)  # what the writer counts per commit
+        now[0] += 0.5
+        assert step() is None  # not yet: at most one refresh a second
+        now[0] += 0.6
+        assert step() == store.totals().bytes > 4096  # the tail's steps carry it out
+        now[0] += 1.1
+        assert step() is None  # nothing changed: the 15 s period again
+        now[0] += 15
+        assert step() == store.totals().bytes

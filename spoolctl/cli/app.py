@@ -90,6 +90,16 @@ def _is(exc: BaseException, *names: str) -> bool:
     return any(cls.__name__ in names for cls in type(exc).__mro__)
 
 
+def _command_line(argv: list[str] | None) -> str:
+    """``spoolctl CMD [SUBCMD]`` as typed (the words before the first option)."""
+    words = []
+    for word in argv if argv is not None else sys.argv[1:]:
+        if word.startswith("-") or len(words) == 2:
+            break
+        words.append(word)
+    return " ".join(["spoolctl", *words])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -130,6 +140,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(getattr(exc, "exit_code", 0))
         if debug:
             raise
+        from .extras import missing_extra
+
+        needs = missing_extra(exc, _command_line(argv))
+        if needs is not None:  # a base install running a framework command: not a bug
+            err_console.print(f"[red]error:[/red] {_one_line(needs)}", highlight=False,
+                              soft_wrap=True)
+            sys.exit(EXIT_USAGE)
         err_console.print(f"[red]error:[/red] unexpected {type(exc).__name__}: "
                           f"{_one_line(str(exc))} "
                           "(rerun with --debug for a traceback and report it)",

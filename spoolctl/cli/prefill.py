@@ -138,6 +138,9 @@ def prefill_cmd(
 ) -> None:
     """Prefill a prompt's cacheable prefix into the store (a second run is a cache hit).
 
+    Needs the extra of its backend: pip install 'spoolctl[torch]' (or [mlx], [vlm]); --server
+    needs none.
+
     With --server, warm a running vLLM server instead (e.g. a replica started after
     deploy): each prompt of --prompts-file is sent as a one-token request, with bounded
     concurrency and rate; per prompt the server's cached vs computed tokens are reported
@@ -367,6 +370,8 @@ def demo_cmd(
         "<preset>.", show_default=False)] = None,
 ) -> None:
     """Prefill long prompts cold, reuse them from disk, extend one, clean up; show speedups.
+
+    Needs the torch extra: pip install 'spoolctl[torch]'.
 
     Example: [bold]spoolctl demo --preset tiny --json[/bold]
     """

@@ -252,12 +252,24 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
         uses = {**uses, **deployment_uses(everyone)}  # narrowed: a successor is a sibling
     judged = verdicts(uses)
     extra: dict[str, Any] = {"deployments": {
-        n: {**d.to_json(), "lifecycle": lifecycle_json(uses[n], judged[n])}
+        n: {**d.to_json(), "lifecycle": lifecycle_json(uses[n], judged[n]),
+            **_description(_dep_dir(targets, n))}
         for n, d in deployments.items()}}
     if targets.kind == "deployment" and len(deployments) == 1:
         # the shape scripts of one deployment directory read (ranks, agree, ...)
         extra.update(next(iter(deployments.values())).to_json())
     return multi_doc(targets, results, **extra), findings
+
+
+def _description(where: Path) -> dict[str, Any]:
+    """``description``: what the deployment is (its ``deployment.json``: model, dtypes,
+    TP/PP), None before its workers wrote one; ``description_error`` when unreadable."""
+    from spoolctl.connector import description
+
+    try:
+        return {"description": description.read(where)}
+    except description.DescriptionError as exc:
+        return {"description": None, "description_error": str(exc)}
 
 
 def _dep_dir(targets: Targets, name: str):
@@ -295,19 +307,32 @@ def _deployment_view(doc: dict[str, Any]) -> list[Any]:
 
 
 def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[Any]:
+    from spoolctl.connector.description import summary
+
     title = f"spoolctl status (deployment {esc(name)}, {len(dep['ranks'])} ranks)"
     t = Table(title=title, title_justify="left")
-    for col in ("rank", "chunks", "size", "quarantined", "missing chunks", "root"):
+    for col in ("rank", "chunks", "size", "max size", "usage", "quarantined", "missing chunks",
+                "root"):
         t.add_column(col)
     for row in dep["ranks"]:
         miss = row["missing_chunks"]
+        cap = row.get("max_bytes")
         t.add_row(f"{row['rank']:04d}", str(row["chunks"]), render.size(row["bytes"]),
+                  render.size(cap) if cap else "none",
+                  f"{100 * row['bytes'] / cap:.1f}%" if cap else "-",
                   str(row["quarantined"]), f"[red]{miss}[/red]" if miss else "0",
                   text(row["root"]))
     for (dep_name, rank), error in sorted(errors.items()):
         if dep_name == name:
-            t.add_row(f"{rank:04d}", "-", "-", "-", "-", Text(f"error: {plain(error)}",
-                                                                  style="red"))
+            t.add_row(f"{rank:04d}", "-", "-", "-", "-", "-", "-",
+                      Text(f"error: {plain(error)}", style="red"))
+    desc = dep.get("description")
+    what = Text(summary(desc) if desc else dep.get("description_error") or
+                "no deployment.json yet (written when its workers start)",
+                style=None if desc else "yellow")
+    # The request hit rate is counted by the running engine, not stored: point at it.
+    hits = Text("hit rate: spoolctl_hit_tokens_total / spoolctl_lookup_tokens_total on "
+                "vLLM's /metrics")
     if dep["agree"]:
         verdict = f"ranks agree: {dep['complete_chunks']} chunks on every rank"
     else:
@@ -316,7 +341,8 @@ def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[A
                    + (f"no store for rank {gaps}; " if gaps else "")
                    + f"{dep['complete_chunks']} chunks on every rank; a chunk missing "
                    "on any rank is a miss everywhere until re-stored")
-    return [t, verdict, _host_line(dep["host"]), _lifecycle_line(dep.get("lifecycle"))]
+    return [what, t, verdict, _host_line(dep["host"]), _lifecycle_line(dep.get("lifecycle")),
+            hits]
 
 
 def _lifecycle_line(life: dict[str, Any] | None) -> Text:

@@ -40,13 +40,31 @@ def config_vllm(
     max_size: Annotated[str | None, typer.Option(
         "--max-size", help="Store max size, e.g. 200GiB (checked here, passed as written).")] =
         None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="The model directory vLLM will serve: checks the max size holds one "
+        "256-token chunk of it (not part of the output).")] = None,
+    tp: Annotated[int, typer.Option(
+        "--tp", min=1, help="Its tensor-parallel size (the chunk per rank shrinks with it).")]
+        = 1,
 ) -> None:
     """Print the --kv-transfer-config JSON that starts vLLM with the spoolctl connector.
+
+    Checks, before vLLM loads a model: the root is absolute and not a symlink, and you can
+    create stores under it (run this as the user that runs vLLM); the max size is a size.
+    A root on tmpfs is accepted with a warning on stderr (the cache would live in RAM). With
+    --model (a local directory with config.json), the max size must hold one chunk of it.
+    The connector repeats these checks at start-up.
 
     Example: [bold]vllm serve MODEL --kv-transfer-config "$(spoolctl config vllm --root
     /nvme/spool --max-size 200GiB)"[/bold]
     """
+    from spoolctl.connector.preflight import check_max_size, check_root, chunk_bytes_from_model_dir
+
     path = check_root_path(resolve_root(root))  # absolute, no symlink: fail here, not in vLLM
     if max_size is not None:
-        parse_size(max_size)
+        max_bytes = parse_size(max_size)
+        if model is not None:  # a hub id or an unknown architecture: the connector checks
+            check_max_size(max_bytes, chunk_bytes_from_model_dir(model, tp=tp), 256)
+    for line in check_root(path):  # unwritable: ConfigError (exit 2); tmpfs: a warning
+        typer.echo(f"warning: {line}", err=True)
     typer.echo(json.dumps(kv_transfer_config(str(path), max_size), separators=(",", ":")))

@@ -59,6 +59,7 @@ from .contract import check_contract
 from .formats import KVFormat, format_for
 from .introspect import kv_layout, probe
 from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from .preflight import preflight
 from .rankstores import OPEN_STORES
 from .scheduler import SchedulerSide
 from .stats import ConnectorCounters
@@ -104,8 +105,10 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        # The earliest hook vLLM calls (before any model memory is allocated).
+        # The earliest hook vLLM calls (before any KV cache memory is allocated).
         check_contract(KVConnectorBase_V1, str(vllm.__version__), SupportsHMA)
+        # Root and size checks: one line now, not a traceback from the first rank store.
+        preflight(vllm_config)
         return None
 
     # -- scheduler side -----------------------------------------------------------------------

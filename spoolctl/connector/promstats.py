@@ -5,7 +5,7 @@ vLLM aggregates them (``SpoolStats.aggregate``) and calls ``SpoolPromMetrics.obs
 in the API server, which exports them on vLLM's own ``/metrics`` under the
 ``spoolctl_`` names of ``spoolctl.metrics``. The write amplification gauge (bytes written /
 bytes restored) is derived here from the two byte counters as they are observed, so it
-covers every worker of an engine.
+covers every worker of an engine; it is exported from the first restore on (absent before).
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
         io = self._io.setdefault(engine_idx, [0.0, 0.0])
         io[0] += written
         io[1] += restored
-        self._defs[m.WRITE_AMPLIFICATION.name].labels(*labels).set(write_amplification(*io))
+        ratio = write_amplification(*io)
+        if ratio is not None:  # before the first restore the series is absent, never +Inf
+            self._defs[m.WRITE_AMPLIFICATION.name].labels(*labels).set(ratio)
 
 
 __all__ = ["SpoolPromMetrics", "SpoolStats"]

@@ -114,11 +114,12 @@ def gauge_value(by_part: Mapping[str, float]) -> float:
     return float(sum(by_part.values()))
 
 
-def write_amplification(written: float, restored: float) -> float:
-    """Bytes written per byte restored: 0 before any write, +Inf before the first restore."""
-    if written <= 0:
-        return 0.0
-    return written / restored if restored > 0 else float("inf")
+def write_amplification(written: float, restored: float) -> float | None:
+    """Bytes written per byte restored; None (no ratio yet: the gauge is not exported) before
+    the first restore, so dashboards never see +Inf; 0 when restores ran but no write."""
+    if restored <= 0:
+        return None
+    return max(written, 0.0) / restored
 
 
 def known(name: str) -> m.MetricSpec | None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from spoolctl.store import Store
 from spoolctl.store.errors import ConfigError
 
-from . import exitdrain
+from . import description, exitdrain
 from .formats import Copier
 from .introspect import Deployment, host_identity
 from .lookup import KIND
@@ -73,6 +73,8 @@ class WorkerSide:
         self._store: Store | None = stores.acquire(
             deployment.rank_root(self._place), create=True,
             max_bytes=deployment.settings.max_bytes, tag_key=deployment.settings.tag_key())
+        # deployment.json: what this vllm-v1-<digest> directory is for, for people
+        description.record(Path(self._store.root).parent, deployment.identity)
         self._pool: ThreadPoolExecutor | None = None
         self._pipeline: RestorePipeline | None = None
         self._stager: ChunkStager | None = None

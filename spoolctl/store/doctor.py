@@ -173,6 +173,10 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
     if fstype in _NETWORK_FS:
         out.append(Check("fs.type", "warn", f"{fstype} (network filesystem)",
                          "use a local disk: locks and fsync are unreliable on network mounts"))
+    elif fstype in ("tmpfs", "ramfs"):
+        out.append(Check("fs.type", "warn", f"{fstype} (memory: the cache competes with "
+                         "the engine for RAM and is empty after a reboot)",
+                         "use a local disk (NVMe) for the store root"))
     else:
         out.append(Check("fs.type", "ok", fstype or "unknown"))
     usage = shutil.disk_usage(layout.root)
