@@ -45,7 +45,7 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "disabled", "corrupt",
         # skipped-store reasons
         "budget", "capacity", "io_error", "busy", "too_short", "exists", "shutdown",
-        "admission",
+        "admission", "after_gap",
         # quarantine reasons (spoolctl.store.QuarantineReason values)
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
         "payload_missing", "object_collision", "catalog", "scrub_state", "auth_queue",

@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -308,6 +307,11 @@ class WarmReport:
     seconds: float = 0.0
     concurrency: int = 1
     rate: float | None = None
+    # Set when a signal stopped the warm-up: the prompts never sent, and those sent whose
+    # answer was not waited for.
+    interrupted: BaseException | None = None
+    not_sent: int = 0
+    abandoned: int = 0
 
     @property
     def failed(self) -> int:
@@ -324,6 +328,8 @@ class WarmReport:
             "cached_tokens": sum(r.cached_tokens or 0 for r in known) if known else None,
             "computed_tokens": sum(r.computed_tokens or 0 for r in known) if known else None,
             "cached_reported": len(known) == len(ok) and bool(ok),
+            "interrupted": self.interrupted is not None,
+            "not_sent": self.not_sent, "abandoned": self.abandoned,
             "results": [r.to_json() for r in self.results],
         }
 
@@ -347,8 +353,10 @@ def _parse_usage(doc: Any) -> tuple[int, int | None]:
 
 
 def warm_one(client: Client, model: str, p: WarmPrompt, limiter: RateLimiter, *,
-             retries: int, sleep: Callable[[float], None] = time.sleep) -> PromptResult:
-    """Send one one-token request (retrying transient failures); never raises."""
+             retries: int, sleep: Callable[[float], Any] = time.sleep,
+             stop: threading.Event | None = None) -> PromptResult:
+    """Send one one-token request (retrying transient failures); never raises. No retry
+    starts once ``stop`` is set."""
     body: dict[str, Any] = {"model": model, "prompt": p.prompt if isinstance(p.prompt, str)
                             else list(p.prompt), "max_tokens": 1, "temperature": 0.0,
                             "stream": False}
@@ -358,6 +366,8 @@ def warm_one(client: Client, model: str, p: WarmPrompt, limiter: RateLimiter, *,
     started = time.perf_counter()
     for attempt in range(retries + 1):
         limiter.wait()
+        if stop is not None and stop.is_set() and attempt:
+            break
         result.attempts = attempt + 1
         try:
             result.prompt_tokens, result.cached_tokens = _parse_usage(
@@ -377,22 +387,52 @@ def warm(client: Client, model: str, prompts: list[WarmPrompt], *, concurrency: 
          rate: float | None = None, retries: int = 3,
          progress: Callable[[PromptResult], None] | None = None) -> WarmReport:
     """Prefill every prompt on the server (at most ``concurrency`` in flight, at most
-    ``rate`` request starts per second); results in prompt order."""
+    ``rate`` request starts per second); results in prompt order.
+
+    Interruptible: a ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM as the CLI maps it) in the
+    calling thread stops at once -- no further prompt is sent, the requests in flight are
+    abandoned (not waited for: one can take minutes) -- and the report of what finished is
+    returned with ``interrupted`` set to the exception (the caller decides the exit code).
+    The senders are daemon threads for that reason: a pool would be joined at exit."""
     if concurrency < 1:
         raise ConfigError("concurrency must be at least 1", fix="e.g. --concurrency 4")
     limiter = RateLimiter(rate)
     report = WarmReport(client.server.url, model, concurrency=concurrency, rate=rate)
     started = time.perf_counter()
     results: list[PromptResult | None] = [None] * len(prompts)
+    stop = threading.Event()
+    lock = threading.Lock()
+    todo = iter(range(len(prompts)))
+    sent: set[int] = set()
 
-    def run(i: int) -> None:
-        results[i] = warm_one(client, model, prompts[i], limiter, retries=retries)
-        if progress is not None:
-            progress(results[i])  # type: ignore[arg-type]
+    def sender() -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(todo, None)
+                if i is None:
+                    return
+                sent.add(i)
+            result = warm_one(client, model, prompts[i], limiter, retries=retries,
+                              sleep=stop.wait, stop=stop)
+            if stop.is_set():
+                return  # interrupted meanwhile: the report is already taken
+            results[i] = result
+            if progress is not None:
+                progress(result)
 
-    with ThreadPoolExecutor(concurrency, thread_name_prefix="spoolctl-warm") as pool:
-        for fut in [pool.submit(run, i) for i in range(len(prompts))]:
-            fut.result()
+    threads = [threading.Thread(target=sender, name=f"spoolctl-warm-{n}", daemon=True)
+               for n in range(min(concurrency, len(prompts)))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # interruptible by SIGINT on POSIX (lock acquisition)
+    except KeyboardInterrupt as exc:
+        stop.set()
+        with lock:
+            report.interrupted = exc
+            report.not_sent = len(prompts) - len(sent)
+            report.abandoned = sum(results[i] is None for i in sent)
     report.results = [r for r in results if r is not None]
     report.seconds = time.perf_counter() - started
     return report

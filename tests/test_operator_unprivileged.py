@@ -227,3 +227,17 @@ def test_the_owner_rule_holds_from_the_first_open(base: Path) -> None:
     with Store.open(empty, create=True, allow_foreign_owner=True) as store:
         assert store.totals().entries == 0
     assert stat.S_ISDIR(os.lstat(empty / "objects").st_mode)
+
+
+def test_clean_dry_run_plans_from_a_read_only_view(base: Path) -> None:
+    """Issue 30.11: a dry run only reads, so it works where ls and status do. Before: it
+    refused like a real clean ("cannot be written"), exit 2."""
+    root, _made = owned_store(base, 3, released=1)
+    (root / "state" / "catalog.sqlite3").chmod(0o400)
+    proc = cli("clean", "--dry-run", "--json", "--root", str(root))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["dry_run"] is True and doc["steps"]["released"]["entries"] == 1
+    assert "read-only view" in proc.stderr
+    with Store.open(root, read_only=True) as store:  # nothing deleted
+        assert len(store.entries()) == 3

@@ -22,6 +22,7 @@ from spoolctl.store.errors import ConfigError, CorruptionError, NotFoundError, S
 from spoolctl.store.root import ALLOW_FOREIGN_ENV
 
 from .common import EXIT_FINDINGS, EXIT_USAGE, err_console, plain
+from .interrupt import exit_code, interrupt_of, signal_name, signals_as_interrupts, take
 
 app = typer.Typer(
     name="spoolctl",
@@ -100,6 +101,15 @@ def _command_line(argv: list[str] | None) -> str:
     return " ".join(["spoolctl", *words])
 
 
+def _interrupted(exc: KeyboardInterrupt) -> None:
+    """A command stopped by SIGINT/SIGTERM without its own summary: one line, 130/143
+    (decision 2310). A command that has a summary prints it and exits with the same code."""
+    err_console.print(f"interrupted ({signal_name(exc)}): stopped; what finished before it "
+                      "is kept (every entry is whole or absent); run the command again to "
+                      "continue", highlight=False, soft_wrap=True, markup=False)
+    sys.exit(exit_code(exc))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -108,8 +118,13 @@ def main(argv: list[str] | None = None) -> None:
         handler.setFormatter(_SafeFormatter("spoolctl: %(levelname)s: %(message)s"))
         logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
-        code = app(args=argv, standalone_mode=False, prog_name="spoolctl")
-        # Without standalone mode click returns (not raises) a command's typer.Exit code.
+        with signals_as_interrupts():
+            code = app(args=argv, standalone_mode=False, prog_name="spoolctl")
+        # Without standalone mode click returns (not raises) a command's typer.Exit code;
+        # typer returns a KeyboardInterrupt as a silent 130 (whichever signal it was).
+        pending = take()
+        if pending is not None and code == 130:
+            _interrupted(pending)
         if isinstance(code, int) and code:
             sys.exit(code)
     except SpoolError as exc:
@@ -122,8 +137,17 @@ def main(argv: list[str] | None = None) -> None:
             code = EXIT_USAGE
         sys.exit(code)
     except typer.Exit as exc:
+        cause = interrupt_of(exc)
+        if cause is not None and take() is not None:  # not reported by the command
+            _interrupted(cause)
         sys.exit(exc.exit_code)
-    except typer.Abort:
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM outside click's own handling
+        take()
+        _interrupted(exc)
+    except typer.Abort as exc:
+        cause = interrupt_of(exc)
+        if cause is not None and take() is not None:  # click turned an interrupt into Abort
+            _interrupted(cause)
         err_console.print("aborted")
         sys.exit(EXIT_USAGE)
     except Exception as exc:  # click usage errors and anything unexpected

@@ -124,7 +124,10 @@ def clean_cmd(
             remote.get("failed") or remote.get("malformed") or remote.get("refused")
         return doc, EXIT_FINDINGS if findings else EXIT_OK
 
-    finish(run_on_targets(targets, job, json_output=json_output, view=_clean_view))
+    # A dry run only reads: on a store this user cannot write it plans from a read-only
+    # view (decision 2310), like ls and status.
+    finish(run_on_targets(targets, job, json_output=json_output, view=_clean_view,
+                          read_only_ok=dry_run))
 
 
 def _endpoint_policy(enabled: bool, extra: list[str]) -> Any:

@@ -266,6 +266,14 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
     else:
         for renderable in _server_view(doc):
             console.print(renderable)
+    if report.interrupted is not None:  # what was done is printed: 130 / 143 (decision 2310)
+        from .interrupt import exit_code, reported, signal_name
+
+        reported()
+        err_console.print(Text(f"interrupted ({signal_name(report.interrupted)}): "
+                               f"{doc['ok']} prompts prefilled, {report.not_sent} not sent, "
+                               f"{report.abandoned} in flight not waited for"), soft_wrap=True)
+        raise typer.Exit(exit_code(report.interrupted))
     if report.failed:
         raise typer.Exit(EXIT_FINDINGS)
 

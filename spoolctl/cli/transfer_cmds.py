@@ -82,6 +82,7 @@ class _Progress:
         self.enabled = enabled
         self._p: Progress | None = None
         self._task: Any = None
+        self.entries = 0  # the last count reported, also when nothing is shown
 
     def __enter__(self) -> _Progress:
         if self.enabled:
@@ -98,9 +99,12 @@ class _Progress:
             self._p.__exit__(None, None, None)
 
     def __call__(self, done: int, entries: int, total: int | None = None) -> None:
+        self.entries = entries
         if self._p is not None:
+            # A planned total is an estimate (an import plans payload bytes, the stream
+            # also carries headers): the bar never shows more done than its total.
             self._p.update(self._task, completed=done, entries=entries,
-                           **({"total": total} if total else {}))
+                           **({"total": max(total, done)} if total else {}))
 
 
 def _want_progress(flag: bool | None, json_output: bool) -> bool:
@@ -115,6 +119,15 @@ def _selection(kind: list[str] | None, namespace: list[str] | None,
     return Selection(kinds=frozenset(kind or ()), namespaces=frozenset(namespace or ()),
                      deployments=tuple(deployment or ()), hint=hint,
                      max_bytes=parse_size(max_size) if max_size is not None else None)
+
+
+def _interrupted(exc: KeyboardInterrupt, what: str) -> None:
+    """Stopped by SIGINT/SIGTERM: one line saying what was done, exit 130 / 143."""
+    from .interrupt import exit_code, reported, signal_name
+
+    reported()
+    err_console.print(text(f"interrupted ({signal_name(exc)}): {what}"), soft_wrap=True)
+    raise typer.Exit(exit_code(exc)) from None
 
 
 # -- export ------------------------------------------------------------------------------
@@ -217,12 +230,15 @@ def export_cmd(
                            None if hint is ExportHint.any else hint.value, max_size)
     source = export_source(root, rank, deployment)
     show = _want_progress(progress, json_output)
+    bar = _Progress("export", show)
     try:
-        with _archive_sink(output, force) as fd, _Progress("export", show) as bar:
+        with _archive_sink(output, force) as fd, bar:
             report = export(source.layout.path, FdSink(fd), selection, progress=bar,
                             layout=source.layout, quorum=source.quorum)
-    except KeyboardInterrupt:
-        raise typer.Abort() from None  # one line, exit 2; a file output is not left behind
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: say what is left, 130 / 143
+        left = ("the archive on stdout is incomplete (no end record): every import refuses "
+                "it" if output == "-" else f"no archive written ({output} not created)")
+        _interrupted(exc, f"export stopped after {bar.entries} entries; {left}")
     except BrokenPipeError:
         with contextlib.suppress(OSError):  # no flush error on the dead pipe at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -333,9 +349,11 @@ def import_cmd(
             else:
                 with _archive_source(source) as stream:
                     report = importer.from_archive(stream, source)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             # Entries committed so far stay (each is complete); staged files were removed.
-            raise typer.Abort() from None
+            bar.enabled = False
+            _interrupted(exc, f"import stopped: {importer.report.total('imported')} entries "
+                              "imported stay (each complete); run it again for the rest")
         except ArchiveError as exc:
             from .app import _one_line  # defined after the commands are registered
 

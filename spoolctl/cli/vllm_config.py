@@ -6,12 +6,18 @@ import json
 from typing import Annotated, Any
 
 import typer
+from rich.text import Text
 
 from spoolctl.store import parse_size
 from spoolctl.store.root import check_root_path
 
 from .app import app
-from .common import RootOption, resolve_root
+from .common import RootOption, err_console, resolve_root
+
+SHUTDOWN_NOTE = (
+    "note: also pass --shutdown-timeout 30 to vLLM (e.g. vllm serve MODEL "
+    "--shutdown-timeout 30 --kv-transfer-config ...): with its default 0 a SIGTERM kills the "
+    "engine without a drain and the chunks not yet committed are lost")
 
 config_app = typer.Typer(name="config", help="Print configuration for serving engines.",
                          no_args_is_help=True, rich_markup_mode="rich")
@@ -55,8 +61,12 @@ def config_vllm(
     --model (a local directory with config.json), the max size must hold one chunk of it.
     The connector repeats these checks at start-up.
 
-    Example: [bold]vllm serve MODEL --kv-transfer-config "$(spoolctl config vllm --root
-    /nvme/spool --max-size 200GiB)"[/bold]
+    Start vLLM with --shutdown-timeout too (the JSON cannot carry it): with vLLM's default
+    (0) a SIGTERM kills the engine without a drain and the chunks still queued for the
+    store are lost. A note on stderr says so; stdout is the JSON alone.
+
+    Example: [bold]vllm serve MODEL --shutdown-timeout 30 --kv-transfer-config "$(spoolctl
+    config vllm --root /nvme/spool --max-size 200GiB)"[/bold]
     """
     from spoolctl.connector.preflight import check_max_size, check_root, chunk_bytes_from_model_dir
 
@@ -68,3 +78,6 @@ def config_vllm(
     for line in check_root(path):  # unwritable: ConfigError (exit 2); tmpfs: a warning
         typer.echo(f"warning: {line}", err=True)
     typer.echo(json.dumps(kv_transfer_config(str(path), max_size), separators=(",", ":")))
+    # stderr: `--kv-transfer-config "$(spoolctl config vllm)"` takes stdout only, and a
+    # person running it sees the note beside the JSON.
+    err_console.print(Text(SHUTDOWN_NOTE), soft_wrap=True)

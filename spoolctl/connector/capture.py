@@ -7,7 +7,11 @@ blocks into a recycled staging buffer with the format's ``fill(buf) -> objects``
 queues the commit. The writer's thread commits it into this rank's store and tells
 ``RankHoldings``, which reports it to the scheduler: the chunks queued together as one
 group commit (``rank_commit_many``, ``Store.put_many``), each with its own outcome. A
-chunk that fails to capture is skipped and counted; nothing here can affect a response. A
+chunk that fails to capture is skipped and counted; nothing here can affect a response.
+A restart restores the longest run of a prompt's chunks from its first, so once one chunk
+of a request is not stored, its later chunks would be bytes on disk no restore can reach:
+they are not stored either (``after_gap``, issue 30.12), and what is on disk after a kill
+is what a restart can use (the writer commits in the order chunks were staged). A
 chunk's manifest index may carry its vLLM block hashes (hashes only, for the KV events:
 ``events``).
 """
@@ -15,6 +19,7 @@ chunk's manifest index may carry its vLLM block hashes (hashes only, for the KV 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +41,9 @@ Objects = Mapping[str, memoryview]
 # The manifest index travels to ``rank_commit`` inside the commit's meta under this key
 # (the writer passes meta through untouched).
 INDEX_KEY = "_index"
+# Requests whose first unstored chunk is remembered (most recent first out): a bound, not a
+# tuning knob -- a request older than this many others is long past its prefill.
+GAP_MEMORY = 4096
 
 
 def rank_commit(store: Store, namespace: str,
@@ -97,21 +105,32 @@ class ChunkStager:
                                 pin=pin)
         self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
                                    put_many=put_many)
+        # request -> index of its first chunk not stored (see the module docstring)
+        self._gaps: OrderedDict[str, int] = OrderedDict()
 
     def stage(self, key: str, index: int,
               fill: Callable[[torch.Tensor], tuple[Objects, CopyHandle]], *,
-              index_doc: Mapping[str, Any] | None = None) -> None:
+              index_doc: Mapping[str, Any] | None = None, request: str | None = None) -> None:
         """Capture chunk ``index`` (``key``) with ``fill(buf) -> (objects, handle)`` and queue
         its commit (``index_doc``: its manifest index); a chunk over the staging budget or
-        failing to capture is skipped, counted. The copy may still run on the device when
-        this returns: the writer thread waits for ``handle`` before it reads the buffer."""
+        failing to capture is skipped, counted, and so are the later chunks of the same
+        ``request`` (``after_gap``). The copy may still run on the device when this
+        returns: the writer thread waits for ``handle`` before it reads the buffer."""
         nbytes = self._chunk_bytes
-        if not self._writer.reserve(key, nbytes):
+        gap = self._gaps.get(request) if request is not None else None
+        if gap is not None and index > gap:
+            self._counters.inc(m.STORES_SKIPPED, reason="after_gap")
+            return
+        why = self._writer.try_reserve(key, nbytes)
+        if why is not None:
+            if why != "exists":  # "exists": another request is storing this very chunk
+                self._gap(request, index)
             return
         buf = self._bufs.get()
         if buf is None:  # more chunks in flight than slots: same as over budget
             self._writer.cancel(key, nbytes)
             self._counters.inc(m.STORES_SKIPPED, reason="budget")
+            self._gap(request, index)
             return
         try:
             objects, handle = fill(buf)
@@ -120,6 +139,7 @@ class ChunkStager:
             self._writer.cancel(key, nbytes)
             log.exception("spoolctl: could not capture a chunk; not stored")
             self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+            self._gap(request, index)
             return
         meta_doc = dict(self._meta, chunk_index=index)
         if index_doc:
@@ -127,6 +147,15 @@ class ChunkStager:
         self._writer.submit(PendingStore(
             key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf),
             ready=handle.wait))
+
+    def _gap(self, request: str | None, index: int) -> None:
+        """Remember that chunk ``index`` of ``request`` is not stored (the earliest wins)."""
+        if request is None:
+            return
+        self._gaps[request] = min(index, self._gaps.get(request, index))
+        self._gaps.move_to_end(request)
+        while len(self._gaps) > GAP_MEMORY:
+            self._gaps.popitem(last=False)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued commits; False on timeout."""

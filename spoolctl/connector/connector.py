@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .contract import check_contract
+from .exitdrain import warn_without_drain
 from .formats import KVFormat, format_for
 from .introspect import kv_layout, probe
 from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
@@ -84,6 +85,7 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            warn_without_drain(vllm_config)  # once per engine: the scheduler is one
             self._scheduler = SchedulerSide(deployment, self.format, self._counters,
                                             OPEN_STORES)
         else:

@@ -91,3 +91,30 @@ def drain_all(timeout: float | None = None) -> bool:
         log.warning("spoolctl: exiting with chunks still uncommitted after %.0f s; "
                     "they are not stored (the next run recomputes them)", budget)
     return complete
+
+
+# -- vLLM's own shutdown: drain or kill (issue 30.12) ---------------------------------------
+
+DRAIN_FLAG = "--shutdown-timeout 30"
+_warned_no_drain = False
+
+
+def warn_without_drain(vllm_config: object) -> bool:
+    """Warn once per process when vLLM will kill its engine at SIGTERM without draining.
+
+    vLLM's ``shutdown_timeout`` (``--shutdown-timeout``, default 0) is how long a stopping
+    server lets in-flight work finish; at 0 the engine process is killed at once and the
+    chunks still queued for commit are lost, while a restart can use only what is on disk.
+    Returns True if it warned (now or before). A config without the field (another vLLM
+    version) is not judged."""
+    global _warned_no_drain
+    timeout = getattr(vllm_config, "shutdown_timeout", None)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout > 0:
+        return False
+    if not _warned_no_drain:
+        _warned_no_drain = True
+        log.warning("spoolctl: vLLM runs with shutdown_timeout=0: at SIGTERM it kills the "
+                    "engine without a drain and the chunks still queued for the store are "
+                    "lost (a restart recomputes them); start vLLM with %s "
+                    "(see `spoolctl config vllm`, docs/connector.md)", DRAIN_FLAG)
+    return True

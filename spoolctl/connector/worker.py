@@ -198,10 +198,14 @@ class WorkerSide:
         """Capture the step's planned chunks (after the forward) and queue their commits."""
         if self._stager is None:
             return
+        # Each chunk's request, so that a chunk not stored ends its request's stores
+        # (``ChunkStager.stage``: chunks past a gap are unreachable by any restore).
+        requests = {op.key: op.req_id for op in (*meta.stores, *meta.group_stores)}
         for key, index, fill in self._copier.captures(meta):
             hashes = meta.chunk_hashes.get(key)
             self._stager.stage(key, index, fill, index_doc=hashes.to_index(meta.hash_identity)
-                               if hashes is not None and meta.hash_identity else None)
+                               if hashes is not None and meta.hash_identity else None,
+                               request=requests.get(key))
 
     def step_report(self) -> SpoolWorkerMeta | None:
         """This step's inventory changes for the scheduler, if any."""

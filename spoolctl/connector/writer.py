@@ -86,6 +86,10 @@ class StoreWriter:
 
     def reserve(self, key: str, nbytes: int) -> bool:
         """Reserve staging memory for chunk ``key``; False (and counted) if it must be skipped."""
+        return self.try_reserve(key, nbytes) is None
+
+    def try_reserve(self, key: str, nbytes: int) -> str | None:
+        """``reserve``, saying why not: None when reserved, else the (counted) reason."""
         with self._lock:
             if self._closed:
                 reason = "shutdown"
@@ -96,9 +100,9 @@ class StoreWriter:
             else:
                 self._staged += nbytes
                 self._in_flight.add(key)
-                return True
+                return None
         self._counters.inc(m.STORES_SKIPPED, reason=reason)
-        return False
+        return reason
 
     def cancel(self, key: str, nbytes: int) -> None:
         """Give back a reservation that will not be submitted."""

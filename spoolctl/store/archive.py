@@ -47,6 +47,7 @@ MAX_COUNT = 1 << 62
 MAX_TAIL = 1 << 20
 
 _COMPONENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_ENTRY_ID_RE = re.compile(r"[0-9a-f]{64}")
 _PLACE_RE = re.compile(rf"(?P<deployment>{_COMPONENT})/rank-(?P<rank>[0-9]{{4}})")
 _MEMBER_RE = re.compile(
     rf"(?:(?P<place>{_COMPONENT}/rank-[0-9]{{4}})/)?(?P<area>objects|manifests)/"
@@ -175,11 +176,18 @@ class StoreSection:
     store_id: str = ""
     kinds: Mapping[str, int] = field(default_factory=dict)
     deployment: Mapping[str, Any] | None = None
+    # Entries of this store the source holds released (decision 2311): an import keeps
+    # them released. Absent from the JSON when empty (archives of live entries only are
+    # byte-for-byte what earlier versions wrote; those importers ignore the key).
+    released: frozenset[str] = frozenset()
 
     def to_json(self) -> dict[str, Any]:
-        return {"place": self.place, "entries": self.entries, "bytes": self.bytes,
-                "store_id": self.store_id, "kinds": dict(self.kinds),
-                "deployment": dict(self.deployment) if self.deployment else None}
+        doc = {"place": self.place, "entries": self.entries, "bytes": self.bytes,
+               "store_id": self.store_id, "kinds": dict(self.kinds),
+               "deployment": dict(self.deployment) if self.deployment else None}
+        if self.released:
+            doc["released"] = sorted(self.released)
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> StoreSection:
@@ -198,9 +206,15 @@ class StoreSection:
         if (dep is not None and not isinstance(dep, dict)) or not isinstance(store_id, str):
             raise ArchiveError("archive index: malformed store description",
                                fix="the archive was not written by `spoolctl export`")
-        return cls(place=place, entries=_count(doc, "entries", "archive index"),
+        entries = _count(doc, "entries", "archive index")
+        released = doc.get("released", [])
+        if not isinstance(released, list) or len(released) > entries or \
+                not all(isinstance(e, str) and _ENTRY_ID_RE.fullmatch(e) for e in released):
+            raise ArchiveError("archive index: malformed list of released entries",
+                               fix="the archive was not written by `spoolctl export`")
+        return cls(place=place, entries=entries,
                    bytes=_count(doc, "bytes", "archive index"), store_id=store_id[:64],
-                   kinds=dict(kinds), deployment=dep)
+                   kinds=dict(kinds), deployment=dep, released=frozenset(released))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,12 +186,31 @@ class Catalog:
         """Record a commit in flight: pending row plus its object references."""
         self.record_intents([(manifest, manifest_size)], now)
 
-    def record_intents(self, entries: Iterable[tuple[Manifest, int]], now: float) -> None:
+    def record_intents(self, entries: Iterable[tuple[Manifest, int]], now: float, *,
+                       claim: bool = False, hints: Mapping[str, str] | None = None
+                       ) -> set[str]:
         """Record a batch of commits in flight (one transaction): a pending row per
-        (manifest, manifest size) plus its object references."""
-        rows, refs = _rows_and_refs(entries, "pending", now)
+        (manifest, manifest size) plus its object references; ``hints`` gives an entry a
+        hint other than retain (an import keeping the source's, decision 2311).
+
+        ``claim``: an entry that already has a row -- another writer's commit of the same
+        entry in flight or done -- is left to it: not recorded, and its id returned. The
+        check and the insert share one write transaction, so of two concurrent imports of
+        one entry exactly one records it (issue 30.9)."""
+        rows, refs = _rows_and_refs(entries, "pending", now, hints=hints)
+        taken: set[str] = set()
         with self._write() as db:
+            if claim and rows:
+                ids = [row[0] for row in rows]
+                for part in _chunks(ids, 500):
+                    taken.update(r[0] for r in db.execute(
+                        f"SELECT entry_id FROM entries WHERE entry_id IN "
+                        f"({','.join('?' * len(part))})", part))
+                if taken:
+                    rows = [row for row in rows if row[0] not in taken]
+                    refs = [ref for ref in refs if ref[0] not in taken]
             self._insert_rows(db, rows, refs)
+        return taken
 
     def mark_committed(self, entry_id: str, supersedes: str | None) -> None:
         self.mark_committed_many([(entry_id, supersedes)])
@@ -562,15 +581,17 @@ def _row(manifest: Manifest, manifest_size: int, last_access: float, hint: str, 
 
 
 def _rows_and_refs(entries: Iterable[tuple[Manifest, int]], state: str,
-                   last_access: float | None = None
+                   last_access: float | None = None, *,
+                   hints: Mapping[str, str] | None = None
                    ) -> tuple[list[tuple], list[tuple[str, str, int]]]:
-    """The retained ``entries`` rows of (manifest, manifest size) pairs and their object
-    references (entry id, digest, size); last access ``last_access``, or each manifest's
-    creation time if None."""
+    """The ``entries`` rows of (manifest, manifest size) pairs (retained unless ``hints``
+    says otherwise) and their object references (entry id, digest, size); last access
+    ``last_access``, or each manifest's creation time if None."""
     rows, refs = [], []
     for manifest, size in entries:
+        hint = hints.get(manifest.entry_id, "retain") if hints else "retain"
         rows.append(_row(manifest, size, manifest.created if last_access is None
-                         else last_access, "retain", state))
+                         else last_access, hint, state))
         refs += [(manifest.entry_id, r.digest, r.size) for r in manifest.objects]
     return rows, refs
 

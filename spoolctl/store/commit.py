@@ -132,6 +132,7 @@ class Pending:
     staged: list[tuple[str, Flushing]] = field(default_factory=list)
     manifest_tmp: Flushing | None = None
     outcome: PutOutcome | None = None
+    hint: str = "retain"  # the hint it is committed with (an import keeps the source's)
 
     def fail(self, error: SpoolError, status: str = "failed") -> None:
         self.outcome = PutOutcome(self.entry_id, status, error=error)
@@ -187,7 +188,7 @@ class Committer:
                     # Leave the filesystem's last megabyte to maintenance (reserve.py): a
                     # commit must never take the room that lets `spoolctl clean` shed load.
                     raise store_full(self._store.layout.tmp)
-                recorded = self._stage(live, given)
+                recorded = self._stage(live, given, revive=revive)
                 try:
                     todo = self._place_objects([p for p in live if p.outcome is None], given)
                 except BaseException:
@@ -256,7 +257,8 @@ class Committer:
 
     # -- step 1: stage ----------------------------------------------------------------------
 
-    def _stage(self, live: list[Pending], given: dict[str, Path]) -> list[Pending]:
+    def _stage(self, live: list[Pending], given: dict[str, Path], *,
+               revive: bool = True) -> list[Pending]:
         """Steps 1-2: stage every entry, record the intents, wait for the flushes. Returns
         the entries whose intent was recorded (some may have failed since)."""
         flushing: list[Flushing] = []
@@ -272,12 +274,21 @@ class Committer:
         recorded = [p for p in live if p.outcome is None]
         if recorded:
             try:
-                self._store.catalog.record_intents(
-                    [(p.manifest, len(p.data)) for p in recorded], self._store.clock())
+                # Without ``revive`` (an import), an entry another writer recorded since
+                # ``_not_present`` looked is theirs: reported present, not committed twice.
+                taken = self._store.catalog.record_intents(
+                    [(p.manifest, len(p.data)) for p in recorded], self._store.clock(),
+                    claim=not revive,
+                    hints={p.entry_id: p.hint for p in recorded if p.hint != "retain"})
                 self._publisher.mark("catalog", "intent")
             except OSError as exc:  # an injected fault at the checkpoint (faults.FAIL_ENV)
                 self._forget_intents(recorded)
                 raise io_error(exc, "committing entries", self._store.layout.manifests) from exc
+            for p in recorded:
+                if p.entry_id in taken:
+                    p.outcome = PutOutcome(p.entry_id, "present", p.manifest)
+                    self._discard(p)
+            recorded = [p for p in recorded if p.entry_id not in taken]
         for p in live:  # every flush of the batch is in flight: wait for them, in order
             if p.outcome is not None:
                 continue

@@ -88,6 +88,7 @@ def run_checks(root: str | os.PathLike[str]) -> list[Check]:
     checks.extend(doctor_scan.catalog_write_check(layout))
     checks.extend(doctor_scan.row_checks(layout))
     checks.extend(doctor_scan.tree_checks(layout))
+    checks.extend(doctor_scan.name_checks(layout))
     checks.extend(doctor_scan.scrub_checks(layout))
     return checks
 

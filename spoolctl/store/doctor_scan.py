@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import sqlite3
 import stat
 from collections.abc import Iterator
@@ -216,3 +217,61 @@ def file_type_of(path: Path) -> str | None:
         if not stat.S_ISREG(st.st_mode):
             return file_kind(st.st_mode)
     return None
+
+
+_FAN = re.compile(r"[0-9a-f]{2}")
+_IN_FAN = {"objects": re.compile(r"[0-9a-f]{64}\.obj"),
+           "manifests": re.compile(r"[0-9a-f]{64}\.json")}
+
+
+def shown_name(path: str) -> str:
+    """``path`` as text that always prints: bytes that are not UTF-8 (a name Python holds
+    with surrogate escapes) shown as ``\\xff`` (issue 30.11)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _names(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError:
+        return []  # unreadable directories are store.directories' finding
+
+
+def name_checks(layout: Layout) -> list:
+    """Names spoolctl never writes: in ``objects/<aa>/`` and ``manifests/<aa>/`` anything
+    but that fan-out's object or manifest names, and anywhere in the tree (top level,
+    ``state/``, ``quarantine/`` and its items, ``tmp/``) a name that is not UTF-8. They are
+    never read, and no cleanup deletes what it does not know: the operator moves them."""
+    odd: list[str] = []
+    for e in _names(layout.root):
+        if not _utf8(e.name):
+            odd.append(e.path)
+    for area, pattern in _IN_FAN.items():
+        for fan in _names(layout.root / area):
+            if not _FAN.fullmatch(fan.name) or not fan.is_dir(follow_symlinks=False):
+                odd.append(fan.path)
+                continue
+            odd += [e.path for e in _names(Path(fan.path))
+                    if not pattern.fullmatch(e.name) or not e.name.startswith(fan.name)]
+    for area in ("state", "tmp", "quarantine"):
+        for e in _names(layout.root / area):
+            if not _utf8(e.name):
+                odd.append(e.path)
+            elif area == "quarantine" and e.is_dir(follow_symlinks=False):
+                odd += [i.path for i in _names(Path(e.path)) if not _utf8(i.name)]
+    if not odd:
+        return [_check("store.names", "ok", "every name in the store is one spoolctl writes")]
+    return [_check("store.names", "warn",
+                   f"{len(odd)} files spoolctl does not write: "
+                   f"{_examples(sorted(shown_name(p) for p in odd))}",
+                   "move them out of the store; they are never read, and no cleanup deletes "
+                   "what it does not know")]

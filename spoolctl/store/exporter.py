@@ -27,6 +27,7 @@ from typing import Any
 
 from spoolctl import __version__
 
+from . import faults
 from .archive import (
     END_NAME,
     INDEX_NAME,
@@ -54,6 +55,12 @@ STREAM_CHUNK = 4 << 20
 READERS = 4
 READ_AHEAD = 16
 READ_AHEAD_BYTES = 128 << 20
+
+# Per planned entry beyond its bytes: a header and up to a block of padding for its manifest
+# and for each of its objects (at most a few per entry; a large entry's slack is noise).
+TAR_BLOCK = 512
+_MEMBER_SLACK = 4 * 2 * TAR_BLOCK
+_END_SLACK = 64 * TAR_BLOCK  # the end record and the end-of-archive record padding
 
 # (archive bytes written, entries written, planned total bytes or None)
 Progress = Callable[[int, int, int | None], None]
@@ -142,10 +149,13 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
                 if len(stores) == 1:
                     raise
                 report.failed[s.place] = str(exc)
+        rows = {place: st.entries(sort="access", include_pending=False)
+                for place, st in opened.items()}
+        manifest_sizes = {(place, r.entry_id): r.manifest_size
+                          for place, rs in rows.items() for r in rs}
         candidates = {place: [Candidate(place, r.entry_id, r.kind, r.namespace, r.key, r.size,
-                                        r.last_access, r.hint)
-                              for r in st.entries(sort="access", include_pending=False)]
-                      for place, st in opened.items()}
+                                        r.last_access, r.hint) for r in rs]
+                      for place, rs in rows.items()}
         for place in report.failed:  # a rank that failed still counts for the quorum
             candidates[place] = []
         chosen = plan(candidates, selection, quorum=quorum)
@@ -162,7 +172,8 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
             first_vllm = next((c.entry_id for c in parts if c.kind == "vllm"), None)
             sections.append(StoreSection(
                 place=place, entries=len(parts), bytes=sum(c.size for c in parts),
-                store_id=st.marker.store_id, kinds=kinds, deployment=_summary(st, first_vllm)))
+                store_id=st.marker.store_id, kinds=kinds, deployment=_summary(st, first_vllm),
+                released=frozenset(c.entry_id for c in parts if c.hint == "release")))
         index = ArchiveIndex(stores=tuple(sections), created=time.time(),
                              tool=f"spoolctl {__version__}")
         writer = TarWriter(sink)
@@ -171,11 +182,21 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
         emitted: dict[str, set[str]] = {place: set() for place in opened}
         pool = stack.enter_context(ThreadPoolExecutor(READERS,
                                                       thread_name_prefix="spoolctl-export"))
+        # What the archive will hold at most: every planned member with its header and
+        # padding (shared objects are written once, so the archive may come out smaller).
+        # Progress never shows more written than planned (issue 30.9).
+        planned = writer.offset + _END_SLACK + sum(
+            c.size + manifest_sizes.get((c.place, c.entry_id), 0) + _MEMBER_SLACK
+            for c in chosen.parts)
+        written = 0
         for c, loaded in _read_ahead(opened, chosen.parts, pool):
             _emit_entry(opened[c.place], c, loaded, writer, counts[c.place], emitted[c.place],
                         report)
+            if loaded.status == "ok":
+                written += 1
             if progress is not None:
-                progress(writer.offset, report.entries, index.bytes)
+                progress(writer.offset, written, max(planned, writer.offset))
+            faults.checkpoint("export.entry_written")
         writer.add(END_NAME, end_record(counts.values()), time.time())
         writer.close()
         report.stores = list(counts.values())

@@ -42,9 +42,12 @@ SCRUB_CHECKPOINTS: tuple[str, ...] = ("scrub.progress_saved",)
 # Between a listing and the deletions it chose (``gc.clean_tmp``, a quarantine purge): where
 # a swap would race.
 RACE_CHECKPOINTS: tuple[str, ...] = ("tmp.listed", "quarantine.listed")
+# An export after each entry it wrote to the archive: where a signal stops it mid-stream
+# (tests of what an interrupted export leaves behind, decision 2310).
+TRANSFER_CHECKPOINTS: tuple[str, ...] = ("export.entry_written",)
 CHECKPOINTS: frozenset[str] = frozenset(
     COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
-    + RACE_CHECKPOINTS)
+    + RACE_CHECKPOINTS + TRANSFER_CHECKPOINTS)
 
 _target: str | None = None
 _countdown = 0

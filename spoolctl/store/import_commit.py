@@ -34,12 +34,14 @@ class StagedEntry:
     manifest: Manifest
     data: bytes
     staged: dict[str, Path] = field(default_factory=dict)
+    hint: str = "retain"  # the source's hint, kept (decision 2311)
 
 
 def publish_entries(store: Store, batch: list[StagedEntry]) -> dict[str, PutOutcome]:
     """Commit ``batch`` (manifest-last, crash-safe); return each entry id's outcome
     (``PutOutcome.status``): ``committed``, ``present`` (a committed entry of that id
-    already existed: the staged copy is dropped), ``vanished`` (an object it relies on is no
+    already existed, or another writer recorded it first: the staged copy is
+    dropped), ``vanished`` (an object it relies on is no
     longer in the store) or ``failed`` (its manifest could not be written: ``error``).
 
     Staged files are consumed: moved into the store or deleted, also on error. Raises
@@ -49,6 +51,7 @@ def publish_entries(store: Store, batch: list[StagedEntry]) -> dict[str, PutOutc
     given = {d: p for e in batch for d, p in e.staged.items()}
     if not batch:
         return {}
-    pending = [Pending(e.manifest.entry_id, manifest=e.manifest, data=e.data) for e in batch]
+    pending = [Pending(e.manifest.entry_id, manifest=e.manifest, data=e.data, hint=e.hint)
+               for e in batch]
     store.commit_prebuilt(pending, given)
     return {p.entry_id: p.outcome for p in pending if p.outcome is not None}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +59,7 @@ class ImportReport:
         return sum(getattr(p, name) for p in self.places)
 
     def to_json(self) -> dict[str, Any]:
-        keys = ("imported", "present", "skipped_capacity", "skipped_vanished",
+        keys = ("imported", "released", "present", "skipped_capacity", "skipped_vanished",
                 "skipped_corrupt", "skipped_unauthenticated", "filtered", "objects_written",
                 "objects_present", "bytes_written")
         return {"source": self.source, "target": self.target, "complete": self.complete,
@@ -104,8 +104,10 @@ class Importer:
     # -- planning (before anything is written) -------------------------------------------
 
     def prepare(self, declared: dict[str, int], *, strict: bool,
-                wants: Callable[[Any], bool] | None = None) -> None:
-        """Route every source store, check capacity, open (or create) the targets."""
+                wants: Callable[[Any], bool] | None = None,
+                released: Mapping[str, frozenset[str]] | None = None) -> None:
+        """Route every source store, check capacity, open (or create) the targets.
+        ``released``: per source store, the entries it holds released (kept released)."""
         places = list(declared)
         check_single_layout(places)
         if self.rank is not None and "" in places:
@@ -164,6 +166,7 @@ class Importer:
                                   fix="set SPOOLCTL_TAG_KEY_FILE (see docs/SECURITY.md)")
             self.sections[place] = Section(store, tally, self._pool, self._flusher,
                                            strict=strict, wants=wants, retag=self.retag)
+            self.sections[place].released = (released or {}).get(place, frozenset())
 
     def section(self, place: str) -> Section:
         sec = self.sections.get(place)
@@ -222,7 +225,7 @@ class Importer:
                                    "`spoolctl export`")
             index = ArchiveIndex.from_bytes(reader.read_all())
             self.prepare({s.place: s.bytes for s in index.stores}, strict=True,
-                         wants=self.wants)
+                         wants=self.wants, released={s.place: s.released for s in index.stores})
             self._read_members(reader, index)
 
         return self.run(body, name)

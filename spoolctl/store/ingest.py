@@ -71,6 +71,7 @@ class PlaceTally:
     objects_present: int = 0
     bytes_written: int = 0
     created: bool = False
+    released: int = 0  # of ``imported``: kept released, as the source had them (2311)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -177,6 +178,9 @@ class Section:
         self.batch_bytes = 0
         self.dropped: set[str] = set()
         self.seen: set[str] = set()
+        # Entries the source holds released: imported released (cleanup backlog stays
+        # backlog, decision 2311).
+        self.released: frozenset[str] = frozenset()
         self._room = 0
         self.refresh_room()
 
@@ -311,7 +315,8 @@ class Section:
             self.tally.skipped_capacity += 1
             return self._discard_entry(dropped=True)
         staged = {d: p for d, (p, _s) in self.pending.items()}
-        self.batch.append(StagedEntry(manifest, body, staged))
+        self.batch.append(StagedEntry(manifest, body, staged,
+                                      "release" if entry_id in self.released else "retain"))
         for d, (_p, s) in self.pending.items():
             self.batch_staged[d] = s
         self.batch_bytes += sum(s for _p, s in self.pending.values()) + len(body)
@@ -340,6 +345,7 @@ class Section:
                 status = outcome.status if outcome is not None else "failed"
                 if status == "committed":
                     self.tally.imported += 1
+                    self.tally.released += entry.hint == "release"
                     self.tally.objects_written += len(entry.staged)
                     self.tally.bytes_written += sum(sizes[d] for d in entry.staged) + \
                         len(entry.data)

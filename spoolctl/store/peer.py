@@ -1,12 +1,15 @@
 """Import straight from another store root (a peer's disk mounted here, a shared filesystem).
 
 The peer is only read: its manifests and objects are opened with ``O_NOFOLLOW`` and read;
-its catalog, locks and temp files are never touched (``Store.open`` would recover and
-clean them, which is the owner's job and unsafe across hosts). Without its catalog,
-entries are ordered by their manifest's ``created`` time and every entry counts as
-retained. A peer that is live keeps changing: an entry deleted while it is copied is
-skipped (``skipped_vanished``), a corrupt one too (``skipped_corrupt``); the same
-verification and commit path as an archive import applies (``importer.Section``).
+its locks and temp files are never touched, nor its catalog but for reading hints
+(``Store.open`` would recover and clean them, which is the owner's job and unsafe across
+hosts). Entries are ordered by their manifest's ``created`` time. The hints come from a
+snapshot of the catalog (SQLite ``immutable``: nothing written, nothing recovered); an
+entry the peer holds released is imported released (decision 2311). A peer whose catalog
+cannot be read that way has every entry counted as retained. A peer that is live keeps
+changing: an entry deleted while it is copied is skipped (``skipped_vanished``), a corrupt
+one too (``skipped_corrupt``); the same verification and commit path as an archive import
+applies (``importer.Section``).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import dataclasses
 import errno
 import os
 import re
+import sqlite3
 from pathlib import Path
 
-from .errors import ManifestError, QuarantineReason
+from .catalog_schema import DDL as CATALOG_DDL
+from .errors import ManifestError, QuarantineReason, SpoolError
 from .fsio import open_for_read, read_small
 from .importer import Importer, ImportReport
 from .ingest import DigestMismatch, Section
@@ -25,8 +30,10 @@ from .manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode
 from .places import Layout, find_stores
 from .root import Layout as RootLayout
 from .selection import Candidate, Selection, plan, resolve_deployments
+from .sqlite_files import connect_read_only
 
 _MAN_RE = re.compile(r"[0-9a-f]{64}\.json")
+_ID_RE = re.compile(r"[0-9a-f]{64}")
 
 
 class SourceVanished(Exception):
@@ -96,6 +103,26 @@ def _scan(place: str, root: Path, counts: dict[str, int]) -> list[Candidate]:
     return out
 
 
+def _released(root: Path) -> frozenset[str]:
+    """The entries the peer store at ``root`` holds released, read from a snapshot of
+    its catalog (immutable: no -shm/-wal file created, no lock taken, nothing recovered;
+    the newest hint changes of a writer running there may be missed). Empty if the
+    catalog cannot be read so: each entry then counts as retained."""
+    path = RootLayout(root).state / "catalog.sqlite3"
+    try:
+        db = connect_read_only(path, timeout=5, ddl=CATALOG_DDL, snapshot=True)
+    except (SpoolError, OSError, sqlite3.DatabaseError):
+        return frozenset()
+    try:
+        rows = db.execute("SELECT entry_id FROM entries WHERE hint = 'release' "
+                          "AND state = 'committed'").fetchall()
+    except sqlite3.DatabaseError:
+        return frozenset()
+    finally:
+        db.close()
+    return frozenset(r[0] for r in rows if isinstance(r[0], str) and _ID_RE.fullmatch(r[0]))
+
+
 def import_from_root(importer: Importer, source: str | os.PathLike[str],
                      selection: Selection | None = None, *, layout: Layout | None = None
                      ) -> ImportReport:
@@ -110,13 +137,14 @@ def import_from_root(importer: Importer, source: str | os.PathLike[str],
         stores = [s for s in stores if s.place and s.place.split("/", 1)[0] in wanted]
     scan_counts: dict[str, int] = {}
     candidates = {s.place: _scan(s.place, s.path, scan_counts) for s in stores}
+    released = {s.place: _released(s.path) for s in stores}
     chosen = plan(candidates, selection, quorum=layout.quorum)
     per_place = chosen.by_place()
     roots = {s.place: RootLayout(s.path) for s in stores}
 
     def body() -> None:
         importer.prepare({p: sum(c.size for c in per_place.get(p, [])) for p in roots},
-                         strict=False)
+                         strict=False, released=released)
         copied = 0
         emitted: dict[str, set[str]] = {p: set() for p in roots}
         for c in chosen.parts:

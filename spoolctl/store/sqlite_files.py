@@ -233,7 +233,8 @@ def check_schema(db: sqlite3.Connection, ddl: str, *, earlier: tuple[str, ...] =
 
 
 def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None,
-                      deadline: float | None = None) -> sqlite3.Connection:
+                      deadline: float | None = None, snapshot: bool = False
+                      ) -> sqlite3.Connection:
     """A connection that never writes or creates anything (``mode=ro``), falling back to
     ``immutable=1`` when SQLite cannot set up its shared-memory index (a WAL database
     whose directory this process cannot write, with no readable -shm file). Immutable
@@ -241,22 +242,28 @@ def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None
     that is running right now, never a torn one. Raises sqlite3 errors as they come
     (absent file: SQLITE_CANTOPEN). ``ddl``: the schema the file must keep to
     (``check_schema``; DamagedDatabaseError otherwise, the connection closed).
-    ``deadline``: seconds per statement (default ``STATEMENT_DEADLINE``)."""
+    ``deadline``: seconds per statement (default ``STATEMENT_DEADLINE``). ``snapshot``:
+    immutable at once -- not even the -shm/-wal files that ``mode=ro`` creates where it
+    can (another host's store, read and never touched: ``peer``)."""
     check_files(path)
     if not path.exists():
         raise sqlite3.OperationalError("unable to open database file")
     uri = "file:" + quote(str(path), safe="/")
+    db = None
     try:
-        db = _guarded(f"{uri}?mode=ro", uri=True, timeout=timeout, deadline=deadline)
-        try:
-            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-        except BaseException:
-            db.close()
-            raise
+        if not snapshot:
+            db = _guarded(f"{uri}?mode=ro", uri=True, timeout=timeout, deadline=deadline)
+            try:
+                db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            except BaseException:
+                db.close()
+                raise
     except sqlite3.OperationalError as exc:
         if error_code(exc) not in (SQLITE_CANTOPEN, SQLITE_READONLY, SQLITE_IOERR,
                                    SQLITE_PERM):
             raise
+        db = None
+    if db is None:
         db = _guarded(f"{uri}?mode=ro&immutable=1", uri=True, timeout=timeout,
                       deadline=deadline)
     if ddl is not None:
