@@ -218,12 +218,15 @@ def test_every_documented_document_matches_the_real_output(tmp_path: Path) -> No
     docs = by_command()
     root = tmp_path / "store"
     ids = _filled(root)
+    items = _quarantined(root, 2)
     archive = tmp_path / "a.tar"
     runs = {
         "init": ("init", "--max-size", "1GiB"), "status": ("status",), "ls": ("ls",),
         "inspect": ("inspect", ids[0]), "scrub": ("scrub",),
         "request-auth": ("request-auth", ids[0][:12]), "clean": ("clean", "--tmp", "--yes"),
         "doctor": ("doctor",), "metrics": ("metrics",), "quarantine-ls": ("quarantine", "ls"),
+        "quarantine-show": ("quarantine", "show", items[0]),
+        "quarantine-purge": ("quarantine", "purge", items[1], "--yes"),
         "export": ("export", "-o", str(archive)), "error": ("inspect", "0" * 64),
     }
     assert set(runs) | {"import"} == set(docs)  # every documented document is checked

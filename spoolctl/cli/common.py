@@ -186,8 +186,8 @@ def _current_context() -> Any:
 def emit_json(doc: Any, *, command: str | None = None) -> None:
     """Print ``doc`` as the command's one JSON document, with its schema id (``schema``, a
     key no command uses for anything else) first-class: documented in docs/json.md."""
-    if isinstance(doc, dict) and "schema" not in doc:
-        doc = {"schema": schema_id(command), **doc}
+    if isinstance(doc, dict) and not str(doc.get("schema", "")).startswith(SCHEMA_PREFIX):
+        doc = {**doc, "schema": schema_id(command)}  # the CLI's id, whatever a part carried
     stream = sys.stderr if JsonState.to_stderr else sys.stdout
     stream.write(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
     stream.flush()
