@@ -1,4 +1,4 @@
-"""Generate the CLI reference (docs/cli.md) from the typer app, never by hand.
+"""Generate the CLI reference (docs/cli.md) and the JSON contract (docs/json.md), never by hand.
 
     python scripts/gen_cli_docs.py            # rewrite docs/cli.md
     python scripts/gen_cli_docs.py --check    # exit 1 if docs/cli.md is out of date
@@ -30,8 +30,12 @@ HEADER = """\
      run `python scripts/gen_cli_docs.py` after changing a command. -->
 
 Every command takes `--root PATH` (default `$SPOOLCTL_ROOT`, else
-`~/.cache/spoolctl/store`) and `--json` where it prints results. Exit codes: `0` ok,
-`1` findings (corruption, failed checks, not found), `2` usage or configuration error.
+`~/.cache/spoolctl/store`; also accepted before the command, `spoolctl --root PATH status`)
+and `--json` where it prints results: one JSON document on stdout whatever the outcome,
+failures included (see [JSON output](json.md)). `-h` is `--help`. Exit codes: `0` ok,
+`1` findings (corruption, failed checks, not found), `2` usage or configuration error,
+`3` stdout cannot take the output (full disk, I/O error, closed stdout), `141` the reader
+of stdout went away (`spoolctl ls | head`; silent, as for any filter).
 Colors are off when stdout is not a terminal or when `NO_COLOR` is set; sizes are IEC
 (`KiB`, `MiB`, `GiB`) and times are relative (`5m ago`).
 
@@ -97,14 +101,22 @@ def _render(cmd: Any, path: list[str], parent_ctx: Any, out: list[str]) -> None:
 
 def render() -> str:
     """The whole reference as Markdown (pure: reads only the app definition)."""
-    import typer.main
+    from spoolctl.cli.app import build_command
 
-    from spoolctl.cli.app import app
-
-    root = typer.main.get_command(app)
+    root = build_command()  # the tree `spoolctl` runs (placeholders as --help shows them)
     out = [HEADER]
     _render(root, ["spoolctl"], None, out)
     return "\n".join(out).rstrip() + "\n"
+
+
+JSON_OUTPUT = REPO / "docs" / "json.md"
+
+
+def render_json() -> str:
+    """docs/json.md: the --json contract (generated with the reference, checked with it)."""
+    from spoolctl.cli.json_contract import render_markdown
+
+    return render_markdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,9 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stdout", action="store_true", help="print instead of writing")
     args = ap.parse_args(argv)
     text = render()
+    json_text = render_json()
     if args.stdout:
         sys.stdout.write(text)
         return 0
+    if args.check and (JSON_OUTPUT.read_text() if JSON_OUTPUT.exists() else "") != json_text:
+        sys.stderr.write("docs/json.md is out of date: run `python scripts/gen_cli_docs.py`\n")
+        return 1
+    if not args.check:
+        JSON_OUTPUT.write_text(json_text)
     if args.check:
         current = OUTPUT.read_text() if OUTPUT.exists() else ""
         if current == text:

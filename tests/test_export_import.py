@@ -102,7 +102,7 @@ def test_export_filters_and_budget_take_the_most_recently_used(base: Path):
         sizes = {r.entry_id: r.size for r in store.entries()}
     budget = sizes[ids[5]] + sizes[ids[4]] + 10
     doc = cli_json("export", "--root", str(a), "-o", str(base / "b.tar"), "--namespace",
-                   "model-x", "--max-size", str(budget))
+                   "model-x", "--limit-size", str(budget))
     assert doc["entries"] == 2 and doc["left_out"]["over_budget"] == 3
     cli_json("import", "--root", str(base / "b"), str(base / "b.tar"))
     assert set(snapshot(base / "b")) == {ids[5], ids[4]}
@@ -146,7 +146,7 @@ def test_peer_root_is_only_read_and_its_defects_skipped(base: Path):
     assert (doc["imported"], doc["skipped_corrupt"], doc["skipped_vanished"]) == (7, 1, 1)
     assert set(snapshot(b)) == set(ids) - {ids[2], ids[3]}
     assert cli("scrub", "--root", str(b)).returncode == 0
-    limited = cli_json("import", "--root", str(base / "c"), str(a), "--max-size", "45000")
+    limited = cli_json("import", "--root", str(base / "c"), str(a), "--limit-size", "45000")
     assert limited["imported"] == 2  # newest first by manifest time, within the budget
 
 

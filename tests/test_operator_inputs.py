@@ -112,7 +112,7 @@ def test_restore_after_the_siblings_were_reclaimed_says_so(store_root: Path) -> 
     assert f"spoolctl quarantine purge {item} --yes" in err
     assert str(sibling) not in err and "No such file" not in err  # no raw ENOENT text
     code, out, err = run("quarantine", "purge", item, "--yes", "--root", str(store_root))
-    assert code == 0 and "purged 1 items" in out, err
+    assert code == 0 and "purged 1 item," in out, err
     code, _, err = run("quarantine", "purge", item, "--yes", "--root", str(store_root))
     assert code == 1 and "no quarantine item" in err  # naming an item that is gone
 

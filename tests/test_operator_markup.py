@@ -168,12 +168,12 @@ def test_prefill_server_shows_prompt_names_and_server_text_as_data(tmp_path: Pat
         prompts.write_text("\n".join(json.dumps({"prompt": p, "name": f"{p} {evil}"})
                                      for p in ("ok", "bad", "deep", "lies")) + "\n")
         url = server.url
-        proc = script("prefill", "--server", url, "--prompts-file", str(prompts),
+        proc = script("prefill", "--server", url, "--prompt-list", str(prompts),
                       "--retries", "0", env=TERMINAL)
         out = _check(proc, "prefill --server")
         assert proc.returncode == 1, out  # "bad" failed
         assert out.count("[link=https://evil.example]x[/link]") >= 5, out  # names + error
-        doc = json.loads(script("prefill", "--server", url, "--prompts-file", str(prompts),
+        doc = json.loads(script("prefill", "--server", url, "--prompt-list", str(prompts),
                                 "--retries", "0", "--json").stdout)
         lies = doc["results"][3]
         assert lies["cached_tokens"] is None and lies["computed_tokens"] is None  # not believed

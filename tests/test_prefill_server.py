@@ -65,7 +65,7 @@ def test_reports_cached_and_computed_tokens_per_prompt(tmp_path, fake_factory):
     fake = fake_factory(lambda body, _a: (200, usage(n_tokens(body), n_tokens(body) // 2)))
     f = prompts_file(tmp_path, ['"one two three four"', "[5, 6, 7, 8, 9, 10]",
                                 '{"prompt": "a b", "cache_salt": "tenant-1", "name": "salted"}'])
-    code, out, err = warm(fake.url, "--prompts-file", f, "--json",
+    code, out, err = warm(fake.url, "--prompt-list", f, "--json",
                           env={"VLLM_API_KEY": "sekret"})
     assert code == 0, err
     doc = json.loads(out)
@@ -85,7 +85,7 @@ def test_reports_cached_and_computed_tokens_per_prompt(tmp_path, fake_factory):
 def test_concurrency_is_bounded(tmp_path, fake_factory):
     fake = fake_factory(lambda body, _a: (200, usage(n_tokens(body), 0)), delay=0.2)
     f = prompts_file(tmp_path, [json.dumps(f"prompt {i}") for i in range(12)])
-    code, _out, err = warm(fake.url, "--prompts-file", f, "--concurrency", "3", "--json")
+    code, _out, err = warm(fake.url, "--prompt-list", f, "--concurrency", "3", "--json")
     assert code == 0, err
     assert len(fake.bodies) == 12 and 2 <= fake.max_inflight <= 3
 
@@ -100,14 +100,14 @@ def test_transient_failures_are_retried_and_permanent_ones_reported(tmp_path, fa
 
     fake = fake_factory(complete)
     f = prompts_file(tmp_path, ['"flaky"', '"bad"', '"fine"'])
-    code, out, err = warm(fake.url, "--prompts-file", f, "--json")
+    code, out, err = warm(fake.url, "--prompt-list", f, "--json")
     assert code == 1, err
     res = {r["name"]: r for r in json.loads(out)["results"]}
     assert res["#1"]["ok"] and res["#1"]["attempts"] == 2
     assert not res["#2"]["ok"] and res["#2"]["attempts"] == 1 and res["#2"]["status"] == 400
     assert "[red]bad[/red] prompt" in res["#2"]["error"]
     assert res["#3"]["ok"]
-    code, out, _err = warm(fake.url, "--prompts-file", f,  # human output: text, not markup
+    code, out, _err = warm(fake.url, "--prompt-list", f,  # human output: text, not markup
                            env={"COLUMNS": "300"})
     assert code == 1 and "[red]bad[/red] prompt\\x1b[2J" in out and "\x1b" not in out
 
@@ -124,7 +124,7 @@ def test_timeouts_and_bad_responses_are_per_prompt_errors(tmp_path, fake_factory
 
     fake = fake_factory(complete)
     f = prompts_file(tmp_path, ['"slow"', '"garbage"', '"nousage"', '"ok"'])
-    code, out, err = warm(fake.url, "--prompts-file", f, "--timeout", "0.5", "--retries", "0",
+    code, out, err = warm(fake.url, "--prompt-list", f, "--timeout", "0.5", "--retries", "0",
                           "--json")
     assert code == 1, err
     res = {r["name"]: r for r in json.loads(out)["results"]}
@@ -143,21 +143,21 @@ def _free_port() -> int:
 
 def test_config_errors_are_one_line_exit_2(tmp_path, fake_factory):
     f = prompts_file(tmp_path, ['"x"'])
-    code, _o, err = warm(f"http://127.0.0.1:{_free_port()}", "--prompts-file", f)
+    code, _o, err = warm(f"http://127.0.0.1:{_free_port()}", "--prompt-list", f)
     assert code == 2 and "cannot reach" in err and len(err.strip().splitlines()) == 1
     two = fake_factory(lambda b, a: (200, usage(1, 0)), models=("a", "b"))
-    code, _o, err = warm(two.url, "--prompts-file", f)
+    code, _o, err = warm(two.url, "--prompt-list", f)
     assert code == 2 and "serves 2 models" in err
-    code, _o, err = warm(two.url, "--prompts-file", f, "--model", "zzz")
+    code, _o, err = warm(two.url, "--prompt-list", f, "--model", "zzz")
     assert code == 2 and "does not serve" in err
-    assert warm(two.url, "--prompts-file", f, "--model", "b")[0] == 0
+    assert warm(two.url, "--prompt-list", f, "--model", "b")[0] == 0
     for bad in ('{"prompt": ""}', "[1, -2]", "not json", '{"prompt": "x", "evil": 1}', "3"):
-        code, _o, err = warm(two.url, "--model", "a", "--prompts-file",
+        code, _o, err = warm(two.url, "--model", "a", "--prompt-list",
                              prompts_file(tmp_path, ['"fine"', bad], "bad.jsonl"))
         assert code == 2 and "line 2" in err and len(err.strip().splitlines()) == 1, err
-    code, _o, err = warm("ftp://host", "--prompts-file", f)
+    code, _o, err = warm("ftp://host", "--prompt-list", f)
     assert code == 2 and "invalid server URL" in err
-    code, _o, err = warm(two.url, "--prompts-file", str(tmp_path / "missing.jsonl"))
+    code, _o, err = warm(two.url, "--prompt-list", str(tmp_path / "missing.jsonl"))
     assert code == 2 and "not found" in err
 
 
@@ -226,7 +226,7 @@ def test_real_vllm_server_is_warmed_and_a_restart_restores(tiny_model_dir, tmp_p
     port = _free_port()
     first = _start_server(tiny_model_dir, root, port, tmp_path / "a.log")
     try:
-        code, out, err = warm(f"http://127.0.0.1:{port}", "--prompts-file", f, "--json",
+        code, out, err = warm(f"http://127.0.0.1:{port}", "--prompt-list", f, "--json",
                               "--concurrency", "2")
     finally:
         _stop(first)
@@ -248,7 +248,7 @@ def test_real_vllm_server_is_warmed_and_a_restart_restores(tiny_model_dir, tmp_p
     assert sum(stored) >= 3 * CHUNK
     second = _start_server(tiny_model_dir, root, port, tmp_path / "b.log")
     try:
-        code, out, err = warm(f"http://127.0.0.1:{port}", "--prompts-file", f, "--json")
+        code, out, err = warm(f"http://127.0.0.1:{port}", "--prompt-list", f, "--json")
     finally:
         _stop(second)
     assert code == 0, err

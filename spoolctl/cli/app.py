@@ -2,17 +2,24 @@
 
 ``main()`` turns every SpoolError into one line on stderr and exit code 2
 (usage/configuration) or 1 (findings such as corruption), never a traceback
-unless ``--debug`` is given. Usage errors are recognised without importing ``click``:
-typer vendors its own copy (``typer._click``) and a base install has no ``click``
-package, so exceptions are matched by class name. Log lines carry store text (paths,
-file names), so they are printed with control characters escaped too.
+unless ``--debug`` is given. With ``--json`` the failure is also one JSON document on stdout
+(``common.error_doc``), so a log of ``--json`` output records failures. Output that cannot be
+written has its own codes (decision 2410): 141 when the reader of stdout went away (silent,
+as for any Unix filter), 3 when stdout cannot take it (full disk, I/O error, closed).
+Usage errors are recognised without importing ``click``: typer vendors its own copy
+(``typer._click``) and a base install has no ``click`` package, so exceptions are matched
+by class name. Log lines carry store text (paths, file names), so they are printed with
+control characters escaped too.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import sys
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -21,7 +28,17 @@ from spoolctl import __version__
 from spoolctl.store.errors import ConfigError, CorruptionError, NotFoundError, SpoolError
 from spoolctl.store.root import ALLOW_FOREIGN_ENV
 
-from .common import EXIT_FINDINGS, EXIT_USAGE, err_console, plain
+from .common import (
+    EXIT_FINDINGS,
+    EXIT_OUTPUT,
+    EXIT_PIPE,
+    EXIT_USAGE,
+    JsonState,
+    emit_json,
+    err_console,
+    error_doc,
+    plain,
+)
 from .interrupt import exit_code, interrupt_of, signal_name, signals_as_interrupts, take
 
 app = typer.Typer(
@@ -31,12 +48,13 @@ app = typer.Typer(
     add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"spoolctl {__version__}")
+        sys.stdout.write(f"spoolctl {__version__}\n")
         raise typer.Exit()
 
 
@@ -101,78 +119,291 @@ def _command_line(argv: list[str] | None) -> str:
     return " ".join(["spoolctl", *words])
 
 
-def _interrupted(exc: KeyboardInterrupt) -> None:
+def _interrupted(exc: KeyboardInterrupt, json_mode: bool) -> int:
     """A command stopped by SIGINT/SIGTERM without its own summary: one line, 130/143
-    (decision 2310). A command that has a summary prints it and exits with the same code."""
-    err_console.print(f"interrupted ({signal_name(exc)}): stopped; what finished before it "
-                      "is kept (every entry is whole or absent); run the command again to "
-                      "continue", highlight=False, soft_wrap=True, markup=False)
-    sys.exit(exit_code(exc))
+    (decision 2310), and with --json the error document. A command that has a summary
+    prints it and exits with the same code."""
+    line = (f"interrupted ({signal_name(exc)}): stopped; what finished before it is kept "
+            "(every entry is whole or absent); run the command again to continue")
+    err_console.print(line, highlight=False, soft_wrap=True, markup=False)
+    return _fail(line, code=exit_code(exc), fix="run the command again to continue",
+                 path=None, kind="interrupted", json_mode=json_mode)
+
+
+class OutputError(Exception):
+    """stdout could not take the command's output (``errno`` says why)."""
+
+    def __init__(self, exc: OSError | ValueError):
+        super().__init__(str(exc))
+        self.errno = getattr(exc, "errno", None)
+
+
+class _GuardedStdout:
+    """sys.stdout for one command: a write or flush that fails raises ``OutputError``, so a
+    closed pipe or a full disk under ``> FILE`` is told apart from the store's own I/O
+    (which is always a SpoolError) instead of surfacing as an unexpected OSError."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, data: str) -> int:
+        try:
+            return self._stream.write(data)
+        except (OSError, ValueError) as exc:
+            raise OutputError(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError) as exc:
+            raise OutputError(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's final flush of what is still buffered
+    does not fail again (Python documents this for SIGPIPE), and drop the buffer."""
+    try:
+        fd = sys.__stdout__.fileno() if sys.__stdout__ is not None else None
+    except (AttributeError, ValueError, OSError):
+        fd = None
+    if fd is None:
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
+# The root callback's own options: they may come before a command, nothing else may.
+_GLOBAL_FLAGS = ("--debug", "--allow-foreign-owner", "--version", "--help", "-h")
+# kubectl/restic habit: `spoolctl --root X status`. These options belong to the commands;
+# written before the command they are moved after it (decision 2410).
+_MOVABLE = ("--root", "--json")
+
+
+def _normalise_argv(argv: list[str]) -> list[str]:
+    """``--root X`` / ``--root=X`` / ``--json`` before the command moved after the command
+    path, where every command defines them; with no command at all, ``status`` (what a bare
+    ``spoolctl`` runs)."""
+    moved: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _GLOBAL_FLAGS:
+            rest.append(arg)
+        elif arg in _MOVABLE:
+            moved.append(arg)
+            if arg == "--root" and i + 1 < len(argv):
+                moved.append(argv[i + 1])
+                i += 1
+        elif arg.startswith("--root="):
+            moved.append(arg)
+        else:
+            break
+        i += 1
+    if not moved:
+        return argv
+    tail = argv[i:]
+    if not tail:
+        return [*rest, "status", *moved]
+    if "--" in tail:  # after `--` everything is an argument: insert before it
+        cut = tail.index("--")
+        return [*rest, *tail[:cut], *moved, *tail[cut:]]
+    return [*rest, *tail, *moved]
+
+
+def _json_requested(argv: list[str]) -> bool:
+    return "--json" in (argv[:argv.index("--")] if "--" in argv else argv)
+
+
+_CHOICES = re.compile(r"^(?:Value error, )?('.*') is not one of (.*?)\.?$")
+_PYDANTIC = (
+    (re.compile(r"^Input should be greater than or equal to (\S+)$"), "must be at least {}"),
+    (re.compile(r"^Input should be less than or equal to (\S+)$"), "must be at most {}"),
+    (re.compile(r"^Input should be greater than (\S+)$"), "must be more than {}"),
+    (re.compile(r"^Input should be less than (\S+)$"), "must be less than {}"),
+    (re.compile(r"^Input should be a valid integer.*$"), "must be a whole number"),
+    (re.compile(r"^Input should be a valid number.*$"), "must be a number"),
+)
+
+
+def usage_message(exc: BaseException) -> tuple[str, str]:
+    """A click/typer usage error as the tool's (cause, fix): the library's validation
+    wording (pydantic's "Input should be...", "Value error, ...") replaced by ours, the fix
+    naming the command's --help."""
+    ctx = getattr(exc, "ctx", None)
+    path = ctx.command_path if ctx is not None else "spoolctl"
+    fix = f"see `{path} --help`"
+    message = exc.format_message().strip() if hasattr(exc, "format_message") else str(exc)
+    param = getattr(exc, "param", None)
+    if _is(exc, "BadParameter") and param is not None:
+        raw = str(getattr(exc, "message", message)).strip()
+        raw = raw.removeprefix("Value error, ")
+        opts = getattr(param, "opts", None) or [getattr(param, "name", "value")]
+        hint = "/".join(opts) if getattr(param, "param_type_name", "") == "option" \
+            else getattr(param, "human_readable_name", opts[0])
+        choices = _CHOICES.match(raw)
+        if choices:
+            allowed = ", ".join(c.strip().strip("'") for c in choices.group(2).split(","))
+            return (f"invalid value for {hint}: {choices.group(1)} is not one of {allowed}",
+                    f"use one of {allowed}")
+        for pattern, words in _PYDANTIC:
+            hit = pattern.match(raw)
+            if hit:
+                raw = words.format(*hit.groups())
+                break
+        return f"invalid value for {hint}: {raw}", fix
+    if _is(exc, "NoSuchOption"):
+        name = getattr(exc, "option_name", "")
+        where = ctx.command_path if ctx is not None else "spoolctl"
+        possible = getattr(exc, "possibilities", None) or []
+        if possible:
+            fix = f"did you mean {' or '.join(sorted(possible))}? ({fix})"
+        elif ctx is not None and ctx.parent is None and not ctx.invoked_subcommand:
+            fix = f"options go after the command, e.g. `spoolctl status {name} ...` ({fix})"
+        return f"no such option for `{where}`: {name}", fix
+    message = message[:1].lower() + message[1:] if message[:2] != message[:2].upper() \
+        else message
+    return message.rstrip("."), fix
+
+
+def build_command() -> Any:
+    """The click command tree of ``app`` with what typer's help gets wrong fixed: a boolean
+    flag shows no ``<bool>`` placeholder (it takes no value), and an option's placeholder
+    names what it takes (the same name for the same thing in every command)."""
+    import typer.main
+
+    from .placeholders import polish
+
+    command = typer.main.get_command(app)
+    polish(command)
+    return command
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    json_mode = _json_requested(args)
+    JsonState.reset()
     if not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(_SafeFormatter("spoolctl: %(levelname)s: %(message)s"))
         logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    if sys.stdout is None:  # started with fd 1 closed (`spoolctl ... >&-`): nothing is done
+        if sys.stderr is not None:
+            sys.stderr.write("error: stdout is closed: nothing was done: give the command an "
+                             "output (> FILE, > /dev/null or a pipe)\n")
+        sys.exit(EXIT_OUTPUT)
+    saved_stdout = sys.stdout
+    sys.stdout = _GuardedStdout(saved_stdout)
+    try:
+        code = _run(_normalise_argv(args), debug=debug, json_mode=json_mode)
+    except OutputError as exc:
+        sys.stdout = saved_stdout
+        _silence_stdout()
+        if exc.errno == errno.EPIPE:
+            sys.exit(EXIT_PIPE)
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        err_console.print(f"[red]error:[/red] cannot write the output to stdout: "
+                          f"{_one_line(reason)}: free space where stdout goes, or redirect it "
+                          "(> FILE, > /dev/null)", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_OUTPUT)
+    finally:
+        if isinstance(sys.stdout, _GuardedStdout):
+            sys.stdout = saved_stdout
+    if code:
+        sys.exit(code)
+
+
+def _fail(message: str, *, code: int, fix: str | None, path: str | None, kind: str,
+          json_mode: bool, human: str | None = None) -> int:
+    """Report a failure: one line on stderr; with --json also the error document (unless the
+    command already printed its one document). Returns the exit code."""
+    if human is not None:
+        err_console.print(human, markup=True, highlight=False, soft_wrap=True)
+    if json_mode and not JsonState.emitted:
+        emit_json(error_doc(plain(message), code=code, fix=fix, path=path, kind=kind))
+    return code
+
+
+def _run(argv: list[str], *, debug: bool, json_mode: bool) -> int:
     try:
         with signals_as_interrupts():
-            code = app(args=argv, standalone_mode=False, prog_name="spoolctl")
+            code = build_command().main(args=argv, standalone_mode=False, prog_name="spoolctl")
         # Without standalone mode click returns (not raises) a command's typer.Exit code;
         # typer returns a KeyboardInterrupt as a silent 130 (whichever signal it was).
         pending = take()
         if pending is not None and code == 130:
-            _interrupted(pending)
+            return _interrupted(pending, json_mode)
         if isinstance(code, int) and code:
-            sys.exit(code)
+            return _exit_code(code, json_mode)
+        return 0
+    except OutputError:
+        raise
     except SpoolError as exc:
         if debug:
             raise
-        err_console.print(f"[red]error:[/red] {_one_line(str(exc))}", markup=True,
-                          highlight=False, soft_wrap=True)
         code = EXIT_FINDINGS if isinstance(exc, (CorruptionError, NotFoundError)) else EXIT_USAGE
         if isinstance(exc, ConfigError):
             code = EXIT_USAGE
-        sys.exit(code)
+        return _fail(exc.message, code=code, fix=exc.fix, path=exc.path,
+                     kind=type(exc).__name__, json_mode=json_mode,
+                     human=f"[red]error:[/red] {_one_line(str(exc))}")
     except typer.Exit as exc:
         cause = interrupt_of(exc)
         if cause is not None and take() is not None:  # not reported by the command
-            _interrupted(cause)
-        sys.exit(exc.exit_code)
+            return _interrupted(cause, json_mode)
+        return _exit_code(exc.exit_code, json_mode)
     except KeyboardInterrupt as exc:  # SIGINT / SIGTERM outside click's own handling
         take()
-        _interrupted(exc)
+        return _interrupted(exc, json_mode)
     except typer.Abort as exc:
         cause = interrupt_of(exc)
         if cause is not None and take() is not None:  # click turned an interrupt into Abort
-            _interrupted(cause)
-        err_console.print("aborted")
-        sys.exit(EXIT_USAGE)
+            return _interrupted(cause, json_mode)
+        return _fail("aborted", code=EXIT_USAGE, fix=None, path=None, kind="Abort",
+                     json_mode=json_mode, human="aborted")
     except Exception as exc:  # click usage errors and anything unexpected
         if _is(exc, "ClickException", "TyperException"):
-            # One line, like every other error (typer >= 0.2x vendors click, so both bases).
-            ctx = getattr(exc, "ctx", None)
-            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-            if exc.format_message().strip():  # empty after a bare group printed its help
-                err_console.print(f"[red]error:[/red] {_one_line(exc.format_message())}"
-                                  f"{_one_line(where)}",
-                                  markup=True, highlight=False, soft_wrap=True)
-            sys.exit(EXIT_USAGE)
+            if not exc.format_message().strip():  # empty after a bare group printed its help
+                return EXIT_USAGE
+            cause, fix = usage_message(exc)
+            # One line, like every other error: `error: cause: fix`.
+            return _fail(cause, code=EXIT_USAGE, fix=fix, path=None, kind="UsageError",
+                         json_mode=json_mode,
+                         human=f"[red]error:[/red] {_one_line(cause)}: {_one_line(fix)}")
         if _is(exc, "Exit"):
-            sys.exit(getattr(exc, "exit_code", 0))
+            return _exit_code(getattr(exc, "exit_code", 0), json_mode)
+        if _is(exc, "Abort"):
+            return _fail("aborted", code=EXIT_USAGE, fix=None, path=None, kind="Abort",
+                         json_mode=json_mode, human="aborted")
         if debug:
             raise
         from .extras import missing_extra
 
         needs = missing_extra(exc, _command_line(argv))
         if needs is not None:  # a base install running a framework command: not a bug
-            err_console.print(f"[red]error:[/red] {_one_line(needs)}", highlight=False,
-                              soft_wrap=True)
-            sys.exit(EXIT_USAGE)
-        err_console.print(f"[red]error:[/red] unexpected {type(exc).__name__}: "
-                          f"{_one_line(str(exc))} "
-                          "(rerun with --debug for a traceback and report it)",
-                          highlight=False, soft_wrap=True)
-        sys.exit(EXIT_USAGE)
+            return _fail(needs, code=EXIT_USAGE, fix=None, path=None, kind="MissingExtra",
+                         json_mode=json_mode, human=f"[red]error:[/red] {_one_line(needs)}")
+        return _fail(f"unexpected {type(exc).__name__}: {exc}", code=EXIT_USAGE,
+                     fix="rerun with --debug for a traceback and report it", path=None,
+                     kind="unexpected", json_mode=json_mode,
+                     human=f"[red]error:[/red] unexpected {type(exc).__name__}: "
+                           f"{_one_line(str(exc))} "
+                           "(rerun with --debug for a traceback and report it)")
+
+
+def _exit_code(code: int, json_mode: bool) -> int:
+    """A command's own non-zero exit: with --json and no document printed yet (a command
+    that failed after saying why on stderr), the error document says so on stdout."""
+    if code and json_mode and not JsonState.emitted:
+        emit_json(error_doc(f"the command failed with exit code {code} (stderr says why)",
+                            code=code, fix=None, kind="exit"))
+    return code

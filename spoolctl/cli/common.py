@@ -33,6 +33,13 @@ from spoolctl.store import ConfigError, RootError, Store, StoreIOError
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
+# stdout cannot take the output (a full disk, an I/O error, a closed descriptor): the command
+# stopped; its result was not (fully) written. Distinct from 1 (findings) and 2 (usage).
+EXIT_OUTPUT = 3
+# The reader of stdout went away (`spoolctl status | head -1`): the shells' code for a
+# process killed by SIGPIPE (128 + 13), so `set -o pipefail` scripts see what they expect.
+EXIT_PIPE = 141
+SCHEMA_PREFIX = "spoolctl-cli/"
 ENV_ROOT = "SPOOLCTL_ROOT"
 
 
@@ -69,6 +76,19 @@ DeploymentOption = Annotated[str | None, typer.Option(
 # stdout carries results (tables or JSON); stderr carries errors and progress.
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
+
+
+def deprecated_alias(old: str, new: str, old_value: Any, new_value: Any) -> Any:
+    """The value of option ``new``, also given under its deprecated name ``old`` (kept one
+    release for scripts): a one-line warning on stderr when ``old`` is used; both at once is
+    a usage error."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ConfigError(f"{old} and {new} are the same option", fix=f"pass only {new}")
+    err_console.print(Text(f"spoolctl: warning: {old} is deprecated: use {new}"),
+                      soft_wrap=True)
+    return old_value
 
 
 def resolve_root(root: Path | None) -> Path:
@@ -127,9 +147,59 @@ def text(value: Any, style: str | None = None) -> Text:
     return Text(plain(value), style=style or "")
 
 
-def emit_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
-    sys.stdout.flush()
+class JsonState:
+    """What this invocation's ``--json`` output has done so far (one process, one command).
+
+    ``emitted``: a document was printed, so an error after it adds no second one.
+    ``to_stderr``: stdout carries something else (``export -o -`` writes the archive there),
+    so the document, an error one included, goes to stderr."""
+
+    emitted = False
+    to_stderr = False
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.emitted = False
+        cls.to_stderr = False
+
+
+def schema_id(command: str | None = None) -> str:
+    """The schema id of a command's JSON document: ``spoolctl-cli/<command>/v1``, the
+    command path joined by ``-`` (``quarantine ls`` -> ``spoolctl-cli/quarantine-ls/v1``).
+    ``command`` defaults to the command being run (click's current context)."""
+    if command is None:
+        ctx = _current_context()
+        words = ctx.command_path.split()[1:] if ctx is not None else []
+        command = "-".join(words) or "spoolctl"
+    return f"{SCHEMA_PREFIX}{command.replace(' ', '-')}/v1"
+
+
+def _current_context() -> Any:
+    # typer vendors click (typer._click); a base install has no `click` package.
+    try:
+        from typer._click.globals import get_current_context
+    except ImportError:  # an older typer that uses click itself
+        from click import get_current_context
+    return get_current_context(silent=True)
+
+
+def emit_json(doc: Any, *, command: str | None = None) -> None:
+    """Print ``doc`` as the command's one JSON document, with its schema id (``schema``, a
+    key no command uses for anything else) first-class: documented in docs/json.md."""
+    if isinstance(doc, dict) and not str(doc.get("schema", "")).startswith(SCHEMA_PREFIX):
+        doc = {**doc, "schema": schema_id(command)}  # the CLI's id, whatever a part carried
+    stream = sys.stderr if JsonState.to_stderr else sys.stdout
+    stream.write(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+    stream.flush()
+    JsonState.emitted = True
+
+
+def error_doc(message: str, *, code: int, fix: str | None = None, path: str | None = None,
+              kind: str = "error", **extra: Any) -> dict[str, Any]:
+    """The JSON document of a failed command (``spoolctl-cli/error/v1``): what went wrong,
+    where, the fix and the exit code, so a log of ``--json`` output records failures too."""
+    return {"schema": schema_id("error"), "ok": False, "exit": code,
+            "error": {"kind": kind, "message": message, "path": path, "fix": fix}, **extra}
 
 
 View = Callable[[Any], "RenderableType | list[RenderableType]"]
@@ -146,4 +216,7 @@ def emit(doc: Any, *, json_output: bool, view: View) -> None:
         return
     shown = view(doc)
     for renderable in shown if isinstance(shown, list) else [shown]:
-        console.print(renderable)
+        # Plain text is never wrapped at the console width on a pipe (rich assumes 80
+        # columns there): a line of `ls | grep` output must hold whole ids.
+        console.print(renderable, soft_wrap=isinstance(renderable, Text)
+                      and not console.is_terminal)

@@ -30,6 +30,7 @@ from .common import (
     JsonOption,
     RankOption,
     RootOption,
+    console,
     emit,
     plain,
     text,
@@ -53,6 +54,9 @@ def _row_json(row: CatalogRow, now: float) -> dict[str, Any]:
     from spoolctl.controllers.genai_records import expires_in
 
     doc = row.to_json()
+    # One name per concept (docs/json.md): `bytes`, as in status; `size` is kept one release
+    # as a deprecated alias for scripts written against it.
+    doc["bytes"] = doc["size"]
     exp = expires_in(row.index, now) if row.kind == "genai" else None
     if exp is not None:
         doc["expires_in_s"] = round(exp, 1)
@@ -96,21 +100,35 @@ def ls_cmd(
                           read_only_ok=True))
 
 
-def _ls_view(doc: dict[str, Any]) -> Table:
+_LS_COLUMNS = ("id", "kind", "namespace", "size", "hint", "created", "last access", "expires")
+
+
+def _ls_view(doc: dict[str, Any]) -> Table | Text:
+    """On a terminal a table (ids shortened to the 12-character prefix `inspect` accepts;
+    cells wrap, never cut); piped, plain columns with whole ids and no width limit (like
+    `kubectl get`), so `ls | grep | awk` sees every field whole."""
     now = time.time()
     gone = doc.get("being_deleted") or 0
     note = f" ({gone} more being deleted by an interrupted clean: `spoolctl clean` " \
         "finishes it)" if gone else ""
-    t = Table(title=f"{doc['count']} entries{note}", title_justify="left")
-    for col in ("id", "kind", "namespace", "size", "hint", "created", "last access", "expires"):
+    piped = not console.is_terminal
+
+    def row(r: dict[str, Any]) -> list[str]:
+        return [r["entry_id"] if piped else render.short_id(r["entry_id"]), r["kind"],
+                r["namespace"], render.size(r["bytes"]), r["hint"],
+                render.rel_time(r["created"], now), render.rel_time(r["last_access"], now),
+                render.expiry_text(r.get("expires_in_s")) or "-"]
+
+    if piped:
+        return render.columns(_LS_COLUMNS, [row(r) for r in doc["entries"]])
+    t = Table(title=render.count(doc["count"], "entry") + note, title_justify="left")
+    for col in _LS_COLUMNS:
         t.add_column(col, justify="right" if col == "size" else "left",
-                     no_wrap=col != "namespace", overflow="ellipsis",
+                     no_wrap=col in ("id", "size"), overflow="fold",
                      min_width=8 if col == "namespace" else None)
     for r in doc["entries"]:
-        t.add_row(render.short_id(r["entry_id"]), r["kind"], text(r["namespace"][:40]),
-                  render.size(r["size"]), r["hint"], render.rel_time(r["created"], now),
-                  render.rel_time(r["last_access"], now),
-                  render.expiry_text(r.get("expires_in_s")))
+        cells = row(r)
+        t.add_row(*cells[:2], text(cells[2]), *cells[3:])
     return t
 
 
@@ -124,9 +142,10 @@ def entry_doc(store: Store, entry_id: str) -> dict[str, Any]:
         "entry_id": entry_id, "kind": manifest.kind, "namespace": manifest.namespace,
         "key": manifest.key, "created": manifest.created, "supersedes": manifest.supersedes,
         "hint": row.hint if row else None, "last_access": row.last_access if row else None,
-        "size": row.size if row else manifest.payload_bytes, "objects": objects,
+        "bytes": row.size if row else manifest.payload_bytes, "objects": objects,
         "meta": dict(manifest.meta), "index": dict(manifest.index),
     }
+    doc["size"] = doc["bytes"]  # deprecated alias of `bytes` (docs/json.md)
     if manifest.kind == "genai":
         from spoolctl.controllers.genai_records import expires_in
 

@@ -29,6 +29,7 @@ from .common import (
     RankOption,
     RootOption,
     emit,
+    emit_json,
     err_console,
     esc,
     open_store,
@@ -47,8 +48,9 @@ def metrics_cmd(
         "collector) instead of stdout.")] = None,
     rank: RankOption = None,
     deployment: DeploymentOption = None,
+    json_output: JsonOption = False,
 ) -> None:
-    """Print store gauges in Prometheus exposition format.
+    """Print store gauges in Prometheus exposition format (or, with --json, as samples).
 
     On a vLLM base root or deployment directory: the gauges of every rank store, labelled
     `deployment` and `rank`; a rank that cannot be read shows `spoolctl_store_up 0`.
@@ -85,11 +87,21 @@ def metrics_cmd(
                 err_console.print(text(f"error: {target.label}: {exc}"), soft_wrap=True)
                 code = EXIT_USAGE
     exposition = render_samples(samples)
-    if textfile is None:
-        typer.echo(exposition, nl=False)
-    else:
+    if textfile is not None:
         _write_atomic(textfile, exposition.encode())
+    if json_output:  # the samples, and with --textfile where they were written too
+        emit_json({**metrics_doc(samples, code), "textfile": textfile and str(textfile)})
+    elif textfile is None:
+        typer.echo(exposition, nl=False)
     finish(code)
+
+
+def metrics_doc(samples: list[Any], code: int) -> dict[str, Any]:
+    """The gauges as JSON: one object per sample, its full metric name, labels (the store's
+    deployment and rank on a vLLM root) and value, in exposition order."""
+    return {"exit": code, "metrics": [
+        {"name": s.spec.name, "type": s.spec.type, "labels": dict(s.target + s.labels),
+         "value": s.value} for s in samples]}
 
 
 def _check_textfile(path: Path) -> None:

@@ -28,6 +28,7 @@ from .common import (
     RootOption,
     console,
     default_root,
+    deprecated_alias,
     emit_json,
     err_console,
     plain,
@@ -105,7 +106,7 @@ def prefill_cmd(
         help="A running vLLM server (OpenAI API, e.g. http://127.0.0.1:8000): send each "
         "prompt as a one-token request so the server prefills and stores it.")] = None,
     prompts_file: Annotated[str | None, typer.Option(
-        "--prompts-file", metavar="<file|->", show_default=False,
+        "--prompt-list", metavar="<file|->", show_default=False,
         help="--server: JSON Lines, one prompt per line: \"text\", [token ids] or "
         "{\"prompt\": ..., \"cache_salt\": ..., \"name\": ...}.")] = None,
     concurrency: Annotated[int, typer.Option(
@@ -135,6 +136,8 @@ def prefill_cmd(
         help="mlx with --image: longest image edge in pixels.")] = None,
     root: RootOption = None,
     json_out: JsonOption = False,
+    old_prompts_file: Annotated[str | None, typer.Option(
+        "--prompts-file", hidden=True, help="Deprecated name of --prompt-list.")] = None,
 ) -> None:
     """Prefill a prompt's cacheable prefix into the store (a second run is a cache hit).
 
@@ -142,25 +145,27 @@ def prefill_cmd(
     needs none.
 
     With --server, warm a running vLLM server instead (e.g. a replica started after
-    deploy): each prompt of --prompts-file is sent as a one-token request, with bounded
+    deploy): each prompt of --prompt-list is sent as a one-token request, with bounded
     concurrency and rate; per prompt the server's cached vs computed tokens are reported
     (start vLLM with --enable-prompt-tokens-details to get the cached count). Exit 1 if a
     prompt failed.
 
     Example: [bold]spoolctl prefill --model /models/llama --prompt-file manual.txt --json[/bold]
 
-    Example: [bold]spoolctl prefill --server http://127.0.0.1:8000 --prompts-file
+    Example: [bold]spoolctl prefill --server http://127.0.0.1:8000 --prompt-list
     prompts.jsonl --concurrency 8[/bold]
     """
     from spoolctl.controllers import BACKENDS, CachePrepareParams, LocalCacheController
 
+    prompts_file = deprecated_alias("--prompts-file", "--prompt-list", old_prompts_file,
+                                    prompts_file)
     if server is not None:
         _prefill_server(server, model, prompt, prompt_file, prompts_file, messages_file,
                         concurrency=concurrency, rate=rate, timeout=timeout, retries=retries,
                         json_out=json_out)
         return
     if prompts_file is not None:
-        raise ConfigError("--prompts-file needs --server",
+        raise ConfigError("--prompt-list needs --server",
                           fix="use --prompt-file for one prompt into the local store")
     if model is None:
         raise ConfigError("--model is required", fix="pass a local model directory")
@@ -212,11 +217,11 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
 
     if messages_file is not None:
         raise ConfigError("--messages-file is for the local backends",
-                          fix="with --server use --prompts-file (JSON Lines) or --prompt")
+                          fix="with --server use --prompt-list (JSON Lines) or --prompt")
     sources = [s for s in (prompt, prompt_file, prompts_file) if s is not None]
     if len(sources) != 1:
-        raise ConfigError("with --server give exactly one of --prompts-file, --prompt, "
-                          "--prompt-file", fix="e.g. --prompts-file prompts.jsonl")
+        raise ConfigError("with --server give exactly one of --prompt-list, --prompt, "
+                          "--prompt-file", fix="e.g. --prompt-list prompts.jsonl")
     target = sw.Server.parse(url)
     if prompts_file is not None:
         prompts = sw.read_prompts_file(prompts_file)

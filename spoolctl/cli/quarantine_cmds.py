@@ -4,6 +4,7 @@ is looked for in each). Reasons and details come from the store: shown as plain 
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any
 
@@ -12,7 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from spoolctl.store import NotFoundError, Store, parse_duration
+from spoolctl.store import ConfigError, NotFoundError, Store, parse_duration
 from spoolctl.store.quarantine import QuarantineItem, validate_item_id
 
 from . import render
@@ -39,7 +40,34 @@ quarantine_app = typer.Typer(
     no_args_is_help=True, rich_markup_mode="rich")
 app.add_typer(quarantine_app, name="quarantine")
 
-ItemArg = Annotated[str, typer.Argument(help="Item id as shown by `spoolctl quarantine ls`.")]
+ItemArg = Annotated[str, typer.Argument(
+    help="Item id as shown by `spoolctl quarantine ls`, or a unique prefix of one (at least "
+    f"{4} characters).")]
+_PREFIX = re.compile(r"[0-9A-Za-z_-]{4,63}")
+
+
+def check_item(typed: str) -> str:
+    """``typed`` if it can name an item: a whole id or a prefix of at least 4 characters."""
+    if _PREFIX.fullmatch(typed):
+        return typed
+    return validate_item_id(typed)  # raises the usual "invalid quarantine item"
+
+
+def resolve_item(items: list[QuarantineItem], typed: str) -> str:
+    """The item id ``typed`` names: itself, or the one item whose id starts with it (ids are
+    long, and a table on a narrow terminal wraps them; kubectl/git accept unique prefixes).
+    Unknown: NotFoundError (exit 1); ambiguous: ConfigError naming how many (exit 2)."""
+    ids = [i.item_id for i in items]
+    if typed in ids:
+        return typed
+    hits = [i for i in ids if i.startswith(check_item(typed))]
+    if len(hits) == 1:
+        return hits[0]
+    if hits:
+        raise ConfigError(f"quarantine item prefix {typed!r} matches {len(hits)} items",
+                          fix="type more of the id (see `spoolctl quarantine ls`)")
+    raise NotFoundError(f"no quarantine item {typed}",
+                        fix="list items with `spoolctl quarantine ls`")
 
 
 @quarantine_app.command("ls")
@@ -61,10 +89,15 @@ def q_ls(root: RootOption = None, rank: RankOption = None, deployment: Deploymen
                           json_output=json_output, view=_ls_view, read_only_ok=True))
 
 
-def _ls_view(doc: dict[str, Any]) -> Table:
-    t = Table(title=f"{doc['count']} quarantined items", title_justify="left")
+def _ls_view(doc: dict[str, Any]) -> Table | Text:
+    """A table on a terminal (cells wrap, never cut); piped, plain columns, ids whole."""
+    if not console.is_terminal:
+        return render.columns(("item", "reason", "entry", "size", "when"), [
+            [i["item"], i["reason"], i["entry_id"] or "-", render.size(i["bytes"]),
+             render.rel_time(i["time"])] for i in doc["items"]])
+    t = Table(title=render.count(doc["count"], "quarantined item"), title_justify="left")
     for col in ("item", "reason", "entry", "size", "when"):
-        t.add_column(col, no_wrap=True)
+        t.add_column(col, no_wrap=col in ("size", "when"), overflow="fold")
     for i in doc["items"]:
         t.add_row(text(i["item"]), text(i["reason"]), text((i["entry_id"] or "-")[:12]),
                   render.size(i["bytes"]), render.rel_time(i["time"]))
@@ -74,7 +107,7 @@ def _ls_view(doc: dict[str, Any]) -> Table:
 def _on_item(targets: Targets, item: str, job, *, json_output: bool, view,
              read_only_ok: bool = False) -> None:
     """Run ``job`` on the store holding quarantine item ``item`` (any rank store)."""
-    validate_item_id(item)
+    check_item(item)
     if targets.single:
         finish(run_on_targets(targets, job, json_output=json_output, view=view,
                               read_only_ok=read_only_ok))
@@ -94,7 +127,7 @@ def q_show(item: ItemArg, root: RootOption = None, rank: RankOption = None,
     Example: [bold]spoolctl quarantine show 20260101T120000Z-payload_digest-1a2b3c4d[/bold]
     """
     def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
-        found = store.quarantine.get(item)
+        found = store.quarantine.get(resolve_item(store.quarantine_items(), item))
         try:
             files = sorted(p.name for p in found.path.iterdir())
         except OSError:
@@ -125,8 +158,9 @@ def q_restore(item: ItemArg, root: RootOption = None, rank: RankOption = None,
     Example: [bold]spoolctl quarantine restore 20260101T120000Z-payload_digest-1a2b3c4d[/bold]
     """
     def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
-        manifest = store.restore_quarantined(item)
-        return {"item": item, "restored": True, "entry_id": manifest.entry_id}, EXIT_OK
+        whole = resolve_item(store.quarantine_items(), item)
+        manifest = store.restore_quarantined(whole)
+        return {"item": whole, "restored": True, "entry_id": manifest.entry_id}, EXIT_OK
 
     _on_item(resolve_targets(root, rank=rank, deployment=deployment), item, job,
              json_output=json_output,
@@ -158,10 +192,16 @@ def q_purge(
 
     Example: [bold]spoolctl quarantine purge --older-than 7d --yes[/bold]
     """
-    wanted = [validate_item_id(i) for i in (items or [])]
+    wanted = [check_item(i) for i in (items or [])]
     age = parse_duration(older_than) if older_than is not None else None
     ask = render.require_yes(yes, dry_run, "quarantine purge")
     targets = resolve_targets(root, rank=rank, deployment=deployment)
+    if wanted:  # unique prefixes -> whole ids, before anything is purged
+        known: list[QuarantineItem] = []
+        for target in targets.stores:
+            with open_store(target.root, read_only_ok=True) as store:
+                known += store.quarantine_items()
+        wanted = [resolve_item(known, w) for w in wanted]
     now = time.time()
     if ask or wanted:
         chosen = []
@@ -173,7 +213,8 @@ def q_purge(
             raise NotFoundError(f"no quarantine item {missing[0]}", path=targets.given,
                                 fix="list items with `spoolctl quarantine ls`")
         if ask and chosen:
-            console.print(f"{len(chosen)} items, {render.size(sum(i.bytes for i in chosen))}")
+            console.print(f"{render.count(len(chosen), 'item')}, "
+                          f"{render.size(sum(i.bytes for i in chosen))}")
             if not typer.confirm("Purge them?", default=False):
                 raise typer.Exit(EXIT_OK)
 
@@ -190,4 +231,4 @@ def q_purge(
 
 def _purge_view(doc: dict[str, Any]) -> str:
     verb = "would purge" if doc["dry_run"] else "purged"
-    return f"{verb} {doc['count']} items, {render.size(doc['bytes'])}"
+    return f"{verb} {render.count(doc['count'], 'item')}, {render.size(doc['bytes'])}"

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from spoolctl.store import ConfigError, format_size
 
@@ -22,6 +23,30 @@ from .common import err_console
 
 def size(n: int | float | None) -> str:
     return "-" if n is None else format_size(n)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 entry`` / ``2 entries`` / ``0 items``: one way to say how many, everywhere."""
+    if n == 1:
+        return f"1 {noun}"
+    if plural is None:
+        plural = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" \
+            else noun + "s"
+    return f"{n} {plural}"
+
+
+def columns(headers: tuple[str, ...] | list[str], rows: list[list[str]]) -> Text:
+    """Plain columns for a pipe (``kubectl get`` style): a header line in capitals, cells
+    padded with two spaces, nothing cut or wrapped whatever the width; store text escaped
+    (``plain``). Spaces inside a cell (``3m ago``) stay; the column widths keep it readable."""
+    from .common import plain
+
+    table = [[h.upper().replace(" ", "_") for h in headers],
+             *[[plain(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in table]
+    return Text("\n".join(lines))
 
 
 def rel_time(t: float | None, now: float | None = None) -> str:

@@ -93,8 +93,9 @@ def _scrub_view(doc: dict[str, Any]) -> Table:
               show_header=False, title_justify="left")
     t.add_column("what", style="bold")
     t.add_column("value")
-    what = "authenticated" if doc.get("proves") == "origin" else "verified (digests)"
-    t.add_row(what, f"{doc['checked']} entries, {render.size(doc['bytes'])}")
+    # The JSON's word (`checked`) with what the check proved: one name per concept.
+    how = "authenticated (tags)" if doc.get("proves") == "origin" else "verified (digests)"
+    t.add_row("checked", f"{doc['checked']} entries, {render.size(doc['bytes'])}: {how}")
     found = doc["quarantined"]
     t.add_row("quarantined", f"[red]{len(found)}[/red]" if found else "0")
     for q in found[:20]:

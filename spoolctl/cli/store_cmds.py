@@ -168,7 +168,7 @@ def _status_view(doc: dict[str, Any]) -> Table:
     t.add_column("value")
     t.add_row("root", text(doc["root"]))
     usage = f" ({doc['usage_pct']:.1f}% of {render.size(doc['max_bytes'])})" \
-        if doc["max_bytes"] else " (no max size)"
+        if doc["max_bytes"] else " (unbounded)"  # one word for it, as `init` says
     t.add_row("entries", f"{doc['entries']}  {render.size(doc['bytes'])}{usage}")
     for kind, slot in sorted(doc["by_kind"].items()):
         t.add_row(text(f"  {kind}"), f"{slot['entries']}  {render.size(slot['bytes'])}"
@@ -194,7 +194,7 @@ def _status_view(doc: dict[str, Any]) -> Table:
     last = scrub["last_cycle"]
     if last:
         t.add_row("last scrub", f"finished {render.rel_time(last['finished'])}: "
-                  f"{last['checked']} entries / {render.size(last['bytes'])} authenticated, "
+                  f"{last['checked']} entries / {render.size(last['bytes'])} checked, "
                   f"{last['quarantined']} quarantined, "
                   f"{render.size(last['orphan_bytes'])} orphans reclaimed")
     else:

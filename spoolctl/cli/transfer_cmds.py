@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
-import json
 import os
 import stat
 import sys
@@ -38,11 +37,14 @@ from .app import app
 from .common import (
     EXIT_FINDINGS,
     JsonOption,
+    JsonState,
     RankOption,
     RootOption,
     console,
+    deprecated_alias,
     emit_json,
     err_console,
+    error_doc,
     text,
 )
 from .transfer_roots import (
@@ -72,6 +74,13 @@ NamespaceOption = Annotated[list[str] | None, typer.Option(
 ProgressOption = Annotated[bool | None, typer.Option(
     "--progress/--no-progress", help="Progress on stderr (default: when stderr is a terminal).",
     show_default=False)]
+
+
+# `--max-size` of export/import was a selection limit, `--max-size` of init the capacity:
+# one name, two meanings. The selection limit is --limit-size; the old name stays one
+# release, hidden, with a warning (decision 2410).
+DeprecatedMaxSize = Annotated[str | None, typer.Option(
+    "--max-size", hidden=True, help="Deprecated name of --limit-size.", show_default=False)]
 
 
 class _Progress:
@@ -204,13 +213,14 @@ def export_cmd(
         "--hint", help="Entries with this hint: retain (live), release or any.")] =
         ExportHint.retain,
     max_size: Annotated[str | None, typer.Option(
-        "--max-size", metavar="<size>",
+        "--limit-size", metavar="<size>",
         help="At most this many bytes, most recently used entries first "
         "(e.g. 50GiB).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")]
         = False,
     progress: ProgressOption = None,
     json_output: JsonOption = False,
+    old_max_size: DeprecatedMaxSize = None,
 ) -> None:
     """Write selected entries as one streaming, verified archive (tar) to a file or stdout.
 
@@ -226,6 +236,9 @@ def export_cmd(
     """
     from spoolctl.store.exporter import export
 
+    # With -o - stdout is the archive: the --json document (an error one too) goes to stderr.
+    JsonState.to_stderr = output == "-"
+    max_size = deprecated_alias("--max-size", "--limit-size", old_max_size, max_size)
     selection = _selection(kind, namespace, None,
                            None if hint is ExportHint.any else hint.value, max_size)
     source = export_source(root, rank, deployment)
@@ -253,10 +266,7 @@ def export_cmd(
     doc = export_doc(report.to_json(), source)
     doc["output"] = output
     if json_output:
-        if output == "-":
-            sys.stderr.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        else:
-            emit_json(doc)
+        emit_json(doc)  # on stderr with -o - (JsonState.to_stderr)
     else:
         out = err_console if output == "-" else console
         for renderable in export_view(doc, output):
@@ -292,9 +302,9 @@ def import_cmd(
     kind: KindOption = None,
     namespace: NamespaceOption = None,
     max_size: Annotated[str | None, typer.Option(
-        "--max-size", metavar="<size>",
-        help="From a store root: at most this many bytes, newest first.",
-        show_default=False)] = None,
+        "--limit-size", metavar="<size>",
+        help="From a store root: at most this many bytes, newest first (the store's "
+        "capacity is --store-max-size).", show_default=False)] = None,
     store_max_size: Annotated[str | None, typer.Option(
         "--store-max-size", metavar="<size>",
         help="Max size recorded in stores the import creates.",
@@ -304,6 +314,7 @@ def import_cmd(
         "(you vouch for the source) instead of skipping them.")] = False,
     progress: ProgressOption = None,
     json_output: JsonOption = False,
+    old_max_size: DeprecatedMaxSize = None,
 ) -> None:
     """Import an archive (or a peer's store root): verify every byte, then publish.
 
@@ -320,14 +331,15 @@ def import_cmd(
     """
     from spoolctl.store.importer import Importer
 
+    max_size = deprecated_alias("--max-size", "--limit-size", old_max_size, max_size)
     layout = import_target(root)
     store_max = parse_size(store_max_size) if store_max_size is not None else None
     selection = _selection(kind, namespace, None, None, max_size)
     show = _want_progress(progress, json_output)
     is_dir = source != "-" and Path(source).expanduser().is_dir()
     if max_size is not None and not is_dir:
-        raise ConfigError("--max-size selects entries from a store root", fix="limit an "
-                          "archive when exporting it (spoolctl export --max-size)")
+        raise ConfigError("--limit-size selects entries from a store root", fix="limit an "
+                          "archive when exporting it (spoolctl export --limit-size)")
 
     def wants(manifest: Any) -> bool:
         return selection.wants(manifest.kind, manifest.namespace)
@@ -359,8 +371,12 @@ def import_cmd(
 
             partial = getattr(exc, "report", None)
             bar.enabled = False
-            if partial is not None:
-                _render_import(import_doc(partial.to_json(), layout), json_output)
+            done = import_doc(partial.to_json(), layout) if partial is not None else None
+            if json_output:  # one document: the error, with what was imported before it
+                emit_json(error_doc(exc.message, code=EXIT_FINDINGS, fix=exc.fix,
+                                    path=exc.path, kind=type(exc).__name__, report=done))
+            elif done is not None and (done["stores"] or done.get("imported")):
+                _render_import(done, json_output)
             err_console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False,
                               soft_wrap=True)
             raise typer.Exit(EXIT_FINDINGS) from None
@@ -377,7 +393,14 @@ def _archive_source(source: str):
             raise ConfigError("stdin is a terminal, not an archive",
                               fix="pipe an archive in (spoolctl export ... | spoolctl import -)"
                                   " or pass a file")
-        yield sys.stdin.buffer
+        stdin = sys.stdin.buffer
+        # Empty stdin (the exporting side failed, or nothing was piped): say that, once,
+        # instead of "nothing to import" and "not a spoolctl archive" together.
+        if hasattr(stdin, "peek") and not stdin.peek(1):
+            raise ArchiveError("the archive is empty: stdin had no bytes", path="-",
+                               fix="pipe `spoolctl export` into it (if the export failed, "
+                                   "its own error says why)")
+        yield stdin
         return
     path = Path(source).expanduser()
     try:

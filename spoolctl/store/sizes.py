@@ -41,7 +41,12 @@ def parse_rate(text: str) -> int:
     raw = str(text).strip()
     if raw.lower().endswith("/s"):
         raw = raw[:-2]
-    return parse_size(raw)
+    try:
+        return parse_size(raw)
+    except ConfigError:  # a rate's own wording and example, not a size's
+        raise ConfigError(f"invalid rate {str(text)[:40]!r}",
+                          fix="write bytes per second, e.g. 64MiB/s, 200MB/s, or 0 for "
+                              "unlimited") from None
 
 
 def parse_duration(text: str) -> float:
@@ -58,7 +63,8 @@ def format_size(n: int | float) -> str:
     """Render bytes in IEC units (``1.5 GiB``)."""
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+        # Compared as shown (one decimal): 1048575 B is "1.0 MiB", never "1024.0 KiB".
+        if (abs(n) < 1024 if unit == "B" else round(abs(n), 1) < 1024) or unit == "TiB":
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -1,0 +1,182 @@
+"""The ``--json`` contract: what each command's document holds, as data.
+
+docs/json.md is generated from this table (``scripts/gen_cli_docs.py``, with the CLI
+reference) and tests/test_cli_contract.py runs the commands and checks each real document
+against it: its ``schema`` id, and that its top-level keys are exactly the documented ones.
+A new key, a renamed one or a removed one fails CI until it is written down here.
+
+Rules (decision 2410): every document has ``schema`` = ``spoolctl-cli/<command>/v1``; one
+name per concept across commands (``bytes`` for a size in bytes, ``entries`` for a count of
+entries, ``exit`` for the command's exit code where the document carries it); a renamed key
+stays one release as a deprecated alias (``DEPRECATED``), then goes; a change that breaks a
+reader bumps ``/v1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Document:
+    """One command's document: what it is, its top-level keys (name -> meaning)."""
+
+    command: str
+    summary: str
+    keys: dict[str, str]
+    rows: dict[str, dict[str, str]] = field(default_factory=dict)  # list key -> row keys
+
+
+SCHEMA = "schema id: spoolctl-cli/<command>/v1"
+
+# Keys kept one release for scripts written against them: alias -> (key, where).
+DEPRECATED: dict[str, tuple[str, str]] = {
+    "size": ("bytes", "`ls` rows and `inspect` (the entry's bytes; `status` always said "
+             "`bytes`)"),
+}
+
+ERROR = Document("error", "Any command that fails, with --json: the one document on stdout "
+                 "(stderr with `export -o -`, whose stdout is the archive).", {
+                     "schema": SCHEMA,
+                     "ok": "always false",
+                     "exit": "the exit code (1 findings, 2 usage or configuration)",
+                     "error": "`kind` (the error class, `UsageError` for a bad command line), "
+                              "`message`, `path` (or null) and `fix` (or null)",
+                 })
+
+MULTI = Document("(any, on a vLLM root)", "A command run on a vLLM base root or deployment "
+                 "directory: one document for every rank store.", {
+                     "schema": SCHEMA,
+                     "root": "the --root given",
+                     "kind": "`deployment` or `base`",
+                     "stores": "per store: `root`, `deployment`, `rank`, and `result` (the "
+                               "single-store document) or `error`",
+                     "exit": "the worst exit code of the stores",
+                 })
+
+DOCUMENTS: tuple[Document, ...] = (
+    Document("init", "The store created or updated.", {
+        "schema": SCHEMA, "root": "store root", "store_id": "the store's id",
+        "created": "true if this run created it", "max_bytes": "max size (null: unbounded)",
+        "previous_max_bytes": "max size before this run", "bytes": "bytes stored",
+        "over_max": "true if bytes exceed the new max size"}),
+    Document("status", "The store's facts.", {
+        "schema": SCHEMA, "root": "store root", "store_id": "the store's id",
+        "entries": "entries", "bytes": "bytes of entries", "objects": "objects",
+        "by_kind": "per kind: `entries`, `bytes`", "max_bytes": "max size (null: unbounded)",
+        "usage_pct": "bytes / max_bytes in percent (null: unbounded)",
+        "released": "`entries`, `bytes` waiting for `clean --released`",
+        "quarantined": "`items`, `bytes`, `by_reason`", "tmp": "temp files: count and bytes",
+        "orphans": "orphans reclaimed by the last scrub", "scrub": "last and current cycle",
+        "scrub_unreadable": "files the last scrub could not read",
+        "unknown_files": "files the store does not know", "owner": "the owner lease holder",
+        "read_only": "true if opened read-only", "malformed_rows": "catalog rows skipped",
+        "genai": "GenAI records: `entries`, `expired`, `malformed`, `next_expiry_in_s`"}),
+    Document("ls", "Entries, newest access first by default.", {
+        "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows"},
+        rows={"entries": {
+            "entry_id": "full 64-hex id", "kind": "vllm, pytorch, mlx or genai",
+            "namespace": "model namespace", "bytes": "payload bytes",
+            "size": "deprecated alias of `bytes`", "hint": "retain or release",
+            "state": "catalog state", "created": "Unix time", "last_access": "Unix time",
+            "supersedes": "entry id this one extends (or null)"}}),
+    Document("inspect", "One entry: manifest, catalog row, objects.", {
+        "schema": SCHEMA, "entry_id": "full id", "kind": "kind", "namespace": "namespace",
+        "key": "the entry's key", "created": "Unix time", "supersedes": "entry id or null",
+        "hint": "retain or release", "last_access": "Unix time", "bytes": "payload bytes",
+        "size": "deprecated alias of `bytes`",
+        "objects": "`name`, `digest`, `size` (the manifest's field), `present`",
+        "meta": "the manifest's meta", "index": "the manifest's index"}),
+    Document("scrub", "One scrub step (or a whole cycle with --until-complete).", {
+        "schema": SCHEMA, "cycle_id": "scrub cycle", "resumed": "true if it continued a cycle",
+        "cycle_completed": "true if this run finished the cycle",
+        "checked": "entries checked (the human view's `checked`)", "bytes": "bytes checked",
+        "proves": "`integrity` (digests) or `origin` (tags, with a tag key)",
+        "quarantined": "entries quarantined by this run", "absent": "entries gone meanwhile",
+        "unreadable": "files that could not be read", "orphans": "orphans reclaimed",
+        "tmp": "temp files reclaimed", "seconds": "run time"}),
+    Document("request-auth", "One entry checked now.", {
+        "schema": SCHEMA, "entry_id": "full id", "result": "authenticated, verified, "
+        "absent, quarantined or queued", "proves": "integrity or origin",
+        "reason": "quarantine reason (or null)", "detail": "one line",
+        "request_id": "queue id (or null)", "via": "how it was checked"}),
+    Document("clean", "What was (or, with --dry-run, would be) deleted, per step.", {
+        "schema": SCHEMA, "dry_run": "true for a plan", "steps": "per step: counts, bytes",
+        "total": "totals over the steps", "errors": "per-file errors", "failed": "true if "
+        "a step failed", "genai": "GenAI records cleaned", "malformed_rows": "rows skipped"}),
+    Document("doctor", "Checks of the root, filesystem, files and permissions.", {
+        "schema": SCHEMA, "root": "store root", "ok": "true if every check passed",
+        "checks": "per check: `name`, `status`, `detail`, `fix`"}),
+    Document("metrics", "The store gauges, as `spoolctl metrics` exposes them.", {
+        "schema": SCHEMA, "exit": "exit code", "textfile": "the .prom file written (or null)",
+        "metrics": "per sample: `name` (spoolctl_...), `type`, `labels`, `value`"}),
+    Document("quarantine-ls", "Quarantined items.", {
+        "schema": SCHEMA, "items": "per item: `item`, `reason`, `entry_id`, `bytes`, ...",
+        "count": "items", "bytes": "bytes in quarantine"}),
+    Document("quarantine-show", "One quarantined item.", {
+        "schema": SCHEMA, "item": "item id", "reason": "quarantine reason",
+        "detail": "one line", "time": "Unix time it was quarantined",
+        "entry_id": "the entry (or null)", "kind": "entry kind (or null)",
+        "files": "files kept as evidence", "bytes": "bytes kept", "path": "item directory",
+        "contents": "file names in it"}),
+    Document("quarantine-purge", "Items deleted (or, with --dry-run, that would be).", {
+        "schema": SCHEMA, "dry_run": "true for a plan", "purged": "item ids",
+        "count": "items", "bytes": "bytes freed"}),
+    Document("export", "The archive written (to stderr with -o -).", {
+        "schema": SCHEMA, "root": "source root", "kind": "store, deployment or base",
+        "output": "file or -", "entries": "entries exported", "objects": "objects exported",
+        "bytes": "payload bytes", "archive_bytes": "archive bytes", "seconds": "run time",
+        "bytes_per_second": "rate", "left_out": "entries not taken (and why)",
+        "stores": "per source store", "exit": "exit code"}),
+    Document("import", "What was imported.", {
+        "schema": SCHEMA, "source": "archive, - or peer root", "target": "--root",
+        "kind": "store, deployment or base", "imported": "entries committed",
+        "present": "entries already there", "filtered": "entries not selected",
+        "skipped_capacity": "entries over the max size", "skipped_corrupt": "entries that "
+        "failed verification", "skipped_unauthenticated": "entries without a valid tag",
+        "skipped_vanished": "peer entries gone meanwhile", "objects_written": "objects",
+        "objects_present": "objects already there", "bytes_written": "bytes",
+        "source_bytes": "bytes read", "seconds": "run time", "bytes_per_second": "rate",
+        "complete": "true if the archive ended properly", "error": "why not (or null)",
+        "stores": "per target store"}),
+)
+
+
+def by_command() -> dict[str, Document]:
+    return {d.command: d for d in (*DOCUMENTS, ERROR)}
+
+
+def render_markdown() -> str:
+    """docs/json.md (pure)."""
+    out = ["# JSON output", "",
+           "<!-- Generated by scripts/gen_cli_docs.py from spoolctl/cli/json_contract.py. "
+           "Do not edit by hand. -->", "",
+           "With `--json` every command prints exactly one JSON document on stdout, whatever "
+           "the outcome: its result, or an error document when it fails (exit code in both). "
+           "Each document names its schema in `schema` (`spoolctl-cli/<command>/v1`; a "
+           "change that breaks a reader bumps the version). CI runs the commands and checks "
+           "every document below against its real output.", "",
+           "One name per concept: `bytes` is a size in bytes, `entries` a count of entries "
+           "(or the list of them), `exit` the exit code. Renamed keys stay one release as "
+           "deprecated aliases:", ""]
+    out_tail = ["", "`prefill`, `demo` and `quarantine restore` documents carry their schema "
+                "id too but are not yet under the contract check; `config vllm` prints vLLM's "
+                "`kv_transfer_config`, not a spoolctl document."]
+    out += [f"- `{alias}`: use `{key}` ({where})." for alias, (key, where) in
+            sorted(DEPRECATED.items())]
+    out += out_tail
+    out.append("")
+    for doc in (ERROR, MULTI, *DOCUMENTS):
+        name = doc.command if doc.command.startswith("(") else f"`{doc.command}`"
+        schema = f"spoolctl-cli/{doc.command}/v1" if not doc.command.startswith("(") \
+            else "the command's own"
+        out += [f"## {name}", "", f"{doc.summary} Schema: `{schema}`.", "",
+                "| key | meaning |", "|---|---|"]
+        out += [f"| `{k}` | {v.replace('|', '/')} |" for k, v in doc.keys.items()
+                if k != "schema"]
+        out.append("")
+        for key, row in doc.rows.items():
+            out += [f"Each of `{key}`:", "", "| key | meaning |", "|---|---|"]
+            out += [f"| `{k}` | {v} |" for k, v in row.items()]
+            out.append("")
+    return "\n".join(out).rstrip() + "\n"
