@@ -23,8 +23,9 @@ from typing import Literal
 from . import dirfd, doctor_scan
 from .errors import SpoolError
 from .fsio import DIR_MODE, file_kind, full_fsync, probe_o_direct, tmp_name
-from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker
+from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker, unfinished_init
 from .sizes import format_size
+from .space import INODE_FIX, INODE_WARN_RATIO, space_of
 from .sqlite_files import connect_read_only
 
 Status = Literal["ok", "warn", "fail"]
@@ -79,7 +80,13 @@ def run_checks(root: str | os.PathLike[str]) -> list[Check]:
         marker = read_marker(layout)
         checks.append(Check("root.marker", "ok", f"{MARKER} present (store {marker.store_id})"))
     except SpoolError as exc:
-        checks.append(Check("root.marker", "fail", exc.message, exc.fix or ""))
+        if unfinished_init(layout) is not None:
+            checks.append(Check("root.marker", "fail",
+                                "an unfinished `spoolctl init`: the layout is there, the "
+                                f"{MARKER} marker is not",
+                                f"run `spoolctl init --root {path}` again to finish it"))
+        else:
+            checks.append(Check("root.marker", "fail", exc.message, exc.fix or ""))
         return checks
     checks.extend(_permission_checks(layout))
     checks.extend(_filesystem_checks(layout, marker.max_bytes))
@@ -199,6 +206,7 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
         else:
             out.append(Check("fs.free", "ok", f"{format_size(usage.free)} free, store may grow "
                              f"by {format_size(need)}"))
+    out.append(_inode_check(layout))
     odirect = probe_o_direct(layout.tmp) if os.access(layout.tmp, os.W_OK) else False
     out.append(Check("fs.o_direct", "ok",
                      "supported" if odirect else "not supported: buffered I/O is used"))
@@ -219,6 +227,27 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
         with contextlib.suppress(OSError):
             dirfd.unlink(probe)
     return out
+
+
+def _inode_check(layout: Layout) -> Check:
+    """``fs.inodes``: a filesystem can be out of inodes with bytes free (issue 30.2). Fail
+    once commits stop (fewer free than the headroom kept for maintenance), warn below
+    ``INODE_WARN_RATIO`` of all inodes free."""
+    space = space_of(layout.root)
+    if space is None or space.inodes is None or space.free_inodes is None:
+        return Check("fs.inodes", "ok", "no fixed inode count on this filesystem")
+    free, total = space.free_inodes, space.inodes
+    detail = f"{free} of {total} inodes free ({100.0 * free / total:.1f}%)"
+    if space.short_of_inodes:
+        return Check("fs.inodes", "fail",
+                     f"{detail}: commits stop below {space.inode_headroom} (kept for "
+                     f"maintenance), with {format_size(space.free_bytes)} still free",
+                     INODE_FIX)
+    if free < total * INODE_WARN_RATIO:
+        return Check("fs.inodes", "warn",
+                     f"{detail}: under {100 * INODE_WARN_RATIO:.0f}%; commits stop at "
+                     f"{space.inode_headroom}", INODE_FIX)
+    return Check("fs.inodes", "ok", detail)
 
 
 def _catalog_ddl() -> str:

@@ -42,9 +42,12 @@ SCRUB_CHECKPOINTS: tuple[str, ...] = ("scrub.progress_saved",)
 # Between a listing and the deletions it chose (``gc.clean_tmp``, a quarantine purge): where
 # a swap would race.
 RACE_CHECKPOINTS: tuple[str, ...] = ("tmp.listed", "quarantine.listed")
+# Creating a store (``root.create_or_adopt``): the layout is made, the marker is not yet;
+# the marker's draft is written in ``tmp/``, not yet renamed (issue 30.1).
+INIT_CHECKPOINTS: tuple[str, ...] = ("init.layout_made", "init.marker_drafted")
 CHECKPOINTS: frozenset[str] = frozenset(
     COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
-    + RACE_CHECKPOINTS)
+    + RACE_CHECKPOINTS + INIT_CHECKPOINTS)
 
 _target: str | None = None
 _countdown = 0

@@ -1,0 +1,137 @@
+"""Issue 30: the operator's recovery path.
+
+30.1: an ``init`` killed or failed half-way is finished by the next ``init`` (it used to
+refuse its own leftovers as "not a spoolctl store", and ``doctor`` advised the very ``init``
+that refused: a circle whose only exit was ``rm -rf``). Only what an unfinished init makes
+is adopted; anything else in the directory still makes it refuse.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from operator_cli import run, run_json, script
+
+from spoolctl.store import Store, StoreIOError
+from spoolctl.store.faults import CRASH_EXIT_CODE
+from spoolctl.store.root import Layout, ensure_layout
+
+pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
+
+
+def _doctor(root: Path) -> dict[str, dict]:
+    _, out, _ = run("doctor", "--root", str(root), "--json")
+    return {c["name"]: c for c in json.loads(out)["checks"]}
+
+
+# -- 30.1 an interrupted or failed init can be rerun -------------------------------------------
+
+
+@pytest.mark.parametrize("point", ["init.layout_made", "init.marker_drafted"])
+def test_init_killed_half_way_is_finished_by_the_next_init(store_root: Path, point: str) -> None:
+    proc = script("init", "--root", str(store_root), env={"SPOOLCTL_CRASH_AT": point})
+    assert proc.returncode == CRASH_EXIT_CODE, proc.stderr
+    assert not (store_root / ".spoolctl-root").exists() and (store_root / "objects").is_dir()
+    drafts = os.listdir(store_root / "tmp")
+    assert len(drafts) == (1 if point == "init.marker_drafted" else 0)
+
+    # other commands and doctor name it and point at the one command that finishes it
+    code, _, err = run("status", "--root", str(store_root))
+    assert code == 2 and "unfinished `spoolctl init`" in err and "init --root" in err
+    check = _doctor(store_root)["root.marker"]
+    assert check["status"] == "fail" and "unfinished" in check["detail"]
+    assert f"spoolctl init --root {store_root}" in check["fix"]
+
+    doc = run_json("init", "--root", str(store_root), "--max-size", "1MiB")
+    assert doc["created"] is True and doc["max_bytes"] == 1 << 20
+    assert os.listdir(store_root / "tmp") == []  # the dead init's draft is gone
+    with Store.open(store_root) as store:
+        m = store.put(kind="mlx", namespace="ns", key="k", objects={"a": b"x" * 10})
+        assert bytes(store.read(m, "a")) == b"x" * 10
+
+
+@pytest.mark.parametrize("extra", ["objects/ab/planted.obj", "state/catalog.sqlite3",
+                                   "notes.txt", "manifests/zz/"])
+def test_init_still_refuses_a_directory_holding_anything_else(store_root: Path,
+                                                             extra: str) -> None:
+    store_root.mkdir(mode=0o700)
+    ensure_layout(Layout(store_root))  # what init makes before its marker
+    target = store_root / extra
+    if extra.endswith("/"):
+        target.mkdir()
+    else:
+        target.write_bytes(b"someone's data")
+    code, _, err = run("init", "--root", str(store_root))
+    assert code == 2 and ("refusing to adopt" in err or "not a spoolctl store" in err), err
+    assert not (store_root / ".spoolctl-root").exists()
+    assert target.exists()
+
+
+def test_init_that_ran_out_of_inodes_is_named_and_finished_after_room_is_made(
+        mount_tmpfs) -> None:
+    fs = mount_tmpfs("8m", inodes=300)  # a store's layout needs 518 directories
+    root = fs / "store"
+    code, _, err = run("init", "--root", str(root))
+    assert code == 2 and "inodes" in err, err
+    assert "unexpected" not in err
+    assert _doctor(root)["root.marker"]["detail"].startswith("an unfinished")
+    proc = subprocess.run(["mount", "-o", "remount,nr_inodes=2000", str(fs)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert run_json("init", "--root", str(root))["created"] is True
+    assert _doctor(root)["root.marker"]["status"] == "ok"
+
+
+# -- 30.2 out of inodes is named, checked, measured, and clean still works ----------------------
+
+
+def _fill_inodes(fs: Path) -> list[Path]:
+    """Take every free inode of ``fs``, like another program making small files would."""
+    (fs / "filler").mkdir(exist_ok=True)
+    made: list[Path] = []
+    while True:
+        path = fs / "filler" / f"f{time.monotonic_ns()}"
+        try:
+            path.touch()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+            break
+        made.append(path)
+    assert os.statvfs(fs).f_favail == 0 and os.statvfs(fs).f_bavail > 1000
+    return made
+
+
+def test_out_of_inodes_is_named_in_errors_doctor_and_metrics_and_clean_frees_them(
+        mount_tmpfs) -> None:
+    fs = mount_tmpfs("16m", inodes=1500)  # bytes to spare; the layout takes ~520 inodes
+    root = fs / "store"
+    with Store.open(root, create=True, max_bytes=8 << 20) as store:
+        made = [store.put(kind="mlx", namespace="ns", key=f"k{i}", objects={"a": b"x" * 100})
+                for i in range(20)]
+        assert _doctor(root)["fs.inodes"]["status"] == "ok"
+        fillers = _fill_inodes(fs)
+        with pytest.raises(StoreIOError, match="inodes") as caught:
+            store.put(kind="mlx", namespace="ns", key="new", objects={"a": b"y"})
+        assert "free disk space" not in str(caught.value)  # `df -h` shows space
+    os.unlink(fillers.pop())  # one inode left: doctor is not "ok"
+    check = _doctor(root)["fs.inodes"]
+    assert check["status"] == "fail" and "1 of 1500 inodes free" in check["detail"]
+    assert "spoolctl clean" in check["fix"]
+    _, text, _ = run("metrics", "--root", str(root))
+    assert "spoolctl_fs_free_inodes 1.0" in text and "spoolctl_fs_inodes 1500.0" in text
+    assert run_json("status", "--root", str(root))["filesystem"]["free_inodes"] == 1
+
+    _fill_inodes(fs)  # and now none left
+    with Store.open(root) as store:  # recording releases works at 0 inodes (the reserve)
+        for m in made[:10]:
+            assert store.release(m.entry_id)
+    _fill_inodes(fs)  # the other program takes what the releases gave back
+    doc = run_json("clean", "--root", str(root), "--released", "--yes")
+    assert doc["steps"]["released"]["entries"] == 10 and doc["failed"] == 0, doc
+    assert os.statvfs(fs).f_favail >= 10  # inodes came back (some went to the reserve again)
