@@ -304,3 +304,9 @@ def with_target(samples: list[Sample], deployment: str, rank: int) -> list[Sampl
 def store_down(deployment: str, rank: int) -> list[Sample]:
     """The gauges of a rank store that could not be read: ``store_up`` 0, nothing else."""
     return with_target([Sample(STORE_UP, 0)], deployment, rank)
+
+
+def store_unreadable() -> list[Sample]:
+    """The gauges of a ``--root`` that could not be read at all (gone, unmounted, not a
+    store): ``store_up`` 0, nothing else, so an alert on it fires (issue 30.6)."""
+    return [Sample(STORE_UP, 0)]

@@ -135,3 +135,26 @@ def test_out_of_inodes_is_named_in_errors_doctor_and_metrics_and_clean_frees_the
     doc = run_json("clean", "--root", str(root), "--released", "--yes")
     assert doc["steps"]["released"]["entries"] == 10 and doc["failed"] == 0, doc
     assert os.statvfs(fs).f_favail >= 10  # inodes came back (some went to the reserve again)
+
+
+# -- 30.6 a gauge never says a store that is gone is healthy -------------------------------------
+
+
+def test_metrics_textfile_says_store_up_0_once_the_store_cannot_be_read(tmp_path: Path) -> None:
+    base = Path(os.path.realpath(tmp_path))
+    root, prom = base / "store", base / "spoolctl.prom"
+    with Store.open(root, create=True) as store:
+        store.put(kind="mlx", namespace="ns", key="k", objects={"a": b"x"})
+    assert run("metrics", "--root", str(root), "--textfile", str(prom))[0] == 0
+    assert "spoolctl_store_up 1.0" in prom.read_text()
+
+    root.rename(base / "store.moved")  # renamed directory, or a disk no longer mounted
+    code, _, err = run("metrics", "--root", str(root), "--textfile", str(prom))
+    assert code == 2 and "does not exist" in err
+    gauges = [line for line in prom.read_text().splitlines() if not line.startswith("#")]
+    assert gauges == ["spoolctl_store_up 0.0"]  # the alert on store_up == 0 fires
+
+    (base / "store.moved").rename(root)
+    (root / ".spoolctl-root").unlink()  # no longer a store at all
+    assert run("metrics", "--root", str(root), "--textfile", str(prom))[0] == 2
+    assert "spoolctl_store_up 0.0" in prom.read_text()
