@@ -158,3 +158,47 @@ def test_metrics_textfile_says_store_up_0_once_the_store_cannot_be_read(tmp_path
     (root / ".spoolctl-root").unlink()  # no longer a store at all
     assert run("metrics", "--root", str(root), "--textfile", str(prom))[0] == 2
     assert "spoolctl_store_up 0.0" in prom.read_text()
+
+
+# -- 30.7 a timestamp from the future protects nothing ------------------------------------------
+
+YEAR = 364 * 86400
+
+
+def test_an_orphan_from_the_future_is_reclaimed_and_a_fresh_one_is_not(store_root: Path) -> None:
+    with Store.open(store_root, create=True) as store:
+        store.put(kind="mlx", namespace="ns", key="k", objects={"a": b"kept"})
+        ahead = store._committer.publish_object("a", b"written while the clock ran ahead").digest
+        fresh = store._committer.publish_object("a", b"a commit in flight a moment ago").digest
+    ahead_path = store_root / "objects" / ahead[:2] / f"{ahead}.obj"
+    fresh_path = store_root / "objects" / fresh[:2] / f"{fresh}.obj"
+    future = time.time() + YEAR
+    os.utime(ahead_path, (future, future))
+
+    doc = run_json("clean", "--root", str(store_root), "--orphans", "--yes")
+    assert not ahead_path.exists() and fresh_path.exists(), doc  # default --min-age: 1h
+    assert run_json("clean", "--root", str(store_root), "--orphans", "--yes",
+                    "--min-age", "0s")["failed"] == 0
+    assert not fresh_path.exists()  # and --min-age 0s means now, not "unless from the future"
+
+
+def test_entries_stamped_ahead_do_not_outrank_todays_in_the_lru(store_root: Path) -> None:
+    ahead = lambda: time.time() + YEAR  # noqa: E731 (a clock that ran a year ahead)
+    payload = b"x" * 4000
+    with Store.open(store_root, create=True, clock=ahead) as store:
+        future = [store.put(kind="mlx", namespace="ns", key=f"ahead{i}",
+                            objects={"a": payload}).entry_id for i in range(20)]
+    with Store.open(store_root) as store:  # the clock is right again
+        hot = [store.put(kind="mlx", namespace="ns", key=f"hot{i}",
+                         objects={"a": payload}).entry_id for i in range(20)]
+        store.touch(future[:1])  # used today: its real recency counts from now on
+        assert store.catalog.get(future[0]).last_access <= time.time()
+        store.set_max_bytes(store.totals().bytes * 3 // 4)
+        report = store.enforce_capacity()
+        assert report.entries >= 10
+        gone = set(report.entry_ids)
+        assert not gone & set(hot), "entries used today were evicted first"
+        assert future[0] not in gone and gone <= set(future[1:])
+
+    code, out, _ = run("ls", "--root", str(store_root))
+    assert code == 0 and "in 36" not in out and " in " not in out.replace("in/", "")

@@ -99,8 +99,8 @@ def _ls_view(doc: dict[str, Any]) -> Table:
                      min_width=8 if col == "namespace" else None)
     for r in doc["entries"]:
         t.add_row(render.short_id(r["entry_id"]), r["kind"], text(r["namespace"][:40]),
-                  render.size(r["size"]), r["hint"], render.rel_time(r["created"], now),
-                  render.rel_time(r["last_access"], now),
+                  render.size(r["size"]), r["hint"], render.past_time(r["created"], now),
+                  render.past_time(r["last_access"], now),
                   render.expiry_text(r.get("expires_in_s")))
     return t
 
@@ -174,8 +174,8 @@ def _inspect_view(doc: dict[str, Any]) -> list[Any]:
         f"id          {doc['entry_id']}", f"kind        {doc['kind']}",
         f"namespace   {plain(doc['namespace'])}", f"key         {plain(doc['key'][:100])}",
         f"size        {render.size(doc['size'])}", f"hint        {doc['hint']}",
-        f"created     {render.rel_time(doc['created'])}",
-        f"last access {render.rel_time(doc['last_access'])}",
+        f"created     {render.past_time(doc['created'])}",
+        f"last access {render.past_time(doc['last_access'])}",
         f"supersedes  {doc['supersedes'] or '-'}",
     ]
     if "expires_in_s" in doc:
