@@ -11,7 +11,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -202,3 +205,77 @@ def test_entries_stamped_ahead_do_not_outrank_todays_in_the_lru(store_root: Path
 
     code, out, _ = run("ls", "--root", str(store_root))
     assert code == 0 and "in 36" not in out and " in " not in out.replace("in/", "")
+
+
+# -- 30.4 / 30.5 doctor's fixes fit who runs it; root leaves nothing the owner cannot use --------
+
+RUNNER = str(Path(__file__).with_name("unprivileged.py"))
+sys.path.insert(0, str(Path(__file__).parent))
+from owned_stores import owned_store  # noqa: E402
+from unprivileged import unprivileged_uid  # noqa: E402
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="another user's store needs root to set up")
+
+
+def as_user(*args: str) -> subprocess.CompletedProcess:
+    """``spoolctl ARGS`` as the unprivileged user (tests/unprivileged.py)."""
+    return script(RUNNER, "cli", *args, program=sys.executable, cwd="/tmp")
+
+
+@pytest.fixture
+def shared_base():
+    """A directory the unprivileged user can reach (pytest's tmp_path is root-only)."""
+    path = Path(tempfile.mkdtemp(prefix="spool-ops-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@needs_root
+def test_root_on_another_users_store_leaves_state_the_owner_can_use(shared_base: Path) -> None:
+    root, _ = owned_store(shared_base, 3)
+    uid = unprivileged_uid()
+    code, _, err = run("--allow-foreign-owner", "scrub", "--root", str(root), "--until-complete")
+    assert code == 0, err
+    for top in ("state", "tmp", "quarantine"):
+        mine = [p for p in (root / top).rglob("*") if p.lstat().st_uid != uid]
+        assert mine == [], f"root left files the owner cannot use: {mine}"
+    proc = as_user("scrub", "--root", str(root), "--until-complete")  # the owner's cron job
+    assert proc.returncode == 0, proc.stderr
+
+    # a file an older spoolctl (or a hand) left root-owned: doctor names it and the owner
+    planted = root / "state" / "scrub.lock"
+    os.lchown(planted, 0, 0)
+    check = _doctor(root)["store.files"]
+    assert check["status"] == "fail" and str(planted) in check["detail"]
+    assert f"chown -R {uid}:{uid} {root}" in check["fix"]
+
+
+@needs_root
+def test_doctor_as_a_non_owner_does_not_advise_chown_to_itself(shared_base: Path) -> None:
+    root = shared_base / "store"
+    with Store.open(root, create=True) as store:
+        store.put(kind="mlx", namespace="ns", key="k", objects={"a": b"x"})
+    subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)  # world-readable, root's
+    proc = as_user("doctor", "--root", str(root), "--json")
+    checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    me = unprivileged_uid()
+    wrong = [c for c in checks.values() if "chown" in c["fix"] and str(me) in c["fix"]]
+    assert wrong == [], "doctor advised giving the store to the user who ran it"
+    assert checks["root.writable"]["status"] == "fail"
+    assert "run spoolctl as uid 0" in checks["root.writable"]["fix"]
+
+
+def test_doctor_names_a_read_only_mount_as_what_it_is(mount_tmpfs) -> None:
+    fs = mount_tmpfs("16m")
+    root = fs / "store"
+    assert run_json("init", "--root", str(root))["created"] is True
+    proc = subprocess.run(["mount", "-o", "remount,ro", str(fs)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    checks = _doctor(root)
+    assert checks["fs.read_only"]["status"] == "fail"
+    assert "remount" in checks["fs.read_only"]["fix"]
+    for check in checks.values():
+        if check["status"] == "fail":
+            assert "chown" not in check["fix"] and "free space" not in check["fix"], check

@@ -10,6 +10,7 @@ every file and row are in ``doctor_scan``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -146,10 +147,28 @@ def _permission_checks(layout: Layout) -> list[Check]:
         out.append(Check("root.permissions", "ok", "directories are private (0700)"))
     out.append(_parents_check(layout.root, st.st_uid))
     writable = os.access(layout.root, os.W_OK) and os.access(layout.tmp, os.W_OK)
-    out.append(Check("root.writable", "ok" if writable else "fail",
-                     "root and tmp/ are writable" if writable else "root or tmp/ is not writable",
-                     "" if writable else "fix ownership/permissions or remount read-write"))
+    if writable:
+        out.append(Check("root.writable", "ok", "root and tmp/ are writable"))
+    elif read_only_mount(layout.root):
+        out.append(Check("root.writable", "fail", "root is on a read-only mount",
+                         "see fs.read_only: remount read-write"))
+    elif st.st_uid != uid and uid != 0:
+        out.append(Check("root.writable", "fail", f"root or tmp/ is not writable by uid {uid}: "
+                         f"the store belongs to uid {st.st_uid}",
+                         f"run spoolctl as uid {st.st_uid} (the store's owner)"))
+    else:
+        out.append(Check("root.writable", "fail", "root or tmp/ is not writable",
+                         f"chown -R {st.st_uid}:{st.st_gid} {layout.root} and chmod 700 the "
+                         "store's directories"))
     return out
+
+
+def read_only_mount(path: Path) -> bool:
+    """True if ``path`` is on a filesystem mounted read-only (statvfs ST_RDONLY)."""
+    try:
+        return bool(os.statvfs(path).f_flag & getattr(os, "ST_RDONLY", 1))
+    except OSError:
+        return False
 
 
 def _parents_check(root: Path, owner: int) -> Check:
@@ -176,6 +195,13 @@ def _parents_check(root: Path, owner: int) -> Check:
 
 def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
     out = []
+    if read_only_mount(layout.root):
+        # what it is, not a disk or ownership problem (issue 30.4)
+        out.append(Check("fs.read_only", "fail", "the store's filesystem is mounted read-only: "
+                         "read commands show a read-only view, nothing can be written",
+                         "remount it read-write (`mount -o remount,rw MOUNTPOINT`) if the store "
+                         "should be served or cleaned; if the kernel remounted it after I/O "
+                         "errors, check dmesg first"))
     fstype = filesystem_type(layout.root)
     if fstype in _NETWORK_FS:
         out.append(Check("fs.type", "warn", f"{fstype} (network filesystem)",
@@ -221,8 +247,12 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
             os.close(fd)
         out.append(Check("fs.fsync", "ok", "write + fsync works"))
     except OSError as exc:
+        fix = {errno.EROFS: "see fs.read_only: remount read-write",
+               errno.EACCES: "see root.writable",
+               errno.ENOSPC: "free space or inodes (fs.free, fs.inodes): `spoolctl clean`"
+               }.get(exc.errno or 0, "check the disk (dmesg)")
         out.append(Check("fs.fsync", "fail", f"write + fsync failed: {os.strerror(exc.errno or 0)}",
-                         "check the disk (dmesg) and free space"))
+                         fix))
     finally:
         with contextlib.suppress(OSError):
             dirfd.unlink(probe)
