@@ -132,12 +132,18 @@ SCRUB_UNREADABLE = _g("scrub_unreadable_entries",
 MALFORMED_ROWS = _g("store_malformed_rows",
                     "Catalog rows with a malformed value, skipped by clean and status.")
 STORE_UP = _g("store_up", "1 if the store could be opened and read for these gauges, else 0.")
+FS_FREE_BYTES = _g("fs_free_bytes", "Bytes free (to this user) on the store's filesystem.")
+FS_FREE_INODES = _g("fs_free_inodes",
+                    "Inodes free on the store's filesystem (absent where it has no fixed "
+                    "inode count); commits stop near 0 while bytes may still be free.")
+FS_INODES = _g("fs_inodes", "Inodes in all on the store's filesystem (absent where not fixed).")
 
 STORE_GAUGES: tuple[MetricSpec, ...] = (
     STORE_ENTRIES, STORE_BYTES, STORE_MAX_BYTES, STORE_USAGE_RATIO, KIND_ENTRIES, KIND_BYTES,
     RELEASED_ENTRIES, RELEASED_BYTES, QUARANTINED_ITEMS, QUARANTINED_BYTES, TMP_BYTES, TMP_FILES,
     OWNER_PRESENT, SCRUB_LAST_COMPLETED, SCRUB_LAST_CHECKED, SCRUB_LAST_QUARANTINED,
-    SCRUB_PROGRESS, SCRUB_UNREADABLE, MALFORMED_ROWS, STORE_UP,
+    SCRUB_PROGRESS, SCRUB_UNREADABLE, MALFORMED_ROWS, STORE_UP, FS_FREE_BYTES, FS_FREE_INODES,
+    FS_INODES,
 )
 
 # -- connector and background maintainer metrics (exported by the vLLM worker) ----------------
@@ -242,6 +248,12 @@ def store_gauges(facts: StoreFacts) -> list[Sample]:
     out.append(Sample(SCRUB_LAST_QUARANTINED, last.quarantined if last else 0))
     out.append(Sample(SCRUB_PROGRESS,
                       current.progress(facts.totals.entries) if current else 0.0))
+    space = facts.space
+    if space is not None:
+        out.append(Sample(FS_FREE_BYTES, space.free_bytes))
+        if space.inodes is not None and space.free_inodes is not None:
+            out.append(Sample(FS_FREE_INODES, space.free_inodes))
+            out.append(Sample(FS_INODES, space.inodes))
     for sample in out:
         check_labels(sample.spec, dict(sample.labels))
     return out
@@ -292,3 +304,9 @@ def with_target(samples: list[Sample], deployment: str, rank: int) -> list[Sampl
 def store_down(deployment: str, rank: int) -> list[Sample]:
     """The gauges of a rank store that could not be read: ``store_up`` 0, nothing else."""
     return with_target([Sample(STORE_UP, 0)], deployment, rank)
+
+
+def store_unreadable() -> list[Sample]:
+    """The gauges of a ``--root`` that could not be read at all (gone, unmounted, not a
+    store): ``store_up`` 0, nothing else, so an alert on it fires (issue 30.6)."""
+    return [Sample(STORE_UP, 0)]

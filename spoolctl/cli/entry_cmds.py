@@ -116,7 +116,7 @@ def _ls_view(doc: dict[str, Any]) -> Table | Text:
     def row(r: dict[str, Any]) -> list[str]:
         return [r["entry_id"] if piped else render.short_id(r["entry_id"]), r["kind"],
                 r["namespace"], render.size(r["bytes"]), r["hint"],
-                render.rel_time(r["created"], now), render.rel_time(r["last_access"], now),
+                render.past_time(r["created"], now), render.past_time(r["last_access"], now),
                 render.expiry_text(r.get("expires_in_s")) or "-"]
 
     if piped:
@@ -202,8 +202,8 @@ def _inspect_view(doc: dict[str, Any]) -> list[Any]:
         f"id          {doc['entry_id']}", f"kind        {doc['kind']}",
         f"namespace   {plain(doc['namespace'])}", f"key         {plain(doc['key'][:100])}",
         f"size        {render.size(doc['size'])}", f"hint        {doc['hint']}",
-        f"created     {render.rel_time(doc['created'])}",
-        f"last access {render.rel_time(doc['last_access'])}",
+        f"created     {render.past_time(doc['created'])}",
+        f"last access {render.past_time(doc['last_access'])}",
         f"supersedes  {doc['supersedes'] or '-'}",
     ]
     if "expires_in_s" in doc:

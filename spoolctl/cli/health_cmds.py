@@ -53,20 +53,36 @@ def metrics_cmd(
     """Print store gauges in Prometheus exposition format (or, with --json, as samples).
 
     On a vLLM base root or deployment directory: the gauges of every rank store, labelled
-    `deployment` and `rank`; a rank that cannot be read shows `spoolctl_store_up 0`.
+    `deployment` and `rank`; a rank that cannot be read shows `spoolctl_store_up 0`. With
+    `--textfile`, a root that cannot be read at all (gone, unmounted) replaces the file with
+    `spoolctl_store_up 0` alone, then exits 2.
 
     Example: [bold]spoolctl metrics --textfile /var/lib/node_exporter/textfile/spoolctl.prom[/bold]
     """
-    from spoolctl.metrics import collect_store_gauges, render_samples, store_down, with_target
+    from spoolctl.metrics import (
+        collect_store_gauges,
+        render_samples,
+        store_down,
+        store_unreadable,
+        with_target,
+    )
 
     if textfile is not None:
         _check_textfile(textfile)
-    targets = resolve_targets(root, rank=rank, deployment=deployment)
+    try:
+        targets = resolve_targets(root, rank=rank, deployment=deployment)
+        if targets.single:
+            with open_store(targets.given, read_only_ok=True) as store:
+                samples = collect_store_gauges(store)
+    except SpoolError:
+        if textfile is None:
+            raise
+        # The root is gone (unmounted disk, renamed directory) or unreadable: the previous
+        # file must not go on saying `store_up 1` (issue 30.6). Replace it, then fail.
+        _write_atomic(textfile, render_samples(store_unreadable()).encode())
+        raise
     code = EXIT_OK
-    if targets.single:
-        with open_store(targets.given, read_only_ok=True) as store:
-            samples = collect_store_gauges(store)
-    else:
+    if not targets.single:
         samples = []
         for target in targets.stores:
             assert target.rank is not None and target.deployment is not None

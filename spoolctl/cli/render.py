@@ -66,6 +66,14 @@ def rel_time(t: float | None, now: float | None = None) -> str:
     return f"in {text}" if future else f"{text} ago"
 
 
+def past_time(t: float | None, now: float | None = None) -> str:
+    """``rel_time`` for a time that can only be in the past (created, last access): one
+    from the future was stamped by a clock that ran ahead, and shows as ``now`` rather
+    than ``in 364d`` (issue 30.7)."""
+    now = time.time() if now is None else now
+    return rel_time(min(t, now) if t else t, now)
+
+
 def short_id(entry_id: str, n: int = 12) -> str:
     return entry_id[:n]
 

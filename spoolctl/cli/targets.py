@@ -33,7 +33,7 @@ from spoolctl.store import (
     RootError,
     Store,
 )
-from spoolctl.store.root import MARKER, check_root_path
+from spoolctl.store.root import MARKER, Layout, check_root_path, unfinished_init
 
 from .common import resolve_root
 
@@ -86,7 +86,8 @@ def rank_stores(path: Path) -> dict[int, Path]:
     itself a store or not a directory). Symlinks are never followed."""
     from spoolctl.connector.topology import rank_of_dirname  # pure; the layout's one owner
 
-    if not _is_real_dir(path) or os.path.lexists(path / MARKER):
+    if not _is_real_dir(path) or os.path.lexists(path / MARKER) or \
+            unfinished_init(Layout(path)) is not None:  # init finishes it (issue 30.1)
         return {}
     found = {}
     try:
@@ -136,7 +137,8 @@ def resolve_targets(root: Path | None, *, rank: int | None = None,
     ConfigError for filters that match nothing or do not apply.
     """
     path = check_root_path(resolve_root(root))
-    if not _is_real_dir(path) or os.path.lexists(path / MARKER):
+    if not _is_real_dir(path) or os.path.lexists(path / MARKER) or \
+            unfinished_init(Layout(path)) is not None:  # init finishes it (issue 30.1)
         if rank is not None or deployment is not None:
             raise ConfigError("--rank and --deployment apply to a vLLM base root or "
                               "deployment directory, not to one store", path=path,

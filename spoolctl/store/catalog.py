@@ -34,6 +34,7 @@ from . import catalog_load
 from .catalog_schema import COLUMNS as _COLUMNS
 from .catalog_schema import DDL as _DDL
 from .catalog_schema import SCHEMA_VERSION
+from .clocks import FUTURE_SLACK
 from .manifest import Manifest
 from .rows import NOT_HELD, WELL_FORMED, CatalogRow, MalformedRow, parse_row
 from .sqlite_files import DamagedDatabaseError, connect_private, connect_read_only
@@ -310,20 +311,46 @@ class Catalog:
             return True
 
     def touch(self, entry_ids: Iterable[str], now: float) -> None:
+        """Record an access at ``now`` (only where the last one is stale, so hot lookups do
+        not write). A last access from the future (a clock that ran ahead) is stale too:
+        the access now is the entry's real recency (issue 30.7)."""
+        ahead = now + FUTURE_SLACK
         ids = [
             r[0] for chunk in _chunks(list(entry_ids), 500) for r in self._read(
-                f"SELECT entry_id FROM entries WHERE +last_access < ? AND entry_id IN "
-                f"({','.join('?' * len(chunk))})", (now - TOUCH_GRANULARITY, *chunk))
+                f"SELECT entry_id FROM entries WHERE (+last_access < ? OR +last_access > ?) "
+                f"AND entry_id IN ({','.join('?' * len(chunk))})",
+                (now - TOUCH_GRANULARITY, ahead, *chunk))
         ]
         if not ids:
             return  # all recent: no write transaction at all
         with self._write() as db:
             for chunk in _chunks(ids, 500):
                 db.execute(
-                    f"UPDATE entries SET last_access=? WHERE +last_access < ? AND entry_id IN "
-                    f"({','.join('?' * len(chunk))})",
-                    (now, now - TOUCH_GRANULARITY, *chunk),
+                    f"UPDATE entries SET last_access=? WHERE (+last_access < ? OR "
+                    f"+last_access > ?) AND entry_id IN ({','.join('?' * len(chunk))})",
+                    (now, now - TOUCH_GRANULARITY, ahead, *chunk),
                 )
+
+    def clamp_future_access(self, now: float) -> int:
+        """Give every entry whose last access lies in the future (written while the clock
+        ran ahead, not used since it was corrected) a last access just before the oldest
+        trusted one of the store, so it is evicted first of the retained entries instead of
+        last, after every entry used today (issue 30.7, decision 2300). Returns how many
+        rows changed; one indexed probe per hint when there are none."""
+        ahead = now + FUTURE_SLACK
+        probe = ("SELECT 1 FROM entries INDEXED BY entries_lru WHERE hint=? AND last_access > ? "
+                 "AND typeof(last_access) IN ('integer', 'real') LIMIT 1")
+        if not any(self._read(probe, (hint, ahead)) for hint in ("release", "retain")):
+            return 0
+        with self._write() as db:
+            oldest = db.execute(
+                "SELECT MIN(last_access) FROM entries WHERE last_access <= ? "
+                "AND typeof(last_access) IN ('integer', 'real')", (ahead,)).fetchone()[0]
+            cur = db.execute(
+                "UPDATE entries SET last_access=? WHERE last_access > ? "
+                "AND typeof(last_access) IN ('integer', 'real')",
+                ((min(oldest, now) if oldest is not None else now) - 1.0, ahead))
+            return cur.rowcount
 
     # -- queries ------------------------------------------------------------------------
 

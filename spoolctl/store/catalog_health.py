@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .catalog import Catalog
 from .errors import ConfigError, CorruptionError, QuarantineReason, ReadOnlyError, StoreIOError
+from .ownership import give_back
 from .reserve import is_no_space
 from .sqlite_files import is_damaged, sqlite_error
 
@@ -68,6 +69,8 @@ class CatalogHealth:
                 # The last connection's close deleted SQLite's -wal/-shm files: take that
                 # room back into the reserve before another program does.
                 self.reserve.ensure()
+            if not self.read_only:
+                give_back(self.layout)  # root on another user's store (issue 30.5)
 
     def _writable(self, what: str) -> None:
         """ReadOnlyError unless this store was opened for writing."""

@@ -76,6 +76,7 @@ from .inputs import is_bytes_like, payload_size
 from .manifest import Manifest, ObjectRef, encode
 from .publish import Publisher
 from .reserve import HEADROOM_BYTES, headroom_ok
+from .space import INODE_FIX, Space, inodes_short, no_inodes_detail
 
 if TYPE_CHECKING:
     from .store import Store
@@ -188,6 +189,8 @@ class Committer:
                     # Leave the filesystem's last megabyte to maintenance (reserve.py): a
                     # commit must never take the room that lets `spoolctl clean` shed load.
                     raise store_full(self._store.layout.tmp)
+                if (short := inodes_short(self._store.layout.tmp)) is not None:
+                    raise store_full(self._store.layout.tmp, short)  # and its last inodes
                 recorded = self._stage(live, given, revive=revive)
                 try:
                     todo = self._place_objects([p for p in live if p.outcome is None], given)
@@ -566,9 +569,16 @@ def _discard_flushing(f: Flushing) -> None:
     unlink_quietly(f.path)
 
 
-def store_full(where: Path) -> SpoolError:
-    """The error of a commit refused because the filesystem is (nearly) full."""
+def store_full(where: Path, short: Space | None = None) -> SpoolError:
+    """The error of a commit refused because the filesystem is (nearly) full: of bytes,
+    or of inodes (``short``: its room, then)."""
     from .errors import StoreIOError
+
+    if short is not None:
+        return StoreIOError(f"committing an entry refused: No space left on device: "
+                            f"{no_inodes_detail(short)}; the last {short.inode_headroom} "
+                            "are kept for maintenance", path=where, fix=INODE_FIX,
+                            errno=errno.ENOSPC)
 
     return StoreIOError(f"committing an entry refused: No space left on device (less than "
                         f"{HEADROOM_BYTES >> 10} KiB free: that room is kept for maintenance)",

@@ -10,6 +10,7 @@ every file and row are in ``doctor_scan``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -23,8 +24,9 @@ from typing import Literal
 from . import dirfd, doctor_scan
 from .errors import SpoolError
 from .fsio import DIR_MODE, file_kind, full_fsync, probe_o_direct, tmp_name
-from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker
+from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker, unfinished_init
 from .sizes import format_size
+from .space import INODE_FIX, INODE_WARN_RATIO, space_of
 from .sqlite_files import connect_read_only
 
 Status = Literal["ok", "warn", "fail"]
@@ -79,7 +81,13 @@ def run_checks(root: str | os.PathLike[str]) -> list[Check]:
         marker = read_marker(layout)
         checks.append(Check("root.marker", "ok", f"{MARKER} present (store {marker.store_id})"))
     except SpoolError as exc:
-        checks.append(Check("root.marker", "fail", exc.message, exc.fix or ""))
+        if unfinished_init(layout) is not None:
+            checks.append(Check("root.marker", "fail",
+                                "an unfinished `spoolctl init`: the layout is there, the "
+                                f"{MARKER} marker is not",
+                                f"run `spoolctl init --root {path}` again to finish it"))
+        else:
+            checks.append(Check("root.marker", "fail", exc.message, exc.fix or ""))
         return checks
     checks.extend(_permission_checks(layout))
     checks.extend(_filesystem_checks(layout, marker.max_bytes))
@@ -140,10 +148,28 @@ def _permission_checks(layout: Layout) -> list[Check]:
         out.append(Check("root.permissions", "ok", "directories are private (0700)"))
     out.append(_parents_check(layout.root, st.st_uid))
     writable = os.access(layout.root, os.W_OK) and os.access(layout.tmp, os.W_OK)
-    out.append(Check("root.writable", "ok" if writable else "fail",
-                     "root and tmp/ are writable" if writable else "root or tmp/ is not writable",
-                     "" if writable else "fix ownership/permissions or remount read-write"))
+    if writable:
+        out.append(Check("root.writable", "ok", "root and tmp/ are writable"))
+    elif read_only_mount(layout.root):
+        out.append(Check("root.writable", "fail", "root is on a read-only mount",
+                         "see fs.read_only: remount read-write"))
+    elif st.st_uid != uid and uid != 0:
+        out.append(Check("root.writable", "fail", f"root or tmp/ is not writable by uid {uid}: "
+                         f"the store belongs to uid {st.st_uid}",
+                         f"run spoolctl as uid {st.st_uid} (the store's owner)"))
+    else:
+        out.append(Check("root.writable", "fail", "root or tmp/ is not writable",
+                         f"chown -R {st.st_uid}:{st.st_gid} {layout.root} and chmod 700 the "
+                         "store's directories"))
     return out
+
+
+def read_only_mount(path: Path) -> bool:
+    """True if ``path`` is on a filesystem mounted read-only (statvfs ST_RDONLY)."""
+    try:
+        return bool(os.statvfs(path).f_flag & getattr(os, "ST_RDONLY", 1))
+    except OSError:
+        return False
 
 
 def _parents_check(root: Path, owner: int) -> Check:
@@ -170,6 +196,13 @@ def _parents_check(root: Path, owner: int) -> Check:
 
 def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
     out = []
+    if read_only_mount(layout.root):
+        # what it is, not a disk or ownership problem (issue 30.4)
+        out.append(Check("fs.read_only", "fail", "the store's filesystem is mounted read-only: "
+                         "read commands show a read-only view, nothing can be written",
+                         "remount it read-write (`mount -o remount,rw MOUNTPOINT`) if the store "
+                         "should be served or cleaned; if the kernel remounted it after I/O "
+                         "errors, check dmesg first"))
     fstype = filesystem_type(layout.root)
     if fstype in _NETWORK_FS:
         out.append(Check("fs.type", "warn", f"{fstype} (network filesystem)",
@@ -204,6 +237,7 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
         else:
             out.append(Check("fs.free", "ok", f"{format_size(usage.free)} free, store may grow "
                              f"by {format_size(need)}"))
+    out.append(_inode_check(layout))
     odirect = probe_o_direct(layout.tmp) if os.access(layout.tmp, os.W_OK) else False
     out.append(Check("fs.o_direct", "ok",
                      "supported" if odirect else "not supported: buffered I/O is used"))
@@ -218,12 +252,37 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
             os.close(fd)
         out.append(Check("fs.fsync", "ok", "write + fsync works"))
     except OSError as exc:
+        fix = {errno.EROFS: "see fs.read_only: remount read-write",
+               errno.EACCES: "see root.writable",
+               errno.ENOSPC: "free space or inodes (fs.free, fs.inodes): `spoolctl clean`"
+               }.get(exc.errno or 0, "check the disk (dmesg)")
         out.append(Check("fs.fsync", "fail", f"write + fsync failed: {os.strerror(exc.errno or 0)}",
-                         "check the disk (dmesg) and free space"))
+                         fix))
     finally:
         with contextlib.suppress(OSError):
             dirfd.unlink(probe)
     return out
+
+
+def _inode_check(layout: Layout) -> Check:
+    """``fs.inodes``: a filesystem can be out of inodes with bytes free (issue 30.2). Fail
+    once commits stop (fewer free than the headroom kept for maintenance), warn below
+    ``INODE_WARN_RATIO`` of all inodes free."""
+    space = space_of(layout.root)
+    if space is None or space.inodes is None or space.free_inodes is None:
+        return Check("fs.inodes", "ok", "no fixed inode count on this filesystem")
+    free, total = space.free_inodes, space.inodes
+    detail = f"{free} of {total} inodes free ({100.0 * free / total:.1f}%)"
+    if space.short_of_inodes:
+        return Check("fs.inodes", "fail",
+                     f"{detail}: commits stop below {space.inode_headroom} (kept for "
+                     f"maintenance), with {format_size(space.free_bytes)} still free",
+                     INODE_FIX)
+    if free < total * INODE_WARN_RATIO:
+        return Check("fs.inodes", "warn",
+                     f"{detail}: under {100 * INODE_WARN_RATIO:.0f}%; commits stop at "
+                     f"{space.inode_headroom}", INODE_FIX)
+    return Check("fs.inodes", "ok", detail)
 
 
 def _catalog_ddl() -> str:

@@ -37,10 +37,11 @@ def _examples(paths: list[str]) -> str:
     return shown + (f" and {len(paths) - MAX_EXAMPLES} more" if len(paths) > MAX_EXAMPLES else "")
 
 
-def _walk(layout: Layout, dirs_bad: list[str]) -> Iterator[os.DirEntry]:
-    """Every entry under objects/, manifests/ and tmp/ (two levels); directories that
-    cannot be listed or entered go to ``dirs_bad``."""
-    for top in (layout.objects, layout.manifests, layout.tmp):
+def _walk(layout: Layout, dirs_bad: list[str], owner: int) -> Iterator[os.DirEntry]:
+    """Every entry under objects/, manifests/ (two levels), tmp/ and state/; directories
+    that cannot be listed, or that the store's ``owner`` could not use, go to
+    ``dirs_bad``."""
+    for top in (layout.objects, layout.manifests, layout.tmp, layout.state):
         try:
             with os.scandir(top) as it:
                 children = list(it)
@@ -49,10 +50,14 @@ def _walk(layout: Layout, dirs_bad: list[str]) -> Iterator[os.DirEntry]:
             continue
         for child in children:
             yield child
-            if top == layout.tmp or not child.is_dir(follow_symlinks=False):
+            if top in (layout.tmp, layout.state) or not child.is_dir(follow_symlinks=False):
                 continue
-            if not os.access(child.path, os.R_OK | os.W_OK | os.X_OK):
-                dirs_bad.append(f"{child.path} (permission denied)")
+            try:
+                why = _owner_cannot(child.stat(follow_symlinks=False), owner, 0o700)
+            except OSError:
+                continue
+            if why:
+                dirs_bad.append(f"{child.path} ({why})")
                 continue
             try:
                 with os.scandir(child.path) as it:
@@ -61,16 +66,33 @@ def _walk(layout: Layout, dirs_bad: list[str]) -> Iterator[os.DirEntry]:
                 dirs_bad.append(f"{child.path} ({describe_os_error(exc)})")
 
 
+def _owner_cannot(st: os.stat_result, owner: int, bits: int) -> str:
+    """Why the store's ``owner`` could not use this file or directory with the owner
+    permission ``bits`` ('' if it can): judged from ownership and mode, not from who runs
+    doctor (root can open anything, another user nothing private; issue 30.4, 30.5)."""
+    if st.st_uid != owner:
+        return f"owned by uid {st.st_uid}"
+    missing = bits & ~stat.S_IMODE(st.st_mode)
+    return f"mode {oct(stat.S_IMODE(st.st_mode))}" if missing else ""
+
+
 def tree_checks(layout: Layout) -> list:
-    """Unreadable files and directories, and special files, in the store's tree."""
+    """Files and directories of the store that its owner cannot use (owned by another
+    user, or without the owner's permission bits), and special files, in its tree."""
+    root_st = os.stat(layout.root)
+    owner, group = root_st.st_uid, root_st.st_gid
     dirs_bad: list[str] = []
     for name in SUBDIRS:
         p = layout.root / name
-        if p.is_dir() and not os.access(p, os.R_OK | os.W_OK | os.X_OK):
-            dirs_bad.append(f"{p} (permission denied)")
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and (why := _owner_cannot(st, owner, 0o700)):
+            dirs_bad.append(f"{p} ({why})")
     unreadable: list[str] = []
     special: list[str] = []
-    for e in _walk(layout, dirs_bad):
+    for e in _walk(layout, dirs_bad, owner):
         try:
             st = e.stat(follow_symlinks=False)
         except OSError:
@@ -79,25 +101,34 @@ def tree_checks(layout: Layout) -> list:
             continue
         if not stat.S_ISREG(st.st_mode):
             special.append(f"{e.path} ({file_kind(st.st_mode)})")
-        elif not os.access(e.path, os.R_OK):
-            unreadable.append(e.path)
-    owner = "the store's owner" if not hasattr(os, "geteuid") else f"uid {os.geteuid()}"
+        elif why := _owner_cannot(st, owner, 0o600 if "/state/" in e.path else 0o400):
+            unreadable.append(f"{e.path} ({why})")
+    me = os.geteuid() if hasattr(os, "geteuid") else owner
+    if me not in (owner, 0) and any("Permission denied" in d for d in dirs_bad):
+        # Another user cannot list a private store: that is by design, not a finding.
+        return [_check("store.files", "warn",
+                       f"not checked: the store is private to uid {owner}, you are uid {me}",
+                       f"run `spoolctl doctor` as uid {owner} (e.g. `sudo -u '#{owner}' "
+                       "spoolctl doctor --root ROOT`)")]
+    chown = f"chown -R {owner}:{group} {layout.root}"
     out = []
     if dirs_bad:
         out.append(_check("store.directories", "fail",
-                          f"{len(dirs_bad)} directories cannot be listed or changed: "
-                          f"{_examples(dirs_bad)}",
-                          f"chown -R {owner} and chmod 700 them; until then clean and scrub "
+                          f"{len(dirs_bad)} directories the store's owner (uid {owner}) cannot "
+                          f"use: {_examples(dirs_bad)}",
+                          f"{chown} and chmod 700 them; until then clean and scrub "
                           "skip what is under them"))
     else:
         out.append(_check("store.directories", "ok", "every store directory is usable"))
     if unreadable:
         out.append(_check("store.files", "fail",
-                          f"{len(unreadable)} files cannot be read: {_examples(unreadable)}",
-                          f"chown {owner} and chmod 600 them; reads of those entries miss and "
-                          "scrub records them as unreadable until then"))
+                          f"{len(unreadable)} files the store's owner (uid {owner}) cannot open: "
+                          f"{_examples(unreadable)}",
+                          f"{chown} and chmod 600 them; reads of those entries miss, the "
+                          "owner's scrub and clean fail on state/ files, until then"))
     else:
-        out.append(_check("store.files", "ok", "every object and manifest is readable"))
+        out.append(_check("store.files", "ok", "every object, manifest and state file is "
+                          "usable by the store's owner"))
     if special:
         out.append(_check("store.special_files", "fail",
                           f"{len(special)} special files where regular files belong: "
@@ -128,9 +159,21 @@ def catalog_write_check(layout: Layout) -> list:
         os.close(fd)
     if not problems:
         return [_check("catalog.writable", "ok", "the catalog can be written")]
+    from .doctor import read_only_mount
+
+    if read_only_mount(layout.root):
+        return [_check("catalog.writable", "fail", "; ".join(problems),
+                       "see fs.read_only: remount read-write; until then only read-only "
+                       "commands work")]
+    st = os.stat(layout.root)
+    me = os.geteuid() if hasattr(os, "geteuid") else st.st_uid
+    if me not in (st.st_uid, 0):
+        return [_check("catalog.writable", "fail", "; ".join(problems),
+                       f"the store belongs to uid {st.st_uid}: run write commands as that "
+                       "user; read commands work for you as a read-only view")]
     return [_check("catalog.writable", "fail", "; ".join(problems),
                    "make the catalog writable by the store's owner (chattr -i, chmod 600, "
-                   "chown, or remount read-write); until then only read-only commands work")]
+                   f"chown {st.st_uid}:{st.st_gid}); until then only read-only commands work")]
 
 
 def row_checks(layout: Layout) -> list:

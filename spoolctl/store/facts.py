@@ -3,7 +3,8 @@ vLLM connector's gauges all read, so each fact is computed in one place.
 
 ``collect`` reads, once each: the catalog totals and per-kind counts (O(1) / one grouped
 query), the released backlog, the malformed catalog rows (one scan), the quarantine
-directory, ``tmp/``, the owner lease and the scrub progress database. It never changes
+directory, ``tmp/``, the owner lease, the scrub progress database and the filesystem's
+free bytes and inodes. It never changes
 the store, and works on a store opened read-only. The snapshot is plain data; readers
 render it (``to_json`` is the ``status --json`` shape of these facts).
 """
@@ -18,6 +19,7 @@ from .catalog import Totals
 from .gc import tmp_usage
 from .locks import OwnerInfo
 from .scrub import ScrubState, ScrubSummary
+from .space import Space, space_of
 
 if TYPE_CHECKING:
     from .store import Store
@@ -55,6 +57,7 @@ class StoreFacts:
     unknown_files: tuple[str, ...] = ()
     malformed_rows: int = 0
     read_only: bool = False
+    space: Space | None = None  # the filesystem's free bytes and inodes (issue 30.2)
 
     @property
     def usage_ratio(self) -> float | None:
@@ -107,6 +110,7 @@ class StoreFacts:
             "malformed_rows": self.malformed_rows,
             "scrub_unreadable": self.scrub_unreadable,
             "read_only": self.read_only,
+            "filesystem": self.space.to_json() if self.space is not None else None,
         }
 
 
@@ -136,4 +140,5 @@ def collect(store: Store) -> StoreFacts:
         unknown_files=tuple(store.unknown_files),
         malformed_rows=store.malformed_count(),
         read_only=store.read_only,
+        space=space_of(store.root),
     )

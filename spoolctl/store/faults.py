@@ -45,9 +45,12 @@ RACE_CHECKPOINTS: tuple[str, ...] = ("tmp.listed", "quarantine.listed")
 # An export after each entry it wrote to the archive: where a signal stops it mid-stream
 # (tests of what an interrupted export leaves behind, decision 2310).
 TRANSFER_CHECKPOINTS: tuple[str, ...] = ("export.entry_written",)
+# Creating a store (``root.create_or_adopt``): the layout is made, the marker is not yet;
+# the marker's draft is written in ``tmp/``, not yet renamed.
+INIT_CHECKPOINTS: tuple[str, ...] = ("init.layout_made", "init.marker_drafted")
 CHECKPOINTS: frozenset[str] = frozenset(
     COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
-    + RACE_CHECKPOINTS + TRANSFER_CHECKPOINTS)
+    + RACE_CHECKPOINTS + TRANSFER_CHECKPOINTS + INIT_CHECKPOINTS)
 
 _target: str | None = None
 _countdown = 0

@@ -25,6 +25,7 @@ from .digest import Hasher
 from .dirfd import DirFds
 from .errors import CorruptionError, ManifestError, QuarantineReason, StoreIOError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, decode
+from .space import INODE_FIX, inodes_short, no_inodes_detail
 
 IS_DARWIN = sys.platform == "darwin"
 FILE_MODE = 0o600
@@ -125,8 +126,11 @@ def io_error(exc: OSError, what: str, path: Path) -> StoreIOError:
         errno.ELOOP: "a store directory was swapped for a symlink: inspect the store "
                      "before using it again",
     }.get(exc.errno or 0, "check the disk (`spoolctl doctor`, dmesg)")
-    return StoreIOError(f"{what} failed: {describe_os_error(exc)}", path=path, fix=fix,
-                        errno=exc.errno)
+    reason = describe_os_error(exc)
+    if exc.errno == errno.ENOSPC and (short := inodes_short(path)) is not None:
+        # bytes free, inodes not: `df -h` shows space, so say which ran out (issue 30.2)
+        reason, fix = f"{reason}: {no_inodes_detail(short)}", INODE_FIX
+    return StoreIOError(f"{what} failed: {reason}", path=path, fix=fix, errno=exc.errno)
 
 
 class SizeLimitExceeded(Exception):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import dirfd, faults
+from . import clocks, dirfd, faults
 from .fsio import describe_os_error, fsync_dir, unlink_many
 from .sqlite_files import no_space
 
@@ -182,6 +182,9 @@ class GarbageCollector:
         total = catalog.totals().bytes
         if total <= max_bytes:
             return report
+        if not dry_run:
+            # no LRU rank from a clock that ran ahead (issue 30.7)
+            catalog.clamp_future_access(self._store.clock())
         target = int(max_bytes * LOW_WATERMARK)
         remaining = budget if budget is not None else 1 << 62
         if dry_run:
@@ -365,7 +368,7 @@ def _clean_tmp_entry(fd: int, e: os.DirEntry, path: str, now: float, min_age: fl
         return
     writer = int(m.group(1)) if m else None
     alive = writer is None or writer == os.getpid() or pid_alive(writer)
-    age = now - st.st_mtime
+    age = clocks.age(st.st_mtime, now)  # a future mtime protects nothing (issue 30.7)
     if alive and age < max(min_age, LIVE_WRITER_GRACE):
         return
     if not dry_run:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import dirfd
+from . import clocks, dirfd
 from .errors import CorruptionError, ManifestError, NotFoundError, QuarantineReason
 from .fsio import (
     SpecialFileError,
@@ -247,7 +247,7 @@ class Recovery:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if now - st.st_mtime < min_age:
+            if clocks.age(st.st_mtime, now) < min_age:  # a future mtime protects nothing
                 report.young_orphans += 1
                 continue
             if not dry_run:

@@ -10,6 +10,7 @@ The marker is validated strictly: wrong types are a one-line RootError, never a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,9 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import dirfd
+from . import dirfd, faults
 from .errors import InvalidIdError, RootError
-from .fsio import DIR_MODE, describe_os_error, fsync_dir, read_small, write_tmp
+from .fsio import DIR_MODE, describe_os_error, fsync_dir, io_error, read_small, write_tmp
 
 MARKER = ".spoolctl-root"
 ROOT_SCHEMA = "spoolctl-root/v1"
@@ -194,11 +195,14 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def write_marker(layout: Layout, marker: Marker) -> None:
-    """Atomically (re)write the marker: tmp file, fsync, rename, fsync the root."""
+def write_marker(layout: Layout, marker: Marker, *, new: bool = False) -> None:
+    """Atomically (re)write the marker: tmp file, fsync, rename, fsync the root.
+    ``new``: the store is being created (crash-test checkpoints of init)."""
     data = json.dumps(marker.to_json(), indent=2).encode() + b"\n"
     tmp_dir = layout.tmp if layout.tmp.is_dir() else layout.root
     tmp, _, _ = write_tmp(tmp_dir, [data])
+    if new:
+        faults.checkpoint("init.marker_drafted")
     os.replace(tmp, layout.marker)
     fsync_dir(layout.root)
 
@@ -216,7 +220,18 @@ def _mkdir(path: Path) -> bool:
 
 
 def ensure_layout(layout: Layout) -> None:
-    """Create every directory of the layout (idempotent); fsync only what changed."""
+    """Create every directory of the layout (idempotent); fsync only what changed.
+
+    StoreIOError if the filesystem refuses (no space, no inodes, read-only): what was
+    made stays, and the next ``init`` finishes it (``unfinished_init``)."""
+    try:
+        _ensure_layout(layout)
+    except OSError as exc:
+        raise io_error(exc, "creating the store layout",
+                       Path(exc.filename) if exc.filename else layout.root) from None
+
+
+def _ensure_layout(layout: Layout) -> None:
     created_top = [_mkdir(layout.root / name) for name in SUBDIRS]
     for parent in (layout.objects, layout.manifests):
         existing = set(os.listdir(parent))
@@ -267,6 +282,40 @@ def check_layout(layout: Layout) -> None:
                             path=layout.root / name, fix="inspect the store before using it")
 
 
+_MARKER_DRAFT_RE = re.compile(r"[0-9]{1,10}-[0-9a-f]{16}\.part")
+
+
+def unfinished_init(layout: Layout) -> list[Path] | None:
+    """If ``layout.root`` (a directory without a marker) holds nothing but what an
+    interrupted or failed ``init`` creates, return the marker drafts it left in ``tmp/``
+    (to remove); else None.
+
+    What init creates before the marker: the top directories of the layout, empty fan-out
+    directories under ``objects/`` and ``manifests/``, and one small draft of the marker
+    in ``tmp/``. Anything else (a file, a symlink, an object, a manifest, a catalog, a
+    fan-out directory that is not empty) means the directory is not ours: refused.
+    """
+    drafts: list[Path] = []
+    try:
+        for name in os.listdir(layout.root):
+            path = layout.root / name
+            if name not in SUBDIRS or not stat.S_ISDIR(os.lstat(path).st_mode):
+                return None
+            for child in os.listdir(path):
+                cst = os.lstat(path / child)
+                if name in ("objects", "manifests") and child in FANOUT and \
+                        stat.S_ISDIR(cst.st_mode) and not os.listdir(path / child):
+                    continue
+                if name == "tmp" and _MARKER_DRAFT_RE.fullmatch(child) and \
+                        stat.S_ISREG(cst.st_mode) and cst.st_size <= 1 << 16:
+                    drafts.append(path / child)
+                    continue
+                return None
+    except OSError:
+        return None
+    return drafts
+
+
 def create_or_adopt(
     root: Path, *, create: bool, max_bytes: int | None, allow_foreign_owner: bool = False,
     read_only: bool = False,
@@ -297,13 +346,22 @@ def create_or_adopt(
             if st is None:
                 raise RootError("store root does not exist", path=root,
                                 fix="run `spoolctl init --root PATH` first, or check the path")
+            if unfinished_init(layout) is not None:
+                raise RootError("an unfinished `spoolctl init` (no .spoolctl-root marker yet)",
+                                path=root, fix="run `spoolctl init --root PATH` again to "
+                                               "finish it")
             read_marker(layout)  # raises the "not a spoolctl store" error
+        leftovers: list[Path] | None = []
         if st is not None and os.listdir(root):
-            raise RootError(
-                "refusing to adopt a non-empty directory without a .spoolctl-root marker",
-                path=root,
-                fix="point --root at an empty or new directory",
-            )
+            # An init that was interrupted (Ctrl-C) or failed (no inodes left) leaves its
+            # directories without the marker; the next init finishes it (issue 30.1).
+            leftovers = unfinished_init(layout)
+            if leftovers is None:
+                raise RootError(
+                    "refusing to adopt a non-empty directory without a .spoolctl-root marker",
+                    path=root,
+                    fix="point --root at an empty or new directory",
+                )
         if st is not None:
             # The foreign-owner rule holds from the first open: an empty directory someone
             # else owns is theirs (creating the store in it would seed files they cannot use).
@@ -318,7 +376,11 @@ def create_or_adopt(
             os.close(fd)
         marker = Marker(store_id=secrets.token_hex(8), created=time.time(), max_bytes=max_bytes)
         ensure_layout(layout)
-        write_marker(layout, marker)
+        faults.checkpoint("init.layout_made")
+        for part in leftovers or ():  # the unfinished init's own marker draft
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+        write_marker(layout, marker, new=True)
         return layout, marker
     check_owner(root, allow_foreign_owner=allow_foreign_owner)
     marker = read_marker(layout)

@@ -45,6 +45,7 @@ from urllib.parse import quote
 
 from .errors import BusyError, SpoolError, StoreIOError
 from .fsio import file_kind, precreate_private
+from .space import INODE_FIX, inodes_short, no_inodes_detail
 
 # Primary result codes (https://sqlite.org/rescode.html); sqlite3 exports them only on 3.11+.
 SQLITE_ERROR = 1
@@ -117,6 +118,10 @@ def sqlite_error(exc: sqlite3.Error, path: Path, what: str = "catalog") -> Spool
                             path=path, fix="run `spoolctl doctor`: a file planted in the "
                             "store's state/ can make queries endless")
     if no_space(exc, path):
+        if (short := inodes_short(path.parent)) is not None:
+            return StoreIOError(f"{what} write failed: No space left on device: "
+                                f"{no_inodes_detail(short)}", path=path, errno=errno.ENOSPC,
+                                fix=INODE_FIX)
         return StoreIOError(f"{what} write failed: No space left on device", path=path,
                             errno=errno.ENOSPC,
                             fix="free disk space: `spoolctl clean --released` and lowering "
@@ -134,6 +139,8 @@ def no_space(exc: sqlite3.Error, path: Path) -> bool:
     """True if ``exc`` means the disk under the database at ``path`` is full. SQLite
     reports a failed -shm/-wal extension on a full disk as an I/O error, not SQLITE_FULL."""
     code = error_code(exc)
+    if code in (SQLITE_IOERR, SQLITE_CANTOPEN) and inodes_short(path.parent) is not None:
+        return True  # no inode for the -wal/-shm file: SQLite says "unable to open"
     return code == SQLITE_FULL or (code == SQLITE_IOERR and _disk_full(path))
 
 
