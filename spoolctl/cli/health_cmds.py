@@ -78,7 +78,7 @@ def metrics_cmd(
         if textfile is None:
             raise
         # The root is gone (unmounted disk, renamed directory) or unreadable: the previous
-        # file must not go on saying `store_up 1` (issue 30.6). Replace it, then fail.
+        # file must not go on saying `store_up 1`. Replace it, then fail.
         _write_atomic(textfile, render_samples(store_unreadable()).encode())
         raise
     code = EXIT_OK

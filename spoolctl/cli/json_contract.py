@@ -71,9 +71,12 @@ DOCUMENTS: tuple[Document, ...] = (
         "scrub_unreadable": "files the last scrub could not read",
         "unknown_files": "files the store does not know", "owner": "the owner lease holder",
         "read_only": "true if opened read-only", "malformed_rows": "catalog rows skipped",
-        "genai": "GenAI records: `entries`, `expired`, `malformed`, `next_expiry_in_s`"}),
+        "genai": "GenAI records: `entries`, `expired`, `malformed`, `next_expiry_in_s`",
+        "filesystem": "the store's filesystem: free bytes, inodes and free inodes"}),
     Document("ls", "Entries, newest access first by default.", {
-        "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows"},
+        "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows",
+        "being_deleted": "entries an interrupted clean is deleting (not listed; the next "
+                         "clean finishes them)"},
         rows={"entries": {
             "entry_id": "full 64-hex id", "kind": "vllm, pytorch, mlx or genai",
             "namespace": "model namespace", "bytes": "payload bytes",
@@ -138,7 +141,8 @@ DOCUMENTS: tuple[Document, ...] = (
         "objects_present": "objects already there", "bytes_written": "bytes",
         "source_bytes": "bytes read", "seconds": "run time", "bytes_per_second": "rate",
         "complete": "true if the archive ended properly", "error": "why not (or null)",
-        "stores": "per target store"}),
+        "stores": "per target store",
+        "released": "entries that arrived released, as the source had them"}),
 )
 
 

@@ -69,7 +69,7 @@ def rel_time(t: float | None, now: float | None = None) -> str:
 def past_time(t: float | None, now: float | None = None) -> str:
     """``rel_time`` for a time that can only be in the past (created, last access): one
     from the future was stamped by a clock that ran ahead, and shows as ``now`` rather
-    than ``in 364d`` (issue 30.7)."""
+    than ``in 364d``."""
     now = time.time() if now is None else now
     return rel_time(min(t, now) if t else t, now)
 

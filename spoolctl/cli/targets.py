@@ -87,7 +87,7 @@ def rank_stores(path: Path) -> dict[int, Path]:
     from spoolctl.connector.topology import rank_of_dirname  # pure; the layout's one owner
 
     if not _is_real_dir(path) or os.path.lexists(path / MARKER) or \
-            unfinished_init(Layout(path)) is not None:  # init finishes it (issue 30.1)
+            unfinished_init(Layout(path)) is not None:  # init finishes it
         return {}
     found = {}
     try:
@@ -138,7 +138,7 @@ def resolve_targets(root: Path | None, *, rank: int | None = None,
     """
     path = check_root_path(resolve_root(root))
     if not _is_real_dir(path) or os.path.lexists(path / MARKER) or \
-            unfinished_init(Layout(path)) is not None:  # init finishes it (issue 30.1)
+            unfinished_init(Layout(path)) is not None:  # init finishes it
         if rank is not None or deployment is not None:
             raise ConfigError("--rank and --deployment apply to a vLLM base root or "
                               "deployment directory, not to one store", path=path,

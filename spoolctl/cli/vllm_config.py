@@ -47,7 +47,7 @@ def config_vllm(
         "--max-size", help="Store max size, e.g. 200GiB (checked here, passed as written).")] =
         None,
     model: Annotated[str | None, typer.Option(
-        "--model", help="The model directory vLLM will serve: checks the max size holds one "
+        "--model", metavar="<dir|name>", help="The model directory vLLM will serve: checks the max size holds one "
         "256-token chunk of it (not part of the output).")] = None,
     tp: Annotated[int, typer.Option(
         "--tp", min=1, help="Its tensor-parallel size (the chunk per rank shrinks with it).")]
