@@ -340,6 +340,21 @@ class Catalog:
                 chunk))
         return sizes
 
+    def freed_by(self, entry_ids: Iterable[str]) -> list[tuple[str, int]]:
+        """The objects (digest, size) that deleting ``entry_ids`` would free: referenced by
+        one of them and by no other entry (what ``delete_entries`` returns, read-only: the
+        dry run's answer)."""
+        ids = json.dumps(sorted({str(e) for e in entry_ids}))
+        freed = self._read(
+            "WITH doomed(entry_id) AS (SELECT value FROM json_each(?)) "
+            "SELECT o.digest, o.size FROM objects o WHERE o.digest IN "
+            "(SELECT digest FROM entry_objects WHERE entry_id IN (SELECT entry_id FROM doomed)) "
+            "AND NOT EXISTS (SELECT 1 FROM entry_objects e WHERE e.digest = o.digest "
+            "AND e.entry_id NOT IN (SELECT entry_id FROM doomed))", (ids,))
+        return [(digest, size) for digest, size in freed
+                if isinstance(digest, str) and _HEX64.fullmatch(digest)
+                and isinstance(size, int)]
+
     def live_keys(self, kind: str, namespace: str) -> set[str]:
         """The keys of every committed, retained entry of ``(kind, namespace)``."""
         return {r[0] for r in self._read(
