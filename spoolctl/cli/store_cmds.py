@@ -151,6 +151,7 @@ def status(
         with open_store(targets.given, read_only_ok=True) as store:
             facts = store.facts()
             doc = status_doc(store, facts)
+            doc["models"] = models_doc(store)
         emit(doc, json_output=json_output, view=_status_view)
         attention = facts.needs_attention or bool(doc["genai"]["malformed"])
         finish(EXIT_FINDINGS if check and attention else EXIT_OK)
@@ -161,7 +162,34 @@ def status(
     finish(errors or (EXIT_FINDINGS if check and findings else EXIT_OK))
 
 
-def _status_view(doc: dict[str, Any]) -> Table:
+def models_doc(store: Store) -> dict[str, Any]:
+    """``models`` of ``status --json``: each controller model namespace of the store with its
+    last use, bytes and lifecycle verdict (decision 2120)."""
+    from .lifecycle import model_json, model_uses, model_verdicts
+
+    uses = model_uses(store)
+    judged = model_verdicts(uses)
+    return {name: model_json(uses[name], judged[name]) for name in sorted(uses)}
+
+
+def _model_lines(models: dict[str, Any]) -> list[Text]:
+    """One line per controller model, below the table (wrapped, never cut): what it is, its
+    last use and size, and whether a newer generation replaced it."""
+    out = []
+    for name, m in models.items():
+        used = render.rel_time(m["last_used"]) if m.get("last_used") else "never"
+        line = Text(f"model {plain(name)}: {plain(str(m.get('model') or '?'))} "
+                    f"({plain(str(m.get('framework')))}, weights "
+                    f"{plain(str(m.get('weights') or '?')[:24])}); last used {used}; "
+                    f"{m['entries']} entries, {render.size(m['bytes'])}")
+        if m["state"] != "current":
+            line.append(f"\n  {m['state']} ({m['reason']}): nothing will read it again; "
+                        "`spoolctl clean --superseded --yes` reclaims it", style="yellow")
+        out.append(line)
+    return out
+
+
+def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
     t = Table(title="spoolctl status" + (" (read-only view)" if doc.get("read_only") else ""),
               show_header=False, title_justify="left")
     t.add_column("what", style="bold", no_wrap=True)
@@ -211,7 +239,8 @@ def _status_view(doc: dict[str, Any]) -> Table:
                             f"{render.rel_time(owner['since'])}") if owner else "none")
     if doc["unknown_files"]:
         t.add_row("unknown files", text(", ".join(doc["unknown_files"][:5])))
-    return t
+    models = doc.get("models") or {}
+    return [t, *_model_lines(models)] if models else t
 
 
 def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
