@@ -53,6 +53,7 @@ def _init_job(max_bytes: int | None):
         used = store.totals().bytes
         return {"root": str(store.root), "store_id": store.marker.store_id,
                 "max_bytes": store.max_bytes, "created": False,
+                "changed": store.max_bytes != before, "default_max_bytes": False,
                 "previous_max_bytes": before, "bytes": used,
                 "over_max": store.max_bytes is not None and used > store.max_bytes}, EXIT_OK
     return job
@@ -68,6 +69,10 @@ def init_cmd(
     json_output: JsonOption = False,
 ) -> None:
     """Create a store (or update the max size of an existing one).
+
+    A new store without `--max-size` is bounded by the default the controllers use: a
+    tenth of its filesystem, at most 64 GiB, at least 1 GiB. An existing store keeps its
+    max size unless `--max-size` is given ("nothing changed" otherwise).
 
     On a vLLM base root or deployment directory, updates the max size of every rank store
     (the connector sets it again from its own config at its next start). Lowering the max
@@ -86,9 +91,13 @@ def init_cmd(
                                   view=_init_view)
             finish(code)
             return
-        with open_store(path, create=True, max_bytes=max_bytes) as store:
+        from spoolctl.controllers.local import default_max_bytes
+
+        limit = max_bytes if max_bytes is not None else default_max_bytes(path)
+        with open_store(path, create=True, max_bytes=limit) as store:
             doc = {"root": str(store.root), "store_id": store.marker.store_id,
-                   "max_bytes": store.max_bytes, "created": True, "previous_max_bytes": None,
+                   "max_bytes": store.max_bytes, "created": True, "changed": True,
+                   "default_max_bytes": max_bytes is None, "previous_max_bytes": None,
                    "bytes": 0, "over_max": False}
         emit(doc, json_output=json_output, view=_init_view)
         return
@@ -98,10 +107,17 @@ def init_cmd(
 
 def _init_view(doc: dict[str, Any]) -> list[Any]:
     size = render.size(doc["max_bytes"]) if doc["max_bytes"] else "unbounded"
+    if doc.get("default_max_bytes"):
+        size += " (default: a tenth of the filesystem, at most 64 GiB; --max-size to choose)"
+    title = "store created" if doc["created"] else \
+        "store updated" if doc.get("changed", True) else "store unchanged"
     shown: list[Any] = [Panel.fit(
         Text(f"root      {plain(doc['root'])}\nstore id  {plain(doc['store_id'])}\n"
-             f"max size  {size}"),
-        title=f"store {'created' if doc['created'] else 'updated'}")]
+             f"max size  {size}"), title=title)]
+    if not doc["created"] and not doc.get("changed", True):
+        shown.append(Text("nothing changed (give --max-size to change the max size)"
+                          if doc["max_bytes"] else "nothing changed: the store is unbounded; "
+                          "give --max-size to bound it", style="yellow"))
     if doc.get("over_max"):
         shown.append(Text(f"the store holds {render.size(doc['bytes'])}, over its max size: "
                           "`spoolctl clean --capacity --yes` evicts down to 90% of it (the "

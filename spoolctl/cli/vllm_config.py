@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from spoolctl.store import parse_size
+from spoolctl.store import ConfigError, parse_size
 from spoolctl.store.root import check_root_path
 
 from .app import app
@@ -38,15 +38,20 @@ def kv_transfer_config(root: str, max_size: str | None) -> dict[str, Any]:
 def config_vllm(
     root: RootOption = None,
     max_size: Annotated[str | None, typer.Option(
-        "--max-size", help="Store max size, e.g. 200GiB (checked here, passed as written).")] =
-        None,
+        "--max-size", help="Max size of each rank store, e.g. 200GiB (required; checked "
+        "here, passed as written).")] = None,
 ) -> None:
     """Print the --kv-transfer-config JSON that starts vLLM with the spoolctl connector.
+
+    `--max-size` is required: without it every rank store would be unbounded.
 
     Example: [bold]vllm serve MODEL --kv-transfer-config "$(spoolctl config vllm --root
     /nvme/spool --max-size 200GiB)"[/bold]
     """
     path = check_root_path(resolve_root(root))  # absolute, no symlink: fail here, not in vLLM
-    if max_size is not None:
-        parse_size(max_size)
+    if max_size is None:  # a store is bounded; its size is the operator's choice (36.2)
+        raise ConfigError("config vllm needs --max-size: without it every rank store of "
+                          "the connector is unbounded",
+                          fix="add --max-size SIZE (per rank store, e.g. 200GiB)")
+    parse_size(max_size)
     typer.echo(json.dumps(kv_transfer_config(str(path), max_size), separators=(",", ":")))
