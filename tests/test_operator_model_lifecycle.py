@@ -100,6 +100,27 @@ def test_a_model_whose_weights_were_replaced_is_shown_and_reclaimed(
         assert ctl.prepare(CachePrepareParams(data=[docs[0]])).source == "disk"
 
 
+def test_a_model_served_from_memory_is_in_use(tiny_model_dir, store_root) -> None:
+    """A long-lived process that serves its cache from memory keeps it "used": the memory
+    hit moves the entry's clock in the catalog, so `--unused-for` does not reclaim it."""
+    pytest.importorskip("transformers")
+    from controller_backends import make_backend
+
+    from spoolctl.controllers import CachePrepareParams, Element, LocalCacheController
+
+    params = CachePrepareParams(data=[Element("The pump starts when the valve is open. " * 4,
+                                              role="user")])
+    with LocalCacheController(make_backend("pytorch", tiny_model_dir), store_root) as ctl:
+        assert ctl.prepare(params).source == "cold"
+        with Store.open(store_root) as store, store.catalog._write() as db:
+            db.execute("UPDATE entries SET last_access = ?", (time.time() - 40 * DAY,))
+        assert ctl.prepare(params).source == "memory"
+        doc = run_json("clean", "--root", str(store_root), "--unused-for", "30d", "--dry-run")
+        assert doc["model_lifecycle"] == {}
+        assert run_json("status", "--root", str(store_root))["models"][ctl.namespace][
+            "state"] == "current"
+
+
 def _same_counts(real: dict, dry: dict) -> bool:
     keys = ("entries", "objects", "files", "bytes")
     return all({k: real[s].get(k) for k in keys} == {k: dry[s].get(k) for k in keys}

@@ -191,9 +191,13 @@ def models_doc(store: Store) -> dict[str, Any]:
 def _model_lines(models: dict[str, Any]) -> list[Text]:
     """One line per controller model, below the table (wrapped, never cut): what it is, its
     last use and size, and whether a newer generation replaced it."""
-    out = []
+    out, now = [], time.time()
     for name, m in models.items():
-        used = render.rel_time(m["last_used"]) if m.get("last_used") else "never"
+        # hour granularity: the lifecycle rules work in days, and the view stays the same
+        # from one run to the next (`spoolctl` and `spoolctl status` show one view)
+        last = m.get("last_used")
+        used = "never" if not last else render.rel_time(last, now) \
+            if now - last >= 3600 else "within the last hour"
         line = Text(f"model {plain(name)}: {plain(str(m.get('model') or '?'))} "
                     f"({plain(str(m.get('framework')))}, weights "
                     f"{plain(str(m.get('weights') or '?')[:24])}); last used {used}; "
