@@ -112,10 +112,7 @@ class GarbageCollector:
         entries an earlier step of the same plan deletes (their objects are not counted
         again, and objects they share with ``entry_ids`` are freed now)."""
         catalog = self._store.catalog
-        before = before or set()
-        doomed = before | set(entry_ids)
-        earlier = {d for d, _ in catalog.freed_by(before)} if before else set()
-        freed = [(d, size) for d, size in catalog.freed_by(doomed) if d not in earlier]
+        freed = catalog.freed_by(entry_ids, before)
         sizes = catalog.manifest_sizes(entry_ids)
         return DeleteReport(entries=len(entry_ids), objects=len(freed),
                             bytes=sum(sizes.values()) + sum(size for _, size in freed),
@@ -234,12 +231,11 @@ class GarbageCollector:
         target = int(max_bytes * LOW_WATERMARK)
         remaining = budget if budget is not None else 1 << 62
         doomed = set(before)
+        order = (e for e in _eviction_order(catalog) if e not in doomed)
         while total > target and remaining > 0:
             want = min(remaining, DELETE_BATCH)
             batch, estimate = [], 0
-            for entry_id, _hint in catalog.eviction_order(want + len(doomed)):
-                if entry_id in doomed:
-                    continue
+            for entry_id in order:
                 row = catalog.get(entry_id)
                 batch.append(entry_id)
                 estimate += row.size if row else 0
@@ -336,6 +332,19 @@ class GarbageCollector:
         if report.failed:
             log.warning("could not delete %d file(s), e.g. %s", len(report.failed),
                         next(iter(report.failed.items())))
+
+
+def _eviction_order(catalog) -> Iterator[str]:
+    """Every entry id in eviction order, read in growing pages (the dry run reads the order
+    once, where the run reads it again after each batch it deletes)."""
+    limit, seen = 4096, 0
+    while True:
+        rows = catalog.eviction_order(limit)
+        for entry_id, _hint in rows[seen:]:
+            yield entry_id
+        if len(rows) < limit:
+            return
+        seen, limit = len(rows), limit * 4
 
 
 @dataclass
