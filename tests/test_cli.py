@@ -458,9 +458,9 @@ def test_quarantine_purge(root: Path) -> None:
     cli_json("scrub", "--root", str(root), "--rate", "0", expect=1)
     assert cli_json("quarantine", "purge", "--root", str(root), "--older-than", "7d",
                     "--yes")["count"] == 0
-    dry = cli_json("quarantine", "purge", "--root", str(root), "--dry-run")
+    dry = cli_json("quarantine", "purge", "--root", str(root), "--all", "--dry-run")
     assert dry["count"] == 1 and cli_json("quarantine", "ls", "--root", str(root))["count"] == 1
-    done = cli_json("quarantine", "purge", "--root", str(root), "--yes")
+    done = cli_json("quarantine", "purge", "--root", str(root), "--all", "--yes")
     assert done["count"] == 1 and done["bytes"] > 0
     assert cli_json("quarantine", "ls", "--root", str(root))["count"] == 0
 

@@ -187,7 +187,7 @@ def test_a_quarantine_swapped_mid_purge_is_not_purged_through(base: Path) -> Non
     (base / "secret").chmod(0o700)
     give(root)
     pause = Paused(base, "quarantine.listed")
-    proc = operator("quarantine", "purge", "--yes", "--root", str(root), env=pause.env)
+    proc = operator("quarantine", "purge", "--all", "--yes", "--root", str(root), env=pause.env)
     pause.wait_reached(proc)
     attacker(f"""
         import os

@@ -115,7 +115,7 @@ def test_every_command_accepts_the_base_root(base: Path) -> None:
     assert absent.returncode == 1 and absent.stderr.startswith("error: no entry")
     assert cli_json("doctor", "--root", str(base))["kind"] == "base"
     assert cli_json("quarantine", "ls", "--root", str(base))["exit"] == 0
-    assert cli_json("quarantine", "purge", "--root", str(base), "--yes")["exit"] == 0
+    assert cli_json("quarantine", "purge", "--root", str(base), "--all", "--yes")["exit"] == 0
     inited = cli_json("init", "--root", str(base), "--max-size", "1GiB")
     assert [s["result"]["max_bytes"] for s in inited["stores"]] == [1 << 30] * 3
     human = cli("clean", "--root", str(base), "--yes")

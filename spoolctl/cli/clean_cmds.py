@@ -58,11 +58,12 @@ def clean_cmd(
         "when a record names it; besides Google's https endpoints only these and "
         "SPOOLCTL_GENAI_ENDPOINTS are used. Repeatable.")] = None,
     superseded: Annotated[bool, typer.Option(
-        "--superseded", help="Reclaim vLLM deployments a newer one of the same model replaced "
-        "(new weights, a vLLM upgrade) that nothing used since (see `status`).")] = False,
+        "--superseded", help="Reclaim vLLM deployments and controller models a newer one of "
+        "the same model replaced (new weights, a framework upgrade) that nothing used since "
+        "(see `status`).")] = False,
     unused_for: Annotated[str | None, typer.Option(
-        "--unused-for", help="Reclaim vLLM deployments not used for this long (e.g. 30d).")] =
-        None,
+        "--unused-for", help="Reclaim vLLM deployments and controller models not used for "
+        "this long (e.g. 30d).")] = None,
     min_age: Annotated[str, typer.Option(
         "--min-age", help="Orphans and temp files must be this old (e.g. 1h).")] = "1h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report; change nothing.")] =
@@ -79,7 +80,8 @@ def clean_cmd(
     four when no selector is given. Works on a full disk. Given a vLLM base root (the
     root of `spoolctl config vllm`) or a deployment directory, cleans every rank store
     under it and reports per rank. `--superseded` and `--unused-for` reclaim whole vLLM
-    deployments by rule (alone, only those and the released step run).
+    deployments, or on a controller's store whole models (PyTorch, MLX), by rule (alone,
+    only those and the released step run).
 
     Example (cron): [bold]spoolctl clean --yes --json[/bold]
     """
@@ -94,38 +96,58 @@ def clean_cmd(
         steps = ["released", *steps]  # what reclaiming a deployment releases is deleted
     targets = resolve_targets(root, rank=rank, deployment=deployment)
     stale = _stale_deployments(targets, superseded, unused) if by_rule else {}
+
+    def make_job(dry: bool, remote: bool):
+        def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
+            # before local cleanup: settles holds
+            remote_doc = _clean_genai(store, remote, dry, endpoints)
+            lifecycle = _reclaim(store, stale.get(_target.deployment or ""), dry) \
+                if by_rule and not targets.single else None
+            models = _reclaim_models(store, superseded, unused, dry) \
+                if by_rule and targets.single else None
+            # A dry run counts what the rules would release in its released step (decision 2121).
+            rule_ids = [*(lifecycle or {}).pop("_ids", []),
+                        *(e for m in (models or {}).values() for e in m.pop("_ids", []))]
+            report = store.clean(steps, min_age=age, dry_run=dry, also_released=rule_ids)
+            doc = {**report.to_json(), "genai": remote_doc}
+            if lifecycle is not None:
+                doc["deployment_lifecycle"] = lifecycle
+            if models is not None:
+                doc["model_lifecycle"] = models
+            where = "" if _target.rank is None else f"{_target.label}: "
+            for step, error in report.errors.items():  # on stderr too: cron mails it
+                err_console.print(text(f"error: {where}clean {step}: {error}"), soft_wrap=True)
+            if report.errors or remote_doc.get("error"):
+                return doc, EXIT_USAGE
+            findings = report.quarantined or report.failed or report.malformed_count or \
+                remote_doc.get("failed") or remote_doc.get("malformed") or \
+                remote_doc.get("refused")
+            return doc, EXIT_FINDINGS if findings else EXIT_OK
+        return job
+
     if render.require_yes(yes, dry_run, "clean") and targets.stores:
+        # The plan shown is the dry run of this very command (server calls aside), and
+        # nothing is asked when it deletes nothing (decision 2122).
+        plan_job = make_job(True, False)
+        plans = []
         for target in targets.stores:
             with open_store(target.root) as store:
-                plan = store.clean(steps, min_age=age, dry_run=True)
-            console.print(text(target.label, "bold"))
-            why = stale.get(target.deployment or "")
-            if why is not None:
-                console.print(text(f"whole deployment: {why.state} ({why.reason})", "yellow"))
-            console.print(_steps_table(plan.steps_json(), True))
-        if not typer.confirm("Delete these?", default=False):
-            raise typer.Exit(EXIT_OK)
-
-    def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
-        # before local cleanup: settles holds
-        remote = _clean_genai(store, genai, dry_run, endpoints)
-        lifecycle = _reclaim(store, stale.get(_target.deployment or ""), dry_run) \
-            if by_rule else None
-        report = store.clean(steps, min_age=age, dry_run=dry_run)
-        doc = {**report.to_json(), "genai": remote}
-        if lifecycle is not None:
-            doc["deployment_lifecycle"] = lifecycle
-        where = "" if _target.rank is None else f"{_target.label}: "
-        for step, error in report.errors.items():  # on stderr too: cron mails it
-            err_console.print(text(f"error: {where}clean {step}: {error}"), soft_wrap=True)
-        if report.errors or remote.get("error"):
-            return doc, EXIT_USAGE
-        findings = report.quarantined or report.failed or report.malformed_count or \
-            remote.get("failed") or remote.get("malformed") or remote.get("refused")
-        return doc, EXIT_FINDINGS if findings else EXIT_OK
+                plans.append((target, plan_job(store, target)[0]))
+        if any(any(plan["total"].values()) for _, plan in plans) or genai:
+            for target, plan in plans:
+                console.print(text(target.label, "bold"))
+                why = stale.get(target.deployment or "")
+                if why is not None:
+                    console.print(text(f"whole deployment: {why.state} ({why.reason})",
+                                       "yellow"))
+                for line in _clean_view(plan):
+                    console.print(line)
+            if not typer.confirm("Delete these?", default=False):
+                raise typer.Exit(EXIT_OK)
 
     # A dry run only reads: on a store this user cannot write it plans from a read-only
     # view (decision 2310), like ls and status.
+    job = make_job(dry_run, genai)
     finish(run_on_targets(targets, job, json_output=json_output, view=_clean_view,
                           read_only_ok=dry_run))
 
@@ -144,13 +166,21 @@ def _endpoint_policy(enabled: bool, extra: list[str]) -> Any:
 
 def _stale_deployments(targets: Targets, superseded: bool,
                        unused: float | None) -> dict[str, Verdict]:
-    """The deployments the chosen rules reclaim (decision 2112), by directory name."""
+    """The deployments the chosen rules reclaim (decision 2112), by directory name. On one
+    store the rules judge its controller models instead (``_reclaim_models``, decision
+    2120); a vLLM rank store given alone is a usage error (its deployment's siblings are
+    what the rules compare)."""
     from .lifecycle import deployment_uses, siblings, verdicts
 
     if targets.single:
-        raise ConfigError("--superseded and --unused-for apply to a vLLM base root or "
-                          "deployment directory, not to one store", path=targets.given,
-                          fix="point --root at the root given to `spoolctl config vllm`")
+        with open_store(targets.given, read_only_ok=True) as store:
+            chunks = bool(store.entries(kind="vllm", limit=1))
+        if chunks:
+            raise ConfigError("--superseded and --unused-for judge vLLM deployments on a "
+                              "base root or deployment directory, not on one rank store",
+                              path=targets.given,
+                              fix="point --root at the root given to `spoolctl config vllm`")
+        return {}
     judged = verdicts(deployment_uses(siblings(targets)), unused_for=unused)
     return {name: v for name, v in judged.items()
             if (superseded and v.state == "superseded") or v.state == "unused"}
@@ -162,8 +192,24 @@ def _reclaim(store: Store, verdict: Verdict | None, dry_run: bool) -> dict[str, 
 
     if verdict is None:
         return {"reclaimed": False, "state": "current"}
-    entries, size = reclaim(store, dry_run=dry_run)
-    return {"reclaimed": True, **verdict.to_json(), "entries": entries, "bytes": size}
+    ids, size = reclaim(store, dry_run=dry_run)
+    return {"reclaimed": True, **verdict.to_json(), "entries": len(ids), "bytes": size,
+            "_ids": ids}
+
+
+def _reclaim_models(store: Store, superseded: bool, unused: float | None,
+                    dry_run: bool) -> dict[str, Any]:
+    """Release the entries of this store's stale controller models (decision 2120): per
+    namespace its verdict and what is (or, dry, would be) released."""
+    from .lifecycle import reclaim_models, stale_models
+
+    stale = stale_models(store, superseded=superseded, unused_for=unused)
+    out: dict[str, Any] = {}
+    for namespace, verdict in sorted(stale.items()):
+        ids, size = reclaim_models(store, {namespace}, dry_run=dry_run)
+        out[namespace] = {**verdict.to_json(), "entries": len(ids), "bytes": size,
+                          "_ids": ids}
+    return out
 
 
 def _clean_genai(store: Store, enabled: bool, dry_run: bool,
@@ -228,6 +274,10 @@ def _clean_view(doc: dict[str, Any]) -> list[Any]:
         out.append(text(f"{doc['failed']} file(s) or directories could not be deleted or "
                         "read (`spoolctl doctor` says why)", "yellow"))
     out.extend(text(line) for line in doc["genai"].get("lines", []))
+    for namespace, model in (doc.get("model_lifecycle") or {}).items():
+        out.append(text(f"model {namespace} {model['state']} ({model['reason']}): "
+                        f"{model['entries']} entries, {render.size(model['bytes'])} "
+                        + ("to release" if doc["dry_run"] else "released"), "yellow"))
     life = doc.get("deployment_lifecycle")
     if life and life.get("reclaimed"):
         out.append(text(f"deployment {life['state']} ({life['reason']}): "

@@ -178,7 +178,7 @@ def doctor_cmd(
     from spoolctl.store.doctor import run_checks
 
     def one(path: Path) -> tuple[dict[str, Any], int]:
-        checks = run_checks(path) + _genai_checks(path)
+        checks = run_checks(path) + _genai_checks(path) + _model_checks(path)
         failed = any(c.status == "fail" for c in checks)
         return ({"root": str(path), "ok": not failed, "checks": [c.to_json() for c in checks]},
                 EXIT_FINDINGS if failed else EXIT_OK)
@@ -224,6 +224,35 @@ def _lifecycle_check(verdict: Any, size: int) -> Any:
                  + f"): {render.size(size)} no engine will read again",
                  "`spoolctl clean --superseded --yes` reclaims it (or "
                  "`--unused-for 30d`; see docs/runbook.md)")
+
+
+def _model_checks(path: Path) -> list[Any]:
+    """``model.lifecycle``: a controller model of this store nothing will read again
+    (decision 2120): a warning per stale namespace, none when there is none or the store
+    does not open (the store checks say why)."""
+    from spoolctl.store import Store
+    from spoolctl.store.doctor import Check
+
+    from . import render
+    from .lifecycle import model_uses, model_verdicts
+
+    try:
+        with Store.open(path, read_only=True) as store:
+            uses = model_uses(store)
+    except (SpoolError, OSError):
+        return []
+    checks = []
+    for name, verdict in sorted(model_verdicts(uses).items()):
+        if verdict.stale:
+            use = uses[name]
+            checks.append(Check(
+                "model.lifecycle", "warn",
+                f"model {name[:40]} ({str((use.identity or {}).get('model'))[:80]}) "
+                f"{verdict.state} ({verdict.reason}): {render.size(use.bytes)} in "
+                f"{use.entries} entries no controller will read again",
+                "`spoolctl clean --superseded --yes` reclaims it (or `--unused-for 30d`; "
+                "see docs/runbook.md)"))
+    return checks
 
 
 def _genai_checks(path: Path) -> list[Any]:

@@ -83,12 +83,82 @@ def lifecycle_json(use: DeploymentUse, verdict: Verdict) -> dict[str, Any]:
             "engine": ident.get("engine")}
 
 
-def reclaim(store: Store, *, dry_run: bool) -> tuple[int, int]:
+def reclaim(store: Store, *, dry_run: bool) -> tuple[list[str], int]:
     """Release every retained chunk of a stale deployment's rank store (the ``released``
-    clean step then deletes them); returns (entries, bytes) released or, dry, to release."""
+    clean step then deletes them); returns (entry ids, bytes) released or, dry, to
+    release."""
     rows = [r for r in store.entries(kind=KIND)
             if r.state == "committed" and r.hint == "retain"]
     if not dry_run:
         for row in rows:
             store.release(row.entry_id)
-    return len(rows), sum(r.size for r in rows)
+    return [r.entry_id for r in rows], sum(r.size for r in rows)
+
+
+# -- controller models (decision 2120) ---------------------------------------------------
+
+
+def model_uses(store: Store) -> dict[str, DeploymentUse]:
+    """Each controller namespace of one store (``model_lifecycle.KINDS``), by namespace:
+    its retained entries, bytes, first stored, last used, and the identity of its newest
+    entry's manifest (with the kind added; None if that cannot be read)."""
+    from spoolctl.controllers.model_lifecycle import KINDS as MODEL_KINDS
+
+    groups: dict[str, list[Any]] = {}
+    for kind in MODEL_KINDS:
+        for row in store.entries(kind=kind):
+            if row.state == "committed" and row.hint == "retain":
+                groups.setdefault(row.namespace, []).append(row)
+    out: dict[str, DeploymentUse] = {}
+    for namespace, rows in groups.items():
+        newest = max(rows, key=lambda r: r.created)
+        try:
+            doc = store.manifest(newest.entry_id).meta.get("identity")
+            identity = {**doc, "kind": newest.kind} if isinstance(doc, dict) else None
+        except (SpoolError, OSError, ValueError, AttributeError):
+            identity = None
+        out[namespace] = DeploymentUse(namespace, len(rows), sum(r.size for r in rows),
+                                       min(r.created for r in rows),
+                                       max(r.last_access for r in rows), identity)
+    return out
+
+
+def model_verdicts(uses: dict[str, DeploymentUse], *, unused_for: float | None = None,
+                   now: float | None = None) -> dict[str, Verdict]:
+    from spoolctl.controllers.model_lifecycle import judge_models
+
+    return judge_models(uses.values(), now=time.time() if now is None else now,
+                        unused_for=unused_for)
+
+
+def model_json(use: DeploymentUse, verdict: Verdict) -> dict[str, Any]:
+    """One controller model in ``status --json`` (``models.<namespace>``)."""
+    from spoolctl.controllers.model_lifecycle import weights
+
+    ident = use.identity or {}
+    return {**verdict.to_json(), "kind": ident.get("kind"), "entries": use.entries,
+            "bytes": use.bytes, "first_stored": use.first_stored, "last_used": use.last_used,
+            "model": ident.get("model"), "framework": ident.get("framework"),
+            "weights": weights(ident)}
+
+
+def stale_models(store: Store, *, superseded: bool, unused_for: float | None,
+                 now: float | None = None) -> dict[str, Verdict]:
+    """The controller namespaces of ``store`` the chosen rules reclaim."""
+    judged = model_verdicts(model_uses(store), unused_for=unused_for, now=now)
+    return {name: v for name, v in judged.items()
+            if (superseded and v.state == "superseded") or v.state == "unused"}
+
+
+def reclaim_models(store: Store, namespaces: set[str], *,
+                   dry_run: bool) -> tuple[list[str], int]:
+    """Release every retained entry of ``namespaces`` (the ``released`` clean step then
+    deletes them); returns (entry ids, bytes) released or, dry, to release."""
+    from spoolctl.controllers.model_lifecycle import KINDS as MODEL_KINDS
+
+    rows = [r for kind in MODEL_KINDS for r in store.entries(kind=kind)
+            if r.namespace in namespaces and r.state == "committed" and r.hint == "retain"]
+    if not dry_run:
+        for row in rows:
+            store.release(row.entry_id)
+    return [r.entry_id for r in rows], sum(r.size for r in rows)

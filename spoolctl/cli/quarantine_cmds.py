@@ -177,11 +177,14 @@ def _select(items: list[QuarantineItem], older_than: float | None, now: float,
 @quarantine_app.command("purge")
 def q_purge(
     items: Annotated[list[str] | None, typer.Argument(
-        help="Only these item ids (default: every item, or those --older-than).",
+        help="The item ids to purge (or --older-than, or --all).",
         show_default=False)] = None,
     root: RootOption = None,
     older_than: Annotated[str | None, typer.Option(
         "--older-than", help="Only items quarantined at least this long ago (e.g. 7d).")] = None,
+    all_items: Annotated[bool, typer.Option(
+        "--all", help="Every item (needed when neither ids nor --older-than are given).")] =
+        False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
     rank: RankOption = None,
@@ -190,10 +193,19 @@ def q_purge(
 ) -> None:
     """Delete quarantined items (evidence is never deleted automatically).
 
+    Say which: item ids, `--older-than`, or `--all` (nothing is purged by default).
+
     Example: [bold]spoolctl quarantine purge --older-than 7d --yes[/bold]
     """
     wanted = [check_item(i) for i in (items or [])]
     age = parse_duration(older_than) if older_than is not None else None
+    if not wanted and age is None and not all_items:
+        raise ConfigError("quarantine purge needs the items to purge",
+                          fix="give item ids (`spoolctl quarantine ls`), --older-than 7d, "
+                          "or --all for every item")
+    if all_items and (wanted or age is not None):
+        raise ConfigError("--all purges every item: it does not combine with ids or "
+                          "--older-than", fix="drop --all, or the ids and --older-than")
     ask = render.require_yes(yes, dry_run, "quarantine purge")
     targets = resolve_targets(root, rank=rank, deployment=deployment)
     if wanted:  # unique prefixes -> whole ids, before anything is purged

@@ -53,6 +53,7 @@ def _init_job(max_bytes: int | None):
         used = store.totals().bytes
         return {"root": str(store.root), "store_id": store.marker.store_id,
                 "max_bytes": store.max_bytes, "created": False,
+                "changed": store.max_bytes != before, "default_max_bytes": False,
                 "previous_max_bytes": before, "bytes": used,
                 "over_max": store.max_bytes is not None and used > store.max_bytes}, EXIT_OK
     return job
@@ -68,6 +69,10 @@ def init_cmd(
     json_output: JsonOption = False,
 ) -> None:
     """Create a store (or update the max size of an existing one).
+
+    A new store without `--max-size` is bounded by the default the controllers use: a
+    tenth of its filesystem, at most 64 GiB, at least 1 GiB. An existing store keeps its
+    max size unless `--max-size` is given ("nothing changed" otherwise).
 
     On a vLLM base root or deployment directory, updates the max size of every rank store
     (the connector sets it again from its own config at its next start). Lowering the max
@@ -86,9 +91,13 @@ def init_cmd(
                                   view=_init_view)
             finish(code)
             return
-        with open_store(path, create=True, max_bytes=max_bytes) as store:
+        from spoolctl.controllers.local import default_max_bytes
+
+        limit = max_bytes if max_bytes is not None else default_max_bytes(path)
+        with open_store(path, create=True, max_bytes=limit) as store:
             doc = {"root": str(store.root), "store_id": store.marker.store_id,
-                   "max_bytes": store.max_bytes, "created": True, "previous_max_bytes": None,
+                   "max_bytes": store.max_bytes, "created": True, "changed": True,
+                   "default_max_bytes": max_bytes is None, "previous_max_bytes": None,
                    "bytes": 0, "over_max": False}
         emit(doc, json_output=json_output, view=_init_view)
         return
@@ -98,10 +107,17 @@ def init_cmd(
 
 def _init_view(doc: dict[str, Any]) -> list[Any]:
     size = render.size(doc["max_bytes"]) if doc["max_bytes"] else "unbounded"
+    if doc.get("default_max_bytes"):
+        size += " (default: a tenth of the filesystem, at most 64 GiB; --max-size to choose)"
+    title = "store created" if doc["created"] else \
+        "store updated" if doc.get("changed", True) else "store unchanged"
     shown: list[Any] = [Panel.fit(
         Text(f"root      {plain(doc['root'])}\nstore id  {plain(doc['store_id'])}\n"
-             f"max size  {size}"),
-        title=f"store {'created' if doc['created'] else 'updated'}")]
+             f"max size  {size}"), title=title)]
+    if not doc["created"] and not doc.get("changed", True):
+        shown.append(Text("nothing changed (give --max-size to change the max size)"
+                          if doc["max_bytes"] else "nothing changed: the store is unbounded; "
+                          "give --max-size to bound it", style="yellow"))
     if doc.get("over_max"):
         shown.append(Text(f"the store holds {render.size(doc['bytes'])}, over its max size: "
                           "`spoolctl clean --capacity --yes` evicts down to 90% of it (the "
@@ -151,6 +167,7 @@ def status(
         with open_store(targets.given, read_only_ok=True) as store:
             facts = store.facts()
             doc = status_doc(store, facts)
+            doc["models"] = models_doc(store)
         emit(doc, json_output=json_output, view=_status_view)
         attention = facts.needs_attention or bool(doc["genai"]["malformed"])
         finish(EXIT_FINDINGS if check and attention else EXIT_OK)
@@ -161,7 +178,38 @@ def status(
     finish(errors or (EXIT_FINDINGS if check and findings else EXIT_OK))
 
 
-def _status_view(doc: dict[str, Any]) -> Table:
+def models_doc(store: Store) -> dict[str, Any]:
+    """``models`` of ``status --json``: each controller model namespace of the store with its
+    last use, bytes and lifecycle verdict (decision 2120)."""
+    from .lifecycle import model_json, model_uses, model_verdicts
+
+    uses = model_uses(store)
+    judged = model_verdicts(uses)
+    return {name: model_json(uses[name], judged[name]) for name in sorted(uses)}
+
+
+def _model_lines(models: dict[str, Any]) -> list[Text]:
+    """One line per controller model, below the table (wrapped, never cut): what it is, its
+    last use and size, and whether a newer generation replaced it."""
+    out, now = [], time.time()
+    for name, m in models.items():
+        # hour granularity: the lifecycle rules work in days, and the view stays the same
+        # from one run to the next (`spoolctl` and `spoolctl status` show one view)
+        last = m.get("last_used")
+        used = "never" if not last else render.rel_time(last, now) \
+            if now - last >= 3600 else "within the last hour"
+        line = Text(f"model {plain(name)}: {plain(str(m.get('model') or '?'))} "
+                    f"({plain(str(m.get('framework')))}, weights "
+                    f"{plain(str(m.get('weights') or '?')[:24])}); last used {used}; "
+                    f"{m['entries']} entries, {render.size(m['bytes'])}")
+        if m["state"] != "current":
+            line.append(f"\n  {m['state']} ({m['reason']}): nothing will read it again; "
+                        "`spoolctl clean --superseded --yes` reclaims it", style="yellow")
+        out.append(line)
+    return out
+
+
+def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
     t = Table(title="spoolctl status" + (" (read-only view)" if doc.get("read_only") else ""),
               show_header=False, title_justify="left")
     t.add_column("what", style="bold", no_wrap=True)
@@ -211,7 +259,8 @@ def _status_view(doc: dict[str, Any]) -> Table:
                             f"{render.rel_time(owner['since'])}") if owner else "none")
     if doc["unknown_files"]:
         t.add_row("unknown files", text(", ".join(doc["unknown_files"][:5])))
-    return t
+    models = doc.get("models") or {}
+    return [t, *_model_lines(models)] if models else t
 
 
 def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:

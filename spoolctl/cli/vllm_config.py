@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from spoolctl.store import parse_size
+from spoolctl.store import ConfigError, parse_size
 from spoolctl.store.root import check_root_path
 
 from .app import app
@@ -44,16 +44,18 @@ def kv_transfer_config(root: str, max_size: str | None) -> dict[str, Any]:
 def config_vllm(
     root: RootOption = None,
     max_size: Annotated[str | None, typer.Option(
-        "--max-size", help="Store max size, e.g. 200GiB (checked here, passed as written).")] =
-        None,
+        "--max-size", help="Max size of each rank store, e.g. 200GiB (required; checked "
+        "here, passed as written).")] = None,
     model: Annotated[str | None, typer.Option(
-        "--model", metavar="<dir|name>", help="The model directory vLLM will serve: checks the max size holds one "
-        "256-token chunk of it (not part of the output).")] = None,
+        "--model", metavar="<dir|name>", help="The model directory vLLM will serve: checks "
+        "the max size holds one 256-token chunk of it (not part of the output).")] = None,
     tp: Annotated[int, typer.Option(
         "--tp", min=1, help="Its tensor-parallel size (the chunk per rank shrinks with it).")]
         = 1,
 ) -> None:
     """Print the --kv-transfer-config JSON that starts vLLM with the spoolctl connector.
+
+    `--max-size` is required: without it every rank store would be unbounded.
 
     Checks, before vLLM loads a model: the root is absolute and not a symlink, and you can
     create stores under it (run this as the user that runs vLLM); the max size is a size.
@@ -71,10 +73,13 @@ def config_vllm(
     from spoolctl.connector.preflight import check_max_size, check_root, chunk_bytes_from_model_dir
 
     path = check_root_path(resolve_root(root))  # absolute, no symlink: fail here, not in vLLM
-    if max_size is not None:
-        max_bytes = parse_size(max_size)
-        if model is not None:  # a hub id or an unknown architecture: the connector checks
-            check_max_size(max_bytes, chunk_bytes_from_model_dir(model, tp=tp), 256)
+    if max_size is None:  # a store is bounded; its size is the operator's choice (2122)
+        raise ConfigError("config vllm needs --max-size: without it every rank store of "
+                          "the connector is unbounded",
+                          fix="add --max-size SIZE (per rank store, e.g. 200GiB)")
+    max_bytes = parse_size(max_size)
+    if model is not None:  # a hub id or an unknown architecture: the connector checks
+        check_max_size(max_bytes, chunk_bytes_from_model_dir(model, tp=tp), 256)
     for line in check_root(path):  # unwritable: ConfigError (exit 2); tmpfs: a warning
         typer.echo(f"warning: {line}", err=True)
     typer.echo(json.dumps(kv_transfer_config(str(path), max_size), separators=(",", ":")))

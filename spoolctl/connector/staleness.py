@@ -21,7 +21,7 @@ deployment whose facts cannot be read is never superseded (only the unused rule 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,21 +88,28 @@ def _what_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
     return " and ".join(changed) + " changed" if changed else "identity changed"
 
 
-def judge(uses: Iterable[DeploymentUse], *, now: float,
-          unused_for: float | None = None) -> dict[str, Verdict]:
-    """A verdict per deployment (see the module docstring)."""
+Lineage = Callable[[Mapping[str, Any] | None], str | None]
+Changed = Callable[[Mapping[str, Any], Mapping[str, Any]], str]
+
+
+def judge(uses: Iterable[DeploymentUse], *, now: float, unused_for: float | None = None,
+          lineage_of: Lineage = lineage, what_changed: Changed = _what_changed
+          ) -> dict[str, Verdict]:
+    """A verdict per deployment (see the module docstring). ``lineage_of`` and
+    ``what_changed`` default to vLLM deployments' facts; the controllers' model namespaces
+    pass their own (``controllers.model_lifecycle``, decision 2120)."""
     uses = list(uses)
     out: dict[str, Verdict] = {}
     for use in uses:
-        line = lineage(use.identity)
+        line = lineage_of(use.identity)
         successors = [] if line is None or use.last_used is None else [
             other for other in uses
-            if other.name != use.name and lineage(other.identity) == line
+            if other.name != use.name and lineage_of(other.identity) == line
             and other.first_stored is not None and other.first_stored > use.last_used]
         if successors:
             newest = max(successors, key=lambda o: o.first_stored or 0.0)
             assert use.identity is not None and newest.identity is not None
-            out[use.name] = Verdict("superseded", _what_changed(use.identity, newest.identity),
+            out[use.name] = Verdict("superseded", what_changed(use.identity, newest.identity),
                                     newest.name)
         elif (unused_for is not None and use.last_used is not None
               and now - use.last_used > unused_for):

@@ -41,6 +41,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -79,6 +80,8 @@ LOCK_STRIPES = 256  # lock files per store: bounded, and two keys rarely share o
 MAX_BASE_TRIES = 3
 #: A store a controller creates without ``max_bytes`` is bounded: a tenth of its
 #: filesystem, at most 64 GiB, at least 1 GiB where the filesystem has 2 (decision 2104).
+#: How often a memory hit moves an entry's LRU clock in the catalog (seconds; decision 2120).
+MEMORY_TOUCH_INTERVAL = 60.0
 DEFAULT_MAX_FRACTION = 10
 DEFAULT_MAX_CAP = 64 << 30
 DEFAULT_MAX_FLOOR = 1 << 30
@@ -177,6 +180,11 @@ class LocalCacheController(UseMixin):
         self._closed = False
         self._warned_unfit = False
         self._stats = ControllerStats()
+        # When this controller last moved each entry's LRU clock on a memory hit: a cache
+        # served from memory for days is still "used" for the store's LRU and for
+        # `spoolctl clean --unused-for` (decision 2120), at one catalog write per entry per
+        # ``MEMORY_TOUCH_INTERVAL``, never one per hit.
+        self._touched: dict[str, float] = {}
 
     @property
     def store(self) -> Store:
@@ -321,17 +329,40 @@ class LocalCacheController(UseMixin):
             if loaded is not None and loaded.prefix == plan.prefix:
                 self._memory.move_to_end(plan.entry_id)
                 self._stats.memory_hits += 1
-                return self._stamp(params, self._handle(plan, source="memory"),
-                                   PrepareWork(memory=len(plan.prefix)))
-            flight = self._flights.join(plan.entry_id, params.read_only)
-            if not flight.leader:
-                self._stats.coalesced += 1
+                handle = self._stamp(params, self._handle(plan, source="memory"),
+                                     PrepareWork(memory=len(plan.prefix)))
+                touch = self._due_touch(plan.entry_id, params.read_only)
+            else:
+                handle = None
+                flight = self._flights.join(plan.entry_id, params.read_only)
+                if not flight.leader:
+                    self._stats.coalesced += 1
+        if handle is not None:
+            if touch:  # outside the lock: a catalog write
+                try:
+                    self._store.touch([plan.entry_id])
+                except SpoolError as exc:  # the LRU clock is a hint; the hit stands
+                    log.debug("memory hit not recorded in the catalog: %s", reason(exc))
+            return handle
         if not flight.leader:
             shared = self._flights.wait(flight)
             # The leader's prefill, taken from memory: this call read it, wrote nothing.
             return self._stamp(params, shared,
                                PrepareWork(memory=shared.cached_tokens) if shared else None)
         return self._flights.lead(flight, lambda: self._stamp(params, *self._prepare_slow(plan)))
+
+    def _due_touch(self, entry_id: str, read_only: bool) -> bool:
+        """Whether a memory hit on ``entry_id`` should move its LRU clock in the catalog
+        now (at most once per ``MEMORY_TOUCH_INTERVAL`` per entry; call under the lock)."""
+        if read_only or self.read_only:
+            return False
+        now = time.monotonic()
+        if now - self._touched.get(entry_id, -MEMORY_TOUCH_INTERVAL) < MEMORY_TOUCH_INTERVAL:
+            return False
+        self._touched[entry_id] = now
+        while len(self._touched) > MAX_KNOWN_PARAMS:
+            self._touched.pop(next(iter(self._touched)))
+        return True
 
     def _stamp(self, params: CachePrepareParams, handle: CacheHandle,
                work: PrepareWork | None) -> CacheHandle:

@@ -386,6 +386,37 @@ class Catalog:
                 chunk))
         return sizes
 
+    def freed_by(self, entry_ids: Iterable[str],
+                 before: set[str] | None = None) -> list[tuple[str, int]]:
+        """The objects (digest, size) that deleting ``entry_ids`` would free, read-only (the
+        dry run's answer to what ``delete_entries`` returns): referenced by one of them and
+        by no entry outside them and ``before`` (entries an earlier part of the same plan
+        deletes; objects only those reference are not counted again). Costs the references
+        of ``entry_ids`` and of the objects they name, not a pass over ``before``."""
+        ids = sorted({str(e) for e in entry_ids})
+        if not ids:
+            return []
+        mine, before = set(ids), before or set()
+        digests = [r[0] for r in self._read(
+            "SELECT DISTINCT digest FROM entry_objects WHERE entry_id IN "
+            "(SELECT value FROM json_each(?))", (json.dumps(ids),))]
+        kept: set[str] = set()
+        for chunk in _chunks(digests, 500):
+            for digest, entry_id in self._read(
+                    "SELECT digest, entry_id FROM entry_objects WHERE digest IN "
+                    f"({','.join('?' * len(chunk))})", chunk):
+                if entry_id not in mine and entry_id not in before:
+                    kept.add(digest)
+        freed = [d for d in digests if d not in kept]
+        out: list[tuple[str, int]] = []
+        for chunk in _chunks(freed, 500):
+            out += self._read(f"SELECT digest, size FROM objects WHERE digest IN "
+                              f"({','.join('?' * len(chunk))})", chunk)
+        # Only well-formed digests name files, as in ``delete_entries``.
+        return [(digest, size) for digest, size in out
+                if isinstance(digest, str) and _HEX64.fullmatch(digest)
+                and isinstance(size, int)]
+
     def live_keys(self, kind: str, namespace: str) -> set[str]:
         """The keys of every committed, retained entry of ``(kind, namespace)``."""
         return {r[0] for r in self._read(

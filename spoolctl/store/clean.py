@@ -80,10 +80,13 @@ class CleanReport:
 
 
 def run_clean(store: Store, steps: Iterable[str] = CLEAN_STEPS, *, min_age: float,
-              dry_run: bool) -> CleanReport:
+              dry_run: bool, also_released: Iterable[str] = ()) -> CleanReport:
     """Run ``steps`` (any of ``CLEAN_STEPS``; always in their fixed order) on ``store``.
 
     ``min_age``: temp files and orphan objects must be at least this many seconds old.
+    A dry run reports what the run would do, step by step (issue 36.3): the ``released``
+    step counts the objects it frees and ``also_released``, and ``capacity`` plans from
+    the totals the ``released`` step would leave, skipping what it deletes.
     """
     wanted = set(steps)
     unknown = wanted - set(CLEAN_STEPS)
@@ -96,9 +99,15 @@ def run_clean(store: Store, steps: Iterable[str] = CLEAN_STEPS, *, min_age: floa
         report.malformed = store.malformed_rows(20) if report.malformed_count else []
     except SpoolError as exc:
         report.errors["rows"] = str(exc)
+    also = list(also_released) if dry_run else []
+
+    def released_first() -> list[str]:  # what a dry run's released step deletes
+        done = report.deleted.get("released")
+        return done.entry_ids if dry_run and done is not None else []
+
     runs = {
-        "released": lambda: store.clean_released(dry_run=dry_run),
-        "capacity": lambda: store.enforce_capacity(dry_run=dry_run),
+        "released": lambda: store.clean_released(dry_run=dry_run, also=also),
+        "capacity": lambda: store.enforce_capacity(dry_run=dry_run, before=released_first()),
         "tmp": lambda: store.clean_tmp(min_age=min_age, dry_run=dry_run),
         "orphans": lambda: store.collect_orphans(min_age=min_age, dry_run=dry_run),
     }

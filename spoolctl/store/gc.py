@@ -106,15 +106,28 @@ class GarbageCollector:
             finally:
                 self._local.dirs = None
 
-    def clean_released(self, dry_run: bool) -> DeleteReport:
+    def planned(self, entry_ids: list[str], before: set[str] | None = None) -> DeleteReport:
+        """What deleting ``entry_ids`` frees (a dry run), counted as ``delete_entries``
+        counts it: their manifests, and the objects no other entry references; ``before``:
+        entries an earlier step of the same plan deletes (their objects are not counted
+        again, and objects they share with ``entry_ids`` are freed now)."""
+        catalog = self._store.catalog
+        freed = catalog.freed_by(entry_ids, before)
+        sizes = catalog.manifest_sizes(entry_ids)
+        return DeleteReport(entries=len(entry_ids), objects=len(freed),
+                            bytes=sum(sizes.values()) + sum(size for _, size in freed),
+                            dry_run=True, entry_ids=list(entry_ids))
+
+    def clean_released(self, dry_run: bool, also: Iterable[str] = ()) -> DeleteReport:
         catalog = self._store.catalog
         report = DeleteReport(dry_run=dry_run)
-        if dry_run:
-            rows = catalog.list(hint="release", sort="age", skip_held=True)
-            report.entries = len(rows)
-            report.bytes = sum(r.size for r in rows)
-            report.entry_ids = [r.entry_id for r in rows]
-            return report
+        if dry_run:  # exactly what the run below deletes (issue 36.3)
+            ids = [r.entry_id for r in catalog.list(hint="release", sort="age", skip_held=True)]
+            extra = set(also) - set(ids)
+            if extra:  # entries the same clean releases first (``clean --superseded``)
+                ids += [r.entry_id for r in catalog.list(skip_held=True)
+                        if r.entry_id in extra and r.hint == "retain"]
+            return self.planned(ids)
         # Id order: each batch touches few manifest fan-out dirs, so it needs few
         # directory fsyncs (10k released entries: ~256 instead of ~2,500). Paged by id, so
         # a pass over a million rows reads each once.
@@ -172,14 +185,18 @@ class GarbageCollector:
                   if (row := catalog.get(e)) is not None and row.hint == "release"]
         return self.delete_entries(doomed, "clean") if doomed else DeleteReport()
 
-    def evict(self, dry_run: bool, budget: int | None) -> DeleteReport:
-        """Down to the low watermark if over the maximum; at most ``budget`` entries."""
+    def evict(self, dry_run: bool, budget: int | None,
+              before: Iterable[str] = ()) -> DeleteReport:
+        """Down to the low watermark if over the maximum; at most ``budget`` entries.
+        ``before`` (dry run only): entries an earlier step of the same plan deletes."""
         max_bytes = self._store.max_bytes
         catalog = self._store.catalog
         report = DeleteReport(dry_run=dry_run)
         if max_bytes is None:
             return report
         total = catalog.totals().bytes
+        if dry_run:
+            return self._plan_evict(total, max_bytes, budget, set(before))
         if total <= max_bytes:
             return report
         if not dry_run:
@@ -187,16 +204,6 @@ class GarbageCollector:
             catalog.clamp_future_access(self._store.clock())
         target = int(max_bytes * LOW_WATERMARK)
         remaining = budget if budget is not None else 1 << 62
-        if dry_run:
-            for entry_id, _hint in catalog.eviction_order(min(remaining, 1 << 20)):
-                if total <= target:
-                    break
-                row = catalog.get(entry_id)
-                total -= row.size if row else 0
-                report.entries += 1
-                report.bytes += row.size if row else 0
-                report.entry_ids.append(entry_id)
-            return report
         while total > target and remaining > 0:
             batch, estimate = [], 0
             for entry_id, _hint in catalog.eviction_order(min(remaining, DELETE_BATCH)):
@@ -213,6 +220,38 @@ class GarbageCollector:
             total = catalog.totals().bytes
             if not done.entry_ids:
                 break  # nothing could be deleted (permissions): do not spin
+        return report
+
+    def _plan_evict(self, total: int, max_bytes: int, budget: int | None,
+                    before: set[str]) -> DeleteReport:
+        """The dry run of ``evict``: the same batches, chosen the same way, with the totals
+        the deletions would leave (``planned``) instead of deleting (issue 36.3)."""
+        catalog = self._store.catalog
+        report = DeleteReport(dry_run=True)
+        total -= self.planned(list(before)).bytes if before else 0
+        if total <= max_bytes:
+            return report
+        target = int(max_bytes * LOW_WATERMARK)
+        remaining = budget if budget is not None else 1 << 62
+        doomed = set(before)
+        order = (e for e in _eviction_order(catalog) if e not in doomed)
+        while total > target and remaining > 0:
+            want = min(remaining, DELETE_BATCH)
+            batch, estimate = [], 0
+            for entry_id in order:
+                row = catalog.get(entry_id)
+                batch.append(entry_id)
+                estimate += row.size if row else 0
+                if total - estimate <= target or len(batch) >= want:
+                    break
+            if not batch:
+                break
+            done = self.planned(batch, doomed)
+            report.add(done)
+            doomed.update(batch)
+            remaining -= len(batch)
+            total -= done.bytes
+        report.dry_run = True
         return report
 
     def delete_entries(self, entry_ids: list[str], step: str) -> DeleteReport:
@@ -296,6 +335,19 @@ class GarbageCollector:
         if report.failed:
             log.warning("could not delete %d file(s), e.g. %s", len(report.failed),
                         next(iter(report.failed.items())))
+
+
+def _eviction_order(catalog) -> Iterator[str]:
+    """Every entry id in eviction order, read in growing pages (the dry run reads the order
+    once, where the run reads it again after each batch it deletes)."""
+    limit, seen = 4096, 0
+    while True:
+        rows = catalog.eviction_order(limit)
+        for entry_id, _hint in rows[seen:]:
+            yield entry_id
+        if len(rows) < limit:
+            return
+        seen, limit = len(rows), limit * 4
 
 
 @dataclass

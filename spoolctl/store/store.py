@@ -497,14 +497,15 @@ class Store(CatalogHealth, Quarantining, Queries):
 
     # -- maintenance (what to delete: gc; what to repair: recovery) -----------------------
 
-    def clean_released(self, *, dry_run: bool = False) -> DeleteReport:
+    def clean_released(self, *, dry_run: bool = False, also: Iterable[str] = ()) -> DeleteReport:
         """Delete every released entry and the objects no other entry references.
 
         Entries held for a remote delete (index ``remote_pending``) are skipped, as
-        they are by eviction: their record is what lets ``clean --genai`` retry."""
+        they are by eviction: their record is what lets ``clean --genai`` retry.
+        ``also`` (dry run only): retained entries the same plan releases first."""
         def run() -> DeleteReport:
             with self.maintenance(exclusive=True, what="cleaning released entries"):
-                return self._gc.clean_released(dry_run)
+                return self._gc.clean_released(dry_run, also)
         if dry_run:
             return self.run_with_catalog_repair(run)
         self._writable("cleaning released entries")
@@ -522,16 +523,18 @@ class Store(CatalogHealth, Quarantining, Queries):
         return self._shedding(lambda: self.run_with_catalog_repair(run))
 
     def enforce_capacity(
-        self, *, dry_run: bool = False, budget: int | None = None, wait: bool = True
+        self, *, dry_run: bool = False, budget: int | None = None, wait: bool = True,
+        before: Iterable[str] = (),
     ) -> DeleteReport:
         """If over ``max_bytes``, evict released entries first, then least recently used,
-        down to 90% of the maximum. ``budget`` bounds the entries evicted in one call."""
+        down to 90% of the maximum. ``budget`` bounds the entries evicted in one call.
+        ``before`` (dry run only): entries an earlier step of the same plan deletes."""
         if self.max_bytes is None:
             return DeleteReport(dry_run=dry_run)
 
         def run() -> DeleteReport:
             with self.maintenance(exclusive=True, wait=wait, what="capacity maintenance"):
-                return self._gc.evict(dry_run, budget)
+                return self._gc.evict(dry_run, budget, before)
         if dry_run:
             return self.run_with_catalog_repair(run)
         self._writable("capacity maintenance")
@@ -564,10 +567,14 @@ class Store(CatalogHealth, Quarantining, Queries):
         return self._shedding(lambda: self.run_with_catalog_repair(run))
 
     def clean(self, steps: Iterable[str] = CLEAN_STEPS, *,
-              min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False) -> CleanReport:
+              min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False,
+              also_released: Iterable[str] = ()) -> CleanReport:
         """The cleaning pass (``spoolctl clean``): ``steps`` of ``clean.CLEAN_STEPS`` in
-        their fixed order, reported step by step; ``dry_run`` only plans."""
-        return run_clean(self, steps, min_age=min_age, dry_run=dry_run)
+        their fixed order, reported step by step; ``dry_run`` only plans, and reports
+        exactly what the run would delete (``also_released``: retained entries the caller
+        releases before a real run, counted by the dry run's ``released`` step)."""
+        return run_clean(self, steps, min_age=min_age, dry_run=dry_run,
+                         also_released=also_released)
 
     # -- ownership and size ------------------------------------------------------------
 
