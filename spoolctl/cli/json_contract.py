@@ -25,6 +25,8 @@ class Document:
     summary: str
     keys: dict[str, str]
     rows: dict[str, dict[str, str]] = field(default_factory=dict)  # list key -> row keys
+    # Keys present only when the case arises (a rule given, a kind of store): name -> when.
+    optional: dict[str, str] = field(default_factory=dict)
 
 
 SCHEMA = "schema id: spoolctl-cli/<command>/v1"
@@ -59,7 +61,10 @@ DOCUMENTS: tuple[Document, ...] = (
         "schema": SCHEMA, "root": "store root", "store_id": "the store's id",
         "created": "true if this run created it", "max_bytes": "max size (null: unbounded)",
         "previous_max_bytes": "max size before this run", "bytes": "bytes stored",
-        "over_max": "true if bytes exceed the new max size"}),
+        "over_max": "true if bytes exceed the new max size",
+        "changed": "true if this run created the store or changed its max size",
+        "default_max_bytes": "the default max size given to a new store without --max-size "
+                             "(null when --max-size was given or the store existed)"}),
     Document("status", "The store's facts.", {
         "schema": SCHEMA, "root": "store root", "store_id": "the store's id",
         "entries": "entries", "bytes": "bytes of entries", "objects": "objects",
@@ -72,7 +77,9 @@ DOCUMENTS: tuple[Document, ...] = (
         "unknown_files": "files the store does not know", "owner": "the owner lease holder",
         "read_only": "true if opened read-only", "malformed_rows": "catalog rows skipped",
         "genai": "GenAI records: `entries`, `expired`, `malformed`, `next_expiry_in_s`",
-        "filesystem": "the store's filesystem: free bytes, inodes and free inodes"}),
+        "filesystem": "the store's filesystem: free bytes, inodes and free inodes",
+        "models": "per PyTorch/MLX model namespace: model, weights, last use, entries, bytes, "
+                  "verdict (`current`, `unused`, `superseded`)"}),
     Document("ls", "Entries, newest access first by default.", {
         "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows",
         "being_deleted": "entries an interrupted clean is deleting (not listed; the next "
@@ -106,7 +113,11 @@ DOCUMENTS: tuple[Document, ...] = (
     Document("clean", "What was (or, with --dry-run, would be) deleted, per step.", {
         "schema": SCHEMA, "dry_run": "true for a plan", "steps": "per step: counts, bytes",
         "total": "totals over the steps", "errors": "per-file errors", "failed": "true if "
-        "a step failed", "genai": "GenAI records cleaned", "malformed_rows": "rows skipped"}),
+        "a step failed", "genai": "GenAI records cleaned", "malformed_rows": "rows skipped"},
+        optional={"deployment_lifecycle": "with --superseded/--unused-for on a vLLM root: "
+                                          "the deployment reclaimed and why",
+                  "model_lifecycle": "with --superseded/--unused-for on one store: the "
+                                     "controller models released and why"}),
     Document("doctor", "Checks of the root, filesystem, files and permissions.", {
         "schema": SCHEMA, "root": "store root", "ok": "true if every check passed",
         "checks": "per check: `name`, `status`, `detail`, `fix`"}),
@@ -178,6 +189,7 @@ def render_markdown() -> str:
                 "| key | meaning |", "|---|---|"]
         out += [f"| `{k}` | {v.replace('|', '/')} |" for k, v in doc.keys.items()
                 if k != "schema"]
+        out += [f"| `{k}` (only {v.replace('|', '/')}) | |" for k, v in doc.optional.items()]
         out.append("")
         for key, row in doc.rows.items():
             out += [f"Each of `{key}`:", "", "| key | meaning |", "|---|---|"]
