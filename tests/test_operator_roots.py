@@ -200,4 +200,56 @@ def test_status_names_each_deployment_and_shows_its_capacity(base: Path) -> None
     assert "│ none     │ -" in out  # B's rank: no max size
     words = " ".join(out.split())  # rich wraps long lines
     assert "deployment.json is not a deployment description" in words
-    assert "hit rate: spoolctl_hit_tokens_total / spoolctl_lookup_tokens_total" in words
+    assert "hit rate: no lookup recorded yet" in words  # no engine has run: where to look
+
+
+def test_status_shows_the_engines_hit_rate(base: Path) -> None:
+    """Issue 36.9: `status` on a root shows the hit rate its engine counted (the scheduler's
+    usage.json, written at most every interval and only when the counts changed, off the
+    scheduler's thread); a malformed or inconsistent record is said, never fatal."""
+    from waiting import wait_until
+
+    from spoolctl.connector import usage_record
+
+    now = [1_000_000.0]
+    for rank in (0, 1):
+        cli("init", "--root", str(base / DEP_A / f"rank-{rank:04d}"), "--max-size", "1MiB")
+    rec = usage_record.UsageRecorder(base / DEP_A, interval=15.0, clock=lambda: now[0])
+    counts = [(4096, 3072, 4, 3)]
+    def written() -> object:
+        return wait_until(lambda: not rec._busy.locked(), what="the background write")
+
+    assert rec.offer(lambda: counts[-1])  # the first offer writes
+    written()
+    assert usage_record.read(base / DEP_A).lookup_tokens == 4096
+    now[0] += 5
+    counts.append((8192, 7168, 8, 7))
+    assert not rec.offer(lambda: counts[-1])  # within the interval: not written
+    now[0] += 15
+    assert rec.offer(lambda: counts[-1])
+    written()
+    assert usage_record.read(base / DEP_A).lookup_tokens == 8192
+    now[0] += 1
+    counts.append((8192 + 512, 7168 + 512, 9, 8))
+    assert not rec.offer(lambda: counts[-1])  # changed, but within the interval...
+    rec.close(lambda: counts[-1])  # ...and the engine's exit writes the final counts
+    assert usage_record.read(base / DEP_A).lookup_tokens == 8192 + 512
+    now[0] += 20
+    assert not rec.offer(lambda: counts[-1])  # unchanged since the last write: none
+    (base / DEP_A / "usage.json").write_text(json.dumps(
+        {"schema": "spoolctl-usage/v1", "since": 1_000_000.0, "updated": 1_000_020.0,
+         "lookup_tokens": 8192, "hit_tokens": 7168, "lookups": 8, "hits": 7}))
+    doc = cli_json("status", "--root", str(base))
+    usage = doc["deployments"][DEP_A]["usage"]
+    assert (usage["hit_tokens"], usage["lookup_tokens"], usage["hits"]) == (7168, 8192, 7)
+    assert usage["hit_rate"] == 7168 / 8192 and usage["since"] == 1_000_000.0
+    words = " ".join(cli("status", "--root", str(base)).stdout.split())
+    assert "hit rate: 87.5% of prompt tokens (7,168 of 8,192 restored; 7 of 8 requests hit)" \
+        in words
+    # Hand-edited into nonsense (more hits than lookups): said, and status still works.
+    (base / DEP_A / "usage.json").write_text(json.dumps(
+        {"schema": "spoolctl-usage/v1", "since": 1.0, "updated": 2.0, "lookup_tokens": 1,
+         "hit_tokens": 5, "lookups": 1, "hits": 1}))
+    doc = cli_json("status", "--root", str(base))
+    assert doc["deployments"][DEP_A]["usage"] is None
+    assert "is not a usage record" in doc["deployments"][DEP_A]["usage_error"]

@@ -133,6 +133,20 @@ def test_restart_restores_with_identical_tokens(runs):
     assert counter(b, "scheduler", m.HIT_TOKENS) >= 4 * CHUNK
 
 
+def test_the_engine_records_its_hit_rate_beside_the_stores(runs):
+    """`spoolctl status` shows the hit rate the scheduler counted (usage.json in the
+    deployment directory): written by engine B while it served (its driver ends with
+    os._exit, so the exit-time write never runs: the counts are those of its last write,
+    never more than it counted)."""
+    from spoolctl.connector import usage_record
+
+    b = runs["B"]
+    usage = usage_record.read(runs["root"].parent)
+    assert usage is not None and 0 < usage.hit_tokens <= counter(b, "scheduler", m.HIT_TOKENS)
+    assert usage.lookup_tokens <= counter(b, "scheduler", m.LOOKUP_TOKENS)
+    assert usage.hits >= 1 and usage.since <= usage.updated
+
+
 def test_restored_bytes_are_what_the_model_reads(runs):
     # Negative control for the restore proof: P6's first chunk was replaced by a valid
     # all-zero entry, so a real restore must change the output (an ignored restore would not).

@@ -302,7 +302,7 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
     judged = verdicts(uses)
     extra: dict[str, Any] = {"deployments": {
         n: {**d.to_json(), "lifecycle": lifecycle_json(uses[n], judged[n]),
-            **_description(_dep_dir(targets, n))}
+            **_description(_dep_dir(targets, n)), **_usage(_dep_dir(targets, n))}
         for n, d in deployments.items()}}
     if targets.kind == "deployment" and len(deployments) == 1:
         # the shape scripts of one deployment directory read (ranks, agree, ...)
@@ -319,6 +319,35 @@ def _description(where: Path) -> dict[str, Any]:
         return {"description": description.read(where)}
     except description.DescriptionError as exc:
         return {"description": None, "description_error": str(exc)}
+
+
+def _usage(where: Path) -> dict[str, Any]:
+    """``usage``: the hit rate the deployment's engine counted since it started (its
+    ``usage.json``), None before its first lookup; ``usage_error`` when unreadable."""
+    from spoolctl.connector import description, usage_record
+
+    try:
+        usage = usage_record.read(where)
+    except description.DescriptionError as exc:
+        return {"usage": None, "usage_error": str(exc)}
+    return {"usage": usage.to_json() if usage is not None else None}
+
+
+def _hit_rate_line(dep: dict[str, Any]) -> Text:
+    """The engine's hit rate from ``usage.json``; where to read it while there is none."""
+    usage = dep.get("usage")
+    if dep.get("usage_error"):
+        return Text(f"hit rate: {plain(dep['usage_error'])}", style="yellow")
+    if not usage or usage.get("hit_rate") is None:
+        return Text("hit rate: no lookup recorded yet (the engine writes usage.json within "
+                    "5 s of its first requests; live: spoolctl_hit_tokens_total / "
+                    "spoolctl_lookup_tokens_total on vLLM's /metrics)")
+    now = time.time()
+    return Text(f"hit rate: {100 * usage['hit_rate']:.1f}% of prompt tokens "
+                f"({usage['hit_tokens']:,} of {usage['lookup_tokens']:,} restored; "
+                f"{usage['hits']:,} of {usage['lookups']:,} requests hit) since the engine "
+                f"started {render.past_time(usage['since'], now)}, updated "
+                f"{render.past_time(usage['updated'], now)}")
 
 
 def _dep_dir(targets: Targets, name: str):
@@ -379,9 +408,7 @@ def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[A
     what = Text(summary(desc) if desc else dep.get("description_error") or
                 "no deployment.json yet (written when its workers start)",
                 style=None if desc else "yellow")
-    # The request hit rate is counted by the running engine, not stored: point at it.
-    hits = Text("hit rate: spoolctl_hit_tokens_total / spoolctl_lookup_tokens_total on "
-                "vLLM's /metrics")
+    hits = _hit_rate_line(dep)
     if dep["agree"]:
         verdict = f"ranks agree: {dep['complete_chunks']} chunks on every rank"
     else:

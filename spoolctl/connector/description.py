@@ -75,17 +75,25 @@ def record(deployment_dir: Path, identity: DeploymentIdentity) -> None:
 def read(deployment_dir: Path) -> dict[str, Any] | None:
     """The description in ``deployment_dir`` (without ``schema``), None when there is none;
     ``DescriptionError`` when it is unreadable or not a description."""
-    path = deployment_dir / FILENAME
-    fix = "its workers rewrite it at their next start (or delete it)"
+    return read_record(deployment_dir / FILENAME, SCHEMA, _FIELDS, "a deployment description",
+                       "its workers rewrite it at their next start (or delete it)")
+
+
+def read_record(path: Path, schema: str, fields: dict[str, tuple[type, ...]], what: str,
+                fix: str) -> dict[str, Any] | None:
+    """A small JSON record the connector keeps beside the rank stores (``deployment.json``,
+    ``usage.json``): read bounded, non-blocking, without following a link; its fields
+    (without ``schema``) when every one has an accepted type, None when there is no file,
+    ``DescriptionError`` (naming ``fix``) otherwise."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        what = "is a symbolic link" if exc.errno == errno.ELOOP else \
+        why = "is a symbolic link" if exc.errno == errno.ELOOP else \
             f"cannot be read ({os.strerror(exc.errno or 0)})"
-        raise DescriptionError(f"{path} {what}; {fix}") from None
+        raise DescriptionError(f"{path} {why}; {fix}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise DescriptionError(f"{path} is not a regular file; {fix}")
@@ -99,11 +107,11 @@ def read(deployment_dir: Path) -> dict[str, Any] | None:
         doc = json.loads(data) if len(data) <= _LIMIT else None
     except (ValueError, RecursionError):
         doc = None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or any(
+    if not isinstance(doc, dict) or doc.get("schema") != schema or any(
             not isinstance(doc.get(k), types) or isinstance(doc.get(k), bool)
-            for k, types in _FIELDS.items()):
-        raise DescriptionError(f"{path} is not a deployment description; {fix}")
-    return {k: doc[k] for k in _FIELDS}
+            for k, types in fields.items()):
+        raise DescriptionError(f"{path} is not {what}; {fix}")
+    return {k: doc[k] for k in fields}
 
 
 def summary(desc: dict[str, Any]) -> str:

@@ -19,8 +19,11 @@ any of it is due) is the ``Coordinator``'s (``coordinator``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import weakref
+from pathlib import Path
 from typing import Any
 
 from spoolctl import metrics as m
@@ -35,9 +38,19 @@ from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
 from .rankstores import OpenStores
 from .stats import ConnectorCounters
 from .topology import all_ranks
+from .usage_record import UsageRecorder
 from .weights import AdapterDigests, memo_dir_for
 
 log = logging.getLogger("spoolctl.connector")
+
+
+def usage_counts(counters: ConnectorCounters) -> tuple[int, int, int, int]:
+    """(lookup tokens, hit tokens, lookups, hits) since the engine started; bypassed
+    requests are no lookups."""
+    lookups = counters.totals().get(m.LOOKUPS.name, {})
+    return (int(counters.total(m.LOOKUP_TOKENS)), int(counters.total(m.HIT_TOKENS)),
+            int(sum(v for k, v in lookups.items() if "result=bypass" not in k.split(","))),
+            int(sum(v for k, v in lookups.items() if "result=hit" in k.split(","))))
 
 
 class SchedulerSide:
@@ -58,6 +71,11 @@ class SchedulerSide:
         self._coord = Coordinator(deployment, self._ranks, counters)
         # LoRA requests are keyed by their adapter's content digest (decision 2111).
         self._adapters = AdapterDigests(memo_dir_for(deployment.settings.weights_memo))
+        # The hit rate for `spoolctl status`, beside the rank stores (usage_record); the final
+        # counts also at interpreter exit (vLLM may never call the scheduler's shutdown).
+        self._usage = UsageRecorder(Path(deployment.rank_root(deployment.place)).parent)
+        self._usage_counts = functools.partial(usage_counts, counters)
+        self._usage_final = weakref.finalize(self, self._usage.close, self._usage_counts)
 
     # -- what each rank holds ------------------------------------------------------------------
 
@@ -172,6 +190,7 @@ class SchedulerSide:
         meta.acks = self._ranks.acks()
         meta.resync = self._ranks.resync_requests()
         self._coord.fill(meta)
+        self._usage.offer(self._usage_counts)
         return meta
 
     def finished(self, request: Any, *, all_groups: bool = True) -> tuple[bool, dict | None]:
@@ -210,5 +229,6 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Let go of the rank stores read here (closed with their last user)."""
+        self._usage_final()
         for store in self._ranks.stop_reading_locally():
             self._stores.release(store)
