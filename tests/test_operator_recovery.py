@@ -163,6 +163,23 @@ def test_metrics_textfile_says_store_up_0_once_the_store_cannot_be_read(tmp_path
     assert "spoolctl_store_up 0.0" in prom.read_text()
 
 
+def test_metrics_textfile_on_an_unmounted_vllm_root_says_store_up_0(tmp_path: Path) -> None:
+    """The vLLM root is a mount point: unmounted, an empty directory stays where the stores
+    were. It holds no store, so the file says `store_up 0` (the alert fires), exit 2."""
+    base = Path(os.path.realpath(tmp_path))
+    mount, prom = base / "nvme0", base / "spoolctl.prom"
+    rank = mount / ("vllm-v1-" + "ab" * 24) / "rank-0000"
+    assert run("init", "--root", str(rank), "--max-size", "1MiB")[0] == 0
+    assert run("metrics", "--root", str(mount), "--textfile", str(prom))[0] == 0
+    assert 'spoolctl_store_up{deployment="vllm-v1-' in prom.read_text()
+    shutil.rmtree(mount)
+    mount.mkdir()  # what an unmounted mount point looks like
+    code, _, err = run("metrics", "--root", str(mount), "--textfile", str(prom))
+    assert code == 2 and "is its disk mounted?" in err
+    gauges = [line for line in prom.read_text().splitlines() if not line.startswith("#")]
+    assert gauges == ["spoolctl_store_up 0.0"]
+
+
 # -- 30.7 a timestamp from the future protects nothing ------------------------------------------
 
 YEAR = 364 * 86400

@@ -54,8 +54,8 @@ def metrics_cmd(
 
     On a vLLM base root or deployment directory: the gauges of every rank store, labelled
     `deployment` and `rank`; a rank that cannot be read shows `spoolctl_store_up 0`. With
-    `--textfile`, a root that cannot be read at all (gone, unmounted) replaces the file with
-    `spoolctl_store_up 0` alone, then exits 2.
+    `--textfile`, a root that cannot be read at all (gone, unmounted, or a base root with no
+    store under it) replaces the file with `spoolctl_store_up 0` alone, then exits 2.
 
     Example: [bold]spoolctl metrics --textfile /var/lib/node_exporter/textfile/spoolctl.prom[/bold]
     """
@@ -81,6 +81,15 @@ def metrics_cmd(
         # file must not go on saying `store_up 1`. Replace it, then fail.
         _write_atomic(textfile, render_samples(store_unreadable()).encode())
         raise
+    if textfile is not None and not targets.single and not targets.stores:
+        # A base root with no store under it: on a host whose vLLM wrote stores there this
+        # is an unmounted disk (the mount point stays, empty). An alert on `store_up == 0`
+        # must fire, so the file says so rather than holding no gauge (decision 2300).
+        _write_atomic(textfile, render_samples(store_unreadable()).encode())
+        raise ConfigError("no spoolctl store under this root (is its disk mounted?); "
+                          "wrote spoolctl_store_up 0", path=str(targets.given),
+                          fix="mount the store's disk, or run this only once vLLM has "
+                              "created its stores there")
     code = EXIT_OK
     if not targets.single:
         samples = []

@@ -293,11 +293,16 @@ def unfinished_init(layout: Layout) -> list[Path] | None:
     What init creates before the marker: the top directories of the layout, empty fan-out
     directories under ``objects/`` and ``manifests/``, and one small draft of the marker
     in ``tmp/``. Anything else (a file, a symlink, an object, a manifest, a catalog, a
-    fan-out directory that is not empty) means the directory is not ours: refused.
+    fan-out directory that is not empty) means the directory is not ours: refused. An
+    empty directory is not an unfinished init (``init`` creates a store there anyway; other
+    commands see an empty vLLM base root, as a fresh or an unmounted one looks).
     """
     drafts: list[Path] = []
     try:
-        for name in os.listdir(layout.root):
+        names = os.listdir(layout.root)
+        if not names:  # empty: nothing was started here (a fresh or unmounted vLLM root)
+            return None
+        for name in names:
             path = layout.root / name
             if name not in SUBDIRS or not stat.S_ISDIR(os.lstat(path).st_mode):
                 return None
