@@ -34,6 +34,10 @@ def run(*argv: str) -> tuple[int, str, str]:
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     finally:
+        # A command may set SPOOLCTL_* for its own process (`--allow-foreign-owner` does):
+        # in this process it must not outlive the command and leak into later tests.
+        for key in [k for k in os.environ if k.startswith("SPOOLCTL_")]:
+            del os.environ[key]
         os.environ.update(saved)
     return code, out.getvalue(), err.getvalue()
 
