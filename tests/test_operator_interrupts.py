@@ -177,3 +177,37 @@ def test_interrupted_clean_then_ls_agrees_with_inspect(tmp_path: Path, source: P
     assert len(listed) >= 3  # the retained ones
     run_json("clean", "--released", "--yes", "--root", str(source))
     assert len(run_json("ls", "--root", str(source))["entries"]) == 3
+
+
+# Ctrl-C while the CLI is still importing: made deterministic by an import hook that
+# raises KeyboardInterrupt (what SIGINT does) when the CLI module is imported.
+_INTERRUPT_AT_IMPORT = """
+import sys
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "spoolctl.cli.app":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["spoolctl", "status"]
+import runpy
+runpy.run_module("spoolctl", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_the_cli_is_importing_exits_130_without_a_traceback(
+        tmp_path: Path) -> None:
+    """The console script's entry (``spoolctl`` and ``python -m spoolctl``) turns a Ctrl-C
+    in the second the CLI takes to import into one line and exit 130. Before: a Python
+    traceback ending in KeyboardInterrupt."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLCTL_")}
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_IMPORT], capture_output=True,
+                          text=True, timeout=60, env=env, cwd=tmp_path)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("interrupted (SIGINT): stopped before the command "
+                                   "started; nothing was done")

@@ -106,7 +106,7 @@ def test_wheel_metadata_has_the_script_the_plugin_and_the_extras(artifacts) -> N
         metadata = whl.read(f"{info}/METADATA").decode()
     assert "spoolctl/store/catalog.py" in names and "spoolctl/tinymodel.py" in names
     assert not [n for n in names if n.startswith(("tests/", "examples/", "docs/", "scripts/"))]
-    assert "[console_scripts]\nspoolctl = spoolctl.cli.app:main" in entry_points
+    assert "[console_scripts]\nspoolctl = spoolctl.cli.entry:main" in entry_points
     assert "[vllm.general_plugins]\nspoolctl = spoolctl.connector_plugin:register" in entry_points
     for extra in ("torch", "mlx", "genai", "docs", "dev"):
         assert f"Provides-Extra: {extra}" in metadata
