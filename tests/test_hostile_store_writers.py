@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -38,6 +37,7 @@ RUNNER = str(Path(__file__).with_name("unprivileged.py"))
 sys.path.insert(0, str(Path(__file__).parent))
 from operator_cli import ENV  # noqa: E402
 from owned_stores import give, owned_store  # noqa: E402
+from waiting import Paused  # noqa: E402
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
@@ -82,34 +82,6 @@ def _victim(base: Path, name: str) -> Path:
     return secret / name
 
 
-class Paused:
-    """A process stopped at a checkpoint (``SPOOLCTL_PAUSE_AT``) until ``resume``."""
-
-    def __init__(self, base: Path, point: str):
-        self.dir = Path(tempfile.mkdtemp(dir=base))
-        os.mkfifo(self.dir / "reached")
-        os.mkfifo(self.dir / "resume")
-        self.env = _env(SPOOLCTL_PAUSE_AT=f"{point}:{self.dir}")
-
-    def wait_reached(self, proc: subprocess.Popen) -> None:
-        """Block until ``proc`` is at the checkpoint; fail if it exits first."""
-        got: list[str] = []
-        reader = threading.Thread(
-            target=lambda: got.append((self.dir / "reached").read_text()), daemon=True)
-        reader.start()
-        while reader.is_alive():
-            reader.join(0.1)
-            if proc.poll() is not None and reader.is_alive():
-                os.close(os.open(self.dir / "reached", os.O_WRONLY | os.O_NONBLOCK))
-                reader.join()
-                _out, err = proc.communicate()
-                pytest.fail(f"exited ({proc.returncode}) before the checkpoint: {err}")
-        assert got == ["reached\n"]
-
-    def resume(self) -> None:
-        (self.dir / "resume").write_text("go\n")
-
-
 # -- 35.1: descriptors, not paths -----------------------------------------------------------
 
 
@@ -119,8 +91,8 @@ def test_tmp_swapped_for_a_symlink_after_the_listing_deletes_nothing_outside(
     precious = _victim(base, DEAD_TMP)
     (root / "tmp" / DEAD_TMP).write_bytes(b"bait\n")  # listed by root's clean
     give(root)
-    pause = Paused(base, "tmp.listed")
-    proc = operator("clean", "--tmp", "--yes", "--json", "--root", str(root), env=pause.env)
+    pause = Paused(base=base, point="tmp.listed")
+    proc = operator("clean", "--tmp", "--yes", "--json", "--root", str(root), env=_env(**pause.env))
     pause.wait_reached(proc)
     attacker(f"""
         import os
@@ -141,9 +113,9 @@ def test_a_fanout_swapped_mid_clean_deletes_nothing_outside(base: Path) -> None:
     root, made = owned_store(base, n=1, released=1)
     digest = made[0].objects[0].digest
     precious = _victim(base, f"{digest}.obj")
-    pause = Paused(base, "clean.manifest_deleted")
+    pause = Paused(base=base, point="clean.manifest_deleted")
     proc = operator("clean", "--released", "--yes", "--json", "--root", str(root),
-                    env=pause.env)
+                    env=_env(**pause.env))
     pause.wait_reached(proc)  # the manifest is gone; the object's unlink comes next
     fan = root / "objects" / digest[:2]
     attacker(f"""
@@ -186,8 +158,9 @@ def test_a_quarantine_swapped_mid_purge_is_not_purged_through(base: Path) -> Non
     (base / "secret" / item / "precious").write_bytes(b"precious\n")
     (base / "secret").chmod(0o700)
     give(root)
-    pause = Paused(base, "quarantine.listed")
-    proc = operator("quarantine", "purge", "--all", "--yes", "--root", str(root), env=pause.env)
+    pause = Paused(base=base, point="quarantine.listed")
+    proc = operator("quarantine", "purge", "--all", "--yes", "--root", str(root),
+                    env=_env(**pause.env))
     pause.wait_reached(proc)
     attacker(f"""
         import os

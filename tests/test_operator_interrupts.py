@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 from fake_openai import FakeOpenAI, prompt_tokens
 from operator_cli import ENV, SPOOLCTL, run_json
 from transfer_support import fill
+from waiting import Paused
 
 from spoolctl.store import Store
 
@@ -27,30 +27,6 @@ from spoolctl.store import Store
 def start(*argv: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([SPOOLCTL, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, env={**ENV, **(env or {})})
-
-
-class Paused:
-    """A command stopped at a store checkpoint (``SPOOLCTL_PAUSE_AT``) until it is signalled."""
-
-    def __init__(self, point: str):
-        self.dir = Path(tempfile.mkdtemp(prefix="spool-pause-"))
-        os.mkfifo(self.dir / "reached")
-        os.mkfifo(self.dir / "resume")
-        self.env = {"SPOOLCTL_PAUSE_AT": f"{point}:{self.dir}"}
-
-    def wait_reached(self, proc: subprocess.Popen) -> None:
-        got: list[str] = []
-        reader = threading.Thread(
-            target=lambda: got.append((self.dir / "reached").read_text()), daemon=True)
-        reader.start()
-        while reader.is_alive():
-            reader.join(0.1)
-            if proc.poll() is not None and reader.is_alive():
-                os.close(os.open(self.dir / "reached", os.O_WRONLY | os.O_NONBLOCK))
-                reader.join()
-                pytest.fail(f"exited ({proc.returncode}) before the checkpoint: "
-                            f"{proc.communicate()}")
-        assert got == ["reached\n"]
 
 
 # -- 30.3: prefill --server ----------------------------------------------------------------
@@ -101,32 +77,22 @@ def source(tmp_path: Path) -> Path:
     return root
 
 
-def test_sigterm_during_export_to_a_file_leaves_no_part_file(tmp_path: Path,
-                                                              source: Path) -> None:
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_export_to_a_file_leaves_no_part_file(
+        tmp_path: Path, source: Path, sig: signal.Signals, code: int) -> None:
     """Before: SIGTERM killed the process without cleanup, leaving ``.out.tar.<pid>.part``."""
     out = tmp_path / "out" / "archive.tar"
     out.parent.mkdir()
     pause = Paused("export.entry_written")
     proc = start("export", "--root", str(source), "-o", str(out), env=pause.env)
     pause.wait_reached(proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
+    assert proc.returncode == code, err
     assert list(out.parent.iterdir()) == []  # neither the archive nor a hidden .part
-    assert "interrupted (SIGTERM): export stopped after 1 entries; no archive written" in err
-
-
-def test_ctrl_c_during_export_to_a_file_leaves_no_part_file(tmp_path: Path,
-                                                             source: Path) -> None:
-    out = tmp_path / "out" / "archive.tar"
-    out.parent.mkdir()
-    pause = Paused("export.entry_written")
-    proc = start("export", "--root", str(source), "-o", str(out), env=pause.env)
-    pause.wait_reached(proc)
-    proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert list(out.parent.iterdir()) == []
+    assert (f"interrupted ({sig.name}): export stopped after 1 entries; no archive written"
+            in err)
 
 
 def test_ctrl_c_during_import_keeps_what_was_committed(tmp_path: Path, source: Path) -> None:

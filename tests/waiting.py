@@ -1,9 +1,17 @@
-"""Synchronising tests without sleeping for order: one polling wait and one test clock."""
+"""Synchronising tests without sleeping for order: one polling wait, one test clock, and a
+process held at a store checkpoint."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 
 def wait_until(condition: Callable[[], object], timeout: float = 30.0, *,
@@ -58,3 +66,34 @@ def wait_for_server(url: str, proc, log: Callable[[], str], timeout: float) -> N
             raise AssertionError(f"server not ready after {timeout:g} s:\n{log()[-4000:]}") \
                 from None
         raise
+
+
+class Paused:
+    """A process stopped at a store checkpoint (``SPOOLCTL_PAUSE_AT``) until ``resume`` (or a
+    signal). ``env`` is the variable to add to that process's environment; the FIFOs live in
+    a new directory under ``base`` (default: the system's temp directory)."""
+
+    def __init__(self, point: str, base: Path | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="spool-pause-", dir=base))
+        os.mkfifo(self.dir / "reached")
+        os.mkfifo(self.dir / "resume")
+        self.env = {"SPOOLCTL_PAUSE_AT": f"{point}:{self.dir}"}
+
+    def wait_reached(self, proc: subprocess.Popen) -> None:
+        """Block until ``proc`` is at the checkpoint; fail if it exits first."""
+        got: list[str] = []
+        reader = threading.Thread(
+            target=lambda: got.append((self.dir / "reached").read_text()), daemon=True)
+        reader.start()
+        while reader.is_alive():
+            reader.join(0.1)
+            if proc.poll() is not None and reader.is_alive():
+                os.close(os.open(self.dir / "reached", os.O_WRONLY | os.O_NONBLOCK))
+                reader.join()
+                _out, err = proc.communicate()
+                pytest.fail(f"exited ({proc.returncode}) before the checkpoint: {err}")
+        assert got == ["reached\n"]
+
+    def resume(self) -> None:
+        (self.dir / "resume").write_text("go\n")
+

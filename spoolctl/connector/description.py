@@ -80,11 +80,11 @@ def read(deployment_dir: Path) -> dict[str, Any] | None:
 
 
 def read_record(path: Path, schema: str, fields: dict[str, tuple[type, ...]], what: str,
-                fix: str) -> dict[str, Any] | None:
+                fix: str, error: type[ValueError] = DescriptionError) -> dict[str, Any] | None:
     """A small JSON record the connector keeps beside the rank stores (``deployment.json``,
-    ``usage.json``): read bounded, non-blocking, without following a link; its fields
-    (without ``schema``) when every one has an accepted type, None when there is no file,
-    ``DescriptionError`` (naming ``fix``) otherwise."""
+    ``usage.json``, ``host-budget.json``): read bounded, non-blocking, without following a
+    link; its fields (without ``schema``) when every one has an accepted type, None when
+    there is no file, ``error`` (naming ``fix``) otherwise."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -93,13 +93,13 @@ def read_record(path: Path, schema: str, fields: dict[str, tuple[type, ...]], wh
     except OSError as exc:
         why = "is a symbolic link" if exc.errno == errno.ELOOP else \
             f"cannot be read ({os.strerror(exc.errno or 0)})"
-        raise DescriptionError(f"{path} {why}; {fix}") from None
+        raise error(f"{path} {why}; {fix}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DescriptionError(f"{path} is not a regular file; {fix}")
+            raise error(f"{path} is not a regular file; {fix}")
         data = os.read(fd, _LIMIT + 1)
     except OSError as exc:
-        raise DescriptionError(f"{path} cannot be read ({os.strerror(exc.errno or 0)}); "
+        raise error(f"{path} cannot be read ({os.strerror(exc.errno or 0)}); "
                                f"{fix}") from None
     finally:
         os.close(fd)
@@ -110,7 +110,7 @@ def read_record(path: Path, schema: str, fields: dict[str, tuple[type, ...]], wh
     if not isinstance(doc, dict) or doc.get("schema") != schema or any(
             not isinstance(doc.get(k), types) or isinstance(doc.get(k), bool)
             for k, types in fields.items()):
-        raise DescriptionError(f"{path} is not {what}; {fix}")
+        raise error(f"{path} is not {what}; {fix}")
     return {k: doc[k] for k in fields}
 
 

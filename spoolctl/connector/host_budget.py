@@ -24,7 +24,6 @@ without a new process or lock shared between the ranks' processes:
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -131,32 +130,16 @@ def read(deployment_dir: Path) -> int | None:
     """The host budget recorded in ``deployment_dir``, None when there is none.
     ``HostBudgetError`` when the record is unreadable or malformed (never blocks on a FIFO,
     never follows a symlink)."""
+    from .description import read_record
+
     path = deployment_dir / FILENAME
-    fix = "it is rewritten when the deployment's workers start (or delete it)"
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
+    doc = read_record(path, SCHEMA, {"max_bytes": (int,)}, "a host budget record",
+                      "it is rewritten when the deployment's workers start (or delete it)",
+                      error=HostBudgetError)
+    if doc is None:
         return None
-    except OSError as exc:
-        what = "is a symbolic link" if exc.errno == errno.ELOOP else \
-            f"cannot be read ({os.strerror(exc.errno or 0)})"
-        raise HostBudgetError(f"{path} {what}; {fix}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise HostBudgetError(f"{path} is not a regular file; {fix}")
-        data = os.read(fd, 4097)
-    except OSError as exc:
-        raise HostBudgetError(f"{path} cannot be read ({os.strerror(exc.errno or 0)}); "
-                              f"{fix}") from None
-    finally:
-        os.close(fd)
-    try:
-        doc = json.loads(data) if len(data) <= 4096 else None
-    except (ValueError, RecursionError):  # RecursionError: hostile nesting
-        doc = None
-    budget = doc.get("max_bytes") if isinstance(doc, dict) and doc.get("schema") == SCHEMA \
-        else None
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-        raise HostBudgetError(f"{path} is not a host budget record; {fix}")
+    budget = doc["max_bytes"]
+    if budget <= 0:
+        raise HostBudgetError(f"{path} is not a host budget record; it is rewritten when the "
+                              "deployment's workers start (or delete it)")
     return budget
