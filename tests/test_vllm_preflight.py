@@ -93,14 +93,15 @@ def test_tmpfs_root_is_a_warning(model_config, mount_tmpfs, caplog) -> None:
 
 
 def test_config_vllm_checks_what_its_help_says(readonly_dir, mount_tmpfs) -> None:
-    code, out, err = run("config", "vllm", "--root", str(readonly_dir / "spool"))
+    code, out, err = run("config", "vllm", "--root", str(readonly_dir / "spool"),
+                         "--max-size", "1GiB")
     assert code == 2 and out == ""
     assert "cannot create stores under" in err and "read-only filesystem" in err
     assert len(err.strip().splitlines()) == 1
     code, out, err = run("config", "vllm", "--help")
     assert "you can create stores under it" in " ".join(out.split()) and "tmpfs" in out
     tmpfs_root = mount_tmpfs("4m") / "spool"
-    code, out, err = run("config", "vllm", "--root", str(tmpfs_root))
+    code, out, err = run("config", "vllm", "--root", str(tmpfs_root), "--max-size", "1GiB")
     assert code == 0 and '"spoolctl_root"' in out
     assert err.startswith("warning: ") and "on tmpfs" in err
 
