@@ -27,7 +27,7 @@ from spoolctl.store import Store
 
 
 def test_config_vllm_names_the_shutdown_timeout_beside_the_json(tmp_path: Path) -> None:
-    code, out, err = run("config", "vllm", "--root", str(tmp_path / "spool"))
+    code, out, err = run("config", "vllm", "--root", str(tmp_path / "spool"), "--max-size", "1GiB")
     assert code == 0, err
     assert json.loads(out)["kv_connector"] == "SpoolConnector"  # stdout: the JSON alone
     assert "--shutdown-timeout 30" in err
