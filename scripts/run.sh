@@ -88,12 +88,13 @@ install_base_only() {
 }
 
 # The default suite runs on every core (pytest-xdist, at most 4 workers; SPOOLCTL_TEST_WORKERS
-# overrides, 0 = in this process). Tests that start a real vLLM engine share one worker
-# (tests/conftest.py groups them): two engines would fight over the same cores.
+# overrides, 0 = in this process), a module's tests on one worker (--dist loadfile: module
+# fixtures such as a module's engines run once). Modules that start real vLLM engines take
+# turns (tests/conftest.py): two engines would fight over the same cores.
 workers() {
   local n="${SPOOLCTL_TEST_WORKERS:-}"
   if [ -z "$n" ]; then n=$(nproc 2>/dev/null || echo 2); [ "$n" -gt 4 ] && n=4; fi
-  if [ "$n" -le 1 ]; then echo "-p no:xdist"; else echo "-n $n --dist loadgroup"; fi
+  if [ "$n" -le 1 ]; then echo "-p no:xdist"; else echo "-n $n --dist loadfile"; fi
 }
 
 job="${1:-demo}"

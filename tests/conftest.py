@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
@@ -38,17 +39,34 @@ ENGINE_MODULE = re.compile(  # imports vLLM, or the tests' engine drivers
     r"|importorskip\(\"vllm\"\)", re.MULTILINE)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``--dist loadgroup``, as scripts/run.sh runs the suite) the real
-    vLLM engine tests (``slow`` tests in a module that imports vLLM or its test drivers) share
-    one worker: each engine takes every core, and two at once would only thrash them."""
-    sources: dict[Path, bool] = {}  # a module's tests start engines: read each source once
-    for item in items:
-        path = Path(str(item.fspath))
-        if path not in sources:
-            sources[path] = bool(ENGINE_MODULE.search(path.read_text(errors="replace")))
-        if sources[path] and item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group("vllm-engine"))
+def _starts_engines(module: object) -> bool:
+    """A module whose ``slow`` tests start real vLLM engines (it imports vLLM or the tests'
+    engine drivers)."""
+    marks = getattr(module, "pytestmark", [])
+    marks = marks if isinstance(marks, list) else [marks]
+    path = getattr(module, "__file__", None)
+    return path is not None and any(getattr(m, "name", "") == "slow" for m in marks) and \
+        bool(ENGINE_MODULE.search(Path(path).read_text(errors="replace")))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_take_turns(request: pytest.FixtureRequest,
+                        tmp_path_factory: pytest.TempPathFactory):
+    """Under pytest-xdist (scripts/run.sh runs the suite with ``--dist loadfile``: a module's
+    tests, and its engine fixtures, stay on one worker) the modules that start real vLLM
+    engines take turns: an engine takes every core, and two at once only thrash them (and
+    time out). An exclusive lock in the run's shared temp directory, held for the module;
+    autouse and module-scoped, so it is taken before the module's engine fixtures run."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None or not _starts_engines(request.module):
+        yield
+        return
+    lock = tmp_path_factory.getbasetemp().parent / "vllm-engines.lock"
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
