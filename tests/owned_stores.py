@@ -4,6 +4,9 @@ root runs spoolctl on a store another account owns and may tamper with."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from unprivileged import unprivileged_uid
@@ -31,3 +34,12 @@ def owned_store(base: Path, n: int, released: int = 0) -> tuple[Path, list]:
             store.release(m.entry_id)
     give(root)
     return root, made
+
+
+def shared_dir(prefix: str) -> Iterator[Path]:
+    """A new directory under /tmp that the unprivileged user can reach (pytest's tmp_path is
+    root-only), removed afterwards: ``yield from shared_dir("spool-x-")`` in a fixture."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

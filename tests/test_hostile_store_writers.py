@@ -20,12 +20,10 @@ import errno
 import json
 import os
 import re
-import shutil
 import sqlite3
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -36,7 +34,7 @@ from spoolctl.store import Store
 RUNNER = str(Path(__file__).with_name("unprivileged.py"))
 sys.path.insert(0, str(Path(__file__).parent))
 from operator_cli import ENV  # noqa: E402
-from owned_stores import give, owned_store  # noqa: E402
+from owned_stores import give, owned_store, shared_dir  # noqa: E402
 from waiting import Paused  # noqa: E402
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
@@ -68,10 +66,7 @@ def operator(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
 @pytest.fixture
 def base():
     """A directory both users can reach (pytest's tmp_path is root-only)."""
-    path = Path(tempfile.mkdtemp(prefix="spool-hostile-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    yield from shared_dir("spool-hostile-")
 
 
 def _victim(base: Path, name: str) -> Path:

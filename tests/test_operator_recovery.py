@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -228,7 +227,7 @@ def test_entries_stamped_ahead_do_not_outrank_todays_in_the_lru(store_root: Path
 
 RUNNER = str(Path(__file__).with_name("unprivileged.py"))
 sys.path.insert(0, str(Path(__file__).parent))
-from owned_stores import owned_store  # noqa: E402
+from owned_stores import owned_store, shared_dir  # noqa: E402
 from unprivileged import unprivileged_uid  # noqa: E402
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
@@ -243,10 +242,7 @@ def as_user(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def shared_base():
     """A directory the unprivileged user can reach (pytest's tmp_path is root-only)."""
-    path = Path(tempfile.mkdtemp(prefix="spool-ops-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    yield from shared_dir("spool-ops-")
 
 
 @needs_root

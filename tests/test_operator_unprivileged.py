@@ -28,7 +28,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -41,7 +40,7 @@ pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test
 
 RUNNER = str(Path(__file__).with_name("unprivileged.py"))
 sys.path.insert(0, str(Path(__file__).parent))
-from owned_stores import owned_store  # noqa: E402
+from owned_stores import owned_store, shared_dir  # noqa: E402
 from unprivileged import unprivileged_uid  # noqa: E402
 
 UID = unprivileged_uid()
@@ -66,10 +65,7 @@ def py(code: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def base():
     """A directory the unprivileged user can reach (pytest's tmp_path is root-only)."""
-    path = Path(tempfile.mkdtemp(prefix="spool-unpriv-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    yield from shared_dir("spool-unpriv-")
 
 
 def _obj(root: Path, manifest) -> Path:
