@@ -508,3 +508,17 @@ def test_store_gauges_follow_a_commit_while_the_server_goes_idle(tmp_path):
         assert step() is None  # nothing changed: the 15 s period again
         now[0] += 15
         assert step() == store.totals().bytes
+
+
+def test_usage_counts_are_what_status_shows_as_the_hit_rate() -> None:
+    """usage.json's counts (spoolctl status's hit rate): prompt tokens looked up and restored,
+    and requests looked up (a bypass is no lookup) and hit (full or partial)."""
+    from spoolctl.connector.scheduler import usage_counts
+
+    counters = ConnectorCounters()
+    counters.inc(m.LOOKUP_TOKENS, 100)
+    counters.inc(m.HIT_TOKENS, 64)
+    counters.inc(m.LOOKUPS, result="hit", reason="partial")
+    counters.inc(m.LOOKUPS, result="miss", reason="absent")
+    counters.inc(m.LOOKUPS, result="bypass", reason="lora")
+    assert usage_counts(counters) == (100, 64, 2, 1)

@@ -47,8 +47,10 @@ log = logging.getLogger("spoolctl.connector")
 def usage_counts(counters: ConnectorCounters) -> tuple[int, int, int, int]:
     """(lookup tokens, hit tokens, lookups, hits) since the engine started; bypassed
     requests are no lookups."""
-    lookups = counters.totals().get(m.LOOKUPS.name, {})
-    return (int(counters.total(m.LOOKUP_TOKENS)), int(counters.total(m.HIT_TOKENS)),
+    totals = counters.totals()  # one snapshot under the counters' lock, not three
+    lookups = totals.get(m.LOOKUPS.name, {})
+    return (int(sum(totals.get(m.LOOKUP_TOKENS.name, {}).values())),
+            int(sum(totals.get(m.HIT_TOKENS.name, {}).values())),
             int(sum(v for k, v in lookups.items() if "result=bypass" not in k.split(","))),
             int(sum(v for k, v in lookups.items() if "result=hit" in k.split(","))))
 
