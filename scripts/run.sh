@@ -129,7 +129,7 @@ case "$job" in
     install_full
     # shellcheck disable=SC2046
     exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider $(workers) \
-      -m "not base and not extended" "$@"
+      --durations=30 -m "not base and not extended" "$@"
     ;;
   test-extended)
     # Out of the default run to keep it bounded on a 2-core CI host (decision 1900): every
@@ -141,7 +141,7 @@ case "$job" in
     install_base_only
     # shellcheck disable=SC2046
     SPOOLCTL_TEST_BASE_ONLY=1 exec "$BASE_VENV/bin/python" -m pytest -q -p no:cacheprovider \
-      $(workers) -m "base and not extended" "$@"
+      $(workers) --durations=15 -m "base and not extended" "$@"
     ;;
   docs)
     install_full

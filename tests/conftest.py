@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import re
 import subprocess
@@ -39,14 +40,48 @@ ENGINE_MODULE = re.compile(  # imports vLLM, or the tests' engine drivers
     r"|importorskip\(\"vllm\"\)", re.MULTILINE)
 
 
+SLOW_MODULE = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.slow\b", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def _engine_file(path: str | Path) -> bool:
+    """A test module whose ``slow`` tests start real vLLM engines (it imports vLLM or the
+    tests' engine drivers). Read from the file: xdist's scheduler has paths, not modules."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return False
+    return bool(SLOW_MODULE.search(text)) and bool(ENGINE_MODULE.search(text))
+
+
 def _starts_engines(module: object) -> bool:
-    """A module whose ``slow`` tests start real vLLM engines (it imports vLLM or the tests'
-    engine drivers)."""
-    marks = getattr(module, "pytestmark", [])
-    marks = marks if isinstance(marks, list) else [marks]
     path = getattr(module, "__file__", None)
-    return path is not None and any(getattr(m, "name", "") == "slow" for m in marks) and \
-        bool(ENGINE_MODULE.search(Path(path).read_text(errors="replace")))
+    return path is not None and _engine_file(path)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile``, except that the engine modules go to the first worker, first
+    (decision 2201): they take turns anyway (``_engines_take_turns``), and queued last --
+    xdist orders modules by test count, and engine modules have few tests -- they ran one
+    after another at the end while the other workers sat idle."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    root = Path(str(config.rootpath))
+
+    class EnginesFirstOnOneWorker(LoadFileScheduling):
+        def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]
+            scopes = list(self.workqueue)
+            engine = [s for s in scopes if _engine_file(root / s.split("::")[0])]
+            other = [s for s in scopes if s not in engine]
+            first_worker = node is self.nodes[0]
+            pick = (engine or other)[0] if first_worker else (other or engine)[0]
+            # Move the chosen scope to the front; the base class pops the first one.
+            self.workqueue.move_to_end(pick, last=False)
+            super()._assign_work_unit(node)
+
+    return EnginesFirstOnOneWorker(config, log)
 
 
 @pytest.fixture(scope="module", autouse=True)
