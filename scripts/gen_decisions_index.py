@@ -49,6 +49,11 @@ GROUPS: dict[str, str] = {
     "22": "Portable test suite",
     "23": "Operations: interrupted commands, init, inodes, clocks",
     "24": "CLI contract and the operator's first hour",
+    "25": "One concept, one place: roots, verification, store parts, layers",
+    "26": "Every model family: sliding-window, hybrid and recurrent caches",
+    "27": "Disks that fail slowly: deadlines, sick stores, several drives, write budget",
+    "28": "Tenants: encryption at rest, crypto-erase, signed archives",
+    "29": "Rebuild, export, import and commit at disk speed",
 }
 OTHER = "Other records"
 
