@@ -219,16 +219,14 @@ def scrub_checks(layout: Layout) -> list:
         summary = state.summary()
         cycle = summary.current_cycle or summary.last_cycle
         count = cycle.unreadable if cycle else 0
-        rows = state._db.execute(
-            "SELECT entry_id FROM findings WHERE cycle_id=? AND reason=? LIMIT ?",
-            (cycle.cycle_id if cycle else -1, UNREADABLE, MAX_EXAMPLES)).fetchall()
+        found = state.findings(cycle.cycle_id if cycle else -1, UNREADABLE, MAX_EXAMPLES)
     except sqlite3.DatabaseError:
         return []
     finally:
         state.close()
     if not count:
         return []
-    ids = ", ".join(str(r[0])[:16] for r in rows)
+    ids = ", ".join(entry_id[:16] for entry_id in found)
     return [_check("scrub.unreadable", "fail",
                    f"the scrub could not read {count} entries ({ids})",
                    "fix the permissions `store.files` names (or check the disk: dmesg); the "

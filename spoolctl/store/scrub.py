@@ -178,6 +178,13 @@ class ScrubState:
     def close(self) -> None:
         self._db.close()
 
+    def findings(self, cycle_id: int, reason: str, limit: int) -> list[str]:
+        """Up to ``limit`` entry ids the cycle ``cycle_id`` recorded with ``reason``."""
+        rows = self._db.execute(
+            "SELECT entry_id FROM findings WHERE cycle_id=? AND reason=? LIMIT ?",
+            (cycle_id, reason, limit)).fetchall()
+        return [str(r[0]) for r in rows]
+
     def check(self) -> None:
         """Raise ``sqlite3.DatabaseError`` unless the file is sound and the open cycle's
         cursor and in-flight id are well formed (a corrupt page can read as a bogus row)."""
