@@ -1,10 +1,12 @@
-"""The store is composed of parts, not mixed from them (decision 2520): the parts under
-``Store`` never import ``store.py``, no module of the store imports in a circle with
-another, and the facade has no base classes."""
+"""The store and the local controller are composed of parts, not mixed from them
+(decision 2520): the parts under ``Store`` never import ``store.py``, no module of the
+store imports in a circle with another, ``local_use`` does not import ``local``, and
+neither facade has base classes."""
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,12 @@ pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test
 PACKAGE = Path(spoolctl.__file__).parent
 
 
+@functools.cache
 def imports_of(folder: Path) -> dict[str, set[str]]:
     """Module -> the modules of the same folder it imports: every ``from . import x`` /
     ``from .x import y``, at any depth (``TYPE_CHECKING`` blocks and function bodies
-    too: a circle of type-only imports is still a circle a reader has to untangle)."""
+    too: a circle of type-only imports is still a circle a reader has to untangle).
+    Cached: callers must not change it."""
     modules = {p.stem for p in folder.glob("*.py")}
     graph: dict[str, set[str]] = {}
     for name in modules:
@@ -47,9 +51,10 @@ def below(graph: dict[str, set[str]], top: str) -> set[str]:
 
 def circles(graph: dict[str, set[str]]) -> list[set[str]]:
     """The import circles (modules that reach each other), each once."""
+    reach = {name: below(graph, name) for name in graph}
     found: list[set[str]] = []
     for name in sorted(graph):
-        circle = {name} | {m for m in below(graph, name) if name in below(graph, m)}
+        circle = {name} | {m for m in reach[name] if name in reach[m]}
         if len(circle) > 1 and circle not in found:
             found.append(circle)
     return found
@@ -74,20 +79,36 @@ def test_the_only_store_circle_is_doctor_and_its_scan() -> None:
     assert circles(imports_of(PACKAGE / "store")) in ([], [{"doctor", "doctor_scan"}])
 
 
-def test_the_store_has_no_mixins() -> None:
+def test_the_local_controller_and_its_use_part_import_one_way() -> None:
+    """``local_use`` (generate, restore, import_cache) receives a ``UseContext``, not the
+    controller: it does not import ``local`` (the two imported each other before)."""
+    graph = imports_of(PACKAGE / "controllers")
+    assert "local_use" in graph["local"]
+    assert "local" not in below(graph, "local_use")
+    assert [c for c in circles(graph) if "local" in c] == []
+
+
+def test_the_facades_have_no_mixins() -> None:
+    from spoolctl.controllers import LocalCacheController
     from spoolctl.store import Store
 
     assert Store.__bases__ == (object,)
+    assert LocalCacheController.__bases__ == (object,)
 
 
 def test_forwarded_methods_keep_their_names_signatures_and_docs() -> None:
-    """What ``help(Store.totals)`` shows is the part's contract, under the facade's name."""
+    """What ``help(Store.totals)`` and ``help(LocalCacheController.generate)`` show is the
+    part's contract, under the facade's name."""
     import inspect
 
+    from spoolctl.controllers import LocalCacheController
+    from spoolctl.controllers.local_use import CacheUse
     from spoolctl.store import Store
     from spoolctl.store.queries import Queries
 
-    for facade, part, name in ((Store, Queries, "resolve"), (Store, Queries, "entries")):
+    for facade, part, name in ((Store, Queries, "resolve"), (Store, Queries, "entries"),
+                               (LocalCacheController, CacheUse, "generate"),
+                               (LocalCacheController, CacheUse, "import_cache")):
         method = getattr(facade, name)
         assert method.__qualname__ == f"{facade.__name__}.{name}"
         assert method.__doc__ == getattr(part, name).__doc__
