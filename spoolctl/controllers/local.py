@@ -49,6 +49,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from spoolctl.compose import forward
 from spoolctl.store import (
     ConfigError,
     CorruptionError,
@@ -65,7 +66,7 @@ from spoolctl.store.root import MARKER as ROOT_MARKER
 from .contract import CacheHandle, CachePrepareParams, GenerateResult, KVBackend
 from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
 from .flight import PrepareFlights
-from .local_use import UseMixin
+from .local_use import CacheUse, UseContext
 from .logsafe import reason
 from .targets import ref_of
 from .tokens import TokenPrefix, common_prefix_tokens, rank_bases
@@ -98,7 +99,7 @@ class _TransientReadError(Exception):
     """The store could not read an entry right now (I/O, busy): not the entry's fault."""
 
 
-class LocalCacheController(UseMixin):
+class LocalCacheController:
     """A ``PromptCacheController`` for in-process inference, generic over a backend and
     its entry format.
 
@@ -114,7 +115,8 @@ class LocalCacheController(UseMixin):
     key stripe before giving up and returning an empty handle (run cold).
     ``read_only``: open an existing store for reading only (e.g. a cache another user
     wrote): exact hits only, nothing written, ``release``/``import_cache`` refused.
-    ``generate``, ``restore``, ``import_cache`` and friends are in ``local_use``.
+    ``generate``, ``restore``, ``import_cache`` and friends are ``local_use.CacheUse``'s,
+    a part this controller is composed of and forwards to (decision 2520).
     """
 
     def __init__(
@@ -178,13 +180,24 @@ class LocalCacheController(UseMixin):
         self._holders: dict[str, list[weakref.ref[CacheHandle]]] = {}
         self._superseded: dict[str, str] = {}
         self._closed = False
-        self._warned_unfit = False
         self._stats = ControllerStats()
         # When this controller last moved each entry's LRU clock on a memory hit: a cache
         # served from memory for days is still "used" for the store's LRU and for
         # `spoolctl clean --unused-for` (decision 2120), at one catalog write per entry per
         # ``MEMORY_TOUCH_INTERVAL``, never one per hit.
         self._touched: dict[str, float] = {}
+        self._use = CacheUse(UseContext(
+            format=self.format, check_open=self._check_open,
+            check_writable=self._check_writable, normalize=self._normalize,
+            prepare=self.prepare, known=self._known, take_work=self._take_work,
+            loaded=self._loaded, record_query=self.record_query,
+            store_imported=self._store_imported))
+
+    generate = forward(CacheUse.generate, "_use")
+    prompt_tokens = forward(CacheUse.prompt_tokens, "_use")
+    prefix_tokens = forward(CacheUse.prefix_tokens, "_use")
+    restore = forward(CacheUse.restore, "_use")
+    import_cache = forward(CacheUse.import_cache, "_use")
 
     @property
     def store(self) -> Store:
@@ -567,7 +580,34 @@ class LocalCacheController(UseMixin):
             self._calls[handle.prepare_id] = (call[0], None)
             return call[1]
 
+    def _store_imported(self, params: CachePrepareParams, plan: Plan, cache: Any
+                        ) -> CacheHandle:
+        """Commit ``cache`` (checked and copied by ``import_cache``) as ``plan``'s entry,
+        keep it loaded, and return its handle (``source="import"``)."""
+        with self._key_lock(plan.entry_id):
+            persisted = self._commit(plan, cache, None)
+        self._remember(plan, Loaded(cache, plan.prefix))
+        written = len(plan.prefix) if persisted else 0
+        return self._stamp(params, self._handle(plan, source="import", written=written), None)
+
     # -- loading ------------------------------------------------------------------------
+
+    def _loaded(self, handle: CacheHandle,
+                params: CachePrepareParams) -> tuple[Loaded | None, bool]:
+        """The loaded cache of ``handle`` (memory, else reloaded from disk when it was
+        evicted) and whether it was reloaded; (None, False) if it is gone."""
+        with self._lock:
+            loaded = self._memory.get(handle.ref)
+        if loaded is not None:
+            return loaded, False
+        plan = self._plan(params)
+        if plan is None or plan.entry_id != handle.ref:
+            return None, False
+        loaded = self._load_exact(plan, touch=not params.read_only)
+        if loaded is None:  # released, deleted or corrupt meanwhile
+            return None, False
+        self._remember(plan, loaded)
+        return loaded, True
 
     def _load_exact(self, plan: Plan, *, touch: bool) -> Loaded | None:
         try:

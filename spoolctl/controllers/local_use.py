@@ -1,8 +1,10 @@
 """Using prepared caches: ``generate``, and the interop calls of the local controllers.
 
 The half of ``LocalCacheController`` that consumes what ``prepare`` made (``local.py``
-makes it). A mixin over the engine's state: the memory LRU, the store, the entry
-format, the known prepare calls.
+makes it): a part the controller is composed of (decision 2520). ``CacheUse`` receives a
+``UseContext`` -- the entry format and the few engine calls it needs (prepare, the params
+and work of a handle, its loaded cache, commit of an imported cache, the open/writable
+guards) -- never the controller, and the controller forwards its public methods here.
 
 * ``generate``: decoding settings (``decoding.Decoding``: sampling, a streamer,
   framework kwargs), the target rule (``targets.py``, decision 1022), per-call usage
@@ -20,21 +22,18 @@ format, the known prepare calls.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spoolctl.store import ConfigError
 
 from .contract import CacheHandle, CachePrepareParams, GenerateResult
 from .decoding import Decoding
-from .entry_format import Loaded, Prompt
+from .entry_format import EntryFormat, Loaded, Plan, Prompt
 from .logsafe import reason
 from .targets import FOREIGN_HANDLE, resolve_target
-from .usage import call_usage
-
-if TYPE_CHECKING:
-    from .local import LocalCacheController
+from .usage import PrepareWork, call_usage
 
 log = logging.getLogger("spoolctl.controllers")
 
@@ -46,7 +45,7 @@ UNFIT = ("the prepared cache is not where this prompt starts as rendered (the ch
 
 @dataclass(frozen=True)
 class Restored:
-    """A prepared cache in the framework's own type (see ``UseMixin.restore``).
+    """A prepared cache in the framework's own type (see ``CacheUse.restore``).
 
     ``cache`` covers exactly ``tokens`` (the cacheable prefix as spoolctl tokenized it;
     empty for an empty handle, with a fresh empty cache). It is an independent copy:
@@ -58,11 +57,40 @@ class Restored:
     handle: CacheHandle
 
 
-class UseMixin:
+@dataclass(frozen=True)
+class UseContext:
+    """What ``CacheUse`` uses of its controller (see the module docstring).
+
+    ``loaded(handle, params)``: the handle's loaded cache (memory, else reloaded from disk)
+    and whether it was reloaded, or ``(None, False)``. ``store_imported(params, plan,
+    cache)``: commit a checked, copied cache as the entry of ``plan`` and return its
+    handle. ``check_writable(what)``: ConfigError on a closed or read-only controller."""
+
+    format: EntryFormat
+    check_open: Callable[[], None]
+    check_writable: Callable[[str], None]
+    normalize: Callable[[Any], CachePrepareParams]
+    prepare: Callable[[CachePrepareParams], CacheHandle]
+    known: Callable[[CacheHandle], CachePrepareParams | None]
+    take_work: Callable[[CacheHandle], PrepareWork | None]
+    loaded: Callable[[CacheHandle, CachePrepareParams], tuple[Loaded | None, bool]]
+    record_query: Callable[[], None]
+    store_imported: Callable[[CachePrepareParams, Plan, Any], CacheHandle]
+
+
+class CacheUse:
     """``generate`` and the interop calls (see the module docstring)."""
 
+    def __init__(self, ctx: UseContext):
+        self._ctx = ctx
+        self._warned_unfit = False
+
+    @property
+    def format(self) -> EntryFormat:
+        return self._ctx.format
+
     def generate(
-        self: LocalCacheController,
+        self,
         target: CachePrepareParams | CacheHandle,
         prompt: str = "",
         max_new_tokens: int = 32,
@@ -90,7 +118,7 @@ class UseMixin:
         (``put``/``end``, e.g. ``TextStreamer``); ``generate_kwargs`` go to the
         framework's own generate call verbatim (see ``decoding.py``).
         """
-        self._check_open()
+        self._ctx.check_open()
         if not isinstance(prompt, str):
             raise ConfigError(f"prompt must be a string, not {type(prompt).__name__}",
                               fix="pass the user's text; put messages in the params")
@@ -102,10 +130,10 @@ class UseMixin:
                             streamer=streamer, extra=generate_kwargs or {})
         query, handle = self._resolve(target, params)
         if handle is None:
-            handle = self.prepare(query)
+            handle = self._ctx.prepare(query)
         rendered = self.format.prompt(query, prompt)
         belongs = handle.ref is None or handle.ref == self.format.entry_id(query)
-        work = self._take_work(handle) if belongs else None
+        work = self._ctx.take_work(handle) if belongs else None
         cache, cached, reloaded = self._cache_for(handle, query, rendered, belongs)
         out: list[int] | None = None
         if cache is not None:
@@ -117,38 +145,21 @@ class UseMixin:
                 log.warning("generation from the cache failed, rerunning cold: %s", reason(exc))
         if out is None:
             out, cached = self.format.run(None, 0, rendered, max_new_tokens, decoding)
-        self.record_query()
+        self._ctx.record_query()
         usage = call_usage(work, cached=cached, prompt_tokens=len(rendered.tokens),
                            completion_tokens=len(out), reloaded=reloaded)
         return GenerateResult(usage=usage, handle=handle, text=self.format.decode(out),
                               tokens=list(out))
 
-    def _resolve(self: LocalCacheController, target: Any, params: Any
+    def _resolve(self, target: Any, params: Any
                  ) -> tuple[CachePrepareParams, CacheHandle | None]:
         if isinstance(target, CachePrepareParams):
-            target = self._normalize(target)
+            target = self._ctx.normalize(target)
         if params is not None:
-            params = self._normalize(params)
-        return resolve_target(target, params, self._known)
+            params = self._ctx.normalize(params)
+        return resolve_target(target, params, self._ctx.known)
 
-    def _loaded(self: LocalCacheController, handle: CacheHandle,
-                params: CachePrepareParams) -> tuple[Loaded | None, bool]:
-        """The loaded cache of ``handle`` (memory, else reloaded from disk when it was
-        evicted) and whether it was reloaded; (None, False) if it is gone."""
-        with self._lock:
-            loaded = self._memory.get(handle.ref)
-        if loaded is not None:
-            return loaded, False
-        plan = self._plan(params)
-        if plan is None or plan.entry_id != handle.ref:
-            return None, False
-        loaded = self._load_exact(plan, touch=not params.read_only)
-        if loaded is None:  # released, deleted or corrupt meanwhile
-            return None, False
-        self._remember(plan, loaded)
-        return loaded, True
-
-    def _cache_for(self: LocalCacheController, handle: CacheHandle,
+    def _cache_for(self, handle: CacheHandle,
                    params: CachePrepareParams, prompt: Prompt,
                    belongs: bool) -> tuple[Any | None, int, bool]:
         """``(cache, cached tokens, reloaded from disk)`` to continue from."""
@@ -157,7 +168,7 @@ class UseMixin:
         if not belongs:
             log.warning(FOREIGN_HANDLE)
             return None, 0, False
-        loaded, reloaded = self._loaded(handle, params)
+        loaded, reloaded = self._ctx.loaded(handle, params)
         if loaded is None:
             return None, 0, False
         try:
@@ -172,51 +183,51 @@ class UseMixin:
 
     # -- interop ----------------------------------------------------------------------------
 
-    def prompt_tokens(self: LocalCacheController, target: CachePrepareParams | CacheHandle,
+    def prompt_tokens(self, target: CachePrepareParams | CacheHandle,
                       prompt: str = "", *, params: CachePrepareParams | None = None
                       ) -> list[int]:
         """The token ids ``generate(target, prompt)`` runs: the whole prompt, rendered
         (chat template included) and tokenized exactly as ``generate`` does. They start
         with the prefix tokens of the target's cache."""
-        self._check_open()
+        self._ctx.check_open()
         query, _ = self._resolve(target, params)
         return list(self.format.prompt(query, prompt).tokens)
 
-    def prefix_tokens(self: LocalCacheController, params: CachePrepareParams) -> list[int]:
+    def prefix_tokens(self, params: CachePrepareParams) -> list[int]:
         """The token ids of the cacheable prefix of ``params`` (what an entry for them
         holds; [] when nothing is cacheable). Prefill exactly these to ``import_cache``."""
-        self._check_open()
-        plan = self._plan(self._normalize(params))
+        self._ctx.check_open()
+        plan = self.format.plan(self._ctx.normalize(params))
         return list(plan.prefix.tokens) if plan is not None else []
 
-    def restore(self: LocalCacheController,
-                target: CachePrepareParams | CacheHandle) -> Restored:
+    def restore(self, target: CachePrepareParams | CacheHandle) -> Restored:
         """The cache of a handle (params are prepared first) in the framework's own type,
         an independent copy covering ``Restored.tokens``: pass it to the framework's
         generate with input ids that start with those tokens and have at least one more
         (``prompt_tokens`` gives them). An empty handle restores an empty cache."""
-        self._check_open()
+        self._ctx.check_open()
         clone = getattr(self.format, "clone", None)
         new = getattr(self.format, "new_cache", None)
         if clone is None or new is None:
             raise ConfigError(f"restore() is not supported by the {self.format.label} "
                               "controller", fix="use generate()")
-        handle = self.prepare(target) if isinstance(target, CachePrepareParams) else target
+        handle = self._ctx.prepare(target) if isinstance(target, CachePrepareParams) \
+            else target
         if not isinstance(handle, CacheHandle):
             raise ConfigError(f"restore() takes params or a handle, not {type(handle).__name__}",
                               fix="pass the handle prepare() returned")
-        query = self._known(handle)
+        query = self._ctx.known(handle)
         if handle.ref is not None and query is None:
             raise ConfigError("this handle was not prepared by this controller",
                               fix="prepare() the params with this controller first")
-        loaded = self._loaded(handle, query)[0] if handle.ref is not None else None
+        loaded = self._ctx.loaded(handle, query)[0] if handle.ref is not None else None
         if loaded is None:
             return Restored(cache=new(), tokens=[], handle=handle)
         return Restored(cache=clone(loaded.cache), tokens=list(loaded.prefix.tokens),
                         handle=handle)
 
-    def import_cache(self: LocalCacheController, params: CachePrepareParams,
-                     cache: Any, *, check: str = "full") -> CacheHandle:
+    def import_cache(self, params: CachePrepareParams, cache: Any, *,
+                     check: str = "full") -> CacheHandle:
         """Store ``cache`` -- the framework's own cache object, covering exactly
         ``prefix_tokens(params)`` -- as the entry of ``params`` (``source="import"``).
 
@@ -232,19 +243,14 @@ class UseMixin:
             raise ConfigError(f"check must be one of {', '.join(IMPORT_CHECKS)}, not {check!r}",
                               fix='leave it out (check="full"), or pass check="sample" to '
                                   "recompute four positions only")
-        self._check_writable("import caches")
-        params = self._normalize(params)
+        self._ctx.check_writable("import caches")
+        params = self._ctx.normalize(params)
         adopt = getattr(self.format, "adopt", None)
         if adopt is None:
             raise ConfigError(f"import_cache() is not supported by the {self.format.label} "
                               "controller", fix="use prepare()")
-        plan = self._plan(params)
+        plan = self.format.plan(params)
         if plan is None:
             raise ConfigError("these params have no cacheable prefix to import",
                               fix="mark fewer elements volatile")
-        own = adopt(cache, plan, full=check == "full")
-        with self._key_lock(plan.entry_id):
-            persisted = self._commit(plan, own, None)
-        self._remember(plan, Loaded(own, plan.prefix))
-        written = len(plan.prefix) if persisted else 0
-        return self._stamp(params, self._handle(plan, source="import", written=written), None)
+        return self._ctx.store_imported(params, plan, adopt(cache, plan, full=check == "full"))

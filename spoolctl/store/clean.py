@@ -16,14 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .errors import ConfigError, SpoolError
 from .gc import DeleteReport
 from .recovery import ReconcileReport
-
-if TYPE_CHECKING:
-    from .store import Store
 
 CLEAN_STEPS: tuple[str, ...] = ("released", "capacity", "tmp", "orphans")
 _TOTALS = ("entries", "objects", "files", "bytes")
@@ -79,7 +76,22 @@ class CleanReport:
                 "failed": self.failed, "errors": dict(self.errors)}
 
 
-def run_clean(store: Store, steps: Iterable[str] = CLEAN_STEPS, *, min_age: float,
+class Cleanable(Protocol):
+    """The store operations a cleaning pass runs (``Store`` has them): named here so that
+    this module, below the ``Store`` facade, does not import it (decision 2520)."""
+
+    def malformed_count(self) -> int: ...
+    def malformed_rows(self, limit: int = 100) -> list[tuple[str, str]]: ...
+    def clean_released(self, *, dry_run: bool = False,
+                       also: Iterable[str] = ()) -> DeleteReport: ...
+    def enforce_capacity(self, *, dry_run: bool = False, budget: int | None = None,
+                         wait: bool = True, before: Iterable[str] = ()) -> DeleteReport: ...
+    def clean_tmp(self, *, min_age: float = ..., dry_run: bool = False) -> DeleteReport: ...
+    def collect_orphans(self, *, min_age: float = ...,
+                        dry_run: bool = False) -> ReconcileReport: ...
+
+
+def run_clean(store: Cleanable, steps: Iterable[str] = CLEAN_STEPS, *, min_age: float,
               dry_run: bool, also_released: Iterable[str] = ()) -> CleanReport:
     """Run ``steps`` (any of ``CLEAN_STEPS``; always in their fixed order) on ``store``.
 

@@ -73,13 +73,14 @@ from .fsio import (
 )
 from .gc import LOW_WATERMARK
 from .inputs import is_bytes_like, payload_size
-from .manifest import Manifest, ObjectRef, encode
+from .manifest import Manifest, ObjectRef, authenticate, encode
 from .publish import Publisher
 from .reserve import HEADROOM_BYTES, headroom_ok
 from .space import INODE_FIX, Space, inodes_short, no_inodes_detail
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .context import PartContext
+    from .root import Layout
 
 Payload = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
 # Flushes a batch may have in flight before staging waits for the oldest (each holds a file
@@ -142,13 +143,13 @@ class Pending:
 class Committer:
     """Commits entries into one store through ``publisher`` (see the module docstring)."""
 
-    def __init__(self, store: Store, publisher: Publisher):
-        self._store = store
+    def __init__(self, ctx: PartContext, publisher: Publisher):
+        self._ctx = ctx
         self._publisher = publisher
 
     def budget(self) -> int | None:
         """The most bytes one entry may hold: 90% of the max size (None: unbounded)."""
-        max_bytes = self._store.max_bytes
+        max_bytes = self._ctx.limits.max_bytes
         return None if max_bytes is None else int(max_bytes * LOW_WATERMARK)
 
     def check_fits(self, size: int) -> None:
@@ -159,8 +160,8 @@ class Committer:
 
     def _too_large(self, size: str) -> CapacityError:
         return CapacityError(
-            f"entry of {size} does not fit the store (max {self._store.max_bytes}; one entry "
-            "may take at most 90% of it)", path=self._store.root,
+            f"entry of {size} does not fit the store (max {self._ctx.limits.max_bytes}; one entry "
+            "may take at most 90% of it)", path=self._ctx.root,
             fix="raise the store's max size (`spoolctl init --max-size`)")
 
     # -- the batch ------------------------------------------------------------------------
@@ -185,12 +186,12 @@ class Committer:
         try:
             live = self._not_present(batch, first, revive)
             if live:
-                if not headroom_ok(self._store.layout.tmp):
+                if not headroom_ok(self._ctx.layout.tmp):
                     # Leave the filesystem's last megabyte to maintenance (reserve.py): a
                     # commit must never take the room that lets `spoolctl clean` shed load.
-                    raise store_full(self._store.layout.tmp)
-                if (short := inodes_short(self._store.layout.tmp)) is not None:
-                    raise store_full(self._store.layout.tmp, short)  # and its last inodes
+                    raise store_full(self._ctx.layout.tmp)
+                if (short := inodes_short(self._ctx.layout.tmp)) is not None:
+                    raise store_full(self._ctx.layout.tmp, short)  # and its last inodes
                 recorded = self._stage(live, given, revive=revive)
                 try:
                     todo = self._place_objects([p for p in live if p.outcome is None], given)
@@ -233,28 +234,28 @@ class Committer:
                  revive: bool = True) -> Manifest | None:
         """The already-committed entry ``entry_id`` (revived if released and ``revive``),
         or None."""
-        store = self._store
-        catalog = store.catalog
+        ctx = self._ctx
+        catalog = ctx.catalog()
         row = catalog.get(entry_id)
-        path = store.layout.manifest_path(entry_id)
+        path = ctx.layout.manifest_path(entry_id)
         if (row is not None and row.state == "committed") or (row is None and path.exists()):
             try:
                 manifest = read_manifest(path, entry_id)
-                if store.tag_key is not None:  # an untagged or forged entry is rewritten
-                    store._authenticate(manifest, path)
+                if ctx.tag_key is not None:  # an untagged or forged entry is rewritten
+                    authenticate(ctx.tag_key, manifest, path)
             except FileNotFoundError:
                 return None
             except ManifestError as exc:
-                store.quarantine_entry(entry_id, exc.reason, exc.message)
+                ctx.quarantine.entry(entry_id, exc.reason, exc.message)
                 return None
-            if not all(store.layout.object_path(r.digest).exists() for r in manifest.objects):
+            if not all(ctx.layout.object_path(r.digest).exists() for r in manifest.objects):
                 return None  # an object was lost: rewrite the entry
             if row is None:
-                catalog.index_manifest(manifest, path.stat().st_size, last_access=store.clock())
+                catalog.index_manifest(manifest, path.stat().st_size, last_access=ctx.clock())
             elif row.hint != "retain" and revive:
-                catalog.set_hint(entry_id, "retain", store.clock())
+                catalog.set_hint(entry_id, "retain", ctx.clock())
             if supersedes:
-                catalog.set_hint(supersedes, "release", store.clock())
+                catalog.set_hint(supersedes, "release", ctx.clock())
             return manifest
         return None
 
@@ -279,14 +280,14 @@ class Committer:
             try:
                 # Without ``revive`` (an import), an entry another writer recorded since
                 # ``_not_present`` looked is theirs: reported present, not committed twice.
-                taken = self._store.catalog.record_intents(
-                    [(p.manifest, len(p.data)) for p in recorded], self._store.clock(),
+                taken = self._ctx.catalog().record_intents(
+                    [(p.manifest, len(p.data)) for p in recorded], self._ctx.clock(),
                     claim=not revive,
                     hints={p.entry_id: p.hint for p in recorded if p.hint != "retain"})
                 self._publisher.mark("catalog", "intent")
             except OSError as exc:  # an injected fault at the checkpoint (faults.FAIL_ENV)
                 self._forget_intents(recorded)
-                raise io_error(exc, "committing entries", self._store.layout.manifests) from exc
+                raise io_error(exc, "committing entries", self._ctx.layout.manifests) from exc
             for p in recorded:
                 if p.entry_id in taken:
                     p.outcome = PutOutcome(p.entry_id, "present", p.manifest)
@@ -306,7 +307,7 @@ class Committer:
                 p.fail(exc)
                 self._discard(p)
             except OSError as exc:  # an injected fault at a checkpoint (faults.FAIL_ENV)
-                p.fail(io_error(exc, "writing an entry", self._store.layout.tmp))
+                p.fail(io_error(exc, "writing an entry", self._ctx.layout.tmp))
                 self._discard(p)
         return recorded
 
@@ -319,14 +320,14 @@ class Committer:
                 self._stage_objects(p, flushing, ahead)
                 p.manifest = Manifest.new(
                     kind=p.request.kind, namespace=p.request.namespace, key=p.request.key,
-                    created=self._store.clock(),
+                    created=self._ctx.clock(),
                     objects=tuple(ObjectRef(name, f.digest, f.size) for name, f in p.staged),
                     meta=p.request.meta, index=p.request.index,
                     supersedes=p.request.supersedes)
-                p.data = encode(p.manifest, self._store.tag_key)
+                p.data = encode(p.manifest, self._ctx.tag_key)
             else:
                 missing = [r for r in p.manifest.objects
-                           if r.digest not in given and not object_present(self._store, r)]
+                           if r.digest not in given and not object_present(self._ctx.layout, r)]
                 if missing:
                     p.fail(NotFoundError(f"object {missing[0].name} of entry "
                                          f"{p.entry_id} is no longer in the store"),
@@ -349,7 +350,7 @@ class Committer:
         rolls back any pending row whose manifest never appeared."""
         if failed:
             with contextlib.suppress(sqlite3.DatabaseError):
-                self._store.catalog.delete_entries([p.entry_id for p in failed])
+                self._ctx.catalog().delete_entries([p.entry_id for p in failed])
 
     def _stage_objects(self, p: Pending, flushing: list[Flushing], ahead: _TmpAhead) -> None:
         assert p.request is not None
@@ -380,7 +381,7 @@ class Committer:
     def _place_objects(self, todo: list[Pending], given: dict[str, Path]) -> list[Pending]:
         """Rename every staged object into place; fsync their directories once each. An
         entry whose object cannot be placed is refused; the others go on."""
-        layout = self._store.layout
+        layout = self._ctx.layout
         done: set[str] = set()
         dirs: set[Path] = set()
         for p in todo:
@@ -424,9 +425,9 @@ class Committer:
                 unlink_quietly(src)  # content-addressed: already stored
                 done.add(digest)
                 return
-            self._store.quarantine_files(None, QuarantineReason.OBJECT_COLLISION,
-                                         "existing object did not match its name; replaced",
-                                         [(final, "object")])
+            self._ctx.quarantine.files(None, QuarantineReason.OBJECT_COLLISION,
+                                       "existing object did not match its name; replaced",
+                                       [(final, "object")])
             checked = False  # the quarantine moved files meanwhile: check again
         self._publisher.place(src, final, what="object", checked=checked)
         done.add(digest)
@@ -449,15 +450,15 @@ class Committer:
     # -- steps 4-5: manifests, committed -----------------------------------------
 
     def _commit_manifests(self, todo: list[Pending]) -> None:
-        store = self._store
-        catalog = store.catalog
+        ctx = self._ctx
+        catalog = ctx.catalog()
         recorded = [p.entry_id for p in todo]  # their intents are in the catalog (step 2)
         published: set[str] = set()
-        final = store.layout.tmp
+        final = ctx.layout.tmp
         try:
             self._publisher.check_dirs(final)  # the manifests are renamed from tmp/
             for p in todo:
-                final = store.layout.manifest_path(p.entry_id)
+                final = ctx.layout.manifest_path(p.entry_id)
                 placed: list[Path] = []
                 try:
                     self._publisher.place(p.manifest_tmp.path, final, what="manifest",
@@ -465,7 +466,7 @@ class Committer:
                 finally:
                     if placed:
                         published.add(p.entry_id)
-            self._sync((store.layout.manifest_path(p.entry_id).parent for p in todo),
+            self._sync((ctx.layout.manifest_path(p.entry_id).parent for p in todo),
                        "manifest", "publishing manifests")
             catalog.mark_committed_many([(p.entry_id, p.manifest.supersedes) for p in todo])
             self._publisher.mark("catalog", "committed")
@@ -497,7 +498,7 @@ class Committer:
         try:
             _flushed(f, "writing an object")
             self._publisher.mark("object", "fsynced")
-            final = self._store.layout.object_path(f.digest)
+            final = self._ctx.layout.object_path(f.digest)
             try:
                 self._place(f.path, final, f.digest, f.size, set())
             except OSError as exc:
@@ -508,11 +509,11 @@ class Committer:
             _discard_flushing(f)
 
 
-def object_present(store: Store, ref: ObjectRef) -> bool:
+def object_present(layout: Layout, ref: ObjectRef) -> bool:
     """True if the store holds a regular file of the right size for ``ref`` (cheap: lstat;
     its bytes are verified by every read and by scrub, like any stored object)."""
     try:
-        st = os.lstat(store.layout.object_path(ref.digest))
+        st = os.lstat(layout.object_path(ref.digest))
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and st.st_size == ref.size

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .catalog import Totals
 from .gc import tmp_usage
 from .locks import OwnerInfo
-from .scrub import ScrubState, ScrubSummary
+from .scrub_state import ScrubState, ScrubSummary
 from .space import Space, space_of
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .quarantine import QuarantineItem
+    from .root import Layout, Marker
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,28 @@ class StoreFacts:
         }
 
 
-def collect(store: Store) -> StoreFacts:
+class FactSource(Protocol):
+    """What ``collect`` reads of a store (``Store`` is one): named here so that this module,
+    below the ``Store`` facade, does not import it (decision 2520)."""
+
+    layout: Layout
+    marker: Marker
+    read_only: bool
+    unknown_files: list[str]
+
+    @property
+    def root(self) -> Path: ...
+    @property
+    def max_bytes(self) -> int | None: ...
+    def totals(self) -> Totals: ...
+    def released(self) -> tuple[int, int]: ...
+    def by_kind(self) -> dict[str, dict[str, int]]: ...
+    def malformed_count(self) -> int: ...
+    def quarantine_items(self) -> list[QuarantineItem]: ...
+    def owner(self) -> OwnerInfo | None: ...
+
+
+def collect(store: FactSource) -> StoreFacts:
     """Read every fact of ``store`` once (see the module docstring)."""
     totals = store.totals()
     released_n, released_b = store.released()

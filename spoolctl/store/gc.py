@@ -42,7 +42,7 @@ from .fsio import describe_os_error, fsync_dir, unlink_many
 from .sqlite_files import no_space
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .context import PartContext
 
 LOW_WATERMARK = 0.9
 DELETE_BATCH = 1000
@@ -87,8 +87,8 @@ class DeleteReport:
 class GarbageCollector:
     """Deletions on one store (see the module docstring); the caller holds the lock."""
 
-    def __init__(self, store: Store):
-        self._store = store
+    def __init__(self, ctx: PartContext):
+        self._ctx = ctx
         # The directory descriptors of this thread's pass in progress (``_pass``): every
         # unlink goes through one, never through a path resolved again (issue 35.1).
         self._local = threading.local()
@@ -111,7 +111,7 @@ class GarbageCollector:
         counts it: their manifests, and the objects no other entry references; ``before``:
         entries an earlier step of the same plan deletes (their objects are not counted
         again, and objects they share with ``entry_ids`` are freed now)."""
-        catalog = self._store.catalog
+        catalog = self._ctx.catalog()
         freed = catalog.freed_by(entry_ids, before)
         sizes = catalog.manifest_sizes(entry_ids)
         return DeleteReport(entries=len(entry_ids), objects=len(freed),
@@ -119,7 +119,7 @@ class GarbageCollector:
                             dry_run=True, entry_ids=list(entry_ids))
 
     def clean_released(self, dry_run: bool, also: Iterable[str] = ()) -> DeleteReport:
-        catalog = self._store.catalog
+        catalog = self._ctx.catalog()
         report = DeleteReport(dry_run=dry_run)
         if dry_run:  # exactly what the run below deletes (issue 36.3)
             ids = [r.entry_id for r in catalog.list(hint="release", sort="age", skip_held=True)]
@@ -169,7 +169,7 @@ class GarbageCollector:
         """Start unlinking the manifests of ``page`` ((entry id, manifest size) rows)."""
         if not page:
             return None
-        return _Unlinking.start(page, [self._store.layout.manifest_path(entry_id)
+        return _Unlinking.start(page, [self._ctx.layout.manifest_path(entry_id)
                                        for entry_id, _ in page], self._live_dirs())
 
     def _live_dirs(self) -> dirfd.DirFds:
@@ -180,7 +180,7 @@ class GarbageCollector:
 
     def delete_if_released(self, entry_ids: list[str]) -> DeleteReport:
         """Delete those of ``entry_ids`` that are still released."""
-        catalog = self._store.catalog
+        catalog = self._ctx.catalog()
         doomed = [e for e in entry_ids
                   if (row := catalog.get(e)) is not None and row.hint == "release"]
         return self.delete_entries(doomed, "clean") if doomed else DeleteReport()
@@ -189,8 +189,8 @@ class GarbageCollector:
               before: Iterable[str] = ()) -> DeleteReport:
         """Down to the low watermark if over the maximum; at most ``budget`` entries.
         ``before`` (dry run only): entries an earlier step of the same plan deletes."""
-        max_bytes = self._store.max_bytes
-        catalog = self._store.catalog
+        max_bytes = self._ctx.limits.max_bytes
+        catalog = self._ctx.catalog()
         report = DeleteReport(dry_run=dry_run)
         if max_bytes is None:
             return report
@@ -201,7 +201,7 @@ class GarbageCollector:
             return report
         if not dry_run:
             # no LRU rank from a clock that ran ahead (issue 30.7)
-            catalog.clamp_future_access(self._store.clock())
+            catalog.clamp_future_access(self._ctx.clock())
         target = int(max_bytes * LOW_WATERMARK)
         remaining = budget if budget is not None else 1 << 62
         while total > target and remaining > 0:
@@ -226,7 +226,7 @@ class GarbageCollector:
                     before: set[str]) -> DeleteReport:
         """The dry run of ``evict``: the same batches, chosen the same way, with the totals
         the deletions would leave (``planned``) instead of deleting (issue 36.3)."""
-        catalog = self._store.catalog
+        catalog = self._ctx.catalog()
         report = DeleteReport(dry_run=True)
         total -= self.planned(list(before)).bytes if before else 0
         if total <= max_bytes:
@@ -260,7 +260,7 @@ class GarbageCollector:
         ``step`` ("clean" or "evict") names the crash checkpoints passed on the way.
         """
         report = DeleteReport()
-        sizes = self._store.catalog.manifest_sizes(entry_ids)
+        sizes = self._ctx.catalog().manifest_sizes(entry_ids)
         with self._pass():
             manifests = self._start_manifests([(e, sizes.get(e, 0)) for e in entry_ids])
             deleted = ([] if manifests is None
@@ -285,7 +285,7 @@ class GarbageCollector:
             if gone:
                 report.bytes += size  # the catalog's size: no stat (decision 1407)
                 dirs.add(path.parent)
-            self._store.checkpoint(f"{step}.manifest_deleted")
+            self._ctx.checkpoint(f"{step}.manifest_deleted")
         for d in dirs:
             fsync_dir(d)
         report.entries += len(deleted)
@@ -296,24 +296,24 @@ class GarbageCollector:
                    step: str) -> _Unlinking | None:
         """Delete the catalog rows of ``deleted``; return the unlinks of the objects no
         entry references any more, started and in flight (None if there are none)."""
-        store = self._store
+        ctx = self._ctx
         chunk = max(len(deleted), 1)
         objects: _Unlinking | None = None
         while deleted:
             part = deleted[:chunk]
             try:
-                freed = store.catalog.delete_entries(part)
+                freed = ctx.catalog().delete_entries(part)
             except sqlite3.OperationalError as exc:
-                if not no_space(exc, store.catalog.path) or chunk == 1:
+                if not no_space(exc, ctx.catalog().path) or chunk == 1:
                     raise
                 chunk = max(1, chunk // 16)  # smaller transactions need less journal space
                 log.warning("disk full: deleting in batches of %d entries", chunk)
                 continue
             deleted = deleted[len(part):]
-            store.checkpoint(f"{step}.catalog_deleted")
+            ctx.checkpoint(f"{step}.catalog_deleted")
             if objects is not None:  # a full disk: each part's objects go before the next
                 self._finish_objects(objects, report, step)  # part is recorded
-            objects = _Unlinking.start(freed, [store.layout.object_path(digest)
+            objects = _Unlinking.start(freed, [ctx.layout.object_path(digest)
                                                for digest, _size in freed], self._live_dirs())
         # No fsync of the object directories: an object unlink lost in a crash leaves an
         # unreferenced object, which orphan collection reclaims (the catalog deletion above
@@ -328,7 +328,7 @@ class GarbageCollector:
             elif gone:
                 report.objects += 1
                 report.bytes += size
-            self._store.checkpoint(f"{step}.object_deleted")
+            self._ctx.checkpoint(f"{step}.object_deleted")
 
     @staticmethod
     def _log_failed(report: DeleteReport) -> None:

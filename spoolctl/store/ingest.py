@@ -288,8 +288,8 @@ class Section:
                         f"{entry_id} says {ref.size}", fix="the archive is damaged or hostile")
             elif ref.digest in self.pending_dropped or ref.digest in self.dropped:
                 doomed = True
-            elif ref.digest not in self.pending_present and \
-                    ("o" + ref.digest) not in self.seen and not object_present(self.store, ref):
+            elif ref.digest not in self.pending_present and ("o" + ref.digest) not in \
+                    self.seen and not object_present(self.store.layout, ref):
                 raise ArchiveError(f"manifest {entry_id} names object {ref.digest} that the "
                                    "archive lacks", fix="the archive is incomplete or hostile; "
                                    "export it again")

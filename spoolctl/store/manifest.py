@@ -23,6 +23,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .digest import hash_bytes, is_digest
@@ -279,3 +280,15 @@ def decode(
     if expected_entry_id is not None and manifest.entry_id != expected_entry_id:
         raise bad("entry id does not match the file name")
     return manifest
+
+
+def authenticate(tag_key: TagKey, manifest: Manifest, path: Path) -> None:
+    """ManifestError (``auth_tag``) unless ``manifest``'s tag is valid under ``tag_key``
+    (decision 2011); the one check every reader of a manifest and the commit use."""
+    problem = tag_key.problem(manifest.tag, envelope_digest(manifest))
+    if problem is not None:
+        raise ManifestError(
+            f"entry {manifest.entry_id} is not authenticated: {problem}",
+            reason=QuarantineReason.AUTH_TAG, path=path, entry_id=manifest.entry_id,
+            fix="the entry was quarantined and is a miss; expected once for entries "
+                "written before this key, otherwise find who wrote the store")

@@ -1,74 +1,91 @@
-"""The store's read-only queries: facts, totals, listings, id resolution (a part of
-``Store``, kept in its own module).
+"""The store's read-only queries: totals, listings, id resolution (a part of ``Store``,
+decision 2520).
 
-Every catalog call goes through ``run_with_catalog_repair`` (a damaged catalog is rebuilt
-and the call retried once). Mixed into ``Store``.
+``Queries`` receives what it reads: the catalog (asked for on each use: a repair replaces
+it), the catalog repair wrapper every catalog call goes through (a damaged catalog is
+rebuilt and the call retried once) and the layout. ``Store`` exposes each query under its
+own name (``Store.totals``, ``Store.entries``...).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .catalog import CatalogRow, Totals
+from .catalog import Catalog, CatalogRow, Totals
 from .errors import InvalidIdError, NotFoundError
-from .facts import StoreFacts, collect
 from .gc import tmp_usage
 from .keys import validate_entry_id, validate_entry_prefix
 from .rows import shown_id
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .root import Layout
+
+T = TypeVar("T")
 
 
 class Queries:
-    """``Store``'s queries (see the module docstring)."""
+    """A store's queries (see the module docstring)."""
 
-    def facts(self: Store) -> StoreFacts:
-        """One snapshot of everything status, metrics and gauges report (``facts``)."""
-        return collect(self)
+    def __init__(self, layout: Layout, catalog: Callable[[], Catalog],
+                 repairing: Callable[[Callable[[], Any]], Any]):
+        self._layout = layout
+        self._catalog = catalog
+        self._repairing = repairing
 
-    def totals(self: Store) -> Totals:
-        return self.run_with_catalog_repair(lambda: self.catalog.totals())
+    def _run(self, fn: Callable[[Catalog], T]) -> T:
+        return self._repairing(lambda: fn(self._catalog()))
 
-    def by_kind(self: Store) -> dict[str, dict[str, int]]:
-        return self.run_with_catalog_repair(lambda: self.catalog.by_kind())
+    def live(self, entry_ids: Iterable[str]) -> set[str]:
+        """Which of ``entry_ids`` are committed and retained (catalog only; no file I/O)."""
+        ids = list(entry_ids)
+        return self._run(lambda c: c.live(ids))
 
-    def released(self: Store) -> tuple[int, int]:
+    def live_keys(self, kind: str, namespace: str) -> set[str]:
+        """Keys of the committed, retained entries of ``(kind, namespace)`` (catalog only)."""
+        return self._run(lambda c: c.live_keys(kind, namespace))
+
+    def totals(self) -> Totals:
+        return self._run(lambda c: c.totals())
+
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        return self._run(lambda c: c.by_kind())
+
+    def released(self) -> tuple[int, int]:
         """(count, bytes) of released entries waiting for cleanup."""
-        return self.run_with_catalog_repair(lambda: self.catalog.released_stats())
+        return self._run(lambda c: c.released_stats())
 
-    def entries(self: Store, **filters: Any) -> list[CatalogRow]:
+    def entries(self, **filters: Any) -> list[CatalogRow]:
         """Catalog rows; see ``Catalog.list`` for filters (kind, namespace, hint, sort, limit).
         Malformed rows are skipped (``malformed_rows`` reports them)."""
-        return self.run_with_catalog_repair(lambda: self.catalog.list(**filters))
+        return self._run(lambda c: c.list(**filters))
 
-    def malformed_rows(self: Store, limit: int = 100) -> list[tuple[str, str]]:
+    def malformed_rows(self, limit: int = 100) -> list[tuple[str, str]]:
         """(entry id as stored, reason) of catalog rows that are not what spoolctl writes
         (skipped by every listing and cleanup; ``collect_orphans`` repairs them)."""
-        return [(shown_id(e), why) for e, why in
-                self.run_with_catalog_repair(lambda: self.catalog.malformed(limit))]
+        return [(shown_id(e), why) for e, why in self._run(lambda c: c.malformed(limit))]
 
-    def malformed_count(self: Store) -> int:
-        return self.run_with_catalog_repair(lambda: self.catalog.malformed_count())
+    def malformed_count(self) -> int:
+        return self._run(lambda c: c.malformed_count())
 
-    def row(self: Store, entry_id: str) -> CatalogRow | None:
+    def row(self, entry_id: str) -> CatalogRow | None:
         validate_entry_id(entry_id)
-        return self.run_with_catalog_repair(lambda: self.catalog.get(entry_id))
+        return self._run(lambda c: c.get(entry_id))
 
-    def resolve(self: Store, text: str) -> str:
+    def resolve(self, text: str) -> str:
         """Resolve a full id or a unique prefix (>= 4 hex) to an entry id."""
         validate_entry_prefix(text)
         if len(text) == 64:
             return text
-        matches = self.run_with_catalog_repair(lambda: self.catalog.resolve_prefix(text))
+        matches = self._run(lambda c: c.resolve_prefix(text))
         if not matches:
-            raise NotFoundError(f"no entry matches {text}", path=self.root,
+            raise NotFoundError(f"no entry matches {text}", path=self._layout.root,
                                 fix="list entries with `spoolctl ls`")
         if len(matches) > 1:
             raise InvalidIdError(f"entry prefix {text} is ambiguous",
                                  fix="type more characters of the id")
         return matches[0]
 
-    def tmp_usage(self: Store) -> tuple[int, int]:
+    def tmp_usage(self) -> tuple[int, int]:
         """(files, bytes) under tmp/."""
-        return tmp_usage(self.layout.tmp)
+        return tmp_usage(self._layout.tmp)

@@ -50,9 +50,9 @@ from .rows import parse_index, valid_facts
 
 if TYPE_CHECKING:
     from .catalog import Catalog
+    from .context import PartContext
     from .publish import Publisher
     from .quarantine import QuarantineItem
-    from .store import Store
 
 _OBJ_RE = re.compile(r"[0-9a-f]{64}\.obj")
 _MAN_RE = re.compile(r"[0-9a-f]{64}\.json")
@@ -88,8 +88,8 @@ class ReconcileReport:
 class Recovery:
     """Repairs of one store (see the module docstring); the caller holds the lock."""
 
-    def __init__(self, store: Store, gc: GarbageCollector):
-        self._store = store
+    def __init__(self, ctx: PartContext, gc: GarbageCollector):
+        self._ctx = ctx
         self._gc = gc
 
     # -- walking the manifests ---------------------------------------------------------
@@ -99,13 +99,13 @@ class Recovery:
         in a manifest's place is quarantined by the caller), in fan-out order. A directory
         that cannot be read is added to ``unreadable`` (path -> reason) and skipped."""
         unreadable = {} if unreadable is None else unreadable
-        for fan in _scan(self._store.layout.manifests, unreadable, sort=True):
+        for fan in _scan(self._ctx.layout.manifests, unreadable, sort=True):
             if fan.is_dir(follow_symlinks=False):
                 for e in _manifest_entries(Path(fan.path), unreadable):
                     yield Path(e.path)
 
     def has_manifests(self) -> bool:
-        for fan in _scan(self._store.layout.manifests, {}):
+        for fan in _scan(self._ctx.layout.manifests, {}):
             if fan.is_dir(follow_symlinks=False) and \
                     any(_MAN_RE.fullmatch(e.name) for e in _scan(Path(fan.path), {})):
                 return True
@@ -128,8 +128,8 @@ class Recovery:
             exc = ManifestError(f"manifest is not a regular file ({exc.kind})",
                                 reason=QuarantineReason.MANIFEST_IO, path=path)
         assert isinstance(exc, ManifestError)
-        self._store.quarantine_files(path.name[:-5], exc.reason, exc.message,
-                                     [(path, "manifest")])
+        self._ctx.quarantine.files(path.name[:-5], exc.reason, exc.message,
+                                   [(path, "manifest")])
 
     # -- repairs -----------------------------------------------------------------------
 
@@ -148,7 +148,7 @@ class Recovery:
 
     def _decoded(self) -> Iterator[list[tuple[Manifest, int]]]:
         """(manifest, size) of every valid manifest, a fan-out directory per batch."""
-        fans = [Path(f.path) for f in _scan(self._store.layout.manifests, {}, sort=True)
+        fans = [Path(f.path) for f in _scan(self._ctx.layout.manifests, {}, sort=True)
                 if f.is_dir(follow_symlinks=False)]
         ahead = [_prefetch_fan(fan) for fan in fans[:REBUILD_AHEAD + 1]]
         for i in range(len(fans)):
@@ -165,18 +165,18 @@ class Recovery:
 
     def resolve_pending(self) -> None:
         """Finish or roll back commits interrupted by a crash."""
-        store = self._store
-        for entry_id in store.catalog.pending():
-            path = store.layout.manifest_path(entry_id)
+        ctx = self._ctx
+        for entry_id in ctx.catalog().pending():
+            path = ctx.layout.manifest_path(entry_id)
             manifest = self.decode_found(path) if path.exists() else None
             if manifest is not None:
-                store.catalog.mark_committed(entry_id, manifest.supersedes)
+                ctx.catalog().mark_committed(entry_id, manifest.supersedes)
             else:
                 self._gc.delete_entries([entry_id], "clean")
 
     def reconcile(self, min_age: float, dry_run: bool) -> ReconcileReport:
-        store = self._store
-        catalog, layout = store.catalog, store.layout
+        ctx = self._ctx
+        catalog, layout = ctx.catalog(), ctx.layout
         report = ReconcileReport()
         report.orphan_objects.dry_run = dry_run
         if not dry_run:
@@ -216,7 +216,7 @@ class Recovery:
                          dry_run: bool) -> None:
         """Delete unreferenced objects older than ``min_age`` (count the younger ones)."""
         now = time.time()
-        for fan in _scan(self._store.layout.objects, report.unreadable):
+        for fan in _scan(self._ctx.layout.objects, report.unreadable):
             if not fan.is_dir(follow_symlinks=False):
                 continue
             # Listed and unlinked through the fan-out's descriptor (issue 35.1): one swapped
@@ -266,13 +266,13 @@ class Recovery:
         """Re-index malformed catalog rows from their manifests, keeping the catalog-only
         facts that are still well formed (hint, remote_pending...); drop rows whose
         manifest is gone. Returns how many rows were repaired or dropped."""
-        store = self._store
-        catalog = store.catalog
+        ctx = self._ctx
+        catalog = ctx.catalog()
         done = 0
         for entry_id, _why in catalog.malformed(limit):
             raw = catalog.raw_row(entry_id)
             named = isinstance(entry_id, str) and _MAN_RE.fullmatch(f"{entry_id}.json")
-            path = store.layout.manifests / str(entry_id)[:2] / f"{entry_id}.json"
+            path = ctx.layout.manifests / str(entry_id)[:2] / f"{entry_id}.json"
             manifest = self.decode_found(path) if named and os.path.lexists(path) else None
             if manifest is None:
                 catalog.delete_entries([entry_id])  # no manifest: nothing to keep
@@ -306,7 +306,7 @@ class Recovery:
         Raises CorruptionError (nothing moved) if anything still fails. The caller holds
         the maintenance lock shared (this adds, like a commit) and removes the item after.
         """
-        layout = self._store.layout
+        layout = self._ctx.layout
         src = item.path / f"{entry_id}.json"
         purge = f"purge it with `spoolctl quarantine purge {item.item_id} --yes`"
         try:
@@ -348,7 +348,7 @@ class Recovery:
             publisher.publish(a, b, what=None)
         final = layout.manifest_path(entry_id)
         publisher.publish(src, final, what=None)
-        self._store.catalog.index_manifest(manifest, final.stat().st_size,
+        self._ctx.catalog().index_manifest(manifest, final.stat().st_size,
                                            last_access=time.time())
         return manifest
 
@@ -368,7 +368,7 @@ class Recovery:
         return out
 
     def unknown_top_level(self) -> list[str]:
-        return sorted(name for name in os.listdir(self._store.root) if name not in KNOWN_TOP)
+        return sorted(name for name in os.listdir(self._ctx.root) if name not in KNOWN_TOP)
 
 
 def _prefetch_fan(fan: Path) -> list[os.DirEntry]:

@@ -10,12 +10,14 @@ recovery. Its parts, one module each:
   re-admitting quarantined entries;
 * ``clean``: the cron job's cleaning pass as data;
 * ``facts``: one snapshot of the store's facts for status, metrics and gauges;
-* ``queries`` / ``quarantining``: ``Store``'s read-only queries and quarantine methods;
+* ``queries`` / ``quarantining`` / ``catalog_health``: the read-only queries, moving
+  entries into quarantine, and keeping the catalog open and repaired;
 * ``catalog`` / ``quarantine`` / ``locks`` / ``fsio``: the index, the evidence, the
   inter-process locks and single-file I/O.
 
 ``Store`` decides what each operation locks and how catalog damage is repaired; the
-parts decide what to write or delete and in which order.
+parts decide what to write or delete and in which order. Each part receives a narrow
+``context.PartContext``, never the store: no module below this one imports it (2520).
 
 Contract (see docs/format.md for the on-disk format):
 
@@ -54,11 +56,14 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from spoolctl.compose import forward
+
 from . import faults
 from .catalog import Catalog
-from .catalog_health import CatalogHealth
+from .catalog_health import CatalogKeeper, shedding
 from .clean import CLEAN_STEPS, CleanReport, run_clean
 from .commit import Committer, Payload, Pending, PutOutcome, PutRequest
+from .context import Limits, PartContext, WritableGuard
 from .entry_tags import FROM_ENVIRONMENT, TagKey
 from .errors import (
     BusyError,
@@ -70,6 +75,7 @@ from .errors import (
     SpoolError,
     StoreIOError,
 )
+from .facts import StoreFacts, collect
 from .fsio import io_error, read_manifest, read_verified
 from .gc import (
     DEFAULT_ORPHAN_AGE,
@@ -80,10 +86,11 @@ from .gc import (
 from .inputs import check_put, is_bytes_like
 from .keys import entry_id_for, validate_entry_id
 from .locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
-from .manifest import Manifest, canonical_json, envelope_digest
+from .manifest import Manifest, authenticate, canonical_json
+from .ownership import give_back
 from .publish import Publisher
-from .quarantine import Quarantine
-from .quarantining import Quarantining
+from .quarantine import Quarantine, QuarantineItem
+from .quarantining import EntryQuarantine
 from .queries import Queries
 from .recovery import ReconcileReport, Recovery
 from .reserve import Reserve
@@ -101,12 +108,13 @@ COMMIT_EVICTION_BUDGET = 256
 __all__ = ["DeleteReport", "PutOutcome", "PutRequest", "ReconcileReport", "Store"]
 
 
-class Store(CatalogHealth, Quarantining, Queries):
+class Store:
     """One store root. Thread-safe; many processes may open the same root.
 
     Open with ``Store.open``; use as a context manager or call ``close()``.
     ``catalog``, ``layout``, ``quarantine``, ``checkpoint``, ``maintenance`` and
-    ``quarantine_files`` are for the store's own parts (gc, recovery, scrub, facts).
+    ``quarantine_files`` are for the store's own operations (scrub, export, import).
+    The parts it is composed of are built here and wired once (decision 2520).
     """
 
     def __init__(self, layout: Layout, marker: Marker, *, lock_timeout: float,
@@ -117,18 +125,30 @@ class Store(CatalogHealth, Quarantining, Queries):
         # Wall-clock seconds for the LRU clock and commit times (last access, created);
         # injectable so that tests order entries without sleeping.
         self.clock = clock
-        self.marker = marker
-        self.lock_timeout = lock_timeout
+        self.limits = Limits(marker, lock_timeout)
         self.read_only = read_only
         self.reserve = Reserve(layout.state)
         self.quarantine = Quarantine(layout.quarantine, layout.tmp)
         self.unknown_files: list[str] = []
-        self._catalog: Catalog | None = None
         self.checkpoint = faults.checkpoint
-        self._publisher = Publisher(layout.root, layout.tmp, lambda name: self.checkpoint(name))
-        self._committer = Committer(self, self._publisher)
-        self._gc = GarbageCollector(self)
-        self._recovery = Recovery(self, self._gc)
+        # The parts call these hooks, which follow a test's swap of ``checkpoint``/``clock``.
+        hook: Callable[[str], None] = lambda name: self.checkpoint(name)  # noqa: E731
+        self._writable = WritableGuard(layout.root, read_only)
+        self._catalogs = CatalogKeeper(
+            layout, read_only=read_only, evidence=self.quarantine,
+            exclusive_lock=lambda what: self.maintenance(exclusive=True, what=what),
+            has_manifests=lambda: self._recovery.has_manifests(),
+            index_all=lambda catalog: self._recovery.index_all(catalog))
+        self._quarantining = EntryQuarantine(layout, self._catalogs.current, self.quarantine,
+                                             hook, self._writable)
+        ctx = PartContext(layout, lambda: self._catalogs.catalog, hook, self._quarantining,
+                          self.limits, self._writable, lambda: self.clock(), tag_key)
+        self._publisher = Publisher(layout.root, layout.tmp, hook)
+        self._committer = Committer(ctx, self._publisher)
+        self._gc = GarbageCollector(ctx)
+        self._recovery = Recovery(ctx, self._gc)
+        self._queries = Queries(layout, lambda: self._catalogs.catalog,
+                                self.run_with_catalog_repair)
 
     # -- opening --------------------------------------------------------------------
 
@@ -184,10 +204,10 @@ class Store(CatalogHealth, Quarantining, Queries):
         store = cls(layout, marker, lock_timeout=lock_timeout, read_only=read_only,
                     tag_key=tag_key, clock=clock)
         if read_only:
-            store._open_catalog_read_only()
+            store._catalogs.open_read_only()
             store.unknown_files = store._recovery.unknown_top_level()
             return store
-        store._shedding(store._open_catalog)  # on a full disk too: the reserve makes room
+        store._shedding(store._catalogs.open)  # on a full disk too: the reserve makes room
         store.reserve.ensure()
         clean_tmp(layout.tmp, min_age=float("inf"), dry_run=False)  # dead writers' files
         with try_hold_gated(store._maint_lock, store._maint_gate) as alone:
@@ -206,8 +226,35 @@ class Store(CatalogHealth, Quarantining, Queries):
         return self.layout.root
 
     @property
+    def marker(self) -> Marker:
+        return self.limits.marker
+
+    @property
     def max_bytes(self) -> int | None:
-        return self.marker.max_bytes
+        return self.limits.max_bytes
+
+    @property
+    def lock_timeout(self) -> float:
+        return self.limits.lock_timeout
+
+    @lock_timeout.setter
+    def lock_timeout(self, seconds: float) -> None:
+        self.limits.lock_timeout = seconds
+
+    @property
+    def catalog(self) -> Catalog:
+        """The open catalog (a repair replaces it: ask for it on each use)."""
+        return self._catalogs.catalog
+
+    def run_with_catalog_repair(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (catalog work); on catalog damage rebuild the catalog and run it once
+        more (``catalog_health.CatalogKeeper``)."""
+        return self._catalogs.run_with_catalog_repair(fn)
+
+    def _shedding(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, which frees space, deleting the reserve piece by piece while it fails
+        for lack of space (``catalog_health.shedding``)."""
+        return shedding(self.reserve, self.root, fn)
 
     @property
     def _maint_gate(self) -> Path:
@@ -228,6 +275,14 @@ class Store(CatalogHealth, Quarantining, Queries):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def close(self) -> None:
+        if self._catalogs.close() and not self.read_only:
+            if self.reserve.count < self.reserve.most:
+                # The last connection's close deleted SQLite's -wal/-shm files: take that
+                # room back into the reserve before another program does.
+                self.reserve.ensure()
+            give_back(self.layout)  # root on another user's store (issue 30.5)
 
     # -- commit -----------------------------------------------------------------------
 
@@ -354,14 +409,8 @@ class Store(CatalogHealth, Quarantining, Queries):
             self.touch([entry_id])
         return manifest
 
-    def live(self, entry_ids: Iterable[str]) -> set[str]:
-        """Which of ``entry_ids`` are committed and retained (catalog only; no file I/O)."""
-        ids = list(entry_ids)
-        return self.run_with_catalog_repair(lambda: self.catalog.live(ids))
-
-    def live_keys(self, kind: str, namespace: str) -> set[str]:
-        """Keys of the committed, retained entries of ``(kind, namespace)`` (catalog only)."""
-        return self.run_with_catalog_repair(lambda: self.catalog.live_keys(kind, namespace))
+    live = forward(Queries.live, "_queries")
+    live_keys = forward(Queries.live_keys, "_queries")
 
     def next_generation(self, name: str) -> int:
         """Advance and return a counter persisted in the catalog.
@@ -393,7 +442,7 @@ class Store(CatalogHealth, Quarantining, Queries):
         try:
             manifest = read_manifest(path, entry_id)
             if self.tag_key is not None:
-                self._authenticate(manifest, path)
+                authenticate(self.tag_key, manifest, path)
             return manifest
         except FileNotFoundError:
             raise NotFoundError(f"no entry {entry_id}", path=self.root,
@@ -402,17 +451,6 @@ class Store(CatalogHealth, Quarantining, Queries):
             if not self.read_only:
                 self.quarantine_entry(entry_id, exc.reason, exc.message)
             raise
-
-    def _authenticate(self, manifest: Manifest, path: Path) -> None:
-        """ManifestError (``auth_tag``) unless ``manifest``'s tag is valid under the key."""
-        assert self.tag_key is not None
-        problem = self.tag_key.problem(manifest.tag, envelope_digest(manifest))
-        if problem is not None:
-            raise ManifestError(
-                f"entry {manifest.entry_id} is not authenticated: {problem}",
-                reason=QuarantineReason.AUTH_TAG, path=path, entry_id=manifest.entry_id,
-                fix="the entry was quarantined and is a miss; expected once for entries "
-                    "written before this key, otherwise find who wrote the store")
 
     def read(self, manifest: Manifest, name: str, *, into: memoryview | None = None) -> memoryview:
         """Return object ``name`` of ``manifest``, verified against its digest in the same pass.
@@ -503,24 +541,15 @@ class Store(CatalogHealth, Quarantining, Queries):
         Entries held for a remote delete (index ``remote_pending``) are skipped, as
         they are by eviction: their record is what lets ``clean --genai`` retry.
         ``also`` (dry run only): retained entries the same plan releases first."""
-        def run() -> DeleteReport:
-            with self.maintenance(exclusive=True, what="cleaning released entries"):
-                return self._gc.clean_released(dry_run, also)
-        if dry_run:
-            return self.run_with_catalog_repair(run)
-        self._writable("cleaning released entries")
-        return self._shedding(lambda: self.run_with_catalog_repair(run))
+        return self._deleting("cleaning released entries",
+                              lambda: self._gc.clean_released(dry_run, also), dry_run=dry_run)
 
     def delete_released(self, entry_ids: Iterable[str]) -> DeleteReport:
         """Delete those of ``entry_ids`` that are still released (a controller's own
         released entries at ``close()``); an entry revived by a later commit is kept."""
         ids = [validate_entry_id(e) for e in entry_ids]
-        self._writable("deleting released entries")
-
-        def run() -> DeleteReport:
-            with self.maintenance(exclusive=True, what="deleting released entries"):
-                return self._gc.delete_if_released(ids)
-        return self._shedding(lambda: self.run_with_catalog_repair(run))
+        return self._deleting("deleting released entries",
+                              lambda: self._gc.delete_if_released(ids))
 
     def enforce_capacity(
         self, *, dry_run: bool = False, budget: int | None = None, wait: bool = True,
@@ -531,14 +560,9 @@ class Store(CatalogHealth, Quarantining, Queries):
         ``before`` (dry run only): entries an earlier step of the same plan deletes."""
         if self.max_bytes is None:
             return DeleteReport(dry_run=dry_run)
-
-        def run() -> DeleteReport:
-            with self.maintenance(exclusive=True, wait=wait, what="capacity maintenance"):
-                return self._gc.evict(dry_run, budget, before)
-        if dry_run:
-            return self.run_with_catalog_repair(run)
-        self._writable("capacity maintenance")
-        return self._shedding(lambda: self.run_with_catalog_repair(run))
+        return self._deleting("capacity maintenance",
+                              lambda: self._gc.evict(dry_run, budget, before),
+                              dry_run=dry_run, wait=wait)
 
     def clean_tmp(
         self, *, min_age: float = DEFAULT_ORPHAN_AGE, dry_run: bool = False
@@ -558,12 +582,20 @@ class Store(CatalogHealth, Quarantining, Queries):
         Manifests missing from the catalog are indexed (or quarantined if invalid),
         catalog rows whose manifest is gone are dropped, unknown files are reported.
         """
-        def run() -> ReconcileReport:
-            with self.maintenance(exclusive=True, what="collecting orphans"):
-                return self._recovery.reconcile(min_age, dry_run)
+        return self._deleting("collecting orphans",
+                              lambda: self._recovery.reconcile(min_age, dry_run), dry_run=dry_run)
+
+    def _deleting(self, what: str, fn: Callable[[], T], *, dry_run: bool = False,
+                  wait: bool = True) -> T:
+        """Run ``fn`` (a deletion or repair of ``gc`` / ``recovery``) under the exclusive
+        maintenance lock, through the catalog repair; a real run (not ``dry_run``) needs a
+        writable store and may spend the reserve (it frees space)."""
+        def run() -> T:
+            with self.maintenance(exclusive=True, wait=wait, what=what):
+                return fn()
         if dry_run:
             return self.run_with_catalog_repair(run)
-        self._writable("collecting orphans")
+        self._writable(what)
         return self._shedding(lambda: self.run_with_catalog_repair(run))
 
     def clean(self, steps: Iterable[str] = CLEAN_STEPS, *,
@@ -598,5 +630,45 @@ class Store(CatalogHealth, Quarantining, Queries):
             self._shedding(lambda: write_marker(self.layout, marker))
         except OSError as exc:
             raise io_error(exc, "writing the store marker", self.layout.marker) from exc
-        self.marker = marker
+        self.limits.marker = marker
 
+    # -- quarantine (``quarantining``; re-admission needs recovery and the lock) -------
+
+    quarantine_entry = forward(EntryQuarantine.entry, "_quarantining")
+    quarantine_files = forward(EntryQuarantine.files, "_quarantining")
+
+    def quarantine_items(self) -> list[QuarantineItem]:
+        return self.quarantine.items()
+
+    def restore_quarantined(self, item_id: str) -> Manifest:
+        """Re-admit a quarantined entry if, and only if, it now verifies.
+
+        Raises CorruptionError (nothing moved) if its manifest or objects still fail, and
+        NotFoundError if an object it needs is gone (reclaimed after the quarantine).
+        """
+        self._writable("restoring from quarantine")
+        item = self.quarantine.get(item_id)
+        if item.entry_id is None:
+            raise ConfigError(f"quarantine item {item_id} holds no entry", path=item.path,
+                              fix="inspect it with `spoolctl quarantine show`; purge when done")
+        entry_id = validate_entry_id(item.entry_id)
+        with self.maintenance(exclusive=False, what="restoring from quarantine"):
+            manifest = self._recovery.readmit(item, entry_id, self._publisher)
+        self.quarantine.remove(item)
+        return manifest
+
+    # -- queries (``queries``; catalog only) --------------------------------------------
+
+    def facts(self) -> StoreFacts:
+        """One snapshot of everything status, metrics and gauges report (``facts``)."""
+        return collect(self)
+
+    totals = forward(Queries.totals, "_queries")
+    by_kind = forward(Queries.by_kind, "_queries")
+    released = forward(Queries.released, "_queries")
+    entries = forward(Queries.entries, "_queries")
+    malformed_rows = forward(Queries.malformed_rows, "_queries")
+    malformed_count = forward(Queries.malformed_count, "_queries")
+    row = forward(Queries.row, "_queries")
+    resolve = forward(Queries.resolve, "_queries")
+    tmp_usage = forward(Queries.tmp_usage, "_queries")
