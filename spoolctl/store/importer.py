@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 from .archive import ArchiveIndex, SectionCount, TarReader, parse_end_record, rank_of
 from .errors import ArchiveError, CapacityError, ConfigError
 from .ingest import PlaceTally, Section, SkipSection, free_bytes
-from .places import Layout, Target, check_single_layout, inspect_root
+from .places import RootContents, Target, check_single_layout, inspect_root
 from .selection import resolve_deployments
 from .store import Store
 
@@ -85,7 +85,7 @@ class Importer:
     def __init__(self, target: str | os.PathLike[str], *, accept: tuple[str, ...] = (),
                  store_max_bytes: int | None = None, progress: Progress | None = None,
                  wants: Callable[[Any], bool] | None = None, rank: int | None = None,
-                 layout: Layout | None = None, retag: bool = False):
+                 layout: RootContents | None = None, retag: bool = False):
         self.layout = layout if layout is not None else inspect_root(target)
         self.retag = retag
         self.rank = rank
