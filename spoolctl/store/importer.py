@@ -37,6 +37,7 @@ from .archive import ArchiveIndex, SectionCount, TarReader, parse_end_record, ra
 from .errors import ArchiveError, CapacityError, ConfigError
 from .ingest import PlaceTally, Section, SkipSection, free_bytes
 from .places import RootContents, Target, check_single_layout, inspect_root
+from .root import MARKER
 from .selection import resolve_deployments
 from .store import Store
 
@@ -136,7 +137,7 @@ class Importer:
         existing_bytes = 0
         for dest, need in per_dest.items():
             max_bytes = self.store_max_bytes
-            if (dest / ".spoolctl-root").exists():
+            if (dest / MARKER).exists():
                 with Store.open(dest) as st:
                     max_bytes = st.max_bytes
                     existing_bytes += st.totals().bytes
@@ -157,7 +158,7 @@ class Importer:
             if dest is None:
                 self.sections[place] = SkipSection(tally)
                 continue
-            tally.created = not (dest / ".spoolctl-root").exists()
+            tally.created = not (dest / MARKER).exists()
             store = self._stack.enter_context(
                 Store.open(dest, create=True, max_bytes=self.store_max_bytes
                            if tally.created else None))
