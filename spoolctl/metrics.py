@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from spoolctl.store.rankdirs import DEPLOYMENT_NAME, RANK_DIGITS
+
 if TYPE_CHECKING:
     from spoolctl.store import Store, StoreFacts
 
@@ -55,8 +57,8 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
 }
 # Labels that name which rank store a store gauge describes (several stores, one file).
 TARGET_LABELS: dict[str, re.Pattern[str]] = {
-    "deployment": re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"),
-    "rank": re.compile(r"[0-9]{4}"),
+    "deployment": re.compile(DEPLOYMENT_NAME, re.ASCII),
+    "rank": re.compile(RANK_DIGITS, re.ASCII),
 }
 
 

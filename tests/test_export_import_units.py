@@ -242,10 +242,10 @@ def test_inspect_root_layouts(tmp_path: Path):
     one = inspect_root(base / "base" / D1 / "rank-0001")
     assert one.kind == "store" and one.stores[0].place == f"{D1}/rank-0001" and not one.quorum
     assert inspect_root(base / "single").stores[0].place == ""
-    assert inspect_root(base / "nothing-yet").kind == "new"
+    assert inspect_root(base / "nothing-yet").kind == "empty"
     (base / "junk").mkdir()
     (base / "junk" / "file").write_text("x")
-    with pytest.raises(ConfigError, match="no spoolctl store"):
+    with pytest.raises(ConfigError, match="not a spoolctl store"):
         inspect_root(base / "junk")
     with pytest.raises(ConfigError, match="no spoolctl store"):
         find_stores(base / "nothing-yet")

@@ -110,17 +110,18 @@ def test_a_rank_that_cannot_be_read_does_not_stop_the_export(base: Path, tmp_pat
 
 
 def test_roots_and_filters_are_refused_like_for_every_command(base: Path, tmp_path: Path):
-    (base / "notes.txt").write_text("not a deployment")
+    junk = Path(os.path.realpath(tmp_path)) / "junk"  # a stray file and no deployment
+    junk.mkdir()
+    (junk / "notes.txt").write_text("not a deployment")
     for args in (["clean", "--yes"], ["export", "-o", str(tmp_path / "x.tar")],
                  ["import", str(tmp_path / "none.tar")]):
-        code, _out, err = run(*args, "--root", str(base))
+        code, _out, err = run(*args, "--root", str(junk))
         assert code == 2 and "not a spoolctl store, vLLM deployment directory or base root" \
             in err, (args, err)
     store = base / DEP_B / "rank-0000"
     for args in (["clean", "--yes"], ["export", "-o", str(tmp_path / "y.tar")]):
         code, _out, err = run(*args, "--root", str(store), "--rank", "0")
         assert code == 2 and "apply to a vLLM base root" in err, (args, err)
-    (base / "notes.txt").unlink()
     code, _out, err = run("export", "--root", str(base), "--deployment", "zzzz",
                           "-o", str(tmp_path / "z.tar"))
     assert code == 2 and "matches no deployment directory" in err

@@ -22,14 +22,13 @@ import sys
 from typing import Any
 
 import typer
-from rich.markup import escape
 
 from spoolctl import __version__
-from spoolctl.store.errors import ConfigError, CorruptionError, NotFoundError, SpoolError
+from spoolctl.store.errors import SpoolError
 from spoolctl.store.root import ALLOW_FOREIGN_ENV
 
+from . import commands
 from .common import (
-    EXIT_FINDINGS,
     EXIT_OUTPUT,
     EXIT_PIPE,
     EXIT_USAGE,
@@ -37,6 +36,8 @@ from .common import (
     emit_json,
     err_console,
     error_doc,
+    error_exit_code,
+    esc,
     plain,
 )
 from .interrupt import exit_code, interrupt_of, signal_name, signals_as_interrupts, take
@@ -71,8 +72,7 @@ def _root_callback(
     if allow_foreign_owner:
         # The store reads this at every open; one switch for every command.
         os.environ[ALLOW_FOREIGN_ENV] = "1"
-    if debug:
-        os.environ["SPOOLCTL_DEBUG"] = "1"
+    if debug:  # main() reads --debug itself (tracebacks); here only the log level
         logging.basicConfig(level=logging.DEBUG)
     if ctx.invoked_subcommand is None:
         # Bare `spoolctl` shows the status of the default root (help is `--help`).
@@ -81,19 +81,7 @@ def _root_callback(
         status(root=None, json_output=False, check=False, rank=None, deployment=None)
 
 
-def _register() -> None:
-    # Each module adds its commands to ``app``; imported here so the app is complete
-    # whichever module is imported first.
-    from . import commands, prefill, transfer_cmds, vllm_config  # noqa: F401
-
-
-_register()
-
-
-def _one_line(text: str) -> str:
-    """Error text safe to print: control characters (newlines, terminal escapes) from user
-    input are shown escaped, and rich markup in it is not interpreted."""
-    return escape(plain(text))
+commands.register(app)  # every command, listed in cli/commands.py
 
 
 class _SafeFormatter(logging.Formatter):
@@ -312,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(EXIT_PIPE)
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         err_console.print(f"[red]error:[/red] cannot write the output to stdout: "
-                          f"{_one_line(reason)}: free space where stdout goes, or redirect it "
+                          f"{esc(reason)}: free space where stdout goes, or redirect it "
                           "(> FILE, > /dev/null)", highlight=False, soft_wrap=True)
         sys.exit(EXIT_OUTPUT)
     finally:
@@ -350,12 +338,9 @@ def _run(argv: list[str], *, debug: bool, json_mode: bool) -> int:
     except SpoolError as exc:
         if debug:
             raise
-        code = EXIT_FINDINGS if isinstance(exc, (CorruptionError, NotFoundError)) else EXIT_USAGE
-        if isinstance(exc, ConfigError):
-            code = EXIT_USAGE
-        return _fail(exc.message, code=code, fix=exc.fix, path=exc.path,
+        return _fail(exc.message, code=error_exit_code(exc), fix=exc.fix, path=exc.path,
                      kind=type(exc).__name__, json_mode=json_mode,
-                     human=f"[red]error:[/red] {_one_line(str(exc))}")
+                     human=f"[red]error:[/red] {esc(str(exc))}")
     except typer.Exit as exc:
         cause = interrupt_of(exc)
         if cause is not None and take() is not None:  # not reported by the command
@@ -378,7 +363,7 @@ def _run(argv: list[str], *, debug: bool, json_mode: bool) -> int:
             # One line, like every other error: `error: cause: fix`.
             return _fail(cause, code=EXIT_USAGE, fix=fix, path=None, kind="UsageError",
                          json_mode=json_mode,
-                         human=f"[red]error:[/red] {_one_line(cause)}: {_one_line(fix)}")
+                         human=f"[red]error:[/red] {esc(cause)}: {esc(fix)}")
         if _is(exc, "Exit"):
             return _exit_code(getattr(exc, "exit_code", 0), json_mode)
         if _is(exc, "Abort"):
@@ -391,12 +376,12 @@ def _run(argv: list[str], *, debug: bool, json_mode: bool) -> int:
         needs = missing_extra(exc, _command_line(argv))
         if needs is not None:  # a base install running a framework command: not a bug
             return _fail(needs, code=EXIT_USAGE, fix=None, path=None, kind="MissingExtra",
-                         json_mode=json_mode, human=f"[red]error:[/red] {_one_line(needs)}")
+                         json_mode=json_mode, human=f"[red]error:[/red] {esc(needs)}")
         return _fail(f"unexpected {type(exc).__name__}: {exc}", code=EXIT_USAGE,
                      fix="rerun with --debug for a traceback and report it", path=None,
                      kind="unexpected", json_mode=json_mode,
                      human=f"[red]error:[/red] unexpected {type(exc).__name__}: "
-                           f"{_one_line(str(exc))} "
+                           f"{esc(str(exc))} "
                            "(rerun with --debug for a traceback and report it)")
 
 

@@ -19,7 +19,6 @@ from rich.table import Table
 from spoolctl.store import CLEAN_STEPS, ConfigError, SpoolError, Store, parse_duration
 
 from . import render
-from .app import app
 from .common import (
     EXIT_FINDINGS,
     EXIT_OK,
@@ -36,11 +35,15 @@ from .common import (
 from .fanout import finish, run_on_targets
 from .targets import StoreTarget, Targets, resolve_targets
 
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
+
 if TYPE_CHECKING:
     from spoolctl.connector.staleness import Verdict
 
 
-@app.command("clean")
+@commands.command("clean")
 def clean_cmd(
     root: RootOption = None,
     released: Annotated[bool, typer.Option("--released", help="Delete released entries.")] = False,

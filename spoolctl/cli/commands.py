@@ -1,13 +1,33 @@
-"""Registers the operator commands on the spoolctl app.
+"""Every spoolctl command, registered in one place.
 
-One module per group of commands; they are imported in this order so ``--help``
-lists them in the order an operator meets them (set up, look, verify, clean, repair).
+Each command module defines its commands on its own ``commands`` Typer and imports nothing
+of ``app``; ``register`` adds them to the spoolctl app in the order ``--help`` lists them
+(the order an operator meets them: set up, look, verify, clean, repair, then the framework
+and transfer commands). ``app`` imports this module; nothing here imports ``app``, so the
+CLI has no import circle.
 """
 
-import importlib
+from __future__ import annotations
 
-from .app import app  # noqa: F401
+import typer
 
-for _module in ("store_cmds", "entry_cmds", "clean_cmds", "health_cmds", "scrub_cmds",
-                "quarantine_cmds"):
-    importlib.import_module(f"{__package__}.{_module}")
+from . import (
+    clean_cmds,
+    entry_cmds,
+    health_cmds,
+    prefill,
+    quarantine_cmds,
+    scrub_cmds,
+    store_cmds,
+    transfer_cmds,
+    vllm_config,
+)
+
+MODULES = (store_cmds, entry_cmds, clean_cmds, health_cmds, scrub_cmds, quarantine_cmds,
+           prefill, transfer_cmds, vllm_config)
+
+
+def register(app: typer.Typer) -> None:
+    """Add every module's commands to ``app`` (once per app)."""
+    for module in MODULES:
+        app.add_typer(module.commands)

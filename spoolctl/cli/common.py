@@ -28,7 +28,15 @@ from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.text import Text
 
-from spoolctl.store import ConfigError, RootError, Store, StoreIOError
+from spoolctl.store import (
+    ConfigError,
+    CorruptionError,
+    NotFoundError,
+    RootError,
+    SpoolError,
+    Store,
+    StoreIOError,
+)
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -40,14 +48,22 @@ EXIT_OUTPUT = 3
 # process killed by SIGPIPE (128 + 13), so `set -o pipefail` scripts see what they expect.
 EXIT_PIPE = 141
 SCHEMA_PREFIX = "spoolctl-cli/"
+
+
+def error_exit_code(exc: SpoolError) -> int:
+    """The one mapping of a store error to an exit code (a whole command's, ``app.main``,
+    and one store's of several, ``fanout``): 1 for findings (corruption, an entry not
+    found), 2 for usage and configuration (a ConfigError always, whatever else it is)."""
+    if isinstance(exc, ConfigError):
+        return EXIT_USAGE
+    return EXIT_FINDINGS if isinstance(exc, (CorruptionError, NotFoundError)) else EXIT_USAGE
 ENV_ROOT = "SPOOLCTL_ROOT"
 
 
 def default_root() -> Path:
-    """$SPOOLCTL_ROOT, else the user's cache dir (XDG on Linux, ~/Library/Caches on macOS)."""
-    env = os.environ.get(ENV_ROOT)
-    if env:
-        return Path(env)
+    """The user's spoolctl cache dir (XDG on Linux, ~/Library/Caches on macOS): the default
+    store and the models ``prefill`` fetches live in it. ``$SPOOLCTL_ROOT`` has one meaning
+    (decision 2501), the default ``--root`` (``default_store_root``), never this."""
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "spoolctl"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -55,7 +71,9 @@ def default_root() -> Path:
 
 
 def default_store_root() -> Path:
-    """Where the store lives inside the cache dir (models etc. live beside it)."""
+    """The default ``--root``: ``$SPOOLCTL_ROOT`` (a store, or the connector's base root: the
+    same variable the connector reads for ``spoolctl_root``), else the store inside the
+    cache dir (models etc. live beside it)."""
     env = os.environ.get(ENV_ROOT)
     return Path(env) if env else default_root() / "store"
 

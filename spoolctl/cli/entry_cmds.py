@@ -22,7 +22,6 @@ from spoolctl.store import CatalogRow, NotFoundError, Store
 from spoolctl.store.keys import validate_entry_prefix, validate_kind
 
 from . import render
-from .app import app
 from .common import (
     EXIT_FINDINGS,
     EXIT_OK,
@@ -37,6 +36,10 @@ from .common import (
 )
 from .fanout import StoreResult, finish, multi_doc, multi_view, run_each, run_on_targets
 from .targets import StoreTarget, resolve_entry, resolve_targets
+
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
 
 
 class HintChoice(str, enum.Enum):
@@ -64,7 +67,7 @@ def _row_json(row: CatalogRow, now: float) -> dict[str, Any]:
     return doc
 
 
-@app.command("ls")
+@commands.command("ls")
 def ls_cmd(
     root: RootOption = None,
     kind: Annotated[str | None, typer.Option("--kind", help="vllm, pytorch, mlx or genai.")] = None,
@@ -161,7 +164,7 @@ def _inspect_job(entry: str):
     return job
 
 
-@app.command("inspect")
+@commands.command("inspect")
 def inspect_cmd(
     entry: Annotated[str, typer.Argument(help="Entry id or unique prefix (>= 4 hex).")],
     root: RootOption = None,

@@ -23,15 +23,14 @@ import typer
 from rich.rule import Rule
 from rich.text import Text
 
-from spoolctl.store import CorruptionError, NotFoundError, SpoolError, Store
+from spoolctl.store import NotFoundError, SpoolError, Store
 
 from .common import (
-    EXIT_FINDINGS,
     EXIT_OK,
-    EXIT_USAGE,
     View,
     emit,
     err_console,
+    error_exit_code,
     open_store,
     plain,
     text,
@@ -61,11 +60,6 @@ class StoreResult:
         return out
 
 
-def error_code(exc: SpoolError) -> int:
-    """The exit code of a SpoolError (as ``app.main`` maps it)."""
-    return EXIT_FINDINGS if isinstance(exc, (CorruptionError, NotFoundError)) else EXIT_USAGE
-
-
 def run_each(targets: Targets, job: StoreJob, *, read_only_ok: bool = False
              ) -> list[StoreResult]:
     """Run ``job`` on every store of ``targets``; a SpoolError ends that store's turn only."""
@@ -75,7 +69,7 @@ def run_each(targets: Targets, job: StoreJob, *, read_only_ok: bool = False
             with open_store(target.root, read_only_ok=read_only_ok) as store:
                 doc, code = job(store, target)
         except SpoolError as exc:
-            results.append(StoreResult(target, error_code(exc), error=str(exc),
+            results.append(StoreResult(target, error_exit_code(exc), error=str(exc),
                                        not_found=isinstance(exc, NotFoundError)))
             continue
         results.append(StoreResult(target, code, doc=doc))

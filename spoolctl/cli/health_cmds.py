@@ -19,7 +19,6 @@ from rich.table import Table
 
 from spoolctl.store import ConfigError, SpoolError
 
-from .app import app
 from .common import (
     EXIT_FINDINGS,
     EXIT_OK,
@@ -39,8 +38,12 @@ from .common import (
 from .fanout import finish, multi_doc, multi_view, worst
 from .targets import resolve_targets
 
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
 
-@app.command("metrics")
+
+@commands.command("metrics")
 def metrics_cmd(
     root: RootOption = None,
     textfile: Annotated[Path | None, typer.Option(
@@ -167,7 +170,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
                           path=path, fix="check the directory's permissions") from None
 
 
-@app.command("doctor")
+@commands.command("doctor")
 def doctor_cmd(
     root: RootOption = None,
     rank: RankOption = None,

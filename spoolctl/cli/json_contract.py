@@ -50,7 +50,8 @@ MULTI = Document("(any, on a vLLM root)", "A command run on a vLLM base root or 
                  "directory: one document for every rank store.", {
                      "schema": SCHEMA,
                      "root": "the --root given",
-                     "kind": "`deployment` or `base`",
+                     "kind": "`deployment`, `base` or `empty` (a base root before the first engine "
+                             "start: no stores)",
                      "stores": "per store: `root`, `deployment`, `rank`, and `result` (the "
                                "single-store document) or `error`",
                      "exit": "the worst exit code of the stores",
@@ -137,14 +138,16 @@ DOCUMENTS: tuple[Document, ...] = (
         "schema": SCHEMA, "dry_run": "true for a plan", "purged": "item ids",
         "count": "items", "bytes": "bytes freed"}),
     Document("export", "The archive written (to stderr with -o -).", {
-        "schema": SCHEMA, "root": "source root", "kind": "store, deployment or base",
+        "schema": SCHEMA, "root": "source root",
+        "kind": "store, deployment, base or empty (`places.inspect_root`)",
         "output": "file or -", "entries": "entries exported", "objects": "objects exported",
         "bytes": "payload bytes", "archive_bytes": "archive bytes", "seconds": "run time",
         "bytes_per_second": "rate", "left_out": "entries not taken (and why)",
         "stores": "per source store", "exit": "exit code"}),
     Document("import", "What was imported.", {
         "schema": SCHEMA, "source": "archive, - or peer root", "target": "--root",
-        "kind": "store, deployment or base", "imported": "entries committed",
+        "kind": "store, deployment, base or empty (a path not there yet, too)",
+        "imported": "entries committed",
         "present": "entries already there", "filtered": "entries not selected",
         "skipped_capacity": "entries over the max size", "skipped_corrupt": "entries that "
         "failed verification", "skipped_unauthenticated": "entries without a valid tag",

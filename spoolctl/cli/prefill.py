@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,9 +19,7 @@ from rich.text import Text
 from spoolctl.store import format_size
 from spoolctl.store.errors import ConfigError
 
-from .app import app
 from .common import (
-    ENV_ROOT,
     EXIT_FINDINGS,
     JsonOption,
     RootOption,
@@ -35,6 +32,10 @@ from .common import (
     resolve_root,
     text,
 )
+
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
 
 MAX_PROMPT_FILE = 64 << 20
 
@@ -94,7 +95,7 @@ def _load_messages(path: Path, model: str) -> Any:
         raise
 
 
-@app.command("prefill")
+@commands.command("prefill")
 def prefill_cmd(
     model: Annotated[str | None, typer.Option(
         "--model", metavar="<dir|name>",
@@ -361,18 +362,12 @@ def _render_prefill(doc: dict, json_out: bool) -> None:
 
 
 def _models_home() -> Path:
-    """<cache dir>/models, never inside a store root: when $SPOOLCTL_ROOT names the store
-    itself, the platform cache dir is used instead (a store root holds only store files)."""
-    base = default_root()
-    if os.environ.get(ENV_ROOT):
-        if sys.platform == "darwin":
-            base = Path.home() / "Library" / "Caches" / "spoolctl"
-        else:
-            base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spoolctl"
-    return base / "models"
+    """<cache dir>/models, never inside a store root (``$SPOOLCTL_ROOT`` names a root, not
+    the cache dir: a store root holds only store files)."""
+    return default_root() / "models"
 
 
-@app.command("demo")
+@commands.command("demo")
 def demo_cmd(
     root: RootOption = None,
     json_out: JsonOption = False,

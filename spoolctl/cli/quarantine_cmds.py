@@ -17,7 +17,6 @@ from spoolctl.store import ConfigError, NotFoundError, Store, parse_duration
 from spoolctl.store.quarantine import QuarantineItem, validate_item_id
 
 from . import render
-from .app import app
 from .common import (
     EXIT_OK,
     DeploymentOption,
@@ -35,10 +34,14 @@ from .entry_cmds import found_in
 from .fanout import finish, multi_doc, multi_view, run_each, run_on_targets
 from .targets import StoreTarget, Targets, resolve_targets
 
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
+
 quarantine_app = typer.Typer(
     name="quarantine", help="Inspect, restore and purge quarantined evidence.",
     no_args_is_help=True, rich_markup_mode="rich")
-app.add_typer(quarantine_app, name="quarantine")
+commands.add_typer(quarantine_app, name="quarantine")
 
 ItemArg = Annotated[str, typer.Argument(
     help="Item id as shown by `spoolctl quarantine ls`, or a unique prefix of one (at least "

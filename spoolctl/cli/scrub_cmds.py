@@ -18,7 +18,6 @@ from spoolctl.store.keys import validate_entry_prefix
 from spoolctl.store.scrub import Scrubber
 
 from . import render
-from .app import app
 from .common import (
     EXIT_FINDINGS,
     EXIT_OK,
@@ -34,6 +33,10 @@ from .entry_cmds import found_in
 from .fanout import finish, multi_doc, multi_view, run_each, run_on_targets
 from .targets import StoreTarget, resolve_entry, resolve_targets
 
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
+
 DEFAULT_STEP_ITEMS = 10_000
 
 
@@ -44,7 +47,7 @@ def parse_rate_option(text: str) -> int | None:
     return parse_rate(text)
 
 
-@app.command("scrub")
+@commands.command("scrub")
 def scrub_cmd(
     root: RootOption = None,
     rate: Annotated[str, typer.Option(
@@ -117,7 +120,7 @@ def _scrub_view(doc: dict[str, Any]) -> Table:
     return t
 
 
-@app.command("request-auth")
+@commands.command("request-auth")
 def request_auth_cmd(
     entry: Annotated[str, typer.Argument(help="Entry id (64 hex) or unique prefix.")],
     root: RootOption = None,

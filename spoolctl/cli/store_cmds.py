@@ -19,9 +19,9 @@ from rich.table import Table
 from rich.text import Text
 
 from spoolctl.store import Store, StoreFacts, parse_size
+from spoolctl.store.root import MARKER
 
 from . import render
-from .app import app
 from .common import (
     EXIT_FINDINGS,
     EXIT_OK,
@@ -37,6 +37,10 @@ from .common import (
 )
 from .fanout import finish, multi_doc, run_each, run_on_targets, worst
 from .targets import StoreTarget, Targets, resolve_targets
+
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
 
 if TYPE_CHECKING:
     from spoolctl.connector.topology import DeploymentStatus
@@ -59,7 +63,7 @@ def _init_job(max_bytes: int | None):
     return job
 
 
-@app.command("init")
+@commands.command("init")
 def init_cmd(
     root: RootOption = None,
     max_size: Annotated[str | None, typer.Option(
@@ -84,7 +88,7 @@ def init_cmd(
     targets = resolve_targets(root, rank=rank, deployment=deployment)
     if targets.kind in ("store", "empty"):
         path = targets.given
-        existed = (path / ".spoolctl-root").exists()
+        existed = (path / MARKER).exists()
         if existed:
             code = run_on_targets(Targets(path, "store", (StoreTarget(path),)),
                                   _init_job(max_bytes), json_output=json_output,
@@ -138,7 +142,7 @@ def status_doc(store: Store, facts: StoreFacts | None = None) -> dict[str, Any]:
     return {**facts.to_json(), "genai": expiry_summary(genai, time.time()).to_json()}
 
 
-@app.command("status")
+@commands.command("status")
 def status(
     root: RootOption = None,
     json_output: JsonOption = False,

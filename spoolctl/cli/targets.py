@@ -1,43 +1,30 @@
 """What a command acts on: ``--root`` resolved into the stores under it, and a user-typed
 entry id resolved into an entry.
 
-A ``--root`` names one of (decision 1100):
-
-* a **store**: a directory with a ``.spoolctl-root`` marker (or one to be created);
-* a vLLM **deployment directory** ``<base>/<deployment digest>`` holding one
-  ``rank-NNNN`` store per rank (the connector's layout, ``spoolctl.connector.topology``);
-* a vLLM **base root**: the ``spoolctl_root`` given to the connector (what
-  ``spoolctl config vllm --root R`` prints), holding deployment directories;
-* an **empty** directory: a base root before the first engine start (nothing to do).
-
-Anything else (a non-empty directory that is none of these) is a one-line error that
-says what a root may be; it never advises creating a store where the connector keeps its
-deployments. ``--rank N`` and ``--deployment NAME`` narrow a deployment or base root.
-``resolve_targets`` is the one place that tells these apart; commands loop over
+What a ``--root`` is (a store, a vLLM deployment directory, a vLLM base root or an empty
+root) is decided by the store's one scanner, ``spoolctl.store.places.inspect_root``
+(decisions 1100, 2500), with the same kinds and refusals for every command and for the
+library's export/import/peer API. This module only narrows (``--rank N``, ``--deployment
+NAME``) and applies one CLI rule: a path that does not exist is the one store a command
+acts on (``init`` creates it; other commands say it is not a store). Commands loop over
 ``Targets.stores`` (see ``fanout``).
 """
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from spoolctl.store import (
     ConfigError,
     CorruptionError,
     NotFoundError,
     QuarantineReason,
-    RootError,
     Store,
 )
-from spoolctl.store.root import MARKER, Layout, check_root_path, unfinished_init
+from spoolctl.store.places import Kind, RootContents, StorePlace, inspect_root
 
 from .common import resolve_root
-
-Kind = Literal["store", "deployment", "base", "empty"]
 
 
 @dataclass(frozen=True)
@@ -63,68 +50,21 @@ class StoreTarget:
 
 @dataclass(frozen=True)
 class Targets:
-    """What a ``--root`` names (see the module docstring) and the stores to act on."""
+    """What a ``--root`` names (``kind``, ``places.inspect_root``'s), the stores to act on,
+    and what the scanner found there before narrowing (``contents``)."""
 
     given: Path
     kind: Kind
     stores: tuple[StoreTarget, ...]
+    contents: RootContents | None = None
 
     @property
     def single(self) -> bool:
         return self.kind == "store"
 
 
-def _is_real_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def rank_stores(path: Path) -> dict[int, Path]:
-    """The ``rank-NNNN`` store directories directly under ``path`` (none if ``path`` is
-    itself a store or not a directory). Symlinks are never followed."""
-    from spoolctl.connector.topology import rank_of_dirname  # pure; the layout's one owner
-
-    if not _is_real_dir(path) or os.path.lexists(path / MARKER) or \
-            unfinished_init(Layout(path)) is not None:  # init finishes it
-        return {}
-    found = {}
-    try:
-        children = list(os.scandir(path))
-    except OSError:
-        return {}
-    for child in children:
-        rank = rank_of_dirname(child.name)
-        if rank is not None and child.is_dir(follow_symlinks=False):
-            found[rank] = Path(child.path)
-    return found
-
-
-def deployments(base: Path) -> tuple[dict[str, dict[int, Path]], list[str]] | None:
-    """The deployment directories under a base root (name -> rank stores) and the names of
-    its empty subdirectories; None if ``base`` is not a base root (a file or symlink in it,
-    or a subdirectory that is neither a deployment nor empty)."""
-    try:
-        children = list(os.scandir(base))
-    except OSError:
-        return None
-    found: dict[str, dict[int, Path]] = {}
-    empty: list[str] = []
-    for child in children:
-        if not child.is_dir(follow_symlinks=False):
-            return None
-        ranks = rank_stores(Path(child.path))
-        if ranks:
-            found[child.name] = ranks
-            continue
-        try:
-            if os.listdir(child.path):
-                return None
-        except OSError:
-            return None
-        empty.append(child.name)
-    return found, empty
+def _target(found: StorePlace) -> StoreTarget:
+    return StoreTarget(found.path, found.rank, found.deployment)
 
 
 def resolve_targets(root: Path | None, *, rank: int | None = None,
@@ -132,41 +72,32 @@ def resolve_targets(root: Path | None, *, rank: int | None = None,
     """Resolve ``--root`` (default: ``$SPOOLCTL_ROOT`` or the user's store) into stores,
     narrowed by ``rank`` / ``deployment``.
 
-    A path that does not exist, or holds a store marker, is one store (opening it says
-    what is wrong). Raises RootError for a path that is none of the kinds above and
-    ConfigError for filters that match nothing or do not apply.
+    RootError for a path that is none of the kinds (``inspect_root``), ConfigError for
+    filters that match nothing or do not apply.
     """
-    path = check_root_path(resolve_root(root))
-    if not _is_real_dir(path) or os.path.lexists(path / MARKER) or \
-            unfinished_init(Layout(path)) is not None:  # init finishes it
+    contents = inspect_root(resolve_root(root))
+    path = contents.path
+    if contents.kind == "store" or not contents.exists:
         if rank is not None or deployment is not None:
             raise ConfigError("--rank and --deployment apply to a vLLM base root or "
                               "deployment directory, not to one store", path=path,
                               fix="drop them, or point --root at the base root")
-        return Targets(path, "store", (StoreTarget(path),))
-    ranks = rank_stores(path)
-    if ranks:
-        if deployment is not None:
-            raise ConfigError("--deployment applies to a vLLM base root; --root is already "
-                              "one deployment directory", path=path, fix="drop --deployment")
-        return Targets(path, "deployment", _narrow(path, {path.name: ranks}, rank, None))
-    found = deployments(path)
-    if found is None:
-        raise RootError(
-            "not a spoolctl store, vLLM deployment directory or base root (no .spoolctl-root "
-            "marker, no rank-NNNN stores)", path=path,
-            fix="point --root at a store, at the root given to `spoolctl config vllm`, or at "
-                "one deployment directory under it")
-    groups, _empty = found
-    if not groups:
+        return Targets(path, "store", (StoreTarget(path),), contents)
+    if contents.kind == "empty":
         if deployment is not None or rank is not None:
             raise ConfigError("no vLLM deployment under this root yet", path=path,
                               fix="start the engine first, or drop --rank/--deployment")
-        return Targets(path, "empty", ())
-    return Targets(path, "base", _narrow(path, groups, rank, deployment))
+        return Targets(path, "empty", (), contents)
+    if contents.kind == "deployment" and deployment is not None:
+        raise ConfigError("--deployment applies to a vLLM base root; --root is already "
+                          "one deployment directory", path=path, fix="drop --deployment")
+    groups: dict[str, dict[int, StorePlace]] = {}
+    for found in contents.stores:
+        groups.setdefault(found.deployment or "", {})[found.rank or 0] = found
+    return Targets(path, contents.kind, _narrow(path, groups, rank, deployment), contents)
 
 
-def _narrow(base: Path, groups: dict[str, dict[int, Path]], rank: int | None,
+def _narrow(base: Path, groups: dict[str, dict[int, StorePlace]], rank: int | None,
             deployment: str | None) -> tuple[StoreTarget, ...]:
     if deployment is not None:
         names = [n for n in groups if n == deployment] or \
@@ -176,8 +107,8 @@ def _narrow(base: Path, groups: dict[str, dict[int, Path]], rank: int | None,
             raise ConfigError(f"--deployment {deployment[:64]!r} {what} deployment directory",
                               path=base, fix="use one of: " + ", ".join(sorted(groups)[:10]))
         groups = {names[0]: groups[names[0]]}
-    out = [StoreTarget(p, r, name)
-           for name in sorted(groups) for r, p in sorted(groups[name].items())
+    out = [_target(found)
+           for name in sorted(groups) for r, found in sorted(groups[name].items())
            if rank is None or r == rank]
     if not out:
         have = sorted({r for g in groups.values() for r in g})

@@ -33,7 +33,6 @@ from spoolctl.store.archive import FdSink
 from spoolctl.store.errors import ArchiveError
 from spoolctl.store.selection import Selection
 
-from .app import app
 from .common import (
     EXIT_FINDINGS,
     JsonOption,
@@ -45,6 +44,7 @@ from .common import (
     emit_json,
     err_console,
     error_doc,
+    esc,
     text,
 )
 from .transfer_roots import (
@@ -56,6 +56,10 @@ from .transfer_roots import (
     import_view,
     peer_source,
 )
+
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
 
 
 class ExportHint(str, enum.Enum):
@@ -196,7 +200,7 @@ def _archive_sink(output: str, force: bool):
                 os.unlink(tmp)
 
 
-@app.command("export")
+@commands.command("export")
 def export_cmd(
     root: RootOption = None,
     output: Annotated[str, typer.Option(
@@ -283,7 +287,7 @@ def export_cmd(
 # -- import ------------------------------------------------------------------------------
 
 
-@app.command("import")
+@commands.command("import")
 def import_cmd(
     source: Annotated[str, typer.Argument(
         metavar="source",
@@ -367,8 +371,6 @@ def import_cmd(
             _interrupted(exc, f"import stopped: {importer.report.total('imported')} entries "
                               "imported stay (each complete); run it again for the rest")
         except ArchiveError as exc:
-            from .app import _one_line  # defined after the commands are registered
-
             partial = getattr(exc, "report", None)
             bar.enabled = False
             done = import_doc(partial.to_json(), layout) if partial is not None else None
@@ -377,7 +379,7 @@ def import_cmd(
                                     path=exc.path, kind=type(exc).__name__, report=done))
             elif done is not None and (done["stores"] or done.get("imported")):
                 _render_import(done, json_output)
-            err_console.print(f"[red]error:[/red] {_one_line(str(exc))}", highlight=False,
+            err_console.print(f"[red]error:[/red] {esc(str(exc))}", highlight=False,
                               soft_wrap=True)
             raise typer.Exit(EXIT_FINDINGS) from None
     doc = import_doc(report.to_json(), layout)

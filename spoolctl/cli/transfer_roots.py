@@ -1,12 +1,12 @@
 """What ``export`` and ``import`` act on, resolved like every other operator command, and
 their per-store reports.
 
-``--root`` goes through ``targets.resolve_targets`` (decision 1100): the same store,
-deployment directory, base root and empty root as ``status``/``clean``/``scrub``, the same
-refusals, and the same ``--rank`` / ``--deployment`` narrowing. The result is handed to the
-store's exporter/importer as a ``places.Layout`` (the archive's view of a root: each rank
-store with its place ``<deployment>/rank-NNNN``), so the archive format and the deployment
-placement rule (decision 1602) are unchanged.
+``--root`` goes through ``targets.resolve_targets`` and so through the store's one scanner,
+``places.inspect_root`` (decisions 1100, 2500): the same kinds (store, deployment, base,
+empty), refusals and ``--rank`` / ``--deployment`` narrowing as ``status``/``clean``/
+``scrub``. What is handed to the store's exporter/importer is the scanner's own
+``RootContents``, narrowed, so the archive format and the deployment placement rule
+(decision 1602) are unchanged.
 
 Reports: the JSON document keeps the exporter's/importer's keys and adds, per store, its
 ``root``, ``deployment``, ``rank`` and ``exit`` (and ``error`` for a store that could not be
@@ -17,7 +17,7 @@ through ``plain``/``text`` (decision 1102).
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,39 +26,23 @@ from rich.table import Table
 from rich.text import Text
 
 from spoolctl.store import ConfigError, format_size
-from spoolctl.store.archive import deployment_of, place_for, rank_of
-from spoolctl.store.errors import ArchiveError
-from spoolctl.store.places import Layout, StorePlace, inspect_root, place_of_store
-from spoolctl.store.root import check_root_path
+from spoolctl.store.archive import deployment_of, rank_of
+from spoolctl.store.places import RootContents, StorePlace, inspect_root
 
 from .common import EXIT_OK, EXIT_USAGE, plain, resolve_root, text
 from .targets import StoreTarget, Targets, resolve_targets
 
-_KIND = {"store": "store", "deployment": "deployment", "base": "base", "empty": "new"}
-
 
 @dataclass
 class Source:
-    """An export's stores: the layout to export, and the stores left out with why."""
+    """An export's stores: the root's contents to export, and the stores left out with
+    why."""
 
     targets: Targets
-    layout: Layout
+    layout: RootContents
     quorum: bool
     by_place: dict[str, StoreTarget] = field(default_factory=dict)
     bad: list[tuple[StoreTarget, str]] = field(default_factory=list)
-
-
-def _place(target: StoreTarget) -> str:
-    """The archive place of a rank store; ConfigError for a deployment directory name an
-    archive cannot carry (only letters, digits, ``.``, ``_``, ``-``)."""
-    assert target.rank is not None
-    try:
-        return place_for(target.deployment or "", target.rank)
-    except ArchiveError:
-        raise ConfigError(f"the deployment directory name {target.deployment!r} cannot be "
-                          "carried in an archive (letters, digits, '.', '_', '-' only; the "
-                          "connector names them vllm-v1-<digest>)", path=target.root.parent,
-                          fix="export the connector's own deployment directories") from None
 
 
 def export_source(root: Path | None, rank: int | None,
@@ -74,48 +58,37 @@ def export_source(root: Path | None, rank: int | None,
     stores: list[StoreTarget] = []
     for t in resolved:
         stores.extend(s for s in t.stores if s not in stores)
-    targets = Targets(first.given, first.kind, tuple(stores))
+    targets = Targets(first.given, first.kind, tuple(stores), first.contents)
+    contents = first.contents
+    assert contents is not None
     if targets.kind == "store":
-        path = targets.given
-        layout = Layout("store", path, (StorePlace(place_of_store(path), path),))
-        return Source(targets, layout, False, {layout.stores[0].place: targets.stores[0]})
-    source = Source(targets, Layout(_KIND[targets.kind], targets.given, ()),
-                    quorum=rank is None)
-    places = []
-    for target in targets.stores:
-        try:
-            place = _place(target)
-        except ConfigError as exc:
-            source.bad.append((target, str(exc)))
-            continue
-        source.by_place[place] = target
-        places.append(StorePlace(place, target.root))
-    source.layout = Layout(_KIND[targets.kind], targets.given, tuple(places))
-    if source.bad and not places and len(targets.stores) == 1:
-        raise ConfigError(source.bad[0][1])
+        if not contents.exists:  # one store, as for every command: opening it says why not
+            contents = RootContents("store", contents.path, (StorePlace(contents.path),))
+        return Source(targets, contents, False,
+                      {contents.stores[0].place or "": targets.stores[0]})
+    chosen = {s.root for s in targets.stores}
+    narrowed = dataclasses.replace(
+        contents, stores=tuple(s for s in contents.stores if s.path in chosen))
+    good, bad = narrowed.archivable()
+    source = Source(targets, good, quorum=rank is None)
+    by_path = {s.root: s for s in targets.stores}
+    source.by_place = {s.place or "": by_path[s.path] for s in good.stores}
+    source.bad = [(by_path[s.path], why) for s, why in bad]
+    if source.bad and not good.stores and len(targets.stores) == 1:
+        raise ConfigError(source.bad[0][1], path=source.bad[0][0].root.parent,
+                          fix="export the connector's own deployment directories")
     return source
 
 
-def import_target(root: Path | None) -> Layout:
-    """Classify an import's ``--root``: a path that does not exist yet, an empty directory
-    (a fresh root), a store, a deployment directory or a base root -- the kinds and
-    refusals of ``targets.resolve_targets``; the importer creates what is missing."""
-    path = check_root_path(resolve_root(root))
-    if not os.path.lexists(path):
-        return Layout("new", path, ())
-    targets = resolve_targets(path)
-    if targets.kind == "store":
-        return inspect_root(path)  # a store, or "not a directory"
-    places = []
-    for target in targets.stores:
-        try:
-            places.append(StorePlace(_place(target), target.root))
-        except ConfigError:
-            continue  # never a connector deployment: no archive routes there
-    return Layout(_KIND[targets.kind], path, tuple(places))
+def import_target(root: Path | None) -> RootContents:
+    """Classify an import's ``--root`` (``inspect_root``): a path that does not exist yet
+    or an empty directory (a fresh root), a store, a deployment directory or a base root;
+    the importer creates what is missing. A rank store whose deployment name an archive
+    cannot carry is left out (no archive routes there)."""
+    return inspect_root(resolve_root(root)).archivable()[0]
 
 
-def peer_source(path: Path) -> Layout:
+def peer_source(path: Path) -> RootContents:
     """Classify a peer root given as import's source, like any ``--root``."""
     src = export_source(path, None, None)
     if src.bad:
@@ -183,7 +156,7 @@ def export_view(doc: dict[str, Any], output: str) -> list[Any]:
     return out
 
 
-def import_doc(doc: dict[str, Any], layout: Layout) -> dict[str, Any]:
+def import_doc(doc: dict[str, Any], layout: RootContents) -> dict[str, Any]:
     """The importer's document with each store's ``deployment``/``rank`` and the root's
     ``kind`` and ``exit`` (like the other commands' multi-store documents)."""
     stores = [{**p, "deployment": deployment_of(p["place"]), "rank": rank_of(p["place"])}

@@ -11,8 +11,11 @@ from rich.text import Text
 from spoolctl.store import ConfigError, parse_size
 from spoolctl.store.root import check_root_path
 
-from .app import app
 from .common import RootOption, err_console, resolve_root
+
+# This module's commands: cli/commands.py adds them to the spoolctl app (the one place
+# that lists every command).
+commands = typer.Typer()
 
 SHUTDOWN_NOTE = (
     "note: also pass --shutdown-timeout 30 to vLLM (e.g. vllm serve MODEL "
@@ -21,7 +24,7 @@ SHUTDOWN_NOTE = (
 
 config_app = typer.Typer(name="config", help="Print configuration for serving engines.",
                          no_args_is_help=True, rich_markup_mode="rich")
-app.add_typer(config_app, name="config")
+commands.add_typer(config_app, name="config")
 
 
 def kv_transfer_config(root: str, max_size: str | None) -> dict[str, Any]:

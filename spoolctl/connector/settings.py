@@ -46,6 +46,7 @@ from typing import Any
 
 from spoolctl.store.entry_tags import TagKey
 from spoolctl.store.errors import ConfigError
+from spoolctl.store.root import MARKER
 from spoolctl.store.sizes import parse_duration, parse_rate, parse_size
 
 from .topology import RankPlace, rank_root
@@ -160,6 +161,14 @@ def parse_settings(
     if not root or not isinstance(root, str):
         raise ConfigError("no store root configured for the spoolctl connector", path=_WHERE,
                           fix='set "spoolctl_root": "/abs/path" (or SPOOLCTL_ROOT)')
+    if os.path.lexists(os.path.join(root, MARKER)):
+        # One meaning for SPOOLCTL_ROOT (decision 2501): a root the CLI's --root also takes.
+        # A single store is such a root, but the connector's stores go *under* its root.
+        given = "spoolctl_root" if extra.get("spoolctl_root") else "SPOOLCTL_ROOT"
+        raise ConfigError(f"{given} is a single store (it holds {MARKER}); the connector "
+                          "keeps its <deployment>/rank-NNNN stores under a base directory",
+                          path=root, fix='set "spoolctl_root" to a directory of its own, '
+                                         "e.g. /var/cache/spoolctl/vllm")
     if "{" in root or "}" in root:
         raise ConfigError("spoolctl_root must not hold rank placeholders", path=root,
                           fix="give one base directory; each rank's store is placed under "

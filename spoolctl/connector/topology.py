@@ -18,11 +18,10 @@ all PP stages) holds it: :func:`quorum` folds the per-rank answers.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-RANK_DIR = re.compile(r"^rank-(\d{4})$")
+from spoolctl.store.rankdirs import MAX_RANKS, parse_rank_dirname, rank_dirname
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class RankPlace:
             raise ValueError("parallel sizes must be positive")
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
             raise ValueError("rank outside the parallel topology")
-        if self.tp_size * self.pp_size > 10_000:
+        if self.tp_size * self.pp_size > MAX_RANKS:
             raise ValueError("more than 10000 ranks do not fit the rank-NNNN directory names")
 
     @property
@@ -49,7 +48,7 @@ class RankPlace:
 
     @property
     def dirname(self) -> str:
-        return f"rank-{self.rank:04d}"
+        return rank_dirname(self.rank)
 
 
 def all_ranks(tp_size: int, pp_size: int) -> list[RankPlace]:
@@ -70,9 +69,9 @@ def rank_root(base: str, digest: str, place: RankPlace) -> str:
 
 
 def rank_of_dirname(name: str) -> int | None:
-    """The global rank a ``rank-NNNN`` directory name stands for, else None."""
-    match = RANK_DIR.match(name)
-    return int(match.group(1)) if match else None
+    """The global rank a ``rank-NNNN`` directory name stands for, else None (the store's
+    one parser, ``store.rankdirs``: ASCII digits, the whole name)."""
+    return parse_rank_dirname(name)
 
 
 def quorum(per_rank: Iterable[Sequence[bool]], n: int) -> list[bool]:

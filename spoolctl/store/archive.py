@@ -33,6 +33,7 @@ from typing import Any, BinaryIO
 from .errors import ArchiveError
 from .keys import KINDS
 from .manifest import MAX_MANIFEST_BYTES, MAX_OBJECT_SIZE
+from .rankdirs import DEPLOYMENT_NAME, RANK_DIGITS, rank_dirname
 
 SCHEMA = "spoolctl-archive/v1"
 END_SCHEMA = "spoolctl-archive-end/v1"
@@ -46,11 +47,10 @@ MAX_COUNT = 1 << 62
 # Bytes after the end-of-archive marker that are drained (and must be zero) before giving up.
 MAX_TAIL = 1 << 20
 
-_COMPONENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _ENTRY_ID_RE = re.compile(r"[0-9a-f]{64}")
-_PLACE_RE = re.compile(rf"(?P<deployment>{_COMPONENT})/rank-(?P<rank>[0-9]{{4}})")
+_PLACE_RE = re.compile(rf"(?P<deployment>{DEPLOYMENT_NAME})/rank-(?P<rank>{RANK_DIGITS})")
 _MEMBER_RE = re.compile(
-    rf"(?:(?P<place>{_COMPONENT}/rank-[0-9]{{4}})/)?(?P<area>objects|manifests)/"
+    rf"(?:(?P<place>{DEPLOYMENT_NAME}/rank-{RANK_DIGITS})/)?(?P<area>objects|manifests)/"
     r"(?P<fan>[0-9a-f]{2})/(?P<hex>[0-9a-f]{64})\.(?P<ext>obj|json)")
 _TYPE_NAMES = {
     tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link",
@@ -84,7 +84,14 @@ def rank_of(place: str) -> int | None:
 
 
 def place_for(deployment: str, rank: int) -> str:
-    return validate_place(f"{deployment}/rank-{rank:04d}")
+    """The place of rank store ``rank`` of ``deployment``; ArchiveError if a name cannot
+    be carried."""
+    try:
+        name = rank_dirname(rank)
+    except ValueError as exc:
+        raise ArchiveError(str(exc), fix="the archive was not written by `spoolctl export`") \
+            from None
+    return validate_place(f"{deployment}/{name}")
 
 
 def _prefix(place: str) -> str:

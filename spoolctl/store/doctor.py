@@ -24,7 +24,7 @@ from typing import Literal
 from . import dirfd, doctor_scan
 from .errors import SpoolError
 from .fsio import DIR_MODE, file_kind, full_fsync, probe_o_direct, tmp_name
-from .root import MARKER, SUBDIRS, Layout, check_root_path, read_marker, unfinished_init
+from .root import MARKER, SUBDIRS, StorePaths, check_root_path, read_marker, unfinished_init
 from .sizes import format_size
 from .space import INODE_FIX, INODE_WARN_RATIO, space_of
 from .sqlite_files import connect_read_only
@@ -71,7 +71,7 @@ def run_checks(root: str | os.PathLike[str]) -> list[Check]:
         path = check_root_path(root)
     except SpoolError as exc:
         return [Check("root.path", "fail", exc.message, exc.fix or "")]
-    layout = Layout(path)
+    layout = StorePaths(path)
     if not path.is_dir():
         return [Check("root.exists", "fail", f"{path} does not exist",
                       f"create it with `spoolctl init --root {path}`")]
@@ -101,7 +101,7 @@ def run_checks(root: str | os.PathLike[str]) -> list[Check]:
     return checks
 
 
-def _permission_checks(layout: Layout) -> list[Check]:
+def _permission_checks(layout: StorePaths) -> list[Check]:
     out = []
     st = os.stat(layout.root)
     uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
@@ -194,7 +194,7 @@ def _parents_check(root: Path, owner: int) -> Check:
                  "replace the store")
 
 
-def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
+def _filesystem_checks(layout: StorePaths, max_bytes: int | None) -> list[Check]:
     out = []
     if read_only_mount(layout.root):
         # what it is, not a disk or ownership problem (issue 30.4)
@@ -264,7 +264,7 @@ def _filesystem_checks(layout: Layout, max_bytes: int | None) -> list[Check]:
     return out
 
 
-def _inode_check(layout: Layout) -> Check:
+def _inode_check(layout: StorePaths) -> Check:
     """``fs.inodes``: a filesystem can be out of inodes with bytes free (issue 30.2). Fail
     once commits stop (fewer free than the headroom kept for maintenance), warn below
     ``INODE_WARN_RATIO`` of all inodes free."""
@@ -308,7 +308,7 @@ _SCHEMAS = {"catalog.sqlite3": _catalog_ddl, "scrub.sqlite3": _scrub_ddl,
             "auth_requests.sqlite3": _auth_ddl}
 
 
-def _sqlite_checks(layout: Layout) -> list[Check]:
+def _sqlite_checks(layout: StorePaths) -> list[Check]:
     out = []
     for name in ("catalog.sqlite3", "scrub.sqlite3", "auth_requests.sqlite3"):
         path = layout.state / name

@@ -43,7 +43,7 @@ from .digest import Hasher
 from .errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from .fsio import open_for_read
 from .manifest import Manifest, ObjectRef, encode
-from .places import Layout, find_stores
+from .places import RootContents, find_stores
 from .selection import Candidate, Selection, plan, resolve_deployments
 from .store import Store
 
@@ -120,7 +120,7 @@ def _summary(store: Store, row_id: str | None) -> dict[str, Any] | None:
 
 def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
            selection: Selection | None = None, *, progress: Progress | None = None,
-           layout: Layout | None = None, quorum: bool | None = None) -> ExportReport:
+           layout: RootContents | None = None, quorum: bool | None = None) -> ExportReport:
     """Write the entries of the stores under ``root`` chosen by ``selection`` to ``sink``.
 
     ``root`` is a store, a deployment directory or a connector base root; a caller that

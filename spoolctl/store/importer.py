@@ -36,7 +36,8 @@ from typing import Any, BinaryIO
 from .archive import ArchiveIndex, SectionCount, TarReader, parse_end_record, rank_of
 from .errors import ArchiveError, CapacityError, ConfigError
 from .ingest import PlaceTally, Section, SkipSection, free_bytes
-from .places import Layout, Target, check_single_layout, inspect_root
+from .places import RootContents, Target, check_single_layout, inspect_root
+from .root import MARKER
 from .selection import resolve_deployments
 from .store import Store
 
@@ -85,7 +86,7 @@ class Importer:
     def __init__(self, target: str | os.PathLike[str], *, accept: tuple[str, ...] = (),
                  store_max_bytes: int | None = None, progress: Progress | None = None,
                  wants: Callable[[Any], bool] | None = None, rank: int | None = None,
-                 layout: Layout | None = None, retag: bool = False):
+                 layout: RootContents | None = None, retag: bool = False):
         self.layout = layout if layout is not None else inspect_root(target)
         self.retag = retag
         self.rank = rank
@@ -136,7 +137,7 @@ class Importer:
         existing_bytes = 0
         for dest, need in per_dest.items():
             max_bytes = self.store_max_bytes
-            if (dest / ".spoolctl-root").exists():
+            if (dest / MARKER).exists():
                 with Store.open(dest) as st:
                     max_bytes = st.max_bytes
                     existing_bytes += st.totals().bytes
@@ -157,7 +158,7 @@ class Importer:
             if dest is None:
                 self.sections[place] = SkipSection(tally)
                 continue
-            tally.created = not (dest / ".spoolctl-root").exists()
+            tally.created = not (dest / MARKER).exists()
             store = self._stack.enter_context(
                 Store.open(dest, create=True, max_bytes=self.store_max_bytes
                            if tally.created else None))

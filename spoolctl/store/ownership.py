@@ -15,10 +15,10 @@ import contextlib
 import os
 import stat
 
-from .root import Layout
+from .root import StorePaths
 
 
-def give_back(layout: Layout) -> int:
+def give_back(layout: StorePaths) -> int:
     """As root, on a store owned by another user: chown what root owns in ``state/``,
     ``tmp/`` and ``quarantine/`` (one level below it too) to the store's owner. Returns how
     many files changed hands; 0 (and no work) for anyone but root or on root's own store.

@@ -27,8 +27,8 @@ from .fsio import open_for_read, read_small
 from .importer import Importer, ImportReport
 from .ingest import DigestMismatch, Section
 from .manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode
-from .places import Layout, find_stores
-from .root import Layout as RootLayout
+from .places import RootContents, find_stores
+from .root import StorePaths
 from .selection import Candidate, Selection, plan, resolve_deployments
 from .sqlite_files import connect_read_only
 
@@ -61,7 +61,7 @@ class FileSource:
         self.left = 0
 
 
-def _read_manifest(layout: RootLayout, entry_id: str) -> Manifest | None:
+def _read_manifest(layout: StorePaths, entry_id: str) -> Manifest | None:
     """The peer's manifest of ``entry_id``; None if it vanished; ManifestError if bad."""
     path = layout.manifest_path(entry_id)
     try:
@@ -77,7 +77,7 @@ def _read_manifest(layout: RootLayout, entry_id: str) -> Manifest | None:
 
 
 def _scan(place: str, root: Path, counts: dict[str, int]) -> list[Candidate]:
-    layout = RootLayout(root)
+    layout = StorePaths(root)
     out: list[Candidate] = []
     try:
         fans = sorted(os.listdir(layout.manifests))
@@ -108,7 +108,7 @@ def _released(root: Path) -> frozenset[str]:
     its catalog (immutable: no -shm/-wal file created, no lock taken, nothing recovered;
     the newest hint changes of a writer running there may be missed). Empty if the
     catalog cannot be read so: each entry then counts as retained."""
-    path = RootLayout(root).state / "catalog.sqlite3"
+    path = StorePaths(root).state / "catalog.sqlite3"
     try:
         db = connect_read_only(path, timeout=5, ddl=CATALOG_DDL, snapshot=True)
     except (SpoolError, OSError, sqlite3.DatabaseError):
@@ -124,7 +124,7 @@ def _released(root: Path) -> frozenset[str]:
 
 
 def import_from_root(importer: Importer, source: str | os.PathLike[str],
-                     selection: Selection | None = None, *, layout: Layout | None = None
+                     selection: Selection | None = None, *, layout: RootContents | None = None
                      ) -> ImportReport:
     """Copy the entries of the stores under the peer root ``source`` chosen by
     ``selection`` (newest first) into ``importer``'s target (``layout``: ``source``
@@ -140,7 +140,7 @@ def import_from_root(importer: Importer, source: str | os.PathLike[str],
     released = {s.place: _released(s.path) for s in stores}
     chosen = plan(candidates, selection, quorum=layout.quorum)
     per_place = chosen.by_place()
-    roots = {s.place: RootLayout(s.path) for s in stores}
+    roots = {s.place: StorePaths(s.path) for s in stores}
 
     def body() -> None:
         importer.prepare({p: sum(c.size for c in per_place.get(p, [])) for p in roots},
@@ -159,7 +159,7 @@ def import_from_root(importer: Importer, source: str | os.PathLike[str],
     return report
 
 
-def _copy_entry(sec: Section, peer: RootLayout, c: Candidate, emitted: set[str]) -> int:
+def _copy_entry(sec: Section, peer: StorePaths, c: Candidate, emitted: set[str]) -> int:
     """Feed one peer entry to ``sec``; return the bytes read from the peer."""
     try:
         manifest = _read_manifest(peer, c.entry_id)

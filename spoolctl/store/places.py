@@ -1,40 +1,57 @@
 """Where stores live under a ``--root``, and where an archive's stores go on import.
 
-Three layouts are understood (the connector's is decision 0900):
+``inspect_root`` is the one scanner of roots (decision 2500): the CLI (every command's
+``--root``, ``cli/targets.py``), export, import and the peer API all classify a root
+through it, and only narrow (``--rank``, ``--deployment``) and render what it found. A
+root is one of four kinds (decisions 0900, 1100):
 
-* a single store: ``<root>/.spoolctl-root``; its place is ``""``, or
-  ``<deployment>/rank-NNNN`` when its path ends like a connector rank store;
-* a deployment directory: ``<root>/rank-NNNN/`` stores; places ``<root name>/rank-NNNN``;
-* a connector base root (``spoolctl_root``): ``<root>/<deployment>/rank-NNNN/`` stores.
+* ``store``: a directory with a ``.spoolctl-root`` marker, or what an interrupted
+  ``init`` left (init finishes it); its place is ``""``, or ``<deployment>/rank-NNNN``
+  when its path ends like a connector rank store;
+* ``deployment``: a directory holding ``rank-NNNN`` subdirectories, each one rank's store
+  (with or without its marker: a rank store that lost its marker is listed, and opening
+  it says what is wrong, so it is never silently left out of the ranks);
+* ``base``: the connector's ``spoolctl_root``, holding at least one deployment
+  directory; other entries beside them (a README, ``lost+found``, an empty directory)
+  are not stores and are ignored;
+* ``empty``: a path that does not exist yet, or a directory holding nothing but empty
+  directories (a base root before the first engine start). ``exists`` tells the two apart.
 
-Discovery only lists directories and checks markers: it never opens a store, so it is safe
-on a peer's root mounted read-only. Routing (``Target.route``) sends a vLLM rank store
-only to the directory an engine of *its* deployment reads (decision 1602): chunks are
-keyed through their deployment identity and cannot be re-keyed for another one.
+Anything else is a RootError naming the path. Discovery only lists directories and checks
+markers: it never opens a store, so it is safe on a peer's root mounted read-only, and it
+never follows a symlink. Rank directory names are parsed by ``rankdirs`` (ASCII only).
+Routing (``Target.route``) sends a vLLM rank store only to the directory an engine of *its*
+deployment reads (decision 1602): chunks are keyed through their deployment identity and
+cannot be re-keyed for another one.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from .archive import deployment_of, place_for, validate_place
 from .errors import ArchiveError, ConfigError, RootError
-from .root import MARKER, check_root_path
+from .rankdirs import is_deployment_name, parse_rank_dirname
+from .root import MARKER, StorePaths, check_root_path, unfinished_init
 
-_RANK_RE = re.compile(r"rank-([0-9]{4})")
-_COMPONENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+Kind = Literal["store", "deployment", "base", "empty"]
+KINDS: tuple[Kind, ...] = ("store", "deployment", "base", "empty")
 
 
 @dataclass(frozen=True)
 class StorePlace:
-    """One store found under a root: its archive place and its path."""
+    """One store found under a root: its path, and for a rank store of the connector its
+    deployment directory's name and rank. ``place`` is its archive place (``""`` or
+    ``<deployment>/rank-NNNN``), None when a name cannot be carried in an archive."""
 
-    place: str
     path: Path
+    deployment: str | None = None
+    rank: int | None = None
+    place: str | None = ""
 
 
 def _is_dir(path: Path) -> bool:
@@ -44,54 +61,73 @@ def _is_dir(path: Path) -> bool:
         return False
 
 
-def _has_marker(path: Path) -> bool:
-    return os.path.lexists(path / MARKER)
+def _is_store(path: Path) -> bool:
+    """A marker (whatever its state: opening it says what is wrong), or what an
+    interrupted ``init`` left."""
+    return os.path.lexists(path / MARKER) or unfinished_init(StorePaths(path)) is not None
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
 
 
 def _rank_children(path: Path) -> dict[int, Path]:
-    """``rank-NNNN`` subdirectories (not symlinks) of ``path`` that hold a store."""
+    """``rank-NNNN`` subdirectories (not symlinks) of ``path``, with or without a marker;
+    none if ``path`` is itself a store."""
+    if _is_store(path):
+        return {}
     out: dict[int, Path] = {}
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return out
-    for name in names:
-        m = _RANK_RE.fullmatch(name)
-        if m and _is_dir(path / name) and _has_marker(path / name):
-            out[int(m.group(1))] = path / name
+    for name in _listdir(path):
+        rank = parse_rank_dirname(name)
+        if rank is not None and _is_dir(path / name):
+            out[rank] = path / name
     return out
+
+
+def _place(deployment: str, rank: int) -> str | None:
+    try:
+        return place_for(deployment, rank)
+    except ArchiveError:
+        return None
+
+
+def _rank_store(deployment: str, rank: int, path: Path) -> StorePlace:
+    return StorePlace(path, deployment, rank, _place(deployment, rank))
 
 
 def place_of_store(path: Path) -> str:
     """``<deployment>/rank-NNNN`` if ``path`` looks like a connector rank store, else ``""``."""
-    m = _RANK_RE.fullmatch(path.name)
-    if m and _COMPONENT_RE.fullmatch(path.parent.name):
-        return place_for(path.parent.name, int(m.group(1)))
+    rank = parse_rank_dirname(path.name)
+    if rank is not None and is_deployment_name(path.parent.name):
+        return place_for(path.parent.name, rank)
     return ""
 
 
-def _deployment_dirs(base: Path) -> dict[str, dict[int, Path]]:
-    out: dict[str, dict[int, Path]] = {}
-    try:
-        names = sorted(os.listdir(base))
-    except OSError:
-        return out
+def _only_empty_dirs(path: Path, names: list[str]) -> bool:
     for name in names:
-        child = base / name
-        if _COMPONENT_RE.fullmatch(name) and _is_dir(child) and not _has_marker(child):
-            ranks = _rank_children(child)
-            if ranks:
-                out[name] = ranks
-    return out
+        if not _is_dir(path / name):
+            return False
+        try:
+            if os.listdir(path / name):
+                return False
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
-class Layout:
-    """What a root is: ``store``, ``deployment``, ``base`` or ``new`` (absent or empty)."""
+class RootContents:
+    """What a root is (``kind``: see the module docstring) and the stores under it.
 
-    kind: str
+    ``exists`` is False for an ``empty`` root that is not there yet."""
+
+    kind: Kind
     path: Path
     stores: tuple[StorePlace, ...]
+    exists: bool = True
 
     @property
     def quorum(self) -> bool:
@@ -100,52 +136,69 @@ class Layout:
 
     @property
     def deployments(self) -> set[str]:
-        return {d for s in self.stores if (d := deployment_of(s.place)) is not None}
+        return {d for s in self.stores
+                if (d := s.deployment or (deployment_of(s.place) if s.place else None))}
+
+    def archivable(self) -> tuple[RootContents, list[tuple[StorePlace, str]]]:
+        """These contents with only the stores an archive can carry, and the others with
+        why (a deployment directory name other than letters, digits, ``.``, ``_``, ``-``)."""
+        bad = [(s, f"the deployment directory name {s.deployment!r} cannot be carried in an "
+                   "archive (letters, digits, '.', '_', '-' only; the connector names them "
+                   "vllm-v1-<digest>)") for s in self.stores if s.place is None]
+        good = tuple(s for s in self.stores if s.place is not None)
+        return RootContents(self.kind, self.path, good, self.exists), bad
 
 
-def inspect_root(root: str | os.PathLike[str]) -> Layout:
-    """Classify ``root`` and list its stores (no store is opened)."""
+def inspect_root(root: str | os.PathLike[str]) -> RootContents:
+    """Classify ``root`` and list its stores (no store is opened); RootError for a path
+    that is none of the kinds (see the module docstring)."""
     path = check_root_path(root)
     if not os.path.lexists(path):
-        return Layout("new", path, ())
+        return RootContents("empty", path, (), exists=False)
     if not _is_dir(path):
-        raise RootError("not a directory", path=path, fix="pass a store root or its parent")
-    if _has_marker(path):
-        return Layout("store", path, (StorePlace(place_of_store(path), path),))
-    ranks = _rank_children(path)
-    if ranks:
-        if not _COMPONENT_RE.fullmatch(path.name):
-            raise RootError("a deployment directory needs a plain name", path=path,
-                            fix="rename it, or pass one of its rank-NNNN stores")
-        return Layout("deployment", path, tuple(
-            StorePlace(place_for(path.name, r), p) for r, p in sorted(ranks.items())))
-    deps = _deployment_dirs(path)
-    if deps:
-        return Layout("base", path, tuple(
-            StorePlace(place_for(d, r), p) for d, ranks in deps.items()
-            for r, p in sorted(ranks.items())))
-    if not os.listdir(path):
-        return Layout("new", path, ())
-    raise RootError("no spoolctl store here", path=path,
-                    fix="pass a store root, a deployment directory (<root>/<deployment>) or "
-                        "the connector's spoolctl_root")
-
-
-def find_stores(root: str | os.PathLike[str]) -> Layout:
-    """``inspect_root`` for a source: a root holding no store is an error."""
-    layout = inspect_root(root)
-    if not layout.stores:
-        raise RootError("no spoolctl store here", path=layout.path,
+        raise RootError("not a directory", path=path,
                         fix="pass a store root, a deployment directory or the connector's "
                             "spoolctl_root")
-    return layout
+    if _is_store(path):
+        return RootContents("store", path, (StorePlace(path, None, None, place_of_store(path)),))
+    ranks = _rank_children(path)
+    if ranks:
+        return RootContents("deployment", path, tuple(
+            _rank_store(path.name, r, p) for r, p in sorted(ranks.items())))
+    names = _listdir(path)
+    found = [(name, ranks) for name in names
+             if _is_dir(path / name) and (ranks := _rank_children(path / name))]
+    if found:
+        return RootContents("base", path, tuple(
+            _rank_store(name, r, p) for name, ranks in found for r, p in sorted(ranks.items())))
+    if _only_empty_dirs(path, names):
+        return RootContents("empty", path, ())
+    raise RootError(
+        "not a spoolctl store, vLLM deployment directory or base root (no .spoolctl-root "
+        "marker, no rank-NNNN stores)", path=path,
+        fix="point --root at a store, at the root given to `spoolctl config vllm` (the "
+            "connector's spoolctl_root), or at one deployment directory under it")
+
+
+def find_stores(root: str | os.PathLike[str]) -> RootContents:
+    """``inspect_root`` for a source (export, peer): a root holding no store is an error,
+    and so is a store an archive cannot carry."""
+    contents, bad = inspect_root(root).archivable()
+    if bad:
+        raise ConfigError(bad[0][1], path=bad[0][0].path,
+                          fix="export the connector's own deployment directories")
+    if not contents.stores:
+        raise RootError("no spoolctl store here", path=contents.path,
+                        fix="pass a store root, a deployment directory or the connector's "
+                            "spoolctl_root")
+    return contents
 
 
 @dataclass(frozen=True)
 class Target:
     """Where an import writes: the classified ``--root`` and the deployments accepted."""
 
-    layout: Layout
+    layout: RootContents
     accept: frozenset[str] = frozenset()
 
     def route(self, place: str) -> Path:
@@ -153,7 +206,7 @@ class Target:
         validate_place(place)
         lay, dep = self.layout, deployment_of(place)
         if lay.kind == "store":
-            own = lay.stores[0].place
+            own = lay.stores[0].place or ""
             if place in ("", own):
                 return lay.path
             raise ConfigError(
@@ -174,7 +227,7 @@ class Target:
                     "and are never hit by another one", path=lay.path,
                     fix="import into the connector's spoolctl_root instead (decision 1602)")
             return lay.path / place.split("/", 1)[1]
-        # base or new
+        # base or empty
         if dep is None:
             if lay.kind == "base":
                 raise ConfigError("the archive holds a single store, the target holds vLLM "

@@ -35,8 +35,9 @@ _HEX64_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Paths inside one store root."""
+class StorePaths:
+    """Paths inside one store root (what ``places.inspect_root`` finds under a ``--root``
+    is a ``places.RootContents``)."""
 
     root: Path
 
@@ -69,6 +70,11 @@ class Layout:
 
     def manifest_path(self, entry_id: str) -> Path:
         return self.manifests / entry_id[:2] / f"{_hex64(entry_id, 'entry id')}.json"
+
+
+# The old name, for the modules other work of this round still edits (store.py,
+# catalog_health.py, doctor_scan.py); the merge renames them and drops it.
+Layout = StorePaths
 
 
 def _hex64(value: str, what: str) -> str:
@@ -127,7 +133,7 @@ def check_root_path(root: str | os.PathLike[str]) -> Path:
     return path
 
 
-def read_marker(layout: Layout) -> Marker:
+def read_marker(layout: StorePaths) -> Marker:
     """Read and validate the root marker; RootError if it is missing or foreign."""
     try:
         data = read_small(layout.marker, 1 << 16)
@@ -195,7 +201,7 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def write_marker(layout: Layout, marker: Marker, *, new: bool = False) -> None:
+def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> None:
     """Atomically (re)write the marker: tmp file, fsync, rename, fsync the root.
     ``new``: the store is being created (crash-test checkpoints of init)."""
     data = json.dumps(marker.to_json(), indent=2).encode() + b"\n"
@@ -219,7 +225,7 @@ def _mkdir(path: Path) -> bool:
                             fix="remove the file or symlink in its place") from None
 
 
-def ensure_layout(layout: Layout) -> None:
+def ensure_layout(layout: StorePaths) -> None:
     """Create every directory of the layout (idempotent); fsync only what changed.
 
     StoreIOError if the filesystem refuses (no space, no inodes, read-only): what was
@@ -231,7 +237,7 @@ def ensure_layout(layout: Layout) -> None:
                        Path(exc.filename) if exc.filename else layout.root) from None
 
 
-def _ensure_layout(layout: Layout) -> None:
+def _ensure_layout(layout: StorePaths) -> None:
     created_top = [_mkdir(layout.root / name) for name in SUBDIRS]
     for parent in (layout.objects, layout.manifests):
         existing = set(os.listdir(parent))
@@ -267,7 +273,7 @@ def check_owner(root: Path, *, allow_foreign_owner: bool, st: os.stat_result | N
         )
 
 
-def check_layout(layout: Layout) -> None:
+def check_layout(layout: StorePaths) -> None:
     """For a read-only open: every directory of the layout exists as a real directory."""
     for name in SUBDIRS:
         try:
@@ -285,7 +291,7 @@ def check_layout(layout: Layout) -> None:
 _MARKER_DRAFT_RE = re.compile(r"[0-9]{1,10}-[0-9a-f]{16}\.part")
 
 
-def unfinished_init(layout: Layout) -> list[Path] | None:
+def unfinished_init(layout: StorePaths) -> list[Path] | None:
     """If ``layout.root`` (a directory without a marker) holds nothing but what an
     interrupted or failed ``init`` creates, return the marker drafts it left in ``tmp/``
     (to remove); else None.
@@ -324,7 +330,7 @@ def unfinished_init(layout: Layout) -> list[Path] | None:
 def create_or_adopt(
     root: Path, *, create: bool, max_bytes: int | None, allow_foreign_owner: bool = False,
     read_only: bool = False,
-) -> tuple[Layout, Marker]:
+) -> tuple[StorePaths, Marker]:
     """Open the root at ``root``; create it when ``create`` and it is new or empty.
 
     Refuses a non-empty directory without a marker, a marker of another schema or with
@@ -332,7 +338,7 @@ def create_or_adopt(
     by another user. ``max_bytes`` (when given) is recorded in the marker. ``read_only``
     writes nothing: no directory or marker is created, repaired or rewritten.
     """
-    layout = Layout(root)
+    layout = StorePaths(root)
     try:
         st = os.lstat(root)
     except FileNotFoundError:
