@@ -43,7 +43,7 @@ ENGINE_MODULE = re.compile(  # imports vLLM, or the tests' engine drivers
 SLOW_MODULE = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.slow\b", re.MULTILINE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _engine_file(path: str | Path) -> bool:
     """A test module whose ``slow`` tests start real vLLM engines (it imports vLLM or the
     tests' engine drivers). Read from the file: xdist's scheduler has paths, not modules."""

@@ -219,7 +219,8 @@ def scrub_checks(layout: Layout) -> list:
         summary = state.summary()
         cycle = summary.current_cycle or summary.last_cycle
         count = cycle.unreadable if cycle else 0
-        found = state.findings(cycle.cycle_id if cycle else -1, UNREADABLE, MAX_EXAMPLES)
+        found = state.entry_ids_found(cycle.cycle_id if cycle else -1, UNREADABLE,
+                                      MAX_EXAMPLES)
     except sqlite3.DatabaseError:
         return []
     finally:

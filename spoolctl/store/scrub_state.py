@@ -152,7 +152,7 @@ class ScrubState:
     def close(self) -> None:
         self._db.close()
 
-    def findings(self, cycle_id: int, reason: str, limit: int) -> list[str]:
+    def entry_ids_found(self, cycle_id: int, reason: str, limit: int) -> list[str]:
         """Up to ``limit`` entry ids the cycle ``cycle_id`` recorded with ``reason``."""
         rows = self._db.execute(
             "SELECT entry_id FROM findings WHERE cycle_id=? AND reason=? LIMIT ?",
