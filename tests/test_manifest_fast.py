@@ -155,3 +155,16 @@ def test_the_file_name_still_binds_the_entry(monkeypatch: pytest.MonkeyPatch) ->
     m = _manifest()
     with pytest.raises(ManifestError, match="does not match the file name"):
         decode(encode(m), expected_entry_id="0" * 64)
+
+
+def test_entry_ids_and_part_digests_are_unchanged() -> None:
+    """The cheaper construction (one buffer for small parts) names every entry as before:
+    these values come from the streaming version; a change would orphan every store."""
+    from spoolctl.store import entry_id_for
+    from spoolctl.store.digest import hash_parts
+
+    assert entry_id_for("vllm", "llama-3/rev:abc", "chunk-7") == \
+        "67b49529e068ceb96331a0fa1c93d663310e70826815ebd165f876aeeb62b8b4"
+    assert hash_parts(b"x" * 20000, b"y") == \
+        "11402ea1ee27e9987138aa707b6930465e63a95959fa93058510877d666731ba"  # streamed
+    assert hash_parts() == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"

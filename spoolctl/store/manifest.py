@@ -32,9 +32,6 @@ from .errors import ManifestError, QuarantineReason, SpoolError
 from .keys import (
     entry_id_for,
     validate_entry_id,
-    validate_key,
-    validate_kind,
-    validate_namespace,
     validate_object_name,
 )
 
@@ -85,11 +82,9 @@ class Manifest:
     digest: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        validate_kind(self.kind)
-        validate_namespace(self.namespace)
-        validate_key(self.key)
+        expected = entry_id_for(self.kind, self.namespace, self.key)  # checks all three
         validate_entry_id(self.entry_id)
-        if self.entry_id != entry_id_for(self.kind, self.namespace, self.key):
+        if self.entry_id != expected:
             raise ValueError("entry_id does not match kind/namespace/key")
         if not isinstance(self.created, (int, float)) or not math.isfinite(self.created):
             raise ValueError("created must be a finite number")
@@ -103,7 +98,7 @@ class Manifest:
             if self.supersedes == self.entry_id:
                 raise ValueError("an entry cannot supersede itself")
         for label, value in (("meta", self.meta), ("index", self.index)):
-            if not isinstance(value, Mapping):
+            if type(value) is not dict and not isinstance(value, Mapping):
                 raise ValueError(f"{label} must be an object")
             _check_json_value(value, 0)
 
@@ -201,7 +196,9 @@ def _reject_constant(name: str) -> float:
 def _check_json_value(value: Any, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise ValueError("JSON nested too deeply")
-    if isinstance(value, Mapping):
+    # ``type(...) is dict`` first: what decoding gives, without the ABC check's cost (a
+    # rebuild checks every manifest's meta and index).
+    if type(value) is dict or isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ValueError("JSON object keys must be strings")
