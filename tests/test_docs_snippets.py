@@ -365,6 +365,8 @@ SCALED = {
         "python scripts/bench_controllers.py --tokens 256 --repeat 1 --preset tiny",
     "python scripts/bench_cli.py --entries 1000000":
         "python scripts/bench_cli.py --entries 1500 --released 150 --small 1200 --dir .",
+    "python scripts/bench_rebuild.py --entries 20000 --repeat 3":
+        "python scripts/bench_rebuild.py --entries 300 --repeat 1 --dir .",
 }
 
 
