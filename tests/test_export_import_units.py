@@ -217,7 +217,7 @@ def test_resolve_deployments_by_name_or_unique_prefix():
     with pytest.raises(ConfigError, match="more than one"):
         resolve_deployments(["vllm-v1-"], [D1, D2])
     with pytest.raises(ConfigError, match="no"):
-        resolve_deployments(["vllm"], [D1])  # too short to be a prefix
+        resolve_deployments(["vll"], [D1])  # too short to be a prefix
     with pytest.raises(ConfigError):
         resolve_deployments(["zz"], [D1])
 

@@ -15,7 +15,7 @@ from operator_cli import run
 
 from spoolctl.connector.topology import rank_of_dirname
 from spoolctl.metrics import TARGET_LABELS
-from spoolctl.store import RootError, Store
+from spoolctl.store import ConfigError, RootError, Store
 from spoolctl.store.archive import validate_place
 from spoolctl.store.errors import ArchiveError
 from spoolctl.store.places import inspect_root
@@ -173,3 +173,23 @@ def test_rank_directory_names_are_ascii_and_whole() -> None:
     with pytest.raises(ArchiveError):
         validate_place(f"{DEP}/{ARABIC_1234}")
     assert not TARGET_LABELS["rank"].fullmatch("\u0661\u0662\u0663\u0664")
+
+
+def test_cli_and_transfer_api_take_the_same_deployment_prefixes(tmp_path: Path) -> None:
+    """One ``--deployment`` rule (decision 2500): a unique 4-character prefix names the
+    deployment for ``status`` (the CLI's narrowing) and for the transfer API's selection
+    alike (the API wanted 8 characters, the CLI 4); a too-short one is refused by both."""
+    from spoolctl.store.selection import resolve_deployments
+
+    base = tmp_path / "base"
+    with Store.open(base / DEP / rank_dirname(0), create=True):
+        pass
+    prefix = DEP[:6]  # unique here: one deployment
+    assert resolve_deployments([prefix], [DEP]) == {DEP}
+    code, out, _err = run("status", "--root", str(base), "--deployment", prefix, "--json")
+    assert code == 0 and {s["deployment"] for s in json.loads(out)["stores"]} == {DEP}
+    for refused in ("vll", "zzzz"):
+        with pytest.raises(ConfigError, match="matches no deployment directory"):
+            resolve_deployments([refused], [DEP])
+        code, _out, err = run("status", "--root", str(base), "--deployment", refused)
+        assert code == 2 and "matches no deployment directory" in err

@@ -23,6 +23,7 @@ from spoolctl.store import (
     Store,
 )
 from spoolctl.store.places import Kind, RootContents, StorePlace, inspect_root
+from spoolctl.store.selection import resolve_deployment
 
 from .common import resolve_root
 
@@ -100,13 +101,11 @@ def resolve_targets(root: Path | None, *, rank: int | None = None,
 def _narrow(base: Path, groups: dict[str, dict[int, StorePlace]], rank: int | None,
             deployment: str | None) -> tuple[StoreTarget, ...]:
     if deployment is not None:
-        names = [n for n in groups if n == deployment] or \
-            ([n for n in groups if n.startswith(deployment)] if len(deployment) >= 4 else [])
-        if len(names) != 1:
-            what = "matches more than one" if len(names) > 1 else "matches no"
-            raise ConfigError(f"--deployment {deployment[:64]!r} {what} deployment directory",
-                              path=base, fix="use one of: " + ", ".join(sorted(groups)[:10]))
-        groups = {names[0]: groups[names[0]]}
+        try:
+            name = resolve_deployment(deployment, groups)
+        except ConfigError as exc:
+            raise ConfigError(exc.message, path=base, fix=exc.fix) from None
+        groups = {name: groups[name]}
     out = [_target(found)
            for name in sorted(groups) for r, found in sorted(groups[name].items())
            if rank is None or r == rank]

@@ -50,22 +50,30 @@ class Selection:
             (self.hint is None or hint == self.hint)
 
 
-def resolve_deployments(given: Iterable[str], available: Iterable[str]) -> set[str]:
-    """Map each ``--deployment`` value (a full deployment digest or a unique prefix of at
-    least 8 characters) to one of ``available``; ConfigError for no or several matches."""
+#: The shortest ``--deployment`` prefix taken (a unique one; every name starts ``vllm-v1-``,
+#: so a shorter prefix than the digest can only match when one deployment is there).
+MIN_DEPLOYMENT_PREFIX = 4
+
+
+def resolve_deployment(text: str, available: Iterable[str]) -> str:
+    """The one deployment of ``available`` that ``--deployment text`` names: the full
+    directory name or a unique prefix of at least ``MIN_DEPLOYMENT_PREFIX`` characters.
+    ConfigError for no or several matches. Every command and the transfer API use this one
+    rule (decision 2500)."""
     avail = sorted(set(available))
-    out: set[str] = set()
-    for text in given:
-        matches = [d for d in avail if d == text] or \
-            ([d for d in avail if d.startswith(text)] if len(text) >= 8 else [])
-        if len(matches) != 1:
-            known = ", ".join(avail[:5]) or "none"
-            raise ConfigError(
-                f"--deployment {text[:80]!r} matches {'no' if not matches else 'more than one'} "
-                f"deployment (known here: {known})",
-                fix="pass the deployment directory name (vllm-v1-...) or a unique prefix of it")
-        out.add(matches[0])
-    return out
+    matches = [d for d in avail if d == text] or \
+        ([d for d in avail if d.startswith(text)] if len(text) >= MIN_DEPLOYMENT_PREFIX else [])
+    if len(matches) != 1:
+        what = "matches more than one" if matches else "matches no"
+        raise ConfigError(f"--deployment {text[:64]!r} {what} deployment directory",
+                          fix="use one of: " + (", ".join(avail[:10]) or "none here"))
+    return matches[0]
+
+
+def resolve_deployments(given: Iterable[str], available: Iterable[str]) -> set[str]:
+    """``resolve_deployment`` for each value of ``given``."""
+    avail = sorted(set(available))
+    return {resolve_deployment(text, avail) for text in given}
 
 
 @dataclass(frozen=True)
