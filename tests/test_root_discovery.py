@@ -193,3 +193,19 @@ def test_cli_and_transfer_api_take_the_same_deployment_prefixes(tmp_path: Path) 
             resolve_deployments([refused], [DEP])
         code, _out, err = run("status", "--root", str(base), "--deployment", refused)
         assert code == 2 and "matches no deployment directory" in err
+
+
+def test_a_rank_that_cannot_be_read_means_the_ranks_do_not_agree(tmp_path: Path) -> None:
+    """A ``rank-NNNN`` folder the scanner lists but no store can be opened in (here: no
+    marker) is that rank's error, and the deployment's verdict is not "ranks agree": the
+    rank cannot be shown to hold any chunk, so every chunk is a miss there."""
+    base = tmp_path / "base"
+    with Store.open(base / DEP / rank_dirname(0), create=True):
+        pass
+    (base / DEP / rank_dirname(1)).mkdir()
+    (base / DEP / rank_dirname(1) / "stray").write_text("x")
+    code, out, _err = run("status", "--root", str(base), "--json")
+    dep = json.loads(out)["deployments"][DEP]
+    assert code != 0 and not dep["agree"] and dep["unreadable_ranks"] == [1], dep
+    _code, text, _err = run("status", "--root", str(base))
+    assert "ranks agree" not in text and "rank 0001 could not be read" in text, text

@@ -289,12 +289,17 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
 
     results = run_each(targets, job, read_only_ok=True)
     groups: dict[str, list[Any]] = {}
+    failed: dict[str, list[int]] = {}
     used: dict[str, list[DeploymentUse]] = {}
     for r in results:
+        if r.doc is None and r.target.rank is not None:
+            groups.setdefault(r.target.deployment or "", [])
+            failed.setdefault(r.target.deployment or "", []).append(r.target.rank)
         if r.doc is not None:
             groups.setdefault(r.target.deployment or "", []).append(r.doc.pop("_report"))
             used.setdefault(r.target.deployment or "", []).append(r.doc.pop("_use"))
-    deployments = {name: _deployment_status(str(_dep_dir(targets, name)), reports)
+    deployments = {name: _deployment_status(str(_dep_dir(targets, name)), reports,
+                                            failed.get(name, []))
                    for name, reports in groups.items()}
     findings = any(d.has_findings for d in deployments.values()) or any(
         r.doc is not None and r.doc["attention"] for r in results)
@@ -358,9 +363,10 @@ def _dep_dir(targets: Targets, name: str):
     return targets.given if targets.kind == "deployment" else targets.given / name
 
 
-def _deployment_status(where: str, reports: list[Any]) -> DeploymentStatus:
+def _deployment_status(where: str, reports: list[Any], unreadable: list[int]) -> DeploymentStatus:
     """Fold rank reports into the deployment's status, with the host disk budget its
-    workers recorded (``spoolctl_host_max_size``) or why that record is unreadable."""
+    workers recorded (``spoolctl_host_max_size``) or why that record is unreadable;
+    ``unreadable``: ranks whose store could not be opened (they make the ranks disagree)."""
     from spoolctl.connector import host_budget
     from spoolctl.connector.topology import deployment_status
 
@@ -369,7 +375,8 @@ def _deployment_status(where: str, reports: list[Any]) -> DeploymentStatus:
         budget = host_budget.read(Path(where))
     except host_budget.HostBudgetError as exc:
         error = str(exc)
-    return deployment_status(where, reports, host_max_bytes=budget, host_budget_error=error)
+    return deployment_status(where, reports, host_max_bytes=budget, host_budget_error=error,
+                             unreadable=unreadable)
 
 
 def _deployment_view(doc: dict[str, Any]) -> list[Any]:
@@ -417,8 +424,10 @@ def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[A
         verdict = f"ranks agree: {dep['complete_chunks']} chunks on every rank"
     else:
         gaps = ", ".join(f"{r:04d}" for r in dep["missing_ranks"])
+        unread = ", ".join(f"{r:04d}" for r in dep.get("unreadable_ranks", []))
         verdict = ("[red]ranks disagree[/red]: "
                    + (f"no store for rank {gaps}; " if gaps else "")
+                   + (f"rank {unread} could not be read; " if unread else "")
                    + f"{dep['complete_chunks']} chunks on every rank; a chunk missing "
                    "on any rank is a miss everywhere until re-stored")
     return [what, t, verdict, _host_line(dep["host"]), _lifecycle_line(dep.get("lifecycle")),

@@ -149,6 +149,9 @@ class DeploymentStatus:
     # deployment, and why it could not be read (issue 20: host total against the budget).
     host_max_bytes: int | None = None
     host_budget_error: str | None = None
+    # Ranks whose store is there but could not be read (status lists their error): they
+    # cannot be shown to hold anything, so the ranks do not agree.
+    unreadable_ranks: tuple[int, ...] = ()
 
     @property
     def host_bytes(self) -> int:
@@ -157,7 +160,7 @@ class DeploymentStatus:
 
     @property
     def agree(self) -> bool:
-        return self.comparison.agree
+        return self.comparison.agree and not self.unreadable_ranks
 
     @property
     def has_findings(self) -> bool:
@@ -176,14 +179,18 @@ class DeploymentStatus:
             host["error"] = self.host_budget_error
         return {"deployment": self.deployment, "ranks": rows, "agree": self.agree,
                 "missing_ranks": list(self.comparison.missing_ranks),
+                "unreadable_ranks": list(self.unreadable_ranks),
                 "complete_chunks": self.comparison.complete_keys, "host": host}
 
 
 def deployment_status(deployment: str, ranks: Iterable[RankReport], *,
                       host_max_bytes: int | None = None,
-                      host_budget_error: str | None = None) -> DeploymentStatus:
-    """Fold per-rank reports into the deployment's status (ranks in rank order)."""
+                      host_budget_error: str | None = None,
+                      unreadable: Iterable[int] = ()) -> DeploymentStatus:
+    """Fold per-rank reports into the deployment's status (ranks in rank order);
+    ``unreadable``: ranks whose store could not be read."""
     ordered = tuple(sorted(ranks, key=lambda r: r.rank))
     return DeploymentStatus(deployment, ordered,
                             compare_ranks({r.rank: set(r.chunk_keys) for r in ordered}),
-                            host_max_bytes=host_max_bytes, host_budget_error=host_budget_error)
+                            host_max_bytes=host_max_bytes, host_budget_error=host_budget_error,
+                            unreadable_ranks=tuple(sorted(set(unreadable))))
