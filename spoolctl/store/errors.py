@@ -64,6 +64,11 @@ class NotFoundError(SpoolError):
     """The entry (or quarantine item) does not exist; for a cache this is a miss."""
 
 
+class KeyUnavailableError(NotFoundError):
+    """An encrypted entry whose data key is gone (revoked, retired) or whose master key is not
+    the one configured: a miss, never corruption; nothing is quarantined (decision 2800)."""
+
+
 class BusyError(SpoolError):
     """A lock or lease could not be taken within its timeout."""
 
