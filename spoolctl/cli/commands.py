@@ -9,5 +9,5 @@ import importlib
 from .app import app  # noqa: F401
 
 for _module in ("store_cmds", "entry_cmds", "clean_cmds", "health_cmds", "scrub_cmds",
-                "quarantine_cmds"):
+                "quarantine_cmds", "keys_cmds"):
     importlib.import_module(f"{__package__}.{_module}")

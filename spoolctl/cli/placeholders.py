@@ -36,6 +36,7 @@ PLACEHOLDERS: dict[str, str] = {
     "--concurrency": "<n>",
     "--retries": "<n>",
     "--timeout": "<seconds>",
+    "--tenant": "<tenant>",
 }
 
 

@@ -440,9 +440,10 @@ class Sealer:
             nk = self._names[tid] = self.master.derive(b"entry-names " + tid.encode())
         return f"t:{tid}:" + blake3.blake3(key.encode(), key=nk).hexdigest()
 
-    def seal(self, tid: str, payload: bytes | bytearray | memoryview) -> tuple[memoryview, int]:
-        """``payload`` sealed under the current key of ``tid``; returns it and the version."""
-        version, key = self.keyring.current(tid)
+    def seal(self, tid: str, version: int, key: bytes,
+             payload: bytes | bytearray | memoryview) -> memoryview:
+        """``payload`` sealed under ``key``, version ``version`` of tenant ``tid`` (from
+        ``keyring.current``)."""
         data = memoryview(payload).cast("B")
         n = len(data)
         header = _HEADER.pack(MAGIC, bytes.fromhex(tid), version, secrets.token_bytes(NONCE_BYTES))
@@ -455,7 +456,7 @@ class Sealer:
         done = enc.update_into(data, view[HEADER_BYTES:]) if n else 0
         enc.finalize()
         view[HEADER_BYTES + done:HEADER_BYTES + done + TAG_BYTES] = enc.tag
-        return view[:HEADER_BYTES + n + TAG_BYTES], version
+        return view[:HEADER_BYTES + n + TAG_BYTES]
 
     def open(self, path: Path, size: int, into: memoryview | None = None) -> memoryview:
         """Read the sealed object at ``path`` (``size`` bytes) and return its plaintext.
@@ -503,7 +504,7 @@ class Sealer:
                 f"the key of tenant {tid} version {version} is not available (revoked, retired, "
                 "or another master key)", path=path,
                 fix="nothing to do for a revoked tenant: it is a miss; otherwise check the "
-                    "master key (`spoolctl doctor`)")
+                    "master key (`spoolctl doctor`)", erased=self.keyring.master_matches)
         n = len(sealed) - OVERHEAD
         out = into if into is not None else memoryview(bytearray(n))
         if len(out) != n:
@@ -559,14 +560,12 @@ def seal_request(sealer: Sealer | None, request: PutRequest) -> PutRequest:
                                   "the tenant")
         return request
     tid = sealer.tenant_id(request.tenant)
+    version, key = sealer.keyring.current(tid)
     objects: dict[str, memoryview] = {}
-    version = 0
     for name, payload in request.objects.items():
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             payload = b"".join(payload)
-        objects[name], version = sealer.seal(tid, payload)
-    if not objects:
-        version = sealer.keyring.current(tid)[0]
+        objects[name] = sealer.seal(tid, version, key, payload)
     index = dict(request.index or {})
     index[INDEX_FIELD] = {"tenant": tid, "version": version}
     return replace(request, key=sealer.sealed_key(request.tenant, request.key), objects=objects,

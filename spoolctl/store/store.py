@@ -465,6 +465,11 @@ class Store(CatalogHealth, Quarantining, Queries):
                                               fix="configure the master key (docs/runbook.md)")
                 return self.sealer.open(path, ref.size, into)
             return read_verified(path, digest=ref.digest, size=ref.size, into=into)
+        except KeyUnavailableError as exc:
+            if exc.erased and not self.read_only:  # crypto-erased: out of reuse, for `clean`
+                with contextlib.suppress(SpoolError):
+                    self.release(manifest.entry_id)
+            raise
         except CorruptionError as exc:
             exc.entry_id = manifest.entry_id
             if not self.read_only:
