@@ -570,3 +570,14 @@ def seal_request(sealer: Sealer | None, request: PutRequest) -> PutRequest:
     index[INDEX_FIELD] = {"tenant": tid, "version": version}
     return replace(request, key=sealer.sealed_key(request.tenant, request.key), objects=objects,
                    index=index, tenant=None)
+
+
+def refuse_encrypted(store: Any, consumer: str) -> None:
+    """ConfigError if ``store`` is encrypted: ``consumer`` does not pass tenants yet, and its
+    own entry ids would never match the tenant-keyed names (every lookup a miss). Fail closed
+    and say so rather than write entries that are never found (decision 2800, item 6)."""
+    if getattr(store, "sealer", None) is not None:
+        raise ConfigError(f"{consumer} does not support encryption at rest yet",
+                          path=getattr(store, "root", None),
+                          fix=f"unset {FILE_ENV}/{VALUE_ENV}/{COMMAND_ENV} for this process, "
+                              "or use a store without encryption")
