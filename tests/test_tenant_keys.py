@@ -197,3 +197,35 @@ def test_keys_refuse_a_store_without_encryption(store_root: Path):
     code, _, err = run("keys", "revoke", "--tenant", "t", "--yes", "--root", str(store_root))
     assert code == 2 and "no encryption configured" in err and err.count("\n") == 1
     assert run_json("keys", "ls", "--root", str(store_root))["encrypted"] is False
+
+
+def test_status_and_doctor_tell_an_encrypted_store_and_a_lost_key(store_root: Path,
+                                                                  key_env: dict[str, str]):
+    with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
+        for i in range(2):
+            store.put(kind=KIND, namespace=NS, key=f"k{i}", objects={"kv": b"x"}, tenant="t")
+    root = ("--root", str(store_root))
+    status = run_json("status", *root, env=key_env)
+    assert status["encryption"]["entries_by_version"] == {"1": 2}
+    assert status["encryption"]["master_key"]["matches_keyring"] is True
+    checks = {c["name"]: c for c in run_json("doctor", *root, env=key_env)["checks"]}
+    assert checks["encryption.master_key"]["status"] == "ok"
+    secret = Path(key_env[FILE_ENV]).read_text().strip()
+    assert secret not in json.dumps(status) + run("status", *root, env=key_env)[1]
+
+    lost = {VALUE_ENV: secrets.token_hex(32)}  # the key was lost and a new one configured
+    doc = run_json("doctor", *root, env=lost, expect=1)
+    (check,) = [c for c in doc["checks"] if c["name"] == "encryption.master_key"]
+    assert check["status"] == "fail" and "all 2 encrypted entries are misses" in check["detail"]
+    assert run_json("status", *root, env=lost)["encryption"]["master_key"][
+        "matches_keyring"] is False
+    doc = run_json("doctor", *root, expect=1)  # no key configured at all
+    assert any(c["name"] == "encryption.master_key" and "no master key" in c["detail"]
+               for c in doc["checks"])
+
+
+def test_a_plain_store_shows_no_encryption(store: Store):
+    store.put(kind=KIND, namespace=NS, key="k", objects={"kv": b"x"})
+    assert "encryption" not in run_json("status", "--root", str(store.root))
+    assert not any(c["name"].startswith("encryption")
+                   for c in run_json("doctor", "--root", str(store.root))["checks"])

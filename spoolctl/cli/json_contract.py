@@ -79,7 +79,10 @@ DOCUMENTS: tuple[Document, ...] = (
         "genai": "GenAI records: `entries`, `expired`, `malformed`, `next_expiry_in_s`",
         "filesystem": "the store's filesystem: free bytes, inodes and free inodes",
         "models": "per PyTorch/MLX model namespace: model, weights, last use, entries, bytes, "
-                  "verdict (`current`, `unused`, `superseded`)"}),
+                  "verdict (`current`, `unused`, `superseded`)"},
+        optional={"encryption": "an encrypted store (decision 2800): `master_key` (`key_id`, "
+                                "`matches_keyring`; null: none configured), `tenants`, "
+                                "`entries_by_version`, `unreadable_entries`"}),
     Document("ls", "Entries, newest access first by default.", {
         "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows",
         "being_deleted": "entries an interrupted clean is deleting (not listed; the next "

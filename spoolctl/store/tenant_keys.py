@@ -18,6 +18,7 @@ the keyring (KeyUnavailableError), before changing anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, KeyUnavailableError
@@ -132,3 +133,60 @@ def _erase(store: Store, tid: str, below: int | None, dry_run: bool, action: str
     change.tenants[tid] = versions
     change.released_entries, change.released_bytes = n, size
     return change
+
+
+def summary(store: Store) -> dict[str, Any] | None:
+    """``status``'s ``encryption``: None for a store that is not encrypted (no master key
+    configured and no keyring: nothing is scanned, so plain stores pay nothing); else
+    ``usage`` in short: master key id and match, tenants, entries per key version, entries
+    whose key is gone."""
+    keyring = store.layout.state / "keyring.json"
+    if store.sealer is None and not keyring.exists():
+        return None
+    doc = usage(store)
+    versions: dict[str, int] = {}
+    for t in doc["tenants"]:
+        for v in t["versions"]:
+            versions[str(v["version"])] = versions.get(str(v["version"]), 0) + v["entries"]
+    return {"master_key": doc["master_key"], "tenants": len(doc["tenants"]),
+            "entries_by_version": versions, "unreadable_entries": doc["unreadable_entries"]}
+
+
+def checks(root: Any) -> list[Any]:
+    """``doctor``'s encryption checks for the store at ``root`` (none for a plain store)."""
+    from .doctor import Check
+    from .sealing import FILE_ENV, MasterKey
+
+    keyring = Path(root) / "state" / "keyring.json"
+    try:
+        master = MasterKey.from_environment()
+    except ConfigError as exc:
+        return [Check("encryption.master_key", "fail", exc.message, exc.fix or "")]
+    if master is None and not keyring.exists():
+        return []
+    try:
+        with Store.open(root, read_only=True, master_key=master) as store:
+            doc = summary(store)
+    except ConfigError as exc:
+        return [Check("encryption.keyring", "fail", exc.message, exc.fix or "")]
+    assert doc is not None
+    held = sum(doc["entries_by_version"].values())
+    if doc["master_key"] is None:
+        return [Check("encryption.master_key", "fail",
+                      f"the store is encrypted ({held} entries) and no master key is "
+                      "configured: every encrypted entry is a miss",
+                      f"set {FILE_ENV} to the store's master key (docs/runbook.md)")]
+    if not doc["master_key"]["matches_keyring"]:
+        return [Check("encryption.master_key", "fail",
+                      f"master key {doc['master_key']['key_id']} is not the key this store's "
+                      f"keyring was written under: all {held} encrypted entries are misses",
+                      "configure the right master key; if it is lost, the entries are too "
+                      "(docs/runbook.md, key loss)")]
+    out = [Check("encryption.master_key", "ok",
+                 f"encrypted: master key {doc['master_key']['key_id']}, {doc['tenants']} "
+                 f"tenants, entries by key version {doc['entries_by_version']}")]
+    if doc["unreadable_entries"]:
+        out.append(Check("encryption.unreadable", "warn",
+                         f"{doc['unreadable_entries']} entries are under revoked or retired "
+                         "keys (misses)", "reclaim them: spoolctl clean --released"))
+    return out
