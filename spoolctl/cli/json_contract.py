@@ -144,7 +144,9 @@ DOCUMENTS: tuple[Document, ...] = (
         "output": "file or -", "entries": "entries exported", "objects": "objects exported",
         "bytes": "payload bytes", "archive_bytes": "archive bytes", "seconds": "run time",
         "bytes_per_second": "rate", "left_out": "entries not taken (and why)",
-        "stores": "per source store", "exit": "exit code"}),
+        "stores": "per source store", "exit": "exit code"},
+        optional={"signature": "with --sign-key: the `.sig` file written next to the archive "
+                               "(decision 2800)"}),
     Document("import", "What was imported.", {
         "schema": SCHEMA, "source": "archive, - or peer root", "target": "--root",
         "kind": "store, deployment or base", "imported": "entries committed",

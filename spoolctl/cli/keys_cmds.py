@@ -33,7 +33,10 @@ YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")]
 def keys_ls(root: RootOption = None, rank: RankOption = None,
             deployment: DeploymentOption = None, json_output: JsonOption = False) -> None:
     """Whether the store is encrypted, the master key's id, and per tenant id its key
-    versions and entries per version."""
+    versions and entries per version.
+
+    Example: [bold]spoolctl keys ls --json[/bold]
+    """
     targets = resolve_targets(root, rank=rank, deployment=deployment)
 
     def job(store: Store, _t: StoreTarget) -> tuple[dict[str, Any], int]:
@@ -82,7 +85,10 @@ def keys_rotate(tenant: TenantOption = None, dry_run: DryRunOption = False,
                 root: RootOption = None, rank: RankOption = None,
                 deployment: DeploymentOption = None, json_output: JsonOption = False) -> None:
     """Start a new key version (of --tenant, or of every tenant): new entries use it, older
-    versions stay readable until `spoolctl keys retire`."""
+    versions stay readable until `spoolctl keys retire`.
+
+    Example: [bold]spoolctl keys rotate --tenant acme[/bold]
+    """
     _run("rotate", root, rank, deployment, json_output,
          lambda s: tenant_keys.rotate(s, tenant, dry_run=dry_run))
 
@@ -108,7 +114,10 @@ def keys_retire(tenant: TenantOption = None, dry_run: DryRunOption = False,
                 yes: YesOption = False, root: RootOption = None, rank: RankOption = None,
                 deployment: DeploymentOption = None, json_output: JsonOption = False) -> None:
     """Erase every key version older than the current one (of --tenant, or of every tenant);
-    the entries written under them become misses and `spoolctl clean` reclaims them."""
+    the entries written under them become misses and `spoolctl clean` reclaims them.
+
+    Example: [bold]spoolctl keys retire --tenant acme --yes[/bold]
+    """
     _confirm(yes, dry_run, "keys retire")
     _run("retire", root, rank, deployment, json_output,
          lambda s: tenant_keys.retire(s, tenant, dry_run=dry_run))

@@ -37,6 +37,8 @@ PLACEHOLDERS: dict[str, str] = {
     "--retries": "<n>",
     "--timeout": "<seconds>",
     "--tenant": "<tenant>",
+    "--sign-key": "<file>",
+    "--verify-key": "<file>",
 }
 
 
