@@ -30,12 +30,19 @@ Ratios are the store's throughput over the reference's, from the medians. Prints
     python scripts/bench_store.py [--dir /path/on/nvme] [--repeat 5]
     python scripts/bench_store.py --probe     # where inline hashing beats the helper thread
     python scripts/bench_store.py --tags      # cost of entry tags (decision 2011)
+    python scripts/bench_store.py --encrypted # cost of encryption at rest (decision 2800)
 
 ``--tags`` measures what a tag key costs, both sides in the same run, taking turns entry by
 entry: two stores, one opened with a tag key and one without, each committing the same
 entries (``put``, 64 KiB and 1 MiB), loading their manifests (``Store.manifest``: read,
 decode, digest, and on the keyed side the tag check) and doing a verified read of every entry
 (``lookup`` + ``read``, warm page cache); plus the tag computation alone.
+
+``--encrypted`` measures what encryption at rest costs (issue 33: encrypted commit and
+verified read each at least 0.9x the plain ones), both sides in the same run, taking turns
+entry by entry: two stores, one opened with a master key (AES-256-GCM objects of one tenant)
+and one without, each committing the same bytes (``put``) and reading them back verified
+(``read``: digest on the plain side, the GCM tag on the encrypted one; cold when root).
 """
 
 from __future__ import annotations
@@ -345,6 +352,45 @@ def bench_tags(base: Path, repeat: int, entries: int = 32) -> dict:
             "loadavg": [round(x, 2) for x in os.getloadavg()], "rows": rows}
 
 
+def bench_encrypted(base: Path, size: int, repeat: int) -> dict:
+    from spoolctl.store.sealing import MasterKey
+
+    key = MasterKey.from_hex(os.urandom(32).hex(), "bench")
+    times: dict[str, list[float]] = {"plain_commit": [], "enc_commit": [], "plain_read": [],
+                                     "enc_read": []}
+    was_cold = True
+    with Store.open(base / f"plain-{size}", create=True, master_key=None) as plain, \
+            Store.open(base / f"enc-{size}", create=True, master_key=key) as enc:
+        stores = {"plain": plain, "enc": enc}
+        warm = {side: s.put(kind="vllm", namespace="bench", key="warm",
+                            objects={"kv": os.urandom(64 * KiB)}) for side, s in stores.items()}
+        for i in range(repeat):
+            data = os.urandom(size)
+            order = ["plain", "enc"] if i % 2 == 0 else ["enc", "plain"]
+            committed: dict[str, Manifest] = {}
+            for side in order:
+                os.sync()
+                t = time.perf_counter()
+                committed[side] = stores[side].put(kind="vllm", namespace="bench",
+                                                   key=f"{size}-{i}", objects={"kv": data})
+                times[f"{side}_commit"].append(time.perf_counter() - t)
+            for side in order:
+                was_cold = cold(lambda s=side: stores[s].read(warm[s], "kv")) and was_cold
+                t = time.perf_counter()
+                view = stores[side].read(committed[side], "kv")
+                times[f"{side}_read"].append(time.perf_counter() - t)
+                assert len(view) == size
+
+    def mbps(name: str) -> float:
+        return round(size / statistics.median(times[name]) / MiB, 1)
+
+    out = {"size_mib": round(size / MiB, 3), "cold_reads": was_cold,
+           **{f"{name}_mib_s": mbps(name) for name in times}}
+    out["enc_commit_vs_plain"] = round(out["enc_commit_mib_s"] / out["plain_commit_mib_s"], 2)
+    out["enc_read_vs_plain"] = round(out["enc_read_mib_s"] / out["plain_read_mib_s"], 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
@@ -356,6 +402,8 @@ def main() -> None:
                         help="measure inline vs pipelined hashing of verified reads instead")
     parser.add_argument("--tags", action="store_true",
                         help="measure the cost of entry tags (keyed vs unkeyed store) instead")
+    parser.add_argument("--encrypted", action="store_true",
+                        help="measure encryption at rest (encrypted vs plain store) instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         base = Path(os.path.realpath(tmp))
@@ -364,6 +412,16 @@ def main() -> None:
             return
         if args.tags:
             print(json.dumps(bench_tags(base, args.repeat), indent=2))
+            return
+        if args.encrypted:
+            load = os.getloadavg()
+            print(json.dumps({
+                "benchmark": "store-encrypted",
+                "goal": {"enc_commit_vs_plain": 0.9, "enc_read_vs_plain": 0.9},
+                "repeat": args.repeat, "loadavg_before": [round(x, 2) for x in load],
+                "results": [bench_encrypted(base, int(float(s) * MiB), args.repeat)
+                            for s in args.sizes.split(",") if s],
+                "loadavg_after": [round(x, 2) for x in os.getloadavg()]}, indent=2))
             return
         load_before = os.getloadavg()
         results = [bench_single(base, int(s) * MiB, args.repeat)

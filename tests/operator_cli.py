@@ -20,14 +20,16 @@ ENV = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLCTL_")} | {
     "COLUMNS": "200", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run(*argv: str) -> tuple[int, str, str]:
-    """``spoolctl ARGV`` in this process: (exit code, stdout, stderr)."""
+def run(*argv: str, env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
+    """``spoolctl ARGV`` in this process: (exit code, stdout, stderr). ``env``: variables
+    set for the command only (e.g. a ``SPOOLCTL_*`` key source)."""
     from spoolctl.cli.app import main
 
     out, err = io.StringIO(), io.StringIO()
     code = 0
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SPOOLCTL_")}
     try:
+        os.environ.update(env or {})
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 main(list(argv))
@@ -42,8 +44,8 @@ def run(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def run_json(*argv: str, expect: int = 0) -> dict:
-    code, out, err = run(*argv, "--json")
+def run_json(*argv: str, expect: int = 0, env: Mapping[str, str] | None = None) -> dict:
+    code, out, err = run(*argv, "--json", env=env)
     assert code == expect, (argv, code, out, err)
     return json.loads(out)
 

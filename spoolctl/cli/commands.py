@@ -15,6 +15,7 @@ from . import (
     clean_cmds,
     entry_cmds,
     health_cmds,
+    keys_cmds,
     prefill,
     quarantine_cmds,
     scrub_cmds,
@@ -24,7 +25,7 @@ from . import (
 )
 
 MODULES = (store_cmds, entry_cmds, clean_cmds, health_cmds, scrub_cmds, quarantine_cmds,
-           prefill, transfer_cmds, vllm_config)
+           keys_cmds, prefill, transfer_cmds, vllm_config)
 
 
 def register(app: typer.Typer) -> None:

@@ -80,7 +80,10 @@ DOCUMENTS: tuple[Document, ...] = (
         "genai": "GenAI records: `entries`, `expired`, `malformed`, `next_expiry_in_s`",
         "filesystem": "the store's filesystem: free bytes, inodes and free inodes",
         "models": "per PyTorch/MLX model namespace: model, weights, last use, entries, bytes, "
-                  "verdict (`current`, `unused`, `superseded`)"}),
+                  "verdict (`current`, `unused`, `superseded`)"},
+        optional={"encryption": "an encrypted store (decision 2800): `master_key` (`key_id`, "
+                                "`matches_keyring`; null: none configured), `tenants`, "
+                                "`entries_by_version`, `unreadable_entries`"}),
     Document("ls", "Entries, newest access first by default.", {
         "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows",
         "being_deleted": "entries an interrupted clean is deleting (not listed; the next "
@@ -143,7 +146,9 @@ DOCUMENTS: tuple[Document, ...] = (
         "output": "file or -", "entries": "entries exported", "objects": "objects exported",
         "bytes": "payload bytes", "archive_bytes": "archive bytes", "seconds": "run time",
         "bytes_per_second": "rate", "left_out": "entries not taken (and why)",
-        "stores": "per source store", "exit": "exit code"}),
+        "stores": "per source store", "exit": "exit code"},
+        optional={"signature": "with --sign-key: the `.sig` file written next to the archive "
+                               "(decision 2800)"}),
     Document("import", "What was imported.", {
         "schema": SCHEMA, "source": "archive, - or peer root", "target": "--root",
         "kind": "store, deployment, base or empty (a path not there yet, too)",

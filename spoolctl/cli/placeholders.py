@@ -36,6 +36,9 @@ PLACEHOLDERS: dict[str, str] = {
     "--concurrency": "<n>",
     "--retries": "<n>",
     "--timeout": "<seconds>",
+    "--tenant": "<tenant>",
+    "--sign-key": "<file>",
+    "--verify-key": "<file>",
 }
 
 

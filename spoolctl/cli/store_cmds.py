@@ -18,7 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from spoolctl.store import Store, StoreFacts, parse_size
+from spoolctl.store import Store, StoreFacts, parse_size, tenant_keys
 from spoolctl.store.root import MARKER
 
 from . import render
@@ -172,6 +172,8 @@ def status(
             facts = store.facts()
             doc = status_doc(store, facts)
             doc["models"] = models_doc(store)
+            if (encryption := tenant_keys.summary(store)) is not None:
+                doc["encryption"] = encryption
         emit(doc, json_output=json_output, view=_status_view)
         attention = facts.needs_attention or bool(doc["genai"]["malformed"])
         finish(EXIT_FINDINGS if check and attention else EXIT_OK)
@@ -227,6 +229,14 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
                   f"  ({slot['released']} released)")
     t.add_row("released", f"{doc['released']['entries']} waiting for cleanup  "
               f"{render.size(doc['released']['bytes'])}")
+    if (enc := doc.get("encryption")) is not None:
+        mk = enc["master_key"]
+        key = "no master key configured: encrypted entries are misses" if mk is None else \
+            f"master key {mk['key_id']}" + ("" if mk["matches_keyring"] else " (NOT this "
+                                           "store's: encrypted entries are misses)")
+        by = ", ".join(f"v{v} {n}" for v, n in sorted(enc["entries_by_version"].items()))
+        t.add_row("encryption", f"{key}; {enc['tenants']} tenants; entries by key version: "
+                  f"{by or 'none'}; {enc['unreadable_entries']} unreadable")
     q = doc["quarantined"]
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(q["by_reason"].items()))
     shown = f"{q['items']} items  {render.size(q['bytes'])}" + (f"  ({reasons})" if reasons else "")

@@ -225,6 +225,9 @@ def export_cmd(
     progress: ProgressOption = None,
     json_output: JsonOption = False,
     old_max_size: DeprecatedMaxSize = None,
+    sign_key: Annotated[str | None, typer.Option(
+        "--sign-key", help="Sign the archive with this Ed25519 private key (PEM): writes "
+        "<output>.sig next to it (needs -o FILE).", show_default=False)] = None,
 ) -> None:
     """Write selected entries as one streaming, verified archive (tar) to a file or stdout.
 
@@ -246,6 +249,14 @@ def export_cmd(
     selection = _selection(kind, namespace, None,
                            None if hint is ExportHint.any else hint.value, max_size)
     source = export_source(root, rank, deployment)
+    signer = None
+    if sign_key is not None:
+        from spoolctl.store.archive_sign import load_signing_key
+
+        if output == "-":
+            raise ConfigError("--sign-key needs an archive file (the signature is written "
+                              "next to it)", fix="pass -o FILE")
+        signer = load_signing_key(Path(sign_key).expanduser())
     show = _want_progress(progress, json_output)
     bar = _Progress("export", show)
     try:
@@ -269,6 +280,10 @@ def export_cmd(
         raise
     doc = export_doc(report.to_json(), source)
     doc["output"] = output
+    if signer is not None:
+        from spoolctl.store.archive_sign import sign
+
+        doc["signature"] = str(sign(Path(output).expanduser(), signer))
     if json_output:
         emit_json(doc)  # on stderr with -o - (JsonState.to_stderr)
     else:
@@ -319,6 +334,12 @@ def import_cmd(
     progress: ProgressOption = None,
     json_output: JsonOption = False,
     old_max_size: DeprecatedMaxSize = None,
+    require_signed: Annotated[bool, typer.Option(
+        "--require-signed", help="Refuse the archive, before importing anything, unless its "
+        "<archive>.sig verifies under --verify-key.")] = False,
+    verify_key: Annotated[str | None, typer.Option(
+        "--verify-key", help="The fleet's Ed25519 public key (PEM) for --require-signed.",
+        show_default=False)] = None,
 ) -> None:
     """Import an archive (or a peer's store root): verify every byte, then publish.
 
@@ -345,6 +366,18 @@ def import_cmd(
         raise ConfigError("--limit-size selects entries from a store root", fix="limit an "
                           "archive when exporting it (spoolctl export --limit-size)")
 
+    public = None
+    if require_signed or verify_key is not None:
+        from spoolctl.store.archive_sign import load_verify_key
+
+        if not (require_signed and verify_key is not None):
+            raise ConfigError("--require-signed and --verify-key go together",
+                              fix="pass both: --require-signed --verify-key fleet.pub")
+        if source == "-" or is_dir:
+            raise ConfigError("--require-signed needs an archive file (its signature is the "
+                              ".sig next to it)", fix="save the archive to a file first")
+        public = load_verify_key(Path(verify_key).expanduser())
+
     def wants(manifest: Any) -> bool:
         return selection.wants(manifest.kind, manifest.namespace)
 
@@ -362,6 +395,12 @@ def import_cmd(
                     kinds=selection.kinds, namespaces=selection.namespaces,
                     deployments=tuple(deployment or ()), max_bytes=selection.max_bytes),
                     layout=peer_source(peer))
+            elif public is not None:
+                from spoolctl.store.archive_sign import verified_copy
+
+                with verified_copy(Path(source).expanduser(), public) as copy, \
+                        _archive_source(str(copy)) as stream:
+                    report = importer.from_archive(stream, source)
             else:
                 with _archive_source(source) as stream:
                     report = importer.from_archive(stream, source)

@@ -13,8 +13,9 @@ import contextlib
 import logging
 import threading
 
-from spoolctl.store import Store
+from spoolctl.store import ConfigError, Store
 from spoolctl.store.entry_tags import TagKey
+from spoolctl.store.sealing import refuse_encrypted
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -34,6 +35,11 @@ class OpenStores:
             held = self._open.get(root)
             if held is None:
                 store = Store.open(root, create=create, max_bytes=max_bytes, tag_key=tag_key)
+                try:
+                    refuse_encrypted(store, "the vLLM connector")
+                except ConfigError:
+                    store.close()
+                    raise
                 self._open[root] = (store, 1)
                 return store
             store, users = held

@@ -41,6 +41,7 @@ from google import genai
 
 from spoolctl.store import ConfigError, NotFoundError, SpoolError, Store, entry_id_for
 from spoolctl.store.rows import MalformedRow
+from spoolctl.store.sealing import refuse_encrypted
 
 from .contract import CacheHandle, CachePrepareParams, GenerateResult
 from .flight import Flight, PrepareFlights
@@ -126,6 +127,10 @@ class GoogleGenAICacheController:
         self.clock = clock
         self._owns_store = not isinstance(store, Store)
         self.store = Store.open(os.fspath(store), create=True) if self._owns_store else store
+        if self.store.sealer is not None:  # no tenant= yet (decision 2800): fail closed
+            if self._owns_store:
+                self.store.close()
+            refuse_encrypted(self.store, "the google-genai controller")
         self._stats = GenaiStats()
         self._params: dict[str, CachePrepareParams] = {}  # ref -> params, for generate()
         self._lock = threading.Condition()

@@ -62,6 +62,7 @@ from spoolctl.store import (
 )
 from spoolctl.store.locks import hold
 from spoolctl.store.root import MARKER as ROOT_MARKER
+from spoolctl.store.sealing import refuse_encrypted
 
 from .contract import CacheHandle, CachePrepareParams, GenerateResult, KVBackend
 from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
@@ -168,6 +169,10 @@ class LocalCacheController:
                                      else default_max_bytes(self._managed))
         else:
             self._store = _open_store(root, max_bytes=max_bytes, read_only=read_only)
+        if self._store.sealer is not None:  # no tenant= yet (decision 2800): fail closed
+            if self._owns_store:
+                self._store.close()
+            refuse_encrypted(self._store, "the local prompt-cache controllers")
         self._lock = threading.Condition(threading.RLock())
         self._flights = PrepareFlights(self._lock)
         self._memory: OrderedDict[str, Loaded] = OrderedDict()

@@ -590,6 +590,33 @@ class Catalog:
     def all_digests(self) -> set[str]:
         return {r[0] for r in self._read("SELECT digest FROM objects")}
 
+    # -- encrypted entries (decision 2800) --------------------------------------------
+
+    def sealed_counts(self) -> list[tuple[str, int, int, int]]:
+        """``(tenant id, key version, entries, bytes)`` of the committed, retained encrypted
+        entries (their index's ``sealed`` fact)."""
+        return [(str(t), int(v), int(n), int(b)) for t, v, n, b in self._read(
+            f"SELECT {_TENANT}, {_VERSION}, count(*), sum(size) FROM entries "
+            f"WHERE state='committed' AND hint='retain' AND json_valid(index_json) "
+            f"AND {_TENANT} IS NOT NULL GROUP BY 1, 2") if isinstance(v, int)]
+
+    def release_sealed(self, tenant_id: str, below: int | None, now: float,
+                       dry_run: bool = False) -> tuple[int, int]:
+        """Release the committed entries of ``tenant_id`` (with a key version below ``below``;
+        None: all); returns (entries, bytes). ``dry_run`` only counts them."""
+        where = (f"state='committed' AND hint='retain' AND json_valid(index_json) "
+                 f"AND {_TENANT} = ? AND (? IS NULL OR {_VERSION} < ?)")
+        params = (tenant_id, below, below)
+        count = f"SELECT count(*), coalesce(sum(size), 0) FROM entries WHERE {where}"
+        if dry_run:
+            n, size = self._read(count, params)[0]
+            return int(n), int(size)
+        with self._write() as db:  # counted and released in one transaction
+            n, size = db.execute(count, params).fetchone()
+            db.execute(f"UPDATE entries SET hint='release', last_access=? WHERE {where}",
+                       (now, *params))
+        return int(n), int(size)
+
     # -- deletion ---------------------------------------------------------------------
 
     def delete_entries(self, entry_ids: Iterable[Any]) -> list[tuple[str, int]]:
@@ -652,6 +679,10 @@ def _rows_and_refs(entries: Iterable[tuple[Manifest, int]], state: str,
                          else last_access, hint, state))
         refs += [(manifest.entry_id, r.digest, r.size) for r in manifest.objects]
     return rows, refs
+
+
+_TENANT = "json_extract(index_json, '$.sealed.tenant')"
+_VERSION = "json_extract(index_json, '$.sealed.version')"
 
 
 def _chunks(items: list[str], n: int) -> Iterator[list[str]]:

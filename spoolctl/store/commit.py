@@ -99,6 +99,7 @@ class PutRequest:
     meta: Mapping[str, Any] | None = None
     index: Mapping[str, Any] | None = None
     supersedes: str | None = None
+    tenant: str | None = None  # encrypted stores: whose keys seal it (decision 2800)
 
 
 @dataclass

@@ -64,6 +64,18 @@ class NotFoundError(SpoolError):
     """The entry (or quarantine item) does not exist; for a cache this is a miss."""
 
 
+class KeyUnavailableError(NotFoundError):
+    """An encrypted entry whose data key is gone (revoked, retired) or whose master key is not
+    the one configured: a miss, never corruption; nothing is quarantined (decision 2800)."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, fix: str | None = None,
+                 erased: bool = False):
+        super().__init__(message, path=path, fix=fix)
+        # True when the configured master key owns the keyring and the key is simply gone
+        # (revoked or retired): the entry can never be read again and may be released.
+        self.erased = erased
+
+
 class BusyError(SpoolError):
     """A lock or lease could not be taken within its timeout."""
 

@@ -44,6 +44,7 @@ from .errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from .fsio import open_for_read
 from .manifest import Manifest, ObjectRef, encode
 from .places import RootContents, find_stores
+from .sealing import sealed_fact
 from .selection import Candidate, Selection, plan, resolve_deployments
 from .store import Store
 
@@ -223,7 +224,10 @@ def _load(store: Store, c: Candidate) -> _Loaded:
     try:
         manifest = store.manifest(c.entry_id)
         unique = {ref.digest: ref for ref in manifest.objects}
-        if sum(r.size for r in unique.values()) > ENTRY_BUFFER:
+        # An encrypted entry travels as its ciphertext, streamed and checked against its
+        # keyless digest like a large one (decision 2800): the exporter needs no key.
+        if sealed_fact(manifest.index) is not None or \
+                sum(r.size for r in unique.values()) > ENTRY_BUFFER:
             return _Loaded("ok", manifest, encode(manifest), large=True)
         payloads = {d: store.read(manifest, ref.name) for d, ref in unique.items()}
     except NotFoundError:

@@ -37,11 +37,13 @@ def payload_size(value: BytesLike) -> int:
 
 
 def check_put(*, kind: str, namespace: str, key: str, objects: Any, meta: Any, index: Any,
-              supersedes: Any) -> str:
+              supersedes: Any, tenant: Any = None) -> str:
     """Validate the arguments of ``Store.put``; return the entry id.
 
     Raises InvalidIdError / ConfigError naming what is wrong and how to fix it."""
     entry_id = entry_id_for(kind, namespace, key)
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise ConfigError("tenant must be a non-empty string", fix="pass the tenant's name")
     if not isinstance(objects, Mapping):
         raise ConfigError("objects must be a mapping of object name to payload",
                           fix='pass e.g. objects={"kv": data}')

@@ -42,6 +42,10 @@ Contract (see docs/format.md for the on-disk format):
   ``SPOOLCTL_TAG_KEY``), every commit tags its manifest and ``manifest`` -- the one way
   every reader gets a manifest -- refuses one without a valid tag: quarantined
   (``auth_tag``) and a miss, never handed on (decision 2011).
+* With a master key (``sealing``; by default from ``SPOOLCTL_MASTER_KEY_FILE`` /
+  ``SPOOLCTL_MASTER_KEY`` / ``SPOOLCTL_MASTER_KEY_COMMAND``), every commit seals its objects
+  under its tenant's key (``put(..., tenant=)``) and ``read`` decrypts them; an entry whose key
+  is gone is a miss (KeyUnavailableError), never quarantined (decision 2800).
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from .errors import (
     BusyError,
     ConfigError,
     CorruptionError,
+    KeyUnavailableError,
     ManifestError,
     NotFoundError,
     QuarantineReason,
@@ -96,6 +101,7 @@ from .recovery import ReconcileReport, Recovery
 from .reserve import Reserve
 from .root import Layout, Marker, check_root_path, create_or_adopt
 from .rows import index_problem
+from .sealing import MasterKey, Sealer, open_sealer, seal_request, sealed_fact
 
 log = logging.getLogger("spoolctl.store")
 
@@ -119,9 +125,10 @@ class Store:
 
     def __init__(self, layout: Layout, marker: Marker, *, lock_timeout: float,
                  read_only: bool = False, tag_key: TagKey | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, sealer: Sealer | None = None):
         self.layout = layout
         self.tag_key = tag_key
+        self.sealer = sealer
         # Wall-clock seconds for the LRU clock and commit times (last access, created);
         # injectable so that tests order entries without sleeping.
         self.clock = clock
@@ -164,6 +171,7 @@ class Store:
         read_only: bool = False,
         tag_key: TagKey | None = FROM_ENVIRONMENT,
         clock: Callable[[], float] = time.time,
+        master_key: MasterKey | None = FROM_ENVIRONMENT,
     ) -> Store:
         """Open (or with ``create`` make) the store at ``root``.
 
@@ -185,12 +193,19 @@ class Store:
 
         ``clock``: the wall clock (seconds) for last-access and commit times, ``time.time``
         unless a test injects one.
+
+        ``master_key``: encryption at rest (``sealing``, decision 2800); by default from the
+        environment (None: off); a key file inside the root is refused (ConfigError).
         """
         path = check_root_path(root)
         if tag_key is FROM_ENVIRONMENT:
             tag_key = TagKey.from_environment()
         if tag_key is not None:
             tag_key.check_outside(path)
+        if master_key is FROM_ENVIRONMENT:
+            master_key = MasterKey.from_environment()
+        if master_key is not None:
+            master_key.check_outside(path)
         if read_only and (create or max_bytes is not None):
             raise ConfigError("a read-only open cannot create a store or set its max size",
                               fix="drop create/max_bytes, or open it writable")
@@ -201,8 +216,10 @@ class Store:
         except PermissionError as exc:
             raise ConfigError("permission denied opening the store", path=exc.filename or path,
                               fix="run as the store's owner or fix its permissions") from None
+        sealer = open_sealer(layout.state, layout.tmp, lock_timeout=lock_timeout,
+                             read_only=read_only, master=master_key)
         store = cls(layout, marker, lock_timeout=lock_timeout, read_only=read_only,
-                    tag_key=tag_key, clock=clock)
+                    tag_key=tag_key, clock=clock, sealer=sealer)
         if read_only:
             store._catalogs.open_read_only()
             store.unknown_files = store._recovery.unknown_top_level()
@@ -297,6 +314,7 @@ class Store:
         index: Mapping[str, Any] | None = None,
         supersedes: str | None = None,
         evict: bool = True,
+        tenant: str | None = None,
     ) -> Manifest:
         """Commit one entry (manifest-last) and return its manifest.
 
@@ -310,8 +328,12 @@ class Store:
         Bad arguments raise ConfigError / InvalidIdError before anything is written
         (``inputs.check_put``); a streamed payload that grows past the size budget raises
         CapacityError while it streams, leaving nothing on disk.
+        ``tenant``: on an encrypted store, whose keys seal the entry (None: the default
+        tenant); the entry is then found only with the same tenant (``lookup``).
         """
-        request = PutRequest(kind, namespace, key, objects, meta, index, supersedes)
+        request = PutRequest(kind, namespace, key, objects, meta, index, supersedes, tenant)
+        check_put(**request.__dict__)
+        request = seal_request(self.sealer, request)
         entry_id = check_put(**request.__dict__)
         self._writable("committing an entry")
         outcome = self._commit([Pending(entry_id, request=request)], evict)[0]
@@ -344,6 +366,8 @@ class Store:
                     raise ConfigError(f"put_many takes PutRequest items, got {type(r).__name__}",
                                       fix="pass PutRequest(kind=..., namespace=..., key=..., "
                                           "objects=...)")
+                check_put(**r.__dict__)
+                r = seal_request(self.sealer, r)
                 pending.append(Pending(check_put(**r.__dict__), request=r))
             except SpoolError as exc:
                 pending.append(Pending("", outcome=PutOutcome("", "failed", error=exc)))
@@ -392,13 +416,22 @@ class Store:
 
     # -- lookup and read ----------------------------------------------------------------
 
-    def entry_id(self, kind: str, namespace: str, key: str) -> str:
-        return entry_id_for(kind, namespace, key)
+    def entry_id(self, kind: str, namespace: str, key: str, *, tenant: str | None = None) -> str:
+        return entry_id_for(kind, namespace, self._stored_key(key, tenant))
 
-    def lookup(self, kind: str, namespace: str, key: str, *, touch: bool = True) -> Manifest | None:
-        """The live manifest for ``key``, or None (a miss). Never raises on corruption:
-        a bad manifest is quarantined and reported as a miss."""
-        entry_id = entry_id_for(kind, namespace, key)
+    def _stored_key(self, key: str, tenant: str | None) -> str:
+        """The key an entry of ``tenant`` is stored under (``sealing.seal_request``)."""
+        if self.sealer is None:
+            seal_request(None, PutRequest("", "", "", {}, tenant=tenant))  # refuses a tenant
+            return key
+        return self.sealer.sealed_key(tenant, key)
+
+    def lookup(self, kind: str, namespace: str, key: str, *, touch: bool = True,
+               tenant: str | None = None) -> Manifest | None:
+        """The live manifest for ``key`` (of ``tenant`` on an encrypted store), or None (a
+        miss). Never raises on corruption: a bad manifest is quarantined and reported as a
+        miss."""
+        entry_id = self.entry_id(kind, namespace, key, tenant=tenant)
         if not self.live([entry_id]):
             return None
         try:
@@ -461,8 +494,20 @@ class Store:
         """
         ref = manifest.object(name)
         path = self.layout.object_path(ref.digest)
+        sealed = sealed_fact(manifest.index)
         try:
+            if sealed is not None:  # one pass: the AEAD tag is the check (decision 2800)
+                if self.sealer is None:
+                    raise KeyUnavailableError(f"entry {manifest.entry_id} is encrypted and no "
+                                              "master key is configured", path=self.root,
+                                              fix="configure the master key (docs/runbook.md)")
+                return self.sealer.open(path, ref.size, into)
             return read_verified(path, digest=ref.digest, size=ref.size, into=into)
+        except KeyUnavailableError as exc:
+            if exc.erased and not self.read_only:  # crypto-erased: out of reuse, for `clean`
+                with contextlib.suppress(SpoolError):
+                    self.release(manifest.entry_id)
+            raise
         except CorruptionError as exc:
             exc.entry_id = manifest.entry_id
             if not self.read_only:

@@ -1,0 +1,583 @@
+"""Encryption at rest with per-tenant keys (decision 2800): the master key, the store's keyring
+of wrapped data keys, and sealed (AES-256-GCM) objects.
+
+Off unless a master key is configured; then ``cryptography`` is needed (the ``crypto`` extra)
+and is imported here only. Contracts:
+
+* ``MasterKey.from_environment`` reads exactly one of ``SPOOLCTL_MASTER_KEY_FILE``,
+  ``SPOOLCTL_MASTER_KEY`` or ``SPOOLCTL_MASTER_KEY_COMMAND`` (64 hex characters; the command's
+  stdout, for a KMS/Vault agent); None when none is set; ConfigError (one line) otherwise.
+  The key is never shown: only ``key_id``.
+* ``Keyring`` (``state/keyring.json``) holds one random data key per (tenant id, version),
+  wrapped under a key derived from the master key. Every change is made under
+  ``state/keyring.lock`` and written atomically (temp file, fsync, rename, fsync the
+  directory); readers reload it when the file changed, so a revoke in one process is seen by
+  the next read of every other process. Versions are never reused: a revoked tenant's next
+  key is a new version.
+* ``Sealer.seal`` returns ``HEADER | ciphertext | tag`` for one payload; ``Sealer.open``
+  reads one object and decrypts it in one pass (the GCM tag is the integrity check), raising
+  ``KeyUnavailableError`` (a miss, nothing quarantined) when the key is gone and
+  ``CorruptionError`` when the tag fails.
+* Tenant names are never stored: ``tenant_id`` is an opaque 16-hex id derived with the master
+  key; entry keys of a tenant are replaced by a keyed hash (``sealed_key``), so equal prompts of
+  two tenants give unrelated entry ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import secrets
+import shlex
+import stat
+import struct
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from .commit import PutRequest
+from .errors import ConfigError, CorruptionError, KeyUnavailableError, QuarantineReason
+from .fsio import SpecialFileError, fsync_dir, open_for_read, write_tmp
+from .locks import hold
+
+FILE_ENV = "SPOOLCTL_MASTER_KEY_FILE"
+VALUE_ENV = "SPOOLCTL_MASTER_KEY"
+COMMAND_ENV = "SPOOLCTL_MASTER_KEY_COMMAND"
+COMMAND_TIMEOUT = 10.0
+KEYRING_SCHEMA = "spoolctl-keyring/v1"
+DEFAULT_TENANT = "default"
+INDEX_FIELD = "sealed"  # the manifest index fact: {"tenant": tid, "version": n}
+
+MAGIC = b"SPS1"
+NONCE_BYTES = 12
+TAG_BYTES = 16
+# MAGIC | tenant id (8 bytes) | key version (u32, big endian) | nonce
+_HEADER = struct.Struct(">4s8sI12s")
+HEADER_BYTES = _HEADER.size
+OVERHEAD = HEADER_BYTES + TAG_BYTES
+
+_KEY_RE = re.compile(r"[0-9a-fA-F]{64}")
+_TID_RE = re.compile(r"[0-9a-f]{16}")
+_MAX_KEY_FILE = 4096
+_MAX_KEYRING = 16 << 20
+_EXTRA_FIX = "install the extra: pip install 'spoolctl[crypto]' (or unset the master key)"
+
+
+def _crypto() -> Any:
+    """The ``cryptography`` pieces used here; ConfigError naming the extra when absent."""
+    try:
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError:
+        raise ConfigError("encryption at rest is configured but the `cryptography` package "
+                          "is not installed", fix=_EXTRA_FIX) from None
+    return _Lib(InvalidTag, hashes, Cipher, algorithms, modes, AESGCM, HKDF)
+
+
+@dataclass(frozen=True)
+class _Lib:
+    InvalidTag: Any
+    hashes: Any
+    Cipher: Any
+    algorithms: Any
+    modes: Any
+    AESGCM: Any
+    HKDF: Any
+
+
+# -- the master key ------------------------------------------------------------------------
+
+
+class MasterKey:
+    """The 32-byte master key. ``source`` names where it came from; the key is never shown."""
+
+    __slots__ = ("_key", "_lib", "key_id", "source")
+
+    def __init__(self, key: bytes, source: str):
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise ConfigError("a master key is 32 bytes", fix="generate one: openssl rand -hex 32")
+        self._lib = _crypto()
+        self._key = key
+        self.source = source
+        self.key_id = self.derive(b"key-id").hex()[:16]
+
+    def __repr__(self) -> str:
+        return f"MasterKey(id={self.key_id}, source={self.source!r})"
+
+    def derive(self, label: bytes, length: int = 32) -> bytes:
+        """HKDF-SHA256 of the master key for ``label`` (each use has its own label)."""
+        lib = self._lib
+        return lib.HKDF(algorithm=lib.hashes.SHA256(), length=length, salt=None,
+                        info=b"spoolctl/v1 " + label).derive(self._key)
+
+    @classmethod
+    def from_hex(cls, text: str, source: str) -> MasterKey:
+        text = text.strip()
+        if not _KEY_RE.fullmatch(text):
+            raise ConfigError(f"{source} does not hold a master key (64 hex characters)",
+                              fix="write one with: openssl rand -hex 32")
+        return cls(bytes.fromhex(text), source)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> MasterKey:
+        """The key in ``path``: an absolute path to a regular file (not a symlink) owned by
+        this user or root, with no access for group or others; ConfigError otherwise."""
+        path = Path(path)
+        if not path.is_absolute():
+            raise ConfigError("the master key file must be an absolute path", path=path,
+                              fix=f"set {FILE_ENV} to an absolute path")
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+            getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            why = "is a symlink" if exc.errno == errno.ELOOP else \
+                f"cannot be read ({os.strerror(exc.errno or 0)})"
+            raise ConfigError(f"the master key file {why}", path=path,
+                              fix="point at the real key file, readable by this user") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError("the master key file is not a regular file", path=path,
+                                  fix="write the key into a regular file")
+            if st.st_uid not in (os.geteuid(), 0):
+                raise ConfigError("the master key file belongs to another user", path=path,
+                                  fix="own it by the service account or root")
+            if st.st_mode & 0o077:
+                raise ConfigError(f"the master key file has mode {stat.S_IMODE(st.st_mode):04o}:"
+                                  " its group or others can access it", path=path,
+                                  fix=f"chmod 600 {path}")
+            data = os.read(fd, _MAX_KEY_FILE + 1)
+        finally:
+            os.close(fd)
+        text = data.decode("ascii", "replace") if len(data) <= _MAX_KEY_FILE else ""
+        return cls.from_hex(text, str(path))
+
+    @classmethod
+    def from_command(cls, command: str) -> MasterKey:
+        """The key printed by ``command`` (split like a shell would, run without one)."""
+        try:
+            argv = shlex.split(command)
+        except ValueError as exc:
+            raise ConfigError(f"{COMMAND_ENV} cannot be parsed ({exc})",
+                              fix="quote it as a shell would") from None
+        if not argv:
+            raise ConfigError(f"{COMMAND_ENV} is empty", fix="name the command that prints the key")
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                                  timeout=COMMAND_TIMEOUT, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            why = "timed out" if isinstance(exc, subprocess.TimeoutExpired) else \
+                f"could not start ({exc.strerror or exc})"
+            raise ConfigError(f"the master key command {why}", path=argv[0],
+                              fix=f"check {COMMAND_ENV}") from None
+        if done.returncode != 0:
+            raise ConfigError(f"the master key command exited with {done.returncode}",
+                              path=argv[0], fix=f"run it by hand to see why ({COMMAND_ENV})")
+        out = done.stdout[:_MAX_KEY_FILE].decode("ascii", "replace")
+        return cls.from_hex(out, f"the output of {COMMAND_ENV}")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> MasterKey | None:
+        """The key from exactly one of the three variables; None when none is set."""
+        env = os.environ if environ is None else environ
+        given = [(name, env.get(name)) for name in (FILE_ENV, VALUE_ENV, COMMAND_ENV)
+                 if env.get(name)]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(n for n, _ in given)} are all set",
+                              fix="set only one source of the master key")
+        name, value = given[0]
+        assert value is not None
+        if name == FILE_ENV:
+            return cls.from_file(value)
+        if name == VALUE_ENV:
+            return cls.from_hex(value, VALUE_ENV)
+        return cls.from_command(value)
+
+    def check_outside(self, root: Path) -> None:
+        """ConfigError if the key file lies inside the store root."""
+        if not self.source.startswith("/"):
+            return
+        real, base = os.path.realpath(self.source), os.path.realpath(root)
+        if real == base or real.startswith(base.rstrip("/") + "/"):
+            raise ConfigError("the master key file is inside the store root", path=self.source,
+                              fix="keep the key outside the store (e.g. /etc/spoolctl/master.key)")
+
+
+# -- the keyring ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TenantKeys:
+    """What the keyring holds for one tenant id: live versions, the current one, the next."""
+
+    tenant_id: str
+    versions: tuple[int, ...]
+    current: int | None
+    next_version: int
+
+
+class Keyring:
+    """``state/keyring.json``: data keys wrapped under the master key (see module docstring)."""
+
+    def __init__(self, state: Path, tmp: Path, master: MasterKey, *, lock_timeout: float,
+                 read_only: bool = False):
+        self.path = state / "keyring.json"
+        self._lock = state / "keyring.lock"
+        self._tmp = tmp
+        self._master = master
+        self._kek = master._lib.AESGCM(master.derive(b"key-wrapping"))
+        self._lock_timeout = lock_timeout
+        self._read_only = read_only
+        self._seen: tuple[int, int, int] | None = None
+        self._doc: dict[str, Any] = _empty(master.key_id)
+        self._keys: dict[tuple[str, int], bytes] = {}
+
+    # reading
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def refresh(self) -> dict[str, Any]:
+        """The keyring as it is on disk now (reloaded only when the file changed)."""
+        sig = self._signature()
+        if sig != self._seen:
+            self._doc = self._load() if sig is not None else _empty(self._master.key_id)
+            self._keys = {}
+            self._seen = sig
+        return self._doc
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            fd = open_for_read(self.path)
+        except (OSError, SpecialFileError) as exc:
+            raise ConfigError(f"the keyring cannot be read ({exc})", path=self.path,
+                              fix="run as the store's owner; restore it from backup if lost") \
+                from None
+        try:
+            data = os.read(fd, _MAX_KEYRING + 1)
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or doc.get("schema") != KEYRING_SCHEMA or \
+                    not isinstance(doc.get("tenants"), dict):
+                raise ValueError("not a keyring")
+        except ValueError:
+            raise ConfigError("the keyring is not valid", path=self.path,
+                              fix="restore state/keyring.json from backup; without it the "
+                                  "encrypted entries are lost (they are misses)") from None
+        return doc
+
+    @property
+    def master_matches(self) -> bool:
+        """False when the keyring was written under another master key (lost or wrong key)."""
+        return self.refresh().get("master_id") == self._master.key_id
+
+    def tenants(self) -> list[TenantKeys]:
+        out = []
+        for tid, rec in sorted(self.refresh()["tenants"].items()):
+            versions = tuple(sorted(int(v) for v in rec.get("keys", {})))
+            out.append(TenantKeys(tid, versions, versions[-1] if versions else None,
+                                  int(rec.get("next", 1))))
+        return out
+
+    def data_key(self, tid: str, version: int) -> bytes | None:
+        """The data key of ``tid`` at ``version``, or None (revoked, retired, never made, or
+        the keyring belongs to another master key)."""
+        doc = self.refresh()
+        cached = self._keys.get((tid, version))
+        if cached is not None:
+            return cached
+        rec = doc["tenants"].get(tid)
+        wrapped = rec.get("keys", {}).get(str(version)) if isinstance(rec, dict) else None
+        if not isinstance(wrapped, str) or doc.get("master_id") != self._master.key_id:
+            return None
+        try:
+            key = self._kek.decrypt(bytes.fromhex(wrapped[:24]), bytes.fromhex(wrapped[24:]),
+                                    _wrap_aad(tid, version))
+        except (ValueError, self._master._lib.InvalidTag):
+            return None
+        self._keys[(tid, version)] = key
+        return key
+
+    def current(self, tid: str) -> tuple[int, bytes]:
+        """The version and key new objects of ``tid`` are sealed with (made on first use)."""
+        rec = self.refresh()["tenants"].get(tid)
+        if isinstance(rec, dict) and rec.get("keys"):
+            version = max(int(v) for v in rec["keys"])
+            key = self.data_key(tid, version)
+            if key is not None:
+                return version, key
+        self._change(lambda doc: self._add_version(doc, tid, only_if_none=True))
+        rec = self.refresh()["tenants"][tid]
+        version = max(int(v) for v in rec["keys"])
+        key = self.data_key(tid, version)
+        if key is None:
+            raise KeyUnavailableError("the keyring was written under another master key",
+                                      path=self.path, fix="configure the store's master key")
+        return version, key
+
+    # changing
+
+    def rotate(self, tids: list[str] | None = None) -> dict[str, int]:
+        """Add a new current version for ``tids`` (default: every tenant); returns them."""
+        made: dict[str, int] = {}
+
+        def change(doc: dict[str, Any]) -> None:
+            for tid in (tids if tids is not None else list(doc["tenants"])):
+                made[tid] = self._add_version(doc, tid, only_if_none=False)
+        self._change(change)
+        return made
+
+    def revoke(self, tid: str) -> list[int]:
+        """Erase every data key of ``tid``; returns the versions erased."""
+        return self.retire(tid, below=None)
+
+    def retire(self, tid: str, below: int | None) -> list[int]:
+        """Erase the data keys of ``tid`` with a version below ``below`` (None: all)."""
+        gone: list[int] = []
+
+        def change(doc: dict[str, Any]) -> None:
+            keys = doc["tenants"].get(tid, {}).get("keys", {})
+            for v in sorted(int(v) for v in keys):
+                if below is None or v < below:
+                    del keys[str(v)]
+                    gone.append(v)
+        self._change(change)
+        return gone
+
+    def _add_version(self, doc: dict[str, Any], tid: str, *, only_if_none: bool) -> int:
+        rec = doc["tenants"].setdefault(tid, {"next": 1, "keys": {}})
+        if only_if_none and rec["keys"]:
+            return max(int(v) for v in rec["keys"])
+        version = int(rec["next"])
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        wrapped = self._kek.encrypt(nonce, secrets.token_bytes(32), _wrap_aad(tid, version))
+        rec["keys"][str(version)] = nonce.hex() + wrapped.hex()
+        rec["next"] = version + 1
+        return version
+
+    def _change(self, change: Any) -> None:
+        if self._read_only:
+            from .errors import ReadOnlyError
+            raise ReadOnlyError("the store is open read-only: its keyring cannot change",
+                                path=self.path, fix="open it writable (as its owner)")
+        with hold(self._lock, exclusive=True, timeout=self._lock_timeout,
+                  what="changing the keyring"):
+            self._seen = None
+            doc = self.refresh()
+            if doc.get("master_id") != self._master.key_id:
+                raise KeyUnavailableError(
+                    "the keyring was written under another master key", path=self.path,
+                    fix="configure the master key this store was made with (docs/runbook.md, "
+                        "key loss)")
+            change(doc)
+            doc["changed"] = time.time()
+            data = json.dumps(doc, sort_keys=True, indent=1).encode() + b"\n"
+            tmp, _, _ = write_tmp(self._tmp, [data])
+            try:
+                os.replace(tmp, self.path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            fsync_dir(self.path.parent)
+            self._seen = None
+
+
+def _empty(master_id: str) -> dict[str, Any]:
+    return {"schema": KEYRING_SCHEMA, "master_id": master_id, "tenants": {}}
+
+
+def _wrap_aad(tid: str, version: int) -> bytes:
+    return f"spoolctl-wrap/v1 {tid} {version}".encode()
+
+
+# -- sealing objects ---------------------------------------------------------------------
+
+
+class Sealer:
+    """One store's encryption: the master key and its keyring (see the module docstring)."""
+
+    def __init__(self, master: MasterKey, keyring: Keyring):
+        self.master = master
+        self.keyring = keyring
+        self._lib = master._lib
+        self._tid_key = master.derive(b"tenant-id")
+        self._names: dict[str, bytes] = {}
+
+    def tenant_id(self, tenant: str | None) -> str:
+        """The opaque id of tenant ``tenant`` (None: the default tenant)."""
+        name = DEFAULT_TENANT if tenant is None else tenant
+        if not isinstance(name, str) or not name or len(name) > 1024:
+            raise ConfigError("a tenant is a non-empty name of at most 1024 characters",
+                              fix="pass the tenant's name (vLLM: its cache_salt)")
+        return blake3.blake3(name.encode(), key=self._tid_key).hexdigest()[:16]
+
+    def sealed_key(self, tenant: str | None, key: str) -> str:
+        """The key an entry of ``tenant`` is stored under: unlinkable across tenants."""
+        tid = self.tenant_id(tenant)
+        nk = self._names.get(tid)
+        if nk is None:
+            nk = self._names[tid] = self.master.derive(b"entry-names " + tid.encode())
+        return f"t:{tid}:" + blake3.blake3(key.encode(), key=nk).hexdigest()
+
+    def seal(self, tid: str, version: int, key: bytes,
+             payload: bytes | bytearray | memoryview) -> memoryview:
+        """``payload`` sealed under ``key``, version ``version`` of tenant ``tid`` (from
+        ``keyring.current``)."""
+        data = memoryview(payload).cast("B")
+        n = len(data)
+        header = _HEADER.pack(MAGIC, bytes.fromhex(tid), version, secrets.token_bytes(NONCE_BYTES))
+        lib = self._lib
+        enc = lib.Cipher(lib.algorithms.AES(key), lib.modes.GCM(header[-NONCE_BYTES:])).encryptor()
+        enc.authenticate_additional_data(header)
+        out = bytearray(HEADER_BYTES + n + 15 + TAG_BYTES)  # update_into wants a block spare
+        view = memoryview(out)
+        view[:HEADER_BYTES] = header
+        done = enc.update_into(data, view[HEADER_BYTES:]) if n else 0
+        enc.finalize()
+        view[HEADER_BYTES + done:HEADER_BYTES + done + TAG_BYTES] = enc.tag
+        return view[:HEADER_BYTES + n + TAG_BYTES]
+
+    def open(self, path: Path, size: int, into: memoryview | None = None) -> memoryview:
+        """Read the sealed object at ``path`` (``size`` bytes) and return its plaintext.
+
+        One pass: read, then decrypt; the tag authenticates the bytes. FileNotFoundError if
+        missing; KeyUnavailableError when its key is gone; CorruptionError on a bad size,
+        header or tag, or a file that is not regular."""
+        try:
+            fd = open_for_read(path)
+        except SpecialFileError as exc:
+            raise CorruptionError(f"object is not a regular file ({exc.kind})",
+                                  reason=QuarantineReason.PAYLOAD_MISSING, path=path) from None
+        try:
+            if os.fstat(fd).st_size != size or size < OVERHEAD:
+                raise CorruptionError(f"sealed object is not {size} bytes",
+                                      reason=QuarantineReason.PAYLOAD_SIZE, path=path)
+            raw = bytearray(size)
+            view = memoryview(raw)
+            got = 0
+            with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+                while got < size:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise CorruptionError("sealed object shorter than its size",
+                                              reason=QuarantineReason.PAYLOAD_SIZE, path=path)
+                    got += n
+        finally:
+            os.close(fd)
+        return self.unseal(view, into, path=path)
+
+    def unseal(self, sealed: memoryview, into: memoryview | None = None, *,
+               path: Path | None = None) -> memoryview:
+        """The plaintext of the sealed bytes ``sealed`` (see ``open``)."""
+        if len(sealed) < OVERHEAD:
+            raise CorruptionError("sealed object too short", reason=QuarantineReason.PAYLOAD_SIZE,
+                                  path=path)
+        magic, tid_raw, version, nonce = _HEADER.unpack_from(sealed)
+        if magic != MAGIC:
+            raise CorruptionError("object is not sealed (bad header)",
+                                  reason=QuarantineReason.PAYLOAD_DIGEST, path=path)
+        tid = tid_raw.hex()
+        key = self.keyring.data_key(tid, version)
+        if key is None:
+            raise KeyUnavailableError(
+                f"the key of tenant {tid} version {version} is not available (revoked, retired, "
+                "or another master key)", path=path,
+                fix="nothing to do for a revoked tenant: it is a miss; otherwise check the "
+                    "master key (`spoolctl doctor`)", erased=self.keyring.master_matches)
+        n = len(sealed) - OVERHEAD
+        out = into if into is not None else memoryview(bytearray(n))
+        if len(out) != n:
+            raise ValueError("destination buffer has the wrong size")
+        lib = self._lib
+        tag = bytes(sealed[len(sealed) - TAG_BYTES:])
+        dec = lib.Cipher(lib.algorithms.AES(key), lib.modes.GCM(nonce, tag)).decryptor()
+        dec.authenticate_additional_data(bytes(sealed[:HEADER_BYTES]))
+        body = sealed[HEADER_BYTES:HEADER_BYTES + n]
+        # update_into wants 15 spare bytes after the output: decrypt all but the last 32
+        # bytes straight into ``out``, the tail through a small copy.
+        head = max(0, n - 32)
+        try:
+            if head:
+                dec.update_into(body[:head], out)
+            out[head:n] = dec.update(body[head:])
+            dec.finalize()
+        except lib.InvalidTag:
+            if into is not None:
+                into[:] = bytes(n)  # nothing unauthenticated is left in the caller's buffer
+            raise CorruptionError("sealed object failed authentication (tag mismatch)",
+                                  reason=QuarantineReason.PAYLOAD_DIGEST, path=path) from None
+        return out
+
+
+def open_sealer(state: Path, tmp: Path, *, lock_timeout: float, read_only: bool,
+                master: MasterKey | None) -> Sealer | None:
+    """The store's sealer for ``master`` (None: encryption off)."""
+    if master is None:
+        return None
+    return Sealer(master, Keyring(state, tmp, master, lock_timeout=lock_timeout,
+                                  read_only=read_only))
+
+
+def sealed_fact(index: Mapping[str, Any] | None) -> tuple[str, int] | None:
+    """``(tenant id, version)`` of an entry whose manifest index says it is sealed."""
+    fact = (index or {}).get(INDEX_FIELD)
+    if isinstance(fact, Mapping) and isinstance(fact.get("tenant"), str) and \
+            _TID_RE.fullmatch(fact["tenant"]) and isinstance(fact.get("version"), int):
+        return fact["tenant"], fact["version"]
+    return None
+
+
+def seal_request(sealer: Sealer | None, request: PutRequest) -> PutRequest:
+    """``request`` as the store commits it: with a sealer, its objects sealed under the
+    tenant's current key, its key replaced by ``sealed_key`` and the ``sealed`` fact in its
+    index; without one, unchanged (a ``tenant`` then is a ConfigError: it would not isolate
+    anything). A streamed payload is gathered first (AES-GCM seals one buffer)."""
+    if sealer is None:
+        if request.tenant is not None:
+            raise ConfigError("a tenant was given but the store has no encryption configured",
+                              fix=f"set {FILE_ENV} (or {VALUE_ENV} / {COMMAND_ENV}), or drop "
+                                  "the tenant")
+        return request
+    tid = sealer.tenant_id(request.tenant)
+    version, key = sealer.keyring.current(tid)
+    objects: dict[str, memoryview] = {}
+    for name, payload in request.objects.items():
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            payload = b"".join(payload)
+        objects[name] = sealer.seal(tid, version, key, payload)
+    index = dict(request.index or {})
+    index[INDEX_FIELD] = {"tenant": tid, "version": version}
+    return replace(request, key=sealer.sealed_key(request.tenant, request.key), objects=objects,
+                   index=index, tenant=None)
+
+
+def refuse_encrypted(store: Any, consumer: str) -> None:
+    """ConfigError if ``store`` is encrypted: ``consumer`` does not pass tenants yet, and its
+    own entry ids would never match the tenant-keyed names (every lookup a miss). Fail closed
+    and say so rather than write entries that are never found (decision 2800, item 6)."""
+    if getattr(store, "sealer", None) is not None:
+        raise ConfigError(f"{consumer} does not support encryption at rest yet",
+                          path=getattr(store, "root", None),
+                          fix=f"unset {FILE_ENV}/{VALUE_ENV}/{COMMAND_ENV} for this process, "
+                              "or use a store without encryption")

@@ -1,0 +1,192 @@
+"""Key operations of an encrypted store (``spoolctl keys``, decision 2800), as data.
+
+* ``usage``: whether the store is encrypted, whether the configured master key is the one
+  its keyring was written under, and per tenant id its key versions and entries per version.
+  Never any key material: ids and counts only.
+* ``revoke``: crypto-erase a tenant. Every wrapped data key of the tenant is removed from the
+  keyring (atomically, fsynced), then the tenant's entries are released in the catalog: from
+  then on every lookup misses and ``clean`` reclaims the bytes. An entry committed by a
+  writer that sealed it before the revoke is released by the first read that finds its key
+  gone (``Store.read``). The tenant may write again: under a new version.
+* ``rotate``: a new current version per tenant (new commits use it); old versions stay
+  readable until ``retire`` erases them (and releases their entries, like a revoke).
+
+Each refuses a store without encryption (ConfigError) and a master key that does not own
+the keyring (KeyUnavailableError), before changing anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, KeyUnavailableError
+from .sealing import Sealer
+from .store import Store
+
+
+@dataclass
+class KeyChange:
+    """What one key operation did (or, ``dry_run``, would do)."""
+
+    action: str
+    dry_run: bool
+    tenants: dict[str, list[int]] = field(default_factory=dict)  # tid -> versions changed
+    released_entries: int = 0
+    released_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"action": self.action, "dry_run": self.dry_run,
+                "tenants": [{"tenant_id": t, "versions": v} for t, v in self.tenants.items()],
+                "released_entries": self.released_entries,
+                "released_bytes": self.released_bytes}
+
+
+def _sealer(store: Store, *, owned: bool = True) -> Sealer:
+    if store.sealer is None:
+        raise ConfigError("this store has no encryption configured", path=store.root,
+                          fix="set SPOOLCTL_MASTER_KEY_FILE (docs/runbook.md, encryption)")
+    if owned and store.sealer.keyring.path.exists() and not store.sealer.keyring.master_matches:
+        raise KeyUnavailableError("the configured master key is not the one this store's "
+                                  "keyring was written under", path=store.sealer.keyring.path,
+                                  fix="configure the store's own master key (docs/runbook.md, "
+                                      "key loss)")
+    return store.sealer
+
+
+def usage(store: Store) -> dict[str, Any]:
+    """The store's encryption facts (see the module docstring); safe to print and log."""
+    counts = store.run_with_catalog_repair(store.catalog.sealed_counts)
+    per: dict[str, dict[int, tuple[int, int]]] = {}
+    for tid, version, n, size in counts:
+        per.setdefault(tid, {})[version] = (n, size)
+    doc: dict[str, Any] = {"encrypted": store.sealer is not None or bool(counts),
+                           "master_key": None, "keyring": None, "tenants": []}
+    keys: dict[str, Any] = {}
+    if store.sealer is not None:
+        ring = store.sealer.keyring
+        doc["master_key"] = {"key_id": store.sealer.master.key_id,
+                             "matches_keyring": ring.master_matches or not ring.path.exists()}
+        doc["keyring"] = str(ring.path)
+        keys = {t.tenant_id: t for t in ring.tenants()}
+    for tid in sorted(set(per) | set(keys)):
+        t = keys.get(tid)
+        live = list(t.versions) if t is not None else []
+        versions = sorted(set(live) | set(per.get(tid, {})))
+        doc["tenants"].append({
+            "tenant_id": tid, "current": t.current if t is not None else None,
+            "versions": [{"version": v, "key": "live" if v in live else "unavailable",
+                          "entries": per.get(tid, {}).get(v, (0, 0))[0],
+                          "bytes": per.get(tid, {}).get(v, (0, 0))[1]} for v in versions]})
+    doc["unreadable_entries"] = sum(v["entries"] for t in doc["tenants"] for v in t["versions"]
+                                    if v["key"] != "live")
+    return doc
+
+
+def revoke(store: Store, tenant: str, *, dry_run: bool = False) -> KeyChange:
+    """Crypto-erase ``tenant`` (see the module docstring)."""
+    return _erase(store, _sealer(store).tenant_id(tenant), None, dry_run, "revoke")
+
+
+def retire(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
+    """Erase every version below the current one, of ``tenant`` (None: every tenant)."""
+    sealer = _sealer(store)
+    change = KeyChange("retire", dry_run)
+    tids = [sealer.tenant_id(tenant)] if tenant is not None else \
+        [t.tenant_id for t in sealer.keyring.tenants()]
+    for t in sealer.keyring.tenants():
+        if t.tenant_id in tids and t.current is not None:
+            one = _erase(store, t.tenant_id, t.current, dry_run, "retire")
+            change.tenants.update(one.tenants)
+            change.released_entries += one.released_entries
+            change.released_bytes += one.released_bytes
+    return change
+
+
+def rotate(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
+    """A new current key version for ``tenant`` (None: every tenant with a key)."""
+    sealer = _sealer(store)
+    store._writable("rotating keys")
+    change = KeyChange("rotate", dry_run)
+    tids = [sealer.tenant_id(tenant)] if tenant is not None else \
+        [t.tenant_id for t in sealer.keyring.tenants()]
+    if dry_run:
+        nxt = {t.tenant_id: t.next_version for t in sealer.keyring.tenants()}
+        change.tenants = {tid: [nxt.get(tid, 1)] for tid in tids}
+        return change
+    change.tenants = {tid: [v] for tid, v in sealer.keyring.rotate(tids).items()}
+    return change
+
+
+def _erase(store: Store, tid: str, below: int | None, dry_run: bool, action: str) -> KeyChange:
+    sealer = _sealer(store)
+    store._writable(f"{action} of a tenant's keys")
+    change = KeyChange(action, dry_run)
+    known = {t.tenant_id: t for t in sealer.keyring.tenants()}.get(tid)
+    versions = [v for v in (known.versions if known else ()) if below is None or v < below]
+    if not dry_run:
+        # Keys first: from this moment nothing of the tenant decrypts, whatever happens next.
+        versions = sealer.keyring.retire(tid, below)
+    n, size = store.run_with_catalog_repair(
+        lambda: store.catalog.release_sealed(tid, below, store.clock(), dry_run))
+    change.tenants[tid] = versions
+    change.released_entries, change.released_bytes = n, size
+    return change
+
+
+def summary(store: Store) -> dict[str, Any] | None:
+    """``status``'s ``encryption``: None for a store that is not encrypted (no master key
+    configured and no keyring: nothing is scanned, so plain stores pay nothing); else
+    ``usage`` in short: master key id and match, tenants, entries per key version, entries
+    whose key is gone."""
+    keyring = store.layout.state / "keyring.json"
+    if store.sealer is None and not keyring.exists():
+        return None
+    doc = usage(store)
+    versions: dict[str, int] = {}
+    for t in doc["tenants"]:
+        for v in t["versions"]:
+            versions[str(v["version"])] = versions.get(str(v["version"]), 0) + v["entries"]
+    return {"master_key": doc["master_key"], "tenants": len(doc["tenants"]),
+            "entries_by_version": versions, "unreadable_entries": doc["unreadable_entries"]}
+
+
+def checks(root: Any) -> list[Any]:
+    """``doctor``'s encryption checks for the store at ``root`` (none for a plain store)."""
+    from .doctor import Check
+    from .sealing import FILE_ENV, MasterKey
+
+    keyring = Path(root) / "state" / "keyring.json"
+    try:
+        master = MasterKey.from_environment()
+    except ConfigError as exc:
+        return [Check("encryption.master_key", "fail", exc.message, exc.fix or "")]
+    if master is None and not keyring.exists():
+        return []
+    try:
+        with Store.open(root, read_only=True, master_key=master) as store:
+            doc = summary(store)
+    except ConfigError as exc:
+        return [Check("encryption.keyring", "fail", exc.message, exc.fix or "")]
+    assert doc is not None
+    held = sum(doc["entries_by_version"].values())
+    if doc["master_key"] is None:
+        return [Check("encryption.master_key", "fail",
+                      f"the store is encrypted ({held} entries) and no master key is "
+                      "configured: every encrypted entry is a miss",
+                      f"set {FILE_ENV} to the store's master key (docs/runbook.md)")]
+    if not doc["master_key"]["matches_keyring"]:
+        return [Check("encryption.master_key", "fail",
+                      f"master key {doc['master_key']['key_id']} is not the key this store's "
+                      f"keyring was written under: all {held} encrypted entries are misses",
+                      "configure the right master key; if it is lost, the entries are too "
+                      "(docs/runbook.md, key loss)")]
+    out = [Check("encryption.master_key", "ok",
+                 f"encrypted: master key {doc['master_key']['key_id']}, {doc['tenants']} "
+                 f"tenants, entries by key version {doc['entries_by_version']}")]
+    if doc["unreadable_entries"]:
+        out.append(Check("encryption.unreadable", "warn",
+                         f"{doc['unreadable_entries']} entries are under revoked or retired "
+                         "keys (misses)", "reclaim them: spoolctl clean --released"))
+    return out

@@ -1,0 +1,132 @@
+"""Archives that prove their author (issue 33 item 4, decision 2800).
+
+``export --sign-key`` writes ``<archive>.sig`` (Ed25519 over the archive's BLAKE3);
+``import --require-signed --verify-key`` refuses -- before anything is imported -- an archive
+without a signature, one whose bytes were changed after signing (a forged archive carrying
+the old signature), and one re-signed by another key or with a forged signature.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cryptography")
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from operator_cli import run, run_json
+
+from spoolctl.store import Store
+from spoolctl.store.archive_sign import load_signing_key, sign
+
+KIND, NS = "pytorch", "model-x"
+
+
+def _keypair(where: Path, name: str) -> tuple[Path, Path, Ed25519PrivateKey]:
+    key = Ed25519PrivateKey.generate()
+    private, public = where / f"{name}.key", where / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    private.chmod(0o600)
+    public.write_bytes(key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public, key
+
+
+def _store_with(root: Path, payload: bytes, n: int = 3) -> None:
+    with Store.open(root, create=True, master_key=None) as store:
+        for i in range(n):
+            store.put(kind=KIND, namespace=NS, key=f"k{i}", objects={"kv": payload + bytes([i])})
+
+
+def _entries(root: Path) -> int:
+    if not (root / ".spoolctl-root").exists():
+        return 0
+    with Store.open(root, read_only=True, master_key=None) as store:
+        return store.totals().entries
+
+
+@pytest.fixture
+def fleet(tmp_path: Path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    return _keypair(keys, "fleet")
+
+
+def _import(archive: Path, target: Path, pub: Path) -> tuple[int, str]:
+    code, _, err = run("import", str(archive), "--root", str(target), "--require-signed",
+                       "--verify-key", str(pub))
+    return code, err
+
+
+def test_signed_archive_imports_and_forged_or_resigned_ones_do_not(tmp_path: Path, fleet):
+    private, public, _ = fleet
+    src = tmp_path.resolve() / "src"
+    _store_with(src, b"the real KV " * 100)
+    archive = tmp_path / "a.tar"
+    doc = run_json("export", "-o", str(archive), "--root", str(src), "--sign-key", str(private))
+    assert Path(doc["signature"]).exists()
+    assert json.loads(Path(doc["signature"]).read_text())["alg"] == "ed25519"
+
+    good = tmp_path.resolve() / "good"
+    code, err = _import(archive, good, public)
+    assert code == 0, err
+    assert _entries(good) == 3
+
+    # An attacker's archive (well formed, other KV under the same keys).
+    evil_src = tmp_path.resolve() / "evil-src"
+    _store_with(evil_src, b"attacker's KV " * 100)
+    evil = tmp_path / "evil.tar"
+    run_json("export", "-o", str(evil), "--root", str(evil_src))
+
+    cases = {}
+    unsigned = tmp_path / "unsigned.tar"  # no .sig at all
+    shutil.copy(archive, unsigned)
+    cases["unsigned"] = (unsigned, "not signed")
+    forged = tmp_path / "forged.tar"  # the evil bytes with the genuine signature
+    shutil.copy(evil, forged)
+    shutil.copy(f"{archive}.sig", f"{forged}.sig")
+    cases["forged"] = (forged, "not the ones signed")
+    flipped = tmp_path / "flipped.tar"  # one byte of the genuine archive changed
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 1
+    flipped.write_bytes(bytes(data))
+    shutil.copy(f"{archive}.sig", f"{flipped}.sig")
+    cases["flipped"] = (flipped, "not the ones signed")
+    other_key, _, _ = _keypair(tmp_path / "keys", "attacker")
+    resigned = tmp_path / "resigned.tar"  # the evil bytes signed by the attacker's key
+    shutil.copy(evil, resigned)
+    sign(resigned, load_signing_key(other_key))
+    cases["resigned"] = (resigned, "signed by another key")
+    spoofed = tmp_path / "spoofed.tar"  # attacker's signature under the fleet's key id
+    shutil.copy(evil, spoofed)
+    sig = json.loads(Path(f"{resigned}.sig").read_text())
+    sig["key_id"] = json.loads(Path(f"{archive}.sig").read_text())["key_id"]
+    Path(f"{spoofed}.sig").write_text(json.dumps(sig))
+    cases["spoofed"] = (spoofed, "does not verify")
+    for name, (path, why) in cases.items():
+        target = tmp_path.resolve() / f"t-{name}"
+        code, err = _import(path, target, public)
+        assert code == 1 and why in err and err.count("\n") == 1, (name, code, err)
+        assert _entries(target) == 0, name  # refused before anything was imported
+
+
+def test_signing_options_say_what_they_need(tmp_path: Path, fleet):
+    private, _, _ = fleet
+    src = tmp_path.resolve() / "src"
+    _store_with(src, b"x", 1)
+    code, _, err = run("export", "--root", str(src), "--sign-key", str(private))
+    assert code == 2 and "needs an archive file" in err
+    code, _, err = run("import", str(tmp_path / "a.tar"), "--root", str(tmp_path / "t"),
+                       "--require-signed")
+    assert code == 2 and "go together" in err
+    os.chmod(private, 0o644)
+    code, _, err = run("export", "-o", str(tmp_path / "b.tar"), "--root", str(src),
+                       "--sign-key", str(private))
+    assert code == 2 and "chmod 600" in err

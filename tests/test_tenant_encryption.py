@@ -1,0 +1,176 @@
+"""Encryption at rest with per-tenant keys (issue 33, decision 2800).
+
+What a user relies on: with a master key configured, nothing a tenant committed lies on disk
+in clear; two tenants' equal prompts give unrelated names; a tampered object is corruption
+(quarantined, a miss) while a missing key is only a miss; the master key comes from a file,
+a variable or a command, with one clear line when it is unusable; and without a key nothing
+changes. Revoke and rotation are ``test_tenant_keys.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cryptography")
+
+from spoolctl.store import ConfigError, CorruptionError, Store
+from spoolctl.store.errors import KeyUnavailableError
+from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, VALUE_ENV, MasterKey
+
+KIND, NS = "pytorch", "model-x"
+SECRET = b"patient 4711: diagnosis hypertension; " * 64
+
+
+@pytest.fixture(autouse=True)
+def no_operator_key(monkeypatch):
+    for name in (FILE_ENV, VALUE_ENV, COMMAND_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def master() -> MasterKey:
+    return MasterKey.from_hex(secrets.token_hex(32), "test")
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def test_entries_are_sealed_per_tenant_and_read_back(store_root: Path, master: MasterKey):
+    with Store.open(store_root, create=True, master_key=master) as store:
+        a = store.put(kind=KIND, namespace=NS, key="prompt", objects={"kv": SECRET},
+                      tenant="alice")
+        b = store.put(kind=KIND, namespace=NS, key="prompt", objects={"kv": SECRET},
+                      tenant="bob")
+        # Equal prompts and bytes of two tenants: unrelated entries and object names.
+        assert a.entry_id != b.entry_id
+        assert a.objects[0].digest != b.objects[0].digest
+        assert "prompt" not in a.key and "alice" not in a.key
+        assert bytes(store.read(a, "kv")) == SECRET
+        buf = bytearray(len(SECRET))
+        store.read(b, "kv", into=memoryview(buf))
+        assert bytes(buf) == SECRET
+        # Found only with the tenant that wrote it.
+        assert store.lookup(KIND, NS, "prompt", tenant="alice").entry_id == a.entry_id
+        assert store.lookup(KIND, NS, "prompt", tenant="carol") is None
+        assert store.lookup(KIND, NS, "prompt") is None
+    for path in _files(store_root):  # no clear text and no tenant name anywhere on disk
+        data = path.read_bytes()
+        assert SECRET[:32] not in data, path
+        assert b"alice" not in data and b"bob" not in data, path
+    # The same store reopened by the same key in another process reads the same bytes.
+    with Store.open(store_root, master_key=MasterKey.from_hex(master_hex(master), "again")) as s:
+        assert bytes(s.read(s.manifest(a.entry_id), "kv")) == SECRET
+
+
+def master_hex(master: MasterKey) -> str:
+    return master._key.hex()
+
+
+def test_a_tampered_object_is_quarantined_and_a_miss(store_root: Path, master: MasterKey):
+    with Store.open(store_root, create=True, master_key=master) as store:
+        m = store.put(kind=KIND, namespace=NS, key="k", objects={"kv": SECRET}, tenant="t")
+        path = store.layout.object_path(m.objects[0].digest)
+        data = bytearray(path.read_bytes())
+        data[100] ^= 1
+        path.chmod(0o600)
+        path.write_bytes(bytes(data))
+        buf = bytearray(b"x" * len(SECRET))
+        with pytest.raises(CorruptionError, match="authentication"):
+            store.read(m, "kv", into=memoryview(buf))
+        assert bytes(buf) == bytes(len(SECRET))  # nothing unauthenticated left in the buffer
+        assert [i.reason for i in store.quarantine.items()] == ["payload_digest"]
+        assert store.lookup(KIND, NS, "k", tenant="t") is None
+
+
+def test_another_master_key_is_a_miss_not_corruption(store_root: Path, master: MasterKey):
+    with Store.open(store_root, create=True, master_key=master) as store:
+        m = store.put(kind=KIND, namespace=NS, key="k", objects={"kv": SECRET}, tenant="t")
+    other = MasterKey.from_hex(secrets.token_hex(32), "lost")
+    with Store.open(store_root, master_key=other) as store:
+        with pytest.raises(KeyUnavailableError):
+            store.read(store.manifest(m.entry_id), "kv")
+        assert store.quarantine.items() == []  # the entry is intact: a miss, no evidence
+    with Store.open(store_root, master_key=None) as store, \
+            pytest.raises(KeyUnavailableError, match="no master key"):
+        store.read(store.manifest(m.entry_id), "kv")
+
+
+def test_without_a_master_key_nothing_changes(store: Store):
+    m = store.put(kind=KIND, namespace=NS, key="k", objects={"kv": SECRET})
+    assert store.sealer is None and "sealed" not in m.index
+    assert store.layout.object_path(m.objects[0].digest).read_bytes() == SECRET
+    assert not (store.layout.state / "keyring.json").exists()
+    with pytest.raises(ConfigError, match="no encryption configured"):
+        store.put(kind=KIND, namespace=NS, key="k2", objects={"kv": SECRET}, tenant="alice")
+
+
+def _key_file(tmp_path: Path, mode: int = 0o600) -> Path:
+    path = Path(os.path.realpath(tmp_path)) / "keys" / "master.key"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_master_key_from_file_variable_and_command(tmp_path: Path, store_root: Path):
+    path = _key_file(tmp_path)
+    hexkey = path.read_text().strip()
+    by_file = MasterKey.from_environment({FILE_ENV: str(path)})
+    by_value = MasterKey.from_environment({VALUE_ENV: hexkey})
+    by_command = MasterKey.from_environment({COMMAND_ENV: f"cat {path}"})
+    assert by_file.key_id == by_value.key_id == by_command.key_id
+    assert hexkey not in repr(by_file)
+    assert MasterKey.from_environment({}) is None
+    with pytest.raises(ConfigError, match="mode 0640"):
+        MasterKey.from_file(_key_file(tmp_path, 0o640))
+    with pytest.raises(ConfigError, match="only one source"):
+        MasterKey.from_environment({FILE_ENV: str(path), VALUE_ENV: hexkey})
+    with pytest.raises(ConfigError, match="exited with 1"):
+        MasterKey.from_environment({COMMAND_ENV: "false"})
+    with pytest.raises(ConfigError, match="64 hex"):
+        MasterKey.from_environment({COMMAND_ENV: "echo not-a-key"})
+    inside = store_root / "master.key"
+    store_root.mkdir()
+    inside.write_text(hexkey)
+    inside.chmod(0o600)
+    with pytest.raises(ConfigError, match="inside the store root"):
+        Store.open(store_root, create=True, master_key=MasterKey.from_file(inside))
+
+
+def test_the_environment_configures_the_store(tmp_path: Path, store_root: Path, monkeypatch):
+    monkeypatch.setenv(FILE_ENV, str(_key_file(tmp_path)))
+    with Store.open(store_root, create=True) as store:
+        m = store.put(kind=KIND, namespace=NS, key="k", objects={"kv": SECRET})
+        assert m.index["sealed"]["version"] == 1  # the default tenant
+        assert bytes(store.read(m, "kv")) == SECRET
+
+
+def test_without_cryptography_one_clear_line(monkeypatch):
+    for name in [m for m in sys.modules if m == "cryptography" or m.startswith("cryptography.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "cryptography", None)
+    with pytest.raises(ConfigError) as err:
+        MasterKey.from_hex("00" * 32, "test")
+    assert "spoolctl[crypto]" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_consumers_without_tenants_refuse_an_encrypted_store(store_root: Path, tmp_path: Path,
+                                                             master: MasterKey, monkeypatch,
+                                                             tiny_model_dir: Path):
+    """The connector and the controllers do not pass tenants yet: on an encrypted store their
+    own entry ids would never match, so they refuse at start with one line (fail closed)."""
+    from spoolctl.connector.rankstores import OpenStores
+    from spoolctl.controllers.pytorch import PyTorchCacheController
+
+    monkeypatch.setenv(VALUE_ENV, master_hex(master))
+    with pytest.raises(ConfigError, match="vLLM connector does not support encryption"):
+        OpenStores().acquire(str(store_root), create=True, max_bytes=None)
+    with Store.open(tmp_path.joinpath("c").resolve(), create=True) as store, \
+            pytest.raises(ConfigError, match="controllers does not support encryption"):
+        PyTorchCacheController(tiny_model_dir, store)

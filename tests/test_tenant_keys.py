@@ -1,0 +1,231 @@
+"""Crypto-erase and rotation of tenant keys (issue 33 item 3, decision 2800).
+
+``spoolctl keys revoke --tenant T`` must leave nothing of T that decrypts -- not its committed
+entries, not an entry a writer was killed in the middle of committing, not its quarantined
+evidence, not the archive it was exported to -- while every other tenant reads on; T's
+entries become misses at once (no errors, nothing quarantined) and ``clean`` reclaims them.
+``keys rotate`` starts a new version while the old one still reads; ``keys retire`` erases the
+old one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cryptography")
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from operator_cli import ENV, run, run_json
+
+from spoolctl.store import Store
+from spoolctl.store.errors import KeyUnavailableError, QuarantineReason
+from spoolctl.store.faults import CRASH_EXIT_CODE
+from spoolctl.store.sealing import (
+    COMMAND_ENV,
+    FILE_ENV,
+    HEADER_BYTES,
+    MAGIC,
+    NONCE_BYTES,
+    VALUE_ENV,
+    MasterKey,
+)
+
+KIND, NS = "pytorch", "model-x"
+
+
+def _clear(tenant: str, i: int) -> bytes:
+    return f"{tenant} secret prompt #{i}: ".encode() * 50
+
+
+@pytest.fixture(autouse=True)
+def no_operator_key(monkeypatch):
+    for name in (FILE_ENV, VALUE_ENV, COMMAND_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def key_env(tmp_path: Path) -> dict[str, str]:
+    path = Path(os.path.realpath(tmp_path)) / "keys" / "master.key"
+    path.parent.mkdir()
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    return {FILE_ENV: str(path)}
+
+
+def _master(env: dict[str, str]) -> MasterKey:
+    return MasterKey.from_environment(env)
+
+
+def _blobs(data: bytes) -> bool:
+    return data[:4] == MAGIC
+
+
+def _live_keys(root: Path, env: dict[str, str]) -> list[bytes]:
+    """Every data key the store's keyring still holds, of every tenant and version."""
+    with Store.open(root, master_key=_master(env), read_only=True) as store:
+        ring = store.sealer.keyring
+        return [k for t in ring.tenants() for v in t.versions
+                if (k := ring.data_key(t.tenant_id, v)) is not None]
+
+
+def _decrypts(blob: bytes, keys: list[bytes]) -> bool:
+    """True if any of ``keys`` opens the sealed ``blob`` (tried with every key, not only the
+    one its header names)."""
+    nonce = blob[HEADER_BYTES - NONCE_BYTES:HEADER_BYTES]
+    for key in keys:
+        try:
+            AESGCM(key).decrypt(nonce, blob[HEADER_BYTES:], blob[:HEADER_BYTES])
+            return True
+        except InvalidTag:
+            continue
+    return False
+
+
+def _crash_mid_commit(root: Path, env: dict[str, str], tenant: str) -> None:
+    """A writer of ``tenant`` killed after its object was published, before its manifest."""
+    code = ("from spoolctl.store import Store\n"
+            f"s = Store.open({str(root)!r})\n"
+            f"s.put(kind={KIND!r}, namespace={NS!r}, key='inflight', "
+            f"objects={{'kv': {_clear(tenant, 99)!r}}}, tenant={tenant!r})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**ENV, **env,
+                                            "SPOOLCTL_CRASH_AT": "object.published",
+                                            "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == CRASH_EXIT_CODE, proc.stderr
+
+
+def test_revoke_leaves_nothing_of_the_tenant_that_decrypts(store_root: Path, tmp_path: Path,
+                                                           key_env: dict[str, str]):
+    with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
+        acme = [store.put(kind=KIND, namespace=NS, key=f"p{i}", objects={"kv": _clear("acme", i)},
+                          tenant="acme") for i in range(3)]
+        other = store.put(kind=KIND, namespace=NS, key="p0", objects={"kv": _clear("other", 0)},
+                          tenant="other")
+        store.quarantine_entry(acme[2].entry_id, QuarantineReason.PAYLOAD_DIGEST, "evidence")
+    archive = tmp_path / "acme.tar"
+    run_json("export", "-o", str(archive), "--root", str(store_root), env=key_env)
+    _crash_mid_commit(store_root, key_env, "acme")
+    assert any(p.read_bytes()[:4] == MAGIC for p in (store_root / "objects").rglob("*.obj")
+               if p.stat().st_size) and list((store_root / "tmp").iterdir())
+
+    doc = run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(store_root),
+                   env=key_env)
+    assert doc["released_entries"] == 2 and doc["tenants"][0]["versions"] == [1]
+
+    files = {p: p.read_bytes() for p in store_root.rglob("*") if p.is_file()}
+    with tarfile.open(archive) as tar:
+        files |= {Path(m.name): tar.extractfile(m).read() for m in tar if m.isfile()}
+    keys = _live_keys(store_root, key_env)
+    sealed = {p: b for p, b in files.items() if _blobs(b)}
+    assert len(sealed) >= 6  # 4 committed (one quarantined), 1 mid-commit, the archive's
+    readable = [p for p, b in sealed.items() if _decrypts(b, keys)]
+    other_obj = other.objects[0].digest
+    assert all(other_obj in str(p) for p in readable), readable  # only the other tenant
+    assert readable, "the other tenant must still decrypt (the check can fail)"
+    assert not any(_clear("acme", i)[:20] in b for b in files.values() for i in (0, 1, 2, 99))
+
+    with Store.open(store_root, master_key=_master(key_env)) as store:
+        assert store.lookup(KIND, NS, "p0", tenant="acme") is None  # a miss at once
+        with pytest.raises(KeyUnavailableError):
+            store.read(store.manifest(acme[0].entry_id), "kv")
+        assert [i.entry_id for i in store.quarantine.items()] == [acme[2].entry_id]
+        assert bytes(store.read(store.lookup(KIND, NS, "p0", tenant="other"), "kv")) == \
+            _clear("other", 0)
+    cleaned = run_json("clean", "--released", "--yes", "--root", str(store_root), env=key_env)
+    assert cleaned["steps"]["released"]["entries"] == 2, cleaned
+    assert not any(list(store_root.joinpath("objects").rglob(f"{m.objects[0].digest}.obj"))
+                   for m in acme[:2])
+    with Store.open(store_root, master_key=_master(key_env)) as store:  # acme may come back
+        again = store.put(kind=KIND, namespace=NS, key="p0", objects={"kv": b"new"},
+                          tenant="acme")
+        assert again.index["sealed"]["version"] == 2 and bytes(store.read(again, "kv")) == b"new"
+
+
+def test_rotate_keeps_old_entries_until_retired(store_root: Path, key_env: dict[str, str]):
+    with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
+        old = store.put(kind=KIND, namespace=NS, key="a", objects={"kv": b"old"}, tenant="t")
+    doc = run_json("keys", "rotate", "--tenant", "t", "--root", str(store_root), env=key_env)
+    assert doc["tenants"][0]["versions"] == [2]
+    with Store.open(store_root, master_key=_master(key_env)) as store:
+        new = store.put(kind=KIND, namespace=NS, key="b", objects={"kv": b"new"}, tenant="t")
+        assert new.index["sealed"]["version"] == 2
+        assert bytes(store.read(old, "kv")) == b"old"  # still readable
+    listing = run_json("keys", "ls", "--root", str(store_root), env=key_env)
+    (tenant,) = listing["tenants"]
+    assert [(v["version"], v["entries"], v["key"]) for v in tenant["versions"]] == \
+        [(1, 1, "live"), (2, 1, "live")]
+    out = json.dumps(listing) + run("keys", "ls", "--root", str(store_root), env=key_env)[1]
+    secret = Path(key_env[FILE_ENV]).read_text().strip()
+    keyring = json.loads((store_root / "state" / "keyring.json").read_text())
+    wrapped = [w for r in keyring["tenants"].values() for w in r["keys"].values()]
+    assert secret not in out and not any(w[24:56] in out for w in wrapped)  # no key material
+    code, _, err = run("keys", "retire", "--tenant", "t", "--yes", "--root", str(store_root),
+                       env={VALUE_ENV: secrets.token_hex(32)})  # a wrong master key
+    assert code == 1 and "not the one this store's keyring" in err
+    run_json("keys", "retire", "--tenant", "t", "--yes", "--root", str(store_root), env=key_env)
+    with Store.open(store_root, master_key=_master(key_env)) as store:
+        with pytest.raises(KeyUnavailableError):
+            store.read(old, "kv")
+        assert bytes(store.read(new, "kv")) == b"new"
+
+
+def test_an_entry_whose_key_is_gone_is_released_by_its_first_read(store_root: Path,
+                                                                   key_env: dict[str, str]):
+    """Keys erased but the catalog not yet told (a revoke killed between its two steps, or an
+    entry sealed just before the revoke and committed after): the first read releases it."""
+    with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
+        m = store.put(kind=KIND, namespace=NS, key="a", objects={"kv": b"x" * 100}, tenant="t")
+        store.sealer.keyring.revoke(store.sealer.tenant_id("t"))
+        assert store.live([m.entry_id])
+        with pytest.raises(KeyUnavailableError):
+            store.read(m, "kv")
+        assert not store.live([m.entry_id])  # out of reuse: no error storm, clean reclaims it
+        assert store.quarantine.items() == []
+
+
+def test_keys_refuse_a_store_without_encryption(store_root: Path):
+    run("init", "--root", str(store_root))
+    code, _, err = run("keys", "revoke", "--tenant", "t", "--yes", "--root", str(store_root))
+    assert code == 2 and "no encryption configured" in err and err.count("\n") == 1
+    assert run_json("keys", "ls", "--root", str(store_root))["encrypted"] is False
+
+
+def test_status_and_doctor_tell_an_encrypted_store_and_a_lost_key(store_root: Path,
+                                                                  key_env: dict[str, str]):
+    with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
+        for i in range(2):
+            store.put(kind=KIND, namespace=NS, key=f"k{i}", objects={"kv": b"x"}, tenant="t")
+    root = ("--root", str(store_root))
+    status = run_json("status", *root, env=key_env)
+    assert status["encryption"]["entries_by_version"] == {"1": 2}
+    assert status["encryption"]["master_key"]["matches_keyring"] is True
+    checks = {c["name"]: c for c in run_json("doctor", *root, env=key_env)["checks"]}
+    assert checks["encryption.master_key"]["status"] == "ok"
+    secret = Path(key_env[FILE_ENV]).read_text().strip()
+    assert secret not in json.dumps(status) + run("status", *root, env=key_env)[1]
+
+    lost = {VALUE_ENV: secrets.token_hex(32)}  # the key was lost and a new one configured
+    doc = run_json("doctor", *root, env=lost, expect=1)
+    (check,) = [c for c in doc["checks"] if c["name"] == "encryption.master_key"]
+    assert check["status"] == "fail" and "all 2 encrypted entries are misses" in check["detail"]
+    assert run_json("status", *root, env=lost)["encryption"]["master_key"][
+        "matches_keyring"] is False
+    doc = run_json("doctor", *root, expect=1)  # no key configured at all
+    assert any(c["name"] == "encryption.master_key" and "no master key" in c["detail"]
+               for c in doc["checks"])
+
+
+def test_a_plain_store_shows_no_encryption(store: Store):
+    store.put(kind=KIND, namespace=NS, key="k", objects={"kv": b"x"})
+    assert "encryption" not in run_json("status", "--root", str(store.root))
+    assert not any(c["name"].startswith("encryption")
+                   for c in run_json("doctor", "--root", str(store.root))["checks"])
