@@ -67,7 +67,7 @@ def test_every_command_is_registered_in_one_place_and_nothing_imports_app_back()
     assert sorted(defining) == sorted(m.__name__.rsplit(".", 1)[1] for m in commands.MODULES)
     names = list(build_command().commands)
     assert names == ["init", "status", "ls", "inspect", "clean", "metrics", "doctor", "scrub",
-                     "request-auth", "quarantine", "prefill", "demo", "export", "import",
+                     "request-auth", "quarantine", "keys", "prefill", "demo", "export", "import",
                      "config"]
 
 
