@@ -57,12 +57,13 @@ from pathlib import Path
 
 from benchutil import drop_page_cache
 
-from spoolctl.store import Manifest, Store, fsio
+from spoolctl.store import Manifest, Store, fsio, verify
 from spoolctl.store.commit import PutRequest
 from spoolctl.store.entry_tags import TagKey
-from spoolctl.store.fsio import READ_CHUNK, fsync_dir, full_fsync
+from spoolctl.store.fsio import fsync_dir, full_fsync
 
 MiB = 1 << 20
+READ_CHUNK = 8 * MiB  # the raw read's chunk
 KiB = 1 << 10
 BATCH = 32
 
@@ -109,7 +110,6 @@ def raw_batch_same_steps(base: Path, blobs: list[bytes], tag: str) -> float:
             (top / f"{i:02x}").mkdir(parents=True, exist_ok=True)
     tmp.mkdir(parents=True, exist_ok=True)
     names = [os.urandom(32).hex() for _ in blobs] + [os.urandom(32).hex() for _ in blobs]
-    pool = fsio.flush_pool()
     t = time.perf_counter()
     flushing = []
     for i, data in enumerate([*blobs, *[b"m" * 400] * len(blobs)]):
@@ -117,7 +117,7 @@ def raw_batch_same_steps(base: Path, blobs: list[bytes], tag: str) -> float:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        flushing.append(pool.submit(fsio.fsync_close, fd))
+        flushing.append(fsio.flush_submit(fsio.fsync_close, fd))
     for f in flushing:
         f.result()
     for top, part in ((objects, range(len(blobs))), (manifests, range(len(blobs), len(names)))):
@@ -126,7 +126,7 @@ def raw_batch_same_steps(base: Path, blobs: list[bytes], tag: str) -> float:
             final = top / names[i][:2] / names[i]
             os.rename(tmp / f"{tag}-{i}", final)
             dirs.add(final.parent)
-        for f in [pool.submit(fsync_dir, d) for d in dirs]:
+        for f in [fsio.flush_submit(fsync_dir, d) for d in dirs]:
             f.result()
     return time.perf_counter() - t  # the files stay until the run ends (module docstring)
 
@@ -265,7 +265,7 @@ def probe(base: Path, repeat: int) -> dict:
     """Verified-read time with inline hashing vs the helper-thread pipeline, by size,
     warm (page cache) and, as root, cold."""
     rows = []
-    saved = fsio.INLINE_HASH_MAX
+    saved = verify.INLINE_HASH_MAX
     try:
         with Store.open(base / "probe", create=True) as store:
             warm_m = store.put(kind="vllm", namespace="p", key="warm",
@@ -278,7 +278,7 @@ def probe(base: Path, repeat: int) -> dict:
                     times: dict[str, list[float]] = {"inline": [], "pipelined": []}
                     for _ in range(repeat):
                         for mode in ("inline", "pipelined"):
-                            fsio.INLINE_HASH_MAX = size if mode == "inline" else 0
+                            verify.INLINE_HASH_MAX = size if mode == "inline" else 0
                             if temp == "cold" and not cold(lambda: store.read(warm_m, "kv")):
                                 break
                             t = time.perf_counter()
@@ -291,7 +291,7 @@ def probe(base: Path, repeat: int) -> dict:
                             statistics.median(times["pipelined"]) * 1e3, 3)
                 rows.append(row)
     finally:
-        fsio.INLINE_HASH_MAX = saved
+        verify.INLINE_HASH_MAX = saved
     return {"benchmark": "store-inline-hash-probe", "current_threshold_kib": saved // KiB,
             "loadavg": [round(x, 2) for x in os.getloadavg()], "rows": rows}
 

@@ -260,13 +260,13 @@ def test_export_leaves_out_a_corrupt_entry_and_quarantines_it(base: Path):
 
 def test_large_objects_are_streamed_and_a_late_mismatch_stops_the_archive(base: Path,
                                                                           monkeypatch):
-    from spoolctl.store import exporter
+    from spoolctl.store import exporter, verify
     from spoolctl.store.archive import FdSink
     from spoolctl.store.errors import ArchiveError, CorruptionError
     from spoolctl.store.importer import Importer
 
     monkeypatch.setattr(exporter, "ENTRY_BUFFER", 1000)
-    monkeypatch.setattr(exporter, "STREAM_CHUNK", 4096)
+    monkeypatch.setattr(verify, "PIPE_CHUNK", 4096)  # several chunks per object
     a = base / "a"
     ids = fill(a, 3, size=50_000)
     with open(base / "a.tar", "wb") as f:

@@ -183,10 +183,6 @@ class Catalog:
 
     # -- commit path ----------------------------------------------------------------------
 
-    def record_intent(self, manifest: Manifest, manifest_size: int, now: float) -> None:
-        """Record a commit in flight: pending row plus its object references."""
-        self.record_intents([(manifest, manifest_size)], now)
-
     def record_intents(self, entries: Iterable[tuple[Manifest, int]], now: float, *,
                        claim: bool = False, hints: Mapping[str, str] | None = None
                        ) -> set[str]:

@@ -52,9 +52,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .capacity import low_watermark
 from .errors import (
     CapacityError,
     ConfigError,
+    CorruptionError,
     ManifestError,
     NotFoundError,
     QuarantineReason,
@@ -66,17 +68,16 @@ from .fsio import (
     TmpFile,
     flush_submit,
     fsync_dir,
-    hash_file,
     io_error,
     read_manifest,
     unlink_quietly,
 )
-from .gc import LOW_WATERMARK
 from .inputs import is_bytes_like, payload_size
 from .manifest import Manifest, ObjectRef, authenticate, encode
 from .publish import Publisher
 from .reserve import HEADROOM_BYTES, headroom_ok
 from .space import INODE_FIX, Space, inodes_short, no_inodes_detail
+from .verify import verify_object
 
 if TYPE_CHECKING:
     from .context import PartContext
@@ -151,7 +152,7 @@ class Committer:
     def budget(self) -> int | None:
         """The most bytes one entry may hold: 90% of the max size (None: unbounded)."""
         max_bytes = self._ctx.limits.max_bytes
-        return None if max_bytes is None else int(max_bytes * LOW_WATERMARK)
+        return None if max_bytes is None else low_watermark(max_bytes)
 
     def check_fits(self, size: int) -> None:
         """CapacityError if an entry of ``size`` bytes exceeds the store's low watermark."""
@@ -591,11 +592,10 @@ def store_full(where: Path, short: Space | None = None) -> SpoolError:
 
 
 def _existing_object_ok(path: Path, digest: str, size: int) -> bool:
-    """True if the object already at ``path`` is a regular file with exactly this content."""
+    """True if the object already at ``path`` is a regular file with exactly this content
+    (the one verification primitive: ``verify.verify_object``)."""
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            return False
-        return hash_file(path) == (digest, size)
-    except OSError:
+        verify_object(path, digest=digest, size=size)
+    except (OSError, CorruptionError):
         return False
+    return True

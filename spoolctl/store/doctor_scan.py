@@ -10,7 +10,6 @@ nothing is moved, and fixing them makes every entry whole again.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
@@ -250,15 +249,6 @@ def reserve_check(layout: Layout) -> list:
                    f"{have} of {want} reserve pieces in place: on a full disk, "
                    "cleaning may have to wait for free space",
                    "free a few MiB; the store re-creates state/reserve.* at its next open")]
-
-
-def file_type_of(path: Path) -> str | None:
-    """``fifo`` etc. if ``path`` exists and is not a regular file, else None."""
-    with contextlib.suppress(OSError):
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            return file_kind(st.st_mode)
-    return None
 
 
 _FAN = re.compile(r"[0-9a-f]{2}")

@@ -39,19 +39,17 @@ from .archive import (
     manifest_member,
     object_member,
 )
-from .digest import Hasher
-from .errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
-from .fsio import open_for_read
+from .errors import CorruptionError, NotFoundError, SpoolError
 from .manifest import Manifest, ObjectRef, encode
 from .places import RootContents, find_stores
 from .sealing import sealed_fact
 from .selection import Candidate, Selection, plan, resolve_deployments
 from .store import Store
+from .verify import failed_object, verify_object
 
 # An entry whose new objects fit this is read (and verified) whole before any of it is
 # written, so a corrupt entry is simply left out; larger objects are streamed.
 ENTRY_BUFFER = 64 << 20
-STREAM_CHUNK = 4 << 20
 # Entries read and verified ahead of the writer (by READERS threads), bounded in bytes.
 READERS = 4
 READ_AHEAD = 16
@@ -291,41 +289,34 @@ def _emit_entry(store: Store, c: Candidate, loaded: _Loaded, writer: TarWriter,
 
 def _stream_object(store: Store, manifest: Manifest, ref: ObjectRef, writer: TarWriter,
                    place: str) -> None:
-    """Copy a large object into the archive, hashing it on the way; a mismatch at the end
-    quarantines the entry and stops the export (the bytes are already written)."""
+    """Copy a large object into the archive, verifying it on the way (``verify_object``, its
+    chunks written as they are hashed). Damage quarantines the entry, with the reason any
+    reader gives (``verify.failed_object``), and stops the export: bytes may already be in
+    the archive. An object that cannot be read stops it too (StoreIOError, nothing moved)."""
     path = store.layout.object_path(ref.digest)
+    member = object_member(place, ref.digest)
+    started, written = False, 0
+
+    def each(chunk: memoryview) -> None:
+        nonlocal started, written
+        if not started:  # only once the object opened with the right size
+            writer.begin(member, ref.size, manifest.created)
+            started = True
+        writer.write(chunk)
+        written += len(chunk)
+
     try:
-        fd = open_for_read(path)
-    except FileNotFoundError:
-        raise NotFoundError(f"object {ref.name} of entry {manifest.entry_id} vanished while "
-                            "exporting", path=path, fix="run the export again") from None
-    try:
-        if os.fstat(fd).st_size != ref.size:
-            store.quarantine_entry(manifest.entry_id, QuarantineReason.PAYLOAD_SIZE,
-                                   "size mismatch found by export")
-            raise CorruptionError(f"object {ref.name} of entry {manifest.entry_id} has the "
-                                  "wrong size", reason=QuarantineReason.PAYLOAD_SIZE, path=path,
-                                  fix="the entry was quarantined; run the export again")
-        hasher = Hasher()
-        writer.begin(object_member(place, ref.digest), ref.size, manifest.created)
-        buf = memoryview(bytearray(STREAM_CHUNK))
-        left = ref.size
-        while left:
-            n = os.readv(fd, [buf[:min(left, STREAM_CHUNK)]])
-            if n <= 0:
-                raise CorruptionError(f"object {ref.name} shrank while exporting",
-                                      reason=QuarantineReason.PAYLOAD_SIZE, path=path,
-                                      fix="run the export again")
-            hasher.update(buf[:n])
-            writer.write(buf[:n])
-            left -= n
-        writer.finish(ref.size)
-    finally:
-        os.close(fd)
-    if hasher.hexdigest() != ref.digest:
-        store.quarantine_entry(manifest.entry_id, QuarantineReason.PAYLOAD_DIGEST,
-                               "digest mismatch found by export", bad_digests=[ref.digest])
-        raise CorruptionError(f"object {ref.name} of entry {manifest.entry_id} failed "
-                              "verification after it was streamed; the archive is incomplete",
-                              reason=QuarantineReason.PAYLOAD_DIGEST, path=path,
-                              fix="the entry was quarantined; run the export again")
+        verify_object(path, digest=ref.digest, size=ref.size, each=each)
+    except (OSError, CorruptionError) as exc:
+        error = failed_object(store, manifest.entry_id, ref.name, ref.digest, path, exc,
+                              found_by="export").error
+        if started:
+            if written == ref.size:  # a whole member whose digest an import refuses
+                writer.finish(ref.size)
+            error.message += "; the archive is incomplete"
+        error.fix = "run the export again" if isinstance(error, NotFoundError) else \
+            f"{error.fix}; run the export again"
+        raise error from exc
+    if not started:  # an empty object: no chunk
+        writer.begin(member, ref.size, manifest.created)
+    writer.finish(ref.size)

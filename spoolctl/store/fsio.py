@@ -1,4 +1,5 @@
-"""Durable writes and verified reads of single files (the only raw file I/O of the store).
+"""Durable writes and safe reads of single files (the raw file I/O of the store; the
+verification of an object, hash and check, is ``verify.py``).
 
 Platform branches are small and named: ``full_fsync`` uses ``F_FULLFSYNC`` on
 macOS (plain fsync there does not reach stable storage) and ``fsync``
@@ -11,20 +12,21 @@ import contextlib
 import errno
 import itertools
 import os
+import re
 import secrets
 import stat
 import sys
-import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from . import dirfd
 from .digest import Hasher
 from .dirfd import DirFds
-from .errors import CorruptionError, ManifestError, QuarantineReason, StoreIOError
+from .errors import ManifestError, QuarantineReason, StoreIOError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, decode
+from .pools import LazyPool
 from .space import INODE_FIX, inodes_short, no_inodes_detail
 
 IS_DARWIN = sys.platform == "darwin"
@@ -34,11 +36,17 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-READ_CHUNK = 8 << 20
-# Granularity of the read/hash and write/hash pipelines.
-PIPE_CHUNK = 2 << 20
-# Objects up to this size are hashed on the reading thread (no hand-off; decision 1402).
-INLINE_HASH_MAX = 4 << 20
+# fsyncs in flight at once: concurrent flushes of many files (a group commit) are merged by
+# the filesystem into few journal commits; each thread mostly waits on the disk.
+FLUSH_WORKERS = 16
+FLUSH_POOL = LazyPool("spoolctl-fsync", FLUSH_WORKERS)
+# Unlinks are independent metadata operations that release the GIL; on filesystems where
+# each one waits on the journal or an online discard (ext4 mounted with `discard`, common
+# on VMs) a few in flight at once are an order of magnitude faster than one at a time.
+# 16: a clean of 30k entries of a 1M-entry store took 7.1-7.5 s with 8, 6.7 s with 16 or
+# 32, 12.9 s with 4 (scripts/bench_cli.py's store, 2 cores, ext4 with discard).
+UNLINK_WORKERS = 16
+UNLINK_POOL = LazyPool("spoolctl-unlink", UNLINK_WORKERS)
 
 
 def full_fsync(fd: int) -> None:
@@ -112,8 +120,25 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def tmp_name() -> str:
-    """A unique in-flight file name that records the writer's pid (for abandonment checks)."""
+    """A unique in-flight file name that records the writer's pid (for abandonment checks):
+    ``<pid>-<16 hex>.part``; ``tmp_writer`` reads it back."""
     return f"{os.getpid()}-{secrets.token_hex(8)}.part"
+
+
+# The one parser of ``tmp_name``'s names. ASCII digits only; a pid is a positive C int.
+_TMP_NAME_RE = re.compile(r"([0-9]{1,10})-[0-9a-f]{16}\.part")
+_PID_MAX = (1 << 31) - 1
+
+
+def tmp_writer(name: str) -> int | None:
+    """The pid of the process that made temp file ``name`` (``tmp_name``), or None if
+    spoolctl did not make a file of that name (or its pid cannot be one: no process check
+    may be asked about it)."""
+    m = _TMP_NAME_RE.fullmatch(name)
+    if m is None:
+        return None
+    pid = int(m.group(1))
+    return pid if 0 < pid <= _PID_MAX else None
 
 
 def io_error(exc: OSError, what: str, path: Path) -> StoreIOError:
@@ -250,7 +275,7 @@ def write_tmp_flushing(
                 on_written()
             # The bytes are in the page cache: flush them to disk on a helper thread while
             # this thread hashes them, so a commit costs about write + max(fsync, hash).
-            flushed = _submit(flush_pool, fsync_close, fd)
+            flushed = FLUSH_POOL.submit(fsync_close, fd)
             for view in views:
                 hasher.update(view)
         finally:
@@ -381,7 +406,7 @@ def prefetch(path: str) -> None:
     if not hasattr(os, "posix_fadvise") or (fd := _peek_open(path)) is None:
         return
     try:
-        _advise_willneed(fd)
+        advise_willneed(fd)
     finally:
         os.close(fd)
 
@@ -419,162 +444,17 @@ def read_manifest_sized(path: Path, entry_id: str) -> tuple[Manifest, int]:
     return decode(data, expected_entry_id=entry_id, path=str(path)), len(data)
 
 
-_hash_pool_lock = threading.Lock()
-_hash_pool: ThreadPoolExecutor | None = None
-
-
-_flush_pool_lock = threading.Lock()
-_flush_executor: ThreadPoolExecutor | None = None
-# fsyncs in flight at once: concurrent flushes of many files (a group commit) are merged by
-# the filesystem into few journal commits; each thread mostly waits on the disk.
-FLUSH_WORKERS = 16
-
-
-def flush_pool() -> ThreadPoolExecutor:
-    """The shared pool that runs fsyncs (of files and directories) off the calling thread."""
-    global _flush_executor
-    with _flush_pool_lock:
-        if _flush_executor is None:
-            _flush_executor = ThreadPoolExecutor(max_workers=FLUSH_WORKERS,
-                                                 thread_name_prefix="spoolctl-fsync")
-        return _flush_executor
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _hash_pool
-    with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spoolctl-hash")
-        return _hash_pool
-
-
-def _submit(pool: Callable[[], ThreadPoolExecutor], fn: Callable[..., Any],
-            *args: Any) -> Future:
-    """``pool().submit(fn, *args)``, or ``fn`` run here when the pool no longer accepts
-    work: at interpreter exit ``concurrent.futures`` shuts its pools down before ``atexit``
-    handlers run, and a commit or verified read made then must still work (only without
-    the overlap)."""
-    try:
-        return pool().submit(fn, *args)
-    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as exc:
-            done.set_exception(exc)
-        return done
-
-
 def flush_submit(fn: Callable[..., Any], *args: Any) -> Future:
-    """``flush_pool().submit(fn, *args)`` that still works at interpreter exit (then
-    ``fn`` runs on the calling thread; see ``_submit``)."""
-    return _submit(flush_pool, fn, *args)
+    """``fn(*args)`` on the shared pool that runs fsyncs (of files and directories) off the
+    calling thread; on the calling thread at interpreter exit (``pools.LazyPool``)."""
+    return FLUSH_POOL.submit(fn, *args)
 
 
-def read_verified(
-    path: Path, *, digest: str, size: int, into: memoryview | None = None
-) -> memoryview:
-    """Read the object at ``path`` and prove it is ``digest`` of ``size`` bytes, in one pass.
-
-    Objects up to ``INLINE_HASH_MAX`` are hashed inline, chunk by chunk (a raw read plus
-    the hash, no thread hand-off); larger ones are pipelined (chunk i is hashed on a
-    helper thread while chunk i+1 is read; both release the GIL), so verification costs
-    little over a raw read. Returns a view of the bytes (``into`` if given). Raises
-    ``FileNotFoundError`` if the object is missing, ``CorruptionError`` on a size
-    or digest mismatch or if the object is not a regular file (never blocks on a FIFO),
-    ``OSError`` (e.g. EACCES) if it cannot be read. The returned bytes are only ever
-    handed out verified.
-    """
-    try:
-        fd = open_for_read(path)
-    except SpecialFileError as exc:
-        raise CorruptionError(f"object is not a regular file ({exc.kind})",
-                              reason=QuarantineReason.PAYLOAD_MISSING, path=path) from None
-    try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise CorruptionError(
-                f"object is {actual} bytes, manifest says {size}",
-                reason=QuarantineReason.PAYLOAD_SIZE,
-                path=path,
-            )
-        buf = into if into is not None else memoryview(bytearray(size))
-        if len(buf) != size:
-            raise ValueError("destination buffer has the wrong size")
-        hasher = Hasher()
-        # Small objects are hashed inline, chunk by chunk (the kernel's readahead keeps the
-        # disk busy meanwhile): handing a chunk to the helper thread costs more than it
-        # overlaps (INLINE_HASH_MAX, measured with scripts/bench_store.py --probe).
-        inline = size <= INLINE_HASH_MAX
-        if not inline:
-            # Ask for the whole object at once: the kernel then reads ahead of the pipeline's
-            # 2 MiB reads instead of one readahead window at a time (64 MiB cold: 0.92-0.94x
-            # a raw read without, 0.97x with; docs/benchmarks.md).
-            _advise_willneed(fd)
-        pending = None
-        offset = 0
-        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-            while offset < size:
-                end = min(offset + PIPE_CHUNK, size)
-                window = buf[offset:end]
-                got = 0
-                while got < len(window):
-                    n = f.readinto(window[got:])
-                    if not n:
-                        raise CorruptionError(
-                            "object shorter than its size while reading",
-                            reason=QuarantineReason.PAYLOAD_SIZE,
-                            path=path,
-                        )
-                    got += n
-                if inline:
-                    hasher.update(window)
-                else:
-                    # Hash chunk i on the helper thread while chunk i+1 is read.
-                    if pending is not None:
-                        pending.result()
-                    pending = _submit(_pool, hasher.update, window)
-                offset = end
-            if pending is not None:
-                pending.result()
-            if f.read(1):
-                raise CorruptionError(
-                    "object grew while reading", reason=QuarantineReason.PAYLOAD_SIZE, path=path
-                )
-    finally:
-        os.close(fd)
-    if hasher.hexdigest() != digest:
-        raise CorruptionError(
-            "object digest mismatch", reason=QuarantineReason.PAYLOAD_DIGEST, path=path
-        )
-    return buf
-
-
-def _advise_willneed(fd: int) -> None:
+def advise_willneed(fd: int) -> None:
     """Start reading all of ``fd`` into the page cache (best effort; not everywhere)."""
     if hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-
-
-def hash_file(path: Path) -> tuple[str, int]:
-    """Digest and size of a file (used to check an existing object before reuse)."""
-    fd = open_for_read(path)
-    hasher = Hasher()
-    size = 0
-    try:
-        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-            buf = bytearray(READ_CHUNK)
-            view = memoryview(buf)
-            while True:
-                n = f.readinto(view)
-                if not n:
-                    break
-                hasher.update(view[:n])
-                size += n
-    finally:
-        os.close(fd)
-    return hasher.hexdigest(), size
 
 
 def probe_o_direct(directory: Path) -> bool:
@@ -591,16 +471,6 @@ def probe_o_direct(directory: Path) -> bool:
     with contextlib.suppress(OSError):
         dirfd.unlink(path)
     return True
-
-
-# Unlinks are independent metadata operations that release the GIL; on filesystems where
-# each one waits on the journal or an online discard (ext4 mounted with `discard`, common
-# on VMs) a few in flight at once are an order of magnitude faster than one at a time.
-# 16: a clean of 30k entries of a 1M-entry store took 7.1-7.5 s with 8, 6.7 s with 16 or
-# 32, 12.9 s with 4 (scripts/bench_cli.py's store, 2 cores, ext4 with discard).
-UNLINK_WORKERS = 16
-_unlink_pool_lock = threading.Lock()
-_unlink_pool: ThreadPoolExecutor | None = None
 
 
 def _unlink(path: Path, dirs: DirFds) -> bool | OSError:
@@ -627,12 +497,6 @@ def unlink_many(paths: list[Path], dirs: DirFds) -> Iterable[bool | OSError]:
     complete in order, so a caller can mark a checkpoint after each; other unlinks may
     already be in flight at that moment.
     """
-    global _unlink_pool
     if len(paths) < 2 * UNLINK_WORKERS:
         return (_unlink(p, dirs) for p in paths)
-    with _unlink_pool_lock:
-        if _unlink_pool is None:
-            _unlink_pool = ThreadPoolExecutor(max_workers=UNLINK_WORKERS,
-                                              thread_name_prefix="spoolctl-unlink")
-        pool = _unlink_pool
-    return pool.map(_unlink, paths, itertools.repeat(dirs))
+    return UNLINK_POOL.map(_unlink, paths, itertools.repeat(dirs))

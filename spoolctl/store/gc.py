@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -38,17 +37,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import clocks, dirfd, faults
-from .fsio import describe_os_error, fsync_dir, unlink_many
+from .capacity import low_watermark
+from .fsio import describe_os_error, fsync_dir, tmp_writer, unlink_many
 from .sqlite_files import no_space
 
 if TYPE_CHECKING:
     from .context import PartContext
 
-LOW_WATERMARK = 0.9
 DELETE_BATCH = 1000
 DEFAULT_ORPHAN_AGE = 3600.0
 LIVE_WRITER_GRACE = 3600.0
-_TMP_RE = re.compile(r"([0-9]+)-[0-9a-f]{16}\.part")
 log = logging.getLogger("spoolctl.store")
 
 
@@ -202,7 +200,7 @@ class GarbageCollector:
         if not dry_run:
             # no LRU rank from a clock that ran ahead (issue 30.7)
             catalog.clamp_future_access(self._ctx.clock())
-        target = int(max_bytes * LOW_WATERMARK)
+        target = low_watermark(max_bytes)
         remaining = budget if budget is not None else 1 << 62
         while total > target and remaining > 0:
             batch, estimate = [], 0
@@ -231,7 +229,7 @@ class GarbageCollector:
         total -= self.planned(list(before)).bytes if before else 0
         if total <= max_bytes:
             return report
-        target = int(max_bytes * LOW_WATERMARK)
+        target = low_watermark(max_bytes)
         remaining = budget if budget is not None else 1 << 62
         doomed = set(before)
         order = (e for e in _eviction_order(catalog) if e not in doomed)
@@ -413,12 +411,11 @@ def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool) -> DeleteReport:
 def _clean_tmp_entry(fd: int, e: os.DirEntry, path: str, now: float, min_age: float,
                      dry_run: bool, report: DeleteReport) -> None:
     """``clean_tmp`` for one entry of the tmp/ directory open at ``fd``."""
-    m = _TMP_RE.fullmatch(e.name)
     try:
         st = e.stat(follow_symlinks=False)
     except FileNotFoundError:
         return
-    writer = int(m.group(1)) if m else None
+    writer = tmp_writer(e.name)
     alive = writer is None or writer == os.getpid() or pid_alive(writer)
     age = clocks.age(st.st_mtime, now)  # a future mtime protects nothing (issue 30.7)
     if alive and age < max(min_age, LIVE_WRITER_GRACE):

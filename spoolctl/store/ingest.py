@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import dirfd
+from .capacity import low_watermark
 from .digest import Hasher
 from .errors import ArchiveError, ManifestError
 from .fsio import fsync_close, io_error, tmp_name, unlink_quietly
-from .gc import LOW_WATERMARK
 from .import_commit import StagedEntry, object_present, publish_entries
 from .manifest import decode, encode, envelope_digest
 from .store import Store
@@ -190,7 +190,7 @@ class Section:
         """Bytes this store may still take (low watermark of its max, and the disk)."""
         room = free_bytes(self.store.root)
         if self.store.max_bytes is not None:
-            room = min(room, int(self.store.max_bytes * LOW_WATERMARK)
+            room = min(room, low_watermark(self.store.max_bytes)
                        - self.store.totals().bytes)
         self._room = room
 

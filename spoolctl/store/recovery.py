@@ -41,12 +41,12 @@ from .fsio import (
     prefetch,
     read_manifest,
     read_manifest_sized,
-    read_verified,
 )
 from .gc import DeleteReport, GarbageCollector
 from .manifest import Manifest
 from .root import KNOWN_TOP
 from .rows import parse_index, valid_facts
+from .verify import classify, verify_object
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -325,23 +325,23 @@ class Recovery:
             in_store = layout.object_path(ref.digest)
             candidate = in_item if os.path.lexists(in_item) else in_store
             try:
-                read_verified(candidate, digest=ref.digest, size=ref.size)
-            except FileNotFoundError:
-                # Orphan collection reclaimed a healthy sibling after the quarantine (only
-                # the bad object is kept as evidence): the entry cannot come back whole.
-                raise NotFoundError(
-                    f"entry {entry_id[:16]} can no longer be restored: its object "
-                    f"{ref.name} was reclaimed after the entry was quarantined",
-                    fix=purge) from None
-            except CorruptionError as exc:
-                raise CorruptionError(f"object {ref.name} still fails: {exc.message}",
-                                      reason=exc.reason, path=candidate, fix=purge) from None
-            except OSError as exc:
-                raise CorruptionError(f"object {ref.name} cannot be read: "
-                                      f"{describe_os_error(exc)}",
-                                      reason=QuarantineReason.PAYLOAD_MISSING, path=candidate,
-                                      fix="fix its permissions (`spoolctl doctor`) and retry"
-                                      ) from None
+                verify_object(candidate, digest=ref.digest, size=ref.size)
+            except (OSError, CorruptionError) as exc:
+                failure = classify(exc, ref.name)
+                if failure.missing:
+                    # Orphan collection reclaimed a healthy sibling after the quarantine (only
+                    # the bad object is kept as evidence): the entry cannot come back whole.
+                    raise NotFoundError(
+                        f"entry {entry_id[:16]} can no longer be restored: its object "
+                        f"{ref.name} was reclaimed after the entry was quarantined",
+                        fix=purge) from None
+                if failure.reason is None:  # not damage: it may verify once it can be read
+                    raise CorruptionError(f"{failure.detail}; cannot be read",
+                                          reason=QuarantineReason.PAYLOAD_MISSING,
+                                          path=candidate, fix="fix its permissions "
+                                          "(`spoolctl doctor`) and retry") from None
+                raise CorruptionError(f"{failure.detail} (still fails)",
+                                      reason=failure.reason, path=candidate, fix=purge) from None
             if candidate == in_item:
                 moves.append((in_item, in_store))
         for a, b in moves:

@@ -23,7 +23,15 @@ from pathlib import Path
 
 from . import dirfd, faults
 from .errors import InvalidIdError, RootError
-from .fsio import DIR_MODE, describe_os_error, fsync_dir, io_error, read_small, write_tmp
+from .fsio import (
+    DIR_MODE,
+    describe_os_error,
+    fsync_dir,
+    io_error,
+    read_small,
+    tmp_writer,
+    write_tmp,
+)
 
 MARKER = ".spoolctl-root"
 ROOT_SCHEMA = "spoolctl-root/v1"
@@ -288,9 +296,6 @@ def check_layout(layout: StorePaths) -> None:
                             path=layout.root / name, fix="inspect the store before using it")
 
 
-_MARKER_DRAFT_RE = re.compile(r"[0-9]{1,10}-[0-9a-f]{16}\.part")
-
-
 def unfinished_init(layout: StorePaths) -> list[Path] | None:
     """If ``layout.root`` (a directory without a marker) holds nothing but what an
     interrupted or failed ``init`` creates, return the marker drafts it left in ``tmp/``
@@ -317,7 +322,7 @@ def unfinished_init(layout: StorePaths) -> list[Path] | None:
                 if name in ("objects", "manifests") and child in FANOUT and \
                         stat.S_ISDIR(cst.st_mode) and not os.listdir(path / child):
                     continue
-                if name == "tmp" and _MARKER_DRAFT_RE.fullmatch(child) and \
+                if name == "tmp" and tmp_writer(child) is not None and \
                         stat.S_ISREG(cst.st_mode) and cst.st_size <= 1 << 16:
                     drafts.append(path / child)
                     continue

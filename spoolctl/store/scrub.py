@@ -28,9 +28,7 @@ turns on the same cycle instead of fighting (``BusyError`` / skipped step).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -38,9 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import faults
-from .digest import Hasher
-from .errors import BusyError, CorruptionError, NotFoundError, QuarantineReason, StoreIOError
-from .fsio import SpecialFileError, describe_os_error, open_for_read
+from .errors import BusyError, CorruptionError, NotFoundError, StoreIOError
 from .locks import try_hold
 from .scrub_state import (  # noqa: F401 (the progress database's names, imported from here too)
     _DDL,
@@ -50,6 +46,7 @@ from .scrub_state import (  # noqa: F401 (the progress database's names, importe
     ScrubState,
     ScrubSummary,
 )
+from .verify import failed_object, verify_object
 
 if TYPE_CHECKING:
     from .store import Store
@@ -256,54 +253,18 @@ class Scrubber:
         for ref in manifest.objects:
             obj = store.layout.object_path(ref.digest)
             try:
-                problem = self._check_object(obj, ref.digest, ref.size)
-            except FileNotFoundError:
-                if not path.exists():
+                verify_object(obj, digest=ref.digest, size=ref.size, pace=self.limiter.consume)
+            except (OSError, CorruptionError) as exc:
+                failed = failed_object(store, entry_id, ref.name, ref.digest, obj, exc,
+                                       found_by="scrub")
+                if isinstance(failed.error, NotFoundError):
                     return "absent", nbytes, ""  # deleted by maintenance meanwhile
-                problem = (QuarantineReason.PAYLOAD_MISSING, f"object {ref.name} missing")
-            except SpecialFileError as exc:
-                problem = (QuarantineReason.PAYLOAD_MISSING,
-                           f"object {ref.name} is not a regular file ({exc.kind})")
-            except OSError as exc:
-                if exc.errno != errno.ELOOP:
-                    log.warning("scrub: cannot read %s: %s", obj, describe_os_error(exc))
-                    return UNREADABLE, nbytes, f"object {ref.name}: {describe_os_error(exc)}"
-                problem = (QuarantineReason.PAYLOAD_DIGEST, f"object {ref.name} is a symlink")
+                if failed.failure.reason is None:
+                    log.warning("scrub: cannot read %s: %s", obj, failed.failure.detail)
+                    return UNREADABLE, nbytes, failed.failure.detail
+                return "quarantined", nbytes + ref.size, failed.failure.reason.value
             nbytes += ref.size
-            if problem is not None:
-                reason, detail = problem
-                bad = [] if reason is QuarantineReason.PAYLOAD_MISSING else [ref.digest]
-                store.quarantine_entry(entry_id, reason, f"scrub: {detail}", bad_digests=bad)
-                return "quarantined", nbytes, reason.value
         return "checked", nbytes, ""
-
-    def _check_object(self, path: Path, digest: str, size: int
-                      ) -> tuple[QuarantineReason, str] | None:
-        """Stream the object through the hash at the paced rate; None if it verifies."""
-        fd = open_for_read(path)
-        try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                return QuarantineReason.PAYLOAD_SIZE, f"object is {actual} bytes, expected {size}"
-            hasher = Hasher()
-            buf = bytearray(min(CHUNK, max(size, 1)))
-            view = memoryview(buf)
-            seen = 0
-            with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-                while True:
-                    n = f.readinto(view)
-                    if not n:
-                        break
-                    hasher.update(view[:n])
-                    seen += n
-                    self.limiter.consume(n)
-        finally:
-            os.close(fd)
-        if seen != size:
-            return QuarantineReason.PAYLOAD_SIZE, f"read {seen} bytes, expected {size}"
-        if hasher.hexdigest() != digest:
-            return QuarantineReason.PAYLOAD_DIGEST, "object digest mismatch"
-        return None
 
     def _finish(self, state: ScrubState, cycle: Cycle, report: ScrubReport) -> None:
         """End of the walk: reclaim proven orphans and abandoned temp files, close the cycle."""

@@ -51,7 +51,6 @@ Contract (see docs/format.md for the on-disk format):
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import sqlite3
@@ -76,12 +75,11 @@ from .errors import (
     KeyUnavailableError,
     ManifestError,
     NotFoundError,
-    QuarantineReason,
     SpoolError,
     StoreIOError,
 )
 from .facts import StoreFacts, collect
-from .fsio import io_error, read_manifest, read_verified
+from .fsio import io_error, read_manifest
 from .gc import (
     DEFAULT_ORPHAN_AGE,
     DeleteReport,
@@ -102,6 +100,7 @@ from .reserve import Reserve
 from .root import Layout, Marker, check_root_path, create_or_adopt
 from .rows import index_problem
 from .sealing import MasterKey, Sealer, open_sealer, seal_request, sealed_fact
+from .verify import failed_object, read_verified
 
 log = logging.getLogger("spoolctl.store")
 
@@ -488,9 +487,11 @@ class Store:
     def read(self, manifest: Manifest, name: str, *, into: memoryview | None = None) -> memoryview:
         """Return object ``name`` of ``manifest``, verified against its digest in the same pass.
 
-        On a digest or size mismatch, or a missing object, the entry is quarantined
-        and CorruptionError raised (a miss for the caller). If the entry was deleted
-        by maintenance meanwhile, NotFoundError is raised instead (also a miss).
+        On damage (a digest or size mismatch, a missing object, anything but a regular
+        file in its place) the entry is quarantined and CorruptionError raised (a miss for
+        the caller), with the reason every reader gives (``verify.classify``). If the entry
+        was deleted by maintenance meanwhile, NotFoundError is raised instead (also a miss);
+        an object that cannot be read (permissions, I/O) raises StoreIOError, nothing moved.
         """
         ref = manifest.object(name)
         path = self.layout.object_path(ref.digest)
@@ -508,26 +509,9 @@ class Store:
                 with contextlib.suppress(SpoolError):
                     self.release(manifest.entry_id)
             raise
-        except CorruptionError as exc:
-            exc.entry_id = manifest.entry_id
-            if not self.read_only:
-                self.quarantine_entry(manifest.entry_id, exc.reason, exc.message,
-                                      bad_digests=[ref.digest])
-            raise
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ELOOP):
-                raise io_error(exc, "reading an object", path) from exc
-            if not self.layout.manifest_path(manifest.entry_id).exists():
-                raise NotFoundError(f"entry {manifest.entry_id} was deleted", path=self.root,
-                                    fix="nothing to do: it is a cache miss") from None
-            reason = QuarantineReason.PAYLOAD_MISSING
-            bad = [ref.digest] if exc.errno == errno.ELOOP else []
-            if not self.read_only:
-                self.quarantine_entry(manifest.entry_id, reason, f"object {name} missing",
-                                      bad_digests=bad)
-            raise CorruptionError(f"object {name} of entry {manifest.entry_id} is missing",
-                                  reason=reason, path=path, entry_id=manifest.entry_id,
-                                  fix="the entry was quarantined; it is a cache miss") from None
+        except (OSError, CorruptionError) as exc:
+            raise failed_object(self, manifest.entry_id, name, ref.digest, path, exc,
+                                found_by="read").error from exc
 
     def read_all(self, manifest: Manifest) -> dict[str, memoryview]:
         """Every object of ``manifest``, verified (see ``read``)."""
