@@ -49,6 +49,7 @@ GROUPS: dict[str, str] = {
     "22": "Portable test suite",
     "23": "Operations: interrupted commands, init, inodes, clocks",
     "24": "CLI contract and the operator's first hour",
+    "26": "Model families: sliding-window, hybrid and recurrent caches",
 }
 OTHER = "Other records"
 

@@ -251,6 +251,12 @@ class KVEntryFormat:
         clone = getattr(self.backend, "clone", None)
         return clone(cache) if clone is not None else copy.deepcopy(cache)
 
+    @property
+    def trimmable(self) -> bool:
+        """Whether every cache of the backend can be cut back to a shorter prefix (full
+        attention); if not, bases serve only plans that extend them whole."""
+        return bool(getattr(self.backend, "trimmable", True))
+
     def trim(self, cache: Any, keep: int) -> Any:
         return self.backend.trim(cache, keep)
 

@@ -646,7 +646,7 @@ class LocalCacheController(UseMixin):
                 in_memory = self._memory.get(cand.entry_id)
             if in_memory is not None:
                 keep = common_prefix_tokens(in_memory.prefix, plan.prefix)
-                if keep == 0:
+                if keep == 0 or not self._can_cut(keep, len(in_memory.prefix)):
                     continue
                 cache, base_len = self.format.clone(in_memory.cache), len(in_memory.prefix)
                 where = "memory"
@@ -659,7 +659,10 @@ class LocalCacheController(UseMixin):
                 if manifest is None:
                     continue
                 try:
-                    keep = common_prefix_tokens(self._prefix_of(manifest), plan.prefix)
+                    theirs = self._prefix_of(manifest)
+                    keep = common_prefix_tokens(theirs, plan.prefix)
+                    if not self._can_cut(keep, len(theirs)):
+                        continue  # not worth reading: its state is past the shared prefix
                 except ValueError:
                     keep = -1  # bad meta: _load_manifest below rejects and quarantines it
                 if keep == 0:
@@ -676,6 +679,12 @@ class LocalCacheController(UseMixin):
                 continue
             return cache, keep, cand.entry_id, where, keep == base_len
         return None
+
+    def _can_cut(self, keep: int, base_len: int) -> bool:
+        """Whether a base of ``base_len`` tokens can serve a plan sharing ``keep`` of them:
+        always by extension (``keep == base_len``); by cutting back only where the format's
+        caches can be cut exactly (full attention; not recurrent or window-full states)."""
+        return keep == base_len or getattr(self.format, "trimmable", True)
 
     # -- release -------------------------------------------------------------------------
 
