@@ -25,6 +25,7 @@ BY_FAMILY = [pytest.param(f, marks=() if f == "sliding" else pytest.mark.extende
 SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
 DOC1 = "Manual, part one: the pump starts when the valve is open and the tank is full. " * 2
 DOC1_NEAR = DOC1[:-6] + "empty. "  # differs in the last words only
+SYSTEM_NEAR = SYSTEM[:-6] + "above."
 DOC2 = "Manual, part two: never run the pump dry; check the seal every month."
 QUESTION = "Question: when does the pump start?"
 
@@ -41,8 +42,9 @@ def backends(tmp_path_factory) -> dict[str, PyTorchBackend]:
     return {f: PyTorchBackend(build_family_model(root / f, f), model_id=f) for f in FAMILIES}
 
 
-def cold(backend: PyTorchBackend, *data: str, **sampling) -> list[int]:
-    p = CachePrepareParams(model="m", instructions=[SYSTEM], data=list(data))
+def cold(backend: PyTorchBackend, *data: str, system: str = SYSTEM,
+         **sampling) -> list[int]:
+    p = CachePrepareParams(model="m", instructions=[system], data=list(data))
     ids = [t for s in backend.tokenize_segments([*render_segments(p), QUESTION]) for t in s]
     from spoolctl.controllers.decoding import Decoding
 
@@ -72,25 +74,50 @@ def test_disk_restore_gives_the_tokens_of_a_cold_run(backends, family, store_roo
 @pytest.mark.parametrize("family", BY_FAMILY)
 def test_extension_is_reused_and_exact_near_misses_and_cuts_run_cold(backends, family,
                                                                       store_root, caplog):
-    """A stored state is extended forward (instructions + doc1 -> + doc2) with the tokens
-    of a cold run; a prompt that differs inside the stored prefix (a near miss) or stops
-    inside it (would need cutting a recurrent / window-full state back) runs cold and
-    correct, and the unusable base is not even read."""
+    """A stored state is only ever extended, never cut back: instructions + doc1 grows to
+    + doc2 from the doc1 entry; a near miss inside doc1, or a prompt that stops inside it,
+    reuses exactly the instructions snapshot (decision 2602) and no more; a near miss inside
+    the instructions runs cold. Tokens equal a cold run each time, and no base that would
+    need cutting back is even read (no warning)."""
     b = backends[family]
     with PyTorchCacheController(b, store_root) as ctl:
         base = ctl.prepare(params(family, DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
     with PyTorchCacheController(b, store_root) as ctl:
         ext = ctl.prepare(params(family, DOC1, DOC2))
         assert ext.source == "incremental" and ext.reused_tokens == base.cached_tokens
         assert ctl.generate(ext, QUESTION, 8).tokens == cold(b, DOC1, DOC2)
+    half = DOC1[: len(DOC1) // 2]
     with PyTorchCacheController(b, store_root) as ctl, caplog.at_level(logging.WARNING):
-        near = ctl.prepare(params(family, DOC1_NEAR))
+        for data in (DOC1_NEAR, half):
+            h = ctl.prepare(params(family, data))
+            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, data)
+        near = ctl.prepare(CachePrepareParams(model=family, instructions=[SYSTEM_NEAR],
+                                              data=[DOC1]))
         assert near.source == "cold" and near.reused_tokens == 0
-        assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1_NEAR)
-        shorter = ctl.prepare(params(family, DOC1[: len(DOC1) // 2]))
-        assert shorter.source == "cold" and shorter.reused_tokens == 0
-        assert ctl.generate(shorter, QUESTION, 8).tokens == cold(b, DOC1[: len(DOC1) // 2])
+        assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1, system=SYSTEM_NEAR)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.extended  # the engine rule; tests/test_mlx_families.py covers it by default
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_system_prompt_many_documents_extends_the_instructions_snapshot(
+        backends, family, store_root):
+    """The app shape "one system prompt, many documents" hits for caches that cannot be
+    cut back: the first cold prefill also stores the instructions' state, every later
+    document extends it (and never supersedes it), tokens equal a cold run."""
+    b = backends[family]
+    with PyTorchCacheController(b, store_root) as ctl:
+        first = ctl.prepare(params(family, DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
+    assert first.source == "cold"
+    for doc in (DOC2, DOC1_NEAR):
+        with PyTorchCacheController(b, store_root) as ctl:  # fresh memory: snapshot from disk
+            h = ctl.prepare(params(family, doc))
+            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert h.supersedes is None
+            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, doc)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
