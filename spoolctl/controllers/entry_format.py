@@ -257,6 +257,13 @@ class KVEntryFormat:
         attention); if not, bases serve only plans that extend them whole."""
         return bool(getattr(self.backend, "trimmable", True))
 
+    @property
+    def extends_by_token(self) -> bool:
+        """Whether extending a cache runs one token per forward (a model whose multi-token
+        forward ignores a cached recurrent state): a cold prefill is then cheaper than
+        extending a copy of a shorter state."""
+        return bool(getattr(self.backend, "extends_by_token", False))
+
     def trim(self, cache: Any, keep: int) -> Any:
         return self.backend.trim(cache, keep)
 

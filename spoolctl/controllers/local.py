@@ -539,6 +539,10 @@ class LocalCacheController(UseMixin):
             if known is None:
                 self._commit(snap, head, None, snapshot=True)
             self._remember(snap, Loaded(head, snap.prefix))
+            if getattr(self.format, "extends_by_token", False):
+                # The model continues a state one token at a time (transformers' Mamba):
+                # a second cold forward of the whole prefix is far cheaper than that.
+                return self.format.prefill(plan)
             rest = list(plan.prefix.tokens[len(snap.prefix):])
             return self.format.extend(self.format.clone(head), rest)
         except (SpoolError, ValueError, RuntimeError) as exc:

@@ -281,6 +281,11 @@ class PyTorchBackend:
         return int(cache.get_seq_length())
 
     @property
+    def extends_by_token(self) -> bool:
+        """Whether a cache that holds tokens is continued one token per forward."""
+        return self._resume_chunk == 1
+
+    @property
     def trimmable(self) -> bool:
         """Whether a cache of this model can always be cut back to a shorter prefix (full
         attention); otherwise only forward extension is exact (``trim`` refuses)."""
