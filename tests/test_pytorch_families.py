@@ -71,7 +71,8 @@ def test_disk_restore_gives_the_tokens_of_a_cold_run(backends, family, store_roo
     assert sampled.tokens == cold(b, DOC1, **SEEDED)
 
 
-@pytest.mark.parametrize("family", BY_FAMILY)
+@pytest.mark.extended  # the engine's rule; tests/test_mlx_families.py covers it by default
+@pytest.mark.parametrize("family", FAMILIES)
 def test_extension_is_reused_and_exact_near_misses_and_cuts_run_cold(backends, family,
                                                                       store_root, caplog):
     """A stored state is only ever extended, never cut back: instructions + doc1 grows to
