@@ -12,6 +12,9 @@ On the locally generated "small" Llama (a 4K-token prefill takes seconds on a CP
 * decode: ``generate`` from a memory hit (transformers' ``model.generate`` continued from
   the cache, decision 1703) vs the hand-written greedy loop spoolctl used before, on the
   same cache; the tokens must be equal.
+* ``--families`` (a run of its own): for one tiny model per cache family
+  (``spoolctl.tinyfamilies``: Gemma 3 sliding window, Jamba attention + Mamba, Mamba), cold
+  ``prepare`` vs a disk hit in a new process at ``--tokens`` (decisions 2600, 2601).
 * render: ``prompt_tokens`` of the same params on a tiny model with a chat template,
   rendered through the template vs the plain format (decision 1702), and a memory-hit
   ``prepare`` (params normalisation, plan, handle bookkeeping).
@@ -111,6 +114,41 @@ def render_section(work: Path, tokens: int, repeat: int) -> dict:
                 "memory_hit_prepare_s": round(hit_s, 5)}
 
 
+def families_section(work: Path, tokens: int, repeat: int) -> dict:
+    """Cold prepare vs disk hit in a new process, per cache family, same prompt size."""
+    from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
+    from spoolctl.tinyfamilies import FAMILIES, build_family_model
+
+    out = {}
+    for family in FAMILIES:
+        model_dir = build_family_model(work / f"family-{family}", family)
+        backend = PyTorchBackend(model_dir)
+        params = build_params(backend, tokens)
+        cold_times = []
+        for i in range(repeat):
+            with PyTorchCacheController(backend, work / f"{family}{i}") as ctl:
+                t = time.perf_counter()
+                h = ctl.prepare(params)
+                cold_times.append(time.perf_counter() - t)
+                assert h.source == "cold", h
+                size = ctl.store.row(h.ref).size
+        params_json = json.dumps({"model": params.model,
+                                  "instructions": [e.content for e in params.instructions],
+                                  "data": [e.content for e in params.data]})
+        run = subprocess.run([sys.executable, __file__, "--repeat", str(repeat), "--child",
+                              str(model_dir), str(work / f"{family}0"), params_json],
+                             capture_output=True, text=True, check=True)
+        hit = json.loads(run.stdout.strip().splitlines()[-1])
+        assert set(hit["sources"]) == {"disk"}, hit
+        cold_s = statistics.median(cold_times)
+        out[family] = {"kv_layout": backend.identity()["kv_layout"],
+                       "tokens": h.cached_tokens, "entry_bytes": size,
+                       "cold_prepare_s": round(cold_s, 4),
+                       "disk_hit_prepare_new_process_s": round(hit["seconds"], 4),
+                       "disk_hit_speedup_vs_cold": round(cold_s / hit["seconds"], 1)}
+    return out
+
+
 def child(model: str, root: str, params_json: str, repeat: int) -> None:
     from spoolctl.controllers import CachePrepareParams
     from spoolctl.controllers.pytorch import (
@@ -139,6 +177,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--families", action="store_true",
+                    help="only the per-family rows (sliding window, hybrid, Mamba)")
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "ROOT", "PARAMS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -146,6 +186,20 @@ def main() -> None:
         return
 
     import torch
+
+    if args.families:
+        work = Path(os.path.realpath(tempfile.mkdtemp(prefix="spoolctl-bench-")))
+        try:
+            print(json.dumps({"bench": "controllers/families",
+                              "torch_threads": torch.get_num_threads(),
+                              "repeat": args.repeat,
+                              "families": families_section(work, args.tokens, args.repeat)},
+                             indent=2))
+        finally:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+        return
 
     from spoolctl.controllers import CachePrepareParams
     from spoolctl.controllers.pytorch import (

@@ -251,6 +251,19 @@ class KVEntryFormat:
         clone = getattr(self.backend, "clone", None)
         return clone(cache) if clone is not None else copy.deepcopy(cache)
 
+    @property
+    def trimmable(self) -> bool:
+        """Whether every cache of the backend can be cut back to a shorter prefix (full
+        attention); if not, bases serve only plans that extend them whole."""
+        return bool(getattr(self.backend, "trimmable", True))
+
+    @property
+    def extends_by_token(self) -> bool:
+        """Whether extending a cache runs one token per forward (a model whose multi-token
+        forward ignores a cached recurrent state): a cold prefill is then cheaper than
+        extending a copy of a shorter state."""
+        return bool(getattr(self.backend, "extends_by_token", False))
+
     def trim(self, cache: Any, keep: int) -> Any:
         return self.backend.trim(cache, keep)
 

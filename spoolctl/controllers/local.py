@@ -491,7 +491,7 @@ class LocalCacheController:
                             reason(exc))
                 based = None
         if based is None:
-            cache = self.format.prefill(plan)
+            cache = self._prefill_with_snapshot(plan)
             base_id, source, computed, reused = None, "cold", total, 0
         # Only a base this entry strictly extends is superseded; a sibling that shares a
         # shorter prefix (the system message) stays (decision 2100). A base a live handle
@@ -523,7 +523,54 @@ class LocalCacheController:
                             computed=computed,
                             supersedes=supersedes if persisted else None), work
 
-    def _commit(self, plan: Plan, cache: Any, base_id: str | None) -> bool:
+    def _snapshot_plan(self, plan: Plan) -> Plan | None:
+        """The plan of the instructions alone, where a cold prefill of ``plan`` should also
+        store a snapshot there: only for caches that cannot be cut back (sliding windows,
+        recurrent states), whose entries otherwise serve only prompts that extend them whole
+        -- with it, one system prompt over many documents still hits (decision 2602)."""
+        params = plan.params
+        if getattr(self.format, "trimmable", True) or not self.format.bases or \
+                not params.instructions or not params.data or params.read_only:
+            return None
+        try:
+            snap = self.format.plan(dataclasses.replace(params, data=()))
+        except (SpoolError, ValueError, TypeError):
+            return None
+        if snap is None or snap.entry_id == plan.entry_id or \
+                not 0 < len(snap.prefix) < len(plan.prefix) or \
+                not snap.prefix.is_prefix_of(list(plan.prefix.tokens)):
+            return None  # e.g. a chat template that renders the instructions differently
+        return snap
+
+    def _prefill_with_snapshot(self, plan: Plan) -> Any:
+        """A cold prefill of ``plan``; for caches that cannot be cut back it runs through the
+        instructions first and commits that state as an entry of its own (a snapshot that
+        later prefills extend and never supersede), then extends a copy."""
+        snap = self._snapshot_plan(plan)
+        if snap is None:
+            return self.format.prefill(plan)
+        try:
+            # No key lock of its own (a second stripe lock could wait on the one held):
+            # a put of an entry that exists is a no-op, so racing writers are harmless.
+            known = self._store.lookup(self.kind, snap.namespace, snap.key, touch=False)
+            head = self.format.prefill(snap)
+            if known is None:
+                self._commit(snap, head, None, snapshot=True)
+            self._remember(snap, Loaded(head, snap.prefix))
+            if getattr(self.format, "extends_by_token", False):
+                # The model continues a state one token at a time (transformers' Mamba):
+                # a second cold forward of the whole prefix is far cheaper than that.
+                return self.format.prefill(plan)
+            rest = list(plan.prefix.tokens[len(snap.prefix):])
+            return self.format.extend(self.format.clone(head), rest)
+        except (SpoolError, ValueError, RuntimeError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            log.warning("instructions snapshot skipped: %s", reason(exc))
+            return self.format.prefill(plan)
+
+    def _commit(self, plan: Plan, cache: Any, base_id: str | None, *,
+                snapshot: bool = False) -> bool:
         try:
             objects, layout = self.format.serialize(cache, plan)
         except Exception as exc:  # the cache still serves this process from memory
@@ -535,7 +582,8 @@ class LocalCacheController:
                 "model": plan.params.model, "includes": plan.params.includes().to_json(),
                 **own_meta, **plan.prefix.to_meta()}
         index = {"group": plan.group, "elements": list(plan.elements),
-                 "tokens": len(plan.prefix), **own_index}
+                 "tokens": len(plan.prefix), **own_index,
+                 **({"snapshot": True} if snapshot else {})}
         try:
             self._store.put(kind=self.kind, namespace=plan.namespace, key=plan.key,
                             objects=objects, meta=meta, index=index, supersedes=base_id)
@@ -686,12 +734,15 @@ class LocalCacheController:
         prefill)."""
         candidates = rank_bases(rows, group=plan.group, elements=plan.elements,
                                 exclude=plan.entry_id, lead_segments=plan.lead_segments)
+        # Snapshots serve many prompts: a prompt that extends one never supersedes it.
+        snapshots = {entry_id for entry_id, _, index in rows
+                     if hasattr(index, "get") and index.get("snapshot") is True}
         for cand in candidates[:MAX_BASE_TRIES]:
             with self._lock:
                 in_memory = self._memory.get(cand.entry_id)
             if in_memory is not None:
                 keep = common_prefix_tokens(in_memory.prefix, plan.prefix)
-                if keep == 0:
+                if keep == 0 or not self._can_cut(keep, len(in_memory.prefix)):
                     continue
                 cache, base_len = self.format.clone(in_memory.cache), len(in_memory.prefix)
                 where = "memory"
@@ -704,7 +755,10 @@ class LocalCacheController:
                 if manifest is None:
                     continue
                 try:
-                    keep = common_prefix_tokens(self._prefix_of(manifest), plan.prefix)
+                    theirs = self._prefix_of(manifest)
+                    keep = common_prefix_tokens(theirs, plan.prefix)
+                    if not self._can_cut(keep, len(theirs)):
+                        continue  # not worth reading: its state is past the shared prefix
                 except ValueError:
                     keep = -1  # bad meta: _load_manifest below rejects and quarantines it
                 if keep == 0:
@@ -719,8 +773,15 @@ class LocalCacheController:
             except Exception as exc:
                 log.warning("could not trim a base: %s", reason(exc))
                 continue
-            return cache, keep, cand.entry_id, where, keep == base_len
+            return cache, keep, cand.entry_id, where, \
+                keep == base_len and cand.entry_id not in snapshots
         return None
+
+    def _can_cut(self, keep: int, base_len: int) -> bool:
+        """Whether a base of ``base_len`` tokens can serve a plan sharing ``keep`` of them:
+        always by extension (``keep == base_len``); by cutting back only where the format's
+        caches can be cut exactly (full attention; not recurrent or window-full states)."""
+        return keep == base_len or getattr(self.format, "trimmable", True)
 
     # -- release -------------------------------------------------------------------------
 

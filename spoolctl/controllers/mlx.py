@@ -7,7 +7,8 @@ without them and fails with one clear ConfigError only when a backend is built.
 Contract of the backend (the protocol of ``spoolctl.controllers.local``):
 
 * Caches are mlx-lm prompt caches (``make_prompt_cache``: one ``KVCache`` per
-  layer). Every operation is **non-mutating**: ``prefill``/``trim`` return a new
+  layer; ``RotatingKVCache`` / ``ArraysCache`` layers too, as a ``PromptCache``, decision
+  2601). Every operation is **non-mutating**: ``prefill``/``trim`` return a new
   cache and never touch their input, because the controller keeps a prepared
   cache in memory and hands it to many generate calls.
 * ``serialize`` writes mlx-lm's own prompt-cache file (``save_prompt_cache``:
@@ -47,8 +48,12 @@ from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheContr
 from .mlx_format import (
     CacheFormatError,
     NamedBytesIO,
+    PromptCache,
     cache_format,
+    copy_state,
+    describe_layer,
     dtype_name,
+    layers_summary,
     model_digest,
     safetensors_header,
     slice_caches,
@@ -66,6 +71,9 @@ _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _IMPORT_RTOL = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
 #: Metadata key of exported files: the token ids the cache covers (JSON).
 TOKENS_META = "spoolctl_tokens"
+#: mlx-lm cache classes stored beyond plain ``KVCache`` (sliding windows, state-space).
+FAMILY_CLASSES = {"KVCache", "RotatingKVCache", "ArraysCache"}
+
 
 
 class MlxBackend:
@@ -122,6 +130,7 @@ class MlxBackend:
             "model_digest": model_digest(self.model_dir),
             "dtype": self.dtype,
             "device": self.device,
+            **({"cache_layers": layers_summary(self.layers)} if self.layers is not None else {}),
         }
 
     # -- setup ---------------------------------------------------------------------------
@@ -147,20 +156,27 @@ class MlxBackend:
         mx = self._mx
         cache = self._cache_mod.make_prompt_cache(self.model)
         classes = {type(c).__name__ for c in cache}
-        if classes != {"KVCache"}:
+        if not classes <= FAMILY_CLASSES:
             raise ConfigError(
-                f"model uses mlx-lm cache types {sorted(classes)}; spoolctl supports "
-                "models whose prompt cache is plain KVCache layers (full attention)",
-                path=self.model_dir, fix="use a full-attention model (Llama, Qwen, Mistral...)")
+                f"model uses mlx-lm cache types {sorted(classes)}; spoolctl stores "
+                f"{', '.join(sorted(FAMILY_CLASSES))}", path=self.model_dir,
+                fix="use a model whose mlx-lm prompt cache has only those layer types")
         with self._lock:
             self.model(mx.array([[0]]), cache=cache)
             mx.eval([c.state for c in cache])
-        first = cache[0]
+        #: Per-layer description of a cache that is not all ``KVCache`` (None: the plain
+        #: full-attention layout): class, window, K/V dims, state shapes (decision 2601).
+        self.layers: list[dict[str, Any]] | None = None
+        self.classes = [type(c).__name__ for c in cache]
+        if classes != {"KVCache"}:
+            self.layers = [describe_layer(c) for c in cache]
+        first = next((c for c in cache if getattr(c, "keys", None) is not None), None)
         self.num_layers = len(cache)
-        self.kv_heads = int(first.keys.shape[1])
-        self.k_head_dim = int(first.keys.shape[3])
-        self.v_head_dim = int(first.values.shape[3])
-        self.dtype = dtype_name(first.keys.dtype)
+        self.kv_heads = int(first.keys.shape[1]) if first is not None else 0
+        self.k_head_dim = int(first.keys.shape[3]) if first is not None else 0
+        self.v_head_dim = int(first.values.shape[3]) if first is not None else 0
+        self.dtype = dtype_name(first.keys.dtype) if first is not None else \
+            dtype_name(next(a for a in cache[0].cache if a is not None).dtype)
         self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
         self._eos = {int(t) for t in (getattr(self.tokenizer, "eos_token_ids", None) or ())}
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -202,7 +218,15 @@ class MlxBackend:
                             source=template_source(getattr(tok, "chat_template", None), extra))
 
     def new_cache(self) -> list[Any]:
+        if self.layers is not None:
+            return PromptCache(self._cache_mod.make_prompt_cache(self.model))
         return self._cache_mod.make_prompt_cache(self.model)
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether every cache can be cut back to a shorter prefix (all ``KVCache``); a
+        rotated window or a recurrent state only serves prompts that extend it whole."""
+        return self.layers is None
 
     def clone(self, cache: Sequence[Any]) -> list[Any]:
         """An independent copy (cheaper than ``deepcopy``: only the used tokens)."""
@@ -214,6 +238,8 @@ class MlxBackend:
     @staticmethod
     def size(cache: Sequence[Any]) -> int:
         """Tokens the cache covers."""
+        if isinstance(cache, PromptCache):
+            return cache.tokens
         return int(cache[0].offset) if cache else 0
 
     def length(self, cache: Sequence[Any]) -> int:
@@ -225,6 +251,8 @@ class MlxBackend:
         Slicing makes new arrays, so writes into the copy (mlx-lm assigns into its
         buffers in place) never reach the original.
         """
+        if self.layers is not None:
+            return self._copy_layers(cache, keep)
         if len(cache) != self.num_layers or \
                 any(type(c).__name__ != "KVCache" for c in cache):
             raise ValueError("not a prompt cache of this model")
@@ -233,6 +261,26 @@ class MlxBackend:
         if not 0 <= keep <= size:
             raise ValueError(f"cannot keep {keep} tokens of a {size}-token cache")
         return slice_caches(cache, keep, self._cache_mod.KVCache)
+
+    def _copy_layers(self, cache: Sequence[Any], keep: int | None) -> list[Any]:
+        """A copy of a mixed-layer cache (new arrays, so mlx-lm's in-place writes into the
+        copy never reach the original), cut back to ``keep`` only where mlx-lm can do it
+        exactly (a window that has not rotated; never a recurrent state)."""
+        if not isinstance(cache, PromptCache) or \
+                [type(c).__name__ for c in cache] != self.classes:
+            raise ValueError("not a prompt cache of this model")
+        size = self.size(cache)
+        keep = size if keep is None else keep
+        out = PromptCache(type(c).from_state(copy_state(self._mx, c.state)) for c in cache)
+        out.tokens = size
+        if keep != size:
+            if not 0 <= keep < size or not self._cache_mod.can_trim_prompt_cache(out):
+                raise ValueError(f"this model's cache ({', '.join(sorted(set(self.classes)))}) "
+                                 f"cannot be cut back from {size} to {keep} tokens")
+            if self._cache_mod.trim_prompt_cache(out, size - keep) != size - keep:
+                raise ValueError("mlx-lm trimmed fewer tokens than asked")
+            out.tokens = keep
+        return out
 
     def prefill(self, cache: Sequence[Any] | None, tokens: Sequence[int]) -> list[Any]:
         """A new cache: ``cache`` (not modified) extended by ``tokens``."""
@@ -243,10 +291,14 @@ class MlxBackend:
                 chunk = mx.array([list(tokens[start:start + self.prefill_step])])
                 self.model(chunk, cache=out)
                 mx.eval([c.state for c in out])
+                if isinstance(out, PromptCache):
+                    out.tokens += chunk.shape[1]
             return out
 
     def trim(self, cache: Sequence[Any], keep_tokens: int) -> list[Any]:
         """A new cache holding the first ``keep_tokens`` tokens (mlx-lm's own trim)."""
+        if self.layers is not None:
+            return self._copy_layers(cache, keep_tokens)
         out = self._copy(cache)
         if not self._cache_mod.can_trim_prompt_cache(out):
             raise ValueError("this prompt cache cannot be trimmed")
@@ -266,6 +318,8 @@ class MlxBackend:
         buf = io.BytesIO()
         with self._lock:
             self._cache_mod.save_prompt_cache(buf, used, metadata={"spoolctl_format": self.format})
+        if self.layers is not None:
+            return {OBJECT_NAME: buf.getvalue()}, self._layers_layout(token_count)
         layout = {
             "format": self.format,
             "mlx_lm_version": self.mlx_lm_version,
@@ -281,8 +335,19 @@ class MlxBackend:
         }
         return {OBJECT_NAME: buf.getvalue()}, layout
 
+    def _layers_layout(self, token_count: int) -> dict[str, Any]:
+        return {"format": self.format, "mlx_lm_version": self.mlx_lm_version,
+                "mlx_version": self.mlx_version, "object": OBJECT_NAME,
+                "classes": self.classes, "cache_layers": self.layers, "dtype": self.dtype,
+                "layers": self.num_layers, "token_count": token_count}
+
     def check_layout(self, layout: Mapping[str, Any], token_count: int) -> None:
         """Raise CacheFormatError unless ``layout`` describes a cache this backend can load."""
+        if self.layers is not None:
+            if dict(layout) != self._layers_layout(token_count):
+                raise CacheFormatError("cache layout (layer classes, windows, state shapes) "
+                                       "does not match this model")
+            return
         fmt = layout.get("format")
         if fmt != self.format:
             raise CacheFormatError(
@@ -315,6 +380,8 @@ class MlxBackend:
             raise CacheFormatError(f"mlx-lm could not load the cache file: {exc}") from None
         if meta.get("spoolctl_format") != self.format:
             raise CacheFormatError("cache file format marker does not match its manifest")
+        if self.layers is not None:
+            return self._checked_layers(cache, token_count)
         shape_k = (1, self.kv_heads, token_count, self.k_head_dim)
         shape_v = (1, self.kv_heads, token_count, self.v_head_dim)
         for c in cache:
@@ -330,11 +397,32 @@ class MlxBackend:
             raise CacheFormatError("loaded cache has the wrong number of layers")
         return cache
 
+    def _checked_layers(self, cache: list[Any], token_count: int) -> PromptCache:
+        """A loaded mixed-layer cache, after checking every layer against the model's
+        description (class, window, K/V dims, state shapes and dtypes, token count)."""
+        if [type(c).__name__ for c in cache] != self.classes:
+            raise CacheFormatError("loaded cache layer classes do not match this model")
+        for i, (c, want) in enumerate(zip(cache, self.layers or [], strict=True)):
+            try:
+                got = describe_layer(c)
+                offset = getattr(c, "offset", token_count)
+            except (AttributeError, TypeError, ValueError, IndexError):
+                raise CacheFormatError(f"loaded cache layer {i} is malformed") from None
+            if got != want or int(offset) != token_count:
+                raise CacheFormatError(f"loaded cache layer {i} does not match its layout")
+        out = PromptCache(cache)
+        out.tokens = token_count
+        return out
+
     def _check_header(self, header: Mapping[str, Any], token_count: int) -> None:
         meta = header.get("__metadata__")
         if not isinstance(meta, dict):
             raise CacheFormatError("cache file has no mlx-lm metadata")
         classes = sorted(v for k, v in meta.items() if k.startswith("1."))
+        if self.layers is not None:
+            if classes != sorted(self.classes):
+                raise CacheFormatError(f"cache file holds cache classes {classes[:4]}")
+            return
         if classes != ["KVCache"] * self.num_layers:
             raise CacheFormatError(f"cache file holds cache classes {classes[:4]}")
         st_dtype = _ST_DTYPES.get(self.dtype)
@@ -439,6 +527,9 @@ class MlxBackend:
         mx = self._mx
         n = len(tokens)
         rtol = _IMPORT_RTOL.get(self.dtype, 6e-2)
+        if self.layers is not None:
+            raise ValueError("importing a cache of a sliding-window or state-space model is "
+                             "not supported yet")
         if full:
             self._check_all_positions(cache, [int(t) for t in tokens], rtol)
             return

@@ -126,3 +126,49 @@ def safetensors_header(data: memoryview) -> dict[str, Any]:
     if (why := tiling_error(spans, body)) is not None:
         raise CacheFormatError(f"cache file body is malformed: {why}")
     return header
+
+
+class PromptCache(list):
+    """mlx-lm's list of per-layer caches, plus the token count: an ``ArraysCache``
+    (Mamba state) does not count the tokens it has seen."""
+
+    tokens: int = 0
+
+
+def copy_state(mx: Any, state: Any) -> Any:
+    """A cache state (arrays, scalars, nested lists/tuples) with every array copied."""
+    if isinstance(state, mx.array):
+        return mx.array(state)
+    if isinstance(state, (list, tuple)):
+        return type(state)(copy_state(mx, s) for s in state)
+    return state
+
+
+def describe_layer(c: Any) -> dict[str, Any]:
+    """What one mlx-lm cache layer holds, without its token count: class, window, K/V
+    dims, state shapes and dtypes."""
+    name = type(c).__name__
+    if name == "ArraysCache":
+        return {"class": name, "states": [None if a is None else
+                                          {"shape": list(a.shape[1:]),
+                                           "dtype": dtype_name(a.dtype)} for a in c.cache]}
+    d: dict[str, Any] = {"class": name, "kv_heads": int(c.keys.shape[1]),
+                         "k_head_dim": int(c.keys.shape[3]),
+                         "v_head_dim": int(c.values.shape[3]),
+                         "dtype": dtype_name(c.keys.dtype)}
+    if name == "RotatingKVCache":
+        d["window"], d["keep"] = int(c.max_size), int(c.keep)
+    return d
+
+
+def layers_summary(layers: list[dict[str, Any]] | None) -> str:
+    """Compact identity string of a mixed-layer layout (one code per layer)."""
+    codes = []
+    for d in layers or []:
+        if d["class"] == "ArraysCache":
+            codes.append("A" + "+".join("-" if s is None else "x".join(map(str, s["shape"]))
+                                        for s in d["states"]))
+        else:
+            codes.append(("R" + str(d["window"]) if "window" in d else "K")
+                         + f"h{d['kv_heads']}d{d['k_head_dim']}")
+    return ",".join(codes)

@@ -32,6 +32,7 @@ from typing import Any
 from spoolctl.store.digest import Hasher
 from spoolctl.store.errors import ConfigError
 
+from . import pytorch_layers as hf_layers
 from .decoding import GREEDY, Decoding
 from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .render import ChatTemplate, template_source
@@ -158,10 +159,16 @@ class PyTorchBackend:
         self.config = self.model.config.get_text_config(decoder=True) \
             if hasattr(self.model.config, "get_text_config") else self.model.config
         self.num_layers = int(self.config.num_hidden_layers)
-        heads = int(self.config.num_attention_heads)
+        heads = int(getattr(self.config, "num_attention_heads", None) or 1)
         self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or heads)
         self.head_dim = int(getattr(self.config, "head_dim", None)
                             or self.config.hidden_size // heads)
+        #: Per-layer layout of a model whose cache is not all full attention (None: the
+        #: v1 full-attention layout); see ``pytorch_layers``.
+        self.layers: list[dict[str, Any]] | None = None
+        #: Tokens per forward when continuing a cache that already holds tokens: 1 for
+        #: models whose multi-token forward ignores a previous recurrent state.
+        self._resume_chunk = prefill_chunk
         self._revision = revision
         self._trusted_revision = trusted_revision
         self._identity: dict[str, str] | None = None
@@ -173,18 +180,37 @@ class PyTorchBackend:
             else None
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self._check_trimmable()
+        self._probe_layers()
 
-    def _check_trimmable(self) -> None:
+    def _probe_layers(self) -> None:
+        """Learn the cache layout of a model that is not all full attention: run a few
+        tokens, record each layer's kind, window and state shapes, and check whether a
+        multi-token forward continues a cache exactly (transformers' Mamba restarts its
+        scan from a zero state: such a model is continued one token at a time)."""
         cache = self.new_cache()
-        layers = getattr(cache, "layers", None)
-        if layers:
-            kinds = {type(layer).__name__ for layer in layers}
-            if kinds != {"DynamicLayer"}:
-                raise ConfigError(
-                    f"model uses cache layers {sorted(kinds)} that cannot be trimmed and stored",
-                    path=self.path,
-                    fix="the PyTorch controller supports full-attention models only")
+        try:
+            if not getattr(cache, "layers", None) or hf_layers.only_full(cache):
+                return
+        except ValueError as exc:
+            raise ConfigError(f"the model's cache cannot be stored: {exc}", path=self.path,
+                              fix="use a model with full, sliding-window or state-space "
+                                  "(Mamba / linear attention) cache layers") from None
+        probe = [int(t) % max(2, len(self.tokenizer)) for t in range(3, 11)]
+        whole = self._probe_forward(cache, probe)
+        self.layers = hf_layers.describe(cache)
+        split = self.new_cache()
+        self._probe_forward(split, probe[:5])
+        resumed = self._probe_forward(split, probe[5:])
+        scale = float(whole.abs().max()) + 1e-6
+        if float((whole - resumed).abs().max()) > 1e-3 * scale:
+            self._resume_chunk = 1
+
+    def _probe_forward(self, cache: Any, tokens: list[int]) -> Any:
+        torch = self._torch
+        with torch.no_grad():
+            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
+        return out.logits[0, -1].float()
 
     # -- identity / tokens ----------------------------------------------------------------
 
@@ -203,7 +229,10 @@ class PyTorchBackend:
                     **({"revision_name": self._revision} if self._revision else {}),
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "device": self.device.type,
-                    "kv_layout": f"hf-dynamic/L{self.num_layers}/H{self.kv_heads}/D{self.head_dim}",
+                    "kv_layout":
+                        f"hf-dynamic/L{self.num_layers}/H{self.kv_heads}/D{self.head_dim}"
+                        if self.layers is None else
+                        f"{hf_layers.LAYOUT_NAME}/{hf_layers.summary(self.layers)}",
                 }
             return dict(self._identity)
 
@@ -247,22 +276,45 @@ class PyTorchBackend:
         return list(zip(cache.key_cache, cache.value_cache, strict=True))  # 4.x
 
     def length(self, cache: Any) -> int:
+        if self.layers is not None:
+            return hf_layers.length(cache)
         return int(cache.get_seq_length())
+
+    @property
+    def extends_by_token(self) -> bool:
+        """Whether a cache that holds tokens is continued one token per forward."""
+        return self._resume_chunk == 1
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether a cache of this model can always be cut back to a shorter prefix (full
+        attention); otherwise only forward extension is exact (``trim`` refuses)."""
+        return self.layers is None
 
     def _forward(self, cache: Any, tokens: Sequence[int]) -> Any:
         """Run ``tokens`` through the model extending ``cache``; the last position's logits."""
         torch = self._torch
         logits = None
+        recurrent_only = self.layers is not None and \
+            not any("kv_heads" in d for d in self.layers)
+        start = 0
         with torch.no_grad():
-            for start in range(0, len(tokens), self.prefill_chunk):
-                chunk = torch.tensor([list(tokens[start:start + self.prefill_chunk])],
-                                     dtype=torch.long, device=self.device)
+            while start < len(tokens):
                 before = self.length(cache)
+                # A model that cannot resume multi-token runs a cold prefill in one forward
+                # (no attention memory to bound) and continues one token at a time.
+                step = self.prefill_chunk if self._resume_chunk > 1 else \
+                    (len(tokens) if before == 0 else 1)
+                chunk = torch.tensor([list(tokens[start:start + step])],
+                                     dtype=torch.long, device=self.device)
                 out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1,
                                  **{self._cache_arg: cache})
-                if self.length(cache) != before + chunk.shape[1]:
+                if recurrent_only:
+                    setattr(cache, hf_layers.TOKENS_ATTR, before + chunk.shape[1])
+                elif self.length(cache) != before + chunk.shape[1]:
                     raise RuntimeError("the model did not extend the given KV cache")
                 logits = out.logits[0, -1]
+                start += chunk.shape[1]
         return logits
 
     def prefill(self, cache: Any, tokens: list[int]) -> Any:
@@ -274,23 +326,40 @@ class PyTorchBackend:
         length = self.length(cache)
         if not 0 < keep_tokens <= length:
             raise ValueError(f"cannot trim a {length}-token cache to {keep_tokens} tokens")
+        if self.layers is not None and \
+                (why := hf_layers.trim_refusal(cache, keep_tokens)) is not None:
+            raise ValueError(why)
         if keep_tokens < length:
             # Negative crop = tokens to remove: the one form 5.x and 4.57 agree on.
             cache.crop(keep_tokens - length)
         return cache
 
     def clone(self, cache: Any) -> Any:
+        if self.layers is not None:
+            n = self.length(cache)
+            named = hf_layers.tensors(cache, self.layers, n)
+            return hf_layers.fill(self.new_cache(), self.layers,
+                                  {k: t.clone() for k, t in named.items()}, n, self.device)
         copy = self.new_cache()
         for i, (k, v) in enumerate(self._kv(cache)):
             copy.update(k.clone(), v.clone(), i)
         return copy
 
     def _layout(self) -> dict[str, Any]:
+        if self.layers is not None:  # what each layer holds (kind, window, state shapes)
+            return {"encoding": "safetensors", "object": KV_OBJECT, "cache": hf_layers.LAYOUT_NAME,
+                    "layers": self.layers, "dtype": str(self.dtype).removeprefix("torch."),
+                    "batch": 1}
         return {"encoding": "safetensors", "object": KV_OBJECT, "layers": self.num_layers,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "dtype": str(self.dtype).removeprefix("torch."), "batch": 1}
 
     def serialize(self, cache: Any, token_count: int) -> tuple[dict[str, bytes], dict]:
+        if self.layers is not None:
+            if self.length(cache) != token_count:
+                raise ValueError(f"cache holds {self.length(cache)} tokens, not {token_count}")
+            named = hf_layers.tensors(cache, self.layers, token_count)
+            return {KV_OBJECT: self._st.save(named)}, self._layout()
         tensors = {}
         kv = self._kv(cache)
         if len(kv) != self.num_layers:
@@ -308,6 +377,21 @@ class PyTorchBackend:
         if set(objects) != {KV_OBJECT}:
             raise ValueError(f"expected one object {KV_OBJECT!r}, found {sorted(objects)}")
         tensors = self._tensors_from(objects[KV_OBJECT])
+        if self.layers is not None:
+            want = hf_layers.expected(self.layers, token_count)
+            if sorted(tensors) != sorted(want):
+                raise ValueError("stored tensor names do not match the model's layers")
+            for name, (shape, dtype) in want.items():
+                t = tensors[name]
+                dt = self.dtype if dtype is None else getattr(self._torch, dtype)
+                if tuple(t.shape) != shape or t.dtype != dt:
+                    raise ValueError(f"stored tensor {name} {tuple(t.shape)} {t.dtype} does "
+                                     f"not match {shape} {dt}")
+            cache = hf_layers.fill(self.new_cache(), self.layers, tensors, token_count,
+                                   self.device)
+            if self.length(cache) != token_count:
+                raise ValueError("loaded cache length differs from the token count")
+            return cache
         names = [f"{kind}{i}" for i in range(self.num_layers) for kind in ("k", "v")]
         if sorted(tensors) != sorted(names):
             raise ValueError("stored tensor names do not match the model's layers")
@@ -415,7 +499,12 @@ class PyTorchBackend:
             work = self.clone(cache)
         if len(prompt_tokens) - cached_tokens > 1:
             self._forward(work, prompt_tokens[cached_tokens:-1])
-        ids = torch.tensor([list(prompt_tokens)], dtype=torch.long, device=self.device)
+        # generate() slices the prompt by the cache's length, except for ``cache_params``
+        # (recurrent-only) models, which would run the whole prompt again on top of the
+        # state: they get only the uncached last token.
+        recurrent = self._cache_arg == "cache_params" and len(prompt_tokens) > 1
+        shown = prompt_tokens[-1:] if recurrent else prompt_tokens
+        ids = torch.tensor([list(shown)], dtype=torch.long, device=self.device)
         kwargs = {self._cache_arg: work, **decoding.extra}
         seeded = decoding.seed is not None and not decoding.greedy
         if seeded:
@@ -435,9 +524,9 @@ class PyTorchBackend:
                 raise ConfigError(f"transformers refused generate_kwargs: {str(exc)[:200]}",
                                   fix="pass only model.generate() keyword arguments") from None
             raise
-        if self.length(work) < len(prompt_tokens):
+        if not recurrent and self.length(work) < len(prompt_tokens):
             raise RuntimeError("generate did not continue from the given KV cache")
-        return out[0, len(prompt_tokens):].tolist()
+        return out[0, len(shown):].tolist()
 
     def _seeded_sampler(self, decoding: Decoding) -> Any:
         """A logits processor that samples like transformers (temperature, top-k, top-p
@@ -476,6 +565,9 @@ class PyTorchBackend:
         token changed elsewhere."""
         n = len(tokens)
         rtol = _IMPORT_RTOL.get(str(self.dtype).removeprefix("torch."), 6e-2)
+        if self.layers is not None:  # states are a function of the whole prefix: recompute
+            self._check_states(cache, list(tokens), rtol)
+            return
         kv = self._kv(cache)
         if full:
             self._check_all_positions(kv, list(tokens), rtol)
@@ -491,6 +583,17 @@ class PyTorchBackend:
                     if float((a.float() - b.float()).abs().max()) > rtol * scale:
                         raise ValueError(f"position {pos} of the cache does not match token "
                                          f"{int(tokens[pos])} recomputed")
+
+    def _check_states(self, cache: Any, tokens: list[int], rtol: float) -> None:
+        """Prefill ``tokens`` again and compare every tensor of every layer."""
+        work = self.prefill(self.new_cache(), tokens)
+        got = hf_layers.tensors(cache, self.layers or [], len(tokens))
+        want = hf_layers.tensors(work, self.layers or [], len(tokens))
+        for name, b in want.items():
+            a = got[name].float()
+            scale = float(b.float().abs().max()) + 1e-6
+            if float((a - b.float()).abs().max()) > rtol * scale:
+                raise ValueError(f"cache state {name} does not match the tokens recomputed")
 
     def _check_all_positions(self, kv: list[tuple[Any, Any]], tokens: list[int],
                              rtol: float) -> None:
@@ -522,7 +625,11 @@ def cache_argument(forward: Any) -> str:
         params = inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+    if "cache" in params:
+        return "cache"
+    # recurrent-only models (Mamba) take their state as ``cache_params``
+    return "cache_params" if "cache_params" in params and "past_key_values" not in params \
+        else "past_key_values"
 
 
 def _usable_device(torch: Any, device: str) -> Any:

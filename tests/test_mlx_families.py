@@ -1,0 +1,170 @@
+"""MlxCacheController on the cache families beyond full attention (issue #31).
+
+The tiny Gemma 3 (``RotatingKVCache`` sliding layers + a ``KVCache`` global layer), Jamba
+(``ArraysCache`` Mamba state + ``KVCache``) and Mamba (``ArraysCache`` only) of
+``spoolctl.tinyfamilies``, loaded by mlx-lm with its own model code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+try:
+    import mlx.core  # noqa: F401
+except (ImportError, OSError) as exc:
+    pytest.skip(f"mlx is not installed here ({exc}); pip install 'mlx-lm[cpu]'",
+                allow_module_level=True)
+pytest.importorskip("transformers")  # builds the models
+
+from spoolctl.controllers import CachePrepareParams, render_segments
+from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+from spoolctl.controllers.mlx_format import CacheFormatError
+from spoolctl.store import Store
+
+FAMILIES = ("sliding", "hybrid", "ssm")
+SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
+DOC1 = "Manual, part one: the pump starts when the valve is open and the tank is full. " * 2
+DOC1_NEAR = DOC1[:-6] + "empty. "  # differs in the last words only
+SYSTEM_NEAR = SYSTEM[:-6] + "above."
+DOC2 = "Manual, part two: never run the pump dry; check the seal every month."
+QUESTION = "Question: when does the pump start?"
+SEEDED = {"temperature": 0.9, "top_k": 40, "seed": 7}
+#: Default run: one family per behaviour (sliding for restores, sliding + ssm for reuse
+#: rules); the rest run under ``extended``.
+RESTORES = [pytest.param(f, marks=() if f == "sliding" else pytest.mark.extended)
+            for f in FAMILIES]
+REUSE = [pytest.param(f, marks=pytest.mark.extended if f == "hybrid" else ())
+         for f in FAMILIES]
+
+
+def params(family: str, *data: str) -> CachePrepareParams:
+    return CachePrepareParams(model=family, instructions=[SYSTEM], data=list(data))
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory) -> dict[str, MlxBackend]:
+    from spoolctl.tinyfamilies import build_family_model
+
+    root = tmp_path_factory.mktemp("mlx-families")
+    return {f: MlxBackend(build_family_model(root / f, f), model_id=f) for f in FAMILIES}
+
+
+def cold(backend: MlxBackend, *data: str, system: str = SYSTEM,
+         **sampling) -> list[int]:
+    from spoolctl.controllers.decoding import Decoding
+
+    p = CachePrepareParams(model="m", instructions=[system], data=list(data))
+    ids = [t for s in backend.tokenize_segments([*render_segments(p), QUESTION]) for t in s]
+    return backend.generate(None, 0, ids, 8, Decoding(**sampling))
+
+
+@pytest.mark.parametrize("family", RESTORES)
+def test_disk_restore_gives_the_tokens_of_a_cold_run(backends, family, store_root):
+    """Stored by one controller, read from disk by fresh ones: greedy and seeded-sampling
+    tokens equal a cold run."""
+    b = backends[family]
+    p = params(family, DOC1)
+    with MlxCacheController(b, store_root) as ctl:
+        assert ctl.prepare(p).source == "cold"
+    with MlxCacheController(b, store_root) as ctl:
+        greedy = ctl.generate(p, QUESTION, 8)
+    with MlxCacheController(b, store_root) as ctl:
+        sampled = ctl.generate(p, QUESTION, 8, **SEEDED)
+    assert greedy.handle.source == sampled.handle.source == "disk"
+    assert greedy.tokens == cold(b, DOC1)
+    assert sampled.tokens == cold(b, DOC1, **SEEDED)
+
+
+@pytest.mark.parametrize("family", REUSE)
+def test_extension_is_reused_and_exact_near_misses_and_cuts_run_cold(backends, family,
+                                                                      store_root, caplog):
+    """A stored state is only ever extended, never cut back: instructions + doc1 grows to
+    + doc2 from the doc1 entry; a near miss inside doc1, or a prompt that stops inside it,
+    reuses exactly the instructions snapshot (decision 2602) and no more; a near miss inside
+    the instructions runs cold. Tokens equal a cold run each time, and no base that would
+    need cutting back is even read (no warning)."""
+    b = backends[family]
+    with MlxCacheController(b, store_root) as ctl:
+        base = ctl.prepare(params(family, DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
+    with MlxCacheController(b, store_root) as ctl:
+        ext = ctl.prepare(params(family, DOC1, DOC2))
+        assert ext.source == "incremental" and ext.reused_tokens == base.cached_tokens
+        assert ctl.generate(ext, QUESTION, 8).tokens == cold(b, DOC1, DOC2)
+    half = DOC1[: len(DOC1) // 2]
+    with MlxCacheController(b, store_root) as ctl, caplog.at_level(logging.WARNING):
+        for data in (DOC1_NEAR, half):
+            h = ctl.prepare(params(family, data))
+            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, data)
+        near = ctl.prepare(CachePrepareParams(model=family, instructions=[SYSTEM_NEAR],
+                                              data=[DOC1]))
+        assert near.source == "cold" and near.reused_tokens == 0
+        assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1, system=SYSTEM_NEAR)
+    assert [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")] == []
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "ssm" else
+                                                 pytest.mark.extended) for f in FAMILIES])
+def test_one_system_prompt_many_documents_extends_the_instructions_snapshot(
+        backends, family, store_root):
+    """The app shape "one system prompt, many documents" hits for caches that cannot be
+    cut back: the first cold prefill also stores the instructions' state, every later
+    document extends it (and never supersedes it), tokens equal a cold run."""
+    b = backends[family]
+    with MlxCacheController(b, store_root) as ctl:
+        first = ctl.prepare(params(family, DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
+    assert first.source == "cold"
+    for doc in (DOC2, DOC1_NEAR):
+        with MlxCacheController(b, store_root) as ctl:  # fresh memory: the snapshot comes from disk
+            h = ctl.prepare(params(family, doc))
+            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert h.supersedes is None
+            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, doc)
+
+
+def test_entry_layout_says_what_it_holds_and_another_family_never_reads_it(backends,
+                                                                          store_root):
+    entries = {}
+    for family, b in backends.items():
+        with MlxCacheController(b, store_root) as ctl:
+            h = ctl.prepare(params(family, DOC1))
+        with Store.open(store_root) as s:
+            m = s.manifest(h.ref)
+            entries[family] = (m, h.cached_tokens, s.read_all(m))
+    layouts = {f: e[0].meta["layout"] for f, e in entries.items()}
+    assert layouts["sliding"]["classes"] == ["RotatingKVCache"] * 3 + ["KVCache"]
+    assert layouts["sliding"]["cache_layers"][0]["window"] == 16
+    assert layouts["hybrid"]["classes"] == ["ArraysCache", "KVCache"] * 2
+    assert layouts["ssm"]["cache_layers"][0] == {
+        "class": "ArraysCache", "states": [{"shape": [3, 256], "dtype": "float32"},
+                                           {"shape": [256, 8], "dtype": "float32"}]}
+    assert len({b.identity()["cache_layers"] for b in backends.values()}) == 3
+    for reader in FAMILIES:
+        for writer, (m, tokens, objects) in entries.items():
+            if reader != writer:
+                with pytest.raises(CacheFormatError, match="layout"):
+                    backends[reader].deserialize(objects, m.meta["layout"], tokens)
+
+
+def test_a_base_that_would_need_cutting_back_is_not_even_read(backends, store_root, caplog):
+    """No instructions, so no snapshot: the stored doc1 + doc2 state cannot serve doc1
+    alone (a recurrent state is never cut back). The prepare runs cold and correct without
+    reading that entry (nothing to log, no load failure)."""
+    b = backends["ssm"]
+    both = CachePrepareParams(model="ssm", data=[DOC1, DOC2])
+    with MlxCacheController(b, store_root) as ctl:
+        ctl.prepare(both)
+    one = CachePrepareParams(model="ssm", data=[DOC1])
+    with MlxCacheController(b, store_root) as ctl, caplog.at_level(logging.WARNING):
+        h = ctl.prepare(one)
+        assert h.source == "cold" and h.reused_tokens == 0
+        assert ctl.stats()["load_failures"] == 0
+        ids = ctl.prompt_tokens(h, QUESTION)
+        assert ctl.generate(h, QUESTION, 8).tokens == b.generate(None, 0, ids, 8)
+    assert [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")] == []

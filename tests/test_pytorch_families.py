@@ -1,0 +1,167 @@
+"""PyTorchCacheController on the cache families beyond full attention (issue #31).
+
+One tiny model per family, built from transformers' own config classes
+(``spoolctl.tinyfamilies``): Gemma 3 (sliding window + global layers), Jamba (Mamba +
+attention), Mamba (recurrent state only). Real model code, real store, real files.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from spoolctl.controllers import CachePrepareParams, render_segments
+from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
+from spoolctl.store import Store
+
+FAMILIES = ("sliding", "hybrid", "ssm")
+#: Default run: the sliding family (cheapest); the state-space ones run under ``extended``
+#: (their reference PyTorch scans make each run tens of seconds on 2 cores).
+BY_FAMILY = [pytest.param(f, marks=() if f == "sliding" else pytest.mark.extended)
+             for f in FAMILIES]
+SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
+DOC1 = "Manual, part one: the pump starts when the valve is open and the tank is full. " * 2
+DOC1_NEAR = DOC1[:-6] + "empty. "  # differs in the last words only
+SYSTEM_NEAR = SYSTEM[:-6] + "above."
+DOC2 = "Manual, part two: never run the pump dry; check the seal every month."
+QUESTION = "Question: when does the pump start?"
+
+
+def params(family: str, *data: str) -> CachePrepareParams:
+    return CachePrepareParams(model=family, instructions=[SYSTEM], data=list(data))
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory) -> dict[str, PyTorchBackend]:
+    from spoolctl.tinyfamilies import build_family_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {f: PyTorchBackend(build_family_model(root / f, f), model_id=f) for f in FAMILIES}
+
+
+def cold(backend: PyTorchBackend, *data: str, system: str = SYSTEM,
+         **sampling) -> list[int]:
+    p = CachePrepareParams(model="m", instructions=[system], data=list(data))
+    ids = [t for s in backend.tokenize_segments([*render_segments(p), QUESTION]) for t in s]
+    from spoolctl.controllers.decoding import Decoding
+
+    return backend.generate(None, 0, ids, 8, Decoding(**sampling)) if sampling \
+        else backend.generate(None, 0, ids, 8)
+
+
+SEEDED = {"temperature": 0.9, "top_k": 40, "seed": 7}
+
+
+@pytest.mark.parametrize("family", BY_FAMILY)
+def test_disk_restore_gives_the_tokens_of_a_cold_run(backends, family, store_root):
+    """Stored by one controller, read from disk by a fresh one (no memory): greedy and
+    seeded-sampling tokens equal a cold run of the same model."""
+    b = backends[family]
+    p = params(family, DOC1)
+    with PyTorchCacheController(b, store_root) as ctl:
+        assert ctl.prepare(p).source == "cold"
+    with PyTorchCacheController(b, store_root) as ctl:
+        greedy = ctl.generate(p, QUESTION, 8)
+        sampled = ctl.generate(p, QUESTION, 8, **SEEDED)
+    assert greedy.handle.source == "disk" and greedy.usage.cache_read_tokens > 0
+    assert greedy.tokens == cold(b, DOC1)
+    assert sampled.tokens == cold(b, DOC1, **SEEDED)
+
+
+@pytest.mark.extended  # the engine's rule; tests/test_mlx_families.py covers it by default
+@pytest.mark.parametrize("family", FAMILIES)
+def test_extension_is_reused_and_exact_near_misses_and_cuts_run_cold(backends, family,
+                                                                      store_root, caplog):
+    """A stored state is only ever extended, never cut back: instructions + doc1 grows to
+    + doc2 from the doc1 entry; a near miss inside doc1, or a prompt that stops inside it,
+    reuses exactly the instructions snapshot (decision 2602) and no more; a near miss inside
+    the instructions runs cold. Tokens equal a cold run each time, and no base that would
+    need cutting back is even read (no warning)."""
+    b = backends[family]
+    with PyTorchCacheController(b, store_root) as ctl:
+        base = ctl.prepare(params(family, DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
+    with PyTorchCacheController(b, store_root) as ctl:
+        ext = ctl.prepare(params(family, DOC1, DOC2))
+        assert ext.source == "incremental" and ext.reused_tokens == base.cached_tokens
+        assert ctl.generate(ext, QUESTION, 8).tokens == cold(b, DOC1, DOC2)
+    half = DOC1[: len(DOC1) // 2]
+    with PyTorchCacheController(b, store_root) as ctl, caplog.at_level(logging.WARNING):
+        for data in (DOC1_NEAR, half):
+            h = ctl.prepare(params(family, data))
+            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, data)
+        near = ctl.prepare(CachePrepareParams(model=family, instructions=[SYSTEM_NEAR],
+                                              data=[DOC1]))
+        assert near.source == "cold" and near.reused_tokens == 0
+        assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1, system=SYSTEM_NEAR)
+    assert [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")] == []
+
+
+@pytest.mark.extended  # the engine rule; tests/test_mlx_families.py covers it by default
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_system_prompt_many_documents_extends_the_instructions_snapshot(
+        backends, family, store_root):
+    """The app shape "one system prompt, many documents" hits for caches that cannot be
+    cut back: the first cold prefill also stores the instructions' state, every later
+    document extends it (and never supersedes it), tokens equal a cold run."""
+    b = backends[family]
+    with PyTorchCacheController(b, store_root) as ctl:
+        first = ctl.prepare(params(family, DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
+    assert first.source == "cold"
+    for doc in (DOC2, DOC1_NEAR):
+        with PyTorchCacheController(b, store_root) as ctl:  # fresh memory: snapshot from disk
+            h = ctl.prepare(params(family, doc))
+            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert h.supersedes is None
+            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, doc)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trim_refuses_to_cut_a_state_back(backends, family):
+    b = backends[family]
+    ids = b.tokenize_segments([SYSTEM + " " + DOC1])[0]
+    cache = b.prefill(b.new_cache(), ids)
+    assert not b.trimmable
+    with pytest.raises(ValueError, match="cannot be cut back"):
+        b.trim(cache, len(ids) - 5)
+
+
+def test_entry_layout_says_what_it_holds_and_another_family_never_reads_it(backends,
+                                                                          store_root):
+    """The manifest layout names every layer's kind, window and state shapes; the identity
+    (and so the namespace) differs per family; a payload of one family handed to another
+    model's loader is refused before a tensor reaches it."""
+    kinds = {}
+    entries = {}
+    for family, b in backends.items():
+        with PyTorchCacheController(b, store_root) as ctl:
+            h = ctl.prepare(params(family, DOC1))
+        with Store.open(store_root) as s:
+            m = s.manifest(h.ref)
+            entries[family] = (m, s.read_all(m))
+        layout = m.meta["layout"]
+        assert layout["cache"] == "hf-layers/v1"
+        kinds[family] = [d["kind"] for d in layout["layers"]]
+    assert kinds == {"sliding": ["sliding", "sliding", "sliding", "full"],
+                     "hybrid": ["state", "full", "state", "full"],
+                     "ssm": ["state", "state"]}
+    sliding = entries["sliding"][0].meta["layout"]["layers"][0]
+    assert sliding["window"] == 16 and sliding["kv_heads"] == 2 and sliding["head_dim"] == 32
+    state = entries["ssm"][0].meta["layout"]["layers"][0]
+    assert state["conv"] == [{"shape": [256, 4], "dtype": "float32"}]
+    assert state["recurrent"] == [{"shape": [256, 8], "dtype": "float32"}]
+    assert len({b.identity()["kv_layout"] for b in backends.values()}) == 3
+    for reader in FAMILIES:
+        for writer, (m, objects) in entries.items():
+            if reader == writer:
+                continue
+            with pytest.raises(ValueError, match="layout"):
+                backends[reader].deserialize(objects, m.meta["layout"], len(m.meta["tokens"])
+                                             if isinstance(m.meta.get("tokens"), list)
+                                             else 10)
