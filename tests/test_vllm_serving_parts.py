@@ -22,7 +22,8 @@ from waiting import wait_until
 torch = pytest.importorskip("torch")
 
 from spoolctl import metrics as m  # noqa: E402
-from spoolctl.connector.restore import ChunkRestore, RestorePipeline  # noqa: E402
+from spoolctl.connector.formats import ChunkRestore  # noqa: E402
+from spoolctl.connector.restore import RestorePipeline  # noqa: E402
 from spoolctl.connector.stats import ConnectorCounters  # noqa: E402
 from spoolctl.store import Store, entry_id_for  # noqa: E402
 

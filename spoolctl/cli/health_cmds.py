@@ -187,12 +187,12 @@ def doctor_cmd(
 
     Example: [bold]spoolctl doctor --root /var/cache/spoolctl[/bold]
     """
-    from spoolctl.store import tenant_keys
     from spoolctl.store.doctor import run_checks
+    from spoolctl.store.tenant_keys import encryption_checks
 
     def one(path: Path) -> tuple[dict[str, Any], int]:
         checks = run_checks(path) + _genai_checks(path) + _model_checks(path) \
-            + tenant_keys.checks(path)
+            + encryption_checks(path)
         failed = any(c.status == "fail" for c in checks)
         return ({"root": str(path), "ok": not failed, "checks": [c.to_json() for c in checks]},
                 EXIT_FINDINGS if failed else EXIT_OK)

@@ -9,7 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from spoolctl.store import Store, tenant_keys
+from spoolctl.store import Store
+from spoolctl.store.tenant_keys import key_usage, retire_keys, revoke_tenant, rotate_keys
 
 from . import render
 from .common import EXIT_OK, DeploymentOption, JsonOption, RankOption, RootOption, text
@@ -40,7 +41,7 @@ def keys_ls(root: RootOption = None, rank: RankOption = None,
     targets = resolve_targets(root, rank=rank, deployment=deployment)
 
     def job(store: Store, _t: StoreTarget) -> tuple[dict[str, Any], int]:
-        return tenant_keys.usage(store), EXIT_OK
+        return key_usage(store), EXIT_OK
     finish(run_on_targets(targets, job, json_output=json_output, view=_usage_view,
                           read_only_ok=True))
 
@@ -90,7 +91,7 @@ def keys_rotate(tenant: TenantOption = None, dry_run: DryRunOption = False,
     Example: [bold]spoolctl keys rotate --tenant acme[/bold]
     """
     _run("rotate", root, rank, deployment, json_output,
-         lambda s: tenant_keys.rotate(s, tenant, dry_run=dry_run))
+         lambda s: rotate_keys(s, tenant, dry_run=dry_run))
 
 
 @keys_app.command("revoke")
@@ -106,7 +107,7 @@ def keys_revoke(tenant: Annotated[str, typer.Option(
     """
     _confirm(yes, dry_run, "keys revoke")
     _run("revoke", root, rank, deployment, json_output,
-         lambda s: tenant_keys.revoke(s, tenant, dry_run=dry_run))
+         lambda s: revoke_tenant(s, tenant, dry_run=dry_run))
 
 
 @keys_app.command("retire")
@@ -120,7 +121,7 @@ def keys_retire(tenant: TenantOption = None, dry_run: DryRunOption = False,
     """
     _confirm(yes, dry_run, "keys retire")
     _run("retire", root, rank, deployment, json_output,
-         lambda s: tenant_keys.retire(s, tenant, dry_run=dry_run))
+         lambda s: retire_keys(s, tenant, dry_run=dry_run))
 
 
 def _confirm(yes: bool, dry_run: bool, what: str) -> None:

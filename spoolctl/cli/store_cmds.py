@@ -18,8 +18,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from spoolctl.store import Store, StoreFacts, parse_size, tenant_keys
+from spoolctl.store import Store, StoreFacts, parse_size
 from spoolctl.store.root import MARKER
+from spoolctl.store.tenant_keys import encryption_summary
 
 from . import render
 from .common import (
@@ -172,7 +173,7 @@ def status(
             facts = store.facts()
             doc = status_doc(store, facts)
             doc["models"] = models_doc(store)
-            if (encryption := tenant_keys.summary(store)) is not None:
+            if (encryption := encryption_summary(store)) is not None:
                 doc["encryption"] = encryption
         emit(doc, json_output=json_output, view=_status_view)
         attention = facts.needs_attention or bool(doc["genai"]["malformed"])

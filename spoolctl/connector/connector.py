@@ -57,7 +57,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .contract import check_contract
 from .exitdrain import warn_without_drain
-from .formats import KVFormat, format_for
+from .format_choice import format_for
+from .formats import KVFormat
 from .introspect import kv_layout, probe
 from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
 from .preflight import preflight

@@ -22,7 +22,7 @@ from spoolctl import metrics as m
 from spoolctl.store.digest import hash_bytes
 from spoolctl.store.errors import ConfigError
 
-from .formats import Capture, Captured, Copier, KVFormat, Planning
+from .formats import Capture, Captured, ChunkRestore, Copier, KVFormat, Planning
 from .groups import GroupInfo, GroupLayout
 from .plan import GroupChunkLoad, GroupChunkStore, GroupedPlanner, RequestLoad, ScheduledStep
 from .stats import ConnectorCounters
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .kvio import CopyEngine, CopyHandle, PagedKV
     from .layouts import LayerDecl
     from .messages import SpoolConnectorMetadata
-    from .restore import ChunkRestore, RestorePipeline
+    from .restore import RestorePipeline
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -145,7 +145,6 @@ class GroupedCopier(Copier):
     def _chunk_restore(self, chunk: GroupChunkLoad) -> ChunkRestore:
         """Read, verify and copy the objects of one chunk that the restore needs."""
         from .kvio import last
-        from .restore import ChunkRestore
 
         wanted = [(lay, kv, off, targets) for (lay, kv, off), targets
                   in zip(self._gkv, chunk.targets, strict=True) if targets is not None]

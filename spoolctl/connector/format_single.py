@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from spoolctl import metrics as m
 
-from .formats import Capture, Captured, Copier, KVFormat, Planning
+from .formats import Capture, Captured, ChunkRestore, Copier, KVFormat, Planning
 from .plan import ChunkLoad, Planner, ScheduledStep, SingleRequestLoad
 from .stats import ConnectorCounters
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .kvio import CopyEngine, PagedKV
     from .layouts import LayerDecl
     from .messages import SpoolConnectorMetadata
-    from .restore import ChunkRestore, RestorePipeline
+    from .restore import RestorePipeline
 
 OBJECT = "kv"
 # With nothing else to run, the engine waits this long per step for restores to progress
@@ -151,7 +151,6 @@ class SingleCopier(Copier):
             self._recv_failed.add(req.req_id)
 
     def _chunk_restore(self, load: ChunkLoad) -> ChunkRestore:
-        from .restore import ChunkRestore
 
         kv = self._kv
         assert kv is not None

@@ -1,7 +1,7 @@
 """The two stored chunk formats: strategy objects behind one interface (``KVFormat``).
 
 The format is chosen once at startup from the runtime KV cache groups
-(``introspect.probe`` -> ``groups.choose_layouts``; ``format_for``):
+(``introspect.probe`` -> ``groups.choose_layouts``; ``format_choice.format_for``):
 
 * ``SingleFormat`` (``format_single``): one full-attention group. One object ``kv`` per
   chunk; restores are asynchronous for vLLM (``load_kv_async``): read and verified on
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .plan import GroupedPlanner, Planner, ScheduledStep
@@ -40,7 +41,8 @@ from .stats import ConnectorCounters
 if TYPE_CHECKING:
     import torch
 
-    from .introspect import Deployment
+    from spoolctl.store import Store
+
     from .kvio import CopyEngine, CopyHandle
     from .layouts import LayerDecl
     from .messages import SpoolConnectorMetadata
@@ -50,6 +52,20 @@ if TYPE_CHECKING:
 # bytes are in place once ``handle.wait()`` returned (at once on CPU).
 Captured = tuple["Mapping[str, memoryview]", "CopyHandle"]
 Capture = tuple[str, int, "Callable[[torch.Tensor], Captured]"]
+
+
+@dataclass(frozen=True)
+class ChunkRestore:
+    """One chunk to restore: ``valid(manifest)`` checks its entry fits this deployment,
+    ``fill(store, manifest, buf) -> bytes`` reads its verified objects into ``buf`` (helper
+    thread), ``copy(buf)`` writes them into the KV blocks (engine thread, safe point)."""
+
+    key: str
+    valid: Callable[[Any], bool]
+    fill: Callable[[Store, Any, torch.Tensor], int]
+    # Issues the copies (compute stream ordered after them); the buffer is reused once the
+    # returned handle is done (None: the copy already finished).
+    copy: Callable[[torch.Tensor], CopyHandle | None]
 
 
 class Planning(ABC):
@@ -150,14 +166,3 @@ class KVFormat(ABC):
     @abstractmethod
     def copier(self, counters: ConnectorCounters) -> Copier:
         """A new, unbound worker half."""
-
-
-def format_for(deployment: Deployment) -> KVFormat:
-    """The format of ``deployment`` (grouped when it has per-group layouts)."""
-    if deployment.layouts:
-        from .format_grouped import GroupedFormat
-
-        return GroupedFormat(deployment.chunk_tokens, deployment.groups, deployment.layouts)
-    from .format_single import SingleFormat
-
-    return SingleFormat(deployment.chunk_tokens, deployment.block_size)

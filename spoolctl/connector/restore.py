@@ -37,7 +37,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -46,6 +45,7 @@ from spoolctl.store import Store
 from spoolctl.store.errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from spoolctl.store.keys import entry_id_for
 
+from .formats import ChunkRestore
 from .kvio import BufferPool, CopyHandle
 from .lookup import KIND
 from .stats import ConnectorCounters
@@ -60,20 +60,6 @@ RESTORE_BUFFER_BYTES = 256 << 20
 
 # A helper thread's read of one chunk: (buffer, None, bytes read) or (None, reason, 0).
 ReadResult = tuple["torch.Tensor | None", "str | None", int]
-
-
-@dataclass(frozen=True)
-class ChunkRestore:
-    """One chunk to restore: ``valid(manifest)`` checks its entry fits this deployment,
-    ``fill(store, manifest, buf) -> bytes`` reads its verified objects into ``buf`` (helper
-    thread), ``copy(buf)`` writes them into the KV blocks (engine thread, safe point)."""
-
-    key: str
-    valid: Callable[[Any], bool]
-    fill: Callable[[Store, Any, torch.Tensor], int]
-    # Issues the copies (compute stream ordered after them); the buffer is reused once the
-    # returned handle is done (None: the copy already finished).
-    copy: Callable[[torch.Tensor], CopyHandle | None]
 
 
 @dataclass

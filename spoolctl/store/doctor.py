@@ -17,30 +17,16 @@ import shutil
 import sqlite3
 import stat
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 from . import dirfd, doctor_scan
+from .doctor_scan import Check, Status
 from .errors import SpoolError
 from .fsio import DIR_MODE, file_kind, full_fsync, probe_o_direct, tmp_name
 from .root import MARKER, SUBDIRS, StorePaths, check_root_path, read_marker, unfinished_init
 from .sizes import format_size
-from .space import INODE_FIX, INODE_WARN_RATIO, space_of
+from .space import INODE_FIX, INODE_WARN_RATIO, read_only_mount, space_of
 from .sqlite_files import connect_read_only
-
-Status = Literal["ok", "warn", "fail"]
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: Status
-    detail: str
-    fix: str = ""
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def filesystem_type(path: Path) -> str:
@@ -162,14 +148,6 @@ def _permission_checks(layout: StorePaths) -> list[Check]:
                          f"chown -R {st.st_uid}:{st.st_gid} {layout.root} and chmod 700 the "
                          "store's directories"))
     return out
-
-
-def read_only_mount(path: Path) -> bool:
-    """True if ``path`` is on a filesystem mounted read-only (statvfs ST_RDONLY)."""
-    try:
-        return bool(os.statvfs(path).f_flag & getattr(os, "ST_RDONLY", 1))
-    except OSError:
-        return False
 
 
 def _parents_check(root: Path, owner: int) -> Check:

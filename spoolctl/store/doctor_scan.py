@@ -16,7 +16,9 @@ import re
 import sqlite3
 import stat
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from .fsio import describe_os_error, file_kind
 from .root import SUBDIRS, Layout
@@ -25,8 +27,21 @@ from .sqlite_files import SUFFIXES
 MAX_EXAMPLES = 5
 
 
-def _check(name: str, status: str, detail: str, fix: str = ""):
-    from .doctor import Check
+Status = Literal["ok", "warn", "fail"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _check(name: str, status: str, detail: str, fix: str = "") -> Check:
 
     return Check(name, status, detail, fix)  # type: ignore[arg-type]
 
@@ -158,7 +173,7 @@ def catalog_write_check(layout: Layout) -> list:
         os.close(fd)
     if not problems:
         return [_check("catalog.writable", "ok", "the catalog can be written")]
-    from .doctor import read_only_mount
+    from .space import read_only_mount
 
     if read_only_mount(layout.root):
         return [_check("catalog.writable", "fail", "; ".join(problems),

@@ -91,3 +91,11 @@ def _size(n: int) -> str:
     from .sizes import format_size
 
     return format_size(n)
+
+
+def read_only_mount(path: Path) -> bool:
+    """True if ``path`` is on a filesystem mounted read-only (statvfs ST_RDONLY)."""
+    try:
+        return bool(os.statvfs(path).f_flag & getattr(os, "ST_RDONLY", 1))
+    except OSError:
+        return False

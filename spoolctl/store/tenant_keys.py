@@ -55,7 +55,7 @@ def _sealer(store: Store, *, owned: bool = True) -> Sealer:
     return store.sealer
 
 
-def usage(store: Store) -> dict[str, Any]:
+def key_usage(store: Store) -> dict[str, Any]:
     """The store's encryption facts (see the module docstring); safe to print and log."""
     counts = store.run_with_catalog_repair(store.catalog.sealed_counts)
     per: dict[str, dict[int, tuple[int, int]]] = {}
@@ -84,12 +84,12 @@ def usage(store: Store) -> dict[str, Any]:
     return doc
 
 
-def revoke(store: Store, tenant: str, *, dry_run: bool = False) -> KeyChange:
+def revoke_tenant(store: Store, tenant: str, *, dry_run: bool = False) -> KeyChange:
     """Crypto-erase ``tenant`` (see the module docstring)."""
     return _erase(store, _sealer(store).tenant_id(tenant), None, dry_run, "revoke")
 
 
-def retire(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
+def retire_keys(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
     """Erase every version below the current one, of ``tenant`` (None: every tenant)."""
     sealer = _sealer(store)
     change = KeyChange("retire", dry_run)
@@ -104,7 +104,7 @@ def retire(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyCha
     return change
 
 
-def rotate(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
+def rotate_keys(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
     """A new current key version for ``tenant`` (None: every tenant with a key)."""
     sealer = _sealer(store)
     store._writable("rotating keys")
@@ -135,7 +135,7 @@ def _erase(store: Store, tid: str, below: int | None, dry_run: bool, action: str
     return change
 
 
-def summary(store: Store) -> dict[str, Any] | None:
+def encryption_summary(store: Store) -> dict[str, Any] | None:
     """``status``'s ``encryption``: None for a store that is not encrypted (no master key
     configured and no keyring: nothing is scanned, so plain stores pay nothing); else
     ``usage`` in short: master key id and match, tenants, entries per key version, entries
@@ -143,7 +143,7 @@ def summary(store: Store) -> dict[str, Any] | None:
     keyring = store.layout.state / "keyring.json"
     if store.sealer is None and not keyring.exists():
         return None
-    doc = usage(store)
+    doc = key_usage(store)
     versions: dict[str, int] = {}
     for t in doc["tenants"]:
         for v in t["versions"]:
@@ -152,7 +152,7 @@ def summary(store: Store) -> dict[str, Any] | None:
             "entries_by_version": versions, "unreadable_entries": doc["unreadable_entries"]}
 
 
-def checks(root: Any) -> list[Any]:
+def encryption_checks(root: Any) -> list[Any]:
     """``doctor``'s encryption checks for the store at ``root`` (none for a plain store)."""
     from .doctor import Check
     from .sealing import FILE_ENV, MasterKey
@@ -166,7 +166,7 @@ def checks(root: Any) -> list[Any]:
         return []
     try:
         with Store.open(root, read_only=True, master_key=master) as store:
-            doc = summary(store)
+            doc = encryption_summary(store)
     except ConfigError as exc:
         return [Check("encryption.keyring", "fail", exc.message, exc.fix or "")]
     assert doc is not None
