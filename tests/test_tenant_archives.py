@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from operator_cli import run, run_json
 
 from spoolctl.store import Store
-from spoolctl.store.archive_sign import load_signing_key, sign
+from spoolctl.store.archive_sign import load_signing_key, sign_archive
 
 KIND, NS = "pytorch", "model-x"
 
@@ -102,7 +102,7 @@ def test_signed_archive_imports_and_forged_or_resigned_ones_do_not(tmp_path: Pat
     other_key, _, _ = _keypair(tmp_path / "keys", "attacker")
     resigned = tmp_path / "resigned.tar"  # the evil bytes signed by the attacker's key
     shutil.copy(evil, resigned)
-    sign(resigned, load_signing_key(other_key))
+    sign_archive(resigned, load_signing_key(other_key))
     cases["resigned"] = (resigned, "signed by another key")
     spoofed = tmp_path / "spoofed.tar"  # attacker's signature under the fleet's key id
     shutil.copy(evil, spoofed)

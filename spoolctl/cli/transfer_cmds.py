@@ -281,9 +281,9 @@ def export_cmd(
     doc = export_doc(report.to_json(), source)
     doc["output"] = output
     if signer is not None:
-        from spoolctl.store.archive_sign import sign
+        from spoolctl.store.archive_sign import sign_archive
 
-        doc["signature"] = str(sign(Path(output).expanduser(), signer))
+        doc["signature"] = str(sign_archive(Path(output).expanduser(), signer))
     if json_output:
         emit_json(doc)  # on stderr with -o - (JsonState.to_stderr)
     else:

@@ -120,7 +120,7 @@ def _digest_file(path: Path, copy_to: int | None = None) -> str:
     return hasher.hexdigest()
 
 
-def sign(archive: Path, key: Any) -> Path:
+def sign_archive(archive: Path, key: Any) -> Path:
     """Write ``<archive>.sig`` for the finished archive file ``archive``; returns its path."""
     digest = _digest_file(archive)
     doc = {"schema": SCHEMA, "alg": ALGORITHM, "key_id": key_id(key.public_key()),
