@@ -12,9 +12,9 @@ same-process worker: ``guard_for``) is that policy:
 
 * ``call(fn)``: run ``fn`` (a catalog read at lookup) on the guard's own thread and wait
   at most ``deadline_s``; ``(True, result)`` or ``(False, None)`` (late, failed, or the
-  store is down). One call at a time: while an earlier call is still stuck on the disk a
-  new one fails at once, so a hung disk never queues threads or memory. A late result is
-  dropped when it arrives.
+  store is down). One call at a time: a new call waits for an earlier one within its own
+  deadline and fails if it is still stuck, so a hung disk never queues threads or memory.
+  A late result is dropped when it arrives.
 * ``spare(fn)``: run ``fn`` (an LRU touch) only if the thread is idle; never waits.
 * ``failed()`` / ``ok()``: what the serving path saw. ``FAILURES_TO_DOWN`` failures in a
   row (no good read between) take the store down (``down``, one warning); a probe thread
@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from functools import partial
 from typing import Any
 
@@ -46,8 +46,8 @@ log = logging.getLogger("spoolctl.connector")
 
 # Defaults (decision 2700): a lookup blocks vLLM's scheduler (every request waits), so its
 # catalog read gets little time; a restore blocks only its own request.
-DEFAULT_LOOKUP_DEADLINE_S = 0.05
-DEFAULT_READ_DEADLINE_S = 1.0
+DEFAULT_LOOKUP_DEADLINE_S = 0.5
+DEFAULT_READ_DEADLINE_S = 5.0
 DEFAULT_PROBE_INTERVAL_S = 5.0
 FAILURES_TO_DOWN = 3
 
@@ -127,12 +127,19 @@ class DiskGuard:
         return True
 
     def _run(self, fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
+        end = time.monotonic() + deadline_s
         with self._lock:
-            if self._busy is not None:  # an earlier call is still on the disk
+            busy = self._busy
+        if busy is not None:
+            # An earlier call (a touch, or a read still on the disk): wait for it within
+            # this call's deadline, never longer, and never queue behind it.
+            wait([busy], timeout=deadline_s)
+        with self._lock:
+            if self._busy is not None:  # still on the disk (or another caller got in)
                 return False, None
             fut = self._busy = self._start(fn)
         try:
-            return True, fut.result(timeout=deadline_s)
+            return True, fut.result(timeout=max(0.0, end - time.monotonic()))
         except TimeoutError:
             return False, None  # late: its result is dropped when it arrives
         except (OSError, StoreIOError) as exc:  # the disk failed: never raised into vLLM

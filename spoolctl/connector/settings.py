@@ -33,8 +33,8 @@ Keys (all optional except the root):
                              (e.g. a release tag), used instead of the weights digest; needed
                              only for a model that is not a local directory or hub cache snapshot
 ``spoolctl_lookup_deadline`` seconds a lookup waits for a rank store's catalog on this host
-                             (default 0.05; past it the request is a miss), decision 2700
-``spoolctl_read_deadline``   seconds a restore waits for its next chunk (default 1.0; past it
+                             (default 0.5; past it the request is a miss), decision 2700
+``spoolctl_read_deadline``   seconds a restore waits for its next chunk (default 5; past it
                              that chunk and the rest are recomputed)
 ``spoolctl_probe_interval``  seconds between probes of a store taken out of service after
                              repeated late or failed reads (default 5)
