@@ -228,6 +228,7 @@ def test_scheduler_and_worker_of_one_process_share_the_rank_store_and_close_it(
 
 
 
+@pytest.mark.timeout(60)  # without deadlines the lookup would wait for the writer forever
 def test_a_lookup_never_waits_on_a_stuck_catalog_beyond_its_deadline(tmp_path: Path):
     """A commit stuck on a hung disk holds the catalog; a lookup is then a miss within
     its deadline (vLLM's scheduler never waits on the disk), and hits resume after."""
