@@ -5,9 +5,12 @@
 #
 #   promtool (Debian package prometheus): tests/test_examples.py checks the shipped alert rules
 #   and recording rules with it; docs snippets that call it run too.
+#   fuse3 (libfuse3 and fusermount3): tests/test_disk_faults.py fails reads with EIO on a real
+#   FUSE filesystem (tests/fusefs.py, through mfusepy from the dev extra).
 set -euo pipefail
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 if [ "${#need[@]}" = 0 ]; then
   exit 0
 fi

@@ -48,6 +48,8 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         # skipped-store reasons
         "budget", "capacity", "io_error", "busy", "too_short", "exists", "shutdown",
         "admission", "after_gap",
+        # a slow or failing disk (decision 2700): a read past its deadline, the store taken out
+        "deadline", "disk_down",
         # quarantine reasons (spoolctl.store.QuarantineReason values)
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
         "payload_missing", "object_collision", "catalog", "scrub_state", "auth_queue",
@@ -184,13 +186,17 @@ EVENTS_REMOVED = _c("kv_events_removed_chunks_total",
 EVENTS_UNRESOLVED = _c("kv_events_unresolved_chunks_total",
                        "Chunks on every rank that could not be announced: no vLLM block "
                        "hashes recorded, or recorded under another hash seed.")
+DISK_DOWN = _g("disk_down",
+               "Rank stores the connector has taken out of service (reads late or failing: "
+               "their lookups are misses and a probe checks them; 0 when all serve).")
 WRITE_AMPLIFICATION = _g("write_amplification_ratio",
                          "KV bytes written / KV bytes restored since the metrics process "
                          "started (absent until the first restore; 0 if nothing was written).")
 
 CONNECTOR_METRICS += (EVENTS_STORED, EVENTS_REMOVED, EVENTS_UNRESOLVED)
 
-ALL_METRICS: tuple[MetricSpec, ...] = STORE_GAUGES + CONNECTOR_METRICS + (WRITE_AMPLIFICATION,)
+ALL_METRICS: tuple[MetricSpec, ...] = (*STORE_GAUGES, *CONNECTOR_METRICS, WRITE_AMPLIFICATION,
+                                       DISK_DOWN)
 
 
 @dataclass(frozen=True)

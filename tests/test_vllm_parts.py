@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from vllm_configs import vllm_configs
+from waiting import wait_until
 
 from spoolctl import metrics as m
 from spoolctl.connector.inventory import InventoryReport, RankInventory, key_bytes
@@ -225,3 +226,35 @@ def test_scheduler_and_worker_of_one_process_share_the_rank_store_and_close_it(
     assert root not in OPEN_STORES.roots()
     assert worker.flush(0) and worker.store_roots == [] and sched.store_roots == []
 
+
+
+@pytest.mark.timeout(60)  # without deadlines the lookup would wait for the writer forever
+def test_a_lookup_never_waits_on_a_stuck_catalog_beyond_its_deadline(tmp_path: Path):
+    """A commit stuck on a hung disk holds the catalog; a lookup is then a miss within
+    its deadline (vLLM's scheduler never waits on the disk), and hits resume after."""
+    import threading
+
+    lookup = RankLookup(all_ranks(1, 1), deadline_s=0.1, probe_interval_s=0.05)
+    with Store.open(_root(tmp_path), create=True) as store:
+        store.put(kind="vllm", namespace=NS, key=KEYS[0], objects={"kv": b"x"})
+        lookup.read_locally(0, store, NS)
+        assert lookup.present(KEYS[:1]) == [True]
+        held, release = threading.Event(), threading.Event()
+
+        def stuck_writer() -> None:
+            with store.catalog._lock:  # what a writer blocked in the kernel holds
+                held.set()
+                release.wait()
+
+        writer = threading.Thread(target=stuck_writer)
+        writer.start()
+        try:
+            held.wait()
+            assert lookup.present(KEYS[:1]) == [False] and lookup.last_unserved
+            # the first read is still stuck: the next lookup does not queue behind it
+            assert lookup.present(KEYS[:1]) == [False]
+        finally:
+            release.set()
+            writer.join()
+        wait_until(lambda: lookup.present(KEYS[:1]) == [True], what="hits to resume")
+        assert not lookup.last_unserved

@@ -10,6 +10,7 @@ buffer comes back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -167,3 +168,76 @@ def test_synchronous_run_is_the_same_pipeline(store: Store) -> None:
         assert pipe.run(target.items("b", 5)) is None
         assert not pipe.busy
     assert [i for _, i, _, _ in target.copies] == list(range(5))
+
+
+# -- a slow disk turns into misses (issue 32, decision 2700) ---------------------------------
+
+
+@contextlib.contextmanager
+def _opened_at_exit(gate: threading.Event):
+    """Open ``gate`` when the block ends, failed or not (the pool joins its threads)."""
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+def _hanging(target: Target, req: str, n: int, stuck: range, gate: threading.Event
+             ) -> list[ChunkRestore]:
+    """``target.items`` whose chunks ``stuck`` block in their read until ``gate`` opens (a
+    read stuck in the kernel on a hung disk looks exactly like this to the pipeline)."""
+    items = target.items(req, n)
+    for i in stuck:
+        def fill(store: Store, manifest, buf, inner=items[i].fill) -> int:
+            gate.wait()
+            return inner(store, manifest, buf)
+
+        items[i] = ChunkRestore(items[i].key, items[i].valid, fill, items[i].copy)
+    return items
+
+
+def test_a_read_past_its_deadline_is_a_miss_and_its_late_bytes_are_never_copied(
+        store: Store) -> None:
+    from spoolctl.connector.diskguard import DiskGuard
+
+    target, counters, gate = Target(), ConnectorCounters(), threading.Event()
+    guard = DiskGuard(store, probe_interval_s=3600)
+    with ThreadPoolExecutor(4) as pool, _opened_at_exit(gate):
+        pipe = RestorePipeline(store, NS, chunk_bytes=CHUNK, pool=pool, counters=counters,
+                               on_lost=lambda key: None, deadline_s=0.2, guard=guard)
+        pipe.begin("a", _hanging(target, "a", 6, range(2, 3), gate))
+        ended = pipe.pump(wait_s=30)  # returns at the deadline, not when the disk answers
+        assert ended == [("a", 2)]  # chunk 2 and the rest: recomputed by vLLM
+        assert counters.total(m.LOAD_ERRORS, reason="deadline") == 1
+        assert not guard.down  # one late read is not a sick disk
+        gate.set()  # the late read completes now...
+        wait_until(lambda: pipe.pump() == [] and not pipe._late, what="the late read")
+        # ...and is dropped: never copied, its buffer back in the pool
+        assert [i for _, i, _, _ in target.copies] == [0, 1]
+        assert all(pipe._bufs.get() is not None for _ in range(pipe.slots))
+
+
+def test_repeated_deadline_misses_take_the_store_out_and_a_probe_brings_it_back(
+        store: Store) -> None:
+    from spoolctl.connector.diskguard import DiskGuard
+
+    target, counters, gate = Target(), ConnectorCounters(), threading.Event()
+    guard = DiskGuard(store, probe_interval_s=0.05, failures_to_down=2)
+    with ThreadPoolExecutor(16) as pool, _opened_at_exit(gate):
+        pipe = RestorePipeline(store, NS, chunk_bytes=CHUNK, pool=pool, counters=counters,
+                               on_lost=lambda key: None, deadline_s=0.1, guard=guard)
+        for req in ("a", "b"):
+            pipe.begin(req, _hanging(target, req, 5, range(5), gate))  # the disk hangs
+            assert pipe.pump(wait_s=30) == [(req, 0)]
+        assert guard.down
+        # out of service: a restore fails at once, without a read (nothing waits on the disk)
+        filled = target.filled
+        pipe.begin("c", target.items("c", 3))
+        assert pipe.pump(wait_s=0) == [("c", 0)]
+        assert counters.total(m.LOAD_ERRORS, reason="disk_down") == 1
+        assert target.filled == filled
+        # the probe reads the store (it answers: only the reads of a and b hang, on threads
+        # of their own) and brings it back; restores then work again
+        wait_until(lambda: not guard.down, what="the probe")
+        pipe.begin("c", target.items("c", 3))
+        assert _pump_all(pipe) == {"c": None}

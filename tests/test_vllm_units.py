@@ -166,6 +166,18 @@ def test_settings_defaults_and_errors():
                        env={})
 
 
+def test_read_deadlines_are_settings_and_must_be_positive():
+    s = parse_settings({"spoolctl_root": "/r"}, block_size=32, env={})
+    assert (s.lookup_deadline, s.read_deadline, s.probe_interval) == (0.5, 5.0, 5.0)
+    s = parse_settings({"spoolctl_root": "/r", "spoolctl_lookup_deadline": "0.05",
+                        "spoolctl_read_deadline": 1, "spoolctl_probe_interval": "1m"},
+                       block_size=32, env={})
+    assert (s.lookup_deadline, s.read_deadline, s.probe_interval) == (0.05, 1.0, 60.0)
+    with pytest.raises(ConfigError, match="spoolctl_read_deadline must be a positive"):
+        parse_settings({"spoolctl_root": "/r", "spoolctl_read_deadline": 0}, block_size=32,
+                       env={})
+
+
 def _identity(**kw) -> DeploymentIdentity:
     base = dict(model="/m", revision=None, dtype="torch.float32", kv_cache_dtype="auto",
                 block_size=32, kv_layout=({"layers": ["l0"], "spec": "FullAttentionSpec",

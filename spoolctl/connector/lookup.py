@@ -8,7 +8,9 @@
 * ``RankLookup`` answers "which chunks does *every* rank hold" (the quorum, ``topology``):
   ranks whose store is on this host are read in their catalogs at every lookup, the others
   in the inventory they report (``inventory``). A rank withdraws an entry before deleting
-  it (``holdings``), so no request is planned against a chunk a rank evicted.
+  it (``holdings``), so no request is planned against a chunk a rank evicted. A catalog
+  read has a deadline (``diskguard``): a store late or taken out counts as holding
+  nothing, and the request is a miss (``last_unserved``), never a wait on the disk.
 
 No vLLM import: vLLM's request objects are read by attribute.
 """
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 from spoolctl.store import Store
 from spoolctl.store.keys import entry_id_for
 
 from .chain import MMSpan, chain_root, chunk_keys
+from .diskguard import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_PROBE_INTERVAL_S, DiskGuard, guard_for
 from .inventory import Ack, Applied, InventoryReport, InventoryView, key_bytes
 from .topology import RankPlace, quorum
 
@@ -95,15 +99,22 @@ class RankLookup:
     """Which chunks every rank holds (see the module docstring). Not thread-safe (the
     scheduler is not). Until a rank is known (its handshake) its chunks are misses."""
 
-    def __init__(self, places: Sequence[RankPlace]):
+    def __init__(self, places: Sequence[RankPlace], *,
+                 deadline_s: float = DEFAULT_LOOKUP_DEADLINE_S,
+                 probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S):
         self._places = list(places)
         self._local: dict[int, tuple[Store, str]] = {}  # rank -> (its store, its namespace)
+        self._guards: dict[int, DiskGuard] = {}  # rank -> its store's deadlines and health
+        self._guard_settings = {"deadline_s": deadline_s, "probe_interval_s": probe_interval_s}
+        # The last ``present`` found a local store late or out of service (its chunks: misses).
+        self.last_unserved = False
         self._view = InventoryView(p.rank for p in self._places)
         self.last_applied: list[Applied] = []  # what the last ``apply`` changed, per report
 
     def present(self, keys: list[str]) -> list[bool]:
         """Which of ``keys`` *every* rank holds (committed, retained): the quorum."""
         raw = [key_bytes(k) for k in keys]
+        self.last_unserved = False
 
         def per_rank():
             for place in self._places:
@@ -113,7 +124,11 @@ class RankLookup:
                     continue
                 store, ns = local
                 ids = [entry_id_for(KIND, ns, k) for k in keys]
-                live = store.live(ids)
+                served, live = self._guards[place.rank].call(partial(store.live, ids))
+                if not served:
+                    self.last_unserved = True
+                    yield [False] * len(keys)
+                    continue
                 yield [i in live for i in ids]
 
         return quorum(per_rank(), len(keys))
@@ -122,8 +137,10 @@ class RankLookup:
         """Mark ``keys`` used in the stores read here (each worker touches its own at
         restore; this keeps a same-host store's LRU clock current at lookup)."""
         keys = list(keys)
-        for store, ns in self._local.values():
-            store.touch(entry_id_for(KIND, ns, k) for k in keys)
+        for rank, (store, ns) in self._local.items():
+            ids = [entry_id_for(KIND, ns, k) for k in keys]
+            # Best effort, never waited for: skipped while the disk is busy or out.
+            self._guards[rank].spare(partial(store.touch, ids))
 
     @property
     def places(self) -> list[RankPlace]:
@@ -138,6 +155,7 @@ class RankLookup:
         the store it was read in before, if any."""
         before = self._local.get(rank)
         self._local[rank] = (store, namespace)
+        self._guards[rank] = guard_for(store, **self._guard_settings)
         return before[0] if before is not None else None
 
     def stop_reading_locally(self) -> list[Store]:
@@ -145,6 +163,7 @@ class RankLookup:
         only); returns them."""
         stores = self.local_stores()
         self._local.clear()
+        self._guards.clear()
         return stores
 
     def apply(self, reports: Iterable[InventoryReport]) -> list[int]:
@@ -173,7 +192,15 @@ class RankLookup:
     def local_stores(self) -> list[Store]:
         return [self._local[r][0] for r in sorted(self._local)]
 
+    def down_ranks(self) -> list[int]:
+        """Ranks read here whose store is out of service (``diskguard``)."""
+        return sorted(r for r, g in self._guards.items() if g.down)
+
     def state(self) -> dict:
-        """Per rank: how it is read and how many chunks it is known to hold."""
+        """Per rank: how it is read and how many chunks it is known to hold (and
+        ``disk_down: True`` while its store is out of service here)."""
+        down = set(self.down_ranks())
         return {p.rank: {"source": "catalog" if p.rank in self._local else "reports",
-                         "known": self._view.known(p.rank)} for p in self._places}
+                         "known": self._view.known(p.rank),
+                         **({"disk_down": True} if p.rank in down else {})}
+                for p in self._places}

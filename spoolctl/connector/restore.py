@@ -20,9 +20,19 @@ host memory is bounded (``RESTORE_BUFFER_BYTES``). ``run`` is the synchronous fo
 request, waited for). ``cancel`` stops a request vLLM finished while it was loading: its
 reads in flight are discarded, it still ends (vLLM frees its blocks only then).
 
+Every chunk has a deadline (``deadline_s``, decision 2700): a request whose next chunk has
+not been read that long after the previous one was copied (or after it began) fails there,
+its reads still in flight are abandoned (``_late``: each buffer comes back when its read
+ends; nothing late is ever copied), and the chunks are recomputed by vLLM. Missed
+deadlines and I/O errors are reported to the store's ``DiskGuard``; while it has the store
+down, restores fail at once (``disk_down``) without touching the disk. Memory stays
+bounded on a hung disk: late reads keep their slots until they end, so new reads wait for
+a slot and miss their deadline instead of allocating.
+
 Failures are classified here, for every format: a manifest that does not match this
 deployment is quarantined (``manifest_validation``); a corrupt object was quarantined by
-the store (its reason); a missing entry is ``absent``; store I/O errors ``io_error``;
+the store (its reason); a missing entry is ``absent``; store I/O errors ``io_error`` (never
+quarantined: an I/O error is no proof of corruption); a deadline missed ``deadline``;
 anything else ``unknown``. A chunk that is gone or bad is also reported lost
 (``on_lost``), so the scheduler stops counting it. Nothing here raises into vLLM.
 
@@ -45,6 +55,7 @@ from spoolctl.store import Store
 from spoolctl.store.errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from spoolctl.store.keys import entry_id_for
 
+from .diskguard import DEFAULT_READ_DEADLINE_S, DiskGuard
 from .formats import ChunkRestore
 from .kvio import BufferPool, CopyHandle
 from .lookup import KIND
@@ -69,6 +80,7 @@ class _Restore:
     req_id: str
     items: Sequence[ChunkRestore]
     started: float
+    head_since: float = 0.0  # monotonic: since when the next chunk to copy is awaited
     reads: deque[Future] = field(default_factory=deque)  # submitted, in prompt order
     submitted: int = 0
     copied: int = 0
@@ -102,8 +114,12 @@ class RestorePipeline:
 
     def __init__(self, store: Store, namespace: str, *, chunk_bytes: int, pool: Executor,
                  counters: ConnectorCounters, on_lost: Callable[[str], None],
-                 pin: bool = False):
+                 pin: bool = False, deadline_s: float = DEFAULT_READ_DEADLINE_S,
+                 guard: DiskGuard | None = None):
         self._store = store
+        self.deadline_s = deadline_s
+        self._guard = guard
+        self._late: list[Future] = []  # reads of failed or cancelled restores, still running
         self._namespace = namespace
         self._pool = pool
         self._counters = counters
@@ -122,8 +138,13 @@ class RestorePipeline:
         return bool(self._active)
 
     def begin(self, req_id: str, items: Sequence[ChunkRestore]) -> None:
-        """Start restoring ``items`` for ``req_id`` (after the restores begun before it)."""
-        self._active.append(_Restore(req_id, list(items), time.perf_counter()))
+        """Start restoring ``items`` for ``req_id`` (after the restores begun before it). With
+        the store down (``DiskGuard``) it fails at once, at its first chunk."""
+        r = _Restore(req_id, list(items), time.perf_counter(), time.monotonic())
+        if self._guard is not None and self._guard.down and r.items:
+            self._counters.inc(m.LOAD_ERRORS, reason="disk_down")
+            r.failed_at = 0
+        self._active.append(r)
         self._submit()
 
     def cancel(self, req_ids: Iterable[str]) -> None:
@@ -143,13 +164,20 @@ class RestorePipeline:
         while True:
             self._advance()
             ended += self._take_ended()
-            heads = [r.reads[0] for r in self._active if r.reads]
-            if not heads or (wait_s is not None and wait_s <= 0):
+            if not self._active or (wait_s is not None and wait_s <= 0):
                 return ended
-            left = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 return ended
-            wait(heads, timeout=left, return_when=FIRST_COMPLETED)
+            # Wake for a read that ends (a late one frees a slot) or a chunk's deadline.
+            due = min(r.head_since for r in self._active) + self.deadline_s - now
+            left = max(0.0, due) if left is None else max(0.0, min(left, due))
+            waiting = [r.reads[0] for r in self._active if r.reads] + self._late
+            if waiting:
+                wait(waiting, timeout=left, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(left)
 
     def run(self, items: Sequence[ChunkRestore]) -> int | None:
         """Restore ``items`` now and wait for them (see the module docstring). Returns the
@@ -171,11 +199,18 @@ class RestorePipeline:
         self._bufs.close()
 
     def _advance(self) -> None:
-        """Copy the chunks read so far, in order per request; then submit more reads."""
+        """Copy the chunks read so far, in order per request; fail those whose next chunk
+        is past its deadline; then submit more reads."""
+        self._sweep_late()
+        now = time.monotonic()
         for r in self._active:
             while r.reads and r.reads[0].done():
                 self._in_flight -= 1
-                buf, reason, nbytes = r.reads.popleft().result()
+                fut = r.reads.popleft()
+                if fut.cancelled():  # the pool shut down (worker shutdown)
+                    buf, reason, nbytes = None, "unknown", 0
+                else:
+                    buf, reason, nbytes = fut.result()
                 if r.failed_at is not None or r.cancelled:
                     if buf is not None:  # read past a failure or for a cancelled request
                         self._bufs.put(buf)
@@ -195,7 +230,39 @@ class RestorePipeline:
                 else:
                     r.copied += 1
                     r.nbytes += nbytes
+                    r.head_since = now
+            if r.failed_at is None and not r.cancelled and r.copied < len(r.items) \
+                    and now - r.head_since > self.deadline_s:
+                self._counters.inc(m.LOAD_ERRORS, reason="deadline")
+                r.failed_at = r.copied
+                if self._guard is not None:
+                    self._guard.failed()
+            if (r.failed_at is not None or r.cancelled) and r.reads:
+                self._abandon(r)
         self._submit()
+
+    def _abandon(self, r: _Restore) -> None:
+        """Drop ``r``'s reads in flight: a queued one is cancelled, a running one is late
+        (its buffer comes back when it ends, ``_sweep_late``)."""
+        while r.reads:
+            fut = r.reads.popleft()
+            if fut.cancel():
+                self._in_flight -= 1
+            else:
+                self._late.append(fut)
+
+    def _sweep_late(self) -> None:
+        """Take back the buffers of late reads that ended; their bytes are never copied."""
+        still = []
+        for fut in self._late:
+            if not fut.done():
+                still.append(fut)
+                continue
+            self._in_flight -= 1
+            buf = None if fut.cancelled() else fut.result()[0]
+            if buf is not None:
+                self._bufs.put(buf)
+        self._late = still
 
     def _release(self, buf: torch.Tensor, handle: CopyHandle | None) -> None:
         """Give a restore buffer back; it is handed out again once its copy (``handle``)
@@ -249,6 +316,8 @@ class RestorePipeline:
                 raise
             # Each rank keeps its own LRU clock: the scheduler may not see this store.
             store.touch([entry_id])
+            if self._guard is not None:
+                self._guard.ok()
             return buf, None, nbytes
         except CorruptionError as exc:
             self._on_lost(item.key)
@@ -260,6 +329,10 @@ class RestorePipeline:
             self._on_lost(item.key)
             return None, "absent", 0
         except SpoolError as exc:
+            # An I/O error is a miss and a finding (counted, logged), never a quarantine:
+            # it proves nothing about the bytes. Repeated ones take the store down.
+            if self._guard is not None:
+                self._guard.failed()
             log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
             return None, "io_error", 0
         except Exception:  # never let a cache problem take the worker down

@@ -68,7 +68,10 @@ class SchedulerSide:
         self._planning = fmt.planning()
         ident = deployment.identity
         # Until the workers' handshakes arrive every rank is unknown: all misses.
-        self._ranks = RankLookup(all_ranks(ident.tp_size, ident.pp_size))
+        settings = deployment.settings
+        self._ranks = RankLookup(all_ranks(ident.tp_size, ident.pp_size),
+                                 deadline_s=settings.lookup_deadline,
+                                 probe_interval_s=settings.probe_interval)
         self._no_restore: set[str] = set()
         self._coord = Coordinator(deployment, self._ranks, counters)
         # LoRA requests are keyed by their adapter's content digest (decision 2111).
@@ -174,7 +177,9 @@ class SchedulerSide:
             hit_chunks = -(-(num_computed_tokens + ext) // self._chunk)
             self._ranks.touch(keys[:hit_chunks])
         else:
-            self._counters.inc(m.LOOKUPS, result="miss", reason="absent")
+            # A store late or out of service on this host (decision 2700) is a miss too.
+            self._counters.inc(m.LOOKUPS, result="miss",
+                               reason="disk_down" if self._ranks.last_unserved else "absent")
         # Both formats restore asynchronously: the request waits for its KV while others
         # run (decision 1200).
         return ext, self._fmt.load_async and ext > 0
@@ -218,6 +223,8 @@ class SchedulerSide:
     # -- diagnostics and lifecycle -------------------------------------------------------------
 
     def take_stats(self) -> dict[str, Any]:
+        if self._ranks.local_stores():
+            self._counters.set_gauge(m.DISK_DOWN, len(self._ranks.down_ranks()))
         return self._counters.take()
 
     @property

@@ -32,6 +32,12 @@ Keys (all optional except the root):
 ``spoolctl_weights_id``      a name the operator vouches changes whenever the model's files do
                              (e.g. a release tag), used instead of the weights digest; needed
                              only for a model that is not a local directory or hub cache snapshot
+``spoolctl_lookup_deadline`` seconds a lookup waits for a rank store's catalog on this host
+                             (default 0.5; past it the request is a miss), decision 2700
+``spoolctl_read_deadline``   seconds a restore waits for its next chunk (default 5; past it
+                             that chunk and the rest are recomputed)
+``spoolctl_probe_interval``  seconds between probes of a store taken out of service after
+                             repeated late or failed reads (default 5)
 ``spoolctl_weights_memo``    directory remembering file digests by file identity (default
                              ``~/.cache/spoolctl/weights``; ``off``: hash every file at each
                              start) (``weights``, decision 2110)
@@ -49,6 +55,11 @@ from spoolctl.store.errors import ConfigError
 from spoolctl.store.root import MARKER
 from spoolctl.store.sizes import parse_duration, parse_rate, parse_size
 
+from .diskguard import (
+    DEFAULT_LOOKUP_DEADLINE_S,
+    DEFAULT_PROBE_INTERVAL_S,
+    DEFAULT_READ_DEADLINE_S,
+)
 from .topology import RankPlace, rank_root
 
 DEFAULT_CHUNK_TOKENS = 256
@@ -61,7 +72,8 @@ KNOWN_KEYS = frozenset({
     "spoolctl_scrub_rate", "spoolctl_maintenance_interval", "spoolctl_on_unsupported",
     "spoolctl_inventory", "spoolctl_host_max_size", "spoolctl_admit_after",
     "spoolctl_admit_window", "spoolctl_kv_events", "spoolctl_tag_key_file",
-    "spoolctl_weights_id", "spoolctl_weights_memo",
+    "spoolctl_weights_id", "spoolctl_weights_memo", "spoolctl_lookup_deadline",
+    "spoolctl_read_deadline", "spoolctl_probe_interval",
 })
 ON_UNSUPPORTED = ("error", "disable")
 INVENTORY_MODES = ("auto", "reported")
@@ -90,8 +102,17 @@ class ConnectorSettings:
     # directory: None = the default, "off" = none (decision 2110).
     weights_id: str | None = None
     weights_memo: str | None = None
+    # A slow or failing disk turns into misses (``diskguard``, decision 2700).
+    lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S
+    read_deadline: float = DEFAULT_READ_DEADLINE_S
+    probe_interval: float = DEFAULT_PROBE_INTERVAL_S
 
     def __post_init__(self) -> None:
+        for name in ("lookup_deadline", "read_deadline", "probe_interval"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"spoolctl_{name} must be a positive number of seconds",
+                                  path=_WHERE, fix=f"set spoolctl_{name} to e.g. "
+                                  f"{getattr(ConnectorSettings, name)}")
         if self.tag_key_file is not None and not os.path.isabs(self.tag_key_file):
             raise ConfigError("spoolctl_tag_key_file must be an absolute path", path=_WHERE,
                               fix="give the full path of the key file")
@@ -210,6 +231,12 @@ def parse_settings(
         weights_id=None if extra.get("spoolctl_weights_id") is None
         else str(extra["spoolctl_weights_id"]),
         weights_memo=_optional(extra, "spoolctl_weights_memo", str),
+        lookup_deadline=_optional(extra, "spoolctl_lookup_deadline", _seconds,
+                                  DEFAULT_LOOKUP_DEADLINE_S),
+        read_deadline=_optional(extra, "spoolctl_read_deadline", _seconds,
+                                DEFAULT_READ_DEADLINE_S),
+        probe_interval=_optional(extra, "spoolctl_probe_interval", _seconds,
+                                 DEFAULT_PROBE_INTERVAL_S),
     )
 
 
@@ -222,7 +249,10 @@ def _seconds(value: Any) -> float:
     """A duration: a number of seconds or ``90s``/``15m``/``6h``..."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    return parse_duration(str(value))
+    try:
+        return float(str(value))  # "0.05": fractions of a second
+    except ValueError:
+        return parse_duration(str(value))
 
 
 def _int(value: Any, name: str) -> int:

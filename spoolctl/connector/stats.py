@@ -14,8 +14,10 @@ from typing import Any
 
 from spoolctl import metrics as m
 
-# Store gauges the worker also exports on vLLM's /metrics (refreshed in the background).
-WORKER_GAUGES: tuple[m.MetricSpec, ...] = (m.STORE_BYTES, m.STORE_MAX_BYTES, m.QUARANTINED_BYTES)
+# Store gauges the worker also exports on vLLM's /metrics (refreshed in the background), and
+# the scheduler's count of rank stores it took out of service (``diskguard``).
+WORKER_GAUGES: tuple[m.MetricSpec, ...] = (m.STORE_BYTES, m.STORE_MAX_BYTES, m.QUARANTINED_BYTES,
+                                           m.DISK_DOWN)
 _SPECS = {spec.name: spec for spec in (*m.CONNECTOR_METRICS, *WORKER_GAUGES)}
 
 

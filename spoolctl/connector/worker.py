@@ -35,6 +35,7 @@ from spoolctl.store import Store
 from spoolctl.store.errors import ConfigError
 
 from . import description, exitdrain
+from .diskguard import DiskGuard, guard_for
 from .formats import Copier
 from .introspect import Deployment, host_identity
 from .lookup import KIND
@@ -82,6 +83,7 @@ class WorkerSide:
         self._maintainer: Any = None
         self._engine: CopyEngine | None = None
         self._telemetry = WorkerTelemetry(counters)
+        self._guard: DiskGuard | None = None
 
     # -- startup -------------------------------------------------------------------------------
 
@@ -122,9 +124,14 @@ class WorkerSide:
         copier, store, ns = self._copier, self._store, self._namespace
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
         pin = self._engine is not None and self._engine.cuda
+        # Shared with a same-process scheduler: late or failing restores take the store
+        # out of its lookups too (decision 2700).
+        self._guard = guard_for(store, deadline_s=settings.lookup_deadline,
+                                probe_interval_s=settings.probe_interval)
         self._pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
                                          pool=self._pool, counters=self._counters,
-                                         on_lost=self._lost, pin=pin)
+                                         on_lost=self._lost, pin=pin,
+                                         deadline_s=settings.read_deadline, guard=self._guard)
         holdings = self._holdings = RankHoldings(
             store, kind=KIND, namespace=ns, rank=self._place.rank,
             epoch=store.next_generation(f"vllm-connector:{ns}"),
@@ -276,8 +283,12 @@ class WorkerSide:
                 self._holdings.stop()
             self._holdings = None
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            # A read stuck on a hung disk must not hold shutdown: queued reads are dropped,
+            # running ones end on their own (the pipeline takes their buffers back).
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._guard is not None:
+            self._guard.close()
         if self._pipeline is not None:  # restores in flight end, their buffers come back
             self._pipeline.close()
             self._pipeline = None

@@ -420,11 +420,20 @@ def _peek_open(path: str) -> int | None:
         return None
 
 
+# Errors of the disk or the mount rather than of the file (a failing sector, a hung or
+# vanished network/FUSE mount): proof of nothing about the bytes, so a read that meets one
+# is a miss and a finding, never a quarantine (decision 2700).
+DISK_ERRNOS = frozenset(e for e in (errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.ESTALE,
+                                    errno.ENXIO, errno.ENODEV,
+                                    getattr(errno, "EREMOTEIO", None)) if e is not None)
+
+
 def read_manifest(path: Path, entry_id: str) -> Manifest:
     """Read and decode the manifest file of ``entry_id`` at ``path`` (bounded, no symlinks).
 
-    Raises FileNotFoundError if there is none, ManifestError if it is unreadable or does
-    not validate (including a manifest that belongs to another entry id).
+    Raises FileNotFoundError if there is none, StoreIOError if the disk failed under the
+    read (``DISK_ERRNOS``), ManifestError if it is unreadable otherwise or does not validate
+    (including a manifest that belongs to another entry id).
     """
     return read_manifest_sized(path, entry_id)[0]
 
@@ -438,6 +447,8 @@ def read_manifest_sized(path: Path, entry_id: str) -> tuple[Manifest, int]:
     except OSError as exc:
         if exc.errno == errno.ENOENT:
             raise FileNotFoundError(path) from None
+        if exc.errno in DISK_ERRNOS:  # the disk failed, not the file: a miss, no quarantine
+            raise io_error(exc, "reading a manifest", path) from None
         raise ManifestError(f"manifest unreadable: {describe_os_error(exc)}",
                             reason=QuarantineReason.MANIFEST_IO, path=path,
                             entry_id=entry_id) from None
