@@ -29,7 +29,7 @@ from google import genai
 from google.genai import types
 
 from spoolctl.controllers import CachePrepareParams, Element, GoogleGenAICacheController
-from spoolctl.controllers.genai_records import format_expiry, genai_status
+from spoolctl.controllers.genai.records import format_expiry, genai_status
 
 MANUAL = " ".join(f"Section {i}: the pump must be primed before start-up, step {i}."
                   for i in range(200))

@@ -38,9 +38,9 @@ from pathlib import Path
 from benchutil import drop_page_cache
 
 from spoolctl.store import Store
-from spoolctl.store.digest import hash_bytes
-from spoolctl.store.fsio import FILE_MODE
-from spoolctl.store.manifest import Manifest, ObjectRef, encode
+from spoolctl.store.disk.fsio import FILE_MODE
+from spoolctl.store.format.digest import hash_bytes
+from spoolctl.store.format.manifest import Manifest, ObjectRef, encode
 
 SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}

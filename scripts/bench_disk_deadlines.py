@@ -39,8 +39,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from spoolctl.connector.diskguard import DiskGuard
-    from spoolctl.connector.restore import ChunkRestore, RestorePipeline
     from spoolctl.connector.stats import ConnectorCounters
+    from spoolctl.connector.worker_side.restore import ChunkRestore, RestorePipeline
     from spoolctl.store import Store, entry_id_for
 
     out: dict = {}

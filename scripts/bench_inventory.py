@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from spoolctl.connector.inventory import (
+from spoolctl.connector.planning.inventory import (
     HANDSHAKE_MAX_KEYS,
     STEP_MAX_KEYS,
     InventoryView,

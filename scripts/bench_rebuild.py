@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench_cli import build, raw_manifest_read, rebuild
 
-from spoolctl.store import manifest, manifest_fast
+from spoolctl.store.format import manifest, manifest_fast
 
 
 def _cpu() -> float:

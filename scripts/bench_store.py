@@ -57,10 +57,17 @@ from pathlib import Path
 
 from benchutil import drop_page_cache
 
-from spoolctl.store import Manifest, Store, fsio, verify
-from spoolctl.store.commit import PutRequest
-from spoolctl.store.entry_tags import TagKey
-from spoolctl.store.fsio import fsync_dir, full_fsync
+from spoolctl.store import (
+    Manifest,
+    Store,
+)
+from spoolctl.store.commit.committer import PutRequest
+from spoolctl.store.disk import (
+    fsio,
+    verify,
+)
+from spoolctl.store.disk.fsio import fsync_dir, full_fsync
+from spoolctl.store.format.entry_tags import TagKey
 
 MiB = 1 << 20
 READ_CHUNK = 8 * MiB  # the raw read's chunk

@@ -57,8 +57,8 @@ def build(root: Path, total: int, entry: int) -> tuple[int, int]:
 
 # Loaded after a cache drop so that "cold" means cold *data*: the interpreter and the
 # package (like the tar binary) are what a host that runs spoolctl has in memory.
-WARM_CODE = [sys.executable, "-c", "import spoolctl.cli.app, spoolctl.store.exporter, "
-             "spoolctl.store.importer, spoolctl.store.ingest"]
+WARM_CODE = [sys.executable, "-c", "import spoolctl.cli.app, spoolctl.store.transfer.exporter, "
+             "spoolctl.store.transfer.importer, spoolctl.store.transfer.ingest"]
 
 
 def timed(cmd: list[str], cold: bool) -> float:

@@ -404,7 +404,7 @@ def full_hits(n: int, *, spool_chunk: int | None = None) -> int:
     leaving at least one token to compute) for spoolctl, every whole 128-token block for
     vLLM's native tier (vLLM recomputes the last token itself)."""
     if spool_chunk is not None:
-        from spoolctl.connector.plan import hit_tokens
+        from spoolctl.connector.planning.plan import hit_tokens
 
         return hit_tokens(n // spool_chunk, n, spool_chunk)
     return n // BLOCK_SIZE * BLOCK_SIZE

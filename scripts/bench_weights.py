@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_weights.py [--gib 4] [--files 4] [--sparse-gib 64] [--dir /tmp]
 
 What an engine start pays to bind the model's files into the deployment identity
-(``spoolctl.connector.weights``, decision 2110), on a model directory of ``--files``
+(``spoolctl.connector.deployment.weights``, decision 2110), on a model directory of ``--files``
 safetensors shards of ``--gib`` GiB in total, written with real (random) bytes:
 
 * ``first_start_cold``: no memo, the files not in the page cache (dropped per file with
@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from spoolctl.connector.weights import weights_digest
-from spoolctl.store.digest import hash_bytes
+from spoolctl.connector.deployment.weights import weights_digest
+from spoolctl.store.format.digest import hash_bytes
 
 SHARD = "model-{:05d}-of-{:05d}.safetensors"
 

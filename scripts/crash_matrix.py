@@ -7,7 +7,7 @@
 Families and what one trial does:
 
 * ``store``   -- a store writer (``tests/store_worker.py``) dies at a commit, clean, eviction
-  or quarantine checkpoint (``SPOOLCTL_CRASH_AT``, ``spoolctl.store.faults``).
+  or quarantine checkpoint (``SPOOLCTL_CRASH_AT``, ``spoolctl.store.disk.faults``).
 * ``batch``   -- a group commit (``Store.put_many``) of 8 entries, plus one that fails while
   it streams, dies at every commit checkpoint, at its first, a middle and a late pass.
 * ``scrub``   -- ``spoolctl scrub --until-complete`` dies at the n-th ``scrub.progress_saved``
@@ -41,13 +41,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STORE_WORKER = REPO / "tests" / "store_worker.py"
-CRASH_EXIT_CODE = 86  # spoolctl.store.faults.CRASH_EXIT_CODE (kept literal: child has no import)
+# spoolctl.store.disk.faults.CRASH_EXIT_CODE (kept literal: the child has no import)
+CRASH_EXIT_CODE = 86
 
 COMMIT_POINTS = (
     "object.tmp_written", "manifest.tmp_written", "catalog.intent", "object.fsynced",
     "manifest.fsynced", "object.published", "object.dir_fsynced",
     "manifest.published", "manifest.dir_fsynced", "catalog.committed",
-)  # = spoolctl.store.faults.COMMIT_CHECKPOINTS
+)  # = spoolctl.store.disk.faults.COMMIT_CHECKPOINTS
 # A group commit passes each of these once per batch; the others once per object, manifest or
 # directory: batch trials crash at the first, a middle and the last-but-one pass of those.
 BATCH_ONCE = ("catalog.intent", "catalog.committed")
@@ -352,7 +353,7 @@ def scrub_trial(root: Path, nth: int, rng: random.Random) -> dict[str, Any]:
     """``spoolctl scrub`` killed at its nth progress save; a rerun resumes and finishes the
     cycle: every healthy entry authenticated, the corrupt one quarantined, none lost."""
     from spoolctl.store import Store
-    from spoolctl.store.scrub import ScrubState
+    from spoolctl.store.maintain.scrub import ScrubState
 
     problems: list[str] = []
     with Store.open(root, create=True) as store:

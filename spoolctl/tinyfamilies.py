@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 
 from .tinymodel import _train_tokenizer, publish_dir
 

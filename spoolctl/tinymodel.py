@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 from spoolctl.tinymodel import publish_dir
 
 SPEC_VERSION = 1

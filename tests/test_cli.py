@@ -211,7 +211,7 @@ def test_request_auth_healthy_corrupt_missing(root: Path) -> None:
 OWNER_SCRIPT = textwrap.dedent("""
     import sys, time
     from spoolctl.store import Store
-    from spoolctl.store.maintainer import BackgroundMaintainer
+    from spoolctl.store.maintain.maintainer import BackgroundMaintainer
     store = Store.open(sys.argv[1])
     m = BackgroundMaintainer(store, interval_s=0.1, scrub_rate_bytes=1 << 30, role="test-worker")
     m.start()

@@ -14,7 +14,7 @@ from spoolctl.cli import render
 from spoolctl.cli.app import app
 from spoolctl.cli.scrub_cmds import parse_rate_option
 from spoolctl.cli.vllm_config import kv_transfer_config
-from spoolctl.controllers.genai_records import expires_in
+from spoolctl.controllers.genai.records import expires_in
 from spoolctl.store import ConfigError, Store
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
@@ -103,7 +103,7 @@ def test_root_resolves_to_one_store_or_the_rank_stores_of_a_deployment(tmp_path:
 
 
 def test_deployment_status_folds_rank_reports() -> None:
-    from spoolctl.connector.topology import RankReport, deployment_status
+    from spoolctl.connector.deployment.topology import RankReport, deployment_status
 
     def report(rank: int, keys: set[str], quarantined: int = 0) -> RankReport:
         return RankReport(rank=rank, root=f"/r/rank-{rank:04d}", entries=len(keys), bytes=10,
@@ -120,7 +120,7 @@ def test_deployment_status_folds_rank_reports() -> None:
 
 
 def test_genai_expiry_summary() -> None:
-    from spoolctl.controllers.genai_records import expiry_summary
+    from spoolctl.controllers.genai.records import expiry_summary
     from spoolctl.store import CatalogRow
 
     def row(index: dict) -> CatalogRow:

@@ -14,9 +14,8 @@ import pytest
 import spoolctl.cli
 from spoolctl.cli import commands, common, fanout
 from spoolctl.cli.app import build_command
-from spoolctl.connector.settings import parse_settings
-from spoolctl.store import Store
-from spoolctl.store.errors import (
+from spoolctl.connector.deployment.settings import parse_settings
+from spoolctl.errors import (
     ArchiveError,
     BusyError,
     CapacityError,
@@ -31,6 +30,7 @@ from spoolctl.store.errors import (
     SpoolError,
     StoreIOError,
 )
+from spoolctl.store import Store
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

@@ -1,7 +1,7 @@
 """The controller contract, run against every local backend (real frameworks, tiny model).
 
 Add a backend by appending its name to ``BACKENDS`` and a branch to ``make_backend``.
-The second half tests the pure helpers of ``spoolctl.controllers.tokens``.
+The second half tests the pure helpers of ``spoolctl.controllers.local.tokens``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from spoolctl.controllers import (
     LocalCacheController,
     render_segments,
 )
-from spoolctl.controllers.tokens import (
+from spoolctl.controllers.local.tokens import (
     TokenPrefix,
     common_prefix_tokens,
     namespace_for,
@@ -279,7 +279,7 @@ def test_engine_and_cli_modules_import_no_framework():
     import subprocess
     import sys
 
-    code = ("import sys, spoolctl.controllers, spoolctl.controllers.local, spoolctl.demo, "
+    code = ("import sys, spoolctl.controllers, spoolctl.controllers.local.engine, spoolctl.demo, "
             "spoolctl.cli.prefill\n"
             "bad = [m for m in ('torch', 'transformers', 'mlx', 'safetensors')\n"
             "       if m in sys.modules]\n"
@@ -309,7 +309,7 @@ def test_every_controller_is_importable_from_the_package_without_loading_its_fra
     subprocess.run([sys.executable, "-c", code], check=True)
     pytest.importorskip("google.genai")
     from spoolctl.controllers import GoogleGenAICacheController
-    from spoolctl.controllers.genai import GoogleGenAICacheController as direct
+    from spoolctl.controllers.genai.controller import GoogleGenAICacheController as direct
 
     assert GoogleGenAICacheController is direct
 

@@ -26,7 +26,7 @@ from spoolctl.controllers import (
     LocalCacheController,
     render_segments,
 )
-from spoolctl.controllers.render import ChatTemplate, chat_segments, render
+from spoolctl.controllers.local.render import ChatTemplate, chat_segments, render
 from spoolctl.store import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -307,7 +307,7 @@ def test_seeded_sampling_uses_a_generator_of_its_own(backend, store_root):
 
 def test_a_store_a_controller_creates_is_bounded_and_its_limit_has_one_owner(
         torch_backend, store_root):
-    from spoolctl.controllers.local import default_max_bytes
+    from spoolctl.controllers.local.engine import default_max_bytes
     from spoolctl.store import ConfigError
 
     with LocalCacheController(torch_backend, store_root) as ctl:

@@ -1,4 +1,4 @@
-"""The torch-only copy layer (``spoolctl.connector.kvio``) without vLLM: copy plans, bounds,
+"""The torch-only copy layer (``spoolctl.connector.kv.kvio``) without vLLM: copy plans, bounds,
 staging-buffer recycling after device copies, and the commit thread waiting for a copy.
 
 KV caches are built with ``layouts.place`` + ``view_declared`` (what ``scripts/gpu_check.py``
@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from spoolctl.connector import layouts  # noqa: E402
-from spoolctl.connector.kvio import (  # noqa: E402
+from spoolctl.connector.kv import layouts  # noqa: E402
+from spoolctl.connector.kv.kvio import (  # noqa: E402
     DONE,
     BufferPool,
     CopyEngine,
@@ -22,7 +22,7 @@ from spoolctl.connector.kvio import (  # noqa: E402
     PagedKV,
     view_declared,
 )
-from spoolctl.store.errors import ConfigError  # noqa: E402
+from spoolctl.errors import ConfigError  # noqa: E402
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
@@ -147,7 +147,7 @@ def test_pinning_needs_a_cuda_device():
 
 def test_commit_thread_waits_for_the_copy_before_reading_the_payload():
     from spoolctl.connector.stats import ConnectorCounters
-    from spoolctl.connector.writer import PendingStore, StoreWriter
+    from spoolctl.connector.worker_side.writer import PendingStore, StoreWriter
 
     seen: list[bytes] = []
     payload = bytearray(4)
@@ -169,9 +169,9 @@ def test_commit_thread_waits_for_the_copy_before_reading_the_payload():
 
 
 def test_grouped_capture_checks_every_group_before_copying_anything():
-    from spoolctl.connector.format_grouped import GroupedFormat
-    from spoolctl.connector.groups import GroupInfo, group_layouts
-    from spoolctl.connector.plan import GroupChunkStore
+    from spoolctl.connector.kv.format_grouped import GroupedFormat
+    from spoolctl.connector.planning.groups import GroupInfo, group_layouts
+    from spoolctl.connector.planning.plan import GroupChunkStore
     from spoolctl.connector.stats import ConnectorCounters
 
     groups = [GroupInfo(0, "full_attention", ("a",), 4), GroupInfo(1, "full_attention",

@@ -138,7 +138,8 @@ def test_runbook_has_a_section_for_every_alert() -> None:
 
 def _doctor_check_names(tmp_path: Path) -> set[str]:
     """Every check name doctor.py can emit: literals in the source + a live run's names."""
-    from spoolctl.store import Store, doctor
+    from spoolctl.store import Store
+    from spoolctl.store.maintain import doctor
 
     source = Path(doctor.__file__).read_text()
     names = set()
@@ -163,7 +164,7 @@ def test_runbook_explains_every_doctor_finding(tmp_path: Path) -> None:
 
 
 def test_runbook_explains_every_quarantine_reason() -> None:
-    from spoolctl.store.errors import QuarantineReason
+    from spoolctl.errors import QuarantineReason
 
     text = _runbook()
     missing = [r.value for r in QuarantineReason if f"| `{r.value}` |" not in text]
@@ -171,7 +172,7 @@ def test_runbook_explains_every_quarantine_reason() -> None:
 
 
 def test_connector_guide_documents_every_option() -> None:
-    from spoolctl.connector.settings import KNOWN_KEYS
+    from spoolctl.connector.deployment.settings import KNOWN_KEYS
 
     text = (DOCS / "connector.md").read_text()
     assert not [k for k in KNOWN_KEYS if f"`{k}`" not in text]
@@ -337,3 +338,20 @@ def test_sizes_are_iec_and_times_are_relative(populated_root: Path) -> None:
     assert "KiB" in text and "GiB" in text  # 3,000-byte entry, 1 GiB max
     assert not re.search(r"\d\s?(KB|MB|GB|TB)\b", text), "decimal units in human output"
     assert re.search(r"\b\d+s ago\b", ls.stdout), ls.stdout
+
+
+def test_architecture_module_map_is_current() -> None:
+    """docs/architecture.md's module map is the code's: a module added, moved, removed or
+    re-described without regenerating the page fails here."""
+    gen = _load_script("gen_architecture")
+    assert gen.OUTPUT.read_text(encoding="utf-8") == gen.render(), \
+        "run `python scripts/gen_architecture.py`"
+
+
+def test_architecture_names_only_paths_that_exist() -> None:
+    """Every module or folder the architecture page names in its prose exists."""
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`(spoolctl/[\w/]+(?:\.py)?/?)`", text))
+    assert len(named) > 20
+    missing = sorted(p for p in named if not (REPO / p).exists())
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"

@@ -26,7 +26,7 @@ from transfer_support import (
 )
 
 from spoolctl.store import Store
-from spoolctl.store.faults import CRASH_EXIT_CODE
+from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 
 D1 = "vllm-v1-" + "1" * 48
 D2 = "vllm-v1-" + "2" * 48
@@ -260,10 +260,11 @@ def test_export_leaves_out_a_corrupt_entry_and_quarantines_it(base: Path):
 
 def test_large_objects_are_streamed_and_a_late_mismatch_stops_the_archive(base: Path,
                                                                           monkeypatch):
-    from spoolctl.store import exporter, verify
-    from spoolctl.store.archive import FdSink
-    from spoolctl.store.errors import ArchiveError, CorruptionError
-    from spoolctl.store.importer import Importer
+    from spoolctl.errors import ArchiveError, CorruptionError
+    from spoolctl.store.disk import verify
+    from spoolctl.store.transfer import exporter
+    from spoolctl.store.transfer.archive import FdSink
+    from spoolctl.store.transfer.importer import Importer
 
     monkeypatch.setattr(exporter, "ENTRY_BUFFER", 1000)
     monkeypatch.setattr(verify, "PIPE_CHUNK", 4096)  # several chunks per object

@@ -18,7 +18,7 @@ import pytest
 from transfer_support import cli, cli_json, files_under, fill, snapshot, tmp_files
 
 from spoolctl.store import Store
-from spoolctl.store.digest import hash_bytes
+from spoolctl.store.format.digest import hash_bytes
 
 Members = list[tuple[tarfile.TarInfo, bytes]]
 
@@ -151,7 +151,7 @@ def test_object_bytes_that_do_not_match_their_digest(base, exported):
 
 
 def test_object_size_that_differs_from_its_manifest(base, exported):
-    from spoolctl.store.manifest import Manifest, ObjectRef, decode, encode
+    from spoolctl.store.format.manifest import Manifest, ObjectRef, decode, encode
 
     _src, members = exported
     bad = list(members)
@@ -284,8 +284,8 @@ def test_random_damage_is_refused_or_harmless(base, exported):
     """Seeded random byte flips, cuts and splices of a real archive: the import either
     refuses it (ArchiveError) or imports entries identical to the source; never another
     exception, never an entry that does not verify."""
-    from spoolctl.store.errors import ArchiveError, CapacityError, ConfigError
-    from spoolctl.store.importer import Importer
+    from spoolctl.errors import ArchiveError, CapacityError, ConfigError
+    from spoolctl.store.transfer.importer import Importer
 
     src, members = exported
     good = build(members)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from spoolctl.errors import ArchiveError
 from spoolctl.store import ConfigError, Store
-from spoolctl.store.archive import (
+from spoolctl.store.transfer.archive import (
     INDEX_NAME,
     ArchiveIndex,
     SectionCount,
@@ -25,9 +26,8 @@ from spoolctl.store.archive import (
     parse_end_record,
     parse_member,
 )
-from spoolctl.store.errors import ArchiveError
-from spoolctl.store.places import Target, find_stores, inspect_root
-from spoolctl.store.selection import Candidate, Selection, plan, resolve_deployments
+from spoolctl.store.transfer.places import Target, find_stores, inspect_root
+from spoolctl.store.transfer.selection import Candidate, Selection, plan, resolve_deployments
 
 D1 = "vllm-v1-" + "a" * 48
 D2 = "vllm-v1-" + "b" * 48

@@ -26,9 +26,9 @@ from spoolctl.controllers.contract import (
     GenerateResult,
     PromptCacheController,
 )
-from spoolctl.controllers.genai import GoogleGenAICacheController, generate_with_cache
-from spoolctl.controllers.genai_clean import clean_remote, default_client_factory
-from spoolctl.controllers.genai_records import (
+from spoolctl.controllers.genai.clean import clean_remote, default_client_factory
+from spoolctl.controllers.genai.controller import GoogleGenAICacheController, generate_with_cache
+from spoolctl.controllers.genai.records import (
     RemoteServiceError,
     format_expiry,
     genai_status,
@@ -649,7 +649,7 @@ def test_status_and_clean_helpers_do_not_import_the_sdk():
     import subprocess
     import sys
 
-    code = ("import sys, spoolctl.controllers.genai_clean, spoolctl.controllers.genai_records;"
+    code = ("import sys, spoolctl.controllers.genai.clean, spoolctl.controllers.genai.records;"
             "print(any(m.startswith('google') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)

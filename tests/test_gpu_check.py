@@ -57,7 +57,7 @@ def test_gpu_check_refuses_to_pretend_without_cuda():
 
 
 def test_copy_layer_never_imports_vllm():
-    code = ("import sys, spoolctl.connector.kvio, spoolctl.connector.layouts;"
+    code = ("import sys, spoolctl.connector.kv.kvio, spoolctl.connector.kv.layouts;"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)

@@ -174,7 +174,7 @@ def test_a_rename_after_the_check_never_follows_a_swapped_directory(
         tmp_path: Path, batched: bool) -> None:
     """The window between ``check_dirs`` and the rename (``checked=True``): a fan-out
     swapped there for a link takes no file, alone or in a group commit's batch."""
-    from spoolctl.store.publish import Publisher
+    from spoolctl.store.disk.publish import Publisher
 
     root = Path(os.path.realpath(tmp_path)) / "root"
     (root / "tmp").mkdir(parents=True)
@@ -258,7 +258,7 @@ def test_a_trigger_planted_in_the_scrub_state_never_runs(base: Path) -> None:
 
 
 def test_every_statement_has_a_deadline(tmp_path: Path) -> None:
-    from spoolctl.store.sqlite_files import connect_read_only
+    from spoolctl.store.disk.sqlite_files import connect_read_only
 
     path = tmp_path / "x.sqlite3"
     _plant(path, "CREATE TABLE t(x)")

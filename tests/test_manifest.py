@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spoolctl.store import ConfigError, InvalidIdError, ManifestError, entry_id_for
-from spoolctl.store.digest import hash_bytes
-from spoolctl.store.manifest import Manifest, ObjectRef, canonical_json, decode, encode
-from spoolctl.store.sizes import format_size, parse_duration, parse_rate, parse_size
+from spoolctl.store.format.digest import hash_bytes
+from spoolctl.store.format.manifest import Manifest, ObjectRef, canonical_json, decode, encode
+from spoolctl.store.format.sizes import format_size, parse_duration, parse_rate, parse_size
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

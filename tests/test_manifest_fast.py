@@ -15,10 +15,21 @@ import random
 
 import pytest
 
-from spoolctl.store import ManifestError, Store, manifest_fast
-from spoolctl.store.digest import hash_bytes
-from spoolctl.store.entry_tags import TagKey
-from spoolctl.store.manifest import SCHEMA, Manifest, ObjectRef, canonical_json, decode, encode
+from spoolctl.store import (
+    ManifestError,
+    Store,
+)
+from spoolctl.store.format import manifest_fast
+from spoolctl.store.format.digest import hash_bytes
+from spoolctl.store.format.entry_tags import TagKey
+from spoolctl.store.format.manifest import (
+    SCHEMA,
+    Manifest,
+    ObjectRef,
+    canonical_json,
+    decode,
+    encode,
+)
 
 pytest.importorskip("msgspec")  # a base dependency; an environment without it decodes slowly
 
@@ -161,7 +172,7 @@ def test_entry_ids_and_part_digests_are_unchanged() -> None:
     """The cheaper construction (one buffer for small parts) names every entry as before:
     these values come from the streaming version; a change would orphan every store."""
     from spoolctl.store import entry_id_for
-    from spoolctl.store.digest import hash_parts
+    from spoolctl.store.format.digest import hash_parts
 
     assert entry_id_for("vllm", "llama-3/rev:abc", "chunk-7") == \
         "67b49529e068ceb96331a0fa1c93d663310e70826815ebd165f876aeeb62b8b4"

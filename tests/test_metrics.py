@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from spoolctl import metrics
 from spoolctl.store import Store
-from spoolctl.store.scrub import Scrubber
+from spoolctl.store.maintain.scrub import Scrubber
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
@@ -80,8 +80,9 @@ def test_store_gauges_render_real_state(store: Store) -> None:
 
 
 def test_store_package_and_cli_import_no_framework() -> None:
-    code = ("import sys, spoolctl.metrics, spoolctl.store.scrub, spoolctl.store.maintainer, "
-            "spoolctl.store.doctor, spoolctl.cli.app; "
+    code = ("import sys, spoolctl.metrics, spoolctl.store.maintain.scrub, "
+            "spoolctl.store.maintain.maintainer, "
+            "spoolctl.store.maintain.doctor, spoolctl.cli.app; "
             "print([m for m in ('torch', 'vllm', 'mlx', 'google.genai', 'transformers') "
             "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - only where mlx cannot be instal
 import numpy as np
 
 from spoolctl.controllers.mlx import CacheFormatError, MlxBackend, cache_format
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 
 SEGMENTS = [
     "system: You are a helpful assistant. Answer using the documents below.\n",

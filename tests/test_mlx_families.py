@@ -19,8 +19,8 @@ except (ImportError, OSError) as exc:
 pytest.importorskip("transformers")  # builds the models
 
 from spoolctl.controllers import CachePrepareParams, render_segments
+from spoolctl.controllers.local.mlx_format import CacheFormatError
 from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
-from spoolctl.controllers.mlx_format import CacheFormatError
 from spoolctl.store import Store
 
 FAMILIES = ("sliding", "hybrid", "ssm")
@@ -53,7 +53,7 @@ def backends(tmp_path_factory) -> dict[str, MlxBackend]:
 
 def cold(backend: MlxBackend, *data: str, system: str = SYSTEM,
          **sampling) -> list[int]:
-    from spoolctl.controllers.decoding import Decoding
+    from spoolctl.controllers.local.decoding import Decoding
 
     p = CachePrepareParams(model="m", instructions=[system], data=list(data))
     ids = [t for s in backend.tokenize_segments([*render_segments(p), QUESTION]) for t in s]

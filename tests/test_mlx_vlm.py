@@ -23,13 +23,13 @@ pytest.importorskip("mlx_vlm", reason="mlx-vlm is not installed; pip install 'sp
 from PIL import Image
 
 from spoolctl.controllers import CachePrepareParams, Element
+from spoolctl.controllers.local.vlm_prompt import render_vlm
 from spoolctl.controllers.mlx_vlm import (
     FORMAT,
     OBJECT_NAME,
     MlxVlmBackend,
     MlxVlmCacheController,
 )
-from spoolctl.controllers.vlm_prompt import render_vlm
 from spoolctl.store import Store
 
 NEW = 8
@@ -238,7 +238,7 @@ def test_text_ref_is_refused_for_an_image_query(backend, vlm_dir, images, tmp_pa
 def test_vlm_entries_are_not_plain_mlx_lm_entries(backend, vlm_dir, tmp_path) -> None:
     from types import SimpleNamespace
 
-    from spoolctl.controllers.local import FORMAT as PLAIN_FORMAT
+    from spoolctl.controllers.local.engine import FORMAT as PLAIN_FORMAT
 
     with MlxVlmCacheController(backend, tmp_path / "store") as ctl:
         h = ctl.prepare(text_params(str(vlm_dir)))

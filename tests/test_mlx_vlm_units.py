@@ -7,14 +7,14 @@ import pytest
 
 from spoolctl.controllers import CachePrepareParams, Element
 from spoolctl.controllers.contract import ImageInput
-from spoolctl.controllers.vlm_prompt import (
+from spoolctl.controllers.local.vlm_prompt import (
     ImageIdentity,
     extra_hash_of,
     images_digest,
     images_in_prefix,
     render_vlm,
 )
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 
 PH = "<IMG>"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from operator_cli import ENV, SPOOLCTL, run, run_json
 
-from spoolctl.controllers.local import default_max_bytes
+from spoolctl.controllers.local.engine import default_max_bytes
 from spoolctl.store import CLEAN_STEPS, Store
-from spoolctl.store.digest import hash_bytes
+from spoolctl.store.format.digest import hash_bytes
 
 pytestmark = pytest.mark.base  # store + CLI only: runs on a base install too
 

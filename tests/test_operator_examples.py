@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 from vllm_engines import run_engine
 
 from spoolctl.store import Store
-from spoolctl.store.scrub import ScrubState
+from spoolctl.store.maintain.scrub import ScrubState
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ from google import genai
 from google.genai import types
 
 from spoolctl.controllers.contract import CachePrepareParams, Element
-from spoolctl.controllers.genai import GoogleGenAICacheController
+from spoolctl.controllers.genai.controller import GoogleGenAICacheController
 from spoolctl.store import Store
 
 SPOOLCTL = str(Path(sys.executable).with_name("spoolctl"))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from operator_cli import run, run_json
 
-from spoolctl.connector.staleness import DeploymentUse, judge
 from spoolctl.store import Store
+from spoolctl.store.maintain.staleness import DeploymentUse, judge
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

@@ -18,7 +18,7 @@ from fake_openai import FakeOpenAI
 from operator_cli import ENV, script
 
 from spoolctl.store import Store, entry_id_for
-from spoolctl.store.quarantine import REASON_FILE
+from spoolctl.store.maintain.quarantine import REASON_FILE
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

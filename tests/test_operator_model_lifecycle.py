@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from operator_cli import run, run_json
 
-from spoolctl.controllers.model_lifecycle import judge_models
+from spoolctl.controllers.local.model_lifecycle import judge_models
 from spoolctl.store import Store
 
 DAY = 86400.0
@@ -200,7 +200,7 @@ def test_clean_superseded_keeps_generations_in_use(aged: Path) -> None:
 
 
 def _use(name: str, first: float, last: float, identity: dict):
-    from spoolctl.connector.staleness import DeploymentUse
+    from spoolctl.store.maintain.staleness import DeploymentUse
 
     return DeploymentUse(name, 2, 4096, first, last, identity)
 

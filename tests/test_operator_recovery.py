@@ -21,8 +21,8 @@ import pytest
 from operator_cli import run, run_json, script
 
 from spoolctl.store import Store, StoreIOError
-from spoolctl.store.faults import CRASH_EXIT_CODE
-from spoolctl.store.root import Layout, ensure_layout
+from spoolctl.store.disk.faults import CRASH_EXIT_CODE
+from spoolctl.store.disk.root import Layout, ensure_layout
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

@@ -15,7 +15,7 @@ import pytest
 from operator_cli import run, run_json, script
 
 from spoolctl.store import Store, entry_id_for
-from spoolctl.store.scrub import ScrubState
+from spoolctl.store.maintain.scrub import ScrubState
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
@@ -174,8 +174,8 @@ def test_status_names_each_deployment_and_shows_its_capacity(base: Path) -> None
     """Issue 36.9: with several deployments on a root, status (human and JSON) says which is
     which (model, dtype, TP from the deployment.json its workers write) and each rank's max
     size and usage; a missing or unusable description is said, never fatal."""
-    from spoolctl.connector import description
-    from spoolctl.connector.identity import DeploymentIdentity
+    from spoolctl.connector.deployment import description
+    from spoolctl.connector.deployment.identity import DeploymentIdentity
 
     ident = DeploymentIdentity(model="/models/llama-3-8b", revision=None,
                                dtype="torch.bfloat16", kv_cache_dtype="auto", block_size=16,
@@ -209,7 +209,7 @@ def test_status_shows_the_engines_hit_rate(base: Path) -> None:
     scheduler's thread); a malformed or inconsistent record is said, never fatal."""
     from waiting import wait_until
 
-    from spoolctl.connector import usage_record
+    from spoolctl.connector.deployment import usage_record
 
     now = [1_000_000.0]
     for rank in (0, 1):

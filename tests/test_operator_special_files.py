@@ -22,7 +22,7 @@ import pytest
 from operator_cli import script
 
 from spoolctl.store import Store, StoreIOError
-from spoolctl.store.quarantine import REASON_FILE
+from spoolctl.store.maintain.quarantine import REASON_FILE
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
@@ -141,7 +141,7 @@ def test_fifo_state_databases_queue_reason_owner_and_tmp(root: Path) -> None:
     proc = _py(f"""
         import os
         from spoolctl.store import Store
-        from spoolctl.store.auth_requests import AuthQueue
+        from spoolctl.store.maintain.auth_requests import AuthQueue
         with Store.open({str(root)!r}) as s:
             os.mkfifo(s.layout.state / "auth_requests.sqlite3")
             with AuthQueue.of(s) as q:

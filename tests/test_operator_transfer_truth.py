@@ -12,8 +12,8 @@ from test_operator_interrupts import Paused, start
 from transfer_support import fill
 
 from spoolctl.store import Store
-from spoolctl.store.archive import FdSink
-from spoolctl.store.exporter import export
+from spoolctl.store.transfer.archive import FdSink
+from spoolctl.store.transfer.exporter import export
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def test_forwarded_methods_keep_their_names_signatures_and_docs() -> None:
     import inspect
 
     from spoolctl.controllers import LocalCacheController
-    from spoolctl.controllers.local_use import CacheUse
+    from spoolctl.controllers.local.use import CacheUse
     from spoolctl.store import Store
     from spoolctl.store.queries import Queries
 

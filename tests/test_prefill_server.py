@@ -20,7 +20,7 @@ from fake_openai import FakeOpenAI, prompt_tokens
 from transfer_support import ENV, cli
 from waiting import wait_for_server
 
-from spoolctl.connector.chain import chain_root, chunk_keys, longest_run
+from spoolctl.connector.planning.chain import chain_root, chunk_keys, longest_run
 from spoolctl.server_warmup import RateLimiter, WarmPrompt, parse_prompt_line
 from spoolctl.store import Store
 

@@ -17,9 +17,9 @@ from waiting import wait_until
 pytest.importorskip("transformers")
 
 from spoolctl.controllers import CachePrepareParams, LocalCacheController, render_segments
-from spoolctl.controllers.local import FORMAT
+from spoolctl.controllers.local.engine import FORMAT
+from spoolctl.controllers.local.tokens import TokenPrefix
 from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
-from spoolctl.controllers.tokens import TokenPrefix
 from spoolctl.store import QuarantineReason, Store
 
 SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
@@ -404,8 +404,8 @@ def test_store_too_small_still_serves_the_request_from_memory(backend, store_roo
 
 
 def test_lock_held_elsewhere_times_out_to_a_cold_run(backend, store_root):
-    from spoolctl.controllers.local import LOCK_STRIPES
-    from spoolctl.store.locks import hold
+    from spoolctl.controllers.local.engine import LOCK_STRIPES
+    from spoolctl.store.disk.locks import hold
 
     p = CachePrepareParams(**P1)
     with PyTorchCacheController(backend, store_root, lock_timeout=0.2) as ctl:

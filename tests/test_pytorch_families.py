@@ -46,7 +46,7 @@ def cold(backend: PyTorchBackend, *data: str, system: str = SYSTEM,
          **sampling) -> list[int]:
     p = CachePrepareParams(model="m", instructions=[system], data=list(data))
     ids = [t for s in backend.tokenize_segments([*render_segments(p), QUESTION]) for t in s]
-    from spoolctl.controllers.decoding import Decoding
+    from spoolctl.controllers.local.decoding import Decoding
 
     return backend.generate(None, 0, ids, 8, Decoding(**sampling)) if sampling \
         else backend.generate(None, 0, ids, 8)

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from spoolctl.store import Store
-from spoolctl.store.faults import CRASH_EXIT_CODE
+from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from spoolctl.store import CorruptionError, Store
-from spoolctl.store.scrub import SCRUB_DB, Scrubber, ScrubState
+from spoolctl.store.maintain.scrub import SCRUB_DB, Scrubber, ScrubState
 
 TRIALS = 200
 

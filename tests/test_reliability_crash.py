@@ -76,7 +76,7 @@ def test_group_commit_killed_at_a_checkpoint_of_the_batch(store_root: Path, poin
 
 
 def test_batch_points_cover_every_commit_checkpoint() -> None:
-    from spoolctl.store.faults import COMMIT_CHECKPOINTS
+    from spoolctl.store.disk.faults import COMMIT_CHECKPOINTS
 
     assert cm.COMMIT_POINTS == COMMIT_CHECKPOINTS
     assert {p.partition(":")[0] for p in cm.batch_points()} == set(COMMIT_CHECKPOINTS)

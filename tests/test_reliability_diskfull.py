@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from spoolctl.store import Store, faults
+from spoolctl.store import Store
+from spoolctl.store.disk import faults
 
 pytest.importorskip("transformers")
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from operator_cli import run
 
-from spoolctl.connector.topology import rank_of_dirname
+from spoolctl.connector.deployment.topology import rank_of_dirname
+from spoolctl.errors import ArchiveError
 from spoolctl.metrics import TARGET_LABELS
 from spoolctl.store import ConfigError, RootError, Store
-from spoolctl.store.archive import validate_place
-from spoolctl.store.errors import ArchiveError
-from spoolctl.store.places import inspect_root
-from spoolctl.store.rankdirs import parse_rank_dirname, rank_dirname
-from spoolctl.store.root import StorePaths, ensure_layout
+from spoolctl.store.disk.root import StorePaths, ensure_layout
+from spoolctl.store.format.rankdirs import parse_rank_dirname, rank_dirname
+from spoolctl.store.transfer.archive import validate_place
+from spoolctl.store.transfer.places import inspect_root
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
@@ -179,7 +179,7 @@ def test_cli_and_transfer_api_take_the_same_deployment_prefixes(tmp_path: Path) 
     """One ``--deployment`` rule (decision 2500): a unique 4-character prefix names the
     deployment for ``status`` (the CLI's narrowing) and for the transfer API's selection
     alike (the API wanted 8 characters, the CLI 4); a too-short one is refused by both."""
-    from spoolctl.store.selection import resolve_deployments
+    from spoolctl.store.transfer.selection import resolve_deployments
 
     base = tmp_path / "base"
     with Store.open(base / DEP / rank_dirname(0), create=True):

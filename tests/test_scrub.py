@@ -10,10 +10,10 @@ import pytest
 from waiting import wait_until
 
 from spoolctl.store import BusyError, Store
-from spoolctl.store.auth_requests import AuthQueue, authenticate, process_pending
-from spoolctl.store.locks import try_hold
-from spoolctl.store.maintainer import BackgroundMaintainer
-from spoolctl.store.scrub import RateLimiter, Scrubber, ScrubState
+from spoolctl.store.disk.locks import try_hold
+from spoolctl.store.maintain.auth_requests import AuthQueue, authenticate, process_pending
+from spoolctl.store.maintain.maintainer import BackgroundMaintainer
+from spoolctl.store.maintain.scrub import RateLimiter, Scrubber, ScrubState
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

@@ -21,9 +21,9 @@ import pytest
 from transfer_support import cli, fill
 
 from spoolctl.store import ConfigError, Store
-from spoolctl.store.digest import hash_bytes
-from spoolctl.store.entry_tags import KEY_ENV, KEY_FILE_ENV, TagKey
-from spoolctl.store.manifest import Manifest, ObjectRef, encode
+from spoolctl.store.format.digest import hash_bytes
+from spoolctl.store.format.entry_tags import KEY_ENV, KEY_FILE_ENV, TagKey
+from spoolctl.store.format.manifest import Manifest, ObjectRef, encode
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
@@ -225,8 +225,8 @@ def test_untagged_manifests_still_decode_and_tagged_ones_open_without_a_key(stor
 
 def test_controllers_and_the_connector_get_the_key_the_same_way(store_root, key_file,
                                                                  monkeypatch):
-    from spoolctl.connector.settings import parse_settings
-    from spoolctl.controllers.local import _open_store
+    from spoolctl.connector.deployment.settings import parse_settings
+    from spoolctl.controllers.local.engine import _open_store
 
     key_id = TagKey.from_file(key_file).key_id
     monkeypatch.setenv(KEY_FILE_ENV, str(key_file))
@@ -248,7 +248,7 @@ def test_a_request_queue_from_before_verified_is_upgraded_in_place(store):
     first open rebuilds the table (rows kept) so a worker can answer ``verified``."""
     import sqlite3
 
-    from spoolctl.store.auth_requests import AUTH_DB, AuthQueue, process_pending
+    from spoolctl.store.maintain.auth_requests import AUTH_DB, AuthQueue, process_pending
 
     (entry_id,) = [store.put(kind=KIND, namespace=NS, key=KEY, objects={"kv": GOOD}).entry_id]
     path = store.layout.state / AUTH_DB

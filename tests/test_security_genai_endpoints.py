@@ -25,10 +25,10 @@ from google import genai
 from google.genai import types
 
 from spoolctl.controllers.contract import CachePrepareParams, Element
-from spoolctl.controllers.genai import GoogleGenAICacheController
-from spoolctl.controllers.genai_clean import clean_remote
-from spoolctl.controllers.genai_endpoints import ENDPOINTS_ENV, EndpointPolicy
-from spoolctl.controllers.genai_records import GenaiTarget
+from spoolctl.controllers.genai.clean import clean_remote
+from spoolctl.controllers.genai.controller import GoogleGenAICacheController
+from spoolctl.controllers.genai.endpoints import ENDPOINTS_ENV, EndpointPolicy
+from spoolctl.controllers.genai.records import GenaiTarget
 from spoolctl.store import ConfigError, Store
 
 SPOOLCTL = str(Path(sys.executable).with_name("spoolctl"))

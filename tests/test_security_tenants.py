@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import re
 
-from spoolctl.connector.chain import chain_root, chunk_keys
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store
 
 NS = "deploy-1"

@@ -16,7 +16,7 @@ import pytest
 from query_plans import query_plans
 
 from spoolctl.store import PutRequest, QuarantineReason, Store, entry_id_for
-from spoolctl.store import gc as gc_mod
+from spoolctl.store.maintain import gc as gc_mod
 
 
 def _grouped(db: sqlite3.Connection) -> dict[tuple[str, str, str], tuple[int, int]]:
@@ -262,7 +262,7 @@ def test_rebuild_loads_every_manifest_with_indexes_triggers_and_totals(
     """A rebuild loads in bulk (decision 1405): afterwards the catalog has every manifest,
     the same totals, every index and trigger (writes keep the totals right again), and
     manifests that do not decode are quarantined on the way."""
-    from spoolctl.store import recovery
+    from spoolctl.store.maintain import recovery
 
     monkeypatch.setattr(recovery, "PREFETCH_SAMPLE", 0)  # prefetch every directory
     with Store.open(store_root, create=True) as s:
@@ -294,7 +294,7 @@ def test_a_rebuild_that_fails_midway_leaves_the_catalog_as_it_was(
     """The load is one transaction: a failure while reading the manifests leaves the empty
     catalog with its indexes and triggers (never a half-loaded one without them), and the
     next open rebuilds it."""
-    from spoolctl.store import recovery
+    from spoolctl.store.maintain import recovery
 
     with Store.open(store_root, create=True) as s:
         ids = sorted(_put(s, "vllm", f"k{i}") for i in range(60))

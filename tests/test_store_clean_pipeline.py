@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from spoolctl.store import Store
-from spoolctl.store import gc as gc_mod
+from spoolctl.store.maintain import gc as gc_mod
 
 
 def _fill(store: Store, n: int) -> dict[str, str]:

@@ -133,7 +133,7 @@ def _audit(event: str, args: tuple) -> None:
             path = os.fsdecode(arg)
             for root, seen in _recorders:
                 # A relative name is one opened or renamed through a directory descriptor
-                # (store/dirfd.py: the walk from / and every call under a root): counted.
+                # (store/disk/dirfd.py: the walk from / and every call under a root): counted.
                 if path.startswith(root) or not os.path.isabs(path):
                     seen.append((event, path))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from spoolctl.store import Store
-from spoolctl.store.faults import COMMIT_CHECKPOINTS, CRASH_EXIT_CODE
+from spoolctl.store.disk.faults import COMMIT_CHECKPOINTS, CRASH_EXIT_CODE
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

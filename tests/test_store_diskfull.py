@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from spoolctl.store import Store, StoreIOError
-from spoolctl.store.faults import COMMIT_CHECKPOINTS
+from spoolctl.store.disk.faults import COMMIT_CHECKPOINTS
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

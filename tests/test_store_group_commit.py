@@ -125,7 +125,7 @@ def test_a_batch_creates_its_files_ahead_and_bounded(store_root: Path) -> None:
     """A batch creates its temp files together before their flushes start (decision 1408),
     at most MAX_FLUSHING ahead (a 100-entry import must not run out of descriptors), and
     leaves none behind, also those of an entry refused after they were created."""
-    from spoolctl.store.commit import MAX_FLUSHING
+    from spoolctl.store.commit.committer import MAX_FLUSHING
 
     store = Store.open(store_root, create=True, max_bytes=4 << 20)
     fd_dir = Path("/proc/self/fd")

@@ -19,10 +19,10 @@ from spoolctl.store import (
     QuarantineReason,
     Store,
     StoreIOError,
-    faults,
 )
-from spoolctl.store.publish import Publisher
-from spoolctl.store.sqlite_files import (
+from spoolctl.store.disk import faults
+from spoolctl.store.disk.publish import Publisher
+from spoolctl.store.disk.sqlite_files import (
     SQLITE_BUSY,
     SQLITE_CORRUPT,
     SQLITE_ERROR,

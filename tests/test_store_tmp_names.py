@@ -11,7 +11,7 @@ import time
 import pytest
 
 from spoolctl.store import Store
-from spoolctl.store.fsio import tmp_name, tmp_writer
+from spoolctl.store.disk.fsio import tmp_name, tmp_writer
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

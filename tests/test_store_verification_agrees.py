@@ -24,9 +24,13 @@ import pytest
 from operator_cli import script
 from owned_stores import owned_store, shared_dir
 
-from spoolctl.store import CorruptionError, Store, exporter
-from spoolctl.store.auth_requests import authenticate
-from spoolctl.store.scrub import Scrubber
+from spoolctl.store import (
+    CorruptionError,
+    Store,
+)
+from spoolctl.store.maintain.auth_requests import authenticate
+from spoolctl.store.maintain.scrub import Scrubber
+from spoolctl.store.transfer import exporter
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
@@ -188,8 +192,8 @@ def test_an_unreadable_object_is_damage_to_no_reader(base: Path) -> None:
     code = textwrap.dedent(f"""
         import json
         from spoolctl.store import Store, StoreIOError, exporter
-        from spoolctl.store.auth_requests import authenticate
-        from spoolctl.store.scrub import Scrubber
+        from spoolctl.store.maintain.auth_requests import authenticate
+        from spoolctl.store.maintain.scrub import Scrubber
         root, entry_id, out = {str(root)!r}, {made[0].entry_id!r}, {{}}
         def run(name, fn):
             try:

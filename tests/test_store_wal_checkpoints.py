@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from spoolctl.store import Store
-from spoolctl.store import gc as gc_mod
-from spoolctl.store.wal_checkpoints import BackgroundCheckpoints
+from spoolctl.store.disk.wal_checkpoints import BackgroundCheckpoints
+from spoolctl.store.maintain import gc as gc_mod
 
 
 def _autocheckpoint(store: Store) -> int:

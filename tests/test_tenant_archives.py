@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from operator_cli import run, run_json
 
 from spoolctl.store import Store
-from spoolctl.store.archive_sign import load_signing_key, sign_archive
+from spoolctl.store.transfer.archive_sign import load_signing_key, sign_archive
 
 KIND, NS = "pytorch", "model-x"
 

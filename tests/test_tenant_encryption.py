@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("cryptography")
 
+from spoolctl.errors import KeyUnavailableError
 from spoolctl.store import ConfigError, CorruptionError, Store
-from spoolctl.store.errors import KeyUnavailableError
 from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, VALUE_ENV, MasterKey
 
 KIND, NS = "pytorch", "model-x"

@@ -26,9 +26,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from operator_cli import ENV, run, run_json
 
+from spoolctl.errors import KeyUnavailableError, QuarantineReason
 from spoolctl.store import Store
-from spoolctl.store.errors import KeyUnavailableError, QuarantineReason
-from spoolctl.store.faults import CRASH_EXIT_CODE
+from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 from spoolctl.store.sealing import (
     COMMAND_ENV,
     FILE_ENV,

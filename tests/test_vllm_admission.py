@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 
 from vllm_engines import FLEET_DRIVER, run_engine
 
-from spoolctl.connector.chain import chain_root, chunk_keys
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

@@ -17,15 +17,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from spoolctl.connector.api_surface import NEEDS, Need, check_tree
-from spoolctl.connector.contract import (
+from spoolctl.connector.vllm_api.api_surface import NEEDS, Need, check_tree
+from spoolctl.connector.vllm_api.contract import (
     EXPECTED,
     HMA_EXPECTED,
     OPTIONAL_EXPECTED,
     check_contract,
     signature_drift,
 )
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 
 VLLM_DIR = Path(importlib.util.find_spec("vllm").origin).parent
 BASE = "distributed/kv_transfer/kv_connector/v1/base.py"

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 from vllm_engines import run_engine
 
 from spoolctl import metrics as m
-from spoolctl.connector.chain import chain_root, chunk_keys
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
 
 pytestmark = pytest.mark.slow
@@ -138,7 +138,7 @@ def test_the_engine_records_its_hit_rate_beside_the_stores(runs):
     deployment directory): written by engine B while it served (its driver ends with
     os._exit, so the exit-time write never runs: the counts are those of its last write,
     never more than it counted)."""
-    from spoolctl.connector import usage_record
+    from spoolctl.connector.deployment import usage_record
 
     b = runs["B"]
     usage = usage_record.read(runs["root"].parent)

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 from operator_cli import run
 
 from spoolctl import metrics as m
-from spoolctl.connector import exitdrain
-from spoolctl.connector.capture import ChunkStager
-from spoolctl.connector.kvio import DONE
+from spoolctl.connector.kv.kvio import DONE
 from spoolctl.connector.stats import ConnectorCounters
+from spoolctl.connector.worker_side import exitdrain
+from spoolctl.connector.worker_side.capture import ChunkStager
 from spoolctl.store import Store
 
 

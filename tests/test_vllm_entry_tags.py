@@ -28,9 +28,9 @@ pytest.importorskip("vllm")
 from vllm_engines import run_engine
 
 from spoolctl import metrics as m
-from spoolctl.connector.chain import chain_root, chunk_keys
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
-from spoolctl.store.entry_tags import KEY_ENV, KEY_FILE_ENV
+from spoolctl.store.format.entry_tags import KEY_ENV, KEY_FILE_ENV
 
 pytestmark = pytest.mark.slow
 

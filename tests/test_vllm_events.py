@@ -31,7 +31,7 @@ pytest.importorskip("zmq")
 from vllm_engines import FLEET_DRIVER, run_engine
 
 from spoolctl import metrics as m
-from spoolctl.connector.chain import chain_root, chunk_keys
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store
 
 pytestmark = pytest.mark.slow

@@ -68,8 +68,8 @@ _STAGER = """
     import sys, threading, time
     import torch
     from spoolctl.connector import exitdrain
-    from spoolctl.connector.capture import ChunkStager
-    from spoolctl.connector.kvio import DONE
+    from spoolctl.connector.worker_side.capture import ChunkStager
+    from spoolctl.connector.kv.kvio import DONE
     from spoolctl.connector.stats import ConnectorCounters
     from spoolctl.store import Store
 
@@ -85,8 +85,8 @@ _STAGER = """
 
     put_many = None
     if mode == "many":  # the worker's group commit (rank_commit_many)
-        from spoolctl.connector.capture import rank_commit_many
-        from spoolctl.connector.holdings import RankHoldings
+        from spoolctl.connector.worker_side.capture import rank_commit_many
+        from spoolctl.connector.worker_side.holdings import RankHoldings
         put_many = rank_commit_many(store, "ns", RankHoldings(store, kind="vllm",
                                                               namespace="ns", rank=0, epoch=1))
     stager = ChunkStager(put, chunk_bytes=1 << 20, staging_bytes=n << 20, meta={},

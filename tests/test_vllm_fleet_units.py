@@ -17,9 +17,9 @@ import pytest
 from waiting import wait_until
 
 from spoolctl import metrics as m
-from spoolctl.connector import host_budget
-from spoolctl.connector.admission import Admission
-from spoolctl.connector.events import (
+from spoolctl.connector.deployment import host_budget
+from spoolctl.connector.planning.admission import Admission
+from spoolctl.connector.planning.events import (
     INDEX_FIELD,
     ChunkHashes,
     EventLedger,
@@ -29,12 +29,12 @@ from spoolctl.connector.events import (
     chunk_hashes,
     parents_first,
 )
-from spoolctl.connector.holdings import RankHoldings
-from spoolctl.connector.inventory import (
+from spoolctl.connector.planning.inventory import (
     InventoryView,
     RankInventory,
 )
 from spoolctl.connector.stats import write_amplification
+from spoolctl.connector.worker_side.holdings import RankHoldings
 from spoolctl.store import Store, entry_id_for
 
 
@@ -177,7 +177,7 @@ def test_parents_come_before_their_children():
 
 
 def test_announced_hashes_are_kept_packed_and_come_back_whole():
-    from spoolctl.connector.events import _pack, _unpack
+    from spoolctl.connector.planning.events import _pack, _unpack
 
     for blocks in ((h(1), h(2)), (b"\x01" * 8, b"\x02" * 8), (b"\x03" * 8, h(4))):
         assert _unpack(_pack(ChunkHashes(h(0), blocks))) == ChunkHashes(None, blocks)
@@ -395,8 +395,8 @@ def _request(req_id: str, tokens: list[int], hashes: list[bytes]):
 
 
 def test_admission_filters_planned_stores_and_counts_them(tmp_path: Path):
-    from spoolctl.connector.messages import SpoolConnectorMetadata
-    from spoolctl.connector.plan import ChunkStore
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+    from spoolctl.connector.planning.plan import ChunkStore
 
     sched = _scheduler(tmp_path, spoolctl_admit_after=2)
     coord = sched.scheduler._coord
@@ -420,9 +420,9 @@ def test_stores_carry_their_block_hashes_and_idle_steps_end(tmp_path: Path):
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    from spoolctl.connector.coordinator import IDLE_LIMIT_S, IDLE_TAIL_S
-    from spoolctl.connector.messages import SpoolConnectorMetadata
-    from spoolctl.connector.plan import ChunkStore
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+    from spoolctl.connector.planning.plan import ChunkStore
+    from spoolctl.connector.scheduler_side.coordinator import IDLE_LIMIT_S, IDLE_TAIL_S
 
     init_none_hash(sha256)
     sched = _scheduler(tmp_path)
@@ -451,9 +451,10 @@ def test_stores_carry_their_block_hashes_and_idle_steps_end(tmp_path: Path):
 
 
 def test_the_fleet_parts_import_without_vllm_or_torch():
-    code = ("import sys, spoolctl.connector.events, spoolctl.connector.admission, "
-            "spoolctl.connector.host_budget, spoolctl.connector.coordinator, "
-            "spoolctl.connector.inventory, spoolctl.connector.holdings;"
+    code = ("import sys, spoolctl.connector.planning.events, "
+            "spoolctl.connector.planning.admission, spoolctl.connector.deployment.host_budget, "
+            "spoolctl.connector.scheduler_side.coordinator, "
+            "spoolctl.connector.planning.inventory, spoolctl.connector.worker_side.holdings;"
             "print('vllm' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
@@ -520,8 +521,8 @@ def test_status_shows_the_host_total_against_the_host_budget(tmp_path: Path):
     ({"spoolctl_kv_events": "yes"}, "spoolctl_kv_events"),
 ])
 def test_fleet_options_fail_startup_with_one_line(extra, needle):
-    from spoolctl.connector.settings import parse_settings
-    from spoolctl.store.errors import ConfigError
+    from spoolctl.connector.deployment.settings import parse_settings
+    from spoolctl.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         parse_settings({"spoolctl_root": "/abs", **extra}, block_size=32)

@@ -20,9 +20,9 @@ import pytest
 from spoolctl import metrics as m
 from spoolctl.connector.stats import ConnectorCounters
 from spoolctl.store import Store
-from spoolctl.store.reserve import HEADROOM_BYTES
+from spoolctl.store.disk.reserve import HEADROOM_BYTES
 
-pytest.importorskip("torch")  # spoolctl.connector.capture adapts torch
+pytest.importorskip("torch")  # spoolctl.connector.worker_side.capture adapts torch
 
 NS = "vllm-v1-batch"
 
@@ -32,9 +32,9 @@ def _key(i: int) -> str:
 
 
 def _writer(store: Store, counters: ConnectorCounters, batches: list[int]):
-    from spoolctl.connector.capture import rank_commit, rank_commit_many
-    from spoolctl.connector.holdings import RankHoldings
-    from spoolctl.connector.writer import StoreWriter
+    from spoolctl.connector.worker_side.capture import rank_commit, rank_commit_many
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+    from spoolctl.connector.worker_side.writer import StoreWriter
 
     holdings = RankHoldings(store, kind="vllm", namespace=NS, rank=0, epoch=1)
     many = rank_commit_many(store, NS, holdings)
@@ -53,7 +53,7 @@ def _chunk(i: int, size: int) -> bytes:
 
 
 def test_chunks_queued_together_commit_together_each_with_its_outcome(tmp_path: Path):
-    from spoolctl.connector.writer import PendingStore
+    from spoolctl.connector.worker_side.writer import PendingStore
 
     counters, batches, released = ConnectorCounters(), [], []
     root = Path(os.path.realpath(tmp_path)) / "s"
@@ -100,7 +100,7 @@ def test_chunks_queued_together_commit_together_each_with_its_outcome(tmp_path: 
 
 
 def test_a_full_disk_sheds_chunks_of_a_batch_and_commits_again_later(mount_tmpfs):
-    from spoolctl.connector.writer import PendingStore
+    from spoolctl.connector.worker_side.writer import PendingStore
 
     fs = mount_tmpfs("8m")
     counters, batches = ConnectorCounters(), []

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from spoolctl.connector.holdings import RankHoldings
-from spoolctl.connector.inventory import (
+from spoolctl.connector.planning.inventory import (
     Ack,
     InventoryReport,
     InventoryView,
     RankInventory,
     key_bytes,
 )
+from spoolctl.connector.worker_side.holdings import RankHoldings
 from spoolctl.store import Store, entry_id_for
 
 

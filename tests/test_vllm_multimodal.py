@@ -38,7 +38,7 @@ from tiny_mm_model import (
 from vllm_engines import run_engine, sched_counter
 
 from spoolctl import metrics as m
-from spoolctl.connector.chain import chain_root, chunk_keys
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
 
 pytestmark = pytest.mark.slow

@@ -14,11 +14,11 @@ from vllm_configs import vllm_configs
 from waiting import wait_until
 
 from spoolctl import metrics as m
-from spoolctl.connector.inventory import InventoryReport, RankInventory, key_bytes
-from spoolctl.connector.lookup import RankLookup
+from spoolctl.connector.deployment.topology import all_ranks
+from spoolctl.connector.planning.inventory import InventoryReport, RankInventory, key_bytes
 from spoolctl.connector.rankstores import OpenStores
+from spoolctl.connector.scheduler_side.lookup import RankLookup
 from spoolctl.connector.stats import ConnectorCounters
-from spoolctl.connector.topology import all_ranks
 from spoolctl.store import Store, entry_id_for
 
 NS = "vllm-v1-parts"
@@ -40,8 +40,8 @@ def _flip_object_byte(store: Store, key: str, name: str) -> None:
 
 def _capture_all(copier, meta, store: Store, counters: ConnectorCounters) -> None:
     """Run the worker's capture path (stager -> writer thread -> store) for ``meta``."""
-    from spoolctl.connector.capture import ChunkStager, rank_commit
-    from spoolctl.connector.holdings import RankHoldings
+    from spoolctl.connector.worker_side.capture import ChunkStager, rank_commit
+    from spoolctl.connector.worker_side.holdings import RankHoldings
 
     holdings = RankHoldings(store, kind="vllm", namespace=NS, rank=0, epoch=1)
     stager = ChunkStager(rank_commit(store, NS, holdings), chunk_bytes=copier.chunk_bytes,
@@ -66,10 +66,10 @@ def _restore_now(copier, meta, pipeline) -> tuple[set[str], set[str], set[int]]:
 def test_single_format_round_trip_and_a_corrupt_chunk_fails_from_there(tmp_path: Path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    from spoolctl.connector.format_single import SingleFormat
-    from spoolctl.connector.messages import SpoolConnectorMetadata
-    from spoolctl.connector.plan import ChunkLoad, ChunkStore, SingleRequestLoad
-    from spoolctl.connector.restore import RestorePipeline
+    from spoolctl.connector.kv.format_single import SingleFormat
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+    from spoolctl.connector.planning.plan import ChunkLoad, ChunkStore, SingleRequestLoad
+    from spoolctl.connector.worker_side.restore import RestorePipeline
 
     fmt, counters = SingleFormat(chunk_tokens=64, block_size=32), ConnectorCounters()
     src = {f"layers.{i}": torch.randn(12, 2, 32, 64) for i in range(2)}
@@ -114,11 +114,11 @@ def test_grouped_format_round_trip_per_group_and_a_foreign_plan_fails_the_reques
         tmp_path: Path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
-    from spoolctl.connector.format_grouped import GroupedFormat
-    from spoolctl.connector.groups import GroupInfo, group_layouts
-    from spoolctl.connector.messages import SpoolConnectorMetadata
-    from spoolctl.connector.plan import GroupChunkLoad, GroupChunkStore, RequestLoad
-    from spoolctl.connector.restore import RestorePipeline
+    from spoolctl.connector.kv.format_grouped import GroupedFormat
+    from spoolctl.connector.planning.groups import GroupInfo, group_layouts
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+    from spoolctl.connector.planning.plan import GroupChunkLoad, GroupChunkStore, RequestLoad
+    from spoolctl.connector.worker_side.restore import RestorePipeline
 
     # Group 0 sliding (window 32, block 32: the last block of each 2-block chunk), group 1 full.
     groups = [GroupInfo(0, "sliding_window", ("s.0",), 32, sliding_window=32),
@@ -213,7 +213,7 @@ def test_scheduler_and_worker_of_one_process_share_the_rank_store_and_close_it(
     (root,) = worker.store_roots
     assert sched.store_roots == [root] and root in OPEN_STORES.roots()
     # The deployment directory says what it is for (issue 36.9): model, dtype, TP/PP.
-    from spoolctl.connector import description
+    from spoolctl.connector.deployment import description
 
     described = description.read(Path(root).parent)
     assert described is not None and described["model"] == "/m"

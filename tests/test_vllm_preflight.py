@@ -15,14 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 from tests.operator_cli import run
 
 pytest.importorskip("vllm")
 
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig
 
-from spoolctl.connector.preflight import chunk_bytes_estimate, preflight
+from spoolctl.connector.deployment.preflight import chunk_bytes_estimate, preflight
 
 # The tiny Llama: 2 layers x 2 KV heads x head size 32 x K and V x float32, 256-token chunks.
 TINY_CHUNK_BYTES = 256 * 2 * 2 * 32 * 2 * 4
@@ -119,7 +119,7 @@ def test_doctor_warns_on_tmpfs(mount_tmpfs) -> None:
 
 def test_config_vllm_checks_the_max_size_against_a_local_model(tiny_model_dir, tmp_path):
     """Before vLLM starts (examples/vllm_serve.sh passes --model): one line, exit 2."""
-    from spoolctl.connector.preflight import chunk_bytes_from_model_dir
+    from spoolctl.connector.deployment.preflight import chunk_bytes_from_model_dir
 
     assert chunk_bytes_from_model_dir(tiny_model_dir) == TINY_CHUNK_BYTES
     assert chunk_bytes_from_model_dir(tiny_model_dir, tp=2) == TINY_CHUNK_BYTES // 2

@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 from vllm_configs import vllm_configs
 
-from spoolctl.connector.chain import MMSpan, chain_root, chunk_keys
-from spoolctl.connector.settings import parse_settings
-from spoolctl.connector.topology import (
+from spoolctl.connector.deployment.settings import parse_settings
+from spoolctl.connector.deployment.topology import (
     RankPlace,
     all_ranks,
     compare_ranks,
     quorum,
     rank_of_dirname,
 )
+from spoolctl.connector.planning.chain import MMSpan, chain_root, chunk_keys
+from spoolctl.errors import ConfigError
 from spoolctl.store import Store, entry_id_for
-from spoolctl.store.errors import ConfigError
 
 SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
@@ -133,7 +133,7 @@ def _feature(identifier: str | None, offset: int, length: int, modality: str | N
 
 def test_vllm_multimodal_features_key_the_chain_and_incomplete_identity_bypasses():
     pytest.importorskip("vllm")
-    from spoolctl.connector.lookup import Bypass, mm_spans
+    from spoolctl.connector.scheduler_side.lookup import Bypass, mm_spans
 
     tokens = list(range(3, 3 + 200))
     root = chain_root("vllm-v1-ns", None)
@@ -161,7 +161,12 @@ def test_vllm_multimodal_features_key_the_chain_and_incomplete_identity_bypasses
 
 
 def test_group_semantics_supported_and_fail_closed():
-    from spoolctl.connector.groups import GroupInfo, check_groups, is_single, unsupported_error
+    from spoolctl.connector.planning.groups import (
+        GroupInfo,
+        check_groups,
+        is_single,
+        unsupported_error,
+    )
 
     full = GroupInfo(0, "full_attention", ("l0", "l1"), 32)
     # A hybrid model's sliding layers promoted to full-attention pages (HMA off): supported,
@@ -194,7 +199,7 @@ def test_group_semantics_supported_and_fail_closed():
 
 
 def test_group_layouts_store_only_the_window_tail():
-    from spoolctl.connector.groups import GroupInfo, group_layouts
+    from spoolctl.connector.planning.groups import GroupInfo, group_layouts
 
     groups = [GroupInfo(0, "sliding_window", ("s",), 16, sliding_window=32),
               GroupInfo(1, "full_attention", ("f",), 32),
@@ -209,8 +214,8 @@ def test_group_layouts_store_only_the_window_tail():
 
 
 def test_grouped_planner_restores_every_allocated_block_and_stores_at_the_boundary():
-    from spoolctl.connector.groups import GroupInfo, group_layouts
-    from spoolctl.connector.plan import GroupedPlanner
+    from spoolctl.connector.planning.groups import GroupInfo, group_layouts
+    from spoolctl.connector.planning.plan import GroupedPlanner
 
     # Group 0 sliding (window 32, bs 32 -> tail of 1 block per 2-block chunk), group 1 full.
     layouts = group_layouts([GroupInfo(0, "sliding_window", ("s",), 32, sliding_window=32),
@@ -281,7 +286,7 @@ def test_vllm_classifies_the_spec_kinds_the_connector_relies_on():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from spoolctl.connector.introspect import group_infos
+    from spoolctl.connector.vllm_api.introspect import group_infos
 
     class Group:
         def __init__(self, names, spec):

@@ -40,7 +40,7 @@ pytest.importorskip("vllm")
 from vllm_engines import run_engine
 
 from spoolctl import metrics as m
-from spoolctl.connector.chain import chain_root, chunk_keys
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from spoolctl import metrics as m
-from spoolctl.connector.chain import chain_root, chunk_keys
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
 
 pytestmark = pytest.mark.slow

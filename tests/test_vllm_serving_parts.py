@@ -23,9 +23,9 @@ from waiting import wait_until
 torch = pytest.importorskip("torch")
 
 from spoolctl import metrics as m  # noqa: E402
-from spoolctl.connector.formats import ChunkRestore  # noqa: E402
-from spoolctl.connector.restore import RestorePipeline  # noqa: E402
+from spoolctl.connector.kv.formats import ChunkRestore  # noqa: E402
 from spoolctl.connector.stats import ConnectorCounters  # noqa: E402
+from spoolctl.connector.worker_side.restore import RestorePipeline  # noqa: E402
 from spoolctl.store import Store, entry_id_for  # noqa: E402
 
 NS = "vllm-v1-serving-parts"

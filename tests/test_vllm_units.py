@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 
 from spoolctl import metrics as m
-from spoolctl.connector.chain import MMSpan, chain_root, chunk_keys, longest_run
-from spoolctl.connector.contract import EXPECTED, check_contract, signature_drift
-from spoolctl.connector.identity import DeploymentIdentity
-from spoolctl.connector.plan import Planner
-from spoolctl.connector.settings import parse_settings
+from spoolctl.connector.deployment.identity import DeploymentIdentity
+from spoolctl.connector.deployment.settings import parse_settings
+from spoolctl.connector.deployment.topology import RankPlace
+from spoolctl.connector.planning.chain import MMSpan, chain_root, chunk_keys, longest_run
+from spoolctl.connector.planning.plan import Planner
 from spoolctl.connector.stats import ConnectorCounters, merge
-from spoolctl.connector.topology import RankPlace
+from spoolctl.connector.vllm_api.contract import EXPECTED, check_contract, signature_drift
+from spoolctl.errors import ConfigError
 from spoolctl.store import Store
-from spoolctl.store.errors import ConfigError
 
 NS = "vllm-v1-test"
 
@@ -224,10 +224,11 @@ def test_contract_matches_installed_vllm_and_reports_drift():
 
 
 def test_import_spoolctl_connector_does_not_import_vllm_or_torch():
-    code = ("import sys, spoolctl, spoolctl.connector, spoolctl.connector.plan, "
-            "spoolctl.connector.chain, spoolctl.connector.identity, spoolctl.connector.settings, "
-            "spoolctl.connector.topology, spoolctl.connector.lookup, spoolctl.connector.formats, "
-            "spoolctl.connector.introspect, spoolctl.connector.groups, "
+    code = ("import sys, spoolctl, spoolctl.connector, spoolctl.connector.planning.plan, "
+            "spoolctl.connector.planning.chain, spoolctl.connector.deployment.identity, "
+            "spoolctl.connector.deployment.settings, spoolctl.connector.deployment.topology, "
+            "spoolctl.connector.scheduler_side.lookup, spoolctl.connector.kv.formats, "
+            "spoolctl.connector.vllm_api.introspect, spoolctl.connector.planning.groups, "
             "spoolctl.connector.rankstores;"
             "print('vllm' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -239,7 +240,7 @@ def test_import_spoolctl_connector_does_not_import_vllm_or_torch():
 
 def test_paged_kv_capture_restore_roundtrip_in_cpu_layout():
     torch = pytest.importorskip("torch")
-    from spoolctl.connector.kvio import PagedKV
+    from spoolctl.connector.kv.kvio import PagedKV
 
     # vLLM CPU layout: per layer [num_blocks, num_kv_heads, block_size, 2 * head_size].
     src = {f"layers.{i}": torch.randn(12, 2, 32, 64) for i in range(3)}
@@ -267,8 +268,8 @@ def test_paged_kv_never_guesses_the_block_dimension():
     """vLLM registers [blocks, heads, states, content] views; a tensor whose block
     dimension would have to be guessed from sizes (K/V first, 2 blocks) is refused."""
     torch = pytest.importorskip("torch")
-    from spoolctl.connector.kvio import PagedKV
-    from spoolctl.store.errors import ConfigError
+    from spoolctl.connector.kv.kvio import PagedKV
+    from spoolctl.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:  # [K/V, num_blocks, block, heads, dim]
         PagedKV({"l": torch.randn(2, 10, 32, 4, 16)}, num_blocks=10, blocks_per_chunk=1)
@@ -278,7 +279,7 @@ def test_paged_kv_never_guesses_the_block_dimension():
 # -- background writer against a real store --------------------------------------------------
 
 def _writer(store: Store, budget: int, counters: ConnectorCounters):
-    from spoolctl.connector.writer import StoreWriter
+    from spoolctl.connector.worker_side.writer import StoreWriter
 
     def put(key, payload, meta):
         store.put(kind="vllm", namespace=NS, key=key, objects={"kv": payload}, meta=meta)
@@ -287,7 +288,7 @@ def _writer(store: Store, budget: int, counters: ConnectorCounters):
 
 
 def test_writer_commits_and_skips_over_staging_budget(tmp_path: Path):
-    from spoolctl.connector.writer import PendingStore
+    from spoolctl.connector.worker_side.writer import PendingStore
 
     counters = ConnectorCounters()
     with Store.open(Path(os.path.realpath(tmp_path)) / "s", create=True) as store:
@@ -312,7 +313,7 @@ def test_writer_commits_and_skips_over_staging_budget(tmp_path: Path):
 
 
 def test_writer_counts_capacity_and_io_failures_without_raising(tmp_path: Path):
-    from spoolctl.connector.writer import PendingStore
+    from spoolctl.connector.worker_side.writer import PendingStore
 
     counters = ConnectorCounters()
     root = Path(os.path.realpath(tmp_path)) / "s"
@@ -339,7 +340,7 @@ def test_writer_counts_capacity_and_io_failures_without_raising(tmp_path: Path):
 
 
 def test_writer_flush_times_out_instead_of_blocking(tmp_path: Path):
-    from spoolctl.connector.writer import PendingStore, StoreWriter
+    from spoolctl.connector.worker_side.writer import PendingStore, StoreWriter
 
     disk = threading.Event()  # a put that waits until the test lets the disk answer
 
@@ -370,7 +371,7 @@ def test_stats_aggregate_and_prometheus_export():
     pytest.importorskip("vllm")
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    from spoolctl.connector.promstats import SpoolPromMetrics, SpoolStats
+    from spoolctl.connector.vllm_api.promstats import SpoolPromMetrics, SpoolStats
 
     w1, w2 = ConnectorCounters(part="0"), ConnectorCounters(part="1")
     w1.inc(m.LOOKUPS, result="hit", reason="none")
@@ -423,7 +424,7 @@ def test_stats_aggregate_and_prometheus_export():
 
 def test_buffer_pool_hands_out_distinct_slots_and_takes_them_back():
     torch = pytest.importorskip("torch")
-    from spoolctl.connector.kvio import BufferPool
+    from spoolctl.connector.kv.kvio import BufferPool
 
     pool = BufferPool(4096, slots=2)
     a, b = pool.get(), pool.get()
@@ -441,7 +442,7 @@ def test_buffer_pool_hands_out_distinct_slots_and_takes_them_back():
 
 def test_block_runs_and_restore_with_skip_across_runs():
     torch = pytest.importorskip("torch")
-    from spoolctl.connector.kvio import PagedKV, _runs
+    from spoolctl.connector.kv.kvio import PagedKV, _runs
 
     assert _runs([4, 5, 9, 10, 11, 2]) == [(0, 4, 2), (2, 9, 3), (5, 2, 1)]
     assert _runs([]) == []
@@ -460,7 +461,7 @@ def test_block_runs_and_restore_with_skip_across_runs():
 
 def test_restore_never_writes_the_null_block():
     torch = pytest.importorskip("torch")
-    from spoolctl.connector.kvio import PagedKV, _runs
+    from spoolctl.connector.kv.kvio import PagedKV, _runs
 
     # Id 0 is vLLM's null block (shared, out-of-window positions): in no run.
     assert _runs([0, 1, 2], skip_null=True) == [(1, 1, 2)]
@@ -480,8 +481,8 @@ def test_kv_tensor_without_a_block_dimension_is_refused():
     """A view whose leading dimension is not a whole number of (kernel) blocks would be
     copied along the wrong dimension: refused with the layer name and the fix."""
     torch = pytest.importorskip("torch")
-    from spoolctl.connector.kvio import PagedKV
-    from spoolctl.store.errors import ConfigError
+    from spoolctl.connector.kv.kvio import PagedKV
+    from spoolctl.errors import ConfigError
 
     ok = PagedKV({"layer.0": torch.zeros(14, 2, 4, 8)}, num_blocks=7, blocks_per_chunk=1)
     assert ok.layers[0].block_shape == (2, 2, 4, 8)  # two kernel blocks per block
@@ -496,7 +497,7 @@ def test_store_gauges_follow_a_commit_while_the_server_goes_idle(tmp_path):
     request."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from spoolctl.connector.telemetry import WorkerTelemetry
+    from spoolctl.connector.worker_side.telemetry import WorkerTelemetry
 
     now = [100.0]
     counters = ConnectorCounters(part="0")
@@ -525,7 +526,7 @@ def test_store_gauges_follow_a_commit_while_the_server_goes_idle(tmp_path):
 def test_usage_counts_are_what_status_shows_as_the_hit_rate() -> None:
     """usage.json's counts (spoolctl status's hit rate): prompt tokens looked up and restored,
     and requests looked up (a bypass is no lookup) and hit (full or partial)."""
-    from spoolctl.connector.scheduler import usage_counts
+    from spoolctl.connector.scheduler_side.scheduler import usage_counts
 
     counters = ConnectorCounters()
     counters.inc(m.LOOKUP_TOKENS, 100)

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from spoolctl.connector.chain import chain_root, chunk_keys
-from spoolctl.connector.identity import DeploymentIdentity
-from spoolctl.connector.lookup import Bypass, request_keys
-from spoolctl.connector.settings import parse_settings
-from spoolctl.connector.weights import AdapterDigests, weights_digest
+from spoolctl.connector.deployment.identity import DeploymentIdentity
+from spoolctl.connector.deployment.settings import parse_settings
+from spoolctl.connector.deployment.weights import AdapterDigests, weights_digest
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
+from spoolctl.connector.scheduler_side.lookup import Bypass, request_keys
 from spoolctl.store import ConfigError
 
 
@@ -145,7 +145,7 @@ def test_weights_settings_are_validated() -> None:
 
 
 def test_a_model_without_local_files_refuses_to_start_unless_named() -> None:
-    from spoolctl.connector.introspect import model_weights
+    from spoolctl.connector.vllm_api.introspect import model_weights
 
     cfg = SimpleNamespace(model_config=SimpleNamespace(model="/no/such/model", revision=None))
     settings = parse_settings({"spoolctl_root": "/r"}, block_size=32)

@@ -29,8 +29,8 @@ def _preload() -> None:
 
     for mod in pkgutil.walk_packages(spoolctl.__path__, "spoolctl."):
         if mod.name.startswith(("spoolctl.connector.", "spoolctl.controllers.")) and \
-                mod.name not in ("spoolctl.connector.topology",
-                                 "spoolctl.controllers.genai_records",
+                mod.name not in ("spoolctl.connector.deployment.topology",
+                                 "spoolctl.controllers.genai.records",
                                  "spoolctl.controllers.contract"):
             continue  # framework adapters: not used by the store or the CLI
         if mod.name in ("spoolctl.tinymodel", "spoolctl.tinyvlm", "spoolctl.demo",

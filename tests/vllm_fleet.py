@@ -143,7 +143,7 @@ def _deployment(root: str) -> Path:
 
 
 def _corrupt(root: str, tokens: list[int], chunk: int, chunk_tokens: int) -> None:
-    from spoolctl.connector.chain import chain_root, chunk_keys
+    from spoolctl.connector.planning.chain import chain_root, chunk_keys
     from spoolctl.store import Store
 
     deployment = _deployment(root)

@@ -24,8 +24,8 @@ from typing import Any
 import typer
 
 from spoolctl import __version__
-from spoolctl.store.errors import SpoolError
-from spoolctl.store.root import ALLOW_FOREIGN_ENV
+from spoolctl.errors import SpoolError
+from spoolctl.store import ALLOW_FOREIGN_ENV
 
 from . import commands
 from .common import (

@@ -40,7 +40,7 @@ from .targets import StoreTarget, Targets, resolve_targets
 commands = typer.Typer()
 
 if TYPE_CHECKING:
-    from spoolctl.connector.staleness import Verdict
+    from spoolctl.store import Verdict
 
 
 @commands.command("clean")
@@ -162,7 +162,7 @@ def _endpoint_policy(enabled: bool, extra: list[str]) -> Any:
         if extra:
             raise ConfigError("--genai-endpoint without --genai", fix="add --genai")
         return None
-    from spoolctl.controllers.genai_endpoints import EndpointPolicy
+    from spoolctl.controllers.genai.endpoints import EndpointPolicy
 
     return EndpointPolicy.from_operator(extra)
 
@@ -227,7 +227,7 @@ def _clean_genai(store: Store, enabled: bool, dry_run: bool,
             lines.append(f"{malformed} genai record(s) could not be read and were skipped "
                          "(`spoolctl clean --genai` re-indexes them; `spoolctl doctor`)")
         return {"skipped_pending": pending, "malformed": malformed, "lines": lines}
-    from spoolctl.controllers.genai_clean import clean_remote
+    from spoolctl.controllers.genai.clean import clean_remote
 
     try:
         report = clean_remote(store, dry_run=dry_run, endpoints=endpoints)
@@ -242,7 +242,7 @@ def _pending_remote(store: Store) -> tuple[int, int]:
     row by row, so one bad record is counted and skipped."""
     import time
 
-    from spoolctl.controllers.genai_records import status_of_row
+    from spoolctl.controllers.genai.records import status_of_row
 
     now, pending, malformed = time.time(), 0, 0
     for row in store.entries(kind="genai"):

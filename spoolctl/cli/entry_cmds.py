@@ -18,8 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from spoolctl.store import CatalogRow, NotFoundError, Store
-from spoolctl.store.keys import validate_entry_prefix, validate_kind
+from spoolctl.store import CatalogRow, NotFoundError, Store, validate_entry_prefix, validate_kind
 
 from . import render
 from .common import (
@@ -54,7 +53,7 @@ class SortChoice(str, enum.Enum):
 
 
 def _row_json(row: CatalogRow, now: float) -> dict[str, Any]:
-    from spoolctl.controllers.genai_records import expires_in
+    from spoolctl.controllers.genai.records import expires_in
 
     doc = row.to_json()
     # One name per concept (docs/json.md): `bytes`, as in status; `size` is kept one release
@@ -150,7 +149,7 @@ def entry_doc(store: Store, entry_id: str) -> dict[str, Any]:
     }
     doc["size"] = doc["bytes"]  # deprecated alias of `bytes` (docs/json.md)
     if manifest.kind == "genai":
-        from spoolctl.controllers.genai_records import expires_in
+        from spoolctl.controllers.genai.records import expires_in
 
         doc["expires_in_s"] = expires_in(dict(manifest.index), time.time())
     return doc

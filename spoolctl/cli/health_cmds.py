@@ -187,8 +187,7 @@ def doctor_cmd(
 
     Example: [bold]spoolctl doctor --root /var/cache/spoolctl[/bold]
     """
-    from spoolctl.store.doctor import run_checks
-    from spoolctl.store.tenant_keys import encryption_checks
+    from spoolctl.store import encryption_checks, run_checks
 
     def one(path: Path) -> tuple[dict[str, Any], int]:
         checks = run_checks(path) + _genai_checks(path) + _model_checks(path) \
@@ -228,7 +227,7 @@ def doctor_cmd(
 
 def _lifecycle_check(verdict: Any, size: int) -> Any:
     """``deployment.lifecycle``: a deployment that nothing will read again (decision 2112)."""
-    from spoolctl.store.doctor import Check
+    from spoolctl.store import Check
 
     from . import render
 
@@ -244,8 +243,7 @@ def _model_checks(path: Path) -> list[Any]:
     """``model.lifecycle``: a controller model of this store nothing will read again
     (decision 2120): a warning per stale namespace, none when there is none or the store
     does not open (the store checks say why)."""
-    from spoolctl.store import Store
-    from spoolctl.store.doctor import Check
+    from spoolctl.store import Check, Store
 
     from . import render
     from .lifecycle import model_uses, model_verdicts
@@ -273,9 +271,8 @@ def _genai_checks(path: Path) -> list[Any]:
     """``genai.records``: GenAI records whose facts the GenAI helpers cannot read (skipped
     by ``clean --genai`` and the controller). Only when the store opens read-only and holds
     genai records; anything else is the store checks' business."""
-    from spoolctl.controllers.genai_records import index_problem
-    from spoolctl.store import Store
-    from spoolctl.store.doctor import Check
+    from spoolctl.controllers.genai.records import index_problem
+    from spoolctl.store import Check, Store
 
     bad: list[str] = []
     total = 0

@@ -9,8 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from spoolctl.store import Store
-from spoolctl.store.tenant_keys import key_usage, retire_keys, revoke_tenant, rotate_keys
+from spoolctl.store import Store, key_usage, retire_keys, revoke_tenant, rotate_keys
 
 from . import render
 from .common import EXIT_OK, DeploymentOption, JsonOption, RankOption, RootOption, text

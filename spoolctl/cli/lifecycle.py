@@ -11,8 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from spoolctl.connector.staleness import DeploymentUse, Verdict, judge
-from spoolctl.store import SpoolError, Store
+from spoolctl.store import DeploymentUse, SpoolError, Store, Verdict, judge
 
 from .fanout import run_each
 from .targets import StoreTarget, Targets
@@ -102,7 +101,7 @@ def model_uses(store: Store) -> dict[str, DeploymentUse]:
     """Each controller namespace of one store (``model_lifecycle.KINDS``), by namespace:
     its retained entries, bytes, first stored, last used, and the identity of its newest
     entry's manifest (with the kind added; None if that cannot be read)."""
-    from spoolctl.controllers.model_lifecycle import KINDS as MODEL_KINDS
+    from spoolctl.controllers.local.model_lifecycle import KINDS as MODEL_KINDS
 
     groups: dict[str, list[Any]] = {}
     for kind in MODEL_KINDS:
@@ -125,7 +124,7 @@ def model_uses(store: Store) -> dict[str, DeploymentUse]:
 
 def model_verdicts(uses: dict[str, DeploymentUse], *, unused_for: float | None = None,
                    now: float | None = None) -> dict[str, Verdict]:
-    from spoolctl.controllers.model_lifecycle import judge_models
+    from spoolctl.controllers.local.model_lifecycle import judge_models
 
     return judge_models(uses.values(), now=time.time() if now is None else now,
                         unused_for=unused_for)
@@ -133,7 +132,7 @@ def model_verdicts(uses: dict[str, DeploymentUse], *, unused_for: float | None =
 
 def model_json(use: DeploymentUse, verdict: Verdict) -> dict[str, Any]:
     """One controller model in ``status --json`` (``models.<namespace>``)."""
-    from spoolctl.controllers.model_lifecycle import weights
+    from spoolctl.controllers.local.model_lifecycle import weights
 
     ident = use.identity or {}
     return {**verdict.to_json(), "kind": ident.get("kind"), "entries": use.entries,
@@ -154,7 +153,7 @@ def reclaim_models(store: Store, namespaces: set[str], *,
                    dry_run: bool) -> tuple[list[str], int]:
     """Release every retained entry of ``namespaces`` (the ``released`` clean step then
     deletes them); returns (entry ids, bytes) released or, dry, to release."""
-    from spoolctl.controllers.model_lifecycle import KINDS as MODEL_KINDS
+    from spoolctl.controllers.local.model_lifecycle import KINDS as MODEL_KINDS
 
     rows = [r for kind in MODEL_KINDS for r in store.entries(kind=kind)
             if r.namespace in namespaces and r.state == "committed" and r.hint == "retain"]

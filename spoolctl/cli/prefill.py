@@ -16,8 +16,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from spoolctl.errors import ConfigError
 from spoolctl.store import format_size
-from spoolctl.store.errors import ConfigError
 
 from .common import (
     EXIT_FINDINGS,

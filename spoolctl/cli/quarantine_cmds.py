@@ -13,8 +13,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from spoolctl.store import ConfigError, NotFoundError, Store, parse_duration
-from spoolctl.store.quarantine import QuarantineItem, validate_item_id
+from spoolctl.store import (
+    ConfigError,
+    NotFoundError,
+    QuarantineItem,
+    Store,
+    parse_duration,
+    validate_item_id,
+)
 
 from . import render
 from .common import (

@@ -12,10 +12,16 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from spoolctl.store import BusyError, CorruptionError, Store, parse_rate
-from spoolctl.store.auth_requests import AuthQueue, authenticate
-from spoolctl.store.keys import validate_entry_prefix
-from spoolctl.store.scrub import Scrubber
+from spoolctl.store import (
+    AuthQueue,
+    BusyError,
+    CorruptionError,
+    Scrubber,
+    Store,
+    authenticate,
+    parse_rate,
+    validate_entry_prefix,
+)
 
 from . import render
 from .common import (

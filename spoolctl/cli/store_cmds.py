@@ -18,9 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from spoolctl.store import Store, StoreFacts, parse_size
-from spoolctl.store.root import MARKER
-from spoolctl.store.tenant_keys import encryption_summary
+from spoolctl.store import MARKER, Store, StoreFacts, encryption_summary, parse_size
 
 from . import render
 from .common import (
@@ -44,7 +42,7 @@ from .targets import StoreTarget, Targets, resolve_targets
 commands = typer.Typer()
 
 if TYPE_CHECKING:
-    from spoolctl.connector.topology import DeploymentStatus
+    from spoolctl.connector.deployment.topology import DeploymentStatus
 
 
 # -- init -----------------------------------------------------------------------------
@@ -96,7 +94,7 @@ def init_cmd(
                                   view=_init_view)
             finish(code)
             return
-        from spoolctl.controllers.local import default_max_bytes
+        from spoolctl.controllers.local.engine import default_max_bytes
 
         limit = max_bytes if max_bytes is not None else default_max_bytes(path)
         with open_store(path, create=True, max_bytes=limit) as store:
@@ -136,7 +134,7 @@ def _init_view(doc: dict[str, Any]) -> list[Any]:
 def status_doc(store: Store, facts: StoreFacts | None = None) -> dict[str, Any]:
     """Everything ``status`` reports for one store: its facts snapshot (``Store.facts``)
     plus the expiry of its GenAI records."""
-    from spoolctl.controllers.genai_records import expiry_summary
+    from spoolctl.controllers.genai.records import expiry_summary
 
     facts = facts if facts is not None else store.facts()
     genai = store.entries(kind="genai") if "genai" in facts.by_kind else []
@@ -281,8 +279,8 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
 def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
     """Per-rank status of a deployment directory or base root, and whether anything needs
     attention (ranks that disagree, quarantine, a rank's own findings)."""
-    from spoolctl.connector.staleness import DeploymentUse
-    from spoolctl.connector.topology import RankReport
+    from spoolctl.connector.deployment.topology import RankReport
+    from spoolctl.store import DeploymentUse
 
     from .lifecycle import deployment_uses, lifecycle_json, rank_use, siblings, verdicts
 
@@ -333,7 +331,7 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
 def _description(where: Path) -> dict[str, Any]:
     """``description``: what the deployment is (its ``deployment.json``: model, dtypes,
     TP/PP), None before its workers wrote one; ``description_error`` when unreadable."""
-    from spoolctl.connector import description
+    from spoolctl.connector.deployment import description
 
     try:
         return {"description": description.read(where)}
@@ -344,7 +342,7 @@ def _description(where: Path) -> dict[str, Any]:
 def _usage(where: Path) -> dict[str, Any]:
     """``usage``: the hit rate the deployment's engine counted since it started (its
     ``usage.json``), None before its first lookup; ``usage_error`` when unreadable."""
-    from spoolctl.connector import description, usage_record
+    from spoolctl.connector.deployment import description, usage_record
 
     try:
         usage = usage_record.read(where)
@@ -378,8 +376,8 @@ def _deployment_status(where: str, reports: list[Any], unreadable: list[int]) ->
     """Fold rank reports into the deployment's status, with the host disk budget its
     workers recorded (``spoolctl_host_max_size``) or why that record is unreadable;
     ``unreadable``: ranks whose store could not be opened (they make the ranks disagree)."""
-    from spoolctl.connector import host_budget
-    from spoolctl.connector.topology import deployment_status
+    from spoolctl.connector.deployment import host_budget
+    from spoolctl.connector.deployment.topology import deployment_status
 
     budget, error = None, None
     try:
@@ -407,7 +405,7 @@ def _deployment_view(doc: dict[str, Any]) -> list[Any]:
 
 
 def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[Any]:
-    from spoolctl.connector.description import summary
+    from spoolctl.connector.deployment.description import summary
 
     title = f"spoolctl status (deployment {esc(name)}, {len(dep['ranks'])} ranks)"
     t = Table(title=title, title_justify="left")

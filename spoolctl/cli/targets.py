@@ -2,7 +2,7 @@
 entry id resolved into an entry.
 
 What a ``--root`` is (a store, a vLLM deployment directory, a vLLM base root or an empty
-root) is decided by the store's one scanner, ``spoolctl.store.places.inspect_root``
+root) is decided by the store's one scanner, ``spoolctl.store.transfer.places.inspect_root``
 (decisions 1100, 2500), with the same kinds and refusals for every command and for the
 library's export/import/peer API. This module only narrows (``--rank N``, ``--deployment
 NAME``) and applies one CLI rule: a path that does not exist is the one store a command
@@ -18,12 +18,15 @@ from pathlib import Path
 from spoolctl.store import (
     ConfigError,
     CorruptionError,
+    Kind,
     NotFoundError,
     QuarantineReason,
+    RootContents,
     Store,
+    StorePlace,
+    inspect_root,
+    resolve_deployment,
 )
-from spoolctl.store.places import Kind, RootContents, StorePlace, inspect_root
-from spoolctl.store.selection import resolve_deployment
 
 from .common import resolve_root
 

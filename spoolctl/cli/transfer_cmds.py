@@ -28,10 +28,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from spoolctl.store import ConfigError, StoreIOError, parse_size
-from spoolctl.store.archive import FdSink
-from spoolctl.store.errors import ArchiveError
-from spoolctl.store.selection import Selection
+from spoolctl.errors import ArchiveError
+from spoolctl.store import ConfigError, FdSink, Selection, StoreIOError, parse_size
 
 from .common import (
     EXIT_FINDINGS,
@@ -241,7 +239,7 @@ def export_cmd(
     Example: [bold]spoolctl export --root /nvme/spool | ssh new-host spoolctl import
     --root /nvme/spool -[/bold]
     """
-    from spoolctl.store.exporter import export
+    from spoolctl.store import export
 
     # With -o - stdout is the archive: the --json document (an error one too) goes to stderr.
     JsonState.to_stderr = output == "-"
@@ -251,7 +249,7 @@ def export_cmd(
     source = export_source(root, rank, deployment)
     signer = None
     if sign_key is not None:
-        from spoolctl.store.archive_sign import load_signing_key
+        from spoolctl.store import load_signing_key
 
         if output == "-":
             raise ConfigError("--sign-key needs an archive file (the signature is written "
@@ -281,7 +279,7 @@ def export_cmd(
     doc = export_doc(report.to_json(), source)
     doc["output"] = output
     if signer is not None:
-        from spoolctl.store.archive_sign import sign_archive
+        from spoolctl.store import sign_archive
 
         doc["signature"] = str(sign_archive(Path(output).expanduser(), signer))
     if json_output:
@@ -354,7 +352,7 @@ def import_cmd(
     Example: [bold]ssh old-host spoolctl export --root /nvme/spool | spoolctl import
     --root /nvme/spool -[/bold]
     """
-    from spoolctl.store.importer import Importer
+    from spoolctl.store import Importer
 
     max_size = deprecated_alias("--max-size", "--limit-size", old_max_size, max_size)
     layout = import_target(root)
@@ -368,7 +366,7 @@ def import_cmd(
 
     public = None
     if require_signed or verify_key is not None:
-        from spoolctl.store.archive_sign import load_verify_key
+        from spoolctl.store import load_verify_key
 
         if not (require_signed and verify_key is not None):
             raise ConfigError("--require-signed and --verify-key go together",
@@ -388,7 +386,7 @@ def import_cmd(
                             retag=retag)
         try:
             if is_dir:
-                from spoolctl.store.peer import import_from_root
+                from spoolctl.store import import_from_root
 
                 peer = Path(os.path.abspath(Path(source).expanduser()))
                 report = import_from_root(importer, peer, Selection(
@@ -396,7 +394,7 @@ def import_cmd(
                     deployments=tuple(deployment or ()), max_bytes=selection.max_bytes),
                     layout=peer_source(peer))
             elif public is not None:
-                from spoolctl.store.archive_sign import verified_copy
+                from spoolctl.store import verified_copy
 
                 with verified_copy(Path(source).expanduser(), public) as copy, \
                         _archive_source(str(copy)) as stream:

@@ -25,9 +25,15 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from spoolctl.store import ConfigError, format_size
-from spoolctl.store.archive import deployment_of, rank_of
-from spoolctl.store.places import RootContents, StorePlace, inspect_root
+from spoolctl.store import (
+    ConfigError,
+    RootContents,
+    StorePlace,
+    deployment_of,
+    format_size,
+    inspect_root,
+    rank_of,
+)
 
 from .common import EXIT_OK, EXIT_USAGE, plain, resolve_root, text
 from .targets import StoreTarget, Targets, resolve_targets

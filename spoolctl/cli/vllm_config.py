@@ -8,8 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from spoolctl.store import ConfigError, parse_size
-from spoolctl.store.root import check_root_path
+from spoolctl.store import ConfigError, check_root_path, parse_size
 
 from .common import RootOption, err_console, resolve_root
 
@@ -73,7 +72,11 @@ def config_vllm(
     Example: [bold]vllm serve MODEL --shutdown-timeout 30 --kv-transfer-config "$(spoolctl
     config vllm --root /nvme/spool --max-size 200GiB)"[/bold]
     """
-    from spoolctl.connector.preflight import check_max_size, check_root, chunk_bytes_from_model_dir
+    from spoolctl.connector.deployment.preflight import (
+        check_max_size,
+        check_root,
+        chunk_bytes_from_model_dir,
+    )
 
     path = check_root_path(resolve_root(root))  # absolute, no symlink: fail here, not in vLLM
     if max_size is None:  # a store is bounded; its size is the operator's choice (2122)

@@ -55,17 +55,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .contract import check_contract
-from .exitdrain import warn_without_drain
-from .format_choice import format_for
-from .formats import KVFormat
-from .introspect import kv_layout, probe
-from .messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
-from .preflight import preflight
+from .deployment.preflight import preflight
+from .kv.format_choice import format_for
+from .kv.formats import KVFormat
+from .planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
 from .rankstores import OPEN_STORES
-from .scheduler import SchedulerSide
+from .scheduler_side.scheduler import SchedulerSide
 from .stats import ConnectorCounters
-from .worker import WorkerSide
+from .vllm_api.contract import check_contract
+from .vllm_api.introspect import kv_layout, probe
+from .worker_side.exitdrain import warn_without_drain
+from .worker_side.worker import WorkerSide
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -227,20 +227,20 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         data = self._side.take_stats()
         if not data:
             return None
-        from .promstats import SpoolStats
+        from .vllm_api.promstats import SpoolStats
 
         return SpoolStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        from .promstats import SpoolStats
+        from .vllm_api.promstats import SpoolStats
 
         return SpoolStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        from .promstats import SpoolPromMetrics
+        from .vllm_api.promstats import SpoolPromMetrics
 
         return SpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -38,9 +38,8 @@ from concurrent.futures import Future, wait
 from functools import partial
 from typing import Any
 
-from spoolctl.store import Store
-from spoolctl.store.errors import StoreIOError
-from spoolctl.store.root import MARKER
+from spoolctl.errors import StoreIOError
+from spoolctl.store import MARKER, Store
 
 log = logging.getLogger("spoolctl.connector")
 

@@ -13,9 +13,7 @@ import contextlib
 import logging
 import threading
 
-from spoolctl.store import ConfigError, Store
-from spoolctl.store.entry_tags import TagKey
-from spoolctl.store.sealing import refuse_encrypted
+from spoolctl.store import ConfigError, Store, TagKey, refuse_encrypted
 
 log = logging.getLogger("spoolctl.connector")
 

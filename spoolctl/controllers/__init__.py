@@ -29,7 +29,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 
 from .contract import (
     CacheHandle,
@@ -44,12 +44,12 @@ from .contract import (
     Usage,
     render_segments,
 )
-from .decoding import Decoding
-from .local import LocalCacheController
-from .local_use import Restored
+from .local.decoding import Decoding
+from .local.engine import LocalCacheController
+from .local.use import Restored
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ resolves them
-    from .genai import GoogleGenAICacheController  # noqa: F401
+    from .genai.controller import GoogleGenAICacheController  # noqa: F401
     from .mlx import MlxBackend, MlxCacheController  # noqa: F401
     from .mlx_vlm import MlxVlmBackend, MlxVlmCacheController  # noqa: F401
     from .pytorch import PyTorchBackend, PyTorchCacheController  # noqa: F401
@@ -64,7 +64,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MlxBackend": (".mlx", "mlx"),
     "MlxVlmCacheController": (".mlx_vlm", "vlm"),
     "MlxVlmBackend": (".mlx_vlm", "vlm"),
-    "GoogleGenAICacheController": (".genai", "genai"),
+    "GoogleGenAICacheController": (".genai.controller", "genai"),
 }
 
 

@@ -5,7 +5,7 @@ PyTorch, MLX, mlx-vlm, Google GenAI -- takes ``CachePrepareParams`` and returns 
 ``CacheHandle``; the same parameters always derive the same key; every
 ``generate`` returns a ``GenerateResult``. ``PromptCacheController`` is what a
 controller offers, ``KVBackend`` what a framework adapter gives the local engine
-(``spoolctl.controllers.local``).
+(``spoolctl.controllers.local.engine``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from spoolctl.store.digest import hash_parts
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
+from spoolctl.store import hash_parts
 
 CacheHint = Literal["static", "immutable", "volatile"]
 CACHE_HINTS: frozenset[str] = frozenset({"static", "immutable", "volatile"})

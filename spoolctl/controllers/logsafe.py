@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from spoolctl.store.errors import SpoolError
+from spoolctl.errors import SpoolError
 
 MAX_REASON = 200
 _HEX_RUN = re.compile(r"[0-9a-fA-F]{16,}")

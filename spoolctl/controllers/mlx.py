@@ -4,7 +4,7 @@ This is the only module of spoolctl that imports ``mlx`` / ``mlx_lm`` (lazily,
 in ``MlxBackend.__init__``), so ``import spoolctl.controllers.mlx`` works
 without them and fails with one clear ConfigError only when a backend is built.
 
-Contract of the backend (the protocol of ``spoolctl.controllers.local``):
+Contract of the backend (the protocol of ``spoolctl.controllers.local.engine``):
 
 * Caches are mlx-lm prompt caches (``make_prompt_cache``: one ``KVCache`` per
   layer; ``RotatingKVCache`` / ``ArraysCache`` layers too, as a ``PromptCache``, decision
@@ -39,13 +39,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from spoolctl.errors import ConfigError
 from spoolctl.store import Store
-from spoolctl.store.errors import ConfigError
 
 from .contract import CacheHandle, CachePrepareParams
-from .decoding import GREEDY, Decoding
-from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
-from .mlx_format import (
+from .local.decoding import GREEDY, Decoding
+from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from .local.mlx_format import (
     CacheFormatError,
     NamedBytesIO,
     PromptCache,
@@ -58,7 +58,7 @@ from .mlx_format import (
     safetensors_header,
     slice_caches,
 )
-from .render import ChatTemplate, template_source
+from .local.render import ChatTemplate, template_source
 
 KIND = "mlx"
 #: Name of the one payload object of an entry (the mlx-lm prompt-cache file).

@@ -35,14 +35,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from spoolctl.store import Store, entry_id_for
-from spoolctl.store.digest import hash_parts
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
+from spoolctl.store import Store, entry_id_for, hash_parts
 
 from .contract import CachePrepareParams
-from .decoding import GREEDY, Decoding
-from .entry_format import Loaded, Plan, Prompt, check_common
-from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from .local.decoding import GREEDY, Decoding
+from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from .local.entry_format import Loaded, Plan, Prompt, check_common
+from .local.tokens import TokenPrefix, namespace_for
+from .local.vlm_prompt import (
+    MODE_IMAGE,
+    MODE_TEXT,
+    extra_hash_of,
+    images_digest,
+    images_in_prefix,
+    render_vlm,
+)
 from .mlx_vlm_backend import (
     KIND,
     MAX_IMAGE_FILE,
@@ -53,15 +61,6 @@ from .mlx_vlm_backend import (
     NormalizedImage,
     VlmSnapshot,
     snapshot_format,
-)
-from .tokens import TokenPrefix, namespace_for
-from .vlm_prompt import (
-    MODE_IMAGE,
-    MODE_TEXT,
-    extra_hash_of,
-    images_digest,
-    images_in_prefix,
-    render_vlm,
 )
 
 FORMAT = "spoolctl-mlx-vlm/v1"

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spoolctl.store.digest import hash_bytes
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
+from spoolctl.store import hash_bytes
 
 from .contract import ImageInput
-from .mlx_format import CacheFormatError, model_digest, slice_caches
-from .vlm_prompt import ImageIdentity
+from .local.mlx_format import CacheFormatError, model_digest, slice_caches
+from .local.vlm_prompt import ImageIdentity
 
 KIND = "mlx"
 OBJECT_NAME = "snapshot"

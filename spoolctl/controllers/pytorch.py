@@ -29,14 +29,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spoolctl.store.digest import Hasher
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
+from spoolctl.store import Hasher
 
 from . import pytorch_layers as hf_layers
-from .decoding import GREEDY, Decoding
-from .local import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
-from .render import ChatTemplate, template_source
-from .safetensors_layout import tiling_error
+from .local.decoding import GREEDY, Decoding
+from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from .local.render import ChatTemplate, template_source
+from .local.safetensors_layout import tiling_error
 
 KV_OBJECT = "kv"
 DTYPES = ("float32", "float16", "bfloat16")

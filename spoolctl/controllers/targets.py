@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from spoolctl.store.errors import ConfigError
+from spoolctl.errors import ConfigError
 
 from .contract import CacheHandle, CachePrepareParams
 

@@ -22,10 +22,7 @@ is written; see ``Store.put``. ``put_many`` reports them per entry (``PutOutcome
 Importing this package never imports torch, vllm, mlx or google-genai.
 """
 
-from .catalog import CatalogRow, Totals
-from .clean import CLEAN_STEPS, CleanReport
-from .commit import PutOutcome, PutRequest
-from .errors import (
+from ..errors import (
     BusyError,
     CapacityError,
     ConfigError,
@@ -39,26 +36,85 @@ from .errors import (
     SpoolError,
     StoreIOError,
 )
+from .catalog.index import CatalogRow, Totals
+from .catalog.rows import MalformedRow
+from .commit.committer import PutOutcome, PutRequest
+from .disk.fsio import fsync_dir, write_tmp
+from .disk.locks import hold
+from .disk.root import ALLOW_FOREIGN_ENV, MARKER, check_root_path
 from .facts import StoreFacts
-from .gc import DeleteReport
-from .keys import KINDS, entry_id_for, validate_entry_id
-from .manifest import Manifest, ObjectRef
-from .quarantine import QuarantineItem
-from .recovery import ReconcileReport
-from .sizes import format_size, parse_duration, parse_rate, parse_size
+from .format.digest import Hasher, hash_bytes, hash_parts
+from .format.entry_tags import TagKey
+from .format.keys import (
+    KINDS,
+    MAX_KEY_LEN,
+    entry_id_for,
+    validate_entry_id,
+    validate_entry_prefix,
+    validate_kind,
+)
+from .format.manifest import Manifest, ObjectRef
+from .format.rankdirs import (
+    DEPLOYMENT_NAME,
+    MAX_RANKS,
+    RANK_DIGITS,
+    parse_rank_dirname,
+    rank_dirname,
+)
+from .format.sizes import format_size, parse_duration, parse_rate, parse_size
+from .maintain.auth_requests import AuthQueue, authenticate
+from .maintain.clean import CLEAN_STEPS, CleanReport
+from .maintain.doctor import Check, filesystem_type, run_checks
+from .maintain.gc import DeleteReport
+from .maintain.maintainer import BackgroundMaintainer
+from .maintain.quarantine import QuarantineItem, validate_item_id
+from .maintain.recovery import ReconcileReport
+from .maintain.scrub import Scrubber
+from .maintain.staleness import DeploymentUse, Verdict, judge
+from .sealing import refuse_encrypted
 from .store import Store
+from .tenant_keys import (
+    encryption_checks,
+    encryption_summary,
+    key_usage,
+    retire_keys,
+    revoke_tenant,
+    rotate_keys,
+)
+from .transfer.archive import FdSink, deployment_of, rank_of
+from .transfer.archive_sign import load_signing_key, load_verify_key, sign_archive, verified_copy
+from .transfer.exporter import export
+from .transfer.importer import Importer
+from .transfer.peer import import_from_root
+from .transfer.places import Kind, RootContents, StorePlace, inspect_root
+from .transfer.selection import Selection, resolve_deployment
 
 __all__ = [
+    "ALLOW_FOREIGN_ENV",
     "CLEAN_STEPS",
+    "DEPLOYMENT_NAME",
     "KINDS",
+    "MARKER",
+    "MAX_KEY_LEN",
+    "MAX_RANKS",
+    "RANK_DIGITS",
+    "AuthQueue",
+    "BackgroundMaintainer",
     "BusyError",
     "CapacityError",
     "CatalogRow",
+    "Check",
     "CleanReport",
     "ConfigError",
     "CorruptionError",
     "DeleteReport",
+    "DeploymentUse",
+    "FdSink",
+    "Hasher",
+    "Importer",
     "InvalidIdError",
+    "Kind",
+    "MalformedRow",
     "Manifest",
     "ManifestError",
     "NotFoundError",
@@ -69,16 +125,54 @@ __all__ = [
     "QuarantineReason",
     "ReadOnlyError",
     "ReconcileReport",
+    "RootContents",
     "RootError",
+    "Scrubber",
+    "Selection",
     "SpoolError",
     "Store",
     "StoreFacts",
     "StoreIOError",
+    "StorePlace",
+    "TagKey",
     "Totals",
+    "Verdict",
+    "authenticate",
+    "check_root_path",
+    "deployment_of",
+    "encryption_checks",
+    "encryption_summary",
     "entry_id_for",
+    "export",
+    "filesystem_type",
     "format_size",
+    "fsync_dir",
+    "hash_bytes",
+    "hash_parts",
+    "hold",
+    "import_from_root",
+    "inspect_root",
+    "judge",
+    "key_usage",
+    "load_signing_key",
+    "load_verify_key",
     "parse_duration",
+    "parse_rank_dirname",
     "parse_rate",
     "parse_size",
+    "rank_dirname",
+    "rank_of",
+    "refuse_encrypted",
+    "resolve_deployment",
+    "retire_keys",
+    "revoke_tenant",
+    "rotate_keys",
+    "run_checks",
+    "sign_archive",
     "validate_entry_id",
+    "validate_entry_prefix",
+    "validate_item_id",
+    "validate_kind",
+    "verified_copy",
+    "write_tmp",
 ]

@@ -25,15 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import ReadOnlyError
+from ..errors import ReadOnlyError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .catalog import Catalog
-    from .entry_tags import TagKey
-    from .quarantining import EntryQuarantine
-    from .root import Layout, Marker
+    from .catalog.index import Catalog
+    from .disk.root import Layout, Marker
+    from .format.entry_tags import TagKey
+    from .maintain.quarantining import EntryQuarantine
 
 
 class Limits:

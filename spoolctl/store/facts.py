@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .catalog import Totals
-from .gc import tmp_usage
-from .locks import OwnerInfo
-from .scrub_state import ScrubState, ScrubSummary
-from .space import Space, space_of
+from .catalog.index import Totals
+from .disk.locks import OwnerInfo
+from .disk.space import Space, space_of
+from .maintain.gc import tmp_usage
+from .maintain.scrub_state import ScrubState, ScrubSummary
 
 if TYPE_CHECKING:
-    from .quarantine import QuarantineItem
-    from .root import Layout, Marker
+    from .disk.root import Layout, Marker
+    from .maintain.quarantine import QuarantineItem
 
 
 @dataclass(frozen=True)

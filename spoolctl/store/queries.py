@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .catalog import Catalog, CatalogRow, Totals
-from .errors import InvalidIdError, NotFoundError
-from .gc import tmp_usage
-from .keys import validate_entry_id, validate_entry_prefix
-from .rows import shown_id
+from ..errors import InvalidIdError, NotFoundError
+from .catalog.index import Catalog, CatalogRow, Totals
+from .catalog.rows import shown_id
+from .format.keys import validate_entry_id, validate_entry_prefix
+from .maintain.gc import tmp_usage
 
 if TYPE_CHECKING:
-    from .root import Layout
+    from .disk.root import Layout
 
 T = TypeVar("T")
 

@@ -43,10 +43,10 @@ from typing import Any
 
 import blake3
 
-from .commit import PutRequest
-from .errors import ConfigError, CorruptionError, KeyUnavailableError, QuarantineReason
-from .fsio import SpecialFileError, fsync_dir, open_for_read, write_tmp
-from .locks import hold
+from ..errors import ConfigError, CorruptionError, KeyUnavailableError, QuarantineReason
+from .commit.committer import PutRequest
+from .disk.fsio import SpecialFileError, fsync_dir, open_for_read, write_tmp
+from .disk.locks import hold
 
 FILE_ENV = "SPOOLCTL_MASTER_KEY_FILE"
 VALUE_ENV = "SPOOLCTL_MASTER_KEY"
@@ -377,7 +377,7 @@ class Keyring:
 
     def _change(self, change: Any) -> None:
         if self._read_only:
-            from .errors import ReadOnlyError
+            from ..errors import ReadOnlyError
             raise ReadOnlyError("the store is open read-only: its keyring cannot change",
                                 path=self.path, fix="open it writable (as its owner)")
         with hold(self._lock, exclusive=True, timeout=self._lock_timeout,

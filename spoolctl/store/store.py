@@ -61,14 +61,7 @@ from typing import Any, TypeVar
 
 from spoolctl.compose import forward
 
-from . import faults
-from .catalog import Catalog
-from .catalog_health import CatalogKeeper, shedding
-from .clean import CLEAN_STEPS, CleanReport, run_clean
-from .commit import Committer, Payload, Pending, PutOutcome, PutRequest
-from .context import Limits, PartContext, WritableGuard
-from .entry_tags import FROM_ENVIRONMENT, TagKey
-from .errors import (
+from ..errors import (
     BusyError,
     ConfigError,
     CorruptionError,
@@ -78,29 +71,36 @@ from .errors import (
     SpoolError,
     StoreIOError,
 )
+from .catalog.health import CatalogKeeper, shedding
+from .catalog.index import Catalog
+from .catalog.rows import index_problem
+from .commit.committer import Committer, Payload, Pending, PutOutcome, PutRequest
+from .commit.inputs import check_put, is_bytes_like
+from .context import Limits, PartContext, WritableGuard
+from .disk import faults
+from .disk.fsio import io_error, read_manifest
+from .disk.locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
+from .disk.ownership import give_back
+from .disk.publish import Publisher
+from .disk.reserve import Reserve
+from .disk.root import Layout, Marker, check_root_path, create_or_adopt
+from .disk.verify import failed_object, read_verified
 from .facts import StoreFacts, collect
-from .fsio import io_error, read_manifest
-from .gc import (
+from .format.entry_tags import FROM_ENVIRONMENT, TagKey
+from .format.keys import entry_id_for, validate_entry_id
+from .format.manifest import Manifest, authenticate, canonical_json
+from .maintain.clean import CLEAN_STEPS, CleanReport, run_clean
+from .maintain.gc import (
     DEFAULT_ORPHAN_AGE,
     DeleteReport,
     GarbageCollector,
     clean_tmp,
 )
-from .inputs import check_put, is_bytes_like
-from .keys import entry_id_for, validate_entry_id
-from .locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
-from .manifest import Manifest, authenticate, canonical_json
-from .ownership import give_back
-from .publish import Publisher
-from .quarantine import Quarantine, QuarantineItem
-from .quarantining import EntryQuarantine
+from .maintain.quarantine import Quarantine, QuarantineItem
+from .maintain.quarantining import EntryQuarantine
+from .maintain.recovery import ReconcileReport, Recovery
 from .queries import Queries
-from .recovery import ReconcileReport, Recovery
-from .reserve import Reserve
-from .root import Layout, Marker, check_root_path, create_or_adopt
-from .rows import index_problem
 from .sealing import MasterKey, Sealer, open_sealer, seal_request, sealed_fact
-from .verify import failed_object, read_verified
 
 log = logging.getLogger("spoolctl.store")
 
@@ -651,7 +651,7 @@ class Store:
     def set_max_bytes(self, max_bytes: int | None) -> None:
         """Record a new max size in the marker (works on a full disk: lowering the max
         size is how an operator sheds load)."""
-        from .root import write_marker
+        from .disk.root import write_marker
 
         self._writable("setting the max size")
         marker = Marker(self.marker.store_id, self.marker.created, max_bytes)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, KeyUnavailableError
+from ..errors import ConfigError, KeyUnavailableError
 from .sealing import Sealer
 from .store import Store
 
@@ -154,7 +154,7 @@ def encryption_summary(store: Store) -> dict[str, Any] | None:
 
 def encryption_checks(root: Any) -> list[Any]:
     """``doctor``'s encryption checks for the store at ``root`` (none for a plain store)."""
-    from .doctor import Check
+    from .maintain.doctor import Check
     from .sealing import FILE_ENV, MasterKey
 
     keyring = Path(root) / "state" / "keyring.json"

@@ -1,0 +1,205 @@
+"""Scheduler-side lookup: a request's chunk keys, and which of them every rank holds.
+
+* ``request_keys`` names a request's complete prompt chunks (``chain``), or raises
+  ``Bypass`` for a request that must not use the cache (connector disabled, bypass flag,
+  a LoRA adapter whose files cannot be read, prompt embeddings, multimodal items without a
+  persistent content identity). A LoRA request's chain is keyed by its adapter's content
+  digest (decision 2111).
+* ``RankLookup`` answers "which chunks does *every* rank hold" (the quorum, ``topology``):
+  ranks whose store is on this host are read in their catalogs at every lookup, the others
+  in the inventory they report (``inventory``). A rank withdraws an entry before deleting
+  it (``holdings``), so no request is planned against a chunk a rank evicted. A catalog
+  read has a deadline (``diskguard``): a store late or taken out counts as holding
+  nothing, and the request is a miss (``last_unserved``), never a wait on the disk.
+
+No vLLM import: vLLM's request objects are read by attribute.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any
+
+from spoolctl.store import Store, entry_id_for
+
+from ..deployment.topology import RankPlace, quorum
+from ..diskguard import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_PROBE_INTERVAL_S, DiskGuard, guard_for
+from ..planning.chain import MMSpan, chain_root, chunk_keys
+from ..planning.inventory import Ack, Applied, InventoryReport, InventoryView, key_bytes
+
+# Every entry the connector writes is of this kind.
+KIND = "vllm"
+# vLLM's name for media it did not content-hash ("renderer0-mm-7-image-0"): a per-process
+# request counter that repeats after a restart, never a persistent identity.
+_COUNTER_ID = re.compile(r"^renderer\d+-mm-\d+-")
+
+
+class Bypass(Exception):
+    """A request that must not use the cache; ``args[0]`` is a metrics reason."""
+
+
+def bypass_reason(request: Any) -> str | None:
+    """Why a request must neither be restored nor stored (a metrics reason), or None."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if isinstance(params, dict) and params.get("spoolctl_bypass"):
+        return "requested"
+    if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
+        return "prompt_embeds"
+    return None
+
+
+def mm_spans(request: Any) -> list[MMSpan]:
+    """Media identity of every multimodal item; ``Bypass`` when any part is missing.
+
+    An item without its content hash, modality or placeholder range could make two
+    different images share KV, so the whole request bypasses persistent reuse.
+    """
+    spans = []
+    for feature in getattr(request, "mm_features", None) or ():
+        ident = getattr(feature, "identifier", None)
+        modality = getattr(feature, "modality", None)
+        pos = getattr(feature, "mm_position", None)
+        if not ident or not modality or pos is None or _COUNTER_ID.match(str(ident)):
+            raise Bypass("multimodal")
+        try:
+            spans.append(MMSpan(str(ident), int(pos.offset), int(pos.length),
+                                modality=str(modality)))
+        except (TypeError, ValueError):
+            raise Bypass("multimodal") from None
+    return spans
+
+
+def request_keys(request: Any, *, namespace: str, chunk_tokens: int, enabled: bool = True,
+                 mm_unhashed: bool = False,
+                 adapters: Callable[[Any], str | None] | None = None) -> list[str]:
+    """The chunk keys of ``request``'s prompt (see ``chain``); ``Bypass`` when it must not
+    use the cache. ``mm_unhashed``: vLLM names media by request counters, not content.
+    ``adapters``: a LoRA request's adapter -> its content digest (None: unreadable); without
+    it, LoRA requests bypass."""
+    reason = "disabled" if not enabled else bypass_reason(request)
+    if reason is not None:
+        raise Bypass(reason)
+    adapter = None
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        adapter = adapters(lora) if adapters is not None else None
+        if adapter is None:
+            raise Bypass("lora")
+    spans = mm_spans(request)
+    if spans and mm_unhashed:
+        raise Bypass("multimodal")  # identifiers are request counters, not content
+    root = chain_root(namespace, getattr(request, "cache_salt", None), adapter)
+    return chunk_keys(root, request.prompt_token_ids, chunk_tokens, spans)
+
+
+class RankLookup:
+    """Which chunks every rank holds (see the module docstring). Not thread-safe (the
+    scheduler is not). Until a rank is known (its handshake) its chunks are misses."""
+
+    def __init__(self, places: Sequence[RankPlace], *,
+                 deadline_s: float = DEFAULT_LOOKUP_DEADLINE_S,
+                 probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S):
+        self._places = list(places)
+        self._local: dict[int, tuple[Store, str]] = {}  # rank -> (its store, its namespace)
+        self._guards: dict[int, DiskGuard] = {}  # rank -> its store's deadlines and health
+        self._guard_settings = {"deadline_s": deadline_s, "probe_interval_s": probe_interval_s}
+        # The last ``present`` found a local store late or out of service (its chunks: misses).
+        self.last_unserved = False
+        self._view = InventoryView(p.rank for p in self._places)
+        self.last_applied: list[Applied] = []  # what the last ``apply`` changed, per report
+
+    def present(self, keys: list[str]) -> list[bool]:
+        """Which of ``keys`` *every* rank holds (committed, retained): the quorum."""
+        raw = [key_bytes(k) for k in keys]
+        self.last_unserved = False
+
+        def per_rank():
+            for place in self._places:
+                local = self._local.get(place.rank)
+                if local is None:
+                    yield self._view.has(place.rank, raw)
+                    continue
+                store, ns = local
+                ids = [entry_id_for(KIND, ns, k) for k in keys]
+                served, live = self._guards[place.rank].call(partial(store.live, ids))
+                if not served:
+                    self.last_unserved = True
+                    yield [False] * len(keys)
+                    continue
+                yield [i in live for i in ids]
+
+        return quorum(per_rank(), len(keys))
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """Mark ``keys`` used in the stores read here (each worker touches its own at
+        restore; this keeps a same-host store's LRU clock current at lookup)."""
+        keys = list(keys)
+        for rank, (store, ns) in self._local.items():
+            ids = [entry_id_for(KIND, ns, k) for k in keys]
+            # Best effort, never waited for: skipped while the disk is busy or out.
+            self._guards[rank].spare(partial(store.touch, ids))
+
+    @property
+    def places(self) -> list[RankPlace]:
+        """Every rank of the deployment."""
+        return list(self._places)
+
+    def place_of(self, rank: int) -> RankPlace | None:
+        return next((p for p in self._places if p.rank == rank), None)
+
+    def read_locally(self, rank: int, store: Store, namespace: str) -> Store | None:
+        """Read ``rank``'s chunks in ``store``'s catalog from now on (same host); returns
+        the store it was read in before, if any."""
+        before = self._local.get(rank)
+        self._local[rank] = (store, namespace)
+        self._guards[rank] = guard_for(store, **self._guard_settings)
+        return before[0] if before is not None else None
+
+    def stop_reading_locally(self) -> list[Store]:
+        """Forget every local store (their ranks' chunks are then known from reports
+        only); returns them."""
+        stores = self.local_stores()
+        self._local.clear()
+        self._guards.clear()
+        return stores
+
+    def apply(self, reports: Iterable[InventoryReport]) -> list[int]:
+        """Apply ranks' inventory reports in order; return the ranks the scheduler newly
+        lost track of (a gap or a restart: their chunks are misses until they restate).
+        What each report changed is left in ``last_applied`` (for the KV events)."""
+        before = self._view.resync_requests()
+        self.last_applied = [self._view.apply(report) for report in reports]
+        return sorted(self._view.resync_requests().keys() - before.keys())
+
+    @property
+    def view(self) -> InventoryView:
+        """Every rank's reported inventory (all ranks report, wherever they are read)."""
+        return self._view
+
+    def local_readers(self) -> list[tuple[Store, str]]:
+        """(store, namespace) of every rank read here directly, in rank order."""
+        return [self._local[r] for r in sorted(self._local)]
+
+    def acks(self) -> dict[int, Ack]:
+        return self._view.acks()
+
+    def resync_requests(self) -> dict[int, int]:
+        return self._view.resync_requests()
+
+    def local_stores(self) -> list[Store]:
+        return [self._local[r][0] for r in sorted(self._local)]
+
+    def down_ranks(self) -> list[int]:
+        """Ranks read here whose store is out of service (``diskguard``)."""
+        return sorted(r for r, g in self._guards.items() if g.down)
+
+    def state(self) -> dict:
+        """Per rank: how it is read and how many chunks it is known to hold (and
+        ``disk_down: True`` while its store is out of service here)."""
+        down = set(self.down_ranks())
+        return {p.rank: {"source": "catalog" if p.rank in self._local else "reports",
+                         "known": self._view.known(p.rank),
+                         **({"disk_down": True} if p.rank in down else {})}
+                for p in self._places}

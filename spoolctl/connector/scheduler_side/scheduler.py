@@ -1,0 +1,243 @@
+"""The scheduler side of the connector: lookups, planning, and what each rank holds.
+
+``SchedulerSide`` is built by ``SpoolConnector`` in vLLM's scheduler (engine core). For
+each new request it names the prompt's chunks and asks which of them every rank holds
+(``lookup``); the format's ``Planning`` (``formats``) turns the hit into the restores and
+captures sent to the workers each step (``build_meta``). What remote ranks hold comes from
+their handshakes and per-step reports (``adopt_handshakes``, ``apply_output``); a rank
+whose store is on this host (same boot, same path, same store id) is read in its catalog
+instead, through a store shared with a same-process worker (``rankstores``).
+
+A request whose restore failed (``failed_recving``, or a block reported invalid) is never
+restored again (a deterministic failure would otherwise loop): when vLLM looks it up anew
+it recomputes in full, and its absent chunks are still stored.
+
+What concerns the fleet and the host rather than one request (KV events for routers, the
+host disk budget's shares, drops, write admission, keeping an idle engine stepping while
+any of it is due) is the ``Coordinator``'s (``coordinator``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+from spoolctl import metrics as m
+from spoolctl.errors import SpoolError
+
+from ..deployment.host_budget import RankSite
+from ..deployment.topology import all_ranks
+from ..deployment.usage_record import UsageRecorder
+from ..deployment.weights import AdapterDigests, memo_dir_for
+from ..kv.formats import KVFormat
+from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from ..rankstores import OpenStores
+from ..stats import ConnectorCounters
+from ..vllm_api.introspect import Deployment, host_identity, scheduled_requests
+from .coordinator import Coordinator
+from .lookup import Bypass, RankLookup, request_keys
+
+log = logging.getLogger("spoolctl.connector")
+
+
+def usage_counts(counters: ConnectorCounters) -> tuple[int, int, int, int]:
+    """(lookup tokens, hit tokens, lookups, hits) since the engine started; bypassed
+    requests are no lookups."""
+    totals = counters.totals()  # one snapshot under the counters' lock, not three
+    lookups = totals.get(m.LOOKUPS.name, {})
+    return (int(sum(totals.get(m.LOOKUP_TOKENS.name, {}).values())),
+            int(sum(totals.get(m.HIT_TOKENS.name, {}).values())),
+            int(sum(v for k, v in lookups.items() if "result=bypass" not in k.split(","))),
+            int(sum(v for k, v in lookups.items() if "result=hit" in k.split(","))))
+
+
+class SchedulerSide:
+    """See the module docstring. Not thread-safe (vLLM's scheduler is not)."""
+
+    def __init__(self, deployment: Deployment, fmt: KVFormat, counters: ConnectorCounters,
+                 stores: OpenStores):
+        self._dep = deployment
+        self._fmt = fmt
+        self._counters = counters
+        self._stores = stores
+        self._chunk = deployment.chunk_tokens
+        self._planning = fmt.planning()
+        ident = deployment.identity
+        # Until the workers' handshakes arrive every rank is unknown: all misses.
+        settings = deployment.settings
+        self._ranks = RankLookup(all_ranks(ident.tp_size, ident.pp_size),
+                                 deadline_s=settings.lookup_deadline,
+                                 probe_interval_s=settings.probe_interval)
+        self._no_restore: set[str] = set()
+        self._coord = Coordinator(deployment, self._ranks, counters)
+        # LoRA requests are keyed by their adapter's content digest (decision 2111).
+        self._adapters = AdapterDigests(memo_dir_for(deployment.settings.weights_memo))
+        # The hit rate for `spoolctl status`, beside the rank stores (usage_record); the final
+        # counts also at interpreter exit (vLLM may never call the scheduler's shutdown).
+        self._usage = UsageRecorder(Path(deployment.rank_root(deployment.place)).parent)
+        self._usage_counts = functools.partial(usage_counts, counters)
+        self._usage_final = weakref.finalize(self, self._usage.close, self._usage_counts)
+
+    # -- what each rank holds ------------------------------------------------------------------
+
+    def adopt_handshakes(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's handshake, keyed by (pp_rank, tp_rank): adopt its inventory, and read
+        its catalog directly when its store is on this host (and inventory mode allows)."""
+        here = host_identity()
+        tp_size = self._dep.identity.tp_size
+        sites: dict[int, RankSite] = {}
+        for (pp_rank, tp_rank), hs in metadata.items():
+            if not isinstance(hs, SpoolHandshake) or hs.rank != pp_rank * tp_size + tp_rank:
+                log.warning("spoolctl: ignoring a malformed handshake from pp %s tp %s; that "
+                            "rank's chunks are misses", pp_rank, tp_rank)
+                continue
+            self._ranks.apply([hs.report])
+            self._coord.reports_applied(self._ranks.last_applied)
+            sites[hs.rank] = RankSite(hs.host, hs.chunk_bytes)
+            if self._dep.settings.inventory == "auto" and hs.host == here:
+                self._adopt_local(hs)
+        self._coord.handshakes(sites)
+
+    def _adopt_local(self, hs: SpoolHandshake) -> None:
+        place = self._ranks.place_of(hs.rank)
+        if place is None:
+            return
+        root = self._dep.rank_root(place)
+        if os.path.normpath(hs.root) != os.path.normpath(root):
+            return
+        try:
+            # A reader: never changes the max size the rank records (its worker sets it).
+            store = self._stores.acquire(root, create=False, max_bytes=None,
+                                         tag_key=self._dep.settings.tag_key())
+        except SpoolError as exc:
+            log.warning("spoolctl: rank %d store not readable here (%s); using its reports",
+                        hs.rank, exc.message)
+            return
+        if store.marker.store_id != hs.store_id:
+            self._stores.release(store)
+            return  # same path, different store (another disk mounted there): use reports
+        before = self._ranks.read_locally(hs.rank, store, self._dep.rank_namespace(place))
+        if before is not None:  # a repeated handshake: one reference per rank
+            self._stores.release(before)
+
+    def apply_output(self, connector_output: Any) -> None:
+        """The workers' step output: failed restores and inventory reports."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._no_restore.update(self._planning.load_failures(
+            set(getattr(connector_output, "finished_recving", None) or ()),
+            set(getattr(connector_output, "failed_recving", None) or ()),
+            set(getattr(connector_output, "invalid_block_ids", None) or ())))
+        if not isinstance(meta, SpoolWorkerMeta):
+            return
+        for rank in self._ranks.apply(meta.reports):
+            log.warning("spoolctl: lost track of rank %d's inventory (a report went missing "
+                        "or the rank restarted); its chunks are misses until it restates it",
+                        rank)
+        self._coord.reports_applied(self._ranks.last_applied)
+
+    # -- per request ---------------------------------------------------------------------------
+
+    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: the tokens to restore beyond
+        ``num_computed_tokens``, and whether the restore is asynchronous."""
+        req_id = request.request_id
+        self._planning.finished(req_id)  # a re-query (e.g. after preemption) starts afresh
+        try:
+            keys = request_keys(request, namespace=self._dep.chain_namespace,
+                                chunk_tokens=self._chunk, enabled=self._dep.enabled,
+                                mm_unhashed=self._dep.mm_unhashed, adapters=self._adapters)
+            present = self._ranks.present(keys)
+        except Bypass as bypass:
+            self._counters.inc(m.LOOKUPS, result="bypass", reason=bypass.args[0])
+            return 0, False
+        except SpoolError as exc:
+            log.warning("spoolctl: lookup failed, serving without cache: %s", exc.message)
+            self._counters.inc(m.LOOKUPS, result="error", reason="none")
+            return 0, False
+        self._coord.looked_up(req_id, request, keys, present)
+        n_prompt = len(request.prompt_token_ids)
+        if req_id in self._no_restore:
+            # Its asynchronous restore failed (a bad entry was quarantined): recompute it in
+            # full rather than risk the same failure again; absent chunks are still stored.
+            self._planning.lookup(req_id, keys, present, n_prompt, num_computed_tokens,
+                                  restore=False)
+            self._counters.inc(m.LOOKUPS, result="miss", reason="corrupt")
+            return 0, False
+        ext = self._planning.lookup(req_id, keys, present, n_prompt, num_computed_tokens)
+        self._counters.inc(m.LOOKUP_TOKENS, n_prompt)
+        if ext > 0:
+            usable = (n_prompt - 1) // self._chunk
+            full = sum(present[:usable]) == usable
+            self._counters.inc(m.LOOKUPS, result="hit", reason="none" if full else "partial")
+            self._counters.inc(m.HIT_TOKENS, ext)
+            hit_chunks = -(-(num_computed_tokens + ext) // self._chunk)
+            self._ranks.touch(keys[:hit_chunks])
+        else:
+            # A store late or out of service on this host (decision 2700) is a miss too.
+            self._counters.inc(m.LOOKUPS, result="miss",
+                               reason="disk_down" if self._ranks.last_unserved else "absent")
+        # Both formats restore asynchronously: the request waits for its KV while others
+        # run (decision 1200).
+        return ext, self._fmt.load_async and ext > 0
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's ``update_state_after_alloc``."""
+        self._planning.allocated(request.request_id, blocks, num_external_tokens)
+
+    def build_meta(self, scheduler_output: Any) -> SpoolConnectorMetadata:
+        """This step's restores and captures, and the inventory protocol's messages."""
+        meta = SpoolConnectorMetadata()
+        steps = list(scheduled_requests(scheduler_output))
+        self._planning.plan_step(steps, meta)
+        meta.idle = all(s.computed_after <= s.computed_before for s in steps)
+        meta.acks = self._ranks.acks()
+        meta.resync = self._ranks.resync_requests()
+        self._coord.fill(meta)
+        self._usage.offer(self._usage_counts)
+        return meta
+
+    def finished(self, request: Any, *, all_groups: bool = True) -> tuple[bool, dict | None]:
+        """The request left vLLM. Captures are synchronous and restores end before the
+        request leaves ``WAITING_FOR_REMOTE_KVS`` (vLLM delays freeing until then), so no
+        block is held."""
+        self._planning.finished(request.request_id)
+        if all_groups:
+            self._no_restore.discard(request.request_id)
+            self._coord.finished(request.request_id)
+        return False, None
+
+    # -- KV events and idle steps (``coordinator``) -------------------------------------------
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``take_events``: the spool tier's KV events due now."""
+        return self._coord.take_events()
+
+    def has_pending_work(self) -> bool:
+        """vLLM's ``has_pending_push_work``: whether an idle engine must step again."""
+        return self._coord.has_pending_work()
+
+    # -- diagnostics and lifecycle -------------------------------------------------------------
+
+    def take_stats(self) -> dict[str, Any]:
+        if self._ranks.local_stores():
+            self._counters.set_gauge(m.DISK_DOWN, len(self._ranks.down_ranks()))
+        return self._counters.take()
+
+    @property
+    def store_roots(self) -> list[str]:
+        """The rank stores read here directly (known after the workers' handshakes)."""
+        return [str(store.root) for store in self._ranks.local_stores()]
+
+    @property
+    def inventory_state(self) -> dict:
+        return self._ranks.state()
+
+    def shutdown(self) -> None:
+        """Let go of the rank stores read here (closed with their last user)."""
+        self._usage_final()
+        for store in self._ranks.stop_reading_locally():
+            self._stores.release(store)

@@ -1,0 +1,170 @@
+"""The capture and commit path (worker): KV blocks -> staging buffer -> background commit.
+
+After a step's forward the worker captures each chunk the scheduler planned to store
+(``stage``): it reserves staging memory with the ``StoreWriter`` (non-blocking; over the
+``spoolctl_staging_bytes`` budget the chunk is skipped and counted), copies the chunk's
+blocks into a recycled staging buffer with the format's ``fill(buf) -> objects``, and
+queues the commit. The writer's thread commits it into this rank's store and tells
+``RankHoldings``, which reports it to the scheduler: the chunks queued together as one
+group commit (``rank_commit_many``, ``Store.put_many``), each with its own outcome. A
+chunk that fails to capture is skipped and counted; nothing here can affect a response.
+A restart restores the longest run of a prompt's chunks from its first, so once one chunk
+of a request is not stored, its later chunks would be bytes on disk no restore can reach:
+they are not stored either (``after_gap``, issue 30.12), and what is on disk after a kill
+is what a restart can use (the writer commits in the order chunks were staged). A
+chunk's manifest index may carry its vLLM block hashes (hashes only, for the KV events:
+``events``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from spoolctl import metrics as m
+from spoolctl.store import PutRequest, Store, StoreIOError
+
+from ..kv.kvio import BufferPool, CopyHandle
+from ..scheduler_side.lookup import KIND
+from ..stats import ConnectorCounters
+from .holdings import RankHoldings
+from .writer import PendingStore, PutMany, StoreWriter
+
+log = logging.getLogger("spoolctl.connector")
+
+# A chunk's objects as the format captured them: object name -> bytes (views of a buffer).
+Objects = Mapping[str, memoryview]
+# The manifest index travels to ``rank_commit`` inside the commit's meta under this key
+# (the writer passes meta through untouched).
+INDEX_KEY = "_index"
+# Requests whose first unstored chunk is remembered (most recent first out): a bound, not a
+# tuning knob -- a request older than this many others is long past its prefill.
+GAP_MEMORY = 4096
+
+
+def rank_commit(store: Store, namespace: str,
+                holdings: RankHoldings) -> Callable[[str, Objects, Mapping[str, Any]], None]:
+    """``put(key, objects, meta)`` committing one chunk entry into this rank's store."""
+
+    def put(key: str, objects: Objects, meta: Mapping[str, Any]) -> None:
+        index = meta.get(INDEX_KEY)
+        meta = {k: v for k, v in meta.items() if k != INDEX_KEY}
+        # No commit-time eviction: holdings withdraws victims from the scheduler first.
+        store.put(kind=KIND, namespace=namespace, key=key, objects=objects, meta=meta,
+                  index=index, evict=False)
+        holdings.committed(key)
+
+    return put
+
+
+def rank_commit_many(store: Store, namespace: str, holdings: RankHoldings) -> PutMany:
+    """``put_many([(key, objects, meta), ...])`` committing chunk entries into this rank's
+    store together (one group commit); per chunk, None or the error that kept it out."""
+
+    def put_many(items: Sequence[tuple[str, Objects, Mapping[str, Any]]],
+                 ) -> list[BaseException | None]:
+        requests = [
+            PutRequest(KIND, namespace, key, objects,
+                       meta={k: v for k, v in meta.items() if k != INDEX_KEY},
+                       index=meta.get(INDEX_KEY))
+            for key, objects, meta in items]
+        # No commit-time eviction: holdings withdraws victims from the scheduler first.
+        outcomes = store.put_many(requests, evict=False)
+        errors: list[BaseException | None] = []
+        for (key, _, _), outcome in zip(items, outcomes, strict=True):
+            if outcome.ok:
+                holdings.committed(key)
+                errors.append(None)
+            else:
+                errors.append(outcome.error or StoreIOError(
+                    f"chunk {key} was not committed ({outcome.status})", path=store.root))
+        return errors
+
+    return put_many
+
+
+class ChunkStager:
+    """Captures chunks of ``chunk_bytes`` into staging buffers and queues their commits with
+    ``put`` (see ``rank_commit``), or chunks queued together with ``put_many`` if given
+    (``rank_commit_many``). ``meta`` is recorded in every chunk's manifest."""
+
+    def __init__(self, put: Callable[[str, Objects, Mapping[str, Any]], None], *,
+                 chunk_bytes: int, staging_bytes: int, meta: Mapping[str, Any],
+                 counters: ConnectorCounters, pin: bool = False,
+                 put_many: PutMany | None = None):
+        self._chunk_bytes = chunk_bytes
+        self._meta = dict(meta)
+        self._counters = counters
+        # One slot per chunk the staging budget admits: a successful reserve() always finds
+        # one. Pinned when the KV cache is on a CUDA device (device copies are then DMA).
+        self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes),
+                                pin=pin)
+        self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
+                                   put_many=put_many)
+        # request -> index of its first chunk not stored (see the module docstring)
+        self._gaps: OrderedDict[str, int] = OrderedDict()
+
+    def stage(self, key: str, index: int,
+              fill: Callable[[torch.Tensor], tuple[Objects, CopyHandle]], *,
+              index_doc: Mapping[str, Any] | None = None, request: str | None = None) -> None:
+        """Capture chunk ``index`` (``key``) with ``fill(buf) -> (objects, handle)`` and queue
+        its commit (``index_doc``: its manifest index); a chunk over the staging budget or
+        failing to capture is skipped, counted, and so are the later chunks of the same
+        ``request`` (``after_gap``). The copy may still run on the device when this
+        returns: the writer thread waits for ``handle`` before it reads the buffer."""
+        nbytes = self._chunk_bytes
+        gap = self._gaps.get(request) if request is not None else None
+        if gap is not None and index > gap:
+            self._counters.inc(m.STORES_SKIPPED, reason="after_gap")
+            return
+        why = self._writer.try_reserve(key, nbytes)
+        if why is not None:
+            if why != "exists":  # "exists": another request is storing this very chunk
+                self._gap(request, index)
+            return
+        buf = self._bufs.get()
+        if buf is None:  # more chunks in flight than slots: same as over budget
+            self._writer.cancel(key, nbytes)
+            self._counters.inc(m.STORES_SKIPPED, reason="budget")
+            self._gap(request, index)
+            return
+        try:
+            objects, handle = fill(buf)
+        except Exception:  # raised before any copy was issued (ids are checked first)
+            self._bufs.put(buf)
+            self._writer.cancel(key, nbytes)
+            log.exception("spoolctl: could not capture a chunk; not stored")
+            self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+            self._gap(request, index)
+            return
+        meta_doc = dict(self._meta, chunk_index=index)
+        if index_doc:
+            meta_doc[INDEX_KEY] = dict(index_doc)
+        self._writer.submit(PendingStore(
+            key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf),
+            ready=handle.wait))
+
+    def _gap(self, request: str | None, index: int) -> None:
+        """Remember that chunk ``index`` of ``request`` is not stored (the earliest wins)."""
+        if request is None:
+            return
+        self._gaps[request] = min(index, self._gaps.get(request, index))
+        self._gaps.move_to_end(request)
+        while len(self._gaps) > GAP_MEMORY:
+            self._gaps.popitem(last=False)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued commits; False on timeout."""
+        return self._writer.flush(timeout)
+
+    def close(self, timeout: float | None) -> bool:
+        """Stop accepting chunks, drain (bounded) and stop the writer; False if some were
+        left uncommitted. The staging buffers are unpinned once the writer drained."""
+        drained = self._writer.close(timeout)
+        if drained:
+            self._bufs.close()
+        return drained

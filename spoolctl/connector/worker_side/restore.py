@@ -1,0 +1,339 @@
+"""The restore pipeline (worker): verified reads on helper threads, copies into KV at safe
+points on the engine thread, several requests at once.
+
+A request's restore is a sequence of ``ChunkRestore`` items, one per chunk, in prompt order
+(``begin``). Each is read and verified on a helper thread (``read``: the chunk's manifest is
+loaded and checked against this deployment's layout with ``valid``, then ``fill`` reads its
+objects into a restore buffer, each byte verified by the store as it is read; reads and
+hashing release the GIL). The engine thread calls ``pump`` at its safe points (vLLM's
+per-step hooks, between forwards): it copies every chunk read so far into the KV blocks
+(``copy``, in prompt order per request), submits more reads, and returns the requests whose
+restore ended, with the position of the first chunk that failed (the caller reports it and
+everything after it to vLLM for recomputation), or None. Nothing unverified is ever
+copied. While others requests decode, restores progress on the helper threads; when the
+engine has nothing else to do, ``pump(wait_s=...)`` waits for reads instead of returning at
+once (vLLM would otherwise spin through empty steps).
+
+Reads run at most ``slots`` chunks ahead of the copies, over every request together, first
+come first served: each read has a recycled buffer of its own (``kvio.BufferPool``), so
+host memory is bounded (``RESTORE_BUFFER_BYTES``). ``run`` is the synchronous form (one
+request, waited for). ``cancel`` stops a request vLLM finished while it was loading: its
+reads in flight are discarded, it still ends (vLLM frees its blocks only then).
+
+Every chunk has a deadline (``deadline_s``, decision 2700): a request whose next chunk has
+not been read that long after the previous one was copied (or after it began) fails there,
+its reads still in flight are abandoned (``_late``: each buffer comes back when its read
+ends; nothing late is ever copied), and the chunks are recomputed by vLLM. Missed
+deadlines and I/O errors are reported to the store's ``DiskGuard``; while it has the store
+down, restores fail at once (``disk_down``) without touching the disk. Memory stays
+bounded on a hung disk: late reads keep their slots until they end, so new reads wait for
+a slot and miss their deadline instead of allocating.
+
+Failures are classified here, for every format: a manifest that does not match this
+deployment is quarantined (``manifest_validation``); a corrupt object was quarantined by
+the store (its reason); a missing entry is ``absent``; store I/O errors ``io_error`` (never
+quarantined: an I/O error is no proof of corruption); a deadline missed ``deadline``;
+anything else ``unknown``. A chunk that is gone or bad is also reported lost
+(``on_lost``), so the scheduler stops counting it. Nothing here raises into vLLM.
+
+What a chunk *is* (which objects, which blocks) is the format's business (``formats``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from spoolctl import metrics as m
+from spoolctl.errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
+from spoolctl.store import Store, entry_id_for
+
+from ..diskguard import DEFAULT_READ_DEADLINE_S, DiskGuard
+from ..kv.formats import ChunkRestore
+from ..kv.kvio import BufferPool, CopyHandle
+from ..scheduler_side.lookup import KIND
+from ..stats import ConnectorCounters
+
+log = logging.getLogger("spoolctl.connector")
+
+# Chunks read + verified ahead of the copies, every request together: at most
+# READ_AHEAD chunks and RESTORE_BUFFER_BYTES of host memory (a whole 8K-token restore of a
+# small model fits, so it never waits for the engine's next safe point to keep reading).
+READ_AHEAD = 64
+RESTORE_BUFFER_BYTES = 256 << 20
+
+# A helper thread's read of one chunk: (buffer, None, bytes read) or (None, reason, 0).
+ReadResult = tuple["torch.Tensor | None", "str | None", int]
+
+
+@dataclass
+class _Restore:
+    """One request's restore in flight (engine thread only)."""
+
+    req_id: str
+    items: Sequence[ChunkRestore]
+    started: float
+    head_since: float = 0.0  # monotonic: since when the next chunk to copy is awaited
+    reads: deque[Future] = field(default_factory=deque)  # submitted, in prompt order
+    submitted: int = 0
+    copied: int = 0
+    nbytes: int = 0
+    failed_at: int | None = None
+    cancelled: bool = False
+
+    @property
+    def wants_reads(self) -> bool:
+        return self.failed_at is None and not self.cancelled and \
+            self.submitted < len(self.items)
+
+    @property
+    def ended(self) -> bool:
+        return not self.reads and (self.failed_at is not None or self.cancelled
+                                   or self.copied == len(self.items))
+
+
+def copy_into_kv(item: ChunkRestore, buf: torch.Tensor) -> CopyHandle | None:
+    """Copy one verified chunk buffer into its KV blocks (engine thread: a safe point, the
+    blocks belong to a request vLLM does not run until its restore is reported). On a
+    device the copy runs on the copy engine's stream and the compute stream is ordered
+    after it (``kvio.PagedKV.restore``): the forward that first reads these blocks, one
+    step later at the earliest, waits for it. Returns the copy's handle (None: done)."""
+    return item.copy(buf)
+
+
+class RestorePipeline:
+    """Restores chunks from one rank store. ``pool`` runs the reads (not owned here).
+    ``begin``, ``pump``, ``cancel``, ``run`` and ``close`` are called from one thread."""
+
+    def __init__(self, store: Store, namespace: str, *, chunk_bytes: int, pool: Executor,
+                 counters: ConnectorCounters, on_lost: Callable[[str], None],
+                 pin: bool = False, deadline_s: float = DEFAULT_READ_DEADLINE_S,
+                 guard: DiskGuard | None = None):
+        self._store = store
+        self.deadline_s = deadline_s
+        self._guard = guard
+        self._late: list[Future] = []  # reads of failed or cancelled restores, still running
+        self._namespace = namespace
+        self._pool = pool
+        self._counters = counters
+        self._on_lost = on_lost
+        self.slots = max(2, min(READ_AHEAD, RESTORE_BUFFER_BYTES // chunk_bytes))
+        # One buffer per chunk read and not yet copied: a read always finds a free one (or
+        # waits for the device copy still reading it). Pinned when the KV cache is on a
+        # CUDA device.
+        self._bufs = BufferPool(chunk_bytes, slots=self.slots, pin=pin)
+        self._active: list[_Restore] = []
+        self._in_flight = 0
+
+    @property
+    def busy(self) -> bool:
+        """Some restore has not ended yet."""
+        return bool(self._active)
+
+    def begin(self, req_id: str, items: Sequence[ChunkRestore]) -> None:
+        """Start restoring ``items`` for ``req_id`` (after the restores begun before it). With
+        the store down (``DiskGuard``) it fails at once, at its first chunk."""
+        r = _Restore(req_id, list(items), time.perf_counter(), time.monotonic())
+        if self._guard is not None and self._guard.down and r.items:
+            self._counters.inc(m.LOAD_ERRORS, reason="disk_down")
+            r.failed_at = 0
+        self._active.append(r)
+        self._submit()
+
+    def cancel(self, req_ids: Iterable[str]) -> None:
+        """Stop the restores of ``req_ids`` (finished by vLLM while loading)."""
+        wanted = set(req_ids)
+        for r in self._active:
+            if r.req_id in wanted:
+                r.cancelled = True
+
+    def pump(self, wait_s: float | None = 0.0) -> list[tuple[str, int | None]]:
+        """Copy what was read, read more; return the restores that ended, each with the
+        position of its first failed chunk (None: every chunk restored, or cancelled).
+        ``wait_s`` > 0: wait up to that long (None: forever) for the active restores to end
+        instead of returning when nothing is ready."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        ended: list[tuple[str, int | None]] = []
+        while True:
+            self._advance()
+            ended += self._take_ended()
+            if not self._active or (wait_s is not None and wait_s <= 0):
+                return ended
+            now = time.monotonic()
+            left = None if deadline is None else deadline - now
+            if left is not None and left <= 0:
+                return ended
+            # Wake for a read that ends (a late one frees a slot) or a chunk's deadline.
+            due = min(r.head_since for r in self._active) + self.deadline_s - now
+            left = max(0.0, due) if left is None else max(0.0, min(left, due))
+            waiting = [r.reads[0] for r in self._active if r.reads] + self._late
+            if waiting:
+                wait(waiting, timeout=left, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(left)
+
+    def run(self, items: Sequence[ChunkRestore]) -> int | None:
+        """Restore ``items`` now and wait for them (see the module docstring). Returns the
+        position of the first item that failed (counted in LOAD_ERRORS), else None."""
+        token = object()
+        req_id = f"sync-{id(token)}"
+        self.begin(req_id, items)
+        while True:
+            for rid, failed_at in self.pump(wait_s=None):
+                if rid == req_id:
+                    return failed_at
+
+    def close(self) -> None:
+        """Stop every restore; wait for the reads in flight, then for the copies still
+        reading restore buffers, and release (unpin) the buffers."""
+        for r in self._active:
+            r.cancelled = True
+        self.pump(wait_s=None)
+        self._bufs.close()
+
+    def _advance(self) -> None:
+        """Copy the chunks read so far, in order per request; fail those whose next chunk
+        is past its deadline; then submit more reads."""
+        self._sweep_late()
+        now = time.monotonic()
+        for r in self._active:
+            while r.reads and r.reads[0].done():
+                self._in_flight -= 1
+                fut = r.reads.popleft()
+                if fut.cancelled():  # the pool shut down (worker shutdown)
+                    buf, reason, nbytes = None, "unknown", 0
+                else:
+                    buf, reason, nbytes = fut.result()
+                if r.failed_at is not None or r.cancelled:
+                    if buf is not None:  # read past a failure or for a cancelled request
+                        self._bufs.put(buf)
+                    continue
+                if buf is not None:
+                    handle = None
+                    try:
+                        handle = copy_into_kv(r.items[r.copied], buf)
+                    except Exception:  # a copy bug must not take the worker down
+                        log.exception("spoolctl: restore copy failed, recomputing")
+                        reason = "unknown"
+                    finally:
+                        self._release(buf, handle)
+                if reason is not None:
+                    self._counters.inc(m.LOAD_ERRORS, reason=reason)
+                    r.failed_at = r.copied
+                else:
+                    r.copied += 1
+                    r.nbytes += nbytes
+                    r.head_since = now
+            if r.failed_at is None and not r.cancelled and r.copied < len(r.items) \
+                    and now - r.head_since > self.deadline_s:
+                self._counters.inc(m.LOAD_ERRORS, reason="deadline")
+                r.failed_at = r.copied
+                if self._guard is not None:
+                    self._guard.failed()
+            if (r.failed_at is not None or r.cancelled) and r.reads:
+                self._abandon(r)
+        self._submit()
+
+    def _abandon(self, r: _Restore) -> None:
+        """Drop ``r``'s reads in flight: a queued one is cancelled, a running one is late
+        (its buffer comes back when it ends, ``_sweep_late``)."""
+        while r.reads:
+            fut = r.reads.popleft()
+            if fut.cancel():
+                self._in_flight -= 1
+            else:
+                self._late.append(fut)
+
+    def _sweep_late(self) -> None:
+        """Take back the buffers of late reads that ended; their bytes are never copied."""
+        still = []
+        for fut in self._late:
+            if not fut.done():
+                still.append(fut)
+                continue
+            self._in_flight -= 1
+            buf = None if fut.cancelled() else fut.result()[0]
+            if buf is not None:
+                self._bufs.put(buf)
+        self._late = still
+
+    def _release(self, buf: torch.Tensor, handle: CopyHandle | None) -> None:
+        """Give a restore buffer back; it is handed out again once its copy (``handle``)
+        no longer reads it."""
+        self._bufs.put(buf, after=handle)
+
+    def _submit(self) -> None:
+        for r in self._active:  # first come, first served
+            while r.wants_reads and self._in_flight < self.slots:
+                r.reads.append(self._pool.submit(self.read, r.items[r.submitted]))
+                r.submitted += 1
+                self._in_flight += 1
+            if self._in_flight >= self.slots:
+                return
+
+    def _take_ended(self) -> list[tuple[str, int | None]]:
+        ended, still = [], []
+        for r in self._active:
+            if not r.ended:
+                still.append(r)
+                continue
+            if r.nbytes:
+                self._counters.inc(m.RESTORE_BYTES, r.nbytes)
+                self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - r.started)
+            ended.append((r.req_id, None if r.cancelled else r.failed_at))
+        self._active = still
+        return ended
+
+    def read(self, item: ChunkRestore) -> ReadResult:
+        """Load ``item``'s manifest, check it (a mismatch is quarantined), then fill a
+        restore buffer with its verified objects. Returns ``(buffer, None, bytes)`` or
+        ``(None, reason, 0)`` where reason is a metrics label; never raises (helper
+        thread)."""
+        store = self._store
+        entry_id = entry_id_for(KIND, self._namespace, item.key)
+        try:
+            manifest = store.manifest(entry_id)
+            if not item.valid(manifest):
+                store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
+                                       "KV layout does not match this deployment")
+                self._on_lost(item.key)
+                self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
+                return None, "manifest_validation", 0
+            buf = self._bufs.get()
+            if buf is None:  # cannot happen: one slot per chunk in flight
+                return None, "unknown", 0
+            try:
+                nbytes = item.fill(store, manifest, buf)
+            except BaseException:
+                self._bufs.put(buf)  # its contents are garbage, but reusable
+                raise
+            # Each rank keeps its own LRU clock: the scheduler may not see this store.
+            store.touch([entry_id])
+            if self._guard is not None:
+                self._guard.ok()
+            return buf, None, nbytes
+        except CorruptionError as exc:
+            self._on_lost(item.key)
+            self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
+            log.warning("spoolctl: cached chunk failed verification (%s); quarantined, "
+                        "recomputing", exc.reason.value)
+            return None, exc.reason.value, 0
+        except (NotFoundError, KeyError):
+            self._on_lost(item.key)
+            return None, "absent", 0
+        except SpoolError as exc:
+            # An I/O error is a miss and a finding (counted, logged), never a quarantine:
+            # it proves nothing about the bytes. Repeated ones take the store down.
+            if self._guard is not None:
+                self._guard.failed()
+            log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
+            return None, "io_error", 0
+        except Exception:  # never let a cache problem take the worker down
+            log.exception("spoolctl: unexpected restore error, recomputing")
+            return None, "unknown", 0

@@ -1,0 +1,298 @@
+"""The worker side of the connector: one rank's store, restores before and captures after
+the forward.
+
+``WorkerSide`` is built by ``SpoolConnector`` in each worker process. It opens this rank's
+store (``<root>/<deployment digest>/rank-<NNNN>``, shared with a same-process scheduler
+through ``rankstores``) and, once vLLM registers its KV tensors (``register_kv_caches``),
+binds the format's ``Copier`` and starts its parts:
+
+* ``RestorePipeline`` (``restore``): verified reads on helper threads, copies into KV at
+  the engine's safe points (``start_load``, ``take_transfer_results``);
+* ``ChunkStager`` (``capture``): captures into staging memory, committed in the background;
+* ``RankHoldings`` (``holdings``): the rank's inventory reported to the scheduler and
+  capacity enforced by withdraw-then-delete (with a host disk budget, ``host_budget``, up
+  to this rank's share; chunks other ranks withdrew are dropped here too);
+* the background maintainer (scrub, ``spoolctl request-auth``), when enabled;
+* ``WorkerTelemetry`` (``telemetry``): the counters, gauges and maintainer progress vLLM
+  collects each step.
+
+A layout the copier cannot handle disables this rank (``spoolctl_on_unsupported =
+"disable"``) or fails startup. Queued commits are drained (bounded) at interpreter exit,
+before the thread pools they need shut down (``exitdrain``), and at ``shutdown``, which
+then stops every thread and closes the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from spoolctl.errors import ConfigError
+from spoolctl.store import Store
+
+from ..deployment import description
+from ..diskguard import DiskGuard, guard_for
+from ..kv.formats import Copier
+from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from ..rankstores import OpenStores
+from ..scheduler_side.lookup import KIND
+from ..stats import ConnectorCounters
+from ..vllm_api.introspect import Deployment, host_identity
+from . import exitdrain
+from .telemetry import WorkerTelemetry
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..kv.kvio import CopyEngine
+    from .capture import ChunkStager
+    from .holdings import RankHoldings
+    from .restore import RestorePipeline
+
+log = logging.getLogger("spoolctl.connector")
+
+FLUSH_ON_SHUTDOWN_S = 30.0
+# Threads reading + verifying restores (and refreshing gauges).
+READ_THREADS = 4
+
+
+class WorkerSide:
+    """See the module docstring. vLLM calls into it from one thread (the engine loop)."""
+
+    def __init__(self, deployment: Deployment, copier: Copier, counters: ConnectorCounters,
+                 stores: OpenStores):
+        """``copier``: the format's worker half, bound at ``register_kv_caches``."""
+        self._dep, self._copier = deployment, copier
+        self._counters, self._stores = counters, stores
+        self._place = deployment.place
+        counters.part = str(self._place.rank)
+        self._namespace = deployment.identity.namespace
+        self._enabled = deployment.enabled
+        self._store: Store | None = stores.acquire(
+            deployment.rank_root(self._place), create=True,
+            max_bytes=deployment.settings.max_bytes, tag_key=deployment.settings.tag_key())
+        # deployment.json: what this vllm-v1-<digest> directory is for, for people
+        description.record(Path(self._store.root).parent, deployment.identity)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pipeline: RestorePipeline | None = None
+        self._stager: ChunkStager | None = None
+        self._holdings: RankHoldings | None = None
+        self._maintainer: Any = None
+        self._engine: CopyEngine | None = None
+        self._telemetry = WorkerTelemetry(counters)
+        self._guard: DiskGuard | None = None
+
+    # -- startup -------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                           kv_cache_config: Any, layout: str | None) -> None:
+        """Bind the format's copier to vLLM's KV tensors, each proven against what vLLM
+        declares for it (``kv_cache_config`` and the resolved KV cache ``layout`` name), and
+        start the restore, capture and inventory parts. Copies run on one ``CopyEngine``
+        for the tensors' device; on CUDA its staging buffers are pinned."""
+        from ..kv.kvio import CopyEngine
+        from ..kv.layouts import LayoutError, declarations
+        from ..vllm_api.introspect import num_blocks
+        from .capture import ChunkStager, rank_commit, rank_commit_many
+        from .holdings import RankHoldings
+        from .restore import RestorePipeline
+
+        if not self._enabled or self._store is None:
+            # A layout declared unsupported at startup (spoolctl_on_unsupported=disable):
+            # never copied. No handshake follows, so the scheduler counts no rank: all misses.
+            return
+        settings = self._dep.settings
+        try:
+            if layout is None:
+                raise LayoutError("vLLM resolved no KV cache layout for this model")
+            declared = declarations(kv_cache_config, layout)
+            first = next(iter(kv_caches.values()), None)  # none: bind refuses it
+            self._engine = CopyEngine(first.device) if first is not None else None
+            self._copier.bind(kv_caches, num_blocks(kv_cache_config), declared=declared,
+                              engine=self._engine)
+        except ConfigError as exc:
+            if settings.on_unsupported != "disable":
+                raise
+            # No handshake follows, so the scheduler never counts this rank: all misses.
+            log.warning("spoolctl: connector disabled on this rank "
+                        "(spoolctl_on_unsupported=disable): %s", exc.message)
+            self._enabled = False
+            return
+        copier, store, ns = self._copier, self._store, self._namespace
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
+        pin = self._engine is not None and self._engine.cuda
+        # Shared with a same-process scheduler: late or failing restores take the store
+        # out of its lookups too (decision 2700).
+        self._guard = guard_for(store, deadline_s=settings.lookup_deadline,
+                                probe_interval_s=settings.probe_interval)
+        self._pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
+                                         pool=self._pool, counters=self._counters,
+                                         on_lost=self._lost, pin=pin,
+                                         deadline_s=settings.read_deadline, guard=self._guard)
+        holdings = self._holdings = RankHoldings(
+            store, kind=KIND, namespace=ns, rank=self._place.rank,
+            epoch=store.next_generation(f"vllm-connector:{ns}"),
+            per_rank_max=settings.max_bytes, share=self._initial_share(store))
+        holdings.start()
+        meta = {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
+                "chunk_bytes": copier.chunk_bytes, "deployment": self._dep.identity.summary(),
+                "kv_layout": copier.layout_json}
+        self._stager = ChunkStager(rank_commit(store, ns, holdings),
+                                   chunk_bytes=copier.chunk_bytes,
+                                   staging_bytes=settings.staging_bytes, meta=meta,
+                                   counters=self._counters, pin=pin,
+                                   put_many=rank_commit_many(store, ns, holdings))
+        # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
+        exitdrain.register(self._stager)
+        self._start_maintainer(store)
+
+    def _initial_share(self, store: Store) -> int | None:
+        """This rank's host budget share until the scheduler sends one (None: no host
+        budget); records the budget for ``spoolctl status`` (or undoes an earlier one)."""
+        from ..deployment import host_budget
+
+        budget = self._dep.settings.host_max_bytes
+        deployment_dir = Path(store.root).parent
+        if budget is None:
+            if host_budget.forget(deployment_dir):  # the recorded max was an old share
+                store.set_max_bytes(self._dep.settings.max_bytes)
+            return None
+        host_budget.record(deployment_dir, budget)
+        ident = self._dep.identity
+        return host_budget.initial_share(budget, ident.tp_size * ident.pp_size)
+
+    def _start_maintainer(self, store: Store) -> None:
+        settings = self._dep.settings
+        if settings.scrub_rate <= 0:
+            return
+        from spoolctl.store import BackgroundMaintainer
+
+        try:
+            self._maintainer = BackgroundMaintainer(
+                store, scrub_rate_bytes=settings.scrub_rate,
+                interval_s=settings.maintenance_interval, role="vllm-worker",
+                enforce_capacity=False)  # RankHoldings evicts (withdraw, then delete)
+            self._maintainer.start()
+        except Exception as exc:  # maintenance is an optimisation; never block serving
+            log.warning("spoolctl: background maintenance not started: %s", exc)
+            self._maintainer = None
+
+    def handshake(self) -> SpoolHandshake | None:
+        """This rank's startup message to the scheduler (None: disabled, never counted)."""
+        if self._holdings is None or self._store is None:
+            return None
+        return SpoolHandshake(rank=self._place.rank, host=host_identity(),
+                              root=str(self._store.root), store_id=self._store.marker.store_id,
+                              report=self._holdings.handshake_report(),
+                              chunk_bytes=self._copier.chunk_bytes)
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def start_load(self, meta: SpoolConnectorMetadata) -> None:
+        """Begin (asynchronous) or run (grouped format) the step's restores, then apply the
+        scheduler's inventory messages."""
+        self._copier.restore(meta, self._pipeline)
+        # Only now, after this step's loads: every plan built before the scheduler applied
+        # a withdrawal has been served, so acknowledged entries may be deleted.
+        if self._holdings is not None:
+            self._holdings.on_scheduler(meta.acks, meta.resync, meta.drops,
+                                        meta.capacity.get(self._place.rank))
+
+    def save(self, meta: SpoolConnectorMetadata) -> None:
+        """Capture the step's planned chunks (after the forward) and queue their commits."""
+        if self._stager is None:
+            return
+        # Each chunk's request, so that a chunk not stored ends its request's stores
+        # (``ChunkStager.stage``: chunks past a gap are unreachable by any restore).
+        requests = {op.key: op.req_id for op in (*meta.stores, *meta.group_stores)}
+        for key, index, fill in self._copier.captures(meta):
+            hashes = meta.chunk_hashes.get(key)
+            self._stager.stage(key, index, fill, index_doc=hashes.to_index(meta.hash_identity)
+                               if hashes is not None and meta.hash_identity else None,
+                               request=requests.get(key))
+
+    def step_report(self) -> SpoolWorkerMeta | None:
+        """This step's inventory changes for the scheduler, if any."""
+        if self._holdings is None:
+            return None
+        report = self._holdings.step_report()
+        return SpoolWorkerMeta(reports=[report]) if report is not None else None
+
+    def take_load_errors(self) -> set[int]:
+        return self._copier.take_load_errors()
+
+    def take_transfer_results(self, finished: set[str], *,
+                              idle: bool = False) -> tuple[set[str], set[str]]:
+        """A safe point after the step's forward: copy restored chunks into the KV cache,
+        then the requests whose restore ended (and of them those that failed). ``finished``:
+        requests vLLM finished; ``idle``: nothing computed this step."""
+        self._copier.poll(self._pipeline, finished, idle=idle)
+        return self._copier.take_transfer_results()
+
+    def take_stats(self) -> dict[str, Any]:
+        if self._store is not None:
+            self._telemetry.refresh_gauges(self._store, self._pool)
+        self._telemetry.collect(self._holdings, self._maintainer)
+        return self._counters.take()
+
+    def _lost(self, key: str) -> None:
+        if self._holdings is not None:
+            self._holdings.lost(key)
+
+    # -- diagnostics and lifecycle -------------------------------------------------------------
+
+    @property
+    def store_roots(self) -> list[str]:
+        return [str(self._store.root)] if self._store is not None else []
+
+    @property
+    def inventory_state(self) -> dict:
+        return self._holdings.state() if self._holdings is not None else {}
+
+    @property
+    def maintainer(self) -> Any:
+        return self._maintainer
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._stager.flush(timeout) if self._stager is not None else True
+
+    def drain_copies(self) -> None:
+        """Wait until every KV copy issued so far finished (vLLM's sleep mode calls this
+        through ``unregister_kv_caches`` before it releases the KV cache memory)."""
+        if self._engine is not None:
+            self._engine.synchronize()
+
+    def shutdown(self) -> None:
+        """Drain queued commits (bounded), stop every thread, close the store."""
+        self.drain_copies()
+        if self._stager is not None:
+            exitdrain.unregister(self._stager)
+            if not self._stager.close(FLUSH_ON_SHUTDOWN_S):
+                log.warning("spoolctl: shutdown before all stores were committed; "
+                            "the rest are skipped")
+            self._stager = None
+        if self._maintainer is not None:
+            with contextlib.suppress(Exception):
+                self._maintainer.stop()
+            self._maintainer = None
+        if self._holdings is not None:
+            with contextlib.suppress(Exception):
+                self._holdings.stop()
+            self._holdings = None
+        if self._pool is not None:
+            # A read stuck on a hung disk must not hold shutdown: queued reads are dropped,
+            # running ones end on their own (the pipeline takes their buffers back).
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self._guard is not None:
+            self._guard.close()
+        if self._pipeline is not None:  # restores in flight end, their buffers come back
+            self._pipeline.close()
+            self._pipeline = None
+        if self._store is not None:
+            self._stores.release(self._store)
+            self._store = None

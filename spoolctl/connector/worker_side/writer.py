@@ -1,0 +1,230 @@
+"""Off-critical-path commits of captured chunks, with bounded staging memory.
+
+The forward path only reserves staging bytes (``reserve``, non-blocking) and
+hands a filled buffer to ``submit``; one daemon thread commits it. When the staging
+budget is exhausted the chunk is skipped and counted (reason ``budget``), never waited
+for. A failed commit (disk full, I/O error, capacity, busy lock) is counted by reason
+and dropped: it can never affect a response. ``flush`` waits (bounded) for queued
+commits, e.g. before a clean shutdown or at interpreter exit (``exitdrain``).
+
+Chunks that are queued together (a request's chunks captured in one step, or everything
+that queued while the previous commit ran) are committed together, up to
+``WRITE_BATCH``, through ``put_many`` (``Store.put_many``: one round of fsyncs for the
+batch, decision 1400), with an outcome per chunk: each is committed or skipped and
+counted on its own. Without ``put_many`` each chunk is one ``put``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spoolctl import metrics as m
+from spoolctl.errors import (
+    BusyError,
+    CapacityError,
+    SpoolError,
+)
+
+from ..stats import ConnectorCounters
+
+log = logging.getLogger("spoolctl.connector")
+
+# Chunks committed together at most: bounds how long the first chunk of a batch waits to
+# be reported committed (the scheduler learns of it then) and what one batch holds; 32
+# chunks of 2 MiB already cost about one round of fsyncs (docs/benchmarks.md, batch rows).
+WRITE_BATCH = 32
+
+# ``put(key, payload, meta)``: commit one chunk (raises SpoolError if it is not stored).
+Put = Callable[[str, Any, Mapping[str, Any]], None]
+# ``put_many([(key, payload, meta), ...])``: commit chunks together; per chunk, in order,
+# None if it was committed or the exception that kept it out. An exception raised by the
+# call itself (a failure shared by the batch) counts against every chunk of it.
+PutMany = Callable[[Sequence[tuple[str, Any, Mapping[str, Any]]]], list[BaseException | None]]
+
+
+@dataclass
+class PendingStore:
+    key: str
+    payload: Any  # a buffer exporting the chunk bytes (memoryview-able)
+    nbytes: int
+    meta: Mapping[str, Any]
+    on_done: Callable[[], None] | None = None  # called once the payload is no longer used
+    # Blocks until the payload's bytes are in place (a device-to-host copy still running on
+    # the copy stream): called on the commit thread, never on the forward path.
+    ready: Callable[[], None] | None = None
+
+
+class StoreWriter:
+    """One background committer: ``put`` commits one chunk, ``put_many`` (if given) the
+    chunks queued together (see the module docstring)."""
+
+    def __init__(self, put: Put, *, staging_bytes: int, counters: ConnectorCounters,
+                 put_many: PutMany | None = None):
+        self._put = put
+        self._put_many = put_many
+        self._budget = staging_bytes
+        self._counters = counters
+        self._lock = threading.Condition()
+        self._staged = 0
+        self._in_flight: set[str] = set()
+        self._queue: queue.Queue[PendingStore | None] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="spoolctl-store-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def staged_bytes(self) -> int:
+        with self._lock:
+            return self._staged
+
+    def reserve(self, key: str, nbytes: int) -> bool:
+        """Reserve staging memory for chunk ``key``; False (and counted) if it must be skipped."""
+        return self.try_reserve(key, nbytes) is None
+
+    def try_reserve(self, key: str, nbytes: int) -> str | None:
+        """``reserve``, saying why not: None when reserved, else the (counted) reason."""
+        with self._lock:
+            if self._closed:
+                reason = "shutdown"
+            elif key in self._in_flight:
+                reason = "exists"
+            elif self._staged + nbytes > self._budget:
+                reason = "budget"
+            else:
+                self._staged += nbytes
+                self._in_flight.add(key)
+                return None
+        self._counters.inc(m.STORES_SKIPPED, reason=reason)
+        return reason
+
+    def cancel(self, key: str, nbytes: int) -> None:
+        """Give back a reservation that will not be submitted."""
+        self._release(key, nbytes)
+
+    def submit(self, item: PendingStore) -> None:
+        self._queue.put(item)
+
+    def _release(self, key: str, nbytes: int) -> None:
+        with self._lock:
+            self._staged -= nbytes
+            self._in_flight.discard(key)
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch, stop = [item], False
+            while self._put_many is not None and len(batch) < WRITE_BATCH:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True  # close(): commit what was taken, then end
+                    break
+                batch.append(more)
+            try:
+                self._commit(batch)
+            finally:
+                for done in batch:
+                    try:
+                        if done.on_done is not None:
+                            done.on_done()
+                    finally:
+                        self._release(done.key, done.nbytes)
+            if stop:
+                return
+
+    def _commit(self, batch: list[PendingStore]) -> None:
+        started = time.perf_counter()
+        ready: list[PendingStore] = []
+        for item in batch:
+            try:
+                if item.ready is not None:
+                    item.ready()  # the device copy into the staging buffer
+                ready.append(item)
+            except Exception:  # the copy failed: its bytes cannot be trusted
+                log.exception("spoolctl: a chunk's copy failed; not stored")
+                self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+        if self._put_many is None:
+            for item in ready:
+                self._outcomes([item], [_call(self._put, item)], started)
+                started = time.perf_counter()
+        elif ready:
+            try:
+                errors = self._put_many([(i.key, i.payload, i.meta) for i in ready])
+                if len(errors) != len(ready):
+                    raise RuntimeError(f"put_many returned {len(errors)} outcomes for "
+                                       f"{len(ready)} chunks")
+            except Exception as exc:  # shared by the batch (lock, catalog, a bug)
+                errors = [exc] * len(ready)
+            self._outcomes(ready, errors, started)
+
+    def _outcomes(self, items: list[PendingStore], errors: Sequence[BaseException | None],
+                  started: float) -> None:
+        """Count each chunk: committed (bytes, and the time since its commit began) or
+        skipped by reason; one warning per distinct failure of a batch."""
+        elapsed = time.perf_counter() - started
+        warned: set[str] = set()
+        for item, exc in zip(items, errors, strict=True):
+            if exc is None:
+                self._counters.inc(m.STORE_WRITE_BYTES, item.nbytes)
+                self._counters.observe(m.STORE_WRITE_SECONDS, elapsed)
+                continue
+            reason = _reason(exc)
+            self._counters.inc(m.STORES_SKIPPED, reason=reason)
+            if reason != "io_error":
+                continue
+            if isinstance(exc, SpoolError):
+                if exc.message not in warned:
+                    warned.add(exc.message)
+                    log.warning("spoolctl: store skipped: %s", exc.message)
+            elif "bug" not in warned:  # a bug must not take the worker down
+                warned.add("bug")
+                log.error("spoolctl: unexpected error while storing a chunk", exc_info=exc)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted chunk is committed or skipped; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._staged > 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop accepting work, drain (bounded by ``timeout``) and stop the thread."""
+        with self._lock:
+            self._closed = True
+        drained = self.flush(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout=1.0 if drained else 0.1)
+        return drained
+
+
+def _call(put: Put, item: PendingStore) -> BaseException | None:
+    try:
+        put(item.key, item.payload, item.meta)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    """The ``stores_skipped_total`` reason of a commit that failed with ``exc``."""
+    if isinstance(exc, CapacityError):
+        return "capacity"
+    if isinstance(exc, BusyError):
+        return "busy"
+    return "io_error"  # StoreIOError (a full disk too), another SpoolError, or a bug

@@ -1,0 +1,3 @@
+"""The catalog: a derived SQLite index over the manifests, its schema and rows, its health and its
+bulk load.
+"""

@@ -1,0 +1,601 @@
+"""Committing entries, manifest-last: one (``Store.put``) or many together (group commit).
+
+``put`` is a batch of one; a batch makes many entries durable with one round of flushes per
+step instead of one per entry. Each step is durable before the next (docs/format.md):
+
+1. **stage**: the batch's temp files are created in ``tmp/`` ahead, up to MAX_FLUSHING
+   together (decision 1408); every object of every entry is written to one and hashed,
+   its flush started at once (flushes overlap the next writes, and the filesystem merges
+   concurrent flushes into few journal commits); then the entry's manifest is built,
+   written, its flush started. Objects are bounded while they stream by what is left of
+   their entry's size budget (90% of the store's max size).
+2. **intent**: while those flushes run, one catalog transaction records a pending row per
+   entry (its object references pin the objects against a concurrent clean from now on);
+   then the commit waits for every flush. Nothing is visible. An entry that fails from
+   here on has its pending row removed again.
+3. **objects**: each staged object is renamed to ``objects/<aa>/<digest>.obj``
+   (content-addressed: an identical object already there is reused, a damaged one is
+   quarantined and replaced); every fan-out directory holding an object of the batch,
+   reused ones included, is fsynced once.
+4. **manifests**: each manifest is renamed to ``manifests/<aa>/<entry_id>.json`` -- only
+   now is an entry visible -- and each manifest directory fsynced once.
+5. **committed**: one catalog transaction marks the rows committed (superseded entries
+   released).
+
+The intent is recorded before the flushes are waited for because the transaction then
+costs nothing on the critical path (it overlaps the disk's flush); recording it earlier
+than the objects' renames is safe: a pending row whose manifest never appears is rolled
+back by recovery like any interrupted commit (decision 1404).
+
+A crash before step 4 leaves only temp files, orphans and pending rows, which recovery
+rolls back; a crash during step 4 leaves each entry complete or invisible (a manifest is
+renamed only after every object it names is durable), and recovery marks the complete ones
+committed. Per entry, all or nothing (decision 1400): an entry whose arguments, size or
+own objects fail is refused (its outcome carries the error) and the rest of the batch goes
+on; a failure of a step shared by the batch (a directory fsync, a manifest rename, the
+catalog) raises, and no entry whose manifest was not yet renamed becomes visible. The
+caller (``Store``) holds the maintenance lock shared, so no deletion runs meanwhile.
+Checkpoints (``faults.COMMIT_CHECKPOINTS``) are passed once per object, manifest or
+directory, in the order above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import stat
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...errors import (
+    CapacityError,
+    ConfigError,
+    CorruptionError,
+    ManifestError,
+    NotFoundError,
+    QuarantineReason,
+    SpoolError,
+)
+from ..capacity import low_watermark
+from ..disk.fsio import (
+    Flushing,
+    SizeLimitExceeded,
+    TmpFile,
+    flush_submit,
+    fsync_dir,
+    io_error,
+    read_manifest,
+    unlink_quietly,
+)
+from ..disk.publish import Publisher
+from ..disk.reserve import HEADROOM_BYTES, headroom_ok
+from ..disk.space import INODE_FIX, Space, inodes_short, no_inodes_detail
+from ..disk.verify import verify_object
+from ..format.manifest import Manifest, ObjectRef, authenticate, encode
+from .inputs import is_bytes_like, payload_size
+
+if TYPE_CHECKING:
+    from ..context import PartContext
+    from ..disk.root import Layout
+
+Payload = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
+# Flushes a batch may have in flight before staging waits for the oldest (each holds a file
+# descriptor until its fsync is done).
+MAX_FLUSHING = 64
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """One entry for ``Store.put_many``: the arguments of ``Store.put``."""
+
+    kind: str
+    namespace: str
+    key: str
+    objects: Mapping[str, Payload]
+    meta: Mapping[str, Any] | None = None
+    index: Mapping[str, Any] | None = None
+    supersedes: str | None = None
+    tenant: str | None = None  # encrypted stores: whose keys seal it (decision 2800)
+
+
+@dataclass
+class PutOutcome:
+    """What became of one entry of a batch.
+
+    ``status``: ``committed`` (written now), ``present`` (already committed: returned as
+    is), ``failed`` (refused: ``error`` says why; nothing of it is visible) or ``vanished``
+    (an imported entry whose object is no longer in the store)."""
+
+    entry_id: str
+    status: str
+    manifest: Manifest | None = None
+    error: SpoolError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None
+
+
+@dataclass
+class Pending:
+    """One entry of a batch being committed (internal to the commit and its callers).
+
+    Either ``request`` (payloads to stage; the manifest is built here) or ``manifest`` +
+    ``data`` (an entry built elsewhere, its objects already verified in ``tmp/``: the
+    import's path) is set."""
+
+    entry_id: str
+    request: PutRequest | None = None
+    manifest: Manifest | None = None
+    data: bytes | None = None
+    staged: list[tuple[str, Flushing]] = field(default_factory=list)
+    manifest_tmp: Flushing | None = None
+    outcome: PutOutcome | None = None
+    hint: str = "retain"  # the hint it is committed with (an import keeps the source's)
+
+    def fail(self, error: SpoolError, status: str = "failed") -> None:
+        self.outcome = PutOutcome(self.entry_id, status, error=error)
+
+
+class Committer:
+    """Commits entries into one store through ``publisher`` (see the module docstring)."""
+
+    def __init__(self, ctx: PartContext, publisher: Publisher):
+        self._ctx = ctx
+        self._publisher = publisher
+
+    def budget(self) -> int | None:
+        """The most bytes one entry may hold: 90% of the max size (None: unbounded)."""
+        max_bytes = self._ctx.limits.max_bytes
+        return None if max_bytes is None else low_watermark(max_bytes)
+
+    def check_fits(self, size: int) -> None:
+        """CapacityError if an entry of ``size`` bytes exceeds the store's low watermark."""
+        budget = self.budget()
+        if budget is not None and size > budget:
+            raise self._too_large(f"{size} bytes")
+
+    def _too_large(self, size: str) -> CapacityError:
+        return CapacityError(
+            f"entry of {size} does not fit the store (max {self._ctx.limits.max_bytes}; one entry "
+            "may take at most 90% of it)", path=self._ctx.root,
+            fix="raise the store's max size (`spoolctl init --max-size`)")
+
+    # -- the batch ------------------------------------------------------------------------
+
+    def commit(self, batch: list[Pending], *, given: dict[str, Path] | None = None,
+               revive: bool = True) -> None:
+        """Commit ``batch`` (arguments already validated), setting each entry's outcome.
+
+        ``given``: objects already written and flushed in ``tmp/`` and verified (digest ->
+        path), which prebuilt entries rely on; they are consumed (moved into the store or
+        deleted), also on error. ``revive``: an entry already committed is revived if
+        released (``put``); without it, it is only reported present (import). Raises on a
+        failure of a shared step (see the module docstring). The batch's creates and renames
+        share one descriptor per directory (``Publisher.batch``, issue 35.1)."""
+        with self._publisher.batch():
+            self._commit(batch, given=given, revive=revive)
+
+    def _commit(self, batch: list[Pending], *, given: dict[str, Path] | None,
+                revive: bool) -> None:
+        given = {} if given is None else given
+        first: dict[str, Pending] = {}
+        try:
+            live = self._not_present(batch, first, revive)
+            if live:
+                if not headroom_ok(self._ctx.layout.tmp):
+                    # Leave the filesystem's last megabyte to maintenance (reserve.py): a
+                    # commit must never take the room that lets `spoolctl clean` shed load.
+                    raise store_full(self._ctx.layout.tmp)
+                if (short := inodes_short(self._ctx.layout.tmp)) is not None:
+                    raise store_full(self._ctx.layout.tmp, short)  # and its last inodes
+                recorded = self._stage(live, given, revive=revive)
+                try:
+                    todo = self._place_objects([p for p in live if p.outcome is None], given)
+                except BaseException:
+                    self._forget_intents(recorded)  # nothing of the batch is visible
+                    raise
+                self._forget_intents([p for p in recorded if p.outcome is not None])
+                if todo:
+                    self._commit_manifests(todo)
+        finally:
+            for p in batch:
+                self._discard(p)
+            for path in given.values():
+                unlink_quietly(path)
+            given.clear()
+        for p in batch:  # a repeated id names the same entry: it gets the first's outcome
+            head = first.get(p.entry_id)
+            if p.outcome is None and head is not None and head.outcome is not None:
+                o = head.outcome
+                p.outcome = PutOutcome(p.entry_id, "present" if o.ok else o.status,
+                                       o.manifest, o.error)
+
+    def _not_present(self, batch: list[Pending], first: dict[str, Pending],
+                     revive: bool) -> list[Pending]:
+        """Entries still to write: the first of each id, unless it is committed already."""
+        live = []
+        for p in batch:
+            if p.outcome is not None or p.entry_id in first:
+                continue
+            first[p.entry_id] = p
+            supersedes = p.request.supersedes if p.request else None
+            existing = self.existing(p.entry_id, supersedes, revive=revive)
+            if existing is not None:
+                p.outcome = PutOutcome(p.entry_id, "present", existing)
+            else:
+                live.append(p)
+        return live
+
+    def existing(self, entry_id: str, supersedes: str | None, *,
+                 revive: bool = True) -> Manifest | None:
+        """The already-committed entry ``entry_id`` (revived if released and ``revive``),
+        or None."""
+        ctx = self._ctx
+        catalog = ctx.catalog()
+        row = catalog.get(entry_id)
+        path = ctx.layout.manifest_path(entry_id)
+        if (row is not None and row.state == "committed") or (row is None and path.exists()):
+            try:
+                manifest = read_manifest(path, entry_id)
+                if ctx.tag_key is not None:  # an untagged or forged entry is rewritten
+                    authenticate(ctx.tag_key, manifest, path)
+            except FileNotFoundError:
+                return None
+            except ManifestError as exc:
+                ctx.quarantine.entry(entry_id, exc.reason, exc.message)
+                return None
+            if not all(ctx.layout.object_path(r.digest).exists() for r in manifest.objects):
+                return None  # an object was lost: rewrite the entry
+            if row is None:
+                catalog.index_manifest(manifest, path.stat().st_size, last_access=ctx.clock())
+            elif row.hint != "retain" and revive:
+                catalog.set_hint(entry_id, "retain", ctx.clock())
+            if supersedes:
+                catalog.set_hint(supersedes, "release", ctx.clock())
+            return manifest
+        return None
+
+    # -- step 1: stage ----------------------------------------------------------------------
+
+    def _stage(self, live: list[Pending], given: dict[str, Path], *,
+               revive: bool = True) -> list[Pending]:
+        """Steps 1-2: stage every entry, record the intents, wait for the flushes. Returns
+        the entries whose intent was recorded (some may have failed since)."""
+        flushing: list[Flushing] = []
+        # Every file the batch writes, created ahead (decision 1408): one per object, one
+        # per manifest.
+        ahead = _TmpAhead(self._publisher, sum(
+            (len(p.request.objects) if p.request is not None else 0) + 1 for p in live))
+        try:
+            for p in live:
+                self._stage_entry(p, flushing, ahead, given)
+        finally:
+            ahead.close()  # what a refused entry did not use
+        recorded = [p for p in live if p.outcome is None]
+        if recorded:
+            try:
+                # Without ``revive`` (an import), an entry another writer recorded since
+                # ``_not_present`` looked is theirs: reported present, not committed twice.
+                taken = self._ctx.catalog().record_intents(
+                    [(p.manifest, len(p.data)) for p in recorded], self._ctx.clock(),
+                    claim=not revive,
+                    hints={p.entry_id: p.hint for p in recorded if p.hint != "retain"})
+                self._publisher.mark("catalog", "intent")
+            except OSError as exc:  # an injected fault at the checkpoint (faults.FAIL_ENV)
+                self._forget_intents(recorded)
+                raise io_error(exc, "committing entries", self._ctx.layout.manifests) from exc
+            for p in recorded:
+                if p.entry_id in taken:
+                    p.outcome = PutOutcome(p.entry_id, "present", p.manifest)
+                    self._discard(p)
+            recorded = [p for p in recorded if p.entry_id not in taken]
+        for p in live:  # every flush of the batch is in flight: wait for them, in order
+            if p.outcome is not None:
+                continue
+            try:
+                for _name, f in p.staged:
+                    _flushed(f, "writing an object")
+                    self._publisher.mark("object", "fsynced")
+                assert p.manifest_tmp is not None
+                _flushed(p.manifest_tmp, "writing a manifest")
+                self._publisher.mark("manifest", "fsynced")
+            except SpoolError as exc:
+                p.fail(exc)
+                self._discard(p)
+            except OSError as exc:  # an injected fault at a checkpoint (faults.FAIL_ENV)
+                p.fail(io_error(exc, "writing an entry", self._ctx.layout.tmp))
+                self._discard(p)
+        return recorded
+
+    def _stage_entry(self, p: Pending, flushing: list[Flushing], ahead: _TmpAhead,
+                     given: dict[str, Path]) -> None:
+        """Step 1 for one entry: its objects (a new entry) and its manifest written, their
+        flushes started; on failure the entry is refused and what it staged removed."""
+        try:
+            if p.request is not None:
+                self._stage_objects(p, flushing, ahead)
+                p.manifest = Manifest.new(
+                    kind=p.request.kind, namespace=p.request.namespace, key=p.request.key,
+                    created=self._ctx.clock(),
+                    objects=tuple(ObjectRef(name, f.digest, f.size) for name, f in p.staged),
+                    meta=p.request.meta, index=p.request.index,
+                    supersedes=p.request.supersedes)
+                p.data = encode(p.manifest, self._ctx.tag_key)
+            else:
+                missing = [r for r in p.manifest.objects
+                           if r.digest not in given and not object_present(self._ctx.layout, r)]
+                if missing:
+                    p.fail(NotFoundError(f"object {missing[0].name} of entry "
+                                         f"{p.entry_id} is no longer in the store"),
+                           "vanished")
+                    return
+            p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest",
+                                                            into=ahead.next())
+            _bound(flushing, p.manifest_tmp)
+        except SpoolError as exc:
+            p.fail(exc)
+            self._discard(p)
+        except ValueError as exc:  # a manifest that does not validate (caller checked)
+            p.fail(ConfigError(f"entry {p.entry_id[:16]}: {exc}",
+                               fix="check the entry's meta, index and objects"))
+            self._discard(p)
+
+    def _forget_intents(self, failed: list[Pending]) -> None:
+        """Remove the pending rows of entries refused after their intent was recorded, so
+        they do not pin objects (left as orphans, reclaimed by age). Best effort: recovery
+        rolls back any pending row whose manifest never appeared."""
+        if failed:
+            with contextlib.suppress(sqlite3.DatabaseError):
+                self._ctx.catalog().delete_entries([p.entry_id for p in failed])
+
+    def _stage_objects(self, p: Pending, flushing: list[Flushing], ahead: _TmpAhead) -> None:
+        assert p.request is not None
+        objects = p.request.objects
+        self.check_fits(sum(payload_size(v) for v in objects.values() if is_bytes_like(v)))
+        budget = self.budget()
+        for name, payload in objects.items():
+            left = None if budget is None else budget - sum(f.size for _, f in p.staged)
+            f = self._stage_one(name, payload, left, ahead.next())
+            p.staged.append((name, f))
+            _bound(flushing, f)
+
+    def _stage_one(self, name: str, payload: Payload, left: int | None,
+                   into: TmpFile | None = None) -> Flushing:
+        chunks = [payload] if is_bytes_like(payload) else payload
+        try:
+            return self._publisher.stage_flushing(chunks, what="object", limit=left,
+                                                  into=into)
+        except SizeLimitExceeded:
+            raise self._too_large(f"more than {self.budget()} bytes (object {name} was "
+                                  "still streaming)") from None
+        except TypeError as exc:
+            raise ConfigError(f"object {name}: a streamed chunk is not bytes-like ({exc})",
+                              fix="yield bytes, bytearray or memoryview chunks") from None
+
+    # -- step 3: objects --------------------------------------------------------------------
+
+    def _place_objects(self, todo: list[Pending], given: dict[str, Path]) -> list[Pending]:
+        """Rename every staged object into place; fsync their directories once each. An
+        entry whose object cannot be placed is refused; the others go on."""
+        layout = self._ctx.layout
+        done: set[str] = set()
+        dirs: set[Path] = set()
+        for p in todo:
+            final = layout.objects
+            try:
+                if p.staged:
+                    # Written through descriptors opened ahead (decision 1408), renamed by
+                    # path: a tmp/ swapped for a link since then is named as such.
+                    final = layout.tmp
+                    self._publisher.check_dirs(layout.tmp)
+                for _name, f in p.staged:
+                    final = layout.object_path(f.digest)
+                    self._place(f.path, final, f.digest, f.size, done)
+                    dirs.add(final.parent)
+                assert p.manifest is not None
+                for ref in p.manifest.objects:
+                    final = layout.object_path(ref.digest)
+                    if ref.digest in given:  # verified by the import: replaces what is there
+                        self._publisher.check_dirs(final.parent)
+                        self._publisher.place(given.pop(ref.digest), final, what="object")
+                        done.add(ref.digest)
+                    # Reused objects too: a manifest may only name objects whose names are
+                    # durable (another commit may have renamed one in and not synced yet).
+                    dirs.add(final.parent)
+            except OSError as exc:
+                p.fail(io_error(exc, "publishing an object", final))
+                self._discard(p)
+        todo = [p for p in todo if p.outcome is None]
+        if todo:
+            self._sync(dirs, "object", "publishing objects")
+        return todo
+
+    def _place(self, src: Path, final: Path, digest: str, size: int, done: set[str]) -> None:
+        if digest in done:  # an earlier entry of this batch placed the same bytes
+            unlink_quietly(src)
+            return
+        self._publisher.check_dirs(final.parent)
+        checked = True
+        if os.path.lexists(final):
+            if _existing_object_ok(final, digest, size):
+                unlink_quietly(src)  # content-addressed: already stored
+                done.add(digest)
+                return
+            self._ctx.quarantine.files(None, QuarantineReason.OBJECT_COLLISION,
+                                       "existing object did not match its name; replaced",
+                                       [(final, "object")])
+            checked = False  # the quarantine moved files meanwhile: check again
+        self._publisher.place(src, final, what="object", checked=checked)
+        done.add(digest)
+
+    def _sync(self, dirs: Iterable[Path], what: str, doing: str) -> None:
+        """fsync ``dirs`` concurrently (the filesystem merges them); StoreIOError if any
+        fails."""
+        pending = [(d, flush_submit(fsync_dir, d)) for d in sorted(set(dirs))]
+        failed: tuple[Path, OSError] | None = None
+        for d, fut in pending:
+            try:
+                fut.result()
+                if failed is None:
+                    self._publisher.mark(what, "dir_fsynced")
+            except OSError as exc:
+                failed = failed or (d, exc)
+        if failed is not None:
+            raise io_error(failed[1], doing, failed[0])
+
+    # -- steps 4-5: manifests, committed -----------------------------------------
+
+    def _commit_manifests(self, todo: list[Pending]) -> None:
+        ctx = self._ctx
+        catalog = ctx.catalog()
+        recorded = [p.entry_id for p in todo]  # their intents are in the catalog (step 2)
+        published: set[str] = set()
+        final = ctx.layout.tmp
+        try:
+            self._publisher.check_dirs(final)  # the manifests are renamed from tmp/
+            for p in todo:
+                final = ctx.layout.manifest_path(p.entry_id)
+                placed: list[Path] = []
+                try:
+                    self._publisher.place(p.manifest_tmp.path, final, what="manifest",
+                                          placed=placed)
+                finally:
+                    if placed:
+                        published.add(p.entry_id)
+            self._sync((ctx.layout.manifest_path(p.entry_id).parent for p in todo),
+                       "manifest", "publishing manifests")
+            catalog.mark_committed_many([(p.entry_id, p.manifest.supersedes) for p in todo])
+            self._publisher.mark("catalog", "committed")
+        except (OSError, SpoolError, sqlite3.DatabaseError) as exc:
+            # Roll back the intents of entries that never became visible, so their rows do
+            # not pin the objects (orphans now, reclaimed by age). Best effort: recovery does
+            # the same. A renamed manifest's pending row is resolved by recovery.
+            with contextlib.suppress(sqlite3.DatabaseError):
+                catalog.delete_entries([e for e in recorded if e not in published])
+            if isinstance(exc, OSError):
+                raise io_error(exc, "committing entries", final) from exc
+            raise
+        for p in todo:
+            p.outcome = PutOutcome(p.entry_id, "committed", p.manifest)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _discard(self, p: Pending) -> None:
+        """Remove what ``p`` staged and did not publish (renamed files are gone already)."""
+        for _name, f in p.staged:
+            _discard_flushing(f)
+        if p.manifest_tmp is not None:
+            _discard_flushing(p.manifest_tmp)
+
+    def publish_object(self, name: str, payload: Payload) -> ObjectRef:
+        """Stage ``payload`` and make it ``objects/<aa>/<digest>.obj``, its directory synced
+        (no entry names it: an orphan until one does)."""
+        f = self._stage_one(name, payload, self.budget())
+        try:
+            _flushed(f, "writing an object")
+            self._publisher.mark("object", "fsynced")
+            final = self._ctx.layout.object_path(f.digest)
+            try:
+                self._place(f.path, final, f.digest, f.size, set())
+            except OSError as exc:
+                raise io_error(exc, "publishing an object", final) from exc
+            self._sync([final.parent], "object", "publishing an object")
+            return ObjectRef(name=name, digest=f.digest, size=f.size)
+        finally:
+            _discard_flushing(f)
+
+
+def object_present(layout: Layout, ref: ObjectRef) -> bool:
+    """True if the store holds a regular file of the right size for ``ref`` (cheap: lstat;
+    its bytes are verified by every read and by scrub, like any stored object)."""
+    try:
+        st = os.lstat(layout.object_path(ref.digest))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == ref.size
+
+
+class _TmpAhead:
+    """The temp files of a batch, created ahead, up to MAX_FLUSHING at a time: together,
+    before the flushes they wait on start (``fsio.create_tmp``, decision 1408).
+
+    ``next`` hands out one, or None when one could not be created (the writer then creates
+    its own and reports that error for its entry); ``close`` removes those not handed out.
+    tmp/ is still checked before each file is created; the writes go through the
+    descriptors, so a tmp/ swapped afterwards redirects none of them."""
+
+    def __init__(self, publisher: Publisher, count: int):
+        self._publisher = publisher
+        self._left = count  # files the batch still needs that are not created yet
+        self._ready: deque[TmpFile] = deque()
+
+    def next(self) -> TmpFile | None:
+        if not self._ready and self._left > 0:
+            for _ in range(min(self._left, MAX_FLUSHING)):
+                try:
+                    self._ready.append(self._publisher.create_tmp())
+                except SpoolError:
+                    break
+                self._left -= 1
+        return self._ready.popleft() if self._ready else None
+
+    def close(self) -> None:
+        while self._ready:
+            self._ready.popleft().discard()
+
+
+def _bound(flushing: list[Flushing], f: Flushing) -> None:
+    """Track ``f``; wait for the oldest flushes while more than MAX_FLUSHING are in flight
+    (their results are read later, in order)."""
+    flushing.append(f)
+    while len(flushing) > MAX_FLUSHING:
+        with contextlib.suppress(OSError):
+            flushing.pop(0).flushed.result()
+
+
+def _flushed(f: Flushing, what: str) -> None:
+    try:
+        f.flushed.result()
+    except OSError as exc:
+        raise io_error(exc, what, f.path) from exc
+
+
+def _discard_flushing(f: Flushing) -> None:
+    with contextlib.suppress(OSError):
+        f.flushed.result()  # its descriptor is closed before the file goes
+    unlink_quietly(f.path)
+
+
+def store_full(where: Path, short: Space | None = None) -> SpoolError:
+    """The error of a commit refused because the filesystem is (nearly) full: of bytes,
+    or of inodes (``short``: its room, then)."""
+    from ...errors import StoreIOError
+
+    if short is not None:
+        return StoreIOError(f"committing an entry refused: No space left on device: "
+                            f"{no_inodes_detail(short)}; the last {short.inode_headroom} "
+                            "are kept for maintenance", path=where, fix=INODE_FIX,
+                            errno=errno.ENOSPC)
+
+    return StoreIOError(f"committing an entry refused: No space left on device (less than "
+                        f"{HEADROOM_BYTES >> 10} KiB free: that room is kept for maintenance)",
+                        path=where,
+                        fix="free disk space: `spoolctl clean --released` and lowering the "
+                            "max size work on a full disk (docs/runbook.md)",
+                        errno=errno.ENOSPC)
+
+
+def _existing_object_ok(path: Path, digest: str, size: int) -> bool:
+    """True if the object already at ``path`` is a regular file with exactly this content
+    (the one verification primitive: ``verify.verify_object``)."""
+    try:
+        verify_object(path, digest=digest, size=size)
+    except (OSError, CorruptionError):
+        return False
+    return True

@@ -1,0 +1,250 @@
+"""Inter-process locks on one store (portalocker, i.e. flock/LockFileEx).
+
+* ``maintenance.lock``: commits take it SHARED (many at once); anything that
+  deletes (clean, eviction, orphan collection, catalog rebuild) takes it
+  EXCLUSIVE. So a deletion can never race a commit that is still publishing
+  objects, and a commit never revives an entry a deletion is removing.
+* ``owner.lock``: the owner lease. A live vLLM worker holds it for its whole
+  life; ``spoolctl`` sees the holder (``owner.json``) and queues work for it
+  instead of acting behind its back. The lease dies with the process, so a
+  killed worker never leaves a stale owner.
+
+Each acquisition opens its own file description, so threads of one process
+exclude each other exactly like separate processes do. A lock file is opened only if
+its directory (``state/``) and the root above it are real directories, never through a
+symlink, never blocking, and only if it is a regular file (``fsio.open_regular``): a
+``state/`` swapped for a link after the store was opened cannot make lock files appear
+outside the root, and a FIFO in a lock's place is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import portalocker
+
+from ...errors import BusyError, StoreIOError
+from .fsio import FILE_MODE, ensure_real_dirs, io_error, open_regular, read_small, write_tmp
+
+_POLL = 0.01
+
+
+def _open_lock_file(path: Path):
+    try:
+        ensure_real_dirs(path.parent.parent, path.parent)
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except OSError as exc:
+        raise io_error(exc, "opening a lock file", path) from exc
+    return os.fdopen(fd, "r+b")
+
+
+def _open_lock_file_read_only(path: Path):
+    """The lock file opened for reading only (flock works on it), or None if it does not
+    exist: a read-only store process creates nothing."""
+    try:
+        ensure_real_dirs(path.parent.parent, path.parent)
+        fd = open_regular(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise io_error(exc, "opening a lock file", path) from exc
+    return os.fdopen(fd, "rb")
+
+
+def _acquire(path: Path, flags: portalocker.LockFlags, timeout: float | None):
+    """Take a lock on ``path``; None timeout = wait forever, 0 = try once."""
+    fh = _open_lock_file(path)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = _POLL
+    while True:
+        try:
+            portalocker.lock(fh, flags | portalocker.LockFlags.NON_BLOCKING)
+            return fh
+        except portalocker.exceptions.LockException:
+            if deadline is not None and time.monotonic() >= deadline:
+                fh.close()
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+
+@contextlib.contextmanager
+def hold(path: Path, *, exclusive: bool, timeout: float | None, what: str) -> Iterator[None]:
+    """Hold the lock at ``path`` for the block, or raise BusyError after ``timeout``."""
+    flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
+    fh = _acquire(path, flags, timeout)
+    if fh is None:
+        raise BusyError(
+            f"{what}: the store is busy (lock held by another process)",
+            path=path,
+            fix="retry later; `spoolctl status` shows the owner if a worker holds it",
+        )
+    try:
+        yield
+    finally:
+        try:
+            portalocker.unlock(fh)
+        finally:
+            fh.close()
+
+
+@contextlib.contextmanager
+def try_hold(path: Path, *, exclusive: bool) -> Iterator[bool]:
+    """Like ``hold`` with no waiting; yields whether the lock was taken."""
+    flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
+    fh = _acquire(path, flags, 0)
+    try:
+        yield fh is not None
+    finally:
+        if fh is not None:
+            portalocker.unlock(fh)
+            fh.close()
+
+
+def _release(*handles) -> None:
+    """Unlock and close each lock file handle that is not None."""
+    for handle in handles:
+        if handle is not None:
+            try:
+                portalocker.unlock(handle)
+            finally:
+                handle.close()
+
+
+def _busy(what: str, path: Path) -> BusyError:
+    return BusyError(
+        f"{what}: the store is busy (lock held by another process)",
+        path=path,
+        fix="retry later; `spoolctl status` shows the owner if a worker holds it",
+    )
+
+
+@contextlib.contextmanager
+def hold_gated(
+    path: Path, gate: Path, *, exclusive: bool, timeout: float | None, what: str
+) -> Iterator[None]:
+    """The maintenance lock with writer preference.
+
+    flock has no fairness: with commits holding ``path`` shared back to back, an exclusive
+    taker (clean, eviction) could wait forever. So everyone passes a turnstile first:
+    shared takers hold ``gate`` shared only while they take ``path`` (a moment), exclusive
+    takers hold ``gate`` exclusively for their whole critical section. Once a deleter has
+    the gate, no new commit starts, the ones in flight drain, and it gets ``path``.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    gate_flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
+    gate_fh = _acquire(gate, gate_flags, timeout)
+    if gate_fh is None:
+        raise _busy(what, path)
+    fh = None
+    try:
+        flags = portalocker.LockFlags.EXCLUSIVE if exclusive else portalocker.LockFlags.SHARED
+        fh = _acquire(path, flags, left())
+        if not exclusive:  # through the turnstile: let a waiting deleter in
+            _release(gate_fh)
+            gate_fh = None
+        if fh is None:
+            raise _busy(what, path)
+        yield
+    finally:
+        _release(fh, gate_fh)
+
+
+@contextlib.contextmanager
+def try_hold_gated(path: Path, gate: Path) -> Iterator[bool]:
+    """Exclusive ``hold_gated`` with no waiting; yields whether it was taken."""
+    gate_fh = _acquire(gate, portalocker.LockFlags.EXCLUSIVE, 0)
+    fh = _acquire(path, portalocker.LockFlags.EXCLUSIVE, 0) if gate_fh is not None else None
+    try:
+        yield fh is not None
+    finally:
+        _release(fh, gate_fh)
+
+
+@dataclass(frozen=True)
+class OwnerInfo:
+    """Who holds the owner lease."""
+
+    pid: int
+    host: str
+    role: str
+    since: float
+
+    def to_json(self) -> dict:
+        return {"pid": self.pid, "host": self.host, "role": self.role, "since": self.since}
+
+
+class OwnerLease:
+    """The exclusive owner lease of a store, held until ``release()`` or process exit."""
+
+    def __init__(self, lock_path: Path, info_path: Path, role: str):
+        self._lock_path = lock_path
+        self._info_path = info_path
+        self.info = OwnerInfo(os.getpid(), socket.gethostname(), role, time.time())
+        self._fh = None
+
+    def try_acquire(self) -> bool:
+        fh = _acquire(self._lock_path, portalocker.LockFlags.EXCLUSIVE, 0)
+        if fh is None:
+            return False
+        self._fh = fh
+        try:
+            # a unique temp file (O_EXCL|O_NOFOLLOW, 0600), never a predictable name
+            tmp, _, _ = write_tmp(self._info_path.parent,
+                                  [json.dumps(self.info.to_json()).encode()])
+            os.replace(tmp, self._info_path)
+        except (OSError, StoreIOError):
+            # who holds the lease is advisory; the lock itself is the lease
+            pass
+        return True
+
+    @property
+    def held(self) -> bool:
+        return self._fh is not None
+
+    def release(self) -> None:
+        if self._fh is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self._info_path)
+        portalocker.unlock(self._fh)
+        self._fh.close()
+        self._fh = None
+
+
+def read_owner(lock_path: Path, info_path: Path) -> OwnerInfo | None:
+    """The live owner, or None. A lease whose process died is not reported.
+
+    Opens the lock file read-only and creates nothing (works on a store this process
+    cannot write)."""
+    fh = _open_lock_file_read_only(lock_path)
+    if fh is None:
+        return None
+    try:
+        try:
+            portalocker.lock(fh, portalocker.LockFlags.SHARED
+                             | portalocker.LockFlags.NON_BLOCKING)
+        except portalocker.exceptions.LockException:
+            pass  # held exclusively: a live owner
+        else:
+            portalocker.unlock(fh)
+            return None
+    finally:
+        fh.close()
+    try:
+        doc = json.loads(read_small(info_path, 1 << 16))
+        return OwnerInfo(int(doc["pid"]), str(doc["host"])[:255], str(doc["role"])[:64],
+                         float(doc["since"]))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return OwnerInfo(pid=0, host="?", role="unknown", since=0.0)

@@ -1,0 +1,407 @@
+"""Store roots: validation, the ``.spoolctl-root`` marker, and the directory layout.
+
+Rules (docs/concepts.md, "Roots"): a root is absolute and reached through no symlink;
+it is created only when new or empty, adopted only with a valid marker, and used only by
+the user who owns it (from the very first open: an empty directory owned by someone else
+is refused too, so root cannot seed root-owned files into a user's directory). A
+read-only open creates and rewrites nothing, so it may read a store another user owns.
+The marker is validated strictly: wrong types are a one-line RootError, never a guess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import InvalidIdError, RootError
+from . import dirfd, faults
+from .fsio import (
+    DIR_MODE,
+    describe_os_error,
+    fsync_dir,
+    io_error,
+    read_small,
+    tmp_writer,
+    write_tmp,
+)
+
+MARKER = ".spoolctl-root"
+ROOT_SCHEMA = "spoolctl-root/v1"
+SUBDIRS = ("objects", "manifests", "tmp", "quarantine", "state")
+FANOUT = [f"{i:02x}" for i in range(256)]
+KNOWN_TOP = frozenset((MARKER, *SUBDIRS))
+_STORE_ID_RE = re.compile(r"[0-9A-Za-z_-]{1,64}")
+_HEX64_RE = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class StorePaths:
+    """Paths inside one store root (what ``places.inspect_root`` finds under a ``--root``
+    is a ``places.RootContents``)."""
+
+    root: Path
+
+    @property
+    def marker(self) -> Path:
+        return self.root / MARKER
+
+    @property
+    def objects(self) -> Path:
+        return self.root / "objects"
+
+    @property
+    def manifests(self) -> Path:
+        return self.root / "manifests"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    def object_path(self, digest: str) -> Path:
+        return self.objects / digest[:2] / f"{_hex64(digest, 'object digest')}.obj"
+
+    def manifest_path(self, entry_id: str) -> Path:
+        return self.manifests / entry_id[:2] / f"{_hex64(entry_id, 'entry id')}.json"
+
+
+# The old name, for the modules other work of this round still edits (store.py,
+# catalog_health.py, doctor_scan.py); the merge renames them and drops it.
+Layout = StorePaths
+
+
+def _hex64(value: str, what: str) -> str:
+    """No path is ever built from anything but 64 lowercase hex characters (the last line
+    of defence against ids read from a hand-edited catalog or a foreign file)."""
+    if not isinstance(value, str) or not _HEX64_RE.fullmatch(value):
+        raise InvalidIdError(f"invalid {what} {str(value)[:80]!r}",
+                             fix="this value came from a damaged catalog or file: run "
+                                 "`spoolctl doctor`")
+    return value
+
+
+@dataclass(frozen=True)
+class Marker:
+    """Contents of ``.spoolctl-root``."""
+
+    store_id: str
+    created: float
+    max_bytes: int | None
+
+    def to_json(self) -> dict:
+        return {
+            "schema": ROOT_SCHEMA,
+            "store_id": self.store_id,
+            "created": self.created,
+            "max_bytes": self.max_bytes,
+        }
+
+
+def check_root_path(root: str | os.PathLike[str]) -> Path:
+    """Refuse a relative root or one whose path crosses a symlink; return it as a Path."""
+    text = os.fspath(root)
+    if not text or not os.path.isabs(text):
+        raise RootError(
+            "store root must be an absolute path",
+            path=text or "''",
+            fix="pass an absolute path, e.g. --root /var/cache/spoolctl",
+        )
+    path = Path(os.path.normpath(text))
+    current = Path(path.anchor)
+    for part in path.parts[1:]:
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode):
+            raise RootError(
+                "store root path goes through a symlink",
+                path=current,
+                fix=f"use the real path ({os.path.realpath(current)}) instead of the link",
+            )
+        if current != path and not stat.S_ISDIR(st.st_mode):
+            raise RootError("a parent of the store root is not a directory", path=current,
+                            fix="choose another root")
+    return path
+
+
+def read_marker(layout: StorePaths) -> Marker:
+    """Read and validate the root marker; RootError if it is missing or foreign."""
+    try:
+        data = read_small(layout.marker, 1 << 16)
+        doc = json.loads(data)
+    except FileNotFoundError:
+        raise RootError(
+            "not a spoolctl store (no .spoolctl-root marker)",
+            path=layout.root,
+            fix="run `spoolctl init --root PATH` to create a store there",
+        ) from None
+    except OSError as exc:
+        raise RootError(
+            f"unreadable store marker: {describe_os_error(exc)}",
+            path=layout.marker,
+            fix="make it a readable regular file again (see docs/format.md), or move the "
+                "store aside",
+        ) from None
+    except (ValueError, RecursionError):
+        raise RootError(
+            "store marker is not valid JSON",
+            path=layout.marker,
+            fix="restore it (see docs/format.md for its fields), or move the store aside",
+        ) from None
+    return marker_from_json(doc, layout.marker)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def marker_from_json(doc: object, path: Path) -> Marker:
+    """Validate a parsed marker strictly (types, not just presence); RootError if wrong.
+
+    ``max_bytes`` must be a positive integer or null: ``true`` is not 1 byte (it would make
+    capacity maintenance evict everything) and ``"10GiB"`` is not a size."""
+    if not isinstance(doc, dict) or doc.get("schema") != ROOT_SCHEMA:
+        schema = doc.get("schema") if isinstance(doc, dict) else None
+        raise RootError(
+            f"store marker has schema {str(schema)[:60]!r}, expected {ROOT_SCHEMA!r}",
+            path=path,
+            fix="this root belongs to another tool or version; use a different --root",
+        )
+    fix = "correct it by hand (docs/format.md) or move the store aside"
+    max_bytes = doc.get("max_bytes")
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
+                                  or max_bytes <= 0):
+        raise RootError(f"store marker has an invalid max_bytes ({_show(max_bytes)}): it must "
+                        "be a positive integer or null", path=path,
+                        fix="set it again with `spoolctl init --root PATH --max-size SIZE`")
+    created = doc.get("created", 0.0)
+    if not _number(created):
+        raise RootError(f"store marker has an invalid created ({_show(created)}): it must be "
+                        "a number (unix seconds)", path=path, fix=fix)
+    store_id = doc.get("store_id", "")
+    if not isinstance(store_id, str) or not _STORE_ID_RE.fullmatch(store_id):
+        raise RootError(f"store marker has an invalid store_id ({_show(store_id)})",
+                        path=path, fix=fix)
+    return Marker(store_id=store_id, created=float(created), max_bytes=max_bytes)
+
+
+def _show(value: object) -> str:
+    """A short, one-line rendering of a hand-edited value for an error message."""
+    text = json.dumps(value, ensure_ascii=True, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> None:
+    """Atomically (re)write the marker: tmp file, fsync, rename, fsync the root.
+    ``new``: the store is being created (crash-test checkpoints of init)."""
+    data = json.dumps(marker.to_json(), indent=2).encode() + b"\n"
+    tmp_dir = layout.tmp if layout.tmp.is_dir() else layout.root
+    tmp, _, _ = write_tmp(tmp_dir, [data])
+    if new:
+        faults.checkpoint("init.marker_drafted")
+    os.replace(tmp, layout.marker)
+    fsync_dir(layout.root)
+
+
+def _mkdir(path: Path) -> bool:
+    """Create a 0700 directory; return True if it was created, False if it existed."""
+    try:
+        os.mkdir(path, DIR_MODE)
+        return True
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise RootError("expected a directory", path=path,
+                            fix="remove the file or symlink in its place") from None
+
+
+def ensure_layout(layout: StorePaths) -> None:
+    """Create every directory of the layout (idempotent); fsync only what changed.
+
+    StoreIOError if the filesystem refuses (no space, no inodes, read-only): what was
+    made stays, and the next ``init`` finishes it (``unfinished_init``)."""
+    try:
+        _ensure_layout(layout)
+    except OSError as exc:
+        raise io_error(exc, "creating the store layout",
+                       Path(exc.filename) if exc.filename else layout.root) from None
+
+
+def _ensure_layout(layout: StorePaths) -> None:
+    created_top = [_mkdir(layout.root / name) for name in SUBDIRS]
+    for parent in (layout.objects, layout.manifests):
+        existing = set(os.listdir(parent))
+        for fan in existing.intersection(FANOUT):
+            # a fan-out "directory" that is a symlink would send renames outside the root
+            if not stat.S_ISDIR(os.lstat(parent / fan).st_mode):
+                raise RootError("expected a directory, found a symlink or file", path=parent / fan,
+                                fix="remove it; spoolctl recreates the directory")
+        missing = [fan for fan in FANOUT if fan not in existing]
+        for fan in missing:
+            _mkdir(parent / fan)
+        if missing:
+            fsync_dir(parent)
+    if any(created_top):
+        fsync_dir(layout.root)
+
+
+ALLOW_FOREIGN_ENV = "SPOOLCTL_ALLOW_FOREIGN_OWNER"
+
+
+def check_owner(root: Path, *, allow_foreign_owner: bool, st: os.stat_result | None = None
+                ) -> None:
+    """Refuse a root owned by another user (including root's own use of a user's store):
+    acting on it would create files the owner cannot read and mix tenants' data."""
+    if allow_foreign_owner or os.environ.get(ALLOW_FOREIGN_ENV) == "1" or os.name != "posix":
+        return
+    owner = (st or os.lstat(root)).st_uid
+    if owner != os.geteuid():
+        raise RootError(
+            f"store root is owned by uid {owner}, not by this user (uid {os.geteuid()})",
+            path=root,
+            fix=f"run as the owner, or pass --allow-foreign-owner ({ALLOW_FOREIGN_ENV}=1)",
+        )
+
+
+def check_layout(layout: StorePaths) -> None:
+    """For a read-only open: every directory of the layout exists as a real directory."""
+    for name in SUBDIRS:
+        try:
+            st = os.lstat(layout.root / name)
+        except FileNotFoundError:
+            raise RootError(f"store layout is incomplete: {name}/ is missing",
+                            path=layout.root / name,
+                            fix="open the store once as its owner (e.g. `spoolctl status`) "
+                                "to recreate it") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise RootError("expected a directory, found a symlink or file",
+                            path=layout.root / name, fix="inspect the store before using it")
+
+
+def unfinished_init(layout: StorePaths) -> list[Path] | None:
+    """If ``layout.root`` (a directory without a marker) holds nothing but what an
+    interrupted or failed ``init`` creates, return the marker drafts it left in ``tmp/``
+    (to remove); else None.
+
+    What init creates before the marker: the top directories of the layout, empty fan-out
+    directories under ``objects/`` and ``manifests/``, and one small draft of the marker
+    in ``tmp/``. Anything else (a file, a symlink, an object, a manifest, a catalog, a
+    fan-out directory that is not empty) means the directory is not ours: refused. An
+    empty directory is not an unfinished init (``init`` creates a store there anyway; other
+    commands see an empty vLLM base root, as a fresh or an unmounted one looks).
+    """
+    drafts: list[Path] = []
+    try:
+        names = os.listdir(layout.root)
+        if not names:  # empty: nothing was started here (a fresh or unmounted vLLM root)
+            return None
+        for name in names:
+            path = layout.root / name
+            if name not in SUBDIRS or not stat.S_ISDIR(os.lstat(path).st_mode):
+                return None
+            for child in os.listdir(path):
+                cst = os.lstat(path / child)
+                if name in ("objects", "manifests") and child in FANOUT and \
+                        stat.S_ISDIR(cst.st_mode) and not os.listdir(path / child):
+                    continue
+                if name == "tmp" and tmp_writer(child) is not None and \
+                        stat.S_ISREG(cst.st_mode) and cst.st_size <= 1 << 16:
+                    drafts.append(path / child)
+                    continue
+                return None
+    except OSError:
+        return None
+    return drafts
+
+
+def create_or_adopt(
+    root: Path, *, create: bool, max_bytes: int | None, allow_foreign_owner: bool = False,
+    read_only: bool = False,
+) -> tuple[StorePaths, Marker]:
+    """Open the root at ``root``; create it when ``create`` and it is new or empty.
+
+    Refuses a non-empty directory without a marker, a marker of another schema or with
+    malformed fields, and (unless ``allow_foreign_owner``) a root, even an empty one, owned
+    by another user. ``max_bytes`` (when given) is recorded in the marker. ``read_only``
+    writes nothing: no directory or marker is created, repaired or rewritten.
+    """
+    layout = StorePaths(root)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise RootError("store root is not a directory", path=root, fix="choose another --root")
+    has_marker = st is not None and os.path.lexists(layout.marker)
+    if read_only:
+        if st is None:
+            raise RootError("store root does not exist", path=root, fix="check the path")
+        marker = read_marker(layout)
+        check_layout(layout)
+        return layout, marker
+    if not has_marker:
+        if not create:
+            if st is None:
+                raise RootError("store root does not exist", path=root,
+                                fix="run `spoolctl init --root PATH` first, or check the path")
+            if unfinished_init(layout) is not None:
+                raise RootError("an unfinished `spoolctl init` (no .spoolctl-root marker yet)",
+                                path=root, fix="run `spoolctl init --root PATH` again to "
+                                               "finish it")
+            read_marker(layout)  # raises the "not a spoolctl store" error
+        leftovers: list[Path] | None = []
+        if st is not None and os.listdir(root):
+            # An init that was interrupted (Ctrl-C) or failed (no inodes left) leaves its
+            # directories without the marker; the next init finishes it (issue 30.1).
+            leftovers = unfinished_init(layout)
+            if leftovers is None:
+                raise RootError(
+                    "refusing to adopt a non-empty directory without a .spoolctl-root marker",
+                    path=root,
+                    fix="point --root at an empty or new directory",
+                )
+        if st is not None:
+            # The foreign-owner rule holds from the first open: an empty directory someone
+            # else owns is theirs (creating the store in it would seed files they cannot use).
+            check_owner(root, allow_foreign_owner=allow_foreign_owner, st=st)
+        # Every directory made on the way gets DIR_MODE, not what the umask leaves, and the
+        # root's mode is set through its own descriptor, never through a path a writer of
+        # a parent could swap for a link meanwhile (issue 35.4).
+        fd = dirfd.makedirs(root, DIR_MODE)
+        try:
+            os.fchmod(fd, DIR_MODE)
+        finally:
+            os.close(fd)
+        marker = Marker(store_id=secrets.token_hex(8), created=time.time(), max_bytes=max_bytes)
+        ensure_layout(layout)
+        faults.checkpoint("init.layout_made")
+        for part in leftovers or ():  # the unfinished init's own marker draft
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+        write_marker(layout, marker, new=True)
+        return layout, marker
+    check_owner(root, allow_foreign_owner=allow_foreign_owner)
+    marker = read_marker(layout)
+    ensure_layout(layout)
+    if max_bytes is not None and max_bytes != marker.max_bytes:
+        marker = Marker(store_id=marker.store_id, created=marker.created, max_bytes=max_bytes)
+        write_marker(layout, marker)
+    return layout, marker

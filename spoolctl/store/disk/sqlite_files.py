@@ -1,0 +1,307 @@
+"""The store's SQLite databases (catalog, scrub progress, request queue): opened one way,
+and their errors classified one way, by SQLite's result codes.
+
+``error_code`` reads the primary result code of a ``sqlite3`` exception: Python 3.11+
+carries it (``sqlite_errorcode``); on 3.10 it is recovered from the message, which SQLite
+builds from fixed per-code strings (``sqlite3_errstr``). ``is_damaged`` says whether an
+error means the file itself is not what spoolctl wrote (rebuild or reset it);
+``sqlite_error`` turns any other error into the store's own error with its fix.
+
+Before SQLite sees a path, ``check_files`` makes sure the database and its ``-wal`` /
+``-shm`` companions are regular files (or absent): SQLite would follow a symlink out of
+the store, and block forever reading a FIFO. A special file there is damage
+(``DamagedDatabaseError``: quarantined and rebuilt or reset like a corrupt one).
+``connect_read_only`` opens a database without creating or writing anything, for a
+process that may not write the store (``Store.open(..., read_only=True)``).
+
+Whoever can write the store can plant views and triggers in these files (issue 35.3): a
+``BEFORE INSERT ON meta`` trigger or a view over an endless recursive query would spin
+every process that opens the file, root's maintenance included. So every connection
+(``_guarded``) has a deadline on every statement (``STATEMENT_DEADLINE``, enforced by a
+progress handler: a statement past it fails with SQLITE_INTERRUPT), and, before any
+statement touches a table, its schema is compared
+with what spoolctl's own DDL creates (``check_schema``): a table, index, trigger or view
+that is not ours, or one of ours with other SQL, is damage (``DamagedDatabaseError``:
+rebuilt or reset like a corrupt file, a finding for ``doctor``). Missing objects of
+ours are fine (a file of an older spoolctl: the DDL adds them). Parsing a schema runs
+none of it, so reading ``sqlite_master`` is safe. ``PRAGMA trusted_schema=OFF`` is not
+used: SQLite then refuses to parse our own catalog (its ``entries_malformed`` index calls
+``json_valid()``, "unsafe use"), and once every object is proved ours it adds nothing
+(decision 2001).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+import sqlite3
+import stat
+import time
+from pathlib import Path
+from typing import Literal
+from urllib.parse import quote
+
+from ...errors import BusyError, SpoolError, StoreIOError
+from .fsio import file_kind, precreate_private
+from .space import INODE_FIX, inodes_short, no_inodes_detail
+
+# Primary result codes (https://sqlite.org/rescode.html); sqlite3 exports them only on 3.11+.
+SQLITE_ERROR = 1
+SQLITE_PERM = 3
+SQLITE_BUSY = 5
+SQLITE_LOCKED = 6
+SQLITE_INTERRUPT = 9
+SQLITE_READONLY = 8
+SQLITE_IOERR = 10
+SQLITE_CORRUPT = 11
+SQLITE_FULL = 13
+SQLITE_CANTOPEN = 14
+SQLITE_NOTADB = 26
+SUFFIXES = ("", "-wal", "-shm")
+
+# A static statement of ours failing with SQLITE_ERROR means the schema it names is gone or
+# altered ("no such table", "no such column"): the database is not the one we created.
+DAMAGE_CODES = frozenset({SQLITE_ERROR, SQLITE_CORRUPT, SQLITE_NOTADB})
+
+# Python 3.10 fallback: message fragments -> primary code, first match wins. The texts are
+# SQLite's own (sqlite3_errstr, and the schema errors of the SQL compiler).
+_TEXT_CODES: tuple[tuple[str, int], ...] = (
+    ("database disk image is malformed", SQLITE_CORRUPT),
+    ("malformed database schema", SQLITE_CORRUPT),
+    ("file is not a database", SQLITE_NOTADB),
+    ("database table is locked", SQLITE_LOCKED),
+    ("database is locked", SQLITE_BUSY),
+    ("interrupted", SQLITE_INTERRUPT),
+    ("database or disk is full", SQLITE_FULL),
+    ("disk i/o error", SQLITE_IOERR),
+    ("attempt to write a readonly database", SQLITE_READONLY),
+    ("unable to open database file", SQLITE_CANTOPEN),
+    ("no such table", SQLITE_ERROR),
+    ("no such column", SQLITE_ERROR),
+    ("has no column named", SQLITE_ERROR),
+)
+
+
+class DamagedDatabaseError(sqlite3.DatabaseError):
+    """Raised by spoolctl's own checks: the file opened as SQLite but is not what spoolctl
+    wrote (another schema version, a failed quick_check, a malformed row)."""
+
+
+def error_code(exc: sqlite3.Error) -> int | None:
+    """The primary SQLite result code of ``exc``, or None if SQLite did not raise it."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF
+    text = str(exc).lower()
+    for fragment, value in _TEXT_CODES:
+        if fragment in text:
+            return value
+    return None
+
+
+def is_damaged(exc: sqlite3.Error) -> bool:
+    """True if ``exc`` shows the database file is damaged or foreign (quarantine and rebuild
+    it); False for a transient or environmental failure (busy, I/O, full, read-only...)."""
+    return isinstance(exc, DamagedDatabaseError) or error_code(exc) in DAMAGE_CODES
+
+
+def sqlite_error(exc: sqlite3.Error, path: Path, what: str = "catalog") -> SpoolError:
+    """The store's error for a failure of the database at ``path`` that is not damage."""
+    code = error_code(exc)
+    if code in (SQLITE_BUSY, SQLITE_LOCKED):
+        return BusyError(f"{what} is locked by another process", path=path,
+                         fix="retry; if it persists check `spoolctl status` for the owner")
+    if code == SQLITE_INTERRUPT:
+        return StoreIOError(f"{what} query ran past its {STATEMENT_DEADLINE:.0f} s deadline",
+                            path=path, fix="run `spoolctl doctor`: a file planted in the "
+                            "store's state/ can make queries endless")
+    if no_space(exc, path):
+        if (short := inodes_short(path.parent)) is not None:
+            return StoreIOError(f"{what} write failed: No space left on device: "
+                                f"{no_inodes_detail(short)}", path=path, errno=errno.ENOSPC,
+                                fix=INODE_FIX)
+        return StoreIOError(f"{what} write failed: No space left on device", path=path,
+                            errno=errno.ENOSPC,
+                            fix="free disk space: `spoolctl clean --released` and lowering "
+                                "the max size work on a full disk (docs/runbook.md)")
+    if code in (SQLITE_READONLY, SQLITE_PERM, SQLITE_CANTOPEN):
+        return StoreIOError(f"{what} cannot be written ({exc})", path=path,
+                            fix="the file, its directory or the filesystem is read-only or "
+                                "owned by another user: `spoolctl doctor` names which",
+                            errno=errno.EACCES)
+    return StoreIOError(f"{what} I/O failed: {exc}", path=path,
+                        fix="check free space and the disk (`spoolctl doctor`)")
+
+
+def no_space(exc: sqlite3.Error, path: Path) -> bool:
+    """True if ``exc`` means the disk under the database at ``path`` is full. SQLite
+    reports a failed -shm/-wal extension on a full disk as an I/O error, not SQLITE_FULL."""
+    code = error_code(exc)
+    if code in (SQLITE_IOERR, SQLITE_CANTOPEN) and inodes_short(path.parent) is not None:
+        return True  # no inode for the -wal/-shm file: SQLite says "unable to open"
+    return code == SQLITE_FULL or (code == SQLITE_IOERR and _disk_full(path))
+
+
+def _disk_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path.parent).free < (64 << 10)
+    except OSError:
+        return False
+
+
+def check_files(path: Path) -> None:
+    """Raise DamagedDatabaseError if the database at ``path`` or its -wal/-shm file exists
+    and is not a regular file (a FIFO, a symlink, a directory...)."""
+    for suffix in SUFFIXES:
+        p = path.with_name(path.name + suffix)
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise DamagedDatabaseError(f"{p.name} is not a regular file ({file_kind(st.st_mode)})")
+
+
+# Seconds one statement may run before the progress handler interrupts it. A statement of
+# spoolctl's over a million-entry catalog takes well under a second (decision 1403); a bulk
+# rebuild is one ``executemany`` per table, seconds. Only a planted query gets near this.
+STATEMENT_DEADLINE = 120.0
+# The handler runs every this many SQLite VM instructions (about a millisecond of work).
+_PROGRESS_STEPS = 10_000
+
+
+class _Guarded(sqlite3.Connection):
+    """A connection whose every statement has a deadline (``STATEMENT_DEADLINE``): each
+    ``execute``/``executemany``/``executescript`` starts a new one, and the rows of a
+    query fetched later still count against the statement's own."""
+
+    deadline_s: float = STATEMENT_DEADLINE
+    _until: float = 0.0
+
+    def _start(self) -> None:
+        self._until = time.monotonic() + self.deadline_s
+
+    def _late(self) -> int:
+        return 1 if time.monotonic() > self._until else 0  # nonzero: SQLITE_INTERRUPT
+
+    def execute(self, *args, **kwargs):  # type: ignore[override]
+        self._start()
+        return super().execute(*args, **kwargs)
+
+    def executemany(self, *args, **kwargs):  # type: ignore[override]
+        self._start()
+        return super().executemany(*args, **kwargs)
+
+    def executescript(self, *args, **kwargs):  # type: ignore[override]
+        self._start()
+        return super().executescript(*args, **kwargs)
+
+
+def _guarded(target: str, *, uri: bool = False, timeout: float,
+             deadline: float | None = None) -> _Guarded:
+    """``sqlite3.connect`` in autocommit mode with the guards of the module docstring."""
+    db = sqlite3.connect(target, uri=uri, timeout=timeout, isolation_level=None,
+                         check_same_thread=False, factory=_Guarded)
+    assert isinstance(db, _Guarded)
+    if deadline is not None:
+        db.deadline_s = deadline
+    db._start()
+    db.set_progress_handler(db._late, _PROGRESS_STEPS)
+    return db
+
+
+@functools.lru_cache(maxsize=8)
+def _expected_schema(ddl: str) -> frozenset[tuple[str, str, str, str | None]]:
+    """(type, name, table, sql) of every object ``ddl`` creates (applied to an empty
+    in-memory database, so the text is SQLite's own normalised form of ours)."""
+    mem = sqlite3.connect(":memory:")
+    try:
+        mem.executescript(ddl)
+        return frozenset(mem.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+    finally:
+        mem.close()
+
+
+def check_schema(db: sqlite3.Connection, ddl: str, *, earlier: tuple[str, ...] = ()) -> None:
+    """Raise DamagedDatabaseError if the database holds a table, index, trigger or view
+    that ``ddl`` does not create, or one of the same name with other SQL. ``earlier``: the
+    DDL of schemas earlier spoolctl versions created, whose objects are ours too (the caller
+    migrates them). Reading ``sqlite_master`` runs none of them (nor does anything else
+    before this returns)."""
+    expected = frozenset().union(*(_expected_schema(d) for d in (ddl, *earlier)))
+    found = db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
+    for row in found:
+        if tuple(row) not in expected:
+            kind, name = str(row[0])[:20], str(row[1])[:80]
+            raise DamagedDatabaseError(f"holds a {kind} {name!r} that spoolctl did not create "
+                                       "(or altered)")
+
+
+def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None,
+                      deadline: float | None = None, snapshot: bool = False
+                      ) -> sqlite3.Connection:
+    """A connection that never writes or creates anything (``mode=ro``), falling back to
+    ``immutable=1`` when SQLite cannot set up its shared-memory index (a WAL database
+    whose directory this process cannot write, with no readable -shm file). Immutable
+    reads the main file only: a snapshot that may lack the newest commits of a writer
+    that is running right now, never a torn one. Raises sqlite3 errors as they come
+    (absent file: SQLITE_CANTOPEN). ``ddl``: the schema the file must keep to
+    (``check_schema``; DamagedDatabaseError otherwise, the connection closed).
+    ``deadline``: seconds per statement (default ``STATEMENT_DEADLINE``). ``snapshot``:
+    immutable at once -- not even the -shm/-wal files that ``mode=ro`` creates where it
+    can (another host's store, read and never touched: ``peer``)."""
+    check_files(path)
+    if not path.exists():
+        raise sqlite3.OperationalError("unable to open database file")
+    uri = "file:" + quote(str(path), safe="/")
+    db = None
+    try:
+        if not snapshot:
+            db = _guarded(f"{uri}?mode=ro", uri=True, timeout=timeout, deadline=deadline)
+            try:
+                db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            except BaseException:
+                db.close()
+                raise
+    except sqlite3.OperationalError as exc:
+        if error_code(exc) not in (SQLITE_CANTOPEN, SQLITE_READONLY, SQLITE_IOERR,
+                                   SQLITE_PERM):
+            raise
+        db = None
+    if db is None:
+        db = _guarded(f"{uri}?mode=ro&immutable=1", uri=True, timeout=timeout,
+                      deadline=deadline)
+    if ddl is not None:
+        try:
+            check_schema(db, ddl)
+        except BaseException:
+            db.close()
+            raise
+    return db
+
+
+def connect_private(
+    path: Path, *, ddl: str, synchronous: Literal["NORMAL", "FULL"], timeout: float = 30,
+    earlier_ddl: tuple[str, ...] = (),
+) -> sqlite3.Connection:
+    """A WAL-mode connection to ``path`` (created 0600: SQLite would make it 0644, and its
+    -wal/-shm files inherit the mode), with ``ddl`` applied once the file's schema proved
+    to be ``ddl``'s or one of ``earlier_ddl``'s (``check_schema``; migrating an earlier one
+    is the caller's job). Autocommit mode; the caller manages transactions.
+    The connection is closed again if setup fails. A special file in the database's place,
+    or a schema that is not ours, raises DamagedDatabaseError before SQLite runs anything
+    of the file's."""
+    check_files(path)
+    precreate_private(path)
+    db = _guarded(str(path), timeout=timeout)
+    try:
+        check_schema(db, ddl, earlier=earlier_ddl)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        db.executescript(ddl)
+    except BaseException:
+        db.close()
+        raise
+    return db

@@ -1,0 +1,3 @@
+"""What the store writes, as pure data: entry keys, manifests, digests, entry tags, sizes, clocks
+(no I/O).
+"""

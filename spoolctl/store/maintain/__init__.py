@@ -1,0 +1,3 @@
+"""Maintenance: garbage collection, recovery, scrub, quarantine, cleaning, doctor, and the
+background maintainer.
+"""

@@ -1,0 +1,175 @@
+"""Archives that prove their author: an Ed25519 signature next to an export archive
+(decision 2800, "signed archives").
+
+``<archive>.sig`` is a small JSON document: the BLAKE3 digest of every byte of the archive and
+an Ed25519 signature over it by the fleet's signing key. Exporting hosts hold the private key
+(``export --sign-key``); importing hosts hold only the public key (``import --require-signed
+--verify-key``), so an importer cannot forge an archive (which a shared HMAC key would allow).
+
+``verified_copy`` copies the archive into a private temporary file while hashing it and checks
+the signature *before* anything is imported; the import then reads that private copy, so the
+bytes imported are the bytes verified even if someone rewrites the original meanwhile.
+Keys are PEM files (``openssl genpkey -algorithm ed25519 -out fleet.key``; ``openssl pkey -in
+fleet.key -pubout -out fleet.pub``); the private key file must be private (0600, not a symlink).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from ...errors import ArchiveError, ConfigError
+
+SCHEMA = "spoolctl-archive-sig/v1"
+ALGORITHM = "ed25519"
+_CONTEXT = b"spoolctl-archive-sig/v1\x00"
+_CHUNK = 1 << 20
+_MAX_KEY = 16 << 10
+_MAX_SIG = 64 << 10
+
+
+def sig_path(archive: Path) -> Path:
+    return archive.with_name(archive.name + ".sig")
+
+
+def _read_key_file(path: Path, *, private: bool) -> bytes:
+    what = "signing key" if private else "verify key"
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise ConfigError(f"the {what} file cannot be read ({os.strerror(exc.errno or 0)})",
+                          path=path, fix="pass the PEM file (not a symlink), readable by "
+                                         "this user") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"the {what} file is not a regular file", path=path,
+                              fix="pass the PEM file itself")
+        if private and st.st_mode & 0o077:
+            raise ConfigError(f"the signing key file has mode {stat.S_IMODE(st.st_mode):04o}",
+                              path=path, fix=f"chmod 600 {path}")
+        return os.read(fd, _MAX_KEY)
+    finally:
+        os.close(fd)
+
+
+def _lib() -> Any:
+    try:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError:
+        raise ConfigError("signed archives need the `cryptography` package",
+                          fix="pip install 'spoolctl[crypto]'") from None
+    return InvalidSignature, serialization, ed25519
+
+
+def _raw_public(public: Any) -> bytes:
+    _, serialization, _ = _lib()
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def key_id(public: Any) -> str:
+    return blake3.blake3(b"spoolctl-fleet-key/v1" + _raw_public(public)).hexdigest()[:16]
+
+
+def load_signing_key(path: str | os.PathLike[str]) -> Any:
+    _, serialization, ed25519 = _lib()
+    path = Path(path)
+    try:
+        key = serialization.load_pem_private_key(_read_key_file(path, private=True), None)
+    except (ValueError, TypeError):
+        key = None
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise ConfigError("the signing key file is not an Ed25519 private key (PEM)", path=path,
+                          fix="make one: openssl genpkey -algorithm ed25519 -out fleet.key")
+    return key
+
+
+def load_verify_key(path: str | os.PathLike[str]) -> Any:
+    _, serialization, ed25519 = _lib()
+    path = Path(path)
+    try:
+        key = serialization.load_pem_public_key(_read_key_file(path, private=False))
+    except (ValueError, TypeError):
+        key = None
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise ConfigError("the verify key file is not an Ed25519 public key (PEM)", path=path,
+                          fix="make it from the signing key: openssl pkey -in fleet.key -pubout")
+    return key
+
+
+def _digest_file(path: Path, copy_to: int | None = None) -> str:
+    hasher = blake3.blake3()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            hasher.update(chunk)
+            if copy_to is not None:
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(copy_to, view):]
+    return hasher.hexdigest()
+
+
+def sign_archive(archive: Path, key: Any) -> Path:
+    """Write ``<archive>.sig`` for the finished archive file ``archive``; returns its path."""
+    digest = _digest_file(archive)
+    doc = {"schema": SCHEMA, "alg": ALGORITHM, "key_id": key_id(key.public_key()),
+           "blake3": digest, "signature": key.sign(_CONTEXT + digest.encode()).hex()}
+    out = sig_path(archive)
+    tmp = out.with_name(out.name + ".part")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+@contextlib.contextmanager
+def verified_copy(archive: Path, public: Any) -> Iterator[Path]:
+    """A private copy of ``archive`` whose signature ``<archive>.sig`` verifies under
+    ``public``; ArchiveError (one line, nothing imported) for a missing, malformed, forged or
+    foreign signature. The copy is removed on exit."""
+    invalid, _, _ = _lib()
+    sig = sig_path(archive)
+    try:
+        raw = sig.read_bytes()[:_MAX_SIG + 1]
+    except FileNotFoundError:
+        raise ArchiveError("the archive is not signed (no .sig next to it)", path=archive,
+                           fix="export it with --sign-key, or import without --require-signed"
+                               " if you vouch for it") from None
+    try:
+        doc = json.loads(raw)
+        if doc.get("schema") != SCHEMA or doc.get("alg") != ALGORITHM:
+            raise ValueError
+        digest, signature = str(doc["blake3"]), bytes.fromhex(str(doc["signature"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ArchiveError("the archive's signature file is malformed", path=sig,
+                           fix="export the archive again with --sign-key") from None
+    if doc.get("key_id") != key_id(public):
+        raise ArchiveError(f"the archive is signed by another key ({str(doc.get('key_id'))[:16]}"
+                           f"; this verify key is {key_id(public)})", path=sig,
+                           fix="import only archives signed by your fleet's key")
+    try:
+        public.verify(signature, _CONTEXT + digest.encode())
+    except invalid:
+        raise ArchiveError("the archive's signature does not verify (forged)", path=sig,
+                           fix="do not import it; find who wrote it") from None
+    with tempfile.TemporaryDirectory(prefix="spoolctl-import-") as tmp:
+        copy = Path(tmp) / "archive.tar"
+        fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            actual = _digest_file(archive, copy_to=fd)
+        finally:
+            os.close(fd)
+        if actual != digest:
+            raise ArchiveError("the archive's bytes are not the ones signed (altered after "
+                               "signing)", path=archive, fix="do not import it; export it again")
+        yield copy
