@@ -10,6 +10,7 @@ cannot drift from the code. Run after moving or adding a module:
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def summary(path: Path) -> str:
     """The first line of a module's docstring, made safe for a table cell."""
     doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
     first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    # The page is for readers outside the tracker: issue citations stay in the code.
+    first = re.sub(r"\s*\((?:[^()]*;\s*)?issues? [0-9][^()]*\)", "", first)
     return first.replace("|", "\\|") or "(no docstring)"
 
 
