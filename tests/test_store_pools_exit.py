@@ -23,7 +23,8 @@ pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test
 CHILD = textwrap.dedent("""
     import atexit, json, os, sys
     from pathlib import Path
-    from spoolctl.store import Store, dirfd, fsio
+    from spoolctl.store import Store
+    from spoolctl.store.disk import dirfd, fsio
 
     root, mode = Path(sys.argv[1]), sys.argv[2]
     BIG = os.urandom(5 << 20)  # over INLINE_HASH_MAX: the verified read pipelines its hash

@@ -191,7 +191,8 @@ def test_an_unreadable_object_is_damage_to_no_reader(base: Path) -> None:
     obj.chmod(0)
     code = textwrap.dedent(f"""
         import json
-        from spoolctl.store import Store, StoreIOError, exporter
+        from spoolctl.store import Store, StoreIOError
+        from spoolctl.store.transfer import exporter
         from spoolctl.store.maintain.auth_requests import authenticate
         from spoolctl.store.maintain.scrub import Scrubber
         root, entry_id, out = {str(root)!r}, {made[0].entry_id!r}, {{}}

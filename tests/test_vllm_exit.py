@@ -67,7 +67,7 @@ def test_store_commit_and_verified_read_work_from_an_atexit_handler(tmp_path: Pa
 _STAGER = """
     import sys, threading, time
     import torch
-    from spoolctl.connector import exitdrain
+    from spoolctl.connector.worker_side import exitdrain
     from spoolctl.connector.worker_side.capture import ChunkStager
     from spoolctl.connector.kv.kvio import DONE
     from spoolctl.connector.stats import ConnectorCounters
