@@ -26,13 +26,11 @@ and is imported here only. Contracts:
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
 import secrets
 import shlex
-import stat
 import struct
 import subprocess
 import time
@@ -47,6 +45,7 @@ from ..errors import ConfigError, CorruptionError, KeyUnavailableError, Quaranti
 from .commit.committer import PutRequest
 from .disk.fsio import SpecialFileError, fsync_dir, open_for_read, write_tmp
 from .disk.locks import hold
+from .format.entry_tags import read_key_file
 
 FILE_ENV = "SPOOLCTL_MASTER_KEY_FILE"
 VALUE_ENV = "SPOOLCTL_MASTER_KEY"
@@ -134,33 +133,8 @@ class MasterKey:
         """The key in ``path``: an absolute path to a regular file (not a symlink) owned by
         this user or root, with no access for group or others; ConfigError otherwise."""
         path = Path(path)
-        if not path.is_absolute():
-            raise ConfigError("the master key file must be an absolute path", path=path,
-                              fix=f"set {FILE_ENV} to an absolute path")
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
-            getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            why = "is a symlink" if exc.errno == errno.ELOOP else \
-                f"cannot be read ({os.strerror(exc.errno or 0)})"
-            raise ConfigError(f"the master key file {why}", path=path,
-                              fix="point at the real key file, readable by this user") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError("the master key file is not a regular file", path=path,
-                                  fix="write the key into a regular file")
-            if st.st_uid not in (os.geteuid(), 0):
-                raise ConfigError("the master key file belongs to another user", path=path,
-                                  fix="own it by the service account or root")
-            if st.st_mode & 0o077:
-                raise ConfigError(f"the master key file has mode {stat.S_IMODE(st.st_mode):04o}:"
-                                  " its group or others can access it", path=path,
-                                  fix=f"chmod 600 {path}")
-            data = os.read(fd, _MAX_KEY_FILE + 1)
-        finally:
-            os.close(fd)
+        data = read_key_file(path, what="the master key file", env=FILE_ENV, others=0o077,
+                             mode_fix=f"chmod 600 {path}")
         text = data.decode("ascii", "replace") if len(data) <= _MAX_KEY_FILE else ""
         return cls.from_hex(text, str(path))
 

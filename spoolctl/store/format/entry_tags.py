@@ -89,33 +89,8 @@ class TagKey:
         regular file, not a symlink, owned by this user or root, with no access for others
         and no group write."""
         path = Path(path)
-        if not path.is_absolute():
-            raise ConfigError("the tag key file must be an absolute path", path=path,
-                              fix=f"set {KEY_FILE_ENV} to an absolute path")
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
-            getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            why = "is a symlink" if exc.errno == errno.ELOOP else \
-                f"cannot be read ({os.strerror(exc.errno or 0)})"
-            raise ConfigError(f"the tag key file {why}", path=path,
-                              fix="point at the real key file, readable by this user") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError("the tag key file is not a regular file", path=path,
-                                  fix="write the key into a regular file")
-            if st.st_uid not in (os.geteuid(), 0):
-                raise ConfigError("the tag key file belongs to another user", path=path,
-                                  fix="own it by the service account or root")
-            if st.st_mode & 0o027:
-                raise ConfigError(f"the tag key file has mode {stat.S_IMODE(st.st_mode):04o}: "
-                                  "others can read it or its group can write it", path=path,
-                                  fix=f"chmod 600 {path} (or 640 with a group of its readers)")
-            data = os.read(fd, _MAX_KEY_FILE + 1)
-        finally:
-            os.close(fd)
+        data = read_key_file(path, what="the tag key file", env=KEY_FILE_ENV, others=0o027,
+                             mode_fix=f"chmod 600 {path} (or 640 with a group of its readers)")
         try:
             text = data.decode("ascii")
         except UnicodeDecodeError:
@@ -180,3 +155,38 @@ def check_tag_field(value: Any) -> dict[str, str]:
             isinstance(v, str) and len(v) <= 128 for v in value.values()):
         raise ValueError("malformed authentication tag")
     return dict(value)
+
+
+def read_key_file(path: Path, *, what: str, env: str, others: int, mode_fix: str) -> bytes:
+    """The bytes of a key file (at most ``_MAX_KEY_FILE + 1``: a longer file is no key),
+    checked the one way every key file of spoolctl is (the tag key, the master key):
+    an absolute path to a regular file, not a symlink, owned by this user or root, with
+    none of the ``others`` mode bits. ConfigError naming ``what``, the file and the fix."""
+    if not path.is_absolute():
+        raise ConfigError(f"{what} must be an absolute path", path=path,
+                          fix=f"set {env} to an absolute path")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        why = "is a symlink" if exc.errno == errno.ELOOP else \
+            f"cannot be read ({os.strerror(exc.errno or 0)})"
+        raise ConfigError(f"{what} {why}", path=path,
+                          fix="point at the real key file, readable by this user") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{what} is not a regular file", path=path,
+                              fix="write the key into a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ConfigError(f"{what} belongs to another user", path=path,
+                              fix="own it by the service account or root")
+        if st.st_mode & others:
+            who = "others can read it or its group can write it" if others == 0o027 else \
+                "its group or others can access it"
+            raise ConfigError(f"{what} has mode {stat.S_IMODE(st.st_mode):04o}: {who}",
+                              path=path, fix=mode_fix)
+        return os.read(fd, _MAX_KEY_FILE + 1)
+    finally:
+        os.close(fd)
