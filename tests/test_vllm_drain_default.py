@@ -49,7 +49,7 @@ def test_the_connector_calls_the_check_at_start_up() -> None:
     (read from the source: importing the connector imports vLLM, ~15 s)."""
     import ast
 
-    source = (Path(exitdrain.__file__).parent / "connector.py").read_text()
+    source = (Path(exitdrain.__file__).parent.parent / "connector.py").read_text()
     init = next(n for n in ast.walk(ast.parse(source))
                 if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     calls = {n.func.id for n in ast.walk(init)
