@@ -22,7 +22,7 @@ from operator_cli import run, run_json, script
 
 from spoolctl.store import Store, StoreIOError
 from spoolctl.store.disk.faults import CRASH_EXIT_CODE
-from spoolctl.store.disk.root import Layout, ensure_layout
+from spoolctl.store.disk.root import StorePaths, ensure_layout
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 
@@ -63,7 +63,7 @@ def test_init_killed_half_way_is_finished_by_the_next_init(store_root: Path, poi
 def test_init_still_refuses_a_directory_holding_anything_else(store_root: Path,
                                                              extra: str) -> None:
     store_root.mkdir(mode=0o700)
-    ensure_layout(Layout(store_root))  # what init makes before its marker
+    ensure_layout(StorePaths(store_root))  # what init makes before its marker
     target = store_root / extra
     if extra.endswith("/"):
         target.mkdir()

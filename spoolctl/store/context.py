@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from .catalog.index import Catalog
-    from .disk.root import Layout, Marker
+    from .disk.root import Marker, StorePaths
     from .format.entry_tags import TagKey
     from .maintain.quarantining import EntryQuarantine
 
@@ -65,7 +65,7 @@ class WritableGuard:
 class PartContext:
     """The narrow view of one store its parts work through (see the module docstring)."""
 
-    layout: Layout
+    layout: StorePaths
     catalog: Callable[[], Catalog]
     checkpoint: Callable[[str], None]
     quarantine: EntryQuarantine

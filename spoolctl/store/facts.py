@@ -23,7 +23,7 @@ from .maintain.gc import tmp_usage
 from .maintain.scrub_state import ScrubState, ScrubSummary
 
 if TYPE_CHECKING:
-    from .disk.root import Layout, Marker
+    from .disk.root import Marker, StorePaths
     from .maintain.quarantine import QuarantineItem
 
 
@@ -120,7 +120,7 @@ class FactSource(Protocol):
     """What ``collect`` reads of a store (``Store`` is one): named here so that this module,
     below the ``Store`` facade, does not import it (decision 2520)."""
 
-    layout: Layout
+    layout: StorePaths
     marker: Marker
     read_only: bool
     unknown_files: list[str]

@@ -19,7 +19,7 @@ from .format.keys import validate_entry_id, validate_entry_prefix
 from .maintain.gc import tmp_usage
 
 if TYPE_CHECKING:
-    from .disk.root import Layout
+    from .disk.root import StorePaths
 
 T = TypeVar("T")
 
@@ -27,7 +27,7 @@ T = TypeVar("T")
 class Queries:
     """A store's queries (see the module docstring)."""
 
-    def __init__(self, layout: Layout, catalog: Callable[[], Catalog],
+    def __init__(self, layout: StorePaths, catalog: Callable[[], Catalog],
                  repairing: Callable[[Callable[[], Any]], Any]):
         self._layout = layout
         self._catalog = catalog

@@ -83,7 +83,7 @@ from .disk.locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_
 from .disk.ownership import give_back
 from .disk.publish import Publisher
 from .disk.reserve import Reserve
-from .disk.root import Layout, Marker, check_root_path, create_or_adopt
+from .disk.root import Marker, StorePaths, check_root_path, create_or_adopt
 from .disk.verify import failed_object, read_verified
 from .facts import StoreFacts, collect
 from .format.entry_tags import FROM_ENVIRONMENT, TagKey
@@ -122,7 +122,7 @@ class Store:
     The parts it is composed of are built here and wired once (decision 2520).
     """
 
-    def __init__(self, layout: Layout, marker: Marker, *, lock_timeout: float,
+    def __init__(self, layout: StorePaths, marker: Marker, *, lock_timeout: float,
                  read_only: bool = False, tag_key: TagKey | None = None,
                  clock: Callable[[], float] = time.time, sealer: Sealer | None = None):
         self.layout = layout

@@ -31,7 +31,7 @@ from .index import Catalog
 
 if TYPE_CHECKING:
     from ..disk.reserve import Reserve
-    from ..disk.root import Layout
+    from ..disk.root import StorePaths
     from ..maintain.quarantine import Quarantine
 
 log = logging.getLogger("spoolctl.store")
@@ -45,7 +45,7 @@ class CatalogKeeper:
     ``exclusive_lock(what)``: the store's exclusive maintenance lock, as a context manager.
     ``has_manifests()`` / ``index_all(catalog)``: from the recovery part."""
 
-    def __init__(self, layout: Layout, *, read_only: bool, evidence: Quarantine,
+    def __init__(self, layout: StorePaths, *, read_only: bool, evidence: Quarantine,
                  exclusive_lock: Callable[[str], AbstractContextManager[Any]],
                  has_manifests: Callable[[], bool],
                  index_all: Callable[[Catalog], Any]):

@@ -81,7 +81,7 @@ from .inputs import is_bytes_like, payload_size
 
 if TYPE_CHECKING:
     from ..context import PartContext
-    from ..disk.root import Layout
+    from ..disk.root import StorePaths
 
 Payload = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
 # Flushes a batch may have in flight before staging waits for the oldest (each holds a file
@@ -511,7 +511,7 @@ class Committer:
             _discard_flushing(f)
 
 
-def object_present(layout: Layout, ref: ObjectRef) -> bool:
+def object_present(layout: StorePaths, ref: ObjectRef) -> bool:
     """True if the store holds a regular file of the right size for ``ref`` (cheap: lstat;
     its bytes are verified by every read and by scrub, like any stored object)."""
     try:

@@ -80,11 +80,6 @@ class StorePaths:
         return self.manifests / entry_id[:2] / f"{_hex64(entry_id, 'entry id')}.json"
 
 
-# The old name, for the modules other work of this round still edits (store.py,
-# catalog_health.py, doctor_scan.py); the merge renames them and drops it.
-Layout = StorePaths
-
-
 def _hex64(value: str, what: str) -> str:
     """No path is ever built from anything but 64 lowercase hex characters (the last line
     of defence against ids read from a hand-edited catalog or a foreign file)."""

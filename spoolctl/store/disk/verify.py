@@ -30,7 +30,7 @@ from ...errors import CorruptionError, NotFoundError, QuarantineReason, SpoolErr
 from ..format.digest import Hasher
 from .fsio import SpecialFileError, advise_willneed, describe_os_error, io_error, open_for_read
 from .pools import LazyPool
-from .root import Layout
+from .root import StorePaths
 
 # Granularity of the read/hash pipeline (and of the hooks' chunks).
 PIPE_CHUNK = 2 << 20
@@ -168,7 +168,7 @@ class _Quarantines(Protocol):
     """What ``failed_object`` needs of a store."""
 
     read_only: bool
-    layout: Layout
+    layout: StorePaths
 
     def quarantine_entry(self, entry_id: str, reason: QuarantineReason, detail: str, *,
                          bad_digests: list[str]) -> object: ...

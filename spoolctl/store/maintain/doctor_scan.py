@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..disk.fsio import describe_os_error, file_kind
-from ..disk.root import SUBDIRS, Layout
+from ..disk.root import SUBDIRS, StorePaths
 from ..disk.sqlite_files import SUFFIXES
 
 MAX_EXAMPLES = 5
@@ -51,7 +51,7 @@ def _examples(paths: list[str]) -> str:
     return shown + (f" and {len(paths) - MAX_EXAMPLES} more" if len(paths) > MAX_EXAMPLES else "")
 
 
-def _walk(layout: Layout, dirs_bad: list[str], owner: int) -> Iterator[os.DirEntry]:
+def _walk(layout: StorePaths, dirs_bad: list[str], owner: int) -> Iterator[os.DirEntry]:
     """Every entry under objects/, manifests/ (two levels), tmp/ and state/; directories
     that cannot be listed, or that the store's ``owner`` could not use, go to
     ``dirs_bad``."""
@@ -90,7 +90,7 @@ def _owner_cannot(st: os.stat_result, owner: int, bits: int) -> str:
     return f"mode {oct(stat.S_IMODE(st.st_mode))}" if missing else ""
 
 
-def tree_checks(layout: Layout) -> list:
+def tree_checks(layout: StorePaths) -> list:
     """Files and directories of the store that its owner cannot use (owned by another
     user, or without the owner's permission bits), and special files, in its tree."""
     root_st = os.stat(layout.root)
@@ -152,7 +152,7 @@ def tree_checks(layout: Layout) -> list:
     return out
 
 
-def catalog_write_check(layout: Layout) -> list:
+def catalog_write_check(layout: StorePaths) -> list:
     """Can this user write the catalog (file, -wal/-shm, state/)? Opens for writing
     without writing (an immutable or read-only file refuses the open)."""
     path = layout.state / "catalog.sqlite3"
@@ -190,7 +190,7 @@ def catalog_write_check(layout: Layout) -> list:
                    f"chown {st.st_uid}:{st.st_gid}); until then only read-only commands work")]
 
 
-def row_checks(layout: Layout) -> list:
+def row_checks(layout: StorePaths) -> list:
     """Malformed catalog rows (read-only; a full scan)."""
     from ..catalog.index import Catalog
 
@@ -218,7 +218,7 @@ def row_checks(layout: Layout) -> list:
                    "then clean, status and metrics skip them")]
 
 
-def scrub_checks(layout: Layout) -> list:
+def scrub_checks(layout: StorePaths) -> list:
     """Entries the last scrub could not read (the scrub moved on; they need a fix)."""
     from .scrub import SCRUB_DB, UNREADABLE, ScrubState
 
@@ -248,7 +248,7 @@ def scrub_checks(layout: Layout) -> list:
                    "next scrub cycle verifies them again")]
 
 
-def reserve_check(layout: Layout) -> list:
+def reserve_check(layout: StorePaths) -> list:
     from ..disk.reserve import Reserve
 
     reserve = Reserve(layout.state)
@@ -293,7 +293,7 @@ def _names(directory: Path) -> list[os.DirEntry]:
         return []  # unreadable directories are store.directories' finding
 
 
-def name_checks(layout: Layout) -> list:
+def name_checks(layout: StorePaths) -> list:
     """Names spoolctl never writes: in ``objects/<aa>/`` and ``manifests/<aa>/`` anything
     but that fan-out's object or manifest names, and anywhere in the tree (top level,
     ``state/``, ``quarantine/`` and its items, ``tmp/``) a name that is not UTF-8. They are

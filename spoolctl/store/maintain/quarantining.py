@@ -20,7 +20,7 @@ from ...errors import QuarantineReason
 
 if TYPE_CHECKING:
     from ..catalog.index import Catalog
-    from ..disk.root import Layout
+    from ..disk.root import StorePaths
     from .quarantine import Quarantine
 
 log = logging.getLogger("spoolctl.store")
@@ -32,7 +32,7 @@ class EntryQuarantine:
     ``catalog`` returns the open catalog, or None while a repair has it closed (the
     files are still moved: the rebuild will not see the manifest)."""
 
-    def __init__(self, layout: Layout, catalog: Callable[[], Catalog | None],
+    def __init__(self, layout: StorePaths, catalog: Callable[[], Catalog | None],
                  evidence: Quarantine, checkpoint: Callable[[str], None],
                  writable: Callable[[str], None]):
         self._layout = layout

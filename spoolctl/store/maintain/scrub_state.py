@@ -21,7 +21,7 @@ from ...errors import QuarantineReason, StoreIOError
 from ..disk.sqlite_files import DamagedDatabaseError, connect_private, connect_read_only, is_damaged
 
 if TYPE_CHECKING:
-    from ..disk.root import Layout
+    from ..disk.root import StorePaths
     from .quarantine import Quarantine
 
 log = logging.getLogger("spoolctl.store")
@@ -31,7 +31,7 @@ class StoreDirs(Protocol):
     """What the progress database needs of a store: where ``state/`` is, and the
     quarantine a damaged database goes to (``Store`` has both)."""
 
-    layout: Layout
+    layout: StorePaths
     quarantine: Quarantine
 
 SCRUB_DB = "scrub.sqlite3"
