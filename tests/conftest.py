@@ -59,6 +59,7 @@ def _starts_engines(module: object) -> bool:
     return path is not None and _engine_file(path)
 
 
+@pytest.hookimpl(optionalhook=True)  # absent without xdist (SPOOLCTL_TEST_WORKERS=1)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """``--dist loadfile``, except that the engine modules go to the first worker, first
     (decision 2201): they take turns anyway (``_engines_take_turns``), and queued last --
