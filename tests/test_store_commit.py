@@ -206,3 +206,26 @@ def test_verify_reports_healthy_entry(store: Store) -> None:
     path.write_bytes(b"z")
     with pytest.raises(CorruptionError):
         store.verify(m.entry_id)
+
+
+def test_single_put_syncs_its_directories_without_a_hand_off(
+        store: Store, store_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put's two directory fsyncs (its object's fan-out, then its manifest's) run on the
+    caller's thread: a hand-off to the flush pool and back for one directory only adds
+    thread switches to every commit (decision 2901). The real fsync still runs, in order."""
+    import threading
+
+    from spoolctl.store.commit import committer
+
+    synced: list[tuple[str, int]] = []
+    real = committer.fsync_dir
+
+    def spy(path: Path) -> None:
+        real(path)
+        synced.append((Path(path).parent.name, threading.get_ident()))
+
+    monkeypatch.setattr(committer, "fsync_dir", spy)
+    m = store.put(kind="vllm", namespace="ns", key="one", objects={"kv": b"x" * 4096})
+    assert [top for top, _ in synced] == ["objects", "manifests"]
+    assert {ident for _, ident in synced} == {threading.get_ident()}
+    assert (store_root / "manifests" / m.entry_id[:2] / f"{m.entry_id}.json").is_file()
