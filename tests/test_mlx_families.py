@@ -168,3 +168,92 @@ def test_a_base_that_would_need_cutting_back_is_not_even_read(backends, store_ro
         assert ctl.generate(h, QUESTION, 8).tokens == b.generate(None, 0, ids, 8)
     assert [r.getMessage() for r in caplog.records
             if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")] == []
+
+
+# -- mlx-lm's quantized KV cache (kv_bits, decision 2604) ----------------------------------
+
+#: The tiny Llama quantized from the first token (cut back exactly) and from token 20
+#: (inside the instructions + document prompt, so the conversion point is crossed).
+QUANTIZED = {"q4": dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0),
+             "q4-from-20": dict(kv_bits=4, kv_group_size=32, quantized_kv_start=20),
+             "q8": dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0)}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model_dir) -> dict[str, MlxBackend]:
+    out = {name: MlxBackend(tiny_model_dir, model_id="q", **kw) for name, kw in QUANTIZED.items()}
+    out["plain"] = MlxBackend(tiny_model_dir, model_id="q")
+    return out
+
+
+@pytest.mark.parametrize("name", ["q4", "q4-from-20"])
+def test_quantized_kv_disk_restore_gives_the_tokens_of_a_cold_run(quantized, name, store_root):
+    """A kv_bits cache stored by one controller and read from disk by fresh ones: greedy and
+    seeded tokens equal a cold run with the same kv_bits (which differ from full precision:
+    the quantization is really in use), also when the quantization starts mid-prompt."""
+    b = quantized[name]
+    p = params("q", DOC1)
+    with MlxCacheController(b, store_root) as ctl:
+        h = ctl.prepare(p)
+        assert h.source == "cold" and h.cached_tokens > 20
+    with MlxCacheController(b, store_root) as ctl:
+        greedy = ctl.generate(p, QUESTION, 8)
+    with MlxCacheController(b, store_root) as ctl:
+        sampled = ctl.generate(p, QUESTION, 8, **SEEDED)
+    assert greedy.handle.source == sampled.handle.source == "disk"
+    assert greedy.tokens == cold(b, DOC1)
+    assert sampled.tokens == cold(b, DOC1, **SEEDED)
+    assert cold(b, DOC1) != cold(quantized["plain"], DOC1)
+
+
+def test_quantized_kv_entry_says_bits_and_group_and_no_other_setting_reads_it(quantized,
+                                                                           store_root):
+    """The layout records bits, group size and start per layer; a model run with other
+    kv_bits, another start, or unquantized never finds the entry (another namespace) and
+    cannot load its bytes either (layout check)."""
+    with MlxCacheController(quantized["q4"], store_root) as ctl:
+        h = ctl.prepare(params("q", DOC1))
+    with Store.open(store_root) as s:
+        m = s.manifest(h.ref)
+        objects = s.read_all(m)
+    layout = m.meta["layout"]
+    assert layout["kv_quantization"] == {"bits": 4, "group_size": 32, "start": 0}
+    assert layout["classes"] == ["QuantizedKVCache"] * 2
+    assert layout["cache_layers"][0] == {"class": "QuantizedKVCache", "kv_heads": 2,
+                                         "k_head_dim": 32, "v_head_dim": 32,
+                                         "dtype": "float32", "bits": 4, "group_size": 32}
+    assert len({b.identity().get("cache_layers", "") + b.identity().get("kv_bits", "")
+                + b.identity().get("quantized_kv_start", "")
+                for b in quantized.values()}) == 4
+    for other in ("q8", "q4-from-20", "plain"):
+        b = quantized[other]
+        with pytest.raises(CacheFormatError, match="layout"):
+            b.deserialize(objects, layout, h.cached_tokens)
+        with MlxCacheController(b, store_root) as ctl:
+            o = ctl.prepare(params("q", DOC1))
+            assert o.source == "cold" and o.reused_tokens == 0
+            assert ctl.stats()["load_failures"] == 0
+
+
+@pytest.mark.parametrize("name", ["q4", "q4-from-20"])
+def test_quantized_kv_near_miss_reuses_only_the_exact_prefix(quantized, name, store_root):
+    """A near miss inside the document reuses no more than the shared tokens: quantized from
+    the first token, the doc1 entry is cut back (mlx-lm's ``QuantizedKVCache`` is
+    trimmable, per token); quantized from token 20, no cut is trusted, so the first prefill
+    also stored the instructions snapshot and that is what is reused. Tokens equal a cold
+    run with the same kv_bits either way."""
+    b = quantized[name]
+    with MlxCacheController(b, store_root) as ctl:
+        ctl.prepare(params("q", DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model="q", instructions=[SYSTEM])))
+        shared = [x == y for x, y in zip(ctl.prefix_tokens(params("q", DOC1)),
+                                         ctl.prefix_tokens(params("q", DOC1_NEAR)), strict=False)]
+        common = shared.index(False) if False in shared else len(shared)
+    assert b.trimmable is (name == "q4")
+    # A cache that cannot be cut back also stored the instructions' state (decision 2602).
+    assert len(list((store_root / "manifests").rglob("*.json"))) == (1 if name == "q4" else 2)
+    with MlxCacheController(b, store_root) as ctl:
+        h = ctl.prepare(params("q", DOC1_NEAR))
+        assert h.source == "incremental"
+        assert head <= h.reused_tokens <= common
+        assert ctl.generate(h, QUESTION, 8).tokens == cold(b, DOC1_NEAR)
