@@ -257,3 +257,55 @@ def test_quantized_kv_near_miss_reuses_only_the_exact_prefix(quantized, name, st
         assert h.source == "incremental"
         assert head <= h.reused_tokens <= common
         assert ctl.generate(h, QUESTION, 8).tokens == cold(b, DOC1_NEAR)
+
+
+# -- import_cache / import_prompt_cache of these families ------------------------------------
+
+def test_import_of_a_sliding_window_cache_is_checked_and_restores_exactly(backends,
+                                                                         store_root):
+    """A cache the user prefilled with mlx-lm itself (one forward of the whole prefix, past
+    the window) is imported after the recomputation check, and a fresh controller's tokens
+    from it equal a cold run; a cache of other tokens (one changed) is refused with one
+    line and nothing is stored."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from spoolctl.errors import ConfigError
+
+    b = backends["sliding"]
+    p = params("sliding", DOC1)
+    with MlxCacheController(b, store_root) as ctl:
+        ids = ctl.prefix_tokens(p)
+        assert len(ids) > 16  # the window has rolled
+
+        def prefilled(tokens: list[int]) -> list:
+            cache = make_prompt_cache(b.model)
+            b.model(mx.array([tokens]), cache=cache)
+            return cache
+
+        with pytest.raises(ConfigError, match="does not hold these tokens") as err:
+            ctl.import_cache(p, prefilled([*ids[:-3], ids[-3] ^ 1, *ids[-2:]]))
+        assert "\n" not in str(err.value)
+        assert not list((store_root / "manifests").rglob("*.json"))
+        h = ctl.import_cache(p, prefilled(ids))
+        assert h.source == "import" and h.cached_tokens == len(ids)
+    with MlxCacheController(b, store_root) as ctl:
+        out = ctl.generate(p, QUESTION, 8)
+    assert out.handle.source == "disk" and out.tokens == cold(b, DOC1)
+
+
+def test_export_and_import_prompt_cache_of_a_state_space_model(backends, store_root,
+                                                                tmp_path):
+    """A Mamba state keeps no token count: the exported file records the tokens, so
+    ``import_prompt_cache`` of it into another store works and restores exactly."""
+    b = backends["ssm"]
+    p = params("ssm", DOC1)
+    path = tmp_path / "mamba.safetensors"
+    with MlxCacheController(b, store_root) as ctl:
+        ctl.export_prompt_cache(p, path)
+    with MlxCacheController(b, tmp_path / "other") as ctl:
+        h = ctl.import_prompt_cache(p, path)
+        assert h.source == "import"
+    with MlxCacheController(b, tmp_path / "other") as ctl:
+        out = ctl.generate(p, QUESTION, 8)
+    assert out.handle.source == "disk" and out.tokens == cold(b, DOC1)

@@ -165,3 +165,29 @@ def test_entry_layout_says_what_it_holds_and_another_family_never_reads_it(backe
                 backends[reader].deserialize(objects, m.meta["layout"], len(m.meta["tokens"])
                                              if isinstance(m.meta.get("tokens"), list)
                                              else 10)
+
+
+def test_import_of_a_sliding_window_cache_is_checked_and_restores_exactly(backends,
+                                                                         store_root):
+    """``import_cache`` of a family cache: the user's own prefill (past the window) is
+    checked against a recomputation of every state and stored; a fresh controller's tokens
+    from it equal a cold run. A cache of other tokens (one changed) is refused with one
+    line and nothing is stored."""
+    from spoolctl.errors import ConfigError
+
+    b = backends["sliding"]
+    p = params("sliding", DOC1)
+    with PyTorchCacheController(b, store_root) as ctl:
+        ids = ctl.prefix_tokens(p)
+        assert len(ids) > 16  # the window has rolled
+        other = b.prefill(b.new_cache(), [*ids[:-3], ids[-3] ^ 1, *ids[-2:]])
+        with pytest.raises(ConfigError, match="does not hold these tokens") as err:
+            ctl.import_cache(p, other)
+        assert "\n" not in str(err.value)
+        assert not list((store_root / "manifests").rglob("*.json"))
+        h = ctl.import_cache(p, b.prefill(b.new_cache(), ids))
+        assert h.source == "import" and h.cached_tokens == len(ids)
+    with PyTorchCacheController(b, store_root) as ctl:
+        out = ctl.generate(p, QUESTION, 8)
+    assert out.handle.source == "disk" and out.tokens == cold(b, DOC1)
+

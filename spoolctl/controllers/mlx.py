@@ -339,7 +339,11 @@ class MlxBackend:
     def _copy_layers(self, cache: Sequence[Any], keep: int | None) -> list[Any]:
         """A copy of a mixed-layer cache (new arrays, so mlx-lm's in-place writes into the
         copy never reach the original), cut back to ``keep`` only where mlx-lm can do it
-        exactly (a window that has not rotated; never a recurrent state)."""
+        exactly (a window that has not rotated; never a recurrent state). A plain mlx-lm
+        list (``make_prompt_cache``, ``load_prompt_cache``: an import) counts its tokens by
+        its attention layers' ``offset``."""
+        if not isinstance(cache, PromptCache) and isinstance(cache, list):
+            cache = self._counted(cache)
         if not isinstance(cache, PromptCache) or \
                 [type(c).__name__ for c in cache] != self._expected(cache.tokens)[0]:
             raise ValueError("not a prompt cache of this model")
@@ -356,6 +360,20 @@ class MlxBackend:
             if self._cache_mod.trim_prompt_cache(out, size - keep) != size - keep:
                 raise ValueError("mlx-lm trimmed fewer tokens than asked")
             out.tokens = keep
+        return out
+
+    @staticmethod
+    def _counted(cache: list[Any]) -> PromptCache:
+        """A plain mlx-lm cache list as a ``PromptCache``, its token count read from an
+        attention layer; ValueError for a state-space-only cache, which keeps no count."""
+        offsets = {int(c.offset) for c in cache if hasattr(c, "offset")}
+        if len(offsets) != 1:
+            raise ValueError("this mlx-lm cache does not say how many tokens it holds (a "
+                             "state-space-only model keeps no count): pass "
+                             "spoolctl.controllers.mlx.PromptCache(cache) with .tokens set, "
+                             "or a file from export_prompt_cache")
+        out = PromptCache(cache)
+        out.tokens = offsets.pop()
         return out
 
     def _copy_quantizing(self, cache: PromptCache, keep: int) -> PromptCache:
@@ -642,9 +660,9 @@ class MlxBackend:
         mx = self._mx
         n = len(tokens)
         rtol = _IMPORT_RTOL.get(self.dtype, 6e-2)
-        if self.layers is not None:
-            raise ValueError("importing a cache of a sliding-window or state-space model is "
-                             "not supported yet")
+        if self.layers is not None:  # states are a function of the whole prefix: recompute
+            self._check_layers_import(cache, [int(t) for t in tokens], rtol)
+            return
         if full:
             self._check_all_positions(cache, [int(t) for t in tokens], rtol)
             return
@@ -661,6 +679,37 @@ class MlxBackend:
                     if float(mx.abs(a32 - b32).max().item()) > rtol * scale:
                         raise ValueError(f"position {pos} of the cache does not match token "
                                          f"{int(tokens[pos])} recomputed")
+
+    def _check_layers_import(self, cache: Sequence[Any], tokens: list[int], rtol: float) -> None:
+        """Check a mixed-layer cache against ``tokens``: its layout (classes, windows, state
+        shapes, quantization) must be the model's, and every layer's arrays must match a
+        prefill of ``tokens`` by this model. A window or recurrent state depends on the
+        whole prefix, so there is nothing to sample: ``check="sample"`` costs the same."""
+        mx = self._mx
+        want_layers = self._expected(len(tokens))[1]
+        try:
+            got_layers = [describe_layer(c) for c in cache]
+        except (AttributeError, TypeError, ValueError, IndexError):
+            raise ValueError("a cache layer is empty or malformed") from None
+        if got_layers != want_layers:
+            raise ValueError("the cache's layers (classes, windows, state shapes, "
+                             "quantization) are not this model's")
+        work = self.prefill(None, tokens)
+        for i, (c, w) in enumerate(zip(cache, work, strict=True)):
+            step = 0.0
+            if type(c).__name__ == "QuantizedKVCache":  # one rounding step may flip
+                step = max(float(mx.abs(a[1]).max().item()) for a in (w.keys, w.values))
+            for a, b in zip(_compared(mx, c), _compared(mx, w), strict=True):
+                m = min(a.shape[-2], b.shape[-2]) if a.ndim == 4 else None
+                if m is not None:  # a window may hold extra older tokens: compare the latest
+                    a, b = a[..., a.shape[-2] - m:, :], b[..., b.shape[-2] - m:, :]
+                if a.shape != b.shape:
+                    raise ValueError(f"layer {i} holds arrays of another shape than recomputed")
+                a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
+                scale = float(mx.abs(b32).max().item()) + 1e-6
+                if float(mx.abs(a32 - b32).max().item()) > rtol * scale + step:
+                    raise ValueError(f"layer {i} of the cache does not match the tokens "
+                                     "recomputed")
 
     def _check_all_positions(self, cache: Sequence[Any], tokens: list[int],
                              rtol: float) -> None:
@@ -712,7 +761,26 @@ class MlxBackend:
             except (TypeError, ValueError):
                 raise ConfigError("the file's token list is malformed", path=path,
                                   fix="re-export it") from None
+        if self.layers is not None and tokens is not None:  # a state-space layer has no count
+            counted = PromptCache(cache)
+            counted.tokens = len(tokens)
+            return counted, tokens
         return list(cache), tokens
+
+
+def _compared(mx: Any, c: Any) -> list[Any]:
+    """The arrays of one cache layer that must equal a recomputation, in token order: K/V
+    of the used tokens (dequantized for a quantized layer; a window in temporal order),
+    or the recurrent state arrays."""
+    name = type(c).__name__
+    if name == "ArraysCache":
+        return [a for a in c.cache if a is not None]
+    if name == "QuantizedKVCache":
+        return [mx.dequantize(*(x[..., :c.offset, :] for x in kv), group_size=c.group_size,
+                              bits=c.bits) for kv in (c.keys, c.values)]
+    if name == "RotatingKVCache":
+        return [c._temporal_order(c.keys), c._temporal_order(c.values)]
+    return [c.keys[..., :c.offset, :], c.values[..., :c.offset, :]]
 
 
 def _check_file_name(path: str | os.PathLike[str]) -> None:
