@@ -191,3 +191,38 @@ def test_import_of_a_sliding_window_cache_is_checked_and_restores_exactly(backen
         out = ctl.generate(p, QUESTION, 8)
     assert out.handle.source == "disk" and out.tokens == cold(b, DOC1)
 
+
+def test_a_mamba_of_other_state_shapes_at_the_same_path_runs_cold(tmp_path, store_root,
+                                                                   caplog):
+    """The Mamba at a path is replaced by one with another state size and conv kernel: the
+    new model never reads the old entry (it runs cold and correct, nothing logged), and
+    its loader refuses the old bytes with one line -- under the old layout, and under a
+    manifest that claims the new layout (the per-tensor state-shape check)."""
+    from spoolctl.tinyfamilies import build_family_model
+
+    path = tmp_path / "mamba"
+    old = PyTorchBackend(build_family_model(path, "ssm"), model_id="m")
+    p = CachePrepareParams(model="m", instructions=[SYSTEM], data=[DOC2])
+    with PyTorchCacheController(old, store_root) as ctl:
+        h = ctl.prepare(p)
+    with Store.open(store_root) as s:
+        m = s.manifest(h.ref)
+        objects = s.read_all(m)
+    new = PyTorchBackend(build_family_model(path, "ssm", overrides={"state_size": 4,
+                                                                    "conv_kernel": 3}),
+                         model_id="m")
+    assert new.identity()["kv_layout"] != old.identity()["kv_layout"]
+    with PyTorchCacheController(new, store_root) as ctl, caplog.at_level(logging.WARNING):
+        o = ctl.prepare(p)
+        assert o.source == "cold" and o.reused_tokens == 0
+        assert ctl.stats()["load_failures"] == 0
+        ids = ctl.prompt_tokens(o, QUESTION)
+        assert ctl.generate(o, QUESTION, 4).tokens == new.generate(None, 0, ids, 4)
+    assert [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")] == []
+    with pytest.raises(ValueError, match="stored layout") as err:
+        new.deserialize(objects, m.meta["layout"], h.cached_tokens)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"stored tensor c0_0 \(1, 256, 4\)") as err:
+        new.deserialize(objects, new._layout(), h.cached_tokens)
+    assert "\n" not in str(err.value)
