@@ -18,19 +18,25 @@ except (ImportError, OSError) as exc:
                 allow_module_level=True)
 pytest.importorskip("transformers")  # builds the models
 
-from spoolctl.controllers import CachePrepareParams, render_segments
+from family_prompts import (
+    DOC1,
+    DOC1_NEAR,
+    DOC2,
+    FAMILIES,
+    QUESTION,
+    SEEDED,
+    SYSTEM,
+    SYSTEM_NEAR,
+    cold,
+    params,
+    spoolctl_warnings,
+)
+
+from spoolctl.controllers import CachePrepareParams
 from spoolctl.controllers.local.mlx_format import CacheFormatError
 from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
 from spoolctl.store import Store
 
-FAMILIES = ("sliding", "hybrid", "ssm")
-SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
-DOC1 = "Manual, part one: the pump starts when the valve is open and the tank is full. " * 2
-DOC1_NEAR = DOC1[:-6] + "empty. "  # differs in the last words only
-SYSTEM_NEAR = SYSTEM[:-6] + "above."
-DOC2 = "Manual, part two: never run the pump dry; check the seal every month."
-QUESTION = "Question: when does the pump start?"
-SEEDED = {"temperature": 0.9, "top_k": 40, "seed": 7}
 #: Default run: one family per behaviour (sliding for restores, sliding + ssm for reuse
 #: rules); the rest run under ``extended``.
 RESTORES = [pytest.param(f, marks=() if f == "sliding" else pytest.mark.extended)
@@ -39,25 +45,12 @@ REUSE = [pytest.param(f, marks=pytest.mark.extended if f == "hybrid" else ())
          for f in FAMILIES]
 
 
-def params(family: str, *data: str) -> CachePrepareParams:
-    return CachePrepareParams(model=family, instructions=[SYSTEM], data=list(data))
-
-
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory) -> dict[str, MlxBackend]:
     from spoolctl.tinyfamilies import build_family_model
 
     root = tmp_path_factory.mktemp("mlx-families")
     return {f: MlxBackend(build_family_model(root / f, f), model_id=f) for f in FAMILIES}
-
-
-def cold(backend: MlxBackend, *data: str, system: str = SYSTEM,
-         **sampling) -> list[int]:
-    from spoolctl.controllers.local.decoding import Decoding
-
-    p = CachePrepareParams(model="m", instructions=[system], data=list(data))
-    ids = [t for s in backend.tokenize_segments([*render_segments(p), QUESTION]) for t in s]
-    return backend.generate(None, 0, ids, 8, Decoding(**sampling))
 
 
 @pytest.mark.parametrize("family", RESTORES)
@@ -103,8 +96,7 @@ def test_extension_is_reused_and_exact_near_misses_and_cuts_run_cold(backends, f
                                               data=[DOC1]))
         assert near.source == "cold" and near.reused_tokens == 0
         assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1, system=SYSTEM_NEAR)
-    assert [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")] == []
+    assert spoolctl_warnings(caplog) == []
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "ssm" else
@@ -166,8 +158,7 @@ def test_a_base_that_would_need_cutting_back_is_not_even_read(backends, store_ro
         assert ctl.stats()["load_failures"] == 0
         ids = ctl.prompt_tokens(h, QUESTION)
         assert ctl.generate(h, QUESTION, 8).tokens == b.generate(None, 0, ids, 8)
-    assert [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")] == []
+    assert spoolctl_warnings(caplog) == []
 
 
 # -- mlx-lm's quantized KV cache (kv_bits, decision 2604) ----------------------------------
