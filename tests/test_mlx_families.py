@@ -250,6 +250,20 @@ def test_quantized_kv_near_miss_reuses_only_the_exact_prefix(quantized, name, st
         assert ctl.generate(h, QUESTION, 8).tokens == cold(b, DOC1_NEAR)
 
 
+def test_quantized_kv_import_is_checked_against_a_recomputation(quantized, store_root):
+    """A quantized cache (converted mid-prefix) is imported after its dequantized K/V are
+    compared with a recomputation; one changed token is refused."""
+    from spoolctl.errors import ConfigError
+
+    b = quantized["q4-from-20"]
+    p = params("q", DOC1)
+    with MlxCacheController(b, store_root) as ctl:
+        ids = ctl.prefix_tokens(p)
+        with pytest.raises(ConfigError, match="does not match the tokens recomputed"):
+            ctl.import_cache(p, b.prefill(None, [*ids[:-3], ids[-3] ^ 1, *ids[-2:]]))
+        assert ctl.import_cache(p, b.prefill(None, ids)).source == "import"
+
+
 # -- import_cache / import_prompt_cache of these families ------------------------------------
 
 def test_import_of_a_sliding_window_cache_is_checked_and_restores_exactly(backends,
