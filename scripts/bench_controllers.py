@@ -14,7 +14,10 @@ On the locally generated "small" Llama (a 4K-token prefill takes seconds on a CP
   same cache; the tokens must be equal.
 * ``--families`` (a run of its own): for one tiny model per cache family
   (``spoolctl.tinyfamilies``: Gemma 3 sliding window, Jamba attention + Mamba, Mamba), cold
-  ``prepare`` vs a disk hit in a new process at ``--tokens`` (decisions 2600, 2601).
+  ``prepare`` vs a disk hit in a new process at ``--tokens`` (decisions 2600, 2601), on
+  PyTorch and, where mlx-lm is installed, on MLX: the same three models plus the tiny Llama
+  with mlx-lm's quantized KV cache (``kv_bits=4``, group 32, from the first token; decision
+  2604).
 * render: ``prompt_tokens`` of the same params on a tiny model with a chat template,
   rendered through the template vs the plain format (decision 1702), and a memory-hit
   ``prepare`` (params normalisation, plan, handle bookkeeping).
@@ -149,7 +152,59 @@ def families_section(work: Path, tokens: int, repeat: int) -> dict:
     return out
 
 
-def child(model: str, root: str, params_json: str, repeat: int) -> None:
+#: The MLX rows of ``--families``: model family (``tiny``: the tiny Llama) and backend options.
+MLX_FAMILIES = {"sliding": ("sliding", {}), "hybrid": ("hybrid", {}), "ssm": ("ssm", {}),
+                "quantized": ("tiny", {"kv_bits": 4, "kv_group_size": 32,
+                                       "quantized_kv_start": 0})}
+
+
+def mlx_families_section(work: Path, tokens: int, repeat: int) -> dict:
+    """``families_section`` on mlx-lm (skipped, with the reason, where it is not installed)."""
+    try:
+        from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+    except ImportError as exc:
+        return {"skipped": str(exc)}
+    try:
+        import mlx.core  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return {"skipped": f"mlx is not usable here ({exc})"}
+    from spoolctl.tinyfamilies import build_family_model
+    from spoolctl.tinymodel import build_tiny_model
+
+    out = {}
+    for name, (family, kv) in MLX_FAMILIES.items():
+        model_dir = build_tiny_model(work / "mlx-tiny", "tiny") if family == "tiny" else \
+            build_family_model(work / f"family-{family}", family)
+        backend = MlxBackend(model_dir, **kv)
+        params = build_params(backend, tokens)
+        backend.generate(None, 0, backend.tokenize_segments(["warm up"])[0], 1)
+        cold_times = []
+        for i in range(repeat):
+            with MlxCacheController(backend, work / f"mlx-{name}{i}") as ctl:
+                t = time.perf_counter()
+                h = ctl.prepare(params)
+                cold_times.append(time.perf_counter() - t)
+                assert h.source == "cold", h
+                size = ctl.store.row(h.ref).size
+        params_json = json.dumps({"model": params.model,
+                                  "instructions": [e.content for e in params.instructions],
+                                  "data": [e.content for e in params.data]})
+        run = subprocess.run([sys.executable, __file__, "--repeat", str(repeat), "--child",
+                              str(model_dir), str(work / f"mlx-{name}0"), params_json,
+                              "--child-spec", json.dumps({"framework": "mlx", "kv": kv})],
+                             capture_output=True, text=True, check=True)
+        hit = json.loads(run.stdout.strip().splitlines()[-1])
+        assert set(hit["sources"]) == {"disk"}, hit
+        cold_s = statistics.median(cold_times)
+        out[name] = {"cache_layers": backend.identity().get("cache_layers", "KVCache"),
+                     "tokens": h.cached_tokens, "entry_bytes": size,
+                     "cold_prepare_s": round(cold_s, 4),
+                     "disk_hit_prepare_new_process_s": round(hit["seconds"], 4),
+                     "disk_hit_speedup_vs_cold": round(cold_s / hit["seconds"], 1)}
+    return out
+
+
+def child(model: str, root: str, params_json: str, repeat: int, spec_json: str = "{}") -> None:
     from spoolctl.controllers import CachePrepareParams
     from spoolctl.controllers.pytorch import (
         PyTorchBackend,
@@ -157,13 +212,19 @@ def child(model: str, root: str, params_json: str, repeat: int) -> None:
         quiet_frameworks,
     )
 
+    spec = json.loads(spec_json)
     quiet_frameworks()
-    backend = PyTorchBackend(model)
+    if spec.get("framework") == "mlx":
+        from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+
+        backend, controller = MlxBackend(model, **spec.get("kv", {})), MlxCacheController
+    else:
+        backend, controller = PyTorchBackend(model), PyTorchCacheController
     backend.identity()  # hashed once per process, before timing
     params = CachePrepareParams(**json.loads(params_json))
     times, sources = [], []
     for _ in range(repeat):
-        with PyTorchCacheController(backend, root) as ctl:  # empty memory each time
+        with controller(backend, root) as ctl:  # empty memory each time
             t = time.perf_counter()
             h = ctl.prepare(params)
             times.append(time.perf_counter() - t)
@@ -178,11 +239,13 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--families", action="store_true",
-                    help="only the per-family rows (sliding window, hybrid, Mamba)")
+                    help="only the per-family rows (sliding window, hybrid, Mamba; on MLX also "
+                         "the quantized KV cache)")
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "ROOT", "PARAMS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-spec", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(*args.child, repeat=args.repeat + 1)
+        child(*args.child, repeat=args.repeat + 1, spec_json=args.child_spec)
         return
 
     import torch
@@ -193,7 +256,9 @@ def main() -> None:
             print(json.dumps({"bench": "controllers/families",
                               "torch_threads": torch.get_num_threads(),
                               "repeat": args.repeat,
-                              "families": families_section(work, args.tokens, args.repeat)},
+                              "families": families_section(work, args.tokens, args.repeat),
+                              "mlx_families": mlx_families_section(work, args.tokens,
+                                                                   args.repeat)},
                              indent=2))
         finally:
             import shutil

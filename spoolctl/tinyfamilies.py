@@ -62,14 +62,17 @@ def _config(family: str, tokenizer) -> tuple[object, type]:
     raise ConfigError(f"unknown model family {family!r}", fix=f"use one of: {', '.join(FAMILIES)}")
 
 
-def build_family_model(path: str | os.PathLike[str], family: str, *, seed: int = 0) -> Path:
+def build_family_model(path: str | os.PathLike[str], family: str, *, seed: int = 0,
+                       overrides: dict[str, object] | None = None) -> Path:
     """Build the tiny ``family`` model at ``path`` (atomically) and return it; a directory
-    already built for the same family, seed and version is reused."""
+    already built for the same family, seed, version and ``overrides`` (config fields set
+    on top of the family's, e.g. another Mamba ``state_size``) is reused."""
     if family not in FAMILIES:
         raise ConfigError(f"unknown model family {family!r}",
                           fix=f"use one of: {', '.join(FAMILIES)}")
     target = Path(path)
-    spec = {"family": family, "seed": seed, "version": _VERSION}
+    spec = {"family": family, "seed": seed, "version": _VERSION,
+            **({"overrides": overrides} if overrides else {})}
     stamp = target / "spoolctl-tinymodel.json"
     try:
         if json.loads(stamp.read_text()) == spec:
@@ -80,6 +83,11 @@ def build_family_model(path: str | os.PathLike[str], family: str, *, seed: int =
 
     tokenizer = _train_tokenizer(512)
     config, cls = _config(family, tokenizer)
+    for name, value in (overrides or {}).items():
+        if not hasattr(config, name):
+            raise ConfigError(f"the {family} config has no field {name!r}",
+                              fix="override fields of its transformers config class only")
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
     with torch.no_grad():  # decisive logits: greedy ties practically never happen

@@ -13,25 +13,28 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from spoolctl.controllers import CachePrepareParams, render_segments
+from family_prompts import (
+    DOC1,
+    DOC1_NEAR,
+    DOC2,
+    FAMILIES,
+    QUESTION,
+    SEEDED,
+    SYSTEM,
+    SYSTEM_NEAR,
+    cold,
+    params,
+    spoolctl_warnings,
+)
+
+from spoolctl.controllers import CachePrepareParams
 from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
 from spoolctl.store import Store
 
-FAMILIES = ("sliding", "hybrid", "ssm")
 #: Default run: the sliding family (cheapest); the state-space ones run under ``extended``
 #: (their reference PyTorch scans make each run tens of seconds on 2 cores).
 BY_FAMILY = [pytest.param(f, marks=() if f == "sliding" else pytest.mark.extended)
              for f in FAMILIES]
-SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
-DOC1 = "Manual, part one: the pump starts when the valve is open and the tank is full. " * 2
-DOC1_NEAR = DOC1[:-6] + "empty. "  # differs in the last words only
-SYSTEM_NEAR = SYSTEM[:-6] + "above."
-DOC2 = "Manual, part two: never run the pump dry; check the seal every month."
-QUESTION = "Question: when does the pump start?"
-
-
-def params(family: str, *data: str) -> CachePrepareParams:
-    return CachePrepareParams(model=family, instructions=[SYSTEM], data=list(data))
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +43,6 @@ def backends(tmp_path_factory) -> dict[str, PyTorchBackend]:
 
     root = tmp_path_factory.mktemp("families")
     return {f: PyTorchBackend(build_family_model(root / f, f), model_id=f) for f in FAMILIES}
-
-
-def cold(backend: PyTorchBackend, *data: str, system: str = SYSTEM,
-         **sampling) -> list[int]:
-    p = CachePrepareParams(model="m", instructions=[system], data=list(data))
-    ids = [t for s in backend.tokenize_segments([*render_segments(p), QUESTION]) for t in s]
-    from spoolctl.controllers.local.decoding import Decoding
-
-    return backend.generate(None, 0, ids, 8, Decoding(**sampling)) if sampling \
-        else backend.generate(None, 0, ids, 8)
-
-
-SEEDED = {"temperature": 0.9, "top_k": 40, "seed": 7}
 
 
 @pytest.mark.parametrize("family", BY_FAMILY)
@@ -98,8 +88,7 @@ def test_extension_is_reused_and_exact_near_misses_and_cuts_run_cold(backends, f
                                               data=[DOC1]))
         assert near.source == "cold" and near.reused_tokens == 0
         assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1, system=SYSTEM_NEAR)
-    assert [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")] == []
+    assert spoolctl_warnings(caplog) == []
 
 
 @pytest.mark.extended  # the engine rule; tests/test_mlx_families.py covers it by default
@@ -165,3 +154,66 @@ def test_entry_layout_says_what_it_holds_and_another_family_never_reads_it(backe
                 backends[reader].deserialize(objects, m.meta["layout"], len(m.meta["tokens"])
                                              if isinstance(m.meta.get("tokens"), list)
                                              else 10)
+
+
+def test_import_of_a_sliding_window_cache_is_checked_and_restores_exactly(backends,
+                                                                         store_root):
+    """``import_cache`` of a family cache: the user's own prefill (past the window) is
+    checked against a recomputation of every state and stored; a fresh controller's tokens
+    from it equal a cold run. A cache of other tokens (one changed) is refused with one
+    line and nothing is stored."""
+    from spoolctl.errors import ConfigError
+
+    b = backends["sliding"]
+    p = params("sliding", DOC1)
+    with PyTorchCacheController(b, store_root) as ctl:
+        ids = ctl.prefix_tokens(p)
+        assert len(ids) > 16  # the window has rolled
+        other = b.prefill(b.new_cache(), [*ids[:-3], ids[-3] ^ 1, *ids[-2:]])
+        with pytest.raises(ConfigError, match="does not hold these tokens") as err:
+            ctl.import_cache(p, other)
+        assert "\n" not in str(err.value)
+        assert not list((store_root / "manifests").rglob("*.json"))
+        h = ctl.import_cache(p, b.prefill(b.new_cache(), ids))
+        assert h.source == "import" and h.cached_tokens == len(ids)
+    with PyTorchCacheController(b, store_root) as ctl:
+        out = ctl.generate(p, QUESTION, 8)
+    assert out.handle.source == "disk" and out.tokens == cold(b, DOC1)
+
+
+def test_a_mamba_of_other_state_shapes_at_the_same_path_runs_cold(backends, tmp_path,
+                                                                   store_root, caplog):
+    """The Mamba at a path is replaced by one with another state size and conv kernel: the
+    new model never reads the old entry (it runs cold and correct, nothing logged), and
+    its loader refuses the old bytes with one line -- under the old layout, and under a
+    manifest that claims the new layout (the per-tensor state-shape check)."""
+    import shutil
+
+    from spoolctl.tinyfamilies import build_family_model
+
+    path = tmp_path / "mamba"
+    shutil.copytree(backends["ssm"].model_path, path)
+    old = PyTorchBackend(path, model_id="m")
+    p = CachePrepareParams(model="m", data=[DOC2])  # no instructions: no snapshot
+    with PyTorchCacheController(old, store_root) as ctl:
+        h = ctl.prepare(p)
+    with Store.open(store_root) as s:
+        m = s.manifest(h.ref)
+        objects = s.read_all(m)
+    new = PyTorchBackend(build_family_model(path, "ssm", overrides={"state_size": 4,
+                                                                    "conv_kernel": 3}),
+                         model_id="m")
+    assert new.identity()["kv_layout"] != old.identity()["kv_layout"]
+    with PyTorchCacheController(new, store_root) as ctl, caplog.at_level(logging.WARNING):
+        o = ctl.prepare(p)
+        assert o.source == "cold" and o.reused_tokens == 0
+        assert ctl.stats()["load_failures"] == 0
+        ids = ctl.prompt_tokens(o, QUESTION)
+        assert ctl.generate(o, QUESTION, 4).tokens == new.generate(None, 0, ids, 4)
+    assert spoolctl_warnings(caplog) == []
+    with pytest.raises(ValueError, match="stored layout") as err:
+        new.deserialize(objects, m.meta["layout"], h.cached_tokens)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"stored tensor c0_0 \(1, 256, 4\)") as err:
+        new.deserialize(objects, new._layout(), h.cached_tokens)
+    assert "\n" not in str(err.value)

@@ -57,6 +57,7 @@ from .local.mlx_format import (
     model_digest,
     safetensors_header,
     slice_caches,
+    slice_layer,
 )
 from .local.render import ChatTemplate, template_source
 
@@ -71,8 +72,15 @@ _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _IMPORT_RTOL = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
 #: Metadata key of exported files: the token ids the cache covers (JSON).
 TOKENS_META = "spoolctl_tokens"
-#: mlx-lm cache classes stored beyond plain ``KVCache`` (sliding windows, state-space).
-FAMILY_CLASSES = {"KVCache", "RotatingKVCache", "ArraysCache"}
+#: mlx-lm cache classes stored beyond plain ``KVCache`` (sliding windows, state-space,
+#: quantized KV).
+FAMILY_CLASSES = {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache"}
+#: ``kv_bits`` and ``kv_group_size`` values ``mx.quantize`` accepts.
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+#: mlx-lm's defaults (``generate_step``): group size 64, quantize from token 5000 on.
+KV_GROUP_SIZE = 64
+QUANTIZED_KV_START = 5000
 
 
 
@@ -84,12 +92,21 @@ class MlxBackend:
     ``model_id``: the name ``params.model`` is normalised to (default: the hub id as
     given, else the resolved directory).
     Forward passes are serialised by a lock: one model, one compute stream.
+
+    ``kv_bits`` (mlx-lm's option; None: full precision): the KV layers become mlx-lm
+    ``QuantizedKVCache`` (``kv_group_size``) once a cache holds ``quantized_kv_start``
+    tokens. Unlike mlx-lm's ``generate_step``, which converts after whichever prefill chunk
+    crosses that count, the conversion happens at exactly that token (chunks are split
+    there), so a cache's bytes depend only on its tokens and a stored one is exactly what
+    a cold prefill computes (decision 2604).
     """
 
     kind = KIND
 
     def __init__(self, model: str | os.PathLike[str], *, prefill_step: int = PREFILL_STEP,
-                 model_id: str | None = None):
+                 model_id: str | None = None, kv_bits: int | None = None,
+                 kv_group_size: int = KV_GROUP_SIZE,
+                 quantized_kv_start: int = QUANTIZED_KV_START):
         try:
             import mlx.core as mx
             import mlx_lm
@@ -102,6 +119,19 @@ class MlxBackend:
         if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
             raise ConfigError(f"model_id must be a non-empty string, not {model_id!r}",
                               fix="pass e.g. model_id='acme/llama-3-8b', or leave it out")
+        if kv_bits is not None and (type(kv_bits) is not int or kv_bits not in KV_BITS):
+            raise ConfigError(f"kv_bits must be one of {KV_BITS} or None, not {kv_bits!r}",
+                              fix="pass e.g. kv_bits=4, or leave it out for a full-precision "
+                                  "cache")
+        if type(kv_group_size) is not int or kv_group_size not in KV_GROUP_SIZES:
+            raise ConfigError(f"kv_group_size must be one of {KV_GROUP_SIZES}, not "
+                              f"{kv_group_size!r}", fix="pass e.g. kv_group_size=64")
+        if type(quantized_kv_start) is not int or quantized_kv_start < 0:
+            raise ConfigError(f"quantized_kv_start must be an integer >= 0, not "
+                              f"{quantized_kv_start!r}", fix="pass e.g. quantized_kv_start=0")
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        self.quantized_kv_start = quantized_kv_start
         self._mx = mx
         self._cache_mod = mlx_cache
         self.mlx_lm_version = str(mlx_lm.__version__)
@@ -131,6 +161,8 @@ class MlxBackend:
             "dtype": self.dtype,
             "device": self.device,
             **({"cache_layers": layers_summary(self.layers)} if self.layers is not None else {}),
+            **({"kv_bits": str(kv_bits), "kv_group_size": str(kv_group_size),
+                "quantized_kv_start": str(quantized_kv_start)} if kv_bits is not None else {}),
         }
 
     # -- setup ---------------------------------------------------------------------------
@@ -161,6 +193,10 @@ class MlxBackend:
                 f"model uses mlx-lm cache types {sorted(classes)}; spoolctl stores "
                 f"{', '.join(sorted(FAMILY_CLASSES))}", path=self.model_dir,
                 fix="use a model whose mlx-lm prompt cache has only those layer types")
+        if self.kv_bits is not None and "RotatingKVCache" in classes:
+            raise ConfigError("mlx-lm cannot quantize a sliding-window (RotatingKVCache) "
+                              "cache", path=self.model_dir,
+                              fix="leave kv_bits out for this model")
         with self._lock:
             self.model(mx.array([[0]]), cache=cache)
             mx.eval([c.state for c in cache])
@@ -168,8 +204,21 @@ class MlxBackend:
         #: full-attention layout): class, window, K/V dims, state shapes (decision 2601).
         self.layers: list[dict[str, Any]] | None = None
         self.classes = [type(c).__name__ for c in cache]
-        if classes != {"KVCache"}:
+        if classes != {"KVCache"} or self.kv_bits is not None:
             self.layers = [describe_layer(c) for c in cache]
+        #: Layers and classes of a cache that has not reached ``quantized_kv_start`` yet.
+        self._plain_layers, self._plain_classes = self.layers, self.classes
+        if self.kv_bits is not None:
+            try:
+                quantized = self._quantized(cache)
+                mx.eval([c.state for c in quantized])
+            except ValueError as exc:  # mx.quantize: a head dim the group size does not divide
+                raise ConfigError(f"mlx cannot quantize this model's KV cache: {exc}",
+                                  path=self.model_dir,
+                                  fix="pass a kv_group_size that divides the head dim "
+                                      "(32, 64 or 128)") from None
+            self.layers = [describe_layer(c) for c in quantized]
+            self.classes = [type(c).__name__ for c in quantized]
         first = next((c for c in cache if getattr(c, "keys", None) is not None), None)
         self.num_layers = len(cache)
         self.kv_heads = int(first.keys.shape[1]) if first is not None else 0
@@ -219,13 +268,38 @@ class MlxBackend:
 
     def new_cache(self) -> list[Any]:
         if self.layers is not None:
-            return PromptCache(self._cache_mod.make_prompt_cache(self.model))
+            return self._quantize_at_start(
+                PromptCache(self._cache_mod.make_prompt_cache(self.model)))
         return self._cache_mod.make_prompt_cache(self.model)
+
+    def _quantized(self, cache: Sequence[Any]) -> list[Any]:
+        """mlx-lm's own conversion (``to_quantized``) of every KV layer of ``cache``."""
+        return [c.to_quantized(group_size=self.kv_group_size, bits=self.kv_bits)
+                if type(c).__name__ == "KVCache" else c for c in cache]
+
+    def _quantize_at_start(self, cache: PromptCache) -> PromptCache:
+        """``cache``, its KV layers converted in place once it holds ``quantized_kv_start``
+        tokens (what mlx-lm's ``maybe_quantize_kv_cache`` does, at an exact token)."""
+        if self.kv_bits is not None and cache.tokens >= self.quantized_kv_start and \
+                any(type(c).__name__ == "KVCache" for c in cache):
+            cache[:] = self._quantized(cache)
+        return cache
+
+    def _expected(self, token_count: int) -> tuple[list[str], list[dict[str, Any]] | None]:
+        """Layer classes and descriptions of a cache of ``token_count`` tokens."""
+        if self.kv_bits is not None and token_count < self.quantized_kv_start:
+            return self._plain_classes, self._plain_layers
+        return self.classes, self.layers
 
     @property
     def trimmable(self) -> bool:
-        """Whether every cache can be cut back to a shorter prefix (all ``KVCache``); a
-        rotated window or a recurrent state only serves prompts that extend it whole."""
+        """Whether every cache can be cut back to a shorter prefix: all ``KVCache``, or all
+        quantized from the first token (``quantized_kv_start=0``: quantized per token, so a
+        cut keeps exactly the shorter prefix's bytes). A rotated window, a recurrent state,
+        or a cache quantized from a later token (cutting below it would need the
+        full-precision values) only serves prompts that extend it whole."""
+        if self.kv_bits is not None:
+            return self.quantized_kv_start == 0 and set(self.classes) == {"QuantizedKVCache"}
         return self.layers is None
 
     def clone(self, cache: Sequence[Any]) -> list[Any]:
@@ -265,12 +339,18 @@ class MlxBackend:
     def _copy_layers(self, cache: Sequence[Any], keep: int | None) -> list[Any]:
         """A copy of a mixed-layer cache (new arrays, so mlx-lm's in-place writes into the
         copy never reach the original), cut back to ``keep`` only where mlx-lm can do it
-        exactly (a window that has not rotated; never a recurrent state)."""
+        exactly (a window that has not rotated; never a recurrent state). A plain mlx-lm
+        list (``make_prompt_cache``, ``load_prompt_cache``: an import) counts its tokens by
+        its attention layers' ``offset``."""
+        if not isinstance(cache, PromptCache) and isinstance(cache, list):
+            cache = self._counted(cache)
         if not isinstance(cache, PromptCache) or \
-                [type(c).__name__ for c in cache] != self.classes:
+                [type(c).__name__ for c in cache] != self._expected(cache.tokens)[0]:
             raise ValueError("not a prompt cache of this model")
         size = self.size(cache)
         keep = size if keep is None else keep
+        if self.kv_bits is not None:
+            return self._copy_quantizing(cache, keep)
         out = PromptCache(type(c).from_state(copy_state(self._mx, c.state)) for c in cache)
         out.tokens = size
         if keep != size:
@@ -282,17 +362,56 @@ class MlxBackend:
             out.tokens = keep
         return out
 
+    @staticmethod
+    def _counted(cache: list[Any]) -> PromptCache:
+        """A plain mlx-lm cache list as a ``PromptCache``, its token count read from an
+        attention layer; ValueError for a state-space-only cache, which keeps no count."""
+        offsets = {int(c.offset) for c in cache if hasattr(c, "offset")}
+        if len(offsets) != 1:
+            raise ValueError("this mlx-lm cache does not say how many tokens it holds (a "
+                             "state-space-only model keeps no count): pass "
+                             "spoolctl.controllers.mlx.PromptCache(cache) with .tokens set, "
+                             "or a file from export_prompt_cache")
+        out = PromptCache(cache)
+        out.tokens = offsets.pop()
+        return out
+
+    def _copy_quantizing(self, cache: PromptCache, keep: int) -> PromptCache:
+        """``_copy_layers`` for a ``kv_bits`` model: KV layers (quantized or not yet) are
+        sliced to ``keep`` tokens; a recurrent state is copied whole and never cut; a
+        quantized cache is never cut below ``quantized_kv_start`` (the tokens before it
+        were quantized from full-precision values the cache no longer holds)."""
+        size = cache.tokens
+        if keep != size:
+            kinds = {type(c).__name__ for c in cache}
+            if not 0 <= keep < size or not kinds <= {"KVCache", "QuantizedKVCache"} or \
+                    ("QuantizedKVCache" in kinds and keep < self.quantized_kv_start):
+                raise ValueError(f"this model's cache ({', '.join(sorted(kinds))}) cannot be "
+                                 f"cut back from {size} to {keep} tokens")
+        out = PromptCache(
+            slice_layer(c, keep) if type(c).__name__ in ("KVCache", "QuantizedKVCache")
+            else type(c).from_state(copy_state(self._mx, c.state)) for c in cache)
+        out.tokens = keep
+        return out
+
     def prefill(self, cache: Sequence[Any] | None, tokens: Sequence[int]) -> list[Any]:
         """A new cache: ``cache`` (not modified) extended by ``tokens``."""
         mx = self._mx
         with self._lock:
             out = self._copy(cache) if cache is not None else self.new_cache()
-            for start in range(0, len(tokens), self.prefill_step):
-                chunk = mx.array([list(tokens[start:start + self.prefill_step])])
+            start = 0
+            while start < len(tokens):
+                end = min(start + self.prefill_step, len(tokens))
+                if self.kv_bits is not None and \
+                        out.tokens < self.quantized_kv_start < out.tokens + end - start:
+                    end = start + self.quantized_kv_start - out.tokens  # convert right there
+                chunk = mx.array([list(tokens[start:end])])
                 self.model(chunk, cache=out)
-                mx.eval([c.state for c in out])
                 if isinstance(out, PromptCache):
-                    out.tokens += chunk.shape[1]
+                    out.tokens += end - start
+                    self._quantize_at_start(out)
+                mx.eval([c.state for c in out])
+                start = end
             return out
 
     def trim(self, cache: Sequence[Any], keep_tokens: int) -> list[Any]:
@@ -336,10 +455,15 @@ class MlxBackend:
         return {OBJECT_NAME: buf.getvalue()}, layout
 
     def _layers_layout(self, token_count: int) -> dict[str, Any]:
-        return {"format": self.format, "mlx_lm_version": self.mlx_lm_version,
-                "mlx_version": self.mlx_version, "object": OBJECT_NAME,
-                "classes": self.classes, "cache_layers": self.layers, "dtype": self.dtype,
-                "layers": self.num_layers, "token_count": token_count}
+        classes, layers = self._expected(token_count)
+        out = {"format": self.format, "mlx_lm_version": self.mlx_lm_version,
+               "mlx_version": self.mlx_version, "object": OBJECT_NAME,
+               "classes": classes, "cache_layers": layers, "dtype": self.dtype,
+               "layers": self.num_layers, "token_count": token_count}
+        if self.kv_bits is not None:
+            out["kv_quantization"] = {"bits": self.kv_bits, "group_size": self.kv_group_size,
+                                      "start": self.quantized_kv_start}
+        return out
 
     def check_layout(self, layout: Mapping[str, Any], token_count: int) -> None:
         """Raise CacheFormatError unless ``layout`` describes a cache this backend can load."""
@@ -400,9 +524,10 @@ class MlxBackend:
     def _checked_layers(self, cache: list[Any], token_count: int) -> PromptCache:
         """A loaded mixed-layer cache, after checking every layer against the model's
         description (class, window, K/V dims, state shapes and dtypes, token count)."""
-        if [type(c).__name__ for c in cache] != self.classes:
+        classes, layers = self._expected(token_count)
+        if [type(c).__name__ for c in cache] != classes:
             raise CacheFormatError("loaded cache layer classes do not match this model")
-        for i, (c, want) in enumerate(zip(cache, self.layers or [], strict=True)):
+        for i, (c, want) in enumerate(zip(cache, layers or [], strict=True)):
             try:
                 got = describe_layer(c)
                 offset = getattr(c, "offset", token_count)
@@ -420,7 +545,7 @@ class MlxBackend:
             raise CacheFormatError("cache file has no mlx-lm metadata")
         classes = sorted(v for k, v in meta.items() if k.startswith("1."))
         if self.layers is not None:
-            if classes != sorted(self.classes):
+            if classes != sorted(self._expected(token_count)[0]):
                 raise CacheFormatError(f"cache file holds cache classes {classes[:4]}")
             return
         if classes != ["KVCache"] * self.num_layers:
@@ -462,6 +587,14 @@ class MlxBackend:
             start = min(cached_tokens, len(prompt_tokens) - 1)
             work = self.trim(cache, start)
         kwargs: dict[str, Any] = dict(decoding.extra)
+        if self.kv_bits is not None:
+            # The prompt through prefill (it converts at exactly quantized_kv_start), the last
+            # token and the new ones one at a time through generate_step, whose own
+            # conversion then also lands on that exact token.
+            work = self.prefill(work, prompt_tokens[start:-1])
+            start = len(prompt_tokens) - 1
+            kwargs.update(kv_bits=self.kv_bits, kv_group_size=self.kv_group_size,
+                          quantized_kv_start=self.quantized_kv_start)
         if not decoding.greedy and decoding.seed is not None:
             kwargs["sampler"] = self._seeded_sampler(decoding)
         elif not decoding.greedy:
@@ -527,9 +660,9 @@ class MlxBackend:
         mx = self._mx
         n = len(tokens)
         rtol = _IMPORT_RTOL.get(self.dtype, 6e-2)
-        if self.layers is not None:
-            raise ValueError("importing a cache of a sliding-window or state-space model is "
-                             "not supported yet")
+        if self.layers is not None:  # states are a function of the whole prefix: recompute
+            self._check_layers_import(cache, [int(t) for t in tokens], rtol)
+            return
         if full:
             self._check_all_positions(cache, [int(t) for t in tokens], rtol)
             return
@@ -546,6 +679,37 @@ class MlxBackend:
                     if float(mx.abs(a32 - b32).max().item()) > rtol * scale:
                         raise ValueError(f"position {pos} of the cache does not match token "
                                          f"{int(tokens[pos])} recomputed")
+
+    def _check_layers_import(self, cache: Sequence[Any], tokens: list[int], rtol: float) -> None:
+        """Check a mixed-layer cache against ``tokens``: its layout (classes, windows, state
+        shapes, quantization) must be the model's, and every layer's arrays must match a
+        prefill of ``tokens`` by this model. A window or recurrent state depends on the
+        whole prefix, so there is nothing to sample: ``check="sample"`` costs the same."""
+        mx = self._mx
+        want_layers = self._expected(len(tokens))[1]
+        try:
+            got_layers = [describe_layer(c) for c in cache]
+        except (AttributeError, TypeError, ValueError, IndexError):
+            raise ValueError("a cache layer is empty or malformed") from None
+        if got_layers != want_layers:
+            raise ValueError("the cache's layers (classes, windows, state shapes, "
+                             "quantization) are not this model's")
+        work = self.prefill(None, tokens)
+        for i, (c, w) in enumerate(zip(cache, work, strict=True)):
+            step = 0.0
+            if type(c).__name__ == "QuantizedKVCache":  # one rounding step may flip
+                step = max(float(mx.abs(a[1]).max().item()) for a in (w.keys, w.values))
+            for a, b in zip(_compared(mx, c), _compared(mx, w), strict=True):
+                m = min(a.shape[-2], b.shape[-2]) if a.ndim == 4 else None
+                if m is not None:  # a window may hold extra older tokens: compare the latest
+                    a, b = a[..., a.shape[-2] - m:, :], b[..., b.shape[-2] - m:, :]
+                if a.shape != b.shape:
+                    raise ValueError(f"layer {i} holds arrays of another shape than recomputed")
+                a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
+                scale = float(mx.abs(b32).max().item()) + 1e-6
+                if float(mx.abs(a32 - b32).max().item()) > rtol * scale + step:
+                    raise ValueError(f"layer {i} of the cache does not match the tokens "
+                                     "recomputed")
 
     def _check_all_positions(self, cache: Sequence[Any], tokens: list[int],
                              rtol: float) -> None:
@@ -597,7 +761,26 @@ class MlxBackend:
             except (TypeError, ValueError):
                 raise ConfigError("the file's token list is malformed", path=path,
                                   fix="re-export it") from None
+        if self.layers is not None and tokens is not None:  # a state-space layer has no count
+            counted = PromptCache(cache)
+            counted.tokens = len(tokens)
+            return counted, tokens
         return list(cache), tokens
+
+
+def _compared(mx: Any, c: Any) -> list[Any]:
+    """The arrays of one cache layer that must equal a recomputation, in token order: K/V
+    of the used tokens (dequantized for a quantized layer; a window in temporal order),
+    or the recurrent state arrays."""
+    name = type(c).__name__
+    if name == "ArraysCache":
+        return [a for a in c.cache if a is not None]
+    if name == "QuantizedKVCache":
+        return [mx.dequantize(*(x[..., :c.offset, :] for x in kv), group_size=c.group_size,
+                              bits=c.bits) for kv in (c.keys, c.values)]
+    if name == "RotatingKVCache":
+        return [c._temporal_order(c.keys), c._temporal_order(c.values)]
+    return [c.keys[..., :c.offset, :], c.values[..., :c.offset, :]]
 
 
 def _check_file_name(path: str | os.PathLike[str]) -> None:
@@ -614,7 +797,9 @@ class MlxCacheController(LocalCacheController):
     ``spoolctl status/scrub/clean`` handle them like any entry. ``model`` is a model
     directory (loaded here) or an already built ``MlxBackend`` (shared, e.g. by tests
     or by several controllers of one process). ``root=None`` is a managed temporary
-    store that ``close()`` removes.
+    store that ``close()`` removes. ``kv_bits`` / ``kv_group_size`` /
+    ``quantized_kv_start``: mlx-lm's quantized KV cache (see ``MlxBackend``); ignored when
+    ``model`` is a built backend.
     """
 
     def __init__(
@@ -628,9 +813,13 @@ class MlxCacheController(LocalCacheController):
         prefill_step: int = PREFILL_STEP,
         model_id: str | None = None,
         read_only: bool = False,
+        kv_bits: int | None = None,
+        kv_group_size: int = KV_GROUP_SIZE,
+        quantized_kv_start: int = QUANTIZED_KV_START,
     ):
         backend = model if isinstance(model, MlxBackend) else \
-            MlxBackend(model, prefill_step=prefill_step, model_id=model_id)
+            MlxBackend(model, prefill_step=prefill_step, model_id=model_id, kv_bits=kv_bits,
+                       kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
         if root is not None and not isinstance(root, Store):
             root = os.fspath(root)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,

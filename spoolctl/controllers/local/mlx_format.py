@@ -94,6 +94,26 @@ def slice_caches(cache: Sequence[Any], keep: int, make: Callable[[], Any]) -> li
     return out
 
 
+def slice_layer(c: Any, keep: int) -> Any:
+    """A new ``KVCache`` or ``QuantizedKVCache`` holding the first ``keep`` tokens of ``c``
+    (new arrays: mlx-lm's in-place writes into the copy never reach ``c``). A quantized
+    layer is quantized per token (groups run along the head dimension), so its first
+    ``keep`` tokens are exactly what a cache of those tokens alone holds."""
+    if type(c).__name__ == "QuantizedKVCache":
+        n = type(c)(group_size=c.group_size, bits=c.bits)
+        if keep > 0:
+            n.keys = tuple(a[..., :keep, :] for a in c.keys)
+            n.values = tuple(a[..., :keep, :] for a in c.values)
+            n.offset = keep
+        return n
+    n = type(c)()
+    if keep > 0:
+        n.keys = c.keys[..., :keep, :]
+        n.values = c.values[..., :keep, :]
+        n.offset = keep
+    return n
+
+
 class NamedBytesIO(io.BytesIO):
     # mlx.core.load picks the file format from the name's suffix.
     name = "prompt_cache.safetensors"
@@ -152,6 +172,12 @@ def describe_layer(c: Any) -> dict[str, Any]:
         return {"class": name, "states": [None if a is None else
                                           {"shape": list(a.shape[1:]),
                                            "dtype": dtype_name(a.dtype)} for a in c.cache]}
+    if name == "QuantizedKVCache":  # keys/values: (packed ints, scales, biases)
+        g = int(c.group_size)
+        return {"class": name, "kv_heads": int(c.keys[0].shape[1]),
+                "k_head_dim": int(c.keys[1].shape[3]) * g,
+                "v_head_dim": int(c.values[1].shape[3]) * g,
+                "dtype": dtype_name(c.keys[1].dtype), "bits": int(c.bits), "group_size": g}
     d: dict[str, Any] = {"class": name, "kv_heads": int(c.keys.shape[1]),
                          "k_head_dim": int(c.keys.shape[3]),
                          "v_head_dim": int(c.values.shape[3]),
@@ -168,6 +194,8 @@ def layers_summary(layers: list[dict[str, Any]] | None) -> str:
         if d["class"] == "ArraysCache":
             codes.append("A" + "+".join("-" if s is None else "x".join(map(str, s["shape"]))
                                         for s in d["states"]))
+        elif d["class"] == "QuantizedKVCache":
+            codes.append(f"Q{d['bits']}g{d['group_size']}h{d['kv_heads']}d{d['k_head_dim']}")
         else:
             codes.append(("R" + str(d["window"]) if "window" in d else "K")
                          + f"h{d['kv_heads']}d{d['k_head_dim']}")
