@@ -50,6 +50,8 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "admission", "after_gap",
         # a slow or failing disk (decision 2700): a read past its deadline, the store taken out
         "deadline", "disk_down",
+        # the day's write budget is spent, or too low for this chunk (decision 2710)
+        "write_budget",
         # quarantine reasons (spoolctl.store.QuarantineReason values)
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
         "payload_missing", "object_collision", "catalog", "scrub_state", "auth_queue",
@@ -193,10 +195,17 @@ WRITE_AMPLIFICATION = _g("write_amplification_ratio",
                          "KV bytes written / KV bytes restored since the metrics process "
                          "started (absent until the first restore; 0 if nothing was written).")
 
+WRITE_BUDGET = _g("write_budget_bytes",
+                  "KV bytes the rank stores may write per UTC day (spoolctl_write_budget; "
+                  "absent without one).")
+WRITE_BUDGET_USED = _g("write_budget_used_bytes",
+                       "KV bytes the rank stores wrote today (UTC), counted against "
+                       "spoolctl_write_budget; absent without one.")
+
 CONNECTOR_METRICS += (EVENTS_STORED, EVENTS_REMOVED, EVENTS_UNRESOLVED)
 
 ALL_METRICS: tuple[MetricSpec, ...] = (*STORE_GAUGES, *CONNECTOR_METRICS, WRITE_AMPLIFICATION,
-                                       DISK_DOWN)
+                                       DISK_DOWN, WRITE_BUDGET, WRITE_BUDGET_USED)
 
 
 @dataclass(frozen=True)

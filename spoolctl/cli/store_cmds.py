@@ -291,7 +291,8 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
         assert target.rank is not None
         report = RankReport(rank=target.rank, root=facts.root, entries=facts.totals.entries,
                             bytes=facts.totals.bytes, max_bytes=facts.max_bytes,
-                            quarantined=facts.quarantine.items, chunk_keys=keys)
+                            quarantined=facts.quarantine.items, chunk_keys=keys,
+                            write_budget=_write_budget(store.root))
         return {"status": status_doc(store, facts), "_report": report,
                 "_use": rank_use(store, target.deployment or "", rows),
                 "attention": facts.needs_attention}, EXIT_OK
@@ -326,6 +327,29 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
         # the shape scripts of one deployment directory read (ranks, agree, ...)
         extra.update(next(iter(deployments.values())).to_json())
     return multi_doc(targets, results, **extra), findings
+
+
+def _write_budget(store_root: Path) -> dict[str, Any] | None:
+    """The rank store's write budget today (its ledger beside it, decision 2710), None
+    without one, ``{"error": ...}`` when the ledger cannot be read."""
+    from spoolctl.connector.deployment import write_budget
+
+    try:
+        state = write_budget.read(write_budget.ledger_path(store_root))
+    except write_budget.LedgerError as exc:
+        return {"error": str(exc)}
+    return state.to_json(time.time()) if state is not None else None
+
+
+def _budget_cell(budget: dict[str, Any] | None) -> Text:
+    if budget is None:
+        return Text("no budget")
+    if "error" in budget:
+        return Text(f"error: {plain(budget['error'])}", style="red")
+    cell = Text(f"{render.size(budget['used_bytes'])} of {render.size(budget['budget_bytes'])}")
+    if budget["left_pct"] <= 0:
+        cell.append(" (spent: no writes until 00:00 UTC)", style="yellow")
+    return cell
 
 
 def _description(where: Path) -> dict[str, Any]:
@@ -409,8 +433,9 @@ def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[A
 
     title = f"spoolctl status (deployment {esc(name)}, {len(dep['ranks'])} ranks)"
     t = Table(title=title, title_justify="left")
+    budgets = any(row.get("write_budget") is not None for row in dep["ranks"])
     for col in ("rank", "chunks", "size", "max size", "usage", "quarantined", "missing chunks",
-                "root"):
+                *(("written today (UTC)",) if budgets else ()), "root"):
         t.add_column(col)
     for row in dep["ranks"]:
         miss = row["missing_chunks"]
@@ -419,10 +444,11 @@ def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[A
                   render.size(cap) if cap else "none",
                   f"{100 * row['bytes'] / cap:.1f}%" if cap else "-",
                   str(row["quarantined"]), f"[red]{miss}[/red]" if miss else "0",
+                  *((_budget_cell(row.get("write_budget")),) if budgets else ()),
                   text(row["root"]))
     for (dep_name, rank), error in sorted(errors.items()):
         if dep_name == name:
-            t.add_row(f"{rank:04d}", "-", "-", "-", "-", "-", "-",
+            t.add_row(f"{rank:04d}", "-", "-", "-", "-", "-", "-", *(("-",) if budgets else ()),
                       Text(f"error: {plain(error)}", style="red"))
     desc = dep.get("description")
     what = Text(summary(desc) if desc else dep.get("description_error") or

@@ -17,7 +17,7 @@ from spoolctl import metrics as m
 # Store gauges the worker also exports on vLLM's /metrics (refreshed in the background), and
 # the scheduler's count of rank stores it took out of service (``diskguard``).
 WORKER_GAUGES: tuple[m.MetricSpec, ...] = (m.STORE_BYTES, m.STORE_MAX_BYTES, m.QUARANTINED_BYTES,
-                                           m.DISK_DOWN)
+                                           m.DISK_DOWN, m.WRITE_BUDGET, m.WRITE_BUDGET_USED)
 _SPECS = {spec.name: spec for spec in (*m.CONNECTOR_METRICS, *WORKER_GAUGES)}
 
 

@@ -38,6 +38,9 @@ Keys (all optional except the root):
                              that chunk and the rest are recomputed)
 ``spoolctl_probe_interval``  seconds between probes of a store taken out of service after
                              repeated late or failed reads (default 5)
+``spoolctl_write_budget``    KV bytes each rank store may write per UTC day, e.g. ``500GiB``
+                             (default: no limit); enforced by admission, counted across
+                             restarts (``write_budget``, decision 2710)
 ``spoolctl_weights_memo``    directory remembering file digests by file identity (default
                              ``~/.cache/spoolctl/weights``; ``off``: hash every file at each
                              start) (``weights``, decision 2110)
@@ -71,7 +74,7 @@ KNOWN_KEYS = frozenset({
     "spoolctl_inventory", "spoolctl_host_max_size", "spoolctl_admit_after",
     "spoolctl_admit_window", "spoolctl_kv_events", "spoolctl_tag_key_file",
     "spoolctl_weights_id", "spoolctl_weights_memo", "spoolctl_lookup_deadline",
-    "spoolctl_read_deadline", "spoolctl_probe_interval",
+    "spoolctl_read_deadline", "spoolctl_probe_interval", "spoolctl_write_budget",
 })
 ON_UNSUPPORTED = ("error", "disable")
 INVENTORY_MODES = ("auto", "reported")
@@ -104,6 +107,8 @@ class ConnectorSettings:
     lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S
     read_deadline: float = DEFAULT_READ_DEADLINE_S
     probe_interval: float = DEFAULT_PROBE_INTERVAL_S
+    # KV bytes a rank store may write per UTC day (``write_budget``, decision 2710).
+    write_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("lookup_deadline", "read_deadline", "probe_interval"):
@@ -111,6 +116,10 @@ class ConnectorSettings:
                 raise ConfigError(f"spoolctl_{name} must be a positive number of seconds",
                                   path=_WHERE, fix=f"set spoolctl_{name} to e.g. "
                                   f"{getattr(ConnectorSettings, name)}")
+        if self.write_budget is not None and self.write_budget <= 0:
+            raise ConfigError("spoolctl_write_budget must be positive", path=_WHERE,
+                              fix="set the bytes a drive may take per day, e.g. 500GiB, "
+                                  "or drop it for no limit")
         if self.tag_key_file is not None and not os.path.isabs(self.tag_key_file):
             raise ConfigError("spoolctl_tag_key_file must be an absolute path", path=_WHERE,
                               fix="give the full path of the key file")
@@ -235,6 +244,7 @@ def parse_settings(
                                 DEFAULT_READ_DEADLINE_S),
         probe_interval=_optional(extra, "spoolctl_probe_interval", _seconds,
                                  DEFAULT_PROBE_INTERVAL_S),
+        write_budget=_optional(extra, "spoolctl_write_budget", parse_size),
     )
 
 

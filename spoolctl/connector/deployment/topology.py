@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from spoolctl.store import MAX_RANKS, parse_rank_dirname, rank_dirname
 
@@ -132,6 +133,9 @@ class RankReport:
     max_bytes: int | None
     quarantined: int
     chunk_keys: frozenset[str]
+    # The rank store's write budget today (``write_budget.LedgerState.to_json``) or the
+    # one-line reason its ledger cannot be read (``{"error": ...}``); None without one.
+    write_budget: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,8 @@ class DeploymentStatus:
         rows = [{"rank": r.rank, "root": r.root, "entries": r.entries, "bytes": r.bytes,
                  "max_bytes": r.max_bytes, "chunks": len(r.chunk_keys),
                  "quarantined": r.quarantined,
-                 "missing_chunks": self.comparison.partial[r.rank]} for r in self.ranks]
+                 "missing_chunks": self.comparison.partial[r.rank],
+                 "write_budget": r.write_budget} for r in self.ranks]
         host = {"bytes": self.host_bytes, "max_bytes": self.host_max_bytes,
                 "usage_pct": round(100 * self.host_bytes / self.host_max_bytes, 1)
                 if self.host_max_bytes else None}

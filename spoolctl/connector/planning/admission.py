@@ -15,6 +15,10 @@ counting afresh. A sighting is counted once per request (a request looked up aga
 preemption is the same sighting). Forgetting a chunk only delays its admission; a
 truncated-key collision only admits a chunk early: neither can affect a response.
 
+With a daily write budget (``track=True``) sightings are counted even when ``after`` is 1,
+so that ``admitted(key, after=n)`` can ask for more sightings as the budget runs low
+(``deployment.write_budget.effective_after``, decision 2710).
+
 Not thread-safe (vLLM's scheduler is single-threaded).
 """
 
@@ -35,12 +39,13 @@ class Admission:
 
     def __init__(self, after: int = 1, *, window_s: float = DEFAULT_WINDOW_S,
                  capacity: int = DEFAULT_CAPACITY,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, track: bool = False):
         if after < 1:
             raise ValueError("after must be at least 1")
         if window_s <= 0 or capacity <= 0:
             raise ValueError("window and capacity must be positive")
         self.after = after
+        self._track = track
         self.window_s = window_s
         self._capacity = capacity
         self._clock = clock
@@ -50,7 +55,8 @@ class Admission:
 
     @property
     def enabled(self) -> bool:
-        return self.after > 1
+        """Sightings are counted (a rule above the first sighting, or a write budget)."""
+        return self.after > 1 or self._track
 
     def __len__(self) -> int:
         return len(self._table)
@@ -70,14 +76,16 @@ class Admission:
         while len(self._table) > self._capacity:
             self._table.popitem(last=False)
 
-    def admitted(self, key: bytes) -> bool:
-        """Whether chunk ``key`` was sighted often enough, recently enough, to be stored."""
-        if not self.enabled:
+    def admitted(self, key: bytes, after: int | None = None) -> bool:
+        """Whether chunk ``key`` was sighted often enough (``after`` times, default the
+        configured rule), recently enough, to be stored."""
+        after = self.after if after is None else after
+        if after <= 1:
             return True
         # Counts only ever cover one window (``sighted`` restarts them), so the N-th
         # sighting was within it even if the store is planned a moment after it closed.
         entry = self._table.get(key[:_KEY_BYTES])
-        return entry is not None and entry[0] >= self.after
+        return entry is not None and entry[0] >= after
 
     def finished(self, req_id: str) -> None:
         """The request left: a later request with the same id is a new sighting."""

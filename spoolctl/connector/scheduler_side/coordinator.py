@@ -12,7 +12,9 @@ host rather than one request:
   rank (``inventory.InventoryView.take_drops``);
 * **write admission** (``admission``): counts sightings at lookup and removes the stores
   of chunks not yet admitted from each step's plan (counted as skipped, reason
-  ``admission``);
+  ``admission``); with a daily write budget (``write_budget``) the rule asks for more
+  sightings as the budget of a rank store on this host runs low, and plans no store once
+  one is spent (reason ``write_budget``);
 * **keeping an idle engine stepping** (``has_pending_work``, vLLM's
   ``has_pending_push_work``): vLLM only delivers connector metadata, worker reports and
   KV events in engine steps, and an idle engine takes none. While something is due (the
@@ -37,6 +39,7 @@ from spoolctl.errors import SpoolError
 from spoolctl.store import entry_id_for
 
 from ..deployment.host_budget import RankSite, shares
+from ..deployment.write_budget import BudgetWatch, effective_after, ledger_path
 from ..planning.admission import Admission
 from ..planning.events import ChunkHashes, EventLedger, HashBook, chunk_hashes
 from ..planning.inventory import Applied, key_bytes
@@ -74,7 +77,15 @@ class Coordinator:
             if hbs > 0 and deployment.chunk_tokens % hbs == 0 else 0
         self._book = HashBook()
         self._ledger = EventLedger(self._book) if deployment.kv_events else None
-        self._admission = Admission(settings.admit_after, window_s=settings.admit_window)
+        budgeted = getattr(settings, "write_budget", None) is not None
+        self._admission = Admission(settings.admit_after, window_s=settings.admit_window,
+                                    track=budgeted)
+        # Every rank's ledger path under this host's root: the ranks on this host have
+        # theirs there (from their first write), the others none (their workers still
+        # enforce the budget).
+        self.budget_watch = BudgetWatch(
+            lambda: [ledger_path(deployment.rank_root(p)) for p in ranks.places],
+            clock=clock) if budgeted else None
         self._budget: int | None = settings.host_max_bytes
         self._sites: dict[int, RankSite] = {}
         self._shares: dict[int, int] = {}
@@ -142,14 +153,22 @@ class Coordinator:
 
     def fill(self, meta: SpoolConnectorMetadata) -> None:
         """Admission, block hashes of the chunks to store, drops, shares (after planning)."""
-        if self._admission.enabled:
+        if self._admission.enabled and (meta.stores or meta.group_stores):
+            after: int | None = self._admission.after
+            if self.budget_watch is not None:
+                after = effective_after(self._admission.after, self.budget_watch.left_share())
             before = len(meta.stores) + len(meta.group_stores)
-            meta.stores = [s for s in meta.stores if self._admission.admitted(key_bytes(s.key))]
-            meta.group_stores = [s for s in meta.group_stores
-                                 if self._admission.admitted(key_bytes(s.key))]
-            skipped = before - len(meta.stores) - len(meta.group_stores)
-            if skipped:
-                self._counters.inc(m.STORES_SKIPPED, skipped, reason="admission")
+            if after is None:  # the day's write budget is spent: plan no store
+                meta.stores, meta.group_stores = [], []
+                self._counters.inc(m.STORES_SKIPPED, before, reason="write_budget")
+            else:
+                admitted = self._admission.admitted
+                meta.stores = [s for s in meta.stores if admitted(key_bytes(s.key), after)]
+                meta.group_stores = [s for s in meta.group_stores
+                                     if admitted(key_bytes(s.key), after)]
+                skipped = before - len(meta.stores) - len(meta.group_stores)
+                if skipped:
+                    self._counters.inc(m.STORES_SKIPPED, skipped, reason="admission")
         keys = [s.key for s in meta.stores] + [s.key for s in meta.group_stores]
         if keys:
             now = self._clock()

@@ -95,7 +95,7 @@ class ChunkStager:
     def __init__(self, put: Callable[[str, Objects, Mapping[str, Any]], None], *,
                  chunk_bytes: int, staging_bytes: int, meta: Mapping[str, Any],
                  counters: ConnectorCounters, pin: bool = False,
-                 put_many: PutMany | None = None):
+                 put_many: PutMany | None = None, ledger: Any = None):
         self._chunk_bytes = chunk_bytes
         self._meta = dict(meta)
         self._counters = counters
@@ -104,7 +104,7 @@ class ChunkStager:
         self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes),
                                 pin=pin)
         self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
-                                   put_many=put_many)
+                                   put_many=put_many, ledger=ledger)
         # request -> index of its first chunk not stored (see the module docstring)
         self._gaps: OrderedDict[str, int] = OrderedDict()
 

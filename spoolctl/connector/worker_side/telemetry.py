@@ -76,6 +76,12 @@ class WorkerTelemetry:
                 if delta > 0 and value in m.LABEL_VALUES[label]:
                     self._counters.inc(spec, delta, **{label: value})
 
+    def budget(self, state: Any) -> None:
+        """Export the day's write budget and the bytes counted against it (a
+        ``write_budget.LedgerState``; cheap, in memory)."""
+        self._counters.set_gauge(m.WRITE_BUDGET, state.budget)
+        self._counters.set_gauge(m.WRITE_BUDGET_USED, state.used_today(time.time()))
+
     def refresh_gauges(self, store: Store, pool: Executor | None) -> None:
         """Recompute the store's disk and quarantine bytes on ``pool`` (never on the engine
         loop) every ``GAUGE_REFRESH_S``, or ``CHANGED_REFRESH_S`` after the last refresh when

@@ -14,7 +14,9 @@ binds the format's ``Copier`` and starts its parts:
   to this rank's share; chunks other ranks withdrew are dropped here too);
 * the background maintainer (scrub, ``spoolctl request-auth``), when enabled;
 * ``WorkerTelemetry`` (``telemetry``): the counters, gauges and maintainer progress vLLM
-  collects each step.
+  collects each step;
+* with ``spoolctl_write_budget``, the rank store's ``WriteLedger`` (``write_budget``): the
+  bytes written today, taken by the commits and exported as gauges.
 
 A layout the copier cannot handle disables this rank (``spoolctl_on_unsupported =
 "disable"``) or fails startup. Queued commits are drained (bounded) at interpreter exit,
@@ -48,6 +50,7 @@ from .telemetry import WorkerTelemetry
 if TYPE_CHECKING:
     import torch
 
+    from ..deployment.write_budget import WriteLedger
     from ..kv.kvio import CopyEngine
     from .capture import ChunkStager
     from .holdings import RankHoldings
@@ -85,6 +88,7 @@ class WorkerSide:
         self._engine: CopyEngine | None = None
         self._telemetry = WorkerTelemetry(counters)
         self._guard: DiskGuard | None = None
+        self._ledger: WriteLedger | None = None
 
     # -- startup -------------------------------------------------------------------------------
 
@@ -141,11 +145,16 @@ class WorkerSide:
         meta = {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
                 "chunk_bytes": copier.chunk_bytes, "deployment": self._dep.identity.summary(),
                 "kv_layout": copier.layout_json}
+        if settings.write_budget is not None:
+            from ..deployment.write_budget import WriteLedger, ledger_path
+
+            self._ledger = WriteLedger(ledger_path(store.root), settings.write_budget)
         self._stager = ChunkStager(rank_commit(store, ns, holdings),
                                    chunk_bytes=copier.chunk_bytes,
                                    staging_bytes=settings.staging_bytes, meta=meta,
                                    counters=self._counters, pin=pin,
-                                   put_many=rank_commit_many(store, ns, holdings))
+                                   put_many=rank_commit_many(store, ns, holdings),
+                                   ledger=self._ledger)
         # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
         exitdrain.register(self._stager)
         self._start_maintainer(store)
@@ -236,6 +245,8 @@ class WorkerSide:
     def take_stats(self) -> dict[str, Any]:
         if self._store is not None:
             self._telemetry.refresh_gauges(self._store, self._pool)
+        if self._ledger is not None:
+            self._telemetry.budget(self._ledger.state())
         self._telemetry.collect(self._holdings, self._maintainer)
         return self._counters.take()
 
@@ -275,6 +286,9 @@ class WorkerSide:
                 log.warning("spoolctl: shutdown before all stores were committed; "
                             "the rest are skipped")
             self._stager = None
+        if self._ledger is not None:  # the exact count (a crash leaves at most a slab more)
+            self._ledger.close()
+            self._ledger = None
         if self._maintainer is not None:
             with contextlib.suppress(Exception):
                 self._maintainer.stop()

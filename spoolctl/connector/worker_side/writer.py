@@ -12,6 +12,11 @@ that queued while the previous commit ran) are committed together, up to
 ``WRITE_BATCH``, through ``put_many`` (``Store.put_many``: one round of fsyncs for the
 batch, decision 1400), with an outcome per chunk: each is committed or skipped and
 counted on its own. Without ``put_many`` each chunk is one ``put``.
+
+With a daily write budget (``ledger``, a ``write_budget.WriteLedger``) each chunk's bytes
+are taken from it before the commit and given back if the commit fails; a chunk that does
+not fit is skipped (reason ``write_budget``), and once the budget is spent ``try_reserve``
+refuses at once, so no chunk is even copied out of the KV cache (decision 2710).
 """
 
 from __future__ import annotations
@@ -65,8 +70,9 @@ class StoreWriter:
     chunks queued together (see the module docstring)."""
 
     def __init__(self, put: Put, *, staging_bytes: int, counters: ConnectorCounters,
-                 put_many: PutMany | None = None):
+                 put_many: PutMany | None = None, ledger: Any = None):
         self._put = put
+        self._ledger = ledger
         self._put_many = put_many
         self._budget = staging_bytes
         self._counters = counters
@@ -95,6 +101,8 @@ class StoreWriter:
                 reason = "shutdown"
             elif key in self._in_flight:
                 reason = "exists"
+            elif self._ledger is not None and self._ledger.spent:
+                reason = "write_budget"
             elif self._staged + nbytes > self._budget:
                 reason = "budget"
             else:
@@ -155,6 +163,8 @@ class StoreWriter:
             except Exception:  # the copy failed: its bytes cannot be trusted
                 log.exception("spoolctl: a chunk's copy failed; not stored")
                 self._counters.inc(m.STORES_SKIPPED, reason="io_error")
+        if self._ledger is not None:
+            ready = self._within_budget(ready)
         if self._put_many is None:
             for item in ready:
                 self._outcomes([item], [_call(self._put, item)], started)
@@ -169,6 +179,17 @@ class StoreWriter:
                 errors = [exc] * len(ready)
             self._outcomes(ready, errors, started)
 
+    def _within_budget(self, items: list[PendingStore]) -> list[PendingStore]:
+        """The chunks the day's write budget still takes (their bytes taken now); the
+        others are skipped and counted."""
+        kept = []
+        for item in items:
+            if self._ledger.take(item.nbytes):
+                kept.append(item)
+            else:
+                self._counters.inc(m.STORES_SKIPPED, reason="write_budget")
+        return kept
+
     def _outcomes(self, items: list[PendingStore], errors: Sequence[BaseException | None],
                   started: float) -> None:
         """Count each chunk: committed (bytes, and the time since its commit began) or
@@ -180,6 +201,8 @@ class StoreWriter:
                 self._counters.inc(m.STORE_WRITE_BYTES, item.nbytes)
                 self._counters.observe(m.STORE_WRITE_SECONDS, elapsed)
                 continue
+            if self._ledger is not None:  # not written: its bytes go back to the budget
+                self._ledger.refund(item.nbytes)
             reason = _reason(exc)
             self._counters.inc(m.STORES_SKIPPED, reason=reason)
             if reason != "io_error":

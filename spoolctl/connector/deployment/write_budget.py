@@ -1,0 +1,264 @@
+"""A daily write budget per rank store (``spoolctl_write_budget``): what a drive may take.
+
+A write-heavy cache wears an SSD out: a drive is rated for so many drive writes per day
+(DWPD), e.g. 1 DWPD on 3.84 TB is 3.84 TB a day for every tenant of the drive. The budget
+bounds the KV bytes one rank store commits per UTC day; decision 2710.
+
+* **Counted where the bytes are written.** The worker's store writer takes each chunk's
+  bytes from the ``WriteLedger`` before committing it (``take``) and gives them back when
+  the commit fails (``refund``). A chunk that does not fit is not stored (skipped, reason
+  ``write_budget``); nothing ever waits for the budget. Once it is spent the worker does
+  not even copy chunks out of the KV cache (``spent``, checked on the forward path).
+* **Persisted, crash-safe.** The count lives beside the rank stores in
+  ``<deployment dir>/write-budget-rank-NNNN.json`` (``ledger_path``), written atomically.
+  It is charged *ahead* in slabs (``SLAB_SHARE`` of the budget): before bytes beyond the
+  recorded charge are written, the next slab is recorded, so a crash at any point leaves a
+  count that is at least what was written (at most one slab more). A clean close records
+  the exact count. A restart reads it back; a new UTC day starts at zero.
+* **Tightened admission.** The scheduler reads the ledgers of the rank stores on its host
+  (``read``, off its thread) and stores a chunk only on a later sighting as the budget
+  runs low (``effective_after``), and on none once it is spent: the writes the budget
+  still allows go to chunks seen more often.
+
+Reads are never limited: a spent budget only stops writes, every chunk stored still hits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from spoolctl.store import fsync_dir, write_tmp
+
+log = logging.getLogger("spoolctl.connector")
+
+SCHEMA = "spoolctl-write-budget/v1"
+PREFIX = "write-budget-"
+# The count is charged ahead by this share of the budget at a time: one small file write
+# (and fsync) per 1% of the day's budget, and a crash overstates the count by at most that.
+SLAB_SHARE = 0.01
+# (share of the day's budget left, sightings added to spoolctl_admit_after) from the
+# lowest; above the first share the configured rule applies unchanged.
+TIGHTEN = ((0.10, 3), (0.25, 2), (0.50, 1))
+
+
+def utc_day(now: float) -> str:
+    """The UTC calendar day of Unix time ``now`` (the budget's period), ``YYYY-MM-DD``."""
+    return time.strftime("%Y-%m-%d", time.gmtime(now))
+
+
+def ledger_path(store_root: str | Path) -> Path:
+    """Where the ledger of the rank store at ``store_root`` (``.../<deployment>/rank-NNNN``)
+    lives: beside it, in the deployment directory (the store's own format is untouched)."""
+    root = Path(store_root)
+    return root.parent / f"{PREFIX}{root.name}.json"
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    """Bytes counted against ``budget`` on ``day`` (UTC)."""
+
+    day: str
+    used: int
+    budget: int
+
+    def used_today(self, now: float) -> int:
+        """``used`` if ``day`` is today, else 0 (the budget restarts every UTC day)."""
+        return self.used if self.day == utc_day(now) else 0
+
+    def left_share(self, now: float) -> float:
+        """The share of today's budget not yet used (0.0 when spent)."""
+        return max(0.0, 1.0 - self.used_today(now) / self.budget) if self.budget > 0 else 0.0
+
+    def to_json(self, now: float) -> dict[str, int | float | str]:
+        used = self.used_today(now)
+        return {"day": utc_day(now), "used_bytes": used, "budget_bytes": self.budget,
+                "left_pct": round(100 * self.left_share(now), 1)}
+
+
+class LedgerError(ValueError):
+    """The ledger file exists but cannot be used (the message names the file and the fix)."""
+
+
+_FIX = ("the engine rewrites it at its next write; delete it only to forget today's count")
+
+
+def read(path: Path) -> LedgerState | None:
+    """The ledger at ``path``; None when there is none; ``LedgerError`` when it cannot be
+    read or is not a ledger (bounded, non-blocking, never through a symlink)."""
+    from .description import read_record
+
+    doc = read_record(path, SCHEMA, {"day": (str,), "used": (int,), "budget": (int,)},
+                      "a write budget ledger", _FIX, error=LedgerError)
+    if doc is None:
+        return None
+    if doc["used"] < 0 or doc["budget"] <= 0 or len(doc["day"]) != 10:
+        raise LedgerError(f"{path} is not a write budget ledger; {_FIX}")
+    return LedgerState(doc["day"], doc["used"], doc["budget"])
+
+
+def effective_after(after: int, left_share: float) -> int | None:
+    """Sightings a chunk needs before it is stored with ``left_share`` of the day's budget
+    left: ``after`` (the configured rule) while half or more is left, one more below
+    50%, two below 25%, three below 10%; None once it is spent (store nothing)."""
+    if left_share <= 0:
+        return None
+    for share, extra in TIGHTEN:
+        if left_share < share:
+            return after + extra
+    return after
+
+
+class WriteLedger:
+    """The worker's count of bytes written today against ``budget`` (thread-safe). Loads
+    the ledger at ``path`` (a damaged or unreadable one is treated as a spent budget for
+    today, with a warning: wear is not risked on a count that cannot be read)."""
+
+    def __init__(self, path: Path, budget: int, *, clock: Callable[[], float] = time.time):
+        if budget <= 0:
+            raise ValueError("budget must be positive")
+        self.path = path
+        self.budget = budget
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._slab = max(1, int(budget * SLAB_SHARE))
+        self._warned = False
+        today = utc_day(clock())
+        try:
+            state = read(path)
+        except LedgerError as exc:
+            log.warning("spoolctl: %s; no KV is written today", exc)
+            state = LedgerState(today, budget, budget)
+        self._day = today
+        self._used = state.used if state is not None and state.day == today else 0
+        self._charged = self._used  # what the file says (at least what was written)
+
+    # -- the count ------------------------------------------------------------------------------
+
+    def _roll(self) -> None:
+        today = utc_day(self._clock())
+        if today != self._day:
+            self._day, self._used, self._charged = today, 0, 0
+
+    @property
+    def spent(self) -> bool:
+        """Nothing more can be written today. Never takes the lock (``take`` may hold it
+        while its record waits on a slow disk): the forward path checks it."""
+        day, used = self._day, self._used
+        return day == utc_day(self._clock()) and used >= self.budget
+
+    def state(self) -> LedgerState:
+        """Today's count (lock-free, like ``spent``)."""
+        day, used = self._day, self._used
+        return LedgerState(day, used, self.budget)
+
+    def take(self, nbytes: int) -> bool:
+        """Count ``nbytes`` about to be written; False (nothing counted) if they do not fit
+        in today's budget. Records the next slab first when the count passes the recorded
+        charge, so the file never says less than was written (see the module docstring)."""
+        with self._lock:
+            self._roll()
+            if self._used + nbytes > self.budget:
+                return False
+            self._used += nbytes
+            if self._used > self._charged:
+                charge = min(self.budget, self._used + self._slab)
+                if self._record(charge):
+                    self._charged = charge
+                else:
+                    # Never written past a count that is not on disk: give it back.
+                    self._used -= nbytes
+                    return False
+            return True
+
+    def refund(self, nbytes: int) -> None:
+        """``nbytes`` taken were not written after all (the commit failed)."""
+        with self._lock:
+            self._used = max(0, self._used - nbytes)
+
+    def close(self) -> None:
+        """Record the exact count (a clean shutdown)."""
+        with self._lock:
+            self._roll()
+            if self._used != self._charged and self._record(self._used):
+                self._charged = self._used
+
+    def _record(self, used: int) -> bool:
+        """Write the ledger atomically (called with the lock held); False on failure."""
+        directory = self.path.parent
+        try:
+            if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                raise NotADirectoryError(str(directory))
+            doc = {"schema": SCHEMA, "day": self._day, "used": int(used),
+                   "budget": int(self.budget)}
+            tmp, _, _ = write_tmp(directory, [json.dumps(doc, sort_keys=True).encode() + b"\n"])
+            os.replace(tmp, self.path)
+            fsync_dir(directory)
+            return True
+        except Exception as exc:
+            if not self._warned:
+                self._warned = True
+                log.warning("spoolctl: could not record the write budget in %s: %s; "
+                            "KV is not written until it can be", self.path,
+                            getattr(exc, "message", exc))
+            return False
+
+
+class BudgetWatch:
+    """The scheduler's view of the ledgers of the rank stores on its host: the smallest
+    share of the day's budget left (``left_share``). The files are read on a daemon thread
+    at most every ``interval`` seconds, one read at a time, so a slow disk delays the view,
+    never a scheduler step; until the first read the budget counts as untouched (the
+    workers still enforce it)."""
+
+    def __init__(self, paths: Callable[[], list[Path]], *, interval: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time):
+        self._paths = paths
+        self._interval = interval
+        self._clock, self._wall = clock, wall
+        self._read_at = float("-inf")
+        self._busy = threading.Lock()
+        self._states: list[LedgerState] = []
+
+    def left_share(self) -> float:
+        """The smallest share of today's budget left over the ledgers read last (1.0 when
+        none was read yet); starts a new read when one is due."""
+        now = self._clock()
+        if now - self._read_at >= self._interval and self._busy.acquire(blocking=False):
+            self._read_at = now
+            threading.Thread(target=self._read, name="spoolctl-budget", daemon=True).start()
+        wall = self._wall()
+        return min((s.left_share(wall) for s in self._states), default=1.0)
+
+    def refresh(self) -> None:
+        """Read the ledgers now, on the caller's thread (tests, start-up)."""
+        with self._busy:
+            self._read_states()
+
+    def _read(self) -> None:
+        try:
+            self._read_states()
+        finally:
+            self._busy.release()
+
+    def _read_states(self) -> None:
+        states = []
+        for path in self._paths():
+            try:
+                state = read(path)
+            except LedgerError as exc:
+                log.debug("spoolctl: %s", exc)
+                continue  # the worker treats it as spent and says so
+            except OSError:
+                continue
+            if state is not None:
+                states.append(state)
+        self._states = states

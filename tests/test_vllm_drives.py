@@ -1,0 +1,73 @@
+"""Several drives per host: the placement rule and drive ids (issue 32 item 4, decision 2711).
+
+Only the rule and the ids are here: the connector and the CLI do not use several roots yet.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from spoolctl.connector.deployment import drives
+from spoolctl.errors import ConfigError
+
+KEYS = [f"{i * 2654435761 % (1 << 64):016x}" * 4 for i in range(2000)]
+
+
+def test_a_chunks_drive_depends_on_the_set_of_drives_not_their_order():
+    ids = [f"{i:032x}" for i in range(4)]
+    placed = {k: drives.home(k, ids) for k in KEYS}
+    assert placed == {k: drives.home(k, list(reversed(ids))) for k in KEYS}
+    assert placed == {k: drives.home(k, ids[2:] + ids[:2]) for k in KEYS}
+    # Even: each of 4 drives holds about a quarter (2000 keys: 500 +- 15%).
+    counts = Counter(placed.values())
+    assert set(counts) == set(ids) and all(425 <= c <= 575 for c in counts.values()), counts
+
+
+def test_losing_a_drive_moves_only_its_chunks_and_adding_one_only_what_it_wins():
+    ids = [f"{i:032x}" for i in range(4)]
+    placed = {k: drives.home(k, ids) for k in KEYS}
+    gone = ids[1]
+    after = {k: drives.home(k, [d for d in ids if d != gone]) for k in KEYS}
+    moved = {k for k in KEYS if after[k] != placed[k]}
+    assert moved == {k for k in KEYS if placed[k] == gone}
+    assert all(after[k] == drives.ranked(k, ids)[1] for k in moved)  # its runner-up
+    new = f"{99:032x}"
+    grown = {k: drives.home(k, [*ids, new]) for k in KEYS}
+    assert {k for k in KEYS if grown[k] != placed[k]} == {k for k in KEYS if grown[k] == new}
+    with pytest.raises(ValueError):
+        drives.home(KEYS[0], [])
+
+
+def test_a_drive_keeps_its_id_across_mount_points_and_a_new_drive_gets_a_new_one(
+        tmp_path: Path):
+    a, b = tmp_path / "nvme0", tmp_path / "nvme1"
+    a.mkdir()
+    b.mkdir()
+    first = drives.drive_id(a)
+    assert drives.drive_id(a) == first and drives.read_drive_id(a) == first
+    assert drives.drive_id(b) != first
+    moved = tmp_path / "mnt-elsewhere"
+    os.rename(a, moved)  # the same drive mounted somewhere else
+    assert drives.drive_id(moved) == first
+    assert sorted(p.name for p in moved.iterdir()) == [drives.MARKER]  # no temp left
+
+
+@pytest.mark.parametrize("damage", ["symlink", "garbage", "fifo"])
+def test_a_damaged_drive_marker_is_one_line_naming_it(tmp_path: Path, damage: str):
+    root = tmp_path / "nvme0"
+    root.mkdir()
+    marker = root / drives.MARKER
+    if damage == "symlink":
+        (tmp_path / "elsewhere").write_text("{}")
+        marker.symlink_to(tmp_path / "elsewhere")
+    elif damage == "garbage":
+        marker.write_text('{"schema": "spoolctl-drive/v1", "drive_id": "../../etc"}')
+    else:
+        os.mkfifo(marker)
+    with pytest.raises(ConfigError) as info:
+        drives.drive_id(root)
+    assert str(marker) in str(info.value) and "\n" not in str(info.value)
