@@ -147,7 +147,9 @@ def _options() -> dict[str, set[str]]:
         ctx = Context(cmd, info_name=cmd.name, parent=parent, **(cmd.context_settings or {}))
         for param in cmd.get_params(ctx):
             if param.param_type_name == "option" and not param.hidden:
-                shown = param.display_type_rich(ctx) or ""
+                # what typer's rich help prints beside the option (typer 0.28: the metavar;
+                # a flag shows none)
+                shown = "" if param.is_flag else (param.make_metavar(ctx=ctx) or "")
                 choices = "|" in shown and shown.startswith("<") and "file" not in shown
                 name = max(param.opts, key=len)
                 found.setdefault(name, set()).add("<choice>" if choices else shown)

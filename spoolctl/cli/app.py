@@ -218,6 +218,14 @@ _PYDANTIC = (
     (re.compile(r"^Input should be less than (\S+)$"), "must be less than {}"),
     (re.compile(r"^Input should be a valid integer.*$"), "must be a whole number"),
     (re.compile(r"^Input should be a valid number.*$"), "must be a number"),
+    # click's wording (typer <= 0.28 validates with its vendored click)
+    (re.compile(r"^\S+ is not in the range x>=(\S+?)\.?$"), "must be at least {}"),
+    (re.compile(r"^\S+ is not in the range x<=(\S+?)\.?$"), "must be at most {}"),
+    (re.compile(r"^\S+ is not in the range x>(\S+?)\.?$"), "must be more than {}"),
+    (re.compile(r"^\S+ is not in the range x<(\S+?)\.?$"), "must be less than {}"),
+    (re.compile(r"^\S+ is not in the range (\S+?)<=x<=(\S+?)\.?$"), "must be from {} to {}"),
+    (re.compile(r"^.* is not a valid int(?:eger)?(?: range)?\.?$"), "must be a whole number"),
+    (re.compile(r"^.* is not a valid float(?: range)?\.?$"), "must be a number"),
 )
 
 
