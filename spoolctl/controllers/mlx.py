@@ -614,7 +614,8 @@ class MlxCacheController(LocalCacheController):
     ``spoolctl status/scrub/clean`` handle them like any entry. ``model`` is a model
     directory (loaded here) or an already built ``MlxBackend`` (shared, e.g. by tests
     or by several controllers of one process). ``root=None`` is a managed temporary
-    store that ``close()`` removes.
+    store that ``close()`` removes. ``tenant``: on an encrypted store, the tenant whose key
+    seals the entries (see ``LocalCacheController``).
     """
 
     def __init__(
@@ -628,13 +629,14 @@ class MlxCacheController(LocalCacheController):
         prefill_step: int = PREFILL_STEP,
         model_id: str | None = None,
         read_only: bool = False,
+        tenant: str | None = None,
     ):
         backend = model if isinstance(model, MlxBackend) else \
             MlxBackend(model, prefill_step=prefill_step, model_id=model_id)
         if root is not None and not isinstance(root, Store):
             root = os.fspath(root)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout, read_only=read_only)
+                         lock_timeout=lock_timeout, read_only=read_only, tenant=tenant)
         self.mlx: MlxBackend = backend
 
     def export_prompt_cache(self, target: CachePrepareParams | CacheHandle,
