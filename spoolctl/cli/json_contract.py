@@ -148,7 +148,8 @@ DOCUMENTS: tuple[Document, ...] = (
         "bytes_per_second": "rate", "left_out": "entries not taken (and why)",
         "stores": "per source store", "exit": "exit code"},
         optional={"signature": "with --sign-key: the `.sig` file written next to the archive "
-                               "(decision 2800)"}),
+                               "(decision 2800), or `-` for a stream signed by its trailer "
+                               "(decision 2811)"}),
     Document("keys-ls", "The encryption facts of a store (decision 2800): ids and counts, never "
              "key material.", {
                  "schema": SCHEMA,
