@@ -8,9 +8,11 @@ the old signature), and one re-signed by another key or with a forged signature.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,11 @@ pytest.importorskip("cryptography")
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from operator_cli import run, run_json
+from operator_cli import run, run_json, script
 
 from spoolctl.store import Store
-from spoolctl.store.transfer.archive_sign import load_signing_key, sign_archive
+from spoolctl.store.transfer.archive import TRAILER_BYTES, TRAILER_MAGIC
+from spoolctl.store.transfer.archive_sign import SigningSink, load_signing_key, sign_archive
 
 KIND, NS = "pytorch", "model-x"
 
@@ -121,8 +124,9 @@ def test_signing_options_say_what_they_need(tmp_path: Path, fleet):
     private, _, _ = fleet
     src = tmp_path.resolve() / "src"
     _store_with(src, b"x", 1)
-    code, _, err = run("export", "--root", str(src), "--sign-key", str(private))
-    assert code == 2 and "needs an archive file" in err
+    code, _, err = run("import", str(src), "--root", str(tmp_path / "t"), "--require-signed",
+                       "--verify-key", str(private))  # a peer store root: nothing signed
+    assert code == 2 and "needs an archive" in err
     code, _, err = run("import", str(tmp_path / "a.tar"), "--root", str(tmp_path / "t"),
                        "--require-signed")
     assert code == 2 and "go together" in err
@@ -130,3 +134,65 @@ def test_signing_options_say_what_they_need(tmp_path: Path, fleet):
     code, _, err = run("export", "-o", str(tmp_path / "b.tar"), "--root", str(src),
                        "--sign-key", str(private))
     assert code == 2 and "chmod 600" in err
+
+
+def _stdin(monkeypatch, data: bytes) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(data))))
+
+
+def test_signed_streams_are_verified_before_anything_is_imported(tmp_path: Path, fleet,
+                                                                 monkeypatch):
+    """`export -o - --sign-key` ends the stream with a signature trailer; `import -
+    --require-signed` imports it, and refuses -- before importing anything -- a stream that is
+    unsigned, cut short, altered, forged (another stream with the genuine trailer), re-signed
+    by another key or carrying a spoofed key id. An import that does not ask for signatures
+    accepts the signed stream (the trailer is not "data after the end")."""
+    private, public, _ = fleet
+    src = tmp_path.resolve() / "src"
+    _store_with(src, b"the real KV " * 100)
+    proc = script("export", "-o", "-", "--root", str(src), "--sign-key", str(private),
+                  text=False)  # a real process: the archive is its stdout
+    assert proc.returncode == 0, proc.stderr
+    signed = proc.stdout
+    assert signed[-TRAILER_BYTES:].startswith(TRAILER_MAGIC)
+
+    good = tmp_path.resolve() / "good"
+    _stdin(monkeypatch, signed)
+    code, _, err = run("import", "-", "--root", str(good), "--require-signed",
+                       "--verify-key", str(public))
+    assert code == 0 and _entries(good) == 3, err
+    plain = tmp_path.resolve() / "plain"
+    _stdin(monkeypatch, signed)
+    code, _, err = run("import", "-", "--root", str(plain))
+    assert code == 0 and _entries(plain) == 3, err
+
+    evil_src = tmp_path.resolve() / "evil-src"
+    _store_with(evil_src, b"attacker's KV " * 100)
+    evil_file = tmp_path / "evil.tar"
+    run_json("export", "-o", str(evil_file), "--root", str(evil_src))
+    evil = evil_file.read_bytes()
+    trailer = signed[-TRAILER_BYTES:]
+    _, _, attacker = _keypair(tmp_path / "keys", "attacker")
+    resigner = SigningSink(lambda bufs: None)
+    resigner([evil])
+    resigned = evil + resigner.trailer(attacker)
+    doc = json.loads(resigned[-TRAILER_BYTES:][len(TRAILER_MAGIC):].rstrip(b" "))
+    doc["key_id"] = json.loads(trailer[len(TRAILER_MAGIC):].rstrip(b" "))["key_id"]
+    body = TRAILER_MAGIC + json.dumps(doc).encode()
+    flipped = bytearray(signed)
+    flipped[len(signed) // 3] ^= 1
+    cases = {
+        "unsigned": (evil, "not signed"),
+        "truncated": (signed[:len(signed) // 2], "not signed"),
+        "flipped": (bytes(flipped), "not the ones signed"),
+        "forged": (evil + trailer, "not the ones signed"),
+        "resigned": (resigned, "signed by another key"),
+        "spoofed": (evil + body + b" " * (TRAILER_BYTES - len(body)), "does not verify"),
+    }
+    for name, (data, why) in cases.items():
+        target = tmp_path.resolve() / f"t-{name}"
+        _stdin(monkeypatch, data)
+        code, _, err = run("import", "-", "--root", str(target), "--require-signed",
+                           "--verify-key", str(public))
+        assert code == 1 and why in err and err.count("\n") == 1, (name, code, err)
+        assert _entries(target) == 0, name  # refused before anything was imported

@@ -20,7 +20,7 @@ pytest.importorskip("cryptography")
 
 from spoolctl.errors import KeyUnavailableError
 from spoolctl.store import ConfigError, CorruptionError, Store
-from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, VALUE_ENV, MasterKey
+from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, HEADER_BYTES, VALUE_ENV, MasterKey
 
 KIND, NS = "pytorch", "model-x"
 SECRET = b"patient 4711: diagnosis hypertension; " * 64
@@ -160,17 +160,44 @@ def test_without_cryptography_one_clear_line(monkeypatch):
     assert "spoolctl[crypto]" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_consumers_without_tenants_refuse_an_encrypted_store(store_root: Path, tmp_path: Path,
-                                                             master: MasterKey, monkeypatch,
-                                                             tiny_model_dir: Path):
-    """The connector and the controllers do not pass tenants yet: on an encrypted store their
-    own entry ids would never match, so they refuse at start with one line (fail closed)."""
+def test_consumers_without_tenants_refuse_an_encrypted_store(store_root: Path,
+                                                             master: MasterKey, monkeypatch):
+    """The connector does not pass tenants yet: on an encrypted store its own entry ids would
+    never match, so it refuses at start with one line (fail closed). (The PyTorch and MLX
+    controllers take ``tenant=``: tests/test_tenant_controllers.py.)"""
     from spoolctl.connector.rankstores import OpenStores
-    from spoolctl.controllers.pytorch import PyTorchCacheController
 
     monkeypatch.setenv(VALUE_ENV, master_hex(master))
     with pytest.raises(ConfigError, match="vLLM connector does not support encryption"):
         OpenStores().acquire(str(store_root), create=True, max_bytes=None)
-    with Store.open(tmp_path.joinpath("c").resolve(), create=True) as store, \
-            pytest.raises(ConfigError, match="controllers does not support encryption"):
-        PyTorchCacheController(tiny_model_dir, store)
+
+
+def test_scrub_and_request_auth_need_no_key(store_root: Path, master: MasterKey):
+    """Scrub and request-auth check an encrypted entry against its ciphertext's digest (the
+    object's name): cron needs no key, an entry is found whether or not the key is there (or
+    still exists), and a flipped byte is quarantined either way (decision 2800, "Scrub")."""
+    from operator_cli import run_json
+
+    with Store.open(store_root, create=True, master_key=master) as store:
+        ms = [store.put(kind=KIND, namespace=NS, key=f"k{i}", objects={"kv": SECRET + bytes([i])},
+                        tenant=t) for i, t in enumerate(("alice", "alice", "bob", "bob"))]
+    root = ("--root", str(store_root))
+    keyed = {VALUE_ENV: master_hex(master)}
+    for env in (None, keyed):
+        doc = run_json("request-auth", ms[0].entry_id, *root, env=env)
+        assert doc["result"] == "verified" and doc["proves"] == "integrity", doc
+    run_json("keys", "revoke", "--tenant", "alice", "--yes", *root, env=keyed)
+    doc = run_json("request-auth", ms[1].entry_id, *root, env=keyed)  # key gone, bytes intact
+    assert doc["result"] == "verified", doc
+
+    for m in (ms[2], ms[3]):  # one flipped byte in each of bob's objects
+        path = next(store_root.joinpath("objects").rglob(f"{m.objects[0].digest}.obj"))
+        data = bytearray(path.read_bytes())
+        data[HEADER_BYTES + 5] ^= 1
+        path.chmod(0o600)
+        path.write_bytes(bytes(data))
+    doc = run_json("request-auth", ms[2].entry_id, *root, expect=1)
+    assert doc["result"] == "quarantined" and doc["reason"] == "payload_digest", doc
+    doc = run_json("scrub", "--until-complete", *root, expect=1)  # no key at all
+    assert [q["entry_id"] for q in doc["quarantined"]] == [ms[3].entry_id], doc
+    assert doc["cycle_completed"], doc

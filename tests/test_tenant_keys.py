@@ -10,6 +10,7 @@ old one.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
@@ -229,3 +230,57 @@ def test_a_plain_store_shows_no_encryption(store: Store):
     assert "encryption" not in run_json("status", "--root", str(store.root))
     assert not any(c["name"].startswith("encryption")
                    for c in run_json("doctor", "--root", str(store.root))["checks"])
+
+
+def test_no_key_material_in_any_output_or_log(store_root: Path, tmp_path: Path, caplog,
+                                              key_env: dict[str, str]):
+    """Every operator output about an encrypted store -- human and --json, success and
+    failure -- and every log record (at DEBUG) is free of the master key, the keys derived
+    from it and every data key, as raw bytes, hex (either case) or base64."""
+    master = _master(key_env)
+    with Store.open(store_root, create=True, master_key=master) as store:
+        for tenant in ("acme", "globex", None):
+            store.put(kind=KIND, namespace=NS, key="p", objects={"kv": _clear(str(tenant), 0)},
+                      tenant=tenant)
+        sealer = store.sealer
+        derived = [master.derive(label) for label in (b"key-wrapping", b"tenant-id")] + \
+            [master.derive(b"entry-names " + t.tenant_id.encode())
+             for t in sealer.keyring.tenants()]
+    data_keys = _live_keys(store_root, key_env)
+    assert len(data_keys) == 3
+    secrets_ = [master._key, *derived, *data_keys]
+    root = ("--root", str(store_root))
+    outputs: list[str] = []
+    with caplog.at_level("DEBUG"):
+        runs = [("keys", "ls"), ("keys", "ls", "--json"), ("keys", "rotate", "--json"),
+                ("keys", "rotate", "--tenant", "acme"),
+                ("keys", "retire", "--tenant", "acme", "--yes"),
+                ("keys", "revoke", "--tenant", "globex", "--dry-run"),
+                ("--debug", "keys", "revoke", "--tenant", "globex", "--yes", "--json"),
+                ("status",), ("status", "--json"), ("doctor", "--json"),
+                ("export", "-o", str(tmp_path / "a.tar"), "--json")]
+        for argv in runs:
+            code, out, err = run(*argv, *root, env=key_env)
+            assert code == 0, (argv, err)
+            outputs += [out, err]
+        wrong = {VALUE_ENV: secrets.token_hex(32)}  # failures, too
+        for argv in [("keys", "rotate"), ("doctor",)]:
+            code, out, err = run(*argv, *root, env=wrong)
+            assert code == 1, (argv, err)
+            outputs += [out, err]
+        with Store.open(store_root, master_key=master) as store:  # the library's own logs
+            m = store.lookup(KIND, NS, "p", tenant="acme") or store.manifest(
+                store.entry_id(KIND, NS, "p", tenant="acme"))
+            with pytest.raises(KeyUnavailableError) as err:
+                store.read(m, "kv")
+            outputs.append(f"{err.value} {err.value!r}")
+    outputs += [caplog.text] + [repr(r.args) + r.getMessage() for r in caplog.records]
+    assert any("tenant" in o for o in outputs)  # the outputs were really collected
+    text = "\n".join(outputs)
+    raw = text.encode("utf-8", "surrogateescape")
+    for key in secrets_:
+        forms = [key.hex(), key.hex().upper(), base64.b64encode(key).decode(),
+                 base64.urlsafe_b64encode(key).decode(), base64.b64encode(key).decode()[:24],
+                 repr(key)[2:-1]]  # a bytes object formatted into a message
+        leaked = key in raw or any(f in text for f in forms)
+        assert not leaked, f"key material found in an output (key {secrets_.index(key)})"

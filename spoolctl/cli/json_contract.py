@@ -148,7 +148,36 @@ DOCUMENTS: tuple[Document, ...] = (
         "bytes_per_second": "rate", "left_out": "entries not taken (and why)",
         "stores": "per source store", "exit": "exit code"},
         optional={"signature": "with --sign-key: the `.sig` file written next to the archive "
-                               "(decision 2800)"}),
+                               "(decision 2800), or `-` for a stream signed by its trailer "
+                               "(decision 2811)"}),
+    Document("keys-ls", "The encryption facts of a store (decision 2800): ids and counts, never "
+             "key material.", {
+                 "schema": SCHEMA,
+                 "encrypted": "true if a master key is configured or encrypted entries exist",
+                 "master_key": "`key_id` (an HKDF-derived id, not the key) and `matches_keyring` "
+                               "(false: another master key, every encrypted entry a miss); null "
+                               "when none is configured",
+                 "keyring": "path of state/keyring.json (null without a master key)",
+                 "tenants": "per tenant id (opaque; never the name): `tenant_id`, `current` "
+                            "version (or null), `versions`",
+                 "unreadable_entries": "entries under revoked, retired or unknown keys"},
+             rows={"tenants": {"tenant_id": "16-hex opaque id", "current": "current version "
+                               "(null: none live)", "versions": "per version: `version`, `key` "
+                               "(`live` or `unavailable`), `entries`, `bytes`"}}),
+    *(Document(f"keys-{action}", what, {
+        "schema": SCHEMA, "action": f"`{action}`",
+        "dry_run": "true for a plan (nothing changed)",
+        "tenants": "per tenant id: `tenant_id`, `versions` (the versions " + verb + ")",
+        "released_entries": "entries released by this run (`clean --released` reclaims them; "
+                            "0 for rotate)",
+        "released_bytes": "their bytes"},
+        rows={"tenants": {"tenant_id": "16-hex opaque id", "versions": "key versions " + verb}})
+      for action, what, verb in (
+          ("rotate", "The new key version of each tenant (decision 2800).", "started"),
+          ("revoke", "A tenant crypto-erased: every key version deleted, its entries released.",
+           "erased"),
+          ("retire", "Key versions older than the current one erased, their entries released.",
+           "erased"))),
     Document("import", "What was imported.", {
         "schema": SCHEMA, "source": "archive, - or peer root", "target": "--root",
         "kind": "store, deployment, base or empty (a path not there yet, too)",

@@ -225,7 +225,8 @@ def export_cmd(
     old_max_size: DeprecatedMaxSize = None,
     sign_key: Annotated[str | None, typer.Option(
         "--sign-key", help="Sign the archive with this Ed25519 private key (PEM): writes "
-        "<output>.sig next to it (needs -o FILE).", show_default=False)] = None,
+        "<output>.sig next to it, or with -o - a signature trailer at the stream's end.",
+        show_default=False)] = None,
 ) -> None:
     """Write selected entries as one streaming, verified archive (tar) to a file or stdout.
 
@@ -251,16 +252,20 @@ def export_cmd(
     if sign_key is not None:
         from spoolctl.store import load_signing_key
 
-        if output == "-":
-            raise ConfigError("--sign-key needs an archive file (the signature is written "
-                              "next to it)", fix="pass -o FILE")
         signer = load_signing_key(Path(sign_key).expanduser())
     show = _want_progress(progress, json_output)
     bar = _Progress("export", show)
     try:
         with _archive_sink(output, force) as fd, bar:
-            report = export(source.layout.path, FdSink(fd), selection, progress=bar,
+            sink: Any = FdSink(fd)
+            if signer is not None and output == "-":  # in-stream: a trailer (decision 2811)
+                from spoolctl.store import SigningSink
+
+                sink = SigningSink(sink)
+            report = export(source.layout.path, sink, selection, progress=bar,
                             layout=source.layout, quorum=source.quorum)
+            if signer is not None and output == "-":
+                FdSink(fd)([sink.trailer(signer)])
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: say what is left, 130 / 143
         left = ("the archive on stdout is incomplete (no end record): every import refuses "
                 "it" if output == "-" else f"no archive written ({output} not created)")
@@ -281,7 +286,8 @@ def export_cmd(
     if signer is not None:
         from spoolctl.store import sign_archive
 
-        doc["signature"] = str(sign_archive(Path(output).expanduser(), signer))
+        doc["signature"] = "-" if output == "-" else \
+            str(sign_archive(Path(output).expanduser(), signer))
     if json_output:
         emit_json(doc)  # on stderr with -o - (JsonState.to_stderr)
     else:
@@ -371,9 +377,9 @@ def import_cmd(
         if not (require_signed and verify_key is not None):
             raise ConfigError("--require-signed and --verify-key go together",
                               fix="pass both: --require-signed --verify-key fleet.pub")
-        if source == "-" or is_dir:
-            raise ConfigError("--require-signed needs an archive file (its signature is the "
-                              ".sig next to it)", fix="save the archive to a file first")
+        if is_dir:
+            raise ConfigError("--require-signed needs an archive (a file with its .sig, or a "
+                              "signed stream on stdin)", fix="export the store with --sign-key")
         public = load_verify_key(Path(verify_key).expanduser())
 
     def wants(manifest: Any) -> bool:
@@ -393,6 +399,13 @@ def import_cmd(
                     kinds=selection.kinds, namespaces=selection.namespaces,
                     deployments=tuple(deployment or ()), max_bytes=selection.max_bytes),
                     layout=peer_source(peer))
+            elif public is not None and source == "-":
+                from spoolctl.store import verified_stream_copy
+
+                with _archive_source(source) as raw, \
+                        verified_stream_copy(raw, public) as copy, \
+                        _archive_source(str(copy)) as stream:
+                    report = importer.from_archive(stream, source)
             elif public is not None:
                 from spoolctl.store import verified_copy
 

@@ -799,7 +799,8 @@ class MlxCacheController(LocalCacheController):
     or by several controllers of one process). ``root=None`` is a managed temporary
     store that ``close()`` removes. ``kv_bits`` / ``kv_group_size`` /
     ``quantized_kv_start``: mlx-lm's quantized KV cache (see ``MlxBackend``); ignored when
-    ``model`` is a built backend.
+    ``model`` is a built backend. ``tenant``: on an encrypted store, the tenant whose key
+    seals the entries (see ``LocalCacheController``).
     """
 
     def __init__(
@@ -816,6 +817,7 @@ class MlxCacheController(LocalCacheController):
         kv_bits: int | None = None,
         kv_group_size: int = KV_GROUP_SIZE,
         quantized_kv_start: int = QUANTIZED_KV_START,
+        tenant: str | None = None,
     ):
         backend = model if isinstance(model, MlxBackend) else \
             MlxBackend(model, prefill_step=prefill_step, model_id=model_id, kv_bits=kv_bits,
@@ -823,7 +825,7 @@ class MlxCacheController(LocalCacheController):
         if root is not None and not isinstance(root, Store):
             root = os.fspath(root)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout, read_only=read_only)
+                         lock_timeout=lock_timeout, read_only=read_only, tenant=tenant)
         self.mlx: MlxBackend = backend
 
     def export_prompt_cache(self, target: CachePrepareParams | CacheHandle,

@@ -661,6 +661,8 @@ class PyTorchCacheController(LocalCacheController):
     ``model``: a local model directory (or an already built ``PyTorchBackend``);
     ``root``: store root, open Store, or None for a managed temporary store.
     ``restore(handle).cache`` is a ``transformers.DynamicCache``; ``import_cache`` takes one.
+    ``tenant``: on an encrypted store, the tenant whose key seals the entries (see
+    ``LocalCacheController``).
     """
 
     def __init__(self, model: str | os.PathLike[str] | PyTorchBackend,
@@ -669,9 +671,10 @@ class PyTorchCacheController(LocalCacheController):
                  trusted_revision: str | None = None,
                  max_bytes: int | None = None,
                  memory_entries: int = DEFAULT_MEMORY_ENTRIES,
-                 lock_timeout: float = DEFAULT_LOCK_TIMEOUT, read_only: bool = False):
+                 lock_timeout: float = DEFAULT_LOCK_TIMEOUT, read_only: bool = False,
+                 tenant: str | None = None):
         backend = model if isinstance(model, PyTorchBackend) else \
             PyTorchBackend(model, dtype=dtype, device=device, revision=revision,
                            model_id=model_id, trusted_revision=trusted_revision)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout, read_only=read_only)
+                         lock_timeout=lock_timeout, read_only=read_only, tenant=tenant)

@@ -82,7 +82,14 @@ from .tenant_keys import (
     rotate_keys,
 )
 from .transfer.archive import FdSink, deployment_of, rank_of
-from .transfer.archive_sign import load_signing_key, load_verify_key, sign_archive, verified_copy
+from .transfer.archive_sign import (
+    SigningSink,
+    load_signing_key,
+    load_verify_key,
+    sign_archive,
+    verified_copy,
+    verified_stream_copy,
+)
 from .transfer.exporter import export
 from .transfer.importer import Importer
 from .transfer.peer import import_from_root
@@ -129,6 +136,7 @@ __all__ = [
     "RootError",
     "Scrubber",
     "Selection",
+    "SigningSink",
     "SpoolError",
     "Store",
     "StoreFacts",
@@ -174,5 +182,6 @@ __all__ = [
     "validate_item_id",
     "validate_kind",
     "verified_copy",
+    "verified_stream_copy",
     "write_tmp",
 ]

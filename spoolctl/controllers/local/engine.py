@@ -69,6 +69,7 @@ from ..flight import PrepareFlights
 from ..logsafe import reason
 from ..targets import ref_of
 from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
+from .tenancy import SealedFormat, Tenancy
 from .tokens import TokenPrefix, common_prefix_tokens, rank_bases
 from .usage import ControllerStats, PrepareWork
 from .use import CacheUse, UseContext
@@ -116,6 +117,10 @@ class LocalCacheController:
     key stripe before giving up and returning an empty handle (run cold).
     ``read_only``: open an existing store for reading only (e.g. a cache another user
     wrote): exact hits only, nothing written, ``release``/``import_cache`` refused.
+    ``tenant``: on a store with encryption at rest (a master key configured), the tenant
+    whose data key seals this controller's entries; only that tenant's entries are found
+    (None: the default tenant). On a store without encryption a tenant is a ConfigError
+    (``tenancy.py``, decision 2810).
     ``generate``, ``restore``, ``import_cache`` and friends are ``local_use.CacheUse``'s,
     a part this controller is composed of and forwards to (decision 2520).
     """
@@ -130,6 +135,7 @@ class LocalCacheController:
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         entry_format: EntryFormat | None = None,
         read_only: bool = False,
+        tenant: str | None = None,
     ):
         if getattr(backend, "kind", None) not in LOCAL_KINDS:
             raise ConfigError(f"unsupported backend kind {getattr(backend, 'kind', None)!r}",
@@ -169,10 +175,20 @@ class LocalCacheController:
                                      else default_max_bytes(self._managed))
         else:
             self._store = _open_store(root, max_bytes=max_bytes, read_only=read_only)
-        if self._store.sealer is not None:  # no tenant= yet (decision 2800): fail closed
+        try:
+            if self._store.sealer is not None and entry_format is not None:
+                # Formats of their own (mlx-vlm) keep clear-text image digests in their
+                # meta: not sealed yet (decision 2810), so fail closed.
+                refuse_encrypted(self._store, f"the {self.format.label} controller")
+            self._tenancy = Tenancy(self._store, tenant, self.kind)
+        except SpoolError:
             if self._owns_store:
                 self._store.close()
-            refuse_encrypted(self._store, "the local prompt-cache controllers")
+            if self._managed is not None:
+                shutil.rmtree(self._managed, ignore_errors=True)
+            raise
+        if self._tenancy.active:
+            self.format = SealedFormat(self.format, self._tenancy)  # type: ignore[assignment]
         self._lock = threading.Condition(threading.RLock())
         self._flights = PrepareFlights(self._lock)
         self._memory: OrderedDict[str, Loaded] = OrderedDict()
@@ -322,7 +338,7 @@ class LocalCacheController:
         return self.format.plan(params)
 
     def _prefix_of(self, manifest: Manifest) -> TokenPrefix:
-        return self.format.check(manifest.meta, None)
+        return self.format.check(self._tenancy.open_meta(manifest)[0], None)
 
     def prepare(self, params: CachePrepareParams) -> CacheHandle:
         """Return a handle to a cache of the cacheable prefix of ``params``.
@@ -552,7 +568,8 @@ class LocalCacheController:
         try:
             # No key lock of its own (a second stripe lock could wait on the one held):
             # a put of an entry that exists is a no-op, so racing writers are harmless.
-            known = self._store.lookup(self.kind, snap.namespace, snap.key, touch=False)
+            known = self._store.lookup(self.kind, snap.namespace, snap.key, touch=False,
+                                       tenant=self._tenancy.tenant)
             head = self.format.prefill(snap)
             if known is None:
                 self._commit(snap, head, None, snapshot=True)
@@ -571,6 +588,8 @@ class LocalCacheController:
 
     def _commit(self, plan: Plan, cache: Any, base_id: str | None, *,
                 snapshot: bool = False) -> bool:
+        if self._tenancy.lost:  # said once at open; every commit would fail the same way
+            return False
         try:
             objects, layout = self.format.serialize(cache, plan)
         except Exception as exc:  # the cache still serves this process from memory
@@ -585,8 +604,10 @@ class LocalCacheController:
                  "tokens": len(plan.prefix), **own_index,
                  **({"snapshot": True} if snapshot else {})}
         try:
+            meta, objects = self._tenancy.seal_meta(meta, objects)
             self._store.put(kind=self.kind, namespace=plan.namespace, key=plan.key,
-                            objects=objects, meta=meta, index=index, supersedes=base_id)
+                            objects=objects, meta=meta, index=index, supersedes=base_id,
+                            tenant=self._tenancy.tenant)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
             log.warning("cache not persisted (%s); serving it from memory", reason(exc))
@@ -665,7 +686,8 @@ class LocalCacheController:
     def _load_exact(self, plan: Plan, *, touch: bool) -> Loaded | None:
         try:
             manifest = self._store.lookup(self.kind, plan.namespace, plan.key,
-                                          touch=touch and not self.read_only)
+                                          touch=touch and not self.read_only,
+                                          tenant=self._tenancy.tenant)
         except SpoolError as exc:
             log.warning("cache lookup failed, treating as a miss: %s", reason(exc))
             return None
@@ -682,11 +704,22 @@ class LocalCacheController:
         """Verify and load an entry; None (after quarantining bad entries) on any defect.
         ``plan``: the plan the entry must hold exactly (None: a base, any prefix)."""
         try:
-            prefix = self.format.check(manifest.meta, plan)
+            meta: Any = manifest.meta
+            objects: dict[str, Any] | None = None
+            if self._tenancy.active:  # the token meta is sealed: read (and decrypt) first
+                try:
+                    meta, objects = self._tenancy.open_meta(manifest,
+                                                            self._store.read_all(manifest))
+                except (CorruptionError, NotFoundError):
+                    raise
+                except SpoolError as exc:
+                    raise _TransientReadError(exc) from exc
+            prefix = self.format.check(meta, plan)
             if plan is not None and prefix != plan.prefix:
                 raise ValueError("cached token ids differ from the prompt's")
             try:
-                objects = self._store.read_all(manifest)
+                if objects is None:
+                    objects = self._store.read_all(manifest)
             except (CorruptionError, NotFoundError):
                 raise
             except SpoolError as exc:
@@ -694,7 +727,7 @@ class LocalCacheController:
             # Any error from here on, SpoolError included, is a defect of the entry itself
             # (its bytes verified but do not fit this model): quarantine it, so the next
             # prepare rebuilds it instead of missing on it forever.
-            cache = self.format.load(objects, manifest.meta, prefix, plan)
+            cache = self.format.load(objects, meta, prefix, plan)
             return Loaded(cache, prefix)
         except (CorruptionError, NotFoundError) as exc:
             # The store has already quarantined a corrupt entry; a deleted one is a miss.
@@ -724,7 +757,8 @@ class LocalCacheController:
         except SpoolError as exc:
             log.warning("base selection skipped: %s", reason(exc))
             return []
-        return [(r.entry_id, r.key, r.index) for r in rows if r.entry_id != plan.entry_id]
+        return [(r.entry_id, r.key, r.index) for r in rows
+                if r.entry_id != plan.entry_id and self._tenancy.own(r.index)]
 
     def _from_base(self, plan: Plan, rows: list[tuple[str, str, Any]]
                    ) -> tuple[Any, int, str, str, bool] | None:
@@ -748,14 +782,15 @@ class LocalCacheController:
                 where = "memory"
             else:
                 try:
-                    manifest = self._store.lookup(self.kind, plan.namespace, cand.key,
-                                                  touch=False)
+                    manifest = self._tenancy.base_manifest(plan.namespace, cand.key,
+                                                           cand.entry_id)
+                    if manifest is None:
+                        continue
+                    meta = self._tenancy.open_meta(manifest)[0]  # sealed: the token meta
                 except SpoolError:
                     continue
-                if manifest is None:
-                    continue
                 try:
-                    theirs = self._prefix_of(manifest)
+                    theirs = self.format.check(meta, None)
                     keep = common_prefix_tokens(theirs, plan.prefix)
                     if not self._can_cut(keep, len(theirs)):
                         continue  # not worth reading: its state is past the shared prefix

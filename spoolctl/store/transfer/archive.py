@@ -46,6 +46,10 @@ MAX_STORES = 4096
 MAX_COUNT = 1 << 62
 # Bytes after the end-of-archive marker that are drained (and must be zero) before giving up.
 MAX_TAIL = 1 << 20
+# A signed stream (``export -o - --sign-key``, decision 2811) ends, after the zero padding, with
+# one signature trailer of exactly this size that starts with this magic (``archive_sign``).
+TRAILER_MAGIC = b"spoolctl-archive-sig-trailer/v1\n"
+TRAILER_BYTES = 1024
 
 _ENTRY_ID_RE = re.compile(r"[0-9a-f]{64}")
 _PLACE_RE = re.compile(rf"(?P<deployment>{DEPLOYMENT_NAME})/rank-(?P<rank>{RANK_DIGITS})")
@@ -500,16 +504,26 @@ class TarReader:
 
     def _drain_tail(self) -> None:
         """After the end marker: read to EOF (a pipe's writer must not see EPIPE), at most
-        ``MAX_TAIL`` bytes, all zero (padding); anything else is refused."""
+        ``MAX_TAIL`` bytes, all zero (padding) but for one signature trailer at the very end
+        (a signed stream read by an importer that does not ask for signatures); anything
+        else is refused."""
         buf = memoryview(bytearray(64 << 10))
         total = 0
+        kept = b""  # the non-zero tail seen so far: only a trailer may be there
         while True:
             n = self._stream.readinto(buf)
             if not n:
-                return
+                break
             total += n
             self.offset += n
-            if bytes(buf[:n]).strip(b"\0") or total > MAX_TAIL:
-                raise ArchiveError(f"data after the end of the archive (byte {self.offset})",
-                                   fix="the archive is damaged or two archives were "
-                                       "concatenated; import them one at a time")
+            chunk = bytes(buf[:n])
+            if kept or chunk.strip(b"\0"):
+                kept += chunk if kept else chunk.lstrip(b"\0")
+            if total > MAX_TAIL or len(kept) > TRAILER_BYTES or \
+                    (kept and not TRAILER_MAGIC.startswith(kept[:len(TRAILER_MAGIC)])):
+                break
+        if (kept and not (len(kept) == TRAILER_BYTES and kept.startswith(TRAILER_MAGIC))) or \
+                total > MAX_TAIL:
+            raise ArchiveError(f"data after the end of the archive (byte {self.offset})",
+                               fix="the archive is damaged or two archives were "
+                                   "concatenated; import them one at a time")

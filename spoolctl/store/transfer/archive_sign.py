@@ -9,6 +9,15 @@ an Ed25519 signature over it by the fleet's signing key. Exporting hosts hold th
 ``verified_copy`` copies the archive into a private temporary file while hashing it and checks
 the signature *before* anything is imported; the import then reads that private copy, so the
 bytes imported are the bytes verified even if someone rewrites the original meanwhile.
+A stream (``export -o - --sign-key``, decision 2811) carries its signature in-stream: after
+the tar's end-of-archive padding comes one ``TRAILER_BYTES`` trailer (``TRAILER_MAGIC``, then the
+same JSON document, padded with spaces) whose digest covers every byte before it.
+``SigningSink`` hashes what the exporter writes and ``trailer`` makes the block;
+``verified_stream_copy`` stages the whole stream in a private temporary file while hashing
+all but its last ``TRAILER_BYTES``, verifies the trailer, and yields the copy without it -- so
+``import - --require-signed`` publishes nothing before the end of the stream has been seen and
+verified (a truncated, forged or re-signed stream is refused first). Importers that do not ask
+for signatures accept the trailer and ignore it (``TarReader``).
 Keys are PEM files (``openssl genpkey -algorithm ed25519 -out fleet.key``; ``openssl pkey -in
 fleet.key -pubout -out fleet.pub``); the private key file must be private (0600, not a symlink).
 """
@@ -27,6 +36,7 @@ from typing import Any
 import blake3
 
 from ...errors import ArchiveError, ConfigError
+from .archive import TRAILER_BYTES, TRAILER_MAGIC
 
 SCHEMA = "spoolctl-archive-sig/v1"
 ALGORITHM = "ed25519"
@@ -120,11 +130,14 @@ def _digest_file(path: Path, copy_to: int | None = None) -> str:
     return hasher.hexdigest()
 
 
+def _signature_doc(key: Any, digest: str) -> dict[str, Any]:
+    return {"schema": SCHEMA, "alg": ALGORITHM, "key_id": key_id(key.public_key()),
+            "blake3": digest, "signature": key.sign(_CONTEXT + digest.encode()).hex()}
+
+
 def sign_archive(archive: Path, key: Any) -> Path:
     """Write ``<archive>.sig`` for the finished archive file ``archive``; returns its path."""
-    digest = _digest_file(archive)
-    doc = {"schema": SCHEMA, "alg": ALGORITHM, "key_id": key_id(key.public_key()),
-           "blake3": digest, "signature": key.sign(_CONTEXT + digest.encode()).hex()}
+    doc = _signature_doc(key, _digest_file(archive))
     out = sig_path(archive)
     tmp = out.with_name(out.name + ".part")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
@@ -132,12 +145,95 @@ def sign_archive(archive: Path, key: Any) -> Path:
     return out
 
 
+class SigningSink:
+    """A sink (``FdSink``'s contract) that hashes every byte it passes on; ``trailer(key)``
+    is the signature block to write after the archive's last byte."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+        self._hasher = blake3.blake3()
+
+    def __call__(self, bufs: list[bytes | memoryview]) -> None:
+        for b in bufs:
+            self._hasher.update(b)
+        self._inner(bufs)
+
+    def trailer(self, key: Any) -> bytes:
+        body = TRAILER_MAGIC + json.dumps(_signature_doc(key, self._hasher.hexdigest()),
+                                          sort_keys=True).encode()
+        assert len(body) <= TRAILER_BYTES
+        return body + b" " * (TRAILER_BYTES - len(body))
+
+
+def _check_signature(doc: Any, public: Any, where: Any) -> str:
+    """The signed digest of a signature document ``doc`` that verifies under ``public``;
+    ArchiveError (one line) otherwise."""
+    invalid, _, _ = _lib()
+    try:
+        if doc.get("schema") != SCHEMA or doc.get("alg") != ALGORITHM:
+            raise ValueError
+        digest, signature = str(doc["blake3"]), bytes.fromhex(str(doc["signature"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ArchiveError("the archive's signature is malformed", path=where,
+                           fix="export the archive again with --sign-key") from None
+    if doc.get("key_id") != key_id(public):
+        raise ArchiveError(f"the archive is signed by another key ({str(doc.get('key_id'))[:16]}"
+                           f"; this verify key is {key_id(public)})", path=where,
+                           fix="import only archives signed by your fleet's key")
+    try:
+        public.verify(signature, _CONTEXT + digest.encode())
+    except invalid:
+        raise ArchiveError("the archive's signature does not verify (forged)", path=where,
+                           fix="do not import it; find who wrote it") from None
+    return digest
+
+
+@contextlib.contextmanager
+def verified_stream_copy(stream: Any, public: Any) -> Iterator[Path]:
+    """A private copy of the signed stream ``stream`` (see the module docstring), without its
+    trailer, whose signature verifies under ``public``; ArchiveError (one line, nothing
+    imported) for a stream without a trailer (unsigned or cut short), a malformed, forged or
+    foreign signature, or bytes changed after signing. The copy is removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="spoolctl-import-") as tmp:
+        copy = Path(tmp) / "archive.tar"
+        fd = os.open(copy, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            hasher, held, total = blake3.blake3(), b"", 0
+            while chunk := stream.read(_CHUNK):
+                held += chunk
+                if len(held) > TRAILER_BYTES:  # all but the last TRAILER_BYTES are signed
+                    hasher.update(held[:-TRAILER_BYTES])
+                    held = held[-TRAILER_BYTES:]
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+                total += len(chunk)
+            if len(held) != TRAILER_BYTES or not held.startswith(TRAILER_MAGIC):
+                raise ArchiveError("the stream is not signed (no signature at its end: "
+                                   "unsigned, or cut short)", path="-",
+                                   fix="export it with --sign-key; if it was cut short, "
+                                       "export and import again")
+            try:
+                doc = json.loads(held[len(TRAILER_MAGIC):].rstrip(b" "))
+            except ValueError:
+                doc = None
+            digest = _check_signature(doc, public, "-")
+            if hasher.hexdigest() != digest:
+                raise ArchiveError("the archive's bytes are not the ones signed (altered "
+                                   "after signing)", path="-",
+                                   fix="do not import it; export it again")
+            os.ftruncate(fd, total - TRAILER_BYTES)
+        finally:
+            os.close(fd)
+        yield copy
+
+
 @contextlib.contextmanager
 def verified_copy(archive: Path, public: Any) -> Iterator[Path]:
     """A private copy of ``archive`` whose signature ``<archive>.sig`` verifies under
     ``public``; ArchiveError (one line, nothing imported) for a missing, malformed, forged or
     foreign signature. The copy is removed on exit."""
-    invalid, _, _ = _lib()
+    _lib()
     sig = sig_path(archive)
     try:
         raw = sig.read_bytes()[:_MAX_SIG + 1]
@@ -147,21 +243,9 @@ def verified_copy(archive: Path, public: Any) -> Iterator[Path]:
                                " if you vouch for it") from None
     try:
         doc = json.loads(raw)
-        if doc.get("schema") != SCHEMA or doc.get("alg") != ALGORITHM:
-            raise ValueError
-        digest, signature = str(doc["blake3"]), bytes.fromhex(str(doc["signature"]))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ArchiveError("the archive's signature file is malformed", path=sig,
-                           fix="export the archive again with --sign-key") from None
-    if doc.get("key_id") != key_id(public):
-        raise ArchiveError(f"the archive is signed by another key ({str(doc.get('key_id'))[:16]}"
-                           f"; this verify key is {key_id(public)})", path=sig,
-                           fix="import only archives signed by your fleet's key")
-    try:
-        public.verify(signature, _CONTEXT + digest.encode())
-    except invalid:
-        raise ArchiveError("the archive's signature does not verify (forged)", path=sig,
-                           fix="do not import it; find who wrote it") from None
+    except ValueError:
+        doc = None
+    digest = _check_signature(doc, public, sig)
     with tempfile.TemporaryDirectory(prefix="spoolctl-import-") as tmp:
         copy = Path(tmp) / "archive.tar"
         fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

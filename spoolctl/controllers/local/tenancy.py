@@ -1,0 +1,147 @@
+"""Tenants of the local prompt-cache controllers on an encrypted store (issue 33 item 6,
+decision 2810).
+
+A controller opened with ``tenant=`` on a store with a master key seals its entries with that
+tenant's data key (``Store.put(..., tenant=)``), and finds only that tenant's entries. Contracts:
+
+* Entry ids are the store's tenant-keyed ids (``Store.entry_id(..., tenant=)``): the same
+  prompt of two tenants (or of a tenant and the default tenant, ``tenant=None``) gives two
+  unrelated entries, so another tenant's lookup is a plain miss -- tokens as a cold run.
+* Nothing prompt-derived stays in clear text in a sealed entry's manifest or catalog row:
+  the token ids and prefix digests move into a sealed object (``PREFIX_OBJECT``) and the
+  params' group and element hashes are keyed per tenant (equal prompts of two tenants do
+  not show equal hashes); base selection looks only at the tenant's own rows.
+* A store without encryption takes ``tenant=`` as a ConfigError (it would isolate nothing);
+  a master key that is not the keyring's (a lost key replaced) is one warning line at open,
+  after which every lookup misses and nothing is persisted (``keyring.current`` refuses).
+  A revoked tenant's entries are misses (the catalog released them; a read that finds its
+  key gone is ``KeyUnavailableError``, a NotFoundError the engine treats as a miss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from spoolctl.store import ConfigError, CorruptionError, Manifest, QuarantineReason, Store
+
+from .entry_format import Plan
+
+log = logging.getLogger("spoolctl.controllers")
+
+PREFIX_OBJECT = "prefix"  # the sealed object that holds a sealed entry's token meta
+SECRET_META = ("tokens", "prefix_offsets", "prefix_hashes")
+
+
+class Tenancy:
+    """The tenant a controller's entries belong to (see the module docstring). Inactive
+    (every method an identity) on a store without encryption and no tenant."""
+
+    def __init__(self, store: Store, tenant: str | None, kind: str):
+        sealer = store.sealer
+        self._store, self._kind = store, kind
+        if sealer is None:
+            if tenant is not None:
+                raise ConfigError("tenant= was given but the store has no encryption at rest "
+                                  "configured (no master key)", path=store.root,
+                                  fix="set SPOOLCTL_MASTER_KEY_FILE to the store's master key, "
+                                      "or drop tenant=")
+            self.active, self.tenant, self.tenant_id, self.lost = False, None, None, False
+            return
+        self.active, self.tenant = True, tenant
+        self.tenant_id = sealer.tenant_id(tenant)
+        ring = sealer.keyring
+        # The keyring's master key is not this one: nothing of the store is readable and
+        # nothing can be sealed; the engine then neither finds nor persists (one line here).
+        self.lost = ring.path.exists() and not ring.master_matches
+        if self.lost:
+            log.warning("the configured master key (id %s) is not the one this store's keyring "
+                        "was written under: every cache entry is a miss and nothing is "
+                        "persisted (docs/runbook.md, key loss)", sealer.master.key_id)
+
+    def _keyed(self, label: str, value: str) -> str:
+        assert self._store.sealer is not None
+        return self._store.sealer.sealed_key(self.tenant, f"{label}:{value}")
+
+    def plan(self, plan: Plan | None) -> Plan | None:
+        """``plan`` with the tenant's entry id and tenant-keyed group and element hashes."""
+        if plan is None or not self.active:
+            return plan
+        return dataclasses.replace(
+            plan, entry_id=self._store.entry_id(self._kind, plan.namespace, plan.key,
+                                                tenant=self.tenant),
+            group=self._keyed("group", plan.group),
+            elements=tuple(self._keyed("element", e) for e in plan.elements))
+
+    def seal_meta(self, meta: dict[str, Any], objects: dict[str, Any]
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(meta, objects)`` to commit: for a sealed entry the token meta moves into the
+        sealed ``PREFIX_OBJECT``; unchanged otherwise."""
+        if not self.active:
+            return meta, objects
+        secret = {k: meta[k] for k in SECRET_META if k in meta}
+        clear = {k: v for k, v in meta.items() if k not in SECRET_META}
+        return clear, {**objects, PREFIX_OBJECT: json.dumps(secret).encode()}
+
+    def open_meta(self, manifest: Manifest, objects: dict[str, Any] | None = None
+                  ) -> tuple[Mapping[str, Any], dict[str, Any] | None]:
+        """The manifest's whole meta (token meta read back from ``PREFIX_OBJECT`` of a sealed
+        entry, from ``objects`` when given, else read from the store) and ``objects``
+        without it. CorruptionError (the entry quarantined) if the object is not JSON."""
+        if not self.active or PREFIX_OBJECT not in {o.name for o in manifest.objects}:
+            return manifest.meta, objects
+        if objects is not None:
+            objects = dict(objects)
+            raw = objects.pop(PREFIX_OBJECT)
+        else:
+            raw = self._store.read(manifest, PREFIX_OBJECT)
+        try:
+            secret = json.loads(bytes(raw))
+            if not isinstance(secret, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            self._store.quarantine_entry(manifest.entry_id, QuarantineReason.MANIFEST_VALIDATION,
+                                         "sealed token meta is not a JSON object")
+            raise CorruptionError("sealed token meta is not a JSON object",
+                                  reason=QuarantineReason.MANIFEST_VALIDATION) from None
+        return {**manifest.meta, **{k: secret[k] for k in SECRET_META if k in secret}}, objects
+
+    def own(self, index: Any) -> bool:
+        """Whether a catalog row's index is this tenant's (always, when inactive)."""
+        if not self.active:
+            return True
+        fact = index.get("sealed") if isinstance(index, Mapping) else None
+        return isinstance(fact, Mapping) and fact.get("tenant") == self.tenant_id
+
+    def base_manifest(self, namespace: str, key: str, entry_id: str) -> Manifest | None:
+        """The live manifest of a base row, or None. A sealed row's key is already the
+        stored (tenant-keyed) one, so it is found by its entry id."""
+        if not self.active:
+            return self._store.lookup(self._kind, namespace, key, touch=False)
+        if not self._store.live([entry_id]):
+            return None
+        return self._store.manifest(entry_id)
+
+
+class SealedFormat:
+    """An ``EntryFormat`` whose plans carry the tenant's entry ids (``Tenancy.plan``);
+    everything else is the wrapped format's."""
+
+    def __init__(self, inner: Any, tenancy: Tenancy):
+        self._inner = inner
+        self._tenancy = tenancy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def plan(self, params: Any) -> Plan | None:
+        return self._tenancy.plan(self._inner.plan(params))
+
+    def entry_id(self, params: Any) -> str:
+        plan = self.plan(params)
+        if plan is not None:
+            return plan.entry_id
+        return self._inner.entry_id(params)  # no cacheable prefix: no entry either way
