@@ -163,14 +163,12 @@ def test_without_cryptography_one_clear_line(monkeypatch):
 def test_consumers_without_tenants_refuse_an_encrypted_store(store_root: Path, tmp_path: Path,
                                                              master: MasterKey, monkeypatch,
                                                              tiny_model_dir: Path):
-    """The connector and the controllers do not pass tenants yet: on an encrypted store their
-    own entry ids would never match, so they refuse at start with one line (fail closed)."""
-    from spoolctl.connector.rankstores import OpenStores
+    """The controllers do not pass tenants yet: on an encrypted store their own entry ids
+    would never match, so they refuse at start with one line (fail closed). (The vLLM
+    connector passes each request's cache_salt: test_vllm_tenants.py.)"""
     from spoolctl.controllers.pytorch import PyTorchCacheController
 
     monkeypatch.setenv(VALUE_ENV, master_hex(master))
-    with pytest.raises(ConfigError, match="vLLM connector does not support encryption"):
-        OpenStores().acquire(str(store_root), create=True, max_bytes=None)
     with Store.open(tmp_path.joinpath("c").resolve(), create=True) as store, \
             pytest.raises(ConfigError, match="controllers does not support encryption"):
         PyTorchCacheController(tiny_model_dir, store)

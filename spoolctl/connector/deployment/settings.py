@@ -38,6 +38,9 @@ Keys (all optional except the root):
                              that chunk and the rest are recomputed)
 ``spoolctl_probe_interval``  seconds between probes of a store taken out of service after
                              repeated late or failed reads (default 5)
+``spoolctl_tenant_metrics``  per-tenant metrics on an encrypted store (``tenancy``): the most
+                             tenant ids labelled per role (default 32; later tenants count as
+                             ``other``; 0: none)
 ``spoolctl_weights_memo``    directory remembering file digests by file identity (default
                              ``~/.cache/spoolctl/weights``; ``off``: hash every file at each
                              start) (``weights``, decision 2110)
@@ -65,13 +68,14 @@ DEFAULT_STAGING_BYTES = 512 << 20
 DEFAULT_SCRUB_RATE = 32 << 20
 DEFAULT_MAINTENANCE_INTERVAL = 60.0
 DEFAULT_ADMIT_WINDOW = 600.0
+DEFAULT_TENANT_METRICS = 32
 KNOWN_KEYS = frozenset({
     "spoolctl_root", "spoolctl_max_size", "spoolctl_chunk_tokens", "spoolctl_staging_bytes",
     "spoolctl_scrub_rate", "spoolctl_maintenance_interval", "spoolctl_on_unsupported",
     "spoolctl_inventory", "spoolctl_host_max_size", "spoolctl_admit_after",
     "spoolctl_admit_window", "spoolctl_kv_events", "spoolctl_tag_key_file",
     "spoolctl_weights_id", "spoolctl_weights_memo", "spoolctl_lookup_deadline",
-    "spoolctl_read_deadline", "spoolctl_probe_interval",
+    "spoolctl_read_deadline", "spoolctl_probe_interval", "spoolctl_tenant_metrics",
 })
 ON_UNSUPPORTED = ("error", "disable")
 INVENTORY_MODES = ("auto", "reported")
@@ -104,8 +108,13 @@ class ConnectorSettings:
     lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S
     read_deadline: float = DEFAULT_READ_DEADLINE_S
     probe_interval: float = DEFAULT_PROBE_INTERVAL_S
+    # Tenant ids labelled in the per-tenant metrics, per role (the rest are "other").
+    tenant_metrics: int = DEFAULT_TENANT_METRICS
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tenant_metrics <= 1024:
+            raise ConfigError("spoolctl_tenant_metrics must be 0..1024", path=_WHERE,
+                              fix="set how many tenants get their own label, e.g. 32 (0: none)")
         for name in ("lookup_deadline", "read_deadline", "probe_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"spoolctl_{name} must be a positive number of seconds",
@@ -235,6 +244,8 @@ def parse_settings(
                                 DEFAULT_READ_DEADLINE_S),
         probe_interval=_optional(extra, "spoolctl_probe_interval", _seconds,
                                  DEFAULT_PROBE_INTERVAL_S),
+        tenant_metrics=_int(extra.get("spoolctl_tenant_metrics", DEFAULT_TENANT_METRICS),
+                            "spoolctl_tenant_metrics"),
     )
 
 
