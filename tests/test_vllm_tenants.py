@@ -13,9 +13,9 @@ operator revokes A from another process (``spoolctl keys revoke``) while the eng
 * per-tenant metrics name tenants only by their opaque ids; no salt reaches a log line or
   a file of the store.
 
-A lost master key at start-up (the same store, an engine without the key) is
-``test_a_lost_master_key_is_misses_and_one_line`` (extended: a second engine); in the default
-run the same start-up is checked on the connector's parts (``test_vllm_tenant_parts.py``).
+A lost master key at start-up (an engine without the key, or with another, on an encrypted
+store) is checked on the connector's parts, without a second engine
+(``test_vllm_tenant_parts.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ CHUNK = 64
 A, B = "tenant-a-salt-7f3e", "tenant-b-salt-91c2"
 rng = random.Random(33)
 P = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 5)]  # two complete chunks
-NO_KEY = (FILE_ENV, VALUE_ENV, COMMAND_ENV)
 
 
 def _counter(out: dict, role: str, spec: m.MetricSpec, **labels: str) -> float:
@@ -148,21 +147,3 @@ def test_per_tenant_metrics_name_opaque_ids(run):
     everything = repr(out["scheduler_counters"]) + repr(out["worker_counters"])
     assert A not in everything and B not in everything
 
-
-@pytest.mark.extended
-def test_a_lost_master_key_is_misses_and_one_line(run):
-    """The same store, an engine started without the master key: every encrypted entry is a
-    miss with the cold tokens, one log line says why, and nothing is stored in clear."""
-    rank = run["root"] / os.listdir(run["root"])[0] / "rank-0000"
-    with Store.open(rank, master_key=None, read_only=True) as store:
-        before = sorted(r.entry_id for r in store.entries(kind="vllm"))
-    job = {**run["job"], "requests": [{"name": "a", "tokens": P, "salt": A},
-                                      {"name": "u", "tokens": P}]}
-    out = run_engine(job, run["work"], "lost", unset=NO_KEY)
-    cold = run["out"]["results"]["a_cold"]["tokens"]
-    for name in ("a", "u"):
-        assert out["results"][name]["num_cached_tokens"] == 0
-        assert out["results"][name]["tokens"] == cold
-    assert out["log"].count("no master key is configured") == 1
-    with Store.open(rank, master_key=None, read_only=True) as store:
-        assert sorted(r.entry_id for r in store.entries(kind="vllm")) == before
