@@ -1,7 +1,8 @@
 """The one place that defines every spoolctl metric name.
 
 Every metric is named ``spoolctl_*`` and uses only labels from a closed
-vocabulary (``LABEL_VALUES``): result, reason, kind, step, direction. No prompt
+vocabulary (``LABEL_VALUES``): result, reason, kind, step, direction -- or, for ``tenant``,
+an opaque 16-hex id checked against a pattern (``PATTERN_LABELS``). No prompt
 data, token ids, entry ids, keys or salts ever appear in a label value; a
 label value outside the vocabulary is rejected by ``check_labels`` so a bug
 cannot leak one. Store gauges of a vLLM base root or deployment directory (one set per
@@ -45,6 +46,8 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         # lookup miss/bypass reasons
         "none", "absent", "partial", "lora", "prompt_embeds", "multimodal", "requested",
         "disabled", "corrupt",
+        # an encrypted store: a cache_salt too long to name a tenant (decision 2801)
+        "tenant",
         # skipped-store reasons
         "budget", "capacity", "io_error", "busy", "too_short", "exists", "shutdown",
         "admission", "after_gap",
@@ -58,6 +61,12 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "auth_tag", "unknown",
     }),
     "step": frozenset({"scrub", "capacity", "auth", "orphans", "tmp", "lease"}),
+}
+# Labels whose values are opaque ids, checked against a strict pattern: ``tenant`` is a tenant
+# of an encrypted store by its 16-hex id (keyed with the master key: it cannot be linked to a
+# cache_salt without it), or ``other`` past the connector's cap (``spoolctl_tenant_metrics``).
+PATTERN_LABELS: dict[str, re.Pattern[str]] = {
+    "tenant": re.compile(r"[0-9a-f]{16}|other", re.ASCII),
 }
 # Labels that name which rank store a store gauge describes (several stores, one file).
 TARGET_LABELS: dict[str, re.Pattern[str]] = {
@@ -78,7 +87,8 @@ class MetricSpec:
     def __post_init__(self) -> None:
         if not self.name.startswith(PREFIX):
             raise ValueError(f"metric {self.name!r} must start with {PREFIX!r}")
-        unknown = [label for label in self.labels if label not in LABEL_VALUES]
+        unknown = [label for label in self.labels
+                   if label not in LABEL_VALUES and label not in PATTERN_LABELS]
         if unknown:
             raise ValueError(f"metric {self.name!r} uses labels outside the vocabulary: {unknown}")
 
@@ -92,7 +102,12 @@ def check_labels(spec: MetricSpec, labels: Mapping[str, str]) -> dict[str, str]:
     if set(labels) != set(spec.labels):
         raise ValueError(f"{spec.name} takes labels {spec.labels}, got {tuple(labels)}")
     for key, value in labels.items():
-        if value not in LABEL_VALUES[key]:
+        pattern = PATTERN_LABELS.get(key)
+        if pattern is not None:
+            if not isinstance(value, str) or not pattern.fullmatch(value):
+                raise ValueError(f"label {key}={str(value)[:40]!r} is not an opaque id "
+                                 f"({spec.name})")
+        elif value not in LABEL_VALUES[key]:
             raise ValueError(f"label {key}={value!r} is outside the vocabulary of {spec.name}")
     return dict(labels)
 
@@ -173,10 +188,25 @@ EVICTED_ENTRIES = _c("evicted_entries_total", "Entries evicted by capacity maint
 AUTH_REQUESTS = _c("auth_requests_processed_total",
                    "Queued request-auth requests answered by the worker.")
 
+# Per tenant of an encrypted store (decision 2801): opaque ids, at most
+# ``spoolctl_tenant_metrics`` of them per process, the rest ``other``.
+TENANT_LOOKUPS = _c("tenant_lookups_total",
+                    "Prefix lookups on an encrypted store by tenant (opaque id) and result.",
+                    "tenant", "result")
+TENANT_HIT_TOKENS = _c("tenant_hit_tokens_total",
+                       "Prompt tokens restored instead of prefilled, by tenant (opaque id).",
+                       "tenant")
+TENANT_RESTORE_BYTES = _c("tenant_restore_bytes_total",
+                          "KV bytes read, authenticated and restored, by tenant (opaque id).",
+                          "tenant")
+TENANT_STORE_BYTES = _c("tenant_store_write_bytes_total",
+                        "KV bytes committed (sealed), by tenant (opaque id).", "tenant")
+
 CONNECTOR_METRICS: tuple[MetricSpec, ...] = (
     LOOKUPS, HIT_TOKENS, LOOKUP_TOKENS, RESTORE_BYTES, RESTORE_SECONDS, STORE_WRITE_BYTES,
     STORE_WRITE_SECONDS, STORES_SKIPPED, LOAD_ERRORS, QUARANTINE_EVENTS, SCRUBBED_BYTES,
     SCRUBBED_ENTRIES, MAINTENANCE_ERRORS, EVICTED_ENTRIES, AUTH_REQUESTS,
+    TENANT_LOOKUPS, TENANT_HIT_TOKENS, TENANT_RESTORE_BYTES, TENANT_STORE_BYTES,
 )
 
 # -- KV events, write admission (issue 20; exported by the vLLM scheduler and /metrics) ------

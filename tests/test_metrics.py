@@ -26,7 +26,7 @@ def test_names_are_unique_prefixed_and_use_the_closed_vocabulary() -> None:
     assert len(names) == len(set(names))
     assert all(n.startswith("spoolctl_") for n in names)
     for spec in metrics.ALL_METRICS:
-        assert set(spec.labels) <= set(metrics.LABEL_VALUES)
+        assert set(spec.labels) <= set(metrics.LABEL_VALUES) | set(metrics.PATTERN_LABELS)
     connector = {m.name for m in metrics.CONNECTOR_METRICS}
     for needed in ("spoolctl_lookups_total", "spoolctl_hit_tokens_total",
                    "spoolctl_restore_bytes_total", "spoolctl_restore_seconds",

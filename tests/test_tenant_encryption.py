@@ -160,18 +160,6 @@ def test_without_cryptography_one_clear_line(monkeypatch):
     assert "spoolctl[crypto]" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_consumers_without_tenants_refuse_an_encrypted_store(store_root: Path,
-                                                             master: MasterKey, monkeypatch):
-    """The connector does not pass tenants yet: on an encrypted store its own entry ids would
-    never match, so it refuses at start with one line (fail closed). (The PyTorch and MLX
-    controllers take ``tenant=``: tests/test_tenant_controllers.py.)"""
-    from spoolctl.connector.rankstores import OpenStores
-
-    monkeypatch.setenv(VALUE_ENV, master_hex(master))
-    with pytest.raises(ConfigError, match="vLLM connector does not support encryption"):
-        OpenStores().acquire(str(store_root), create=True, max_bytes=None)
-
-
 def test_scrub_and_request_auth_need_no_key(store_root: Path, master: MasterKey):
     """Scrub and request-auth check an encrypted entry against its ciphertext's digest (the
     object's name): cron needs no key, an entry is found whether or not the key is there (or

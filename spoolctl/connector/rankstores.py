@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 
-from spoolctl.store import ConfigError, Store, TagKey, refuse_encrypted
+from spoolctl.store import Store, TagKey
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -32,12 +32,9 @@ class OpenStores:
         with self._lock:
             held = self._open.get(root)
             if held is None:
+                # With a master key the store is encrypted: the connector names each
+                # request's tenant (``tenancy``, decision 2801).
                 store = Store.open(root, create=create, max_bytes=max_bytes, tag_key=tag_key)
-                try:
-                    refuse_encrypted(store, "the vLLM connector")
-                except ConfigError:
-                    store.close()
-                    raise
                 self._open[root] = (store, 1)
                 return store
             store, users = held

@@ -71,7 +71,7 @@ from .maintain.quarantine import QuarantineItem, validate_item_id
 from .maintain.recovery import ReconcileReport
 from .maintain.scrub import Scrubber
 from .maintain.staleness import DeploymentUse, Verdict, judge
-from .sealing import refuse_encrypted
+from .sealing import MasterKey, TenantId, TenantNames, plain_size, refuse_encrypted
 from .store import Store
 from .tenant_keys import (
     encryption_checks,
@@ -124,6 +124,7 @@ __all__ = [
     "MalformedRow",
     "Manifest",
     "ManifestError",
+    "MasterKey",
     "NotFoundError",
     "ObjectRef",
     "PutOutcome",
@@ -143,6 +144,8 @@ __all__ = [
     "StoreIOError",
     "StorePlace",
     "TagKey",
+    "TenantId",
+    "TenantNames",
     "Totals",
     "Verdict",
     "authenticate",
@@ -168,6 +171,7 @@ __all__ = [
     "parse_rank_dirname",
     "parse_rate",
     "parse_size",
+    "plain_size",
     "rank_dirname",
     "rank_of",
     "refuse_encrypted",

@@ -16,7 +16,10 @@ walks the imports), and what a part depends on is read in one line.
   timeout;
 * ``writable``: the guard that raises ReadOnlyError on a store opened read-only;
 * ``clock``: wall-clock seconds for LRU and commit times (injectable in tests);
-* ``tag_key``: the key that tags and authenticates entries, or None.
+* ``tag_key``: the key that tags and authenticates entries, or None;
+* ``key_available``: on an encrypted store, whether an entry's objects can still be
+  decrypted (False once its tenant's key was revoked or retired: ``sealing``); None when
+  encryption is off.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from .catalog.index import Catalog
     from .disk.root import Marker, StorePaths
     from .format.entry_tags import TagKey
+    from .format.manifest import Manifest
     from .maintain.quarantining import EntryQuarantine
 
 
@@ -73,6 +77,7 @@ class PartContext:
     writable: WritableGuard
     clock: Callable[[], float]
     tag_key: TagKey | None
+    key_available: Callable[[Manifest], bool] | None = None
 
     @property
     def root(self) -> Path:

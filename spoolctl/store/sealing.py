@@ -46,6 +46,7 @@ from .commit.committer import PutRequest
 from .disk.fsio import SpecialFileError, fsync_dir, open_for_read, write_tmp
 from .disk.locks import hold
 from .format.entry_tags import read_key_file
+from .format.keys import TenantId
 
 FILE_ENV = "SPOOLCTL_MASTER_KEY_FILE"
 VALUE_ENV = "SPOOLCTL_MASTER_KEY"
@@ -67,6 +68,8 @@ _KEY_RE = re.compile(r"[0-9a-fA-F]{64}")
 _TID_RE = re.compile(r"[0-9a-f]{16}")
 _MAX_KEY_FILE = 4096
 _MAX_KEYRING = 16 << 20
+# Naming keys kept per process (one per tenant seen; recomputed after the cache is cleared).
+_NAME_KEYS_KEPT = 4096
 _EXTRA_FIX = "install the extra: pip install 'spoolctl[crypto]' (or unset the master key)"
 
 
@@ -388,13 +391,13 @@ def _wrap_aad(tid: str, version: int) -> bytes:
 # -- sealing objects ---------------------------------------------------------------------
 
 
-class Sealer:
-    """One store's encryption: the master key and its keyring (see the module docstring)."""
+class TenantNames:
+    """Tenant ids and entry names, from the master key alone (no keyring): all a process that
+    only names entries needs (the vLLM scheduler, which plans against rank stores it may not
+    open). See the module docstring."""
 
-    def __init__(self, master: MasterKey, keyring: Keyring):
+    def __init__(self, master: MasterKey):
         self.master = master
-        self.keyring = keyring
-        self._lib = master._lib
         self._tid_key = master.derive(b"tenant-id")
         self._names: dict[str, bytes] = {}
 
@@ -406,13 +409,42 @@ class Sealer:
                               fix="pass the tenant's name (vLLM: its cache_salt)")
         return blake3.blake3(name.encode(), key=self._tid_key).hexdigest()[:16]
 
+    def _name_key(self, tid: str) -> bytes:
+        nk = self._names.get(tid)
+        if nk is None:
+            if len(self._names) >= _NAME_KEYS_KEPT:  # one per tenant seen: bounded
+                self._names.clear()
+            nk = self._names[tid] = self.master.derive(b"entry-names " + tid.encode())
+        return nk
+
     def sealed_key(self, tenant: str | None, key: str) -> str:
         """The key an entry of ``tenant`` is stored under: unlinkable across tenants."""
         tid = self.tenant_id(tenant)
-        nk = self._names.get(tid)
-        if nk is None:
-            nk = self._names[tid] = self.master.derive(b"entry-names " + tid.encode())
-        return f"t:{tid}:" + blake3.blake3(key.encode(), key=nk).hexdigest()
+        return f"t:{tid}:" + blake3.blake3(key.encode(), key=self._name_key(tid)).hexdigest()
+
+    def chunk_key(self, tenant: str | None, key: str) -> str:
+        """``key`` of ``tenant`` as 64 hex characters (32 bytes) that name their tenant: its
+        id (16 hex) then 48 hex of ``key`` hashed under the tenant's naming key. For callers
+        whose keys must stay 32 raw bytes (the vLLM connector's chunk keys travel in its
+        inventory reports); an entry committed under it with ``tenant=TenantId.of(chunk
+        key)`` keeps this key and is sealed with that tenant's data key."""
+        tid = self.tenant_id(tenant)
+        return tid + blake3.blake3(key.encode(), key=self._name_key(tid)).hexdigest()[:48]
+
+
+class Sealer(TenantNames):
+    """One store's encryption: the master key and its keyring (see the module docstring)."""
+
+    def __init__(self, master: MasterKey, keyring: Keyring):
+        super().__init__(master)
+        self.keyring = keyring
+        self._lib = master._lib
+
+    def key_available(self, manifest: Any) -> bool:
+        """False when ``manifest`` is sealed under a key the keyring no longer holds (revoked,
+        retired, or another master key); True for a sealed entry it can open and a plain one."""
+        fact = sealed_fact(manifest.index)
+        return fact is None or self.keyring.data_key(*fact) is not None
 
     def seal(self, tid: str, version: int, key: bytes,
              payload: bytes | bytearray | memoryview) -> memoryview:
@@ -522,18 +554,26 @@ def sealed_fact(index: Mapping[str, Any] | None) -> tuple[str, int] | None:
     return None
 
 
+def plain_size(manifest: Any, name: str) -> int:
+    """The bytes object ``name`` of ``manifest`` reads back as (``Store.read``): its size on
+    disk, less the header and tag of a sealed object. KeyError if there is no such object."""
+    size = manifest.object(name).size
+    return size - OVERHEAD if sealed_fact(manifest.index) is not None else size
+
+
 def seal_request(sealer: Sealer | None, request: PutRequest) -> PutRequest:
     """``request`` as the store commits it: with a sealer, its objects sealed under the
-    tenant's current key, its key replaced by ``sealed_key`` and the ``sealed`` fact in its
-    index; without one, unchanged (a ``tenant`` then is a ConfigError: it would not isolate
-    anything). A streamed payload is gathered first (AES-GCM seals one buffer)."""
+    tenant's current key, its key replaced by ``sealed_key`` (kept for a ``TenantId``:
+    ``stored_key``) and the ``sealed`` fact in its index; without one, unchanged (a
+    ``tenant`` then is a ConfigError: it would not isolate anything). A streamed payload is
+    gathered first (AES-GCM seals one buffer)."""
     if sealer is None:
         if request.tenant is not None:
             raise ConfigError("a tenant was given but the store has no encryption configured",
                               fix=f"set {FILE_ENV} (or {VALUE_ENV} / {COMMAND_ENV}), or drop "
                                   "the tenant")
         return request
-    tid = sealer.tenant_id(request.tenant)
+    tid = tenant_of(sealer, request.tenant, request.key)
     version, key = sealer.keyring.current(tid)
     objects: dict[str, memoryview] = {}
     for name, payload in request.objects.items():
@@ -542,8 +582,25 @@ def seal_request(sealer: Sealer | None, request: PutRequest) -> PutRequest:
         objects[name] = sealer.seal(tid, version, key, payload)
     index = dict(request.index or {})
     index[INDEX_FIELD] = {"tenant": tid, "version": version}
-    return replace(request, key=sealer.sealed_key(request.tenant, request.key), objects=objects,
-                   index=index, tenant=None)
+    return replace(request, key=stored_key(sealer, request.tenant, request.key),
+                   objects=objects, index=index, tenant=None)
+
+
+def tenant_of(names: TenantNames, tenant: str | TenantId | None, key: str) -> str:
+    """The id of ``tenant``; for a ``TenantId``, ConfigError unless ``key`` names it."""
+    if isinstance(tenant, TenantId):
+        if not key.startswith(tenant.tid):
+            raise ConfigError("an entry key named for another tenant",
+                              fix="name it with TenantNames.chunk_key for this tenant")
+        return tenant.tid
+    return names.tenant_id(tenant)
+
+
+def stored_key(names: TenantNames, tenant: str | TenantId | None, key: str) -> str:
+    """The key an entry of ``tenant`` is stored under: ``sealed_key`` for a tenant's name,
+    ``key`` itself for a ``TenantId`` (the caller named it: ``chunk_key``)."""
+    tenant_of(names, tenant, key)
+    return key if isinstance(tenant, TenantId) else names.sealed_key(tenant, key)
 
 
 def refuse_encrypted(store: Any, consumer: str) -> None:

@@ -100,7 +100,15 @@ from .maintain.quarantine import Quarantine, QuarantineItem
 from .maintain.quarantining import EntryQuarantine
 from .maintain.recovery import ReconcileReport, Recovery
 from .queries import Queries
-from .sealing import MasterKey, Sealer, open_sealer, seal_request, sealed_fact
+from .sealing import (
+    MasterKey,
+    Sealer,
+    TenantId,
+    open_sealer,
+    seal_request,
+    sealed_fact,
+    stored_key,
+)
 
 log = logging.getLogger("spoolctl.store")
 
@@ -148,7 +156,8 @@ class Store:
         self._quarantining = EntryQuarantine(layout, self._catalogs.current, self.quarantine,
                                              hook, self._writable)
         ctx = PartContext(layout, lambda: self._catalogs.catalog, hook, self._quarantining,
-                          self.limits, self._writable, lambda: self.clock(), tag_key)
+                          self.limits, self._writable, lambda: self.clock(), tag_key,
+                          key_available=None if sealer is None else sealer.key_available)
         self._publisher = Publisher(layout.root, layout.tmp, hook)
         self._committer = Committer(ctx, self._publisher)
         self._gc = GarbageCollector(ctx)
@@ -313,7 +322,7 @@ class Store:
         index: Mapping[str, Any] | None = None,
         supersedes: str | None = None,
         evict: bool = True,
-        tenant: str | None = None,
+        tenant: str | TenantId | None = None,
     ) -> Manifest:
         """Commit one entry (manifest-last) and return its manifest.
 
@@ -328,7 +337,8 @@ class Store:
         (``inputs.check_put``); a streamed payload that grows past the size budget raises
         CapacityError while it streams, leaving nothing on disk.
         ``tenant``: on an encrypted store, whose keys seal the entry (None: the default
-        tenant); the entry is then found only with the same tenant (``lookup``).
+        tenant); the entry is then found only with the same tenant (``lookup``). A
+        ``sealing.TenantId`` keeps ``key`` as given (named by ``TenantNames.chunk_key``).
         """
         request = PutRequest(kind, namespace, key, objects, meta, index, supersedes, tenant)
         check_put(**request.__dict__)
@@ -415,18 +425,19 @@ class Store:
 
     # -- lookup and read ----------------------------------------------------------------
 
-    def entry_id(self, kind: str, namespace: str, key: str, *, tenant: str | None = None) -> str:
+    def entry_id(self, kind: str, namespace: str, key: str, *,
+                 tenant: str | TenantId | None = None) -> str:
         return entry_id_for(kind, namespace, self._stored_key(key, tenant))
 
-    def _stored_key(self, key: str, tenant: str | None) -> str:
+    def _stored_key(self, key: str, tenant: str | TenantId | None) -> str:
         """The key an entry of ``tenant`` is stored under (``sealing.seal_request``)."""
         if self.sealer is None:
             seal_request(None, PutRequest("", "", "", {}, tenant=tenant))  # refuses a tenant
             return key
-        return self.sealer.sealed_key(tenant, key)
+        return stored_key(self.sealer, tenant, key)
 
     def lookup(self, kind: str, namespace: str, key: str, *, touch: bool = True,
-               tenant: str | None = None) -> Manifest | None:
+               tenant: str | TenantId | None = None) -> Manifest | None:
         """The live manifest for ``key`` (of ``tenant`` on an encrypted store), or None (a
         miss). Never raises on corruption: a bad manifest is quarantined and reported as a
         miss."""

@@ -41,6 +41,9 @@ Keys (all optional except the root):
 ``spoolctl_write_budget``    KV bytes each rank store may write per UTC day, e.g. ``500GiB``
                              (default: no limit); enforced by admission, counted across
                              restarts (``write_budget``, decision 2710)
+``spoolctl_tenant_metrics``  per-tenant metrics on an encrypted store (``tenancy``): the most
+                             tenant ids labelled per role (default 32; later tenants count as
+                             ``other``; 0: none)
 ``spoolctl_weights_memo``    directory remembering file digests by file identity (default
                              ``~/.cache/spoolctl/weights``; ``off``: hash every file at each
                              start) (``weights``, decision 2110)
@@ -68,6 +71,7 @@ DEFAULT_STAGING_BYTES = 512 << 20
 DEFAULT_SCRUB_RATE = 32 << 20
 DEFAULT_MAINTENANCE_INTERVAL = 60.0
 DEFAULT_ADMIT_WINDOW = 600.0
+DEFAULT_TENANT_METRICS = 32
 KNOWN_KEYS = frozenset({
     "spoolctl_root", "spoolctl_max_size", "spoolctl_chunk_tokens", "spoolctl_staging_bytes",
     "spoolctl_scrub_rate", "spoolctl_maintenance_interval", "spoolctl_on_unsupported",
@@ -75,6 +79,7 @@ KNOWN_KEYS = frozenset({
     "spoolctl_admit_window", "spoolctl_kv_events", "spoolctl_tag_key_file",
     "spoolctl_weights_id", "spoolctl_weights_memo", "spoolctl_lookup_deadline",
     "spoolctl_read_deadline", "spoolctl_probe_interval", "spoolctl_write_budget",
+    "spoolctl_tenant_metrics",
 })
 ON_UNSUPPORTED = ("error", "disable")
 INVENTORY_MODES = ("auto", "reported")
@@ -109,8 +114,13 @@ class ConnectorSettings:
     probe_interval: float = DEFAULT_PROBE_INTERVAL_S
     # KV bytes a rank store may write per UTC day (``write_budget``, decision 2710).
     write_budget: int | None = None
+    # Tenant ids labelled in the per-tenant metrics, per role (the rest are "other").
+    tenant_metrics: int = DEFAULT_TENANT_METRICS
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tenant_metrics <= 1024:
+            raise ConfigError("spoolctl_tenant_metrics must be 0..1024", path=_WHERE,
+                              fix="set how many tenants get their own label, e.g. 32 (0: none)")
         for name in ("lookup_deadline", "read_deadline", "probe_interval"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"spoolctl_{name} must be a positive number of seconds",
@@ -245,6 +255,8 @@ def parse_settings(
         probe_interval=_optional(extra, "spoolctl_probe_interval", _seconds,
                                  DEFAULT_PROBE_INTERVAL_S),
         write_budget=_optional(extra, "spoolctl_write_budget", parse_size),
+        tenant_metrics=_int(extra.get("spoolctl_tenant_metrics", DEFAULT_TENANT_METRICS),
+                            "spoolctl_tenant_metrics"),
     )
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from spoolctl import metrics as m
 from spoolctl.errors import ConfigError
-from spoolctl.store import hash_bytes
+from spoolctl.store import hash_bytes, plain_size
 
 from ..planning.groups import GroupInfo, GroupLayout
 from ..planning.plan import (
@@ -157,9 +157,9 @@ class GroupedCopier(Copier):
         digest = self.layout_digest
 
         def valid(manifest: Any) -> bool:
-            names = {ref.name: ref for ref in manifest.objects}
+            names = {ref.name for ref in manifest.objects}
             return manifest.meta.get("layout") == digest and all(
-                lay.name in names and names[lay.name].size == kv.chunk_bytes
+                lay.name in names and plain_size(manifest, lay.name) == kv.chunk_bytes
                 for lay, kv, _, _ in wanted)
 
         def fill(store: Store, manifest: Any, buf: torch.Tensor) -> int:

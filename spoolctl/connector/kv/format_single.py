@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from spoolctl import metrics as m
+from spoolctl.store import plain_size
 
 from ..planning.plan import ChunkLoad, Planner, ScheduledStep, SingleRequestLoad
 from ..stats import ConnectorCounters
@@ -157,7 +158,7 @@ class SingleCopier(Copier):
 
         def valid(manifest: Any) -> bool:
             return manifest.meta.get("layout") == kv.layout_digest and \
-                manifest.object(OBJECT).size == kv.chunk_bytes
+                plain_size(manifest, OBJECT) == kv.chunk_bytes
 
         def fill(store: Store, manifest: Any, buf: torch.Tensor) -> int:
             store.read(manifest, OBJECT, into=memoryview(buf.numpy()))

@@ -1,7 +1,8 @@
 """Scheduler-side lookup: a request's chunk keys, and which of them every rank holds.
 
-* ``request_keys`` names a request's complete prompt chunks (``chain``), or raises
-  ``Bypass`` for a request that must not use the cache (connector disabled, bypass flag,
+* ``request_keys`` names a request's complete prompt chunks (``chain``; on an encrypted
+  store per tenant, ``tenancy``), or raises ``Bypass`` for a request that must not use the
+  cache (connector disabled, bypass flag, a cache_salt too long to name a tenant,
   a LoRA adapter whose files cannot be read, prompt embeddings, multimodal items without a
   persistent content identity). A LoRA request's chain is keyed by its adapter's content
   digest (decision 2111).
@@ -22,12 +23,13 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
-from spoolctl.store import Store, entry_id_for
+from spoolctl.store import ConfigError, Store, entry_id_for
 
 from ..deployment.topology import RankPlace, quorum
 from ..diskguard import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_PROBE_INTERVAL_S, DiskGuard, guard_for
 from ..planning.chain import MMSpan, chain_root, chunk_keys
 from ..planning.inventory import Ack, Applied, InventoryReport, InventoryView, key_bytes
+from ..planning.tenancy import TenantKeys
 
 # Every entry the connector writes is of this kind.
 KIND = "vllm"
@@ -73,11 +75,13 @@ def mm_spans(request: Any) -> list[MMSpan]:
 
 def request_keys(request: Any, *, namespace: str, chunk_tokens: int, enabled: bool = True,
                  mm_unhashed: bool = False,
-                 adapters: Callable[[Any], str | None] | None = None) -> list[str]:
+                 adapters: Callable[[Any], str | None] | None = None,
+                 tenants: TenantKeys | None = None) -> list[str]:
     """The chunk keys of ``request``'s prompt (see ``chain``); ``Bypass`` when it must not
     use the cache. ``mm_unhashed``: vLLM names media by request counters, not content.
     ``adapters``: a LoRA request's adapter -> its content digest (None: unreadable); without
-    it, LoRA requests bypass."""
+    it, LoRA requests bypass. ``tenants``: on an encrypted store, the keys are the tenant
+    chunk keys of the request's ``cache_salt`` (``tenancy``)."""
     reason = "disabled" if not enabled else bypass_reason(request)
     if reason is not None:
         raise Bypass(reason)
@@ -90,8 +94,15 @@ def request_keys(request: Any, *, namespace: str, chunk_tokens: int, enabled: bo
     spans = mm_spans(request)
     if spans and mm_unhashed:
         raise Bypass("multimodal")  # identifiers are request counters, not content
-    root = chain_root(namespace, getattr(request, "cache_salt", None), adapter)
-    return chunk_keys(root, request.prompt_token_ids, chunk_tokens, spans)
+    salt = getattr(request, "cache_salt", None)
+    keys = chunk_keys(chain_root(namespace, salt, adapter), request.prompt_token_ids,
+                      chunk_tokens, spans)
+    if tenants is None:
+        return keys
+    try:
+        return tenants.keys(salt, keys)
+    except ConfigError:
+        raise Bypass("tenant") from None  # a salt that names no tenant (over 1024 chars)
 
 
 class RankLookup:

@@ -35,6 +35,7 @@ from ..deployment.usage_record import UsageRecorder
 from ..deployment.weights import AdapterDigests, memo_dir_for
 from ..kv.formats import KVFormat
 from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from ..planning.tenancy import TenantKeys, TenantLabels
 from ..rankstores import OpenStores
 from ..stats import ConnectorCounters
 from ..vllm_api.introspect import Deployment, host_identity, scheduled_requests
@@ -76,6 +77,10 @@ class SchedulerSide:
         self._coord = Coordinator(deployment, self._ranks, counters)
         # LoRA requests are keyed by their adapter's content digest (decision 2111).
         self._adapters = AdapterDigests(memo_dir_for(deployment.settings.weights_memo))
+        # Encryption at rest: each request's cache_salt names its tenant (decision 2801).
+        self._tenants = TenantKeys.from_environment()
+        self._tenant_labels = TenantLabels(settings.tenant_metrics
+                                           if self._tenants is not None else 0)
         # The hit rate for `spoolctl status`, beside the rank stores (usage_record); the final
         # counts also at interpreter exit (vLLM may never call the scheduler's shutdown).
         self._usage = UsageRecorder(Path(deployment.rank_root(deployment.place)).parent)
@@ -149,7 +154,8 @@ class SchedulerSide:
         try:
             keys = request_keys(request, namespace=self._dep.chain_namespace,
                                 chunk_tokens=self._chunk, enabled=self._dep.enabled,
-                                mm_unhashed=self._dep.mm_unhashed, adapters=self._adapters)
+                                mm_unhashed=self._dep.mm_unhashed, adapters=self._adapters,
+                                tenants=self._tenants)
             present = self._ranks.present(keys)
         except Bypass as bypass:
             self._counters.inc(m.LOOKUPS, result="bypass", reason=bypass.args[0])
@@ -169,6 +175,7 @@ class SchedulerSide:
             return 0, False
         ext = self._planning.lookup(req_id, keys, present, n_prompt, num_computed_tokens)
         self._counters.inc(m.LOOKUP_TOKENS, n_prompt)
+        self._count_tenant(request, ext)
         if ext > 0:
             usable = (n_prompt - 1) // self._chunk
             full = sum(present[:usable]) == usable
@@ -183,6 +190,16 @@ class SchedulerSide:
         # Both formats restore asynchronously: the request waits for its KV while others
         # run (decision 1200).
         return ext, self._fmt.load_async and ext > 0
+
+    def _count_tenant(self, request: Any, ext: int) -> None:
+        """Per-tenant hits and misses on an encrypted store (opaque ids, bounded)."""
+        if self._tenants is None or not self._tenant_labels.enabled:
+            return
+        tid = self._tenants.tenant_id(getattr(request, "cache_salt", None))
+        tenant = self._tenant_labels.label(tid)
+        self._counters.inc(m.TENANT_LOOKUPS, tenant=tenant, result="hit" if ext > 0 else "miss")
+        if ext > 0:
+            self._counters.inc(m.TENANT_HIT_TOKENS, ext, tenant=tenant)
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM's ``update_state_after_alloc``."""

@@ -29,6 +29,7 @@ from spoolctl import metrics as m
 from spoolctl.store import PutRequest, Store, StoreIOError
 
 from ..kv.kvio import BufferPool, CopyHandle
+from ..planning.tenancy import commit_tenant
 from ..scheduler_side.lookup import KIND
 from ..stats import ConnectorCounters
 from .holdings import RankHoldings
@@ -46,22 +47,35 @@ INDEX_KEY = "_index"
 GAP_MEMORY = 4096
 
 
-def rank_commit(store: Store, namespace: str,
-                holdings: RankHoldings) -> Callable[[str, Objects, Mapping[str, Any]], None]:
-    """``put(key, objects, meta)`` committing one chunk entry into this rank's store."""
+# Told of each chunk committed: (its key, its bytes) -- the per-tenant byte counter.
+Committed = Callable[[str, int], None]
+
+
+def _nbytes(objects: Objects) -> int:
+    return sum(memoryview(v).nbytes for v in objects.values())
+
+
+def rank_commit(store: Store, namespace: str, holdings: RankHoldings,
+                on_committed: Committed | None = None,
+                ) -> Callable[[str, Objects, Mapping[str, Any]], None]:
+    """``put(key, objects, meta)`` committing one chunk entry into this rank's store (on an
+    encrypted store sealed for the tenant its key names: ``tenancy``)."""
 
     def put(key: str, objects: Objects, meta: Mapping[str, Any]) -> None:
         index = meta.get(INDEX_KEY)
         meta = {k: v for k, v in meta.items() if k != INDEX_KEY}
         # No commit-time eviction: holdings withdraws victims from the scheduler first.
         store.put(kind=KIND, namespace=namespace, key=key, objects=objects, meta=meta,
-                  index=index, evict=False)
+                  index=index, evict=False, tenant=commit_tenant(store, key))
         holdings.committed(key)
+        if on_committed is not None:
+            on_committed(key, _nbytes(objects))
 
     return put
 
 
-def rank_commit_many(store: Store, namespace: str, holdings: RankHoldings) -> PutMany:
+def rank_commit_many(store: Store, namespace: str, holdings: RankHoldings,
+                     on_committed: Committed | None = None) -> PutMany:
     """``put_many([(key, objects, meta), ...])`` committing chunk entries into this rank's
     store together (one group commit); per chunk, None or the error that kept it out."""
 
@@ -70,14 +84,16 @@ def rank_commit_many(store: Store, namespace: str, holdings: RankHoldings) -> Pu
         requests = [
             PutRequest(KIND, namespace, key, objects,
                        meta={k: v for k, v in meta.items() if k != INDEX_KEY},
-                       index=meta.get(INDEX_KEY))
+                       index=meta.get(INDEX_KEY), tenant=commit_tenant(store, key))
             for key, objects, meta in items]
         # No commit-time eviction: holdings withdraws victims from the scheduler first.
         outcomes = store.put_many(requests, evict=False)
         errors: list[BaseException | None] = []
-        for (key, _, _), outcome in zip(items, outcomes, strict=True):
+        for (key, objects, _), outcome in zip(items, outcomes, strict=True):
             if outcome.ok:
                 holdings.committed(key)
+                if on_committed is not None:
+                    on_committed(key, _nbytes(objects))
                 errors.append(None)
             else:
                 errors.append(outcome.error or StoreIOError(

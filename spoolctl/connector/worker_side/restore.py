@@ -114,8 +114,11 @@ class RestorePipeline:
     def __init__(self, store: Store, namespace: str, *, chunk_bytes: int, pool: Executor,
                  counters: ConnectorCounters, on_lost: Callable[[str], None],
                  pin: bool = False, deadline_s: float = DEFAULT_READ_DEADLINE_S,
-                 guard: DiskGuard | None = None):
+                 guard: DiskGuard | None = None,
+                 on_restored: Callable[[str, int], None] | None = None):
+        """``on_restored(first key, bytes)``: each request's restored bytes (per tenant)."""
         self._store = store
+        self._on_restored = on_restored
         self.deadline_s = deadline_s
         self._guard = guard
         self._late: list[Future] = []  # reads of failed or cancelled restores, still running
@@ -285,6 +288,8 @@ class RestorePipeline:
                 continue
             if r.nbytes:
                 self._counters.inc(m.RESTORE_BYTES, r.nbytes)
+                if self._on_restored is not None:
+                    self._on_restored(r.items[0].key, r.nbytes)
                 self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - r.started)
             ended.append((r.req_id, None if r.cancelled else r.failed_at))
         self._active = still

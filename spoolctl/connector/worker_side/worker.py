@@ -8,7 +8,9 @@ binds the format's ``Copier`` and starts its parts:
 
 * ``RestorePipeline`` (``restore``): verified reads on helper threads, copies into KV at
   the engine's safe points (``start_load``, ``take_transfer_results``);
-* ``ChunkStager`` (``capture``): captures into staging memory, committed in the background;
+* ``ChunkStager`` (``capture``): captures into staging memory, committed in the background
+  (on an encrypted store sealed for the tenant each chunk key names, ``tenancy``; none at
+  all on an encrypted store this process holds no usable master key for: one log line);
 * ``RankHoldings`` (``holdings``): the rank's inventory reported to the scheduler and
   capacity enforced by withdraw-then-delete (with a host disk budget, ``host_budget``, up
   to this rank's share; chunks other ranks withdrew are dropped here too);
@@ -28,11 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spoolctl import metrics as m
 from spoolctl.errors import ConfigError
 from spoolctl.store import Store
 
@@ -40,6 +43,7 @@ from ..deployment import description
 from ..diskguard import DiskGuard, guard_for
 from ..kv.formats import Copier
 from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from ..planning.tenancy import TenantLabels, key_tenant, store_problem
 from ..rankstores import OpenStores
 from ..scheduler_side.lookup import KIND
 from ..stats import ConnectorCounters
@@ -127,6 +131,11 @@ class WorkerSide:
             self._enabled = False
             return
         copier, store, ns = self._copier, self._store, self._namespace
+        # An encrypted store without its master key: misses, nothing written (one line).
+        problem = store_problem(store)
+        if problem is not None:
+            log.warning("spoolctl: %s", problem)
+        tenant_bytes = self._tenant_bytes(store)
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
         pin = self._engine is not None and self._engine.cuda
         # Shared with a same-process scheduler: late or failing restores take the store
@@ -136,7 +145,8 @@ class WorkerSide:
         self._pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
                                          pool=self._pool, counters=self._counters,
                                          on_lost=self._lost, pin=pin,
-                                         deadline_s=settings.read_deadline, guard=self._guard)
+                                         deadline_s=settings.read_deadline, guard=self._guard,
+                                         on_restored=tenant_bytes(m.TENANT_RESTORE_BYTES))
         holdings = self._holdings = RankHoldings(
             store, kind=KIND, namespace=ns, rank=self._place.rank,
             epoch=store.next_generation(f"vllm-connector:{ns}"),
@@ -149,15 +159,33 @@ class WorkerSide:
             from ..deployment.write_budget import WriteLedger, ledger_path
 
             self._ledger = WriteLedger(ledger_path(store.root), settings.write_budget)
-        self._stager = ChunkStager(rank_commit(store, ns, holdings),
-                                   chunk_bytes=copier.chunk_bytes,
-                                   staging_bytes=settings.staging_bytes, meta=meta,
-                                   counters=self._counters, pin=pin,
-                                   put_many=rank_commit_many(store, ns, holdings),
-                                   ledger=self._ledger)
-        # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
-        exitdrain.register(self._stager)
+        committed = tenant_bytes(m.TENANT_STORE_BYTES)
+        if problem is None:
+            self._stager = ChunkStager(rank_commit(store, ns, holdings, committed),
+                                       chunk_bytes=copier.chunk_bytes,
+                                       staging_bytes=settings.staging_bytes, meta=meta,
+                                       counters=self._counters, pin=pin,
+                                       put_many=rank_commit_many(store, ns, holdings,
+                                                                 committed),
+                                       ledger=self._ledger)
+            # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
+            exitdrain.register(self._stager)
         self._start_maintainer(store)
+
+    def _tenant_bytes(self, store: Store) -> Callable[[m.MetricSpec], Any]:
+        """``for_metric(spec) -> on_bytes(key, n)`` counting ``spec`` per tenant (opaque ids,
+        at most ``spoolctl_tenant_metrics``), or None on a plain store."""
+        cap = self._dep.settings.tenant_metrics
+        if store.sealer is None or cap <= 0:
+            return lambda spec: None
+        labels, counters = TenantLabels(cap), self._counters
+
+        def for_metric(spec: m.MetricSpec) -> Callable[[str, int], None]:
+            def on_bytes(key: str, n: int) -> None:
+                counters.inc(spec, n, tenant=labels.label(key_tenant(key)))
+            return on_bytes
+
+        return for_metric
 
     def _initial_share(self, store: Store) -> int | None:
         """This rank's host budget share until the scheduler sends one (None: no host

@@ -100,7 +100,8 @@ class PutRequest:
     meta: Mapping[str, Any] | None = None
     index: Mapping[str, Any] | None = None
     supersedes: str | None = None
-    tenant: str | None = None  # encrypted stores: whose keys seal it (decision 2800)
+    # encrypted stores: whose keys seal it, a name or a sealing.TenantId (decision 2800)
+    tenant: Any = None
 
 
 @dataclass
@@ -252,6 +253,10 @@ class Committer:
                 return None
             if not all(ctx.layout.object_path(r.digest).exists() for r in manifest.objects):
                 return None  # an object was lost: rewrite the entry
+            if ctx.key_available is not None and not ctx.key_available(manifest):
+                # Sealed under a key that is gone (a revoked or retired tenant writing the
+                # same entry again): rewrite it under the current key, never revive it.
+                return None
             if row is None:
                 catalog.index_manifest(manifest, path.stat().st_size, last_access=ctx.clock())
             elif row.hint != "retain" and revive:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ...errors import ConfigError, InvalidIdError
 from ..catalog.rows import index_problem
-from ..format.keys import entry_id_for, validate_entry_id, validate_object_name
+from ..format.keys import TenantId, entry_id_for, validate_entry_id, validate_object_name
 from ..format.manifest import MAX_DEPTH, MAX_MANIFEST_BYTES, MAX_OBJECTS, canonical_json
 
 BytesLike = bytes | bytearray | memoryview
@@ -42,7 +42,8 @@ def check_put(*, kind: str, namespace: str, key: str, objects: Any, meta: Any, i
 
     Raises InvalidIdError / ConfigError naming what is wrong and how to fix it."""
     entry_id = entry_id_for(kind, namespace, key)
-    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+    if tenant is not None and (not isinstance(tenant, str) or not tenant) and \
+            not isinstance(tenant, TenantId):  # validated when made
         raise ConfigError("tenant must be a non-empty string", fix="pass the tenant's name")
     if not isinstance(objects, Mapping):
         raise ConfigError("objects must be a mapping of object name to payload",

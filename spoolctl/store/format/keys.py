@@ -9,6 +9,7 @@ its own file name.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from ...errors import InvalidIdError
 from .digest import hash_parts, is_digest
@@ -19,6 +20,7 @@ _NAMESPACE_RE = re.compile(r"[\x21-\x7e]{1,512}")  # printable ASCII, no spaces
 _OBJECT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _PREFIX_RE = re.compile(r"[0-9a-f]{4,64}")
 MAX_KEY_LEN = 1024
+_TENANT_ID_RE = re.compile(r"[0-9a-f]{16}")
 
 
 def validate_kind(kind: str) -> str:
@@ -79,3 +81,24 @@ def validate_entry_prefix(prefix: str) -> str:
         )
     return prefix
 
+
+@dataclass(frozen=True)
+class TenantId:
+    """A tenant of an encrypted store (``sealing``) given by its opaque id rather than its
+    name, for an entry whose key the caller already named for it (``TenantNames.chunk_key``):
+    the store seals the entry with the tenant's data key and keeps the key as given."""
+
+    tid: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tid, str) or not _TENANT_ID_RE.fullmatch(self.tid):
+            raise InvalidIdError("a tenant id is 16 lowercase hex characters",
+                                 fix="pass TenantId.of(chunk key) or the tenant's name")
+
+    @classmethod
+    def of(cls, chunk_key: str) -> TenantId:
+        """The tenant a ``TenantNames.chunk_key`` names."""
+        return cls(chunk_key[:16])
+
+    def __repr__(self) -> str:
+        return f"TenantId({self.tid})"
