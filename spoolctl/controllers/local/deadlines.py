@@ -1,6 +1,6 @@
 """Deadlines on a local controller's store calls: a hung disk costs ``prepare`` one
-deadline, then the controller runs without its store until the disk answers (issue 32,
-decisions 2700 and 2701).
+deadline, then the controller runs without its store until the disk answers (decisions
+2700 and 2701).
 
 ``StoreDeadlines.call(fn, deadline_s)`` runs ``fn`` (a lookup, an object read, a commit)
 on a daemon thread and waits at most ``deadline_s``: ``(True, result)``, or
