@@ -96,6 +96,11 @@ class StoreIOError(SpoolError):
         self.errno = errno
 
 
+class DiskNotAnsweringError(StoreIOError):
+    """The store's disk did not answer within a deadline (a hung mount, a stalled drive):
+    the store counts as down and nothing of it was read (decision 2701)."""
+
+
 class CapacityError(SpoolError):
     """The entry does not fit the store's configured maximum even after eviction."""
 

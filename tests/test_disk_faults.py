@@ -1,69 +1,214 @@
-"""A disk that fails reads (issue 32, decision 2700), on a real FUSE filesystem the test
-controls (``tests/fusefs.py`` mounted over a store's ``manifests/``): an EIO is a miss and
-not a quarantine, and the entry reads again once the disk does."""
+"""A disk that fails or hangs (issue 32, decisions 2700 and 2701), on a real FUSE filesystem
+the tests control (``tests/fusefs.py`` mounted over a store's ``manifests/`` or ``objects/``
+by ``tests/fusemount.py``): an EIO is a miss and not a quarantine; a hung disk costs a
+controller's ``prepare`` one deadline, then a cold run, and the store is used again once
+the disk answers; the mount never leaves a test stuck."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import subprocess
-import sys
+import threading
 from pathlib import Path
 
 import pytest
+from fusemount import ControlledMount, fuse_missing
 from waiting import wait_until
 
 from spoolctl.store import Store, StoreIOError, entry_id_for
 
-HERE = Path(__file__).parent
-# Where mfusepy is when it is not in the test environment itself (a local check).
-FUSE_PATH = os.environ.get("SPOOLCTL_TEST_FUSE_PATH", "")
+# What a test thread may wait for an operation that must not hang (the safety net: a
+# broken deadline fails the test instead of wedging the suite; no result depends on it).
+NET_S = 60
 
 
-def _fuse_missing() -> str | None:
-    if not os.path.exists("/dev/fuse"):
-        return "no /dev/fuse on this host"
-    if shutil.which("fusermount3") is None:
-        return "fusermount3 missing (Debian fuse3; scripts/ci_tools.sh installs it)"
-    env = {**os.environ, "PYTHONPATH": FUSE_PATH}
-    if subprocess.run([sys.executable, "-c", "import mfusepy"], env=env,
-                      capture_output=True).returncode:
-        return "mfusepy not importable (the dev extra installs it)"
-    return None
+def _needs_fuse() -> None:
+    missing = fuse_missing()
+    if missing:
+        pytest.skip(missing)
 
 
 @pytest.fixture
 def eio_manifests(tmp_path: Path):
-    """A store whose ``manifests/`` is a FUSE mount; yields (store, control file): a line
-    written to the control file makes reads of matching paths fail with EIO."""
-    missing = _fuse_missing()
-    if missing:
-        pytest.skip(missing)
+    """A store whose ``manifests/`` is a FUSE mount; yields (store, mount)."""
+    _needs_fuse()
     root = Path(os.path.realpath(tmp_path)) / "rank-0000"
     with Store.open(root, create=True) as s:
         s.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
-    backing, control = tmp_path / "backing", tmp_path / "control"
-    shutil.copytree(root / "manifests", backing)
-    daemon = subprocess.Popen(
-        [sys.executable, str(HERE / "fusefs.py"), str(backing), str(root / "manifests"),
-         str(control)], env={**os.environ, "PYTHONPATH": FUSE_PATH},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: os.path.ismount(root / "manifests"), what="the FUSE mount")
-        with Store.open(root) as store:
-            yield store, control
-    finally:
-        subprocess.run(["fusermount3", "-u", str(root / "manifests")], capture_output=True)
-        daemon.wait(timeout=30)
+    with ControlledMount(root / "manifests", tmp_path / "fuse") as mount, \
+            Store.open(root) as store:
+        yield store, mount
 
 
 def test_an_eio_on_a_manifest_is_a_miss_not_a_quarantine(eio_manifests) -> None:
-    store, control = eio_manifests
+    store, mount = eio_manifests
     entry = entry_id_for("vllm", "ns", "a" * 64)
-    control.write_text(".json\n")  # the disk fails every manifest read
+    mount.eio(".json")  # the disk fails every manifest read
     with pytest.raises(StoreIOError, match="Input/output error"):
         store.manifest(entry)
     assert store.live([entry]) == {entry}  # still in the catalog
     assert not list((Path(store.root) / "quarantine").iterdir())  # nothing quarantined
-    control.write_text("")  # the disk reads again: so does the entry
+    mount.release()  # the disk reads again: so does the entry
     assert store.manifest(entry).entry_id == entry
+
+
+def test_a_hung_mount_blocks_until_released_and_never_outlives_its_test(eio_manifests
+                                                                        ) -> None:
+    store, mount = eio_manifests
+    entry = entry_id_for("vllm", "ns", "a" * 64)
+    mount.hang()
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(store.manifest(entry).entry_id))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not got  # held in the kernel, as on a hung mount
+    mount.release()
+    reader.join(NET_S)
+    assert got == [entry]
+    # A read still hung when the test ends is freed by the teardown, never left waiting.
+    mount.hang()
+    late: list[object] = []
+
+    def read_late() -> None:
+        try:
+            late.append(store.manifest(entry).entry_id)
+        except (OSError, StoreIOError) as exc:
+            late.append(exc)
+
+    reader = threading.Thread(target=read_late, daemon=True)
+    reader.start()
+    reader.join(0.2)
+    mount.close()
+    reader.join(NET_S)
+    assert not reader.is_alive() and len(late) == 1
+
+
+# -- the PyTorch controller on a hung disk ------------------------------------------------
+
+QUESTION = "When does the pump start?"
+
+
+def _params():
+    from spoolctl.controllers import CachePrepareParams
+
+    return CachePrepareParams(instructions=["Answer from the manual."],
+                              data=["Manual: the pump starts when the tank is full. " * 6])
+
+
+def _bounded(fn, *mounts: ControlledMount):
+    """``fn()`` on a thread, its result; if it is still running after the safety net (a
+    hang), the ``mounts`` are released (so nothing stays stuck on them) and the test fails."""
+    out: list[object] = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(NET_S)
+    if worker.is_alive():
+        for mount in mounts:
+            mount.release()
+        worker.join(NET_S)
+        raise AssertionError("the call hung on the disk until the disk was released")
+    assert out, "the call raised (see the thread's traceback above)"
+    return out[0]
+
+
+def test_pytorch_prepare_on_a_hung_disk_is_one_deadline_then_a_cold_run(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    _needs_fuse()
+    from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
+
+    backend = PyTorchBackend(tiny_model_dir)
+    root = Path(os.path.realpath(tmp_path)) / "store"
+    with PyTorchCacheController(backend, root) as ctl:  # the store holds the prompt
+        stored = ctl.prepare(_params())
+        cold = ctl.generate(_params(), QUESTION, 6).tokens
+    assert stored.source == "cold" and stored.written_tokens > 0
+    with ControlledMount(root / "objects", tmp_path / "fuse") as objects, \
+            ControlledMount(root / "manifests", tmp_path / "fuse") as manifests:
+        # A running service whose disk hangs (opening a store on a hung disk hangs too).
+        with PyTorchCacheController(backend, root, memory_entries=0,
+                                    lookup_deadline=0.2, read_deadline=0.5) as ctl:
+            disk = (objects, manifests)
+            objects.hang()
+            manifests.hang()
+            handle = _bounded(lambda: ctl.prepare(_params()), *disk)
+            # The lookup missed its deadline: a miss, the cache prefilled cold and served
+            # from memory, nothing written (the commit is not even tried on a hung disk).
+            assert handle.source == "cold" and handle.written_tokens == 0
+            assert ctl.stats()["disk_down"] >= 2  # the lookup, then the skipped commit
+            assert _bounded(lambda: ctl.generate(handle, QUESTION, 6).tokens, *disk) == cold
+            # While the disk stays hung, the next prepare does not wait on it at all.
+            again = _bounded(lambda: ctl.prepare(_params()), *disk)
+            assert again.source == "cold"
+            objects.release()
+            manifests.release()
+            # The late lookup completes: the store is used again (a disk hit).
+            wait_until(lambda: not ctl._deadlines.down, NET_S, what="the store back")
+            hit = _bounded(lambda: ctl.prepare(_params()), *disk)
+            assert hit.source == "disk"
+            assert _bounded(lambda: ctl.generate(hit, QUESTION, 6).tokens) == cold
+        assert not list((root / "quarantine").iterdir())
+
+
+# -- the operator CLI on a hung disk ------------------------------------------------------
+# A real process each (a hang is what is tested): the subprocess timeout is only the safety
+# net; the assertions are on what the command says.
+
+DEP = "vllm-v1-" + "a1" * 24
+CLI_ENV = {"SPOOLCTL_DISK_TIMEOUT": "4"}  # far above a loaded CI host's healthy store
+
+
+def _cli(mount: ControlledMount, *argv: str) -> subprocess.CompletedProcess:
+    """``spoolctl ARGV`` in a real process (``operator_cli``'s environment). If it is still
+    running after the safety net, the mount is released first (a process stuck on a hung
+    FUSE request cannot even be killed) and the test fails."""
+    from operator_cli import ENV, SPOOLCTL
+
+    proc = subprocess.Popen([SPOOLCTL, *argv], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, **CLI_ENV})
+    try:
+        out, err = proc.communicate(timeout=NET_S)
+    except subprocess.TimeoutExpired:
+        mount.release()
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"spoolctl {' '.join(argv)} hung on the disk") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@pytest.fixture
+def hung_rank(tmp_path: Path):
+    """A base root with two rank stores; rank 1's ``objects/`` is a FUSE mount, hung.
+    Yields the base root."""
+    _needs_fuse()
+    base = Path(os.path.realpath(tmp_path)) / "spool"
+    for rank in (0, 1):
+        with Store.open(base / DEP / f"rank-{rank:04d}", create=True) as store:
+            store.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
+    with ControlledMount(base / DEP / "rank-0001" / "objects", tmp_path / "fuse") as mount:
+        mount.hang()
+        yield base, mount
+
+
+def test_status_on_a_hung_store_answers_and_reports_it_down(hung_rank) -> None:
+    base, mount = hung_rank
+    proc = _cli(mount, "status", "--root", str(base), "--json")
+    rows = {s["rank"]: s for s in json.loads(proc.stdout)["stores"]}
+    assert rows[0]["exit"] == 0 and "result" in rows[0]  # the healthy rank, as usual
+    assert rows[1]["disk_down"] is True and "did not answer" in rows[1]["error"]
+    assert proc.returncode == 2
+    one = _cli(mount, "status", "--root", str(base / DEP / "rank-0001"), "--json")
+    doc = json.loads(one.stdout)
+    assert one.returncode == 2 and doc["disk_down"] is True
+    assert doc["error"]["kind"] == "DiskNotAnsweringError"
+
+
+def test_metrics_on_a_hung_store_answers_with_store_up_0(hung_rank, tmp_path: Path) -> None:
+    base, mount = hung_rank
+    prom = Path(os.path.realpath(tmp_path)) / "spoolctl.prom"
+    proc = _cli(mount, "metrics", "--root", str(base), "--textfile", str(prom))
+    text = prom.read_text()
+    assert f'spoolctl_store_up{{deployment="{DEP}",rank="0000"}} 1.0' in text
+    assert f'spoolctl_store_up{{deployment="{DEP}",rank="0001"}} 0.0' in text
+    assert proc.returncode == 2 and "did not answer" in proc.stderr

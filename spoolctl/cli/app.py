@@ -24,7 +24,7 @@ from typing import Any
 import typer
 
 from spoolctl import __version__
-from spoolctl.errors import SpoolError
+from spoolctl.errors import DiskNotAnsweringError, SpoolError
 from spoolctl.store import ALLOW_FOREIGN_ENV
 
 from . import commands
@@ -319,13 +319,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _fail(message: str, *, code: int, fix: str | None, path: str | None, kind: str,
-          json_mode: bool, human: str | None = None) -> int:
+          json_mode: bool, human: str | None = None, **extra: Any) -> int:
     """Report a failure: one line on stderr; with --json also the error document (unless the
     command already printed its one document). Returns the exit code."""
     if human is not None:
         err_console.print(human, markup=True, highlight=False, soft_wrap=True)
     if json_mode and not JsonState.emitted:
-        emit_json(error_doc(plain(message), code=code, fix=fix, path=path, kind=kind))
+        emit_json(error_doc(plain(message), code=code, fix=fix, path=path, kind=kind,
+                            **extra))
     return code
 
 
@@ -348,7 +349,8 @@ def _run(argv: list[str], *, debug: bool, json_mode: bool) -> int:
             raise
         return _fail(exc.message, code=error_exit_code(exc), fix=exc.fix, path=exc.path,
                      kind=type(exc).__name__, json_mode=json_mode,
-                     human=f"[red]error:[/red] {esc(str(exc))}")
+                     human=f"[red]error:[/red] {esc(str(exc))}",
+                     **({"disk_down": True} if isinstance(exc, DiskNotAnsweringError) else {}))
     except typer.Exit as exc:
         cause = interrupt_of(exc)
         if cause is not None and take() is not None:  # not reported by the command

@@ -23,6 +23,7 @@ import typer
 from rich.rule import Rule
 from rich.text import Text
 
+from spoolctl.errors import DiskNotAnsweringError
 from spoolctl.store import NotFoundError, SpoolError, Store
 
 from .common import (
@@ -35,6 +36,7 @@ from .common import (
     plain,
     text,
 )
+from .disk_deadline import within_disk_timeout
 from .targets import StoreTarget, Targets
 
 # fn(store, target) -> (document, exit code)
@@ -50,27 +52,36 @@ class StoreResult:
     doc: dict[str, Any] | None = None
     error: str | None = None
     not_found: bool = False  # the error was NotFoundError (an entry/item not in this store)
+    disk_down: bool = False  # the store's disk did not answer in time (``disk_deadline``)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {**self.target.to_json(), "exit": self.code}
         if self.error is not None:
             out["error"] = self.error
+            if self.disk_down:
+                out["disk_down"] = True
         else:
             out["result"] = self.doc
         return out
 
 
-def run_each(targets: Targets, job: StoreJob, *, read_only_ok: bool = False
-             ) -> list[StoreResult]:
-    """Run ``job`` on every store of ``targets``; a SpoolError ends that store's turn only."""
+def run_each(targets: Targets, job: StoreJob, *, read_only_ok: bool = False,
+             bounded: bool = False) -> list[StoreResult]:
+    """Run ``job`` on every store of ``targets``; a SpoolError ends that store's turn only.
+    ``bounded`` (a command that only reads, and whose document pickles: ``status``): each
+    store's turn is bounded by ``disk_deadline``, a hung disk reported as the store down."""
     results = []
     for target in targets.stores:
-        try:
+        def one(target: StoreTarget = target) -> tuple[dict[str, Any], int]:
             with open_store(target.root, read_only_ok=read_only_ok) as store:
-                doc, code = job(store, target)
+                return job(store, target)
+
+        try:
+            doc, code = within_disk_timeout(target.root, one) if bounded else one()
         except SpoolError as exc:
             results.append(StoreResult(target, error_exit_code(exc), error=str(exc),
-                                       not_found=isinstance(exc, NotFoundError)))
+                                       not_found=isinstance(exc, NotFoundError),
+                                       disk_down=isinstance(exc, DiskNotAnsweringError)))
             continue
         results.append(StoreResult(target, code, doc=doc))
     return results

@@ -35,6 +35,7 @@ from .common import (
     resolve_root,
     text,
 )
+from .disk_deadline import within_disk_timeout
 from .fanout import finish, multi_doc, multi_view, worst
 from .targets import resolve_targets
 
@@ -73,10 +74,14 @@ def metrics_cmd(
     if textfile is not None:
         _check_textfile(textfile)
     try:
-        targets = resolve_targets(root, rank=rank, deployment=deployment)
+        targets = within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: resolve_targets(
+            root, rank=rank, deployment=deployment))
         if targets.single:
-            with open_store(targets.given, read_only_ok=True) as store:
-                samples = collect_store_gauges(store)
+            def gauges() -> list[Any]:
+                with open_store(targets.given, read_only_ok=True) as store:
+                    return collect_store_gauges(store)
+
+            samples = within_disk_timeout(targets.given, gauges)
     except SpoolError:
         if textfile is None:
             raise
@@ -106,10 +111,13 @@ def metrics_cmd(
                                   soft_wrap=True)
                 code = EXIT_USAGE
                 continue
+            def rank_gauges(root: Path = target.root) -> list[Any]:
+                with open_store(root, read_only_ok=True) as store:
+                    return collect_store_gauges(store)
+
             try:
-                with open_store(target.root, read_only_ok=True) as store:
-                    samples += with_target(collect_store_gauges(store), target.deployment,
-                                           target.rank)
+                samples += with_target(within_disk_timeout(target.root, rank_gauges),
+                                       target.deployment, target.rank)
             except SpoolError as exc:
                 samples += store_down(target.deployment, target.rank)
                 err_console.print(text(f"error: {target.label}: {exc}"), soft_wrap=True)

@@ -44,7 +44,9 @@ ERROR = Document("error", "Any command that fails, with --json: the one document
                      "exit": "the exit code (1 findings, 2 usage or configuration)",
                      "error": "`kind` (the error class, `UsageError` for a bad command line), "
                               "`message`, `path` (or null) and `fix` (or null)",
-                 })
+                 }, optional={"disk_down": "true when the store's disk did not answer within "
+                                           "SPOOLCTL_DISK_TIMEOUT (`DiskNotAnsweringError`: "
+                                           "a hung mount; the store is down)"})
 
 MULTI = Document("(any, on a vLLM root)", "A command run on a vLLM base root or deployment "
                  "directory: one document for every rank store.", {
@@ -53,7 +55,8 @@ MULTI = Document("(any, on a vLLM root)", "A command run on a vLLM base root or 
                      "kind": "`deployment`, `base` or `empty` (a base root before the first engine "
                              "start: no stores)",
                      "stores": "per store: `root`, `deployment`, `rank`, and `result` (the "
-                               "single-store document) or `error`",
+                               "single-store document) or `error` (with `disk_down`: true "
+                               "when its disk did not answer in time: the store is down)",
                      "exit": "the worst exit code of the stores",
                  })
 

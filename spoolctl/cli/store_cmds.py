@@ -34,6 +34,7 @@ from .common import (
     plain,
     text,
 )
+from .disk_deadline import within_disk_timeout
 from .fanout import finish, multi_doc, run_each, run_on_targets, worst
 from .targets import StoreTarget, Targets, resolve_targets
 
@@ -165,14 +166,19 @@ def status(
 
     Example: [bold]spoolctl status --root /var/cache/spoolctl --json[/bold]
     """
-    targets = resolve_targets(root, rank=rank, deployment=deployment)
+    targets = within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: resolve_targets(
+        root, rank=rank, deployment=deployment))
     if targets.single:
-        with open_store(targets.given, read_only_ok=True) as store:
-            facts = store.facts()
-            doc = status_doc(store, facts)
-            doc["models"] = models_doc(store)
-            if (encryption := encryption_summary(store)) is not None:
-                doc["encryption"] = encryption
+        def read() -> tuple[dict[str, Any], StoreFacts]:
+            with open_store(targets.given, read_only_ok=True) as store:
+                facts = store.facts()
+                doc = status_doc(store, facts)
+                doc["models"] = models_doc(store)
+                if (encryption := encryption_summary(store)) is not None:
+                    doc["encryption"] = encryption
+            return doc, facts
+
+        doc, facts = within_disk_timeout(targets.given, read)  # a hung disk: reported down
         emit(doc, json_output=json_output, view=_status_view)
         attention = facts.needs_attention or bool(doc["genai"]["malformed"])
         finish(EXIT_FINDINGS if check and attention else EXIT_OK)
@@ -297,7 +303,7 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
                 "_use": rank_use(store, target.deployment or "", rows),
                 "attention": facts.needs_attention}, EXIT_OK
 
-    results = run_each(targets, job, read_only_ok=True)
+    results = run_each(targets, job, read_only_ok=True, bounded=True)
     groups: dict[str, list[Any]] = {}
     failed: dict[str, list[int]] = {}
     used: dict[str, list[DeploymentUse]] = {}
@@ -314,7 +320,8 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
     findings = any(d.has_findings for d in deployments.values()) or any(
         r.doc is not None and r.doc["attention"] for r in results)
     # Which deployments no longer match anything current (decision 2112).
-    uses = {name: DeploymentUse.merge(name, parts) for name, parts in used.items()}
+    # Every deployment shown, also one none of whose ranks could be read (all down).
+    uses = {name: DeploymentUse.merge(name, used.get(name, [])) for name in groups}
     everyone = siblings(targets)
     if len(everyone.stores) != len(targets.stores) or everyone.given != targets.given:
         uses = {**uses, **deployment_uses(everyone)}  # narrowed: a successor is a sibling

@@ -33,6 +33,7 @@ from spoolctl.errors import ConfigError
 from spoolctl.store import Hasher
 
 from . import pytorch_layers as hf_layers
+from .local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
 from .local.decoding import GREEDY, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.render import ChatTemplate, template_source
@@ -663,6 +664,8 @@ class PyTorchCacheController(LocalCacheController):
     ``restore(handle).cache`` is a ``transformers.DynamicCache``; ``import_cache`` takes one.
     ``tenant``: on an encrypted store, the tenant whose key seals the entries (see
     ``LocalCacheController``).
+    ``lookup_deadline`` / ``read_deadline``: see ``LocalCacheController`` (a hung disk costs
+    ``prepare`` one deadline, then a cold run; decision 2701).
     """
 
     def __init__(self, model: str | os.PathLike[str] | PyTorchBackend,
@@ -672,9 +675,12 @@ class PyTorchCacheController(LocalCacheController):
                  max_bytes: int | None = None,
                  memory_entries: int = DEFAULT_MEMORY_ENTRIES,
                  lock_timeout: float = DEFAULT_LOCK_TIMEOUT, read_only: bool = False,
-                 tenant: str | None = None):
+                 tenant: str | None = None,
+                 lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S,
+                 read_deadline: float = DEFAULT_READ_DEADLINE_S):
         backend = model if isinstance(model, PyTorchBackend) else \
             PyTorchBackend(model, dtype=dtype, device=device, revision=revision,
                            model_id=model_id, trusted_revision=trusted_revision)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout, read_only=read_only, tenant=tenant)
+                         lock_timeout=lock_timeout, read_only=read_only, tenant=tenant,
+                         lookup_deadline=lookup_deadline, read_deadline=read_deadline)

@@ -27,6 +27,10 @@ Guarantees:
 * Usage is per call and honest (``usage.py``, decision 1701).
 * Store trouble while writing (full disk, busy lock) never fails ``prepare``:
   the cache is still served from memory, just not persisted.
+* A disk that does not answer costs ``prepare`` at most one deadline (``deadlines``: a
+  lookup 0.5 s, an object read or a commit 5 s, the connector's defaults): past it the
+  entry is a miss, and until the disk answers again the controller runs without its store
+  (cold prefills served from memory, nothing read, locked or written).
 * Default log lines never name an entry, a digest or a store path (``logsafe``).
 """
 
@@ -46,6 +50,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +73,7 @@ from ..contract import CacheHandle, CachePrepareParams, GenerateResult, KVBacken
 from ..flight import PrepareFlights
 from ..logsafe import reason
 from ..targets import ref_of
+from .deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S, StoreDeadlines
 from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
 from .tenancy import SealedFormat, Tenancy
 from .tokens import TokenPrefix, common_prefix_tokens, rank_bases
@@ -121,6 +127,8 @@ class LocalCacheController:
     whose data key seals this controller's entries; only that tenant's entries are found
     (None: the default tenant). On a store without encryption a tenant is a ConfigError
     (``tenancy.py``, decision 2810).
+    ``lookup_deadline`` / ``read_deadline``: how long a lookup (catalog and manifest) / an
+    object read or a commit may take before the disk counts as not answering (``deadlines``).
     ``generate``, ``restore``, ``import_cache`` and friends are ``local_use.CacheUse``'s,
     a part this controller is composed of and forwards to (decision 2520).
     """
@@ -136,6 +144,8 @@ class LocalCacheController:
         entry_format: EntryFormat | None = None,
         read_only: bool = False,
         tenant: str | None = None,
+        lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S,
+        read_deadline: float = DEFAULT_READ_DEADLINE_S,
     ):
         if getattr(backend, "kind", None) not in LOCAL_KINDS:
             raise ConfigError(f"unsupported backend kind {getattr(backend, 'kind', None)!r}",
@@ -152,6 +162,8 @@ class LocalCacheController:
         if not isinstance(read_only, bool):
             raise ConfigError(f"read_only must be True or False, not {read_only!r}",
                               fix="pass read_only=True or leave it out")
+        self._deadlines = StoreDeadlines(lookup_deadline_s=lookup_deadline,
+                                         read_deadline_s=read_deadline)
         self.backend = backend
         self.format: EntryFormat = entry_format or KVEntryFormat(backend)
         self.kind: str = self.format.kind
@@ -261,8 +273,11 @@ class LocalCacheController:
             self._params.clear()
             self._calls.clear()
         try:
-            if self._managed is None and released:
-                self._store.delete_released(released)
+            if self._managed is None and released and not self._on_disk(
+                    lambda: self._store.delete_released(released),
+                    self._deadlines.read_deadline_s)[0]:
+                log.warning("released entries not deleted at close: the store's disk does "
+                            "not answer (`spoolctl clean` removes them)")
         except SpoolError as exc:  # bytes stay released; `spoolctl clean` removes them
             log.warning("could not delete released entries at close: %s", reason(exc))
         finally:
@@ -374,7 +389,8 @@ class LocalCacheController:
         if handle is not None:
             if touch:  # outside the lock: a catalog write
                 try:
-                    self._store.touch([plan.entry_id])
+                    self._on_disk(lambda: self._store.touch([plan.entry_id]),
+                                  self._deadlines.lookup_deadline_s)
                 except SpoolError as exc:  # the LRU clock is a hint; the hit stands
                     log.debug("memory hit not recorded in the catalog: %s", reason(exc))
             return handle
@@ -471,7 +487,15 @@ class LocalCacheController:
                 return CacheHandle.empty(), None
             self._remember(plan, loaded)
             return self._handle(plan, source="disk"), PrepareWork(disk=len(plan.prefix))
+        # A hit needs no lock; and a disk that did not answer is not waited on for one
+        # (the lock file is on it): the prepare goes on without the store.
+        loaded = self._load_exact(plan, touch=True)
+        if loaded is not None:
+            self._remember(plan, loaded)
+            return self._handle(plan, source="disk"), PrepareWork(disk=len(plan.prefix))
         try:
+            if self._deadlines.down:
+                return self._prepare_locked(plan)  # every store call is skipped at once
             with self._key_lock(plan.entry_id):
                 return self._prepare_locked(plan)
         except SpoolError as exc:
@@ -568,10 +592,11 @@ class LocalCacheController:
         try:
             # No key lock of its own (a second stripe lock could wait on the one held):
             # a put of an entry that exists is a no-op, so racing writers are harmless.
-            known = self._store.lookup(self.kind, snap.namespace, snap.key, touch=False,
-                                       tenant=self._tenancy.tenant)
+            done, known = self._on_disk(lambda: self._store.lookup(
+                self.kind, snap.namespace, snap.key, touch=False, tenant=self._tenancy.tenant),
+                self._deadlines.lookup_deadline_s)
             head = self.format.prefill(snap)
-            if known is None:
+            if done and known is None:
                 self._commit(snap, head, None, snapshot=True)
             self._remember(snap, Loaded(head, snap.prefix))
             if getattr(self.format, "extends_by_token", False):
@@ -605,13 +630,16 @@ class LocalCacheController:
                  **({"snapshot": True} if snapshot else {})}
         try:
             meta, objects = self._tenancy.seal_meta(meta, objects)
-            self._store.put(kind=self.kind, namespace=plan.namespace, key=plan.key,
-                            objects=objects, meta=meta, index=index, supersedes=base_id,
-                            tenant=self._tenancy.tenant)
+            done, _ = self._on_disk(lambda: self._store.put(
+                kind=self.kind, namespace=plan.namespace, key=plan.key, objects=objects,
+                meta=meta, index=index, supersedes=base_id, tenant=self._tenancy.tenant),
+                self._deadlines.read_deadline_s)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
             log.warning("cache not persisted (%s); serving it from memory", reason(exc))
             self._count(commit_failures=1)
+            return False
+        if not done:  # it completes in the background once the disk answers, or never
             return False
         with self._lock:
             # A commit revives an entry this controller had released earlier.
@@ -685,13 +713,13 @@ class LocalCacheController:
 
     def _load_exact(self, plan: Plan, *, touch: bool) -> Loaded | None:
         try:
-            manifest = self._store.lookup(self.kind, plan.namespace, plan.key,
-                                          touch=touch and not self.read_only,
-                                          tenant=self._tenancy.tenant)
+            done, manifest = self._on_disk(lambda: self._store.lookup(
+                self.kind, plan.namespace, plan.key, touch=touch and not self.read_only,
+                tenant=self._tenancy.tenant), self._deadlines.lookup_deadline_s)
         except SpoolError as exc:
             log.warning("cache lookup failed, treating as a miss: %s", reason(exc))
             return None
-        if manifest is None:
+        if not done or manifest is None:
             return None
         loaded = self._load_manifest(manifest, plan=plan,
                                      quarantine=not plan.params.read_only)
@@ -709,7 +737,7 @@ class LocalCacheController:
             if self._tenancy.active:  # the token meta is sealed: read (and decrypt) first
                 try:
                     meta, objects = self._tenancy.open_meta(manifest,
-                                                            self._store.read_all(manifest))
+                                                            self._read_objects(manifest))
                 except (CorruptionError, NotFoundError):
                     raise
                 except SpoolError as exc:
@@ -719,7 +747,7 @@ class LocalCacheController:
                 raise ValueError("cached token ids differ from the prompt's")
             try:
                 if objects is None:
-                    objects = self._store.read_all(manifest)
+                    objects = self._read_objects(manifest)
             except (CorruptionError, NotFoundError):
                 raise
             except SpoolError as exc:
@@ -734,7 +762,8 @@ class LocalCacheController:
             log.warning("cache entry unusable, treated as a miss: %s", reason(exc))
             log.debug("unusable entry: %s (%s)", manifest.entry_id, exc)
         except _TransientReadError as exc:  # I/O trouble: a miss, the entry may be fine later
-            log.warning("cache entry unreadable, treated as a miss: %s", reason(exc.__cause__))
+            log.warning("cache entry unreadable, treated as a miss: %s",
+                        reason(exc.__cause__ or exc))
         except Exception as exc:  # any mismatch inside the payload or its description
             log.warning("cache entry rejected, treated as a miss: %s", reason(exc))
             log.debug("rejected entry: %s", manifest.entry_id)
@@ -752,10 +781,13 @@ class LocalCacheController:
         """``(entry id, key, catalog index)`` of the retained entries of the plan's
         namespace other than its own (the candidates for a base); [] on store trouble."""
         try:
-            rows = self._store.entries(kind=self.kind, namespace=plan.namespace,
-                                       hint="retain")
+            done, rows = self._on_disk(lambda: self._store.entries(
+                kind=self.kind, namespace=plan.namespace, hint="retain"),
+                self._deadlines.lookup_deadline_s)
         except SpoolError as exc:
             log.warning("base selection skipped: %s", reason(exc))
+            return []
+        if not done:
             return []
         return [(r.entry_id, r.key, r.index) for r in rows
                 if r.entry_id != plan.entry_id and self._tenancy.own(r.index)]
@@ -782,9 +814,10 @@ class LocalCacheController:
                 where = "memory"
             else:
                 try:
-                    manifest = self._tenancy.base_manifest(plan.namespace, cand.key,
-                                                           cand.entry_id)
-                    if manifest is None:
+                    done, manifest = self._on_disk(partial(
+                        self._tenancy.base_manifest, plan.namespace, cand.key, cand.entry_id),
+                        self._deadlines.lookup_deadline_s)
+                    if not done or manifest is None:
                         continue
                     meta = self._tenancy.open_meta(manifest)[0]  # sealed: the token meta
                 except SpoolError:
@@ -817,6 +850,29 @@ class LocalCacheController:
         always by extension (``keep == base_len``); by cutting back only where the format's
         caches can be cut exactly (full attention; not recurrent or window-full states)."""
         return keep == base_len or getattr(self.format, "trimmable", True)
+
+    # -- the store's disk, with deadlines (``deadlines``) ---------------------------------
+
+    def _on_disk(self, fn: Any, deadline_s: float) -> tuple[bool, Any]:
+        """``fn()`` (a store call) within ``deadline_s``: ``(True, result)``, or
+        ``(False, None)`` if the disk did not answer in time or is known not to (counted
+        as ``disk_down``). The store's errors are raised as ``fn`` raised them."""
+        done, result = self._deadlines.call(fn, deadline_s)
+        if not done:
+            self._count(disk_down=1)
+        return done, result
+
+    def _read_objects(self, manifest: Manifest) -> dict[str, Any]:
+        """Every object of ``manifest``, verified (``Store.read``), each read within the
+        read deadline; a late one raises ``_TransientReadError`` (a miss, no quarantine)."""
+        out = {}
+        for ref in manifest.objects:
+            done, data = self._on_disk(partial(self._store.read, manifest, ref.name),
+                                       self._deadlines.read_deadline_s)
+            if not done:
+                raise _TransientReadError("the store's disk did not answer in time")
+            out[ref.name] = data
+        return out
 
     # -- release -------------------------------------------------------------------------
 

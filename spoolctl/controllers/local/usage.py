@@ -67,3 +67,6 @@ class ControllerStats:
     #: (a chat template that renders the date): normal drift, not damage (decision 2101).
     prefix_moved: int = 0
     commit_failures: int = 0
+    #: Store calls skipped or abandoned because the disk did not answer within its deadline
+    #: (``deadlines``, decision 2701): each one a miss or an unwritten cache, never a wait.
+    disk_down: int = 0

@@ -1,0 +1,147 @@
+"""How long an operator command waits for a store's disk (decision 2701).
+
+``status`` and ``metrics`` are what an operator (or node_exporter's cron) runs when
+something is wrong, so they must answer on a hung store too. A thread cannot do it: a
+thread stuck in the kernel on a hung mount (a FUSE or NFS request already sent, a stalled
+drive) cannot be stopped, and the process cannot exit until it returns. So each store's
+work -- opening it, reading its facts -- runs in a forked child process that hands back
+its result (and what it printed on stderr) through a pipe. A store that has not answered
+within ``SPOOLCTL_DISK_TIMEOUT`` seconds (default 10) is reported as down
+(``DiskNotAnsweringError``: the error line, ``disk_down`` in the JSON, ``store_up 0`` in the
+metrics); the command goes on and exits, and the child -- holding none of its output
+streams -- stays in the kernel until the disk answers, then ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import select
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from spoolctl.errors import ConfigError, DiskNotAnsweringError, SpoolError
+
+ENV_DISK_TIMEOUT = "SPOOLCTL_DISK_TIMEOUT"
+#: Far above a healthy store's slowest `status` (a catalog of 100k rows counts in well under
+#: a second), far below what an operator waits for before assuming the command hangs.
+DEFAULT_DISK_TIMEOUT_S = 10.0
+
+T = TypeVar("T")
+
+
+def disk_timeout() -> float:
+    """The bound from ``SPOOLCTL_DISK_TIMEOUT`` (seconds), else the default."""
+    raw = os.environ.get(ENV_DISK_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_DISK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{ENV_DISK_TIMEOUT}={raw!r} is not a positive number of seconds",
+                          fix=f"set e.g. {ENV_DISK_TIMEOUT}=10, or unset it for the default")
+    return value
+
+
+def within_disk_timeout(root: str | Path, fn: Callable[[], T]) -> T:
+    """``fn()`` (everything a command reads of the store at ``root``; its result must
+    pickle), run in a child process, or ``DiskNotAnsweringError`` if it has not returned
+    within ``disk_timeout()``. A SpoolError ``fn`` raises is raised here as it was; what it
+    printed on stderr is printed here."""
+    limit = disk_timeout()
+    if not hasattr(os, "fork"):  # no fork (not a platform the store supports): unbounded
+        return fn()
+    read_end, write_end = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(read_end)
+        _child(fn, write_end)
+    os.close(write_end)
+    try:
+        data = _read_within(read_end, limit)
+    finally:
+        os.close(read_end)
+    if data is None:
+        raise DiskNotAnsweringError(
+            f"the store's disk did not answer within {limit:g} s: the store is down "
+            "(a hung mount or a stalled drive)", path=str(root),
+            fix="check the drive and its mount (`dmesg`, `mount`); the vLLM connector "
+                f"serves without it meanwhile; {ENV_DISK_TIMEOUT} sets the wait")
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)  # it has written everything: it is ending
+    kind, value, err = pickle.loads(data)
+    if err:
+        sys.stderr.write(err)
+    if kind == "ok":
+        return value
+    if kind == "spool":
+        raise _rebuild(*value)
+    raise RuntimeError(value)  # a bug in the child: its traceback, as text
+
+
+def _read_within(fd: int, limit: float) -> bytes | None:
+    """Everything the child writes to ``fd`` until it closes it, or None past ``limit``."""
+    end = time.monotonic() + limit
+    chunks = []
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            return None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _child(fn: Callable[[], Any], write_end: int) -> None:
+    """Run ``fn`` holding none of the parent's output streams (a child stuck on the disk
+    must not keep a pipe that cron or a test reads open), send the outcome, exit."""
+    code = 0
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        err = io.StringIO()
+        sys.stdout, sys.stderr = io.StringIO(), err
+        try:
+            outcome: tuple[str, Any] = ("ok", fn())
+        except SpoolError as exc:
+            outcome = ("spool", (type(exc), exc.message, exc.path, exc.fix,
+                                 getattr(exc, "errno", None)))
+        except BaseException:
+            outcome = ("bug", traceback.format_exc())
+        try:
+            data = pickle.dumps((*outcome, err.getvalue()))
+        except Exception:
+            data = pickle.dumps(("bug", traceback.format_exc(), err.getvalue()))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(write_end, view):]
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _rebuild(cls: type, message: str, path: str | None, fix: str | None,
+             errno: int | None) -> SpoolError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.message, exc.path, exc.fix = message, path, fix
+    if errno is not None or hasattr(cls, "errno"):
+        exc.errno = errno  # type: ignore[attr-defined]
+    return exc
