@@ -132,7 +132,10 @@ class WorkerSide:
         self._pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
                                          pool=self._pool, counters=self._counters,
                                          on_lost=self._lost, pin=pin,
-                                         deadline_s=settings.read_deadline, guard=self._guard)
+                                         deadline_s=settings.read_deadline, guard=self._guard,
+                                         # KV in host memory: readers copy (decision 2910)
+                                         copy_in_reader=self._engine is not None
+                                         and self._engine.device.type == "cpu")
         holdings = self._holdings = RankHoldings(
             store, kind=KIND, namespace=ns, rank=self._place.rank,
             epoch=store.next_generation(f"vllm-connector:{ns}"),
