@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 WORDS = (
     "pump", "valve", "tank", "level", "alarm", "ticket", "engineer", "seal", "pressure", "flow",
@@ -117,6 +118,34 @@ def render_section(work: Path, tokens: int, repeat: int) -> dict:
                 "memory_hit_prepare_s": round(hit_s, 5)}
 
 
+def cold_vs_disk_hit(controller: Any, backend: Any, params: Any, model_dir: Path,
+                     stores: Path, repeat: int, spec: dict | None = None) -> dict:
+    """Median cold ``prepare`` (a fresh store each time, so every run prefills) against a
+    disk hit in a new process (``--child``, on the first of those stores)."""
+    cold_times = []
+    for i in range(repeat):
+        with controller(backend, Path(f"{stores}{i}")) as ctl:
+            t = time.perf_counter()
+            h = ctl.prepare(params)
+            cold_times.append(time.perf_counter() - t)
+            assert h.source == "cold", h
+            size = ctl.store.row(h.ref).size
+    params_json = json.dumps({"model": params.model,
+                              "instructions": [e.content for e in params.instructions],
+                              "data": [e.content for e in params.data]})
+    run = subprocess.run([sys.executable, __file__, "--repeat", str(repeat), "--child",
+                          str(model_dir), f"{stores}0", params_json,
+                          *(["--child-spec", json.dumps(spec)] if spec else [])],
+                         capture_output=True, text=True, check=True)
+    hit = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(hit["sources"]) == {"disk"}, hit
+    cold_s = statistics.median(cold_times)
+    return {"tokens": h.cached_tokens, "entry_bytes": size,
+            "cold_prepare_s": round(cold_s, 4),
+            "disk_hit_prepare_new_process_s": round(hit["seconds"], 4),
+            "disk_hit_speedup_vs_cold": round(cold_s / hit["seconds"], 1)}
+
+
 def families_section(work: Path, tokens: int, repeat: int) -> dict:
     """Cold prepare vs disk hit in a new process, per cache family, same prompt size."""
     from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
@@ -127,28 +156,9 @@ def families_section(work: Path, tokens: int, repeat: int) -> dict:
         model_dir = build_family_model(work / f"family-{family}", family)
         backend = PyTorchBackend(model_dir)
         params = build_params(backend, tokens)
-        cold_times = []
-        for i in range(repeat):
-            with PyTorchCacheController(backend, work / f"{family}{i}") as ctl:
-                t = time.perf_counter()
-                h = ctl.prepare(params)
-                cold_times.append(time.perf_counter() - t)
-                assert h.source == "cold", h
-                size = ctl.store.row(h.ref).size
-        params_json = json.dumps({"model": params.model,
-                                  "instructions": [e.content for e in params.instructions],
-                                  "data": [e.content for e in params.data]})
-        run = subprocess.run([sys.executable, __file__, "--repeat", str(repeat), "--child",
-                              str(model_dir), str(work / f"{family}0"), params_json],
-                             capture_output=True, text=True, check=True)
-        hit = json.loads(run.stdout.strip().splitlines()[-1])
-        assert set(hit["sources"]) == {"disk"}, hit
-        cold_s = statistics.median(cold_times)
         out[family] = {"kv_layout": backend.identity()["kv_layout"],
-                       "tokens": h.cached_tokens, "entry_bytes": size,
-                       "cold_prepare_s": round(cold_s, 4),
-                       "disk_hit_prepare_new_process_s": round(hit["seconds"], 4),
-                       "disk_hit_speedup_vs_cold": round(cold_s / hit["seconds"], 1)}
+                       **cold_vs_disk_hit(PyTorchCacheController, backend, params, model_dir,
+                                          work / family, repeat)}
     return out
 
 
@@ -178,29 +188,10 @@ def mlx_families_section(work: Path, tokens: int, repeat: int) -> dict:
         backend = MlxBackend(model_dir, **kv)
         params = build_params(backend, tokens)
         backend.generate(None, 0, backend.tokenize_segments(["warm up"])[0], 1)
-        cold_times = []
-        for i in range(repeat):
-            with MlxCacheController(backend, work / f"mlx-{name}{i}") as ctl:
-                t = time.perf_counter()
-                h = ctl.prepare(params)
-                cold_times.append(time.perf_counter() - t)
-                assert h.source == "cold", h
-                size = ctl.store.row(h.ref).size
-        params_json = json.dumps({"model": params.model,
-                                  "instructions": [e.content for e in params.instructions],
-                                  "data": [e.content for e in params.data]})
-        run = subprocess.run([sys.executable, __file__, "--repeat", str(repeat), "--child",
-                              str(model_dir), str(work / f"mlx-{name}0"), params_json,
-                              "--child-spec", json.dumps({"framework": "mlx", "kv": kv})],
-                             capture_output=True, text=True, check=True)
-        hit = json.loads(run.stdout.strip().splitlines()[-1])
-        assert set(hit["sources"]) == {"disk"}, hit
-        cold_s = statistics.median(cold_times)
         out[name] = {"cache_layers": backend.identity().get("cache_layers", "KVCache"),
-                     "tokens": h.cached_tokens, "entry_bytes": size,
-                     "cold_prepare_s": round(cold_s, 4),
-                     "disk_hit_prepare_new_process_s": round(hit["seconds"], 4),
-                     "disk_hit_speedup_vs_cold": round(cold_s / hit["seconds"], 1)}
+                     **cold_vs_disk_hit(MlxCacheController, backend, params, model_dir,
+                                        work / f"mlx-{name}", repeat,
+                                        {"framework": "mlx", "kv": kv})}
     return out
 
 
