@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import pickle
 import select
@@ -116,6 +117,7 @@ def _child(fn: Callable[[], Any], write_end: int) -> None:
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         err = io.StringIO()
+        _redirect_log_handlers(sys.stderr, sys.stdout, err)
         sys.stdout, sys.stderr = io.StringIO(), err
         try:
             outcome: tuple[str, Any] = ("ok", fn())
@@ -135,6 +137,22 @@ def _child(fn: Callable[[], Any], write_end: int) -> None:
         code = 1
     finally:
         os._exit(code)
+
+
+def _redirect_log_handlers(*old_and_new: Any) -> None:
+    """Point the log handlers set up before the fork at the child's captured stderr: they
+    hold the parent's stream objects, whose descriptors now lead to /dev/null, and a warning
+    the store logs (a catalog rebuilt, an entry quarantined) must reach the operator."""
+
+    *old, new = old_and_new
+    loggers = [logging.getLogger(), *(logger for logger in
+                                      logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and \
+                    any(handler.stream is stream for stream in old):
+                handler.setStream(new)
 
 
 def _rebuild(cls: type, message: str, path: str | None, fix: str | None,
