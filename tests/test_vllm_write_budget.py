@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from operator_cli import run, run_json
+from operator_cli import run_json, script
 
 from spoolctl import metrics as m
 from spoolctl.connector.deployment import write_budget as wb
@@ -132,9 +132,11 @@ def test_status_shows_each_ranks_writes_against_the_budget(tmp_path: Path):
     assert rows[1]["used_bytes"] == rows[1]["budget_bytes"] == 2 << 20
     assert rows[1]["left_pct"] == 0.0
     assert "write-budget-rank-0000.json" in rows[0]["error"]
-    code, out, err = run("status", "--root", str(dep), env={"COLUMNS": "250"})
-    assert code == 0 and "Traceback" not in err
-    assert "2.0 MiB of 2.0 MiB" in out and "spent" in out
+    # The human table as an operator's terminal shows it: a real process, 250 columns wide
+    # (in-process, the width is whatever an earlier test's console left).
+    proc = script("status", "--root", str(dep), env={"COLUMNS": "250"})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert "2.0 MiB of 2.0 MiB" in proc.stdout and "spent" in proc.stdout, proc.stdout
 
 
 def test_the_scheduler_plans_no_store_once_a_local_budget_is_spent(tmp_path: Path):
