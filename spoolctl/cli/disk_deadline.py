@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from spoolctl.errors import ConfigError, DiskNotAnsweringError, SpoolError
+from spoolctl.errors import ConfigError, DiskNotAnsweringError, SpoolError, StoreIOError
 
 ENV_DISK_TIMEOUT = "SPOOLCTL_DISK_TIMEOUT"
 #: Far above a healthy store's slowest `status` (a catalog of 100k rows counts in well under
@@ -81,6 +81,10 @@ def within_disk_timeout(root: str | Path, fn: Callable[[], T]) -> T:
                 f"serves without it meanwhile; {ENV_DISK_TIMEOUT} sets the wait")
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)  # it has written everything: it is ending
+    if not data:  # the child died before answering (killed, out of memory)
+        raise StoreIOError("the process reading the store ended without an answer",
+                           path=str(root), fix="run the command again; if it repeats, "
+                           "run it with --debug and report the output")
     kind, value, err = pickle.loads(data)
     if err:
         sys.stderr.write(err)
@@ -117,7 +121,8 @@ def _child(fn: Callable[[], Any], write_end: int) -> None:
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         err = io.StringIO()
-        _redirect_log_handlers(sys.stderr, sys.stdout, err)
+        with contextlib.suppress(Exception):
+            _redirect_log_handlers(sys.stderr, sys.stdout, err)
         sys.stdout, sys.stderr = io.StringIO(), err
         try:
             outcome: tuple[str, Any] = ("ok", fn())
@@ -149,10 +154,13 @@ def _redirect_log_handlers(*old_and_new: Any) -> None:
                                       logging.Logger.manager.loggerDict.values()
                                       if isinstance(logger, logging.Logger))]
     for logger in loggers:
-        for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler) and \
-                    any(handler.stream is stream for stream in old):
-                handler.setStream(new)
+        for handler in list(logger.handlers):
+            # best effort: a handler that cannot be moved keeps its stream (its lines are
+            # lost, as before), never the child's answer
+            with contextlib.suppress(Exception):
+                if isinstance(handler, logging.StreamHandler) and \
+                        any(handler.stream is stream for stream in old):
+                    handler.stream = new
 
 
 def _rebuild(cls: type, message: str, path: str | None, fix: str | None,
