@@ -84,6 +84,37 @@ def test_a_hung_mount_blocks_until_released_and_never_outlives_its_test(eio_mani
     assert not reader.is_alive() and len(late) == 1
 
 
+def test_the_connectors_probe_reads_an_object_so_a_hung_objects_disk_stays_out(
+        tmp_path: Path) -> None:
+    """The marker and the catalog answer (from the page cache, here: off the mount) while
+    the objects' disk hangs: the probe must read an object too, or it brings the store
+    back into service at once and every request waits out the deadline again (decision
+    2720). Once the disk answers, the probe brings the store back."""
+    _needs_fuse()
+    from spoolctl.connector.diskguard import FAILURES_TO_DOWN, DiskGuard, probe
+
+    root = Path(os.path.realpath(tmp_path)) / "rank-0000"
+    with Store.open(root, create=True) as s:
+        s.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
+    with ControlledMount(root / "objects", tmp_path / "fuse") as mount, \
+            Store.open(root) as store:
+        guard = DiskGuard(store, deadline_s=0.1, probe_interval_s=0.05)
+        mount.hang()
+        for _ in range(FAILURES_TO_DOWN):
+            guard.failed()
+        assert guard.down
+        probing = threading.Thread(target=probe, args=(store,), daemon=True)
+        probing.start()
+        probing.join(0.5)
+        assert probing.is_alive()  # held on the hung objects
+        assert guard.down  # ten probe intervals later: its own probes are held too
+        mount.release()
+        probing.join(NET_S)
+        assert not probing.is_alive()
+        wait_until(lambda: not guard.down, NET_S, what="the store back in service")
+        guard.close()
+
+
 # -- the PyTorch controller on a hung disk ------------------------------------------------
 
 QUESTION = "When does the pump start?"

@@ -246,6 +246,28 @@ def test_repeated_deadline_misses_take_the_store_out_and_a_probe_brings_it_back(
         assert _pump_all(pipe) == {"c": None}
 
 
+def test_lookups_that_answer_do_not_keep_a_store_whose_restores_hang_in_service(
+        store: Store) -> None:
+    """A hot catalog answers from the page cache while the objects' disk hangs: each
+    request's lookup answers in time and its restore waits out the deadline. Only a good
+    read of the same kind resets the count, so the third late restore takes the store out
+    (decision 2720; they used to reset it, and every request kept paying the deadline)."""
+    from spoolctl.connector.diskguard import DiskGuard
+
+    target, counters, gate = Target(), ConnectorCounters(), threading.Event()
+    guard = DiskGuard(store, probe_interval_s=3600)
+    with ThreadPoolExecutor(16) as pool, _opened_at_exit(gate):
+        pipe = RestorePipeline(store, NS, chunk_bytes=CHUNK, pool=pool, counters=counters,
+                               on_lost=lambda key: None, deadline_s=0.1, guard=guard)
+        for req in ("a", "b", "c"):
+            served, _ = guard.call(lambda: store.live([]))  # the request's lookup
+            assert served and not guard.down
+            pipe.begin(req, _hanging(target, req, 2, range(2), gate))
+            assert pipe.pump(wait_s=30) == [(req, 0)]
+        assert guard.down
+        assert guard.call(lambda: store.live([])) == (False, None)  # lookups now: misses
+
+
 # -- reader-side copies and one touch per request (issue 34, decision 2910) -------------------
 
 

@@ -16,10 +16,13 @@ same-process worker: ``guard_for``) is that policy:
   deadline and fails if it is still stuck, so a hung disk never queues threads or memory.
   A late result is dropped when it arrives.
 * ``spare(fn)``: run ``fn`` (an LRU touch) only if the thread is idle; never waits.
-* ``failed()`` / ``ok()``: what the serving path saw. ``FAILURES_TO_DOWN`` failures in a
-  row (no good read between) take the store down (``down``, one warning); a probe thread
-  then reads the root marker and the catalog every ``probe_interval_s`` under the same
-  deadline, and the first probe that answers in time brings the store back (logged).
+* ``failed(kind)`` / ``ok(kind)``: what the serving path saw, per kind of read (``lookup``:
+  the catalog; ``restore``: manifests and objects). ``FAILURES_TO_DOWN`` failures of one
+  kind in a row (no good read *of that kind* between) take the store down (``down``, one
+  warning): a catalog that answers from the page cache says nothing about objects that
+  hang (decision 2720). A probe thread then reads the root marker, the catalog and one
+  object past the page cache every ``probe_interval_s`` under 4x the deadline, and the
+  first probe that answers in time brings the store back (logged).
 
 An I/O error is not proof of corruption (a sector that fails today may read tomorrow, a
 mount may come back): it counts here as a failure, the chunk is a miss, nothing is
@@ -64,7 +67,7 @@ class DiskGuard:
         self.failures_to_down = failures_to_down
         self._lock = threading.Lock()
         self._busy: Future | None = None  # the call on the guard's thread, if any
-        self._failures = 0
+        self._failures: dict[str, int] = {}  # kind of read -> failures in a row
         self._down_since: float | None = None
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
@@ -77,23 +80,25 @@ class DiskGuard:
         """The store is out of service: do not read it for a request."""
         return self._down_since is not None
 
-    def ok(self) -> None:
-        """A read for a request answered in time."""
+    def ok(self, kind: str = "lookup") -> None:
+        """A read of ``kind`` for a request answered in time."""
         with self._lock:
-            self._failures = 0
+            self._failures[kind] = 0
 
-    def failed(self) -> None:
-        """A read for a request missed its deadline or failed with an I/O error."""
+    def failed(self, kind: str = "lookup") -> None:
+        """A read of ``kind`` for a request missed its deadline or failed with an I/O
+        error. Only a good read of the same kind resets the count."""
         with self._lock:
-            self._failures += 1
-            if self._down_since is not None or self._failures < self.failures_to_down:
+            self._failures[kind] = self._failures.get(kind, 0) + 1
+            if self._down_since is not None or \
+                    self._failures[kind] < self.failures_to_down:
                 return
             self._down_since = time.monotonic()
             self.downs += 1
             self._start_probe()
-        log.warning("spoolctl: store disk not answering in time (%d reads late or failed in a "
-                    "row); serving without it (cold prefill) and probing every %.0f s: %s",
-                    self.failures_to_down, self.probe_interval_s, self._root)
+        log.warning("spoolctl: store disk not answering in time (%d %s reads late or failed "
+                    "in a row); serving without it (cold prefill) and probing every %.0f s: %s",
+                    self.failures_to_down, kind, self.probe_interval_s, self._root)
 
     def close(self) -> None:
         """Stop probing (the store is being closed)."""
@@ -186,15 +191,16 @@ class DiskGuard:
             del store
             if done:
                 with self._lock:
-                    since, self._down_since, self._failures = self._down_since, None, 0
+                    since, self._down_since = self._down_since, None
+                    self._failures.clear()
                 log.warning("spoolctl: store disk answers again after %.0f s; using it: %s",
                             time.monotonic() - (since or time.monotonic()), self._root)
                 return
 
 
 def probe(store: Store) -> None:
-    """One small read of each kind a request does: the root marker (a file) and the
-    catalog. Raises on an I/O error."""
+    """One small read of each kind a request does: the root marker (a file), the catalog
+    and an object. Raises on an I/O error."""
     fd = os.open(os.path.join(store.root, MARKER), os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.read(fd, 4096)
@@ -202,6 +208,31 @@ def probe(store: Store) -> None:
         os.close(fd)
     store.live([])
     store.live(["0" * 64])
+    probe_object(os.path.join(store.root, "objects"))
+
+
+def probe_object(objects: str) -> None:
+    """Read the first page of one object under ``objects`` from the disk itself: a hot
+    catalog and marker answer from the page cache while the device hangs, so the page is
+    dropped from the cache first (``POSIX_FADV_DONTNEED``; a clean page, nothing is lost).
+    An empty store, or an object removed meanwhile, is an answer too."""
+    try:
+        with os.scandir(objects) as fans:
+            fan = next((e.path for e in fans if e.is_dir(follow_symlinks=False)), None)
+        if fan is None:
+            return
+        with os.scandir(fan) as names:
+            path = next((e.path for e in names if e.is_file(follow_symlinks=False)), None)
+        if path is None:
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 4096, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, 4096, 0)
+    finally:
+        os.close(fd)
 
 
 _GUARDS: weakref.WeakKeyDictionary[Store, DiskGuard] = weakref.WeakKeyDictionary()

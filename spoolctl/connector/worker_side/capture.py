@@ -164,6 +164,12 @@ class ChunkStager:
             key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf),
             ready=handle.wait))
 
+    def skip(self, index: int, *, request: str | None, reason: str) -> None:
+        """Chunk ``index`` of ``request`` is not stored (counted under ``reason``); nor are
+        its later chunks (``after_gap``)."""
+        self._counters.inc(m.STORES_SKIPPED, reason=reason)
+        self._gap(request, index)
+
     def _gap(self, request: str | None, index: int) -> None:
         """Remember that chunk ``index`` of ``request`` is not stored (the earliest wins)."""
         if request is None:

@@ -273,7 +273,7 @@ class RestorePipeline:
                 self._counters.inc(m.LOAD_ERRORS, reason="deadline")
                 r.failed_at = r.copied
                 if self._guard is not None:
-                    self._guard.failed()
+                    self._guard.failed("restore")
             if r.failed_at is not None or r.cancelled:
                 r.close()  # before it is reported: no reader copies into its blocks now
                 if r.reads:
@@ -397,7 +397,7 @@ class RestorePipeline:
                 self._bufs.put(buf)  # its contents are garbage, but reusable
                 raise
             if self._guard is not None:
-                self._guard.ok()
+                self._guard.ok("restore")
             if self.copy_in_reader and owner is not None:
                 return self._copy_here(owner, item, buf, nbytes)
             return buf, None, nbytes
@@ -414,7 +414,7 @@ class RestorePipeline:
             # An I/O error is a miss and a finding (counted, logged), never a quarantine:
             # it proves nothing about the bytes. Repeated ones take the store down.
             if self._guard is not None:
-                self._guard.failed()
+                self._guard.failed("restore")
             log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
             return None, "io_error", 0
         except Exception:  # never let a cache problem take the worker down

@@ -249,7 +249,13 @@ class WorkerSide:
         # Each chunk's request, so that a chunk not stored ends its request's stores
         # (``ChunkStager.stage``: chunks past a gap are unreachable by any restore).
         requests = {op.key: op.req_id for op in (*meta.stores, *meta.group_stores)}
+        # A store taken out of service (decision 2720) is not written either: a commit
+        # would hold the writer on a disk that does not answer, and flushes with it.
+        down = self._guard is not None and self._guard.down
         for key, index, fill in self._copier.captures(meta):
+            if down:
+                self._stager.skip(index, request=requests.get(key), reason="disk_down")
+                continue
             hashes = meta.chunk_hashes.get(key)
             self._stager.stage(key, index, fill, index_doc=hashes.to_index(meta.hash_identity)
                                if hashes is not None and meta.hash_identity else None,
