@@ -115,6 +115,25 @@ def test_the_connectors_probe_reads_an_object_so_a_hung_objects_disk_stays_out(
         guard.close()
 
 
+def test_scrub_on_eio_records_a_finding_and_doctor_explains_it(eio_manifests) -> None:
+    """An object that fails with EIO is a scrub finding (``unreadable``), not a quarantine,
+    and ``doctor`` says what it means and what to do (issue 32 item 2, decision 2720)."""
+    from operator_cli import run_json
+
+    store, _manifests = eio_manifests
+    root = Path(store.root)
+    with ControlledMount(root / "objects", root.parent / "fuse-objects") as objects:
+        objects.eio(".obj")  # the disk fails every object read
+        doc = run_json("scrub", "--root", str(root), "--json", expect=1)
+        assert doc["quarantined"] == [] and len(doc["unreadable"]) == 1
+        assert "Input/output error" in doc["unreadable"][0]["detail"]
+        checks = {c["name"]: c for c in
+                  run_json("doctor", "--root", str(root), "--json", expect=1)["checks"]}
+        assert checks["scrub.unreadable"]["status"] == "fail"
+        assert "not proof of corruption" in checks["scrub.unreadable"]["fix"]
+        assert not list((root / "quarantine").iterdir())
+
+
 # -- the PyTorch controller on a hung disk ------------------------------------------------
 
 QUESTION = "When does the pump start?"

@@ -244,8 +244,11 @@ def scrub_checks(layout: StorePaths) -> list:
     ids = ", ".join(entry_id[:16] for entry_id in found)
     return [_check("scrub.unreadable", "fail",
                    f"the scrub could not read {count} entries ({ids})",
-                   "fix the permissions `store.files` names (or check the disk: dmesg); the "
-                   "next scrub cycle verifies them again")]
+                   "fix the permissions `store.files` names; otherwise the disk failed the "
+                   "reads (I/O errors: check dmesg and the drive's health, `smartctl -a`). "
+                   "An I/O error is not proof of corruption: nothing was quarantined, the "
+                   "entries are misses while they fail and the next scrub cycle verifies "
+                   "them again")]
 
 
 def reserve_check(layout: StorePaths) -> list:
