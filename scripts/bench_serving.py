@@ -9,6 +9,13 @@ Arms, each in its own engine processes, same model, same seeded schedule:
     spool   SpoolConnector
     native  vLLM's OffloadingConnector with its fs tier (``bench_vllm.MemmoveTieringSpec``:
             the CPU copy shim; everything else stock)
+    hung    SpoolConnector with a hung disk (issue 32, decision 2720): once the measuring
+            engine has started and warmed up, its store's ``objects/`` is moved onto the
+            FUSE filesystem of ``tests/fusefs.py`` (root, ``/dev/fuse``, ``fusermount3``,
+            ``mfusepy``) and every operation on it blocks for the whole measurement; the
+            catalog still answers (as a hot catalog does from the page cache), so restores
+            wait out their read deadline until the store is taken out, then arrivals are
+            cold prefills (``--read-deadline`` sets the deadline)
 
 For ``spool`` and ``native`` a first process computes and stores every arrival's long
 prefix (a document of ``--prefix-tokens`` tokens + a question) and shuts down cleanly once
@@ -27,8 +34,10 @@ Reported per arm and phase: arrivals' TTFT p50/p99 and hit tokens (vLLM's
 ``num_cached_tokens``), the decode streams' inter-token latency p50/p99 while arrivals are
 in flight, output tokens/s. Ratios: p99 ITL restores / no_restores per arm (goal <= 1.2),
 spool / native arrival TTFT (goal <= 1.0; refused unless every arrival of both hit its
-whole document), spool / none TTFT. The load average is printed: on a shared host, compare
-the same-run ratios only.
+whole document), spool / none TTFT; hung / none TTFT and ITL, and the hung arm's p99 TTFT
+minus the no-connector one against the read deadline (goal: a hung disk costs nothing
+beyond the deadline). The connector arms print their restore failures by reason next to
+the hits. The load average is printed: on a shared host, compare the same-run ratios only.
 """
 
 from __future__ import annotations
@@ -61,12 +70,14 @@ WARMUP_LENGTHS = (128, 256, 384, 2304)
 def _connector_config(job: dict):
     from vllm.config import KVTransferConfig
 
-    if job["arm"] == "spool":
+    if job["arm"] in ("spool", "hung"):
+        extra = {"spoolctl_root": job["spool_root"], "spoolctl_scrub_rate": "0"}
+        if job.get("read_deadline") is not None:
+            extra["spoolctl_read_deadline"] = job["read_deadline"]
         return KVTransferConfig(
             kv_connector="SpoolConnector", kv_connector_module_path="spoolctl.connector",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"spoolctl_root": job["spool_root"],
-                                       "spoolctl_scrub_rate": "0"})
+            kv_connector_extra_config=extra)
     if job["arm"] == "native":
         sys.path.insert(0, str(HERE.parent))  # bench_vllm.MemmoveTieringSpec
         return KVTransferConfig(
@@ -93,7 +104,8 @@ def _warm_up(llm, arm: str) -> None:
     from vllm import SamplingParams
 
     rng = random.Random(f"warmup-{arm}")  # fresh prompts: never a hit
-    extra = {"kv_transfer_params": {"spoolctl_bypass": True}} if arm == "spool" else None
+    extra = {"kv_transfer_params": {"spoolctl_bypass": True}} \
+        if arm in ("spool", "hung") else None
     sp = SamplingParams(temperature=0.0, max_tokens=2, extra_args=extra)
     for n in WARMUP_LENGTHS:
         llm.generate([{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(n)]}], sp,
@@ -118,7 +130,7 @@ def prepare(job: dict) -> dict:
         llm.generate([{"prompt_token_ids": doc + question}], sp, use_tqdm=False)
         want_files += len(doc + question) // BLOCK_SIZE
     complete = True
-    if job["arm"] == "spool":
+    if job["arm"] in ("spool", "hung"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         complete = get_kv_transfer_group().flush(600)
@@ -224,33 +236,91 @@ def measure(job: dict) -> dict:
     """The restart: warm up, then the two phases with the same streams and schedule."""
     llm = _make_llm(job)
     _warm_up(llm, job["arm"])
+    if job.get("ready_path"):  # arm hung: the disk hangs now, under a serving engine
+        Path(job["ready_path"]).touch()
+        while not os.path.exists(job["go_path"]):
+            time.sleep(0.05)
     out = {}
     for phase, questions in (("restores", job["questions"]),
                              ("no_restores", job["local_questions"])):
         arrivals = [doc + q for doc, q in zip(job["docs"], questions, strict=True)]
         out[phase] = run_load(llm, job["streams"][phase], arrivals, job["offsets"], phase)
-    if job["arm"] == "spool":
+    if job["arm"] in ("spool", "hung"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        out["connector_counters"] = get_kv_transfer_group().counters.totals()
-    llm.llm_engine.engine_core.shutdown()
+        totals = get_kv_transfer_group().counters.totals()
+        out["connector_counters"] = totals
+        out["load_errors"] = {k.removeprefix("reason="): v for k, v in
+                              totals.get("spoolctl_load_errors_total", {}).items()}
+    if job["arm"] != "hung":  # a hung read's thread would hold the shutdown until released
+        llm.llm_engine.engine_core.shutdown()
     return out
 
 
 # -- orchestration ------------------------------------------------------------------------------
 
 
-def _spawn(job: dict, workdir: Path) -> dict:
+def _default_read_deadline() -> float:
+    from spoolctl.connector.diskguard import DEFAULT_READ_DEADLINE_S
+
+    return DEFAULT_READ_DEADLINE_S
+
+
+def _spawn(job: dict, workdir: Path, hang=None) -> dict:
+    """Run ``job`` in a child process; its result. ``hang`` (arm hung): called once the
+    measuring engine has started and warmed up, which waits for it (an engine started on a
+    hung disk would hang in ``Store.open``), and returns the hung FUSE mount; the mount is
+    released as soon as the child's result is written (a process with a thread blocked on
+    it cannot exit before that), then the child is waited for."""
     name = f"{job['arm']}-{job['kind']}"
     job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
+    ready, go = workdir / f"{name}.ready", workdir / f"{name}.go"
+    for path in (out_path, ready, go):
+        path.unlink(missing_ok=True)
+    if hang is not None:
+        job = {**job, "ready_path": str(ready), "go_path": str(go)}
     job_path.write_text(json.dumps(job))
+    mount = None
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
                VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(HERE), "--job", str(job_path),
-                           "--out", str(out_path)], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    with open(workdir / f"{name}.log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, str(HERE), "--job", str(job_path),
+                                 "--out", str(out_path)], env=env, stdout=log, stderr=log,
+                                text=True)
+        try:
+            while proc.poll() is None and not out_path.exists():
+                if hang is not None and mount is None and ready.exists():
+                    mount = hang()
+                    go.touch()
+                time.sleep(0.1)
+        finally:
+            if mount is not None:
+                mount.release()
+        try:
+            rc = proc.wait()
+        finally:
+            if mount is not None:
+                mount.close()
+        log.seek(0)
+        tail = log.read()[-4000:]
+    if rc != 0 or not out_path.exists():
+        raise SystemExit(f"{name} failed:\n{tail}")
     return json.loads(out_path.read_text())
+
+
+def _hang_objects(spool_root: Path, workdir: Path):
+    """Move the (one) rank store's ``objects/`` onto the FUSE filesystem the tests control
+    and hang it; the mount (``tests/fusemount.ControlledMount``) is returned."""
+    sys.path.insert(0, str(HERE.parent.parent / "tests"))
+    from fusemount import ControlledMount, fuse_missing
+
+    missing = fuse_missing()
+    if missing:
+        raise SystemExit(f"arm hung: {missing}")
+    (objects,) = spool_root.glob("*/rank-*/objects")
+    mount = ControlledMount(objects, workdir / "fuse")
+    mount.hang("/")
+    return mount
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -283,6 +353,13 @@ def ratios(arms: dict, prefix_tokens: int) -> dict:
         for q in ("p50", "p99"):
             out[f"spool_over_none_ttft_{q}"] = _ratio(
                 arms["spool"]["restores"]["ttft_s"][q], arms["none"]["restores"]["ttft_s"][q])
+    if "hung" in arms and "none" in arms:
+        hung, none = arms["hung"]["restores"], arms["none"]["restores"]
+        for q in ("p50", "p99"):
+            out[f"hung_over_none_ttft_{q}"] = _ratio(hung["ttft_s"][q], none["ttft_s"][q])
+            out[f"hung_over_none_itl_{q}"] = _ratio(hung["itl_s"][q], none["itl_s"][q])
+        out["hung_minus_none_ttft_p99_s"] = round(hung["ttft_s"]["p99"]
+                                                  - none["ttft_s"]["p99"], 4)
     return out
 
 
@@ -296,21 +373,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--workdir", default=None, help="scratch dir on the disk under test")
     ap.add_argument("--preset", default="small", help="spoolctl.tinymodel preset")
+    ap.add_argument("--read-deadline", type=float, default=None,
+                    help="spoolctl_read_deadline for the spool and hung arms (default: the "
+                         "connector's)")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:
         job = json.loads(Path(args.job).read_text())
         result = prepare(job) if job["kind"] == "prepare" else measure(job)
-        Path(args.out).write_text(json.dumps(result))
+        Path(args.out + ".part").write_text(json.dumps(result))
+        os.replace(args.out + ".part", args.out)  # the parent reads it once it exists
         os._exit(0)
 
     from spoolctl.tinymodel import build_tiny_model
 
     arms = [a for a in args.arms.split(",") if a]
-    unknown = set(arms) - {"none", "spool", "native"}
+    unknown = set(arms) - {"none", "spool", "native", "hung"}
     if unknown:
-        ap.error(f"unknown arm(s) {sorted(unknown)}; use none, spool, native")
+        ap.error(f"unknown arm(s) {sorted(unknown)}; use none, spool, native, hung")
     workdir = Path(os.path.realpath(args.workdir or f"/var/tmp/spoolctl-serving-{os.getpid()}"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(workdir / f"model-{args.preset}", args.preset)
@@ -333,9 +414,11 @@ def main() -> None:
                         for p in ("restores", "no_restores")},
             "max_model_len": max(n_tok, *WARMUP_LENGTHS) + 1024,
             # every document cached in memory at once, plus the streams and a spare prompt
-            "kv_bytes": (args.arrivals + 2) * n_tok * KV_BYTES_PER_TOKEN + (128 << 20)}
+            "kv_bytes": (args.arrivals + 2) * n_tok * KV_BYTES_PER_TOKEN + (128 << 20),
+            "read_deadline": args.read_deadline}
     report: dict = {"model": args.preset, "prefix_tokens": args.prefix_tokens,
                     "arrivals": args.arrivals, "streams": args.streams, "gap_s": args.gap_s,
+                    "read_deadline_s": args.read_deadline or _default_read_deadline(),
                     "offsets_s": offsets, "load_avg": {"start": os.getloadavg()[0]},
                     "page_cache_dropped": [], "stored_completely": {}, "arms": {}}
     for arm in arms:
@@ -349,10 +432,12 @@ def main() -> None:
             prep = _spawn({**job, "kind": "prepare"}, workdir)
             report["stored_completely"][arm] = prep["stored_completely"]
         report["page_cache_dropped"].append(drop_page_cache())
-        report["arms"][arm] = res = _spawn({**job, "kind": "measure"}, workdir)
+        hang = (lambda root=spool_root: _hang_objects(root, workdir)) if arm == "hung" else None
+        report["arms"][arm] = res = _spawn({**job, "kind": "measure"}, workdir, hang)
         print(f"# {arm}: restores TTFT p50 {res['restores']['ttft_s']['p50']:.3f}s "
               f"p99 {res['restores']['ttft_s']['p99']:.3f}s hits "
-              f"{res['restores']['hit_tokens']}; ITL p99 {res['restores']['itl_s']['p99']:.4f}s"
+              f"{res['restores']['hit_tokens']} load errors {res.get('load_errors', {})}; "
+              f"ITL p99 {res['restores']['itl_s']['p99']:.4f}s"
               f" vs {res['no_restores']['itl_s']['p99']:.4f}s without restores",
               file=sys.stderr)
     report["load_avg"]["end"] = os.getloadavg()[0]
@@ -362,6 +447,10 @@ def main() -> None:
         is None else r["spool_itl_p99_restores_over_no_restores"] <= 1.2,
         "arrival_ttft_p99_le_native": None if r.get("spool_over_native_ttft_p99") is None
         else r["spool_over_native_ttft_p99"] <= 1.0,
+        # a hung disk costs at most the read deadline over no connector at all
+        "hung_ttft_p99_le_none_plus_deadline": None
+        if r.get("hung_minus_none_ttft_p99_s") is None
+        else r["hung_minus_none_ttft_p99_s"] <= report["read_deadline_s"],
     }
     print(json.dumps(report, indent=2))
 
