@@ -11,11 +11,14 @@ migrated by the next open.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+
+from operator_cli import run
 
 from spoolctl.store import Store, entry_id_for
 from spoolctl.store.catalog.rows import WELL_FORMED
@@ -108,6 +111,9 @@ def _assert_migrated(root: Path, ids: list[str], rows: dict[str, tuple]) -> None
 def test_a_catalog_of_the_previous_version_is_read_then_migrated_once(
         store_root: Path) -> None:
     ids, rows = _old_store(store_root)
+    _, out, _ = run("doctor", "--root", str(store_root), "--json")  # reads, never migrates
+    check = {c["name"]: c for c in json.loads(out)["checks"]}["sqlite.catalog.sqlite3"]
+    assert check["status"] == "ok", check  # version 1's objects are ours, not damage
     with Store.open(store_root, read_only=True) as ro:  # cannot migrate: reads it as it is
         assert ro.malformed_count() == 1
         assert [e for e, _ in ro.catalog.malformed(5)] == [ids[2]]
