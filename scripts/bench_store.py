@@ -31,12 +31,20 @@ Ratios are the store's throughput over the reference's, from the medians. Prints
     python scripts/bench_store.py --probe     # where inline hashing beats the helper thread
     python scripts/bench_store.py --tags      # cost of entry tags (decision 2011)
     python scripts/bench_store.py --encrypted # cost of encryption at rest (decision 2800)
+    python scripts/bench_store.py --catalog-share --sizes 1 --batch-sizes 256 --repeat 15
+                                              # commits with their catalog calls made free
+                                              # (decision 2921)
 
 ``--tags`` measures what a tag key costs, both sides in the same run, taking turns entry by
 entry: two stores, one opened with a tag key and one without, each committing the same
 entries (``put``, 64 KiB and 1 MiB), loading their manifests (``Store.manifest``: read,
 decode, digest, and on the keyed side the tag check) and doing a verified read of every entry
 (``lookup`` + ``read``, warm page cache); plus the tag computation alone.
+
+``--catalog-share`` bounds what any catalog change can give a commit: a single ``put`` and a
+group commit, each as it is and with the catalog's per-commit calls (the existence check, the
+intent, the committed mark) replaced by no-ops, taking turns with the format's steps done
+raw. The catalog-free ratio is the ceiling a commit meets without touching the protocol.
 
 ``--encrypted`` measures what encryption at rest costs (issue 33: encrypted commit and
 verified read each at least 0.9x the plain ones), both sides in the same run, taking turns
@@ -48,6 +56,7 @@ and one without, each committing the same bytes (``put``) and reading them back 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -61,6 +70,7 @@ from spoolctl.store import (
     Manifest,
     Store,
 )
+from spoolctl.store.catalog.index import Catalog
 from spoolctl.store.commit.committer import PutRequest
 from spoolctl.store.disk import (
     fsio,
@@ -398,6 +408,70 @@ def bench_encrypted(base: Path, size: int, repeat: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _catalog_free(on: bool):
+    """While inside (``on``), a commit's catalog calls cost nothing: ``get`` answers None,
+    the intent and the committed mark do nothing. Only for timing: the store is left
+    without those rows (its entries are never read back)."""
+    real = (Catalog.get, Catalog.record_intents, Catalog.mark_committed_many)
+    if on:
+        Catalog.get = lambda self, entry_id: None
+        Catalog.record_intents = lambda self, *a, **k: set()
+        Catalog.mark_committed_many = lambda self, *a, **k: None
+    try:
+        yield
+    finally:
+        Catalog.get, Catalog.record_intents, Catalog.mark_committed_many = real
+
+
+def bench_catalog_share(base: Path, size: int, batch_size: int, repeat: int) -> dict:
+    """The upper bound of any catalog change (decision 2921): a single ``put`` of ``size``
+    and a group commit of ``BATCH`` x ``batch_size``, each as it is and with the catalog's
+    per-commit calls made free, next to the format's steps done raw; taking turns, medians
+    and bests of ``repeat``. Where even the catalog-free commit misses a goal, no catalog
+    change can meet it."""
+    times: dict[str, list[float]] = {k: [] for k in (
+        "put", "put_catalog_free", "raw_same_steps",
+        "batch", "batch_catalog_free", "raw_batch_same_steps")}
+    with Store.open(base / "share", create=True, max_bytes=1 << 40) as store:
+        n = 0
+        for _ in range(repeat):
+            os.sync()
+            for kind in ("put", "put_catalog_free", "raw_same_steps"):
+                data, n = os.urandom(size), n + 1
+                if kind == "raw_same_steps":
+                    times[kind].append(raw_same_steps(base, data, f"share-{n}"))
+                    continue
+                with _catalog_free(kind == "put_catalog_free"):
+                    t = time.perf_counter()
+                    store.put(kind="pytorch", namespace="share", key=f"k{n}",
+                              objects={"kv": data})
+                    times[kind].append(time.perf_counter() - t)
+            os.sync()
+            for kind in ("batch", "batch_catalog_free", "raw_batch_same_steps"):
+                blobs, n = [os.urandom(batch_size) for _ in range(BATCH)], n + 1
+                if kind == "raw_batch_same_steps":
+                    times[kind].append(raw_batch_same_steps(base, blobs, f"share-{n}"))
+                    continue
+                requests = [PutRequest("pytorch", "share", f"b{n}-{i}", {"kv": b})
+                            for i, b in enumerate(blobs)]
+                with _catalog_free(kind == "batch_catalog_free"):
+                    times[kind].append(_timed_put_many(store, requests))
+
+    def ratio(ref: str, side: str) -> dict:
+        return {"best": round(min(times[ref]) / min(times[side]), 3),
+                "median": round(statistics.median(times[ref])
+                                / statistics.median(times[side]), 3)}
+
+    return {"size_mib": size / MiB, "batch_kib": batch_size / KiB, "repeat": repeat,
+            "ms_median": {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()},
+            "put_vs_raw_same_steps": ratio("raw_same_steps", "put"),
+            "put_catalog_free_vs_raw_same_steps": ratio("raw_same_steps", "put_catalog_free"),
+            "batch_vs_raw_same_steps": ratio("raw_batch_same_steps", "batch"),
+            "batch_catalog_free_vs_raw_same_steps": ratio("raw_batch_same_steps",
+                                                          "batch_catalog_free")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
@@ -411,9 +485,22 @@ def main() -> None:
                         help="measure the cost of entry tags (keyed vs unkeyed store) instead")
     parser.add_argument("--encrypted", action="store_true",
                         help="measure encryption at rest (encrypted vs plain store) instead")
+    parser.add_argument("--catalog-share", action="store_true",
+                        help="commits with and without their catalog calls, against the "
+                             "raw steps, instead (the first --sizes / --batch-sizes)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         base = Path(os.path.realpath(tmp))
+        if args.catalog_share:
+            load = os.getloadavg()
+            result = bench_catalog_share(
+                base, int(float(args.sizes.split(",")[0]) * MiB),
+                int(args.batch_sizes.split(",")[0] or 256) * KiB, args.repeat)
+            print(json.dumps({"benchmark": "store-catalog-share",
+                              "loadavg_before": [round(x, 2) for x in load],
+                              "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                              **result}, indent=2))
+            return
         if args.probe:
             print(json.dumps(probe(base, args.repeat), indent=2))
             return

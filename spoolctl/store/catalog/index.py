@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..disk import faults
 from ..disk.sqlite_files import DamagedDatabaseError, connect_private, connect_read_only
 from ..disk.wal_checkpoints import BackgroundCheckpoints
 from ..format.clocks import FUTURE_SLACK
@@ -38,7 +39,7 @@ from . import load as catalog_load
 from .rows import NOT_HELD, WELL_FORMED, CatalogRow, MalformedRow, parse_row
 from .schema import COLUMNS as _COLUMNS
 from .schema import DDL as _DDL
-from .schema import SCHEMA_VERSION
+from .schema import DDL_V1, FILL_MALFORMED, MIGRATE_V1, SCHEMA_VERSION
 
 SORTS = {"size": "size DESC", "age": "created ASC", "access": "last_access DESC",
          # id order groups a deletion batch into few manifest fan-out directories (fsyncs)
@@ -74,12 +75,13 @@ class Catalog:
         # Malformed rows met while reading (entry id -> reason), for reports.
         self.malformed_seen: dict[str, str] = {}
         if read_only:
-            self._db = connect_read_only(path, timeout=60, ddl=_DDL)
+            self._db = connect_read_only(path, timeout=60, ddl=_DDL, earlier_ddl=(DDL_V1,))
         else:
             # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
             # last transactions, which is safe because the catalog is derived (pending
             # rows and unindexed manifests are reconciled; see docs/decisions/0003).
-            self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL", timeout=60)
+            self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL", timeout=60,
+                                       earlier_ddl=(DDL_V1,))
         try:
             if not read_only:
                 self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
@@ -89,9 +91,12 @@ class Catalog:
         except BaseException:
             self._db.close()
             raise
-        if version != SCHEMA_VERSION:
+        # A read-only open reads a version-1 catalog as it is (it cannot migrate it).
+        if version != SCHEMA_VERSION and not (version == "1" and (read_only or self._migrate())):
             self._db.close()
             raise DamagedDatabaseError(f"catalog schema {version!r} is not {SCHEMA_VERSION!r}")
+        # Malformed rows are in their own table (version 2); else found by a scan.
+        self._malformed_table = version == SCHEMA_VERSION or not read_only
         try:
             if not read_only:
                 self._fill_kind_totals()
@@ -104,6 +109,24 @@ class Catalog:
         except BaseException:
             self._db.close()
             raise
+
+    def _migrate(self) -> bool:
+        """Migrate a version-1 catalog to this version in one write transaction (the
+        connection applied the new DDL already); True when done. A crash midway leaves
+        version 1, which the next writable open migrates again (decision 2920)."""
+        try:
+            with self._write() as db:
+                row = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+                if row is None or row[0] == SCHEMA_VERSION:
+                    return row is not None  # another process migrated it meanwhile
+                for statement in MIGRATE_V1:
+                    db.execute(statement)
+                faults.checkpoint("catalog.migrated")  # crash tests: before the commit
+                db.execute("UPDATE meta SET v=? WHERE k='schema'", (SCHEMA_VERSION,))
+        except BaseException:
+            self._db.close()
+            raise
+        return True
 
     def _fill_kind_totals(self) -> None:
         """Fill ``kind_totals`` from the rows once, for a catalog made before it existed
@@ -237,8 +260,9 @@ class Catalog:
         created), one batch of (manifest, manifest size) at a time, in one transaction
         (``catalog_load``: a rebuild). Returns the number of entries."""
         batches = (_rows_and_refs(batch, "committed") for batch in found)
-        with self._write() as db:
-            count = catalog_load.load(db, batches, ddl=_DDL, columns=_COLUMNS)
+        with self._lock, catalog_load.page_cache(self._db), self._write() as db:
+            count = catalog_load.load(db, batches, ddl=_DDL, columns=_COLUMNS,
+                                      fill_malformed=FILL_MALFORMED)
         self._kind_totals = True
         return count
 
@@ -500,10 +524,17 @@ class Catalog:
         return rows[:limit]
 
     def malformed(self, limit: int = 100) -> list[tuple[Any, str]]:
-        """(entry id exactly as stored, reason) of up to ``limit`` malformed rows (a full
-        scan). Show an id with ``rows.shown_id``: it may be anything."""
-        raw = self._read(f"SELECT {_COLUMNS} FROM entries WHERE NOT {WELL_FORMED} LIMIT ?",
-                         (limit,))
+        """(entry id exactly as stored, reason) of up to ``limit`` malformed rows (from
+        ``malformed_rows``; a full scan of a version-1 catalog opened read-only). Show an
+        id with ``rows.shown_id``: it may be anything."""
+        if self._malformed_table:
+            # CROSS JOIN: the few malformed rows outside, each row found by its key.
+            columns = ", ".join(f"e.{c.strip()}" for c in _COLUMNS.split(","))
+            raw = self._read(f"SELECT {columns} FROM malformed_rows m CROSS JOIN entries e "
+                             "ON e.entry_id = m.entry_id LIMIT ?", (limit,))
+        else:
+            raw = self._read(f"SELECT {_COLUMNS} FROM entries WHERE NOT {WELL_FORMED} "
+                             "LIMIT ?", (limit,))
         out = []
         for values in raw:
             try:
@@ -519,7 +550,10 @@ class Catalog:
         return rows[0] if rows else None
 
     def malformed_count(self) -> int:
-        """How many rows are malformed (a full scan of the entries table)."""
+        """How many rows are malformed: O(malformed) from ``malformed_rows`` (a full scan of
+        a version-1 catalog opened read-only)."""
+        if self._malformed_table:
+            return int(self._read("SELECT COUNT(*) FROM malformed_rows")[0][0])
         return int(self._read(f"SELECT COUNT(*) FROM entries WHERE NOT {WELL_FORMED}")[0][0])
 
     def iter_ids_after(self, after: str, batch: int) -> list[tuple[str, str]]:

@@ -4,10 +4,13 @@ A rebuild indexes every manifest of the store into a catalog that has none of th
 row, the secondary indexes and the triggers that keep ``totals`` and ``kind_totals`` cost
 several times the insert itself (decision 1405). ``load`` instead, inside **one**
 transaction: drops the secondary indexes and the triggers, inserts every row, creates the
-indexes and triggers again from the catalog's DDL and computes both totals tables from the
-rows. SQLite's DDL is transactional, so another connection sees the catalog before or after,
-never a catalog without its indexes, triggers or right totals; a crash midway rolls the
-whole load back (the next writable open rebuilds again).
+indexes and triggers again from the catalog's DDL and computes both totals tables and the
+malformed rows (one pass of ``WELL_FORMED``, decision 2920) from the rows. SQLite's DDL is
+transactional, so another connection sees the catalog before or after, never a catalog
+without its indexes, triggers or right totals; a crash midway rolls the whole load back
+(the next writable open rebuilds again). ``page_cache`` enlarges the connection's page
+cache around the transaction (``LOAD_CACHE_KIB``) and gives it back after: the inserts and
+index builds then stay in memory instead of spilling pages to the log midway.
 
 Pure SQL over a connection the caller holds in a write transaction; no file system access.
 """
@@ -15,26 +18,29 @@ Pure SQL over a connection the caller holds in a write transaction; no file syst
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 Row = tuple  # an ``entries`` row in the catalog's column order
 Ref = tuple[str, str, int]  # (entry id, object digest, object size)
+# Page cache of the loading connection (KiB): a rebuild of 100,000 entries fits.
+LOAD_CACHE_KIB = 64 << 10
 
 
 def load(db: sqlite3.Connection, batches: Iterable[tuple[list[Row], list[Ref]]], *,
-         ddl: str, columns: str) -> int:
+         ddl: str, columns: str, fill_malformed: str) -> int:
     """Replace every entry of the catalog on ``db`` with the batches of (rows, refs), in the
     caller's transaction; return the number of entries indexed.
 
     Rows already there (an earlier rebuild interrupted midway) are deleted first; ``meta``
     (generations, schema) is kept. ``ddl`` re-creates what was dropped (it is ``IF NOT
-    EXISTS`` throughout)."""
+    EXISTS`` throughout); ``fill_malformed`` records the malformed rows."""
     dropped = db.execute("SELECT type, name FROM sqlite_master WHERE type IN "
                          "('index', 'trigger') AND sql IS NOT NULL").fetchall()
     for kind, name in dropped:  # names come from our own DDL, quoted all the same
         db.execute(f'DROP {"INDEX" if kind == "index" else "TRIGGER"} "{name}"')
     # The manifests are the whole truth: rows left by an earlier, interrupted rebuild go.
-    for table in ("entry_objects", "entries", "objects"):
+    for table in ("entry_objects", "entries", "objects", "malformed_rows"):
         db.execute(f"DELETE FROM {table}")
     marks = ",".join("?" * (columns.count(",") + 1))
     count = 0
@@ -56,7 +62,21 @@ def load(db: sqlite3.Connection, batches: Iterable[tuple[list[Row], list[Ref]]],
     db.execute("INSERT INTO kind_totals SELECT kind, hint, state, COUNT(*), "
                "COALESCE(SUM(size), 0) FROM entries GROUP BY kind, hint, state")
     db.execute("INSERT OR REPLACE INTO meta VALUES ('kind_totals', '1')")
+    db.execute(fill_malformed)
     return count
+
+
+@contextmanager
+def page_cache(db: sqlite3.Connection) -> Iterator[None]:
+    """``LOAD_CACHE_KIB`` of page cache on ``db`` while inside (outside any transaction:
+    shrinking it back before a commit would spill the dirty pages)."""
+    cache = int(db.execute("PRAGMA cache_size").fetchone()[0])
+    db.execute(f"PRAGMA cache_size=-{LOAD_CACHE_KIB}")
+    try:
+        yield
+    finally:
+        db.execute(f"PRAGMA cache_size={cache}")
+        db.execute("PRAGMA shrink_memory")  # the pages beyond it, back to the process
 
 
 def _statements(ddl: str) -> list[str]:

@@ -39,22 +39,41 @@ INDEX_FACTS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 
 _KINDS_SQL = ", ".join(f"'{k}'" for k in sorted(KINDS))
-WELL_FORMED = (
-    "(typeof(entry_id) = 'text' AND length(entry_id) = 64 "
-    "AND NOT entry_id GLOB '*[^0-9a-f]*' "
-    f"AND kind IN ({_KINDS_SQL}) "
-    "AND typeof(namespace) = 'text' AND typeof(key) = 'text' "
-    "AND typeof(size) = 'integer' AND size >= 0 "
-    "AND typeof(manifest_size) = 'integer' AND manifest_size >= 0 "
-    "AND typeof(created) IN ('integer', 'real') AND typeof(last_access) IN ('integer', 'real') "
-    "AND (supersedes IS NULL OR (typeof(supersedes) = 'text' AND length(supersedes) = 64)) "
-    # CASE short-circuits: json_type() on text that is not JSON would raise, not be false
-    "AND (CASE WHEN typeof(index_json) = 'text' AND json_valid(index_json) THEN "
-    "json_type(index_json) = 'object' "
-    "AND COALESCE(json_type(index_json, '$.expire_time') IN ('integer', 'real', 'null'), 1) "
-    "AND COALESCE(json_type(index_json, '$.remote_pending') IN ('true', 'false', 'null'), 1) "
-    "ELSE 0 END))"
-)
+
+
+def well_formed(row: str = "") -> str:
+    """``WELL_FORMED`` over the columns of ``row`` (``"NEW."`` inside a trigger; ``""``:
+    the ``entries`` table of the query). One text, so the trigger that records malformed
+    rows (``schema``) and the queries cannot drift apart."""
+    c = {name: row + name for name in (
+        "entry_id", "kind", "namespace", "key", "size", "manifest_size", "created",
+        "last_access", "supersedes", "index_json")}
+    return (
+        f"(typeof({c['entry_id']}) = 'text' AND length({c['entry_id']}) = 64 "
+        f"AND NOT {c['entry_id']} GLOB '*[^0-9a-f]*' "
+        f"AND {c['kind']} IN ({_KINDS_SQL}) "
+        f"AND typeof({c['namespace']}) = 'text' AND typeof({c['key']}) = 'text' "
+        f"AND typeof({c['size']}) = 'integer' AND {c['size']} >= 0 "
+        f"AND typeof({c['manifest_size']}) = 'integer' AND {c['manifest_size']} >= 0 "
+        f"AND typeof({c['created']}) IN ('integer', 'real') "
+        f"AND typeof({c['last_access']}) IN ('integer', 'real') "
+        f"AND ({c['supersedes']} IS NULL OR (typeof({c['supersedes']}) = 'text' "
+        f"AND length({c['supersedes']}) = 64)) "
+        # CASE short-circuits: json_type() on text that is not JSON would raise, not be false
+        f"AND (CASE WHEN typeof({c['index_json']}) = 'text' AND json_valid({c['index_json']}) "
+        f"THEN json_type({c['index_json']}) = 'object' "
+        f"AND COALESCE(json_type({c['index_json']}, '$.expire_time') "
+        "IN ('integer', 'real', 'null'), 1) "
+        f"AND COALESCE(json_type({c['index_json']}, '$.remote_pending') "
+        "IN ('true', 'false', 'null'), 1) "
+        "ELSE 0 END))"
+    )
+
+
+# The columns ``WELL_FORMED`` reads: an UPDATE of any other (hint, state) cannot change it.
+WELL_FORMED_COLUMNS = ("entry_id, kind, namespace, key, size, manifest_size, created, "
+                       "last_access, supersedes, index_json")
+WELL_FORMED = well_formed()
 # Rows held for a remote delete (``remote_pending``): local cleanup and eviction skip them.
 # A row whose index is not JSON counts as held (its facts are unknown: never delete it).
 NOT_HELD = (

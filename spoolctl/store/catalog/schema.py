@@ -8,9 +8,12 @@ spoolctl adds what it lacks (indexes, triggers, tables) and changes nothing else
 
 from __future__ import annotations
 
-from .rows import WELL_FORMED
+from .rows import WELL_FORMED, WELL_FORMED_COLUMNS, well_formed
 
-SCHEMA_VERSION = "1"
+# 2: malformed rows are recorded in their own table by triggers (was: a partial index over
+# ``NOT WELL_FORMED``); a catalog of version 1 is migrated when opened writable (``MIGRATE``,
+# decision 2920).
+SCHEMA_VERSION = "2"
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT NOT NULL);
@@ -78,11 +81,43 @@ DDL += "CREATE INDEX IF NOT EXISTS entries_pending ON entries(entry_id) WHERE st
 # Released rows in id order, indexed by themselves: `clean` pages through them (decision
 # 1406) in O(released), not by walking every row of the store for each page.
 DDL += "CREATE INDEX IF NOT EXISTS entries_released ON entries(entry_id) WHERE hint='release';\n"
-# Malformed rows, indexed by themselves: counting them (status, metrics) costs O(malformed),
-# not a scan of the catalog. The expression never raises (rows.WELL_FORMED), so maintaining
-# the index can never make a write fail.
-DDL += ("CREATE INDEX IF NOT EXISTS entries_malformed ON entries(entry_id) "
-         f"WHERE NOT {WELL_FORMED};\n")
+_COMMON = DDL
+# Version 1 kept malformed rows in a partial index over ``NOT WELL_FORMED``: building it
+# evaluated the expression once more per row after a rebuild's load, the costliest step of
+# the load (decision 2920). Kept here so that a version-1 file is recognised as ours
+# (``check_schema``) and migrated.
+DDL_V1 = _COMMON + ("CREATE INDEX IF NOT EXISTS entries_malformed ON entries(entry_id) "
+                    f"WHERE NOT {WELL_FORMED};\n")
+# Malformed rows, recorded by themselves: counting them (status, metrics) costs
+# O(malformed), not a scan of the catalog. Triggers keep the table whatever writes a row
+# (spoolctl, a person with ``sqlite3``); an UPDATE of the hint or state (every commit)
+# cannot change the verdict and does not fire them. The expression never raises
+# (rows.WELL_FORMED), so a trigger can never make a write fail. A bulk load (``load``)
+# fills the table with one statement instead.
+_NEW_OK = well_formed("NEW.")
+DDL = _COMMON + f"""
+CREATE TABLE IF NOT EXISTS malformed_rows(entry_id PRIMARY KEY) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS malformed_ins AFTER INSERT ON entries WHEN NOT {_NEW_OK}
+BEGIN INSERT OR IGNORE INTO malformed_rows VALUES (NEW.entry_id); END;
+CREATE TRIGGER IF NOT EXISTS malformed_upd AFTER UPDATE OF {WELL_FORMED_COLUMNS} ON entries
+BEGIN
+    DELETE FROM malformed_rows WHERE entry_id = OLD.entry_id;
+    INSERT OR IGNORE INTO malformed_rows SELECT NEW.entry_id WHERE NOT {_NEW_OK}; END;
+CREATE TRIGGER IF NOT EXISTS malformed_del AFTER DELETE ON entries BEGIN
+    DELETE FROM malformed_rows WHERE entry_id = OLD.entry_id; END;
+"""
+# Every malformed row recorded afresh from the rows (a bulk load, the migration).
+FILL_MALFORMED = ("INSERT OR IGNORE INTO malformed_rows SELECT entry_id FROM entries "
+                  f"WHERE NOT {WELL_FORMED}")
+# Version 1 -> 2, in one write transaction after ``DDL`` was applied (the table and its
+# triggers exist, perhaps from an earlier attempt a crash cut short: the table is filled
+# afresh). SQLite's DDL is transactional: a crash leaves version 1 with its index, and the
+# next writable open migrates again.
+MIGRATE_V1 = (
+    "DROP INDEX IF EXISTS entries_malformed",
+    "DELETE FROM malformed_rows",
+    FILL_MALFORMED,
+)
 
 COLUMNS = (
     "entry_id, kind, namespace, key, size, manifest_size, created, last_access, hint, state, "

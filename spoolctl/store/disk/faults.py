@@ -48,9 +48,11 @@ TRANSFER_CHECKPOINTS: tuple[str, ...] = ("export.entry_written",)
 # Creating a store (``root.create_or_adopt``): the layout is made, the marker is not yet;
 # the marker's draft is written in ``tmp/``, not yet renamed.
 INIT_CHECKPOINTS: tuple[str, ...] = ("init.layout_made", "init.marker_drafted")
+# Migrating an older catalog: its steps are done, the transaction not yet committed.
+CATALOG_CHECKPOINTS: tuple[str, ...] = ("catalog.migrated",)
 CHECKPOINTS: frozenset[str] = frozenset(
     COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
-    + RACE_CHECKPOINTS + TRANSFER_CHECKPOINTS + INIT_CHECKPOINTS)
+    + RACE_CHECKPOINTS + TRANSFER_CHECKPOINTS + INIT_CHECKPOINTS + CATALOG_CHECKPOINTS)
 
 _target: str | None = None
 _countdown = 0

@@ -25,7 +25,7 @@ that is not ours, or one of ours with other SQL, is damage (``DamagedDatabaseErr
 rebuilt or reset like a corrupt file, a finding for ``doctor``). Missing objects of
 ours are fine (a file of an older spoolctl: the DDL adds them). Parsing a schema runs
 none of it, so reading ``sqlite_master`` is safe. ``PRAGMA trusted_schema=OFF`` is not
-used: SQLite then refuses to parse our own catalog (its ``entries_malformed`` index calls
+used: SQLite then refuses to parse our own catalog (its ``malformed_rows`` triggers call
 ``json_valid()``, "unsafe use"), and once every object is proved ours it adds nothing
 (decision 2001).
 """
@@ -240,8 +240,8 @@ def check_schema(db: sqlite3.Connection, ddl: str, *, earlier: tuple[str, ...] =
 
 
 def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None,
-                      deadline: float | None = None, snapshot: bool = False
-                      ) -> sqlite3.Connection:
+                      deadline: float | None = None, snapshot: bool = False,
+                      earlier_ddl: tuple[str, ...] = ()) -> sqlite3.Connection:
     """A connection that never writes or creates anything (``mode=ro``), falling back to
     ``immutable=1`` when SQLite cannot set up its shared-memory index (a WAL database
     whose directory this process cannot write, with no readable -shm file). Immutable
@@ -251,7 +251,8 @@ def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None
     (``check_schema``; DamagedDatabaseError otherwise, the connection closed).
     ``deadline``: seconds per statement (default ``STATEMENT_DEADLINE``). ``snapshot``:
     immutable at once -- not even the -shm/-wal files that ``mode=ro`` creates where it
-    can (another host's store, read and never touched: ``peer``)."""
+    can (another host's store, read and never touched: ``peer``). ``earlier_ddl``: schemas of
+    earlier versions the file may still have (not migrated: a read-only open cannot)."""
     check_files(path)
     if not path.exists():
         raise sqlite3.OperationalError("unable to open database file")
@@ -275,7 +276,7 @@ def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None
                       deadline=deadline)
     if ddl is not None:
         try:
-            check_schema(db, ddl)
+            check_schema(db, ddl, earlier=earlier_ddl)
         except BaseException:
             db.close()
             raise

@@ -270,6 +270,12 @@ def _catalog_ddl() -> str:
     return DDL
 
 
+def _catalog_earlier() -> tuple[str, ...]:
+    from ..catalog.schema import DDL_V1
+
+    return (DDL_V1,)  # a catalog not yet migrated (decision 2920) is not damage
+
+
 def _scrub_ddl() -> str:
     from .scrub import _DDL
 
@@ -298,7 +304,9 @@ def _sqlite_checks(layout: StorePaths) -> list[Check]:
             continue
         try:
             # never follows a link or opens a FIFO; runs nothing planted in the file
-            db = connect_read_only(path, timeout=10, ddl=_SCHEMAS[name]())
+            db = connect_read_only(path, timeout=10, ddl=_SCHEMAS[name](),
+                                   earlier_ddl=_catalog_earlier()
+                                   if name == "catalog.sqlite3" else ())
             try:
                 result = str(db.execute("PRAGMA quick_check").fetchone()[0])
                 mode = str(db.execute("PRAGMA journal_mode").fetchone()[0])
