@@ -269,13 +269,17 @@ class KeyAdoption:
     refused: list[tuple[str, int]] = field(default_factory=list)
 
 
-def read_key_table(state: Path, wanted: set[tuple[str, int]]) -> KeyTable | None:
-    """The wrapped keys of ``wanted`` that the keyring in ``state`` still holds, read as they
-    are (no master key needed: an exporter holds none); None without a keyring."""
+def read_key_table(state: Path, wanted: set[tuple[str, int]] | None) -> KeyTable | None:
+    """The wrapped keys of ``wanted`` (None: every live key) that the keyring in ``state``
+    still holds, read as they are (no master key needed: an exporter holds none); None
+    without a keyring."""
     path = state / "keyring.json"
     if not path.exists():
         return None
     doc = _load_doc(path)
+    if wanted is None:
+        wanted = {(tid, int(v)) for tid, rec in doc["tenants"].items() if isinstance(rec, dict)
+                  for v in rec.get("keys", {}) if str(v).isdigit()}
     keys = []
     for tid, version in sorted(wanted):
         rec = doc["tenants"].get(tid)
@@ -284,6 +288,40 @@ def read_key_table(state: Path, wanted: set[tuple[str, int]]) -> KeyTable | None
             keys.append((tid, version, wrapped))
     master_id = doc.get("master_id")
     return KeyTable(master_id if isinstance(master_id, str) else "", tuple(keys))
+
+
+def check_key_table(master: MasterKey | None, table: KeyTable, source: str) -> None:
+    """Refuse, before anything is imported, a key table this host cannot use: no master key
+    or another one (ConfigError, one line naming ``source`` and the fix), or a key that does
+    not unwrap under it for its tenant and version (ArchiveError: damaged, or a wrapped key
+    moved to another tenant). ``Keyring.adopt`` then merges it."""
+    from ..errors import ArchiveError
+
+    if not table.keys:
+        return
+    tenants = len({t for t, _, _ in table.keys})
+    if master is None:
+        raise ConfigError(
+            f"the archive carries encrypted entries of {tenants} tenant(s) and no master key "
+            "is configured here", path=source,
+            fix=f"set {FILE_ENV} to the exporting host's master key (id {table.master_id}) "
+                "and import again")
+    if table.master_id != master.key_id:
+        raise ConfigError(
+            f"the archive's encrypted entries are wrapped under master key "
+            f"{table.master_id or '(unknown)'}, this host's is {master.key_id}", path=source,
+            fix=f"import with the exporting host's master key ({FILE_ENV}); the entries "
+                "cannot be read without it")
+    kek = master._lib.AESGCM(master.derive(b"key-wrapping"))
+    for tid, version, wrapped in table.keys:
+        try:
+            kek.decrypt(bytes.fromhex(wrapped[:24]), bytes.fromhex(wrapped[24:]),
+                        _wrap_aad(tid, version))
+        except (ValueError, master._lib.InvalidTag):
+            raise ArchiveError(
+                f"the archive's key of tenant {tid} version {version} does not unwrap under "
+                "this master key for that tenant and version", path=source,
+                fix="the archive is damaged or hostile; do not import it") from None
 
 
 def _load_doc(path: Path) -> dict[str, Any]:
@@ -463,20 +501,11 @@ class Keyring:
         entries are skipped), never taken back."""
         from ..errors import ArchiveError
 
-        if table.master_id != self._master.key_id:
-            raise ConfigError(
-                f"the archive's encrypted entries are wrapped under master key "
-                f"{table.master_id or '(unknown)'}, this host's is {self._master.key_id}",
-                path=source, fix="import with the exporting host's master key "
-                f"({FILE_ENV}); the entries cannot be read without it")
+        check_key_table(self._master, table, source)
         unwrapped: dict[tuple[str, int], tuple[str, bytes]] = {}
         for tid, version, wrapped in table.keys:
             key = self._unwrap(tid, version, wrapped)
-            if key is None:
-                raise ArchiveError(
-                    f"the archive's key of tenant {tid} version {version} does not unwrap "
-                    "under this master key for that tenant and version", path=source,
-                    fix="the archive is damaged or hostile; do not import it")
+            assert key is not None  # checked above
             unwrapped[(tid, version)] = (wrapped, key)
         done = KeyAdoption()
 

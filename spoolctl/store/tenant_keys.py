@@ -153,8 +153,12 @@ def encryption_summary(store: Store) -> dict[str, Any] | None:
     for t in doc["tenants"]:
         for v in t["versions"]:
             versions[str(v["version"])] = versions.get(str(v["version"]), 0) + v["entries"]
+    imported = {t["tenant_id"]: [v["version"] for v in t["versions"]
+                                 if v["origin"] == "imported" and v["key"] == "live"]
+                for t in doc["tenants"]}
     return {"master_key": doc["master_key"], "tenants": len(doc["tenants"]),
-            "entries_by_version": versions, "unreadable_entries": doc["unreadable_entries"]}
+            "entries_by_version": versions, "unreadable_entries": doc["unreadable_entries"],
+            "imported_keys": {t: vs for t, vs in imported.items() if vs}}
 
 
 def encryption_checks(root: Any) -> list[Any]:
@@ -187,9 +191,12 @@ def encryption_checks(root: Any) -> list[Any]:
                       f"keyring was written under: all {held} encrypted entries are misses",
                       "configure the right master key; if it is lost, the entries are too "
                       "(docs/runbook.md, key loss)")]
+    imported = sum(len(vs) for vs in doc["imported_keys"].values())
     out = [Check("encryption.master_key", "ok",
                  f"encrypted: master key {doc['master_key']['key_id']}, {doc['tenants']} "
-                 f"tenants, entries by key version {doc['entries_by_version']}")]
+                 f"tenants, entries by key version {doc['entries_by_version']}"
+                 + (f", {imported} key version(s) imported from archives "
+                    f"{doc['imported_keys']}" if imported else ""))]
     if doc["unreadable_entries"]:
         out.append(Check("encryption.unreadable", "warn",
                          f"{doc['unreadable_entries']} entries are under revoked or retired "
