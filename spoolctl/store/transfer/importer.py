@@ -177,7 +177,9 @@ class Importer:
                 raise ConfigError("--retag needs a tag key to tag with", path=dest,
                                   fix="set SPOOLCTL_TAG_KEY_FILE (see docs/SECURITY.md)")
             if place in tables:
-                assert store.sealer is not None  # the master key was checked above
+                if store.sealer is None:  # the key source changed since it was checked
+                    raise ConfigError("the master key went away during the import", path=dest,
+                                      fix="check SPOOLCTL_MASTER_KEY_FILE and import again")
                 adopted = store.sealer.keyring.adopt(tables[place], self.report.source)
                 tally.keys_added, tally.keys_refused = len(adopted.added), len(adopted.refused)
             self.sections[place] = Section(store, tally, self._pool, self._flusher,
