@@ -216,6 +216,14 @@ def test_hostile_key_tables_are_refused_and_a_revoked_tenant_stays_revoked(fleet
         assert code == 1 and why in err and err.count("\n") == 1, (name, err)
         assert _entries(target) == 0, name
 
+    # An archive without a key table (as written before decision 2813): its encrypted
+    # entries are not published, since no key here opens them (they were misses before).
+    legacy = base / "legacy.tar"
+    legacy.write_bytes(edit('"keys": {', '"kexs": {'))
+    doc = run_json("import", str(legacy), "--root", str(base / "t-legacy"), env=env)
+    assert (doc["imported"], doc["skipped_key"]) == (0, 4), doc
+    assert _entries(base / "t-legacy") == 0
+
     # A clash: the target holds another key under the same (tenant, version).
     clash = base / "clash"
     with Store.open(clash, create=True, master_key=master) as store:
