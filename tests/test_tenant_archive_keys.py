@@ -244,6 +244,12 @@ def test_hostile_key_tables_are_refused_and_a_revoked_tenant_stays_revoked(fleet
     revoked = base / "revoked"
     run_json("import", str(archive), "--root", str(revoked), env=env)
     run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(revoked), env=env)
+    # Crypto-erased entries do not travel: an export leaves them out (and carries no key).
+    out = run_json("export", "-o", str(base / "after-revoke.tar"), "--root", str(revoked),
+                   env=env)
+    assert (out["entries"], out["left_out"]["key_erased"]) == (2, 2), out
+    _, after = _index((base / "after-revoke.tar").read_bytes())
+    assert len(after["stores"][0]["keys"]["keys"]) == 1  # globex's only
     run_json("clean", "--released", "--yes", "--root", str(revoked), env=env)
     doc = run_json("import", str(archive), "--root", str(revoked), env=env)
     assert (doc["imported"], doc["skipped_key"]) == (0, 2), doc
