@@ -23,7 +23,7 @@ from spoolctl.controllers import CachePrepareParams, Element, LocalCacheControll
 from spoolctl.controllers.contract import render_segments
 from spoolctl.errors import ConfigError
 from spoolctl.store import Store
-from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, MAGIC, VALUE_ENV
+from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, MAGIC2, VALUE_ENV
 
 SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
 DOC1 = "Ward 7 note: patient 4711, hypertension, started on amlodipine five milligrams. " * 3
@@ -84,7 +84,7 @@ def _check_tenancy(backend, make, root: Path, master_env: str, monkeypatch, capl
     # Sealed at rest: every object is ciphertext, no manifest or catalog row carries the
     # token ids or the tenant's name, and the element hashes are keyed per tenant.
     objects = [p for p in (root / "objects").rglob("*.obj")]
-    assert objects and all(p.read_bytes()[:4] == MAGIC for p in objects)
+    assert objects and all(p.read_bytes()[:4] == MAGIC2 for p in objects)
     ids = first.handle.ref
     with Store.open(root, read_only=True, master_key=None) as store:
         manifest = store.manifest(ids)

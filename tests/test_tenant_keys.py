@@ -33,8 +33,8 @@ from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 from spoolctl.store.sealing import (
     COMMAND_ENV,
     FILE_ENV,
-    HEADER_BYTES,
     MAGIC,
+    MAGIC2,
     NONCE_BYTES,
     VALUE_ENV,
     MasterKey,
@@ -67,7 +67,7 @@ def _master(env: dict[str, str]) -> MasterKey:
 
 
 def _blobs(data: bytes) -> bool:
-    return data[:4] == MAGIC
+    return data[:4] in (MAGIC, MAGIC2)
 
 
 def _live_keys(root: Path, env: dict[str, str]) -> list[bytes]:
@@ -81,10 +81,11 @@ def _live_keys(root: Path, env: dict[str, str]) -> list[bytes]:
 def _decrypts(blob: bytes, keys: list[bytes]) -> bool:
     """True if any of ``keys`` opens the sealed ``blob`` (tried with every key, not only the
     one its header names)."""
-    nonce = blob[HEADER_BYTES - NONCE_BYTES:HEADER_BYTES]
+    hb = 32 if blob[:4] == MAGIC2 else 28  # SPS2 (decision 2812) or SPS1 header
+    nonce = blob[hb - NONCE_BYTES:hb]
     for key in keys:
         try:
-            AESGCM(key).decrypt(nonce, blob[HEADER_BYTES:], blob[:HEADER_BYTES])
+            AESGCM(key).decrypt(nonce, blob[hb:], blob[:hb])
             return True
         except InvalidTag:
             continue
@@ -115,12 +116,13 @@ def test_revoke_leaves_nothing_of_the_tenant_that_decrypts(store_root: Path, tmp
     archive = tmp_path / "acme.tar"
     run_json("export", "-o", str(archive), "--root", str(store_root), env=key_env)
     _crash_mid_commit(store_root, key_env, "acme")
-    assert any(p.read_bytes()[:4] == MAGIC for p in (store_root / "objects").rglob("*.obj")
+    assert any(_blobs(p.read_bytes()) for p in (store_root / "objects").rglob("*.obj")
                if p.stat().st_size) and list((store_root / "tmp").iterdir())
 
     doc = run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(store_root),
                    env=key_env)
-    assert doc["released_entries"] == 2 and doc["tenants"][0]["versions"] == [1]
+    (v1,) = doc["tenants"][0]["versions"]
+    assert doc["released_entries"] == 2 and v1 == acme[0].index["sealed"]["version"]
 
     files = {p: p.read_bytes() for p in store_root.rglob("*") if p.is_file()}
     with tarfile.open(archive) as tar:
@@ -148,22 +150,25 @@ def test_revoke_leaves_nothing_of_the_tenant_that_decrypts(store_root: Path, tmp
     with Store.open(store_root, master_key=_master(key_env)) as store:  # acme may come back
         again = store.put(kind=KIND, namespace=NS, key="p0", objects={"kv": b"new"},
                           tenant="acme")
-        assert again.index["sealed"]["version"] == 2 and bytes(store.read(again, "kv")) == b"new"
+        assert again.index["sealed"]["version"] not in (v1, other.index["sealed"]["version"])
+        assert bytes(store.read(again, "kv")) == b"new"
 
 
 def test_rotate_keeps_old_entries_until_retired(store_root: Path, key_env: dict[str, str]):
     with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
         old = store.put(kind=KIND, namespace=NS, key="a", objects={"kv": b"old"}, tenant="t")
     doc = run_json("keys", "rotate", "--tenant", "t", "--root", str(store_root), env=key_env)
-    assert doc["tenants"][0]["versions"] == [2]
+    (v2,) = doc["tenants"][0]["versions"]
+    v1 = old.index["sealed"]["version"]
+    assert v2 != v1
     with Store.open(store_root, master_key=_master(key_env)) as store:
         new = store.put(kind=KIND, namespace=NS, key="b", objects={"kv": b"new"}, tenant="t")
-        assert new.index["sealed"]["version"] == 2
+        assert new.index["sealed"]["version"] == v2
         assert bytes(store.read(old, "kv")) == b"old"  # still readable
     listing = run_json("keys", "ls", "--root", str(store_root), env=key_env)
     (tenant,) = listing["tenants"]
     assert [(v["version"], v["entries"], v["key"]) for v in tenant["versions"]] == \
-        [(1, 1, "live"), (2, 1, "live")]
+        sorted([(v1, 1, "live"), (v2, 1, "live")])
     out = json.dumps(listing) + run("keys", "ls", "--root", str(store_root), env=key_env)[1]
     secret = Path(key_env[FILE_ENV]).read_text().strip()
     keyring = json.loads((store_root / "state" / "keyring.json").read_text())
@@ -203,11 +208,12 @@ def test_keys_refuse_a_store_without_encryption(store_root: Path):
 def test_status_and_doctor_tell_an_encrypted_store_and_a_lost_key(store_root: Path,
                                                                   key_env: dict[str, str]):
     with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
-        for i in range(2):
-            store.put(kind=KIND, namespace=NS, key=f"k{i}", objects={"kv": b"x"}, tenant="t")
+        made = [store.put(kind=KIND, namespace=NS, key=f"k{i}", objects={"kv": b"x"},
+                          tenant="t") for i in range(2)]
     root = ("--root", str(store_root))
     status = run_json("status", *root, env=key_env)
-    assert status["encryption"]["entries_by_version"] == {"1": 2}
+    version = made[0].index["sealed"]["version"]
+    assert status["encryption"]["entries_by_version"] == {str(version): 2}
     assert status["encryption"]["master_key"]["matches_keyring"] is True
     checks = {c["name"]: c for c in run_json("doctor", *root, env=key_env)["checks"]}
     assert checks["encryption.master_key"]["status"] == "ok"
@@ -284,3 +290,54 @@ def test_no_key_material_in_any_output_or_log(store_root: Path, tmp_path: Path, 
                  repr(key)[2:-1]]  # a bytes object formatted into a message
         leaked = key in raw or any(f in text for f in forms)
         assert not leaked, f"key material found in an output (key {secrets_.index(key)})"
+
+
+def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: Path,
+                                                                    key_env: dict[str, str]):
+    """Decision 2812: two stores under one master key never give the same (tenant, version)
+    to two different keys (versions were counters: both hosts had a version 1, so a key
+    carried from one to the other would have collided). A store from before keeps its
+    counters and SPS1 objects readable; its next key is a random id."""
+    master = _master(key_env)
+    base = Path(os.path.realpath(tmp_path))
+    made = []
+    for name in ("a", "b"):
+        with Store.open(base / name, create=True, master_key=master) as store:
+            m = store.put(kind=KIND, namespace=NS, key="k", objects={"kv": b"x"}, tenant="t")
+            made.append((m.index["sealed"]["version"],
+                         store.sealer.keyring.data_key(store.sealer.tenant_id("t"),
+                                                       m.index["sealed"]["version"])))
+    assert made[0][1] != made[1][1] and made[0][0] != made[1][0]
+    assert all(v >= 1 << 32 for v, _ in made)
+
+    # A keyring written before decision 2812: counters, no "current", SPS1 objects.
+    old_root = base / "old"
+    with Store.open(old_root, create=True, master_key=master) as store:
+        tid = store.sealer.tenant_id("t")
+    nonce, key = secrets.token_bytes(NONCE_BYTES), secrets.token_bytes(32)
+    wrapped = AESGCM(master.derive(b"key-wrapping")).encrypt(
+        nonce, key, f"spoolctl-wrap/v1 {tid} 1".encode())
+    (old_root / "state" / "keyring.json").write_text(json.dumps({
+        "schema": "spoolctl-keyring/v1", "master_id": master.key_id,
+        "tenants": {tid: {"next": 2, "keys": {"1": nonce.hex() + wrapped.hex()}}}}))
+    with Store.open(old_root, master_key=master) as store:
+        legacy = store.put(kind=KIND, namespace=NS, key="old", objects={"kv": b"legacy" * 9},
+                           tenant="t")
+        obj = store.layout.object_path(legacy.objects[0].digest).read_bytes()
+        assert legacy.index["sealed"]["version"] == 1 and obj[:4] == MAGIC
+        assert len(obj) == 54 + 44  # the SPS1 header and tag
+    doc = run_json("keys", "rotate", "--tenant", "t", "--root", str(old_root), env=key_env)
+    (new,) = doc["tenants"][0]["versions"]
+    with Store.open(old_root, master_key=master) as store:
+        fresh = store.put(kind=KIND, namespace=NS, key="new", objects={"kv": b"fresh" * 9},
+                          tenant="t")
+        assert fresh.index["sealed"]["version"] == new >= 1 << 32
+        assert store.layout.object_path(fresh.objects[0].digest).read_bytes()[:4] == MAGIC2
+        assert bytes(store.read(legacy, "kv")) == b"legacy" * 9
+        assert bytes(store.read(fresh, "kv")) == b"fresh" * 9
+    doc = run_json("keys", "retire", "--tenant", "t", "--yes", "--root", str(old_root),
+                   env=key_env)
+    assert doc["tenants"][0]["versions"] == [1] and doc["released_entries"] == 1
+    listing = run_json("keys", "ls", "--root", str(old_root), env=key_env)
+    assert [(v["version"], v["key"]) for v in listing["tenants"][0]["versions"]] == \
+        [(new, "live")]

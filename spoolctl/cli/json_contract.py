@@ -86,7 +86,9 @@ DOCUMENTS: tuple[Document, ...] = (
                   "verdict (`current`, `unused`, `superseded`)"},
         optional={"encryption": "an encrypted store (decision 2800): `master_key` (`key_id`, "
                                 "`matches_keyring`; null: none configured), `tenants`, "
-                                "`entries_by_version`, `unreadable_entries`"}),
+                                "`entries_by_version`, `unreadable_entries`, `imported_keys` "
+                                "(per tenant id, the live key versions an import brought, "
+                                "decision 2813)"}),
     Document("ls", "Entries, newest access first by default.", {
         "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows",
         "being_deleted": "entries an interrupted clean is deleting (not listed; the next "
@@ -162,11 +164,15 @@ DOCUMENTS: tuple[Document, ...] = (
                                "when none is configured",
                  "keyring": "path of state/keyring.json (null without a master key)",
                  "tenants": "per tenant id (opaque; never the name): `tenant_id`, `current` "
-                            "version (or null), `versions`",
+                            "version (or null), `revoked`, `versions`",
                  "unreadable_entries": "entries under revoked, retired or unknown keys"},
              rows={"tenants": {"tenant_id": "16-hex opaque id", "current": "current version "
-                               "(null: none live)", "versions": "per version: `version`, `key` "
-                               "(`live` or `unavailable`), `entries`, `bytes`"}}),
+                               "(null: none live)", "revoked": "true once `keys revoke` erased "
+                               "it (no import brings its keys back, decision 2813)",
+                               "versions": "per version: `version` (a random 63-bit id, "
+                               "decision 2812; small counters in stores from before), `key` "
+                               "(`live` or `unavailable`), `origin` (`here` or `imported`), "
+                               "`entries`, `bytes`"}}),
     *(Document(f"keys-{action}", what, {
         "schema": SCHEMA, "action": f"`{action}`",
         "dry_run": "true for a plan (nothing changed)",
@@ -188,6 +194,8 @@ DOCUMENTS: tuple[Document, ...] = (
         "present": "entries already there", "filtered": "entries not selected",
         "skipped_capacity": "entries over the max size", "skipped_corrupt": "entries that "
         "failed verification", "skipped_unauthenticated": "entries without a valid tag",
+        "skipped_key": "encrypted entries whose data key this host cannot use (a tenant "
+        "revoked here, or a key the archive did not carry; decision 2813)",
         "skipped_vanished": "peer entries gone meanwhile", "objects_written": "objects",
         "objects_present": "objects already there", "bytes_written": "bytes",
         "source_bytes": "bytes read", "seconds": "run time", "bytes_per_second": "rate",

@@ -52,11 +52,13 @@ def _usage_view(doc: dict[str, Any]) -> list[Any]:
     head = "master key: not configured (encrypted entries are misses)" if mk is None else \
         f"master key {mk['key_id']}" + ("" if mk["matches_keyring"] else
                                         ": NOT the key of this store's keyring")
-    table = Table("tenant id", "current", "version", "key", "entries", "bytes")
+    table = Table("tenant id", "current", "version", "key", "origin", "entries", "bytes")
     for t in doc["tenants"]:
-        for v in t["versions"] or [{"version": "-", "key": "-", "entries": 0, "bytes": 0}]:
+        blank = {"version": "revoked" if t.get("revoked") else "-", "key": "-", "entries": 0,
+                 "bytes": 0}
+        for v in t["versions"] or [blank]:
             table.add_row(t["tenant_id"], str(t["current"] or "-"), str(v["version"]), v["key"],
-                          str(v["entries"]), render.size(v["bytes"]))
+                          v.get("origin", "-"), str(v["entries"]), render.size(v["bytes"]))
     return [text(head), table]
 
 

@@ -240,8 +240,11 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
             f"master key {mk['key_id']}" + ("" if mk["matches_keyring"] else " (NOT this "
                                            "store's: encrypted entries are misses)")
         by = ", ".join(f"v{v} {n}" for v, n in sorted(enc["entries_by_version"].items()))
+        imported = ", ".join(f"{tid}: " + ", ".join(f"v{v}" for v in vs)
+                             for tid, vs in sorted(enc.get("imported_keys", {}).items()))
         t.add_row("encryption", f"{key}; {enc['tenants']} tenants; entries by key version: "
-                  f"{by or 'none'}; {enc['unreadable_entries']} unreadable")
+                  f"{by or 'none'}; {enc['unreadable_entries']} unreadable"
+                  + (f"; imported keys: {imported}" if imported else ""))
     q = doc["quarantined"]
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(q["by_reason"].items()))
     shown = f"{q['items']} items  {render.size(q['bytes'])}" + (f"  ({reasons})" if reasons else "")

@@ -178,7 +178,7 @@ def import_view(doc: dict[str, Any]) -> list[Any]:
                      overflow="fold")
     for p in doc["stores"]:
         skipped = p["skipped_capacity"] + p["skipped_vanished"] + p["skipped_corrupt"] + \
-            p["filtered"] + p.get("skipped_unauthenticated", 0)
+            p["filtered"] + p.get("skipped_unauthenticated", 0) + p.get("skipped_key", 0)
         t.add_row(text(p["place"] or "(store)"), str(p["imported"]), str(p["present"]),
                   str(skipped), format_size(p["bytes_written"]),
                   text(p["root"] or "- (not selected)"))
@@ -195,6 +195,12 @@ def import_view(doc: dict[str, Any]) -> list[Any]:
              (doc["skipped_corrupt"], "skipped: corrupt in the source"),
              (doc.get("skipped_unauthenticated", 0), "skipped: not authenticated by this "
               "store's tag key (`--retag` if you vouch for the source)"),
+             (doc.get("skipped_key", 0), "skipped: encrypted under a data key this host "
+              "cannot use (a tenant revoked here, or a key the archive does not carry)"),
+             (sum(p.get("keys_added", 0) for p in doc["stores"]),
+              "wrapped data key(s) added to the keyring (`spoolctl keys ls`)"),
+             (sum(p.get("keys_refused", 0) for p in doc["stores"]),
+              "data key(s) not taken: erased or revoked here"),
              (doc["filtered"], "not selected")]
     out.extend(Text(f"{n} {what}") for n, what in notes if n)
     return out

@@ -12,8 +12,10 @@ and is imported here only. Contracts:
   wrapped under a key derived from the master key. Every change is made under
   ``state/keyring.lock`` and written atomically (temp file, fsync, rename, fsync the
   directory); readers reload it when the file changed, so a revoke in one process is seen by
-  the next read of every other process. Versions are never reused: a revoked tenant's next
-  key is a new version.
+  the next read of every other process. A version is a random 63-bit id (decision 2812;
+  stores from before it keep their counters 1, 2, ...), so (tenant id, version) names one key
+  on every host under one master key and a key can travel in an archive (``KeyTable``,
+  ``Keyring.adopt``); erased versions are remembered and never taken back.
 * ``Sealer.seal`` returns ``HEADER | ciphertext | tag`` for one payload; ``Sealer.open``
   reads one object and decrypts it in one pass (the GCM tag is the integrity check), raising
   ``KeyUnavailableError`` (a miss, nothing quarantined) when the key is gone and
@@ -35,7 +37,7 @@ import struct
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +59,26 @@ DEFAULT_TENANT = "default"
 INDEX_FIELD = "sealed"  # the manifest index fact: {"tenant": tid, "version": n}
 
 MAGIC = b"SPS1"
+MAGIC2 = b"SPS2"
 NONCE_BYTES = 12
 TAG_BYTES = 16
-# MAGIC | tenant id (8 bytes) | key version (u32, big endian) | nonce
+# MAGIC | tenant id (8 bytes) | key version (u32, big endian) | nonce: keys made before
+# decision 2812, whose versions were counted per keyring (1, 2, ...).
 _HEADER = struct.Struct(">4s8sI12s")
 HEADER_BYTES = _HEADER.size
 OVERHEAD = HEADER_BYTES + TAG_BYTES
+# MAGIC2 | tenant id | key version (u64) | nonce: keys made since decision 2812, whose version
+# is a random 63-bit id, unique across hosts (so a key can travel in an archive).
+_HEADER2 = struct.Struct(">4s8sQ12s")
+# Versions at or above this are random key ids (SPS2 objects); below it, legacy counters.
+WIDE_VERSION = 1 << 32
+_MAX_VERSION = (1 << 63) - 1  # SQLite's json_extract reads it back as an integer
 
 _KEY_RE = re.compile(r"[0-9a-fA-F]{64}")
 _TID_RE = re.compile(r"[0-9a-f]{16}")
+# A wrapped data key: nonce (12 bytes) then the 32-byte key and its 16-byte tag, in hex.
+_WRAPPED_RE = re.compile(r"[0-9a-f]{120}")
+_MAX_TABLE_KEYS = 1 << 16
 _MAX_KEY_FILE = 4096
 _MAX_KEYRING = 16 << 20
 # Naming keys kept per process (one per tenant seen; recomputed after the cache is cleared).
@@ -199,12 +212,153 @@ class MasterKey:
 
 @dataclass(frozen=True)
 class TenantKeys:
-    """What the keyring holds for one tenant id: live versions, the current one, the next."""
+    """What the keyring holds for one tenant id: live versions, the current one (None: the
+    next commit makes one), those that came in an archive, and whether it was revoked."""
 
     tenant_id: str
     versions: tuple[int, ...]
     current: int | None
-    next_version: int
+    imported: tuple[int, ...] = ()
+    revoked: bool = False
+
+
+@dataclass(frozen=True)
+class KeyTable:
+    """The wrapped data keys an archive carries for one store's encrypted entries (decision
+    2813): the id of the master key they are wrapped under and ``(tenant id, version,
+    wrapped)`` per key -- the keyring's own records, never a key in clear."""
+
+    master_id: str
+    keys: tuple[tuple[str, int, str], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"master_id": self.master_id,
+                "keys": [{"tenant": t, "version": v, "wrapped": w} for t, v, w in self.keys]}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> KeyTable:
+        """The table in ``doc``; ArchiveError for anything ``to_json`` does not write."""
+        from ..errors import ArchiveError
+
+        bad = ArchiveError("archive index: malformed table of wrapped keys",
+                           fix="the archive is damaged or hostile; do not import it")
+        if not isinstance(doc, dict) or not isinstance(doc.get("master_id"), str) or \
+                not _TID_RE.fullmatch(doc["master_id"]) or not isinstance(doc.get("keys"), list) \
+                or len(doc["keys"]) > _MAX_TABLE_KEYS:
+            raise bad
+        keys: list[tuple[str, int, str]] = []
+        for k in doc["keys"]:
+            if not isinstance(k, dict) or not isinstance(k.get("tenant"), str) or \
+                    not _TID_RE.fullmatch(k["tenant"]) or not _valid_version(k.get("version")) \
+                    or not isinstance(k.get("wrapped"), str) or \
+                    not _WRAPPED_RE.fullmatch(k["wrapped"]):
+                raise bad
+            keys.append((k["tenant"], k["version"], k["wrapped"]))
+        if len({(t, v) for t, v, _ in keys}) != len(keys):
+            raise bad
+        return cls(doc["master_id"], tuple(keys))
+
+
+@dataclass
+class KeyAdoption:
+    """What ``Keyring.adopt`` did with an archive's key table."""
+
+    added: list[tuple[str, int]] = field(default_factory=list)
+    present: list[tuple[str, int]] = field(default_factory=list)
+    # keys of a tenant revoked here, or erased here before: never taken (decision 2813)
+    refused: list[tuple[str, int]] = field(default_factory=list)
+
+
+def read_key_table(state: Path, wanted: set[tuple[str, int]] | None) -> KeyTable | None:
+    """The wrapped keys of ``wanted`` (None: every live key) that the keyring in ``state``
+    still holds, read as they are (no master key needed: an exporter holds none); None
+    without a keyring."""
+    path = state / "keyring.json"
+    if not path.exists():
+        return None
+    doc = _load_doc(path)
+    if wanted is None:
+        wanted = {(tid, int(v)) for tid, rec in doc["tenants"].items() if isinstance(rec, dict)
+                  for v in rec.get("keys", {}) if str(v).isdigit()}
+    keys = []
+    for tid, version in sorted(wanted):
+        rec = doc["tenants"].get(tid)
+        wrapped = rec.get("keys", {}).get(str(version)) if isinstance(rec, dict) else None
+        if isinstance(wrapped, str) and _WRAPPED_RE.fullmatch(wrapped):
+            keys.append((tid, version, wrapped))
+    master_id = doc.get("master_id")
+    return KeyTable(master_id if isinstance(master_id, str) else "", tuple(keys))
+
+
+def check_key_table(master: MasterKey | None, table: KeyTable, source: str) -> None:
+    """Refuse, before anything is imported, a key table this host cannot use: no master key
+    or another one (ConfigError, one line naming ``source`` and the fix), or a key that does
+    not unwrap under it for its tenant and version (ArchiveError: damaged, or a wrapped key
+    moved to another tenant). ``Keyring.adopt`` then merges it."""
+    from ..errors import ArchiveError
+
+    if not table.keys:
+        return
+    tenants = len({t for t, _, _ in table.keys})
+    if master is None:
+        raise ConfigError(
+            f"the archive carries encrypted entries of {tenants} tenant(s) and no master key "
+            "is configured here", path=source,
+            fix=f"set {FILE_ENV} to the exporting host's master key (id {table.master_id}) "
+                "and import again")
+    if table.master_id != master.key_id:
+        raise ConfigError(
+            f"the archive's encrypted entries are wrapped under master key "
+            f"{table.master_id or '(unknown)'}, this host's is {master.key_id}", path=source,
+            fix=f"import with the exporting host's master key ({FILE_ENV}); the entries "
+                "cannot be read without it")
+    kek = master._lib.AESGCM(master.derive(b"key-wrapping"))
+    for tid, version, wrapped in table.keys:
+        try:
+            kek.decrypt(bytes.fromhex(wrapped[:24]), bytes.fromhex(wrapped[24:]),
+                        _wrap_aad(tid, version))
+        except (ValueError, master._lib.InvalidTag):
+            raise ArchiveError(
+                f"the archive's key of tenant {tid} version {version} does not unwrap under "
+                "this master key for that tenant and version", path=source,
+                fix="the archive is damaged or hostile; do not import it") from None
+
+
+def _load_doc(path: Path) -> dict[str, Any]:
+    try:
+        fd = open_for_read(path)
+    except (OSError, SpecialFileError) as exc:
+        raise ConfigError(f"the keyring cannot be read ({exc})", path=path,
+                          fix="run as the store's owner; restore it from backup if lost") \
+            from None
+    try:
+        data = os.read(fd, _MAX_KEYRING + 1)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("schema") != KEYRING_SCHEMA or \
+                not isinstance(doc.get("tenants"), dict):
+            raise ValueError("not a keyring")
+    except ValueError:
+        raise ConfigError("the keyring is not valid", path=path,
+                          fix="restore state/keyring.json from backup; without it the "
+                              "encrypted entries are lost (they are misses)") from None
+    return doc
+
+
+def _current(rec: Mapping[str, Any]) -> int | None:
+    """The version new objects of a tenant record use: its ``current`` (decision 2812); a
+    record written before it has none, and its newest counter is current."""
+    keys = rec.get("keys") or {}
+    if "current" in rec:
+        cur = rec["current"]
+        return cur if isinstance(cur, int) and str(cur) in keys else None
+    return max((int(v) for v in keys), default=None)
+
+
+def _valid_version(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= _MAX_VERSION
 
 
 class Keyring:
@@ -236,32 +390,10 @@ class Keyring:
         """The keyring as it is on disk now (reloaded only when the file changed)."""
         sig = self._signature()
         if sig != self._seen:
-            self._doc = self._load() if sig is not None else _empty(self._master.key_id)
+            self._doc = _load_doc(self.path) if sig is not None else _empty(self._master.key_id)
             self._keys = {}
             self._seen = sig
         return self._doc
-
-    def _load(self) -> dict[str, Any]:
-        try:
-            fd = open_for_read(self.path)
-        except (OSError, SpecialFileError) as exc:
-            raise ConfigError(f"the keyring cannot be read ({exc})", path=self.path,
-                              fix="run as the store's owner; restore it from backup if lost") \
-                from None
-        try:
-            data = os.read(fd, _MAX_KEYRING + 1)
-        finally:
-            os.close(fd)
-        try:
-            doc = json.loads(data)
-            if not isinstance(doc, dict) or doc.get("schema") != KEYRING_SCHEMA or \
-                    not isinstance(doc.get("tenants"), dict):
-                raise ValueError("not a keyring")
-        except ValueError:
-            raise ConfigError("the keyring is not valid", path=self.path,
-                              fix="restore state/keyring.json from backup; without it the "
-                                  "encrypted entries are lost (they are misses)") from None
-        return doc
 
     @property
     def master_matches(self) -> bool:
@@ -272,8 +404,9 @@ class Keyring:
         out = []
         for tid, rec in sorted(self.refresh()["tenants"].items()):
             versions = tuple(sorted(int(v) for v in rec.get("keys", {})))
-            out.append(TenantKeys(tid, versions, versions[-1] if versions else None,
-                                  int(rec.get("next", 1))))
+            imported = tuple(v for v in versions if str(v) in (rec.get("imported") or {}))
+            out.append(TenantKeys(tid, versions, _current(rec), imported,
+                                  bool(rec.get("revoked"))))
         return out
 
     def data_key(self, tid: str, version: int) -> bytes | None:
@@ -287,27 +420,29 @@ class Keyring:
         wrapped = rec.get("keys", {}).get(str(version)) if isinstance(rec, dict) else None
         if not isinstance(wrapped, str) or doc.get("master_id") != self._master.key_id:
             return None
+        key = self._unwrap(tid, version, wrapped)
+        if key is not None:
+            self._keys[(tid, version)] = key
+        return key
+
+    def _unwrap(self, tid: str, version: int, wrapped: str) -> bytes | None:
         try:
-            key = self._kek.decrypt(bytes.fromhex(wrapped[:24]), bytes.fromhex(wrapped[24:]),
-                                    _wrap_aad(tid, version))
+            return self._kek.decrypt(bytes.fromhex(wrapped[:24]), bytes.fromhex(wrapped[24:]),
+                                     _wrap_aad(tid, version))
         except (ValueError, self._master._lib.InvalidTag):
             return None
-        self._keys[(tid, version)] = key
-        return key
 
     def current(self, tid: str) -> tuple[int, bytes]:
         """The version and key new objects of ``tid`` are sealed with (made on first use)."""
         rec = self.refresh()["tenants"].get(tid)
-        if isinstance(rec, dict) and rec.get("keys"):
-            version = max(int(v) for v in rec["keys"])
+        if isinstance(rec, dict) and (version := _current(rec)) is not None:
             key = self.data_key(tid, version)
             if key is not None:
                 return version, key
         self._change(lambda doc: self._add_version(doc, tid, only_if_none=True))
-        rec = self.refresh()["tenants"][tid]
-        version = max(int(v) for v in rec["keys"])
-        key = self.data_key(tid, version)
-        if key is None:
+        version = _current(self.refresh()["tenants"][tid])
+        key = self.data_key(tid, version) if version is not None else None
+        if version is None or key is None:
             raise KeyUnavailableError("the keyring was written under another master key",
                                       path=self.path, fix="configure the store's master key")
         return version, key
@@ -325,31 +460,96 @@ class Keyring:
         return made
 
     def revoke(self, tid: str) -> list[int]:
-        """Erase every data key of ``tid``; returns the versions erased."""
-        return self.retire(tid, below=None)
+        """Erase every data key of ``tid`` and remember the revoke (no archive brings one of
+        its keys back, decision 2813); returns the versions erased."""
+        return self.retire(tid, keep=None, revoke=True)
 
-    def retire(self, tid: str, below: int | None) -> list[int]:
-        """Erase the data keys of ``tid`` with a version below ``below`` (None: all)."""
+    def retire(self, tid: str, keep: int | None, *, revoke: bool = False) -> list[int]:
+        """Erase every data key of ``tid`` but version ``keep`` (None: all); returns the
+        versions erased. Erased versions are remembered: an archive never brings one back."""
         gone: list[int] = []
 
         def change(doc: dict[str, Any]) -> None:
-            keys = doc["tenants"].get(tid, {}).get("keys", {})
+            rec = doc["tenants"].get(tid)
+            if rec is None:
+                if not revoke:
+                    return
+                rec = doc["tenants"][tid] = {"keys": {}}
+            keys = rec.setdefault("keys", {})
+            if "current" not in rec:  # a record from before decision 2812: pin it
+                rec["current"] = _current(rec)
             for v in sorted(int(v) for v in keys):
-                if below is None or v < below:
+                if keep is None or v != keep:
                     del keys[str(v)]
+                    (rec.get("imported") or {}).pop(str(v), None)
                     gone.append(v)
+            rec["erased"] = sorted(set(rec.get("erased", [])) | set(gone))
+            if revoke:
+                rec["revoked"] = time.time()
+                rec["current"] = None
         self._change(change)
         return gone
 
+    def adopt(self, table: KeyTable, source: str) -> KeyAdoption:
+        """Merge the wrapped keys an archive (``source``) carries into this keyring, so its
+        encrypted entries read here; all or nothing (decision 2813).
+
+        ConfigError (one line) when they are wrapped under another master key; ArchiveError
+        when one does not unwrap under it for its tenant and version (damaged, or a key
+        moved between tenants) or collides with another key of the same (tenant, version)
+        here. A key of a tenant revoked here, or one erased here, is ``refused`` (its
+        entries are skipped), never taken back."""
+        from ..errors import ArchiveError
+
+        check_key_table(self._master, table, source)
+        unwrapped: dict[tuple[str, int], tuple[str, bytes]] = {}
+        for tid, version, wrapped in table.keys:
+            key = self._unwrap(tid, version, wrapped)
+            assert key is not None  # checked above
+            unwrapped[(tid, version)] = (wrapped, key)
+        done = KeyAdoption()
+
+        def change(doc: dict[str, Any]) -> None:
+            adding: list[tuple[str, int, str]] = []
+            for (tid, version), (wrapped, key) in unwrapped.items():
+                rec = doc["tenants"].get(tid) or {}
+                if rec.get("revoked") or version in rec.get("erased", []):
+                    done.refused.append((tid, version))
+                    continue
+                have = rec.get("keys", {}).get(str(version))
+                if have is None:
+                    adding.append((tid, version, wrapped))
+                    continue
+                if self._unwrap(tid, version, have) != key:
+                    raise ArchiveError(
+                        f"the archive's key of tenant {tid} version {version} is not the key "
+                        "this store holds under that tenant and version", path=source,
+                        fix="the archive is hostile (key ids are random 63-bit numbers and "
+                            "do not collide by chance); do not import it")
+                done.present.append((tid, version))
+            now = time.time()
+            for tid, version, wrapped in adding:
+                rec = doc["tenants"].setdefault(tid, {"keys": {}, "current": None})
+                rec.setdefault("keys", {})
+                if "current" not in rec:  # a record from before decision 2812: pin it
+                    rec["current"] = _current(rec)
+                rec["keys"][str(version)] = wrapped
+                rec.setdefault("imported", {})[str(version)] = now
+                done.added.append((tid, version))
+        if unwrapped:
+            self._change(change)
+        return done
+
     def _add_version(self, doc: dict[str, Any], tid: str, *, only_if_none: bool) -> int:
-        rec = doc["tenants"].setdefault(tid, {"next": 1, "keys": {}})
-        if only_if_none and rec["keys"]:
-            return max(int(v) for v in rec["keys"])
-        version = int(rec["next"])
+        rec = doc["tenants"].setdefault(tid, {"keys": {}})
+        keys = rec.setdefault("keys", {})
+        if only_if_none and (cur := _current(rec)) is not None:
+            return cur
+        version = new_version(set(keys) | {str(v) for v in rec.get("erased", [])})
         nonce = secrets.token_bytes(NONCE_BYTES)
         wrapped = self._kek.encrypt(nonce, secrets.token_bytes(32), _wrap_aad(tid, version))
-        rec["keys"][str(version)] = nonce.hex() + wrapped.hex()
-        rec["next"] = version + 1
+        keys[str(version)] = nonce.hex() + wrapped.hex()
+        rec["current"] = version
         return version
 
     def _change(self, change: Any) -> None:
@@ -366,7 +566,11 @@ class Keyring:
                     "the keyring was written under another master key", path=self.path,
                     fix="configure the master key this store was made with (docs/runbook.md, "
                         "key loss)")
-            change(doc)
+            try:
+                change(doc)
+            except BaseException:
+                self._seen = None  # the copy in memory may be half changed: reload it
+                raise
             doc["changed"] = time.time()
             data = json.dumps(doc, sort_keys=True, indent=1).encode() + b"\n"
             tmp, _, _ = write_tmp(self._tmp, [data])
@@ -452,17 +656,20 @@ class Sealer(TenantNames):
         ``keyring.current``)."""
         data = memoryview(payload).cast("B")
         n = len(data)
-        header = _HEADER.pack(MAGIC, bytes.fromhex(tid), version, secrets.token_bytes(NONCE_BYTES))
+        layout = header_struct(version)
+        header = layout.pack(MAGIC2 if layout is _HEADER2 else MAGIC, bytes.fromhex(tid), version,
+                             secrets.token_bytes(NONCE_BYTES))
+        hb = len(header)
         lib = self._lib
         enc = lib.Cipher(lib.algorithms.AES(key), lib.modes.GCM(header[-NONCE_BYTES:])).encryptor()
         enc.authenticate_additional_data(header)
-        out = bytearray(HEADER_BYTES + n + 15 + TAG_BYTES)  # update_into wants a block spare
+        out = bytearray(hb + n + 15 + TAG_BYTES)  # update_into wants a block spare
         view = memoryview(out)
-        view[:HEADER_BYTES] = header
-        done = enc.update_into(data, view[HEADER_BYTES:]) if n else 0
+        view[:hb] = header
+        done = enc.update_into(data, view[hb:]) if n else 0
         enc.finalize()
-        view[HEADER_BYTES + done:HEADER_BYTES + done + TAG_BYTES] = enc.tag
-        return view[:HEADER_BYTES + n + TAG_BYTES]
+        view[hb + done:hb + done + TAG_BYTES] = enc.tag
+        return view[:hb + n + TAG_BYTES]
 
     def open(self, path: Path, size: int, into: memoryview | None = None) -> memoryview:
         """Read the sealed object at ``path`` (``size`` bytes) and return its plaintext.
@@ -476,7 +683,7 @@ class Sealer(TenantNames):
             raise CorruptionError(f"object is not a regular file ({exc.kind})",
                                   reason=QuarantineReason.PAYLOAD_MISSING, path=path) from None
         try:
-            if os.fstat(fd).st_size != size or size < OVERHEAD:
+            if os.fstat(fd).st_size != size or size < OVERHEAD:  # the smaller overhead
                 raise CorruptionError(f"sealed object is not {size} bytes",
                                       reason=QuarantineReason.PAYLOAD_SIZE, path=path)
             raw = bytearray(size)
@@ -496,13 +703,16 @@ class Sealer(TenantNames):
     def unseal(self, sealed: memoryview, into: memoryview | None = None, *,
                path: Path | None = None) -> memoryview:
         """The plaintext of the sealed bytes ``sealed`` (see ``open``)."""
-        if len(sealed) < OVERHEAD:
+        layout = _HEADER2 if bytes(sealed[:4]) == MAGIC2 else _HEADER
+        if len(sealed) < layout.size + TAG_BYTES:
             raise CorruptionError("sealed object too short", reason=QuarantineReason.PAYLOAD_SIZE,
                                   path=path)
-        magic, tid_raw, version, nonce = _HEADER.unpack_from(sealed)
-        if magic != MAGIC:
+        magic, tid_raw, version, nonce = layout.unpack_from(sealed)
+        # A wide version in an SPS1 header, or a legacy one in SPS2, is not what seal wrote.
+        if magic not in (MAGIC, MAGIC2) or header_struct(version) is not layout:
             raise CorruptionError("object is not sealed (bad header)",
                                   reason=QuarantineReason.PAYLOAD_DIGEST, path=path)
+        hb = layout.size
         tid = tid_raw.hex()
         key = self.keyring.data_key(tid, version)
         if key is None:
@@ -511,15 +721,15 @@ class Sealer(TenantNames):
                 "or another master key)", path=path,
                 fix="nothing to do for a revoked tenant: it is a miss; otherwise check the "
                     "master key (`spoolctl doctor`)", erased=self.keyring.master_matches)
-        n = len(sealed) - OVERHEAD
+        n = len(sealed) - hb - TAG_BYTES
         out = into if into is not None else memoryview(bytearray(n))
         if len(out) != n:
             raise ValueError("destination buffer has the wrong size")
         lib = self._lib
         tag = bytes(sealed[len(sealed) - TAG_BYTES:])
         dec = lib.Cipher(lib.algorithms.AES(key), lib.modes.GCM(nonce, tag)).decryptor()
-        dec.authenticate_additional_data(bytes(sealed[:HEADER_BYTES]))
-        body = sealed[HEADER_BYTES:HEADER_BYTES + n]
+        dec.authenticate_additional_data(bytes(sealed[:hb]))
+        body = sealed[hb:hb + n]
         # update_into wants 15 spare bytes after the output: decrypt all but the last 32
         # bytes straight into ``out``, the tail through a small copy.
         head = max(0, n - 32)
@@ -549,7 +759,7 @@ def sealed_fact(index: Mapping[str, Any] | None) -> tuple[str, int] | None:
     """``(tenant id, version)`` of an entry whose manifest index says it is sealed."""
     fact = (index or {}).get(INDEX_FIELD)
     if isinstance(fact, Mapping) and isinstance(fact.get("tenant"), str) and \
-            _TID_RE.fullmatch(fact["tenant"]) and isinstance(fact.get("version"), int):
+            _TID_RE.fullmatch(fact["tenant"]) and _valid_version(fact.get("version")):
         return fact["tenant"], fact["version"]
     return None
 
@@ -558,7 +768,29 @@ def plain_size(manifest: Any, name: str) -> int:
     """The bytes object ``name`` of ``manifest`` reads back as (``Store.read``): its size on
     disk, less the header and tag of a sealed object. KeyError if there is no such object."""
     size = manifest.object(name).size
-    return size - OVERHEAD if sealed_fact(manifest.index) is not None else size
+    fact = sealed_fact(manifest.index)
+    return size if fact is None else size - overhead(fact[1])
+
+
+def header_struct(version: int) -> struct.Struct:
+    """The header layout of objects sealed under key ``version``: SPS1 for the per-keyring
+    counters of old stores, SPS2 for the random key ids of decision 2812."""
+    return _HEADER2 if version >= WIDE_VERSION else _HEADER
+
+
+def overhead(version: int) -> int:
+    """Bytes a sealed object adds to its payload under key ``version`` (header and tag)."""
+    return header_struct(version).size + TAG_BYTES
+
+
+def new_version(taken: Any = ()) -> int:
+    """A fresh key version: a random 63-bit id above the legacy counters, not in ``taken``.
+    Random, not counted, so two hosts under one master key never give the same (tenant,
+    version) to two different keys (decision 2812)."""
+    while True:
+        version = WIDE_VERSION + secrets.randbelow(_MAX_VERSION - WIDE_VERSION)
+        if str(version) not in taken and version not in taken:
+            return version
 
 
 def seal_request(sealer: Sealer | None, request: PutRequest) -> PutRequest:

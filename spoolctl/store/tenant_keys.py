@@ -73,10 +73,13 @@ def key_usage(store: Store) -> dict[str, Any]:
     for tid in sorted(set(per) | set(keys)):
         t = keys.get(tid)
         live = list(t.versions) if t is not None else []
+        imported = set(t.imported) if t is not None else set()
         versions = sorted(set(live) | set(per.get(tid, {})))
         doc["tenants"].append({
             "tenant_id": tid, "current": t.current if t is not None else None,
+            "revoked": bool(t is not None and t.revoked),
             "versions": [{"version": v, "key": "live" if v in live else "unavailable",
+                          "origin": "imported" if v in imported else "here",
                           "entries": per.get(tid, {}).get(v, (0, 0))[0],
                           "bytes": per.get(tid, {}).get(v, (0, 0))[1]} for v in versions]})
     doc["unreadable_entries"] = sum(v["entries"] for t in doc["tenants"] for v in t["versions"]
@@ -90,7 +93,8 @@ def revoke_tenant(store: Store, tenant: str, *, dry_run: bool = False) -> KeyCha
 
 
 def retire_keys(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
-    """Erase every version below the current one, of ``tenant`` (None: every tenant)."""
+    """Erase every version but the current one (older ones, and keys imported from archives),
+    of ``tenant`` (None: every tenant)."""
     sealer = _sealer(store)
     change = KeyChange("retire", dry_run)
     tids = [sealer.tenant_id(tenant)] if tenant is not None else \
@@ -111,25 +115,26 @@ def rotate_keys(store: Store, tenant: str | None, *, dry_run: bool = False) -> K
     change = KeyChange("rotate", dry_run)
     tids = [sealer.tenant_id(tenant)] if tenant is not None else \
         [t.tenant_id for t in sealer.keyring.tenants()]
-    if dry_run:
-        nxt = {t.tenant_id: t.next_version for t in sealer.keyring.tenants()}
-        change.tenants = {tid: [nxt.get(tid, 1)] for tid in tids}
+    if dry_run:  # a new version is a random id (decision 2812): none is drawn for a dry run
+        change.tenants = {tid: [] for tid in tids}
         return change
     change.tenants = {tid: [v] for tid, v in sealer.keyring.rotate(tids).items()}
     return change
 
 
-def _erase(store: Store, tid: str, below: int | None, dry_run: bool, action: str) -> KeyChange:
+def _erase(store: Store, tid: str, keep: int | None, dry_run: bool, action: str) -> KeyChange:
+    """Erase every key of ``tid`` but ``keep`` (None: all) and release their entries."""
     sealer = _sealer(store)
     store._writable(f"{action} of a tenant's keys")
     change = KeyChange(action, dry_run)
     known = {t.tenant_id: t for t in sealer.keyring.tenants()}.get(tid)
-    versions = [v for v in (known.versions if known else ()) if below is None or v < below]
+    versions = [v for v in (known.versions if known else ()) if keep is None or v != keep]
     if not dry_run:
         # Keys first: from this moment nothing of the tenant decrypts, whatever happens next.
-        versions = sealer.keyring.retire(tid, below)
+        versions = sealer.keyring.revoke(tid) if keep is None else \
+            sealer.keyring.retire(tid, keep)
     n, size = store.run_with_catalog_repair(
-        lambda: store.catalog.release_sealed(tid, below, store.clock(), dry_run))
+        lambda: store.catalog.release_sealed(tid, keep, store.clock(), dry_run))
     change.tenants[tid] = versions
     change.released_entries, change.released_bytes = n, size
     return change
@@ -148,8 +153,12 @@ def encryption_summary(store: Store) -> dict[str, Any] | None:
     for t in doc["tenants"]:
         for v in t["versions"]:
             versions[str(v["version"])] = versions.get(str(v["version"]), 0) + v["entries"]
+    imported = {t["tenant_id"]: [v["version"] for v in t["versions"]
+                                 if v["origin"] == "imported" and v["key"] == "live"]
+                for t in doc["tenants"]}
     return {"master_key": doc["master_key"], "tenants": len(doc["tenants"]),
-            "entries_by_version": versions, "unreadable_entries": doc["unreadable_entries"]}
+            "entries_by_version": versions, "unreadable_entries": doc["unreadable_entries"],
+            "imported_keys": {t: vs for t, vs in imported.items() if vs}}
 
 
 def encryption_checks(root: Any) -> list[Any]:
@@ -182,9 +191,12 @@ def encryption_checks(root: Any) -> list[Any]:
                       f"keyring was written under: all {held} encrypted entries are misses",
                       "configure the right master key; if it is lost, the entries are too "
                       "(docs/runbook.md, key loss)")]
+    imported = sum(len(vs) for vs in doc["imported_keys"].values())
     out = [Check("encryption.master_key", "ok",
                  f"encrypted: master key {doc['master_key']['key_id']}, {doc['tenants']} "
-                 f"tenants, entries by key version {doc['entries_by_version']}")]
+                 f"tenants, entries by key version {doc['entries_by_version']}"
+                 + (f", {imported} key version(s) imported from archives "
+                    f"{doc['imported_keys']}" if imported else ""))]
     if doc["unreadable_entries"]:
         out.append(Check("encryption.unreadable", "warn",
                          f"{doc['unreadable_entries']} entries are under revoked or retired "

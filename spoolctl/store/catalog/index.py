@@ -630,13 +630,15 @@ class Catalog:
             f"WHERE state='committed' AND hint='retain' AND json_valid(index_json) "
             f"AND {_TENANT} IS NOT NULL GROUP BY 1, 2") if isinstance(v, int)]
 
-    def release_sealed(self, tenant_id: str, below: int | None, now: float,
+    def release_sealed(self, tenant_id: str, keep: int | None, now: float,
                        dry_run: bool = False) -> tuple[int, int]:
-        """Release the committed entries of ``tenant_id`` (with a key version below ``below``;
-        None: all); returns (entries, bytes). ``dry_run`` only counts them."""
+        """Release the committed entries of ``tenant_id`` (but those under key version
+        ``keep``; None: all); returns (entries, bytes). ``dry_run`` only counts them.
+        Versions are ids, not an order (decision 2812): "older than current" is "not
+        current"."""
         where = (f"state='committed' AND hint='retain' AND json_valid(index_json) "
-                 f"AND {_TENANT} = ? AND (? IS NULL OR {_VERSION} < ?)")
-        params = (tenant_id, below, below)
+                 f"AND {_TENANT} = ? AND (? IS NULL OR {_VERSION} IS NOT ?)")
+        params = (tenant_id, keep, keep)
         count = f"SELECT count(*), coalesce(sum(size), 0) FROM entries WHERE {where}"
         if dry_run:
             n, size = self._read(count, params)[0]

@@ -34,6 +34,7 @@ from ...errors import ArchiveError
 from ..format.keys import KINDS
 from ..format.manifest import MAX_MANIFEST_BYTES, MAX_OBJECT_SIZE
 from ..format.rankdirs import DEPLOYMENT_NAME, RANK_DIGITS, rank_dirname
+from ..sealing import KeyTable
 
 SCHEMA = "spoolctl-archive/v1"
 END_SCHEMA = "spoolctl-archive-end/v1"
@@ -191,6 +192,9 @@ class StoreSection:
     # them released. Absent from the JSON when empty (archives of live entries only are
     # byte-for-byte what earlier versions wrote; those importers ignore the key).
     released: frozenset[str] = frozenset()
+    # The wrapped data keys of its encrypted entries (decision 2813); absent from the JSON
+    # for a store without any, so plain archives are unchanged.
+    keys: KeyTable | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = {"place": self.place, "entries": self.entries, "bytes": self.bytes,
@@ -198,6 +202,8 @@ class StoreSection:
                "deployment": dict(self.deployment) if self.deployment else None}
         if self.released:
             doc["released"] = sorted(self.released)
+        if self.keys is not None and self.keys.keys:
+            doc["keys"] = self.keys.to_json()
         return doc
 
     @classmethod
@@ -223,9 +229,10 @@ class StoreSection:
                 not all(isinstance(e, str) and _ENTRY_ID_RE.fullmatch(e) for e in released):
             raise ArchiveError("archive index: malformed list of released entries",
                                fix="the archive was not written by `spoolctl export`")
+        keys = KeyTable.from_json(doc["keys"]) if "keys" in doc else None
         return cls(place=place, entries=entries,
                    bytes=_count(doc, "bytes", "archive index"), store_id=store_id[:64],
-                   kinds=dict(kinds), deployment=dep, released=frozenset(released))
+                   kinds=dict(kinds), deployment=dep, released=frozenset(released), keys=keys)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from ...errors import CorruptionError, NotFoundError, SpoolError
 from ..disk import faults
 from ..disk.verify import failed_object, verify_object
 from ..format.manifest import Manifest, ObjectRef, encode
-from ..sealing import sealed_fact
+from ..sealing import KeyTable, read_key_table, sealed_fact
 from ..store import Store
 from .archive import (
     END_NAME,
@@ -78,6 +78,7 @@ class ExportReport:
     over_budget: int = 0
     incomplete_chunks: int = 0
     filtered: int = 0
+    key_erased: int = 0  # encrypted entries whose data key the store no longer holds
     # store place -> the one-line error it could not be opened with (several stores only)
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -104,7 +105,7 @@ class ExportReport:
                 "left_out": {"deleted_meanwhile": self.gone, "corrupt": self.corrupt,
                              "over_budget": self.over_budget,
                              "incomplete_chunks": self.incomplete_chunks,
-                             "filtered": self.filtered}}
+                             "filtered": self.filtered, "key_erased": self.key_erased}}
 
 
 def _summary(store: Store, row_id: str | None) -> dict[str, Any] | None:
@@ -150,6 +151,11 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
                 report.failed[s.place] = str(exc)
         rows = {place: st.entries(sort="access", include_pending=False)
                 for place, st in opened.items()}
+        tables: dict[str, KeyTable] = {}
+        for place, st in opened.items():
+            rows[place], table = _with_keys(st, rows[place], report)
+            if table is not None:
+                tables[place] = table
         manifest_sizes = {(place, r.entry_id): r.manifest_size
                           for place, rs in rows.items() for r in rs}
         candidates = {place: [Candidate(place, r.entry_id, r.kind, r.namespace, r.key, r.size,
@@ -172,7 +178,8 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
             sections.append(StoreSection(
                 place=place, entries=len(parts), bytes=sum(c.size for c in parts),
                 store_id=st.marker.store_id, kinds=kinds, deployment=_summary(st, first_vllm),
-                released=frozenset(c.entry_id for c in parts if c.hint == "release")))
+                released=frozenset(c.entry_id for c in parts if c.hint == "release"),
+                keys=_needed(tables.get(place), rows[place], {c.entry_id for c in parts})))
         index = ArchiveIndex(stores=tuple(sections), created=time.time(),
                              tool=f"spoolctl {__version__}")
         writer = TarWriter(sink)
@@ -204,6 +211,31 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
     if progress is not None:
         progress(writer.offset, report.entries, writer.offset)
     return report
+
+
+def _with_keys(store: Store, rows: list[Any], report: ExportReport
+               ) -> tuple[list[Any], KeyTable | None]:
+    """``rows`` without the encrypted entries whose data key the store's keyring no longer
+    holds (revoked or retired: crypto-erased, so they do not travel), and the wrapped keys of
+    the others, read from the keyring as they are (decision 2813; the exporter needs no
+    master key)."""
+    facts = {r.entry_id: f for r in rows if (f := sealed_fact(r.index)) is not None}
+    if not facts:
+        return rows, None
+    table = read_key_table(store.layout.state, set(facts.values()))
+    have = {(t, v) for t, v, _ in table.keys} if table is not None else set()
+    kept = [r for r in rows if r.entry_id not in facts or facts[r.entry_id] in have]
+    report.key_erased += len(rows) - len(kept)
+    return kept, table
+
+
+def _needed(table: KeyTable | None, rows: list[Any], chosen: set[str]) -> KeyTable | None:
+    """The keys of ``table`` that the ``chosen`` entries are sealed under (none: None)."""
+    if table is None:
+        return None
+    used = {f for r in rows if r.entry_id in chosen and (f := sealed_fact(r.index)) is not None}
+    keys = tuple(k for k in table.keys if (k[0], k[1]) in used)
+    return KeyTable(table.master_id, keys) if keys else None
 
 
 @dataclass

@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 
 from ...errors import ArchiveError, CapacityError, ConfigError
 from ..disk.root import MARKER
+from ..sealing import KeyTable, MasterKey, check_key_table
 from ..store import Store
 from .archive import ArchiveIndex, SectionCount, TarReader, parse_end_record, rank_of
 from .ingest import PlaceTally, Section, SkipSection, free_bytes
@@ -61,7 +62,8 @@ class ImportReport:
 
     def to_json(self) -> dict[str, Any]:
         keys = ("imported", "released", "present", "skipped_capacity", "skipped_vanished",
-                "skipped_corrupt", "skipped_unauthenticated", "filtered", "objects_written",
+                "skipped_corrupt", "skipped_unauthenticated", "skipped_key", "filtered",
+                "objects_written",
                 "objects_present", "bytes_written")
         return {"source": self.source, "target": self.target, "complete": self.complete,
                 "error": self.error, "source_bytes": self.source_bytes,
@@ -106,9 +108,13 @@ class Importer:
 
     def prepare(self, declared: dict[str, int], *, strict: bool,
                 wants: Callable[[Any], bool] | None = None,
-                released: Mapping[str, frozenset[str]] | None = None) -> None:
+                released: Mapping[str, frozenset[str]] | None = None,
+                keys: Mapping[str, KeyTable] | None = None) -> None:
         """Route every source store, check capacity, open (or create) the targets.
-        ``released``: per source store, the entries it holds released (kept released)."""
+        ``released``: per source store, the entries it holds released (kept released).
+        ``keys``: per source store, the wrapped data keys of its encrypted entries: checked
+        against this host's master key before any store is opened or created (a refusal
+        publishes nothing), then merged into each target's keyring (decision 2813)."""
         places = list(declared)
         check_single_layout(places)
         if self.rank is not None and "" in places:
@@ -130,6 +136,11 @@ class Importer:
                 (self.rank is not None and rank_of(place) != self.rank)
             routes[place] = None if skip else target.route(place)
         self.planned_bytes = sum(declared.values())
+        tables = {p: t for p, t in (keys or {}).items() if routes.get(p) is not None and t.keys}
+        if tables:
+            master = MasterKey.from_environment()
+            for table in tables.values():
+                check_key_table(master, table, self.report.source)
         per_dest: dict[Path, int] = {}
         for place, dest in routes.items():
             if dest is not None:
@@ -165,6 +176,12 @@ class Importer:
             if self.retag and store.tag_key is None:
                 raise ConfigError("--retag needs a tag key to tag with", path=dest,
                                   fix="set SPOOLCTL_TAG_KEY_FILE (see docs/SECURITY.md)")
+            if place in tables:
+                if store.sealer is None:  # the key source changed since it was checked
+                    raise ConfigError("the master key went away during the import", path=dest,
+                                      fix="check SPOOLCTL_MASTER_KEY_FILE and import again")
+                adopted = store.sealer.keyring.adopt(tables[place], self.report.source)
+                tally.keys_added, tally.keys_refused = len(adopted.added), len(adopted.refused)
             self.sections[place] = Section(store, tally, self._pool, self._flusher,
                                            strict=strict, wants=wants, retag=self.retag)
             self.sections[place].released = (released or {}).get(place, frozenset())
@@ -226,7 +243,8 @@ class Importer:
                                    "`spoolctl export`")
             index = ArchiveIndex.from_bytes(reader.read_all())
             self.prepare({s.place: s.bytes for s in index.stores}, strict=True,
-                         wants=self.wants, released={s.place: s.released for s in index.stores})
+                         wants=self.wants, released={s.place: s.released for s in index.stores},
+                         keys={s.place: s.keys for s in index.stores if s.keys is not None})
             self._read_members(reader, index)
 
         return self.run(body, name)

@@ -28,6 +28,7 @@ from ..disk import dirfd
 from ..disk.fsio import fsync_close, io_error, tmp_name, unlink_quietly
 from ..format.digest import Hasher
 from ..format.manifest import decode, encode, envelope_digest
+from ..sealing import sealed_fact
 from ..store import Store
 from .import_commit import StagedEntry, object_present, publish_entries
 
@@ -66,6 +67,11 @@ class PlaceTally:
     skipped_vanished: int = 0
     skipped_corrupt: int = 0
     skipped_unauthenticated: int = 0  # the target has a tag key; the entry no valid tag
+    # encrypted entries whose data key this store cannot use: a revoked tenant's, or one the
+    # archive did not carry (decision 2813)
+    skipped_key: int = 0
+    keys_added: int = 0  # wrapped data keys the archive brought into the keyring
+    keys_refused: int = 0  # ... and those not taken (revoked or erased here)
     filtered: int = 0
     objects_written: int = 0
     objects_present: int = 0
@@ -303,6 +309,9 @@ class Section:
         if row is not None and row.state == "committed":
             self.tally.present += 1
             return self._discard_entry(dropped=False)
+        if not self._readable(manifest):
+            self.tally.skipped_key += 1
+            return self._discard_entry(dropped=False)
         key = self.store.tag_key
         fresh = None
         if key is not None and key.problem(manifest.tag, envelope_digest(manifest)):
@@ -323,6 +332,13 @@ class Section:
         self._reset_entry()
         if self.batch_bytes >= BATCH_BYTES or len(self.batch) >= BATCH_ENTRIES:
             self.flush()
+
+    def _readable(self, manifest: Any) -> bool:
+        """False for an encrypted entry whose data key this store does not hold (after the
+        archive's keys were merged): published, it would only ever be a miss."""
+        fact = sealed_fact(manifest.index)
+        sealer = self.store.sealer
+        return fact is None or (sealer is not None and sealer.keyring.data_key(*fact) is not None)
 
     def flush(self) -> None:
         """Publish the entries verified so far (one commit batch)."""

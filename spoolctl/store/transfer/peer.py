@@ -27,6 +27,7 @@ from ..disk.fsio import open_for_read, read_small
 from ..disk.root import StorePaths
 from ..disk.sqlite_files import connect_read_only
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode
+from ..sealing import KeyTable, read_key_table, sealed_fact
 from .importer import Importer, ImportReport
 from .ingest import DigestMismatch, Section
 from .places import RootContents, find_stores
@@ -76,7 +77,10 @@ def _read_manifest(layout: StorePaths, entry_id: str) -> Manifest | None:
     return decode(data, expected_entry_id=entry_id, path=str(path))
 
 
-def _scan(place: str, root: Path, counts: dict[str, int]) -> list[Candidate]:
+def _scan(place: str, root: Path, counts: dict[str, int],
+          sealed: set[tuple[str, int]] | None = None) -> list[Candidate]:
+    """The peer's entries as candidates; ``sealed`` collects the (tenant id, key version)
+    of its encrypted ones."""
     layout = StorePaths(root)
     out: list[Candidate] = []
     try:
@@ -97,6 +101,8 @@ def _scan(place: str, root: Path, counts: dict[str, int]) -> list[Candidate]:
                 counts["corrupt"] = counts.get("corrupt", 0) + 1
                 continue
             if m is not None:
+                if sealed is not None and (fact := sealed_fact(m.index)) is not None:
+                    sealed.add(fact)
                 size = m.payload_bytes + len(encode(m))
                 out.append(Candidate(place, m.entry_id, m.kind, m.namespace, m.key, size,
                                      m.created))
@@ -136,7 +142,16 @@ def import_from_root(importer: Importer, source: str | os.PathLike[str],
         wanted = resolve_deployments(selection.deployments, layout.deployments)
         stores = [s for s in stores if s.place and s.place.split("/", 1)[0] in wanted]
     scan_counts: dict[str, int] = {}
-    candidates = {s.place: _scan(s.place, s.path, scan_counts) for s in stores}
+    sealed: dict[str, set[tuple[str, int]]] = {s.place: set() for s in stores}
+    candidates = {s.place: _scan(s.place, s.path, scan_counts, sealed[s.place])
+                  for s in stores}
+    # The wrapped keys of the peer's encrypted entries, from its keyring (decision 2813).
+    keys: dict[str, KeyTable] = {}
+    for s in stores:
+        table = read_key_table(StorePaths(s.path).state, sealed[s.place]) \
+            if sealed[s.place] else None
+        if table is not None and table.keys:
+            keys[s.place] = table
     released = {s.place: _released(s.path) for s in stores}
     chosen = plan(candidates, selection, quorum=layout.quorum)
     per_place = chosen.by_place()
@@ -144,7 +159,7 @@ def import_from_root(importer: Importer, source: str | os.PathLike[str],
 
     def body() -> None:
         importer.prepare({p: sum(c.size for c in per_place.get(p, [])) for p in roots},
-                         strict=False, released=released)
+                         strict=False, released=released, keys=keys)
         copied = 0
         emitted: dict[str, set[str]] = {p: set() for p in roots}
         for c in chosen.parts:
