@@ -259,12 +259,19 @@ def write_tmp_flushing(
     hasher = Hasher()
     size = 0
     flushed: Future[None] | None = None
+    # A source whose chunks are valid only until the next one is asked for (a buffer it
+    # reuses: ``sealing.SealedStream``) is hashed chunk by chunk as written, while each
+    # chunk is in the CPU cache; others are hashed while the flush runs (below).
+    transient = getattr(chunks, "transient", False)
     try:
         try:
             views = []
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
-                views.append(view)
+                if transient:
+                    hasher.update(view)
+                else:
+                    views.append(view)
                 if limit is not None and size + len(view) > limit:
                     raise SizeLimitExceeded(limit)
                 while view:
