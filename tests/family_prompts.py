@@ -1,10 +1,13 @@
 """Shared prompts and helpers of the cache-family tests (tests/test_pytorch_families.py,
-tests/test_mlx_families.py): one system prompt, documents, their near misses, and a cold
-run of a backend to compare tokens with."""
+tests/test_mlx_families.py): one system prompt, documents, their near misses, a cold run of
+a backend to compare tokens with, and the checks both frameworks' controllers must pass
+(``check_*``: ``make(backend, root)`` builds the framework's controller)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from spoolctl.controllers import CachePrepareParams, render_segments
@@ -38,3 +41,47 @@ def spoolctl_warnings(caplog: Any) -> list[str]:
     """Warnings (and worse) spoolctl logged during the test."""
     return [r.getMessage() for r in caplog.records
             if r.levelno >= logging.WARNING and r.name.startswith("spoolctl")]
+
+
+def check_extension_rule(make: Callable[[Any, Path], Any], b: Any, family: str, root: Path,
+                         caplog: Any) -> None:
+    """A stored state is only ever extended, never cut back: instructions + doc1 grows to
+    + doc2 from the doc1 entry; a near miss inside doc1, or a prompt that stops inside it,
+    reuses exactly the instructions snapshot (decision 2602) and no more; a near miss inside
+    the instructions runs cold. Tokens equal a cold run each time, and no base that would
+    need cutting back is even read (no warning)."""
+    with make(b, root) as ctl:
+        base = ctl.prepare(params(family, DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
+    with make(b, root) as ctl:
+        ext = ctl.prepare(params(family, DOC1, DOC2))
+        assert ext.source == "incremental" and ext.reused_tokens == base.cached_tokens
+        assert ctl.generate(ext, QUESTION, 8).tokens == cold(b, DOC1, DOC2)
+    half = DOC1[: len(DOC1) // 2]
+    with make(b, root) as ctl, caplog.at_level(logging.WARNING):
+        for data in (DOC1_NEAR, half):
+            h = ctl.prepare(params(family, data))
+            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, data)
+        near = ctl.prepare(CachePrepareParams(model=family, instructions=[SYSTEM_NEAR],
+                                              data=[DOC1]))
+        assert near.source == "cold" and near.reused_tokens == 0
+        assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1, system=SYSTEM_NEAR)
+    assert spoolctl_warnings(caplog) == []
+
+
+def check_instructions_snapshot(make: Callable[[Any, Path], Any], b: Any, family: str,
+                                root: Path) -> None:
+    """The app shape "one system prompt, many documents" hits for caches that cannot be
+    cut back: the first cold prefill also stores the instructions' state, every later
+    document extends it (and never supersedes it), tokens equal a cold run."""
+    with make(b, root) as ctl:
+        first = ctl.prepare(params(family, DOC1))
+        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
+    assert first.source == "cold"
+    for doc in (DOC2, DOC1_NEAR):
+        with make(b, root) as ctl:  # fresh memory: the snapshot comes from disk
+            h = ctl.prepare(params(family, doc))
+            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert h.supersedes is None
+            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, doc)

@@ -689,3 +689,67 @@ def test_fake_serves_the_rest_surface_the_sdk_uses(server, shape):
     with pytest.raises(errors.ClientError) as info:
         c.caches.get(name=names[0])
     assert info.value.code == 404
+
+
+def test_tenants_on_an_encrypted_store(server, store_root, clock, monkeypatch, caplog):
+    """``tenant=`` on an encrypted store (issue 33 item 6, decision 2821): a tenant's record
+    holds no clear-text prompt data (its key is keyed per tenant) and is found by the same
+    tenant only; another tenant or none creates its own cache; after ``keys revoke`` it is a
+    miss; a lost master key is one line, then misses with nothing recorded; a tenant on a
+    store without encryption is refused in one line."""
+    pytest.importorskip("cryptography")
+    import secrets
+
+    from operator_cli import run_json
+
+    from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, VALUE_ENV, MasterKey
+
+    for name in (FILE_ENV, VALUE_ENV, COMMAND_ENV):
+        monkeypatch.delenv(name, raising=False)
+    master = secrets.token_hex(32)
+    p = params()
+    with Store.open(store_root, create=True, master_key=MasterKey.from_hex(master, "t")) as st, \
+            GoogleGenAICacheController(gemini_client(server), st, clock=clock,
+                                       tenant="acme") as acme:
+        first = acme.prepare(p)
+        assert first.source == "cold" and creates(server) == 1
+        assert acme.generate(first, "What is it about?").usage.cache_read_tokens > 0
+        for path in (f for f in store_root.rglob("*") if f.is_file()):
+            data = path.read_bytes()
+            assert p.key().encode() not in data and b"acme" not in data, path
+            assert BOOK[:40].encode() not in data, path
+        with GoogleGenAICacheController(gemini_client(server), st, clock=clock,
+                                        tenant="acme") as again:
+            hit = again.prepare(p)
+            assert hit.source == "disk" and hit.ref == first.ref and creates(server) == 1
+        for n, other in enumerate(("globex", None), start=2):
+            with GoogleGenAICacheController(gemini_client(server), st, clock=clock,
+                                            tenant=other) as ctl:
+                got = ctl.prepare(p)
+                assert got.source == "cold" and got.ref != first.ref, other
+                assert creates(server) == n
+        run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(store_root),
+                 env={VALUE_ENV: master})
+        with GoogleGenAICacheController(gemini_client(server), st, clock=clock,
+                                        tenant="acme") as revoked:
+            assert revoked.prepare(p).source == "cold" and creates(server) == 4
+
+    # The master key lost and replaced: one line at open, then misses; nothing recorded, and
+    # the caches made meanwhile are deleted at close (none left billed unrecorded).
+    before = sorted(f.name for f in (store_root / "manifests").rglob("*.json"))
+    caplog.clear()
+    with Store.open(store_root, master_key=MasterKey.from_hex(secrets.token_hex(32), "new")) \
+            as st, caplog.at_level(logging.WARNING, logger="spoolctl"):
+        with GoogleGenAICacheController(gemini_client(server), st, clock=clock,
+                                        tenant="acme") as lost:
+            made = lost.prepare(p)
+            assert made.source == "cold" and creates(server) == 5
+        assert made.ref not in server.live_names()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "not the one this store's keyring" in lines[0], lines
+    assert sorted(f.name for f in (store_root / "manifests").rglob("*.json")) == before
+
+    with Store.open(store_root.parent / "plain", create=True, master_key=None) as plain, \
+            pytest.raises(ConfigError, match="no encryption at rest configured") as err:
+        GoogleGenAICacheController(gemini_client(server), plain, tenant="acme")
+    assert "\n" not in str(err.value)

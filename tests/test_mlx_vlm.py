@@ -317,3 +317,71 @@ def test_default_logs_name_no_store_path_or_id(backend, vlm_dir, images, tmp_pat
     for value in ids:
         for i in range(len(value) - 7):
             assert value[i:i + 8] not in text, "an id fragment reached a default log"
+
+
+def test_tenants_on_an_encrypted_store(backend, vlm_dir, images, tmp_path, monkeypatch,
+                                       caplog) -> None:
+    """``tenant=`` on an encrypted store (issue 33 item 6, decision 2821): the image entry is
+    sealed with the tenant's key and no store file holds its token ids or image digests; the
+    same tenant reuses it with tokens equal to a cold run, another tenant or none never does;
+    after ``keys revoke`` it is a miss; a lost master key is one line, then misses."""
+    pytest.importorskip("cryptography")
+    import logging
+    import secrets
+
+    from operator_cli import run_json
+
+    from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, MAGIC, VALUE_ENV
+
+    ip = image_params(str(vlm_dir), images["red"])
+    want = cold_tokens(backend, ip)
+    # What the entry's meta holds in clear on a plain store: none of it may show when sealed.
+    with MlxVlmCacheController(backend, tmp_path / "plain") as ctl:
+        plain = ctl.store.manifest(ctl.prepare(ip).ref).meta
+    secrets_in_clear = [plain["image_digest"], plain["images"][0]["pixels"],
+                        plain["extra_hash"], plain["layout"]["cache_hash"],
+                        plain["layout"]["file_name"][6:-12],
+                        json.dumps(plain["tokens"][:12])[1:-1]]
+
+    for name in (FILE_ENV, VALUE_ENV, COMMAND_ENV):
+        monkeypatch.delenv(name, raising=False)
+    master = secrets.token_hex(32)
+    monkeypatch.setenv(VALUE_ENV, master)
+    root = tmp_path / "sealed"
+    with MlxVlmCacheController(backend, root, tenant="acme") as ctl:
+        first = ctl.generate(ip, QUESTION, NEW)
+    assert first.handle.source == "cold" and first.tokens == want
+    objects = list((root / "objects").rglob("*.obj"))
+    assert objects and all(p.read_bytes()[:4] == MAGIC for p in objects)
+    for path in (p for p in root.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        for s in secrets_in_clear:
+            assert s.encode() not in data, (path, s)
+        assert b"acme" not in data, path
+
+    with MlxVlmCacheController(backend, root, tenant="acme") as ctl:
+        hit = ctl.generate(ip, QUESTION, NEW)
+    assert hit.handle.source == "disk" and hit.tokens == want
+    assert hit.handle.ref == first.handle.ref
+    for other in ("globex", None):
+        with MlxVlmCacheController(backend, root, tenant=other) as ctl:
+            got = ctl.generate(ip, QUESTION, NEW)
+        assert got.handle.source == "cold" and got.tokens == want, other
+        assert got.handle.ref != first.handle.ref
+
+    run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(root),
+             env={VALUE_ENV: master})
+    with MlxVlmCacheController(backend, root, tenant="acme") as ctl:
+        again = ctl.generate(ip, QUESTION, NEW)
+    assert again.handle.source == "cold" and again.tokens == want
+
+    monkeypatch.setenv(VALUE_ENV, secrets.token_hex(32))  # the master key lost, replaced
+    before = sorted(p.name for p in (root / "manifests").rglob("*.json"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spoolctl"), \
+            MlxVlmCacheController(backend, root, tenant="acme") as ctl:
+        lost = ctl.generate(ip, QUESTION, NEW)
+    assert lost.handle.source == "cold" and lost.tokens == want
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "not the one this store's keyring" in lines[0], lines
+    assert sorted(p.name for p in (root / "manifests").rglob("*.json")) == before

@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 
 import pytest
+from controller_backends import Counting, cold_tokens, prompt_ids
 from waiting import wait_until
 
 pytest.importorskip("transformers")
@@ -35,35 +35,8 @@ def backend(tiny_model_dir) -> PyTorchBackend:
     return PyTorchBackend(tiny_model_dir, model_id="tiny")
 
 
-class Counting:
-    """Counts (and optionally slows) real prefills of a backend; everything else delegates."""
-
-    def __init__(self, backend: PyTorchBackend, delay: float = 0.0):
-        self._b = backend
-        self.delay = delay
-        self.prefills: list[int] = []
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self._b, name)
-
-    @property
-    def kind(self) -> str:
-        return self._b.kind
-
-    def prefill(self, cache, tokens):
-        with self._lock:
-            self.prefills.append(len(tokens))
-        time.sleep(self.delay)
-        return self._b.prefill(cache, tokens)
-
-
-def prompt_ids(backend: PyTorchBackend, p: CachePrepareParams, prompt: str) -> list[int]:
-    return [t for s in backend.tokenize_segments([*render_segments(p), prompt]) for t in s]
-
-
 def cold(backend: PyTorchBackend, p: CachePrepareParams, prompt: str = QUESTION, n: int = 8):
-    return backend.generate(None, 0, prompt_ids(backend, p, prompt), n)
+    return cold_tokens(backend, p, prompt, n)
 
 
 def test_cold_greedy_matches_transformers_generate(backend):

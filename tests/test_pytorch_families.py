@@ -15,13 +15,13 @@ pytest.importorskip("transformers")
 
 from family_prompts import (
     DOC1,
-    DOC1_NEAR,
     DOC2,
     FAMILIES,
     QUESTION,
     SEEDED,
     SYSTEM,
-    SYSTEM_NEAR,
+    check_extension_rule,
+    check_instructions_snapshot,
     cold,
     params,
     spoolctl_warnings,
@@ -65,50 +65,16 @@ def test_disk_restore_gives_the_tokens_of_a_cold_run(backends, family, store_roo
 @pytest.mark.parametrize("family", FAMILIES)
 def test_extension_is_reused_and_exact_near_misses_and_cuts_run_cold(backends, family,
                                                                       store_root, caplog):
-    """A stored state is only ever extended, never cut back: instructions + doc1 grows to
-    + doc2 from the doc1 entry; a near miss inside doc1, or a prompt that stops inside it,
-    reuses exactly the instructions snapshot (decision 2602) and no more; a near miss inside
-    the instructions runs cold. Tokens equal a cold run each time, and no base that would
-    need cutting back is even read (no warning)."""
-    b = backends[family]
-    with PyTorchCacheController(b, store_root) as ctl:
-        base = ctl.prepare(params(family, DOC1))
-        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
-    with PyTorchCacheController(b, store_root) as ctl:
-        ext = ctl.prepare(params(family, DOC1, DOC2))
-        assert ext.source == "incremental" and ext.reused_tokens == base.cached_tokens
-        assert ctl.generate(ext, QUESTION, 8).tokens == cold(b, DOC1, DOC2)
-    half = DOC1[: len(DOC1) // 2]
-    with PyTorchCacheController(b, store_root) as ctl, caplog.at_level(logging.WARNING):
-        for data in (DOC1_NEAR, half):
-            h = ctl.prepare(params(family, data))
-            assert h.source == "incremental" and h.reused_tokens == head > 0
-            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, data)
-        near = ctl.prepare(CachePrepareParams(model=family, instructions=[SYSTEM_NEAR],
-                                              data=[DOC1]))
-        assert near.source == "cold" and near.reused_tokens == 0
-        assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1, system=SYSTEM_NEAR)
-    assert spoolctl_warnings(caplog) == []
+    """The extension rule (``family_prompts.check_extension_rule``)."""
+    check_extension_rule(PyTorchCacheController, backends[family], family, store_root, caplog)
 
 
 @pytest.mark.extended  # the engine rule; tests/test_mlx_families.py covers it by default
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_system_prompt_many_documents_extends_the_instructions_snapshot(
         backends, family, store_root):
-    """The app shape "one system prompt, many documents" hits for caches that cannot be
-    cut back: the first cold prefill also stores the instructions' state, every later
-    document extends it (and never supersedes it), tokens equal a cold run."""
-    b = backends[family]
-    with PyTorchCacheController(b, store_root) as ctl:
-        first = ctl.prepare(params(family, DOC1))
-        head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
-    assert first.source == "cold"
-    for doc in (DOC2, DOC1_NEAR):
-        with PyTorchCacheController(b, store_root) as ctl:  # fresh memory: snapshot from disk
-            h = ctl.prepare(params(family, doc))
-            assert h.source == "incremental" and h.reused_tokens == head > 0
-            assert h.supersedes is None
-            assert ctl.generate(h, QUESTION, 8).tokens == cold(b, doc)
+    """One system prompt, many documents (``family_prompts.check_instructions_snapshot``)."""
+    check_instructions_snapshot(PyTorchCacheController, backends[family], family, store_root)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

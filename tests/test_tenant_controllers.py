@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("cryptography")
 pytest.importorskip("transformers")
 
+from controller_backends import Counting, cold_tokens
 from operator_cli import run_json
 
 from spoolctl.controllers import CachePrepareParams, Element, LocalCacheController
-from spoolctl.controllers.contract import render_segments
 from spoolctl.errors import ConfigError
 from spoolctl.store import Store
 from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, MAGIC2, VALUE_ENV
@@ -40,35 +40,9 @@ def master_env(monkeypatch) -> str:
     return key
 
 
-class Counting:
-    """Counts real prefills of a backend; everything else delegates."""
-
-    def __init__(self, backend):
-        self._b = backend
-        self.prefills: list[int] = []
-
-    def __getattr__(self, name):
-        return getattr(self._b, name)
-
-    @property
-    def kind(self) -> str:
-        return self._b.kind
-
-    def prefill(self, cache, tokens):
-        self.prefills.append(len(tokens))
-        return self._b.prefill(cache, tokens)
-
-
 def _params(model: str, *data: str) -> CachePrepareParams:
     return CachePrepareParams(model=model, instructions=[Element(SYSTEM, role="system")],
                               data=[Element(d, role="user") for d in data])
-
-
-def _cold(backend, p: CachePrepareParams, n: int) -> list[int]:
-    """Reference: greedy tokens of the whole prompt with no cache at all."""
-    segments = [*render_segments(p, include_volatile=True), QUESTION]
-    return backend.generate(None, 0, [t for s in backend.tokenize_segments(segments)
-                                      for t in s], n)
 
 
 def _check_tenancy(backend, make, root: Path, master_env: str, monkeypatch, caplog,
@@ -76,7 +50,7 @@ def _check_tenancy(backend, make, root: Path, master_env: str, monkeypatch, capl
     """The behaviour both frameworks must show; ``make(backend, root, tenant)`` builds a
     controller."""
     p1, p2 = _params(None, DOC1), _params(None, DOC1, DOC2)
-    want1, want2 = _cold(backend, p1, n), _cold(backend, p2, n)
+    want1, want2 = cold_tokens(backend, p1, QUESTION, n), cold_tokens(backend, p2, QUESTION, n)
     with make(backend, root, "acme") as ctl:
         first = ctl.generate(p1, QUESTION, n)
     assert first.handle.source == "cold" and first.tokens == want1

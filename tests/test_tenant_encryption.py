@@ -190,3 +190,52 @@ def test_scrub_and_request_auth_need_no_key(store_root: Path, master: MasterKey)
     doc = run_json("scrub", "--until-complete", *root, expect=1)  # no key at all
     assert [q["entry_id"] for q in doc["quarantined"]] == [ms[3].entry_id], doc
     assert doc["cycle_completed"], doc
+
+
+def test_large_objects_seal_and_open_in_pieces_without_a_second_copy(store_root: Path,
+                                                                     master: MasterKey):
+    """An encrypted commit and read of a large object (KV staged by a worker, restored into
+    host KV) never hold a second buffer of its size: the commit encrypts piece by piece as it
+    writes, the read decrypts piece by piece into the caller's buffer (decision 2820). The
+    bytes on disk stay the one-shot format (``Sealer.seal`` / ``unseal`` read them), and a
+    flipped byte deep inside is still corruption, the caller's buffer wiped."""
+    import tracemalloc
+
+    from spoolctl.store.sealing import overhead
+
+    size = (9 << 20) + 13  # several pieces, past the pipelined read's threshold, odd tail
+    data = os.urandom(size)
+    with Store.open(store_root, create=True, master_key=master) as store:
+        # the tenant's key made first (a keyring reload reads into a 16 MiB buffer)
+        store.put(kind=KIND, namespace=NS, key="warm", objects={"kv": b"w" * 4096}, tenant="t")
+        out = memoryview(bytearray(size))
+        tracemalloc.start()
+        try:
+            m = store.put(kind=KIND, namespace=NS, key="big", objects={"kv": data}, tenant="t")
+            _, commit_peak = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            store.read(m, "kv", into=out)
+            _, read_peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert bytes(out) == data
+        assert commit_peak < size // 4, commit_peak
+        assert read_peak < size // 2, read_peak
+        path = store.layout.object_path(m.objects[0].digest)
+        sealed = path.read_bytes()
+        assert len(sealed) == size + overhead(m.index["sealed"]["version"])
+        assert bytes(store.sealer.unseal(memoryview(sealed))) == data
+        # an object sealed in one buffer (before decision 2820) reads back the same
+        tid, version = m.index["sealed"]["tenant"], m.index["sealed"]["version"]
+        key = store.sealer.keyring.data_key(tid, version)
+        path.chmod(0o600)
+        path.write_bytes(bytes(store.sealer.seal(tid, version, key, data)))
+        assert bytes(store.read(m, "kv")) == data
+        tampered = bytearray(path.read_bytes())
+        tampered[HEADER_BYTES + (5 << 20) + 7] ^= 1
+        path.write_bytes(bytes(tampered))
+        out[:] = b"\xff" * size
+        with pytest.raises(CorruptionError):
+            store.read(m, "kv", into=out)
+        assert not any(out), "unauthenticated plaintext left in the caller's buffer"
+        assert store.lookup(KIND, NS, "big", tenant="t") is None

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import os
 import random
-import re
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_engines import FLEET_DRIVER, run_engine
-
-from spoolctl.connector.planning.chain import chain_root, chunk_keys
-from spoolctl.store import Store
+from vllm_engines import FLEET_DRIVER, run_engine, stored_chunks
+from vllm_engines import prom_metric as metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
@@ -34,26 +31,8 @@ Q1 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 5)]
 Q2 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 9)]
 
 
-def metric(lines: list[str], name: str, **labels: str) -> float:
-    """One sample of the driver's Prometheus text (summed over engines)."""
-    total, found = 0.0, False
-    for line in lines:
-        m = re.match(r"^([a-z_:]+)(\{[^}]*\})? (\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total, found = total + float(m.group(3)), True
-    assert found, f"{name}{labels} not exported"
-    return total
-
-
 def stored(root: Path, tokens: list[int]) -> list[bool]:
-    (deployment,) = [p for p in root.iterdir() if p.is_dir()]
-    keys = chunk_keys(chain_root(deployment.name, None), tokens, CHUNK)
-    with Store.open(deployment / "rank-0000") as store:
-        live = {r.key for r in store.entries(kind="vllm") if r.hint == "retain"}
-    return [k in live for k in keys]
+    return stored_chunks(root, tokens, CHUNK)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import shutil
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_engines import run_engine
+from vllm_engines import key_file, run_engine, sched_counter
 
 from spoolctl import metrics as m
 from spoolctl.connector.planning.chain import chain_root, chunk_keys
@@ -39,11 +38,6 @@ rng = random.Random(35)
 _unused = [rng.randrange(3, 500) for _ in range(3 * CHUNK + 9)]  # keeps the draws below
 Q = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 7)]
 P = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 5)]  # zero KV for chunk 0 shows
-
-
-def counter(out: dict, spec: m.MetricSpec, **labels: str) -> float:
-    slot = out["worker_counters"].get(spec.name, {})
-    return slot.get(",".join(f"{k}={labels[k]}" for k in sorted(labels)), 0)
 
 
 def forge_first_chunk(root: Path, ns: str, tokens: list[int]) -> str:
@@ -62,21 +56,18 @@ def forge_first_chunk(root: Path, ns: str, tokens: list[int]) -> str:
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-tags")))
-    key_file = work / "secrets" / "tag.key"
-    key_file.parent.mkdir(mode=0o700)
-    key_file.write_text(secrets.token_hex(32) + "\n")
-    key_file.chmod(0o600)
+    tag_key = key_file(work, "tag.key")
     base = {"model": str(tiny_model_dir), "root": str(work / "store"),
             "extra": {"spoolctl_chunk_tokens": CHUNK}}
     no_key = (KEY_FILE_ENV, KEY_ENV)
-    a = run_engine({**base, "extra": {**base["extra"], "spoolctl_tag_key_file": str(key_file)},
+    a = run_engine({**base, "extra": {**base["extra"], "spoolctl_tag_key_file": str(tag_key)},
                     "requests": [{"name": "p", "tokens": P}, {"name": "q", "tokens": Q}]},
                    work, "A", unset=no_key)
     root, ns = Path(a["store_root"]), a["namespace"]
     forged_p = forge_first_chunk(root, ns, P)
     shutil.copytree(work / "store", work / "copy", symlinks=True)
     b = run_engine({**base, "requests": [{"name": "p", "tokens": P}, {"name": "q", "tokens": Q}]},
-                   work, "B", env={KEY_FILE_ENV: str(key_file)}, unset=(KEY_ENV,))
+                   work, "B", env={KEY_FILE_ENV: str(tag_key)}, unset=(KEY_ENV,))
     with Store.open(root, tag_key=None, read_only=True) as store:
         quarantined = {i.entry_id: i.reason for i in store.quarantine_items()}
     c = run_engine({**base, "root": str(work / "copy"), "requests": [{"name": "p", "tokens": P}]},
@@ -88,8 +79,8 @@ def test_a_forged_chunk_is_not_restored_under_a_key(runs):
     a, b = runs["A"], runs["B"]
     assert a["results"]["p"]["num_cached_tokens"] == 0
     assert b["results"]["p"]["tokens"] == a["results"]["p"]["tokens"]  # equal to cold
-    assert counter(b, m.LOAD_ERRORS, reason="auth_tag") == 1
-    assert counter(b, m.QUARANTINE_EVENTS, reason="auth_tag") == 1
+    assert sched_counter(b, m.LOAD_ERRORS, role="worker", reason="auth_tag") == 1
+    assert sched_counter(b, m.QUARANTINE_EVENTS, role="worker", reason="auth_tag") == 1
     assert runs["quarantined_after_b"] == {runs["forged_p"]: "auth_tag"}
     assert b["alive"]
 

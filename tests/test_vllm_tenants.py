@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("cryptography")
 
-from vllm_engines import run_engine
+from vllm_engines import key_file, run_engine, sched_counter
 
 from spoolctl import metrics as m
 from spoolctl.store import MasterKey, Store, TenantNames
@@ -44,20 +43,10 @@ rng = random.Random(33)
 P = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 5)]  # two complete chunks
 
 
-def _counter(out: dict, role: str, spec: m.MetricSpec, **labels: str) -> float:
-    slot = out[f"{role}_counters"].get(spec.name, {})
-    if not labels:
-        return sum(slot.values())
-    return slot.get(",".join(f"{k}={labels[k]}" for k in sorted(labels)), 0)
-
-
 @pytest.fixture(scope="module")
 def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-tenants")))
-    key_file = work / "secrets" / "master.key"
-    key_file.parent.mkdir(mode=0o700)
-    key_file.write_text(secrets.token_hex(32) + "\n")
-    key_file.chmod(0o600)
+    master_file = key_file(work, "master.key")
     root = work / "store"
     job = {"model": str(tiny_model_dir), "root": str(root),
            "extra": {"spoolctl_chunk_tokens": CHUNK},
@@ -72,10 +61,10 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                {"name": "b_hit", "tokens": P, "salt": B},
                {"name": "a_again", "tokens": P, "salt": A},
            ]}
-    env = {FILE_ENV: str(key_file)}
+    env = {FILE_ENV: str(master_file)}
     out = run_engine(job, work, "tenants", env=env, unset=(VALUE_ENV, COMMAND_ENV))
-    names = TenantNames(MasterKey.from_file(key_file))
-    return {"out": out, "work": work, "root": root, "key_file": key_file, "job": job,
+    names = TenantNames(MasterKey.from_file(master_file))
+    return {"out": out, "work": work, "root": root, "key_file": master_file, "job": job,
             "tid": {A: names.tenant_id(A), B: names.tenant_id(B),
                     None: names.tenant_id(None)}}
 
@@ -105,7 +94,7 @@ def test_revoke_while_serving_is_a_miss_for_that_tenant_only(run):
     assert res["a_again"]["num_cached_tokens"] == 2 * CHUNK
     assert res["a_again"]["tokens"] == cold
     # A miss, not an error storm: no restore was attempted on an erased key, nothing logged.
-    assert _counter(out, "worker", m.LOAD_ERRORS) == 0
+    assert sched_counter(out, m.LOAD_ERRORS, role="worker") == 0
     ours = [line for line in out["log"].splitlines()
             if "spoolctl:" in line and "shutdown_timeout" not in line]  # (the drain advice)
     assert ours == []
@@ -141,10 +130,10 @@ def test_per_tenant_metrics_name_opaque_ids(run):
     assert lookups == {f"result=hit,tenant={tid[A]}": 2, f"result=miss,tenant={tid[A]}": 2,
                        f"result=hit,tenant={tid[B]}": 1, f"result=miss,tenant={tid[B]}": 1,
                        f"result=miss,tenant={tid[None]}": 2}  # unsalted, and the last probe
-    assert _counter(out, "scheduler", m.TENANT_HIT_TOKENS, tenant=tid[A]) == 4 * CHUNK
-    assert _counter(out, "worker", m.TENANT_RESTORE_BYTES, tenant=tid[B]) > 0
-    assert _counter(out, "worker", m.TENANT_STORE_BYTES, tenant=tid[A]) == \
-        2 * _counter(out, "worker", m.TENANT_STORE_BYTES, tenant=tid[B])  # A stored twice
+    assert sched_counter(out, m.TENANT_HIT_TOKENS, role="scheduler", tenant=tid[A]) == 4 * CHUNK
+    assert sched_counter(out, m.TENANT_RESTORE_BYTES, role="worker", tenant=tid[B]) > 0
+    assert sched_counter(out, m.TENANT_STORE_BYTES, role="worker", tenant=tid[A]) == \
+        2 * sched_counter(out, m.TENANT_STORE_BYTES, role="worker", tenant=tid[B])  # A stored twice
     everything = repr(out["scheduler_counters"]) + repr(out["worker_counters"])
     assert A not in everything and B not in everything
 

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_vllm_admission import metric, stored
-from vllm_engines import FLEET_DRIVER, run_engine
+from vllm_engines import FLEET_DRIVER, run_engine, stored_chunks
+from vllm_engines import prom_metric as metric
 
 from spoolctl.connector.deployment import write_budget as wb
 
@@ -30,6 +30,10 @@ CHUNK_KV = CHUNK * 1024  # the tiny model's KV: 1 KiB per token
 rng = random.Random(43)
 Q1 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 5)]
 Q2 = [rng.randrange(3, 500) for _ in range(2 * CHUNK + 9)]
+
+
+def stored(root: Path, tokens: list[int]) -> list[bool]:
+    return stored_chunks(root, tokens, CHUNK)
 
 
 @pytest.fixture(scope="module")

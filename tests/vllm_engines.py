@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from spoolctl import metrics as m
+from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store, entry_id_for
 
 DRIVER = Path(__file__).with_name("vllm_support.py")
@@ -62,6 +65,40 @@ def sched_counter(out: dict, spec: m.MetricSpec, *, role: str = "scheduler",
     slot = out[f"{role}_counters"].get(spec.name, {})
     return slot.get(",".join(f"{k}={labels[k]}" for k in sorted(labels)), 0) if labels \
         else sum(slot.values())
+
+
+def key_file(workdir: Path, name: str) -> Path:
+    """A new random 32-byte key (64 hex) in ``workdir/secrets/name``, as an operator keeps a
+    tag or master key: the directory 0700, the file 0600, outside the store."""
+    path = workdir / "secrets" / name
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def prom_metric(lines: list[str], name: str, **labels: str) -> float:
+    """One sample of the driver's Prometheus text (summed over engines)."""
+    total, found = 0.0, False
+    for line in lines:
+        hit = re.match(r"^([a-z_:]+)(\{[^}]*\})? (\S+)$", line)
+        if not hit or hit.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', hit.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total, found = total + float(hit.group(3)), True
+    assert found, f"{name}{labels} not exported"
+    return total
+
+
+def stored_chunks(root: Path, tokens: list[int], chunk: int) -> list[bool]:
+    """Which complete chunks of ``tokens`` (unsalted) the one rank store of the one deployment
+    under ``root`` holds, committed and retained."""
+    (deployment,) = [p for p in root.iterdir() if p.is_dir()]
+    keys = chunk_keys(chain_root(deployment.name, None), tokens, chunk)
+    with Store.open(deployment / "rank-0000") as store:
+        live = {r.key for r in store.entries(kind="vllm") if r.hint == "retain"}
+    return [k in live for k in keys]
 
 
 def live_keys(root: str, ns: str, keys: list[str]) -> list[bool]:

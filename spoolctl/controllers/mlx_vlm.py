@@ -91,6 +91,10 @@ class VlmEntryFormat:
     label = "mlx-vlm"
     kind = KIND
     bases = False  # exact-match only (decision 0701)
+    # On an encrypted store these go into the entry's sealed object (decision 2821): the
+    # image digests and the hashes derived from them or from the prompt's key.
+    sealed_meta = ("images", "image_digest", "image_count", "extra_hash")
+    sealed_layout = ("cache_hash", "file_name", "extra_hash")
 
     def __init__(self, backend: MlxVlmBackend):
         self.vlm = backend
@@ -221,7 +225,9 @@ class MlxVlmCacheController(LocalCacheController):
     """Prompt caches for mlx-vlm models: ``LocalCacheController``'s store, memory LRU,
     coalescing, locks, release, close and generate, with exact-match VLM entries
     (``VlmEntryFormat``; see the module docstring). ``generate`` takes the params (or a
-    handle) and a final prompt.
+    handle) and a final prompt. ``tenant``: on an encrypted store, the tenant whose key
+    seals the entries, with their token ids and image digests (decision 2821); as for
+    ``LocalCacheController``.
     """
 
     def __init__(
@@ -232,12 +238,13 @@ class MlxVlmCacheController(LocalCacheController):
         max_bytes: int | None = None,
         memory_entries: int = DEFAULT_MEMORY_ENTRIES,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        tenant: str | None = None,
     ):
         backend = model if isinstance(model, MlxVlmBackend) else MlxVlmBackend(model)
         if root is not None and not isinstance(root, Store):
             root = os.fspath(root)
         fmt = VlmEntryFormat(backend)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout, entry_format=fmt)
+                         lock_timeout=lock_timeout, entry_format=fmt, tenant=tenant)
         self.vlm: MlxVlmBackend = backend
         self.namespaces = fmt.namespaces

@@ -75,7 +75,7 @@ from .catalog.health import CatalogKeeper, shedding
 from .catalog.index import Catalog
 from .catalog.rows import index_problem
 from .commit.committer import Committer, Payload, Pending, PutOutcome, PutRequest
-from .commit.inputs import check_put, is_bytes_like
+from .commit.inputs import check_put, known_size
 from .context import Limits, PartContext, WritableGuard
 from .disk import faults
 from .disk.fsio import io_error, read_manifest
@@ -392,8 +392,8 @@ class Store:
                 # The catalog was rebuilt mid-commit and the batch runs again: a streamed
                 # payload was consumed by the first try and cannot be read twice.
                 for p in pending:
-                    if p.outcome is None and p.request and not all(
-                            is_bytes_like(v) for v in p.request.objects.values()):
+                    if p.outcome is None and p.request and any(
+                            known_size(v) is None for v in p.request.objects.values()):
                         p.fail(StoreIOError("the catalog was repaired during this commit; a "
                                             "streamed payload cannot be read twice",
                                             path=self.root, fix="commit the entry again"))

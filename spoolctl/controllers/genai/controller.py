@@ -46,7 +46,6 @@ from spoolctl.store import (
     SpoolError,
     Store,
     entry_id_for,
-    refuse_encrypted,
 )
 
 from ..contract import CacheHandle, CachePrepareParams, GenerateResult
@@ -102,7 +101,8 @@ class GoogleGenAICacheController:
     resource names stay ``projects/P/locations/L/cachedContents/ID``). ``store`` is an
     open ``Store`` (left open at close) or a root path (opened with ``create=True``
     and closed at close). ``ttl`` is ``"<seconds>s"``. ``clock`` returns unix seconds
-    (injectable for tests).
+    (injectable for tests). ``tenant``: on an encrypted store, the tenant whose records
+    these are (keyed per tenant, found by that tenant only; ``_GenaiTenant``, decision 2821).
     """
 
     def __init__(
@@ -115,6 +115,7 @@ class GoogleGenAICacheController:
         min_remaining: float = 60.0,
         verify_store_hits: bool = True,
         clock: Callable[[], float] = time.time,
+        tenant: str | None = None,
     ):
         self.ttl = ttl
         self.ttl_seconds = parse_ttl(ttl)
@@ -133,10 +134,12 @@ class GoogleGenAICacheController:
         self.clock = clock
         self._owns_store = not isinstance(store, Store)
         self.store = Store.open(os.fspath(store), create=True) if self._owns_store else store
-        if self.store.sealer is not None:  # no tenant= yet (decision 2800): fail closed
+        try:
+            self._tenant = _GenaiTenant(self.store, tenant)
+        except SpoolError:
             if self._owns_store:
                 self.store.close()
-            refuse_encrypted(self.store, "the google-genai controller")
+            raise
         self._stats = GenaiStats()
         self._params: dict[str, CachePrepareParams] = {}  # ref -> params, for generate()
         self._lock = threading.Condition()
@@ -182,7 +185,7 @@ class GoogleGenAICacheController:
         request = cache_request(_hosted(params))
         if request is None:
             return CacheHandle.empty()
-        ckey = params.key()
+        ckey = self._tenant.key(params)
         joined = self._join(ckey, params.read_only)
         if isinstance(joined, CacheHandle):
             handle = joined
@@ -198,7 +201,7 @@ class GoogleGenAICacheController:
         request = cache_request(_hosted(params))
         if request is None:
             return CacheHandle.empty()
-        ckey = params.key()
+        ckey = self._tenant.key(params)
         joined = self._join(ckey, params.read_only)
         if isinstance(joined, CacheHandle):
             handle = joined
@@ -266,9 +269,10 @@ class GoogleGenAICacheController:
                            "creating a cached content", self.target.describe())
         rec = self._record_of(cc, params, ckey)
         try:
-            yield Local(lambda: self.store.put(
-                kind=KIND, namespace=self.namespace, key=rec.store_key(), objects={},
-                meta=rec.meta(), index=rec.index()))
+            if not self._tenant.lost:  # a lost master key: served from memory, deleted at close
+                yield Local(lambda: self.store.put(
+                    kind=KIND, namespace=self.namespace, key=rec.store_key(), objects={},
+                    meta=rec.meta(), index=rec.index(), tenant=self._tenant.tenant))
         except SpoolError:
             # Unrecorded caches would be billed with nothing to find them by: undo.
             try:
@@ -288,7 +292,7 @@ class GoogleGenAICacheController:
         name = validate_name(cc.name)
         tokens = cc.usage_metadata.total_token_count if cc.usage_metadata else None
         return GenaiRecord(
-            entry_id=entry_id_for(KIND, self.namespace, store_key(ckey, name)),
+            entry_id=self._tenant.entry_id(self.namespace, store_key(ckey, name)),
             name=name, model=cc.model or params.model, key=ckey,
             display_name=cc.display_name or "",
             create_time=to_unix(cc.create_time) or now,
@@ -522,12 +526,14 @@ class GoogleGenAICacheController:
         known = self._known(handle.ref)
         if known is not None:
             return known.key() == params.key()
+        if self._tenant.lost:
+            return False  # nothing of the store is this controller's to trust
         try:
             rec = self._lookup_name(handle.ref)
         except SpoolError as exc:
             log.warning("could not look up a cache handle, running cold: %s", reason(exc))
             return False
-        return rec is not None and rec.key == params.key()
+        return rec is not None and rec.key == self._tenant.key(params)
 
     def generate(self, target: CachePrepareParams | CacheHandle, prompt: Query = "", *,
                  params: CachePrepareParams | None = None,
@@ -608,3 +614,48 @@ def _handle(rec: GenaiRecord, source: str) -> CacheHandle:
     return CacheHandle(ref=rec.name, includes=rec.includes, cached_tokens=rec.token_count,
                        written_tokens=0 if reused else rec.token_count,
                        reused_tokens=rec.token_count if reused else 0, source=source)
+
+
+class _GenaiTenant:
+    """The tenant of a genai controller on an encrypted store (issue 33 item 6, decision
+    2821). A genai entry holds no payload, only a record of a server resource; what is
+    prompt-derived in it is the controller key (``params.key()``, a digest of the model,
+    instructions, contents and tools). With a tenant that key is replaced by a keyed hash
+    under the tenant's naming key (``Sealer.sealed_key``), and the entry is committed with
+    ``tenant=`` (its ``sealed`` fact names the tenant's opaque id, so ``keys revoke``
+    releases it): two tenants' equal prompts share no key, entry id or row, and another
+    tenant, or none, misses. A store without encryption takes ``tenant=`` as a ConfigError;
+    a master key that is not the keyring's is one warning line at open, then every lookup
+    misses and nothing is recorded (caches made meanwhile are deleted at ``close``)."""
+
+    def __init__(self, store: Store, tenant: str | None):
+        self._store = store
+        sealer = store.sealer
+        if sealer is None:
+            if tenant is not None:
+                raise ConfigError("tenant= was given but the store has no encryption at rest "
+                                  "configured (no master key)", path=store.root,
+                                  fix="set SPOOLCTL_MASTER_KEY_FILE to the store's master key, "
+                                      "or drop tenant=")
+            self.active, self.tenant, self.lost = False, None, False
+            return
+        self.active, self.tenant = True, tenant
+        sealer.tenant_id(tenant)  # a bad name is a ConfigError now, not at the first prepare
+        ring = sealer.keyring
+        self.lost = ring.path.exists() and not ring.master_matches
+        if self.lost:
+            log.warning("the configured master key (id %s) is not the one this store's keyring "
+                        "was written under: every genai cache record is a miss and none is "
+                        "recorded (docs/runbook.md, key loss)", sealer.master.key_id)
+
+    def key(self, params: CachePrepareParams) -> str:
+        """The controller key of ``params`` for this tenant."""
+        if not self.active:
+            return params.key()
+        assert self._store.sealer is not None
+        return self._store.sealer.sealed_key(self.tenant, "genai:" + params.key())
+
+    def entry_id(self, namespace: str, key: str) -> str:
+        if not self.active:
+            return entry_id_for(KIND, namespace, key)
+        return self._store.entry_id(KIND, namespace, key, tenant=self.tenant)

@@ -188,11 +188,14 @@ class LocalCacheController:
         else:
             self._store = _open_store(root, max_bytes=max_bytes, read_only=read_only)
         try:
-            if self._store.sealer is not None and entry_format is not None:
-                # Formats of their own (mlx-vlm) keep clear-text image digests in their
-                # meta: not sealed yet (decision 2810), so fail closed.
+            if self._store.sealer is not None and entry_format is not None and \
+                    not hasattr(entry_format, "sealed_meta"):
+                # A format of its own must name the prompt-derived meta it keeps (mlx-vlm:
+                # image digests, decision 2821) to be sealed; one that does not fails closed.
                 refuse_encrypted(self._store, f"the {self.format.label} controller")
-            self._tenancy = Tenancy(self._store, tenant, self.kind)
+            self._tenancy = Tenancy(self._store, tenant, self.kind,
+                                    sealed_meta=getattr(self.format, "sealed_meta", ()),
+                                    sealed_layout=getattr(self.format, "sealed_layout", ()))
         except SpoolError:
             if self._owns_store:
                 self._store.close()

@@ -8,7 +8,9 @@ tenant's data key (``Store.put(..., tenant=)``), and finds only that tenant's en
   prompt of two tenants (or of a tenant and the default tenant, ``tenant=None``) gives two
   unrelated entries, so another tenant's lookup is a plain miss -- tokens as a cold run.
 * Nothing prompt-derived stays in clear text in a sealed entry's manifest or catalog row:
-  the token ids and prefix digests move into a sealed object (``PREFIX_OBJECT``) and the
+  the token ids and prefix digests -- and what a format names in ``sealed_meta`` /
+  ``sealed_layout`` (mlx-vlm: image digests, its snapshot's hashes; decision 2821) -- move
+  into a sealed object (``PREFIX_OBJECT``) and the
   params' group and element hashes are keyed per tenant (equal prompts of two tenants do
   not show equal hashes); base selection looks only at the tenant's own rows.
 * A store without encryption takes ``tenant=`` as a ConfigError (it would isolate nothing);
@@ -34,15 +36,20 @@ log = logging.getLogger("spoolctl.controllers")
 
 PREFIX_OBJECT = "prefix"  # the sealed object that holds a sealed entry's token meta
 SECRET_META = ("tokens", "prefix_offsets", "prefix_hashes")
+LAYOUT_KEY = "layout"  # in the sealed object: the format's ``sealed_layout`` values
 
 
 class Tenancy:
     """The tenant a controller's entries belong to (see the module docstring). Inactive
     (every method an identity) on a store without encryption and no tenant."""
 
-    def __init__(self, store: Store, tenant: str | None, kind: str):
+    def __init__(self, store: Store, tenant: str | None, kind: str, *,
+                 sealed_meta: tuple[str, ...] = (), sealed_layout: tuple[str, ...] = ()):
         sealer = store.sealer
         self._store, self._kind = store, kind
+        # meta keys (and keys of meta["layout"]) that go into the sealed object
+        self._secret = SECRET_META + tuple(k for k in sealed_meta if k not in SECRET_META)
+        self._secret_layout = tuple(sealed_layout)
         if sealer is None:
             if tenant is not None:
                 raise ConfigError("tenant= was given but the store has no encryption at rest "
@@ -82,8 +89,12 @@ class Tenancy:
         sealed ``PREFIX_OBJECT``; unchanged otherwise."""
         if not self.active:
             return meta, objects
-        secret = {k: meta[k] for k in SECRET_META if k in meta}
-        clear = {k: v for k, v in meta.items() if k not in SECRET_META}
+        secret = {k: meta[k] for k in self._secret if k in meta}
+        clear = {k: v for k, v in meta.items() if k not in self._secret}
+        layout = clear.get("layout")
+        if self._secret_layout and isinstance(layout, Mapping):
+            secret[LAYOUT_KEY] = {k: layout[k] for k in self._secret_layout if k in layout}
+            clear["layout"] = {k: v for k, v in layout.items() if k not in self._secret_layout}
         return clear, {**objects, PREFIX_OBJECT: json.dumps(secret).encode()}
 
     def open_meta(self, manifest: Manifest, objects: dict[str, Any] | None = None
@@ -107,7 +118,13 @@ class Tenancy:
                                          "sealed token meta is not a JSON object")
             raise CorruptionError("sealed token meta is not a JSON object",
                                   reason=QuarantineReason.MANIFEST_VALIDATION) from None
-        return {**manifest.meta, **{k: secret[k] for k in SECRET_META if k in secret}}, objects
+        meta = {**manifest.meta, **{k: secret[k] for k in self._secret if k in secret}}
+        hidden = secret.get(LAYOUT_KEY)
+        if self._secret_layout and isinstance(hidden, dict) and \
+                isinstance(meta.get("layout"), Mapping):
+            meta["layout"] = {**meta["layout"],
+                              **{k: hidden[k] for k in self._secret_layout if k in hidden}}
+        return meta, objects
 
     def own(self, index: Any) -> bool:
         """Whether a catalog row's index is this tenant's (always, when inactive)."""

@@ -77,7 +77,7 @@ from ..disk.reserve import HEADROOM_BYTES, headroom_ok
 from ..disk.space import INODE_FIX, Space, inodes_short, no_inodes_detail
 from ..disk.verify import verify_object
 from ..format.manifest import Manifest, ObjectRef, authenticate, encode
-from .inputs import is_bytes_like, payload_size
+from .inputs import is_bytes_like, known_size
 
 if TYPE_CHECKING:
     from ..context import PartContext
@@ -362,7 +362,7 @@ class Committer:
     def _stage_objects(self, p: Pending, flushing: list[Flushing], ahead: _TmpAhead) -> None:
         assert p.request is not None
         objects = p.request.objects
-        self.check_fits(sum(payload_size(v) for v in objects.values() if is_bytes_like(v)))
+        self.check_fits(sum(known_size(v) or 0 for v in objects.values()))
         budget = self.budget()
         for name, payload in objects.items():
             left = None if budget is None else budget - sum(f.size for _, f in p.staged)

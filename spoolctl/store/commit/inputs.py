@@ -27,6 +27,16 @@ def is_bytes_like(value: Any) -> bool:
     return isinstance(value, (bytes, bytearray, memoryview))
 
 
+def known_size(value: Any) -> int | None:
+    """Bytes of a payload known before it is written: a bytes-like payload, or a sized
+    source marked ``replayable`` (``sealing.SealedStream``); None for a streamed one (an
+    iterator: sized only as it streams, read once)."""
+    if is_bytes_like(value):
+        return payload_size(value)
+    size = getattr(value, "size", None)
+    return size if isinstance(size, int) and getattr(value, "replayable", False) else None
+
+
 def payload_size(value: BytesLike) -> int:
     """Bytes of a bytes-like payload; ConfigError for a buffer spoolctl cannot write as is."""
     view = memoryview(value)

@@ -47,6 +47,9 @@ FLUSH_POOL = LazyPool("spoolctl-fsync", FLUSH_WORKERS)
 # 32, 12.9 s with 4 (scripts/bench_cli.py's store, 2 cores, ext4 with discard).
 UNLINK_WORKERS = 16
 UNLINK_POOL = LazyPool("spoolctl-unlink", UNLINK_WORKERS)
+# Hashing on a helper thread, one chunk after another (BLAKE3 releases the GIL): the
+# verified read's pipeline (``verify``) and a transient source's commit (below).
+HASH_POOL = LazyPool("spoolctl-hash", 1)
 
 
 def full_fsync(fd: int) -> None:
@@ -259,18 +262,34 @@ def write_tmp_flushing(
     hasher = Hasher()
     size = 0
     flushed: Future[None] | None = None
+    # A ``transient`` source reuses its buffers: a chunk stays valid only until the one
+    # after next is asked for (``sealing.SealedStream``, two buffers in turn). Its chunks
+    # are hashed as they are written, each on the hash pool while the source makes the
+    # next one (both in the CPU cache); others are hashed while the flush runs (below).
+    transient = getattr(chunks, "transient", False)
+    hashing: Future[None] | None = None
     try:
         try:
             views = []
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
-                views.append(view)
+                whole = view
+                if not transient:
+                    views.append(view)
                 if limit is not None and size + len(view) > limit:
                     raise SizeLimitExceeded(limit)
                 while view:
                     n = os.write(fd, view)
                     size += n
                     view = view[n:]
+                if transient:  # the chunk before this one is hashed before its buffer is reused
+                    if hashing is not None:
+                        hashing, done = None, hashing
+                        done.result()
+                    hashing = HASH_POOL.submit(hasher.update, whole)
+            if hashing is not None:
+                hashing, done = None, hashing
+                done.result()
             if on_written is not None:
                 on_written()
             # The bytes are in the page cache: flush them to disk on a helper thread while
@@ -279,6 +298,9 @@ def write_tmp_flushing(
             for view in views:
                 hasher.update(view)
         finally:
+            if hashing is not None:  # never leave the helper reading the source's buffer
+                with contextlib.suppress(Exception):
+                    hashing.result()
             if flushed is None:
                 os.close(fd)
     except OSError as exc:

@@ -28,15 +28,21 @@ from typing import Protocol
 
 from ...errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from ..format.digest import Hasher
-from .fsio import SpecialFileError, advise_willneed, describe_os_error, io_error, open_for_read
-from .pools import LazyPool
+from .fsio import (
+    HASH_POOL,
+    SpecialFileError,
+    advise_willneed,
+    describe_os_error,
+    io_error,
+    open_for_read,
+)
 from .root import StorePaths
 
 # Granularity of the read/hash pipeline (and of the hooks' chunks).
 PIPE_CHUNK = 2 << 20
 # Objects up to this size are hashed on the reading thread (no hand-off; decision 1402).
 INLINE_HASH_MAX = 4 << 20
-HASH_POOL = LazyPool("spoolctl-hash", 1)
+__all__ = ["HASH_POOL"]  # the pipeline's helper (defined in fsio, shared with commits)
 
 
 def verify_object(
