@@ -135,3 +135,32 @@ def test_genai_expiry_summary() -> None:
                                                    "next_expiry_in_s": 20.0, "malformed": 1}
     assert expiry_summary([], now).to_json() == {"entries": 0, "expired": 0,
                                                  "next_expiry_in_s": None, "malformed": 0}
+
+
+
+def test_in_process_commands_take_columns_at_each_command(store_root: Path) -> None:
+    """Each in-process command renders at the COLUMNS it is run with, not at the width the
+    process had when the CLI was imported (the console was made once, at import, so a
+    test's table width depended on whichever test imported it first). A fresh interpreter
+    imports the CLI at 120 columns, then runs `status` at 50 (a long root wraps inside 50)
+    and at 200 (it stays on one line)."""
+    import subprocess
+    import sys
+
+    long_root = store_root.parent / ("a-long-store-directory-name-" * 3)
+    Store.open(long_root, create=True).close()
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import spoolctl.cli.app
+from operator_cli import run
+print(json.dumps([run("status", "--root", {str(long_root)!r}, env={{"COLUMNS": width}})
+                  for width in ("50", "200")]))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOOLCTL_")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**env, "COLUMNS": "120"})
+    assert proc.returncode == 0, proc.stderr
+    (code, narrow, _), (code2, wide, _) = json.loads(proc.stdout)
+    assert code == 0 and max(len(line) for line in narrow.splitlines()) <= 50, narrow
+    assert code2 == 0 and str(long_root) in wide, wide

@@ -278,3 +278,40 @@ def test_routing_sends_rank_stores_only_to_their_own_deployment(tmp_path: Path):
     assert rank.route("") == base / "b" / D2 / "rank-0000"
     with pytest.raises(ConfigError, match="spoolctl_root"):
         rank.route(f"{D2}/rank-0001")
+
+
+def test_staging_hashes_small_objects_on_the_reading_thread(store: Store):
+    """An import stages an object up to ``INLINE_HASH_MAX`` hashing it between its reads and
+    writes, with no hand-off per chunk (decision 2941): here the pool is shut down, so a
+    hand-off would fail. The staged file holds the bytes; a wrong digest still deletes it;
+    a larger object still uses the pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spoolctl.store import hash_bytes
+    from spoolctl.store.transfer.ingest import (
+        INLINE_HASH_MAX,
+        DigestMismatch,
+        stage_object,
+    )
+
+    class Stream:
+        def __init__(self, data: bytes):
+            self.f = io.BytesIO(data)
+
+        def readinto(self, view: memoryview) -> int:
+            return self.f.readinto(view)
+
+        def skip(self) -> None:
+            self.f.read()
+
+    closed = ThreadPoolExecutor(1)
+    closed.shutdown()
+    data = os.urandom(INLINE_HASH_MAX)  # four 1 MiB chunks
+    path = stage_object(store, Stream(data), len(data), hash_bytes(data), closed)
+    assert path.read_bytes() == data
+    with pytest.raises(DigestMismatch):
+        stage_object(store, Stream(data), len(data), "0" * 64, closed)
+    assert sorted(p.name for p in store.layout.tmp.iterdir()) == [path.name]
+    big = data + b"x"
+    with pytest.raises(RuntimeError, match="shutdown"):  # over the limit: pipelined
+        stage_object(store, Stream(big), len(big), hash_bytes(big), closed)

@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
-from spoolctl.store import CLEAN_STEPS, ConfigError, SpoolError, Store, parse_duration
+from spoolctl.store import ConfigError, SpoolError, parse_duration
 
 from . import render
 from .common import (
@@ -40,7 +39,9 @@ from .targets import StoreTarget, Targets, resolve_targets
 commands = typer.Typer()
 
 if TYPE_CHECKING:
-    from spoolctl.store import Verdict
+    from rich.table import Table
+
+    from spoolctl.store import Store, Verdict
 
 
 @commands.command("clean")
@@ -88,6 +89,7 @@ def clean_cmd(
 
     Example (cron): [bold]spoolctl clean --yes --json[/bold]
     """
+    from spoolctl.store import CLEAN_STEPS
     age = parse_duration(min_age)
     endpoints = _endpoint_policy(genai, genai_endpoint or [])
     unused = parse_duration(unused_for) if unused_for is not None else None
@@ -254,6 +256,7 @@ def _pending_remote(store: Store) -> tuple[int, int]:
 
 
 def _steps_table(steps: dict[str, dict[str, Any]], dry_run: bool) -> Table:
+    from rich.table import Table
     t = Table(title="would delete (dry run)" if dry_run else "deleted", title_justify="left")
     for col in ("step", "entries", "objects", "files", "bytes"):
         t.add_column(col, justify="left" if col == "step" else "right")

@@ -21,12 +21,9 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console, RenderableType
-from rich.markup import escape
-from rich.text import Text
 
 from spoolctl.store import (
     ConfigError,
@@ -34,9 +31,14 @@ from spoolctl.store import (
     NotFoundError,
     RootError,
     SpoolError,
-    Store,
     StoreIOError,
 )
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.text import Text
+
+    from spoolctl.store import Store
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -91,9 +93,55 @@ DeploymentOption = Annotated[str | None, typer.Option(
     "--deployment", help="Only this deployment directory (its name, or a unique prefix of "
     "at least 4 characters) under a vLLM base root.", show_default=False)]
 
+class CommandConsole:
+    """The rich ``Console`` of the command being run, made at its first use in each command.
+
+    rich reads ``COLUMNS`` (and whether a terminal is there) when a Console is made. One made
+    at import kept the width of whatever imported it first: in a process that runs several
+    commands (the in-process CLI of the tests, a program calling ``main`` twice) a table's
+    width depended on an earlier command's environment. ``app.main`` calls ``new_command``
+    at each command, so each one takes ``COLUMNS`` and the terminal as they are then. Made
+    lazily also so that a command that prints nothing through rich (``--json``, a plain
+    error line) never imports rich (decision 2940). Every attribute is the Console's."""
+
+    def __init__(self, **options: Any):
+        self._options = options
+        self._console: Console | None = None
+
+    def renew(self) -> None:
+        """Drop this command's Console: the next use makes one from the environment then."""
+        self._console = None
+
+    def get(self) -> Console:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._options)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
+    # Special methods are looked up on the type, not through __getattr__: rich's own
+    # objects (Live, Progress) enter their console (``with console:``), so they get the
+    # Console itself (``get()``); these two keep a ``with`` on this object working too.
+    def __enter__(self) -> Console:
+        return self.get().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.get().__exit__(*exc)
+
+
 # stdout carries results (tables or JSON); stderr carries errors and progress.
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = CommandConsole(highlight=False)
+err_console = CommandConsole(stderr=True, highlight=False)
+
+
+def new_command() -> None:
+    """A command starts: both consoles are made again at their first use (``COLUMNS``, the
+    terminal and ``NO_COLOR`` as they are for this command)."""
+    console.renew()
+    err_console.renew()
 
 
 def deprecated_alias(old: str, new: str, old_value: Any, new_value: Any) -> Any:
@@ -104,6 +152,8 @@ def deprecated_alias(old: str, new: str, old_value: Any, new_value: Any) -> Any:
         return new_value
     if new_value is not None:
         raise ConfigError(f"{old} and {new} are the same option", fix=f"pass only {new}")
+    from rich.text import Text
+
     err_console.print(Text(f"spoolctl: warning: {old} is deprecated: use {new}"),
                       soft_wrap=True)
     return old_value
@@ -118,6 +168,7 @@ def open_store(root: Path | None, *, create: bool = False, max_bytes: int | None
     """Open the store at ``root``. ``read_only_ok`` (commands that only read): if it cannot
     be opened for writing because of permissions (a read-only or immutable catalog, a
     directory this user cannot write), open it read-only and say so on stderr."""
+    from spoolctl.store import Store
     path = str(resolve_root(root))
     try:
         return Store.open(path, create=create, max_bytes=max_bytes)
@@ -126,6 +177,8 @@ def open_store(root: Path | None, *, create: bool = False, max_bytes: int | None
             raise
         why = exc.message
     store = Store.open(path, read_only=True)
+    from rich.text import Text
+
     err_console.print(Text(f"spoolctl: warning: {plain(path)} cannot be written "
                            f"({plain(why)}); read-only view (`spoolctl doctor` says why)"),
                       soft_wrap=True)
@@ -157,11 +210,15 @@ def plain(value: Any) -> str:
 
 def esc(value: Any) -> str:
     """``plain(value)`` with rich markup escaped, to embed store text in a markup string."""
+    from rich.markup import escape
+
     return escape(plain(value))
 
 
 def text(value: Any, style: str | None = None) -> Text:
     """``plain(value)`` as a rich Text (never parsed as markup)."""
+    from rich.text import Text
+
     return Text(plain(value), style=style or "")
 
 
@@ -232,6 +289,8 @@ def emit(doc: Any, *, json_output: bool, view: View) -> None:
     if json_output:
         emit_json(doc)
         return
+    from rich.text import Text
+
     shown = view(doc)
     for renderable in shown if isinstance(shown, list) else [shown]:
         # Plain text is never wrapped at the console width on a pipe (rich assumes 80

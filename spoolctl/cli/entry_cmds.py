@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.json import JSON
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
 
-from spoolctl.store import CatalogRow, NotFoundError, Store, validate_entry_prefix, validate_kind
+from spoolctl.store import NotFoundError, validate_entry_prefix, validate_kind
 
 from . import render
 from .common import (
@@ -35,6 +31,12 @@ from .common import (
 )
 from .fanout import StoreResult, finish, multi_doc, multi_view, run_each, run_on_targets
 from .targets import StoreTarget, resolve_entry, resolve_targets
+
+if TYPE_CHECKING:
+    from rich.table import Table
+    from rich.text import Text
+
+    from spoolctl.store import CatalogRow, Store
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
@@ -109,6 +111,7 @@ def _ls_view(doc: dict[str, Any]) -> Table | Text:
     """On a terminal a table (ids shortened to the 12-character prefix `inspect` accepts;
     cells wrap, never cut); piped, plain columns with whole ids and no width limit (like
     `kubectl get`), so `ls | grep | awk` sees every field whole."""
+    from rich.table import Table
     now = time.time()
     gone = doc.get("being_deleted") or 0
     note = f" ({gone} more being deleted by an interrupted clean: `spoolctl clean` " \
@@ -200,6 +203,10 @@ def found_in(results: list[StoreResult], missing: str) -> list[StoreResult]:
 
 
 def _inspect_view(doc: dict[str, Any]) -> list[Any]:
+    from rich.json import JSON
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
     lines = [
         f"id          {doc['entry_id']}", f"kind        {doc['kind']}",
         f"namespace   {plain(doc['namespace'])}", f"key         {plain(doc['key'][:100])}",

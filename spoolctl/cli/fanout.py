@@ -17,14 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.rule import Rule
-from rich.text import Text
 
 from spoolctl.errors import DiskNotAnsweringError
-from spoolctl.store import NotFoundError, SpoolError, Store
+from spoolctl.store import NotFoundError, SpoolError
 
 from .common import (
     EXIT_OK,
@@ -39,8 +37,11 @@ from .common import (
 from .disk_deadline import within_disk_timeout
 from .targets import StoreTarget, Targets
 
+if TYPE_CHECKING:
+    from spoolctl.store import Store
+
 # fn(store, target) -> (document, exit code)
-StoreJob = Callable[[Store, StoreTarget], tuple[dict[str, Any], int]]
+StoreJob = Callable[["Store", StoreTarget], tuple[dict[str, Any], int]]
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ def multi_doc(targets: Targets, results: list[StoreResult], **extra: Any) -> dic
 def multi_view(view: View, *, empty: str = "nothing to do") -> View:
     """A view of ``multi_doc`` documents: each store's result through ``view`` under a
     heading naming the store, errors as one escaped line, then a one-line summary."""
+    from rich.rule import Rule
+    from rich.text import Text
 
     def render(doc: dict[str, Any]) -> list[Any]:
         stores = doc["stores"]

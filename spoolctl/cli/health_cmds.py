@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
 from spoolctl.store import ConfigError, SpoolError
 
@@ -38,6 +37,9 @@ from .common import (
 from .disk_deadline import within_disk_timeout
 from .fanout import finish, multi_doc, multi_view, worst
 from .targets import resolve_targets
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
@@ -309,6 +311,7 @@ _COLORS = {"ok": "green", "warn": "yellow", "fail": "red"}
 
 
 def _doctor_view(doc: dict[str, Any]) -> Table:
+    from rich.table import Table
     t = Table(title=f"doctor {esc(doc['root'])}", title_justify="left")
     for col in ("check", "status", "detail", "fix"):
         t.add_column(col)

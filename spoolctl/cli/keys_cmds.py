@@ -4,17 +4,17 @@ on one store or on every rank store under a vLLM root. Tenants are named on the 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
-
-from spoolctl.store import Store, key_usage, retire_keys, revoke_tenant, rotate_keys
 
 from . import render
 from .common import EXIT_OK, DeploymentOption, JsonOption, RankOption, RootOption, text
 from .fanout import finish, run_on_targets
 from .targets import StoreTarget, resolve_targets
+
+if TYPE_CHECKING:
+    from spoolctl.store import Store
 
 commands = typer.Typer()
 keys_app = typer.Typer(
@@ -37,6 +37,7 @@ def keys_ls(root: RootOption = None, rank: RankOption = None,
 
     Example: [bold]spoolctl keys ls --json[/bold]
     """
+    from spoolctl.store import key_usage
     targets = resolve_targets(root, rank=rank, deployment=deployment)
 
     def job(store: Store, _t: StoreTarget) -> tuple[dict[str, Any], int]:
@@ -46,6 +47,7 @@ def keys_ls(root: RootOption = None, rank: RankOption = None,
 
 
 def _usage_view(doc: dict[str, Any]) -> list[Any]:
+    from rich.table import Table
     if not doc["encrypted"]:
         return [text("not encrypted (no master key configured, no encrypted entries)")]
     mk = doc["master_key"]
@@ -91,6 +93,7 @@ def keys_rotate(tenant: TenantOption = None, dry_run: DryRunOption = False,
 
     Example: [bold]spoolctl keys rotate --tenant acme[/bold]
     """
+    from spoolctl.store import rotate_keys
     _run("rotate", root, rank, deployment, json_output,
          lambda s: rotate_keys(s, tenant, dry_run=dry_run))
 
@@ -106,6 +109,7 @@ def keys_revoke(tenant: Annotated[str, typer.Option(
 
     Example: [bold]spoolctl keys revoke --tenant acme --yes[/bold]
     """
+    from spoolctl.store import revoke_tenant
     _confirm(yes, dry_run, "keys revoke")
     _run("revoke", root, rank, deployment, json_output,
          lambda s: revoke_tenant(s, tenant, dry_run=dry_run))
@@ -120,6 +124,7 @@ def keys_retire(tenant: TenantOption = None, dry_run: DryRunOption = False,
 
     Example: [bold]spoolctl keys retire --tenant acme --yes[/bold]
     """
+    from spoolctl.store import retire_keys
     _confirm(yes, dry_run, "keys retire")
     _run("retire", root, rank, deployment, json_output,
          lambda s: retire_keys(s, tenant, dry_run=dry_run))

@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
 from spoolctl.errors import ConfigError
 from spoolctl.store import format_size
@@ -214,6 +212,8 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
                     prompts_file: str | None, messages_file: Path | None, *, concurrency: int,
                     rate: float | None, timeout: float, retries: int, json_out: bool) -> None:
     """``prefill --server``: warm a running vLLM server (spoolctl.server_warmup)."""
+    from rich.text import Text
+
     from spoolctl import server_warmup as sw
 
     if messages_file is not None:
@@ -253,7 +253,7 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     with Progress(TextColumn("[bold]prefill"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[tokens]}"), console=err_console, transient=True,
+                  TextColumn("{task.fields[tokens]}"), console=err_console.get(), transient=True,
                   disable=not show) as bar:
         task = bar.add_task("prefill", total=len(prompts), tokens="")
 
@@ -287,6 +287,8 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
 def _server_view(doc: dict[str, Any]) -> list[Any]:
     """The human report of ``prefill --server``. Prompt names come from the prompts file,
     errors and the URL from the server or the user: data, never markup (``text``)."""
+    from rich.table import Table
+    from rich.text import Text
 
     def num(v: int | None) -> str:
         return "n/a" if v is None else str(v)
@@ -349,6 +351,7 @@ def _prepare_and_render(ctl: Any, params: Any, json_out: bool, *, backend: str, 
 
 
 def _render_prefill(doc: dict, json_out: bool) -> None:
+    from rich.table import Table
     if json_out:
         emit_json(doc)
         return
@@ -383,6 +386,9 @@ def demo_cmd(
 
     Example: [bold]spoolctl demo --preset tiny --json[/bold]
     """
+    from rich.table import Table
+    from rich.text import Text
+
     from spoolctl.demo import run_demo
 
     if preset not in ("small", "tiny"):

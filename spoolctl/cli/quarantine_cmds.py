@@ -6,21 +6,11 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
 
-from spoolctl.store import (
-    ConfigError,
-    NotFoundError,
-    QuarantineItem,
-    Store,
-    parse_duration,
-    validate_item_id,
-)
+from spoolctl.store import ConfigError, NotFoundError, parse_duration
 
 from . import render
 from .common import (
@@ -40,6 +30,13 @@ from .entry_cmds import found_in
 from .fanout import finish, multi_doc, multi_view, run_each, run_on_targets
 from .targets import StoreTarget, Targets, resolve_targets
 
+if TYPE_CHECKING:
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    from spoolctl.store import QuarantineItem, Store
+
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
 commands = typer.Typer()
@@ -57,6 +54,7 @@ _PREFIX = re.compile(r"[0-9A-Za-z_-]{4,63}")
 
 def check_item(typed: str) -> str:
     """``typed`` if it can name an item: a whole id or a prefix of at least 4 characters."""
+    from spoolctl.store import validate_item_id
     if _PREFIX.fullmatch(typed):
         return typed
     return validate_item_id(typed)  # raises the usual "invalid quarantine item"
@@ -100,6 +98,7 @@ def q_ls(root: RootOption = None, rank: RankOption = None, deployment: Deploymen
 
 def _ls_view(doc: dict[str, Any]) -> Table | Text:
     """A table on a terminal (cells wrap, never cut); piped, plain columns, ids whole."""
+    from rich.table import Table
     if not console.is_terminal:
         return render.columns(("item", "reason", "entry", "size", "when"), [
             [i["item"], i["reason"], i["entry_id"] or "-", render.size(i["bytes"]),
@@ -148,6 +147,8 @@ def q_show(item: ItemArg, root: RootOption = None, rank: RankOption = None,
 
 
 def _show_view(doc: dict[str, Any]) -> Panel:
+    from rich.panel import Panel
+    from rich.text import Text
     body = Text(
         f"reason   {plain(doc['reason'])}\ndetail   {plain(doc['detail'])}\n"
         f"entry    {plain(doc['entry_id'] or '-')}\nkind     {plain(doc['kind'] or '-')}\n"

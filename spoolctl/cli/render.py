@@ -11,14 +11,15 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
-
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from spoolctl.store import ConfigError, format_size
 
 from .common import err_console
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+    from rich.text import Text
 
 
 def size(n: int | float | None) -> str:
@@ -39,6 +40,8 @@ def columns(headers: tuple[str, ...] | list[str], rows: list[list[str]]) -> Text
     """Plain columns for a pipe (``kubectl get`` style): a header line in capitals, cells
     padded with two spaces, nothing cut or wrapped whatever the width; store text escaped
     (``plain``). Spaces inside a cell (``3m ago``) stay; the column widths keep it readable."""
+    from rich.text import Text
+
     from .common import plain
 
     table = [[h.upper().replace(" ", "_") for h in headers],
@@ -118,10 +121,18 @@ def progress_bar(description: str, total: int, enabled: bool) -> Iterator[Any]:
     if not enabled or not stderr_is_tty():
         yield _Silent()
         return
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
         TextColumn("{task.completed}/{task.total} entries"), TimeRemainingColumn(),
-        console=err_console, transient=True,
+        console=err_console.get(), transient=True,
     )
     with progress:
         task = progress.add_task(description, total=max(total, 1))

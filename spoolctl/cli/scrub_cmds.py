@@ -7,21 +7,11 @@ A scrub never stops at the same object run after run: an object it cannot read i
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
-from spoolctl.store import (
-    AuthQueue,
-    BusyError,
-    CorruptionError,
-    Scrubber,
-    Store,
-    authenticate,
-    parse_rate,
-    validate_entry_prefix,
-)
+from spoolctl.store import BusyError, CorruptionError, parse_rate, validate_entry_prefix
 
 from . import render
 from .common import (
@@ -38,6 +28,11 @@ from .common import (
 from .entry_cmds import found_in
 from .fanout import finish, multi_doc, multi_view, run_each, run_on_targets
 from .targets import StoreTarget, resolve_entry, resolve_targets
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from spoolctl.store import Store
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
@@ -76,6 +71,7 @@ def scrub_cmd(
 
     Example (cron): [bold]spoolctl scrub --rate 64MiB/s --until-complete[/bold]
     """
+    from spoolctl.store import Scrubber
     rate_bytes = parse_rate_option(rate)
     targets = resolve_targets(root, rank=rank, deployment=deployment)
 
@@ -98,6 +94,7 @@ def scrub_cmd(
 
 
 def _scrub_view(doc: dict[str, Any]) -> Table:
+    from rich.table import Table
     t = Table(title=f"scrub cycle {doc['cycle_id']}{' (resumed)' if doc['resumed'] else ''}",
               show_header=False, title_justify="left")
     t.add_column("what", style="bold")
@@ -175,6 +172,7 @@ def _result_view(doc: dict[str, Any]) -> Any:
 def _request_auth(store: Store, entry: str, wait: bool, timeout: float
                   ) -> tuple[dict[str, Any], int]:
     """One store's answer for ``entry`` (see ``request_auth_cmd``)."""
+    from spoolctl.store import AuthQueue, authenticate
     if len(entry) == 64:
         entry_id = entry  # a full id that is not there is an answer: absent
     else:

@@ -14,11 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
 
-from spoolctl.store import MARKER, Store, StoreFacts, encryption_summary, parse_size
+from spoolctl.store import parse_size
 
 from . import render
 from .common import (
@@ -43,7 +40,11 @@ from .targets import StoreTarget, Targets, resolve_targets
 commands = typer.Typer()
 
 if TYPE_CHECKING:
+    from rich.table import Table
+    from rich.text import Text
+
     from spoolctl.connector.deployment.topology import DeploymentStatus
+    from spoolctl.store import Store, StoreFacts
 
 
 # -- init -----------------------------------------------------------------------------
@@ -84,6 +85,7 @@ def init_cmd(
 
     Example: [bold]spoolctl init --root /var/cache/spoolctl --max-size 200GiB[/bold]
     """
+    from spoolctl.store import MARKER
     max_bytes = parse_size(max_size) if max_size is not None else None
     targets = resolve_targets(root, rank=rank, deployment=deployment)
     if targets.kind in ("store", "empty"):
@@ -110,6 +112,8 @@ def init_cmd(
 
 
 def _init_view(doc: dict[str, Any]) -> list[Any]:
+    from rich.panel import Panel
+    from rich.text import Text
     size = render.size(doc["max_bytes"]) if doc["max_bytes"] else "unbounded"
     if doc.get("default_max_bytes"):
         size += " (default: a tenth of the filesystem, at most 64 GiB; --max-size to choose)"
@@ -166,6 +170,7 @@ def status(
 
     Example: [bold]spoolctl status --root /var/cache/spoolctl --json[/bold]
     """
+    from spoolctl.store import encryption_summary
     targets = within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: resolve_targets(
         root, rank=rank, deployment=deployment))
     if targets.single:
@@ -202,6 +207,7 @@ def models_doc(store: Store) -> dict[str, Any]:
 def _model_lines(models: dict[str, Any]) -> list[Text]:
     """One line per controller model, below the table (wrapped, never cut): what it is, its
     last use and size, and whether a newer generation replaced it."""
+    from rich.text import Text
     out, now = [], time.time()
     for name, m in models.items():
         # hour granularity: the lifecycle rules work in days, and the view stays the same
@@ -221,6 +227,8 @@ def _model_lines(models: dict[str, Any]) -> list[Text]:
 
 
 def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
+    from rich.table import Table
+    from rich.text import Text
     t = Table(title="spoolctl status" + (" (read-only view)" if doc.get("read_only") else ""),
               show_header=False, title_justify="left")
     t.add_column("what", style="bold", no_wrap=True)
@@ -352,6 +360,7 @@ def _write_budget(store_root: Path) -> dict[str, Any] | None:
 
 
 def _budget_cell(budget: dict[str, Any] | None) -> Text:
+    from rich.text import Text
     if budget is None:
         return Text("no budget")
     if "error" in budget:
@@ -387,6 +396,7 @@ def _usage(where: Path) -> dict[str, Any]:
 
 def _hit_rate_line(dep: dict[str, Any]) -> Text:
     """The engine's hit rate from ``usage.json``; where to read it while there is none."""
+    from rich.text import Text
     usage = dep.get("usage")
     if dep.get("usage_error"):
         return Text(f"hit rate: {plain(dep['usage_error'])}", style="yellow")
@@ -423,6 +433,7 @@ def _deployment_status(where: str, reports: list[Any], unreadable: list[int]) ->
 
 
 def _deployment_view(doc: dict[str, Any]) -> list[Any]:
+    from rich.text import Text
     if not doc["stores"]:
         return [Text(f"nothing to show: no spoolctl store under {plain(doc['root'])} yet "
                      "(no vLLM deployment has started)")]
@@ -439,6 +450,9 @@ def _deployment_view(doc: dict[str, Any]) -> list[Any]:
 
 
 def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[Any]:
+    from rich.table import Table
+    from rich.text import Text
+
     from spoolctl.connector.deployment.description import summary
 
     title = f"spoolctl status (deployment {esc(name)}, {len(dep['ranks'])} ranks)"
@@ -482,6 +496,7 @@ def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[A
 def _lifecycle_line(life: dict[str, Any] | None) -> Text:
     """What the deployment is for (model, weights), when it was last used, and whether a
     newer one replaced it (``clean --superseded`` reclaims it)."""
+    from rich.text import Text
     if not life:
         return Text("")
     weights = str(life.get("weights") or "not bound (stored before weights were)")[:24]
@@ -497,6 +512,7 @@ def _lifecycle_line(life: dict[str, Any] | None) -> Text:
 
 def _host_line(host: dict[str, Any]) -> Text:
     """The deployment's host total against its host disk budget (``spoolctl_host_max_size``)."""
+    from rich.text import Text
     total = render.size(host["bytes"])
     if host.get("error"):
         return Text(f"host total {total}; host budget record unreadable: {plain(host['error'])}")

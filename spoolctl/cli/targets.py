@@ -14,21 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from spoolctl.store import (
-    ConfigError,
-    CorruptionError,
-    Kind,
-    NotFoundError,
-    QuarantineReason,
-    RootContents,
-    Store,
-    StorePlace,
-    inspect_root,
-    resolve_deployment,
-)
+from spoolctl.store import ConfigError, CorruptionError, NotFoundError, QuarantineReason
 
 from .common import resolve_root
+
+if TYPE_CHECKING:
+    from spoolctl.store import (
+        Kind,
+        RootContents,
+        Store,
+        StorePlace,
+    )
 
 
 @dataclass(frozen=True)
@@ -79,6 +77,7 @@ def resolve_targets(root: Path | None, *, rank: int | None = None,
     RootError for a path that is none of the kinds (``inspect_root``), ConfigError for
     filters that match nothing or do not apply.
     """
+    from spoolctl.store import inspect_root
     contents = inspect_root(resolve_root(root))
     path = contents.path
     if contents.kind == "store" or not contents.exists:
@@ -103,6 +102,7 @@ def resolve_targets(root: Path | None, *, rank: int | None = None,
 
 def _narrow(base: Path, groups: dict[str, dict[int, StorePlace]], rank: int | None,
             deployment: str | None) -> tuple[StoreTarget, ...]:
+    from spoolctl.store import resolve_deployment
     if deployment is not None:
         try:
             name = resolve_deployment(deployment, groups)

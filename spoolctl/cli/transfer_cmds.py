@@ -16,20 +16,12 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TransferSpeedColumn,
-)
 
 from spoolctl.errors import ArchiveError
-from spoolctl.store import ConfigError, FdSink, Selection, StoreIOError, parse_size
+from spoolctl.store import ConfigError, StoreIOError, parse_size
 
 from .common import (
     EXIT_FINDINGS,
@@ -54,6 +46,11 @@ from .transfer_roots import (
     import_view,
     peer_source,
 )
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from spoolctl.store import Selection
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
@@ -96,11 +93,20 @@ class _Progress:
         self.entries = 0  # the last count reported, also when nothing is shown
 
     def __enter__(self) -> _Progress:
-        if self.enabled:
+        if self.enabled:  # rich's progress is imported only when a bar is shown
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TransferSpeedColumn,
+            )
+
             self._p = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
                                DownloadColumn(binary_units=True), TransferSpeedColumn(),
                                TextColumn("{task.fields[entries]} entries"),
-                               TimeElapsedColumn(), console=err_console, transient=True)
+                               TimeElapsedColumn(), console=err_console.get(), transient=True)
             self._p.__enter__()
             self._task = self._p.add_task(self.label, total=None, entries=0)
         return self
@@ -127,6 +133,7 @@ def _want_progress(flag: bool | None, json_output: bool) -> bool:
 def _selection(kind: list[str] | None, namespace: list[str] | None,
                deployment: list[str] | None, hint: str | None,
                max_size: str | None) -> Selection:
+    from spoolctl.store import Selection
     return Selection(kinds=frozenset(kind or ()), namespaces=frozenset(namespace or ()),
                      deployments=tuple(deployment or ()), hint=hint,
                      max_bytes=parse_size(max_size) if max_size is not None else None)
@@ -240,7 +247,7 @@ def export_cmd(
     Example: [bold]spoolctl export --root /nvme/spool | ssh new-host spoolctl import
     --root /nvme/spool -[/bold]
     """
-    from spoolctl.store import export
+    from spoolctl.store import FdSink, export
 
     # With -o - stdout is the archive: the --json document (an error one too) goes to stderr.
     JsonState.to_stderr = output == "-"
@@ -358,7 +365,7 @@ def import_cmd(
     Example: [bold]ssh old-host spoolctl export --root /nvme/spool | spoolctl import
     --root /nvme/spool -[/bold]
     """
-    from spoolctl.store import Importer
+    from spoolctl.store import Importer, Selection
 
     max_size = deprecated_alias("--max-size", "--limit-size", old_max_size, max_size)
     layout = import_target(root)

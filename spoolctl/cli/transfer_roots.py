@@ -20,23 +20,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.table import Table
-from rich.text import Text
-
-from spoolctl.store import (
-    ConfigError,
-    RootContents,
-    StorePlace,
-    deployment_of,
-    format_size,
-    inspect_root,
-    rank_of,
-)
+from spoolctl.store import ConfigError, format_size
 
 from .common import EXIT_OK, EXIT_USAGE, plain, resolve_root, text
 from .targets import StoreTarget, Targets, resolve_targets
+
+if TYPE_CHECKING:
+    from spoolctl.store import RootContents
 
 
 @dataclass
@@ -58,6 +50,7 @@ def export_source(root: Path | None, rank: int | None,
     With ``--rank`` one rank's shards are taken as they are (no quorum across ranks: the
     rank is all that was asked for); otherwise a vLLM chunk is taken only when every rank
     holds it (decision 1602)."""
+    from spoolctl.store import RootContents, StorePlace
     names = list(dict.fromkeys(deployments or [])) or [None]
     resolved = [resolve_targets(root, rank=rank, deployment=name) for name in names]
     first = resolved[0]
@@ -91,6 +84,7 @@ def import_target(root: Path | None) -> RootContents:
     or an empty directory (a fresh root), a store, a deployment directory or a base root;
     the importer creates what is missing. A rank store whose deployment name an archive
     cannot carry is left out (no archive routes there)."""
+    from spoolctl.store import inspect_root
     return inspect_root(resolve_root(root)).archivable()[0]
 
 
@@ -130,6 +124,8 @@ def export_doc(doc: dict[str, Any], source: Source) -> dict[str, Any]:
 
 def export_view(doc: dict[str, Any], output: str) -> list[Any]:
     """Per-store rows (for rank stores: which ranks, and how each went), then the summary."""
+    from rich.table import Table
+    from rich.text import Text
     out: list[Any] = []
     stores = doc["stores"]
     if not stores:
@@ -165,12 +161,15 @@ def export_view(doc: dict[str, Any], output: str) -> list[Any]:
 def import_doc(doc: dict[str, Any], layout: RootContents) -> dict[str, Any]:
     """The importer's document with each store's ``deployment``/``rank`` and the root's
     ``kind`` and ``exit`` (like the other commands' multi-store documents)."""
+    from spoolctl.store import deployment_of, rank_of
     stores = [{**p, "deployment": deployment_of(p["place"]), "rank": rank_of(p["place"])}
               for p in doc["stores"]]
     return {**doc, "kind": layout.kind, "stores": stores}
 
 
 def import_view(doc: dict[str, Any]) -> list[Any]:
+    from rich.table import Table
+    from rich.text import Text
     t = Table(title="spoolctl import" + ("" if doc["complete"] else " (stopped)"),
               title_justify="left")
     for col in ("store", "imported", "present", "skipped", "written", "target"):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.text import Text
 
-from spoolctl.store import ConfigError, check_root_path, parse_size
+from spoolctl.store import ConfigError, parse_size
 
 from .common import RootOption, err_console, resolve_root
+
+if TYPE_CHECKING:
+    pass
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
@@ -72,11 +74,14 @@ def config_vllm(
     Example: [bold]vllm serve MODEL --shutdown-timeout 30 --kv-transfer-config "$(spoolctl
     config vllm --root /nvme/spool --max-size 200GiB)"[/bold]
     """
+    from rich.text import Text
+
     from spoolctl.connector.deployment.preflight import (
         check_max_size,
         check_root,
         chunk_bytes_from_model_dir,
     )
+    from spoolctl.store import check_root_path
 
     path = check_root_path(resolve_root(root))  # absolute, no symlink: fail here, not in vLLM
     if max_size is None:  # a store is bounded; its size is the operator's choice (2122)
