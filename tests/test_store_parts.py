@@ -119,7 +119,8 @@ def test_checkpoint_refuses_unknown_names() -> None:
 
 def test_unknown_crash_target_is_refused_at_start(tmp_path: Path) -> None:
     env = {**os.environ, faults.ENV: "manifest.no_such_step"}
-    proc = subprocess.run([sys.executable, "-c", "import spoolctl.store"], env=env,
+    # a process refuses as soon as it loads the store (spoolctl.store's names load lazily)
+    proc = subprocess.run([sys.executable, "-c", "from spoolctl.store import Store"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "unknown checkpoint 'manifest.no_such_step'" in proc.stderr
 
