@@ -39,7 +39,7 @@ from ..errors import (
 from .catalog.index import CatalogRow, Totals
 from .catalog.rows import MalformedRow
 from .commit.committer import PutOutcome, PutRequest
-from .disk.fsio import fsync_dir, write_tmp
+from .disk.fsio import SpecialFileError, fsync_dir, read_small, write_tmp
 from .disk.locks import hold
 from .disk.root import ALLOW_FOREIGN_ENV, MARKER, check_root_path
 from .facts import StoreFacts
@@ -138,6 +138,7 @@ __all__ = [
     "Scrubber",
     "Selection",
     "SigningSink",
+    "SpecialFileError",
     "SpoolError",
     "Store",
     "StoreFacts",
@@ -174,6 +175,7 @@ __all__ = [
     "plain_size",
     "rank_dirname",
     "rank_of",
+    "read_small",
     "refuse_encrypted",
     "resolve_deployment",
     "retire_keys",
