@@ -72,6 +72,8 @@ PATTERN_LABELS: dict[str, re.Pattern[str]] = {
 TARGET_LABELS: dict[str, re.Pattern[str]] = {
     "deployment": re.compile(DEPLOYMENT_NAME, re.ASCII),
     "rank": re.compile(RANK_DIGITS, re.ASCII),
+    # the --root of one drive of several (decision 2712): an absolute path, printable
+    "drive": re.compile(r"/[\x20-\x7e]{0,1023}", re.ASCII),
 }
 
 
@@ -251,6 +253,8 @@ class Sample:
 def check_target(target: Mapping[str, str]) -> dict[str, str]:
     """Return ``target`` if every label is a target label with a well-formed value."""
     for key, value in target.items():
+        if key in TARGET_LABELS and key != "drive" and value == "":
+            continue  # several drives: a label that does not apply to this store (``with_drive``)
         pattern = TARGET_LABELS.get(key)
         if pattern is None or not isinstance(value, str) or not pattern.fullmatch(value):
             raise ValueError(f"target label {key}={str(value)[:40]!r} is not allowed")
@@ -346,6 +350,20 @@ def with_target(samples: list[Sample], deployment: str, rank: int) -> list[Sampl
     target = (("deployment", deployment), ("rank", f"{rank:04d}"))
     check_target(dict(target))
     return [Sample(s.spec, s.value, s.labels, target) for s in samples]
+
+
+def with_drive(samples: list[Sample], drive: str) -> list[Sample]:
+    """``samples`` of one drive of several labelled with its root, and with ``deployment``
+    and ``rank`` empty where they do not apply (a drive that is one store, or down), so
+    every sample of a gauge has the same label names."""
+    out = []
+    for s in samples:
+        have = dict(s.target)
+        target = (("deployment", have.get("deployment", "")), ("rank", have.get("rank", "")),
+                  ("drive", drive))
+        check_target(dict(target))
+        out.append(Sample(s.spec, s.value, s.labels, target))
+    return out
 
 
 def store_down(deployment: str, rank: int) -> list[Sample]:

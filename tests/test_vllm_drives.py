@@ -1,6 +1,7 @@
 """Several drives per host: the placement rule and drive ids (issue 32 item 4, decision 2711).
 
-Only the rule and the ids are here: the connector and the CLI do not use several roots yet.
+Only the rule and the ids are here: the connector does not use several roots yet (the CLI's
+operator view across drive roots: tests/test_operator_drives.py, decision 2712).
 """
 
 from __future__ import annotations

@@ -28,14 +28,17 @@ from .common import (
     JsonOption,
     RankOption,
     RootOption,
+    RootsOption,
+    drive_roots,
     emit,
     esc,
+    first_root,
     open_store,
     plain,
     text,
 )
 from .disk_deadline import within_disk_timeout
-from .fanout import finish, multi_doc, run_each, run_on_targets, worst
+from .fanout import finish, multi_doc, run_each, run_on_targets, run_per_drive, worst
 from .targets import StoreTarget, Targets, resolve_targets
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
@@ -144,7 +147,7 @@ def status_doc(store: Store, facts: StoreFacts | None = None) -> dict[str, Any]:
 
 @commands.command("status")
 def status(
-    root: RootOption = None,
+    root: RootsOption = None,
     json_output: JsonOption = False,
     check: Annotated[bool, typer.Option(
         "--check", help="Exit 1 if anything needs attention: quarantined items, "
@@ -166,6 +169,19 @@ def status(
 
     Example: [bold]spoolctl status --root /var/cache/spoolctl --json[/bold]
     """
+    drives = drive_roots(root)
+    if drives is not None:  # several drives: a row each, and totals (decision 2712)
+        finish(run_per_drive(drives, lambda one: _status_of(one, rank, deployment, check),
+                             json_output=json_output, totals=_status_totals))
+        return
+    doc, code, view = _status_of(first_root(root), rank, deployment, check)
+    emit(doc, json_output=json_output, view=view)
+    finish(code)
+
+
+def _status_of(root: Path | None, rank: int | None, deployment: str | None,
+               check: bool) -> tuple[dict[str, Any], int, Any]:
+    """``status`` of one root: its document, exit code and view."""
     targets = within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: resolve_targets(
         root, rank=rank, deployment=deployment))
     if targets.single:
@@ -179,14 +195,18 @@ def status(
             return doc, facts
 
         doc, facts = within_disk_timeout(targets.given, read)  # a hung disk: reported down
-        emit(doc, json_output=json_output, view=_status_view)
         attention = facts.needs_attention or bool(doc["genai"]["malformed"])
-        finish(EXIT_FINDINGS if check and attention else EXIT_OK)
-        return
+        return doc, EXIT_FINDINGS if check and attention else EXIT_OK, _status_view
     doc, findings = deployment_status_doc(targets)
-    emit(doc, json_output=json_output, view=_deployment_view)
     errors = worst([s["exit"] for s in doc["stores"] if "error" in s])
-    finish(errors or (EXIT_FINDINGS if check and findings else EXIT_OK))
+    return doc, errors or (EXIT_FINDINGS if check and findings else EXIT_OK), _deployment_view
+
+
+def _status_totals(doc: dict[str, Any]) -> dict[str, int]:
+    """One store's entries and bytes (a rank store's are under ``status``)."""
+    facts = doc.get("status", doc)
+    return {"stores": 1, "entries": int(facts.get("entries") or 0),
+            "bytes": int(facts.get("bytes") or 0)}
 
 
 def models_doc(store: Store) -> dict[str, Any]:
