@@ -83,6 +83,8 @@ def test_metrics_across_drives_label_every_gauge_with_its_drive(drives: list[Pat
 
 
 def test_clean_and_scrub_act_on_every_drive(drives: list[Path]) -> None:
+    code, out, err = run("clean", *_roots(*drives))  # no --yes, not a terminal: one line
+    assert code == 2 and out == "" and err.count("\n") == 1 and "add --yes" in err
     cleaned = run_json("clean", "--released", "--yes", *_roots(*drives), expect=2)
     assert cleaned["totals"]["entries"] == 2 and cleaned["totals"]["drives_down"] == 1
     assert cleaned["totals"]["stores"] == 2  # the stores of the drives that are there

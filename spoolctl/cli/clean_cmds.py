@@ -164,6 +164,7 @@ def clean_cmd(
 
     drives = drive_roots(root)
     if drives is not None:  # several drives: a row each, and totals (decision 2712)
+        render.require_yes(yes, dry_run, "clean")  # no --yes under cron: one line, not one a drive
         finish(run_per_drive(drives, lambda one: on_drive(
             *prepare(one), view=_clean_view, read_only_ok=dry_run),
             json_output=json_output, totals=_clean_totals))
