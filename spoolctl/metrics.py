@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from spoolctl.store import DEPLOYMENT_NAME, RANK_DIGITS
 
@@ -307,6 +307,25 @@ def store_gauges(facts: StoreFacts) -> list[Sample]:
             out.append(Sample(FS_INODES, space.inodes))
     for sample in out:
         check_labels(sample.spec, dict(sample.labels))
+    return out
+
+
+def samples_json(samples: list[Sample]) -> list[list[Any]]:
+    """Store gauge samples as JSON (a bounded child hands them back, ``disk_deadline``):
+    each ``[name, value, labels, target]``; ``samples_from_json`` inverts it."""
+    return [[s.spec.name, s.value, [list(p) for p in s.labels], [list(p) for p in s.target]]
+            for s in samples]
+
+
+def samples_from_json(rows: list[list[Any]]) -> list[Sample]:
+    """The samples of ``samples_json``; a name that is not a store gauge is a ValueError."""
+    specs = {spec.name: spec for spec in STORE_GAUGES}
+    out = []
+    for name, value, labels, target in rows:
+        if name not in specs:
+            raise ValueError(f"{str(name)[:60]!r} is not a store gauge")
+        out.append(Sample(specs[name], value, tuple((str(k), str(v)) for k, v in labels),
+                          tuple((str(k), str(v)) for k, v in target)))
     return out
 
 

@@ -69,7 +69,7 @@ class StoreResult:
 def run_each(targets: Targets, job: StoreJob, *, read_only_ok: bool = False,
              bounded: bool = False) -> list[StoreResult]:
     """Run ``job`` on every store of ``targets``; a SpoolError ends that store's turn only.
-    ``bounded`` (a command that only reads, and whose document pickles: ``status``): each
+    ``bounded`` (a command that only reads, and whose document is JSON: ``status``): each
     store's turn is bounded by ``disk_deadline``, a hung disk reported as the store down."""
     results = []
     for target in targets.stores:

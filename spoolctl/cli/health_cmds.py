@@ -40,7 +40,7 @@ from .common import (
 )
 from .disk_deadline import within_disk_timeout
 from .fanout import finish, multi_doc, multi_view, worst
-from .targets import resolve_targets
+from .targets import resolve_targets, targets_from_json, targets_json
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
@@ -67,7 +67,6 @@ def metrics_cmd(
     Example: [bold]spoolctl metrics --textfile /var/lib/node_exporter/textfile/spoolctl.prom[/bold]
     """
     from spoolctl.metrics import (
-        collect_store_gauges,
         render_samples,
         store_unreadable,
     )
@@ -81,14 +80,10 @@ def metrics_cmd(
         return
     root = first_root(root)
     try:
-        targets = within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: resolve_targets(
-            root, rank=rank, deployment=deployment))
+        targets = targets_from_json(within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: (
+            targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
         if targets.single:
-            def gauges() -> list[Any]:
-                with open_store(targets.given, read_only_ok=True) as store:
-                    return collect_store_gauges(store)
-
-            samples = within_disk_timeout(targets.given, gauges)
+            samples = _gauges_within(targets.given)
     except SpoolError:
         if textfile is None:
             raise
@@ -131,7 +126,6 @@ def _drive_samples(drives: list[Path], rank: int | None,
     (missing, unmounted, hung) shows ``spoolctl_store_up{drive=...} 0`` and exits 2."""
     from spoolctl.metrics import (
         check_target,
-        collect_store_gauges,
         store_unreadable,
         with_drive,
     )
@@ -148,14 +142,10 @@ def _drive_samples(drives: list[Path], rank: int | None,
                               ) from None
     for one in drives:
         try:
-            targets = within_disk_timeout(one, lambda one=one: resolve_targets(
-                one, rank=rank, deployment=deployment))
+            targets = targets_from_json(within_disk_timeout(one, lambda one=one: (
+                targets_json(resolve_targets(one, rank=rank, deployment=deployment)))))
             if targets.single:
-                def gauges(where: Path = targets.given) -> list[Any]:
-                    with open_store(where, read_only_ok=True) as store:
-                        return collect_store_gauges(store)
-
-                got, got_code = within_disk_timeout(targets.given, gauges), EXIT_OK
+                got, got_code = _gauges_within(targets.given), EXIT_OK
             elif not targets.stores:
                 raise ConfigError("no spoolctl store under this root (is its disk mounted?)",
                                   path=str(targets.given),
@@ -170,10 +160,22 @@ def _drive_samples(drives: list[Path], rank: int | None,
     return samples, code
 
 
+def _gauges_within(root: Path) -> list[Any]:
+    """The gauges of the store at ``root``, read in a child bounded by the disk timeout
+    (``disk_deadline``: a hung disk raises ``DiskNotAnsweringError``)."""
+    from spoolctl.metrics import collect_store_gauges, samples_from_json, samples_json
+
+    def gauges() -> list[Any]:
+        with open_store(root, read_only_ok=True) as store:
+            return samples_json(collect_store_gauges(store))
+
+    return samples_from_json(within_disk_timeout(root, gauges))
+
+
 def _rank_samples(targets: Any) -> tuple[list[Any], int]:
     """The gauges of every rank store of a vLLM root, labelled ``deployment`` and ``rank``
     (a rank that cannot be read: ``store_up`` 0), and the exit code."""
-    from spoolctl.metrics import collect_store_gauges, store_down, with_target
+    from spoolctl.metrics import store_down, with_target
 
     code = EXIT_OK
     samples = []
@@ -187,13 +189,9 @@ def _rank_samples(targets: Any) -> tuple[list[Any], int]:
                               soft_wrap=True)
             code = EXIT_USAGE
             continue
-        def rank_gauges(root: Path = target.root) -> list[Any]:
-            with open_store(root, read_only_ok=True) as store:
-                return collect_store_gauges(store)
-
         try:
-            samples += with_target(within_disk_timeout(target.root, rank_gauges),
-                                   target.deployment, target.rank)
+            samples += with_target(_gauges_within(target.root), target.deployment,
+                                   target.rank)
         except SpoolError as exc:
             samples += store_down(target.deployment, target.rank)
             err_console.print(text(f"error: {target.label}: {exc}"), soft_wrap=True)

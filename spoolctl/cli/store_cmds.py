@@ -10,6 +10,7 @@ by ``app.main``); on several stores, the worst of them (``fanout``).
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -39,7 +40,7 @@ from .common import (
 )
 from .disk_deadline import within_disk_timeout
 from .fanout import finish, multi_doc, run_each, run_on_targets, run_per_drive, worst
-from .targets import StoreTarget, Targets, resolve_targets
+from .targets import StoreTarget, Targets, resolve_targets, targets_from_json, targets_json
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
@@ -182,20 +183,21 @@ def status(
 def _status_of(root: Path | None, rank: int | None, deployment: str | None,
                check: bool) -> tuple[dict[str, Any], int, Any]:
     """``status`` of one root: its document, exit code and view."""
-    targets = within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: resolve_targets(
-        root, rank=rank, deployment=deployment))
+    targets = targets_from_json(within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: (
+        targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
     if targets.single:
-        def read() -> tuple[dict[str, Any], StoreFacts]:
+        def read() -> tuple[dict[str, Any], bool]:
             with open_store(targets.given, read_only_ok=True) as store:
                 facts = store.facts()
                 doc = status_doc(store, facts)
                 doc["models"] = models_doc(store)
                 if (encryption := encryption_summary(store)) is not None:
                     doc["encryption"] = encryption
-            return doc, facts
+            return doc, facts.needs_attention
 
-        doc, facts = within_disk_timeout(targets.given, read)  # a hung disk: reported down
-        attention = facts.needs_attention or bool(doc["genai"]["malformed"])
+        # a hung disk: reported down
+        doc, needs_attention = within_disk_timeout(targets.given, read)
+        attention = needs_attention or bool(doc["genai"]["malformed"])
         return doc, EXIT_FINDINGS if check and attention else EXIT_OK, _status_view
     doc, findings = deployment_status_doc(targets)
     errors = worst([s["exit"] for s in doc["stores"] if "error" in s])
@@ -319,8 +321,9 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
                             bytes=facts.totals.bytes, max_bytes=facts.max_bytes,
                             quarantined=facts.quarantine.items, chunk_keys=keys,
                             write_budget=_write_budget(store.root))
-        return {"status": status_doc(store, facts), "_report": report,
-                "_use": rank_use(store, target.deployment or "", rows),
+        # JSON from a bounded child (``disk_deadline``): the parent rebuilds both
+        return {"status": status_doc(store, facts), "_report": report.to_json_doc(),
+                "_use": asdict(rank_use(store, target.deployment or "", rows)),
                 "attention": facts.needs_attention}, EXIT_OK
 
     results = run_each(targets, job, read_only_ok=True, bounded=True)
@@ -332,8 +335,10 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
             groups.setdefault(r.target.deployment or "", [])
             failed.setdefault(r.target.deployment or "", []).append(r.target.rank)
         if r.doc is not None:
-            groups.setdefault(r.target.deployment or "", []).append(r.doc.pop("_report"))
-            used.setdefault(r.target.deployment or "", []).append(r.doc.pop("_use"))
+            groups.setdefault(r.target.deployment or "", []).append(
+                RankReport.from_json_doc(r.doc.pop("_report")))
+            used.setdefault(r.target.deployment or "", []).append(
+                DeploymentUse(**r.doc.pop("_use")))
     deployments = {name: _deployment_status(str(_dep_dir(targets, name)), reports,
                                             failed.get(name, []))
                    for name, reports in groups.items()}
