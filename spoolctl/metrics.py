@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from spoolctl.store import DEPLOYMENT_NAME, RANK_DIGITS
 
@@ -72,6 +72,8 @@ PATTERN_LABELS: dict[str, re.Pattern[str]] = {
 TARGET_LABELS: dict[str, re.Pattern[str]] = {
     "deployment": re.compile(DEPLOYMENT_NAME, re.ASCII),
     "rank": re.compile(RANK_DIGITS, re.ASCII),
+    # the --root of one drive of several (decision 2712): an absolute path, printable
+    "drive": re.compile(r"/[\x20-\x7e]{0,1023}", re.ASCII),
 }
 
 
@@ -251,6 +253,8 @@ class Sample:
 def check_target(target: Mapping[str, str]) -> dict[str, str]:
     """Return ``target`` if every label is a target label with a well-formed value."""
     for key, value in target.items():
+        if key in TARGET_LABELS and key != "drive" and value == "":
+            continue  # several drives: a label that does not apply to this store (``with_drive``)
         pattern = TARGET_LABELS.get(key)
         if pattern is None or not isinstance(value, str) or not pattern.fullmatch(value):
             raise ValueError(f"target label {key}={str(value)[:40]!r} is not allowed")
@@ -306,6 +310,25 @@ def store_gauges(facts: StoreFacts) -> list[Sample]:
     return out
 
 
+def samples_json(samples: list[Sample]) -> list[list[Any]]:
+    """Store gauge samples as JSON (a bounded child hands them back, ``disk_deadline``):
+    each ``[name, value, labels, target]``; ``samples_from_json`` inverts it."""
+    return [[s.spec.name, s.value, [list(p) for p in s.labels], [list(p) for p in s.target]]
+            for s in samples]
+
+
+def samples_from_json(rows: list[list[Any]]) -> list[Sample]:
+    """The samples of ``samples_json``; a name that is not a store gauge is a ValueError."""
+    specs = {spec.name: spec for spec in STORE_GAUGES}
+    out = []
+    for name, value, labels, target in rows:
+        if name not in specs:
+            raise ValueError(f"{str(name)[:60]!r} is not a store gauge")
+        out.append(Sample(specs[name], value, tuple((str(k), str(v)) for k, v in labels),
+                          tuple((str(k), str(v)) for k, v in target)))
+    return out
+
+
 def collect_store_gauges(store: Store) -> list[Sample]:
     """Read the store's current gauges (one ``Store.facts()`` snapshot)."""
     return store_gauges(store.facts())
@@ -346,6 +369,20 @@ def with_target(samples: list[Sample], deployment: str, rank: int) -> list[Sampl
     target = (("deployment", deployment), ("rank", f"{rank:04d}"))
     check_target(dict(target))
     return [Sample(s.spec, s.value, s.labels, target) for s in samples]
+
+
+def with_drive(samples: list[Sample], drive: str) -> list[Sample]:
+    """``samples`` of one drive of several labelled with its root, and with ``deployment``
+    and ``rank`` empty where they do not apply (a drive that is one store, or down), so
+    every sample of a gauge has the same label names."""
+    out = []
+    for s in samples:
+        have = dict(s.target)
+        target = (("deployment", have.get("deployment", "")), ("rank", have.get("rank", "")),
+                  ("drive", drive))
+        check_target(dict(target))
+        out.append(Sample(s.spec, s.value, s.labels, target))
+    return out
 
 
 def store_down(deployment: str, rank: int) -> list[Sample]:

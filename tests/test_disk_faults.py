@@ -262,3 +262,30 @@ def test_metrics_on_a_hung_store_answers_with_store_up_0(hung_rank, tmp_path: Pa
     assert f'spoolctl_store_up{{deployment="{DEP}",rank="0000"}} 1.0' in text
     assert f'spoolctl_store_up{{deployment="{DEP}",rank="0001"}} 0.0' in text
     assert proc.returncode == 2 and "did not answer" in proc.stderr
+
+
+@pytest.mark.extended  # a FUSE mount and a real process waiting out the disk timeout
+def test_status_across_drives_with_one_hung_serves_the_others(tmp_path: Path) -> None:
+    """Several drive roots (decision 2712), one of them a hung mount: `status` answers
+    within the disk timeout, the hung drive is its own `disk_down` row, the other drive is
+    shown in full, exit 2 as for a store down. (It hung before: click's Path type stats
+    every --root while parsing the command line, outside any deadline.)"""
+    _needs_fuse()
+    here = Path(os.path.realpath(tmp_path))
+    drives = [here / "nvme0" / "spool", here / "nvme1" / "spool"]
+    for drive in drives:
+        with Store.open(drive / DEP / "rank-0000", create=True) as store:
+            store.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
+    with ControlledMount(drives[1], tmp_path / "fuse") as mount:
+        mount.hang()
+        proc = _cli(mount, "status", "--root", str(drives[0]), "--root", str(drives[1]),
+                    "--json")
+        # the hung mount point alone: answered too (the command line no longer stats it)
+        one = _cli(mount, "status", "--root", str(drives[1]), "--json")
+    assert one.returncode == 2 and json.loads(one.stdout)["disk_down"] is True
+    doc = json.loads(proc.stdout)
+    served, hung = doc["drives"]
+    assert served["exit"] == 0 and served["result"]["deployments"][DEP]["ranks"][0]["chunks"] == 1
+    assert hung["disk_down"] is True and "did not answer" in hung["error"]
+    assert doc["totals"]["drives_down"] == 1 and doc["totals"]["entries"] == 1
+    assert proc.returncode == 2 and f"error: drive {drives[1]}:" in proc.stderr

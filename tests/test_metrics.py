@@ -88,3 +88,17 @@ def test_store_package_and_cli_import_no_framework() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_gauge_samples_cross_the_bounded_readers_pipe_as_json(store: Store) -> None:
+    """``status``/``metrics`` read a store in a forked child that answers in JSON
+    (decision 2712): the samples come back the same, by metric name; a name that is not a
+    store gauge is refused, never turned into something else."""
+    import json
+
+    samples = metrics.with_target(metrics.collect_store_gauges(store), "vllm-v1-" + "a1" * 24,
+                                  3)
+    back = metrics.samples_from_json(json.loads(json.dumps(metrics.samples_json(samples))))
+    assert back == samples
+    with pytest.raises(ValueError, match="is not a store gauge"):
+        metrics.samples_from_json([["spoolctl_lookups_total", 1, [], []]])

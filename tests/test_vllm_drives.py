@@ -1,6 +1,7 @@
 """Several drives per host: the placement rule and drive ids (issue 32 item 4, decision 2711).
 
-Only the rule and the ids are here: the connector and the CLI do not use several roots yet.
+Only the rule and the ids are here: the connector does not use several roots yet (the CLI's
+operator view across drive roots: tests/test_operator_drives.py, decision 2712).
 """
 
 from __future__ import annotations
@@ -71,3 +72,27 @@ def test_a_damaged_drive_marker_is_one_line_naming_it(tmp_path: Path, damage: st
     with pytest.raises(ConfigError) as info:
         drives.drive_id(root)
     assert str(marker) in str(info.value) and "\n" not in str(info.value)
+    why = {"symlink": "is a symbolic link", "garbage": "is not a drive marker",
+           "fifo": "is not a regular file"}[damage]
+    assert info.value.message == f"{marker} {why}"  # word for word, whichever reader
+
+
+def test_the_drive_marker_is_read_by_the_stores_one_small_file_reader(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """One bounded, link-refusing, FIFO-safe reader (``fsio.read_small``) for every small
+    file: the drive marker, the deployment records and the store's own markers."""
+    from spoolctl.store.disk import fsio
+
+    root = tmp_path / "nvme0"
+    root.mkdir()
+    first = drives.drive_id(root)
+    opened: list[Path] = []
+    real = fsio.open_for_read
+
+    def spy(path: Path) -> int:
+        opened.append(Path(path))
+        return real(path)
+
+    monkeypatch.setattr(fsio, "open_for_read", spy)
+    assert drives.read_drive_id(root) == first
+    assert opened == [root / drives.MARKER]

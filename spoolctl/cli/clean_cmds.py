@@ -11,6 +11,7 @@ delete, a genai record whose endpoint was refused); 2: a step or a store failed.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -25,13 +26,15 @@ from .common import (
     DeploymentOption,
     JsonOption,
     RankOption,
-    RootOption,
+    RootsOption,
     console,
+    drive_roots,
     err_console,
+    first_root,
     open_store,
     text,
 )
-from .fanout import finish, run_on_targets
+from .fanout import finish, on_drive, run_on_targets, run_per_drive
 from .targets import StoreTarget, Targets, resolve_targets
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 
 @commands.command("clean")
 def clean_cmd(
-    root: RootOption = None,
+    root: RootsOption = None,
     released: Annotated[bool, typer.Option("--released", help="Delete released entries.")] = False,
     orphans: Annotated[bool, typer.Option(
         "--orphans", help="Reconcile catalog and disk; delete unreferenced objects.")] = False,
@@ -99,62 +102,84 @@ def clean_cmd(
         (["released"] if by_rule else list(CLEAN_STEPS))
     if by_rule and "released" not in steps:
         steps = ["released", *steps]  # what reclaiming a deployment releases is deleted
-    targets = resolve_targets(root, rank=rank, deployment=deployment)
-    stale = _stale_deployments(targets, superseded, unused) if by_rule else {}
 
-    def make_job(dry: bool, remote: bool):
-        def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
-            # before local cleanup: settles holds
-            remote_doc = _clean_genai(store, remote, dry, endpoints)
-            lifecycle = _reclaim(store, stale.get(_target.deployment or ""), dry) \
-                if by_rule and not targets.single else None
-            models = _reclaim_models(store, superseded, unused, dry) \
-                if by_rule and targets.single else None
-            # A dry run counts what the rules would release in its released step (decision 2121).
-            rule_ids = [*(lifecycle or {}).pop("_ids", []),
-                        *(e for m in (models or {}).values() for e in m.pop("_ids", []))]
-            report = store.clean(steps, min_age=age, dry_run=dry, also_released=rule_ids)
-            doc = {**report.to_json(), "genai": remote_doc}
-            if lifecycle is not None:
-                doc["deployment_lifecycle"] = lifecycle
-            if models is not None:
-                doc["model_lifecycle"] = models
-            where = "" if _target.rank is None else f"{_target.label}: "
-            for step, error in report.errors.items():  # on stderr too: cron mails it
-                err_console.print(text(f"error: {where}clean {step}: {error}"), soft_wrap=True)
-            if report.errors or remote_doc.get("error"):
-                return doc, EXIT_USAGE
-            findings = report.quarantined or report.failed or report.malformed_count or \
-                remote_doc.get("failed") or remote_doc.get("malformed") or \
-                remote_doc.get("refused")
-            return doc, EXIT_FINDINGS if findings else EXIT_OK
-        return job
+    def prepare(drive: Path | None) -> tuple[Targets, Any]:
+        """The stores under ``drive`` (a --root) and the job to run on each (after the plan is shown
+        and confirmed)."""
+        targets = resolve_targets(drive, rank=rank, deployment=deployment)
+        stale = _stale_deployments(targets, superseded, unused) if by_rule else {}
 
-    if render.require_yes(yes, dry_run, "clean") and targets.stores:
-        # The plan shown is the dry run of this very command (server calls aside), and
-        # nothing is asked when it deletes nothing (decision 2122).
-        plan_job = make_job(True, False)
-        plans = []
-        for target in targets.stores:
-            with open_store(target.root) as store:
-                plans.append((target, plan_job(store, target)[0]))
-        if any(any(plan["total"].values()) for _, plan in plans) or genai:
-            for target, plan in plans:
-                console.print(text(target.label, "bold"))
-                why = stale.get(target.deployment or "")
-                if why is not None:
-                    console.print(text(f"whole deployment: {why.state} ({why.reason})",
-                                       "yellow"))
-                for line in _clean_view(plan):
-                    console.print(line)
-            if not typer.confirm("Delete these?", default=False):
-                raise typer.Exit(EXIT_OK)
+        def make_job(dry: bool, remote: bool):
+            def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
+                # before local cleanup: settles holds
+                remote_doc = _clean_genai(store, remote, dry, endpoints)
+                lifecycle = _reclaim(store, stale.get(_target.deployment or ""), dry) \
+                    if by_rule and not targets.single else None
+                models = _reclaim_models(store, superseded, unused, dry) \
+                    if by_rule and targets.single else None
+                # A dry run counts what the rules would release in its released step
+                # (decision 2121).
+                rule_ids = [*(lifecycle or {}).pop("_ids", []),
+                            *(e for m in (models or {}).values() for e in m.pop("_ids", []))]
+                report = store.clean(steps, min_age=age, dry_run=dry, also_released=rule_ids)
+                doc = {**report.to_json(), "genai": remote_doc}
+                if lifecycle is not None:
+                    doc["deployment_lifecycle"] = lifecycle
+                if models is not None:
+                    doc["model_lifecycle"] = models
+                where = "" if _target.rank is None else f"{_target.label}: "
+                for step, error in report.errors.items():  # on stderr too: cron mails it
+                    err_console.print(text(f"error: {where}clean {step}: {error}"),
+                                      soft_wrap=True)
+                if report.errors or remote_doc.get("error"):
+                    return doc, EXIT_USAGE
+                findings = report.quarantined or report.failed or report.malformed_count or \
+                    remote_doc.get("failed") or remote_doc.get("malformed") or \
+                    remote_doc.get("refused")
+                return doc, EXIT_FINDINGS if findings else EXIT_OK
+            return job
 
-    # A dry run only reads: on a store this user cannot write it plans from a read-only
-    # view (decision 2310), like ls and status.
-    job = make_job(dry_run, genai)
+        if render.require_yes(yes, dry_run, "clean") and targets.stores:
+            # The plan shown is the dry run of this very command (server calls aside), and
+            # nothing is asked when it deletes nothing (decision 2122).
+            plan_job = make_job(True, False)
+            plans = []
+            for target in targets.stores:
+                with open_store(target.root) as store:
+                    plans.append((target, plan_job(store, target)[0]))
+            if any(any(plan["total"].values()) for _, plan in plans) or genai:
+                for target, plan in plans:
+                    console.print(text(target.label, "bold"))
+                    why = stale.get(target.deployment or "")
+                    if why is not None:
+                        console.print(text(f"whole deployment: {why.state} ({why.reason})",
+                                           "yellow"))
+                    for line in _clean_view(plan):
+                        console.print(line)
+                if not typer.confirm("Delete these?", default=False):
+                    raise typer.Exit(EXIT_OK)
+
+        # A dry run only reads: on a store this user cannot write it plans from a read-only
+        # view (decision 2310), like ls and status.
+        job = make_job(dry_run, genai)
+        return targets, job
+
+    drives = drive_roots(root)
+    if drives is not None:  # several drives: a row each, and totals (decision 2712)
+        render.require_yes(yes, dry_run, "clean")  # no --yes under cron: one line, not one a drive
+        finish(run_per_drive(drives, lambda one: on_drive(
+            *prepare(one), view=_clean_view, read_only_ok=dry_run),
+            json_output=json_output, totals=_clean_totals))
+        return
+    targets, job = prepare(first_root(root))
     finish(run_on_targets(targets, job, json_output=json_output, view=_clean_view,
                           read_only_ok=dry_run))
+
+
+def _clean_totals(doc: dict[str, Any]) -> dict[str, int]:
+    """What one store's clean deleted (or would), summed over the drives."""
+    return {"stores": 1, **{k: int(v) for k, v in (doc.get("total") or {}).items()
+                            if isinstance(v, int) and not isinstance(v, bool)}}
 
 
 def _endpoint_policy(enabled: bool, extra: list[str]) -> Any:

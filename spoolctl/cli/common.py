@@ -85,6 +85,16 @@ RootOption = Annotated[
     typer.Option("--root", help=f"Store root (absolute). Default: ${ENV_ROOT}, else "
                  "~/.cache/spoolctl/store.", show_default=False),
 ]
+# Text, made a Path by ``drive_roots`` / ``first_root``: click's Path type stats the path
+# while parsing the command line, which blocks forever on a hung mount point, before any
+# disk deadline can bound it (decision 2712).
+RootsOption = Annotated[
+    list[str] | None,
+    typer.Option("--root", metavar="<path>", help=f"Store root (absolute); repeat it for a "
+                 f"host's several drives (one row per drive, and totals). Default: "
+                 f"${ENV_ROOT} (several roots separated by ':'), else "
+                 "~/.cache/spoolctl/store.", show_default=False),
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 RankOption = Annotated[int | None, typer.Option(
     "--rank", min=0, max=9999, help="Only this rank's store (when --root is a vLLM base root "
@@ -157,6 +167,40 @@ def deprecated_alias(old: str, new: str, old_value: Any, new_value: Any) -> Any:
     err_console.print(Text(f"spoolctl: warning: {old} is deprecated: use {new}"),
                       soft_wrap=True)
     return old_value
+
+
+def first_root(roots: list[str] | None) -> Path | None:
+    """The one ``--root`` of a ``RootsOption`` (None: not given) when ``drive_roots`` found
+    no several."""
+    return Path(roots[0]) if roots else None
+
+
+def drive_roots(roots: list[str] | None) -> list[Path] | None:
+    """The roots of a command that takes several drives (repeated ``--root``, or
+    ``$SPOOLCTL_ROOT`` with ':' between roots), or None for one root: the command then
+    runs exactly as with a single ``--root`` (or none), decision 2712. A root given twice
+    or an empty element is a usage error."""
+    if roots:
+        if len(roots) == 1:
+            return None
+        given = [Path(root) for root in roots]
+    else:
+        env = os.environ.get(ENV_ROOT, "")
+        if ":" not in env:
+            return None
+        if any(not part for part in env.split(":")):
+            raise ConfigError(f"${ENV_ROOT} has an empty root between its ':'", path=env,
+                              fix=f"separate the drive roots by single ':', e.g. "
+                                  f"{ENV_ROOT}=/nvme0/spool:/nvme1/spool")
+        given = [Path(part) for part in env.split(":")]
+    seen: set[str] = set()
+    for root in given:
+        norm = os.path.normpath(str(root))
+        if norm in seen:
+            raise ConfigError("the same root is given twice", path=str(root),
+                              fix="name each drive's root once")
+        seen.add(norm)
+    return given
 
 
 def resolve_root(root: Path | None) -> Path:

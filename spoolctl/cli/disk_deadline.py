@@ -5,7 +5,9 @@ something is wrong, so they must answer on a hung store too. A thread cannot do 
 thread stuck in the kernel on a hung mount (a FUSE or NFS request already sent, a stalled
 drive) cannot be stopped, and the process cannot exit until it returns. So each store's
 work -- opening it, reading its facts -- runs in a forked child process that hands back
-its result (and what it printed on stderr) through a pipe. A store that has not answered
+its result (and what it printed on stderr) through a pipe, as JSON: the callers hand back
+documents and plain values (``encode``/``decode`` where they need objects), so nothing in
+this process ever unpickles bytes (decision 2712). A store that has not answered
 within ``SPOOLCTL_DISK_TIMEOUT`` seconds (default 10) is reported as down
 (``DiskNotAnsweringError``: the error line, ``disk_down`` in the JSON, ``store_up 0`` in the
 metrics); the command goes on and exits, and the child -- holding none of its output
@@ -16,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
-import pickle
 import select
 import sys
 import time
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from spoolctl import errors
 from spoolctl.errors import ConfigError, DiskNotAnsweringError, SpoolError, StoreIOError
 
 ENV_DISK_TIMEOUT = "SPOOLCTL_DISK_TIMEOUT"
@@ -53,10 +56,12 @@ def disk_timeout() -> float:
 
 
 def within_disk_timeout(root: str | Path, fn: Callable[[], T]) -> T:
-    """``fn()`` (everything a command reads of the store at ``root``; its result must
-    pickle), run in a child process, or ``DiskNotAnsweringError`` if it has not returned
-    within ``disk_timeout()``. A SpoolError ``fn`` raises is raised here as it was; what it
-    printed on stderr is printed here."""
+    """``fn()`` (everything a command reads of the store at ``root``; its result must be
+    JSON: dicts with string keys, lists, strings, numbers, booleans, None; a tuple comes
+    back a list), run in a child process, or ``DiskNotAnsweringError`` if it has not
+    returned within ``disk_timeout()``. A SpoolError ``fn`` raises is raised here as it was
+    (its class by name from ``spoolctl.errors``); what it printed on stderr is printed
+    here."""
     limit = disk_timeout()
     if not hasattr(os, "fork"):  # no fork (not a platform the store supports): unbounded
         return fn()
@@ -85,7 +90,7 @@ def within_disk_timeout(root: str | Path, fn: Callable[[], T]) -> T:
         raise StoreIOError("the process reading the store ended without an answer",
                            path=str(root), fix="run the command again; if it repeats, "
                            "run it with --debug and report the output")
-    kind, value, err = pickle.loads(data)
+    kind, value, err = json.loads(data)
     if err:
         sys.stderr.write(err)
     if kind == "ok":
@@ -127,14 +132,14 @@ def _child(fn: Callable[[], Any], write_end: int) -> None:
         try:
             outcome: tuple[str, Any] = ("ok", fn())
         except SpoolError as exc:
-            outcome = ("spool", (type(exc), exc.message, exc.path, exc.fix,
-                                 getattr(exc, "errno", None)))
+            outcome = ("spool", (type(exc).__name__, exc.message, _text(exc.path),
+                                 exc.fix, getattr(exc, "errno", None)))
         except BaseException:
             outcome = ("bug", traceback.format_exc())
         try:
-            data = pickle.dumps((*outcome, err.getvalue()))
+            data = json.dumps([*outcome, err.getvalue()]).encode()
         except Exception:
-            data = pickle.dumps(("bug", traceback.format_exc(), err.getvalue()))
+            data = json.dumps(["bug", traceback.format_exc(), err.getvalue()]).encode()
         view = memoryview(data)
         while view:
             view = view[os.write(write_end, view):]
@@ -163,8 +168,16 @@ def _redirect_log_handlers(*old_and_new: Any) -> None:
                     handler.stream = new
 
 
-def _rebuild(cls: type, message: str, path: str | None, fix: str | None,
+def _text(path: Any) -> str | None:
+    return None if path is None else str(path)
+
+
+def _rebuild(name: str, message: str, path: str | None, fix: str | None,
              errno: int | None) -> SpoolError:
+    """The child's error again: its class by name from ``spoolctl.errors`` (the one error
+    hierarchy), else a plain ``SpoolError``."""
+    found = getattr(errors, name, None) if isinstance(name, str) else None
+    cls = found if isinstance(found, type) and issubclass(found, SpoolError) else SpoolError
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)
     exc.message, exc.path, exc.fix = message, path, fix

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -69,7 +70,7 @@ class StoreResult:
 def run_each(targets: Targets, job: StoreJob, *, read_only_ok: bool = False,
              bounded: bool = False) -> list[StoreResult]:
     """Run ``job`` on every store of ``targets``; a SpoolError ends that store's turn only.
-    ``bounded`` (a command that only reads, and whose document pickles: ``status``): each
+    ``bounded`` (a command that only reads, and whose document is JSON: ``status``): each
     store's turn is bounded by ``disk_deadline``, a hung disk reported as the store down."""
     results = []
     for target in targets.stores:
@@ -131,17 +132,124 @@ def run_on_targets(targets: Targets, job: StoreJob, *, json_output: bool, view: 
                    read_only_ok: bool = False, empty: str = "nothing to do") -> int:
     """Run ``job`` on ``targets`` and emit the result (see the module docstring); return
     the exit code (the caller raises ``typer.Exit`` with it, or use ``finish``)."""
+    doc, code, shown, results = on_targets(targets, job, view=view,
+                                           read_only_ok=read_only_ok, empty=empty)
+    emit(doc, json_output=json_output, view=shown)
+    report_errors(results)
+    return code
+
+
+def on_targets(targets: Targets, job: StoreJob, *, view: View, read_only_ok: bool = False,
+               empty: str = "nothing to do",
+               ) -> tuple[dict[str, Any], int, View, list[StoreResult]]:
+    """``run_on_targets`` without the printing: the document, its exit code, the view that
+    shows it and the per-store results (none for one store, whose errors raise)."""
     if targets.single:
         target = targets.stores[0]
         with open_store(target.root, read_only_ok=read_only_ok) as store:
             doc, code = job(store, target)
-        emit(doc, json_output=json_output, view=view)
-        return code
+        return doc, code, view, []
     results = run_each(targets, job, read_only_ok=read_only_ok)
     doc = multi_doc(targets, results)
-    emit(doc, json_output=json_output, view=multi_view(view, empty=empty))
+    return doc, doc["exit"], multi_view(view, empty=empty), results
+
+
+# -- several drives (decision 2712) ---------------------------------------------------------
+
+
+def on_drive(targets: Targets, job: StoreJob, *, view: View, read_only_ok: bool = False,
+             ) -> tuple[dict[str, Any], int, View]:
+    """``on_targets`` for one drive of several: its stores' errors go to stderr at once."""
+    doc, code, shown, results = on_targets(targets, job, view=view, read_only_ok=read_only_ok)
     report_errors(results)
+    return doc, code, shown
+
+# fn(one drive's root) -> (the document the command prints for that root alone, its exit
+# code, the view that shows it); a SpoolError makes the drive's row an error.
+DriveJob = Callable[[Path], tuple[dict[str, Any], int, View]]
+# one store's document -> the numbers summed over every store of every drive
+StoreTotals = Callable[[dict[str, Any]], dict[str, int]]
+
+
+@dataclass(frozen=True)
+class DriveResult:
+    """One drive root's outcome: the command's document for it, or its one-line error."""
+
+    root: Path
+    code: int
+    doc: dict[str, Any] | None = None
+    view: View | None = None
+    error: str | None = None
+    disk_down: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"root": str(self.root), "exit": self.code}
+        if self.error is not None:
+            out["error"] = self.error
+            if self.disk_down:
+                out["disk_down"] = True
+        else:
+            out["result"] = self.doc
+        return out
+
+
+def store_docs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-store documents inside one root's document (``multi_doc``'s results, or the
+    document itself for one store)."""
+    if isinstance(doc.get("stores"), list) and "kind" in doc:
+        return [s["result"] for s in doc["stores"] if isinstance(s.get("result"), dict)]
+    return [doc]
+
+
+def run_per_drive(roots: list[Path], job: DriveJob, *, json_output: bool,
+                  totals: StoreTotals) -> int:
+    """Run ``job`` on each drive root in turn and emit one document: a row per drive (its
+    document or its error: a drive missing, unreadable or hung costs only its own row) and
+    ``totals`` over every store that answered. Returns the worst drive's exit code."""
+    results: list[DriveResult] = []
+    for root in roots:
+        try:
+            doc, code, view = job(root)
+        except SpoolError as exc:
+            results.append(DriveResult(root, error_exit_code(exc), error=str(exc),
+                                       disk_down=isinstance(exc, DiskNotAnsweringError)))
+            continue
+        results.append(DriveResult(root, code, doc=doc, view=view))
+    summed: dict[str, int] = {}
+    for r in results:
+        for one in store_docs(r.doc) if r.doc is not None else ():
+            for key, value in totals(one).items():
+                summed[key] = summed.get(key, 0) + value
+    down = [r for r in results if r.error is not None]
+    doc = {"roots": [str(r) for r in roots], "drives": [r.to_json() for r in results],
+           "totals": {"drives": len(results), "drives_down": len(down), **summed},
+           "exit": worst([r.code for r in results])}
+    emit(doc, json_output=json_output, view=lambda d: _drives_view(results, d))
+    for r in down:  # on stderr too: cron mails it
+        err_console.print(text(f"error: drive {r.root}: {r.error}"), soft_wrap=True)
     return doc["exit"]
+
+
+def _drives_view(results: list[DriveResult], doc: dict[str, Any]) -> list[Any]:
+    from rich.text import Text
+
+    out: list[Any] = []
+    for r in results:
+        # the whole path, never shortened to the terminal's width (a Rule would)
+        out.append(Text.assemble(("drive ", "bold"), (plain(str(r.root)), "bold")))
+        if r.error is not None:
+            state = "down (its disk did not answer)" if r.disk_down else "error"
+            out.append(Text.assemble((f"{state}: ", "red"), plain(r.error)))
+            continue
+        assert r.view is not None
+        shown = r.view(r.doc)
+        out.extend(shown if isinstance(shown, list) else [shown])
+    totals = doc["totals"]
+    parts = [f"{k} {v:,}" for k, v in totals.items() if k not in ("drives", "drives_down")]
+    out.append(Text(f"{totals['drives']} drives" + (
+        f", {totals['drives_down']} down or unreadable" if totals["drives_down"] else "")
+        + (": " + ", ".join(parts) if parts else "")))
+    return out
 
 
 def report_errors(results: list[StoreResult]) -> None:

@@ -26,17 +26,20 @@ from .common import (
     JsonOption,
     RankOption,
     RootOption,
+    RootsOption,
+    drive_roots,
     emit,
     emit_json,
     err_console,
     esc,
+    first_root,
     open_store,
     resolve_root,
     text,
 )
 from .disk_deadline import within_disk_timeout
 from .fanout import finish, multi_doc, multi_view, worst
-from .targets import resolve_targets
+from .targets import resolve_targets, targets_from_json, targets_json
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -48,7 +51,7 @@ commands = typer.Typer()
 
 @commands.command("metrics")
 def metrics_cmd(
-    root: RootOption = None,
+    root: RootsOption = None,
     textfile: Annotated[Path | None, typer.Option(
         "--textfile", help="Write atomically to this .prom file (node_exporter textfile "
         "collector) instead of stdout.")] = None,
@@ -66,24 +69,23 @@ def metrics_cmd(
     Example: [bold]spoolctl metrics --textfile /var/lib/node_exporter/textfile/spoolctl.prom[/bold]
     """
     from spoolctl.metrics import (
-        collect_store_gauges,
         render_samples,
-        store_down,
         store_unreadable,
-        with_target,
     )
 
     if textfile is not None:
         _check_textfile(textfile)
+    drives = drive_roots(root)
+    if drives is not None:  # several drives: every gauge labelled `drive` (decision 2712)
+        samples, code = _drive_samples(drives, rank, deployment)
+        _emit_samples(samples, code, textfile, json_output)
+        return
+    root = first_root(root)
     try:
-        targets = within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: resolve_targets(
-            root, rank=rank, deployment=deployment))
+        targets = targets_from_json(within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: (
+            targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
         if targets.single:
-            def gauges() -> list[Any]:
-                with open_store(targets.given, read_only_ok=True) as store:
-                    return collect_store_gauges(store)
-
-            samples = within_disk_timeout(targets.given, gauges)
+            samples = _gauges_within(targets.given)
     except SpoolError:
         if textfile is None:
             raise
@@ -102,28 +104,14 @@ def metrics_cmd(
                               "created its stores there")
     code = EXIT_OK
     if not targets.single:
-        samples = []
-        for target in targets.stores:
-            assert target.rank is not None and target.deployment is not None
-            try:
-                store_down(target.deployment, target.rank)  # a name fit for a label?
-            except ValueError:
-                err_console.print(text(f"error: {target.label}: the deployment directory name "
-                                       "cannot be a metric label; its gauges are left out"),
-                                  soft_wrap=True)
-                code = EXIT_USAGE
-                continue
-            def rank_gauges(root: Path = target.root) -> list[Any]:
-                with open_store(root, read_only_ok=True) as store:
-                    return collect_store_gauges(store)
+        samples, code = _rank_samples(targets)
+    _emit_samples(samples, code, textfile, json_output)
 
-            try:
-                samples += with_target(within_disk_timeout(target.root, rank_gauges),
-                                       target.deployment, target.rank)
-            except SpoolError as exc:
-                samples += store_down(target.deployment, target.rank)
-                err_console.print(text(f"error: {target.label}: {exc}"), soft_wrap=True)
-                code = EXIT_USAGE
+
+def _emit_samples(samples: list[Any], code: int, textfile: Path | None,
+                  json_output: bool) -> None:
+    from spoolctl.metrics import render_samples
+
     exposition = render_samples(samples)
     if textfile is not None:
         _write_atomic(textfile, exposition.encode())
@@ -132,6 +120,85 @@ def metrics_cmd(
     elif textfile is None:
         typer.echo(exposition, nl=False)
     finish(code)
+
+
+def _drive_samples(drives: list[Path], rank: int | None,
+                   deployment: str | None) -> tuple[list[Any], int]:
+    """The gauges of every drive, each labelled with its root; a drive that cannot be read
+    (missing, unmounted, hung) shows ``spoolctl_store_up{drive=...} 0`` and exits 2."""
+    from spoolctl.metrics import (
+        check_target,
+        store_unreadable,
+        with_drive,
+    )
+
+    samples: list[Any] = []
+    code = EXIT_OK
+    for one in drives:
+        try:
+            check_target({"drive": str(one)})
+        except ValueError:
+            raise ConfigError("a drive root must be an absolute path of printable ASCII "
+                              "characters to label its gauges", path=str(one),
+                              fix="give its absolute path (or a symlink-free ASCII one)"
+                              ) from None
+    for one in drives:
+        try:
+            targets = targets_from_json(within_disk_timeout(one, lambda one=one: (
+                targets_json(resolve_targets(one, rank=rank, deployment=deployment)))))
+            if targets.single:
+                got, got_code = _gauges_within(targets.given), EXIT_OK
+            elif not targets.stores:
+                raise ConfigError("no spoolctl store under this root (is its disk mounted?)",
+                                  path=str(targets.given),
+                                  fix="mount the drive, or drop it from the roots")
+            else:
+                got, got_code = _rank_samples(targets)
+        except SpoolError as exc:
+            err_console.print(text(f"error: drive {one}: {exc}"), soft_wrap=True)
+            got, got_code = store_unreadable(), EXIT_USAGE
+        samples += with_drive(got, str(one))
+        code = max(code, got_code)
+    return samples, code
+
+
+def _gauges_within(root: Path) -> list[Any]:
+    """The gauges of the store at ``root``, read in a child bounded by the disk timeout
+    (``disk_deadline``: a hung disk raises ``DiskNotAnsweringError``)."""
+    from spoolctl.metrics import collect_store_gauges, samples_from_json, samples_json
+
+    def gauges() -> list[Any]:
+        with open_store(root, read_only_ok=True) as store:
+            return samples_json(collect_store_gauges(store))
+
+    return samples_from_json(within_disk_timeout(root, gauges))
+
+
+def _rank_samples(targets: Any) -> tuple[list[Any], int]:
+    """The gauges of every rank store of a vLLM root, labelled ``deployment`` and ``rank``
+    (a rank that cannot be read: ``store_up`` 0), and the exit code."""
+    from spoolctl.metrics import store_down, with_target
+
+    code = EXIT_OK
+    samples = []
+    for target in targets.stores:
+        assert target.rank is not None and target.deployment is not None
+        try:
+            store_down(target.deployment, target.rank)  # a name fit for a label?
+        except ValueError:
+            err_console.print(text(f"error: {target.label}: the deployment directory name "
+                                   "cannot be a metric label; its gauges are left out"),
+                              soft_wrap=True)
+            code = EXIT_USAGE
+            continue
+        try:
+            samples += with_target(_gauges_within(target.root), target.deployment,
+                                   target.rank)
+        except SpoolError as exc:
+            samples += store_down(target.deployment, target.rank)
+            err_console.print(text(f"error: {target.label}: {exc}"), soft_wrap=True)
+            code = EXIT_USAGE
+    return samples, code
 
 
 def metrics_doc(samples: list[Any], code: int) -> dict[str, Any]:

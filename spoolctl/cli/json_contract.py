@@ -60,6 +60,20 @@ MULTI = Document("(any, on a vLLM root)", "A command run on a vLLM base root or 
                      "exit": "the worst exit code of the stores",
                  })
 
+DRIVES = Document("(status, clean, scrub, on several roots)", "A command given several "
+                  "drive roots (repeated --root, or SPOOLCTL_ROOT with ':'; decision 2712): "
+                  "one document for every drive.", {
+                      "schema": SCHEMA,
+                      "roots": "the roots given, in order",
+                      "drives": "per drive: `root`, `exit`, and `result` (the document the "
+                                "command prints for that root alone) or `error` (with "
+                                "`disk_down`: true when its disk did not answer in time)",
+                      "totals": "`drives`, `drives_down` (missing, unreadable or hung), and "
+                                "the command's numbers summed over every store that answered "
+                                "(status: `stores`, `entries`, `bytes`)",
+                      "exit": "the worst exit code of the drives",
+                  })
+
 DOCUMENTS: tuple[Document, ...] = (
     Document("init", "The store created or updated.", {
         "schema": SCHEMA, "root": "store root", "store_id": "the store's id",
@@ -229,7 +243,7 @@ def render_markdown() -> str:
             sorted(DEPRECATED.items())]
     out += out_tail
     out.append("")
-    for doc in (ERROR, MULTI, *DOCUMENTS):
+    for doc in (ERROR, MULTI, DRIVES, *DOCUMENTS):
         name = doc.command if doc.command.startswith("(") else f"`{doc.command}`"
         schema = f"spoolctl-cli/{doc.command}/v1" if not doc.command.startswith("(") \
             else "the command's own"

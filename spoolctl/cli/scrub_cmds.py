@@ -21,12 +21,23 @@ from .common import (
     JsonOption,
     RankOption,
     RootOption,
+    RootsOption,
+    drive_roots,
     emit,
     esc,
+    first_root,
     text,
 )
 from .entry_cmds import found_in
-from .fanout import finish, multi_doc, multi_view, run_each, run_on_targets
+from .fanout import (
+    finish,
+    multi_doc,
+    multi_view,
+    on_drive,
+    run_each,
+    run_on_targets,
+    run_per_drive,
+)
 from .targets import StoreTarget, resolve_entry, resolve_targets
 
 if TYPE_CHECKING:
@@ -50,7 +61,7 @@ def parse_rate_option(text: str) -> int | None:
 
 @commands.command("scrub")
 def scrub_cmd(
-    root: RootOption = None,
+    root: RootsOption = None,
     rate: Annotated[str, typer.Option(
         "--rate", help="Byte rate limit, e.g. 64MiB/s (0 = unlimited).")] = "64MiB/s",
     max_items: Annotated[int, typer.Option(
@@ -73,7 +84,6 @@ def scrub_cmd(
     """
     from spoolctl.store import Scrubber
     rate_bytes = parse_rate_option(rate)
-    targets = resolve_targets(root, rank=rank, deployment=deployment)
 
     def job(store: Store, target: StoreTarget) -> tuple[dict[str, Any], int]:
         total = store.totals().entries
@@ -90,7 +100,20 @@ def scrub_cmd(
         doc = {**report.to_json(), "proves": "integrity" if store.tag_key is None else "origin"}
         return doc, EXIT_FINDINGS if findings else EXIT_OK
 
+    drives = drive_roots(root)
+    if drives is not None:  # several drives: a row each, and totals (decision 2712)
+        finish(run_per_drive(drives, lambda one: on_drive(
+            resolve_targets(one, rank=rank, deployment=deployment), job, view=_scrub_view),
+            json_output=json_output, totals=_scrub_totals))
+        return
+    targets = resolve_targets(first_root(root), rank=rank, deployment=deployment)
     finish(run_on_targets(targets, job, json_output=json_output, view=_scrub_view))
+
+
+def _scrub_totals(doc: dict[str, Any]) -> dict[str, int]:
+    """What one store's scrub step counted (summed over the drives)."""
+    return {"stores": 1, **{k: int(doc.get(k) or 0) for k in
+                            ("checked", "bytes", "quarantined", "unreadable")}}
 
 
 def _scrub_view(doc: dict[str, Any]) -> Table:

@@ -10,6 +10,7 @@ by ``app.main``); on several stores, the worst of them (``fanout``).
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -25,15 +26,18 @@ from .common import (
     JsonOption,
     RankOption,
     RootOption,
+    RootsOption,
+    drive_roots,
     emit,
     esc,
+    first_root,
     open_store,
     plain,
     text,
 )
 from .disk_deadline import within_disk_timeout
-from .fanout import finish, multi_doc, run_each, run_on_targets, worst
-from .targets import StoreTarget, Targets, resolve_targets
+from .fanout import finish, multi_doc, run_each, run_on_targets, run_per_drive, worst
+from .targets import StoreTarget, Targets, resolve_targets, targets_from_json, targets_json
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
@@ -148,7 +152,7 @@ def status_doc(store: Store, facts: StoreFacts | None = None) -> dict[str, Any]:
 
 @commands.command("status")
 def status(
-    root: RootOption = None,
+    root: RootsOption = None,
     json_output: JsonOption = False,
     check: Annotated[bool, typer.Option(
         "--check", help="Exit 1 if anything needs attention: quarantined items, "
@@ -170,28 +174,47 @@ def status(
 
     Example: [bold]spoolctl status --root /var/cache/spoolctl --json[/bold]
     """
+    drives = drive_roots(root)
+    if drives is not None:  # several drives: a row each, and totals (decision 2712)
+        finish(run_per_drive(drives, lambda one: _status_of(one, rank, deployment, check),
+                             json_output=json_output, totals=_status_totals))
+        return
+    doc, code, view = _status_of(first_root(root), rank, deployment, check)
+    emit(doc, json_output=json_output, view=view)
+    finish(code)
+
+
+def _status_of(root: Path | None, rank: int | None, deployment: str | None,
+               check: bool) -> tuple[dict[str, Any], int, Any]:
+    """``status`` of one root: its document, exit code and view."""
     from spoolctl.store import encryption_summary
-    targets = within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: resolve_targets(
-        root, rank=rank, deployment=deployment))
+
+    targets = targets_from_json(within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: (
+        targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
     if targets.single:
-        def read() -> tuple[dict[str, Any], StoreFacts]:
+        def read() -> tuple[dict[str, Any], bool]:
             with open_store(targets.given, read_only_ok=True) as store:
                 facts = store.facts()
                 doc = status_doc(store, facts)
                 doc["models"] = models_doc(store)
                 if (encryption := encryption_summary(store)) is not None:
                     doc["encryption"] = encryption
-            return doc, facts
+            return doc, facts.needs_attention
 
-        doc, facts = within_disk_timeout(targets.given, read)  # a hung disk: reported down
-        emit(doc, json_output=json_output, view=_status_view)
-        attention = facts.needs_attention or bool(doc["genai"]["malformed"])
-        finish(EXIT_FINDINGS if check and attention else EXIT_OK)
-        return
+        # a hung disk: reported down
+        doc, needs_attention = within_disk_timeout(targets.given, read)
+        attention = needs_attention or bool(doc["genai"]["malformed"])
+        return doc, EXIT_FINDINGS if check and attention else EXIT_OK, _status_view
     doc, findings = deployment_status_doc(targets)
-    emit(doc, json_output=json_output, view=_deployment_view)
     errors = worst([s["exit"] for s in doc["stores"] if "error" in s])
-    finish(errors or (EXIT_FINDINGS if check and findings else EXIT_OK))
+    return doc, errors or (EXIT_FINDINGS if check and findings else EXIT_OK), _deployment_view
+
+
+def _status_totals(doc: dict[str, Any]) -> dict[str, int]:
+    """One store's entries and bytes (a rank store's are under ``status``)."""
+    facts = doc.get("status", doc)
+    return {"stores": 1, "entries": int(facts.get("entries") or 0),
+            "bytes": int(facts.get("bytes") or 0)}
 
 
 def models_doc(store: Store) -> dict[str, Any]:
@@ -310,8 +333,9 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
                             bytes=facts.totals.bytes, max_bytes=facts.max_bytes,
                             quarantined=facts.quarantine.items, chunk_keys=keys,
                             write_budget=_write_budget(store.root))
-        return {"status": status_doc(store, facts), "_report": report,
-                "_use": rank_use(store, target.deployment or "", rows),
+        # JSON from a bounded child (``disk_deadline``): the parent rebuilds both
+        return {"status": status_doc(store, facts), "_report": report.to_json_doc(),
+                "_use": asdict(rank_use(store, target.deployment or "", rows)),
                 "attention": facts.needs_attention}, EXIT_OK
 
     results = run_each(targets, job, read_only_ok=True, bounded=True)
@@ -323,8 +347,10 @@ def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
             groups.setdefault(r.target.deployment or "", [])
             failed.setdefault(r.target.deployment or "", []).append(r.target.rank)
         if r.doc is not None:
-            groups.setdefault(r.target.deployment or "", []).append(r.doc.pop("_report"))
-            used.setdefault(r.target.deployment or "", []).append(r.doc.pop("_use"))
+            groups.setdefault(r.target.deployment or "", []).append(
+                RankReport.from_json_doc(r.doc.pop("_report")))
+            used.setdefault(r.target.deployment or "", []).append(
+                DeploymentUse(**r.doc.pop("_use")))
     deployments = {name: _deployment_status(str(_dep_dir(targets, name)), reports,
                                             failed.get(name, []))
                    for name, reports in groups.items()}

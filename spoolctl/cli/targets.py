@@ -65,6 +65,19 @@ class Targets:
         return self.kind == "store"
 
 
+def targets_json(targets: Targets) -> dict:
+    """``targets`` as JSON, for a bounded child to hand back (``disk_deadline``); the
+    scanner's ``contents`` stay behind (``targets_from_json`` leaves them None)."""
+    return {"given": str(targets.given), "kind": targets.kind,
+            "stores": [t.to_json() for t in targets.stores]}
+
+
+def targets_from_json(doc: dict) -> Targets:
+    """The ``Targets`` of ``targets_json`` (without ``contents``)."""
+    return Targets(Path(doc["given"]), doc["kind"], tuple(
+        StoreTarget(Path(t["root"]), t["rank"], t["deployment"]) for t in doc["stores"]))
+
+
 def _target(found: StorePlace) -> StoreTarget:
     return StoreTarget(found.path, found.rank, found.deployment)
 

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from .catalog.index import CatalogRow, Totals
     from .catalog.rows import MalformedRow
     from .commit.committer import PutOutcome, PutRequest
-    from .disk.fsio import fsync_dir, write_tmp
+    from .disk.fsio import SpecialFileError, fsync_dir, read_small, write_tmp
     from .disk.locks import hold
     from .disk.root import ALLOW_FOREIGN_ENV, MARKER, check_root_path
     from .facts import StoreFacts
@@ -111,7 +111,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".catalog.index": ("CatalogRow", "Totals"),
     ".catalog.rows": ("MalformedRow",),
     ".commit.committer": ("PutOutcome", "PutRequest"),
-    ".disk.fsio": ("fsync_dir", "write_tmp"),
+    ".disk.fsio": ("SpecialFileError", "fsync_dir", "read_small", "write_tmp"),
     ".disk.locks": ("hold",),
     ".disk.root": ("ALLOW_FOREIGN_ENV", "MARKER", "check_root_path"),
     ".facts": ("StoreFacts",),
@@ -211,6 +211,7 @@ __all__ = [
     "Scrubber",
     "Selection",
     "SigningSink",
+    "SpecialFileError",
     "SpoolError",
     "Store",
     "StoreFacts",
@@ -247,6 +248,7 @@ __all__ = [
     "plain_size",
     "rank_dirname",
     "rank_of",
+    "read_small",
     "refuse_encrypted",
     "resolve_deployment",
     "retire_keys",

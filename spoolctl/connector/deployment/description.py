@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from spoolctl.store import fsync_dir, write_tmp
+from spoolctl.store import SpecialFileError, fsync_dir, read_small, write_tmp
 
 from .identity import DeploymentIdentity
 
@@ -85,24 +85,12 @@ def read_record(path: Path, schema: str, fields: dict[str, tuple[type, ...]], wh
     ``usage.json``, ``host-budget.json``): read bounded, non-blocking, without following a
     link; its fields (without ``schema``) when every one has an accepted type, None when
     there is no file, ``error`` (naming ``fix``) otherwise."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
+        data = read_bounded(path, _LIMIT)
+    except Unreadable as exc:
+        raise error(f"{path} {exc}; {fix}") from None
+    if data is None:
         return None
-    except OSError as exc:
-        why = "is a symbolic link" if exc.errno == errno.ELOOP else \
-            f"cannot be read ({os.strerror(exc.errno or 0)})"
-        raise error(f"{path} {why}; {fix}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise error(f"{path} is not a regular file; {fix}")
-        data = os.read(fd, _LIMIT + 1)
-    except OSError as exc:
-        raise error(f"{path} cannot be read ({os.strerror(exc.errno or 0)}); "
-                               f"{fix}") from None
-    finally:
-        os.close(fd)
     try:
         doc = json.loads(data) if len(data) <= _LIMIT else None
     except (ValueError, RecursionError):
@@ -112,6 +100,27 @@ def read_record(path: Path, schema: str, fields: dict[str, tuple[type, ...]], wh
             for k, types in fields.items()):
         raise error(f"{path} is not {what}; {fix}")
     return {k: doc[k] for k in fields}
+
+
+class Unreadable(ValueError):
+    """A small record that exists but cannot be read; ``str()`` says why, e.g. ``is a
+    symbolic link`` (callers put the path in front and their fix after)."""
+
+
+def read_bounded(path: Path, limit: int) -> bytes | None:
+    """The bytes of the small file ``path`` (at most ``limit + 1``, so an oversized file
+    shows), None when there is none; ``Unreadable`` for a link, something not a regular
+    file (never blocks on a FIFO) or a read error. The store's one small-file reader
+    (``read_small``) does the reading."""
+    try:
+        return read_small(path, limit)
+    except FileNotFoundError:
+        return None
+    except SpecialFileError:
+        raise Unreadable("is not a regular file") from None
+    except OSError as exc:
+        raise Unreadable("is a symbolic link" if exc.errno == errno.ELOOP else
+                         f"cannot be read ({os.strerror(exc.errno or 0)})") from None
 
 
 def summary(desc: dict[str, Any]) -> str:

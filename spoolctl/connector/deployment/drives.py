@@ -19,17 +19,17 @@ a fresh (replaced) drive gets a new id, and only its share of chunks starts cold
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import secrets
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 from blake3 import blake3
 
 from spoolctl.errors import ConfigError
+
+from .description import Unreadable, read_bounded
 
 MARKER = ".spoolctl-drive"
 SCHEMA = "spoolctl-drive/v1"
@@ -67,21 +67,12 @@ def read_drive_id(root: str | Path) -> str | None:
     """The id recorded in ``<root>/.spoolctl-drive``; None when there is none. ConfigError
     when it is a link, not a regular file, or not a drive marker (never blocks on a FIFO)."""
     root = Path(root)
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(root / MARKER, flags)
-    except FileNotFoundError:
+        data = read_bounded(root / MARKER, _LIMIT)
+    except Unreadable as exc:
+        raise _refuse(root, str(exc)) from None
+    if data is None:
         return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _refuse(root, "is a symbolic link") from None
-        raise _refuse(root, f"cannot be read ({os.strerror(exc.errno or 0)})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _refuse(root, "is not a regular file")
-        data = os.read(fd, _LIMIT + 1)
-    finally:
-        os.close(fd)
     try:
         doc = json.loads(data) if len(data) <= _LIMIT else None
     except (ValueError, RecursionError):

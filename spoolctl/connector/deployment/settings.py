@@ -199,6 +199,13 @@ def parse_settings(
     if not root or not isinstance(root, str):
         raise ConfigError("no store root configured for the spoolctl connector", path=_WHERE,
                           fix='set "spoolctl_root": "/abs/path" (or SPOOLCTL_ROOT)')
+    if not extra.get("spoolctl_root") and ":" in root:
+        # The CLI reads a ':' list in SPOOLCTL_ROOT as a host's drive roots (decision
+        # 2712); the connector takes one root, so it must not make a directory named "a:b".
+        raise ConfigError("SPOOLCTL_ROOT names several roots (':' between them); the "
+                          "connector takes one base root", path=root,
+                          fix='set "spoolctl_root": "/abs/path" in kv_connector_extra_config '
+                              "(the connector does not take several drives yet)")
     if os.path.lexists(os.path.join(root, MARKER)):
         # One meaning for SPOOLCTL_ROOT (decision 2501): a root the CLI's --root also takes.
         # A single store is such a root, but the connector's stores go *under* its root.

@@ -137,6 +137,17 @@ class RankReport:
     # one-line reason its ledger cannot be read (``{"error": ...}``); None without one.
     write_budget: dict[str, Any] | None = None
 
+    def to_json_doc(self) -> dict[str, Any]:
+        """Every field as JSON (the chunk keys a sorted list): ``from_json_doc`` inverts it."""
+        return {"rank": self.rank, "root": self.root, "entries": self.entries,
+                "bytes": self.bytes, "max_bytes": self.max_bytes,
+                "quarantined": self.quarantined, "chunk_keys": sorted(self.chunk_keys),
+                "write_budget": self.write_budget}
+
+    @staticmethod
+    def from_json_doc(doc: dict[str, Any]) -> RankReport:
+        return RankReport(**{**doc, "chunk_keys": frozenset(doc["chunk_keys"])})
+
 
 @dataclass(frozen=True)
 class DeploymentStatus:
