@@ -289,3 +289,30 @@ def test_status_across_drives_with_one_hung_serves_the_others(tmp_path: Path) ->
     assert hung["disk_down"] is True and "did not answer" in hung["error"]
     assert doc["totals"]["drives_down"] == 1 and doc["totals"]["entries"] == 1
     assert proc.returncode == 2 and f"error: drive {drives[1]}:" in proc.stderr
+
+
+@pytest.mark.extended  # a FUSE mount and a real process waiting out the disk timeout
+def test_export_across_drives_with_one_hung_exports_the_others(tmp_path: Path) -> None:
+    """`export --root A --root B -o DIR` (decision 2713) with B a hung mount: B's scan does
+    not answer within the disk timeout, so B is a `disk_down` row and no archive, A's
+    archive is written whole, exit 2."""
+    from spoolctl.cli.transfer_cmds import drive_archive_name
+
+    _needs_fuse()
+    here = Path(os.path.realpath(tmp_path))
+    drives = [here / "nvme0" / "spool", here / "nvme1" / "spool"]
+    for drive in drives:
+        with Store.open(drive / DEP / "rank-0000", create=True) as store:
+            store.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
+    out = here / "archives"
+    out.mkdir()
+    with ControlledMount(drives[1], tmp_path / "fuse") as mount:
+        mount.hang()
+        proc = _cli(mount, "export", "--root", str(drives[0]), "--root", str(drives[1]),
+                    "-o", str(out), "--json")
+    doc = json.loads(proc.stdout)
+    served, hung = doc["drives"]
+    assert served["exit"] == 0 and served["result"]["entries"] == 1
+    assert hung["disk_down"] is True and "did not answer" in hung["error"]
+    assert [p.name for p in out.iterdir()] == [drive_archive_name(drives[0])]
+    assert proc.returncode == 2 and f"error: drive {drives[1]}:" in proc.stderr

@@ -6,6 +6,7 @@ drive is in tests/test_disk_faults.py (a real FUSE mount)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from operator_cli import run, run_json
 
 from spoolctl.cli.json_contract import DRIVES
+from spoolctl.cli.transfer_cmds import drive_archive_name
 from spoolctl.store import Store
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
@@ -105,3 +107,49 @@ def test_a_root_named_twice_or_an_empty_one_is_one_line(tmp_path: Path, argv: tu
     code, out, err = run("status", *(a.format(*fill.values()) for a in argv),
                          env={k: v.format(*fill.values()) for k, v in env.items()})
     assert code == 2 and says in err and err.strip().count("\n") == 0, (out, err)
+
+
+def test_export_across_drives_writes_one_archive_per_drive_and_each_imports_back(
+        drives: list[Path], tmp_path: Path) -> None:
+    """Decision 2713: several --root with -o DIR write DIR/<drive>.tar per drive (the
+    archive format has no drive: each imports onto the matching drive of the new host); the
+    missing drive is one error row and one stderr line, the others are exported, exit 2.
+    (Before, export kept only the last --root and refused a directory as -o.)"""
+    out = tmp_path / "archives"
+    out.mkdir()
+    code, stdout, err = run("export", *_roots(*drives), "-o", str(out), "--json")
+    assert code == 2, (stdout, err)
+    doc = json.loads(stdout)
+    assert set(doc) == set(DRIVES.keys) and doc["roots"] == [str(r) for r in drives]
+    names = [drive_archive_name(r) for r in drives]
+    assert names[0].endswith("nvme0-spool.tar") and len(set(names)) == 3
+    assert sorted(p.name for p in out.iterdir()) == sorted(names[:2])  # nothing for the 3rd
+    rows = doc["drives"]
+    for row, name, n in zip(rows[:2], names[:2], (2, 1), strict=True):
+        assert row["exit"] == 0 and row["result"]["output"] == str(out / name)
+        assert row["result"]["entries"] == n  # retained chunks of that drive
+    assert rows[2]["exit"] == 2 and str(drives[2]) in rows[2]["error"]
+    assert doc["totals"]["archives"] == 2 and doc["totals"]["entries"] == 3
+    assert doc["totals"]["drives_down"] == 1 and err.count("\n") == 1
+    assert f"error: drive {drives[2]}:" in err
+    # moving the host: each archive onto the matching drive of the new one
+    new = [tmp_path / "new" / f"nvme{i}" / "spool" for i in (0, 1)]
+    for root, name, n in zip(new, names[:2], (2, 1), strict=True):
+        imported = run_json("import", "--root", str(root), str(out / name))
+        assert imported["imported"] == n
+        with Store.open(root / DEP / "rank-0000", read_only=True) as store:
+            assert store.totals().entries == n
+
+
+def test_export_across_drives_needs_a_directory_not_one_stream(drives: list[Path],
+                                                               tmp_path: Path) -> None:
+    code, out, err = run("export", *_roots(*drives[:2]))  # -o - (the default)
+    assert code == 2 and out == "" and "one archive per drive" in err
+    assert err.strip().count("\n") == 0
+    code, out, err = run("export", *_roots(*drives[:2]), "-o", str(tmp_path / "none"))
+    assert code == 2 and "-o is a directory" in err and str(tmp_path / "none") in err
+    (tmp_path / drive_archive_name(drives[1])).write_bytes(b"an older archive")
+    code, out, err = run("export", *_roots(*drives[:2]), "-o", str(tmp_path))
+    assert code == 2 and "the output file exists" in err and "--force" in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tar") == \
+        [drive_archive_name(drives[1])]  # refused before the first drive was written

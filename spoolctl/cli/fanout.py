@@ -202,10 +202,14 @@ def store_docs(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_per_drive(roots: list[Path], job: DriveJob, *, json_output: bool,
-                  totals: StoreTotals) -> int:
+                  totals: StoreTotals,
+                  per_store: Callable[[dict[str, Any]], list[dict[str, Any]]] = store_docs,
+                  ) -> int:
     """Run ``job`` on each drive root in turn and emit one document: a row per drive (its
     document or its error: a drive missing, unreadable or hung costs only its own row) and
-    ``totals`` over every store that answered. Returns the worst drive's exit code."""
+    ``totals`` over every store that answered (``per_store`` splits a drive's document into
+    the documents ``totals`` counts; ``export`` counts its one archive per drive). Returns
+    the worst drive's exit code."""
     results: list[DriveResult] = []
     for root in roots:
         try:
@@ -217,7 +221,7 @@ def run_per_drive(roots: list[Path], job: DriveJob, *, json_output: bool,
         results.append(DriveResult(root, code, doc=doc, view=view))
     summed: dict[str, int] = {}
     for r in results:
-        for one in store_docs(r.doc) if r.doc is not None else ():
+        for one in per_store(r.doc) if r.doc is not None else ():
             for key, value in totals(one).items():
                 summed[key] = summed.get(key, 0) + value
     down = [r for r in results if r.error is not None]

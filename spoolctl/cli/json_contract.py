@@ -60,7 +60,7 @@ MULTI = Document("(any, on a vLLM root)", "A command run on a vLLM base root or 
                      "exit": "the worst exit code of the stores",
                  })
 
-DRIVES = Document("(status, clean, scrub, on several roots)", "A command given several "
+DRIVES = Document("(status, clean, scrub, export, on several roots)", "A command given several "
                   "drive roots (repeated --root, or SPOOLCTL_ROOT with ':'; decision 2712): "
                   "one document for every drive.", {
                       "schema": SCHEMA,
@@ -70,7 +70,8 @@ DRIVES = Document("(status, clean, scrub, on several roots)", "A command given s
                                 "`disk_down`: true when its disk did not answer in time)",
                       "totals": "`drives`, `drives_down` (missing, unreadable or hung), and "
                                 "the command's numbers summed over every store that answered "
-                                "(status: `stores`, `entries`, `bytes`)",
+                                "(status: `stores`, `entries`, `bytes`; export: "
+                                "`archives`, `stores`, `entries`, `objects`, `bytes`)",
                       "exit": "the worst exit code of the drives",
                   })
 

@@ -13,6 +13,7 @@ import contextlib
 import enum
 import errno
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -29,14 +30,20 @@ from .common import (
     JsonState,
     RankOption,
     RootOption,
+    RootsOption,
+    View,
     console,
     deprecated_alias,
+    drive_roots,
     emit_json,
     err_console,
     error_doc,
     esc,
+    first_root,
     text,
 )
+from .disk_deadline import within_disk_timeout
+from .fanout import finish, run_per_drive
 from .transfer_roots import (
     export_doc,
     export_source,
@@ -207,10 +214,11 @@ def _archive_sink(output: str, force: bool):
 
 @commands.command("export")
 def export_cmd(
-    root: RootOption = None,
+    root: RootsOption = None,
     output: Annotated[str, typer.Option(
         "--output", "-o", metavar="<file|->",
-        help="Archive file to write, or - for stdout.")] = "-",
+        help="Archive file to write, or - for stdout; with several --root, a directory "
+        "(one archive per drive, <drive>.tar).")] = "-",
     kind: KindOption = None,
     namespace: NamespaceOption = None,
     deployment: Annotated[list[str] | None, typer.Option(
@@ -242,25 +250,59 @@ def export_cmd(
     holds it, unless --rank picks one rank). A rank store that cannot be read is reported
     and the others are exported (exit 2); an empty base root gives an empty archive. The
     archive lists with `tar -tvf`; import it with `spoolctl import`. With -o - (the
-    default) the archive goes to stdout and the --json summary to stderr.
+    default) the archive goes to stdout and the --json summary to stderr. Several --root
+    (a host's drives): -o DIR gets one archive per drive, named after it (nvme0-spool.tar),
+    each imported onto the matching drive; a drive that is down is reported, the others
+    are exported (exit 2).
 
     Example: [bold]spoolctl export --root /nvme/spool | ssh new-host spoolctl import
     --root /nvme/spool -[/bold]
     """
-    from spoolctl.store import FdSink, export
-
-    # With -o - stdout is the archive: the --json document (an error one too) goes to stderr.
-    JsonState.to_stderr = output == "-"
     max_size = deprecated_alias("--max-size", "--limit-size", old_max_size, max_size)
     selection = _selection(kind, namespace, None,
                            None if hint is ExportHint.any else hint.value, max_size)
+    show = _want_progress(progress, json_output)
+    drives = drive_roots(root)
+    if drives is not None:  # several drives: one archive per drive (decision 2713)
+        _export_drives(drives, output, force=force, selection=selection, rank=rank,
+                       deployment=deployment, sign_key=sign_key, show=show,
+                       json_output=json_output)
+        return
+    # With -o - stdout is the archive: the --json document (an error one too) goes to stderr.
+    JsonState.to_stderr = output == "-"
+    doc = _export_root(first_root(root), output, force=force, selection=selection, rank=rank,
+                       deployment=deployment, sign_key=sign_key, show=show)
+    if json_output:
+        emit_json(doc)  # on stderr with -o - (JsonState.to_stderr)
+    else:
+        out = err_console if output == "-" else console
+        for renderable in export_view(doc, output):
+            out.print(renderable)
+    if output != "-":  # the document went to stdout: each failed store on stderr too
+        _report_failed_stores(doc)
+    if doc["exit"]:
+        raise typer.Exit(doc["exit"])
+
+
+def _report_failed_stores(doc: dict[str, Any]) -> None:
+    for s in doc["stores"]:
+        if "error" in s:
+            err_console.print(text(f"error: {s['place'] or s['root']}: {s['error']}"),
+                              soft_wrap=True)
+
+
+def _export_root(root: Path | None, output: str, *, force: bool, selection: Selection,
+                 rank: int | None, deployment: list[str] | None, sign_key: str | None,
+                 show: bool, signer: Any = None) -> dict[str, Any]:
+    """Export one root to ``output`` (a file, or - for stdout); its document. A SpoolError
+    (the root missing or unreadable, the output refused or full) leaves no file behind."""
+    from spoolctl.store import FdSink, export
+
     source = export_source(root, rank, deployment)
-    signer = None
-    if sign_key is not None:
+    if signer is None and sign_key is not None:
         from spoolctl.store import load_signing_key
 
         signer = load_signing_key(Path(sign_key).expanduser())
-    show = _want_progress(progress, json_output)
     bar = _Progress("export", show)
     try:
         with _archive_sink(output, force) as fd, bar:
@@ -295,19 +337,82 @@ def export_cmd(
 
         doc["signature"] = "-" if output == "-" else \
             str(sign_archive(Path(output).expanduser(), signer))
-    if json_output:
-        emit_json(doc)  # on stderr with -o - (JsonState.to_stderr)
-    else:
-        out = err_console if output == "-" else console
-        for renderable in export_view(doc, output):
-            out.print(renderable)
-    if output != "-":  # the document went to stdout: each failed store on stderr too
-        for s in doc["stores"]:
-            if "error" in s:
-                err_console.print(text(f"error: {s['place'] or s['root']}: {s['error']}"),
-                                  soft_wrap=True)
-    if doc["exit"]:
-        raise typer.Exit(doc["exit"])
+    return doc
+
+
+# -- export across drives (decision 2713) ---------------------------------------------------
+
+
+def drive_archive_name(root: Path) -> str:
+    """The archive's file name for a drive root: its absolute path's components joined by
+    '-' (``/nvme0/spool`` -> ``nvme0-spool.tar``), anything but letters, digits, '.', '_'
+    and '-' replaced by '_', so an operator sees at a glance which drive it came from."""
+    parts = [re.sub(r"[^A-Za-z0-9._-]", "_", part)
+             for part in Path(os.path.abspath(root)).parts[1:]]
+    return ("-".join(parts) or "root") + ".tar"
+
+
+def _export_drives(drives: list[Path], output: str, *, force: bool, selection: Selection,
+                   rank: int | None, deployment: list[str] | None, sign_key: str | None,
+                   show: bool, json_output: bool) -> None:
+    """One archive per drive, in the directory ``output``, named after the drive: each one
+    imports onto the matching drive of the new host unchanged (the archive format has no
+    drive). A drive missing, unreadable or not answering within the disk timeout is its
+    own error row; the others are exported; exit 2."""
+    if output == "-":
+        raise ConfigError("several drive roots write one archive per drive, not one stream",
+                          fix="pass -o DIR (an existing directory): DIR/<drive>.tar each, "
+                              "or export each drive with its own --root")
+    directory = Path(output).expanduser()
+    if not directory.is_dir():
+        raise ConfigError("with several drive roots -o is a directory (one archive per "
+                          "drive is written there)", path=directory,
+                          fix=f"mkdir {directory} first, or pass an existing directory")
+    names: dict[str, Path] = {}
+    for drive in drives:
+        name = drive_archive_name(drive)
+        if name in names:
+            raise ConfigError(f"two drive roots give the same archive name {name}",
+                              path=str(drive), fix=f"export {names[name]} and {drive} with "
+                              "separate commands and -o FILE each")
+        names[name] = drive
+        if not force and os.path.lexists(directory / name):  # before any drive is written
+            raise ConfigError("the output file exists", path=directory / name,
+                              fix="remove it, choose another directory or add --force")
+    signer = None
+    if sign_key is not None:  # read once, not per drive
+        from spoolctl.store import load_signing_key
+
+        signer = load_signing_key(Path(sign_key).expanduser())
+
+    def job(drive: Path) -> tuple[dict[str, Any], int, View]:
+        # The drive is scanned first in a child bounded by SPOOLCTL_DISK_TIMEOUT: a hung
+        # mount is this drive's row, not a stalled command (decision 2712's rule).
+        within_disk_timeout(drive, lambda: _probe_drive(drive, rank, deployment))
+        target = str(directory / drive_archive_name(drive))
+        doc = _export_root(drive, target, force=force, selection=selection, rank=rank,
+                           deployment=deployment, sign_key=None, show=show, signer=signer)
+        _report_failed_stores(doc)
+        return doc, doc["exit"], lambda d: export_view(d, d["output"])
+
+    finish(run_per_drive(drives, job, json_output=json_output, totals=_export_totals,
+                         per_store=lambda doc: [doc]))
+
+
+def _probe_drive(drive: Path, rank: int | None, deployment: list[str] | None) -> bool:
+    """What an export reads of a drive before its first entry: the scan of its stores and
+    each store's directory (run in the bounded child)."""
+    source = export_source(drive, rank, deployment)
+    for store in source.layout.stores:
+        if store.path.exists():
+            os.listdir(store.path)
+    return True
+
+
+def _export_totals(doc: dict[str, Any]) -> dict[str, int]:
+    """One drive's archive, summed over the drives."""
+    return {"archives": 1, "stores": sum(1 for s in doc["stores"] if "error" not in s),
+            **{k: int(doc.get(k) or 0) for k in ("entries", "objects", "bytes")}}
 
 
 # -- import ------------------------------------------------------------------------------
