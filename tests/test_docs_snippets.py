@@ -21,12 +21,14 @@ A reader copies these blocks; a block that fails as written is a bug. Rules:
 * Placeholder paths a reader replaces with their own are mapped (``placeholders``):
   ``/models/llama`` is the tiny Llama with a chat template (PyTorch and mlx-lm load it),
   ``/models/qwen2-vl-2b`` a tiny Qwen2-VL, ``/var/cache/...``, ``/var/lib/...``, ``/data/...``,
-  ``/nvme/...`` and ``/path/on/the/nvme`` live in the fresh directory, where ``chart.png``,
+  ``/nvme/...``, ``/nvme0/...``, ``/nvme1/...``, ``/backup/...`` and ``/path/on/the/nvme``
+  live in the fresh directory, where ``chart.png``,
   ``manual.txt`` and ``prompts.jsonl`` exist; ``http://127.0.0.1:8000`` is a small local
   stand-in for a vLLM server's OpenAI API (``prefill --server`` runs against it for real).
   What a page assumes already exists is there (``seed``): the default store with entries
   and a quarantined item, a vLLM connector root with a two-rank deployment where a block
-  names ``/var/cache/spoolctl/vllm`` or ``/nvme/spool``.
+  names ``/var/cache/spoolctl/vllm`` or ``/nvme/spool`` (and one per drive for
+  ``/nvme0/spool``, ``/nvme1/spool``).
 * Commands a reader runs elsewhere are shimmed, not faked: ``ssh HOST CMD`` runs CMD here
   with the fresh directory's paths moved under ``hosts/HOST/`` (another host's disk), and
   ``sudo [-u USER]`` runs the command as this user (an ``install -o/-g`` owner becomes
@@ -209,6 +211,8 @@ def placeholders(world: dict, cwd: Path) -> list[tuple[str, str]]:
     pairs = [("/models/llama", str(world["llama"])), ("/var/cache/", f"{cwd}/var/cache/"),
              ("/var/lib/", f"{cwd}/var/lib/"), ("/data/", f"{cwd}/data/"),
              ("/nvme/", f"{cwd}/nvme/"), ("/path/on/the/nvme", f"{cwd}/nvme/bench"),
+             ("/nvme0/", f"{cwd}/nvme0/"), ("/nvme1/", f"{cwd}/nvme1/"),
+             ("/backup/", f"{cwd}/backup/"),
              (VLLM_URL, str(world["vllm_url"]))]
     if "vlm" in world:
         pairs.append(("/models/qwen2-vl-2b", str(world["vlm"])))
@@ -275,6 +279,9 @@ def seed(cwd: Path, code: str) -> dict[str, str]:
         _connector_root(cwd / "var" / "cache" / "spoolctl" / "vllm")
     if "/nvme/spool" in code:
         _connector_root(cwd / "nvme" / "spool")
+    for drive in ("nvme0", "nvme1"):  # a host's several drives (decisions 2712, 2713)
+        if f"/{drive}/spool" in code:
+            _connector_root(cwd / drive / "spool", first=100 * int(drive[-1]))
     if "ssh old-host" in code:  # other chunks than this host's, so an import shows
         _connector_root(cwd / "hosts" / "old-host" / "nvme" / "spool", first=100)
     return {"3fa9c2d1": ids[2][:8], "20260101T120000Z-payload_digest-1a2b3c4d": item}
