@@ -712,6 +712,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         base = Path(os.path.realpath(tmp))
         if args.floor:
+            if not os.path.isdir(args.ram_dir):
+                parser.error(f"--ram-dir {args.ram_dir} is not a directory: give a RAM "
+                             "filesystem (a tmpfs mount)")
             load = os.getloadavg()
             with tempfile.TemporaryDirectory(dir=args.ram_dir) as ram:
                 result = bench_floor(
