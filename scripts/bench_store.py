@@ -34,6 +34,9 @@ Ratios are the store's throughput over the reference's, from the medians. Prints
     python scripts/bench_store.py --catalog-share --sizes 1 --batch-sizes 256 --repeat 15
                                               # commits with their catalog calls made free
                                               # (decision 2921)
+    python scripts/bench_store.py --floor --sizes 1 --batch-sizes 256 --repeat 15
+                                              # where a commit's time goes, step by step, on
+                                              # the disk and on a RAM filesystem (decision 2950)
 
 ``--tags`` measures what a tag key costs, both sides in the same run, taking turns entry by
 entry: two stores, one opened with a tag key and one without, each committing the same
@@ -45,6 +48,17 @@ decode, digest, and on the keyed side the tag check) and doing a verified read o
 group commit, each as it is and with the catalog's per-commit calls (the existence check, the
 intent, the committed mark) replaced by no-ops, taking turns with the format's steps done
 raw. The catalog-free ratio is the ceiling a commit meets without touching the protocol.
+
+``--floor`` shows which steps of a commit ``raw_same_steps`` does not count (decision 2950): a
+single ``put`` and a group commit, timed step by step through the store's crash checkpoints,
+next to ``raw_same_steps`` timed step by step, taking turns, on the disk (``--dir``) and on a
+RAM filesystem (``--ram-dir``, default /dev/shm) where a flush costs nothing, so what is left
+there is the software each step costs. ``ceiling`` is what a commit reaches on this disk if
+every step the format adds cost no more than it does on the RAM filesystem: the raw steps'
+time over that time plus the software the commit adds before its first flush starts and
+after its last flush ends (``critical_software_us``); ``ceiling_no_overlap`` also counts the
+software that runs while the flushes do (hashing, the manifest, the intent), which costs wall
+time only when no core is free for it.
 
 ``--encrypted`` measures what encryption at rest costs (issue 33: encrypted commit and
 verified read each at least 0.9x the plain ones), both sides in the same run, taking turns
@@ -478,6 +492,153 @@ def bench_catalog_share(base: Path, size: int, batch_size: int, repeat: int) -> 
                                                           "batch_catalog_free")}
 
 
+# The single put's steps, each named by the crash checkpoint that ends it (the last pass of
+# that checkpoint, for a batch), in commit order; "end" is the return of ``put``.
+COMMIT_STEPS = (
+    ("until_written", "object.tmp_written"),    # lock, existence check, temp files, write
+    #                                             (a batch: until its last object is written)
+    ("until_flushed", "manifest.fsynced"),       # hash, manifest, intent, waiting for flushes
+    ("object_placed", "object.dir_fsynced"),     # rename(s) and the fan-out fsync(s)
+    ("manifest_placed", "manifest.dir_fsynced"),
+    ("until_return", "end"),                     # committed mark, clean-up, lock release
+)
+RAW_STEPS = ("until_written", "until_flushed", "object_placed", "manifest_placed")
+
+
+def _stepped_put(store: Store, commit) -> dict[str, float]:
+    """Run ``commit()`` (a put or put_many on ``store``), returning seconds per COMMIT_STEPS
+    step, from the times its crash checkpoints pass (the last pass of each)."""
+    passed: dict[str, float] = {}
+    real = store.checkpoint
+
+    def stamp(name: str) -> None:
+        passed[name] = time.perf_counter()
+        real(name)
+    store.checkpoint = stamp
+    try:
+        t0 = time.perf_counter()
+        commit()
+        passed["end"] = time.perf_counter()
+    finally:
+        store.checkpoint = real
+    steps, prev = {}, t0
+    for label, name in COMMIT_STEPS:
+        steps[label] = passed[name] - prev
+        prev = passed[name]
+    return steps
+
+
+def _stepped_raw(base: Path, data: bytes, tag: str) -> dict[str, float]:
+    """``raw_same_steps`` timed step by step (RAW_STEPS), the same calls in the same order."""
+    dirs = [base / "same-steps" / d for d in ("tmp", "objects", "manifests")]
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    tmp, objects, manifests = dirs
+    t = [time.perf_counter()]
+    fd = os.open(tmp / f"{tag}.obj", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    t.append(time.perf_counter())
+    full_fsync(fd)
+    os.close(fd)
+    _write_fsync(tmp / f"{tag}.json", b"m" * 400)
+    t.append(time.perf_counter())
+    os.rename(tmp / f"{tag}.obj", objects / f"{tag}.obj")
+    fsync_dir(objects)
+    t.append(time.perf_counter())
+    os.rename(tmp / f"{tag}.json", manifests / f"{tag}.json")
+    fsync_dir(manifests)
+    t.append(time.perf_counter())
+    return {label: t[i + 1] - t[i] for i, label in enumerate(RAW_STEPS)}
+
+
+def _floor_runs(base: Path, size: int, batch_size: int, repeat: int) -> dict:
+    """``bench_floor``'s sides on one filesystem, taking turns: totals (median, best) and,
+    for the stepped sides, each step's median, in µs."""
+    runs: dict[str, list[dict[str, float]]] = {"put": [], "raw_same_steps": [], "batch": []}
+    flat: dict[str, list[float]] = {"raw_batch_same_steps": [], "raw_batch": []}
+    with Store.open(base / "floor-store", create=True, max_bytes=1 << 40) as store:
+        store.put(kind="pytorch", namespace="floor", key="warm",
+                  objects={"kv": os.urandom(64 * KiB)})
+        for i in range(repeat):
+            data = os.urandom(size)
+            blobs = [os.urandom(batch_size) for _ in range(BATCH)]
+            requests = [PutRequest("pytorch", "floor-batch", f"{i}-{k}", {"kv": b})
+                        for k, b in enumerate(blobs)]
+            sides = [
+                ("put", lambda d=data, k=f"k{i}": _stepped_put(store, lambda: store.put(
+                    kind="pytorch", namespace="floor", key=k, objects={"kv": d}))),
+                ("raw_same_steps", lambda d=data, t=f"f{i}": _stepped_raw(base, d, t)),
+                ("batch", lambda r=requests: _stepped_put(
+                    store, lambda: _timed_put_many(store, r))),
+                ("raw_batch_same_steps",
+                 lambda b=blobs, t=f"fb{i}": raw_batch_same_steps(base, b, t)),
+                ("raw_batch", lambda b=blobs, t=f"rb{i}": raw_batch(base / t, b)),
+            ]
+            if i % 2:
+                sides.reverse()  # alternate which side runs first
+            for name, run in sides:
+                os.sync()
+                got = run()
+                (runs[name] if isinstance(got, dict) else flat[name]).append(got)
+    row: dict = {}
+    for name, samples in runs.items():
+        totals = [sum(s.values()) for s in samples]
+        row[name] = {"total_us": {"median": round(statistics.median(totals) * 1e6),
+                                  "best": round(min(totals) * 1e6)},
+                     "steps_us_median": {k: round(statistics.median(
+                         [s[k] for s in samples]) * 1e6) for k in samples[0]}}
+    for name, times in flat.items():
+        row[name] = {"total_us": {"median": round(statistics.median(times) * 1e6),
+                                  "best": round(min(times) * 1e6)}}
+    return row
+
+
+def bench_floor(disk: Path, ram: Path, size: int, batch_size: int, repeat: int) -> dict:
+    """Step-by-step times of a single put of ``size``, of ``raw_same_steps`` and of a group
+    commit of ``BATCH`` x ``batch_size`` (with ``raw_batch_same_steps`` and ``raw_batch``),
+    on ``disk`` and on ``ram``, taking turns; see the module docstring."""
+    out: dict = {"size_mib": size / MiB, "batch_kib": batch_size / KiB, "repeat": repeat,
+                 "disk": _floor_runs(disk, size, batch_size, repeat),
+                 "ram": _floor_runs(ram, size, batch_size, repeat)}
+    d, r = out["disk"], out["ram"]
+
+    def extra(side: str, ref: str, steps: tuple[str, ...]) -> int:
+        """Software ``side`` adds over ``ref`` in ``steps`` (RAM medians, µs)."""
+        return sum(r[side]["steps_us_median"].get(k, 0) - r[ref]["steps_us_median"].get(k, 0)
+                   for k in steps)
+
+    crit = ("until_written", "object_placed", "manifest_placed", "until_return")
+    single_crit = extra("put", "raw_same_steps", crit)
+    single_all = r["put"]["total_us"]["median"] - r["raw_same_steps"]["total_us"]["median"]
+    batch_all = r["batch"]["total_us"]["median"] - r["raw_batch_same_steps"]["total_us"]["median"]
+    # A batch's staging (every write, hash and manifest) overlaps its flushes; what follows
+    # the last flush is its renames, its fan-out fsyncs (hand-offs, in RAM) and the mark.
+    batch_crit = sum(r["batch"]["steps_us_median"][k] for k in crit[1:])
+
+    def ceiling(ref_us: float, floor_us: float, add_us: float) -> float:
+        return round(ref_us / (floor_us + add_us), 3)
+
+    for pick in ("median", "best"):
+        raw_us = d["raw_same_steps"]["total_us"][pick]
+        out[f"put_vs_raw_same_steps_{pick}"] = round(raw_us / d["put"]["total_us"][pick], 3)
+        out[f"put_ceiling_{pick}"] = ceiling(raw_us, raw_us, single_crit)
+        out[f"put_ceiling_no_overlap_{pick}"] = ceiling(raw_us, raw_us, single_all)
+        rb = d["raw_batch"]["total_us"][pick]
+        same = d["raw_batch_same_steps"]["total_us"][pick]
+        out[f"batch_vs_raw_batch_{pick}"] = round(rb / d["batch"]["total_us"][pick], 3)
+        out[f"batch_vs_raw_batch_same_steps_{pick}"] = round(
+            same / d["batch"]["total_us"][pick], 3)
+        out[f"batch_ceiling_vs_raw_batch_{pick}"] = ceiling(rb, same, batch_crit)
+        out[f"batch_ceiling_no_overlap_vs_raw_batch_{pick}"] = ceiling(rb, same, batch_all)
+    out["put_critical_software_us"] = single_crit
+    out["put_software_us"] = single_all
+    out["batch_critical_software_us"] = batch_crit
+    out["batch_software_us"] = batch_all
+    return out
+
+
 def crypto_floor(size: int) -> dict:
     """What the CPU alone charges per byte, in memory, best of 5 (no disk): the digest the
     plain side computes (BLAKE3 of the object), the encrypted commit's CPU work (sealing
@@ -539,12 +700,32 @@ def main() -> None:
                         help="measure the cost of entry tags (keyed vs unkeyed store) instead")
     parser.add_argument("--encrypted", action="store_true",
                         help="measure encryption at rest (encrypted vs plain store) instead")
+    parser.add_argument("--floor", action="store_true",
+                        help="a commit's steps on the disk and on a RAM filesystem, against "
+                             "the raw steps, instead (the first --sizes / --batch-sizes)")
+    parser.add_argument("--ram-dir", default="/dev/shm",
+                        help="a RAM filesystem for --floor (default /dev/shm)")
     parser.add_argument("--catalog-share", action="store_true",
                         help="commits with and without their catalog calls, against the "
                              "raw steps, instead (the first --sizes / --batch-sizes)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         base = Path(os.path.realpath(tmp))
+        if args.floor:
+            if not os.path.isdir(args.ram_dir):
+                parser.error(f"--ram-dir {args.ram_dir} is not a directory: give a RAM "
+                             "filesystem (a tmpfs mount)")
+            load = os.getloadavg()
+            with tempfile.TemporaryDirectory(dir=args.ram_dir) as ram:
+                result = bench_floor(
+                    base, Path(os.path.realpath(ram)),
+                    int(float(args.sizes.split(",")[0]) * MiB),
+                    int(args.batch_sizes.split(",")[0] or 256) * KiB, args.repeat)
+            print(json.dumps({"benchmark": "store-floor",
+                              "loadavg_before": [round(x, 2) for x in load],
+                              "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                              **result}, indent=2))
+            return
         if args.catalog_share:
             load = os.getloadavg()
             result = bench_catalog_share(

@@ -368,6 +368,8 @@ def shell_commands(block: Block) -> tuple[str, list[str]]:
 SCALED = {
     "python scripts/bench_store.py --dir /path/on/the/nvme --repeat 7":
         "python scripts/bench_store.py --dir /path/on/the/nvme --repeat 1 --sizes 1",
+    "python scripts/bench_store.py --floor --sizes 1 --batch-sizes 256 --repeat 10":
+        "python scripts/bench_store.py --floor --sizes 1 --batch-sizes 64 --repeat 1",
     "python scripts/bench_controllers.py --tokens 4096 --repeat 2":
         "python scripts/bench_controllers.py --tokens 256 --repeat 1 --preset tiny",
     "python scripts/bench_cli.py --entries 1000000":

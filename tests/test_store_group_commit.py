@@ -18,6 +18,7 @@ from spoolctl.store import (
     PutRequest,
     Store,
     StoreIOError,
+    hash_bytes,
 )
 
 
@@ -57,6 +58,69 @@ def test_a_batch_commits_every_entry_with_one_round_per_step(store: Store) -> No
     assert "object.dir_fsynced" not in seen[first_manifest:]
     assert seen.index("catalog.intent") < first_manifest
     assert list(store.layout.tmp.iterdir()) == []
+
+
+def test_a_batch_syncs_its_directories_in_at_most_one_hand_off_per_flush_worker(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch touches a fan-out directory per entry or so (here ~40 per step); each is
+    still fsynced, but through at most FLUSH_WORKERS hand-offs to the flush pool per step,
+    each lane fsyncing its share in turn (decision 2950), not one hand-off per directory."""
+    from spoolctl.store.commit import committer
+    from spoolctl.store.disk.fsio import FLUSH_WORKERS
+
+    synced: list[Path] = []
+    real_fsync_dir = committer.fsync_dir
+    monkeypatch.setattr(committer, "fsync_dir",
+                        lambda d: (real_fsync_dir(d), synced.append(Path(d)))[0])
+    handed: list[int] = []  # directories per hand-off
+    real_submit = committer.flush_submit
+
+    def counting(fn, *args):
+        handed.append(len(args[0]) if args and isinstance(args[0], list) else 1)
+        return real_submit(fn, *args)
+    monkeypatch.setattr(committer, "flush_submit", counting)
+    seen = _record(store)
+    outcomes = store.put_many([PutRequest("vllm", "lanes", f"k{i}", {"kv": b"%d" % i})
+                               for i in range(48)])
+    assert [o.status for o in outcomes] == ["committed"] * 48
+    object_dirs = {store.layout.object_path(o.manifest.objects[0].digest).parent
+                   for o in outcomes}
+    manifest_dirs = {store.layout.manifest_path(o.entry_id).parent for o in outcomes}
+    assert len(object_dirs) > FLUSH_WORKERS and len(manifest_dirs) > FLUSH_WORKERS
+    # every directory fsynced exactly once, through at most FLUSH_WORKERS hand-offs a step
+    assert sorted(synced) == sorted([*object_dirs, *manifest_dirs])
+    assert len(handed) <= 2 * FLUSH_WORKERS and sum(handed) == len(synced)
+    counts = Counter(seen)
+    assert counts["object.dir_fsynced"] == len(object_dirs)
+    assert counts["manifest.dir_fsynced"] == len(manifest_dirs)
+
+
+def test_a_failed_directory_fsync_in_a_lane_fails_the_batch_invisibly(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane fsyncs every directory of its share even after one fails; the batch then
+    raises StoreIOError naming that directory, and no entry of it is visible."""
+    from spoolctl.store.commit import committer
+
+    tried: list[Path] = []
+    real_fsync_dir = committer.fsync_dir
+    bad: list[Path] = []
+
+    def failing(d) -> None:
+        tried.append(Path(d))
+        if Path(d).parent.name == "objects" and not bad:
+            bad.append(Path(d))
+            raise OSError(5, "Input/output error")
+        real_fsync_dir(d)
+    monkeypatch.setattr(committer, "fsync_dir", failing)
+    requests = [PutRequest("vllm", "lanes", f"k{i}", {"kv": b"%d" % i}) for i in range(40)]
+    with pytest.raises(StoreIOError) as info:
+        store.put_many(requests)
+    assert str(bad[0]) in str(info.value)
+    object_dirs = {store.layout.object_path(hash_bytes(r.objects["kv"])).parent
+                   for r in requests}
+    assert sorted(tried) == sorted(object_dirs)  # every one tried; no manifest step began
+    for r in requests:
+        assert store.lookup("vllm", "lanes", r.key) is None
 
 
 def test_a_bad_entry_is_refused_alone_and_never_visible(store_root: Path) -> None:

@@ -63,6 +63,7 @@ from ...errors import (
 )
 from ..capacity import low_watermark
 from ..disk.fsio import (
+    FLUSH_WORKERS,
     Flushing,
     SizeLimitExceeded,
     TmpFile,
@@ -443,7 +444,10 @@ class Committer:
         """fsync ``dirs`` concurrently (the filesystem merges them); StoreIOError if any
         fails. A single directory (every ``put``) is fsynced on this thread: handing it to
         the pool and waiting would only add two thread switches to the commit's critical
-        path (decision 2901)."""
+        path (decision 2901). Many (a group commit touches ~30 fan-outs per step) go to
+        the pool as at most ``FLUSH_WORKERS`` lanes, each fsyncing its share in turn:
+        as many fsyncs in flight as the pool runs anyway, one hand-off per lane instead
+        of one per directory (decision 2950)."""
         ordered = sorted(set(dirs))
         if len(ordered) == 1:
             try:
@@ -452,17 +456,18 @@ class Committer:
             except OSError as exc:
                 raise io_error(exc, doing, ordered[0]) from exc
             return
-        pending = [(d, flush_submit(fsync_dir, d)) for d in ordered]
-        failed: tuple[Path, OSError] | None = None
-        for d, fut in pending:
+        lanes = min(len(ordered), FLUSH_WORKERS)
+        pending = [flush_submit(_fsync_dirs, ordered[i::lanes]) for i in range(lanes)]
+        errors: dict[Path, OSError] = {}
+        for fut in pending:
+            errors.update(fut.result())
+        for d in ordered:  # checkpoints and the first error in the same order as before
             try:
-                fut.result()
-                if failed is None:
-                    self._publisher.mark(what, "dir_fsynced")
+                if d in errors:
+                    raise errors[d]
+                self._publisher.mark(what, "dir_fsynced")  # may raise an injected fault
             except OSError as exc:
-                failed = failed or (d, exc)
-        if failed is not None:
-            raise io_error(failed[1], doing, failed[0])
+                raise io_error(exc, doing, d) from exc
 
     # -- steps 4-5: manifests, committed -----------------------------------------
 
@@ -563,6 +568,18 @@ class _TmpAhead:
     def close(self) -> None:
         while self._ready:
             self._ready.popleft().discard()
+
+
+def _fsync_dirs(dirs: list[Path]) -> dict[Path, OSError]:
+    """fsync each of ``dirs`` in turn (one lane of ``Committer._sync``); the failures, by
+    directory (every directory is tried: the caller reports the first, in order)."""
+    errors: dict[Path, OSError] = {}
+    for d in dirs:
+        try:
+            fsync_dir(d)
+        except OSError as exc:
+            errors[d] = exc
+    return errors
 
 
 def _bound(flushing: list[Flushing], f: Flushing) -> None:
