@@ -4,17 +4,21 @@ backing directory, mounts the filesystem over it and tells it to fail (``eio``) 
 (``hang``) on command. ``close`` releases every hung operation first (they complete), then
 unmounts lazily (``fusermount3 -u -z``) and ends the daemon, killing it if it does not exit
 (the kernel then fails whatever still waits on the mount with ENOTCONN): no test can leave
-a process, or the suite, stuck on it.
+a process, or the suite, stuck on it. ``Mounts`` holds a test's mounts (the ``fuse`` fixture
+of ``tests/test_disk_faults.py``) and ``skip_without_fuse`` skips where FUSE cannot mount.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from waiting import wait_until
 
 HERE = Path(__file__).parent
@@ -22,8 +26,10 @@ HERE = Path(__file__).parent
 FUSE_PATH = os.environ.get("SPOOLCTL_TEST_FUSE_PATH", "")
 
 
+@functools.cache
 def fuse_missing() -> str | None:
-    """Why a FUSE mount cannot be made on this host (a skip reason), or None."""
+    """Why a FUSE mount cannot be made on this host (a skip reason), or None (asked once
+    per process)."""
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse on this host"
     if shutil.which("fusermount3") is None:
@@ -33,6 +39,13 @@ def fuse_missing() -> str | None:
                       capture_output=True).returncode:
         return "mfusepy not importable (the dev extra installs it)"
     return None
+
+
+def skip_without_fuse() -> None:
+    """Skip the calling test (or fixture) where a FUSE mount cannot be made."""
+    missing = fuse_missing()
+    if missing:
+        pytest.skip(missing)
 
 
 class ControlledMount:
@@ -89,6 +102,32 @@ class ControlledMount:
             daemon.wait(timeout=10)
 
     def __enter__(self) -> ControlledMount:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Mounts:
+    """The mounts of one test: ``over(directory)`` mounts ``tests/fusefs.py`` over it (each
+    mount's backing and control files in its own folder under ``work``); ``close`` takes
+    them all down, the last made first. Skips the test where FUSE cannot mount. A context
+    manager."""
+
+    def __init__(self, work: Path):
+        skip_without_fuse()
+        self._work = work
+        self._made = 0
+        self._stack = contextlib.ExitStack()
+
+    def over(self, directory: Path) -> ControlledMount:
+        self._made += 1
+        return self._stack.enter_context(ControlledMount(directory, self._work / str(self._made)))
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Mounts:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from fusemount import ControlledMount, fuse_missing
+from fusemount import ControlledMount, Mounts
 from waiting import wait_until
 
 from spoolctl.store import Store, StoreIOError, entry_id_for
@@ -23,21 +23,28 @@ from spoolctl.store import Store, StoreIOError, entry_id_for
 NET_S = 60
 
 
-def _needs_fuse() -> None:
-    missing = fuse_missing()
-    if missing:
-        pytest.skip(missing)
+@pytest.fixture
+def fuse(tmp_path: Path):
+    """``fuse(directory)`` mounts ``tests/fusefs.py`` over ``directory`` for this test (see
+    ``fusemount.Mounts``); every mount is taken down at teardown. Skips where FUSE cannot
+    mount."""
+    with Mounts(tmp_path / "fuse") as mounts:
+        yield mounts.over
+
+
+def _store(root: Path) -> Path:
+    """A new store at ``root`` holding one entry (kind vllm, namespace ns, key a...a)."""
+    with Store.open(root, create=True) as store:
+        store.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
+    return root
 
 
 @pytest.fixture
-def eio_manifests(tmp_path: Path):
+def eio_manifests(fuse, tmp_path: Path):
     """A store whose ``manifests/`` is a FUSE mount; yields (store, mount)."""
-    _needs_fuse()
-    root = Path(os.path.realpath(tmp_path)) / "rank-0000"
-    with Store.open(root, create=True) as s:
-        s.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
-    with ControlledMount(root / "manifests", tmp_path / "fuse") as mount, \
-            Store.open(root) as store:
+    root = _store(Path(os.path.realpath(tmp_path)) / "rank-0000")
+    mount = fuse(root / "manifests")
+    with Store.open(root) as store:
         yield store, mount
 
 
@@ -85,19 +92,16 @@ def test_a_hung_mount_blocks_until_released_and_never_outlives_its_test(eio_mani
 
 
 def test_the_connectors_probe_reads_an_object_so_a_hung_objects_disk_stays_out(
-        tmp_path: Path) -> None:
+        fuse, tmp_path: Path) -> None:
     """The marker and the catalog answer (from the page cache, here: off the mount) while
     the objects' disk hangs: the probe must read an object too, or it brings the store
     back into service at once and every request waits out the deadline again (decision
     2720). Once the disk answers, the probe brings the store back."""
-    _needs_fuse()
     from spoolctl.connector.diskguard import FAILURES_TO_DOWN, DiskGuard, probe
 
-    root = Path(os.path.realpath(tmp_path)) / "rank-0000"
-    with Store.open(root, create=True) as s:
-        s.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
-    with ControlledMount(root / "objects", tmp_path / "fuse") as mount, \
-            Store.open(root) as store:
+    root = _store(Path(os.path.realpath(tmp_path)) / "rank-0000")
+    mount = fuse(root / "objects")
+    with Store.open(root) as store:
         guard = DiskGuard(store, deadline_s=0.1, probe_interval_s=0.05)
         mount.hang()
         for _ in range(FAILURES_TO_DOWN):
@@ -115,23 +119,22 @@ def test_the_connectors_probe_reads_an_object_so_a_hung_objects_disk_stays_out(
         guard.close()
 
 
-def test_scrub_on_eio_records_a_finding_and_doctor_explains_it(eio_manifests) -> None:
+def test_scrub_on_eio_records_a_finding_and_doctor_explains_it(eio_manifests, fuse) -> None:
     """An object that fails with EIO is a scrub finding (``unreadable``), not a quarantine,
     and ``doctor`` says what it means and what to do (issue 32 item 2, decision 2720)."""
     from operator_cli import run_json
 
     store, _manifests = eio_manifests
     root = Path(store.root)
-    with ControlledMount(root / "objects", root.parent / "fuse-objects") as objects:
-        objects.eio(".obj")  # the disk fails every object read
-        doc = run_json("scrub", "--root", str(root), "--json", expect=1)
-        assert doc["quarantined"] == [] and len(doc["unreadable"]) == 1
-        assert "Input/output error" in doc["unreadable"][0]["detail"]
-        checks = {c["name"]: c for c in
-                  run_json("doctor", "--root", str(root), "--json", expect=1)["checks"]}
-        assert checks["scrub.unreadable"]["status"] == "fail"
-        assert "not proof of corruption" in checks["scrub.unreadable"]["fix"]
-        assert not list((root / "quarantine").iterdir())
+    fuse(root / "objects").eio(".obj")  # the disk fails every object read
+    doc = run_json("scrub", "--root", str(root), "--json", expect=1)
+    assert doc["quarantined"] == [] and len(doc["unreadable"]) == 1
+    assert "Input/output error" in doc["unreadable"][0]["detail"]
+    checks = {c["name"]: c for c in
+              run_json("doctor", "--root", str(root), "--json", expect=1)["checks"]}
+    assert checks["scrub.unreadable"]["status"] == "fail"
+    assert "not proof of corruption" in checks["scrub.unreadable"]["fix"]
+    assert not list((root / "quarantine").iterdir())
 
 
 # -- the PyTorch controller on a hung disk ------------------------------------------------
@@ -163,8 +166,7 @@ def _bounded(fn, *mounts: ControlledMount):
 
 
 def test_pytorch_prepare_on_a_hung_disk_is_one_deadline_then_a_cold_run(
-        tiny_model_dir: Path, tmp_path: Path) -> None:
-    _needs_fuse()
+        fuse, tiny_model_dir: Path, tmp_path: Path) -> None:
     from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
 
     backend = PyTorchBackend(tiny_model_dir)
@@ -173,31 +175,30 @@ def test_pytorch_prepare_on_a_hung_disk_is_one_deadline_then_a_cold_run(
         stored = ctl.prepare(_params())
         cold = ctl.generate(_params(), QUESTION, 6).tokens
     assert stored.source == "cold" and stored.written_tokens > 0
-    with ControlledMount(root / "objects", tmp_path / "fuse") as objects, \
-            ControlledMount(root / "manifests", tmp_path / "fuse") as manifests:
-        # A running service whose disk hangs (opening a store on a hung disk hangs too).
-        with PyTorchCacheController(backend, root, memory_entries=0,
-                                    lookup_deadline=0.2, read_deadline=0.5) as ctl:
-            disk = (objects, manifests)
-            objects.hang()
-            manifests.hang()
-            handle = _bounded(lambda: ctl.prepare(_params()), *disk)
-            # The lookup missed its deadline: a miss, the cache prefilled cold and served
-            # from memory, nothing written (the commit is not even tried on a hung disk).
-            assert handle.source == "cold" and handle.written_tokens == 0
-            assert ctl.stats()["disk_down"] >= 2  # the lookup, then the skipped commit
-            assert _bounded(lambda: ctl.generate(handle, QUESTION, 6).tokens, *disk) == cold
-            # While the disk stays hung, the next prepare does not wait on it at all.
-            again = _bounded(lambda: ctl.prepare(_params()), *disk)
-            assert again.source == "cold"
-            objects.release()
-            manifests.release()
-            # The late lookup completes: the store is used again (a disk hit).
-            wait_until(lambda: not ctl._deadlines.down, NET_S, what="the store back")
-            hit = _bounded(lambda: ctl.prepare(_params()), *disk)
-            assert hit.source == "disk"
-            assert _bounded(lambda: ctl.generate(hit, QUESTION, 6).tokens) == cold
-        assert not list((root / "quarantine").iterdir())
+    objects, manifests = fuse(root / "objects"), fuse(root / "manifests")
+    # A running service whose disk hangs (opening a store on a hung disk hangs too).
+    with PyTorchCacheController(backend, root, memory_entries=0,
+                                lookup_deadline=0.2, read_deadline=0.5) as ctl:
+        disk = (objects, manifests)
+        objects.hang()
+        manifests.hang()
+        handle = _bounded(lambda: ctl.prepare(_params()), *disk)
+        # The lookup missed its deadline: a miss, the cache prefilled cold and served
+        # from memory, nothing written (the commit is not even tried on a hung disk).
+        assert handle.source == "cold" and handle.written_tokens == 0
+        assert ctl.stats()["disk_down"] >= 2  # the lookup, then the skipped commit
+        assert _bounded(lambda: ctl.generate(handle, QUESTION, 6).tokens, *disk) == cold
+        # While the disk stays hung, the next prepare does not wait on it at all.
+        again = _bounded(lambda: ctl.prepare(_params()), *disk)
+        assert again.source == "cold"
+        objects.release()
+        manifests.release()
+        # The late lookup completes: the store is used again (a disk hit).
+        wait_until(lambda: not ctl._deadlines.down, NET_S, what="the store back")
+        hit = _bounded(lambda: ctl.prepare(_params()), *disk)
+        assert hit.source == "disk"
+        assert _bounded(lambda: ctl.generate(hit, QUESTION, 6).tokens) == cold
+    assert not list((root / "quarantine").iterdir())
 
 
 # -- the operator CLI on a hung disk ------------------------------------------------------
@@ -228,17 +229,28 @@ def _cli(mount: ControlledMount, *argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def hung_rank(tmp_path: Path):
+def hung_rank(fuse, tmp_path: Path):
     """A base root with two rank stores; rank 1's ``objects/`` is a FUSE mount, hung.
-    Yields the base root."""
-    _needs_fuse()
+    Yields (the base root, the mount)."""
     base = Path(os.path.realpath(tmp_path)) / "spool"
     for rank in (0, 1):
-        with Store.open(base / DEP / f"rank-{rank:04d}", create=True) as store:
-            store.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
-    with ControlledMount(base / DEP / "rank-0001" / "objects", tmp_path / "fuse") as mount:
-        mount.hang()
-        yield base, mount
+        _store(base / DEP / f"rank-{rank:04d}")
+    mount = fuse(base / DEP / "rank-0001" / "objects")
+    mount.hang()
+    return base, mount
+
+
+@pytest.fixture
+def hung_drive(fuse, tmp_path: Path):
+    """Two drive roots with a rank store each; the second drive is a FUSE mount, hung.
+    Yields (the drive roots, the mount)."""
+    here = Path(os.path.realpath(tmp_path))
+    drives = [here / "nvme0" / "spool", here / "nvme1" / "spool"]
+    for drive in drives:
+        _store(drive / DEP / "rank-0000")
+    mount = fuse(drives[1])
+    mount.hang()
+    return drives, mount
 
 
 def test_status_on_a_hung_store_answers_and_reports_it_down(hung_rank) -> None:
@@ -265,23 +277,15 @@ def test_metrics_on_a_hung_store_answers_with_store_up_0(hung_rank, tmp_path: Pa
 
 
 @pytest.mark.extended  # a FUSE mount and a real process waiting out the disk timeout
-def test_status_across_drives_with_one_hung_serves_the_others(tmp_path: Path) -> None:
+def test_status_across_drives_with_one_hung_serves_the_others(hung_drive) -> None:
     """Several drive roots (decision 2712), one of them a hung mount: `status` answers
     within the disk timeout, the hung drive is its own `disk_down` row, the other drive is
     shown in full, exit 2 as for a store down. (It hung before: click's Path type stats
     every --root while parsing the command line, outside any deadline.)"""
-    _needs_fuse()
-    here = Path(os.path.realpath(tmp_path))
-    drives = [here / "nvme0" / "spool", here / "nvme1" / "spool"]
-    for drive in drives:
-        with Store.open(drive / DEP / "rank-0000", create=True) as store:
-            store.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
-    with ControlledMount(drives[1], tmp_path / "fuse") as mount:
-        mount.hang()
-        proc = _cli(mount, "status", "--root", str(drives[0]), "--root", str(drives[1]),
-                    "--json")
-        # the hung mount point alone: answered too (the command line no longer stats it)
-        one = _cli(mount, "status", "--root", str(drives[1]), "--json")
+    drives, mount = hung_drive
+    proc = _cli(mount, "status", "--root", str(drives[0]), "--root", str(drives[1]), "--json")
+    # the hung mount point alone: answered too (the command line no longer stats it)
+    one = _cli(mount, "status", "--root", str(drives[1]), "--json")
     assert one.returncode == 2 and json.loads(one.stdout)["disk_down"] is True
     doc = json.loads(proc.stdout)
     served, hung = doc["drives"]
@@ -292,24 +296,17 @@ def test_status_across_drives_with_one_hung_serves_the_others(tmp_path: Path) ->
 
 
 @pytest.mark.extended  # a FUSE mount and a real process waiting out the disk timeout
-def test_export_across_drives_with_one_hung_exports_the_others(tmp_path: Path) -> None:
+def test_export_across_drives_with_one_hung_exports_the_others(hung_drive) -> None:
     """`export --root A --root B -o DIR` (decision 2713) with B a hung mount: B's scan does
     not answer within the disk timeout, so B is a `disk_down` row and no archive, A's
     archive is written whole, exit 2."""
     from spoolctl.cli.transfer_cmds import drive_archive_name
 
-    _needs_fuse()
-    here = Path(os.path.realpath(tmp_path))
-    drives = [here / "nvme0" / "spool", here / "nvme1" / "spool"]
-    for drive in drives:
-        with Store.open(drive / DEP / "rank-0000", create=True) as store:
-            store.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 1000})
-    out = here / "archives"
+    drives, mount = hung_drive
+    out = drives[0].parent.parent / "archives"
     out.mkdir()
-    with ControlledMount(drives[1], tmp_path / "fuse") as mount:
-        mount.hang()
-        proc = _cli(mount, "export", "--root", str(drives[0]), "--root", str(drives[1]),
-                    "-o", str(out), "--json")
+    proc = _cli(mount, "export", "--root", str(drives[0]), "--root", str(drives[1]),
+                "-o", str(out), "--json")
     doc = json.loads(proc.stdout)
     served, hung = doc["drives"]
     assert served["exit"] == 0 and served["result"]["entries"] == 1

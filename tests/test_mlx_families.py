@@ -46,6 +46,19 @@ REUSE = [pytest.param(f, marks=pytest.mark.extended if f == "hybrid" else ())
          for f in FAMILIES]
 
 
+def _check_restores_equal_cold(b: MlxBackend, store_root, p: CachePrepareParams) -> None:
+    """``p`` (on DOC1, already stored) restored from disk by a new controller, greedy and
+    with seeded sampling (each in a new process's place: a controller of its own), gives
+    the tokens of a cold run."""
+    with MlxCacheController(b, store_root) as ctl:
+        greedy = ctl.generate(p, QUESTION, 8)
+    with MlxCacheController(b, store_root) as ctl:
+        sampled = ctl.generate(p, QUESTION, 8, **SEEDED)
+    assert greedy.handle.source == sampled.handle.source == "disk"
+    assert greedy.tokens == cold(b, DOC1)
+    assert sampled.tokens == cold(b, DOC1, **SEEDED)
+
+
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory) -> dict[str, MlxBackend]:
     from spoolctl.tinyfamilies import build_family_model
@@ -62,13 +75,7 @@ def test_disk_restore_gives_the_tokens_of_a_cold_run(backends, family, store_roo
     p = params(family, DOC1)
     with MlxCacheController(b, store_root) as ctl:
         assert ctl.prepare(p).source == "cold"
-    with MlxCacheController(b, store_root) as ctl:
-        greedy = ctl.generate(p, QUESTION, 8)
-    with MlxCacheController(b, store_root) as ctl:
-        sampled = ctl.generate(p, QUESTION, 8, **SEEDED)
-    assert greedy.handle.source == sampled.handle.source == "disk"
-    assert greedy.tokens == cold(b, DOC1)
-    assert sampled.tokens == cold(b, DOC1, **SEEDED)
+    _check_restores_equal_cold(b, store_root, p)
 
 
 @pytest.mark.parametrize("family", REUSE)
@@ -154,13 +161,7 @@ def test_quantized_kv_disk_restore_gives_the_tokens_of_a_cold_run(quantized, nam
     with MlxCacheController(b, store_root) as ctl:
         h = ctl.prepare(p)
         assert h.source == "cold" and h.cached_tokens > 20
-    with MlxCacheController(b, store_root) as ctl:
-        greedy = ctl.generate(p, QUESTION, 8)
-    with MlxCacheController(b, store_root) as ctl:
-        sampled = ctl.generate(p, QUESTION, 8, **SEEDED)
-    assert greedy.handle.source == sampled.handle.source == "disk"
-    assert greedy.tokens == cold(b, DOC1)
-    assert sampled.tokens == cold(b, DOC1, **SEEDED)
+    _check_restores_equal_cold(b, store_root, p)
     assert cold(b, DOC1) != cold(quantized["plain"], DOC1)
 
 

@@ -32,7 +32,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from fusemount import fuse_missing
+from fusemount import skip_without_fuse
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
@@ -79,9 +79,7 @@ def run_driver(job: dict, work: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    missing = fuse_missing()
-    if missing:
-        pytest.skip(missing)
+    skip_without_fuse()
     work = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-disk-faults")))
     steps = [
         *[_req(f"cold_{q}", q) for q in Q],

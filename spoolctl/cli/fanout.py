@@ -57,14 +57,24 @@ class StoreResult:
     disk_down: bool = False  # the store's disk did not answer in time (``disk_deadline``)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {**self.target.to_json(), "exit": self.code}
-        if self.error is not None:
-            out["error"] = self.error
-            if self.disk_down:
-                out["disk_down"] = True
-        else:
-            out["result"] = self.doc
-        return out
+        return outcome_json(self.target.to_json(), self.code, self.doc, self.error,
+                            disk_down=self.disk_down)
+
+
+def outcome_json(where: dict[str, Any], code: int, doc: dict[str, Any] | None,
+                 error: str | None, *, disk_down: bool) -> dict[str, Any]:
+    """One row of a document run on several stores or drives (``StoreResult``,
+    ``DriveResult``): ``where`` (what the row is about), ``exit``, then ``error`` (and
+    ``disk_down: true`` when the disk did not answer) or ``result`` (json_contract.py's
+    ``stores`` and ``drives``)."""
+    out: dict[str, Any] = {**where, "exit": code}
+    if error is not None:
+        out["error"] = error
+        if disk_down:
+            out["disk_down"] = True
+    else:
+        out["result"] = doc
+    return out
 
 
 def run_each(targets: Targets, job: StoreJob, *, read_only_ok: bool = False,
@@ -183,14 +193,8 @@ class DriveResult:
     disk_down: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"root": str(self.root), "exit": self.code}
-        if self.error is not None:
-            out["error"] = self.error
-            if self.disk_down:
-                out["disk_down"] = True
-        else:
-            out["result"] = self.doc
-        return out
+        return outcome_json({"root": str(self.root)}, self.code, self.doc, self.error,
+                            disk_down=self.disk_down)
 
 
 def store_docs(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,8 +1,11 @@
 """mlx-lm adapter: the ``MlxBackend`` KV backend and the ``MlxCacheController``.
 
-This is the only module of spoolctl that imports ``mlx`` / ``mlx_lm`` (lazily,
-in ``MlxBackend.__init__``), so ``import spoolctl.controllers.mlx`` works
-without them and fails with one clear ConfigError only when a backend is built.
+This module and ``mlx_generate`` are the only modules of spoolctl that import ``mlx`` /
+``mlx_lm`` (lazily, in ``MlxBackend.__init__`` and when generating), so
+``import spoolctl.controllers.mlx`` works without them and fails with one clear
+ConfigError only when a backend is built. Parts of the backend live in modules of their
+own, as functions of the backend: ``mlx_codec`` (entry bytes), ``mlx_generate``,
+``mlx_import_check`` and ``mlx_files`` (prompt-cache files).
 
 Contract of the backend (the protocol of ``spoolctl.controllers.local.engine``):
 
@@ -31,8 +34,6 @@ Contract of the backend (the protocol of ``spoolctl.controllers.local.engine``):
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -42,12 +43,12 @@ from typing import Any
 from spoolctl.errors import ConfigError
 from spoolctl.store import Store
 
+from . import mlx_codec, mlx_files, mlx_generate, mlx_import_check
 from .contract import CacheHandle, CachePrepareParams
 from .local.decoding import GREEDY, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.mlx_format import (
-    CacheFormatError,
-    NamedBytesIO,
+    CacheFormatError,  # noqa: F401  (re-exported: callers catch it from here)
     PromptCache,
     cache_format,
     copy_state,
@@ -55,23 +56,16 @@ from .local.mlx_format import (
     dtype_name,
     layers_summary,
     model_digest,
-    safetensors_header,
     slice_caches,
     slice_layer,
 )
 from .local.render import ChatTemplate, template_source
+from .mlx_codec import OBJECT_NAME  # noqa: F401  (re-exported)
+from .mlx_files import TOKENS_META  # noqa: F401  (re-exported)
 
 KIND = "mlx"
-#: Name of the one payload object of an entry (the mlx-lm prompt-cache file).
-OBJECT_NAME = "kv"
 #: How many prompt tokens one forward pass takes while prefilling (bounds peak memory).
 PREFILL_STEP = 512
-# safetensors dtype codes mlx writes, by mlx dtype name.
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-#: Relative tolerance of ``check_import``'s recomputed positions, by dtype.
-_IMPORT_RTOL = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
-#: Metadata key of exported files: the token ids the cache covers (JSON).
-TOKENS_META = "spoolctl_tokens"
 #: mlx-lm cache classes stored beyond plain ``KVCache`` (sliding windows, state-space,
 #: quantized KV).
 FAMILY_CLASSES = {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache"}
@@ -428,366 +422,42 @@ class MlxBackend:
             raise ValueError("mlx-lm trimmed fewer tokens than asked")
         return out
 
-    def serialize(self, cache: Sequence[Any], token_count: int) -> tuple[dict[str, bytes], dict]:
-        """mlx-lm prompt-cache bytes of the first ``token_count`` tokens, plus layout meta."""
-        if self.size(cache) < token_count or token_count < 1:
-            raise ValueError(f"cannot store {token_count} tokens of a "
-                             f"{self.size(cache)}-token cache")
-        used = self._copy(cache, token_count)
-        buf = io.BytesIO()
-        with self._lock:
-            self._cache_mod.save_prompt_cache(buf, used, metadata={"spoolctl_format": self.format})
-        if self.layers is not None:
-            return {OBJECT_NAME: buf.getvalue()}, self._layers_layout(token_count)
-        layout = {
-            "format": self.format,
-            "mlx_lm_version": self.mlx_lm_version,
-            "mlx_version": self.mlx_version,
-            "object": OBJECT_NAME,
-            "classes": ["KVCache"] * self.num_layers,
-            "dtype": self.dtype,
-            "layers": self.num_layers,
-            "kv_heads": self.kv_heads,
-            "k_head_dim": self.k_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "token_count": token_count,
-        }
-        return {OBJECT_NAME: buf.getvalue()}, layout
+    # -- the parts in modules of their own, each a function of the backend ------------------
 
-    def _layers_layout(self, token_count: int) -> dict[str, Any]:
-        classes, layers = self._expected(token_count)
-        out = {"format": self.format, "mlx_lm_version": self.mlx_lm_version,
-               "mlx_version": self.mlx_version, "object": OBJECT_NAME,
-               "classes": classes, "cache_layers": layers, "dtype": self.dtype,
-               "layers": self.num_layers, "token_count": token_count}
-        if self.kv_bits is not None:
-            out["kv_quantization"] = {"bits": self.kv_bits, "group_size": self.kv_group_size,
-                                      "start": self.quantized_kv_start}
-        return out
+    def serialize(self, cache: Sequence[Any], token_count: int) -> tuple[dict[str, bytes], dict]:
+        """mlx-lm prompt-cache bytes of the first ``token_count`` tokens, plus layout meta
+        (``mlx_codec``)."""
+        return mlx_codec.serialize(self, cache, token_count)
 
     def check_layout(self, layout: Mapping[str, Any], token_count: int) -> None:
         """Raise CacheFormatError unless ``layout`` describes a cache this backend can load."""
-        if self.layers is not None:
-            if dict(layout) != self._layers_layout(token_count):
-                raise CacheFormatError("cache layout (layer classes, windows, state shapes) "
-                                       "does not match this model")
-            return
-        fmt = layout.get("format")
-        if fmt != self.format:
-            raise CacheFormatError(
-                f"cache was written in format {fmt!r} (mlx-lm "
-                f"{layout.get('mlx_lm_version')!r}); this mlx-lm {self.mlx_lm_version} "
-                f"reads {self.format!r}", fix="nothing to do: it is a miss and is rebuilt")
-        expected = {"object": OBJECT_NAME, "classes": ["KVCache"] * self.num_layers,
-                    "dtype": self.dtype, "layers": self.num_layers, "kv_heads": self.kv_heads,
-                    "k_head_dim": self.k_head_dim, "v_head_dim": self.v_head_dim,
-                    "token_count": token_count}
-        for name, want in expected.items():
-            if layout.get(name) != want:
-                raise CacheFormatError(f"cache layout {name}={layout.get(name)!r} does not "
-                                       f"match this model ({want!r})")
+        mlx_codec.check_layout(self, layout, token_count)
 
     def deserialize(self, objects: Mapping[str, memoryview | bytes], layout: Mapping[str, Any],
                     token_count: int) -> list[Any]:
         """Rebuild a cache from ``serialize`` output; CacheFormatError on any mismatch."""
-        self.check_layout(layout, token_count)
-        if set(objects) != {OBJECT_NAME}:
-            raise CacheFormatError(f"entry holds objects {sorted(objects)}, expected "
-                                   f"[{OBJECT_NAME!r}]")
-        data = memoryview(objects[OBJECT_NAME])
-        self._check_header(safetensors_header(data), token_count)
-        try:
-            with self._lock:
-                cache, meta = self._cache_mod.load_prompt_cache(
-                    NamedBytesIO(data), return_metadata=True)
-        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CacheFormatError(f"mlx-lm could not load the cache file: {exc}") from None
-        if meta.get("spoolctl_format") != self.format:
-            raise CacheFormatError("cache file format marker does not match its manifest")
-        if self.layers is not None:
-            return self._checked_layers(cache, token_count)
-        shape_k = (1, self.kv_heads, token_count, self.k_head_dim)
-        shape_v = (1, self.kv_heads, token_count, self.v_head_dim)
-        for c in cache:
-            try:
-                ok = type(c).__name__ == "KVCache" and int(c.offset) == token_count and \
-                    tuple(c.keys.shape) == shape_k and tuple(c.values.shape) == shape_v and \
-                    dtype_name(c.keys.dtype) == self.dtype
-            except (AttributeError, TypeError, ValueError):  # a tensor missing from the file
-                ok = False
-            if not ok:
-                raise CacheFormatError("loaded cache does not match its layout")
-        if len(cache) != self.num_layers:
-            raise CacheFormatError("loaded cache has the wrong number of layers")
-        return cache
-
-    def _checked_layers(self, cache: list[Any], token_count: int) -> PromptCache:
-        """A loaded mixed-layer cache, after checking every layer against the model's
-        description (class, window, K/V dims, state shapes and dtypes, token count)."""
-        classes, layers = self._expected(token_count)
-        if [type(c).__name__ for c in cache] != classes:
-            raise CacheFormatError("loaded cache layer classes do not match this model")
-        for i, (c, want) in enumerate(zip(cache, layers or [], strict=True)):
-            try:
-                got = describe_layer(c)
-                offset = getattr(c, "offset", token_count)
-            except (AttributeError, TypeError, ValueError, IndexError):
-                raise CacheFormatError(f"loaded cache layer {i} is malformed") from None
-            if got != want or int(offset) != token_count:
-                raise CacheFormatError(f"loaded cache layer {i} does not match its layout")
-        out = PromptCache(cache)
-        out.tokens = token_count
-        return out
-
-    def _check_header(self, header: Mapping[str, Any], token_count: int) -> None:
-        meta = header.get("__metadata__")
-        if not isinstance(meta, dict):
-            raise CacheFormatError("cache file has no mlx-lm metadata")
-        classes = sorted(v for k, v in meta.items() if k.startswith("1."))
-        if self.layers is not None:
-            if classes != sorted(self._expected(token_count)[0]):
-                raise CacheFormatError(f"cache file holds cache classes {classes[:4]}")
-            return
-        if classes != ["KVCache"] * self.num_layers:
-            raise CacheFormatError(f"cache file holds cache classes {classes[:4]}")
-        st_dtype = _ST_DTYPES.get(self.dtype)
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            shape = info.get("shape")
-            if info.get("dtype") == st_dtype and (
-                    not isinstance(shape, list) or len(shape) != 4 or shape[2] != token_count):
-                raise CacheFormatError(f"cache tensor {name!r} has shape {shape}")
+        return mlx_codec.deserialize(self, objects, layout, token_count)
 
     def generate(self, cache: Sequence[Any] | None, cached_tokens: int,
                  prompt_tokens: Sequence[int], max_new_tokens: int,
                  decoding: Decoding = GREEDY) -> list[int]:
-        """Continuation of ``prompt_tokens`` (stops at EOS or ``max_new_tokens``).
-
-        ``cache`` (not modified) covers ``prompt_tokens[:cached_tokens]``; only the
-        rest is fed to mlx-lm. If that rest is empty, the last cached token is
-        trimmed and re-fed, since mlx-lm needs a non-empty prompt for the logits.
-        ``decoding``: greedy, or ``make_sampler(temp, top_p, top_k)``; its streamer gets
-        the prompt ids, every new token and ``end()``, as transformers feeds one.
-        """
-        from mlx_lm.generate import generate_step
-        from mlx_lm.sample_utils import make_sampler
-
-        mx = self._mx
-        if max_new_tokens <= 0:
-            return []
-        if not prompt_tokens:
-            raise ValueError("cannot generate from an empty prompt")
-        if cache is None or cached_tokens <= 0:
-            work, start = self.new_cache(), 0
-        else:
-            if cached_tokens > min(self.size(cache), len(prompt_tokens)):
-                raise ValueError(f"cache covers {self.size(cache)} tokens, asked to reuse "
-                                 f"{cached_tokens} of a {len(prompt_tokens)}-token prompt")
-            start = min(cached_tokens, len(prompt_tokens) - 1)
-            work = self.trim(cache, start)
-        kwargs: dict[str, Any] = dict(decoding.extra)
-        if self.kv_bits is not None:
-            # The prompt through prefill (it converts at exactly quantized_kv_start), the last
-            # token and the new ones one at a time through generate_step, whose own
-            # conversion then also lands on that exact token.
-            work = self.prefill(work, prompt_tokens[start:-1])
-            start = len(prompt_tokens) - 1
-            kwargs.update(kv_bits=self.kv_bits, kv_group_size=self.kv_group_size,
-                          quantized_kv_start=self.quantized_kv_start)
-        if not decoding.greedy and decoding.seed is not None:
-            kwargs["sampler"] = self._seeded_sampler(decoding)
-        elif not decoding.greedy:
-            kwargs["sampler"] = make_sampler(temp=float(decoding.temperature),
-                                             top_p=float(decoding.top_p) if decoding.top_p < 1
-                                             else 0.0, top_k=decoding.top_k)
-        streamer = decoding.streamer
-        out: list[int] = []
-        with self._lock:
-            if streamer is not None:
-                import numpy as np
-
-                streamer.put(np.array([list(prompt_tokens)]))
-            try:
-                steps = generate_step(mx.array(list(prompt_tokens[start:])), self.model,
-                                      prompt_cache=work, max_tokens=max_new_tokens,
-                                      prefill_step_size=self.prefill_step, **kwargs)
-                for token, _ in steps:
-                    out.append(int(token))
-                    if streamer is not None:
-                        streamer.put(np.array([int(token)]))
-                    if int(token) in self._eos:
-                        break
-            except TypeError as exc:
-                if decoding.extra:
-                    raise ConfigError(f"mlx-lm refused generate_kwargs: {str(exc)[:200]}",
-                                      fix="pass only generate_step() keyword arguments") \
-                        from None
-                raise
-            finally:
-                if streamer is not None:
-                    streamer.end()
-        return out
-
-    def _seeded_sampler(self, decoding: Decoding) -> Any:
-        """``make_sampler``'s top-p / top-k filters and categorical draw, from a random key
-        of this call's own (``mx.random.seed`` would reseed the process-wide generator
-        other threads and models draw from; decision 2103)."""
-        from mlx_lm.sample_utils import apply_top_k, apply_top_p
-
-        mx = self._mx
-        key = mx.random.key(int(decoding.seed))
-        inv_temp = 1.0 / float(decoding.temperature)
-
-        def sampler(logprobs: Any) -> Any:
-            nonlocal key
-            key, draw = mx.random.split(key)
-            if decoding.top_p < 1:
-                logprobs = apply_top_p(logprobs, float(decoding.top_p))
-            if decoding.top_k > 0:
-                logprobs = apply_top_k(logprobs, decoding.top_k)
-            return mx.random.categorical(logprobs * inv_temp, key=draw)
-
-        return sampler
+        """Continuation of ``prompt_tokens`` (``mlx_generate.generate``)."""
+        return mlx_generate.generate(self, cache, cached_tokens, prompt_tokens,
+                                     max_new_tokens, decoding)
 
     def check_import(self, cache: Sequence[Any], tokens: Sequence[int], *,
                      full: bool = True) -> None:
-        """Check that ``cache`` holds ``tokens`` for this model; ValueError on a mismatch.
-
-        ``full`` (the default): prefill ``tokens`` again, step by step, and compare every
-        layer's K/V at every position (decision 2102); ``full=False``: recompute four
-        positions only, each on the cache cut just before it."""
-        mx = self._mx
-        n = len(tokens)
-        rtol = _IMPORT_RTOL.get(self.dtype, 6e-2)
-        if self.layers is not None:  # states are a function of the whole prefix: recompute
-            self._check_layers_import(cache, [int(t) for t in tokens], rtol)
-            return
-        if full:
-            self._check_all_positions(cache, [int(t) for t in tokens], rtol)
-            return
-        for pos in sorted({0, n // 3, (2 * n) // 3, n - 1}):
-            with self._lock:
-                work = slice_caches(cache, pos, self._cache_mod.KVCache)
-                self.model(mx.array([[int(tokens[pos])]]), cache=work)
-                mx.eval([c.state for c in work])
-            for c, w in zip(cache, work, strict=True):
-                for a, b in ((c.keys[..., pos, :], w.keys[..., pos, :]),
-                             (c.values[..., pos, :], w.values[..., pos, :])):
-                    a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
-                    scale = float(mx.abs(b32).max().item()) + 1e-6
-                    if float(mx.abs(a32 - b32).max().item()) > rtol * scale:
-                        raise ValueError(f"position {pos} of the cache does not match token "
-                                         f"{int(tokens[pos])} recomputed")
-
-    def _check_layers_import(self, cache: Sequence[Any], tokens: list[int], rtol: float) -> None:
-        """Check a mixed-layer cache against ``tokens``: its layout (classes, windows, state
-        shapes, quantization) must be the model's, and every layer's arrays must match a
-        prefill of ``tokens`` by this model. A window or recurrent state depends on the
-        whole prefix, so there is nothing to sample: ``check="sample"`` costs the same."""
-        mx = self._mx
-        want_layers = self._expected(len(tokens))[1]
-        try:
-            got_layers = [describe_layer(c) for c in cache]
-        except (AttributeError, TypeError, ValueError, IndexError):
-            raise ValueError("a cache layer is empty or malformed") from None
-        if got_layers != want_layers:
-            raise ValueError("the cache's layers (classes, windows, state shapes, "
-                             "quantization) are not this model's")
-        work = self.prefill(None, tokens)
-        for i, (c, w) in enumerate(zip(cache, work, strict=True)):
-            step = 0.0
-            if type(c).__name__ == "QuantizedKVCache":  # one rounding step may flip
-                step = max(float(mx.abs(a[1]).max().item()) for a in (w.keys, w.values))
-            for a, b in zip(_compared(mx, c), _compared(mx, w), strict=True):
-                m = min(a.shape[-2], b.shape[-2]) if a.ndim == 4 else None
-                if m is not None:  # a window may hold extra older tokens: compare the latest
-                    a, b = a[..., a.shape[-2] - m:, :], b[..., b.shape[-2] - m:, :]
-                if a.shape != b.shape:
-                    raise ValueError(f"layer {i} holds arrays of another shape than recomputed")
-                a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
-                scale = float(mx.abs(b32).max().item()) + 1e-6
-                if float(mx.abs(a32 - b32).max().item()) > rtol * scale + step:
-                    raise ValueError(f"layer {i} of the cache does not match the tokens "
-                                     "recomputed")
-
-    def _check_all_positions(self, cache: Sequence[Any], tokens: list[int],
-                             rtol: float) -> None:
-        mx = self._mx
-        work = self.new_cache()
-        for start in range(0, len(tokens), self.prefill_step):
-            end = min(start + self.prefill_step, len(tokens))
-            with self._lock:
-                self.model(mx.array([tokens[start:end]]), cache=work)
-                mx.eval([c.state for c in work])
-            for c, w in zip(cache, work, strict=True):
-                for a, b in ((c.keys, w.keys), (c.values, w.values)):
-                    got = a[..., start:end, :].astype(mx.float32)
-                    want = b[..., start:end, :].astype(mx.float32)
-                    err = mx.abs(got - want).max(axis=(0, 1, 3))
-                    scale = mx.abs(want).max(axis=(0, 1, 3)) + 1e-6
-                    bad = err > rtol * scale
-                    if bool(mx.any(bad).item()):
-                        pos = start + int(mx.argmax(bad.astype(mx.int32)).item())
-                        raise ValueError(f"position {pos} of the cache does not match token "
-                                         f"{tokens[pos]} recomputed")
+        """Check that ``cache`` holds ``tokens`` for this model; ValueError on a mismatch
+        (``mlx_import_check.check_import``)."""
+        mlx_import_check.check_import(self, cache, tokens, full=full)
 
     def save_file(self, cache: Sequence[Any], tokens: Sequence[int], path: str | Path) -> None:
         """Write ``cache`` as an mlx-lm ``save_prompt_cache`` file (with the token ids)."""
-        _check_file_name(path)
-        used = self._copy(cache, len(tokens))
-        with self._lock:
-            self._cache_mod.save_prompt_cache(
-                os.fspath(path), used,
-                metadata={"spoolctl_format": self.format, TOKENS_META: json.dumps(list(tokens))})
+        mlx_files.save_file(self, cache, tokens, path)
 
     def load_file(self, path: str | Path) -> tuple[list[Any], list[int] | None]:
         """An mlx-lm prompt-cache file: (cache, token ids if the file records them)."""
-        _check_file_name(path)
-        if not Path(path).is_file():
-            raise ConfigError("prompt cache file not found", path=path,
-                              fix="pass a file written by save_prompt_cache")
-        try:
-            with self._lock:
-                cache, meta = self._cache_mod.load_prompt_cache(os.fspath(path),
-                                                                return_metadata=True)
-        except Exception as exc:  # mlx raises RuntimeError/ValueError/KeyError for bad files
-            raise ConfigError(f"mlx-lm cannot load the prompt cache file: {str(exc)[:200]}",
-                              path=path, fix="pass a file written by save_prompt_cache") from None
-        tokens = None
-        if isinstance(meta, dict) and TOKENS_META in meta:
-            try:
-                tokens = [int(t) for t in json.loads(meta[TOKENS_META])]
-            except (TypeError, ValueError):
-                raise ConfigError("the file's token list is malformed", path=path,
-                                  fix="re-export it") from None
-        if self.layers is not None and tokens is not None:  # a state-space layer has no count
-            counted = PromptCache(cache)
-            counted.tokens = len(tokens)
-            return counted, tokens
-        return list(cache), tokens
-
-
-def _compared(mx: Any, c: Any) -> list[Any]:
-    """The arrays of one cache layer that must equal a recomputation, in token order: K/V
-    of the used tokens (dequantized for a quantized layer; a window in temporal order),
-    or the recurrent state arrays."""
-    name = type(c).__name__
-    if name == "ArraysCache":
-        return [a for a in c.cache if a is not None]
-    if name == "QuantizedKVCache":
-        return [mx.dequantize(*(x[..., :c.offset, :] for x in kv), group_size=c.group_size,
-                              bits=c.bits) for kv in (c.keys, c.values)]
-    if name == "RotatingKVCache":
-        return [c._temporal_order(c.keys), c._temporal_order(c.values)]
-    return [c.keys[..., :c.offset, :], c.values[..., :c.offset, :]]
-
-
-def _check_file_name(path: str | os.PathLike[str]) -> None:
-    # mlx picks the file format from the suffix: anything else cannot be read back.
-    if Path(path).suffix != ".safetensors":
-        raise ConfigError("an mlx-lm prompt cache file name must end in .safetensors",
-                          path=path, fix="e.g. prompt-cache.safetensors")
+        return mlx_files.load_file(self, path)
 
 
 class MlxCacheController(LocalCacheController):

@@ -54,6 +54,7 @@ from ..logsafe import reason
 from ..targets import hosted as _hosted
 from ..targets import ref_of as _ref_of
 from ..targets import refuse_foreign, resolve_target
+from ..tenant_guard import master_key_lost, refuse_tenant_without_encryption
 from .generate import Query, agenerate_with_cache, generate_with_cache, with_max_tokens
 from .io import Local, Remote, Step, drive_async, drive_sync, iter_one, target_of
 from .records import (
@@ -630,19 +631,14 @@ class _GenaiTenant:
 
     def __init__(self, store: Store, tenant: str | None):
         self._store = store
+        refuse_tenant_without_encryption(store, tenant)
         sealer = store.sealer
         if sealer is None:
-            if tenant is not None:
-                raise ConfigError("tenant= was given but the store has no encryption at rest "
-                                  "configured (no master key)", path=store.root,
-                                  fix="set SPOOLCTL_MASTER_KEY_FILE to the store's master key, "
-                                      "or drop tenant=")
             self.active, self.tenant, self.lost = False, None, False
             return
         self.active, self.tenant = True, tenant
         sealer.tenant_id(tenant)  # a bad name is a ConfigError now, not at the first prepare
-        ring = sealer.keyring
-        self.lost = ring.path.exists() and not ring.master_matches
+        self.lost = master_key_lost(store)
         if self.lost:
             log.warning("the configured master key (id %s) is not the one this store's keyring "
                         "was written under: every genai cache record is a miss and none is "

@@ -28,8 +28,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from spoolctl.store import ConfigError, CorruptionError, Manifest, QuarantineReason, Store
+from spoolctl.store import CorruptionError, Manifest, QuarantineReason, Store
 
+from ..tenant_guard import master_key_lost, refuse_tenant_without_encryption
 from .entry_format import Plan
 
 log = logging.getLogger("spoolctl.controllers")
@@ -50,20 +51,15 @@ class Tenancy:
         # meta keys (and keys of meta["layout"]) that go into the sealed object
         self._secret = SECRET_META + tuple(k for k in sealed_meta if k not in SECRET_META)
         self._secret_layout = tuple(sealed_layout)
+        refuse_tenant_without_encryption(store, tenant)
         if sealer is None:
-            if tenant is not None:
-                raise ConfigError("tenant= was given but the store has no encryption at rest "
-                                  "configured (no master key)", path=store.root,
-                                  fix="set SPOOLCTL_MASTER_KEY_FILE to the store's master key, "
-                                      "or drop tenant=")
             self.active, self.tenant, self.tenant_id, self.lost = False, None, None, False
             return
         self.active, self.tenant = True, tenant
         self.tenant_id = sealer.tenant_id(tenant)
-        ring = sealer.keyring
         # The keyring's master key is not this one: nothing of the store is readable and
         # nothing can be sealed; the engine then neither finds nor persists (one line here).
-        self.lost = ring.path.exists() and not ring.master_matches
+        self.lost = master_key_lost(store)
         if self.lost:
             log.warning("the configured master key (id %s) is not the one this store's keyring "
                         "was written under: every cache entry is a miss and nothing is "
