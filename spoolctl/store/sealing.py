@@ -48,7 +48,7 @@ from ..errors import ConfigError, CorruptionError, KeyUnavailableError, Quaranti
 from .commit.committer import PutRequest
 from .disk.fsio import SpecialFileError, advise_willneed, fsync_dir, open_for_read, write_tmp
 from .disk.locks import hold
-from .disk.verify import HASH_POOL, INLINE_HASH_MAX, PIPE_CHUNK
+from .disk.verify import HASH_POOL, INLINE_HASH_MAX, PIPE_CHUNK, read_exactly
 from .format.entry_tags import read_key_file
 from .format.keys import TenantId
 
@@ -817,14 +817,7 @@ def _tag_failed(path: Path | None) -> CorruptionError:
 
 
 def _read_exactly(f: Any, window: memoryview, path: Path) -> memoryview:
-    got = 0
-    while got < len(window):
-        n = f.readinto(window[got:])
-        if not n:
-            raise CorruptionError("sealed object shorter than its size",
-                                  reason=QuarantineReason.PAYLOAD_SIZE, path=path)
-        got += n
-    return window
+    return read_exactly(f, window, path, "sealed object shorter than its size")
 
 
 def _decrypt_stream(f: Any, dec: Any, out: memoryview, pipelined: bool, path: Path) -> None:
