@@ -25,9 +25,8 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from fleet_keys import keypair
 from operator_cli import run, run_json, script
 
 from spoolctl.store import Store
@@ -152,7 +151,8 @@ def test_same_master_key_reads_the_imported_entries_other_or_none_is_refused(fle
     assert doc["imported"] == 4 and _read_all(peer, master) == want
 
     # A signed stream (`export -o - --sign-key | import - --require-signed`).
-    private, public = _fleet_keys(base)
+    (base / "keys").mkdir(exist_ok=True)
+    private, public, _ = keypair(base / "keys", "fleet")
     proc = script("export", "-o", "-", "--root", str(base / "src"), "--sign-key",
                   str(private), env=env, text=False)
     assert proc.returncode == 0, proc.stderr
@@ -172,18 +172,6 @@ def _live_data_keys(root: Path, master: MasterKey) -> list[bytes]:
     with Store.open(root, master_key=master, read_only=True) as store:
         ring = store.sealer.keyring
         return [ring.data_key(t.tenant_id, v) for t in ring.tenants() for v in t.versions]
-
-
-def _fleet_keys(base: Path) -> tuple[Path, Path]:
-    key = Ed25519PrivateKey.generate()
-    private, public = base / "keys" / "fleet.key", base / "keys" / "fleet.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    return private, public
 
 
 def test_hostile_key_tables_are_refused_and_a_revoked_tenant_stays_revoked(fleet):

@@ -19,8 +19,7 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from fleet_keys import keypair
 from operator_cli import run, run_json, script
 
 from spoolctl.store import Store
@@ -28,18 +27,6 @@ from spoolctl.store.transfer.archive import TRAILER_BYTES, TRAILER_MAGIC
 from spoolctl.store.transfer.archive_sign import SigningSink, load_signing_key, sign_archive
 
 KIND, NS = "pytorch", "model-x"
-
-
-def _keypair(where: Path, name: str) -> tuple[Path, Path, Ed25519PrivateKey]:
-    key = Ed25519PrivateKey.generate()
-    private, public = where / f"{name}.key", where / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    return private, public, key
 
 
 def _store_with(root: Path, payload: bytes, n: int = 3) -> None:
@@ -59,7 +46,7 @@ def _entries(root: Path) -> int:
 def fleet(tmp_path: Path):
     keys = tmp_path / "keys"
     keys.mkdir()
-    return _keypair(keys, "fleet")
+    return keypair(keys, "fleet")
 
 
 def _import(archive: Path, target: Path, pub: Path) -> tuple[int, str]:
@@ -102,7 +89,7 @@ def test_signed_archive_imports_and_forged_or_resigned_ones_do_not(tmp_path: Pat
     flipped.write_bytes(bytes(data))
     shutil.copy(f"{archive}.sig", f"{flipped}.sig")
     cases["flipped"] = (flipped, "not the ones signed")
-    other_key, _, _ = _keypair(tmp_path / "keys", "attacker")
+    other_key, _, _ = keypair(tmp_path / "keys", "attacker")
     resigned = tmp_path / "resigned.tar"  # the evil bytes signed by the attacker's key
     shutil.copy(evil, resigned)
     sign_archive(resigned, load_signing_key(other_key))
@@ -172,7 +159,7 @@ def test_signed_streams_are_verified_before_anything_is_imported(tmp_path: Path,
     run_json("export", "-o", str(evil_file), "--root", str(evil_src))
     evil = evil_file.read_bytes()
     trailer = signed[-TRAILER_BYTES:]
-    _, _, attacker = _keypair(tmp_path / "keys", "attacker")
+    _, _, attacker = keypair(tmp_path / "keys", "attacker")
     resigner = SigningSink(lambda bufs: None)
     resigner([evil])
     resigned = evil + resigner.trailer(attacker)

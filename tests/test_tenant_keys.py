@@ -341,3 +341,56 @@ def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: P
     listing = run_json("keys", "ls", "--root", str(old_root), env=key_env)
     assert [(v["version"], v["key"]) for v in listing["tenants"][0]["versions"]] == \
         [(new, "live")]
+
+
+def _marker(root: Path) -> dict:
+    return json.loads((root / ".spoolctl-root").read_text())
+
+
+def test_a_store_with_sps2_objects_requires_it_in_its_marker(tmp_path: Path,
+                                                            key_env: dict[str, str]):
+    """Decision 2831: before the first key that seals SPS2 objects (decision 2812) exists,
+    the store's marker becomes ``spoolctl-root/v2`` requiring ``sealed-v2``. Every spoolctl
+    before it opens only a ``spoolctl-root/v1`` marker, so a downgrade refuses the store with
+    one line instead of quarantining its SPS2 objects as corrupt; this version refuses a
+    feature it does not know the same way. A max-size change keeps the requirement, and a
+    store whose SPS2 keys are older than this gets it at its next writable open."""
+    from spoolctl.errors import RootError
+
+    master = _master(key_env)
+    root = Path(os.path.realpath(tmp_path)) / "s"
+    with Store.open(root, create=True, master_key=master) as store:
+        assert _marker(root)["schema"] == "spoolctl-root/v1"  # nothing sealed yet
+        m = store.put(kind=KIND, namespace=NS, key="k", objects={"kv": b"x" * 99}, tenant="t")
+        assert m.index["sealed"]["version"] >= 1 << 32
+        doc = _marker(root)
+        # what every earlier spoolctl compares (root.marker_from_json since the first commit)
+        assert doc["schema"] == "spoolctl-root/v2" and doc["requires"] == ["sealed-v2"], doc
+        store.set_max_bytes(1 << 30)  # from the copy read before the key was made
+        assert _marker(root)["requires"] == ["sealed-v2"]
+        assert _marker(root)["max_bytes"] == 1 << 30
+    with Store.open(root, master_key=master, max_bytes=1 << 31) as store:
+        assert bytes(store.read(m, "kv")) == b"x" * 99
+        assert store.marker.requires == ("sealed-v2",)
+    assert _marker(root)["requires"] == ["sealed-v2"]
+
+    # A store whose SPS2 key was made before decision 2831 (a v1 marker): marked when it is
+    # next opened writable; a read-only open writes nothing.
+    doc = _marker(root)
+    (root / ".spoolctl-root").write_text(json.dumps(
+        {k: v for k, v in doc.items() if k != "requires"} | {"schema": "spoolctl-root/v1"}))
+    Store.open(root, master_key=master, read_only=True).close()
+    assert _marker(root)["schema"] == "spoolctl-root/v1"
+    Store.open(root, master_key=master).close()
+    assert _marker(root)["schema"] == "spoolctl-root/v2"
+
+    # A feature of a newer spoolctl: refused at open, one line naming it and the fix.
+    doc = _marker(root)
+    (root / ".spoolctl-root").write_text(json.dumps(doc | {"requires": ["sealed-v2",
+                                                                        "chunked-aead"]}))
+    with pytest.raises(RootError, match="chunked-aead") as err:
+        Store.open(root, master_key=master)
+    assert "upgrade spoolctl" in str(err.value)
+    code, _, errs = run("status", "--root", str(root), env=key_env)
+    assert code != 0 and "chunked-aead" in errs and len(errs.strip().splitlines()) == 1, errs
+

@@ -37,7 +37,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from ..errors import ConfigError, CorruptionError, KeyUnavailableError, Quaranti
 from .commit.committer import PutRequest
 from .disk.fsio import SpecialFileError, advise_willneed, fsync_dir, open_for_read, write_tmp
 from .disk.locks import hold
-from .disk.verify import HASH_POOL, INLINE_HASH_MAX, PIPE_CHUNK
+from .disk.verify import HASH_POOL, INLINE_HASH_MAX, PIPE_CHUNK, read_exactly
 from .format.entry_tags import read_key_file
 from .format.keys import TenantId
 
@@ -372,8 +372,12 @@ class Keyring:
     """``state/keyring.json``: data keys wrapped under the master key (see module docstring)."""
 
     def __init__(self, state: Path, tmp: Path, master: MasterKey, *, lock_timeout: float,
-                 read_only: bool = False):
+                 read_only: bool = False, on_wide: Callable[[], Any] | None = None):
+        """``on_wide``: called before the keyring first holds a random-id version (one that
+        seals SPS2 objects), and by ``mark_wide`` -- the store makes its marker require
+        them there, so a spoolctl that reads only SPS1 refuses the store (decision 2831)."""
         self.path = state / "keyring.json"
+        self._on_wide = on_wide
         self._lock = state / "keyring.lock"
         self._tmp = tmp
         self._master = master
@@ -453,6 +457,13 @@ class Keyring:
             raise KeyUnavailableError("the keyring was written under another master key",
                                       path=self.path, fix="configure the store's master key")
         return version, key
+
+    def mark_wide(self) -> None:
+        """Call ``on_wide`` if the keyring already holds (or held) a random-id version: a
+        store whose SPS2 keys were made before decision 2831 gets its marker at the next
+        writable open."""
+        if self._on_wide is not None and not self._read_only and _has_wide(self.refresh()):
+            self._on_wide()
 
     # changing
 
@@ -575,6 +586,8 @@ class Keyring:
                         "key loss)")
             try:
                 change(doc)
+                if self._on_wide is not None and _has_wide(doc):
+                    self._on_wide()  # before the keyring names such a key (decision 2831)
             except BaseException:
                 self._seen = None  # the copy in memory may be half changed: reload it
                 raise
@@ -589,6 +602,17 @@ class Keyring:
                 raise
             fsync_dir(self.path.parent)
             self._seen = None
+
+
+def _has_wide(doc: Mapping[str, Any]) -> bool:
+    """True if a tenant of ``doc`` has, or had (erased: its objects may still lie on disk),
+    a random-id version: objects with SPS2 headers."""
+    for rec in doc["tenants"].values():
+        if isinstance(rec, dict):
+            versions = [*(rec.get("keys") or {}), *(rec.get("erased") or [])]
+            if any(str(v).isdigit() and int(v) >= WIDE_VERSION for v in versions):
+                return True
+    return False
 
 
 def _empty(master_id: str) -> dict[str, Any]:
@@ -793,14 +817,7 @@ def _tag_failed(path: Path | None) -> CorruptionError:
 
 
 def _read_exactly(f: Any, window: memoryview, path: Path) -> memoryview:
-    got = 0
-    while got < len(window):
-        n = f.readinto(window[got:])
-        if not n:
-            raise CorruptionError("sealed object shorter than its size",
-                                  reason=QuarantineReason.PAYLOAD_SIZE, path=path)
-        got += n
-    return window
+    return read_exactly(f, window, path, "sealed object shorter than its size")
 
 
 def _decrypt_stream(f: Any, dec: Any, out: memoryview, pipelined: bool, path: Path) -> None:
@@ -895,12 +912,14 @@ class SealedStream:
 
 
 def open_sealer(state: Path, tmp: Path, *, lock_timeout: float, read_only: bool,
-                master: MasterKey | None) -> Sealer | None:
-    """The store's sealer for ``master`` (None: encryption off)."""
+                master: MasterKey | None,
+                on_wide: Callable[[], Any] | None = None) -> Sealer | None:
+    """The store's sealer for ``master`` (None: encryption off); ``on_wide``: see
+    ``Keyring``."""
     if master is None:
         return None
     return Sealer(master, Keyring(state, tmp, master, lock_timeout=lock_timeout,
-                                  read_only=read_only))
+                                  read_only=read_only, on_wide=on_wide))
 
 
 def sealed_fact(index: Mapping[str, Any] | None) -> tuple[str, int] | None:

@@ -56,6 +56,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -83,7 +84,14 @@ from .disk.locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_
 from .disk.ownership import give_back
 from .disk.publish import Publisher
 from .disk.reserve import Reserve
-from .disk.root import Marker, StorePaths, check_root_path, create_or_adopt
+from .disk.root import (
+    FEATURE_SEALED_V2,
+    Marker,
+    StorePaths,
+    check_root_path,
+    create_or_adopt,
+    require_feature,
+)
 from .disk.verify import failed_object, read_verified
 from .facts import StoreFacts, collect
 from .format.entry_tags import FROM_ENVIRONMENT, TagKey
@@ -225,13 +233,16 @@ class Store:
             raise ConfigError("permission denied opening the store", path=exc.filename or path,
                               fix="run as the store's owner or fix its permissions") from None
         sealer = open_sealer(layout.state, layout.tmp, lock_timeout=lock_timeout,
-                             read_only=read_only, master=master_key)
+                             read_only=read_only, master=master_key,
+                             on_wide=lambda: require_feature(layout, FEATURE_SEALED_V2))
         store = cls(layout, marker, lock_timeout=lock_timeout, read_only=read_only,
                     tag_key=tag_key, clock=clock, sealer=sealer)
         if read_only:
             store._catalogs.open_read_only()
             store.unknown_files = store._recovery.unknown_top_level()
             return store
+        if sealer is not None:  # SPS2 keys made before decision 2831: mark the store now
+            store._shedding(sealer.keyring.mark_wide)
         store._shedding(store._catalogs.open)  # on a full disk too: the reserve makes room
         store.reserve.ensure()
         clean_tmp(layout.tmp, min_age=float("inf"), dry_run=False)  # dead writers' files
@@ -677,9 +688,9 @@ class Store:
         from .disk.root import write_marker
 
         self._writable("setting the max size")
-        marker = Marker(self.marker.store_id, self.marker.created, max_bytes)
+        wanted = replace(self.marker, max_bytes=max_bytes)
         try:
-            self._shedding(lambda: write_marker(self.layout, marker))
+            marker = self._shedding(lambda: write_marker(self.layout, wanted))
         except OSError as exc:
             raise io_error(exc, "writing the store marker", self.layout.marker) from exc
         self.limits.marker = marker

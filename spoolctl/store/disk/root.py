@@ -18,7 +18,7 @@ import re
 import secrets
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...errors import InvalidIdError, RootError
@@ -35,6 +35,15 @@ from .fsio import (
 
 MARKER = ".spoolctl-root"
 ROOT_SCHEMA = "spoolctl-root/v1"
+# A store holding something a reader must understand has a v2 marker naming it in
+# ``requires`` (decision 2831): every spoolctl before v2 refuses any schema but v1 at open,
+# and one that knows v2 refuses a feature it does not know. Nothing else changes in v2.
+ROOT_SCHEMA_V2 = "spoolctl-root/v2"
+# Objects sealed under a random 63-bit key id (SPS2 headers, decision 2812): a spoolctl
+# that reads only SPS1 would quarantine them as corrupt.
+FEATURE_SEALED_V2 = "sealed-v2"
+KNOWN_FEATURES = frozenset((FEATURE_SEALED_V2,))
+_FEATURE_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 SUBDIRS = ("objects", "manifests", "tmp", "quarantine", "state")
 FANOUT = [f"{i:02x}" for i in range(256)]
 KNOWN_TOP = frozenset((MARKER, *SUBDIRS))
@@ -92,19 +101,24 @@ def _hex64(value: str, what: str) -> str:
 
 @dataclass(frozen=True)
 class Marker:
-    """Contents of ``.spoolctl-root``."""
+    """Contents of ``.spoolctl-root``. ``requires``: the features a reader must know
+    (sorted; empty: a v1 marker, as every store before decision 2831)."""
 
     store_id: str
     created: float
     max_bytes: int | None
+    requires: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {
-            "schema": ROOT_SCHEMA,
+        doc: dict = {
+            "schema": ROOT_SCHEMA_V2 if self.requires else ROOT_SCHEMA,
             "store_id": self.store_id,
             "created": self.created,
             "max_bytes": self.max_bytes,
         }
+        if self.requires:
+            doc["requires"] = sorted(self.requires)
+        return doc
 
 
 def check_root_path(root: str | os.PathLike[str]) -> Path:
@@ -172,15 +186,32 @@ def marker_from_json(doc: object, path: Path) -> Marker:
     """Validate a parsed marker strictly (types, not just presence); RootError if wrong.
 
     ``max_bytes`` must be a positive integer or null: ``true`` is not 1 byte (it would make
-    capacity maintenance evict everything) and ``"10GiB"`` is not a size."""
-    if not isinstance(doc, dict) or doc.get("schema") != ROOT_SCHEMA:
+    capacity maintenance evict everything) and ``"10GiB"`` is not a size. A v2 marker's
+    ``requires`` must be a list of feature names this version knows (decision 2831)."""
+    if not isinstance(doc, dict) or doc.get("schema") not in (ROOT_SCHEMA, ROOT_SCHEMA_V2):
         schema = doc.get("schema") if isinstance(doc, dict) else None
         raise RootError(
-            f"store marker has schema {str(schema)[:60]!r}, expected {ROOT_SCHEMA!r}",
+            f"store marker has schema {str(schema)[:60]!r}, expected {ROOT_SCHEMA!r} or "
+            f"{ROOT_SCHEMA_V2!r}",
             path=path,
             fix="this root belongs to another tool or version; use a different --root",
         )
     fix = "correct it by hand (docs/format.md) or move the store aside"
+    requires: tuple[str, ...] = ()
+    if doc["schema"] == ROOT_SCHEMA_V2:
+        given = doc.get("requires")
+        if not isinstance(given, list) or not given or not all(
+                isinstance(f, str) and _FEATURE_RE.fullmatch(f) for f in given):
+            raise RootError(f"store marker has an invalid requires ({_show(given)}): it must "
+                            "be a non-empty list of feature names", path=path, fix=fix)
+        unknown = sorted(set(given) - KNOWN_FEATURES)
+        if unknown:
+            raise RootError(
+                f"the store uses {', '.join(unknown)}, which this spoolctl does not know "
+                "(written by a newer version)", path=path,
+                fix="upgrade spoolctl to the version that wrote the store (docs/format.md, "
+                    "the root marker)")
+        requires = tuple(sorted(set(given)))
     max_bytes = doc.get("max_bytes")
     if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
                                   or max_bytes <= 0):
@@ -195,7 +226,8 @@ def marker_from_json(doc: object, path: Path) -> Marker:
     if not isinstance(store_id, str) or not _STORE_ID_RE.fullmatch(store_id):
         raise RootError(f"store marker has an invalid store_id ({_show(store_id)})",
                         path=path, fix=fix)
-    return Marker(store_id=store_id, created=float(created), max_bytes=max_bytes)
+    return Marker(store_id=store_id, created=float(created), max_bytes=max_bytes,
+                  requires=requires)
 
 
 def _show(value: object) -> str:
@@ -204,9 +236,16 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> None:
-    """Atomically (re)write the marker: tmp file, fsync, rename, fsync the root.
-    ``new``: the store is being created (crash-test checkpoints of init)."""
+def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> Marker:
+    """Atomically (re)write the marker: tmp file, fsync, rename, fsync the root; returns
+    what was written. ``new``: the store is being created (crash-test checkpoints of init).
+    A feature the marker on disk requires is kept (a max-size change made with an older
+    copy never drops one another process added)."""
+    if not new:
+        with contextlib.suppress(RootError):
+            on_disk = read_marker(layout).requires
+            if not set(on_disk) <= set(marker.requires):
+                marker = replace(marker, requires=tuple(sorted({*marker.requires, *on_disk})))
     data = json.dumps(marker.to_json(), indent=2).encode() + b"\n"
     tmp_dir = layout.tmp if layout.tmp.is_dir() else layout.root
     tmp, _, _ = write_tmp(tmp_dir, [data])
@@ -214,6 +253,18 @@ def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> No
         faults.checkpoint("init.marker_drafted")
     os.replace(tmp, layout.marker)
     fsync_dir(layout.root)
+    return marker
+
+
+def require_feature(layout: StorePaths, feature: str) -> Marker:
+    """Make the marker require ``feature`` (a v2 marker, decision 2831) before the store
+    holds anything that needs it, so an older spoolctl refuses the store at open instead of
+    misreading it; returns the marker. A no-op when it already does."""
+    assert feature in KNOWN_FEATURES, feature
+    marker = read_marker(layout)
+    if feature in marker.requires:
+        return marker
+    return write_marker(layout, replace(marker, requires=(*marker.requires, feature)))
 
 
 def _mkdir(path: Path) -> bool:
@@ -397,6 +448,5 @@ def create_or_adopt(
     marker = read_marker(layout)
     ensure_layout(layout)
     if max_bytes is not None and max_bytes != marker.max_bytes:
-        marker = Marker(store_id=marker.store_id, created=marker.created, max_bytes=max_bytes)
-        write_marker(layout, marker)
+        marker = write_marker(layout, replace(marker, max_bytes=max_bytes))
     return layout, marker

@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ...errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from ..format.digest import Hasher
@@ -89,7 +89,7 @@ def verify_object(
             while offset < size:
                 end = min(offset + PIPE_CHUNK, size)
                 window = into[offset:end] if into is not None else scratch[:end - offset]
-                _read_exactly(f, window, path)
+                read_exactly(f, window, path)
                 if pipelined:  # hash chunk i on the helper thread while chunk i+1 is read
                     if pending is not None:
                         pending.result()
@@ -113,14 +113,18 @@ def verify_object(
                               path=path)
 
 
-def _read_exactly(f, window: memoryview, path: Path) -> None:
+def read_exactly(f: Any, window: memoryview, path: Path,
+                 short: str = "shorter than its size while reading") -> memoryview:
+    """Fill ``window`` from the unbuffered file ``f`` (short reads retried) and return it;
+    CorruptionError(PAYLOAD_SIZE, ``short``) if the file ends first (plain and sealed
+    objects, each with its own message)."""
     got = 0
     while got < len(window):
         n = f.readinto(window[got:])
         if not n:
-            raise CorruptionError("shorter than its size while reading",
-                                  reason=QuarantineReason.PAYLOAD_SIZE, path=path)
+            raise CorruptionError(short, reason=QuarantineReason.PAYLOAD_SIZE, path=path)
         got += n
+    return window
 
 
 def read_verified(path: Path, *, digest: str, size: int,
