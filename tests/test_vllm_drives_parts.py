@@ -76,3 +76,208 @@ def test_several_roots_on_one_filesystem_start_with_one_warning(tmp_path: Path) 
         f"spoolctl roots {roots[0]} and {roots[1]} are on one filesystem: one failure "
         "domain, not two drives"]
     assert not [w for w in check_roots(roots[:1], bound_s=5) if "one filesystem" in w]
+
+
+# -- drive stores opened without waiting on a hung disk (decisions 2714, 2720) ------------------
+
+# What a test thread waits for an operation that must not hang (a safety net: a broken bound
+# fails the test instead of wedging the suite; no result depends on it).
+NET_S = 60
+
+
+def _needs_fuse() -> None:
+    from fusemount import fuse_missing
+
+    missing = fuse_missing()
+    if missing:
+        pytest.skip(missing)
+
+
+def _hung_rank_store(tmp_path: Path, root: Path):
+    """A rank store at ``root`` (one entry) whose ``objects/`` is a FUSE mount, hung: as a
+    disk that stopped answering before the engine started (``Store.open`` scans it)."""
+    from fusemount import ControlledMount
+
+    with Store.open(root, create=True) as store:
+        store.put(kind="vllm", namespace="ns", key="a" * 64, objects={"kv": b"x" * 100})
+    mount = ControlledMount(root / "objects", tmp_path / "fuse")
+    mount.hang()
+    return mount
+
+
+def test_a_drive_hung_at_start_is_pending_and_taken_into_use_when_it_answers(
+        tmp_path: Path, caplog) -> None:
+    """``DriveStores.open`` returns within its bound on a hung disk (the drive pending, one
+    warning naming it), other roots open meanwhile, and the retry opens the drive once
+    the disk answers (``on_open``, off the caller's thread)."""
+    _needs_fuse()
+    import threading
+
+    from waiting import wait_until
+
+    from spoolctl.connector.drivestores import OPEN, PENDING, DriveStores
+    from spoolctl.connector.rankstores import OpenStores
+
+    base = Path(os.path.realpath(tmp_path)) / "spool"
+    root = base / "vllm-v1-x" / "rank-0000"
+    stores = OpenStores()
+    opened: list[object] = []
+    with _hung_rank_store(tmp_path, root) as mount:
+        got: list[DriveStores] = []
+        opener = threading.Thread(target=lambda: got.append(DriveStores.open(
+            [(str(base), str(root))], stores, create=True, deadline_s=0.05,
+            probe_interval_s=0.05, on_open=lambda slot: opened.append(
+                (slot.state, threading.current_thread().name)))), daemon=True)
+        opener.start()
+        opener.join(NET_S)  # 0.2 s when bounded; the old open waits for the disk
+        try:
+            assert got, "opening a rank store waited on a hung disk"
+            (slot,) = got[0].slots
+            assert slot.state == PENDING and slot.store is None and not opened
+            assert [r.message for r in caplog.records if str(root) in r.message] == [
+                f"spoolctl: rank store {root} not open (no answer within 0.2 s); serving "
+                "without it (misses) and trying again every 0.05 s"]
+            # Another root opens meanwhile: the hung opening holds no shared lock.
+            other = stores.acquire(str(tmp_path / "other"), create=True, max_bytes=None)
+            stores.release(other)
+            mount.release()
+            wait_until(lambda: opened, NET_S, what="the drive opened once it answers")
+            assert opened == [(OPEN, "spoolctl-drive-open")] and slot.drive_id == ""
+            assert slot.store is not None and slot.store.live_keys("vllm", "ns") == {"a" * 64}
+            # One root: no drive marker is written (today's layout).
+            assert not (base / ".spoolctl-drive").exists()
+        finally:
+            mount.release()
+            if got:
+                got[0].close()
+    assert stores.roots() == []
+
+
+@pytest.mark.extended  # a FUSE mount, vLLM's import and two connector starts (~10 s)
+def test_a_worker_started_on_a_hung_disk_serves_misses_then_takes_its_store_into_use(
+        tmp_path: Path) -> None:
+    """Decision 2720's open: an engine started on an already hung disk hung in
+    ``Store.open``. Now the worker starts (its store pending), the scheduler counts the
+    rank as holding nothing (every lookup a miss) without waiting either, and once the
+    disk answers the worker's store is used: its next report restates what it holds."""
+    _needs_fuse()
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    import threading
+    from types import SimpleNamespace
+
+    from fusemount import ControlledMount
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    base = str(Path(os.path.realpath(tmp_path)) / "spool")
+    before, kcfg = vllm_configs(base, [spec], num_blocks=8, spoolctl_scrub_rate="0")
+    vcfg, kcfg = vllm_configs(base, [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_lookup_deadline=0.05, spoolctl_probe_interval=0.05)
+    first = SpoolConnector(before, KVConnectorRole.WORKER, kcfg)  # a run before: one chunk
+    first.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+    (root,) = first.store_roots
+    ns = first.worker._namespace
+    first.shutdown()
+    with Store.open(root) as store:
+        store.put(kind="vllm", namespace=ns, key="d" * 64, objects={"kv": b"x" * 100})
+    with ControlledMount(Path(root) / "objects", tmp_path / "fuse") as mount:
+        mount.hang()
+        got: list[SpoolConnector] = []
+
+        def start() -> None:
+            worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+            worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+            got.append(worker)
+
+        starting = threading.Thread(target=start, daemon=True)
+        starting.start()
+        starting.join(NET_S)
+        sched = None
+        try:
+            assert got, "the worker's start waited on the hung disk"
+            worker = got[0]
+            assert worker.store_roots == []
+            hs = worker.get_handshake_metadata()
+            assert hs is not None and hs.store_id == "" and hs.report.added == ()
+            sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+            sched.set_xfer_handshake_metadata({0: hs})
+            # Known, from its reports, to hold nothing: every lookup is a miss.
+            assert sched.inventory_state == {0: {"source": "reports", "known": 0}}
+            assert worker.build_connector_worker_meta() is None
+            mount.release()
+            reports: list[object] = []
+            wait_until(lambda: reports.append(worker.build_connector_worker_meta()) or
+                       reports[-1] is not None, NET_S, what="the store taken into use")
+            (report,) = reports[-1].reports
+            assert report.reset and report.epoch > hs.report.epoch and len(report.added) == 1
+            assert worker.store_roots == [root]
+            sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=reports[-1]))
+            assert sched.inventory_state == {0: {"source": "reports", "known": 1}}
+        finally:
+            mount.release()
+            if sched is not None:
+                sched.shutdown()
+            if got:
+                got[0].shutdown()
+
+
+def test_several_drives_are_identified_a_missing_one_joins_later_and_a_twin_is_not_used(
+        tmp_path: Path, caplog) -> None:
+    """Each drive gets its id (the worker writes the marker; a reader only reads it); a
+    drive whose base is missing at start is pending and joins when it appears; of two
+    roots carrying one drive id the one listed later is not used, with one error line
+    naming both marker files."""
+    import shutil
+
+    from waiting import wait_until
+
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drivestores import OPEN, PENDING, REFUSED, DriveStores
+    from spoolctl.connector.rankstores import OpenStores
+
+    bases = [Path(b) for b in _dirs(tmp_path, 4)]
+    for b in bases[:3]:
+        b.mkdir(parents=True)
+    roots = [(str(b), str(b / "vllm-v1-x" / "rank-0000")) for b in bases]
+    stores, joined = OpenStores(), []
+    # A reader first: it creates nothing and identifies no drive.
+    reader = DriveStores.open(roots[:1], stores, create=False, deadline_s=1,
+                              probe_interval_s=60)
+    assert [s.state for s in reader.slots] == [PENDING]
+    reader.close()
+    assert not (bases[0] / drives.MARKER).exists()
+    worker = DriveStores.open(roots[:3], stores, create=True, deadline_s=1,
+                              probe_interval_s=60)
+    ids = [s.drive_id for s in worker.slots]
+    assert [s.state for s in worker.slots] == [OPEN] * 3 and len(set(ids)) == 3
+    assert ids == [drives.read_drive_id(b) for b in bases[:3]]
+    worker.close()
+    assert stores.roots() == []
+    # The fourth drive's marker copied from the second's; the third not mounted yet.
+    bases[3].mkdir(parents=True)
+    shutil.copy(bases[1] / drives.MARKER, bases[3] / drives.MARKER)
+    shutil.rmtree(bases[2])
+    caplog.clear()
+    worker = DriveStores.open(roots, stores, create=True, deadline_s=1,
+                              probe_interval_s=0.05, on_open=joined.append)
+    try:
+        assert [s.state for s in worker.slots] == [OPEN, OPEN, PENDING, REFUSED]
+        errors = [r.message for r in caplog.records if r.levelname == "ERROR"]
+        assert errors == [f"spoolctl: {bases[1] / drives.MARKER} and {bases[3] / drives.MARKER}"
+                          f" carry one drive id (a copied marker or a bind mount); {bases[3]}"
+                          f" is not used: remove {bases[3] / drives.MARKER} and restart (that "
+                          "drive then gets a new id)"]
+        assert "does not exist" in worker.slots[2].why
+        bases[2].mkdir(parents=True)  # mounted: it joins with a new id
+        wait_until(lambda: joined, NET_S, what="the missing drive identified")
+        assert joined == [worker.slots[2]] and worker.slots[2].state == OPEN
+        assert worker.slots[2].drive_id not in ids[:2]
+    finally:
+        worker.close()
+    assert stores.roots() == []
