@@ -236,7 +236,13 @@ class WorkerSide:
                 return  # register_kv_caches builds them
             floor = self._pending_epoch
         assert slot.store is not None
-        parts = self._build(slot.store, floor)
+        try:
+            parts = self._build(slot.store, floor)
+        except Exception as exc:  # e.g. the disk failed again at once: stay cold, say so
+            log.warning("spoolctl: rank store %s opened but cannot be used (%s); serving "
+                        "without it until the engine restarts", slot.root,
+                        getattr(exc, "message", exc))
+            return
         with self._lock:
             if not self._closed:
                 self._ready = parts
