@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from spoolctl import metrics as m
 from spoolctl.connector.deployment import settings as settings_mod
 from spoolctl.connector.deployment.settings import MAX_ROOTS, parse_settings
 from spoolctl.errors import ConfigError
@@ -210,6 +211,8 @@ def test_a_worker_started_on_a_hung_disk_serves_misses_then_takes_its_store_into
             # Known, from its reports, to hold nothing: every lookup is a miss.
             assert sched.inventory_state == {0: {"source": "reports", "known": 0}}
             assert worker.build_connector_worker_meta() is None
+            # Out of service, for the operator too: spoolctl_disk_down counts it.
+            assert worker.worker.take_stats()["gauges"][m.DISK_DOWN.name] == {"0": 1.0}
             mount.release()
             reports: list[object] = []
             wait_until(lambda: reports.append(worker.build_connector_worker_meta()) or
@@ -219,6 +222,7 @@ def test_a_worker_started_on_a_hung_disk_serves_misses_then_takes_its_store_into
             assert worker.store_roots == [root]
             sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=reports[-1]))
             assert sched.inventory_state == {0: {"source": "reports", "known": 1}}
+            assert worker.worker.take_stats()["gauges"][m.DISK_DOWN.name] == {"0": 0.0}
         finally:
             mount.release()
             if sched is not None:

@@ -102,6 +102,7 @@ class WorkerSide:
         self._closed = False
         self._ready: _Parts | None = None
         self._pending_epoch = 0  # the handshake's epoch while the store was not open
+        self._pending_shown = False  # the disk_down gauge counts a pending store
         settings = deployment.settings
         self._store: Store | None = None
         self._drives = DriveStores.open(
@@ -382,6 +383,12 @@ class WorkerSide:
 
     def take_stats(self) -> dict[str, Any]:
         self._adopt_ready()
+        # A store not open yet (its disk hung or missing at start) is out of service: the
+        # same gauge as a store taken out (the scheduler counts those it reads), once 0 after.
+        pending = len(self._drives.pending())
+        if pending or self._pending_shown:
+            self._counters.set_gauge(m.DISK_DOWN, pending)
+            self._pending_shown = pending > 0
         if self._store is not None:
             self._telemetry.refresh_gauges(self._store, self._pool)
         if self._ledger is not None:
