@@ -284,3 +284,22 @@ def test_several_drives_are_identified_a_missing_one_joins_later_and_a_twin_is_n
     finally:
         worker.close()
     assert stores.roots() == []
+
+
+def test_one_root_that_is_not_a_store_still_refuses_the_start(tmp_path: Path) -> None:
+    """Only a disk that is late or fails makes a store pending: with one root, a mistake
+    (a non-empty directory that is not a store where the rank store goes) is the one
+    error line it was before, not a cache that silently never opens."""
+    from spoolctl.connector.drivestores import DriveStores
+    from spoolctl.connector.rankstores import OpenStores
+
+    base = Path(_dirs(tmp_path, 1)[0])
+    root = base / "vllm-v1-x" / "rank-0000"
+    root.mkdir(parents=True)
+    (root / "notes.txt").write_text("someone else's files")
+    stores = OpenStores()
+    with pytest.raises(ConfigError) as exc:
+        DriveStores.open([(str(base), str(root))], stores, create=True, deadline_s=1,
+                         probe_interval_s=60)
+    assert str(root) in str(exc.value) and "\n" not in str(exc.value)
+    assert stores.roots() == []

@@ -9,7 +9,8 @@ missing (several drives: its base directory does not exist, e.g. not mounted) or
 unreadable is ``pending``: one warning line names it, and it is tried again every probe
 interval, one attempt at a time. When it opens, ``on_open(slot)`` is called on the
 opening thread (never the engine's); a late attempt that ends after ``close`` releases
-what it opened.
+what it opened. With one root, a configuration mistake found in time (a ``ConfigError``:
+a directory that is not a store, another user's root) is raised, as before.
 
 One root is a set of one and takes today's path: no drive marker is written and no drive
 id computed (``drive_id`` stays empty). With several roots each drive is identified
@@ -29,7 +30,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from spoolctl.errors import SpoolError
+from spoolctl.errors import ConfigError, SpoolError
 from spoolctl.store import MARKER, Store, TagKey
 
 from .deployment import drives
@@ -101,6 +102,11 @@ class DriveStores:
         with found._lock:
             found._started = True
             done = [a for a in attempts if a.future.done()]
+        if not found.several and done and isinstance(done[0].future.exception(), ConfigError):
+            # One root: a configuration mistake (a directory that is not a store, another
+            # user's root) refuses the start as before; only a disk that is late or fails
+            # (OSError, StoreIOError) makes the store pending.
+            raise done[0].future.exception()
         for attempt in done:  # in configured order: of two equal drive ids, the first wins
             found._settle(attempt, late=False)
         with found._lock:
@@ -213,6 +219,8 @@ class DriveStores:
                 else:
                     slot.drive_id, slot.store, slot.state, slot.why = drive, store, OPEN, ""
                     opened = True
+            elif self._closed.is_set():
+                pass  # a late attempt after close: nothing to say
             elif isinstance(error, _Refused):
                 slot.state, slot.why = REFUSED, str(error)
                 log.error("spoolctl: drive root not used: %s", error)
