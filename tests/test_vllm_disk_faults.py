@@ -182,3 +182,37 @@ def test_eio_is_a_recomputed_miss_and_never_a_quarantine(served) -> None:
     assert restored(r, "e_q3_again", "e_q3") == 2 * CHUNK_KV
     assert served["quarantined"] == []  # an I/O error is no proof of corruption
     assert "restore failed, recomputing" in served["log"]
+
+
+@pytest.fixture(scope="module")
+def started_hung(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Decision 2730 with a real engine: a first run stores Q1; a second engine starts
+    while the store's disk hangs, serves Q1 cold, then the disk answers and the store is
+    taken into use without a restart."""
+    missing = fuse_missing()
+    if missing:
+        pytest.skip(missing)
+    work = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-hung-at-start")))
+    extra = {"spoolctl_chunk_tokens": CHUNK, "spoolctl_read_deadline": READ_DEADLINE,
+             "spoolctl_probe_interval": 0.5}
+    job = {"model": str(tiny_model_dir), "root": str(work / "spool"), "extra": extra}
+    for run in ("first", "second"):
+        (work / run).mkdir()
+    first = run_driver({**job, "steps": [_req("cold", "q1")]}, work / "first")
+    second = run_driver({**job, "hang_at_start": True, "steps": [
+        _req("hung", "q1"), {"release": True}, {"wait_store": 60},
+        _req("opened", "q1"),  # its step takes the store into use and reports it
+        _req("hit", "q1")]}, work / "second")
+    return {"first": first, "second": second}
+
+
+def test_an_engine_started_on_a_hung_disk_serves_cold_then_hits_once_it_answers(
+        started_hung) -> None:
+    cold = started_hung["first"]["results"]["cold"]
+    second = started_hung["second"]
+    results = second["results"]
+    assert all(results[n]["tokens"] == cold["tokens"] for n in ("hung", "opened", "hit"))
+    assert results["hung"]["num_cached_tokens"] == 0  # served cold, nothing waited on
+    assert second["waits"] == {"0": True}  # the store opened once the disk answered
+    assert results["hit"]["num_cached_tokens"] >= 2 * CHUNK  # both chunks from the store
+    assert "not open (no answer within 2 s)" in second["log"]

@@ -1,7 +1,8 @@
 """Several drives per host: the placement rule and drive ids (issue 32 item 4, decision 2711).
 
-Only the rule and the ids are here: the connector does not use several roots yet (the CLI's
-operator view across drive roots: tests/test_operator_drives.py, decision 2712).
+Only the rule, the route and the ids are here: the connector does not use several roots yet
+(the CLI's operator view across drive roots: tests/test_operator_drives.py, decision 2712;
+drive stores: tests/test_vllm_drives_parts.py).
 """
 
 from __future__ import annotations
@@ -96,3 +97,17 @@ def test_the_drive_marker_is_read_by_the_stores_one_small_file_reader(
     monkeypatch.setattr(fsio, "open_for_read", spy)
     assert drives.read_drive_id(root) == first
     assert opened == [root / drives.MARKER]
+
+
+def test_a_chunk_is_written_to_its_home_while_up_else_to_the_next_drive_up():
+    """``route`` (decision 2714): the home when every drive is up; while the home is down
+    the runner-up, i.e. where removing the home from the set would place the chunk; None
+    when no drive is up."""
+    ids = [f"{i:032x}" for i in range(4)]
+    for key in KEYS[:200]:
+        order = drives.ranked(key, ids)
+        assert drives.route(key, ids, set(ids)) == drives.home(key, ids) == order[0]
+        assert drives.route(key, ids, set(ids) - {order[0]}) == order[1] == \
+            drives.home(key, [d for d in ids if d != order[0]])
+        assert drives.route(key, ids, set(order[2:3])) == order[2]
+        assert drives.route(key, ids, set()) is None

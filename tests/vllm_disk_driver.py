@@ -16,7 +16,11 @@ order, each one of:
     prompt chunk's objects blocks / fails with EIO; ``{"hang": "/"}`` the whole mount
     blocks; ``{"release": true}`` the disk works again;
 ``{"wait_up": S}`` until the guard has the store back in service (its probe answered), at
-    most S seconds (recorded, never raised).
+    most S seconds (recorded, never raised);
+``{"wait_store": S}`` until the worker's store, pending at start, is open (same recording).
+
+``"hang_at_start": true`` in the job: rank 0's ``objects/`` (of an earlier run's store) is
+mounted and hung before the engine starts (``{"release": true}`` lets it answer).
 
 The FUSE control file is ``WORK/fuse/control-objects`` (``fusemount``): a test that has to
 give up on this process writes it empty first (a process blocked in a FUSE request cannot
@@ -59,10 +63,20 @@ def chunk_digests(rank0: Path, tokens: list[int], chunk: int, chunk_tokens: int)
 def run(job: dict, work: Path) -> dict:
     from vllm import SamplingParams
 
-    llm = make_llm(job)
+    mount: ControlledMount | None = None
+    if job.get("hang_at_start"):
+        # The engine starts on a disk that already hangs (decision 2730): the store of an
+        # earlier run, its objects/ on the mount, every operation on it blocked.
+        mount = ControlledMount(_rank0(job["root"]) / "objects", work / "fuse")
+        mount.hang()
+    try:
+        llm = make_llm(job)
+    except BaseException:
+        if mount is not None:
+            mount.close()
+        raise
     sched, worker = _connectors(llm)
     chunk_tokens = job["extra"]["spoolctl_chunk_tokens"]
-    mount: ControlledMount | None = None
     results: dict = {}
     waits: dict = {}
 
@@ -88,7 +102,9 @@ def run(job: dict, work: Path) -> dict:
                     "worker_counters": worker.counters.totals(),
                     "scheduler_counters": sched.counters.totals(),
                     "inventory": {str(r): v for r, v in sched.inventory_state.items()},
-                    "down": guard().down, "downs": guard().downs,
+                    # no guard while the store is pending (hung at start)
+                    "down": guard() is not None and guard().down,
+                    "downs": guard().downs if guard() is not None else 0,
                 }
             elif "mount" in step:
                 mount = ControlledMount(_rank0(job["root"]) / "objects", work / "fuse")
@@ -107,6 +123,11 @@ def run(job: dict, work: Path) -> dict:
             elif "release" in step:
                 assert mount is not None
                 mount.release()
+            elif "wait_store" in step:  # the store that was pending at start is open
+                end = time.monotonic() + step["wait_store"]
+                while not worker.worker.store_roots and time.monotonic() < end:
+                    time.sleep(0.05)
+                waits[str(len(waits))] = bool(worker.worker.store_roots)
             elif "wait_up" in step:
                 end = time.monotonic() + step["wait_up"]
                 while guard().down and time.monotonic() < end:

@@ -235,6 +235,26 @@ def probe_object(objects: str) -> None:
         os.close(fd)
 
 
+def bounded(fn: Callable[[], Any], bound_s: float, *, name: str = "spoolctl-disk"
+            ) -> tuple[bool, Any]:
+    """``fn()`` on a fresh daemon thread, waited for at most ``bound_s``: ``(True, result)``,
+    or ``(False, None)`` when it is still running (a disk that hangs; the thread ends when
+    the disk answers, and its result is dropped). ``fn``'s exceptions are raised here."""
+    fut: Future = Future()
+
+    def body() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    try:
+        return True, fut.result(timeout=bound_s)
+    except TimeoutError:
+        return False, None
+
+
 _GUARDS: weakref.WeakKeyDictionary[Store, DiskGuard] = weakref.WeakKeyDictionary()
 _GUARDS_LOCK = threading.Lock()
 

@@ -24,21 +24,40 @@ class OpenStores:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, tuple[Store, int]] = {}
+        self._opening: dict[str, threading.Event] = {}  # roots being opened now
 
     def acquire(self, root: str, *, create: bool, max_bytes: int | None,
                 tag_key: TagKey | None = None) -> Store:
         """The open store at ``root`` (opened now if needed: ``Store.open``'s errors), with
-        ``tag_key`` (``ConnectorSettings.tag_key``: both roles pass the same one)."""
-        with self._lock:
-            held = self._open.get(root)
-            if held is None:
+        ``tag_key`` (``ConnectorSettings.tag_key``: both roles pass the same one). The lock
+        is not held while a store opens (a hung disk would stop every other root's
+        users); a second caller for the same root waits for that opening."""
+        while True:
+            with self._lock:
+                held = self._open.get(root)
+                if held is not None:
+                    store, users = held
+                    self._open[root] = (store, users + 1)
+                    return store
+                opening = self._opening.get(root)
+                if opening is None:
+                    mine = self._opening[root] = threading.Event()
+            if opening is not None:
+                opening.wait()
+                continue
+            try:
                 # With a master key the store is encrypted: the connector names each
                 # request's tenant (``tenancy``, decision 2801).
                 store = Store.open(root, create=create, max_bytes=max_bytes, tag_key=tag_key)
+            except BaseException:
+                with self._lock:
+                    del self._opening[root]
+                mine.set()
+                raise
+            with self._lock:
                 self._open[root] = (store, 1)
-                return store
-            store, users = held
-            self._open[root] = (store, users + 1)
+                del self._opening[root]
+            mine.set()
             return store
 
     def release(self, store: Store) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from blake3 import blake3
@@ -55,6 +55,13 @@ def ranked(key: str, drives: Sequence[str]) -> list[str]:
     """Every drive ordered by its score for ``key``, home first (the runner-up is where the
     chunk goes if its home leaves the set)."""
     return sorted(drives, key=lambda d: (score(d, key), d), reverse=True)
+
+
+def route(key: str, drives: Sequence[str], up: Collection[str]) -> str | None:
+    """The drive chunk ``key`` is *written* to: the first of ``ranked(key, drives)`` that is
+    up (its home while the home is up, else its runner-up, decision 2714); None when no
+    drive is up. Where a chunk *is* is read from the drives, never computed."""
+    return next((d for d in ranked(key, drives) if d in up), None)
 
 
 def _refuse(root: Path, why: str) -> ConfigError:

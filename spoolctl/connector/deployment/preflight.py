@@ -69,6 +69,39 @@ def check_root(root: str | os.PathLike[str]) -> list[str]:
     return []
 
 
+def check_roots(roots: tuple[str, ...] | list[str], *, bound_s: float) -> list[str]:
+    """``check_root`` of every drive root, each bounded by ``bound_s``: a root whose disk
+    does not answer in time is one warning line (the connector starts without it and
+    retries, ``drivestores``), never a hung start. Several roots on one filesystem are
+    allowed with one warning (one failure domain)."""
+    from ..diskguard import bounded
+
+    warnings: list[str] = []
+    devices: dict[int, str] = {}
+    for root in roots:
+        done, found = bounded(lambda r=root: (check_root(r), _device(r)), bound_s)
+        if not done:
+            warnings.append(f"spoolctl root {root} does not answer within {bound_s:g} s (a "
+                            "hung or slow disk); the connector starts without it and "
+                            "retries it")
+            continue
+        lines, device = found
+        warnings += lines
+        if len(roots) > 1 and device in devices:
+            warnings.append(f"spoolctl roots {devices[device]} and {root} are on one "
+                            "filesystem: one failure domain, not two drives")
+        devices.setdefault(device, root)
+    return warnings
+
+
+def _device(root: str) -> int:
+    """``st_dev`` of ``root`` or of its nearest existing parent."""
+    path = Path(root)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return os.stat(path).st_dev
+
+
 def chunk_bytes_estimate(vllm_config: Any, chunk_tokens: int) -> int | None:
     """Bytes of KV one chunk holds on one rank, from the model's config (layers on this
     stage x KV heads on this rank x head size x 2 for K and V, 1 for MLA's latent x the KV
@@ -147,7 +180,7 @@ def preflight(vllm_config: Any) -> list[str]:
                           fix="give the full path of the base directory for rank stores")
     check_max_size(settings.max_bytes, chunk_bytes_estimate(vllm_config, settings.chunk_tokens),
                    settings.chunk_tokens)
-    warnings = check_root(settings.root)
+    warnings = check_roots(settings.roots, bound_s=4 * settings.lookup_deadline)
     for line in warnings:
         log.warning("spoolctl: %s", line)
     return warnings

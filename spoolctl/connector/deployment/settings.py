@@ -5,6 +5,10 @@ Keys (all optional except the root):
 ``spoolctl_root``            absolute base directory (default: the ``SPOOLCTL_ROOT`` variable);
                              each rank's store is ``<root>/<deployment digest>/rank-<NNNN>``,
                              derived from vLLM's parallel config (see ``topology``)
+``spoolctl_roots``           several base directories, one per drive (``["/nvme0/spool",
+                             "/nvme1/spool"]``; or ``SPOOLCTL_ROOT`` with ':' between them):
+                             a rank store on each, chunks placed by ``drives`` (decision 2714);
+                             not together with ``spoolctl_root``
 ``spoolctl_max_size``        store capacity, e.g. ``200GiB`` (recorded in the root marker)
 ``spoolctl_chunk_tokens``    tokens per chunk; a multiple of the block size (default: the
                              smallest multiple of the block size that is >= 256)
@@ -63,6 +67,7 @@ from ..diskguard import (
     DEFAULT_LOOKUP_DEADLINE_S,
     DEFAULT_PROBE_INTERVAL_S,
     DEFAULT_READ_DEADLINE_S,
+    bounded,
 )
 from .topology import RankPlace, rank_root
 
@@ -79,8 +84,12 @@ KNOWN_KEYS = frozenset({
     "spoolctl_admit_window", "spoolctl_kv_events", "spoolctl_tag_key_file",
     "spoolctl_weights_id", "spoolctl_weights_memo", "spoolctl_lookup_deadline",
     "spoolctl_read_deadline", "spoolctl_probe_interval", "spoolctl_write_budget",
-    "spoolctl_tenant_metrics",
+    "spoolctl_tenant_metrics", "spoolctl_roots",
 })
+# Whether the worker and the scheduler use several drive roots (decision 2714).
+SEVERAL_DRIVES = False
+# The most drive roots one connector takes (a metric label per drive: bounded).
+MAX_ROOTS = 64
 ON_UNSUPPORTED = ("error", "disable")
 INVENTORY_MODES = ("auto", "reported")
 KV_EVENTS = ("on", "off")
@@ -89,7 +98,8 @@ _WHERE = "kv_connector_extra_config"
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """Validated connector settings. ``root`` is the base of every rank's store."""
+    """Validated connector settings. ``roots``: the base directories (one per drive) of
+    every rank's stores; ``root`` is the first, for the code that needs one directory."""
 
     root: str
     chunk_tokens: int
@@ -116,8 +126,14 @@ class ConnectorSettings:
     write_budget: int | None = None
     # Tenant ids labelled in the per-tenant metrics, per role (the rest are "other").
     tenant_metrics: int = DEFAULT_TENANT_METRICS
+    # Every base root, ``root`` first (empty when built by hand: ``(root,)``), decision 2714.
+    roots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.roots:
+            object.__setattr__(self, "roots", (self.root,))
+        elif self.roots[0] != self.root:
+            raise ValueError("roots must start with root")
         if not 0 <= self.tenant_metrics <= 1024:
             raise ConfigError("spoolctl_tenant_metrics must be 0..1024", path=_WHERE,
                               fix="set how many tenants get their own label, e.g. 32 (0: none)")
@@ -195,29 +211,27 @@ def parse_settings(
     if unknown:
         raise ConfigError(f"unknown connector option {unknown[0]!r}", path=_WHERE,
                           fix=f"use one of: {', '.join(sorted(KNOWN_KEYS))}")
-    root = extra.get("spoolctl_root") or env.get("SPOOLCTL_ROOT")
-    if not root or not isinstance(root, str):
-        raise ConfigError("no store root configured for the spoolctl connector", path=_WHERE,
-                          fix='set "spoolctl_root": "/abs/path" (or SPOOLCTL_ROOT)')
-    if not extra.get("spoolctl_root") and ":" in root:
-        # The CLI reads a ':' list in SPOOLCTL_ROOT as a host's drive roots (decision
-        # 2712); the connector takes one root, so it must not make a directory named "a:b".
-        raise ConfigError("SPOOLCTL_ROOT names several roots (':' between them); the "
-                          "connector takes one base root", path=root,
-                          fix='set "spoolctl_root": "/abs/path" in kv_connector_extra_config '
-                              "(the connector does not take several drives yet)")
-    if os.path.lexists(os.path.join(root, MARKER)):
-        # One meaning for SPOOLCTL_ROOT (decision 2501): a root the CLI's --root also takes.
-        # A single store is such a root, but the connector's stores go *under* its root.
-        given = "spoolctl_root" if extra.get("spoolctl_root") else "SPOOLCTL_ROOT"
-        raise ConfigError(f"{given} is a single store (it holds {MARKER}); the connector "
-                          "keeps its <deployment>/rank-NNNN stores under a base directory",
-                          path=root, fix='set "spoolctl_root" to a directory of its own, '
-                                         "e.g. /var/cache/spoolctl/vllm")
-    if "{" in root or "}" in root:
-        raise ConfigError("spoolctl_root must not hold rank placeholders", path=root,
-                          fix="give one base directory; each rank's store is placed under "
-                              "<root>/<deployment digest>/rank-<NNNN> automatically")
+    roots, given = _roots(extra, env)
+    lookup_deadline = _optional(extra, "spoolctl_lookup_deadline", _seconds,
+                                DEFAULT_LOOKUP_DEADLINE_S)
+    for root in roots:
+        if "{" in root or "}" in root:
+            raise ConfigError(f"{given} must not hold rank placeholders", path=root,
+                              fix="give one base directory; each rank's store is placed under "
+                                  "<root>/<deployment digest>/rank-<NNNN> automatically")
+        # A hung disk must not hang the engine's start: a root that does not answer in
+        # time is checked again by ``drivestores`` before a store is opened under it.
+        if store_root_answer(root, 4 * lookup_deadline) is True:
+            # One meaning for SPOOLCTL_ROOT (decision 2501): a root the CLI's --root also
+            # takes. A single store is such a root, but the connector's stores go *under*
+            # its root.
+            raise single_store_error(given, root)
+    if len(roots) > 1 and not SEVERAL_DRIVES:
+        raise ConfigError(f"{given} names several roots ({len(roots)}); this connector takes one "
+                          "base root", path=_WHERE,
+                          fix='set "spoolctl_root": "/abs/path" (several drives per '
+                              "connector are not built yet, decision 2714)")
+    root = roots[0]
     if block_size <= 0:
         raise ConfigError("vLLM block size must be positive", path="cache_config.block_size")
     chunk = extra.get("spoolctl_chunk_tokens")
@@ -237,6 +251,7 @@ def parse_settings(
     interval = extra.get("spoolctl_maintenance_interval")
     return ConnectorSettings(
         root=root,
+        roots=roots,
         chunk_tokens=chunk_tokens,
         max_bytes=parse_size(max_size) if max_size not in (None, "") else None,
         staging_bytes=parse_size(staging) if staging not in (None, "") else DEFAULT_STAGING_BYTES,
@@ -255,8 +270,7 @@ def parse_settings(
         weights_id=None if extra.get("spoolctl_weights_id") is None
         else str(extra["spoolctl_weights_id"]),
         weights_memo=_optional(extra, "spoolctl_weights_memo", str),
-        lookup_deadline=_optional(extra, "spoolctl_lookup_deadline", _seconds,
-                                  DEFAULT_LOOKUP_DEADLINE_S),
+        lookup_deadline=lookup_deadline,
         read_deadline=_optional(extra, "spoolctl_read_deadline", _seconds,
                                 DEFAULT_READ_DEADLINE_S),
         probe_interval=_optional(extra, "spoolctl_probe_interval", _seconds,
@@ -265,6 +279,74 @@ def parse_settings(
         tenant_metrics=_int(extra.get("spoolctl_tenant_metrics", DEFAULT_TENANT_METRICS),
                             "spoolctl_tenant_metrics"),
     )
+
+
+def _roots(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
+    """The base roots and the name they were given by (``spoolctl_root``,
+    ``spoolctl_roots`` or ``SPOOLCTL_ROOT``); ConfigError, one line, for each refusal of
+    decision 2714 item 1. The variable is read only when neither key is given."""
+    one, several = extra.get("spoolctl_root"), extra.get("spoolctl_roots")
+    if one not in (None, "") and several not in (None, ""):
+        raise ConfigError("spoolctl_root and spoolctl_roots are both set", path=_WHERE,
+                          fix='keep one: "spoolctl_roots" lists every drive\'s base root, '
+                              'the first included')
+    if several not in (None, ""):
+        given = "spoolctl_roots"
+        if isinstance(several, str) or not isinstance(several, (list, tuple)) or \
+                not all(isinstance(r, str) for r in several):
+            raise ConfigError("spoolctl_roots must be a list of directories", path=_WHERE,
+                              fix='set e.g. "spoolctl_roots": ["/nvme0/spool", '
+                                  '"/nvme1/spool"]')
+        roots = list(several)
+    else:
+        value = one or env.get("SPOOLCTL_ROOT")
+        if not value or not isinstance(value, str):
+            raise ConfigError("no store root configured for the spoolctl connector",
+                              path=_WHERE,
+                              fix='set "spoolctl_root": "/abs/path" (or SPOOLCTL_ROOT)')
+        if one:
+            given, roots = "spoolctl_root", [value]
+        else:
+            # The CLI's reading of the variable (decision 2712): ':' between drive roots.
+            given, roots = "SPOOLCTL_ROOT", value.split(":")
+    if not roots:
+        raise ConfigError(f"{given} is empty", path=_WHERE,
+                          fix="list at least one base directory, one per drive")
+    if len(roots) > MAX_ROOTS:
+        raise ConfigError(f"{given} names {len(roots)} roots; the connector takes at most "
+                          f"{MAX_ROOTS}", path=_WHERE,
+                          fix=f"list at most {MAX_ROOTS} drives (one base root per drive)")
+    seen: dict[str, str] = {}
+    for root in roots:
+        if not root:
+            raise ConfigError(f"{given} has an empty root", path=_WHERE,
+                              fix="separate the drive roots by single ':' (SPOOLCTL_ROOT) "
+                                  "or drop the empty entry")
+        if not os.path.isabs(root):
+            raise ConfigError(f"{given} must hold absolute paths", path=root,
+                              fix="give the full path of each base directory")
+        norm = os.path.normpath(root)
+        if norm in seen:
+            raise ConfigError(f"{given} names one root twice ({seen[norm]} and {root})",
+                              path=root, fix="name each drive's base root once")
+        seen[norm] = root
+    return tuple(roots), given
+
+
+def store_root_answer(root: str, bound_s: float) -> bool | None:
+    """Whether ``root`` itself is a store (holds its marker); None when the disk did not
+    answer within ``bound_s`` (a hung mount: the caller checks again later)."""
+    done, found = bounded(lambda: os.path.lexists(os.path.join(root, MARKER)), bound_s)
+    return found if done else None
+
+
+def single_store_error(given: str, root: str) -> ConfigError:
+    """The refusal of a base root that is itself a store."""
+    key = "spoolctl_roots" if given == "spoolctl_roots" else "spoolctl_root"
+    return ConfigError(f"{given} is a single store (it holds {MARKER}); the connector keeps "
+                       "its <deployment>/rank-NNNN stores under a base directory",
+                       path=root, fix=f'set "{key}" to a directory of its own, '
+                                      "e.g. /var/cache/spoolctl/vllm")
 
 
 def _optional(extra: Mapping[str, Any], name: str, parse: Any, default: Any = None) -> Any:

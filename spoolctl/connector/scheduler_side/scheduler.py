@@ -33,6 +33,7 @@ from ..deployment.host_budget import RankSite
 from ..deployment.topology import all_ranks
 from ..deployment.usage_record import UsageRecorder
 from ..deployment.weights import AdapterDigests, memo_dir_for
+from ..drivestores import DriveStores
 from ..kv.formats import KVFormat
 from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
 from ..planning.tenancy import TenantKeys, TenantLabels
@@ -114,14 +115,28 @@ class SchedulerSide:
         root = self._dep.rank_root(place)
         if os.path.normpath(hs.root) != os.path.normpath(root):
             return
+        if not hs.store_id:
+            return  # its worker has not opened it yet (a hung or missing disk): reports
+        settings = self._dep.settings
         try:
             # A reader: never changes the max size the rank records (its worker sets it).
-            store = self._stores.acquire(root, create=False, max_bytes=None,
-                                         tag_key=self._dep.settings.tag_key())
+            # Bounded: a disk that hangs now must not hang vLLM's scheduler (decision 2714).
+            drives = DriveStores.open([(settings.root, root)], self._stores, create=False,
+                                      tag_key=settings.tag_key(),
+                                      deadline_s=settings.lookup_deadline,
+                                      probe_interval_s=settings.probe_interval)
         except SpoolError as exc:
             log.warning("spoolctl: rank %d store not readable here (%s); using its reports",
                         hs.rank, exc.message)
             return
+        opened = drives.opened()
+        if not opened:
+            drives.close()  # no retries: its reports tell what it holds
+            log.warning("spoolctl: rank %d store not open here in time; using its reports",
+                        hs.rank)
+            return
+        store = opened[0].store
+        assert store is not None
         if store.marker.store_id != hs.store_id:
             self._stores.release(store)
             return  # same path, different store (another disk mounted there): use reports

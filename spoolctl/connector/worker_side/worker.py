@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +43,11 @@ from spoolctl.errors import ConfigError
 from spoolctl.store import Store
 
 from ..deployment import description
+from ..deployment.topology import rank_root
 from ..diskguard import DiskGuard, guard_for
+from ..drivestores import DriveSlot, DriveStores
 from ..kv.formats import Copier
+from ..planning.inventory import HANDSHAKE_MAX_KEYS, RankInventory
 from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
 from ..planning.tenancy import TenantLabels, key_tenant, store_problem
 from ..rankstores import OpenStores
@@ -79,11 +85,6 @@ class WorkerSide:
         counters.part = str(self._place.rank)
         self._namespace = deployment.identity.namespace
         self._enabled = deployment.enabled
-        self._store: Store | None = stores.acquire(
-            deployment.rank_root(self._place), create=True,
-            max_bytes=deployment.settings.max_bytes, tag_key=deployment.settings.tag_key())
-        # deployment.json: what this vllm-v1-<digest> directory is for, for people
-        description.record(Path(self._store.root).parent, deployment.identity)
         self._pool: ThreadPoolExecutor | None = None
         self._pipeline: RestorePipeline | None = None
         self._stager: ChunkStager | None = None
@@ -93,6 +94,30 @@ class WorkerSide:
         self._telemetry = WorkerTelemetry(counters)
         self._guard: DiskGuard | None = None
         self._ledger: WriteLedger | None = None
+        # A store that opens after start (a disk hung or missing then, decision 2714):
+        # its parts are built on the opening thread and taken into use by the engine
+        # thread at its next hook (``_adopt_ready``).
+        self._lock = threading.Lock()
+        self._bound = False  # the copier is bound: parts can be built
+        self._closed = False
+        self._ready: _Parts | None = None
+        self._pending_epoch = 0  # the handshake's epoch while the store was not open
+        self._pending_shown = False  # the disk_down gauge counts a pending store
+        settings = deployment.settings
+        self._store: Store | None = None
+        self._drives = DriveStores.open(
+            [(base, rank_root(base, deployment.chain_namespace, self._place))
+             for base in settings.roots], stores, create=True, max_bytes=settings.max_bytes,
+            tag_key=settings.tag_key(), deadline_s=settings.lookup_deadline,
+            probe_interval_s=settings.probe_interval,
+            # deployment.json: what this vllm-v1-<digest> directory is for, for people
+            prepare=lambda store: description.record(Path(store.root).parent,
+                                                     deployment.identity),
+            on_open=self._drive_opened)
+        with self._lock:
+            if self._store is None:
+                opened = self._drives.opened()
+                self._store = opened[0].store if opened else None
 
     # -- startup -------------------------------------------------------------------------------
 
@@ -105,11 +130,8 @@ class WorkerSide:
         from ..kv.kvio import CopyEngine
         from ..kv.layouts import LayoutError, declarations
         from ..vllm_api.introspect import num_blocks
-        from .capture import ChunkStager, rank_commit, rank_commit_many
-        from .holdings import RankHoldings
-        from .restore import RestorePipeline
 
-        if not self._enabled or self._store is None:
+        if not self._enabled:
             # A layout declared unsupported at startup (spoolctl_on_unsupported=disable):
             # never copied. No handshake follows, so the scheduler counts no rank: all misses.
             return
@@ -130,29 +152,50 @@ class WorkerSide:
                         "(spoolctl_on_unsupported=disable): %s", exc.message)
             self._enabled = False
             return
-        copier, store, ns = self._copier, self._store, self._namespace
+        with self._lock:
+            self._bound = True
+            store = self._store
+        if store is None:
+            log.warning("spoolctl: rank %d serves without its store until its disk answers "
+                        "(every lookup a miss, nothing stored)", self._place.rank)
+            return
+        self._install(self._build(store))
+
+    def _build(self, store: Store, epoch_floor: int = 0) -> _Parts:
+        """The parts serving ``store`` (restores, captures, holdings, maintenance), started.
+        Runs on the engine thread at ``register_kv_caches``, or on the opening thread for
+        a store that opened later (then its epoch exceeds the handshake's, so the
+        scheduler replaces what it was told)."""
+        from .capture import ChunkStager, rank_commit, rank_commit_many
+        from .holdings import RankHoldings
+        from .restore import RestorePipeline
+
+        settings = self._dep.settings
+        copier, ns = self._copier, self._namespace
+        parts = _Parts(store)
         # An encrypted store without its master key: misses, nothing written (one line).
         problem = store_problem(store)
         if problem is not None:
             log.warning("spoolctl: %s", problem)
         tenant_bytes = self._tenant_bytes(store)
-        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
+        parts.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="spoolctl-restore")
         pin = self._engine is not None and self._engine.cuda
         # Shared with a same-process scheduler: late or failing restores take the store
         # out of its lookups too (decision 2700).
-        self._guard = guard_for(store, deadline_s=settings.lookup_deadline,
+        parts.guard = guard_for(store, deadline_s=settings.lookup_deadline,
                                 probe_interval_s=settings.probe_interval)
-        self._pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
-                                         pool=self._pool, counters=self._counters,
+        parts.pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
+                                         pool=parts.pool, counters=self._counters,
                                          on_lost=self._lost, pin=pin,
-                                         deadline_s=settings.read_deadline, guard=self._guard,
+                                         deadline_s=settings.read_deadline, guard=parts.guard,
                                          on_restored=tenant_bytes(m.TENANT_RESTORE_BYTES),
                                          # KV in host memory: readers copy (decision 2910)
                                          copy_in_reader=self._engine is not None
                                          and self._engine.device.type == "cpu")
-        holdings = self._holdings = RankHoldings(
+        epoch = store.next_generation(f"vllm-connector:{ns}")
+        holdings = parts.holdings = RankHoldings(
             store, kind=KIND, namespace=ns, rank=self._place.rank,
-            epoch=store.next_generation(f"vllm-connector:{ns}"),
+            epoch=max(epoch, epoch_floor + 1),
             per_rank_max=settings.max_bytes, share=self._initial_share(store))
         holdings.start()
         meta = {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
@@ -161,19 +204,60 @@ class WorkerSide:
         if settings.write_budget is not None:
             from ..deployment.write_budget import WriteLedger, ledger_path
 
-            self._ledger = WriteLedger(ledger_path(store.root), settings.write_budget)
+            parts.ledger = WriteLedger(ledger_path(store.root), settings.write_budget)
         committed = tenant_bytes(m.TENANT_STORE_BYTES)
         if problem is None:
-            self._stager = ChunkStager(rank_commit(store, ns, holdings, committed),
+            parts.stager = ChunkStager(rank_commit(store, ns, holdings, committed),
                                        chunk_bytes=copier.chunk_bytes,
                                        staging_bytes=settings.staging_bytes, meta=meta,
                                        counters=self._counters, pin=pin,
                                        put_many=rank_commit_many(store, ns, holdings,
                                                                  committed),
-                                       ledger=self._ledger)
+                                       ledger=parts.ledger)
             # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
-            exitdrain.register(self._stager)
-        self._start_maintainer(store)
+            exitdrain.register(parts.stager)
+        parts.maintainer = self._start_maintainer(store)
+        return parts
+
+    def _install(self, parts: _Parts) -> None:
+        """Take built parts into use (on the engine thread)."""
+        self._pool, self._guard, self._pipeline = parts.pool, parts.guard, parts.pipeline
+        self._ledger, self._stager = parts.ledger, parts.stager
+        self._maintainer = parts.maintainer
+        self._holdings = parts.holdings  # last: it is what reports to the scheduler
+
+    def _drive_opened(self, slot: DriveSlot) -> None:
+        """A drive that was pending at start answers (on its opening thread): build its
+        parts here, off the engine thread; the engine thread installs them."""
+        with self._lock:
+            if self._closed or self._store is not None:
+                return
+            self._store = slot.store
+            if not self._bound or not self._enabled:
+                return  # register_kv_caches builds them
+            floor = self._pending_epoch
+        assert slot.store is not None
+        try:
+            parts = self._build(slot.store, floor)
+        except Exception as exc:  # e.g. the disk failed again at once: stay cold, say so
+            log.warning("spoolctl: rank store %s opened but cannot be used (%s); serving "
+                        "without it until the engine restarts", slot.root,
+                        getattr(exc, "message", exc))
+            return
+        with self._lock:
+            if not self._closed:
+                self._ready = parts
+                return
+        self._shutdown_parts(parts)  # shut down meanwhile
+
+    def _adopt_ready(self) -> None:
+        """On the engine thread: install parts built for a store that opened late."""
+        if self._ready is None:
+            return
+        with self._lock:
+            parts, self._ready = self._ready, None
+        if parts is not None:
+            self._install(parts)
 
     def _tenant_bytes(self, store: Store) -> Callable[[m.MetricSpec], Any]:
         """``for_metric(spec) -> on_bytes(key, n)`` counting ``spec`` per tenant (opaque ids,
@@ -205,26 +289,42 @@ class WorkerSide:
         ident = self._dep.identity
         return host_budget.initial_share(budget, ident.tp_size * ident.pp_size)
 
-    def _start_maintainer(self, store: Store) -> None:
+    def _start_maintainer(self, store: Store) -> Any:
+        """The store's background maintainer, started (None: disabled or not started)."""
         settings = self._dep.settings
         if settings.scrub_rate <= 0:
-            return
+            return None
         from spoolctl.store import BackgroundMaintainer
 
         try:
-            self._maintainer = BackgroundMaintainer(
+            maintainer = BackgroundMaintainer(
                 store, scrub_rate_bytes=settings.scrub_rate,
                 interval_s=settings.maintenance_interval, role="vllm-worker",
                 enforce_capacity=False)  # RankHoldings evicts (withdraw, then delete)
-            self._maintainer.start()
+            maintainer.start()
+            return maintainer
         except Exception as exc:  # maintenance is an optimisation; never block serving
             log.warning("spoolctl: background maintenance not started: %s", exc)
-            self._maintainer = None
+            return None
 
     def handshake(self) -> SpoolHandshake | None:
-        """This rank's startup message to the scheduler (None: disabled, never counted)."""
-        if self._holdings is None or self._store is None:
+        """This rank's startup message to the scheduler (None: disabled, never counted).
+        A rank whose store has not opened yet (its disk hangs or is missing) says so with
+        an empty store id and an empty inventory; once the store opens, its holdings'
+        first report (a reset of a larger epoch) replaces that."""
+        self._adopt_ready()
+        if not self._enabled or not self._bound:
             return None
+        if self._holdings is None or self._store is None:
+            with self._lock:
+                if self._pending_epoch == 0:
+                    self._pending_epoch = time.time_ns() // 1_000_000
+                epoch = self._pending_epoch
+            report = RankInventory(self._place.rank, epoch).report(HANDSHAKE_MAX_KEYS)
+            assert report is not None  # a first report is a reset
+            return SpoolHandshake(rank=self._place.rank, host=host_identity(),
+                                  root=self._drives.slots[0].root, store_id="",
+                                  report=report, chunk_bytes=self._copier.chunk_bytes)
         return SpoolHandshake(rank=self._place.rank, host=host_identity(),
                               root=str(self._store.root), store_id=self._store.marker.store_id,
                               report=self._holdings.handshake_report(),
@@ -235,6 +335,7 @@ class WorkerSide:
     def start_load(self, meta: SpoolConnectorMetadata) -> None:
         """Begin (asynchronous) or run (grouped format) the step's restores, then apply the
         scheduler's inventory messages."""
+        self._adopt_ready()
         self._copier.restore(meta, self._pipeline)
         # Only now, after this step's loads: every plan built before the scheduler applied
         # a withdrawal has been served, so acknowledged entries may be deleted.
@@ -263,6 +364,7 @@ class WorkerSide:
 
     def step_report(self) -> SpoolWorkerMeta | None:
         """This step's inventory changes for the scheduler, if any."""
+        self._adopt_ready()
         if self._holdings is None:
             return None
         report = self._holdings.step_report()
@@ -280,6 +382,13 @@ class WorkerSide:
         return self._copier.take_transfer_results()
 
     def take_stats(self) -> dict[str, Any]:
+        self._adopt_ready()
+        # A store not open yet (its disk hung or missing at start) is out of service: the
+        # same gauge as a store taken out (the scheduler counts those it reads), once 0 after.
+        pending = len(self._drives.pending())
+        if pending or self._pending_shown:
+            self._counters.set_gauge(m.DISK_DOWN, pending)
+            self._pending_shown = pending > 0
         if self._store is not None:
             self._telemetry.refresh_gauges(self._store, self._pool)
         if self._ledger is not None:
@@ -317,33 +426,54 @@ class WorkerSide:
     def shutdown(self) -> None:
         """Drain queued commits (bounded), stop every thread, close the store."""
         self.drain_copies()
-        if self._stager is not None:
-            exitdrain.unregister(self._stager)
-            if not self._stager.close(FLUSH_ON_SHUTDOWN_S):
+        with self._lock:
+            self._closed = True
+            ready, self._ready = self._ready, None
+        parts = _Parts(self._store, pool=self._pool, guard=self._guard,
+                       pipeline=self._pipeline, stager=self._stager, holdings=self._holdings,
+                       maintainer=self._maintainer, ledger=self._ledger)
+        self._stager = self._ledger = self._maintainer = self._holdings = None
+        self._pool = self._pipeline = None
+        self._shutdown_parts(parts)
+        if ready is not None:  # built for a store that opened late, never installed
+            self._shutdown_parts(ready)
+        self._store = None
+        self._drives.close()  # releases every open store (the last user closes it)
+
+    @staticmethod
+    def _shutdown_parts(parts: _Parts) -> None:
+        if parts.stager is not None:
+            exitdrain.unregister(parts.stager)
+            if not parts.stager.close(FLUSH_ON_SHUTDOWN_S):
                 log.warning("spoolctl: shutdown before all stores were committed; "
                             "the rest are skipped")
-            self._stager = None
-        if self._ledger is not None:  # the exact count (a crash leaves at most a slab more)
-            self._ledger.close()
-            self._ledger = None
-        if self._maintainer is not None:
+        if parts.ledger is not None:  # the exact count (a crash leaves at most a slab more)
+            parts.ledger.close()
+        if parts.maintainer is not None:
             with contextlib.suppress(Exception):
-                self._maintainer.stop()
-            self._maintainer = None
-        if self._holdings is not None:
+                parts.maintainer.stop()
+        if parts.holdings is not None:
             with contextlib.suppress(Exception):
-                self._holdings.stop()
-            self._holdings = None
-        if self._pool is not None:
+                parts.holdings.stop()
+        if parts.pool is not None:
             # A read stuck on a hung disk must not hold shutdown: queued reads are dropped,
             # running ones end on their own (the pipeline takes their buffers back).
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-        if self._guard is not None:
-            self._guard.close()
-        if self._pipeline is not None:  # restores in flight end, their buffers come back
-            self._pipeline.close()
-            self._pipeline = None
-        if self._store is not None:
-            self._stores.release(self._store)
-            self._store = None
+            parts.pool.shutdown(wait=False, cancel_futures=True)
+        if parts.guard is not None:
+            parts.guard.close()
+        if parts.pipeline is not None:  # restores in flight end, their buffers come back
+            parts.pipeline.close()
+
+
+@dataclass(eq=False)
+class _Parts:
+    """What serves one open rank store (see ``WorkerSide._build``)."""
+
+    store: Store | None
+    pool: ThreadPoolExecutor | None = None
+    guard: DiskGuard | None = None
+    pipeline: RestorePipeline | None = None
+    stager: ChunkStager | None = None
+    holdings: RankHoldings | None = None
+    maintainer: Any = None
+    ledger: WriteLedger | None = None
