@@ -189,9 +189,7 @@ def started_hung(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     """Decision 2730 with a real engine: a first run stores Q1; a second engine starts
     while the store's disk hangs, serves Q1 cold, then the disk answers and the store is
     taken into use without a restart."""
-    missing = fuse_missing()
-    if missing:
-        pytest.skip(missing)
+    skip_without_fuse()
     work = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-hung-at-start")))
     extra = {"spoolctl_chunk_tokens": CHUNK, "spoolctl_read_deadline": READ_DEADLINE,
              "spoolctl_probe_interval": 0.5}
