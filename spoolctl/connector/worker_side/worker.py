@@ -42,7 +42,12 @@ from spoolctl.store import Store
 from ..deployment import description
 from ..diskguard import DiskGuard, guard_for
 from ..kv.formats import Copier
-from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from ..planning.messages import (
+    SpoolConnectorMetadata,
+    SpoolHandshake,
+    SpoolWorkerMeta,
+    restore_failure,
+)
 from ..planning.tenancy import TenantLabels, key_tenant, store_problem
 from ..rankstores import OpenStores
 from ..scheduler_side.lookup import KIND
@@ -262,11 +267,16 @@ class WorkerSide:
                                request=requests.get(key))
 
     def step_report(self) -> SpoolWorkerMeta | None:
-        """This step's inventory changes for the scheduler, if any."""
-        if self._holdings is None:
+        """This step's inventory changes and why the restores reported failed this step
+        failed (vLLM builds it after ``take_transfer_results`` and ``take_load_errors``, in
+        the same step's output), for the scheduler; None when there is neither."""
+        failures = {req_id: restore_failure(reason)
+                    for req_id, reason in self._copier.take_failure_reasons().items()}
+        report = self._holdings.step_report() if self._holdings is not None else None
+        if report is None and not failures:
             return None
-        report = self._holdings.step_report()
-        return SpoolWorkerMeta(reports=[report]) if report is not None else None
+        return SpoolWorkerMeta(reports=[report] if report is not None else [],
+                               load_failures=failures)
 
     def take_load_errors(self) -> set[int]:
         return self._copier.take_load_errors()
