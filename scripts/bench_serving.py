@@ -15,7 +15,12 @@ Arms, each in its own engine processes, same model, same seeded schedule:
             ``mfusepy``) and every operation on it blocks for the whole measurement; the
             catalog still answers (as a hot catalog does from the page cache), so restores
             wait out their read deadline until the store is taken out, then arrivals are
-            cold prefills (``--read-deadline`` sets the deadline)
+            cold prefills (``--read-deadline`` sets the deadline). Its arrivals are also
+            reported in two groups (decision 2740): ``before_out``, those that arrived
+            while the store was still in service (their restores met the hung disk and
+            pay the deadline), and ``after_out``, those that arrived once it was taken out
+            (goal: the no-connector TTFT); each group's p50/p99 TTFT and hit tokens next
+            to the ``none`` arm's for the same arrivals (same seeded schedule)
 
 For ``spool`` and ``native`` a first process computes and stores every arrival's long
 prefix (a document of ``--prefix-tokens`` tokens + a question) and shuts down cleanly once
@@ -157,9 +162,10 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def run_load(llm, streams: list[list[int]], arrivals: list[list[int]],
-             offsets: list[float], label: str) -> dict:
+             offsets: list[float], label: str, store_out=None) -> dict:
     """Decode streams plus arrivals at ``offsets`` seconds; per-token timestamps from the
-    engine's own step loop."""
+    engine's own step loop. ``store_out()``: whether the connector has its store out of
+    service now (recorded per arrival when it is added)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -182,6 +188,7 @@ def run_load(llm, streams: list[list[int]], arrivals: list[list[int]],
 
     arrival_ids = [f"{label}-arrival-{i}" for i in range(len(arrivals))]
     added: dict[str, float] = {}
+    out_at_arrival: dict[str, bool] = {}
     first: dict[str, float] = {}
     hits: dict[str, int] = {}
     done: set[str] = set()
@@ -194,6 +201,8 @@ def run_load(llm, streams: list[list[int]], arrivals: list[list[int]],
             rid = arrival_ids[nxt]
             engine.add_request(rid, {"prompt_token_ids": arrivals[nxt]}, arrival_sp)
             added[rid] = time.perf_counter()
+            if store_out is not None:
+                out_at_arrival[rid] = store_out()
             nxt += 1
         outs = engine.step()
         now = time.perf_counter()
@@ -228,6 +237,9 @@ def run_load(llm, streams: list[list[int]], arrivals: list[list[int]],
                   "samples": len(itl)},
         "tokens_per_s": round(tokens / (t_end - window_start), 2),
         "hit_tokens": [hits[r] for r in arrival_ids],
+        "ttft_each_s": [round(t, 4) for t in ttft],
+        "store_out_at_arrival": [out_at_arrival[r] for r in arrival_ids]
+        if store_out is not None else None,
         "window_s": round(t_end - window_start, 3),
     }
 
@@ -240,11 +252,22 @@ def measure(job: dict) -> dict:
         Path(job["ready_path"]).touch()
         while not os.path.exists(job["go_path"]):
             time.sleep(0.05)
+    store_out = None
+    if job["arm"] in ("spool", "hung"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        side = get_kv_transfer_group().worker
+
+        def store_out() -> bool:
+            # the rank store's health, shared with the scheduler's lookups (decision 2700)
+            return side._guard is not None and side._guard.down
+
     out = {}
     for phase, questions in (("restores", job["questions"]),
                              ("no_restores", job["local_questions"])):
         arrivals = [doc + q for doc, q in zip(job["docs"], questions, strict=True)]
-        out[phase] = run_load(llm, job["streams"][phase], arrivals, job["offsets"], phase)
+        out[phase] = run_load(llm, job["streams"][phase], arrivals, job["offsets"], phase,
+                              store_out)
     if job["arm"] in ("spool", "hung"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -360,7 +383,29 @@ def ratios(arms: dict, prefix_tokens: int) -> dict:
             out[f"hung_over_none_itl_{q}"] = _ratio(hung["itl_s"][q], none["itl_s"][q])
         out["hung_minus_none_ttft_p99_s"] = round(hung["ttft_s"]["p99"]
                                                   - none["ttft_s"]["p99"], 4)
+        out["hung_groups"] = hung_groups(hung, none)
     return out
+
+
+def hung_groups(hung: dict, none: dict) -> dict:
+    """The hung arm's arrivals in two groups (see the module docstring): ``before_out``
+    (arrived with the store in service: their restores met the hung disk) and
+    ``after_out`` (arrived once it was out); per group the arrivals, their p50/p99 TTFT
+    and hit tokens, the ``none`` arm's p50/p99 TTFT for the same arrivals, and the
+    difference of the p99s."""
+    groups: dict = {}
+    outs = hung.get("store_out_at_arrival") or []
+    for name, want in (("before_out", False), ("after_out", True)):
+        idx = [i for i, out in enumerate(outs) if out is want]
+        h = [hung["ttft_each_s"][i] for i in idx]
+        n = [none["ttft_each_s"][i] for i in idx]
+        groups[name] = {
+            "arrivals": idx, "hit_tokens": [hung["hit_tokens"][i] for i in idx],
+            "ttft_p50_s": _percentile(h, 50), "ttft_p99_s": _percentile(h, 99),
+            "none_ttft_p50_s": _percentile(n, 50), "none_ttft_p99_s": _percentile(n, 99),
+            "p99_minus_none_s": None if not idx else round(_percentile(h, 99)
+                                                           - _percentile(n, 99), 4)}
+    return groups
 
 
 def main() -> None:
@@ -452,6 +497,10 @@ def main() -> None:
         if r.get("hung_minus_none_ttft_p99_s") is None
         else r["hung_minus_none_ttft_p99_s"] <= report["read_deadline_s"],
     }
+    for name, g in (r.get("hung_groups") or {}).items():
+        print(f"# hung, {name}: arrivals {g['arrivals']} TTFT p50 {g['ttft_p50_s']} "
+              f"p99 {g['ttft_p99_s']} hits {g['hit_tokens']}; none for the same arrivals "
+              f"p50 {g['none_ttft_p50_s']} p99 {g['none_ttft_p99_s']}", file=sys.stderr)
     print(json.dumps(report, indent=2))
 
 

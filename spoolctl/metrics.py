@@ -53,6 +53,8 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "admission", "after_gap",
         # a slow or failing disk (decision 2700): a read past its deadline, the store taken out
         "deadline", "disk_down",
+        # a lookup after a restore that missed its deadline (decision 2740)
+        "disk_slow",
         # the day's write budget is spent, or too low for this chunk (decision 2710)
         "write_budget",
         # quarantine reasons (spoolctl.store.QuarantineReason values)

@@ -154,6 +154,10 @@ def test_a_hung_disk_is_taken_out_and_requests_stop_waiting_on_it(served) -> Non
     assert errors(r["c_q3"]) == {"deadline": 2} and not r["c_q3"]["down"]
     assert errors(r["c_q4"]) == {"deadline": 3}
     assert r["c_q4"]["down"] and r["c_q4"]["inventory"]["0"].get("disk_down") is True
+    # vLLM looked Q3 and Q4 up again after their first chunk missed its deadline: a slow
+    # disk, not corruption (decision 2740).
+    assert lookups(r["c_q4"], "miss", "disk_slow") == 2
+    assert lookups(r["c_q4"], "miss", "corrupt") == 0
     # Out of service: Q1 is a miss at lookup, served cold, no deadline waited out.
     assert lookups(r["c_q1"], "miss", "disk_down") == 1
     assert r["c_q1"]["num_cached_tokens"] == 0 and errors(r["c_q1"]) == {"deadline": 3}
@@ -178,6 +182,8 @@ def test_eio_is_a_recomputed_miss_and_never_a_quarantine(served) -> None:
     r = served["results"]
     assert errors(r["e_q3"]) == {**errors(r["d_q2"]), "io_error": 1}
     assert restored(r, "e_q3", "d_q2") == 0 and not r["e_q3"]["down"]
+    assert lookups(r["e_q3"], "miss", "io_error") == 1  # its re-lookup (decision 2740)
+    assert lookups(r["e_q3_again"], "miss", "corrupt") == 0
     assert r["e_q3_again"]["num_cached_tokens"] == 2 * CHUNK
     assert restored(r, "e_q3_again", "e_q3") == 2 * CHUNK_KV
     assert served["quarantined"] == []  # an I/O error is no proof of corruption

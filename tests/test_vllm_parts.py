@@ -29,8 +29,8 @@ def _root(tmp_path: Path, name: str = "rank-0000") -> Path:
     return Path(os.path.realpath(tmp_path)) / name
 
 
-def _flip_object_byte(store: Store, key: str, name: str) -> None:
-    manifest = store.manifest(entry_id_for("vllm", NS, key))
+def _flip_object_byte(store: Store, key: str, name: str, ns: str = NS) -> None:
+    manifest = store.manifest(entry_id_for("vllm", ns, key))
     ref = next(o for o in manifest.objects if o.name == name)
     path = store.layout.object_path(ref.digest)
     data = bytearray(path.read_bytes())
@@ -97,6 +97,7 @@ def test_single_format_round_trip_and_a_corrupt_chunk_fails_from_there(tmp_path:
         for t in dst.values():
             t.zero_()
         assert _restore_now(reader, load, pipeline) == ({"r"}, set(), {5, 6})
+        assert reader.take_failure_reasons() == {"r": "payload_digest"}  # for the scheduler
         assert lost == [KEYS[1]]
         assert counters.total(m.LOAD_ERRORS) == 1 and counters.total(m.QUARANTINE_EVENTS) == 1
         assert len(store.quarantine_items()) == 1
@@ -151,6 +152,7 @@ def test_grouped_format_round_trip_per_group_and_a_foreign_plan_fails_the_reques
             RequestLoad("x", (GroupChunkLoad(0, KEYS[0], ((7,),)),)),
             RequestLoad("y", (), ok=False)]), pipeline)
         assert reader.take_transfer_results() == ({"x", "y"}, {"x", "y"})
+        assert reader.take_failure_reasons() == {"x": "unknown", "y": "unknown"}
         assert reader.take_transfer_results() == (set(), set())
         assert counters.total(m.LOAD_ERRORS, reason="unknown") == 2
 
@@ -258,3 +260,219 @@ def test_a_lookup_never_waits_on_a_stuck_catalog_beyond_its_deadline(tmp_path: P
             writer.join()
         wait_until(lambda: lookup.present(KEYS[:1]) == [True], what="hits to resume")
         assert not lookup.last_unserved
+
+
+class _Roles:
+    """Both connector roles of one process on a real rank store (as vLLM builds them),
+    driven through vLLM's hooks in the order its step loop calls them."""
+
+    TOKENS = list(range(3, 3 + 2 * 64 + 5))  # two chunks of 64
+
+    def __init__(self, base: Path, **extra):
+        torch = pytest.importorskip("torch")
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from spoolctl.connector import SpoolConnector
+
+        spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32,
+                                 dtype=torch.float32)
+        vcfg, kcfg = vllm_configs(str(base), [spec], num_blocks=16, spoolctl_scrub_rate="0",
+                                  **extra)
+        self.worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+        self.kv = torch.zeros(16, 2, 32, 64)
+        self.worker.register_kv_caches({"layer.0": self.kv})
+        self.sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+        self.sched.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+
+    def request(self, rid: str = "r"):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(request_id=rid, prompt_token_ids=self.TOKENS, cache_salt=None,
+                               kv_transfer_params=None, prompt_embeds=None,
+                               lora_request=None, mm_features=None)
+
+    def store_prompt(self) -> list[str]:
+        """Commit the prompt's two chunks as the worker's capture path does; their keys."""
+        from spoolctl.connector.scheduler_side.lookup import request_keys
+        from spoolctl.connector.worker_side.capture import rank_commit
+
+        w = self.worker.worker
+        keys = request_keys(self.request(), namespace=self.sched.scheduler._dep.chain_namespace,
+                            chunk_tokens=64)
+        put = rank_commit(w._store, w._namespace, w._holdings)
+        for i, key in enumerate(keys):
+            put(key, {"kv": memoryview(bytes([i + 1]) * w._copier.chunk_bytes)},
+                {"layout": w._copier.layout_digest})
+        return keys
+
+    def restore(self, request, before_load=lambda: None) -> object:
+        """Look ``request`` up (a hit), plan its restore, call ``before_load`` and run
+        worker steps until the restore is reported; the workers' step outputs merged as
+        vLLM's scheduler gets them."""
+        from types import SimpleNamespace
+
+        from vllm.v1.outputs import KVConnectorOutput
+
+        assert self.sched.get_num_new_matched_tokens(request, 0) == (128, True)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+        self.sched.update_state_after_alloc(request, blocks, 128)
+        idle_step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                                    scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+        out = KVConnectorOutput(finished_recving=set(), invalid_block_ids=set())
+        before_load()
+        while request.request_id not in out.finished_recving:
+            self.worker.bind_connector_metadata(self.sched.build_connector_meta(idle_step))
+            self.worker.start_load_kv(None)
+            results = self.worker.get_transfer_results(set())
+            out.finished_recving |= results.finished_recving
+            out.invalid_block_ids |= self.worker.get_block_ids_with_load_errors()
+            meta = self.worker.build_connector_worker_meta()
+            if meta is not None:
+                out.kv_connector_worker_meta = meta if out.kv_connector_worker_meta is None \
+                    else out.kv_connector_worker_meta.aggregate(meta)
+            self.worker.clear_connector_metadata()
+        return out
+
+    def misses(self, reason: str) -> int:
+        return int(self.sched.counters.total(m.LOOKUPS, result="miss", reason=reason))
+
+    def close(self) -> None:
+        self.sched.shutdown()
+        self.worker.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("failure,reason", [("hung read", "disk_slow"),
+                                            ("store out", "disk_down"),
+                                            ("flipped byte", "corrupt")])
+def test_a_failed_restore_is_looked_up_again_with_the_workers_reason(
+        tmp_path: Path, failure: str, reason: str):
+    """Decision 2740: vLLM looks a request up again after its restore failed; that miss is
+    counted with the reason the worker found (a hung disk is no corruption), carried in the
+    same step's worker output, and forgotten when the request leaves."""
+    import threading
+
+    pytest.importorskip("vllm")
+    roles = _Roles(Path(os.path.realpath(tmp_path)) / "spool", spoolctl_read_deadline="0.2",
+                   spoolctl_probe_interval="3600")
+    release = threading.Event()
+    try:
+        keys = roles.store_prompt()
+        w = roles.worker.worker
+        take_out = None
+        if failure == "hung read":  # the device stops answering: every read blocks
+            real_read = w._store.read
+
+            def hung_read(*args, **kwargs):
+                release.wait()
+                return real_read(*args, **kwargs)
+
+            w._store.read = hung_read
+        elif failure == "store out":  # three reads late or failed since the lookup
+            def take_out() -> None:
+                for _ in range(3):
+                    w._guard.failed("restore")
+        else:
+            _flip_object_byte(w._store, keys[0], "kv", w._namespace)
+        req = roles.request()
+        out = roles.restore(req, take_out or (lambda: None))
+        assert out.invalid_block_ids == {1, 2, 3, 4}  # both chunks recomputed
+        roles.sched.update_connector_output(out)
+        release.set()
+        # vLLM freed the blocks (nothing was restored) and looks the request up anew.
+        assert roles.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert roles.misses(reason) == 1
+        assert roles.misses("corrupt") == (1 if reason == "corrupt" else 0)
+        # It left vLLM: its reason went with it (nothing per request stays behind).
+        roles.sched.request_finished_all_groups(req, ([1, 2, 3, 4, 5],))
+        assert roles.sched.scheduler._no_restore == {}
+    finally:
+        release.set()
+        roles.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_restore_failure_reported_after_its_request_left_is_not_kept(tmp_path: Path):
+    """A request aborted while its failed restore was being reported (the grouped format
+    reports a failed request in ``failed_recving``): the scheduler keeps nothing for it, as
+    it would never be looked up or finished again."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from spoolctl.connector.planning.messages import SpoolWorkerMeta
+
+    roles = _Roles(Path(os.path.realpath(tmp_path)) / "spool", spoolctl_probe_interval="3600")
+    try:
+        roles.store_prompt()
+        req = roles.request()
+        assert roles.sched.get_num_new_matched_tokens(req, 0) == (128, True)
+        roles.sched.update_state_after_alloc(
+            req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 128)
+        roles.sched.request_finished_all_groups(req, ([1, 2, 3, 4, 5],))
+        roles.sched.update_connector_output(KVConnectorOutput(
+            finished_recving={"r"}, failed_recving={"r"},
+            kv_connector_worker_meta=SpoolWorkerMeta(load_failures={"r": "disk_slow"})))
+        assert roles.sched.scheduler._no_restore == {}
+        # The same id again (a new request): a plain hit, no failed restore counted.
+        assert roles.sched.get_num_new_matched_tokens(req, 0) == (128, True)
+        assert roles.misses("disk_slow") == 0
+    finally:
+        roles.close()
+
+
+def test_ranks_reasons_for_one_failed_restore_merge_to_the_most_telling():
+    pytest.importorskip("vllm")
+    from spoolctl.connector.planning.messages import SpoolWorkerMeta, restore_failure
+
+    assert [restore_failure(r) for r in ("deadline", "io_error", "disk_down", "absent",
+                                         "unknown", "payload_digest", "manifest_validation")] \
+        == ["disk_slow", "io_error", "disk_down", "absent", "unknown", "corrupt", "corrupt"]
+    a = SpoolWorkerMeta(load_failures={"r": "disk_down", "s": "disk_slow"})
+    b = SpoolWorkerMeta(load_failures={"r": "corrupt", "t": "io_error"})
+    merged = a.aggregate(b)
+    assert merged.load_failures == {"r": "corrupt", "s": "disk_slow", "t": "io_error"}
+    assert b.aggregate(a).load_failures == merged.load_failures
+
+
+@pytest.mark.timeout(120)
+def test_with_host_kv_a_restore_begins_when_the_step_is_bound_not_after_the_forward(
+        tmp_path: Path):
+    """Decision 2740: vLLM binds a step's metadata before the forward and calls
+    ``start_load_kv`` for asynchronous loads only after it; with the KV cache in host
+    memory the forward runs on the engine thread, so the restore begins at the bind (its
+    reads and deadline run during the forward), and only once."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    roles = _Roles(Path(os.path.realpath(tmp_path)) / "spool", spoolctl_probe_interval="3600")
+    try:
+        roles.store_prompt()
+        req = roles.request()
+        assert roles.sched.get_num_new_matched_tokens(req, 0) == (128, True)
+        roles.sched.update_state_after_alloc(
+            req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 128)
+        step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                               scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+        roles.worker.bind_connector_metadata(roles.sched.build_connector_meta(step))
+        # (the forward would run here) — no start_load_kv yet: the reads already ran
+        done: set[str] = set()
+
+        def restored() -> bool:
+            done.update(roles.worker.get_transfer_results(set()).finished_recving)
+            return "r" in done
+
+        wait_until(restored, what="the restore begun at bind", timeout=30)
+        roles.worker.start_load_kv(None)  # after the forward: nothing begins twice
+        roles.worker.clear_connector_metadata()
+        assert roles.worker.get_block_ids_with_load_errors() == set()
+        chunk = roles.worker.worker._copier.chunk_bytes
+        assert roles.worker.counters.total(m.RESTORE_BYTES) == 2 * chunk
+        assert roles.worker.counters.total(m.LOAD_ERRORS) == 0
+        raw = roles.kv.view(-1, 2, 32, 64).numpy().view("uint8").reshape(16, -1)
+        assert set(raw[1:3].ravel()) == {1} and set(raw[3:5].ravel()) == {2}  # chunk 0, 1
+        assert set(raw[5:].ravel()) == {0}
+    finally:
+        roles.close()

@@ -212,6 +212,8 @@ def test_a_read_past_its_deadline_is_a_miss_and_its_late_bytes_are_never_copied(
         ended = pipe.pump(wait_s=30)  # returns at the deadline, not when the disk answers
         assert ended == [("a", 2)]  # chunk 2 and the rest: recomputed by vLLM
         assert counters.total(m.LOAD_ERRORS, reason="deadline") == 1
+        # the reason is the caller's to take, once (it goes to the scheduler, decision 2740)
+        assert pipe.take_reason("a") == "deadline" and pipe.take_reason("a") is None
         assert not guard.down  # one late read is not a sick disk
         gate.set()  # the late read completes now...
         wait_until(lambda: pipe.pump() == [] and not pipe._late, what="the late read")

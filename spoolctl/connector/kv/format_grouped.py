@@ -123,20 +123,23 @@ class GroupedCopier(Copier):
         for req_load in meta.request_loads:
             # Every worker reports every request (vLLM waits for all of them); a failure
             # is reported as finished and failed, and vLLM recomputes the request.
-            ok = False
+            failure: str | None = "unknown"
             try:
-                ok = self._restore_request(req_load, pipeline)
+                failure = self._restore_request(req_load, pipeline)
             except Exception:  # never let a cache problem take the worker down
                 log.exception("spoolctl: unexpected restore error, recomputing")
             self._recv_done.add(req_load.req_id)
-            if not ok:
+            if failure is not None:
                 self._recv_failed.add(req_load.req_id)
+                self._fail_reasons[req_load.req_id] = failure
 
-    def _restore_request(self, load: RequestLoad, pipeline: RestorePipeline | None) -> bool:
-        """Restore one request's chunks; False on any failure."""
+    def _restore_request(self, load: RequestLoad,
+                         pipeline: RestorePipeline | None) -> str | None:
+        """Restore one request's chunks; None, or why it failed (a ``load_errors_total``
+        reason)."""
         if not load.ok or not self._gkv or pipeline is None:
             self._counters.inc(m.LOAD_ERRORS, reason="unknown")
-            return False
+            return "unknown"
         items = []
         for chunk in load.chunks:
             if len(chunk.targets) != len(self._gkv):
@@ -144,9 +147,11 @@ class GroupedCopier(Copier):
                 log.error("spoolctl: restore plan does not match the KV cache groups, "
                           "recomputing")
                 self._counters.inc(m.LOAD_ERRORS, reason="unknown")
-                return False
+                return "unknown"
             items.append(self._chunk_restore(chunk))
-        return pipeline.run(items) is None
+        if pipeline.run(items, req_id=load.req_id) is None:
+            return None
+        return pipeline.take_reason(load.req_id) or "unknown"
 
     def _chunk_restore(self, chunk: GroupChunkLoad) -> ChunkRestore:
         """Read, verify and copy the objects of one chunk that the restore needs."""

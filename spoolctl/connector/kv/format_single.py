@@ -3,7 +3,9 @@
 A chunk entry holds the chunk's ``chunk_tokens / block_size`` blocks of every layer in
 one object (layer-major, ``kvio``). Restores are asynchronous for vLLM (``load_kv_async``,
 decision 1200): planned when vLLM allocates the hit's blocks, begun in ``start_load_kv``
-(reads and verification on helper threads, ``restore.RestorePipeline``), copied into the
+(with the KV cache in host memory: when vLLM binds the step's metadata, before the forward,
+decision 2740; reads and verification on helper threads, ``restore.RestorePipeline``),
+copied into the
 KV blocks at the engine's safe points while other requests run, and reported per request
 in ``get_transfer_results`` once every chunk is in place. A request's chunks are copied in
 order; on the first failure that chunk's and every later chunk's blocks are reported
@@ -118,7 +120,7 @@ class SingleCopier(Copier):
                 # happen when the scheduler only plans against ranks that reported): the
                 # target blocks hold garbage, have vLLM recompute them.
                 self._counters.inc(m.LOAD_ERRORS, reason="unknown")
-                self._fail(req, 0)
+                self._fail(req, 0, "unknown")
                 continue
             self._restoring[req.req_id] = req
             pipeline.begin(req.req_id, [self._chunk_restore(load) for load in req.loads])
@@ -132,19 +134,22 @@ class SingleCopier(Copier):
         if gone:
             pipeline.cancel(gone)
         for req_id, failed_at in pipeline.pump(wait_s=IDLE_WAIT_S if idle else 0.0):
+            reason = pipeline.take_reason(req_id)
             req = self._restoring.pop(req_id, None)
             if req is None:
                 continue
             if failed_at is None:
                 self._recv_done.add(req_id)
             else:
-                self._fail(req, failed_at)
+                self._fail(req, failed_at, reason or "unknown")
 
-    def _fail(self, req: SingleRequestLoad, failed_at: int) -> None:
+    def _fail(self, req: SingleRequestLoad, failed_at: int, reason: str) -> None:
         """Report ``req`` finished with its chunks from ``failed_at`` on to recompute: in
         ``get_block_ids_with_load_errors`` in the same step (vLLM truncates the request at
-        the first of them), or as failed when there is no block to name."""
+        the first of them), or as failed when there is no block to name; ``reason`` (a
+        ``load_errors_total`` reason) goes to the scheduler with the step's report."""
         self._recv_done.add(req.req_id)
+        self._fail_reasons[req.req_id] = reason
         blocks = {b for load in req.loads[failed_at:] for b in load.target_blocks}
         if blocks:
             self._failed_blocks.update(blocks)

@@ -114,6 +114,9 @@ class Copier(ABC):
         self._failed_blocks: set[int] = set()
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
+        # Why each restore reported failed since the last step report failed (a
+        # ``load_errors_total`` reason), for the scheduler (decision 2740).
+        self._fail_reasons: dict[str, str] = {}
 
     @abstractmethod
     def bind(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None, *,
@@ -150,6 +153,13 @@ class Copier(ABC):
         done, self._recv_done = self._recv_done, set()
         failed, self._recv_failed = self._recv_failed, set()
         return done, failed & done
+
+    def take_failure_reasons(self) -> dict[str, str]:
+        """Why each restore reported failed since the last call failed (request id ->
+        ``load_errors_total`` reason). Taken every step with the worker's report, so it
+        holds one step's failures at most."""
+        reasons, self._fail_reasons = self._fail_reasons, {}
+        return reasons
 
 
 class KVFormat(ABC):

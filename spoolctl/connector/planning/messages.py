@@ -9,8 +9,10 @@
   manifests for the KV events, ``events``).
 * ``SpoolHandshake``: each worker -> scheduler, once at startup: where its store is and
   everything it holds.
-* ``SpoolWorkerMeta``: every worker -> scheduler, each step: inventory changes (vLLM
-  aggregates the workers' messages with ``aggregate``).
+* ``SpoolWorkerMeta``: every worker -> scheduler, each step: inventory changes, and why
+  each restore reported failed in the same step failed (``restore_failure``: the reason the
+  scheduler counts when vLLM looks the request up again, decision 2740). vLLM aggregates
+  the workers' messages with ``aggregate``.
 
 vLLM pickles these between processes; they hold plain data only (no stores, no tensors).
 """
@@ -68,12 +70,42 @@ class SpoolHandshake(KVConnectorHandshakeMetadata):
     chunk_bytes: int = 0  # one chunk's bytes on this rank (host budget shares)
 
 
+# A failed restore's ``load_errors_total`` reason -> the ``lookups_total{result="miss"}``
+# reason of the request's next lookup. Unlisted reasons are the store's quarantine reasons
+# (a digest, a tag, a manifest that does not fit): ``corrupt``.
+_FAILURE_REASONS = {"deadline": "disk_slow", "io_error": "io_error", "disk_down": "disk_down",
+                    "absent": "absent", "unknown": "unknown"}
+# When ranks disagree about one request the scheduler counts the most telling reason.
+_FAILURE_RANK = ("corrupt", "io_error", "disk_slow", "disk_down", "absent", "unknown")
+
+
+def restore_failure(load_error_reason: str) -> str:
+    """The lookup reason for a restore that failed with ``load_error_reason``: one of
+    ``corrupt``, ``io_error``, ``disk_slow`` (a deadline missed), ``disk_down`` (the store
+    was out of service), ``absent`` (the entry went away), ``unknown``."""
+    return _FAILURE_REASONS.get(load_error_reason, "corrupt")
+
+
+def _telling(a: str, b: str) -> str:
+    rank = {r: i for i, r in enumerate(_FAILURE_RANK)}
+    return a if rank.get(a, len(rank)) <= rank.get(b, len(rank)) else b
+
+
 @dataclass
 class SpoolWorkerMeta(KVConnectorWorkerMetadata):
-    """One step's inventory changes from every worker (vLLM aggregates across workers)."""
+    """One step's inventory changes and failed restores' reasons from every worker (vLLM
+    aggregates across workers)."""
 
     reports: list[InventoryReport] = field(default_factory=list)
+    # Request id -> ``restore_failure`` reason, for the restores reported failed this step.
+    load_failures: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        extra = other.reports if isinstance(other, SpoolWorkerMeta) else []
-        return SpoolWorkerMeta(reports=[*self.reports, *extra])
+        if not isinstance(other, SpoolWorkerMeta):
+            return SpoolWorkerMeta(reports=list(self.reports),
+                                   load_failures=dict(self.load_failures))
+        failures = dict(self.load_failures)
+        for req_id, reason in other.load_failures.items():
+            failures[req_id] = _telling(failures.get(req_id, reason), reason)
+        return SpoolWorkerMeta(reports=[*self.reports, *other.reports],
+                               load_failures=failures)

@@ -10,7 +10,10 @@ instead, through a store shared with a same-process worker (``rankstores``).
 
 A request whose restore failed (``failed_recving``, or a block reported invalid) is never
 restored again (a deterministic failure would otherwise loop): when vLLM looks it up anew
-it recomputes in full, and its absent chunks are still stored.
+it recomputes in full, and its absent chunks are still stored. That lookup is counted a
+miss with the reason the worker reported in the same step (``SpoolWorkerMeta``:
+``disk_slow``, ``io_error``, ``disk_down``, ``corrupt``, ``absent``, ``unknown``; decision
+2740), kept only while the request is in vLLM.
 
 What concerns the fleet and the host rather than one request (KV events for routers, the
 host disk budget's shares, drops, write admission, keeping an idle engine stepping while
@@ -74,7 +77,9 @@ class SchedulerSide:
         self._ranks = RankLookup(all_ranks(ident.tp_size, ident.pp_size),
                                  deadline_s=settings.lookup_deadline,
                                  probe_interval_s=settings.probe_interval)
-        self._no_restore: set[str] = set()
+        # Requests whose restore failed -> why (a ``restore_failure`` reason); each leaves
+        # with its request (``finished``).
+        self._no_restore: dict[str, str] = {}
         self._coord = Coordinator(deployment, self._ranks, counters)
         # LoRA requests are keyed by their adapter's content digest (decision 2111).
         self._adapters = AdapterDigests(memo_dir_for(deployment.settings.weights_memo))
@@ -147,10 +152,18 @@ class SchedulerSide:
     def apply_output(self, connector_output: Any) -> None:
         """The workers' step output: failed restores and inventory reports."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        self._no_restore.update(self._planning.load_failures(
+        failed = self._planning.load_failures(
             set(getattr(connector_output, "finished_recving", None) or ()),
             set(getattr(connector_output, "failed_recving", None) or ()),
-            set(getattr(connector_output, "invalid_block_ids", None) or ())))
+            set(getattr(connector_output, "invalid_block_ids", None) or ()))
+        if failed:
+            # The workers say why in the same step's output (a worker that did not: unknown).
+            # Only requests still in vLLM (planned, not finished): one aborted meanwhile
+            # would never be looked up or finished again, its entry never removed.
+            reasons = meta.load_failures if isinstance(meta, SpoolWorkerMeta) else {}
+            live = self._planning.planner.requests
+            for req_id in failed & live.keys():
+                self._no_restore[req_id] = reasons.get(req_id, "unknown")
         if not isinstance(meta, SpoolWorkerMeta):
             return
         for rank in self._ranks.apply(meta.reports):
@@ -182,11 +195,12 @@ class SchedulerSide:
         self._coord.looked_up(req_id, request, keys, present)
         n_prompt = len(request.prompt_token_ids)
         if req_id in self._no_restore:
-            # Its asynchronous restore failed (a bad entry was quarantined): recompute it in
-            # full rather than risk the same failure again; absent chunks are still stored.
+            # Its asynchronous restore failed (a bad entry, a slow or failing disk): recompute
+            # it in full rather than risk the same failure again; absent chunks are still
+            # stored. Counted with the worker's reason, not as corruption (decision 2740).
             self._planning.lookup(req_id, keys, present, n_prompt, num_computed_tokens,
                                   restore=False)
-            self._counters.inc(m.LOOKUPS, result="miss", reason="corrupt")
+            self._counters.inc(m.LOOKUPS, result="miss", reason=self._no_restore[req_id])
             return 0, False
         ext = self._planning.lookup(req_id, keys, present, n_prompt, num_computed_tokens)
         self._counters.inc(m.LOOKUP_TOKENS, n_prompt)
@@ -238,7 +252,7 @@ class SchedulerSide:
         block is held."""
         self._planning.finished(request.request_id)
         if all_groups:
-            self._no_restore.discard(request.request_id)
+            self._no_restore.pop(request.request_id, None)
             self._coord.finished(request.request_id)
         return False, None
 

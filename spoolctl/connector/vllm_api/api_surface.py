@@ -290,7 +290,7 @@ def _drift(methods: Mapping[str, tuple[str, ...]], expected: Mapping[str, tuple[
 _IGNORED = frozenset({
     # 0.32
     "role", "requires_kv_delivery", "supports_divergent_local_hybrid_hits",
-    "get_mem_pool_context", "bind_connector_metadata", "clear_connector_metadata",
+    "get_mem_pool_context", "clear_connector_metadata",
     "has_connector_metadata", "set_host_xfer_buffer_ops", "finish_forward",
     "reset_capture_state", "handle_preemptions", "get_kv_connector_kv_cache_events",
     "bind_kv_cache_manager", "bind_gpu_block_pool", "get_loaded_kv_cache_group_ids",

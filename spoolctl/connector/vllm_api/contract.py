@@ -22,6 +22,7 @@ EXPECTED: Mapping[str, tuple[str, ...]] = {
     "build_connector_meta": ("scheduler_output",),
     "request_finished": ("request", "block_ids"),
     "register_kv_caches": ("kv_caches",),
+    "bind_connector_metadata": ("connector_metadata",),
     "start_load_kv": ("forward_context", "kwargs"),
     "wait_for_layer_load": ("layer_name",),
     "save_kv_layer": ("layer_name", "kv_layer", "attn_metadata", "kwargs"),

