@@ -607,3 +607,209 @@ def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_driv
         assert ws._pipeline.run([item(served[0]), item(sorted(only_there)[0])]) == 1
     finally:
         worker.shutdown()
+
+
+# -- the scheduler's lookup over a rank's drives (decision 2714 item 5, first part) ------------
+
+
+@pytest.mark.timeout(60)  # a lookup that waited on the hung drive would wait forever
+def test_a_lookup_reads_every_drive_of_a_rank_ors_them_and_does_not_wait_on_a_hung_one(
+        tmp_path: Path) -> None:
+    """``RankLookup`` with rank 0 on three drives and rank 1 on one store: a key counts for
+    rank 0 when any of its drives holds it, the ranks still AND (the quorum); a drive whose
+    catalog is stuck answers nothing within the deadline while the others' keys still hit
+    (``last_unserved`` says a store did not answer)."""
+    import threading
+
+    from spoolctl.connector.deployment.topology import all_ranks
+    from spoolctl.connector.scheduler_side.lookup import RankLookup
+
+    d = _Drives(tmp_path)
+    keys = _keys(6, "k")
+    other = Store.open(Path(os.path.realpath(tmp_path)) / "rank-0001", create=True)
+    lookup = RankLookup(all_ranks(2, 1), deadline_s=0.1, probe_interval_s=3600)
+    try:
+        for i, key in enumerate(keys):  # rank 0: key i on drive i % 3; rank 1: all but the last
+            d.stores[d.ids[i % 3]].put(kind="vllm", namespace="ns", key=key,
+                                       objects={"kv": key.encode()})
+            if i < 5:
+                other.put(kind="vllm", namespace="ns", key=key, objects={"kv": key.encode()})
+        first, *more = (d.stores[i] for i in d.ids)
+        assert lookup.read_locally(0, first, "ns") is None
+        assert lookup.read_on_drives(0, more) == []
+        lookup.read_locally(1, other, "ns")
+        assert lookup.present(keys) == [True] * 5 + [False]
+        assert not lookup.last_unserved
+        assert len(lookup.local_stores()) == 4
+        stuck = d.stores[d.ids[1]]
+        held, release = threading.Event(), threading.Event()
+
+        def stuck_writer() -> None:
+            with stuck.catalog._lock:  # what a writer blocked in the kernel holds
+                held.set()
+                release.wait()
+
+        writer = threading.Thread(target=stuck_writer)
+        writer.start()
+        try:
+            held.wait()
+            assert lookup.present(keys) == [i % 3 != 1 and i < 5 for i in range(6)]
+            assert lookup.last_unserved
+        finally:
+            release.set()
+            writer.join()
+    finally:
+        lookup.stop_reading_locally()
+        other.close()
+        d.close()
+
+
+def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_share_once(
+        tmp_path: Path, several) -> None:
+    """2714's plan, in-process (both connector roles of one process, as vLLM builds them):
+    the worker stores a prompt's chunks on their homes over three drives; the scheduler
+    reads every drive's catalog (the handshake's ``drives``) and the prompt is a full hit,
+    restored with identical bytes from all three. One drive taken out: the lookup stops at
+    the prompt's first chunk homed there (only its keys miss); the chunks recomputed for
+    it are written to their runner-ups, and the next lookup of that prompt is a full hit
+    again, restored while the drive is still out."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.scheduler_side.lookup import request_keys
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=3600)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    tokens = list(range(3, 3 + 12 * 64 + 5))  # twelve chunks of 64 tokens
+    request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, cache_salt=None,
+                              kv_transfer_params=None, prompt_embeds=None, lora_request=None,
+                              mm_features=None)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    sched = None
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+        hs = worker.get_handshake_metadata()
+        ids = [drives.read_drive_id(r) for r in roots]
+        assert [(d.base, d.drive_id) for d in hs.drives] == list(zip(roots, ids, strict=True))
+        sched.set_xfer_handshake_metadata({0: hs})
+        assert sorted(sched.store_roots) == sorted(worker.store_roots)
+        side, ws = sched.scheduler, worker.worker
+        keys = request_keys(request, namespace=side._dep.chain_namespace, chunk_tokens=64)
+        assert len(keys) == 12 and {drives.home(k, ids) for k in keys} == set(ids)
+
+        def store(wanted: list[str]) -> None:
+            for i, key in enumerate(wanted):
+                ws._stager.stage(key, i, _fill(key), request=f"store-{key}")
+            assert ws.flush(NET_S)
+
+        def hit() -> int:
+            return sched.get_num_new_matched_tokens(request, 0)[0] or 0
+
+        chunk = ws._copier.chunk_bytes
+
+        def restore(wanted: list[str]) -> dict[str, bytes]:
+            copies: dict[str, bytes] = {}
+
+            def item(key: str) -> ChunkRestore:
+                def fill(st: Store, manifest, buf) -> int:
+                    st.read(manifest, "kv", into=memoryview(buf.numpy()))
+                    return chunk
+
+                return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                    copy=lambda buf: copies.__setitem__(key,
+                                                                        bytes(buf.numpy())))
+
+            ws._pipeline.copy_in_reader = False
+            assert ws._pipeline.run([item(k) for k in wanted]) is None
+            return copies
+
+        assert hit() == 0
+        store(keys)
+        assert hit() == 12 * 64
+        assert restore(keys) == {k: _payload(k, chunk) for k in keys}
+
+        gone = drives.home(keys[3], ids)
+        first_gone = next(i for i, k in enumerate(keys) if drives.home(k, ids) == gone)
+        guard = guard_for(ws._holdings._stores[gone])  # the worker's and the scheduler's
+        for _ in range(3):
+            guard.failed("restore")
+        assert guard.down
+        assert hit() == first_gone * 64  # only the down drive's chunks miss
+        missed = [k for k in keys if drives.home(k, ids) == gone]
+        store(missed)  # recomputed: written to their runner-ups
+        assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[ids.index(gone)]) \
+            == len(missed)
+        assert hit() == 12 * 64  # the next request with that prefix: a full hit
+        assert restore(keys) == {k: _payload(k, chunk) for k in keys}
+    finally:
+        if sched is not None:
+            sched.shutdown()
+        worker.shutdown()
+
+
+def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
+        tmp_path: Path) -> None:
+    """Capacity per drive (2714 item 7): the drive over its max size evicts its own
+    entries only; a victim another up drive also holds is deleted at once (the rank still
+    holds it), one held nowhere else is withdrawn and deleted on that drive after the
+    scheduler's acknowledgement; the other drive is untouched. Also a set of one drive
+    (every other drive pending at start): its withdrawals are deleted on it."""
+    from spoolctl.connector.planning.inventory import InventoryView, key_bytes
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+
+    d = _Drives(tmp_path, 2)
+    full, spare = d.ids
+    keys = _keys(8, "f")
+    try:
+        for key in keys:
+            d.stores[full].put(kind="vllm", namespace="ns", key=key,
+                               objects={"kv": _payload(key, 4096)})
+        twin = keys[0]  # the least recently used: first to go, and held on both drives
+        d.stores[spare].put(kind="vllm", namespace="ns", key=twin,
+                            objects={"kv": _payload(twin, 4096)})
+        d.stores[full].set_max_bytes(d.stores[full].totals().bytes // 2)
+        holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                           namespace="ns", rank=0, epoch=1)
+        holdings.rescan()
+        view = InventoryView()
+        view.apply(holdings.handshake_report())
+        holdings._enforce_capacity()
+        assert twin not in d.on(full) and twin in d.on(spare)  # deleted at once
+        assert holdings.locate(twin) == spare and key_bytes(twin) in holdings._inv.held
+        report = holdings.step_report()
+        withdrawn = {k.hex() for k in report.removed}
+        assert withdrawn and twin not in withdrawn and withdrawn <= set(keys)
+        kept = {k for k in withdrawn if d.stores[full].row(entry_id_for_key(k)) is not None}
+        assert kept == withdrawn  # released, kept until acknowledged
+        view.apply(report)
+        holdings.on_scheduler(view.acks(), {})
+        holdings._delete_acknowledged()
+        assert not [k for k in withdrawn if d.stores[full].row(entry_id_for_key(k))]
+        assert d.on(spare) == {twin} and len(d.on(full)) == len(keys) - 1 - len(withdrawn)
+        # A set of one drive (the others pending at start): a drop is withdrawn on it.
+        alone = RankHoldings.for_drives({spare: d.stores[spare]}, d.up.__contains__,
+                                        kind="vllm", namespace="ns", rank=1, epoch=1)
+        alone.rescan()
+        assert alone.locate(twin) == spare
+        alone.on_scheduler({}, {}, drops=[key_bytes(twin)])
+        alone._drop_requested()
+        assert twin not in d.on(spare)
+    finally:
+        d.close()

@@ -129,6 +129,10 @@ class RankHoldings:
     def several(self) -> bool:
         return len(self._stores) > 1
 
+    def drive_ids(self) -> list[str]:
+        """The drives this inventory covers, in configured order ("" for one store)."""
+        return list(self._stores)
+
     def _union(self) -> set[bytes]:
         """With the lock held: what the rank holds (every up drive's keys)."""
         held: set[bytes] = set()
@@ -188,8 +192,6 @@ class RankHoldings:
         (memory only); None when no up drive does."""
         raw = key_bytes(key)
         with self._lock:
-            if not self.several:
-                return "" if raw in self._on[""] else None
             holders = [d for d, keys in self._on.items() if raw in keys and self._up(d)]
         if len(holders) <= 1:
             return holders[0] if holders else None
@@ -315,7 +317,8 @@ class RankHoldings:
         if not keys:
             return
         if not self.several:
-            self.dropped += self._withdraw([self._entry_id(k) for k in keys])
+            (only,) = self._stores
+            self.dropped += self._withdraw([self._entry_id(k) for k in keys], only)
             return
         for drive, held in on.items():  # from every drive holding it
             if held and self._up(drive):
@@ -357,8 +360,9 @@ class RankHoldings:
                             expired += 1
                         if not wait:
                             self._withdrawn_at.pop(raw, None)
-                        elif self.several:
-                            self._withdrawn_on[raw] = drive
+                            self._withdrawn_on.pop(raw, None)
+                        else:
+                            self._withdrawn_on[raw] = drive  # its delete's drive
             store.release(entry_id)
             withdrawn += 1
             if not wait:

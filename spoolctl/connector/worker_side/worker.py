@@ -55,7 +55,12 @@ from ..diskguard import DiskGuard, guard_for
 from ..drivestores import DriveSlot, DriveStores
 from ..kv.formats import Copier
 from ..planning.inventory import HANDSHAKE_MAX_KEYS, RankInventory
-from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from ..planning.messages import (
+    DriveInfo,
+    SpoolConnectorMetadata,
+    SpoolHandshake,
+    SpoolWorkerMeta,
+)
 from ..planning.tenancy import TenantLabels, key_tenant, store_problem
 from ..rankstores import OpenStores
 from ..scheduler_side.lookup import KIND
@@ -420,7 +425,17 @@ class WorkerSide:
         return SpoolHandshake(rank=self._place.rank, host=host_identity(),
                               root=str(self._store.root), store_id=self._store.marker.store_id,
                               report=self._holdings.handshake_report(),
-                              chunk_bytes=self._copier.chunk_bytes)
+                              chunk_bytes=self._copier.chunk_bytes, drives=self._drive_infos())
+
+    def _drive_infos(self) -> tuple[DriveInfo, ...]:
+        """Several drives: each drive the worker's parts use (the set fixed at start),
+        with its id and its store's id, for a same-host scheduler to read (2714 item 5)."""
+        if not self._drives.several or self._holdings is None:
+            return ()
+        used = self._holdings.drive_ids()
+        return tuple(DriveInfo(s.base, s.root, s.drive_id, s.store.marker.store_id)
+                     for s in self._drives.opened() if s.store is not None
+                     and s.drive_id in used)
 
     # -- per step ------------------------------------------------------------------------------
 
