@@ -69,6 +69,9 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
 # cache_salt without it), or ``other`` past the connector's cap (``spoolctl_tenant_metrics``).
 PATTERN_LABELS: dict[str, re.Pattern[str]] = {
     "tenant": re.compile(r"[0-9a-f]{16}|other", re.ASCII),
+    # a drive's base root as configured (an operator's path, never prompt data; at most 64
+    # roots, decision 2714): the same value as ``TARGET_LABELS["drive"]``
+    "drive": re.compile(r"/[\x20-\x7e]{0,1023}", re.ASCII),
 }
 # Labels that name which rank store a store gauge describes (several stores, one file).
 TARGET_LABELS: dict[str, re.Pattern[str]] = {
@@ -189,6 +192,10 @@ SCRUBBED_ENTRIES = _c("scrubbed_entries_total", "Entries verified by the backgro
 MAINTENANCE_ERRORS = _c("maintenance_errors_total",
                         "Background maintenance steps that failed, by step.", "step")
 EVICTED_ENTRIES = _c("evicted_entries_total", "Entries evicted by capacity maintenance.")
+DRIVE_FAILOVER_STORES = _c("drive_failover_stores_total",
+                           "Chunks written to a runner-up drive because their home drive "
+                           "(drive: its base root) was down (several drives, decision 2714).",
+                           "drive")
 AUTH_REQUESTS = _c("auth_requests_processed_total",
                    "Queued request-auth requests answered by the worker.")
 
@@ -211,6 +218,7 @@ CONNECTOR_METRICS: tuple[MetricSpec, ...] = (
     STORE_WRITE_SECONDS, STORES_SKIPPED, LOAD_ERRORS, QUARANTINE_EVENTS, SCRUBBED_BYTES,
     SCRUBBED_ENTRIES, MAINTENANCE_ERRORS, EVICTED_ENTRIES, AUTH_REQUESTS,
     TENANT_LOOKUPS, TENANT_HIT_TOKENS, TENANT_RESTORE_BYTES, TENANT_STORE_BYTES,
+    DRIVE_FAILOVER_STORES,
 )
 
 # -- KV events, write admission (issue 20; exported by the vLLM scheduler and /metrics) ------

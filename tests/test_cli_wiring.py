@@ -93,7 +93,8 @@ def test_connector_refuses_a_single_store_as_its_base_root(tmp_path: Path) -> No
         parse_settings({"spoolctl_root": str(store)}, block_size=32, env={})
     base = store.parent / "base"
     assert parse_settings({}, block_size=32, env={"SPOOLCTL_ROOT": str(base)}).root == str(base)
-    # the CLI's list of drive roots (decision 2712) is not one root to the connector
-    with pytest.raises(ConfigError, match="SPOOLCTL_ROOT names several roots") as exc:
-        parse_settings({}, block_size=32, env={"SPOOLCTL_ROOT": f"{base}:{store.parent}"})
-    assert "\n" not in str(exc.value) and not os.path.lexists(f"{base}:{store.parent}")
+    # the CLI's list of drive roots (decision 2712) is the connector's drives (2732), never
+    # one directory named with a ':'
+    got = parse_settings({}, block_size=32, env={"SPOOLCTL_ROOT": f"{base}:{store.parent}"})
+    assert got.roots == (str(base), str(store.parent))
+    assert not os.path.lexists(f"{base}:{store.parent}")

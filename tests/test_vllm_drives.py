@@ -1,8 +1,8 @@
 """Several drives per host: the placement rule and drive ids (issue 32 item 4, decision 2711).
 
-Only the rule, the route and the ids are here: the connector does not use several roots yet
-(the CLI's operator view across drive roots: tests/test_operator_drives.py, decision 2712;
-drive stores: tests/test_vllm_drives_parts.py).
+Only the rule, the route and the ids are here (the connector over several roots, in-process:
+tests/test_vllm_drives_parts.py, decisions 2731 and 2732; the CLI's operator view across
+drive roots: tests/test_operator_drives.py, decision 2712).
 """
 
 from __future__ import annotations

@@ -303,3 +303,513 @@ def test_one_root_that_is_not_a_store_still_refuses_the_start(tmp_path: Path) ->
                          probe_interval_s=60)
     assert str(root) in str(exc.value) and "\n" not in str(exc.value)
     assert stores.roots() == []
+
+
+# -- the worker's parts over several drives (decision 2714 item 4) ------------------------------
+
+
+class _Drives:
+    """Three drive directories with ids, a rank store on each, and which are up (a test's
+    stand-in for the guards' flags: memory only, as the worker reads them)."""
+
+    def __init__(self, tmp_path: Path, n: int = 3) -> None:
+        from spoolctl.connector.deployment import drives
+
+        self.bases = [Path(b) for b in _dirs(tmp_path, n)]
+        self.ids, self.stores = [], {}
+        for base in self.bases:
+            base.mkdir(parents=True)
+            drive = drives.drive_id(base)
+            self.ids.append(drive)
+            self.stores[drive] = Store.open(base / "vllm-v1-x" / "rank-0000", create=True)
+        self.labels = {d: str(b) for d, b in zip(self.ids, self.bases, strict=True)}
+        self.up = set(self.ids)
+
+    def home(self, key: str) -> str:
+        from spoolctl.connector.deployment import drives
+
+        return drives.home(key, self.ids)
+
+    def on(self, drive: str) -> set[str]:
+        return self.stores[drive].live_keys("vllm", "ns")
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+
+
+def _stager(d: _Drives, holdings, counters, *, staging_chunks: int = 64):
+    from spoolctl.connector.worker_side.capture import (
+        ChunkStager,
+        drive_route,
+        rank_commit,
+        rank_commit_many,
+    )
+
+    commits = {drive: (rank_commit(store, "ns", holdings, drive=drive),
+                       rank_commit_many(store, "ns", holdings, drive=drive), None)
+               for drive, store in d.stores.items()}
+    return ChunkStager.for_drives(commits, drive_route(d.ids, d.up.__contains__), d.labels,
+                                  chunk_bytes=4096, staging_bytes=staging_chunks * 4096,
+                                  meta={}, counters=counters)
+
+
+def _fill(key: str):
+    from spoolctl.connector.kv.kvio import DONE
+
+    def fill(buf):
+        view = buf.numpy()
+        view[:] = memoryview(_payload(key, len(view))).cast("B")
+        return {"kv": memoryview(view)}, DONE
+
+    return fill
+
+
+def _payload(key: str, n: int) -> bytes:
+    return (key.encode() * (n // len(key) + 1))[:n]
+
+
+def _keys(n: int, seed: str) -> list[str]:
+    from hashlib import sha256
+
+    return [sha256(f"{seed}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def test_writes_go_to_each_chunks_home_and_to_its_runner_up_while_the_home_is_down(
+        tmp_path: Path) -> None:
+    """The worker's writes over three drives: each chunk on its home (``drives.home``); a
+    down drive's chunks on their runner-ups, counted per home drive, none on the down drive;
+    every drive down: skipped ``disk_down``. The rank holds what its up drives hold, and
+    ``locate`` names a drive that has the chunk."""
+    pytest.importorskip("torch")
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.stats import ConnectorCounters
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+
+    d = _Drives(tmp_path)
+    counters = ConnectorCounters()
+    holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                       namespace="ns", rank=0, epoch=1)
+    stager = _stager(d, holdings, counters)
+    try:
+        first = _keys(30, "a")
+        for i, key in enumerate(first):
+            stager.stage(key, i, _fill(key), request="A")
+        assert stager.flush(NET_S)
+        for drive in d.ids:
+            assert d.on(drive) == {k for k in first if d.home(k) == drive}
+        assert all(d.on(drive) for drive in d.ids)  # 30 keys: every drive got some
+        assert all(holdings.locate(k) == d.home(k) for k in first)
+
+        gone = d.ids[1]  # taken out
+        d.up.discard(gone)
+        holdings.drives_changed()
+        assert holdings.held_keys() == {k for k in first if d.home(k) != gone}
+        assert all(holdings.locate(k) is None for k in first if d.home(k) == gone)
+        second = _keys(30, "b")
+        for i, key in enumerate(second):
+            stager.stage(key, i, _fill(key), request="B")
+        assert stager.flush(NET_S)
+        moved = [k for k in second if d.home(k) == gone]
+        assert moved and not d.on(gone) & set(second)
+        for key in moved:
+            runner_up = drives.route(key, d.ids, d.up)
+            assert runner_up != gone and key in d.on(runner_up)
+            assert holdings.locate(key) == runner_up
+        assert counters.total(m.DRIVE_FAILOVER_STORES, drive=d.labels[gone]) == len(moved)
+        assert counters.total(m.DRIVE_FAILOVER_STORES) == len(moved)
+
+        d.up.clear()
+        stager.stage(_keys(1, "c")[0], 0, _fill("c"), request="C")
+        assert counters.total(m.STORES_SKIPPED, reason="disk_down") == 1
+        # Back: what it held counts again, where it is.
+        d.up.update(d.ids)
+        holdings.drives_changed()
+        assert holdings.held_keys() == set(first) | set(second)
+    finally:
+        assert stager.close(NET_S)
+        d.close()
+
+
+def test_a_restore_reads_each_chunk_from_the_drive_holding_it_and_stops_at_a_down_one(
+        tmp_path: Path) -> None:
+    """``RestorePipeline`` with ``locate``: a prompt's chunks spread over three drives come
+    back with identical bytes, each read on its drive's pool; a chunk no up drive holds
+    fails at once (``absent``) and one on a drive taken out fails at once (``disk_down``),
+    the chunks before it restored; a failed read is lost on that drive only."""
+    pytest.importorskip("torch")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spoolctl.connector.diskguard import DiskGuard
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.stats import ConnectorCounters
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+    from spoolctl.connector.worker_side.restore import Located, RestorePipeline
+
+    d = _Drives(tmp_path)
+    keys = _keys(12, "p")
+    for key in keys:
+        d.stores[d.home(key)].put(kind="vllm", namespace="ns", key=key,
+                                  objects={"kv": _payload(key, 4096)})
+    holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                       namespace="ns", rank=0, epoch=1)
+    holdings.rescan()
+    pools = {drive: ThreadPoolExecutor(2, thread_name_prefix=f"read-{i}")
+             for i, drive in enumerate(d.ids)}
+    guards = {drive: DiskGuard(store, probe_interval_s=3600)
+              for drive, store in d.stores.items()}
+    read_on: dict[str, str] = {}
+    copies: dict[str, bytes] = {}
+
+    def locate(key: str) -> Located | None:
+        drive = holdings.locate(key)
+        return None if drive is None else Located(drive, d.stores[drive], guards[drive],
+                                                  pools[drive])
+
+    def item(key: str) -> ChunkRestore:
+        import threading
+
+        def fill(store: Store, manifest, buf) -> int:
+            read_on[key] = threading.current_thread().name
+            store.read(manifest, "kv", into=memoryview(buf.numpy()))
+            return 4096
+
+        return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                            copy=lambda buf: copies.__setitem__(key, bytes(buf.numpy())))
+
+    counters, lost = ConnectorCounters(), []
+    with ThreadPoolExecutor(1) as unused:
+        pipe = RestorePipeline(next(iter(d.stores.values())), "ns", chunk_bytes=4096,
+                               pool=unused, counters=counters,
+                               on_lost=lambda *a: lost.append(a), locate=locate)
+        try:
+            assert pipe.run([item(k) for k in keys]) is None
+            assert copies == {k: _payload(k, 4096) for k in keys}
+            for key in keys:  # each on its own drive's pool
+                assert read_on[key].startswith(f"read-{d.ids.index(d.home(key))}")
+            # A chunk no drive holds: absent at once, the chunks before it restored.
+            missing = _keys(1, "x")[0]
+            copies.clear()
+            assert pipe.run([item(keys[0]), item(missing), item(keys[1])]) == 1
+            assert list(copies) == [keys[0]]
+            assert counters.total(m.LOAD_ERRORS, reason="absent") == 1
+            # A drive taken out: its chunk fails at once, without a read.
+            prompt = [k for k in keys if d.home(k) != d.ids[2]][:3] + \
+                [k for k in keys if d.home(k) == d.ids[2]][:1]
+            for _ in range(3):
+                guards[d.ids[2]].failed("restore")
+            assert guards[d.ids[2]].down
+            copies.clear()
+            read_on.clear()
+            assert pipe.run([item(k) for k in prompt]) == 3
+            assert set(copies) == set(prompt[:3]) and prompt[3] not in read_on
+            assert counters.total(m.LOAD_ERRORS, reason="disk_down") == 1
+            # An entry gone behind the connector's back: lost on its drive only.
+            gone = next(k for k in keys if d.home(k) == d.ids[0])
+            d.stores[d.ids[0]].release(entry_id_for_key(gone))
+            d.stores[d.ids[0]].delete_released([entry_id_for_key(gone)])
+            assert pipe.run([item(gone)]) == 0
+            assert lost == [(gone, d.ids[0])]
+        finally:
+            pipe.close()
+            for guard in guards.values():
+                guard.close()
+            for pool in pools.values():
+                pool.shutdown()
+            d.close()
+
+
+def entry_id_for_key(key: str) -> str:
+    from spoolctl.store import entry_id_for
+
+    return entry_id_for("vllm", "ns", key)
+
+
+def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_drive_taken_out(
+        tmp_path: Path, several) -> None:
+    """The worker side wired over three drives (``spoolctl_roots``): a rank store on each,
+    captures committed on each chunk's home, the handshake states every drive's chunks;
+    when one drive's guard takes it out, the next step report withdraws exactly the chunks
+    held only there, its chunks' writes go to their runner-ups (counted per drive), a
+    restore reads the chunks of the drives still up and misses the down drive's at once;
+    ``spoolctl_drive_failover_stores_total{drive}`` names the home's root."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.planning.inventory import key_bytes
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=3600)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        ws = worker.worker
+        ids = [drives.read_drive_id(r) for r in roots]
+        assert len(set(ids)) == 3 and None not in ids
+        assert [str(Path(r).parent.parent) for r in worker.store_roots] == roots
+        stores = ws._holdings._stores
+        first = _keys(18, "w")
+        for i, key in enumerate(first):
+            ws._stager.stage(key, i, _fill(key), request="A")
+        assert ws.flush(NET_S)
+        ns = ws._namespace
+        for drive in ids:
+            assert stores[drive].live_keys("vllm", ns) == \
+                {k for k in first if drives.home(k, ids) == drive}
+        hs = worker.get_handshake_metadata()
+        assert set(hs.report.added) == {key_bytes(k) for k in first}
+
+        gone = ids[1]
+        guard = guard_for(stores[gone])
+        for _ in range(3):
+            guard.failed("restore")
+        assert guard.down
+        report = worker.build_connector_worker_meta().reports[0]
+        only_there = {k for k in first if drives.home(k, ids) == gone}
+        assert only_there and set(report.removed) == {key_bytes(k) for k in only_there}
+        second = _keys(18, "v")
+        for i, key in enumerate(second):
+            ws._stager.stage(key, i, _fill(key), request="B")
+        assert ws.flush(NET_S)
+        moved = [k for k in second if drives.home(k, ids) == gone]
+        assert moved and not stores[gone].live_keys("vllm", ns) & set(second)
+        assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[1]) == len(moved)
+
+        copies: dict[str, bytes] = {}
+        chunk = ws._copier.chunk_bytes
+
+        def item(key: str) -> ChunkRestore:
+            def fill(store: Store, manifest, buf) -> int:
+                store.read(manifest, "kv", into=memoryview(buf.numpy()))
+                return chunk
+
+            return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                copy=lambda buf: copies.__setitem__(key, bytes(buf.numpy())))
+
+        ws._pipeline.copy_in_reader = False
+        served = [k for k in first if k not in only_there] + moved
+        assert ws._pipeline.run([item(k) for k in served]) is None
+        assert copies == {k: _payload(k, chunk) for k in served}
+        assert ws._pipeline.run([item(served[0]), item(sorted(only_there)[0])]) == 1
+    finally:
+        worker.shutdown()
+
+
+# -- the scheduler's lookup over a rank's drives (decision 2714 item 5, first part) ------------
+
+
+@pytest.mark.timeout(60)  # a lookup that waited on the hung drive would wait forever
+def test_a_lookup_reads_every_drive_of_a_rank_ors_them_and_does_not_wait_on_a_hung_one(
+        tmp_path: Path) -> None:
+    """``RankLookup`` with rank 0 on three drives and rank 1 on one store: a key counts for
+    rank 0 when any of its drives holds it, the ranks still AND (the quorum); a drive whose
+    catalog is stuck answers nothing within the deadline while the others' keys still hit
+    (``last_unserved`` says a store did not answer)."""
+    import threading
+
+    from spoolctl.connector.deployment.topology import all_ranks
+    from spoolctl.connector.scheduler_side.lookup import RankLookup
+
+    d = _Drives(tmp_path)
+    keys = _keys(6, "k")
+    other = Store.open(Path(os.path.realpath(tmp_path)) / "rank-0001", create=True)
+    lookup = RankLookup(all_ranks(2, 1), deadline_s=0.1, probe_interval_s=3600)
+    try:
+        for i, key in enumerate(keys):  # rank 0: key i on drive i % 3; rank 1: all but the last
+            d.stores[d.ids[i % 3]].put(kind="vllm", namespace="ns", key=key,
+                                       objects={"kv": key.encode()})
+            if i < 5:
+                other.put(kind="vllm", namespace="ns", key=key, objects={"kv": key.encode()})
+        first, *more = (d.stores[i] for i in d.ids)
+        assert lookup.read_locally(0, first, "ns") is None
+        assert lookup.read_on_drives(0, more) == []
+        lookup.read_locally(1, other, "ns")
+        assert lookup.present(keys) == [True] * 5 + [False]
+        assert not lookup.last_unserved
+        assert len(lookup.local_stores()) == 4
+        stuck = d.stores[d.ids[1]]
+        held, release = threading.Event(), threading.Event()
+
+        def stuck_writer() -> None:
+            with stuck.catalog._lock:  # what a writer blocked in the kernel holds
+                held.set()
+                release.wait()
+
+        writer = threading.Thread(target=stuck_writer)
+        writer.start()
+        try:
+            held.wait()
+            assert lookup.present(keys) == [i % 3 != 1 and i < 5 for i in range(6)]
+            assert lookup.last_unserved
+        finally:
+            release.set()
+            writer.join()
+    finally:
+        lookup.stop_reading_locally()
+        other.close()
+        d.close()
+
+
+def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_share_once(
+        tmp_path: Path, several) -> None:
+    """2714's plan, in-process (both connector roles of one process, as vLLM builds them):
+    the worker stores a prompt's chunks on their homes over three drives; the scheduler
+    reads every drive's catalog (the handshake's ``drives``) and the prompt is a full hit,
+    restored with identical bytes from all three. One drive taken out: the lookup stops at
+    the prompt's first chunk homed there (only its keys miss); the chunks recomputed for
+    it are written to their runner-ups, and the next lookup of that prompt is a full hit
+    again, restored while the drive is still out."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.scheduler_side.lookup import request_keys
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=3600)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    tokens = list(range(3, 3 + 12 * 64 + 5))  # twelve chunks of 64 tokens
+    request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, cache_salt=None,
+                              kv_transfer_params=None, prompt_embeds=None, lora_request=None,
+                              mm_features=None)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    sched = None
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+        hs = worker.get_handshake_metadata()
+        ids = [drives.read_drive_id(r) for r in roots]
+        assert [(d.base, d.drive_id) for d in hs.drives] == list(zip(roots, ids, strict=True))
+        sched.set_xfer_handshake_metadata({0: hs})
+        assert sorted(sched.store_roots) == sorted(worker.store_roots)
+        side, ws = sched.scheduler, worker.worker
+        keys = request_keys(request, namespace=side._dep.chain_namespace, chunk_tokens=64)
+        assert len(keys) == 12 and {drives.home(k, ids) for k in keys} == set(ids)
+
+        def store(wanted: list[str]) -> None:
+            for i, key in enumerate(wanted):
+                ws._stager.stage(key, i, _fill(key), request=f"store-{key}")
+            assert ws.flush(NET_S)
+
+        def hit() -> int:
+            return sched.get_num_new_matched_tokens(request, 0)[0] or 0
+
+        chunk = ws._copier.chunk_bytes
+
+        def restore(wanted: list[str]) -> dict[str, bytes]:
+            copies: dict[str, bytes] = {}
+
+            def item(key: str) -> ChunkRestore:
+                def fill(st: Store, manifest, buf) -> int:
+                    st.read(manifest, "kv", into=memoryview(buf.numpy()))
+                    return chunk
+
+                return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                    copy=lambda buf: copies.__setitem__(key,
+                                                                        bytes(buf.numpy())))
+
+            ws._pipeline.copy_in_reader = False
+            assert ws._pipeline.run([item(k) for k in wanted]) is None
+            return copies
+
+        assert hit() == 0
+        store(keys)
+        assert hit() == 12 * 64
+        assert restore(keys) == {k: _payload(k, chunk) for k in keys}
+
+        gone = drives.home(keys[3], ids)
+        first_gone = next(i for i, k in enumerate(keys) if drives.home(k, ids) == gone)
+        guard = guard_for(ws._holdings._stores[gone])  # the worker's and the scheduler's
+        for _ in range(3):
+            guard.failed("restore")
+        assert guard.down
+        assert hit() == first_gone * 64  # only the down drive's chunks miss
+        missed = [k for k in keys if drives.home(k, ids) == gone]
+        store(missed)  # recomputed: written to their runner-ups
+        assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[ids.index(gone)]) \
+            == len(missed)
+        assert hit() == 12 * 64  # the next request with that prefix: a full hit
+        assert restore(keys) == {k: _payload(k, chunk) for k in keys}
+    finally:
+        if sched is not None:
+            sched.shutdown()
+        worker.shutdown()
+
+
+def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
+        tmp_path: Path) -> None:
+    """Capacity per drive (2714 item 7): the drive over its max size evicts its own
+    entries only; a victim another up drive also holds is deleted at once (the rank still
+    holds it), one held nowhere else is withdrawn and deleted on that drive after the
+    scheduler's acknowledgement; the other drive is untouched. Also a set of one drive
+    (every other drive pending at start): its withdrawals are deleted on it."""
+    from spoolctl.connector.planning.inventory import InventoryView, key_bytes
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+
+    d = _Drives(tmp_path, 2)
+    full, spare = d.ids
+    keys = _keys(8, "f")
+    try:
+        for key in keys:
+            d.stores[full].put(kind="vllm", namespace="ns", key=key,
+                               objects={"kv": _payload(key, 4096)})
+        twin = keys[0]  # the least recently used: first to go, and held on both drives
+        d.stores[spare].put(kind="vllm", namespace="ns", key=twin,
+                            objects={"kv": _payload(twin, 4096)})
+        d.stores[full].set_max_bytes(d.stores[full].totals().bytes // 2)
+        holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                           namespace="ns", rank=0, epoch=1)
+        holdings.rescan()
+        view = InventoryView()
+        view.apply(holdings.handshake_report())
+        holdings._enforce_capacity()
+        assert twin not in d.on(full) and twin in d.on(spare)  # deleted at once
+        assert holdings.locate(twin) == spare and key_bytes(twin) in holdings._inv.held
+        report = holdings.step_report()
+        withdrawn = {k.hex() for k in report.removed}
+        assert withdrawn and twin not in withdrawn and withdrawn <= set(keys)
+        kept = {k for k in withdrawn if d.stores[full].row(entry_id_for_key(k)) is not None}
+        assert kept == withdrawn  # released, kept until acknowledged
+        view.apply(report)
+        holdings.on_scheduler(view.acks(), {})
+        holdings._delete_acknowledged()
+        assert not [k for k in withdrawn if d.stores[full].row(entry_id_for_key(k))]
+        assert d.on(spare) == {twin} and len(d.on(full)) == len(keys) - 1 - len(withdrawn)
+        # A set of one drive (the others pending at start): a drop is withdrawn on it.
+        alone = RankHoldings.for_drives({spare: d.stores[spare]}, d.up.__contains__,
+                                        kind="vllm", namespace="ns", rank=1, epoch=1)
+        alone.rescan()
+        assert alone.locate(twin) == spare
+        alone.on_scheduler({}, {}, drops=[key_bytes(twin)])
+        alone._drop_requested()
+        assert twin not in d.on(spare)
+    finally:
+        d.close()

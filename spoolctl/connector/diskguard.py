@@ -71,7 +71,24 @@ class DiskGuard:
         self._down_since: float | None = None
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
+        self._listeners: list[Callable[[bool], None]] = []
         self.downs = 0  # times the store was taken out (diagnostics)
+
+    def listen(self, on_change: Callable[[bool], None]) -> None:
+        """Call ``on_change(down)`` whenever the store is taken out or comes back (outside
+        the guard's lock, on the thread that saw it: a reader's or the probe's, never
+        expected to be the engine's; several drives, decision 2714)."""
+        with self._lock:
+            self._listeners.append(on_change)
+
+    def _tell(self, down: bool) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            try:
+                fn(down)
+            except Exception:  # a listener's bug must not stop the guard
+                log.exception("spoolctl: disk state listener failed")
 
     # -- health --------------------------------------------------------------------------------
 
@@ -96,6 +113,7 @@ class DiskGuard:
             self._down_since = time.monotonic()
             self.downs += 1
             self._start_probe()
+        self._tell(True)
         log.warning("spoolctl: store disk not answering in time (%d %s reads late or failed "
                     "in a row); serving without it (cold prefill) and probing every %.0f s: %s",
                     self.failures_to_down, kind, self.probe_interval_s, self._root)
@@ -195,6 +213,7 @@ class DiskGuard:
                     self._failures.clear()
                 log.warning("spoolctl: store disk answers again after %.0f s; using it: %s",
                             time.monotonic() - (since or time.monotonic()), self._root)
+                self._tell(False)
                 return
 
 

@@ -86,8 +86,8 @@ KNOWN_KEYS = frozenset({
     "spoolctl_read_deadline", "spoolctl_probe_interval", "spoolctl_write_budget",
     "spoolctl_tenant_metrics", "spoolctl_roots",
 })
-# Whether the worker and the scheduler use several drive roots (decision 2714).
-SEVERAL_DRIVES = False
+# Whether the worker and the scheduler use several drive roots (decisions 2714, 2731, 2732).
+SEVERAL_DRIVES = True
 # The most drive roots one connector takes (a metric label per drive: bounded).
 MAX_ROOTS = 64
 ON_UNSUPPORTED = ("error", "disable")

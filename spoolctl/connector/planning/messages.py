@@ -58,9 +58,23 @@ class SpoolConnectorMetadata(KVConnectorMetadata):
     hash_identity: str = ""
 
 
+@dataclass(frozen=True)
+class DriveInfo:
+    """One drive of a rank on several drives (decision 2714): its base root as configured,
+    the rank store's root under it, the drive's id and the store's id (both "" for a drive
+    the worker had not opened)."""
+
+    base: str
+    root: str
+    drive_id: str = ""
+    store_id: str = ""
+
+
 @dataclass
 class SpoolHandshake(KVConnectorHandshakeMetadata):
-    """A worker's startup message: where its store is and everything it holds."""
+    """A worker's startup message: where its store is and everything it holds. ``drives``:
+    every drive of the rank when it has several (``root``/``store_id`` are the first open
+    one's); empty for one root."""
 
     rank: int
     host: str
@@ -68,6 +82,7 @@ class SpoolHandshake(KVConnectorHandshakeMetadata):
     store_id: str
     report: InventoryReport
     chunk_bytes: int = 0  # one chunk's bytes on this rank (host budget shares)
+    drives: tuple[DriveInfo, ...] = ()
 
 
 # A failed restore's ``load_errors_total`` reason -> the ``lookups_total{result="miss"}``

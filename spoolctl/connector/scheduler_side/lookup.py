@@ -12,6 +12,8 @@
   it (``holdings``), so no request is planned against a chunk a rank evicted. A catalog
   read has a deadline (``diskguard``): a store late or taken out counts as holding
   nothing, and the request is a miss (``last_unserved``), never a wait on the disk.
+  A rank on several drives (decision 2714 item 5) is read on every drive at once, each
+  within the deadline, and holds a key when one of its drives that answered does.
 
 No vLLM import: vLLM's request objects are read by attribute.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -115,6 +118,11 @@ class RankLookup:
         self._places = list(places)
         self._local: dict[int, tuple[Store, str]] = {}  # rank -> (its store, its namespace)
         self._guards: dict[int, DiskGuard] = {}  # rank -> its store's deadlines and health
+        # Ranks on several drives: rank -> its other drives' (store, guard), read together
+        # with the first on ``_readers`` (each read returns within its guard's deadline).
+        self._more: dict[int, list[tuple[Store, DiskGuard]]] = {}
+        self._readers: ThreadPoolExecutor | None = None
+        self._readers_width = 0
         self._guard_settings = {"deadline_s": deadline_s, "probe_interval_s": probe_interval_s}
         # The last ``present`` found a local store late or out of service (its chunks: misses).
         self.last_unserved = False
@@ -134,6 +142,9 @@ class RankLookup:
                     continue
                 store, ns = local
                 ids = [entry_id_for(KIND, ns, k) for k in keys]
+                if place.rank in self._more:
+                    yield self._present_on_drives(place.rank, store, ids)
+                    continue
                 served, live = self._guards[place.rank].call(partial(store.live, ids))
                 if not served:
                     self.last_unserved = True
@@ -143,6 +154,22 @@ class RankLookup:
 
         return quorum(per_rank(), len(keys))
 
+    def _present_on_drives(self, rank: int, store: Store, ids: list[str]) -> list[bool]:
+        """A rank on several drives: every drive's ``live(ids)`` at once, each within its
+        guard's deadline (so the lookup waits for the slowest drive, not their sum); a key
+        counts when a drive that answered holds it (a late or down drive holds nothing)."""
+        drives = [(store, self._guards[rank]), *self._more[rank]]
+        assert self._readers is not None
+        calls = [self._readers.submit(guard.call, partial(s.live, ids)) for s, guard in drives]
+        held = [False] * len(ids)
+        for call in calls:
+            served, live = call.result()
+            if not served:
+                self.last_unserved = True
+                continue
+            held = [h or i in live for h, i in zip(held, ids, strict=True)]
+        return held
+
     def touch(self, keys: Iterable[str]) -> None:
         """Mark ``keys`` used in the stores read here (each worker touches its own at
         restore; this keeps a same-host store's LRU clock current at lookup)."""
@@ -151,6 +178,8 @@ class RankLookup:
             ids = [entry_id_for(KIND, ns, k) for k in keys]
             # Best effort, never waited for: skipped while the disk is busy or out.
             self._guards[rank].spare(partial(store.touch, ids))
+            for other, guard in self._more.get(rank, ()):
+                guard.spare(partial(other.touch, ids))
 
     @property
     def places(self) -> list[RankPlace]:
@@ -168,12 +197,31 @@ class RankLookup:
         self._guards[rank] = guard_for(store, **self._guard_settings)
         return before[0] if before is not None else None
 
+    def read_on_drives(self, rank: int, more: Sequence[Store]) -> list[Store]:
+        """A rank on several drives: read its chunks in ``more`` (its stores on its other
+        drives) too, with the store given to ``read_locally``; returns the other drives'
+        stores it was read in before (for the caller to release)."""
+        earlier = [s for s, _ in self._more.pop(rank, [])]
+        if more:
+            self._more[rank] = [(s, guard_for(s, **self._guard_settings)) for s in more]
+            width = sum(len(d) + 1 for d in self._more.values())
+            if self._readers is None or self._readers_width < width:
+                old, self._readers_width = self._readers, width
+                self._readers = ThreadPoolExecutor(width, thread_name_prefix="spoolctl-lookup")
+                if old is not None:
+                    old.shutdown(wait=False)
+        return earlier
+
     def stop_reading_locally(self) -> list[Store]:
         """Forget every local store (their ranks' chunks are then known from reports
         only); returns them."""
         stores = self.local_stores()
         self._local.clear()
         self._guards.clear()
+        self._more.clear()
+        if self._readers is not None:
+            self._readers.shutdown(wait=False)  # every read on it ends within its deadline
+            self._readers = None
         return stores
 
     def apply(self, reports: Iterable[InventoryReport]) -> list[int]:
@@ -190,8 +238,10 @@ class RankLookup:
         return self._view
 
     def local_readers(self) -> list[tuple[Store, str]]:
-        """(store, namespace) of every rank read here directly, in rank order."""
-        return [self._local[r] for r in sorted(self._local)]
+        """(store, namespace) of every rank store read here directly (every drive's), in
+        rank order."""
+        return [(s, self._local[r][1]) for r in sorted(self._local)
+                for s in (self._local[r][0], *(o for o, _ in self._more.get(r, ())))]
 
     def acks(self) -> dict[int, Ack]:
         return self._view.acks()
@@ -200,11 +250,13 @@ class RankLookup:
         return self._view.resync_requests()
 
     def local_stores(self) -> list[Store]:
-        return [self._local[r][0] for r in sorted(self._local)]
+        return [s for s, _ in self.local_readers()]
 
     def down_ranks(self) -> list[int]:
-        """Ranks read here whose store is out of service (``diskguard``)."""
-        return sorted(r for r, g in self._guards.items() if g.down)
+        """Ranks read here with a store out of service (``diskguard``; on several drives:
+        one entry per drive out, so ``spoolctl_disk_down`` counts stores)."""
+        return sorted([r for r, g in self._guards.items() if g.down] +
+                      [r for r, more in self._more.items() for _, g in more if g.down])
 
     def state(self) -> dict:
         """Per rank: how it is read and how many chunks it is known to hold (and

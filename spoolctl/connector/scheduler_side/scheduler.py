@@ -123,10 +123,13 @@ class SchedulerSide:
         if not hs.store_id:
             return  # its worker has not opened it yet (a hung or missing disk): reports
         settings = self._dep.settings
+        # Several drives: every drive the worker uses, each checked by its store id.
+        wanted = [(d.base, d.root) for d in hs.drives] or [(settings.root, root)]
+        ids = [d.store_id for d in hs.drives] or [hs.store_id]
         try:
             # A reader: never changes the max size the rank records (its worker sets it).
             # Bounded: a disk that hangs now must not hang vLLM's scheduler (decision 2714).
-            drives = DriveStores.open([(settings.root, root)], self._stores, create=False,
+            drives = DriveStores.open(wanted, self._stores, create=False,
                                       tag_key=settings.tag_key(),
                                       deadline_s=settings.lookup_deadline,
                                       probe_interval_s=settings.probe_interval)
@@ -134,20 +137,22 @@ class SchedulerSide:
             log.warning("spoolctl: rank %d store not readable here (%s); using its reports",
                         hs.rank, exc.message)
             return
-        opened = drives.opened()
-        if not opened:
-            drives.close()  # no retries: its reports tell what it holds
+        opened = [s.store for s in drives.slots if s.store is not None]
+        if len(opened) != len(wanted):
+            drives.close()  # no retries: its reports tell what it holds (2730)
             log.warning("spoolctl: rank %d store not open here in time; using its reports",
                         hs.rank)
             return
-        store = opened[0].store
-        assert store is not None
-        if store.marker.store_id != hs.store_id:
-            self._stores.release(store)
+        if [s.marker.store_id for s in opened] != ids:
+            drives.close()
             return  # same path, different store (another disk mounted there): use reports
+        store, *more = opened
+        assert store is not None
         before = self._ranks.read_locally(hs.rank, store, self._dep.rank_namespace(place))
         if before is not None:  # a repeated handshake: one reference per rank
             self._stores.release(before)
+        for earlier in self._ranks.read_on_drives(hs.rank, more):  # several drives
+            self._stores.release(earlier)
 
     def apply_output(self, connector_output: Any) -> None:
         """The workers' step output: failed restores and inventory reports."""

@@ -19,6 +19,7 @@ chunk's manifest index may carry its vLLM block hashes (hashes only, for the KV 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from spoolctl import metrics as m
 from spoolctl.store import PutRequest, Store, StoreIOError
 
+from ..deployment import drives
 from ..kv.kvio import BufferPool, CopyHandle
 from ..planning.tenancy import commit_tenant
 from ..scheduler_side.lookup import KIND
@@ -49,6 +51,25 @@ GAP_MEMORY = 4096
 
 # Told of each chunk committed: (its key, its bytes) -- the per-tenant byte counter.
 Committed = Callable[[str, int], None]
+# Several drives (decision 2714): a chunk key -> (the drive it is written to, its home),
+# or None when no drive is up.
+Route = Callable[[str], "tuple[str, str] | None"]
+
+
+def drive_route(ids: Sequence[str], up: Callable[[str], bool]) -> Route:
+    """``route(key)``: decision 2714's rule (``drives.route``, on one ranking): the first
+    drive of the key's ``ranked`` order that is ``up`` (its home while the home is up,
+    else the runner-up), with the home beside it so a failover can be counted; None when
+    every drive is down.
+    ``up`` is read per chunk (memory only: a ``DiskGuard``'s flag)."""
+    ids = tuple(ids)
+
+    def route(key: str) -> tuple[str, str] | None:
+        order = drives.ranked(key, ids)  # ranked once: route's order, home first
+        target = next((d for d in order if up(d)), None)
+        return None if target is None else (target, order[0])
+
+    return route
 
 
 def _nbytes(objects: Objects) -> int:
@@ -56,10 +77,11 @@ def _nbytes(objects: Objects) -> int:
 
 
 def rank_commit(store: Store, namespace: str, holdings: RankHoldings,
-                on_committed: Committed | None = None,
+                on_committed: Committed | None = None, *, drive: str = "",
                 ) -> Callable[[str, Objects, Mapping[str, Any]], None]:
     """``put(key, objects, meta)`` committing one chunk entry into this rank's store (on an
-    encrypted store sealed for the tenant its key names: ``tenancy``)."""
+    encrypted store sealed for the tenant its key names: ``tenancy``); ``drive``: the
+    store's drive id (several drives), told to ``holdings``."""
 
     def put(key: str, objects: Objects, meta: Mapping[str, Any]) -> None:
         index = meta.get(INDEX_KEY)
@@ -67,15 +89,22 @@ def rank_commit(store: Store, namespace: str, holdings: RankHoldings,
         # No commit-time eviction: holdings withdraws victims from the scheduler first.
         store.put(kind=KIND, namespace=namespace, key=key, objects=objects, meta=meta,
                   index=index, evict=False, tenant=commit_tenant(store, key))
-        holdings.committed(key)
+        _committed(holdings, key, drive)
         if on_committed is not None:
             on_committed(key, _nbytes(objects))
 
     return put
 
 
+def _committed(holdings: RankHoldings, key: str, drive: str) -> None:
+    if drive:
+        holdings.committed(key, drive)
+    else:
+        holdings.committed(key)
+
+
 def rank_commit_many(store: Store, namespace: str, holdings: RankHoldings,
-                     on_committed: Committed | None = None) -> PutMany:
+                     on_committed: Committed | None = None, *, drive: str = "") -> PutMany:
     """``put_many([(key, objects, meta), ...])`` committing chunk entries into this rank's
     store together (one group commit); per chunk, None or the error that kept it out."""
 
@@ -91,7 +120,7 @@ def rank_commit_many(store: Store, namespace: str, holdings: RankHoldings,
         errors: list[BaseException | None] = []
         for (key, objects, _), outcome in zip(items, outcomes, strict=True):
             if outcome.ok:
-                holdings.committed(key)
+                _committed(holdings, key, drive)
                 if on_committed is not None:
                     on_committed(key, _nbytes(objects))
                 errors.append(None)
@@ -106,12 +135,21 @@ def rank_commit_many(store: Store, namespace: str, holdings: RankHoldings,
 class ChunkStager:
     """Captures chunks of ``chunk_bytes`` into staging buffers and queues their commits with
     ``put`` (see ``rank_commit``), or chunks queued together with ``put_many`` if given
-    (``rank_commit_many``). ``meta`` is recorded in every chunk's manifest."""
+    (``rank_commit_many``). ``meta`` is recorded in every chunk's manifest.
 
-    def __init__(self, put: Callable[[str, Objects, Mapping[str, Any]], None], *,
+    Several drives (``for_drives``, decision 2714): one ``StoreWriter`` per drive (its own
+    thread, batch, commit functions and ledger, each with ``staging_bytes / n``, so host
+    memory stays bounded by ``staging_bytes`` and a hung drive fills only its share);
+    ``stage`` routes each chunk with ``route`` (``drive_route``): a chunk whose home is
+    down goes to its runner-up, counted in ``spoolctl_drive_failover_stores_total{drive}``
+    (``drive``: the home's base root), and one no drive can take is skipped ``disk_down``."""
+
+    def __init__(self, put: Callable[[str, Objects, Mapping[str, Any]], None] | None, *,
                  chunk_bytes: int, staging_bytes: int, meta: Mapping[str, Any],
                  counters: ConnectorCounters, pin: bool = False,
-                 put_many: PutMany | None = None, ledger: Any = None):
+                 put_many: PutMany | None = None, ledger: Any = None,
+                 writers: Mapping[str, StoreWriter] | None = None,
+                 route: Route | None = None, labels: Mapping[str, str] | None = None):
         self._chunk_bytes = chunk_bytes
         self._meta = dict(meta)
         self._counters = counters
@@ -119,10 +157,31 @@ class ChunkStager:
         # one. Pinned when the KV cache is on a CUDA device (device copies are then DMA).
         self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes),
                                 pin=pin)
-        self._writer = StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
-                                   put_many=put_many, ledger=ledger)
+        if writers is None:  # one store: one writer, no route (today's path)
+            assert put is not None
+            writers = {"": StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
+                                       put_many=put_many, ledger=ledger)}
+        self._writers = dict(writers)
+        self._route, self._labels = route, dict(labels or {})
         # request -> index of its first chunk not stored (see the module docstring)
         self._gaps: OrderedDict[str, int] = OrderedDict()
+
+    @classmethod
+    def for_drives(cls, commits: Mapping[str, tuple[Callable[[str, Objects,
+                                                              Mapping[str, Any]], None],
+                                                     PutMany | None, Any]],
+                   route: Route, labels: Mapping[str, str], *, chunk_bytes: int,
+                   staging_bytes: int, meta: Mapping[str, Any], counters: ConnectorCounters,
+                   pin: bool = False) -> ChunkStager:
+        """A stager over several drives: ``commits`` maps each drive id to its
+        ``(put, put_many, ledger)`` (``rank_commit`` / ``rank_commit_many`` of that drive's
+        store); ``labels`` maps a drive id to its base root (the metric's label)."""
+        share = max(chunk_bytes, staging_bytes // max(1, len(commits)))
+        writers = {drive: StoreWriter(put, staging_bytes=share, counters=counters,
+                                      put_many=put_many, ledger=ledger)
+                   for drive, (put, put_many, ledger) in commits.items()}
+        return cls(None, chunk_bytes=chunk_bytes, staging_bytes=staging_bytes, meta=meta,
+                   counters=counters, pin=pin, writers=writers, route=route, labels=labels)
 
     def stage(self, key: str, index: int,
               fill: Callable[[torch.Tensor], tuple[Objects, CopyHandle]], *,
@@ -137,14 +196,22 @@ class ChunkStager:
         if gap is not None and index > gap:
             self._counters.inc(m.STORES_SKIPPED, reason="after_gap")
             return
-        why = self._writer.try_reserve(key, nbytes)
+        drive, home = "", ""
+        if self._route is not None:
+            routed = self._route(key)
+            if routed is None:  # every drive down (decision 2720's check, per chunk)
+                self.skip(index, request=request, reason="disk_down")
+                return
+            drive, home = routed
+        writer = self._writers[drive]
+        why = writer.try_reserve(key, nbytes)
         if why is not None:
             if why != "exists":  # "exists": another request is storing this very chunk
                 self._gap(request, index)
             return
         buf = self._bufs.get()
         if buf is None:  # more chunks in flight than slots: same as over budget
-            self._writer.cancel(key, nbytes)
+            writer.cancel(key, nbytes)
             self._counters.inc(m.STORES_SKIPPED, reason="budget")
             self._gap(request, index)
             return
@@ -152,7 +219,7 @@ class ChunkStager:
             objects, handle = fill(buf)
         except Exception:  # raised before any copy was issued (ids are checked first)
             self._bufs.put(buf)
-            self._writer.cancel(key, nbytes)
+            writer.cancel(key, nbytes)
             log.exception("spoolctl: could not capture a chunk; not stored")
             self._counters.inc(m.STORES_SKIPPED, reason="io_error")
             self._gap(request, index)
@@ -160,7 +227,9 @@ class ChunkStager:
         meta_doc = dict(self._meta, chunk_index=index)
         if index_doc:
             meta_doc[INDEX_KEY] = dict(index_doc)
-        self._writer.submit(PendingStore(
+        if drive != home:  # its home is down: written to the runner-up (decision 2714)
+            self._counters.inc(m.DRIVE_FAILOVER_STORES, drive=self._labels.get(home, home))
+        writer.submit(PendingStore(
             key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf),
             ready=handle.wait))
 
@@ -180,13 +249,20 @@ class ChunkStager:
             self._gaps.popitem(last=False)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued commits; False on timeout."""
-        return self._writer.flush(timeout)
+        """Wait for queued commits (every drive's, within the one bound); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all([w.flush(_left(deadline)) for w in self._writers.values()])
 
     def close(self, timeout: float | None) -> bool:
-        """Stop accepting chunks, drain (bounded) and stop the writer; False if some were
-        left uncommitted. The staging buffers are unpinned once the writer drained."""
-        drained = self._writer.close(timeout)
+        """Stop accepting chunks, drain (bounded) and stop the writers; False if some were
+        left uncommitted. The writers drain concurrently (each on its own thread), so one
+        bound covers them all. The staging buffers are unpinned once every writer drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        drained = all([w.close(_left(deadline)) for w in self._writers.values()])
         if drained:
             self._bufs.close()
         return drained
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

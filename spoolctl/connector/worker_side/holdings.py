@@ -26,6 +26,18 @@ recorded max size becomes ``min(spoolctl_max_size, share)``, enforced as above.
 
 All store I/O runs on one daemon thread, never on vLLM's engine loop; the methods
 the connector calls from the engine loop only take a lock and touch memory.
+
+Several drives (``for_drives``, decision 2714): one inventory for the rank, a store per
+drive under it. Each drive has its own held set (a rescan of a drive replaces its set),
+and the rank holds a key when some drive that is ``up`` holds it; ``drives_changed()``
+after a drive went down or came back recomputes that union (a key held only on a down
+drive is withdrawn from the scheduler's view, and restated when the drive is back).
+``committed(key, drive)`` and ``lost(key, drive)`` name the drive; ``locate(key)`` is the
+up drive to read a key from (the first in the key's ``ranked`` order that holds it).
+Capacity is per drive: a victim another up drive also holds is deleted at once (the rank's
+inventory does not change), one held nowhere else is withdrawn first as above, and the
+acknowledged delete happens on the drive it was withdrawn from. One store (the
+constructor) is a set of one drive ``""``, always up: today's behaviour.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from collections.abc import Callable, Iterable, Mapping
 from spoolctl.errors import BusyError, SpoolError
 from spoolctl.store import Store, entry_id_for
 
+from ..deployment import drives as drive_rules
 from ..deployment.host_budget import effective_max
 from ..planning.inventory import (
     HANDSHAKE_MAX_KEYS,
@@ -67,6 +80,12 @@ class RankHoldings:
         """``per_rank_max``: ``spoolctl_max_size``; ``share``: this rank's host budget share
         until the scheduler sends one (None: no host budget)."""
         self.store = store
+        # Several drives (``for_drives``): drive id -> its rank store, and whether it is up
+        # (one store: drive "", always up).
+        self._stores: dict[str, Store] = {"": store}
+        self._up: Callable[[str], bool] = lambda drive: True
+        self._on: dict[str, set[bytes]] = {"": set()}  # what each drive holds
+        self._withdrawn_on: dict[bytes, str] = {}  # a withdrawal's drive (its delete's)
         self.kind = kind
         self.namespace = namespace
         self.rank = rank
@@ -80,7 +99,7 @@ class RankHoldings:
         self._drops: list[bytes] = []  # chunks the scheduler asked every rank to drop
         self._per_rank_max = per_rank_max
         self._share = share  # the host budget share to apply (None: no host budget)
-        self._scan_adds: set[bytes] | None = None  # commits seen while a rescan runs
+        self._scan_adds: dict[str, set[bytes]] | None = None  # commits during a rescan
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,9 +108,42 @@ class RankHoldings:
         self.withdrawn_then_deleted = 0  # deletions that waited for the scheduler's ack
         self.dropped = 0  # entries withdrawn because another rank withdrew them
 
+    @classmethod
+    def for_drives(cls, stores: Mapping[str, Store], up: Callable[[str], bool], *,
+                   kind: str, namespace: str, rank: int, epoch: int, **kw) -> RankHoldings:
+        """One inventory over a rank's stores on several drives (the module docstring):
+        ``stores`` maps drive id -> rank store (ordered as configured), ``up(drive)`` says
+        whether a drive serves (its ``DiskGuard``, memory only)."""
+        first = next(iter(stores.values()))
+        holdings = cls(first, kind=kind, namespace=namespace, rank=rank, epoch=epoch, **kw)
+        holdings._stores = dict(stores)
+        holdings._up = up
+        holdings._on = {drive: set() for drive in stores}
+        return holdings
+
     @property
     def epoch(self) -> int:
         return self._inv.epoch
+
+    @property
+    def several(self) -> bool:
+        return len(self._stores) > 1
+
+    def drive_ids(self) -> list[str]:
+        """The drives this inventory covers, in configured order ("" for one store)."""
+        return list(self._stores)
+
+    def _union(self) -> set[bytes]:
+        """With the lock held: what the rank holds (every up drive's keys)."""
+        held: set[bytes] = set()
+        for drive, keys in self._on.items():
+            if self._up(drive):
+                held |= keys
+        return held
+
+    def _elsewhere(self, raw: bytes, drive: str) -> bool:
+        """With the lock held: another up drive holds ``raw`` too."""
+        return any(d != drive and raw in keys and self._up(d) for d, keys in self._on.items())
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -112,19 +164,47 @@ class RankHoldings:
 
     # -- engine-loop side (memory only) --------------------------------------------------------
 
-    def committed(self, key: str) -> None:
+    def committed(self, key: str, drive: str = "") -> None:
         raw = key_bytes(key)
         with self._lock:
+            self._on[drive].add(raw)
             self._inv.add(raw)
             self._withdrawn_at.pop(raw, None)
+            self._withdrawn_on.pop(raw, None)
             if self._scan_adds is not None:
-                self._scan_adds.add(raw)
-        if self.store.max_bytes is not None:
+                self._scan_adds.setdefault(drive, set()).add(raw)
+        if self._stores[drive].max_bytes is not None:
             self._wake.set()  # the thread checks capacity
 
-    def lost(self, key: str) -> None:
+    def lost(self, key: str, drive: str | None = None) -> None:
+        """A chunk disappeared or failed to read: on ``drive`` only (several drives; the rank
+        still holds it while another up drive does), or everywhere (None)."""
+        raw = key_bytes(key)
         with self._lock:
-            self._inv.lost(key_bytes(key))
+            for d, keys in self._on.items():
+                if drive is None or d == drive:
+                    keys.discard(raw)
+            if drive is None or not self._elsewhere(raw, drive):
+                self._inv.lost(raw)
+
+    def locate(self, key: str) -> str | None:
+        """The up drive to read ``key`` from: the first of its ``ranked`` order that holds it
+        (memory only); None when no up drive does."""
+        raw = key_bytes(key)
+        with self._lock:
+            holders = [d for d, keys in self._on.items() if raw in keys and self._up(d)]
+        if len(holders) <= 1:
+            return holders[0] if holders else None
+        return drive_rules.ranked(key, holders)[0]
+
+    def drives_changed(self) -> None:
+        """A drive went down or came back (its guard's flag changed): the rank holds what
+        its up drives hold, so keys held only on a down drive are withdrawn from the
+        scheduler's view, and a drive that is back restates what it held (its keeper's next
+        rescan corrects the set if it changed meanwhile)."""
+        with self._lock:
+            self._inv.replace(self._union())
+        self._wake.set()
 
     def handshake_report(self) -> InventoryReport:
         with self._lock:
@@ -191,72 +271,99 @@ class RankHoldings:
                                 exc.message if isinstance(exc, SpoolError) else exc)
 
     def rescan(self) -> None:
-        """Re-read the store's inventory (catches deletions made behind our back)."""
+        """Re-read the stores' inventories (catches deletions made behind our back); a
+        drive that is down is not read (its set stays as it was, out of the union)."""
         with self._lock:
-            self._scan_adds = set()
+            self._scan_adds = {}
         try:
-            keys = self.store.live_keys(self.kind, self.namespace)
+            found: dict[str, set[bytes]] = {}
+            for drive, store in self._stores.items():
+                if not self._up(drive):
+                    continue
+                held = set()
+                for key in store.live_keys(self.kind, self.namespace):
+                    with contextlib.suppress(ValueError):
+                        held.add(key_bytes(key))
+                found[drive] = held
         except BaseException:
             with self._lock:
                 self._scan_adds = None
             raise
-        held = set()
-        for key in keys:
-            with contextlib.suppress(ValueError):
-                held.add(key_bytes(key))
         with self._lock:
-            held |= self._scan_adds or set()
-            self._scan_adds = None
-            self._inv.replace(held)
+            adds, self._scan_adds = self._scan_adds or {}, None
+            for drive, held in found.items():
+                self._on[drive] = held | adds.get(drive, set())
+            self._inv.replace(self._union())
 
     def _entry_id(self, raw: bytes) -> str:
         return entry_id_for(self.kind, self.namespace, raw.hex())
 
     def _apply_share(self) -> None:
-        """Record the effective max size (``min(spoolctl_max_size, share)``) in the store."""
+        """Record the effective max size (``min(spoolctl_max_size, share)``) in each store
+        (several drives: the share bounds the rank's store on every drive)."""
         with self._lock:
             share = self._share
         if share is None:
             return
         bound = effective_max(self._per_rank_max, share)
-        if bound != self.store.max_bytes:
-            self.store.set_max_bytes(bound)
+        for drive, store in self._stores.items():
+            if bound != store.max_bytes and self._up(drive):
+                store.set_max_bytes(bound)
 
     def _drop_requested(self) -> None:
         with self._lock:
             keys, self._drops = self._drops, []
-        if keys:
-            self.dropped += self._withdraw([self._entry_id(k) for k in keys])
+            on = {d: [k for k in keys if k in held] for d, held in self._on.items()}
+        if not keys:
+            return
+        if not self.several:
+            (only,) = self._stores
+            self.dropped += self._withdraw([self._entry_id(k) for k in keys], only)
+            return
+        for drive, held in on.items():  # from every drive holding it
+            if held and self._up(drive):
+                self.dropped += self._withdraw([self._entry_id(k) for k in held], drive)
 
     def _enforce_capacity(self) -> None:
-        if self.store.max_bytes is None or self.store.totals().bytes <= self.store.max_bytes:
-            return
-        plan = self.store.enforce_capacity(dry_run=True, budget=EVICTION_BUDGET, wait=False)
-        self._withdraw(plan.entry_ids)
+        for drive, store in self._stores.items():  # each drive evicts on itself only
+            if not self._up(drive) or store.max_bytes is None or \
+                    store.totals().bytes <= store.max_bytes:
+                continue
+            plan = store.enforce_capacity(dry_run=True, budget=EVICTION_BUDGET, wait=False)
+            self._withdraw(plan.entry_ids, drive)
 
-    def _withdraw(self, entry_ids: Iterable[str]) -> int:
-        """Withdraw entries (release them, report their removal) and delete those the
-        scheduler cannot count on; the rest are deleted once acknowledged. Returns how
-        many were withdrawn."""
+    def _withdraw(self, entry_ids: Iterable[str], drive: str = "") -> int:
+        """Withdraw entries of ``drive``'s store (release them, report their removal) and
+        delete those the scheduler cannot count on; the rest are deleted once
+        acknowledged. A copy another up drive also holds is deleted at once: the rank
+        still holds the key. Returns how many were withdrawn."""
+        store = self._stores[drive]
         now: list[str] = []
         expired = withdrawn = 0
         for entry_id in entry_ids:
-            row = self.store.row(entry_id)
+            row = store.row(entry_id)
             if row is None:
                 continue
             wait = False
             if row.kind == self.kind and row.namespace == self.namespace:
                 with contextlib.suppress(ValueError), self._lock:
                     raw = key_bytes(row.key)
-                    wait = self._inv.withdraw(raw)
-                    since = self._withdrawn_at.setdefault(raw, self._clock())
-                    if wait and self._clock() - since >= self.ack_timeout_s:
-                        self._inv.expire(raw)  # bounded disk beats a perfect withdrawal
-                        wait = False
-                        expired += 1
-                    if not wait:
-                        self._withdrawn_at.pop(raw, None)
-            self.store.release(entry_id)
+                    self._on[drive].discard(raw)
+                    if self._elsewhere(raw, drive):
+                        wait = False  # another copy serves: the inventory does not change
+                    else:
+                        wait = self._inv.withdraw(raw)
+                        since = self._withdrawn_at.setdefault(raw, self._clock())
+                        if wait and self._clock() - since >= self.ack_timeout_s:
+                            self._inv.expire(raw)  # bounded disk beats a perfect withdrawal
+                            wait = False
+                            expired += 1
+                        if not wait:
+                            self._withdrawn_at.pop(raw, None)
+                            self._withdrawn_on.pop(raw, None)
+                        else:
+                            self._withdrawn_on[raw] = drive  # its delete's drive
+            store.release(entry_id)
             withdrawn += 1
             if not wait:
                 now.append(entry_id)
@@ -265,19 +372,23 @@ class RankHoldings:
                         "within %.0f s; deleted anyway (restores planned against them are "
                         "recomputed)", expired, self.ack_timeout_s)
         if now:
-            self._delete(now)
+            self._delete(now, drive)
         return withdrawn
 
     def _delete_acknowledged(self) -> None:
         with self._lock:
             doomed, self._deletable = self._deletable, []
+            on: dict[str, list[bytes]] = {}
             for key in doomed:
                 self._withdrawn_at.pop(key, None)
-        if doomed:
-            self.withdrawn_then_deleted += self._delete([self._entry_id(k) for k in doomed])
+                on.setdefault(self._withdrawn_on.pop(key, ""), []).append(key)
+        for drive, keys in on.items():
+            if drive in self._stores:
+                self.withdrawn_then_deleted += self._delete(
+                    [self._entry_id(k) for k in keys], drive)
 
-    def _delete(self, entry_ids: list[str]) -> int:
-        report = self.store.delete_released(entry_ids)
+    def _delete(self, entry_ids: list[str], drive: str = "") -> int:
+        report = self._stores[drive].delete_released(entry_ids)
         self.evicted_entries += report.entries
         self.evicted_bytes += report.bytes
         return report.entries

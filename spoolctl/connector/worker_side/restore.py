@@ -51,6 +51,13 @@ anything else ``unknown``. A chunk that is gone or bad is also reported lost
 its caller (``take_reason``), which carries it to the scheduler (decision 2740). Nothing
 here raises into vLLM.
 
+Several drives (decision 2714): with ``locate``, each chunk is read from the drive
+``locate(key)`` names (its store, guard and read pool), looked up when its read is
+submitted (memory only); a chunk no up drive holds is ``absent`` and one whose drive is
+down ``disk_down``, both at once without a read, so the chunks before it are restored. A
+failed read is lost on that drive only (``on_lost(key, drive)``), and the restored
+entries are touched on the drive each was read from.
+
 What a chunk *is* (which objects, which blocks) is the format's business (``formats``).
 """
 
@@ -89,6 +96,21 @@ RESTORE_BUFFER_BYTES = 256 << 20
 ReadResult = tuple["torch.Tensor | None", "str | None", int]
 
 
+@dataclass(frozen=True, eq=False)
+class Located:
+    """Where one chunk is read from (several drives): the drive's id, its rank store, its
+    ``DiskGuard`` and its read pool (a hung drive strands only its own pool's threads)."""
+
+    drive: str
+    store: Store
+    guard: DiskGuard | None
+    pool: Executor
+
+
+# key -> the up drive holding it (``RankHoldings.locate``), or None when none does
+Locate = Callable[[str], "Located | None"]
+
+
 @dataclass
 class _Restore:
     """One request's restore in flight (engine thread only)."""
@@ -105,6 +127,7 @@ class _Restore:
     reason: str = "unknown"  # why it failed (a ``load_errors_total`` reason), once it has
     cancelled: bool = False
     entry_ids: list[str] = field(default_factory=list)  # read and copied: touched at the end
+    where: dict[int, Located] = field(default_factory=dict)  # several drives: each chunk's
     # Reader-side copies (``copy_in_reader``) happen under ``lock`` while ``open``.
     lock: threading.Lock = field(default_factory=threading.Lock)
     open: bool = True
@@ -146,11 +169,14 @@ class RestorePipeline:
                  pin: bool = False, deadline_s: float = DEFAULT_READ_DEADLINE_S,
                  guard: DiskGuard | None = None,
                  on_restored: Callable[[str, int], None] | None = None,
-                 copy_in_reader: bool = False):
+                 copy_in_reader: bool = False, locate: Locate | None = None):
         """``on_restored(first key, bytes)``: each request's restored bytes (per tenant).
         ``copy_in_reader``: KV in host memory, the reader thread copies each verified chunk
-        into its blocks (decision 2910)."""
+        into its blocks (decision 2910). ``locate``: several drives (the module docstring);
+        ``store``, ``guard`` and ``pool`` then serve nothing but the touches of entries
+        ``locate`` did not place."""
         self._store = store
+        self._locate = locate
         self._on_restored = on_restored
         self.copy_in_reader = copy_in_reader
         self.deadline_s = deadline_s
@@ -284,9 +310,11 @@ class RestorePipeline:
             if r.failed_at is None and not r.cancelled and r.copied < len(r.items) \
                     and now - r.head_since > self.deadline_s:
                 self._counters.inc(m.LOAD_ERRORS, reason="deadline")
+                where = r.where.get(r.copied)
+                guard = where.guard if where is not None else self._guard
                 r.failed_at, r.reason = r.copied, "deadline"
-                if self._guard is not None:
-                    self._guard.failed("restore")
+                if guard is not None:
+                    guard.failed("restore")
             if r.failed_at is not None or r.cancelled:
                 r.close()  # before it is reported: no reader copies into its blocks now
                 if r.reads:
@@ -324,11 +352,32 @@ class RestorePipeline:
     def _submit(self) -> None:
         for r in self._active:  # first come, first served
             while r.wants_reads and self._in_flight < self.slots:
-                r.reads.append(self._pool.submit(self.read, r.items[r.submitted], r))
+                item = r.items[r.submitted]
+                if self._locate is None:
+                    r.reads.append(self._pool.submit(self.read, item, r))
+                else:
+                    r.reads.append(self._read_located(r, r.submitted, item))
                 r.submitted += 1
                 self._in_flight += 1
             if self._in_flight >= self.slots:
                 return
+
+    def _read_located(self, r: _Restore, index: int, item: ChunkRestore) -> Future:
+        """Several drives: submit ``item``'s read on the pool of the drive ``locate`` names;
+        a chunk no up drive holds (``absent``) or whose drive is down (``disk_down``) fails
+        at once, without a read."""
+        where = self._locate(item.key) if self._locate is not None else None
+        reason = "absent" if where is None else \
+            "disk_down" if where.guard is not None and where.guard.down else None
+        if reason is None and where is not None:
+            r.where[index] = where
+            try:
+                return where.pool.submit(self.read, item, r, where)
+            except RuntimeError:  # that drive's pool shut down (worker shutdown)
+                reason = "unknown"
+        done: Future = Future()
+        done.set_result((None, reason, 0))
+        return done
 
     def _take_ended(self) -> list[tuple[str, int | None]]:
         ended, still = [], []
@@ -342,7 +391,15 @@ class RestorePipeline:
                 if self._on_restored is not None:
                     self._on_restored(r.items[0].key, r.nbytes)
                 self._counters.observe(m.RESTORE_SECONDS, time.perf_counter() - r.started)
-            if r.entry_ids:
+            if r.entry_ids and r.where:  # several drives: each on the drive it came from
+                by_drive: dict[int, tuple[Located, list[str]]] = {}
+                for i, entry_id in enumerate(r.entry_ids):
+                    where = r.where.get(i)
+                    if where is not None:
+                        by_drive.setdefault(id(where.store), (where, []))[1].append(entry_id)
+                for where, ids in by_drive.values():
+                    self._touch_later(ids, where.store, where.pool)
+            elif r.entry_ids:
                 self._touch_later(r.entry_ids)
             if r.failed_at is not None and not r.cancelled:
                 self._reasons[r.req_id] = r.reason
@@ -353,10 +410,11 @@ class RestorePipeline:
     def _entry_id(self, item: ChunkRestore) -> str:
         return entry_id_for(KIND, self._namespace, item.key)
 
-    def _touch_later(self, entry_ids: list[str]) -> None:
+    def _touch_later(self, entry_ids: list[str], store: Store | None = None,
+                     pool: Executor | None = None) -> None:
         """Move the LRU clock of a restore's entries, once, on a helper thread (each rank
         keeps its own clock: the scheduler may not see this store). Nobody waits for it."""
-        store = self._store
+        store = store if store is not None else self._store
 
         def touch() -> None:
             try:
@@ -365,7 +423,7 @@ class RestorePipeline:
                 log.warning("spoolctl: could not record restored entries' access: %s", exc)
 
         with contextlib.suppress(RuntimeError):  # the pool shut down (worker shutdown): skip
-            self._pool.submit(touch)
+            (pool if pool is not None else self._pool).submit(touch)
 
     def _copy_here(self, owner: _Restore, item: ChunkRestore, buf: torch.Tensor,
                    nbytes: int) -> ReadResult:
@@ -387,20 +445,30 @@ class RestorePipeline:
             self._release(buf, handle)
         return None, reason, (0 if reason else nbytes)
 
-    def read(self, item: ChunkRestore, owner: _Restore | None = None) -> ReadResult:
+    def read(self, item: ChunkRestore, owner: _Restore | None = None,
+             where: Located | None = None) -> ReadResult:
         """Load ``item``'s manifest, check it (a mismatch is quarantined), then fill a
         restore buffer with its verified objects. Returns ``(buffer, None, bytes)`` or
         ``(None, reason, 0)`` where reason is a metrics label; with ``copy_in_reader`` and
         the ``owner`` restore still open, the verified buffer is copied into the KV blocks
-        here and ``(None, None, bytes)`` returned. Never raises (helper thread)."""
-        store = self._store
+        here and ``(None, None, bytes)`` returned. ``where``: the drive to read from
+        (several drives). Never raises (helper thread)."""
+        store = where.store if where is not None else self._store
+        guard = where.guard if where is not None else self._guard
+
+        def lost() -> None:
+            if where is None:
+                self._on_lost(item.key)
+            else:  # that drive's copy only: another drive may hold the chunk too
+                self._on_lost(item.key, where.drive)
+
         entry_id = self._entry_id(item)
         try:
             manifest = store.manifest(entry_id)
             if not item.valid(manifest):
                 store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
                                        "KV layout does not match this deployment")
-                self._on_lost(item.key)
+                lost()
                 self._counters.inc(m.QUARANTINE_EVENTS, reason="manifest_validation")
                 return None, "manifest_validation", 0
             buf = self._bufs.get()
@@ -411,25 +479,25 @@ class RestorePipeline:
             except BaseException:
                 self._bufs.put(buf)  # its contents are garbage, but reusable
                 raise
-            if self._guard is not None:
-                self._guard.ok("restore")
+            if guard is not None:
+                guard.ok("restore")
             if self.copy_in_reader and owner is not None:
                 return self._copy_here(owner, item, buf, nbytes)
             return buf, None, nbytes
         except CorruptionError as exc:
-            self._on_lost(item.key)
+            lost()
             self._counters.inc(m.QUARANTINE_EVENTS, reason=exc.reason.value)
             log.warning("spoolctl: cached chunk failed verification (%s); quarantined, "
                         "recomputing", exc.reason.value)
             return None, exc.reason.value, 0
         except (NotFoundError, KeyError):
-            self._on_lost(item.key)
+            lost()
             return None, "absent", 0
         except SpoolError as exc:
             # An I/O error is a miss and a finding (counted, logged), never a quarantine:
             # it proves nothing about the bytes. Repeated ones take the store down.
-            if self._guard is not None:
-                self._guard.failed("restore")
+            if guard is not None:
+                guard.failed("restore")
             log.warning("spoolctl: restore failed, recomputing: %s", exc.message)
             return None, "io_error", 0
         except Exception:  # never let a cache problem take the worker down

@@ -20,6 +20,13 @@ binds the format's ``Copier`` and starts its parts:
 * with ``spoolctl_write_budget``, the rank store's ``WriteLedger`` (``write_budget``): the
   bytes written today, taken by the commits and exported as gauges.
 
+Several drives (``spoolctl_roots``, decision 2714): a rank store per drive, each with its
+own ``DiskGuard``, read pool, ``StoreWriter`` and ``WriteLedger``, under one inventory
+(``RankHoldings.for_drives``); captures are routed by key (``capture.drive_route``: a
+down home's chunks go to the runner-up) and restores read each chunk from the drive
+holding it (``RankHoldings.locate``). The drives open at ``register_kv_caches`` form
+the set; one that opens later is used from the next start (one log line).
+
 A layout the copier cannot handle disables this rank (``spoolctl_on_unsupported =
 "disable"``) or fails startup. Queued commits are drained (bounded) at interpreter exit,
 before the thread pools they need shut down (``exitdrain``), and at ``shutdown``, which
@@ -34,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +56,7 @@ from ..drivestores import DriveSlot, DriveStores
 from ..kv.formats import Copier
 from ..planning.inventory import HANDSHAKE_MAX_KEYS, RankInventory
 from ..planning.messages import (
+    DriveInfo,
     SpoolConnectorMetadata,
     SpoolHandshake,
     SpoolWorkerMeta,
@@ -164,7 +172,86 @@ class WorkerSide:
             log.warning("spoolctl: rank %d serves without its store until its disk answers "
                         "(every lookup a miss, nothing stored)", self._place.rank)
             return
+        if self._drives.several:
+            self._install(self._build_drives(self._drives.opened()))
+            return
         self._install(self._build(store))
+
+    def _build_drives(self, slots: list[DriveSlot], epoch_floor: int = 0) -> _Parts:
+        """Several drives: the parts serving the rank's stores on ``slots`` (the module
+        docstring), started; the per-drive parts are in ``drives``."""
+        from .capture import ChunkStager, drive_route, rank_commit, rank_commit_many
+        from .holdings import RankHoldings
+        from .restore import Located, RestorePipeline
+
+        settings = self._dep.settings
+        copier, ns = self._copier, self._namespace
+        stores = {s.drive_id: s.store for s in slots if s.store is not None}
+        first = next(iter(stores.values()))
+        parts = _Parts(first)
+        problem = store_problem(first)
+        if problem is not None:
+            log.warning("spoolctl: %s", problem)
+        tenant_bytes = self._tenant_bytes(first)
+        pin = self._engine is not None and self._engine.cuda
+        where: dict[str, Located] = {}
+        for i, (drive, store) in enumerate(stores.items()):
+            one = _Parts(store)
+            one.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"spoolctl-restore-d{i}")
+            one.guard = guard_for(store, deadline_s=settings.lookup_deadline,
+                                  probe_interval_s=settings.probe_interval)
+            if settings.write_budget is not None:
+                from ..deployment.write_budget import WriteLedger, ledger_path
+
+                one.ledger = WriteLedger(ledger_path(store.root), settings.write_budget)
+            one.maintainer = self._start_maintainer(store)
+            parts.drives.append(one)
+            where[drive] = Located(drive, store, one.guard, one.pool)
+
+        def up(drive: str) -> bool:
+            guard = where[drive].guard
+            return guard is None or not guard.down
+
+        epoch = max(store.next_generation(f"vllm-connector:{ns}") for store in stores.values())
+        shares = [self._initial_share(store) for store in stores.values()]
+        holdings = parts.holdings = RankHoldings.for_drives(
+            stores, up, kind=KIND, namespace=ns, rank=self._place.rank,
+            epoch=max(epoch, epoch_floor + 1), per_rank_max=settings.max_bytes,
+            share=shares[0])
+        for one in parts.drives:  # a drive down or back changes what the rank holds
+            assert one.guard is not None
+            one.guard.listen(lambda down: holdings.drives_changed())
+        holdings.start()
+
+        def locate(key: str) -> Located | None:
+            drive = holdings.locate(key)
+            return where.get(drive) if drive is not None else None
+
+        parts.pool = parts.drives[0].pool
+        parts.pipeline = RestorePipeline(first, ns, chunk_bytes=copier.chunk_bytes,
+                                         pool=parts.pool, counters=self._counters,
+                                         on_lost=self._lost, pin=pin,
+                                         deadline_s=settings.read_deadline,
+                                         on_restored=tenant_bytes(m.TENANT_RESTORE_BYTES),
+                                         copy_in_reader=self._engine is not None
+                                         and self._engine.device.type == "cpu",
+                                         locate=locate)
+        meta = {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
+                "chunk_bytes": copier.chunk_bytes, "deployment": self._dep.identity.summary(),
+                "kv_layout": copier.layout_json}
+        committed = tenant_bytes(m.TENANT_STORE_BYTES)
+        if problem is None:
+            commits = {drive: (rank_commit(store, ns, holdings, committed, drive=drive),
+                               rank_commit_many(store, ns, holdings, committed, drive=drive),
+                               one.ledger)
+                       for (drive, store), one in zip(stores.items(), parts.drives, strict=True)}
+            labels = {s.drive_id: s.base for s in slots}
+            parts.stager = ChunkStager.for_drives(
+                commits, drive_route(list(stores), up), labels,
+                chunk_bytes=copier.chunk_bytes, staging_bytes=settings.staging_bytes,
+                meta=meta, counters=self._counters, pin=pin)
+            exitdrain.register(parts.stager)
+        return parts
 
     def _build(self, store: Store, epoch_floor: int = 0) -> _Parts:
         """The parts serving ``store`` (restores, captures, holdings, maintenance), started.
@@ -235,7 +322,12 @@ class WorkerSide:
         """A drive that was pending at start answers (on its opening thread): build its
         parts here, off the engine thread; the engine thread installs them."""
         with self._lock:
-            if self._closed or self._store is not None:
+            if self._closed:
+                return
+            if self._store is not None:
+                if self._drives.several:  # the set was fixed when the parts were built
+                    log.warning("spoolctl: drive %s opened after the engine started; it "
+                                "takes its share of chunks from the next start", slot.base)
                 return
             self._store = slot.store
             if not self._bound or not self._enabled:
@@ -243,7 +335,8 @@ class WorkerSide:
             floor = self._pending_epoch
         assert slot.store is not None
         try:
-            parts = self._build(slot.store, floor)
+            parts = self._build_drives([slot], floor) if self._drives.several \
+                else self._build(slot.store, floor)
         except Exception as exc:  # e.g. the disk failed again at once: stay cold, say so
             log.warning("spoolctl: rank store %s opened but cannot be used (%s); serving "
                         "without it until the engine restarts", slot.root,
@@ -333,7 +426,17 @@ class WorkerSide:
         return SpoolHandshake(rank=self._place.rank, host=host_identity(),
                               root=str(self._store.root), store_id=self._store.marker.store_id,
                               report=self._holdings.handshake_report(),
-                              chunk_bytes=self._copier.chunk_bytes)
+                              chunk_bytes=self._copier.chunk_bytes, drives=self._drive_infos())
+
+    def _drive_infos(self) -> tuple[DriveInfo, ...]:
+        """Several drives: each drive the worker's parts use (the set fixed at start),
+        with its id and its store's id, for a same-host scheduler to read (2714 item 5)."""
+        if not self._drives.several or self._holdings is None:
+            return ()
+        used = self._holdings.drive_ids()
+        return tuple(DriveInfo(s.base, s.root, s.drive_id, s.store.marker.store_id)
+                     for s in self._drives.opened() if s.store is not None
+                     and s.drive_id in used)
 
     @property
     def host_kv(self) -> bool:
@@ -412,15 +515,17 @@ class WorkerSide:
         self._telemetry.collect(self._holdings, self._maintainer)
         return self._counters.take()
 
-    def _lost(self, key: str) -> None:
+    def _lost(self, key: str, drive: str | None = None) -> None:
         if self._holdings is not None:
-            self._holdings.lost(key)
+            self._holdings.lost(key, drive)
 
     # -- diagnostics and lifecycle -------------------------------------------------------------
 
     @property
     def store_roots(self) -> list[str]:
-        return [str(self._store.root)] if self._store is not None else []
+        if self._store is None:
+            return []
+        return [str(s.store.root) for s in self._drives.opened() if s.store is not None]
 
     @property
     def inventory_state(self) -> dict:
@@ -456,8 +561,8 @@ class WorkerSide:
         self._store = None
         self._drives.close()  # releases every open store (the last user closes it)
 
-    @staticmethod
-    def _shutdown_parts(parts: _Parts) -> None:
+    @classmethod
+    def _shutdown_parts(cls, parts: _Parts) -> None:
         if parts.stager is not None:
             exitdrain.unregister(parts.stager)
             if not parts.stager.close(FLUSH_ON_SHUTDOWN_S):
@@ -479,6 +584,8 @@ class WorkerSide:
             parts.guard.close()
         if parts.pipeline is not None:  # restores in flight end, their buffers come back
             parts.pipeline.close()
+        for one in parts.drives:  # several drives: each drive's pool, guard, ledger...
+            cls._shutdown_parts(one)
 
 
 @dataclass(eq=False)
@@ -493,3 +600,4 @@ class _Parts:
     holdings: RankHoldings | None = None
     maintainer: Any = None
     ledger: WriteLedger | None = None
+    drives: list[_Parts] = field(default_factory=list)  # several drives: each one's parts
