@@ -9,11 +9,11 @@ manifest, catalog or rename), four ways on the same bytes, interleaved, in one r
 * ``enc``: ``Sealer.seal_stream`` through ``fsio.write_tmp`` with ``start_writeback``
   turned off (the commit before decision 2830);
 * ``enc_wb``: the same as the commit does it now;
-* ``plain``: the bytes through ``fsio.write_tmp`` as the plain commit does (one write,
-  then the fsync on a helper while this thread hashes);
-* ``plain_wb``: the plain bytes written in 1 MiB pieces, each one's write-back started at
-  once, then the same fsync and hash (what the plain commit would do with early
-  write-back; not built: the plain path is not changed here).
+* ``plain``: the bytes through ``fsio.write_tmp`` as the plain commit did before decision
+  2951 (one write, then the fsync on a helper while this thread hashes);
+* ``plain_wb``: the same as the plain commit does it now (decision 2951: from
+  ``fsio.PLAIN_WRITEBACK_MIN`` on, written in 1 MiB pieces, each one's write-back started
+  at once, then the same fsync and hash; below it, the same as ``plain``).
 
 Also the parts of an encrypted 64 MiB-style write (``parts``): sealing, writing and the
 final fsync, with and without early write-back. Files stay until the end (a deletion on
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 from spoolctl.store.disk import fsio
-from spoolctl.store.format.digest import Hasher
 from spoolctl.store.sealing import MasterKey, Sealer
 
 MiB = 1 << 20
@@ -68,18 +67,15 @@ def _enc(tmp: Path, sealer: Sealer, key: bytes, data: bytes, early: bool) -> Non
         fsio.start_writeback = saved
 
 
-def _plain_wb(tmp: Path, data: bytes) -> None:
-    made = fsio.create_tmp(tmp)
-    fd, view, offset = made.fd, memoryview(data), 0
-    while offset < len(view):
-        n = os.write(fd, view[offset:offset + MiB])
-        fsio.start_writeback(fd, offset, n)
-        offset += n
-    flushed = fsio.FLUSH_POOL.submit(fsio.fsync_close, fd)
-    hasher = Hasher()
-    hasher.update(view)
-    hasher.hexdigest()
-    flushed.result()
+def _plain(tmp: Path, data: bytes, early: bool) -> None:
+    """The plain commit's file step, with (``fsio.PLAIN_WRITEBACK_MIN`` as it is, decision
+    2951) or without (one write, the commit before 2951) early write-back."""
+    saved = fsio.PLAIN_WRITEBACK_MIN
+    fsio.PLAIN_WRITEBACK_MIN = saved if early else 1 << 62
+    try:
+        fsio.write_tmp(tmp, [data])
+    finally:
+        fsio.PLAIN_WRITEBACK_MIN = saved
 
 
 def bench(tmp: Path, size: int, repeat: int) -> dict:
@@ -87,8 +83,8 @@ def bench(tmp: Path, size: int, repeat: int) -> dict:
     sides = {
         "enc": lambda d: _enc(tmp, sealer, key, d, early=False),
         "enc_wb": lambda d: _enc(tmp, sealer, key, d, early=True),
-        "plain": lambda d: fsio.write_tmp(tmp, [d]),
-        "plain_wb": lambda d: _plain_wb(tmp, d),
+        "plain": lambda d: _plain(tmp, d, early=False),
+        "plain_wb": lambda d: _plain(tmp, d, early=True),
     }
     times: dict[str, list[float]] = {k: [] for k in sides}
     for i in range(repeat):
