@@ -251,8 +251,16 @@ def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> Ma
     tmp, _, _ = write_tmp(tmp_dir, [data])
     if new:
         faults.checkpoint("init.marker_drafted")
-    _owned_as_root_dir(tmp, layout.root)
-    os.replace(tmp, layout.marker)
+    try:
+        _owned_as_root_dir(tmp, layout.root)
+        os.replace(tmp, layout.marker)
+    except OSError as exc:
+        # A root directory this user cannot write (chmod 500, a read-only bind): one
+        # StoreIOError naming the fix -- read-only commands then fall back to a read-only
+        # view -- and no draft left in tmp/ (decision 2831's rewrite at a writable open).
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise io_error(exc, "writing the store marker", layout.marker) from None
     fsync_dir(layout.root)
     return marker
 
