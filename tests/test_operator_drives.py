@@ -109,6 +109,32 @@ def test_a_root_named_twice_or_an_empty_one_is_one_line(tmp_path: Path, argv: tu
     assert code == 2 and says in err and err.strip().count("\n") == 0, (out, err)
 
 
+def test_a_one_root_command_given_several_roots_is_one_line_and_acts_on_none(
+        tmp_path: Path) -> None:
+    """Only status, metrics, clean, scrub and export take several roots. Before, every other
+    command kept the last ``--root`` silently (``keys rotate --root a --root b`` rotated b
+    only, exit 0) and took ``SPOOLCTL_ROOT=a:b`` for one path (``import`` created a store
+    in a directory named ``a:b``)."""
+    base = Path(os.path.realpath(tmp_path))
+    a, b = base / "a", base / "b"
+    for root in (a, b):
+        Store.open(root, create=True).close()
+    before = sorted(p.name for p in base.iterdir())
+    code, _, err = run("init", "--root", str(a), "--root", str(b), "--max-size", "1G")
+    assert code == 2 and "`spoolctl init` takes one --root, and 2 were given" in err, err
+    assert err.strip().count("\n") == 0 and "run it once per root" in err
+    doc = run_json("ls", "--root", str(a), "--root", str(b), expect=2)
+    assert doc["error"]["kind"] == "ConfigError" and "takes one --root" in doc["error"]["message"]
+    code, _, err = run("init", env={"SPOOLCTL_ROOT": f"{a}:{base / 'new'}"})
+    assert code == 2 and "SPOOLCTL_ROOT names several roots" in err, err
+    assert err.strip().count("\n") == 0 and "pass the one root with --root" in err
+    assert sorted(p.name for p in base.iterdir()) == before  # no store named "a:new"
+    for root in (a, b):
+        with Store.open(root, read_only=True) as store:
+            assert store.marker.max_bytes is None  # neither store was changed
+    assert run_json("ls", "--root", str(b))["entries"] == []  # one --root: as before
+
+
 def test_export_across_drives_writes_one_archive_per_drive_and_each_imports_back(
         drives: list[Path], tmp_path: Path) -> None:
     """Decision 2713: several --root with -o DIR write DIR/<drive>.tar per drive (the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -57,3 +58,33 @@ def test_every_pool_works_from_an_atexit_handler(tmp_path: Path, mode: str) -> N
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == \
         {"read_ok": True, "unlinked": 40, "of": 40, "left": 0}, proc.stderr
+
+
+def test_a_forked_child_gets_its_own_pools(tmp_path: Path) -> None:
+    """``status`` and ``metrics`` read each store in a forked child (decision 2701). The
+    child inherited the parent's executor, which has no threads there yet counts its idle
+    workers: the first fsync the child handed it waited forever. Seen as ``status`` run in a
+    process that had committed before (the in-process CLI, a program calling ``main``
+    twice) on a store it marks v2 at open (decision 2831): "the store's disk did not answer
+    within 10 s", and a child left waiting for good."""
+    from spoolctl.store.disk import fsio
+
+    fsio.write_tmp(tmp_path, [b"parent"])  # the parent's flush pool now has a worker
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one fsync through the pool, answer, exit
+        try:
+            fsio.write_tmp(tmp_path, [b"child"])
+            os.write(write_end, b"ok")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 30)
+        answer = os.read(read_end, 2) if ready else b""
+    finally:
+        os.close(read_end)
+        if not answer:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert answer == b"ok", "the child's fsync never ran on the inherited pool"

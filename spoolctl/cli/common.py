@@ -77,6 +77,13 @@ def default_store_root() -> Path:
     same variable the connector reads for ``spoolctl_root``), else the store inside the
     cache dir (models etc. live beside it)."""
     env = os.environ.get(ENV_ROOT)
+    if env and ":" in env:
+        # Only status, metrics, clean, scrub and export take several roots (drive_roots,
+        # decision 2712); the others would take "a:b" for one path and create a store there.
+        raise ConfigError(f"${ENV_ROOT} names several roots (separated by ':') and this "
+                          "command takes one", path=env,
+                          fix=f"pass the one root with --root (or set {ENV_ROOT} to it); "
+                              "status, metrics, clean, scrub and export take several")
     return Path(env) if env else default_root() / "store"
 
 
@@ -95,6 +102,34 @@ RootsOption = Annotated[
                  f"${ENV_ROOT} (several roots separated by ':'), else "
                  "~/.cache/spoolctl/store.", show_default=False),
 ]
+
+
+def one_root_only(command: Any) -> None:
+    """Make a repeated ``--root`` of a one-root command (``RootOption``) a usage error
+    instead of click's silent "the last one wins" (``keys rotate --root a --root b``
+    rotated b only, exit 0): in place, on ``command`` and its subcommands. The option
+    collects every value it is given; the callback hands the command the one or refuses."""
+    for param in getattr(command, "params", ()):
+        if getattr(param, "name", None) == "root" and "--root" in getattr(param, "opts", ()) \
+                and not param.multiple:
+            param.multiple = True
+            param.callback = _the_one_root
+    for sub in getattr(command, "commands", {}).values():
+        one_root_only(sub)
+
+
+def _the_one_root(ctx: Any, param: Any, value: Any) -> Any:
+    if value is None or isinstance(value, Path | str):
+        return value
+    given = list(value)
+    if len(given) > 1:
+        raise ConfigError(f"`{ctx.command_path}` takes one --root, and {len(given)} were given",
+                          path=" ".join(str(v) for v in given),
+                          fix="run it once per root; status, metrics, clean, scrub and "
+                              "export take several")
+    return given[0] if given else None
+
+
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 RankOption = Annotated[int | None, typer.Option(
     "--rank", min=0, max=9999, help="Only this rank's store (when --root is a vLLM base root "

@@ -16,6 +16,7 @@ unlink pool raised instead; issue 28 item 8).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,16 @@ class LazyPool:
         self.workers = workers
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        """In a forked child (``status``/``metrics`` read each store in one, decision 2701):
+        the parent's executor has no threads here, yet counts its idle workers, so work
+        handed to it would wait forever (a marker rewrite in the child hung ``status`` until
+        its disk deadline); the child makes its own pool at first use."""
+        self._lock = threading.Lock()
+        self._executor = None
 
     def executor(self) -> ThreadPoolExecutor:
         """The pool itself, made now if it was not yet (it may refuse work at exit)."""

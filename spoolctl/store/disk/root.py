@@ -251,9 +251,31 @@ def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> Ma
     tmp, _, _ = write_tmp(tmp_dir, [data])
     if new:
         faults.checkpoint("init.marker_drafted")
-    os.replace(tmp, layout.marker)
+    try:
+        _owned_as_root_dir(tmp, layout.root)
+        os.replace(tmp, layout.marker)
+    except OSError as exc:
+        # A root directory this user cannot write (chmod 500, a read-only bind): one
+        # StoreIOError naming the fix -- read-only commands then fall back to a read-only
+        # view -- and no draft left in tmp/ (decision 2831's rewrite at a writable open).
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise io_error(exc, "writing the store marker", layout.marker) from None
     fsync_dir(layout.root)
     return marker
+
+
+def _owned_as_root_dir(path: Path, root: Path) -> None:
+    """As root on a store another user owns (``--allow-foreign-owner``), give the new marker
+    to the store's owner before it replaces the old one: a root-owned 0600 marker locks the
+    owner out of the whole store ("unreadable store marker"). Since decision 2831 any
+    writable open may rewrite the marker (``mark_wide``), not only ``init --max-size``;
+    ``ownership.give_back`` at close covers only ``state/``, ``tmp/`` and ``quarantine/``."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return
+    st = os.stat(root)
+    if st.st_uid != 0:
+        os.lchown(path, st.st_uid, st.st_gid)
 
 
 def require_feature(layout: StorePaths, feature: str) -> Marker:
