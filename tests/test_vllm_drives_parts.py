@@ -50,6 +50,8 @@ def test_spoolctl_roots_and_a_colon_list_in_spoolctl_root_name_the_drives(
     ({"spoolctl_roots": ["/a", "b"]}, {}, "absolute paths", "full path"),
     ({"spoolctl_roots": ["/a", "/r{rank}"]}, {}, "rank placeholders", "one base directory"),
     ({}, {"SPOOLCTL_ROOT": "/a::/b"}, "empty root", "single ':'"),
+    ({"spoolctl_roots": ["/a", " /b"]}, {}, "spaces around", "remove the spaces"),
+    ({}, {"SPOOLCTL_ROOT": "/a: /b"}, "spaces around", "remove the spaces"),
     ({"spoolctl_roots": [f"/d{i}" for i in range(MAX_ROOTS + 1)]}, {}, "at most 64",
      "at most 64"),
 ])
@@ -58,6 +60,8 @@ def test_each_refused_list_of_roots_is_one_config_error_line_naming_the_fix(
     with pytest.raises(ConfigError, match=says) as exc:
         parse_settings(extra, block_size=32, env=env)
     assert fix in (exc.value.fix or "") and "\n" not in str(exc.value)
+    # The refusal names where the roots came from: the variable or the extra config.
+    assert ("SPOOLCTL_ROOT" in str(exc.value.path)) == ("SPOOLCTL_ROOT" in env)
 
 
 def test_a_store_given_as_a_drive_root_is_refused(tmp_path: Path, several) -> None:

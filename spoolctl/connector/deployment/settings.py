@@ -314,14 +314,22 @@ def _roots(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[tuple[str,
                           fix="list at least one base directory, one per drive")
     if len(roots) > MAX_ROOTS:
         raise ConfigError(f"{given} names {len(roots)} roots; the connector takes at most "
-                          f"{MAX_ROOTS}", path=_WHERE,
+                          f"{MAX_ROOTS}", path="SPOOLCTL_ROOT (environment)"
+                          if given == "SPOOLCTL_ROOT" else _WHERE,
                           fix=f"list at most {MAX_ROOTS} drives (one base root per drive)")
+    # A refusal of the variable names the variable, not the extra config it was not in.
+    where = "SPOOLCTL_ROOT (environment)" if given == "SPOOLCTL_ROOT" else _WHERE
     seen: dict[str, str] = {}
     for root in roots:
         if not root:
-            raise ConfigError(f"{given} has an empty root", path=_WHERE,
+            raise ConfigError(f"{given} has an empty root", path=where,
                               fix="separate the drive roots by single ':' (SPOOLCTL_ROOT) "
                                   "or drop the empty entry")
+        if root != root.strip():
+            # Almost always a quoting slip ("/nvme0/spool, /nvme1/spool"): a directory
+            # named with a trailing space would be created beside the one meant.
+            raise ConfigError(f"{given} has a root with spaces around it ({root!r})",
+                              path=where, fix="remove the spaces around each root")
         if not os.path.isabs(root):
             raise ConfigError(f"{given} must hold absolute paths", path=root,
                               fix="give the full path of each base directory")
