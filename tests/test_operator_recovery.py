@@ -227,7 +227,7 @@ def test_entries_stamped_ahead_do_not_outrank_todays_in_the_lru(store_root: Path
 
 RUNNER = str(Path(__file__).with_name("unprivileged.py"))
 sys.path.insert(0, str(Path(__file__).parent))
-from owned_stores import give, owned_store, shared_dir  # noqa: E402
+from owned_stores import owned_store, shared_dir  # noqa: E402
 from unprivileged import unprivileged_uid  # noqa: E402
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
@@ -263,38 +263,6 @@ def test_root_on_another_users_store_leaves_state_the_owner_can_use(shared_base:
     check = _doctor(root)["store.files"]
     assert check["status"] == "fail" and str(planted) in check["detail"]
     assert f"chown -R {uid}:{uid} {root}" in check["fix"]
-
-
-@needs_root
-def test_root_marking_another_users_store_v2_leaves_the_marker_the_owners(
-        shared_base: Path) -> None:
-    """Decision 2831: a store whose random-id key predates its v2 marker gets the marker at
-    its next writable open, also root's ``--allow-foreign-owner status``. Before, that
-    rewrite left ``.spoolctl-root`` root's, mode 0600: the owner's every command then failed
-    with "unreadable store marker" (``give_back`` covers state/, tmp/ and quarantine/)."""
-    import secrets
-
-    from spoolctl.store.sealing import FILE_ENV, MasterKey
-
-    key = shared_base / "master.key"  # root's copy of the key: a key file must be the user's
-    key.write_text(secrets.token_hex(32) + "\n")
-    key.chmod(0o600)
-    env = {FILE_ENV: str(key)}
-    root = shared_base / "store"
-    with Store.open(root, create=True, master_key=MasterKey.from_environment(env)) as store:
-        store.put(kind="pytorch", namespace="ns", key="k", objects={"kv": b"x" * 99},
-                  tenant="t")
-    marker = root / ".spoolctl-root"
-    doc = json.loads(marker.read_text())
-    assert doc["requires"] == ["sealed-v2"]
-    marker.write_text(json.dumps({k: v for k, v in doc.items() if k != "requires"}
-                                 | {"schema": "spoolctl-root/v1"}))  # made before 2831
-    give(root)
-    code, _, err = run("--allow-foreign-owner", "status", "--root", str(root), env=env)
-    assert code == 0, err
-    assert json.loads(marker.read_text())["schema"] == "spoolctl-root/v2"
-    uid = unprivileged_uid()
-    assert (marker.stat().st_uid, marker.stat().st_gid) == (uid, uid)  # still the owner's
 
 
 @needs_root
