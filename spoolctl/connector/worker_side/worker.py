@@ -182,7 +182,7 @@ class WorkerSide:
         docstring), started; the per-drive parts are in ``drives``."""
         from .capture import ChunkStager, drive_route, rank_commit, rank_commit_many
         from .holdings import RankHoldings
-        from .restore import Located, RestorePipeline
+        from .restore import Located
 
         settings = self._dep.settings
         copier, ns = self._copier, self._namespace
@@ -200,10 +200,7 @@ class WorkerSide:
             one.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"spoolctl-restore-d{i}")
             one.guard = guard_for(store, deadline_s=settings.lookup_deadline,
                                   probe_interval_s=settings.probe_interval)
-            if settings.write_budget is not None:
-                from ..deployment.write_budget import WriteLedger, ledger_path
-
-                one.ledger = WriteLedger(ledger_path(store.root), settings.write_budget)
+            one.ledger = self._ledger_for(store)
             one.maintainer = self._start_maintainer(store)
             parts.drives.append(one)
             where[drive] = Located(drive, store, one.guard, one.pool)
@@ -228,17 +225,8 @@ class WorkerSide:
             return where.get(drive) if drive is not None else None
 
         parts.pool = parts.drives[0].pool
-        parts.pipeline = RestorePipeline(first, ns, chunk_bytes=copier.chunk_bytes,
-                                         pool=parts.pool, counters=self._counters,
-                                         on_lost=self._lost, pin=pin,
-                                         deadline_s=settings.read_deadline,
-                                         on_restored=tenant_bytes(m.TENANT_RESTORE_BYTES),
-                                         copy_in_reader=self._engine is not None
-                                         and self._engine.device.type == "cpu",
-                                         locate=locate)
-        meta = {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
-                "chunk_bytes": copier.chunk_bytes, "deployment": self._dep.identity.summary(),
-                "kv_layout": copier.layout_json}
+        parts.pipeline = self._pipeline_for(first, parts.pool, tenant_bytes, locate=locate)
+        meta = self._entry_meta()
         committed = tenant_bytes(m.TENANT_STORE_BYTES)
         if problem is None:
             commits = {drive: (rank_commit(store, ns, holdings, committed, drive=drive),
@@ -260,7 +248,6 @@ class WorkerSide:
         scheduler replaces what it was told)."""
         from .capture import ChunkStager, rank_commit, rank_commit_many
         from .holdings import RankHoldings
-        from .restore import RestorePipeline
 
         settings = self._dep.settings
         copier, ns = self._copier, self._namespace
@@ -276,27 +263,16 @@ class WorkerSide:
         # out of its lookups too (decision 2700).
         parts.guard = guard_for(store, deadline_s=settings.lookup_deadline,
                                 probe_interval_s=settings.probe_interval)
-        parts.pipeline = RestorePipeline(store, ns, chunk_bytes=copier.chunk_bytes,
-                                         pool=parts.pool, counters=self._counters,
-                                         on_lost=self._lost, pin=pin,
-                                         deadline_s=settings.read_deadline, guard=parts.guard,
-                                         on_restored=tenant_bytes(m.TENANT_RESTORE_BYTES),
-                                         # KV in host memory: readers copy (decision 2910)
-                                         copy_in_reader=self._engine is not None
-                                         and self._engine.device.type == "cpu")
+        parts.pipeline = self._pipeline_for(store, parts.pool, tenant_bytes,
+                                            guard=parts.guard)
         epoch = store.next_generation(f"vllm-connector:{ns}")
         holdings = parts.holdings = RankHoldings(
             store, kind=KIND, namespace=ns, rank=self._place.rank,
             epoch=max(epoch, epoch_floor + 1),
             per_rank_max=settings.max_bytes, share=self._initial_share(store))
         holdings.start()
-        meta = {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
-                "chunk_bytes": copier.chunk_bytes, "deployment": self._dep.identity.summary(),
-                "kv_layout": copier.layout_json}
-        if settings.write_budget is not None:
-            from ..deployment.write_budget import WriteLedger, ledger_path
-
-            parts.ledger = WriteLedger(ledger_path(store.root), settings.write_budget)
+        meta = self._entry_meta()
+        parts.ledger = self._ledger_for(store)
         committed = tenant_bytes(m.TENANT_STORE_BYTES)
         if problem is None:
             parts.stager = ChunkStager(rank_commit(store, ns, holdings, committed),
@@ -310,6 +286,40 @@ class WorkerSide:
             exitdrain.register(parts.stager)
         parts.maintainer = self._start_maintainer(store)
         return parts
+
+    def _entry_meta(self) -> dict[str, Any]:
+        """What every chunk entry's manifest records about the layout and deployment."""
+        copier = self._copier
+        return {"layout": copier.layout_digest, "chunk_tokens": self._dep.chunk_tokens,
+                "chunk_bytes": copier.chunk_bytes, "deployment": self._dep.identity.summary(),
+                "kv_layout": copier.layout_json}
+
+    def _ledger_for(self, store: Store) -> WriteLedger | None:
+        """``store``'s write ledger with ``spoolctl_write_budget``, else None."""
+        budget = self._dep.settings.write_budget
+        if budget is None:
+            return None
+        from ..deployment.write_budget import WriteLedger, ledger_path
+
+        return WriteLedger(ledger_path(store.root), budget)
+
+    def _pipeline_for(self, store: Store, pool: ThreadPoolExecutor,
+                      tenant_bytes: Callable[[m.MetricSpec], Any], *,
+                      guard: DiskGuard | None = None,
+                      locate: Callable[[str], Any] | None = None) -> RestorePipeline:
+        """The restore pipeline over ``store`` (one drive: its ``guard``; several: each
+        chunk's drive from ``locate``)."""
+        from .restore import RestorePipeline
+
+        return RestorePipeline(store, self._namespace, chunk_bytes=self._copier.chunk_bytes,
+                               pool=pool, counters=self._counters, on_lost=self._lost,
+                               pin=self._engine is not None and self._engine.cuda,
+                               deadline_s=self._dep.settings.read_deadline, guard=guard,
+                               on_restored=tenant_bytes(m.TENANT_RESTORE_BYTES),
+                               # KV in host memory: readers copy (decision 2910)
+                               copy_in_reader=self._engine is not None
+                               and self._engine.device.type == "cpu",
+                               locate=locate)
 
     def _install(self, parts: _Parts) -> None:
         """Take built parts into use (on the engine thread)."""
