@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from page_cache import dirty_pages, skip_without_dirty_accounting
 
 from spoolctl.store import (
     CorruptionError,
@@ -231,22 +232,6 @@ def test_single_put_syncs_its_directories_without_a_hand_off(
     assert (store_root / "manifests" / m.entry_id[:2] / f"{m.entry_id}.json").is_file()
 
 
-def _dirty_pages(fd: int, size: int) -> int | None:
-    """Pages of ``fd``'s first ``size`` bytes still dirty in the page cache (Linux 6.5+
-    ``cachestat``, syscall 451 on every architecture); None where it does not exist. (The
-    same probe as test_tenant_encryption.py's, which needs ``cryptography``.)"""
-    import ctypes
-
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    span = (ctypes.c_uint64 * 2)(0, size)
-    stat = (ctypes.c_uint64 * 5)()  # cache, dirty, writeback, evicted, recently evicted
-    if libc.syscall(451, ctypes.c_long(fd), span, stat, ctypes.c_long(0)) != 0:
-        return None
-    return int(stat[1])
-
-
 @pytest.mark.parametrize("chunk_mib", [8, 0.25], ids=["one-chunk", "streamed"])
 def test_a_large_plain_put_starts_write_back_before_its_fsync(
         store: Store, chunk_mib: float) -> None:
@@ -256,21 +241,10 @@ def test_a_large_plain_put_starts_write_back_before_its_fsync(
     Seen from the page cache at the commit's ``object.tmp_written`` checkpoint (written, not
     yet fsynced): almost nothing of the object is still dirty (before 2951, all of it was),
     whether it came in one chunk or streamed. The entry reads back whole."""
-    from spoolctl.store.disk.fsio import create_tmp
 
     size = 8 << 20
     pages = size // os.sysconf("SC_PAGE_SIZE")
-    control = create_tmp(store.layout.tmp)  # can this filesystem show it?
-    try:
-        os.write(control.fd, os.urandom(size))
-        dirty = _dirty_pages(control.fd, size)
-        if dirty is None or dirty < pages // 2:
-            pytest.skip("no cachestat here, or a filesystem without dirty page accounting")
-        os.fsync(control.fd)
-        if (_dirty_pages(control.fd, size) or 0) > pages // 4:
-            pytest.skip("a filesystem whose pages stay dirty after fsync (tmpfs)")
-    finally:
-        control.discard()
+    skip_without_dirty_accounting(store.layout.tmp, size)
     seen: list[int | None] = []
 
     def at(point: str) -> None:
@@ -278,7 +252,7 @@ def test_a_large_plain_put_starts_write_back_before_its_fsync(
             (path,) = (p for p in store.layout.tmp.iterdir() if p.stat().st_size == size)
             fd = os.open(path, os.O_RDONLY)
             try:
-                seen.append(_dirty_pages(fd, size))
+                seen.append(dirty_pages(fd, size))
             finally:
                 os.close(fd)
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from page_cache import dirty_pages, skip_without_dirty_accounting
 
 pytest.importorskip("cryptography")
 
@@ -248,21 +249,6 @@ def test_large_objects_seal_and_open_in_pieces_without_a_second_copy(store_root:
         assert store.lookup(KIND, NS, "big", tenant="t") is None
 
 
-def _dirty_pages(fd: int, size: int) -> int | None:
-    """Pages of ``fd``'s first ``size`` bytes still dirty in the page cache (Linux 6.5+
-    ``cachestat``, syscall 451 on every architecture); None where it does not exist."""
-    import ctypes
-
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    span = (ctypes.c_uint64 * 2)(0, size)
-    stat = (ctypes.c_uint64 * 5)()  # cache, dirty, writeback, evicted, recently evicted
-    if libc.syscall(451, ctypes.c_long(fd), span, stat, ctypes.c_long(0)) != 0:
-        return None
-    return int(stat[1])
-
-
 def test_an_encrypted_commit_starts_write_back_of_each_piece_before_its_fsync(
         store_root: Path, master: MasterKey):
     """The encrypted commit writes each sealed piece at once and starts its write-back
@@ -276,25 +262,14 @@ def test_an_encrypted_commit_starts_write_back_of_each_piece_before_its_fsync(
     pages = size // os.sysconf("SC_PAGE_SIZE")
     with Store.open(store_root, create=True, master_key=master) as store:
         tmp_dir = store.layout.tmp
-        # Can this filesystem show it? A plain write leaves its pages dirty until an fsync.
-        control = create_tmp(tmp_dir)
-        try:
-            os.write(control.fd, os.urandom(size))
-            dirty = _dirty_pages(control.fd, size)
-            if dirty is None or dirty < pages // 2:
-                pytest.skip("no cachestat here, or a filesystem without dirty page accounting")
-            os.fsync(control.fd)
-            if (_dirty_pages(control.fd, size) or 0) > pages // 4:
-                pytest.skip("a filesystem whose pages stay dirty after fsync (tmpfs)")
-        finally:
-            control.discard()
+        skip_without_dirty_accounting(tmp_dir, size)
         tid = store.sealer.tenant_id("t")
         version, key = store.sealer.keyring.current(tid)
         tmp = create_tmp(tmp_dir)
         seen: list[int | None] = []
         flushing = write_tmp_flushing(
             tmp_dir, store.sealer.seal_stream(tid, version, key, os.urandom(size)),
-            into=tmp, on_written=lambda: seen.append(_dirty_pages(tmp.fd, size)))
+            into=tmp, on_written=lambda: seen.append(dirty_pages(tmp.fd, size)))
         flushing.flushed.result()
         os.unlink(flushing.path)
         assert flushing.size == size + overhead(version)
