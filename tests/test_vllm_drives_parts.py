@@ -529,25 +529,20 @@ def entry_id_for_key(key: str) -> str:
     return entry_id_for("vllm", "ns", key)
 
 
-def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_drive_taken_out(
-        tmp_path: Path, several) -> None:
-    """The worker side wired over three drives (``spoolctl_roots``): a rank store on each,
-    captures committed on each chunk's home, the handshake states every drive's chunks;
-    when one drive's guard takes it out, the next step report withdraws exactly the chunks
-    held only there, its chunks' writes go to their runner-ups (counted per drive), a
-    restore reads the chunks of the drives still up and misses the down drive's at once;
-    ``spoolctl_drive_failover_stores_total{drive}`` names the home's root."""
+@pytest.fixture
+def three_drive_worker(tmp_path: Path, several):
+    """A worker connector over three drive directories (``spoolctl_roots``), its KV caches
+    registered: ``worker``, ``roots``, and the vLLM configs ``vcfg``/``kcfg`` (a scheduler
+    of the same process is built from them); shut down after the test."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm_configs import vllm_configs
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
-    from spoolctl.connector.diskguard import guard_for
-    from spoolctl.connector.kv.formats import ChunkRestore
-    from spoolctl.connector.planning.inventory import key_bytes
 
     roots = _dirs(tmp_path, 3)
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
@@ -561,56 +556,73 @@ def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_driv
     worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
     try:
         worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
-        ws = worker.worker
-        ids = [drives.read_drive_id(r) for r in roots]
-        assert len(set(ids)) == 3 and None not in ids
-        assert [str(Path(r).parent.parent) for r in worker.store_roots] == roots
-        stores = ws._holdings._stores
-        first = _keys(18, "w")
-        for i, key in enumerate(first):
-            ws._stager.stage(key, i, _fill(key), request="A")
-        assert ws.flush(NET_S)
-        ns = ws._namespace
-        for drive in ids:
-            assert stores[drive].live_keys("vllm", ns) == \
-                {k for k in first if drives.home(k, ids) == drive}
-        hs = worker.get_handshake_metadata()
-        assert set(hs.report.added) == {key_bytes(k) for k in first}
-
-        gone = ids[1]
-        guard = guard_for(stores[gone])
-        for _ in range(3):
-            guard.failed("restore")
-        assert guard.down
-        report = worker.build_connector_worker_meta().reports[0]
-        only_there = {k for k in first if drives.home(k, ids) == gone}
-        assert only_there and set(report.removed) == {key_bytes(k) for k in only_there}
-        second = _keys(18, "v")
-        for i, key in enumerate(second):
-            ws._stager.stage(key, i, _fill(key), request="B")
-        assert ws.flush(NET_S)
-        moved = [k for k in second if drives.home(k, ids) == gone]
-        assert moved and not stores[gone].live_keys("vllm", ns) & set(second)
-        assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[1]) == len(moved)
-
-        copies: dict[str, bytes] = {}
-        chunk = ws._copier.chunk_bytes
-
-        def item(key: str) -> ChunkRestore:
-            def fill(store: Store, manifest, buf) -> int:
-                store.read(manifest, "kv", into=memoryview(buf.numpy()))
-                return chunk
-
-            return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
-                                copy=lambda buf: copies.__setitem__(key, bytes(buf.numpy())))
-
-        ws._pipeline.copy_in_reader = False
-        served = [k for k in first if k not in only_there] + moved
-        assert ws._pipeline.run([item(k) for k in served]) is None
-        assert copies == {k: _payload(k, chunk) for k in served}
-        assert ws._pipeline.run([item(served[0]), item(sorted(only_there)[0])]) == 1
+        yield SimpleNamespace(worker=worker, roots=roots, vcfg=vcfg, kcfg=kcfg)
     finally:
         worker.shutdown()
+
+
+def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_drive_taken_out(
+        three_drive_worker) -> None:
+    """The worker side wired over three drives (``spoolctl_roots``): a rank store on each,
+    captures committed on each chunk's home, the handshake states every drive's chunks;
+    when one drive's guard takes it out, the next step report withdraws exactly the chunks
+    held only there, its chunks' writes go to their runner-ups (counted per drive), a
+    restore reads the chunks of the drives still up and misses the down drive's at once;
+    ``spoolctl_drive_failover_stores_total{drive}`` names the home's root."""
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.planning.inventory import key_bytes
+
+    worker, roots = three_drive_worker.worker, three_drive_worker.roots
+    ws = worker.worker
+    ids = [drives.read_drive_id(r) for r in roots]
+    assert len(set(ids)) == 3 and None not in ids
+    assert [str(Path(r).parent.parent) for r in worker.store_roots] == roots
+    stores = ws._holdings._stores
+    first = _keys(18, "w")
+    for i, key in enumerate(first):
+        ws._stager.stage(key, i, _fill(key), request="A")
+    assert ws.flush(NET_S)
+    ns = ws._namespace
+    for drive in ids:
+        assert stores[drive].live_keys("vllm", ns) == \
+            {k for k in first if drives.home(k, ids) == drive}
+    hs = worker.get_handshake_metadata()
+    assert set(hs.report.added) == {key_bytes(k) for k in first}
+
+    gone = ids[1]
+    guard = guard_for(stores[gone])
+    for _ in range(3):
+        guard.failed("restore")
+    assert guard.down
+    report = worker.build_connector_worker_meta().reports[0]
+    only_there = {k for k in first if drives.home(k, ids) == gone}
+    assert only_there and set(report.removed) == {key_bytes(k) for k in only_there}
+    second = _keys(18, "v")
+    for i, key in enumerate(second):
+        ws._stager.stage(key, i, _fill(key), request="B")
+    assert ws.flush(NET_S)
+    moved = [k for k in second if drives.home(k, ids) == gone]
+    assert moved and not stores[gone].live_keys("vllm", ns) & set(second)
+    assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[1]) == len(moved)
+
+    copies: dict[str, bytes] = {}
+    chunk = ws._copier.chunk_bytes
+
+    def item(key: str) -> ChunkRestore:
+        def fill(store: Store, manifest, buf) -> int:
+            store.read(manifest, "kv", into=memoryview(buf.numpy()))
+            return chunk
+
+        return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                            copy=lambda buf: copies.__setitem__(key, bytes(buf.numpy())))
+
+    ws._pipeline.copy_in_reader = False
+    served = [k for k in first if k not in only_there] + moved
+    assert ws._pipeline.run([item(k) for k in served]) is None
+    assert copies == {k: _payload(k, chunk) for k in served}
+    assert ws._pipeline.run([item(served[0]), item(sorted(only_there)[0])]) == 1
 
 
 # -- the scheduler's lookup over a rank's drives (decision 2714 item 5, first part) ------------
@@ -669,7 +681,7 @@ def test_a_lookup_reads_every_drive_of_a_rank_ors_them_and_does_not_wait_on_a_hu
 
 
 def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_share_once(
-        tmp_path: Path, several) -> None:
+        three_drive_worker) -> None:
     """2714's plan, in-process (both connector roles of one process, as vLLM builds them):
     the worker stores a prompt's chunks on their homes over three drives; the scheduler
     reads every drive's catalog (the handshake's ``drives``) and the prompt is a full hit,
@@ -677,13 +689,9 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
     the prompt's first chunk homed there (only its keys miss); the chunks recomputed for
     it are written to their runner-ups, and the next lookup of that prompt is a full hit
     again, restored while the drive is still out."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("vllm")
     from types import SimpleNamespace
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm_configs import vllm_configs
 
     from spoolctl.connector import SpoolConnector
     from spoolctl.connector.deployment import drives
@@ -691,23 +699,14 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
     from spoolctl.connector.kv.formats import ChunkRestore
     from spoolctl.connector.scheduler_side.lookup import request_keys
 
-    roots = _dirs(tmp_path, 3)
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
-                              spoolctl_probe_interval=3600)
-    extra = vcfg.kv_transfer_config.kv_connector_extra_config
-    del extra["spoolctl_root"]
-    extra["spoolctl_roots"] = roots
-    for root in roots:
-        Path(root).mkdir(parents=True)
+    worker, roots = three_drive_worker.worker, three_drive_worker.roots
+    vcfg, kcfg = three_drive_worker.vcfg, three_drive_worker.kcfg
     tokens = list(range(3, 3 + 12 * 64 + 5))  # twelve chunks of 64 tokens
     request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, cache_salt=None,
                               kv_transfer_params=None, prompt_embeds=None, lora_request=None,
                               mm_features=None)
-    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
     sched = None
     try:
-        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
         sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
         hs = worker.get_handshake_metadata()
         ids = [drives.read_drive_id(r) for r in roots]
@@ -765,7 +764,6 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
     finally:
         if sched is not None:
             sched.shutdown()
-        worker.shutdown()
 
 
 def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
@@ -817,3 +815,4 @@ def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
         assert twin not in d.on(spare)
     finally:
         d.close()
+
