@@ -606,6 +606,13 @@ def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_driv
     moved = [k for k in second if drives.home(k, ids) == gone]
     assert moved and not stores[gone].live_keys("vllm", ns) & set(second)
     assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[1]) == len(moved)
+    # The connector's inventory_state shows each drive: its root, whether it serves, and
+    # what it holds (the down drive's chunks are still on it, out of the rank's union).
+    state = worker.inventory_state
+    assert [(one["base"], one["drive"], one["up"]) for one in state["drives"]] == \
+        [(root, drive, drive != gone) for root, drive in zip(roots, ids, strict=True)]
+    assert [one["held"] for one in state["drives"]] == \
+        [len(stores[drive].live_keys("vllm", ns)) for drive in ids]
 
     copies: dict[str, bytes] = {}
     chunk = ws._copier.chunk_bytes
@@ -816,3 +823,209 @@ def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
     finally:
         d.close()
 
+
+# -- one keeper per drive, duplicates released, per-drive state (decision 2760) ---------------
+
+
+@pytest.mark.timeout(120)  # one thread for every drive never evicts: the wait below fails
+def test_a_drive_whose_store_io_hangs_stops_only_its_own_keeper(tmp_path: Path) -> None:
+    """A drive whose catalog is stuck (what a writer blocked in the kernel holds), before
+    any guard sees it: the other drives' capacity is still enforced, their withdrawals
+    acknowledged and deleted; the engine loop's calls answer from memory; ``state()`` shows
+    the stuck keeper; ``stop()`` returns within its bound, leaving only that keeper."""
+    import threading
+
+    from waiting import wait_until
+
+    from spoolctl.connector.planning.inventory import InventoryView
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+
+    d = _Drives(tmp_path)
+    hung, full, _ = d.ids
+    keys = _keys(8, "h")
+    for key in keys:
+        d.stores[full].put(kind="vllm", namespace="ns", key=key,
+                           objects={"kv": _payload(key, 4096)})
+    bound = d.stores[full].totals().bytes // 2
+    for store in d.stores.values():  # every keeper's capacity step reads its drive
+        store.set_max_bytes(d.stores[full].totals().bytes * 4)
+    holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                       namespace="ns", rank=0, epoch=1, rescan_s=0.05)
+    holdings.stop_bound_s = 0.2  # what stop() may wait for the keepers together
+    holdings.start()
+    view = InventoryView()
+    view.apply(holdings.handshake_report())
+    held, release = threading.Event(), threading.Event()
+
+    def stuck_writer() -> None:
+        with d.stores[hung].catalog._lock:
+            held.set()
+            release.wait()
+
+    writer = threading.Thread(target=stuck_writer, daemon=True)
+    writer.start()
+    held.wait()
+    keepers: dict[str, threading.Thread] = {}
+    try:
+        d.stores[full].set_max_bytes(bound)  # the full drive goes over its max size
+        holdings.committed(keys[-1], full)  # a commit wakes that drive's keeper
+
+        def settled() -> bool:
+            report = holdings.step_report()
+            if report is not None:
+                view.apply(report)
+                holdings.on_scheduler(view.acks(), {})
+            # ... and its acknowledged deletes counted (they happened on the full drive)
+            return d.stores[full].totals().bytes <= bound and holdings.withdrawn_then_deleted
+        wait_until(settled, 30, what="the full drive evicted while another drive hangs")
+        assert len(d.on(full)) < len(keys)
+        assert holdings.locate(keys[-1]) in (full, None)  # memory only: it answers
+
+        def hung_busy() -> bool:
+            state = holdings.state()
+            return {one["drive"]: one["busy_s"] for one in state["drives"]}[hung] is not None
+        wait_until(hung_busy, 30, what="state() showing the hung drive's keeper in a step")
+        keepers.update((drive, k.thread) for drive, k in holdings._keepers.items())
+        holdings.stop()  # within its bound, although one keeper is stuck
+        assert not keepers[full].is_alive() and keepers[hung].is_alive()
+    finally:
+        release.set()
+        writer.join(NET_S)
+        holdings.stop()
+        for thread in keepers.values():  # the stuck one ends once its disk answers
+            thread.join(NET_S)
+        d.close()
+
+
+def test_a_copy_written_while_its_home_was_down_is_released_once_the_home_is_back(
+        tmp_path: Path) -> None:
+    """Chunks stored on their homes, the home taken out, the same chunks stored again
+    (on their runner-ups), the home back: at rescans the runner-up copies are deleted once
+    redundant for the grace period (never at once: a restore may have located them), the
+    home's copy is what ``locate`` reads, a copy that is the only one stays, and restores
+    give identical bytes. Counted in ``state()``, per drive."""
+    pytest.importorskip("torch")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.stats import ConnectorCounters
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+    from spoolctl.connector.worker_side.restore import Located, RestorePipeline
+
+    d = _Drives(tmp_path)
+    now = [0.0]
+    holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                       namespace="ns", rank=0, epoch=1,
+                                       clock=lambda: now[0])
+    stager = _stager(d, holdings, ConnectorCounters())
+    keys, alone = _keys(24, "d"), _keys(24, "e")
+    gone = d.home(keys[0])
+    twice = [k for k in keys if d.home(k) == gone]
+    only = [k for k in alone if d.home(k) == gone]
+
+    def store(wanted: list[str]) -> None:
+        for i, key in enumerate(wanted):
+            stager.stage(key, i, _fill(key), request=f"r-{key}")
+        assert stager.flush(NET_S)
+
+    def copies(key: str) -> list[str]:
+        return [drive for drive in d.ids if key in d.on(drive)]
+
+    try:
+        store(keys)
+        d.up.discard(gone)
+        holdings.drives_changed()
+        store(twice + only)  # recomputed while the home is out: on the runner-ups
+        runner = {k: drives.route(k, d.ids, d.up) for k in twice + only}
+        d.up.add(gone)
+        holdings.drives_changed()
+        holdings.rescan()
+        assert all(copies(k) == sorted([gone, runner[k]], key=d.ids.index) for k in twice)
+        assert all(holdings.locate(k) == gone for k in twice)  # the home's copy is read
+        bytes_before = sum(d.stores[r].totals().bytes for r in set(runner.values()))
+        now[0] += 3600  # past the grace: no restore that located the runner-up's copy is left
+        holdings.rescan()
+        assert all(copies(k) == [gone] for k in twice)  # exactly one copy: the home's
+        assert all(copies(k) == [runner[k]] for k in only)  # never the last copy
+        assert holdings.duplicates_released == len(twice) > 0
+        assert sum(d.stores[r].totals().bytes for r in set(runner.values())) < bytes_before
+        state = holdings.state()
+        assert state["duplicates_released"] == len(twice)
+        per = {one["drive"]: one for one in state["drives"]}
+        assert sum(one["duplicates_released"] for one in per.values()) == len(twice)
+        assert per[gone]["duplicates_released"] == 0
+        assert holdings.held_keys() == set(keys) | set(only)
+        # Restores read each chunk where it is, with identical bytes.
+        got: dict[str, bytes] = {}
+        pools = {drive: ThreadPoolExecutor(1) for drive in d.ids}
+
+        def locate(key: str) -> Located | None:
+            drive = holdings.locate(key)
+            return None if drive is None else Located(drive, d.stores[drive], None, pools[drive])
+
+        def item(key: str) -> ChunkRestore:
+            def fill(st: Store, manifest, buf) -> int:
+                st.read(manifest, "kv", into=memoryview(buf.numpy()))
+                return 4096
+
+            return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                copy=lambda buf: got.__setitem__(key, bytes(buf.numpy())))
+
+        pipe = RestorePipeline(d.stores[gone], "ns", chunk_bytes=4096, pool=pools[gone],
+                               counters=ConnectorCounters(), on_lost=lambda *a: None,
+                               locate=locate)
+        try:
+            assert pipe.run([item(k) for k in keys + only]) is None
+            assert got == {k: _payload(k, 4096) for k in keys + only}
+        finally:
+            pipe.close()
+            for pool in pools.values():
+                pool.shutdown()
+    finally:
+        assert stager.close(NET_S)
+        d.close()
+
+
+def test_state_shows_each_drive_and_one_store_keeps_its_dict(tmp_path: Path) -> None:
+    """``state()`` over several drives lists each drive (id, base, root, up, held, bytes,
+    max size, evictions, released duplicates); the rank's max is the drives' sum. One store
+    keeps exactly the dict it had."""
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+
+    d = _Drives(tmp_path)
+    try:
+        for i, key in enumerate(_keys(6, "s")):
+            d.stores[d.ids[i % 3]].put(kind="vllm", namespace="ns", key=key,
+                                       objects={"kv": _payload(key, 4096)})
+        for store in d.stores.values():
+            store.set_max_bytes(1 << 30)
+        d.up.discard(d.ids[2])
+        holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                           namespace="ns", rank=0, epoch=1, bases=d.labels)
+        holdings.start()
+        try:
+            state = holdings.state()
+        finally:
+            holdings.stop()
+        assert state["held"] == 4 and state["max_bytes"] == 3 << 30
+        assert [(one["drive"], one["base"], one["root"], one["up"]) for one in state["drives"]] \
+            == [(drive, d.labels[drive], str(d.stores[drive].root), drive != d.ids[2])
+                for drive in d.ids]
+        up = state["drives"][:2]
+        assert [one["held"] for one in up] == [2, 2]
+        assert [one["bytes"] for one in up] == [d.stores[x].totals().bytes for x in d.ids[:2]]
+        assert state["drives"][2]["bytes"] is None  # a down drive is not read
+        assert all(one["max_bytes"] == 1 << 30 and one["evicted_entries"] == 0
+                   for one in state["drives"])
+        one_store = RankHoldings(d.stores[d.ids[0]], kind="vllm", namespace="ns", rank=0,
+                                 epoch=1)
+        one_store.start()
+        try:
+            assert one_store.state() == {
+                "epoch": 1, "held": 2, "awaiting_ack": 0, "withdrawn_then_deleted": 0,
+                "evicted_entries": 0, "dropped": 0, "max_bytes": 1 << 30}
+        finally:
+            one_store.stop()
+    finally:
+        d.close()

@@ -24,8 +24,8 @@ another rank withdrew the same chunk (``drops``: the chunk is a miss everywhere 
 every rank frees it), and a host disk budget share (``host_budget``): the store's
 recorded max size becomes ``min(spoolctl_max_size, share)``, enforced as above.
 
-All store I/O runs on one daemon thread, never on vLLM's engine loop; the methods
-the connector calls from the engine loop only take a lock and touch memory.
+Store I/O runs on keeper threads (daemons), one per store, never on vLLM's engine loop;
+the methods the connector calls from the engine loop only take a lock and touch memory.
 
 Several drives (``for_drives``, decision 2714): one inventory for the rank, a store per
 drive under it. Each drive has its own held set (a rescan of a drive replaces its set),
@@ -38,6 +38,21 @@ Capacity is per drive: a victim another up drive also holds is deleted at once (
 inventory does not change), one held nowhere else is withdrawn first as above, and the
 acknowledged delete happens on the drive it was withdrawn from. One store (the
 constructor) is a set of one drive ``""``, always up: today's behaviour.
+
+Each drive has its own keeper (decision 2760): its rescans, share, capacity step,
+acknowledged deletes and drops run on that drive's thread, so a drive whose I/O hangs
+(before its guard takes it out, or unseen by the guard because only its keeper touches
+it) stops only its own bookkeeping; the other drives keep evicting and deleting. The
+inventory stays one, in memory, under one lock that no keeper holds across store I/O.
+``stop()`` waits for the keepers together within ``stop_bound_s``; a keeper stuck in the
+kernel is a daemon and is left behind.
+
+Duplicates (decision 2760): a key written to a runner-up while its home was down is held
+twice once the home is back. At each rescan of a drive, a copy there that another up drive
+also holds and that is not the copy ``locate`` reads (the first of the key's ``ranked``
+order among the up holders: the home when it is up) is released and deleted, once it has
+been redundant for ``duplicate_grace_s`` (longer than a restore's read deadline, so a
+restore that located it before the other copy counted has ended) — never the last up copy.
 """
 
 from __future__ import annotations
@@ -68,15 +83,46 @@ log = logging.getLogger("spoolctl.connector")
 RESCAN_S = 10.0
 EVICTION_BUDGET = 1024
 ACK_TIMEOUT_S = 300.0
+STOP_BOUND_S = 5.0  # stop() waits this long for every keeper together
+START_SCAN_S = 5.0  # several drives: start() waits this long for the first scans together
+# A redundant copy is deleted once it has not been the copy restores read for this long:
+# well past a restore's read deadline (5 s by default, decision 2700), so a read that
+# located it before the other copy counted has ended (the worker passes at least twice
+# its configured read deadline).
+DUPLICATE_GRACE_S = 30.0
+
+
+class _Keeper:
+    """One drive's bookkeeping thread and what waits for it. Fields other than ``thread``,
+    ``wake`` and ``scanned`` are read and written under the holdings' lock (``busy_since``
+    and ``bytes`` are single writes by the keeper, read for diagnostics)."""
+
+    def __init__(self, drive: str) -> None:
+        self.drive = drive
+        self.wake = threading.Event()
+        self.scanned = threading.Event()  # its first scan ended (several drives: start())
+        self.thread: threading.Thread | None = None
+        self.deletable: list[bytes] = []  # acknowledged withdrawals on this drive
+        self.drops: list[bytes] = []  # chunks the scheduler asked every rank to drop
+        self.redundant: dict[bytes, float] = {}  # duplicate copies here -> first seen
+        self.busy_since: float | None = None  # monotonic start of the store step running
+        self.bytes: int | None = None  # the store's bytes at its last pass
+        self.looked = -1  # the holdings' ``_moves`` when it last looked for twins
+        self.evicted_entries = 0
+        self.duplicates_released = 0
+        self.was_up = True
 
 
 class RankHoldings:
-    """See the module docstring. ``start()`` scans the store; ``stop()`` ends the thread."""
+    """See the module docstring. ``start()`` scans the stores and starts the keepers;
+    ``stop()`` ends them (bounded)."""
 
     def __init__(self, store: Store, *, kind: str, namespace: str, rank: int, epoch: int,
                  rescan_s: float = RESCAN_S, ack_timeout_s: float = ACK_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic,
-                 per_rank_max: int | None = None, share: int | None = None):
+                 per_rank_max: int | None = None, share: int | None = None,
+                 stop_bound_s: float = STOP_BOUND_S, start_scan_s: float = START_SCAN_S,
+                 duplicate_grace_s: float = DUPLICATE_GRACE_S):
         """``per_rank_max``: ``spoolctl_max_size``; ``share``: this rank's host budget share
         until the scheduler sends one (None: no host budget)."""
         self.store = store
@@ -85,40 +131,49 @@ class RankHoldings:
         self._stores: dict[str, Store] = {"": store}
         self._up: Callable[[str], bool] = lambda drive: True
         self._on: dict[str, set[bytes]] = {"": set()}  # what each drive holds
+        self._keepers: dict[str, _Keeper] = {"": _Keeper("")}
+        self._bases: dict[str, str] = {}  # drive id -> its base root, when known
         self._withdrawn_on: dict[bytes, str] = {}  # a withdrawal's drive (its delete's)
         self.kind = kind
         self.namespace = namespace
         self.rank = rank
         self.rescan_s = rescan_s
         self.ack_timeout_s = ack_timeout_s
+        self.stop_bound_s = stop_bound_s
+        self.start_scan_s = start_scan_s
+        self.duplicate_grace_s = duplicate_grace_s
         self._clock = clock
         self._withdrawn_at: dict[bytes, float] = {}
         self._inv = RankInventory(rank, epoch)
         self._lock = threading.Lock()
-        self._deletable: list[bytes] = []  # acknowledged withdrawals, deleted by the thread
-        self._drops: list[bytes] = []  # chunks the scheduler asked every rank to drop
         self._per_rank_max = per_rank_max
         self._share = share  # the host budget share to apply (None: no host budget)
-        self._scan_adds: dict[str, set[bytes]] | None = None  # commits during a rescan
-        self._wake = threading.Event()
+        self._scanning: dict[str, set[bytes]] = {}  # a drive being rescanned -> its commits
+        self._moves = 0  # bumped when a key may have become held twice (twins to look for)
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._started = False
         self.evicted_entries = 0
         self.evicted_bytes = 0
         self.withdrawn_then_deleted = 0  # deletions that waited for the scheduler's ack
         self.dropped = 0  # entries withdrawn because another rank withdrew them
+        self.duplicates_released = 0  # redundant copies deleted (several drives)
+        self.duplicate_bytes_released = 0
 
     @classmethod
     def for_drives(cls, stores: Mapping[str, Store], up: Callable[[str], bool], *,
-                   kind: str, namespace: str, rank: int, epoch: int, **kw) -> RankHoldings:
+                   kind: str, namespace: str, rank: int, epoch: int,
+                   bases: Mapping[str, str] | None = None, **kw) -> RankHoldings:
         """One inventory over a rank's stores on several drives (the module docstring):
         ``stores`` maps drive id -> rank store (ordered as configured), ``up(drive)`` says
-        whether a drive serves (its ``DiskGuard``, memory only)."""
+        whether a drive serves (its ``DiskGuard``, memory only), ``bases`` each drive's
+        base root (shown by ``state()``)."""
         first = next(iter(stores.values()))
         holdings = cls(first, kind=kind, namespace=namespace, rank=rank, epoch=epoch, **kw)
         holdings._stores = dict(stores)
         holdings._up = up
         holdings._on = {drive: set() for drive in stores}
+        holdings._keepers = {drive: _Keeper(drive) for drive in stores}
+        holdings._bases = dict(bases or {})
         return holdings
 
     @property
@@ -131,7 +186,8 @@ class RankHoldings:
 
     def drive_ids(self) -> list[str]:
         """The drives this inventory covers, in configured order ("" for one store)."""
-        return list(self._stores)
+        with self._lock:
+            return list(self._stores)
 
     def _union(self) -> set[bytes]:
         """With the lock held: what the rank holds (every up drive's keys)."""
@@ -148,19 +204,48 @@ class RankHoldings:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Apply the host budget share, scan the store (so the handshake carries the
-        inventory), then start the thread."""
-        self._apply_share()
-        self.rescan()
-        self._thread = threading.Thread(target=self._run, name="spoolctl-holdings", daemon=True)
-        self._thread.start()
+        """Apply the host budget share, scan the stores (so the handshake carries the
+        inventory), then start the keepers. One store: on the calling thread, as always.
+        Several drives: each keeper scans its drive first and this waits for the scans
+        within ``start_scan_s`` together; a drive that has not answered by then is left to
+        its keeper (its chunks count once its scan ends, through the step reports)."""
+        if not self.several:
+            self._apply_share()
+            self.rescan()
+        with self._lock:
+            self._started = True
+            keepers = list(self._keepers.values())
+        for keeper in keepers:
+            self._spawn(keeper, first_scan=self.several)
+        if not self.several:
+            return
+        end = time.monotonic() + self.start_scan_s
+        for keeper in keepers:
+            if not keeper.scanned.wait(max(0.0, end - time.monotonic())):
+                log.warning("spoolctl: drive %s did not answer its inventory scan within "
+                            "%.0f s; its chunks count once it does",
+                            self._bases.get(keeper.drive, keeper.drive), self.start_scan_s)
+
+    def _spawn(self, keeper: _Keeper, *, first_scan: bool) -> None:
+        name = "spoolctl-holdings" if not keeper.drive else f"spoolctl-keeper-{keeper.drive[:8]}"
+        keeper.thread = threading.Thread(target=self._keep, args=(keeper, first_scan),
+                                         name=name, daemon=True)
+        keeper.thread.start()
 
     def stop(self) -> None:
+        """End the keepers, waiting for them within ``stop_bound_s`` together: a keeper
+        stuck on a hung drive is a daemon and is left behind (it ends when the disk answers,
+        and does nothing more)."""
         self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-            self._thread = None
+        with self._lock:
+            keepers = list(self._keepers.values())
+        for keeper in keepers:
+            keeper.wake.set()
+        end = time.monotonic() + self.stop_bound_s
+        for keeper in keepers:
+            if keeper.thread is not None:
+                keeper.thread.join(timeout=max(0.0, end - time.monotonic()))
+                keeper.thread = None
 
     # -- engine-loop side (memory only) --------------------------------------------------------
 
@@ -171,10 +256,13 @@ class RankHoldings:
             self._inv.add(raw)
             self._withdrawn_at.pop(raw, None)
             self._withdrawn_on.pop(raw, None)
-            if self._scan_adds is not None:
-                self._scan_adds.setdefault(drive, set()).add(raw)
+            if self.several and self._elsewhere(raw, drive):
+                self._moves += 1
+            adds = self._scanning.get(drive)
+            if adds is not None:
+                adds.add(raw)
         if self._stores[drive].max_bytes is not None:
-            self._wake.set()  # the thread checks capacity
+            self._keepers[drive].wake.set()  # its keeper checks capacity
 
     def lost(self, key: str, drive: str | None = None) -> None:
         """A chunk disappeared or failed to read: on ``drive`` only (several drives; the rank
@@ -200,11 +288,17 @@ class RankHoldings:
     def drives_changed(self) -> None:
         """A drive went down or came back (its guard's flag changed): the rank holds what
         its up drives hold, so keys held only on a down drive are withdrawn from the
-        scheduler's view, and a drive that is back restates what it held (its keeper's next
-        rescan corrects the set if it changed meanwhile)."""
+        scheduler's view, and a drive that is back restates what it held (its keeper
+        rescans it at once). Which copy restores read may have changed, so every
+        redundant copy starts its grace again."""
         with self._lock:
             self._inv.replace(self._union())
-        self._wake.set()
+            self._moves += 1
+            keepers = list(self._keepers.values())
+            for keeper in keepers:
+                keeper.redundant.clear()
+        for keeper in keepers:
+            keeper.wake.set()
 
     def handshake_report(self) -> InventoryReport:
         with self._lock:
@@ -220,21 +314,36 @@ class RankHoldings:
     def on_scheduler(self, acks: Mapping[int, Ack], resync: Mapping[int, int],
                      drops: Iterable[bytes] = (), share: int | None = None) -> None:
         """Apply the scheduler's acknowledgement and resync request for this rank, the
-        chunks every rank should drop and this rank's host budget share."""
+        chunks every rank should drop and this rank's host budget share; each drive's
+        part goes to that drive's keeper."""
         ack = acks.get(self.rank)
+        woken: set[str] = set()
         with self._lock:
             if resync_for(resync, self.rank, self._inv.epoch):
                 self._inv.resync()
-            done = self._inv.acked(ack) if ack is not None else []
-            if done:
-                self._deletable.extend(done)
+            for key in self._inv.acked(ack) if ack is not None else []:
+                self._withdrawn_at.pop(key, None)
+                drive = self._withdrawn_on.pop(key, "")
+                if drive in self._keepers:  # deleted on the drive it was withdrawn from
+                    self._keepers[drive].deletable.append(key)
+                    woken.add(drive)
             held = [k for k in drops if self._inv.holds(k)]
-            self._drops.extend(held)
-            wake = bool(done or held)
+            if held and not self.several:
+                (only,) = self._keepers
+                self._keepers[only].drops.extend(held)
+                woken.add(only)
+            elif held:  # from every drive holding it
+                for drive, keys in self._on.items():
+                    mine = [k for k in held if k in keys]
+                    if mine:
+                        self._keepers[drive].drops.extend(mine)
+                        woken.add(drive)
             if share is not None and self._share is not None and share != self._share:
-                self._share, wake = share, True
-        if wake:
-            self._wake.set()
+                self._share = share
+                woken.update(self._keepers)
+            keepers = [self._keepers[d] for d in woken]
+        for keeper in keepers:
+            keeper.wake.set()
 
     @property
     def awaiting(self) -> int:
@@ -245,60 +354,148 @@ class RankHoldings:
         with self._lock:
             return {k.hex() for k in self._inv.held}
 
-    # -- background thread (store I/O) --------------------------------------------------------
+    # -- keepers (store I/O, one thread per drive) ------------------------------------------
 
-    def _run(self) -> None:
+    def _keep(self, keeper: _Keeper, first_scan: bool) -> None:
+        drive = keeper.drive
+        if first_scan:
+            self._step(keeper, self._apply_share)
+            self._step(keeper, self.rescan)
+            keeper.scanned.set()
         scanned = self._clock()
         while not self._stop.is_set():
-            self._wake.wait(max(0.0, scanned + self.rescan_s - self._clock()))
-            self._wake.clear()
+            keeper.wake.wait(max(0.0, scanned + self.rescan_s - self._clock()))
+            keeper.wake.clear()
             if self._stop.is_set():
                 return
-            steps = (self._apply_share, self._delete_acknowledged, self._drop_requested)
-            # A rescan every rescan_s even when commits keep waking the thread (a busy store
-            # must still notice deletions made behind its back, e.g. ``spoolctl clean``).
-            due = self._clock() - scanned >= self.rescan_s
+            up = self._up(drive)
+            back, keeper.was_up = up and not keeper.was_up, up
+            # A rescan every rescan_s even when commits keep waking the keeper (a busy store
+            # must still notice deletions made behind its back, e.g. ``spoolctl clean``),
+            # and at once when the drive is back.
+            due = back or self._clock() - scanned >= self.rescan_s
             if due:
                 scanned = self._clock()
+            steps = (self._apply_share, self._delete_acknowledged, self._drop_requested)
             for step in (*steps, self.rescan, self._enforce_capacity) if due \
                     else (*steps, self._enforce_capacity):
-                try:
-                    step()
-                except BusyError:
-                    pass  # maintenance elsewhere; next round
-                except Exception as exc:  # never let bookkeeping take the worker down
-                    log.warning("spoolctl: inventory step failed: %s",
-                                exc.message if isinstance(exc, SpoolError) else exc)
+                if self._stop.is_set():
+                    return
+                self._step(keeper, step)
 
-    def rescan(self) -> None:
-        """Re-read the stores' inventories (catches deletions made behind our back); a
-        drive that is down is not read (its set stays as it was, out of the union)."""
-        with self._lock:
-            self._scan_adds = {}
+    def _step(self, keeper: _Keeper, step: Callable[[str], object]) -> None:
+        keeper.busy_since = time.monotonic()
         try:
-            found: dict[str, set[bytes]] = {}
-            for drive, store in self._stores.items():
-                if not self._up(drive):
-                    continue
-                held = set()
-                for key in store.live_keys(self.kind, self.namespace):
-                    with contextlib.suppress(ValueError):
-                        held.add(key_bytes(key))
-                found[drive] = held
+            step(keeper.drive)
+        except BusyError:
+            pass  # maintenance elsewhere; next round
+        except Exception as exc:  # never let bookkeeping take the worker down
+            log.warning("spoolctl: inventory step failed: %s",
+                        exc.message if isinstance(exc, SpoolError) else exc)
+        finally:
+            keeper.busy_since = None
+
+    def _which(self, drive: str | None) -> list[str]:
+        """``drive``, or every drive (None: a caller outside the keepers, e.g. a test)."""
+        if drive is not None:
+            return [drive]
+        with self._lock:
+            return list(self._stores)
+
+    def rescan(self, drive: str | None = None) -> None:
+        """Re-read ``drive``'s inventory (every drive's: None) to catch deletions made
+        behind our back; a drive that is down is not read (its set stays as it was, out of
+        the union). Several drives: then release the copies there that are redundant."""
+        for d in self._which(drive):
+            self._rescan_one(d)
+
+    def _rescan_one(self, drive: str) -> None:
+        if not self._up(drive):
+            return
+        store = self._stores[drive]
+        with self._lock:
+            self._scanning[drive] = set()
+        try:
+            held = set()
+            for key in store.live_keys(self.kind, self.namespace):
+                with contextlib.suppress(ValueError):
+                    held.add(key_bytes(key))
         except BaseException:
             with self._lock:
-                self._scan_adds = None
+                self._scanning.pop(drive, None)
             raise
         with self._lock:
-            adds, self._scan_adds = self._scan_adds or {}, None
-            for drive, held in found.items():
-                self._on[drive] = held | adds.get(drive, set())
-            self._inv.replace(self._union())
+            adds = self._scanning.pop(drive, set())
+            held |= adds
+            # Several drives: each keeper rescans, so the rank's union is rebuilt only when
+            # this drive's set changed (the union of 1M keys costs ~0.4 s under the lock).
+            if not self.several or held != self._on[drive]:
+                self._on[drive] = held
+                self._inv.replace(self._union())
+                self._moves += 1
+            twins = self._twins(drive) if self.several else None
+        if self.several:  # for state(); one store reads only what it always did
+            self._keepers[drive].bytes = store.totals().bytes
+        if twins is not None:
+            self._release_redundant(drive, twins)
+
+    def _twins(self, drive: str) -> dict[bytes, list[str]] | None:
+        """With the lock held: keys ``drive`` holds that another up drive holds too, each
+        with its up holders (in configured order). Looked for only when a set changed since
+        this drive's last look, or while copies here wait for their grace (else None)."""
+        keeper = self._keepers[drive]
+        if keeper.looked == self._moves and not keeper.redundant:
+            return None
+        keeper.looked = self._moves
+        others = [keys for d, keys in self._on.items() if d != drive and self._up(d)]
+        mine = self._on[drive]
+        twins: set[bytes] = set()
+        for keys in others:
+            twins |= mine & keys
+        return {raw: [d for d, keys in self._on.items() if raw in keys and self._up(d)]
+                for raw in twins}
+
+    def _release_redundant(self, drive: str, twins: Mapping[bytes, list[str]]) -> None:
+        """Delete ``drive``'s copies of ``twins`` that restores do not read (``locate``'s
+        choice is another drive) and that have been redundant for the grace period; the
+        copy ``locate`` reads, and a last up copy, are never touched."""
+        keeper = self._keepers[drive]
+        spare = {raw for raw, holders in twins.items()
+                 if drive_rules.ranked(raw.hex(), holders)[0] != drive}
+        now = self._clock()
+        with self._lock:
+            keeper.redundant = {raw: keeper.redundant.get(raw, now) for raw in spare}
+            due = [raw for raw, since in keeper.redundant.items()
+                   if now - since >= self.duplicate_grace_s][:EVICTION_BUDGET]
+        if not due:
+            return
+        store = self._stores[drive]
+        doomed: list[str] = []
+        for raw in due:
+            with self._lock:
+                if not self._elsewhere(raw, drive):  # the other copy went meanwhile
+                    keeper.redundant.pop(raw, None)
+                    continue
+                self._on[drive].discard(raw)  # the rank still holds it: no report
+                keeper.redundant.pop(raw, None)
+            entry_id = self._entry_id(raw)
+            if store.release(entry_id):
+                doomed.append(entry_id)
+        if not doomed:
+            return
+        report = store.delete_released(doomed)
+        with self._lock:
+            keeper.duplicates_released += report.entries
+            self.duplicates_released += report.entries
+            self.duplicate_bytes_released += report.bytes
+        keeper.bytes = store.totals().bytes
+        log.info("spoolctl: released %d redundant copies (%d bytes) on drive %s",
+                 report.entries, report.bytes, self._bases.get(drive, drive))
 
     def _entry_id(self, raw: bytes) -> str:
         return entry_id_for(self.kind, self.namespace, raw.hex())
 
-    def _apply_share(self) -> None:
+    def _apply_share(self, drive: str | None = None) -> None:
         """Record the effective max size (``min(spoolctl_max_size, share)``) in each store
         (several drives: the share bounds the rank's store on every drive)."""
         with self._lock:
@@ -306,31 +503,36 @@ class RankHoldings:
         if share is None:
             return
         bound = effective_max(self._per_rank_max, share)
-        for drive, store in self._stores.items():
-            if bound != store.max_bytes and self._up(drive):
+        for d in self._which(drive):
+            store = self._stores[d]
+            if bound != store.max_bytes and self._up(d):
                 store.set_max_bytes(bound)
 
-    def _drop_requested(self) -> None:
-        with self._lock:
-            keys, self._drops = self._drops, []
-            on = {d: [k for k in keys if k in held] for d, held in self._on.items()}
-        if not keys:
-            return
-        if not self.several:
-            (only,) = self._stores
-            self.dropped += self._withdraw([self._entry_id(k) for k in keys], only)
-            return
-        for drive, held in on.items():  # from every drive holding it
-            if held and self._up(drive):
-                self.dropped += self._withdraw([self._entry_id(k) for k in held], drive)
+    def _drop_requested(self, drive: str | None = None) -> None:
+        for d in self._which(drive):
+            keeper = self._keepers[d]
+            with self._lock:
+                keys, keeper.drops = keeper.drops, []
+            if not keys:
+                continue
+            if self.several and not self._up(d):
+                continue  # a down drive's copies are out of the union already
+            n = self._withdraw([self._entry_id(k) for k in keys], d)
+            with self._lock:
+                self.dropped += n
 
-    def _enforce_capacity(self) -> None:
-        for drive, store in self._stores.items():  # each drive evicts on itself only
-            if not self._up(drive) or store.max_bytes is None or \
-                    store.totals().bytes <= store.max_bytes:
+    def _enforce_capacity(self, drive: str | None = None) -> None:
+        for d in self._which(drive):  # each drive evicts on itself only
+            store = self._stores[d]
+            if not self._up(d) or store.max_bytes is None:
+                continue
+            total = self._keepers[d].bytes = store.totals().bytes
+            if total <= store.max_bytes:
                 continue
             plan = store.enforce_capacity(dry_run=True, budget=EVICTION_BUDGET, wait=False)
-            self._withdraw(plan.entry_ids, drive)
+            self._withdraw(plan.entry_ids, d)
+            if self.several:
+                self._keepers[d].bytes = store.totals().bytes
 
     def _withdraw(self, entry_ids: Iterable[str], drive: str = "") -> int:
         """Withdraw entries of ``drive``'s store (release them, report their removal) and
@@ -375,29 +577,71 @@ class RankHoldings:
             self._delete(now, drive)
         return withdrawn
 
-    def _delete_acknowledged(self) -> None:
-        with self._lock:
-            doomed, self._deletable = self._deletable, []
-            on: dict[str, list[bytes]] = {}
-            for key in doomed:
-                self._withdrawn_at.pop(key, None)
-                on.setdefault(self._withdrawn_on.pop(key, ""), []).append(key)
-        for drive, keys in on.items():
-            if drive in self._stores:
-                self.withdrawn_then_deleted += self._delete(
-                    [self._entry_id(k) for k in keys], drive)
+    def _delete_acknowledged(self, drive: str | None = None) -> None:
+        for d in self._which(drive):
+            if self.several and not self._up(d):
+                continue  # kept queued until the drive answers again
+            keeper = self._keepers[d]
+            with self._lock:
+                keys, keeper.deletable = keeper.deletable, []
+            if keys:
+                n = self._delete([self._entry_id(k) for k in keys], d)
+                with self._lock:
+                    self.withdrawn_then_deleted += n
 
     def _delete(self, entry_ids: list[str], drive: str = "") -> int:
         report = self._stores[drive].delete_released(entry_ids)
-        self.evicted_entries += report.entries
-        self.evicted_bytes += report.bytes
+        with self._lock:
+            self.evicted_entries += report.entries
+            self.evicted_bytes += report.bytes
+            self._keepers[drive].evicted_entries += report.entries
         return report.entries
 
     def state(self) -> dict:
-        """Diagnostics: epoch, what is held and what waits for an acknowledgement."""
+        """Diagnostics (memory only): epoch, what is held and what waits for an
+        acknowledgement. Several drives also: ``duplicates_released`` and ``drives``, per
+        drive its id, base and root, whether it is up, the keys it holds, its bytes at its
+        keeper's last pass (None before one), its max size, its evictions, its released
+        duplicates and ``busy_s`` (how long its keeper has been in one store step: a drive
+        that hangs shows it growing); ``max_bytes`` is then the sum of the drives' (None
+        when one is unbounded)."""
         with self._lock:
-            return {"epoch": self._inv.epoch, "held": self._inv.held_count,
-                    "awaiting_ack": self._inv.awaiting,
-                    "withdrawn_then_deleted": self.withdrawn_then_deleted,
-                    "evicted_entries": self.evicted_entries, "dropped": self.dropped,
-                    "max_bytes": self.store.max_bytes}
+            out = {"epoch": self._inv.epoch, "held": self._inv.held_count,
+                   "awaiting_ack": self._inv.awaiting,
+                   "withdrawn_then_deleted": self.withdrawn_then_deleted,
+                   "evicted_entries": self.evicted_entries, "dropped": self.dropped,
+                   "max_bytes": self.store.max_bytes}
+            if not self.several:
+                return out
+            now = time.monotonic()
+            drives = []
+            for drive, store in self._stores.items():
+                keeper = self._keepers[drive]
+                busy = keeper.busy_since
+                drives.append({
+                    "drive": drive, "base": self._bases.get(drive), "root": str(store.root),
+                    "up": self._up(drive), "held": len(self._on[drive]),
+                    "bytes": keeper.bytes, "max_bytes": store.max_bytes,
+                    "evicted_entries": keeper.evicted_entries,
+                    "duplicates_released": keeper.duplicates_released,
+                    "busy_s": None if busy is None else round(now - busy, 3)})
+            bounds = [d["max_bytes"] for d in drives]
+            out["max_bytes"] = None if None in bounds else sum(bounds)
+            out["duplicates_released"] = self.duplicates_released
+            out["drives"] = drives
+            return out
+
+    def add_drive(self, drive: str, store: Store) -> None:
+        """A drive that opened after start joins the set: its keeper scans it on its own
+        thread, after which its keys count in the union and in ``locate``. Memory only on
+        the caller's thread; a drive already in the set is left as it is."""
+        keeper = _Keeper(drive)
+        with self._lock:
+            if drive in self._stores:
+                return
+            self._stores[drive] = store
+            self._on[drive] = set()
+            self._keepers[drive] = keeper
+            started = self._started and not self._stop.is_set()
+        if started:
+            self._spawn(keeper, first_scan=True)

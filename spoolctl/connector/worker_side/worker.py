@@ -181,7 +181,7 @@ class WorkerSide:
         """Several drives: the parts serving the rank's stores on ``slots`` (the module
         docstring), started; the per-drive parts are in ``drives``."""
         from .capture import ChunkStager, drive_route, rank_commit, rank_commit_many
-        from .holdings import RankHoldings
+        from .holdings import DUPLICATE_GRACE_S, RankHoldings
         from .restore import Located
 
         settings = self._dep.settings
@@ -214,7 +214,9 @@ class WorkerSide:
         holdings = parts.holdings = RankHoldings.for_drives(
             stores, up, kind=KIND, namespace=ns, rank=self._place.rank,
             epoch=max(epoch, epoch_floor + 1), per_rank_max=settings.max_bytes,
-            share=shares[0])
+            share=shares[0], bases={s.drive_id: s.base for s in slots},
+            # a redundant copy outlives any restore that located it (decision 2760)
+            duplicate_grace_s=max(DUPLICATE_GRACE_S, 2 * settings.read_deadline))
         for one in parts.drives:  # a drive down or back changes what the rank holds
             assert one.guard is not None
             one.guard.listen(lambda down: holdings.drives_changed())
