@@ -1029,3 +1029,38 @@ def test_state_shows_each_drive_and_one_store_keeps_its_dict(tmp_path: Path) -> 
             one_store.stop()
     finally:
         d.close()
+
+
+def test_a_drive_added_after_start_is_scanned_by_its_own_keeper_and_then_counts(
+        tmp_path: Path) -> None:
+    """``add_drive``: a drive that opened after start joins the set; its keeper scans it,
+    then its keys are held by the rank (the next step report adds them) and ``locate``
+    reads them there."""
+    from waiting import wait_until
+
+    from spoolctl.connector.planning.inventory import key_bytes
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+
+    d = _Drives(tmp_path)
+    early, late = d.ids[:2], d.ids[2]
+    keys = _keys(4, "late")
+    try:
+        for key in keys:
+            d.stores[late].put(kind="vllm", namespace="ns", key=key,
+                               objects={"kv": _payload(key, 4096)})
+        holdings = RankHoldings.for_drives({x: d.stores[x] for x in early}, d.up.__contains__,
+                                           kind="vllm", namespace="ns", rank=0, epoch=1)
+        holdings.start()
+        try:
+            holdings.handshake_report()
+            assert holdings.locate(keys[0]) is None
+            holdings.add_drive(late, d.stores[late])
+            wait_until(lambda: holdings.locate(keys[0]) == late, NET_S,
+                       what="the added drive scanned by its keeper")
+            assert holdings.held_keys() == set(keys)
+            assert set(holdings.step_report().added) == {key_bytes(k) for k in keys}
+            assert [one["drive"] for one in holdings.state()["drives"]] == d.ids
+        finally:
+            holdings.stop()
+    finally:
+        d.close()
