@@ -897,6 +897,56 @@ def test_a_drive_whose_store_io_hangs_stops_only_its_own_keeper(tmp_path: Path) 
         d.close()
 
 
+@pytest.mark.timeout(60)  # a start that scanned every drive itself waited on the hung one
+def test_a_drive_hung_at_start_does_not_hold_the_start_its_chunks_count_once_it_answers(
+        tmp_path: Path, caplog) -> None:
+    """``start()`` over several drives waits for the drives' first scans within its bound:
+    a drive whose catalog is stuck does not hold ``register_kv_caches`` (one warning naming
+    it); the other drives' chunks are in the handshake, and the stuck drive's are reported
+    once its keeper's scan ends."""
+    import threading
+
+    from waiting import wait_until
+
+    from spoolctl.connector.planning.inventory import key_bytes
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+
+    d = _Drives(tmp_path)
+    keys = _keys(6, "start")
+    for i, key in enumerate(keys):
+        d.stores[d.ids[i % 3]].put(kind="vllm", namespace="ns", key=key,
+                                   objects={"kv": _payload(key, 4096)})
+    holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                       namespace="ns", rank=0, epoch=1)
+    holdings.start_scan_s = 0.2  # what start() may wait for the first scans together
+    held, release = threading.Event(), threading.Event()
+
+    def stuck_writer() -> None:
+        with d.stores[d.ids[0]].catalog._lock:
+            held.set()
+            release.wait()
+
+    writer = threading.Thread(target=stuck_writer, daemon=True)
+    writer.start()
+    held.wait()
+    try:
+        holdings.start()
+        hs = holdings.handshake_report()
+        assert set(hs.added) == {key_bytes(k) for i, k in enumerate(keys) if i % 3}
+        assert [r.message for r in caplog.records if "inventory scan" in r.message] == [
+            f"spoolctl: drive {d.ids[0]} did not answer its inventory scan within 0.2 s; its "
+            "chunks count once it does"]
+        release.set()
+        wait_until(lambda: holdings.held_keys() == set(keys), NET_S,
+                   what="the stuck drive's chunks counted once it answers")
+        assert set(holdings.step_report().added) == {key_bytes(k) for k in keys[::3]}
+    finally:
+        release.set()
+        writer.join(NET_S)
+        holdings.stop()
+        d.close()
+
+
 def test_a_copy_written_while_its_home_was_down_is_released_once_the_home_is_back(
         tmp_path: Path) -> None:
     """Chunks stored on their homes, the home taken out, the same chunks stored again

@@ -223,7 +223,7 @@ class RankHoldings:
         for keeper in keepers:
             if not keeper.scanned.wait(max(0.0, end - time.monotonic())):
                 log.warning("spoolctl: drive %s did not answer its inventory scan within "
-                            "%.0f s; its chunks count once it does",
+                            "%g s; its chunks count once it does",
                             self._bases.get(keeper.drive, keeper.drive), self.start_scan_s)
 
     def _spawn(self, keeper: _Keeper, *, first_scan: bool) -> None:
