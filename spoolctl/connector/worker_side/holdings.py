@@ -401,3 +401,32 @@ class RankHoldings:
                     "withdrawn_then_deleted": self.withdrawn_then_deleted,
                     "evicted_entries": self.evicted_entries, "dropped": self.dropped,
                     "max_bytes": self.store.max_bytes}
+
+    def add_drive(self, drive: str, store: Store) -> None:
+        """Take a drive that opened later into the inventory (several drives, decision 2750):
+        it is known at once (a commit to it counts), then scanned on a thread of its own
+        (never the engine's, and not behind a rescan held up by another drive), and what it
+        already held counts in the union and in ``locate``."""
+        with self._lock:
+            if drive in self._stores:
+                return
+            self._on[drive] = set()
+            # Replaced, not changed: the holdings thread iterates ``_stores`` without the lock.
+            self._stores = {**self._stores, drive: store}
+
+        def scan() -> None:
+            try:
+                held = set()
+                for key in store.live_keys(self.kind, self.namespace):
+                    with contextlib.suppress(ValueError):
+                        held.add(key_bytes(key))
+            except Exception as exc:  # its next rescan reads it
+                log.warning("spoolctl: drive %s not scanned yet: %s", store.root,
+                            exc.message if isinstance(exc, SpoolError) else exc)
+                return
+            with self._lock:
+                self._on[drive] |= held  # with what was committed to it meanwhile
+                self._inv.replace(self._union())
+            self._wake.set()  # its share and its capacity, on the holdings thread
+
+        threading.Thread(target=scan, name="spoolctl-holdings-join", daemon=True).start()
