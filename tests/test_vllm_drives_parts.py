@@ -998,3 +998,97 @@ def test_a_late_drive_the_scheduler_cannot_open_yet_is_retried(tmp_path: Path) -
     finally:
         late.close()
     assert stores.roots() == []
+
+
+@pytest.mark.extended  # a FUSE mount and both connector roles (~5 s)
+def test_a_drive_hung_at_start_joins_the_running_set_when_it_answers(
+        tmp_path: Path, several) -> None:
+    """As a user meets it: the third drive hangs when the engine starts (its drive marker
+    and rank store from an earlier run; the store's objects on a FUSE mount that hangs).
+    The worker starts within its bound and serves on the other two; when the mount
+    answers, the drive joins without a restart: what it held is located there, chunks
+    homed on it are routed to it, and a same-host scheduler counts a prompt held only
+    there as a hit."""
+    _needs_fuse()
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    import threading
+    from types import SimpleNamespace
+
+    from fusemount import ControlledMount
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.scheduler_side.lookup import request_keys
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=0.05, spoolctl_lookup_deadline=0.1)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    earlier = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)  # a run before: ids, stores
+    earlier.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+    third = Path(earlier.worker._drives.slots[2].root)
+    ns, chain = earlier.worker._namespace, earlier.worker._dep.chain_namespace
+    earlier.shutdown()
+    ids = [drives.read_drive_id(r) for r in roots]
+    tokens = list(range(7, 7 + 12 * 64 + 5))
+    request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, cache_salt=None,
+                              kv_transfer_params=None, prompt_embeds=None, lora_request=None,
+                              mm_features=None)
+    keys = request_keys(request, namespace=chain, chunk_tokens=64)
+    with Store.open(third) as store:  # the earlier run stored this prompt on it
+        for key in keys:
+            store.put(kind="vllm", namespace=ns, key=key, objects={"kv": b"x" * 100})
+    # Its rank store's objects on a mount that hangs (``Store.open`` scans them; the whole
+    # store on the test's FUSE layer would take SQLite's shared memory there too).
+    with ControlledMount(third / "objects", tmp_path / "fuse") as mount:
+        mount.hang()
+        got: list[SpoolConnector] = []
+
+        def start() -> None:
+            worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+            worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+            got.append(worker)
+
+        starting = threading.Thread(target=start, daemon=True)
+        starting.start()
+        starting.join(NET_S)
+        sched = None
+        try:
+            assert got, "the worker's start waited on the hung drive"
+            worker = got[0]
+            ws = worker.worker
+            hs = worker.get_handshake_metadata()
+            assert [d.drive_id for d in hs.drives] == ids[:2]
+            sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+            sched.set_xfer_handshake_metadata({0: hs})
+            assert sched.get_num_new_matched_tokens(request, 0)[0] == 0
+            mount.release()
+            metas: list[object] = []
+            wait_until(lambda: metas.append(worker.build_connector_worker_meta()) or (
+                metas[-1] is not None and metas[-1].drives), NET_S, what="the drive joined")
+            assert ws._holdings.drive_ids() == ids
+            wait_until(lambda: all(ws._holdings.locate(k) == ids[2] for k in keys), NET_S,
+                       what="the joined drive scanned")
+            # Its share of new writes: routed to it (the writes themselves are not tried
+            # here: its objects are on another filesystem than the rest of its store).
+            assert all(ws._stager._route(k)[0] == ids[2]
+                       for k in keys if drives.home(k, ids) == ids[2])
+            sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=metas[-1]))
+            wait_until(lambda: sched.get_num_new_matched_tokens(request, 0)[0] == 12 * 64,
+                       NET_S, what="the scheduler reading the drive")
+        finally:
+            mount.release()
+            if sched is not None:
+                sched.shutdown()
+            if got:
+                got[0].shutdown()

@@ -208,6 +208,9 @@ class SchedulerSide:
         """On the engine loop, memory only: read the drives opened since in their ranks'
         lookups (each checked by the store id its worker named)."""
         for rank, info, store in self._late.take():
+            if any(s is store for s in self._ranks.stores_of(rank)):
+                self._stores.release(store)  # read already (its root spelt another way)
+                continue
             if store.marker.store_id != info.store_id:
                 log.warning("spoolctl: rank %d drive %s holds another store than its worker "
                             "named; not read here", rank, info.base)
