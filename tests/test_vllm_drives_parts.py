@@ -1114,3 +1114,278 @@ def test_a_drive_added_after_start_is_scanned_by_its_own_keeper_and_then_counts(
             holdings.stop()
     finally:
         d.close()
+
+
+# -- a drive that opens after the engine started joins the running set (decision 2750) ---------
+
+
+def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_it(
+        tmp_path: Path, several) -> None:
+    """Three drive roots, the third not mounted when the engine starts (its base absent):
+    the worker and the scheduler serve on the other two (a prompt's chunks homed on the
+    third by the rule over all three land on their runner-ups). The drive then appears,
+    holding a rank store with another prompt from an earlier run. Without a restart, after
+    the retry interval: the worker takes it into its set (what it held is in the rank's
+    inventory and restores with identical bytes), a new prompt's chunks homed on it are
+    written to it (no failover counted), the worker's next step output names the rank's
+    drives, and the scheduler then reads the new drive too: a prompt held only there is a
+    full hit."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.planning.inventory import key_bytes
+    from spoolctl.connector.scheduler_side.lookup import request_keys
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=0.05, spoolctl_lookup_deadline=0.5)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots[:2]:
+        Path(root).mkdir(parents=True)
+
+    def request(name: str, first: int) -> SimpleNamespace:
+        return SimpleNamespace(request_id=name, prompt_token_ids=list(range(
+            first, first + 12 * 64 + 5)), cache_salt=None, kv_transfer_params=None,
+            prompt_embeds=None, lora_request=None, mm_features=None)  # twelve chunks
+
+    old, new, held = request("a", 3), request("b", 5000), request("c", 9000)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    sched, guards = None, []
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        ws = worker.worker
+        # No periodic rescan during the test: the joined drive must be scanned as it joins.
+        ws._holdings.rescan_s = 3600
+        sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+        hs = worker.get_handshake_metadata()
+        assert len(hs.drives) == 2
+        sched.set_xfer_handshake_metadata({0: hs})
+        assert len(sched.store_roots) == 2
+        side, ns = sched.scheduler, ws._namespace
+        chunk = ws._copier.chunk_bytes
+
+        def keys_of(req: SimpleNamespace) -> list[str]:
+            return request_keys(req, namespace=side._dep.chain_namespace, chunk_tokens=64)
+
+        def store(wanted: list[str]) -> None:
+            for i, key in enumerate(wanted):
+                ws._stager.stage(key, i, _fill(key), request=f"store-{key}")
+            assert ws.flush(NET_S)
+
+        def hit(req: SimpleNamespace) -> int:
+            return sched.get_num_new_matched_tokens(req, 0)[0] or 0
+
+        def restore(wanted: list[str]) -> dict[str, bytes]:
+            copies: dict[str, bytes] = {}
+
+            def item(key: str) -> ChunkRestore:
+                def fill(st: Store, manifest, buf) -> int:
+                    st.read(manifest, "kv", into=memoryview(buf.numpy()))
+                    return chunk
+
+                return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                    copy=lambda buf: copies.__setitem__(key,
+                                                                        bytes(buf.numpy())))
+
+            ws._pipeline.copy_in_reader = False
+            assert ws._pipeline.run([item(k) for k in wanted]) is None
+            return copies
+
+        # The third drive as an earlier run left it, mounted elsewhere for now: its id, and
+        # a rank store holding prompt ``held``.
+        staged = Path(os.path.realpath(tmp_path)) / "staged" / "spool"
+        staged.mkdir(parents=True)
+        late = drives.drive_id(staged)
+        rank_root = Path(ws._drives.slots[2].root)
+        with Store.open(staged / rank_root.relative_to(roots[2]), create=True) as earlier:
+            for key in keys_of(held):
+                earlier.put(kind="vllm", namespace=ns, key=key,
+                            objects={"kv": _payload(key, chunk)})
+        keys = keys_of(old)
+        store(keys)
+        assert hit(old) == 12 * 64
+        ids = [*(drives.read_drive_id(r) for r in roots[:2]), late]
+        homed = [k for k in keys if drives.home(k, ids) == late]
+        assert homed  # on their runner-ups, where the rule over all three puts them
+        for key in homed:
+            runner_up = drives.ranked(key, ids)[1]
+            assert key in ws._holdings._stores[runner_up].live_keys("vllm", ns)
+        assert hit(held) == 0
+
+        os.rename(staged.parent, Path(roots[2]).parent)  # mounted
+        metas: list[object] = []
+        wait_until(lambda: metas.append(worker.build_connector_worker_meta()) or (
+            metas[-1] is not None and metas[-1].drives), NET_S, what="the drive joined")
+        (infos,) = metas[-1].drives.values()
+        assert [(d.base, d.drive_id) for d in infos] == list(zip(roots, ids, strict=True))
+        assert ws._holdings.drive_ids() == ids
+        # What it held: in the rank's inventory once scanned, and restorable.
+        wait_until(lambda: all(ws._holdings.locate(k) == late for k in keys_of(held)),
+                   NET_S, what="the joined drive scanned")
+        assert {key_bytes(k) for k in keys_of(held)} <= {
+            key_bytes(k) for k in ws._holdings.held_keys()}
+        assert restore(keys_of(held)) == {k: _payload(k, chunk) for k in keys_of(held)}
+        # New chunks homed on it are written to it, none counted as a failover.
+        fresh = keys_of(new)
+
+        def files() -> set[Path]:
+            return {p for p in (rank_root / "objects").rglob("*") if p.is_file()}
+
+        before = files()
+        store(fresh)
+        on_late = {k for k in fresh if drives.home(k, ids) == late}
+        assert on_late and on_late <= ws._holdings._stores[late].live_keys("vllm", ns)
+        assert len(files() - before) >= len(on_late)  # their objects, on that drive
+        assert ws._counters.total(m.DRIVE_FAILOVER_STORES) == 0
+        # The scheduler reads it once told: a prompt held only there is a full hit.
+        assert hit(held) == 0
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=metas[-1]))
+        wait_until(lambda: hit(held) == 12 * 64, NET_S, what="the scheduler reading it")
+        assert len(sched.store_roots) == 3
+        assert hit(new) == 12 * 64 and hit(old) == 12 * 64
+        assert restore(fresh) == {k: _payload(k, chunk) for k in fresh}
+        guards = [guard_for(st) for st in ws._holdings._stores.values()]
+    finally:
+        if sched is not None:
+            sched.shutdown()
+        worker.shutdown()
+    # Shutdown stops every drive's parts, the joined one's too (its guard stops probing).
+    assert len(guards) == 3 and all(g._stop.is_set() for g in guards)
+
+
+def test_a_late_drive_the_scheduler_cannot_open_yet_is_retried(tmp_path: Path) -> None:
+    """``LateDrives``: a drive a worker names whose store is not there yet is tried again
+    every probe interval on its own thread (``want`` returns at once); once the store
+    exists it is handed to the caller, once; ``close`` releases what was never taken."""
+    from waiting import wait_until
+
+    from spoolctl.connector.planning.messages import DriveInfo
+    from spoolctl.connector.rankstores import OpenStores
+    from spoolctl.connector.scheduler_side.latedrives import LateDrives
+
+    base = Path(_dirs(tmp_path, 1)[0])
+    root = base / "vllm-v1-x" / "rank-0000"
+    stores = OpenStores()
+    late = LateDrives(stores, tag_key=None, deadline_s=0.2, probe_interval_s=0.05)
+    info = DriveInfo(str(base), str(root), "d", "s")
+    try:
+        late.want(0, info)
+        late.want(0, info)  # once per drive
+        assert late.take() == []
+        Store.open(root, create=True).close()  # its worker created it
+        got = wait_until(late.take, NET_S, what="the drive opened")
+        (rank, named, store), = got
+        assert (rank, named) == (0, info) and stores.roots() == [str(root)]
+        stores.release(store)
+        late.want(1, DriveInfo(str(base), str(root), "d", "s"))  # opened, never taken
+        wait_until(lambda: stores.roots(), NET_S, what="the second opening")
+    finally:
+        late.close()
+    assert stores.roots() == []
+
+
+@pytest.mark.extended  # a FUSE mount and both connector roles (~5 s)
+def test_a_drive_hung_at_start_joins_the_running_set_when_it_answers(
+        tmp_path: Path, several) -> None:
+    """As a user meets it: the third drive hangs when the engine starts (its drive marker
+    and rank store from an earlier run; the store's objects on a FUSE mount that hangs).
+    The worker starts within its bound and serves on the other two; when the mount
+    answers, the drive joins without a restart: what it held is located there, chunks
+    homed on it are routed to it, and a same-host scheduler counts a prompt held only
+    there as a hit."""
+    _needs_fuse()
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    import threading
+    from types import SimpleNamespace
+
+    from fusemount import ControlledMount
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.scheduler_side.lookup import request_keys
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=0.05, spoolctl_lookup_deadline=0.1)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    earlier = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)  # a run before: ids, stores
+    earlier.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+    third = Path(earlier.worker._drives.slots[2].root)
+    ns, chain = earlier.worker._namespace, earlier.worker._dep.chain_namespace
+    earlier.shutdown()
+    ids = [drives.read_drive_id(r) for r in roots]
+    tokens = list(range(7, 7 + 12 * 64 + 5))
+    request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, cache_salt=None,
+                              kv_transfer_params=None, prompt_embeds=None, lora_request=None,
+                              mm_features=None)
+    keys = request_keys(request, namespace=chain, chunk_tokens=64)
+    with Store.open(third) as store:  # the earlier run stored this prompt on it
+        for key in keys:
+            store.put(kind="vllm", namespace=ns, key=key, objects={"kv": b"x" * 100})
+    # Its rank store's objects on a mount that hangs (``Store.open`` scans them; the whole
+    # store on the test's FUSE layer would take SQLite's shared memory there too).
+    with ControlledMount(third / "objects", tmp_path / "fuse") as mount:
+        mount.hang()
+        got: list[SpoolConnector] = []
+
+        def start() -> None:
+            worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+            worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+            got.append(worker)
+
+        starting = threading.Thread(target=start, daemon=True)
+        starting.start()
+        starting.join(NET_S)
+        sched = None
+        try:
+            assert got, "the worker's start waited on the hung drive"
+            worker = got[0]
+            ws = worker.worker
+            hs = worker.get_handshake_metadata()
+            assert [d.drive_id for d in hs.drives] == ids[:2]
+            sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+            sched.set_xfer_handshake_metadata({0: hs})
+            assert sched.get_num_new_matched_tokens(request, 0)[0] == 0
+            mount.release()
+            metas: list[object] = []
+            wait_until(lambda: metas.append(worker.build_connector_worker_meta()) or (
+                metas[-1] is not None and metas[-1].drives), NET_S, what="the drive joined")
+            assert ws._holdings.drive_ids() == ids
+            wait_until(lambda: all(ws._holdings.locate(k) == ids[2] for k in keys), NET_S,
+                       what="the joined drive scanned")
+            # Its share of new writes: routed to it (the writes themselves are not tried
+            # here: its objects are on another filesystem than the rest of its store).
+            assert all(ws._stager._route(k)[0] == ids[2]
+                       for k in keys if drives.home(k, ids) == ids[2])
+            sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=metas[-1]))
+            wait_until(lambda: sched.get_num_new_matched_tokens(request, 0)[0] == 12 * 64,
+                       NET_S, what="the scheduler reading the drive")
+        finally:
+            mount.release()
+            if sched is not None:
+                sched.shutdown()
+            if got:
+                got[0].shutdown()

@@ -11,7 +11,8 @@
   everything it holds.
 * ``SpoolWorkerMeta``: every worker -> scheduler, each step: inventory changes, and why
   each restore reported failed in the same step failed (``restore_failure``: the reason the
-  scheduler counts when vLLM looks the request up again, decision 2740). vLLM aggregates
+  scheduler counts when vLLM looks the request up again, decision 2740), and, in the step
+  after a drive joined a rank's set, that rank's drives (decision 2750). vLLM aggregates
   the workers' messages with ``aggregate``.
 
 vLLM pickles these between processes; they hold plain data only (no stores, no tensors).
@@ -114,13 +115,17 @@ class SpoolWorkerMeta(KVConnectorWorkerMetadata):
     reports: list[InventoryReport] = field(default_factory=list)
     # Request id -> ``restore_failure`` reason, for the restores reported failed this step.
     load_failures: dict[str, str] = field(default_factory=dict)
+    # Rank -> every drive it uses now, sent once in the step after a drive that opened late
+    # joined its set (decision 2750); empty otherwise (the handshake's ``drives`` stand).
+    drives: dict[int, tuple[DriveInfo, ...]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, SpoolWorkerMeta):
             return SpoolWorkerMeta(reports=list(self.reports),
-                                   load_failures=dict(self.load_failures))
+                                   load_failures=dict(self.load_failures),
+                                   drives=dict(self.drives))
         failures = dict(self.load_failures)
         for req_id, reason in other.load_failures.items():
             failures[req_id] = _telling(failures.get(req_id, reason), reason)
         return SpoolWorkerMeta(reports=[*self.reports, *other.reports],
-                               load_failures=failures)
+                               load_failures=failures, drives={**self.drives, **other.drives})

@@ -13,7 +13,9 @@
   read has a deadline (``diskguard``): a store late or taken out counts as holding
   nothing, and the request is a miss (``last_unserved``), never a wait on the disk.
   A rank on several drives (decision 2714 item 5) is read on every drive at once, each
-  within the deadline, and holds a key when one of its drives that answered does.
+  within the deadline, and holds a key when one of its drives that answered does; a drive
+  its worker took into its set later is read from when the scheduler opened it
+  (``add_drive``, decision 2750).
 
 No vLLM import: vLLM's request objects are read by attribute.
 """
@@ -211,6 +213,22 @@ class RankLookup:
                 if old is not None:
                     old.shutdown(wait=False)
         return earlier
+
+    def stores_of(self, rank: int) -> list[Store]:
+        """The stores ``rank`` is read in here (every drive's); empty: read from reports."""
+        local = self._local.get(rank)
+        if local is None:
+            return []
+        return [local[0], *(s for s, _ in self._more.get(rank, ()))]
+
+    def add_drive(self, rank: int, store: Store) -> bool:
+        """Read ``rank``'s chunks in ``store`` too from now on (a drive its worker took into
+        its set after the handshake, decision 2750); False when ``rank`` is read from its
+        reports (which cover the drive already), leaving ``store`` to the caller."""
+        if rank not in self._local:
+            return False
+        self.read_on_drives(rank, [*self.stores_of(rank)[1:], store])  # same guards
+        return True
 
     def stop_reading_locally(self) -> list[Store]:
         """Forget every local store (their ranks' chunks are then known from reports

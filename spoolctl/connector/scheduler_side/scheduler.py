@@ -6,7 +6,10 @@ each new request it names the prompt's chunks and asks which of them every rank 
 captures sent to the workers each step (``build_meta``). What remote ranks hold comes from
 their handshakes and per-step reports (``adopt_handshakes``, ``apply_output``); a rank
 whose store is on this host (same boot, same path, same store id) is read in its catalog
-instead, through a store shared with a same-process worker (``rankstores``).
+instead, through a store shared with a same-process worker (``rankstores``); on several
+drives every drive's catalog, including a drive the worker took into its set after the
+handshake, opened here off the engine loop when the worker names it (``latedrives``,
+decision 2750).
 
 A request whose restore failed (``failed_recving``, or a block reported invalid) is never
 restored again (a deterministic failure would otherwise loop): when vLLM looks it up anew
@@ -38,12 +41,18 @@ from ..deployment.usage_record import UsageRecorder
 from ..deployment.weights import AdapterDigests, memo_dir_for
 from ..drivestores import DriveStores
 from ..kv.formats import KVFormat
-from ..planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
+from ..planning.messages import (
+    DriveInfo,
+    SpoolConnectorMetadata,
+    SpoolHandshake,
+    SpoolWorkerMeta,
+)
 from ..planning.tenancy import TenantKeys, TenantLabels
 from ..rankstores import OpenStores
 from ..stats import ConnectorCounters
 from ..vllm_api.introspect import Deployment, host_identity, scheduled_requests
 from .coordinator import Coordinator
+from .latedrives import LateDrives
 from .lookup import Bypass, RankLookup, request_keys
 
 log = logging.getLogger("spoolctl.connector")
@@ -81,6 +90,10 @@ class SchedulerSide:
         # with its request (``finished``).
         self._no_restore: dict[str, str] = {}
         self._coord = Coordinator(deployment, self._ranks, counters)
+        # Drives a same-host rank took into its set after its handshake (decision 2750).
+        self._late = LateDrives(stores, tag_key=settings.tag_key(),
+                                deadline_s=settings.lookup_deadline,
+                                probe_interval_s=settings.probe_interval)
         # LoRA requests are keyed by their adapter's content digest (decision 2111).
         self._adapters = AdapterDigests(memo_dir_for(deployment.settings.weights_memo))
         # Encryption at rest: each request's cache_salt names its tenant (decision 2801).
@@ -171,11 +184,42 @@ class SchedulerSide:
                 self._no_restore[req_id] = reasons.get(req_id, "unknown")
         if not isinstance(meta, SpoolWorkerMeta):
             return
+        if meta.drives:
+            self._drives_joined(meta.drives)
         for rank in self._ranks.apply(meta.reports):
             log.warning("spoolctl: lost track of rank %d's inventory (a report went missing "
                         "or the rank restarted); its chunks are misses until it restates it",
                         rank)
         self._coord.reports_applied(self._ranks.last_applied)
+
+    def _drives_joined(self, drives: dict[int, tuple[DriveInfo, ...]]) -> None:
+        """A worker took a drive into its set after the handshake: for a rank whose
+        catalogs are read here, open each drive not read yet (``latedrives``; returns at
+        once). A rank read from its reports needs nothing: they cover every drive."""
+        for rank, infos in drives.items():
+            read = {os.path.normpath(str(s.root)) for s in self._ranks.stores_of(rank)}
+            if not read:
+                continue
+            for info in infos:
+                if info.store_id and os.path.normpath(info.root) not in read:
+                    self._late.want(rank, info)
+
+    def _adopt_late_drives(self) -> None:
+        """On the engine loop, memory only: read the drives opened since in their ranks'
+        lookups (each checked by the store id its worker named)."""
+        for rank, info, store in self._late.take():
+            if any(s is store for s in self._ranks.stores_of(rank)):
+                self._stores.release(store)  # read already (its root spelt another way)
+                continue
+            if store.marker.store_id != info.store_id:
+                log.warning("spoolctl: rank %d drive %s holds another store than its worker "
+                            "named; not read here", rank, info.base)
+                self._stores.release(store)
+                continue
+            if not self._ranks.add_drive(rank, store):  # read from its reports meanwhile
+                self._stores.release(store)
+                continue
+            log.info("spoolctl: rank %d drive %s read here from now on", rank, info.base)
 
     # -- per request ---------------------------------------------------------------------------
 
@@ -184,6 +228,7 @@ class SchedulerSide:
         ``num_computed_tokens``, and whether the restore is asynchronous."""
         req_id = request.request_id
         self._planning.finished(req_id)  # a re-query (e.g. after preemption) starts afresh
+        self._adopt_late_drives()
         try:
             keys = request_keys(request, namespace=self._dep.chain_namespace,
                                 chunk_tokens=self._chunk, enabled=self._dep.enabled,
@@ -290,5 +335,6 @@ class SchedulerSide:
     def shutdown(self) -> None:
         """Let go of the rank stores read here (closed with their last user)."""
         self._usage_final()
+        self._late.close()
         for store in self._ranks.stop_reading_locally():
             self._stores.release(store)

@@ -151,6 +151,7 @@ class ChunkStager:
                  writers: Mapping[str, StoreWriter] | None = None,
                  route: Route | None = None, labels: Mapping[str, str] | None = None):
         self._chunk_bytes = chunk_bytes
+        self._staging_bytes = staging_bytes
         self._meta = dict(meta)
         self._counters = counters
         # One slot per chunk the staging budget admits: a successful reserve() always finds
@@ -182,6 +183,19 @@ class ChunkStager:
                    for drive, (put, put_many, ledger) in commits.items()}
         return cls(None, chunk_bytes=chunk_bytes, staging_bytes=staging_bytes, meta=meta,
                    counters=counters, pin=pin, writers=writers, route=route, labels=labels)
+
+    def add_drive(self, drive: str, put: Callable[[str, Objects, Mapping[str, Any]], None],
+                  put_many: PutMany | None, ledger: Any, route: Route, label: str) -> None:
+        """A drive that opened later joins (decision 2750; on the engine thread, before the
+        next ``stage``): its own writer, with a share of ``staging_bytes`` as the others
+        (the one buffer pool still bounds host memory), and ``route``, which includes it."""
+        share = max(self._chunk_bytes, self._staging_bytes // (len(self._writers) + 1))
+        writer = StoreWriter(put, staging_bytes=share, counters=self._counters,
+                             put_many=put_many, ledger=ledger)
+        # Replaced, not changed: the exit drain iterates the writers from another thread.
+        self._writers = {**self._writers, drive: writer}
+        self._labels = {**self._labels, drive: label}
+        self._route = route
 
     def stage(self, key: str, index: int,
               fill: Callable[[torch.Tensor], tuple[Objects, CopyHandle]], *,

@@ -25,7 +25,10 @@ own ``DiskGuard``, read pool, ``StoreWriter`` and ``WriteLedger``, under one inv
 (``RankHoldings.for_drives``); captures are routed by key (``capture.drive_route``: a
 down home's chunks go to the runner-up) and restores read each chunk from the drive
 holding it (``RankHoldings.locate``). The drives open at ``register_kv_caches`` form
-the set; one that opens later is used from the next start (one log line).
+the set; one that opens later (missing or hung at start) joins it without a restart
+(decision 2750): its parts are built on its opening thread and installed by the engine
+thread at its next hook, and the next step report names the rank's drives again so a
+same-host scheduler reads the new one too.
 
 A layout the copier cannot handle disables this rank (``spoolctl_on_unsupported =
 "disable"``) or fails startup. Queued commits are drained (bounded) at interpreter exit,
@@ -116,6 +119,15 @@ class WorkerSide:
         self._ready: _Parts | None = None
         self._pending_epoch = 0  # the handshake's epoch while the store was not open
         self._pending_shown = False  # the disk_down gauge counts a pending store
+        # Several drives: a drive that opens after the set was built joins it (decision
+        # 2750): ids built into parts (each built once), joiners built on their opening
+        # thread and waiting for the engine thread, the installed set's ``join``, every
+        # drive's parts (for shutdown) and whether the scheduler must hear of the set.
+        self._built: set[str] = set()
+        self._joining: list[tuple[DriveSlot, _Parts]] = []
+        self._join: Callable[[DriveSlot, _Parts], None] | None = None
+        self._drive_parts: list[_Parts] = []
+        self._drives_changed = False
         settings = deployment.settings
         self._store: Store | None = None
         self._drives = DriveStores.open(
@@ -186,6 +198,9 @@ class WorkerSide:
 
         settings = self._dep.settings
         copier, ns = self._copier, self._namespace
+        with self._lock:  # a drive opening now is built here or as a joiner, never both
+            slots = [s for s in slots if s.store is not None and s.drive_id not in self._built]
+            self._built.update(s.drive_id for s in slots)
         stores = {s.drive_id: s.store for s in slots if s.store is not None}
         first = next(iter(stores.values()))
         parts = _Parts(first)
@@ -196,12 +211,7 @@ class WorkerSide:
         pin = self._engine is not None and self._engine.cuda
         where: dict[str, Located] = {}
         for i, (drive, store) in enumerate(stores.items()):
-            one = _Parts(store)
-            one.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"spoolctl-restore-d{i}")
-            one.guard = guard_for(store, deadline_s=settings.lookup_deadline,
-                                  probe_interval_s=settings.probe_interval)
-            one.ledger = self._ledger_for(store)
-            one.maintainer = self._start_maintainer(store)
+            one = self._one_drive(store, i)
             parts.drives.append(one)
             where[drive] = Located(drive, store, one.guard, one.pool)
 
@@ -241,7 +251,40 @@ class WorkerSide:
                 chunk_bytes=copier.chunk_bytes, staging_bytes=settings.staging_bytes,
                 meta=meta, counters=self._counters, pin=pin)
             exitdrain.register(parts.stager)
+        ids = list(stores)
+
+        def join(slot: DriveSlot, one: _Parts) -> None:
+            """On the engine thread, between steps: a drive that opened later joins the
+            set (decision 2750). Its reads first (``locate`` may name it once the holdings
+            know it), then the inventory (its rescan, on a thread of its own), then the
+            writes (the route ranks it from the next ``stage``)."""
+            drive, store = slot.drive_id, one.store
+            assert store is not None and one.guard is not None and one.pool is not None
+            where[drive] = Located(drive, store, one.guard, one.pool)
+            parts.drives.append(one)
+            one.guard.listen(lambda down: holdings.drives_changed())
+            holdings.add_drive(drive, store)
+            ids.append(drive)
+            if parts.stager is not None:
+                parts.stager.add_drive(
+                    drive, rank_commit(store, ns, holdings, committed, drive=drive),
+                    rank_commit_many(store, ns, holdings, committed, drive=drive),
+                    one.ledger, drive_route(ids, up), slot.base)
+
+        parts.join = join
         return parts
+
+    def _one_drive(self, store: Store, index: int) -> _Parts:
+        """Several drives: one drive's own parts (read pool, guard, write ledger,
+        maintainer), started."""
+        settings = self._dep.settings
+        one = _Parts(store)
+        one.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"spoolctl-restore-d{index}")
+        one.guard = guard_for(store, deadline_s=settings.lookup_deadline,
+                              probe_interval_s=settings.probe_interval)
+        one.ledger = self._ledger_for(store)
+        one.maintainer = self._start_maintainer(store)
+        return one
 
     def _build(self, store: Store, epoch_floor: int = 0) -> _Parts:
         """The parts serving ``store`` (restores, captures, holdings, maintenance), started.
@@ -328,23 +371,34 @@ class WorkerSide:
         self._pool, self._guard, self._pipeline = parts.pool, parts.guard, parts.pipeline
         self._ledger, self._stager = parts.ledger, parts.stager
         self._maintainer = parts.maintainer
+        self._join, self._drive_parts = parts.join, parts.drives
         self._holdings = parts.holdings  # last: it is what reports to the scheduler
 
     def _drive_opened(self, slot: DriveSlot) -> None:
         """A drive that was pending at start answers (on its opening thread): build its
-        parts here, off the engine thread; the engine thread installs them."""
+        parts here, off the engine thread; the engine thread installs them (the rank's
+        first store: all its parts; several drives with a set already built: the drive's
+        own, joining that set, decision 2750)."""
         with self._lock:
             if self._closed:
                 return
-            if self._store is not None:
-                if self._drives.several:  # the set was fixed when the parts were built
-                    log.warning("spoolctl: drive %s opened after the engine started; it "
-                                "takes its share of chunks from the next start", slot.base)
-                return
-            self._store = slot.store
-            if not self._bound or not self._enabled:
-                return  # register_kv_caches builds them
-            floor = self._pending_epoch
+            joins = self._store is not None
+            if joins:
+                # Several drives, a set already there or being built: this one joins it,
+                # unless ``register_kv_caches`` (not yet run, or running) builds it with
+                # the others.
+                if not self._drives.several or not self._bound or not self._enabled or \
+                        slot.drive_id in self._built:
+                    return
+                self._built.add(slot.drive_id)
+            else:
+                self._store = slot.store
+                if not self._bound or not self._enabled:
+                    return  # register_kv_caches builds them
+                floor = self._pending_epoch
+        if joins:
+            self._build_joiner(slot)
+            return
         assert slot.store is not None
         try:
             parts = self._build_drives([slot], floor) if self._drives.several \
@@ -360,14 +414,44 @@ class WorkerSide:
                 return
         self._shutdown_parts(parts)  # shut down meanwhile
 
+    def _build_joiner(self, slot: DriveSlot) -> None:
+        """On its opening thread: the parts of a drive that joins the running set
+        (decision 2750), queued for the engine thread (``_adopt_ready``)."""
+        assert slot.store is not None
+        try:
+            one = self._one_drive(slot.store, self._drives.slots.index(slot))
+            self._initial_share(slot.store)  # its host budget record, as at start
+        except Exception as exc:  # e.g. the disk failed again at once: its runner-ups serve
+            log.warning("spoolctl: drive %s opened but cannot be used (%s); its chunks stay "
+                        "on their runner-ups until the engine restarts", slot.base,
+                        getattr(exc, "message", exc))
+            return
+        with self._lock:
+            if not self._closed:
+                self._joining.append((slot, one))
+                return
+        self._shutdown_parts(one)  # shut down meanwhile
+
     def _adopt_ready(self) -> None:
-        """On the engine thread: install parts built for a store that opened late."""
-        if self._ready is None:
+        """On the engine thread: install parts built for a store that opened late, then
+        let drives that opened late join the installed set (several drives)."""
+        if self._ready is None and not self._joining:
             return
         with self._lock:
             parts, self._ready = self._ready, None
         if parts is not None:
             self._install(parts)
+        if self._join is None:
+            return  # a joiner waits for the set it joins
+        with self._lock:
+            joining, self._joining = self._joining, []
+        for slot, one in joining:
+            self._join(slot, one)
+            log.warning("spoolctl: drive %s opened after the engine started; it joins the "
+                        "set: its chunks are written to it and read from it from now on",
+                        slot.base)
+        if joining:
+            self._drives_changed = True  # the next step report names the drives
 
     def _tenant_bytes(self, store: Store) -> Callable[[m.MetricSpec], Any]:
         """``for_metric(spec) -> on_bytes(key, n)`` counting ``spec`` per tenant (opaque ids,
@@ -441,8 +525,9 @@ class WorkerSide:
                               chunk_bytes=self._copier.chunk_bytes, drives=self._drive_infos())
 
     def _drive_infos(self) -> tuple[DriveInfo, ...]:
-        """Several drives: each drive the worker's parts use (the set fixed at start),
-        with its id and its store's id, for a same-host scheduler to read (2714 item 5)."""
+        """Several drives: each drive the worker's parts use (those open at start and
+        those that joined since, decision 2750), with its id and its store's id, for a
+        same-host scheduler to read (2714 item 5)."""
         if not self._drives.several or self._holdings is None:
             return ()
         used = self._holdings.drive_ids()
@@ -496,10 +581,14 @@ class WorkerSide:
         failures = {req_id: restore_failure(reason)
                     for req_id, reason in self._copier.take_failure_reasons().items()}
         report = self._holdings.step_report() if self._holdings is not None else None
-        if report is None and not failures:
+        drives: dict[int, tuple[DriveInfo, ...]] = {}
+        if self._drives_changed:  # a drive joined: the rank's drives, once (decision 2750)
+            self._drives_changed = False
+            drives[self._place.rank] = self._drive_infos()
+        if report is None and not failures and not drives:
             return None
         return SpoolWorkerMeta(reports=[report] if report is not None else [],
-                               load_failures=failures)
+                               load_failures=failures, drives=drives)
 
     def take_load_errors(self) -> set[int]:
         return self._copier.take_load_errors()
@@ -562,9 +651,14 @@ class WorkerSide:
         with self._lock:
             self._closed = True
             ready, self._ready = self._ready, None
+            joining, self._joining = self._joining, []
         parts = _Parts(self._store, pool=self._pool, guard=self._guard,
                        pipeline=self._pipeline, stager=self._stager, holdings=self._holdings,
-                       maintainer=self._maintainer, ledger=self._ledger)
+                       maintainer=self._maintainer, ledger=self._ledger,
+                       drives=self._drive_parts)
+        self._join, self._drive_parts = None, []
+        for _, one in joining:  # built for a drive that opened late, never installed
+            self._shutdown_parts(one)
         self._stager = self._ledger = self._maintainer = self._holdings = None
         self._pool = self._pipeline = None
         self._shutdown_parts(parts)
@@ -613,3 +707,5 @@ class _Parts:
     maintainer: Any = None
     ledger: WriteLedger | None = None
     drives: list[_Parts] = field(default_factory=list)  # several drives: each one's parts
+    # Several drives: ``join(slot, parts)`` takes a drive that opened later into this set.
+    join: Callable[[DriveSlot, _Parts], None] | None = None
