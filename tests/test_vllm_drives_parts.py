@@ -1238,6 +1238,8 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
         assert {key_bytes(k) for k in keys_of(held)} <= {
             key_bytes(k) for k in ws._holdings.held_keys()}
         assert restore(keys_of(held)) == {k: _payload(k, chunk) for k in keys_of(held)}
+        assert [(d["base"], d["drive"]) for d in worker.inventory_state["drives"]] == \
+            list(zip(roots, ids, strict=True))  # the joined drive named by its root
         # New chunks homed on it are written to it, none counted as a failover.
         fresh = keys_of(new)
 

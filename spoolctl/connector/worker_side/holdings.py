@@ -631,14 +631,17 @@ class RankHoldings:
             out["drives"] = drives
             return out
 
-    def add_drive(self, drive: str, store: Store) -> None:
+    def add_drive(self, drive: str, store: Store, base: str | None = None) -> None:
         """A drive that opened after start joins the set: its keeper scans it on its own
         thread, after which its keys count in the union and in ``locate``. Memory only on
-        the caller's thread; a drive already in the set is left as it is."""
+        the caller's thread; a drive already in the set is left as it is. ``base``: its
+        configured root, for log lines and ``state()``."""
         keeper = _Keeper(drive)
         with self._lock:
             if drive in self._stores:
                 return
+            if base is not None:
+                self._bases[drive] = base
             self._stores[drive] = store
             self._on[drive] = set()
             self._keepers[drive] = keeper

@@ -263,7 +263,7 @@ class WorkerSide:
             where[drive] = Located(drive, store, one.guard, one.pool)
             parts.drives.append(one)
             one.guard.listen(lambda down: holdings.drives_changed())
-            holdings.add_drive(drive, store)
+            holdings.add_drive(drive, store, slot.base)
             ids.append(drive)
             if parts.stager is not None:
                 parts.stager.add_drive(
