@@ -410,6 +410,8 @@ def test_writes_go_to_each_chunks_home_and_to_its_runner_up_while_the_home_is_do
         holdings.drives_changed()
         assert holdings.held_keys() == {k for k in first if d.home(k) != gone}
         assert all(holdings.locate(k) is None for k in first if d.home(k) == gone)
+        # (a restore of such a chunk fails ``disk_down``, not ``absent``: its drive is named)
+        assert all(holdings.locate(k, or_down=True) == gone for k in first if d.home(k) == gone)
         second = _keys(30, "b")
         for i, key in enumerate(second):
             stager.stage(key, i, _fill(key), request="B")
