@@ -6,7 +6,8 @@ once, and waited for at most ``4 x`` the lookup deadline (the probe's bound, dec
 2700): ``Store.open`` stats the store's directories and hangs on a hung disk (decision
 2720), and a hung disk must not keep the engine from starting. A drive that is late,
 missing (several drives: its base directory does not exist, e.g. not mounted) or
-unreadable is ``pending``: one warning line names it, and it is tried again every probe
+unreadable (a base this user may not read, write and enter: the warning names the fix) is
+``pending``: one warning line names it, and it is tried again every probe
 interval, one attempt at a time. When it opens, ``on_open(slot)`` is called on the
 opening thread (never the engine's); a late attempt that ends after ``close`` releases
 what it opened. With one root, a configuration mistake found in time (a ``ConfigError``:
@@ -176,6 +177,7 @@ class DriveStores:
         if several:
             if not os.path.isdir(slot.base):
                 raise FileNotFoundError(f"{slot.base} does not exist (not mounted?)")
+            _check_access(slot.base, write=self._create)
             found = drives.drive_id(slot.base) if self._create \
                 else drives.read_drive_id(slot.base)
             if found is None:
@@ -261,6 +263,17 @@ class DriveStores:
                 for i in waiting:
                     if i not in self._attempts:  # one attempt at a time per drive
                         self._begin(i)
+
+
+def _check_access(base: str, *, write: bool) -> None:
+    """PermissionError naming ``base`` and the fix when this user cannot use it (a drive
+    left ``chmod 000``, owned by another user): said before its marker is read, whose own
+    refusal would suggest removing the marker (a new drive id: its chunks lost)."""
+    need = os.R_OK | os.X_OK | (os.W_OK if write else 0)
+    if not os.access(base, need):
+        what = "read, write and search" if write else "read and search"
+        raise PermissionError(f"{base}: permission denied for uid {os.geteuid()}; give that "
+                              f"user {what} permission on it (chown or chmod)")
 
 
 class _Refused(Exception):
