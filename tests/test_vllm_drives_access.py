@@ -198,3 +198,57 @@ def test_a_drive_given_its_permissions_back_while_serving_takes_its_share_at_onc
     w.shutdown()
     """)
     assert str(bases[1]) in doc["new"]
+
+
+# -- drive roots an operator got wrong (the outside pass) ------------------------------------
+
+
+@pytest.mark.parametrize("mistake", ["symlink", "file", "read-only"])
+def test_a_drive_root_an_operator_got_wrong_is_one_line_naming_the_fix(
+        tmp_path: Path, mistake: str, request: pytest.FixtureRequest, caplog) -> None:
+    """The drive listed twice through a symlink, a file listed as a drive, a drive on a
+    read-only mount: the other drives open; a mistake no retry can mend is ``refused``
+    with one error line naming it and the fix (it was pending, "trying again" forever, or
+    "does not exist (not mounted?)" for a file, plus a second line with a Python repr); a
+    read-only filesystem, which a remount mends, is pending with a warning saying so (not
+    "permission denied ... chmod")."""
+    import subprocess
+
+    from spoolctl.connector.drivestores import OPEN, PENDING, REFUSED, DriveStores
+    from spoolctl.connector.rankstores import OpenStores
+
+    here = Path(os.path.realpath(tmp_path))
+    good = here / "nvme0" / "spool"
+    good.mkdir(parents=True)
+    if mistake == "symlink":
+        wrong = here / "also-nvme0"
+        wrong.symlink_to(good)
+    elif mistake == "file":
+        wrong = here / "nvme1"
+        wrong.write_text("not a drive")
+    else:
+        wrong = request.getfixturevalue("mount_tmpfs")("1m")
+        subprocess.run(["mount", "-o", "remount,ro", str(wrong)], check=True)
+    roots = [(str(b), str(b / "vllm-v1-x" / "rank-0000")) for b in (good, wrong)]
+    caplog.set_level("WARNING", logger="spoolctl.connector")
+    d = DriveStores.open(roots, OpenStores(), create=True, deadline_s=1, probe_interval_s=0.05)
+    try:
+        said = [(r.levelname, r.getMessage()) for r in caplog.records]
+        states = [s.state for s in d.slots]
+    finally:
+        d.close()
+    if mistake == "symlink":
+        assert states == [OPEN, REFUSED]
+        (line,) = said
+        assert line[0] == "ERROR" and line[1].startswith(
+            f"spoolctl: drive root {wrong} not used until the engine restarts: store root "
+            "path goes through a symlink") and f"use the real path ({good}" in line[1]
+    elif mistake == "file":
+        assert states == [OPEN, REFUSED]
+        assert said == [("ERROR", f"spoolctl: drive root not used: {wrong} is not a directory; "
+                                  "list a drive's directory (its mount point) in spoolctl_roots")]
+    else:
+        assert states == [OPEN, PENDING]
+        (line,) = said
+        assert line[0] == "WARNING" and f"({wrong} is on a read-only filesystem; remount it " \
+            "read-write, or remove it from spoolctl_roots)" in line[1]
