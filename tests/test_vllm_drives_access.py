@@ -252,3 +252,63 @@ def test_a_drive_root_an_operator_got_wrong_is_one_line_naming_the_fix(
         (line,) = said
         assert line[0] == "WARNING" and f"({wrong} is on a read-only filesystem; remount it " \
             "read-write, or remove it from spoolctl_roots)" in line[1]
+
+
+def test_a_drive_that_fills_up_passes_its_chunks_to_a_drive_with_room(
+        tmp_path: Path, mount_tmpfs) -> None:
+    """Two drives, the second a small filesystem (its own size below any ``max_size``):
+    once a commit there fails for want of space, the chunks homed on it are written to
+    the other drive (counted as failovers) instead of being skipped one by one for as long
+    as it stays full; only the chunks of the commits that met the full disk are lost."""
+    pytest.importorskip("torch")
+    from spoolctl import metrics as m
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.kv.kvio import DONE
+    from spoolctl.connector.stats import ConnectorCounters
+    from spoolctl.connector.worker_side.capture import (
+        ChunkStager,
+        drive_route,
+        rank_commit,
+        rank_commit_many,
+    )
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+    from spoolctl.store import Store
+
+    chunk = 32 << 10
+    bases = [Path(os.path.realpath(tmp_path)) / "nvme0", mount_tmpfs("640k")]
+    bases[0].mkdir()
+    ids = [drives.drive_id(b) for b in bases]
+    stores = {d: Store.open(b / "vllm-v1-x" / "rank-0000", create=True)
+              for d, b in zip(ids, bases, strict=True)}
+    counters = ConnectorCounters()
+    holdings = RankHoldings.for_drives(stores, lambda d: True, kind="vllm", namespace="ns",
+                                       rank=0, epoch=1)
+    commits = {d: (rank_commit(s, "ns", holdings, drive=d),
+                   rank_commit_many(s, "ns", holdings, drive=d), None)
+               for d, s in stores.items()}
+    stager = ChunkStager.for_drives(commits, drive_route(ids, lambda d: True),
+                                    {d: str(b) for d, b in zip(ids, bases, strict=True)},
+                                    chunk_bytes=chunk, staging_bytes=4 * chunk, meta={},
+                                    counters=counters)
+
+    def fill(buf):
+        view = buf.numpy()
+        view[:] = 7
+        return {"kv": memoryview(view)}, DONE
+
+    keys = [f"{i:064x}" for i in range(60)]
+    try:
+        for i, key in enumerate(keys):
+            stager.stage(key, i, fill)  # one request each: no gap ends a prompt early
+            assert stager.flush(60)
+        homed = [k for k in keys if drives.home(k, ids) == ids[1]]
+        lost = counters.total(m.STORES_SKIPPED, reason="io_error")
+        stored = {d: s.live_keys("vllm", "ns") for d, s in stores.items()}
+        assert 0 < lost < 3  # the commits that met the full disk (one chunk each)
+        assert len(stored[ids[0]] | stored[ids[1]]) == len(keys) - lost
+        assert counters.total(m.DRIVE_FAILOVER_STORES, drive=str(bases[1])) == \
+            len(homed) - len(stored[ids[1]]) - lost > 0
+    finally:
+        assert stager.close(60)
+        for store in stores.values():
+            store.close()
