@@ -410,6 +410,8 @@ def test_writes_go_to_each_chunks_home_and_to_its_runner_up_while_the_home_is_do
         holdings.drives_changed()
         assert holdings.held_keys() == {k for k in first if d.home(k) != gone}
         assert all(holdings.locate(k) is None for k in first if d.home(k) == gone)
+        # (a restore of such a chunk fails ``disk_down``, not ``absent``: its drive is named)
+        assert all(holdings.locate(k, or_down=True) == gone for k in first if d.home(k) == gone)
         second = _keys(30, "b")
         for i, key in enumerate(second):
             stager.stage(key, i, _fill(key), request="B")
@@ -642,7 +644,7 @@ def test_a_lookup_reads_every_drive_of_a_rank_ors_them_and_does_not_wait_on_a_hu
     rank 0 when any of its drives holds it, the ranks still AND (the quorum); a drive whose
     catalog is stuck answers nothing within the deadline while the others' keys still hit
     (``last_unserved`` says a store did not answer)."""
-    import threading
+    from stuck_catalog import stuck_catalog
 
     from spoolctl.connector.deployment.topology import all_ranks
     from spoolctl.connector.scheduler_side.lookup import RankLookup
@@ -664,23 +666,9 @@ def test_a_lookup_reads_every_drive_of_a_rank_ors_them_and_does_not_wait_on_a_hu
         assert lookup.present(keys) == [True] * 5 + [False]
         assert not lookup.last_unserved
         assert len(lookup.local_stores()) == 4
-        stuck = d.stores[d.ids[1]]
-        held, release = threading.Event(), threading.Event()
-
-        def stuck_writer() -> None:
-            with stuck.catalog._lock:  # what a writer blocked in the kernel holds
-                held.set()
-                release.wait()
-
-        writer = threading.Thread(target=stuck_writer)
-        writer.start()
-        try:
-            held.wait()
+        with stuck_catalog(d.stores[d.ids[1]]):
             assert lookup.present(keys) == [i % 3 != 1 and i < 5 for i in range(6)]
             assert lookup.last_unserved
-        finally:
-            release.set()
-            writer.join()
     finally:
         lookup.stop_reading_locally()
         other.close()

@@ -234,30 +234,17 @@ def test_scheduler_and_worker_of_one_process_share_the_rank_store_and_close_it(
 def test_a_lookup_never_waits_on_a_stuck_catalog_beyond_its_deadline(tmp_path: Path):
     """A commit stuck on a hung disk holds the catalog; a lookup is then a miss within
     its deadline (vLLM's scheduler never waits on the disk), and hits resume after."""
-    import threading
+    from stuck_catalog import stuck_catalog
 
     lookup = RankLookup(all_ranks(1, 1), deadline_s=0.1, probe_interval_s=0.05)
     with Store.open(_root(tmp_path), create=True) as store:
         store.put(kind="vllm", namespace=NS, key=KEYS[0], objects={"kv": b"x"})
         lookup.read_locally(0, store, NS)
         assert lookup.present(KEYS[:1]) == [True]
-        held, release = threading.Event(), threading.Event()
-
-        def stuck_writer() -> None:
-            with store.catalog._lock:  # what a writer blocked in the kernel holds
-                held.set()
-                release.wait()
-
-        writer = threading.Thread(target=stuck_writer)
-        writer.start()
-        try:
-            held.wait()
+        with stuck_catalog(store):
             assert lookup.present(KEYS[:1]) == [False] and lookup.last_unserved
             # the first read is still stuck: the next lookup does not queue behind it
             assert lookup.present(KEYS[:1]) == [False]
-        finally:
-            release.set()
-            writer.join()
         wait_until(lambda: lookup.present(KEYS[:1]) == [True], what="hits to resume")
         assert not lookup.last_unserved
 
@@ -306,6 +293,15 @@ class _Roles:
                 {"layout": w._copier.layout_digest})
         return keys
 
+    def planned(self, request) -> None:
+        """Look ``request`` up (a hit on both chunks) and give it blocks 1-5, as vLLM's
+        scheduler does before the step that restores it."""
+        from types import SimpleNamespace
+
+        assert self.sched.get_num_new_matched_tokens(request, 0) == (128, True)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+        self.sched.update_state_after_alloc(request, blocks, 128)
+
     def restore(self, request, before_load=lambda: None) -> object:
         """Look ``request`` up (a hit), plan its restore, call ``before_load`` and run
         worker steps until the restore is reported; the workers' step outputs merged as
@@ -314,9 +310,7 @@ class _Roles:
 
         from vllm.v1.outputs import KVConnectorOutput
 
-        assert self.sched.get_num_new_matched_tokens(request, 0) == (128, True)
-        blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
-        self.sched.update_state_after_alloc(request, blocks, 128)
+        self.planned(request)
         idle_step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
                                     scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
         out = KVConnectorOutput(finished_recving=set(), invalid_block_ids=set())
@@ -398,8 +392,6 @@ def test_a_restore_failure_reported_after_its_request_left_is_not_kept(tmp_path:
     reports a failed request in ``failed_recving``): the scheduler keeps nothing for it, as
     it would never be looked up or finished again."""
     pytest.importorskip("vllm")
-    from types import SimpleNamespace
-
     from vllm.v1.outputs import KVConnectorOutput
 
     from spoolctl.connector.planning.messages import SpoolWorkerMeta
@@ -408,9 +400,7 @@ def test_a_restore_failure_reported_after_its_request_left_is_not_kept(tmp_path:
     try:
         roles.store_prompt()
         req = roles.request()
-        assert roles.sched.get_num_new_matched_tokens(req, 0) == (128, True)
-        roles.sched.update_state_after_alloc(
-            req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 128)
+        roles.planned(req)
         roles.sched.request_finished_all_groups(req, ([1, 2, 3, 4, 5],))
         roles.sched.update_connector_output(KVConnectorOutput(
             finished_recving={"r"}, failed_recving={"r"},
@@ -451,9 +441,7 @@ def test_with_host_kv_a_restore_begins_when_the_step_is_bound_not_after_the_forw
     try:
         roles.store_prompt()
         req = roles.request()
-        assert roles.sched.get_num_new_matched_tokens(req, 0) == (128, True)
-        roles.sched.update_state_after_alloc(
-            req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 128)
+        roles.planned(req)
         step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],
                                scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
         roles.worker.bind_connector_metadata(roles.sched.build_connector_meta(step))

@@ -74,7 +74,9 @@ def make_llm(job: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    extra = {"spoolctl_root": job["root"], **job.get("extra", {})}
+    # no "root": the job names its drives in extra's spoolctl_roots (decision 2714)
+    extra = {**({"spoolctl_root": job["root"]} if "root" in job else {}),
+             **job.get("extra", {})}
     if not job.get("maintenance", False):
         extra["spoolctl_scrub_rate"] = "0"
     ktc = KVTransferConfig(
@@ -166,6 +168,7 @@ def run(job: dict) -> dict:
         "scheduler_counters": sched.counters.totals() if sched is not None else {},
         "namespace": worker.namespace,
         "store_root": worker.store_roots[0],
+        "store_roots": worker.store_roots,
         "scheduler_roots": sched.store_roots if sched is not None else [],
         "maintainer_owns_store": bool(worker.maintainer and worker.maintainer.owns_store),
     }

@@ -6,11 +6,14 @@ once, and waited for at most ``4 x`` the lookup deadline (the probe's bound, dec
 2700): ``Store.open`` stats the store's directories and hangs on a hung disk (decision
 2720), and a hung disk must not keep the engine from starting. A drive that is late,
 missing (several drives: its base directory does not exist, e.g. not mounted) or
-unreadable is ``pending``: one warning line names it, and it is tried again every probe
-interval, one attempt at a time. When it opens, ``on_open(slot)`` is called on the
-opening thread (never the engine's); a late attempt that ends after ``close`` releases
-what it opened. With one root, a configuration mistake found in time (a ``ConfigError``:
-a directory that is not a store, another user's root) is raised, as before.
+unreadable (a base this user may not read, write and enter, or on a read-only
+filesystem: the warning names the fix) is ``pending``: one warning line names it, and
+it is tried again every probe interval, one attempt at a time. When it opens,
+``on_open(slot)`` is called on the opening thread (never the engine's); a late attempt
+that ends after ``close`` releases what it opened. With one root, a configuration
+mistake found in time (a ``ConfigError``: a directory that is not a store, another
+user's root) is raised, as before; with several it is ``refused`` (one error line with
+the fix, not retried: the other drives serve).
 
 One root is a set of one and takes today's path: no drive marker is written and no drive
 id computed (``drive_id`` stays empty). With several roots each drive is identified
@@ -175,7 +178,11 @@ class DriveStores:
         drive = ""
         if several:
             if not os.path.isdir(slot.base):
+                if os.path.lexists(slot.base):  # a file: no mount makes it a directory
+                    raise _Refused(f"{slot.base} is not a directory; list a drive's "
+                                   "directory (its mount point) in spoolctl_roots")
                 raise FileNotFoundError(f"{slot.base} does not exist (not mounted?)")
+            _check_access(slot.base, write=self._create)
             found = drives.drive_id(slot.base) if self._create \
                 else drives.read_drive_id(slot.base)
             if found is None:
@@ -224,6 +231,12 @@ class DriveStores:
             elif isinstance(error, _Refused):
                 slot.state, slot.why = REFUSED, str(error)
                 log.error("spoolctl: drive root not used: %s", error)
+            elif isinstance(error, ConfigError) and self.several:
+                # A mistake, not a disk (a root through a symlink, e.g. a drive listed twice,
+                # a damaged marker): retrying cannot mend it, and the other drives serve.
+                slot.state, slot.why = REFUSED, str(error)
+                log.error("spoolctl: drive root %s not used until the engine restarts: %s",
+                          slot.base, error)
             elif isinstance(error, (OSError, SpoolError)):
                 why = getattr(error, "message", None) or str(error)
                 if why != slot.why:
@@ -236,7 +249,7 @@ class DriveStores:
                         slot.base, slot.root)
             if self._on_open is not None:
                 self._on_open(slot)
-        if error is not None and not isinstance(error, (OSError, SpoolError)):
+        if error is not None and not isinstance(error, (OSError, SpoolError, _Refused)):
             log.error("spoolctl: opening %s failed: %r", slot.root, error)
 
     def _warn_pending(self, slot: DriveSlot) -> None:
@@ -261,6 +274,21 @@ class DriveStores:
                 for i in waiting:
                     if i not in self._attempts:  # one attempt at a time per drive
                         self._begin(i)
+
+
+def _check_access(base: str, *, write: bool) -> None:
+    """PermissionError naming ``base`` and the fix when this user cannot use it (a drive
+    left ``chmod 000``, owned by another user): said before its marker is read, whose own
+    refusal would suggest removing the marker (a new drive id: its chunks lost)."""
+    need = os.R_OK | os.X_OK | (os.W_OK if write else 0)
+    if not os.access(base, need):
+        if write and os.access(base, os.R_OK | os.X_OK) and \
+                os.statvfs(base).f_flag & os.ST_RDONLY:
+            raise PermissionError(f"{base} is on a read-only filesystem; remount it "
+                                  "read-write, or remove it from spoolctl_roots")
+        what = "read, write and search" if write else "read and search"
+        raise PermissionError(f"{base}: permission denied for uid {os.geteuid()}; give that "
+                              f"user {what} permission on it (chown or chmod)")
 
 
 class _Refused(Exception):

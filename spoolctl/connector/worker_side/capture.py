@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,22 +51,22 @@ GAP_MEMORY = 4096
 
 # Told of each chunk committed: (its key, its bytes) -- the per-tenant byte counter.
 Committed = Callable[[str, int], None]
-# Several drives (decision 2714): a chunk key -> (the drive it is written to, its home),
-# or None when no drive is up.
-Route = Callable[[str], "tuple[str, str] | None"]
+# Several drives (decision 2714): a chunk key (and drives to pass over: full ones) ->
+# (the drive it is written to, its home), or None when no drive is up.
+Route = Callable[..., "tuple[str, str] | None"]
 
 
 def drive_route(ids: Sequence[str], up: Callable[[str], bool]) -> Route:
     """``route(key)``: decision 2714's rule (``drives.route``, on one ranking): the first
     drive of the key's ``ranked`` order that is ``up`` (its home while the home is up,
     else the runner-up), with the home beside it so a failover can be counted; None when
-    every drive is down.
+    every drive is down. ``avoid``: drives passed over although up (full ones).
     ``up`` is read per chunk (memory only: a ``DiskGuard``'s flag)."""
     ids = tuple(ids)
 
-    def route(key: str) -> tuple[str, str] | None:
+    def route(key: str, avoid: Collection[str] = ()) -> tuple[str, str] | None:
         order = drives.ranked(key, ids)  # ranked once: route's order, home first
-        target = next((d for d in order if up(d)), None)
+        target = next((d for d in order if up(d) and d not in avoid), None)
         return None if target is None else (target, order[0])
 
     return route
@@ -141,7 +141,8 @@ class ChunkStager:
     thread, batch, commit functions and ledger, each with ``staging_bytes / n``, so host
     memory stays bounded by ``staging_bytes`` and a hung drive fills only its share);
     ``stage`` routes each chunk with ``route`` (``drive_route``): a chunk whose home is
-    down goes to its runner-up, counted in ``spoolctl_drive_failover_stores_total{drive}``
+    down, or out of space (``StoreWriter.full``) while another drive is not, goes to its
+    runner-up, counted in ``spoolctl_drive_failover_stores_total{drive}``
     (``drive``: the home's base root), and one no drive can take is skipped ``disk_down``."""
 
     def __init__(self, put: Callable[[str, Objects, Mapping[str, Any]], None] | None, *,
@@ -212,7 +213,10 @@ class ChunkStager:
             return
         drive, home = "", ""
         if self._route is not None:
-            routed = self._route(key)
+            # A drive out of space is passed over while others have room (runner-ups).
+            full = [d for d, w in self._writers.items() if w.full]
+            routed = self._route(key, full) if full else None
+            routed = routed or self._route(key)
             if routed is None:  # every drive down (decision 2720's check, per chunk)
                 self.skip(index, request=request, reason="disk_down")
                 return

@@ -275,12 +275,16 @@ class RankHoldings:
             if drive is None or not self._elsewhere(raw, drive):
                 self._inv.lost(raw)
 
-    def locate(self, key: str) -> str | None:
+    def locate(self, key: str, *, or_down: bool = False) -> str | None:
         """The up drive to read ``key`` from: the first of its ``ranked`` order that holds it
-        (memory only); None when no up drive does."""
+        (memory only); None when no up drive does. ``or_down``: then a drive that is down
+        and holds it, if one does (a restore then fails ``disk_down``, not ``absent``: the
+        operator's reason for a chunk whose only copy is on a drive taken out)."""
         raw = key_bytes(key)
         with self._lock:
             holders = [d for d, keys in self._on.items() if raw in keys and self._up(d)]
+            if not holders and or_down:
+                holders = [d for d, keys in self._on.items() if raw in keys]
         if len(holders) <= 1:
             return holders[0] if holders else None
         return drive_rules.ranked(key, holders)[0]

@@ -233,7 +233,7 @@ class WorkerSide:
         holdings.start()
 
         def locate(key: str) -> Located | None:
-            drive = holdings.locate(key)
+            drive = holdings.locate(key, or_down=True)  # a down drive's guard: disk_down
             return where.get(drive) if drive is not None else None
 
         parts.pool = parts.drives[0].pool

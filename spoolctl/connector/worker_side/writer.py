@@ -21,6 +21,7 @@ refuses at once, so no chunk is even copied out of the KV cache (decision 2710).
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -34,6 +35,7 @@ from spoolctl.errors import (
     BusyError,
     CapacityError,
     SpoolError,
+    StoreIOError,
 )
 
 from ..stats import ConnectorCounters
@@ -44,6 +46,12 @@ log = logging.getLogger("spoolctl.connector")
 # be reported committed (the scheduler learns of it then) and what one batch holds; 32
 # chunks of 2 MiB already cost about one round of fsyncs (docs/benchmarks.md, batch rows).
 WRITE_BATCH = 32
+
+# Several drives: a drive whose commit failed for want of space (ENOSPC: a filesystem
+# smaller than spoolctl_max_size, or shared) is passed over by the routing for this long,
+# its chunks written to their runner-ups, which have room; then it is tried again (its
+# own capacity step, or an operator, may have freed space meanwhile).
+FULL_RETRY_S = 30.0
 
 # ``put(key, payload, meta)``: commit one chunk (raises SpoolError if it is not stored).
 Put = Callable[[str, Any, Mapping[str, Any]], None]
@@ -78,12 +86,19 @@ class StoreWriter:
         self._counters = counters
         self._lock = threading.Condition()
         self._staged = 0
+        self._full_until = 0.0  # monotonic time until which the disk counts as full
         self._in_flight: set[str] = set()
         self._queue: queue.Queue[PendingStore | None] = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="spoolctl-store-writer",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def full(self) -> bool:
+        """A commit failed for want of space within the last ``FULL_RETRY_S`` (memory
+        only: read per chunk by the routing of several drives)."""
+        return time.monotonic() < self._full_until
 
     @property
     def staged_bytes(self) -> int:
@@ -205,6 +220,8 @@ class StoreWriter:
                 self._ledger.refund(item.nbytes)
             reason = _reason(exc)
             self._counters.inc(m.STORES_SKIPPED, reason=reason)
+            if isinstance(exc, StoreIOError) and exc.errno == errno.ENOSPC:
+                self._full_until = time.monotonic() + FULL_RETRY_S
             if reason != "io_error":
                 continue
             if isinstance(exc, SpoolError):
