@@ -183,10 +183,6 @@ def test_a_worker_whose_user_may_not_read_one_drive_starts_serves_the_others_and
 
 
 @pytest.mark.extended  # vLLM's import in a process of its own (~15 s)
-@pytest.mark.xfail(strict=True, reason="a drive that opens after start does not join the "
-                   "running set (decision 2731: the set is fixed at register_kv_caches; "
-                   "'a drive that opens after start joining the running set' is built "
-                   "separately)")
 def test_a_drive_given_its_permissions_back_while_serving_takes_its_share_at_once(
         bases: list[Path]) -> None:
     bases[1].chmod(0)
@@ -194,6 +190,12 @@ def test_a_drive_given_its_permissions_back_while_serving_takes_its_share_at_onc
     w = start()
     os.chmod(bases[1], 0o755)
     assert opened.wait(60)
+    import time
+    deadline = time.monotonic() + 60
+    while len(w.worker._holdings.drive_ids()) < 3:  # the engine thread's next hook joins it
+        assert time.monotonic() < deadline, "the drive never joined"
+        w.worker.take_stats()
+        time.sleep(0.05)
     print(json.dumps({"new": where(w, store(w, "c"))}))
     w.shutdown()
     """)
