@@ -85,7 +85,10 @@ class Controlled(fuse.Operations):
 
     def create(self, path, mode, fi=None):
         self._gate(path)
-        return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        # The kernel does not pass the caller's flags here (fusepy without raw_fi): open for
+        # reading too, or a shared writable mmap of the file (SQLite's WAL index) reads its
+        # pages through a write-only handle and the process gets SIGBUS.
+        return os.open(self._p(path), os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
 
     def write(self, path, data, offset, fh):
         self._gate(path)
