@@ -817,3 +817,244 @@ def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
         assert twin not in d.on(spare)
     finally:
         d.close()
+
+
+# -- each drive's health is its own: a hung commit, a late read (decision 2770) ---------------
+
+
+class _HeldCatalog:
+    """What a commit blocked in the kernel holds: the store's catalog lock, taken on a
+    thread of its own until ``release`` (a context manager that always releases)."""
+
+    def __init__(self, store: Store) -> None:
+        import threading
+
+        self._held, self._release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with store.catalog._lock:
+                self._held.set()
+                self._release.wait()
+
+        self._thread = threading.Thread(target=hold, daemon=True)
+        self._thread.start()
+        self._held.wait()
+
+    def release(self) -> None:
+        self._release.set()
+        self._thread.join(NET_S)
+
+    def __enter__(self) -> _HeldCatalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_commit_hung_past_its_bound_takes_its_drive_out_until_it_ends(
+        tmp_path: Path, several, n: int) -> None:
+    """A commit that hangs on a drive (its writer's one thread stuck, so no second commit
+    can fail) takes that drive out once it is past its bound (``writer.commit_bound``):
+    the next step's ``save`` tells the drive's guard. With three drives the keys held only
+    there are withdrawn, its new chunks are written to their runner-ups (counted per home
+    drive), a restore no longer reads it; with one root its restores fail at once
+    (``disk_down``). When the commit ends the probe brings the drive back and the hung
+    chunk is committed there."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.planning.inventory import key_bytes
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+
+    roots = _dirs(tmp_path, n)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=0.05, spoolctl_read_deadline=0.05)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    if n > 1:
+        del extra["spoolctl_root"]
+        extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        ws = worker.worker
+        ns = ws._namespace
+        if n > 1:
+            ids = [drives.read_drive_id(r) for r in roots]
+            stores = ws._holdings._stores
+        else:
+            ids, stores = [""], {"": ws._store}
+        first = _keys(18, "w")
+        for i, key in enumerate(first):
+            ws._stager.stage(key, i, _fill(key), request="A")
+        assert ws.flush(NET_S)
+        worker.get_handshake_metadata()  # the scheduler knows every committed chunk
+        gone = ids[-1]
+        guard = guard_for(stores[gone])
+
+        def home(key: str) -> str:
+            return drives.home(key, ids) if n > 1 else ""
+
+        hung = next(k for k in _keys(40, "h") if home(k) == gone)
+        with _HeldCatalog(stores[gone]) as disk:
+            ws._stager.stage(hung, 0, _fill(hung), request="H")  # its commit hangs
+            # Each engine step's save looks at the commits (memory only): once this one is
+            # past its bound (0.2 s here) the drive is out.
+            wait_until(lambda: (ws.save(SpoolConnectorMetadata()), guard.down)[1], 20,
+                       what="the drive taken out for its hung commit")
+            chunk = ws._copier.chunk_bytes
+
+            def item(key: str) -> ChunkRestore:
+                def fill(store: Store, manifest, buf) -> int:
+                    store.read(manifest, "kv", into=memoryview(buf.numpy()))
+                    return chunk
+
+                return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                    copy=lambda buf: None)
+
+            ws._pipeline.copy_in_reader = False
+            there = [k for k in first if home(k) == gone]
+            if n == 1:
+                assert ws._pipeline.run([item(first[0])]) == 0
+                assert ws._counters.total(m.LOAD_ERRORS, reason="disk_down") == 1
+            else:
+                report = worker.build_connector_worker_meta().reports[0]
+                assert there and set(report.removed) == {key_bytes(k) for k in there}
+                second = _keys(18, "v")
+                for i, key in enumerate(second):
+                    ws._stager.stage(key, i, _fill(key), request="B")
+                for drive, writer in ws._stager._writers.items():
+                    assert drive == gone or writer.flush(NET_S)
+                moved = [k for k in second if home(k) == gone]
+                assert moved and ws._counters.total(
+                    m.DRIVE_FAILOVER_STORES, drive=roots[-1]) == len(moved)
+                for key in moved:
+                    assert key in stores[drives.route(key, ids, set(ids[:-1]))].live_keys(
+                        "vllm", ns)
+                ok = next(k for k in first if home(k) != gone)
+                assert ws._pipeline.run([item(ok), item(there[0])]) == 1
+            disk.release()  # the commit ends; the probe brings the drive back
+            wait_until(lambda: not guard.down, NET_S, what="the probe")
+        assert ws.flush(NET_S)
+        assert hung in stores[gone].live_keys("vllm", ns)
+    finally:
+        worker.shutdown()
+
+
+def test_the_probe_keeps_a_drive_out_while_its_hung_commit_still_runs(tmp_path: Path) -> None:
+    """``DiskGuard.stuck``: out at once (one hung commit is enough: it holds its writer's
+    one thread), and kept out while the commit still runs although the drive's reads
+    answer (the probe asks first); back at the first probe after it ended."""
+    from waiting import wait_until
+
+    from spoolctl.connector.diskguard import DiskGuard
+
+    running, asked = [True], []
+
+    def still() -> bool:
+        asked.append(1)
+        return running[0]
+
+    with Store.open(Path(os.path.realpath(tmp_path)) / "rank-0000", create=True) as store:
+        guard = DiskGuard(store, probe_interval_s=0.02)
+        changes: list[bool] = []
+        guard.listen(changes.append)
+        try:
+            guard.stuck("commit", still)
+            assert guard.down and changes == [True]
+            wait_until(lambda: len(asked) >= 3, NET_S, what="three probes")
+            assert guard.down  # the reads answer, the commit does not
+            running[0] = False
+            wait_until(lambda: not guard.down, NET_S, what="the probe")
+            assert changes == [True, False]
+        finally:
+            guard.close()
+
+
+def test_a_drive_with_a_read_past_its_deadline_gets_no_new_reads(tmp_path: Path) -> None:
+    """Three drives, one whose reads hang: the restore waiting on it fails at its deadline
+    and the read stays stuck on that drive's pool. A later restore's chunk on that drive is
+    not queued behind it: it fails at once (``disk_slow``, never read), the chunks before
+    it restored; the other drives' chunks still restore; the third failure takes the drive
+    out (``disk_down`` after)."""
+    pytest.importorskip("torch")
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spoolctl.connector.diskguard import DiskGuard
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.stats import ConnectorCounters
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+    from spoolctl.connector.worker_side.restore import Located, RestorePipeline
+
+    d = _Drives(tmp_path)
+    keys = _keys(24, "s")
+    for key in keys:
+        d.stores[d.home(key)].put(kind="vllm", namespace="ns", key=key,
+                                  objects={"kv": _payload(key, 4096)})
+    slow = d.ids[0]
+    on = {drive: [k for k in keys if d.home(k) == drive] for drive in d.ids}
+    assert all(len(v) >= 3 for v in on.values())
+    holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                       namespace="ns", rank=0, epoch=1)
+    holdings.rescan()
+    pools = {drive: ThreadPoolExecutor(4) for drive in d.ids}
+    guards = {drive: DiskGuard(store, probe_interval_s=3600)
+              for drive, store in d.stores.items()}
+    gate, read = threading.Event(), []
+
+    def locate(key: str) -> Located | None:
+        drive = holdings.locate(key)
+        return None if drive is None else Located(drive, d.stores[drive], guards[drive],
+                                                  pools[drive])
+
+    def item(key: str) -> ChunkRestore:
+        def fill(store: Store, manifest, buf) -> int:
+            read.append(key)
+            if d.home(key) == slow:
+                gate.wait()  # a read stuck in the kernel on a hung disk
+            store.read(manifest, "kv", into=memoryview(buf.numpy()))
+            return 4096
+
+        return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                            copy=lambda buf: None)
+
+    counters = ConnectorCounters()
+    with ThreadPoolExecutor(1) as unused:
+        pipe = RestorePipeline(next(iter(d.stores.values())), "ns", chunk_bytes=4096,
+                               pool=unused, counters=counters, on_lost=lambda *a: None,
+                               deadline_s=0.2, locate=locate)
+        try:
+            assert pipe.run([item(on[slow][0])], req_id="a") == 0
+            assert pipe.take_reason("a") == "deadline"
+            well = [k for k in keys if d.home(k) != slow]
+            prompt = [*well[:2], on[slow][1], *well[2:4]]
+            assert pipe.run([item(k) for k in prompt], req_id="b") == 2
+            assert pipe.take_reason("b") == "disk_slow"
+            assert on[slow][1] not in read  # never queued behind the stuck read
+            assert counters.total(m.LOAD_ERRORS, reason="disk_slow") == 1
+            assert pipe.run([item(k) for k in well]) is None  # the other drives serve
+            assert not guards[slow].down
+            assert pipe.run([item(on[slow][2])]) == 0  # the third failure in a row
+            assert guards[slow].down
+            assert pipe.run([item(on[slow][2])]) == 0
+            assert counters.total(m.LOAD_ERRORS, reason="disk_down") == 1  # out: no read
+        finally:
+            gate.set()
+            pipe.close()
+            for guard in guards.values():
+                guard.close()
+            for pool in pools.values():
+                pool.shutdown()
+            d.close()

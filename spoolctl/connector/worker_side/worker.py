@@ -471,6 +471,7 @@ class WorkerSide:
         """Capture the step's planned chunks (after the forward) and queue their commits."""
         if self._stager is None:
             return
+        self._hung_commits()
         # Each chunk's request, so that a chunk not stored ends its request's stores
         # (``ChunkStager.stage``: chunks past a gap are unreachable by any restore).
         requests = {op.key: op.req_id for op in (*meta.stores, *meta.group_stores)}
@@ -485,6 +486,24 @@ class WorkerSide:
             self._stager.stage(key, index, fill, index_doc=hashes.to_index(meta.hash_identity)
                                if hashes is not None and meta.hash_identity else None,
                                request=requests.get(key))
+
+    def _hung_commits(self) -> None:
+        """A commit past its bound (``writer.commit_bound``) takes its drive out at once
+        (``DiskGuard.stuck``, decision 2770): its new chunks go to the runner-ups (one
+        store: skipped ``disk_down``), lookups and restores skip it, and the probe brings
+        it back once the commit ended and the disk answers. Memory only, every step."""
+        assert self._stager is not None
+        for drive, still in self._stager.hung_commits(self._dep.settings.read_deadline):
+            guard = self._guard_of(drive)
+            if guard is not None:
+                guard.stuck("commit", still)
+
+    def _guard_of(self, drive: str) -> DiskGuard | None:
+        """The ``DiskGuard`` of drive ``drive`` ("": the one store's)."""
+        if not drive:
+            return self._guard
+        slot = next((s for s in self._drives.opened() if s.drive_id == drive), None)
+        return guard_for(slot.store) if slot is not None and slot.store is not None else None
 
     def step_report(self) -> SpoolWorkerMeta | None:
         """This step's inventory changes and why the restores reported failed this step
