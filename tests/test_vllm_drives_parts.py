@@ -1058,3 +1058,46 @@ def test_a_drive_with_a_read_past_its_deadline_gets_no_new_reads(tmp_path: Path)
             for pool in pools.values():
                 pool.shutdown()
             d.close()
+
+
+@pytest.mark.timeout(120)
+def test_every_local_store_of_every_rank_is_read_at_once(tmp_path: Path) -> None:
+    """Two same-host ranks, one on two drives, one on one: the lookup starts the three
+    catalog reads together, so it waits for the slowest store, never for the sum over
+    ranks and drives. Shown by reads that can only answer together (each waits at a
+    barrier of three within the deadline): read one after another, the first would miss
+    its deadline and its rank would count as holding nothing."""
+    import threading
+
+    from spoolctl.connector.deployment.topology import all_ranks
+    from spoolctl.connector.scheduler_side.lookup import RankLookup
+
+    d = _Drives(tmp_path, 2)
+    keys = _keys(4, "t")
+    other = Store.open(Path(os.path.realpath(tmp_path)) / "rank-0001", create=True)
+    lookup = RankLookup(all_ranks(2, 1), deadline_s=5, probe_interval_s=3600)
+    together = threading.Barrier(3)
+    stores = [*d.stores.values(), other]
+    try:
+        for i, key in enumerate(keys):
+            d.stores[d.ids[i % 2]].put(kind="vllm", namespace="ns", key=key,
+                                       objects={"kv": key.encode()})
+            other.put(kind="vllm", namespace="ns", key=key, objects={"kv": key.encode()})
+        lookup.read_locally(0, stores[0], "ns")
+        lookup.read_on_drives(0, [stores[1]])
+        lookup.read_locally(1, other, "ns")
+        for store in stores:  # each catalog read answers only once all three began
+            def live(ids, inner=store.live):
+                together.wait(timeout=30)
+                return inner(ids)
+
+            store.live = live
+        assert lookup.present(keys) == [True] * 4
+        assert not lookup.last_unserved
+    finally:
+        together.abort()
+        lookup.stop_reading_locally()
+        for store in stores:
+            store.__dict__.pop("live", None)
+        other.close()
+        d.close()
