@@ -199,6 +199,8 @@ class RestorePipeline:
         # Several drives: every read submitted and not yet seen done -> its pool (a drive)
         # and when it began on a thread of that pool ([None] while queued; ``_slow``).
         self._sent: dict[Future, tuple[int, list[float | None]]] = {}
+        # Reads a restore gave up on at its deadline, still running -> their pool (``_slow``).
+        self._overdue: dict[Future, int] = {}
         self._namespace = namespace
         self._pool = pool
         self._counters = counters
@@ -332,6 +334,8 @@ class RestorePipeline:
                 r.failed_at, r.reason = r.copied, "deadline"
                 if guard is not None:
                     guard.failed("restore")
+                if where is not None and r.reads and not r.reads[0].done():
+                    self._overdue[r.reads[0]] = id(where.pool)  # its drive is slow now
             if r.failed_at is not None or r.cancelled:
                 r.close()  # before it is reported: no reader copies into its blocks now
                 if r.reads:
@@ -369,6 +373,7 @@ class RestorePipeline:
     def _submit(self) -> None:
         if self._sent:
             self._sent = {f: v for f, v in self._sent.items() if not f.done()}
+            self._overdue = {f: p for f, p in self._overdue.items() if not f.done()}
         for r in self._active:  # first come, first served
             while r.wants_reads and self._in_flight < self.slots:
                 item = r.items[r.submitted]
@@ -382,8 +387,11 @@ class RestorePipeline:
                 return
 
     def _slow(self, pool: Executor) -> bool:
-        """A read on ``pool`` (one drive's) has been running longer than the deadline
-        (begun on a thread: reads queued behind others on a busy drive do not count)."""
+        """A read on ``pool`` (one drive's) is late: a restore gave up on it at its
+        deadline, or it has been running longer than the deadline (begun on a thread:
+        reads queued behind others on a busy drive do not count by themselves)."""
+        if any(p == id(pool) and not f.done() for f, p in self._overdue.items()):
+            return True
         late = time.monotonic() - self.deadline_s
         return any(p == id(pool) and began[0] is not None and began[0] < late
                    and not f.done() for f, (p, began) in self._sent.items())
