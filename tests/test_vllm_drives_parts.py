@@ -1101,3 +1101,64 @@ def test_every_local_store_of_every_rank_is_read_at_once(tmp_path: Path) -> None
             store.__dict__.pop("live", None)
         other.close()
         d.close()
+
+
+def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drives(
+        tmp_path: Path, several) -> None:
+    """Per-drive gauges (decision 2770): ``spoolctl_drive_down{drive}`` is 0 for each
+    configured drive while its store serves and 1 once its guard takes it out (labelled
+    with its base root); the worker's store bytes and write-budget gauges are the sums over
+    its three drives' stores and ledgers, not the first drive's."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=3600, spoolctl_write_budget="1GiB")
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        ws = worker.worker
+        ids = [drives.read_drive_id(r) for r in roots]
+        stores = ws._holdings._stores
+        keys = _keys(18, "g")
+        for i, key in enumerate(keys):
+            ws._stager.stage(key, i, _fill(key), request="A")
+        assert ws.flush(NET_S)
+        chunk = ws._copier.chunk_bytes
+        assert all(stores[d].live_keys("vllm", ws._namespace) for d in ids)
+
+        def gauge(spec, **labels):
+            return ws._counters.totals().get(spec.name, {}).get(
+                ",".join(f"{k}={v}" for k, v in labels.items()))
+
+        def facts_summed() -> bool:
+            ws.take_stats()
+            return gauge(m.STORE_BYTES) == sum(stores[d].totals().bytes for d in ids)
+
+        wait_until(facts_summed, NET_S, what="the store bytes summed over the drives")
+        assert [gauge(m.DRIVE_DOWN, drive=r) for r in roots] == [0, 0, 0]
+        assert gauge(m.WRITE_BUDGET) == 3 * (1 << 30)
+        assert gauge(m.WRITE_BUDGET_USED) == len(keys) * chunk  # every drive's writes
+
+        guard = guard_for(stores[ids[1]])
+        for _ in range(3):
+            guard.failed("restore")
+        ws.take_stats()
+        assert [gauge(m.DRIVE_DOWN, drive=r) for r in roots] == [0, 1, 0]
+    finally:
+        worker.shutdown()

@@ -107,6 +107,8 @@ class WorkerSide:
         self._telemetry = WorkerTelemetry(counters)
         self._guard: DiskGuard | None = None
         self._ledger: WriteLedger | None = None
+        self._drive_parts: list[_Parts] = []  # several drives: each drive's parts
+        self._drive_down: dict[str, float] = {}  # spoolctl_drive_down{drive} last sent
         # A store that opens after start (a disk hung or missing then, decision 2714):
         # its parts are built on the opening thread and taken into use by the engine
         # thread at its next hook (``_adopt_ready``).
@@ -325,7 +327,7 @@ class WorkerSide:
         """Take built parts into use (on the engine thread)."""
         self._pool, self._guard, self._pipeline = parts.pool, parts.guard, parts.pipeline
         self._ledger, self._stager = parts.ledger, parts.stager
-        self._maintainer = parts.maintainer
+        self._maintainer, self._drive_parts = parts.maintainer, parts.drives
         self._holdings = parts.holdings  # last: it is what reports to the scheduler
 
     def _drive_opened(self, slot: DriveSlot) -> None:
@@ -537,12 +539,44 @@ class WorkerSide:
         if pending or self._pending_shown:
             self._counters.set_gauge(m.DISK_DOWN, pending)
             self._pending_shown = pending > 0
-        if self._store is not None:
+        if self._drive_parts:  # several drives: sums over the drives (decision 2770)
+            self._telemetry.refresh_gauges([(one.store, one.pool) for one in self._drive_parts
+                                            if one.store is not None and not
+                                            (one.guard is not None and one.guard.down)])
+            ledgers = [one.ledger.state() for one in self._drive_parts
+                       if one.ledger is not None]
+            if ledgers:
+                self._telemetry.budget(ledgers)
+        elif self._store is not None:
             self._telemetry.refresh_gauges(self._store, self._pool)
         if self._ledger is not None:
             self._telemetry.budget(self._ledger.state())
+        self._drive_gauges()
         self._telemetry.collect(self._holdings, self._maintainer)
         return self._counters.take()
+
+    def _drive_gauges(self) -> None:
+        """``spoolctl_drive_down{drive}`` per configured drive (its base root): 1 while
+        this rank's store there is out of service (its guard took it out, it has not
+        opened, or it is not in the drive set fixed at start), else 0; sent when it
+        changes (the exported gauge keeps its value)."""
+        if not self._enabled or not self._bound:
+            return
+        used = self._holdings.drive_ids() if self._drives.several and \
+            self._holdings is not None else None
+        for slot in self._drives.slots:
+            if slot.store is None or (used is not None and slot.drive_id not in used):
+                down = 1.0
+            else:
+                guard = self._guard_of(slot.drive_id) if self._drives.several else \
+                    self._guard
+                down = 1.0 if guard is None or guard.down else 0.0
+            if self._drive_down.get(slot.base) == down:
+                continue
+            self._drive_down[slot.base] = down
+            # a root no label can carry (not printable ASCII): no series for it
+            with contextlib.suppress(ValueError):
+                self._counters.set_gauge(m.DRIVE_DOWN, down, drive=slot.base)
 
     def _lost(self, key: str, drive: str | None = None) -> None:
         if self._holdings is not None:
@@ -581,8 +615,10 @@ class WorkerSide:
             ready, self._ready = self._ready, None
         parts = _Parts(self._store, pool=self._pool, guard=self._guard,
                        pipeline=self._pipeline, stager=self._stager, holdings=self._holdings,
-                       maintainer=self._maintainer, ledger=self._ledger)
+                       maintainer=self._maintainer, ledger=self._ledger,
+                       drives=self._drive_parts)
         self._stager = self._ledger = self._maintainer = self._holdings = None
+        self._drive_parts = []
         self._pool = self._pipeline = None
         self._shutdown_parts(parts)
         if ready is not None:  # built for a store that opened late, never installed
