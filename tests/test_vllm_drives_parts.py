@@ -1118,6 +1118,7 @@ def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drive
 
     from spoolctl.connector import SpoolConnector
     from spoolctl.connector.deployment import drives
+    from spoolctl.connector.deployment import write_budget as wb
     from spoolctl.connector.diskguard import guard_for
 
     roots = _dirs(tmp_path, 3)
@@ -1160,5 +1161,8 @@ def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drive
             guard.failed("restore")
         ws.take_stats()
         assert [gauge(m.DRIVE_DOWN, drive=r) for r in roots] == [0, 1, 0]
+        ledgers = [wb.ledger_path(stores[d].root) for d in ids]
     finally:
         worker.shutdown()
+    # Shutdown closed every drive's ledger: the exact counts (not the slabs charged ahead).
+    assert sum(wb.read(path).used for path in ledgers) == len(keys) * chunk
