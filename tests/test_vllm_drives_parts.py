@@ -1166,3 +1166,65 @@ def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drive
         worker.shutdown()
     # Shutdown closed every drive's ledger: the exact counts (not the slabs charged ahead).
     assert sum(wb.read(path).used for path in ledgers) == len(keys) * chunk
+
+
+def test_a_drive_whose_mount_hangs_under_a_commit_is_taken_out_and_comes_back(
+        tmp_path: Path, several) -> None:
+    """The hung commit on a real hung mount (``tests/fusefs.py`` over one drive's
+    ``objects/``): the commit blocks in the kernel, the drive is taken out at the next step
+    past the bound, the other drives take its new chunks and still restore; released, the
+    commit ends and the probe brings the drive back."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from fusemount import Mounts
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=0.05, spoolctl_read_deadline=0.05)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    with Mounts(tmp_path / "fuse") as mounts:
+        worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+        try:
+            worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+            ws = worker.worker
+            ids = [drives.read_drive_id(r) for r in roots]
+            stores = ws._holdings._stores
+            first = _keys(18, "m")
+            for i, key in enumerate(first):
+                ws._stager.stage(key, i, _fill(key), request="A")
+            assert ws.flush(NET_S)
+            gone = ids[2]
+            guard = guard_for(stores[gone])
+            mount = mounts.over(Path(stores[gone].root) / "objects")
+            mount.hang()
+            hung = next(k for k in _keys(40, "n") if drives.home(k, ids) == gone)
+            ws._stager.stage(hung, 0, _fill(hung), request="H")
+            wait_until(lambda: (ws.save(SpoolConnectorMetadata()), guard.down)[1], 20,
+                       what="the drive taken out for its hung commit")
+            second = _keys(18, "o")
+            for i, key in enumerate(second):
+                ws._stager.stage(key, i, _fill(key), request="B")
+            for drive, writer in ws._stager._writers.items():
+                assert drive == gone or writer.flush(NET_S)
+            moved = [k for k in second if drives.home(k, ids) == gone]
+            assert moved and ws._counters.total(m.DRIVE_FAILOVER_STORES,
+                                                drive=roots[2]) == len(moved)
+            mount.release()
+            wait_until(lambda: not guard.down, NET_S, what="the probe")
+            assert ws.flush(NET_S)
+        finally:
+            worker.shutdown()
