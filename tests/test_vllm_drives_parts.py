@@ -1231,3 +1231,77 @@ def test_a_drive_whose_mount_hangs_under_a_commit_is_taken_out_and_comes_back(
             assert ws.flush(NET_S)
         finally:
             worker.shutdown()
+
+
+def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
+        tmp_path: Path, several) -> None:
+    """The late read on a real hung mount (``tests/fusefs.py`` over one drive's
+    ``objects/``): a restore waiting on that drive fails at its deadline with its read
+    stuck in the kernel; the next restore's chunk there fails at once (``disk_slow``, never
+    submitted), the chunks before it restored from the other drives; released, the stuck
+    read ends and that drive serves again."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from fusemount import Mounts
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.kv.formats import ChunkRestore
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=3600, spoolctl_read_deadline=0.2)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    with Mounts(tmp_path / "fuse") as mounts:
+        worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+        try:
+            worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+            ws = worker.worker
+            ids = [drives.read_drive_id(r) for r in roots]
+            stores = ws._holdings._stores
+            keys = _keys(24, "q")
+            for i, key in enumerate(keys):
+                ws._stager.stage(key, i, _fill(key), request="A")
+            assert ws.flush(NET_S)
+            slow = ids[0]
+            on_slow = [k for k in keys if drives.home(k, ids) == slow]
+            well = [k for k in keys if drives.home(k, ids) != slow]
+            chunk, copies = ws._copier.chunk_bytes, {}
+
+            def item(key: str) -> ChunkRestore:
+                def fill(store: Store, manifest, buf) -> int:
+                    store.read(manifest, "kv", into=memoryview(buf.numpy()))
+                    return chunk
+
+                return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                    copy=lambda buf: copies.__setitem__(key,
+                                                                        bytes(buf.numpy())))
+
+            pipe = ws._pipeline
+            pipe.copy_in_reader = False
+            mount = mounts.over(Path(stores[slow].root) / "objects")
+            mount.hang()
+            assert pipe.run([item(on_slow[0])], req_id="a") == 0
+            assert pipe.take_reason("a") == "deadline"
+            assert pipe.run([item(k) for k in [*well[:3], on_slow[1], well[3]]],
+                            req_id="b") == 3
+            assert pipe.take_reason("b") == "disk_slow"
+            assert set(copies) == set(well[:3])
+            assert pipe.run([item(k) for k in well]) is None  # the other drives serve
+            mount.release()
+            wait_until(lambda: (pipe.pump(), not pipe._late)[1], NET_S,
+                       what="the stuck read")
+            copies.clear()
+            assert pipe.run([item(k) for k in on_slow[2:4]]) is None
+            assert copies == {k: _payload(k, chunk) for k in on_slow[2:4]}
+        finally:
+            worker.shutdown()
