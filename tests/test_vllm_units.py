@@ -420,6 +420,14 @@ def test_stats_aggregate_and_prometheus_export():
     assert 'spoolctl_store_bytes{engine="0"} 4196.0' in text
     assert 'spoolctl_drive_down{drive="/nvme0/spool",engine="0"} 2.0' in text
     assert 'spoolctl_drive_down{drive="/nvme1/spool",engine="0"} 0.0' in text
+    # Workers send a gauge in different steps (when it changes): the export is the sum of
+    # every worker's last value, not of one step's payload.
+    w2.set_gauge(m.DRIVE_DOWN, 0, drive="/nvme0/spool")
+    w2.set_gauge(m.STORE_BYTES, 1000)
+    prom.observe(w2.take(), 0)
+    text = generate_latest(reg).decode()
+    assert 'spoolctl_drive_down{drive="/nvme0/spool",engine="0"} 1.0' in text
+    assert 'spoolctl_store_bytes{engine="0"} 1100.0' in text
 
     # Written, nothing restored yet: no ratio (not +Inf); from the first restore on, one.
     w1.inc(m.STORE_WRITE_BYTES, 3000)

@@ -82,6 +82,10 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
                 labelnames=list(self._labelnames) + list(spec.labels),
                 multiprocess_mode="mostrecent")
         self._io: dict[int, list[float]] = {}  # engine -> [bytes written, bytes restored]
+        # (engine, gauge) -> each worker part's (and label set's) last value: workers send a
+        # gauge in different steps (when it changes, when a refresh lands), so the sum over
+        # the workers is taken over every part's last value, not one step's payload.
+        self._gauge_parts: dict[tuple[int, str], dict[str, float]] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = list(self.per_engine_labelvalues[engine_idx])
@@ -97,7 +101,9 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
             spec, metric = known(name), self._defs.get(name)
             if spec is None or metric is None:
                 continue
-            for key, value in gauge_values(by_part).items():
+            parts = self._gauge_parts.setdefault((engine_idx, name), {})
+            parts.update(by_part)
+            for key, value in gauge_values(parts).items():
                 labels = m.check_labels(spec, parse_label_key(key))
                 metric.labels(*engine_labels, *(labels[n] for n in spec.labels)).set(value)
         for name, values in (transfer_stats_data.get("hist") or {}).items():
