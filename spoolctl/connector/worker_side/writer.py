@@ -18,10 +18,11 @@ are taken from it before the commit and given back if the commit fails; a chunk 
 not fit is skipped (reason ``write_budget``), and once the budget is spent ``try_reserve``
 refuses at once, so no chunk is even copied out of the KV cache (decision 2710).
 
-A commit that hangs (a disk that stops answering) holds the writer's one thread, so no
-second commit fails to count against the disk: ``commit_overdue`` tells the worker that
-the commit running now has been running past ``commit_bound`` (memory only), and the worker
-takes the drive out (``DiskGuard.stuck``, decision 2770).
+A commit that hangs (a disk that stops answering) holds the writer's one thread: it is the
+last commit that drive sees, so no count of failures could ever take the drive out.
+``commit_overdue`` tells the worker that the commit running now has been running past
+``commit_bound`` (memory only), and the worker takes the drive out at once
+(``DiskGuard.stuck``, decision 2770).
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ Put = Callable[[str, Any, Mapping[str, Any]], None]
 PutMany = Callable[[Sequence[tuple[str, Any, Mapping[str, Any]]]], list[BaseException | None]]
 
 # A commit still running after COMMIT_DEADLINE_READS read deadlines plus its bytes at
-# COMMIT_FLOOR_BPS is hung (decision 2770): a healthy group commit of 32 chunks of 16 MiB
-# writes 512 MiB at 250-320 MB/s fsync'd here (about 2 s); a commit is off the serving
-# path, so only a disk that stopped answering should ever pass this bound.
+# COMMIT_FLOOR_BPS is hung (decision 2770): a healthy group commit took 0.1-0.3 s here for
+# 32-128 MiB, and the largest (32 chunks of 16 MiB) would take about 2 s at the 250-320 MB/s
+# fsync'd rate; a commit is off the serving path, so only a disk that stopped answering
+# should ever pass this bound.
 COMMIT_DEADLINE_READS = 4
 COMMIT_FLOOR_BPS = 32 << 20
 
