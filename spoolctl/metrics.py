@@ -233,6 +233,11 @@ EVENTS_UNRESOLVED = _c("kv_events_unresolved_chunks_total",
 DISK_DOWN = _g("disk_down",
                "Rank stores the connector has taken out of service (reads late or failing: "
                "their lookups are misses and a probe checks them; 0 when all serve).")
+DRIVE_DOWN = _g("drive_down",
+                "Rank stores out of service on one drive (drive: its base root; several "
+                "drives, decision 2770): taken out by their guard, not open yet, or not in "
+                "the engine's drive set; summed over the workers, 0 when all serve.",
+                "drive")
 WRITE_AMPLIFICATION = _g("write_amplification_ratio",
                          "KV bytes written / KV bytes restored since the metrics process "
                          "started (absent until the first restore; 0 if nothing was written).")
@@ -247,7 +252,7 @@ WRITE_BUDGET_USED = _g("write_budget_used_bytes",
 CONNECTOR_METRICS += (EVENTS_STORED, EVENTS_REMOVED, EVENTS_UNRESOLVED)
 
 ALL_METRICS: tuple[MetricSpec, ...] = (*STORE_GAUGES, *CONNECTOR_METRICS, WRITE_AMPLIFICATION,
-                                       DISK_DOWN, WRITE_BUDGET, WRITE_BUDGET_USED)
+                                       DISK_DOWN, DRIVE_DOWN, WRITE_BUDGET, WRITE_BUDGET_USED)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ def test_spoolctl_roots_and_a_colon_list_in_spoolctl_root_name_the_drives(
     ({}, {"SPOOLCTL_ROOT": "/a: /b"}, "spaces around", "remove the spaces"),
     ({"spoolctl_roots": [f"/d{i}" for i in range(MAX_ROOTS + 1)]}, {}, "at most 64",
      "at most 64"),
+    # its base root labels spoolctl_drive_*{drive} (decision 2770): printable ASCII
+    ({"spoolctl_roots": ["/a", "/nvme1/spül"]}, {}, "cannot label", "printable ASCII"),
+    ({}, {"SPOOLCTL_ROOT": "/a:/b\tc"}, "cannot label", "printable ASCII"),
 ])
 def test_each_refused_list_of_roots_is_one_config_error_line_naming_the_fix(
         several, extra, env, says, fix) -> None:
@@ -1380,3 +1383,460 @@ def test_a_drive_hung_at_start_joins_the_running_set_when_it_answers(
                 sched.shutdown()
             if got:
                 got[0].shutdown()
+
+
+# -- each drive's health is its own: a hung commit, a late read (decision 2770) ---------------
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_commit_hung_past_its_bound_takes_its_drive_out_until_it_ends(
+        tmp_path: Path, several, n: int) -> None:
+    """A commit that hangs on a drive (its writer's one thread stuck, so no second commit
+    can fail) takes that drive out once it is past its bound (``writer.commit_bound``):
+    the next step's ``save`` tells the drive's guard. With three drives the keys held only
+    there are withdrawn, its new chunks are written to their runner-ups (counted per home
+    drive), a restore no longer reads it; with one root its restores fail at once
+    (``disk_down``). When the commit ends the probe brings the drive back and the hung
+    chunk is committed there."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from stuck_catalog import stuck_catalog
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.planning.inventory import key_bytes
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+
+    roots = _dirs(tmp_path, n)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=0.05, spoolctl_read_deadline=0.05)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    if n > 1:
+        del extra["spoolctl_root"]
+        extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        ws = worker.worker
+        ns = ws._namespace
+        if n > 1:
+            ids = [drives.read_drive_id(r) for r in roots]
+            stores = ws._holdings._stores
+        else:
+            ids, stores = [""], {"": ws._store}
+        first = _keys(18, "w")
+        for i, key in enumerate(first):
+            ws._stager.stage(key, i, _fill(key), request="A")
+        assert ws.flush(NET_S)
+        worker.get_handshake_metadata()  # the scheduler knows every committed chunk
+        gone = ids[-1]
+        guard = guard_for(stores[gone])
+
+        def home(key: str) -> str:
+            return drives.home(key, ids) if n > 1 else ""
+
+        hung = next(k for k in _keys(40, "h") if home(k) == gone)
+        with stuck_catalog(stores[gone]) as disk:
+            ws._stager.stage(hung, 0, _fill(hung), request="H")  # its commit hangs
+            # Each engine step's save looks at the commits (memory only): once this one is
+            # past its bound (0.2 s here) the drive is out.
+            wait_until(lambda: (ws.save(SpoolConnectorMetadata()), guard.down)[1], 20,
+                       what="the drive taken out for its hung commit")
+            chunk = ws._copier.chunk_bytes
+
+            def item(key: str) -> ChunkRestore:
+                def fill(store: Store, manifest, buf) -> int:
+                    store.read(manifest, "kv", into=memoryview(buf.numpy()))
+                    return chunk
+
+                return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                    copy=lambda buf: None)
+
+            ws._pipeline.copy_in_reader = False
+            there = [k for k in first if home(k) == gone]
+            if n == 1:
+                assert ws._pipeline.run([item(first[0])]) == 0
+                assert ws._counters.total(m.LOAD_ERRORS, reason="disk_down") == 1
+            else:
+                report = worker.build_connector_worker_meta().reports[0]
+                assert there and set(report.removed) == {key_bytes(k) for k in there}
+                second = _keys(18, "v")
+                for i, key in enumerate(second):
+                    ws._stager.stage(key, i, _fill(key), request="B")
+                for drive, writer in ws._stager._writers.items():
+                    assert drive == gone or writer.flush(NET_S)
+                moved = [k for k in second if home(k) == gone]
+                assert moved and ws._counters.total(
+                    m.DRIVE_FAILOVER_STORES, drive=roots[-1]) == len(moved)
+                for key in moved:
+                    assert key in stores[drives.route(key, ids, set(ids[:-1]))].live_keys(
+                        "vllm", ns)
+                ok = next(k for k in first if home(k) != gone)
+                assert ws._pipeline.run([item(ok), item(there[0])]) == 1
+            disk.release()  # the commit ends; the probe brings the drive back
+            wait_until(lambda: not guard.down, NET_S, what="the probe")
+        assert ws.flush(NET_S)
+        assert hung in stores[gone].live_keys("vllm", ns)
+    finally:
+        worker.shutdown()
+
+
+def test_the_probe_keeps_a_drive_out_while_its_hung_commit_still_runs(tmp_path: Path) -> None:
+    """``DiskGuard.stuck``: out at once (one hung commit is enough: it holds its writer's
+    one thread), and kept out while the commit still runs although the drive's reads
+    answer (the probe asks first); back at the first probe after it ended."""
+    from waiting import wait_until
+
+    from spoolctl.connector.diskguard import DiskGuard
+
+    running, asked = [True], []
+
+    def still() -> bool:
+        asked.append(1)
+        return running[0]
+
+    with Store.open(Path(os.path.realpath(tmp_path)) / "rank-0000", create=True) as store:
+        guard = DiskGuard(store, probe_interval_s=0.02)
+        changes: list[bool] = []
+        guard.listen(changes.append)
+        try:
+            guard.stuck("commit", still)
+            assert guard.down and changes == [True]
+            wait_until(lambda: len(asked) >= 3, NET_S, what="three probes")
+            assert guard.down  # the reads answer, the commit does not
+            running[0] = False
+            wait_until(lambda: not guard.down, NET_S, what="the probe")
+            assert changes == [True, False]
+        finally:
+            guard.close()
+
+
+def test_a_drive_with_a_read_past_its_deadline_gets_no_new_reads(tmp_path: Path) -> None:
+    """Three drives, one whose reads hang: the restore waiting on it fails at its deadline
+    and the read stays stuck on that drive's pool. A later restore's chunk on that drive is
+    not queued behind it: it fails at once (``disk_slow``, never read), the chunks before
+    it restored; the other drives' chunks still restore; the third failure takes the drive
+    out (``disk_down`` after)."""
+    pytest.importorskip("torch")
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spoolctl.connector.diskguard import DiskGuard
+    from spoolctl.connector.kv.formats import ChunkRestore
+    from spoolctl.connector.stats import ConnectorCounters
+    from spoolctl.connector.worker_side.holdings import RankHoldings
+    from spoolctl.connector.worker_side.restore import Located, RestorePipeline
+
+    d = _Drives(tmp_path)
+    keys = _keys(24, "s")
+    for key in keys:
+        d.stores[d.home(key)].put(kind="vllm", namespace="ns", key=key,
+                                  objects={"kv": _payload(key, 4096)})
+    slow = d.ids[0]
+    on = {drive: [k for k in keys if d.home(k) == drive] for drive in d.ids}
+    assert all(len(v) >= 3 for v in on.values())
+    holdings = RankHoldings.for_drives(d.stores, d.up.__contains__, kind="vllm",
+                                       namespace="ns", rank=0, epoch=1)
+    holdings.rescan()
+    pools = {drive: ThreadPoolExecutor(4) for drive in d.ids}
+    guards = {drive: DiskGuard(store, probe_interval_s=3600)
+              for drive, store in d.stores.items()}
+    gate, read = threading.Event(), []
+
+    def locate(key: str) -> Located | None:
+        drive = holdings.locate(key)
+        return None if drive is None else Located(drive, d.stores[drive], guards[drive],
+                                                  pools[drive])
+
+    def item(key: str) -> ChunkRestore:
+        def fill(store: Store, manifest, buf) -> int:
+            read.append(key)
+            if d.home(key) == slow:
+                gate.wait()  # a read stuck in the kernel on a hung disk
+            store.read(manifest, "kv", into=memoryview(buf.numpy()))
+            return 4096
+
+        return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                            copy=lambda buf: None)
+
+    counters = ConnectorCounters()
+    with ThreadPoolExecutor(1) as unused:
+        pipe = RestorePipeline(next(iter(d.stores.values())), "ns", chunk_bytes=4096,
+                               pool=unused, counters=counters, on_lost=lambda *a: None,
+                               deadline_s=0.2, locate=locate)
+        try:
+            assert pipe.run([item(on[slow][0])], req_id="a") == 0
+            assert pipe.take_reason("a") == "deadline"
+            well = [k for k in keys if d.home(k) != slow]
+            prompt = [*well[:2], on[slow][1], *well[2:4]]
+            assert pipe.run([item(k) for k in prompt], req_id="b") == 2
+            assert pipe.take_reason("b") == "disk_slow"
+            assert on[slow][1] not in read  # never queued behind the stuck read
+            assert counters.total(m.LOAD_ERRORS, reason="disk_slow") == 1
+            assert pipe.run([item(k) for k in well]) is None  # the other drives serve
+            assert not guards[slow].down
+            assert pipe.run([item(on[slow][2])]) == 0  # the third failure in a row
+            assert guards[slow].down
+            assert pipe.run([item(on[slow][2])]) == 0
+            assert counters.total(m.LOAD_ERRORS, reason="disk_down") == 1  # out: no read
+        finally:
+            gate.set()
+            pipe.close()
+            for guard in guards.values():
+                guard.close()
+            for pool in pools.values():
+                pool.shutdown()
+            d.close()
+
+
+@pytest.mark.timeout(120)
+def test_every_local_store_of_every_rank_is_read_at_once(tmp_path: Path) -> None:
+    """Two same-host ranks, one on two drives, one on one: the lookup starts the three
+    catalog reads together, so it waits for the slowest store, never for the sum over
+    ranks and drives. Shown by reads that can only answer together (each waits at a
+    barrier of three within the deadline): read one after another, the first would miss
+    its deadline and its rank would count as holding nothing."""
+    import threading
+
+    from spoolctl.connector.deployment.topology import all_ranks
+    from spoolctl.connector.scheduler_side.lookup import RankLookup
+
+    d = _Drives(tmp_path, 2)
+    keys = _keys(4, "t")
+    other = Store.open(Path(os.path.realpath(tmp_path)) / "rank-0001", create=True)
+    lookup = RankLookup(all_ranks(2, 1), deadline_s=5, probe_interval_s=3600)
+    together = threading.Barrier(3)
+    stores = [*d.stores.values(), other]
+    try:
+        for i, key in enumerate(keys):
+            d.stores[d.ids[i % 2]].put(kind="vllm", namespace="ns", key=key,
+                                       objects={"kv": key.encode()})
+            other.put(kind="vllm", namespace="ns", key=key, objects={"kv": key.encode()})
+        lookup.read_locally(0, stores[0], "ns")
+        lookup.read_on_drives(0, [stores[1]])
+        lookup.read_locally(1, other, "ns")
+        for store in stores:  # each catalog read answers only once all three began
+            def live(ids, inner=store.live):
+                together.wait(timeout=30)
+                return inner(ids)
+
+            store.live = live
+        assert lookup.present(keys) == [True] * 4
+        assert not lookup.last_unserved
+    finally:
+        together.abort()
+        lookup.stop_reading_locally()
+        for store in stores:
+            store.__dict__.pop("live", None)
+        other.close()
+        d.close()
+
+
+def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drives(
+        tmp_path: Path, several) -> None:
+    """Per-drive gauges (decision 2770): ``spoolctl_drive_down{drive}`` is 0 for each
+    configured drive while its store serves and 1 once its guard takes it out (labelled
+    with its base root); the worker's store bytes and write-budget gauges are the sums over
+    its three drives' stores and ledgers, not the first drive's."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.deployment import write_budget as wb
+    from spoolctl.connector.diskguard import guard_for
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=3600, spoolctl_write_budget="1GiB")
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        ws = worker.worker
+        ids = [drives.read_drive_id(r) for r in roots]
+        stores = ws._holdings._stores
+        keys = _keys(18, "g")
+        for i, key in enumerate(keys):
+            ws._stager.stage(key, i, _fill(key), request="A")
+        assert ws.flush(NET_S)
+        chunk = ws._copier.chunk_bytes
+        assert all(stores[d].live_keys("vllm", ws._namespace) for d in ids)
+
+        def gauge(spec, **labels):
+            return ws._counters.totals().get(spec.name, {}).get(
+                ",".join(f"{k}={v}" for k, v in labels.items()))
+
+        def facts_summed() -> bool:
+            ws.take_stats()
+            return gauge(m.STORE_BYTES) == sum(stores[d].totals().bytes for d in ids)
+
+        wait_until(facts_summed, NET_S, what="the store bytes summed over the drives")
+        assert [gauge(m.DRIVE_DOWN, drive=r) for r in roots] == [0, 0, 0]
+        assert gauge(m.WRITE_BUDGET) == 3 * (1 << 30)
+        assert gauge(m.WRITE_BUDGET_USED) == len(keys) * chunk  # every drive's writes
+
+        guard = guard_for(stores[ids[1]])
+        for _ in range(3):
+            guard.failed("restore")
+        ws.take_stats()
+        assert [gauge(m.DRIVE_DOWN, drive=r) for r in roots] == [0, 1, 0]
+        ledgers = [wb.ledger_path(stores[d].root) for d in ids]
+    finally:
+        worker.shutdown()
+    # Shutdown closed every drive's ledger: the exact counts (not the slabs charged ahead).
+    assert sum(wb.read(path).used for path in ledgers) == len(keys) * chunk
+
+
+def test_a_drive_whose_mount_hangs_under_a_commit_is_taken_out_and_comes_back(
+        tmp_path: Path, several) -> None:
+    """The hung commit on a real hung mount (``tests/fusefs.py`` over one drive's
+    ``objects/``): the commit blocks in the kernel, the drive is taken out at the next step
+    past the bound, the other drives take its new chunks and still restore; released, the
+    commit ends and the probe brings the drive back."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from fusemount import Mounts
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=0.05, spoolctl_read_deadline=0.05)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    with Mounts(tmp_path / "fuse") as mounts:
+        worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+        try:
+            worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+            ws = worker.worker
+            ids = [drives.read_drive_id(r) for r in roots]
+            stores = ws._holdings._stores
+            first = _keys(18, "m")
+            for i, key in enumerate(first):
+                ws._stager.stage(key, i, _fill(key), request="A")
+            assert ws.flush(NET_S)
+            gone = ids[2]
+            guard = guard_for(stores[gone])
+            mount = mounts.over(Path(stores[gone].root) / "objects")
+            mount.hang()
+            hung = next(k for k in _keys(40, "n") if drives.home(k, ids) == gone)
+            ws._stager.stage(hung, 0, _fill(hung), request="H")
+            wait_until(lambda: (ws.save(SpoolConnectorMetadata()), guard.down)[1], 20,
+                       what="the drive taken out for its hung commit")
+            second = _keys(18, "o")
+            for i, key in enumerate(second):
+                ws._stager.stage(key, i, _fill(key), request="B")
+            for drive, writer in ws._stager._writers.items():
+                assert drive == gone or writer.flush(NET_S)
+            moved = [k for k in second if drives.home(k, ids) == gone]
+            assert moved and ws._counters.total(m.DRIVE_FAILOVER_STORES,
+                                                drive=roots[2]) == len(moved)
+            mount.release()
+            wait_until(lambda: not guard.down, NET_S, what="the probe")
+            assert ws.flush(NET_S)
+        finally:
+            worker.shutdown()
+
+
+def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
+        tmp_path: Path, several) -> None:
+    """The late read on a real hung mount (``tests/fusefs.py`` over one drive's
+    ``objects/``): a restore waiting on that drive fails at its deadline with its read
+    stuck in the kernel; the next restore's chunk there fails at once (``disk_slow``, never
+    submitted), the chunks before it restored from the other drives; released, the stuck
+    read ends and that drive serves again."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from fusemount import Mounts
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.kv.formats import ChunkRestore
+
+    roots = _dirs(tmp_path, 3)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=3600, spoolctl_read_deadline=0.2)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    with Mounts(tmp_path / "fuse") as mounts:
+        worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+        try:
+            worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+            ws = worker.worker
+            ids = [drives.read_drive_id(r) for r in roots]
+            stores = ws._holdings._stores
+            keys = _keys(24, "q")
+            for i, key in enumerate(keys):
+                ws._stager.stage(key, i, _fill(key), request="A")
+            assert ws.flush(NET_S)
+            slow = ids[0]
+            on_slow = [k for k in keys if drives.home(k, ids) == slow]
+            well = [k for k in keys if drives.home(k, ids) != slow]
+            chunk, copies = ws._copier.chunk_bytes, {}
+
+            def item(key: str) -> ChunkRestore:
+                def fill(store: Store, manifest, buf) -> int:
+                    store.read(manifest, "kv", into=memoryview(buf.numpy()))
+                    return chunk
+
+                return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
+                                    copy=lambda buf: copies.__setitem__(key,
+                                                                        bytes(buf.numpy())))
+
+            pipe = ws._pipeline
+            pipe.copy_in_reader = False
+            mount = mounts.over(Path(stores[slow].root) / "objects")
+            mount.hang()
+            assert pipe.run([item(on_slow[0])], req_id="a") == 0
+            assert pipe.take_reason("a") == "deadline"
+            assert pipe.run([item(k) for k in [*well[:3], on_slow[1], well[3]]],
+                            req_id="b") == 3
+            assert pipe.take_reason("b") == "disk_slow"
+            assert set(copies) == set(well[:3])
+            assert pipe.run([item(k) for k in well]) is None  # the other drives serve
+            mount.release()
+            wait_until(lambda: (pipe.pump(), not pipe._late)[1], NET_S,
+                       what="the stuck read")
+            copies.clear()
+            assert pipe.run([item(k) for k in on_slow[2:4]]) is None
+            assert copies == {k: _payload(k, chunk) for k in on_slow[2:4]}
+        finally:
+            worker.shutdown()

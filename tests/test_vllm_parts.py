@@ -418,8 +418,10 @@ def test_ranks_reasons_for_one_failed_restore_merge_to_the_most_telling():
     from spoolctl.connector.planning.messages import SpoolWorkerMeta, restore_failure
 
     assert [restore_failure(r) for r in ("deadline", "io_error", "disk_down", "absent",
-                                         "unknown", "payload_digest", "manifest_validation")] \
-        == ["disk_slow", "io_error", "disk_down", "absent", "unknown", "corrupt", "corrupt"]
+                                         "unknown", "payload_digest", "manifest_validation",
+                                         "disk_slow")] \
+        == ["disk_slow", "io_error", "disk_down", "absent", "unknown", "corrupt", "corrupt",
+            "disk_slow"]
     a = SpoolWorkerMeta(load_failures={"r": "disk_down", "s": "disk_slow"})
     b = SpoolWorkerMeta(load_failures={"r": "corrupt", "t": "io_error"})
     merged = a.aggregate(b)

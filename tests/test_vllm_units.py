@@ -384,12 +384,20 @@ def test_stats_aggregate_and_prometheus_export():
     w2.set_gauge(m.STORE_BYTES, 4096)  # across workers (ranks), the stores add up
     with pytest.raises(ValueError):
         w2.set_gauge(m.LOOKUPS, 1)
+    # A labelled gauge (several drives, decision 2770): per label set, summed over workers.
+    w1.set_gauge(m.DRIVE_DOWN, 1, drive="/nvme0/spool")
+    w1.set_gauge(m.DRIVE_DOWN, 0, drive="/nvme1/spool")
+    w2.set_gauge(m.DRIVE_DOWN, 1, drive="/nvme0/spool")
+    with pytest.raises(ValueError):
+        w2.set_gauge(m.DRIVE_DOWN, 1)  # its label is required
     s = SpoolStats(data=w1.take()).aggregate(SpoolStats(data=w2.take()))
     assert w1.take() == {}  # take() resets the interval
     reduced = s.reduce()
     assert reduced["spoolctl_lookups_total{reason=none,result=hit}"] == 2
     assert reduced["spoolctl_restore_seconds_count"] == 1
     assert reduced["spoolctl_store_bytes"] == 4196
+    assert reduced["spoolctl_drive_down{drive=/nvme0/spool}"] == 2
+    assert reduced["spoolctl_drive_down{drive=/nvme1/spool}"] == 0
     assert not s.is_empty() and SpoolStats().is_empty()
     assert merge({}, s.data) == s.data
 
@@ -410,6 +418,16 @@ def test_stats_aggregate_and_prometheus_export():
     assert 'spoolctl_stores_skipped_total{engine="0",reason="capacity"} 1.0' in text
     assert 'spoolctl_restore_seconds_count{engine="0"} 1.0' in text
     assert 'spoolctl_store_bytes{engine="0"} 4196.0' in text
+    assert 'spoolctl_drive_down{drive="/nvme0/spool",engine="0"} 2.0' in text
+    assert 'spoolctl_drive_down{drive="/nvme1/spool",engine="0"} 0.0' in text
+    # Workers send a gauge in different steps (when it changes): the export is the sum of
+    # every worker's last value, not of one step's payload.
+    w2.set_gauge(m.DRIVE_DOWN, 0, drive="/nvme0/spool")
+    w2.set_gauge(m.STORE_BYTES, 1000)
+    prom.observe(w2.take(), 0)
+    text = generate_latest(reg).decode()
+    assert 'spoolctl_drive_down{drive="/nvme0/spool",engine="0"} 1.0' in text
+    assert 'spoolctl_store_bytes{engine="0"} 1100.0' in text
 
     # Written, nothing restored yet: no ratio (not +Inf); from the first restore on, one.
     w1.inc(m.STORE_WRITE_BYTES, 3000)

@@ -23,6 +23,9 @@ same-process worker: ``guard_for``) is that policy:
   hang (decision 2720). A probe thread then reads the root marker, the catalog and one
   object past the page cache every ``probe_interval_s`` under 4x the deadline, and the
   first probe that answers in time brings the store back (logged).
+* ``stuck(kind, still)``: an operation that cannot fail a second time because it never
+  ends (a commit holding its writer's one thread past its bound, decision 2770) takes the
+  store out at once, and the probe does not bring it back while ``still()`` is True.
 
 An I/O error is not proof of corruption (a sector that fails today may read tomorrow, a
 mount may come back): it counts here as a failure, the chunk is a miss, nothing is
@@ -72,6 +75,7 @@ class DiskGuard:
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
         self._listeners: list[Callable[[bool], None]] = []
+        self._holds: list[Callable[[], bool]] = []  # ``stuck`` operations still running
         self.downs = 0  # times the store was taken out (diagnostics)
 
     def listen(self, on_change: Callable[[bool], None]) -> None:
@@ -117,6 +121,32 @@ class DiskGuard:
         log.warning("spoolctl: store disk not answering in time (%d %s reads late or failed "
                     "in a row); serving without it (cold prefill) and probing every %.0f s: %s",
                     self.failures_to_down, kind, self.probe_interval_s, self._root)
+
+    def stuck(self, kind: str, still: Callable[[], bool]) -> None:
+        """An operation of ``kind`` is past its bound and still running (a hung commit):
+        take the store out now, since the one thread it holds will never report a second
+        failure, and keep it out while ``still()`` is True (called by the probe, memory
+        only): the probe brings it back once the operation ended and the disk answers."""
+        with self._lock:
+            self._holds.append(still)
+            if self._down_since is not None:
+                return
+            self._down_since = time.monotonic()
+            self.downs += 1
+            self._start_probe()
+        self._tell(True)
+        log.warning("spoolctl: store disk not answering in time (a %s still running past "
+                    "its bound); serving without it (cold prefill) and probing every %.0f s: "
+                    "%s", kind, self.probe_interval_s, self._root)
+
+    def _held(self) -> bool:
+        """Some ``stuck`` operation is still running (those that ended are forgotten)."""
+        with self._lock:
+            holds = list(self._holds)
+        still = [h for h in holds if h()]
+        with self._lock:
+            self._holds = [h for h in self._holds if h not in holds or h in still]
+        return bool(still)
 
     def close(self) -> None:
         """Stop probing (the store is being closed)."""
@@ -202,12 +232,14 @@ class DiskGuard:
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.probe_interval_s):
+            if self._held():  # a hung commit still holds its writer: not back yet
+                continue
             store = self._store()
             if store is None:
                 return
             done, _ = self._run(partial(probe, store), self.deadline_s * 4)
             del store
-            if done:
+            if done and not self._held():
                 with self._lock:
                     since, self._down_since = self._down_since, None
                     self._failures.clear()

@@ -17,7 +17,11 @@ from spoolctl import metrics as m
 # Store gauges the worker also exports on vLLM's /metrics (refreshed in the background), and
 # the scheduler's count of rank stores it took out of service (``diskguard``).
 WORKER_GAUGES: tuple[m.MetricSpec, ...] = (m.STORE_BYTES, m.STORE_MAX_BYTES, m.QUARANTINED_BYTES,
-                                           m.DISK_DOWN, m.WRITE_BUDGET, m.WRITE_BUDGET_USED)
+                                           m.DISK_DOWN, m.WRITE_BUDGET, m.WRITE_BUDGET_USED,
+                                           m.DRIVE_DOWN)
+# A labelled gauge's value is kept per worker part *and* label set: "<part>|<label key>"
+# (a part is a rank number or empty, never holding "|").
+_PART_SEP = "|"
 _SPECS = {spec.name: spec for spec in (*m.CONNECTOR_METRICS, *WORKER_GAUGES)}
 
 
@@ -60,13 +64,21 @@ class ConnectorCounters:
             slot = self._totals.setdefault(spec.name + "_sum", {})
             slot[""] = slot.get("", 0) + float(value)
 
-    def set_gauge(self, spec: m.MetricSpec, value: float) -> None:
-        """Record the current value of an unlabelled gauge (sent with the next ``take``)."""
-        if spec.type != "gauge" or spec.labels:
-            raise ValueError(f"{spec.name} is not an unlabelled gauge")
+    def set_gauge(self, spec: m.MetricSpec, value: float, **labels: str) -> None:
+        """Record the current value of a gauge (sent with the next ``take``); a labelled
+        one (``spoolctl_drive_down{drive}``) per label set, summed over the workers at
+        export like the others (``gauge_values``)."""
+        if spec.type != "gauge":
+            raise ValueError(f"{spec.name} is not a gauge")
+        key = label_key(m.check_labels(spec, labels))
         with self._lock:
-            self._gauges[spec.name] = {self.part: float(value)}
-            self._totals[spec.name] = {"": float(value)}
+            if not spec.labels:
+                self._gauges[spec.name] = {self.part: float(value)}
+                self._totals[spec.name] = {"": float(value)}
+                return
+            self._gauges.setdefault(spec.name, {})[f"{self.part}{_PART_SEP}{key}"] = \
+                float(value)
+            self._totals.setdefault(spec.name, {})[key] = float(value)
 
     def take(self) -> dict[str, Any]:
         """The interval's data (and reset it); empty dict if nothing happened."""
@@ -100,7 +112,7 @@ def merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     for part in (a, b):
         for name, by_part in (part.get("gauges") or {}).items():
             # Per worker the later value wins; different workers are kept apart (summed
-            # at export by ``gauge_value``).
+            # at export by ``gauge_values``).
             out["gauges"].setdefault(name, {}).update(by_part)
         for name, slot in (part.get("counters") or {}).items():
             dst = out["counters"].setdefault(name, {})
@@ -111,9 +123,14 @@ def merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v}
 
 
-def gauge_value(by_part: Mapping[str, float]) -> float:
-    """A gauge's exported value: the sum over the workers that reported it."""
-    return float(sum(by_part.values()))
+def gauge_values(by_part: Mapping[str, float]) -> dict[str, float]:
+    """A gauge's exported values by label key ("" for an unlabelled gauge): each the sum
+    over the workers that reported it."""
+    out: dict[str, float] = {}
+    for part, value in by_part.items():
+        key = part.split(_PART_SEP, 1)[1] if _PART_SEP in part else ""
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
 
 
 def write_amplification(written: float, restored: float) -> float | None:

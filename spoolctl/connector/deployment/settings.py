@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spoolctl.errors import ConfigError
+from spoolctl.metrics import PATTERN_LABELS
 from spoolctl.store import MARKER, TagKey, parse_duration, parse_rate, parse_size
 
 from ..diskguard import (
@@ -70,6 +71,9 @@ from ..diskguard import (
     bounded,
 )
 from .topology import RankPlace, rank_root
+
+# What a drive's base root must look like to label ``spoolctl_drive_*{drive}``.
+DRIVE_LABEL = PATTERN_LABELS["drive"]
 
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_STAGING_BYTES = 512 << 20
@@ -338,6 +342,14 @@ def _roots(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[tuple[str,
             raise ConfigError(f"{given} names one root twice ({seen[norm]} and {root})",
                               path=root, fix="name each drive's base root once")
         seen[norm] = root
+        if len(roots) > 1 and not DRIVE_LABEL.fullmatch(root):
+            # Its base root labels the per-drive metrics (decision 2770), as the CLI's
+            # `metrics --root` requires: a label outside the vocabulary would be refused at
+            # the first failover, on the engine's thread.
+            raise ConfigError(f"{given} has a root that cannot label the per-drive metrics "
+                              f"({root!r})", path=where,
+                              fix="give each drive's base root as a path of printable ASCII "
+                                  "characters (an ASCII-named symlink to it works)")
     return tuple(roots), given
 
 

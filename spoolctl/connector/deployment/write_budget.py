@@ -18,7 +18,11 @@ bounds the KV bytes one rank store commits per UTC day; decision 2710.
 * **Tightened admission.** The scheduler reads the ledgers of the rank stores on its host
   (``read``, off its thread) and stores a chunk only on a later sighting as the budget
   runs low (``effective_after``), and on none once it is spent: the writes the budget
-  still allows go to chunks seen more often.
+  still allows go to chunks seen more often. A rank on several drives has a ledger per
+  drive: its share left is the sum of their bytes left against the sum of their budgets
+  (a chunk is written to one drive, so the drives' budgets add up; a spent drive's own
+  writer skips the chunks routed to it), and the tightest rank decides (a chunk is
+  useful only when every rank stores it); decision 2770.
 
 Reads are never limited: a spent budget only stops writes, every chunk stored still hits.
 """
@@ -31,7 +35,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,32 +215,43 @@ class WriteLedger:
             return False
 
 
+def pooled_left_share(states: Sequence[LedgerState], now: float) -> float:
+    """The share of today's budget left over one rank's drives: their bytes left today
+    against their budgets, summed (0.0 when none has a budget)."""
+    budget = sum(s.budget for s in states)
+    left = sum(max(0, s.budget - s.used_today(now)) for s in states)
+    return left / budget if budget > 0 else 0.0
+
+
 class BudgetWatch:
     """The scheduler's view of the ledgers of the rank stores on its host: the smallest
-    share of the day's budget left (``left_share``). The files are read on a daemon thread
+    share of the day's budget left over the ranks (``left_share``), each rank's share
+    pooled over its drives (``pooled_left_share``). ``paths()`` lists, per rank, its
+    ledger path or the paths of its drives' ledgers. The files are read on a daemon thread
     at most every ``interval`` seconds, one read at a time, so a slow disk delays the view,
     never a scheduler step; until the first read the budget counts as untouched (the
-    workers still enforce it)."""
+    workers still enforce it). A drive whose ledger is missing (nothing written there yet)
+    or unreadable is left out of its rank's sum."""
 
-    def __init__(self, paths: Callable[[], list[Path]], *, interval: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic,
+    def __init__(self, paths: Callable[[], Sequence[Path | Sequence[Path]]], *,
+                 interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time):
         self._paths = paths
         self._interval = interval
         self._clock, self._wall = clock, wall
         self._read_at = float("-inf")
         self._busy = threading.Lock()
-        self._states: list[LedgerState] = []
+        self._states: list[list[LedgerState]] = []  # per rank with a ledger: its drives'
 
     def left_share(self) -> float:
-        """The smallest share of today's budget left over the ledgers read last (1.0 when
+        """The smallest share of today's budget left over the ranks read last (1.0 when
         none was read yet); starts a new read when one is due."""
         now = self._clock()
         if now - self._read_at >= self._interval and self._busy.acquire(blocking=False):
             self._read_at = now
             threading.Thread(target=self._read, name="spoolctl-budget", daemon=True).start()
         wall = self._wall()
-        return min((s.left_share(wall) for s in self._states), default=1.0)
+        return min((pooled_left_share(rank, wall) for rank in self._states), default=1.0)
 
     def refresh(self) -> None:
         """Read the ledgers now, on the caller's thread (tests, start-up)."""
@@ -251,14 +266,18 @@ class BudgetWatch:
 
     def _read_states(self) -> None:
         states = []
-        for path in self._paths():
-            try:
-                state = read(path)
-            except LedgerError as exc:
-                log.debug("spoolctl: %s", exc)
-                continue  # the worker treats it as spent and says so
-            except OSError:
-                continue
-            if state is not None:
-                states.append(state)
+        for paths in self._paths():
+            rank = []
+            for path in [paths] if isinstance(paths, Path) else paths:
+                try:
+                    state = read(path)
+                except LedgerError as exc:
+                    log.debug("spoolctl: %s", exc)
+                    continue  # the worker treats it as spent and says so
+                except OSError:
+                    continue
+                if state is not None:
+                    rank.append(state)
+            if rank:
+                states.append(rank)
         self._states = states

@@ -89,7 +89,8 @@ class SpoolHandshake(KVConnectorHandshakeMetadata):
 # A failed restore's ``load_errors_total`` reason -> the ``lookups_total{result="miss"}``
 # reason of the request's next lookup. Unlisted reasons are the store's quarantine reasons
 # (a digest, a tag, a manifest that does not fit): ``corrupt``.
-_FAILURE_REASONS = {"deadline": "disk_slow", "io_error": "io_error", "disk_down": "disk_down",
+_FAILURE_REASONS = {"deadline": "disk_slow", "disk_slow": "disk_slow", "io_error": "io_error",
+                    "disk_down": "disk_down",
                     "absent": "absent", "unknown": "unknown"}
 # When ranks disagree about one request the scheduler counts the most telling reason.
 _FAILURE_RANK = ("corrupt", "io_error", "disk_slow", "disk_down", "absent", "unknown")

@@ -39,6 +39,7 @@ from spoolctl.errors import SpoolError
 from spoolctl.store import entry_id_for
 
 from ..deployment.host_budget import RankSite, shares
+from ..deployment.topology import rank_root
 from ..deployment.write_budget import BudgetWatch, effective_after, ledger_path
 from ..planning.admission import Admission
 from ..planning.events import ChunkHashes, EventLedger, HashBook, chunk_hashes
@@ -80,12 +81,12 @@ class Coordinator:
         budgeted = getattr(settings, "write_budget", None) is not None
         self._admission = Admission(settings.admit_after, window_s=settings.admit_window,
                                     track=budgeted)
-        # Every rank's ledger path under this host's root: the ranks on this host have
-        # theirs there (from their first write), the others none (their workers still
-        # enforce the budget).
+        # Every rank's ledger paths under this host's roots, one per drive: the ranks on
+        # this host have theirs there (from their first write), the others none (their
+        # workers still enforce the budget).
         self.budget_watch = BudgetWatch(
-            lambda: [ledger_path(deployment.rank_root(p)) for p in ranks.places],
-            clock=clock) if budgeted else None
+            lambda: [[ledger_path(root) for root in self._rank_roots(p)]
+                     for p in ranks.places], clock=clock) if budgeted else None
         self._budget: int | None = settings.host_max_bytes
         self._sites: dict[int, RankSite] = {}
         self._shares: dict[int, int] = {}
@@ -105,6 +106,13 @@ class Coordinator:
                             "hashes blocks differently in every process: the spool tier "
                             "announces chunks stored by this process only (set "
                             "PYTHONHASHSEED, or use sha256)", deployment.hash_algo)
+
+    def _rank_roots(self, place: Any) -> list[str]:
+        """The rank store roots of ``place`` under this host's roots, one per drive."""
+        roots = getattr(self._dep.settings, "roots", ())
+        if len(roots) <= 1:
+            return [self._dep.rank_root(place)]
+        return [rank_root(base, self._dep.chain_namespace, place) for base in roots]
 
     # -- inputs ---------------------------------------------------------------------------------
 

@@ -12,10 +12,11 @@
   it (``holdings``), so no request is planned against a chunk a rank evicted. A catalog
   read has a deadline (``diskguard``): a store late or taken out counts as holding
   nothing, and the request is a miss (``last_unserved``), never a wait on the disk.
-  A rank on several drives (decision 2714 item 5) is read on every drive at once, each
-  within the deadline, and holds a key when one of its drives that answered does; a drive
-  its worker took into its set later is read from when the scheduler opened it
-  (``add_drive``, decision 2750).
+  A rank on several drives (decision 2714 item 5) holds a key when one of its drives that
+  answered does; a drive its worker took into its set later is read from when the
+  scheduler opened it (``add_drive``, decision 2750). Every local store (every drive of
+  every same-host rank) is read at once, each within the deadline, so a lookup waits for
+  the slowest store, never for their sum (decision 2770).
 
 No vLLM import: vLLM's request objects are read by attribute.
 """
@@ -120,8 +121,9 @@ class RankLookup:
         self._places = list(places)
         self._local: dict[int, tuple[Store, str]] = {}  # rank -> (its store, its namespace)
         self._guards: dict[int, DiskGuard] = {}  # rank -> its store's deadlines and health
-        # Ranks on several drives: rank -> its other drives' (store, guard), read together
-        # with the first on ``_readers`` (each read returns within its guard's deadline).
+        # Ranks on several drives: rank -> its other drives' (store, guard). With more than
+        # one local store, every store is read at once on ``_readers`` (each read returns
+        # within its guard's deadline).
         self._more: dict[int, list[tuple[Store, DiskGuard]]] = {}
         self._readers: ThreadPoolExecutor | None = None
         self._readers_width = 0
@@ -135,41 +137,42 @@ class RankLookup:
         """Which of ``keys`` *every* rank holds (committed, retained): the quorum."""
         raw = [key_bytes(k) for k in keys]
         self.last_unserved = False
+        local = self._read_local(keys)
 
         def per_rank():
             for place in self._places:
-                local = self._local.get(place.rank)
-                if local is None:
-                    yield self._view.has(place.rank, raw)
-                    continue
-                store, ns = local
-                ids = [entry_id_for(KIND, ns, k) for k in keys]
-                if place.rank in self._more:
-                    yield self._present_on_drives(place.rank, store, ids)
-                    continue
-                served, live = self._guards[place.rank].call(partial(store.live, ids))
-                if not served:
-                    self.last_unserved = True
-                    yield [False] * len(keys)
-                    continue
-                yield [i in live for i in ids]
+                held = local.get(place.rank)
+                yield self._view.has(place.rank, raw) if held is None else held
 
         return quorum(per_rank(), len(keys))
 
-    def _present_on_drives(self, rank: int, store: Store, ids: list[str]) -> list[bool]:
-        """A rank on several drives: every drive's ``live(ids)`` at once, each within its
-        guard's deadline (so the lookup waits for the slowest drive, not their sum); a key
-        counts when a drive that answered holds it (a late or down drive holds nothing)."""
-        drives = [(store, self._guards[rank]), *self._more[rank]]
-        assert self._readers is not None
-        calls = [self._readers.submit(guard.call, partial(s.live, ids)) for s, guard in drives]
-        held = [False] * len(ids)
-        for call in calls:
-            served, live = call.result()
+    def _read_local(self, keys: list[str]) -> dict[int, list[bool]]:
+        """Per local rank, which of ``keys`` one of its stores that answered holds (a late
+        or down store holds nothing: ``last_unserved``). Every store's ``live(ids)`` is
+        started at once, each within its guard's deadline, so the whole read takes the
+        slowest store's time, not the sum over ranks and drives (decision 2770); one
+        store alone is read on the caller's thread."""
+        reads: list[tuple[int, list[str], Store, DiskGuard]] = []
+        for rank, (store, ns) in self._local.items():
+            ids = [entry_id_for(KIND, ns, k) for k in keys]
+            reads += [(rank, ids, s, g)
+                      for s, g in [(store, self._guards[rank]), *self._more.get(rank, ())]]
+        if not reads:
+            return {}
+        if len(reads) == 1:
+            rank, ids, store, guard = reads[0]
+            answers = [guard.call(partial(store.live, ids))]
+        else:
+            assert self._readers is not None
+            calls = [self._readers.submit(guard.call, partial(store.live, ids))
+                     for _, ids, store, guard in reads]
+            answers = [call.result() for call in calls]
+        held: dict[int, list[bool]] = {r: [False] * len(keys) for r in self._local}
+        for (rank, ids, _, _), (served, live) in zip(reads, answers, strict=True):
             if not served:
                 self.last_unserved = True
                 continue
-            held = [h or i in live for h, i in zip(held, ids, strict=True)]
+            held[rank] = [h or i in live for h, i in zip(held[rank], ids, strict=True)]
         return held
 
     def touch(self, keys: Iterable[str]) -> None:
@@ -197,6 +200,7 @@ class RankLookup:
         before = self._local.get(rank)
         self._local[rank] = (store, namespace)
         self._guards[rank] = guard_for(store, **self._guard_settings)
+        self._widen()
         return before[0] if before is not None else None
 
     def read_on_drives(self, rank: int, more: Sequence[Store]) -> list[Store]:
@@ -206,12 +210,7 @@ class RankLookup:
         earlier = [s for s, _ in self._more.pop(rank, [])]
         if more:
             self._more[rank] = [(s, guard_for(s, **self._guard_settings)) for s in more]
-            width = sum(len(d) + 1 for d in self._more.values())
-            if self._readers is None or self._readers_width < width:
-                old, self._readers_width = self._readers, width
-                self._readers = ThreadPoolExecutor(width, thread_name_prefix="spoolctl-lookup")
-                if old is not None:
-                    old.shutdown(wait=False)
+            self._widen()
         return earlier
 
     def stores_of(self, rank: int) -> list[Store]:
@@ -230,6 +229,16 @@ class RankLookup:
         self.read_on_drives(rank, [*self.stores_of(rank)[1:], store])  # same guards
         return True
 
+    def _widen(self) -> None:
+        """A reader thread for every local store when there is more than one (``present``
+        reads them all at once)."""
+        width = len(self._local) + sum(len(d) for d in self._more.values())
+        if width > 1 and (self._readers is None or self._readers_width < width):
+            old, self._readers_width = self._readers, width
+            self._readers = ThreadPoolExecutor(width, thread_name_prefix="spoolctl-lookup")
+            if old is not None:
+                old.shutdown(wait=False)
+
     def stop_reading_locally(self) -> list[Store]:
         """Forget every local store (their ranks' chunks are then known from reports
         only); returns them."""
@@ -239,7 +248,7 @@ class RankLookup:
         self._more.clear()
         if self._readers is not None:
             self._readers.shutdown(wait=False)  # every read on it ends within its deadline
-            self._readers = None
+            self._readers, self._readers_width = None, 0
         return stores
 
     def apply(self, reports: Iterable[InventoryReport]) -> list[int]:

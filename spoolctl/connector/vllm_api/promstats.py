@@ -22,7 +22,7 @@ from spoolctl import metrics as m
 
 from ..stats import (
     WORKER_GAUGES,
-    gauge_value,
+    gauge_values,
     known,
     merge,
     parse_label_key,
@@ -48,7 +48,8 @@ class SpoolStats(KVConnectorStats):
             for key, value in slot.items():
                 out[f"{name}{{{key}}}" if key else name] = value
         for name, by_part in (self.data.get("gauges") or {}).items():
-            out[name] = gauge_value(by_part)
+            for key, value in gauge_values(by_part).items():
+                out[f"{name}{{{key}}}" if key else name] = value
         for name, values in (self.data.get("hist") or {}).items():
             out[f"{name}_count"] = len(values)
             out[f"{name}_sum"] = round(sum(values), 6)
@@ -77,9 +78,14 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
             self._defs[spec.name] = metric
         for spec in (*WORKER_GAUGES, m.WRITE_AMPLIFICATION):
             self._defs[spec.name] = self._gauge_cls(
-                name=spec.name, documentation=spec.help, labelnames=list(self._labelnames),
+                name=spec.name, documentation=spec.help,
+                labelnames=list(self._labelnames) + list(spec.labels),
                 multiprocess_mode="mostrecent")
         self._io: dict[int, list[float]] = {}  # engine -> [bytes written, bytes restored]
+        # (engine, gauge) -> each worker part's (and label set's) last value: workers send a
+        # gauge in different steps (when it changes, when a refresh lands), so the sum over
+        # the workers is taken over every part's last value, not one step's payload.
+        self._gauge_parts: dict[tuple[int, str], dict[str, float]] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = list(self.per_engine_labelvalues[engine_idx])
@@ -92,9 +98,14 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
                 metric.labels(*engine_labels, *(labels[n] for n in spec.labels)).inc(value)
         self._amplification(transfer_stats_data, engine_idx, engine_labels)
         for name, by_part in (transfer_stats_data.get("gauges") or {}).items():
-            metric = self._defs.get(name)
-            if metric is not None:
-                metric.labels(*engine_labels).set(gauge_value(by_part))
+            spec, metric = known(name), self._defs.get(name)
+            if spec is None or metric is None:
+                continue
+            parts = self._gauge_parts.setdefault((engine_idx, name), {})
+            parts.update(by_part)
+            for key, value in gauge_values(parts).items():
+                labels = m.check_labels(spec, parse_label_key(key))
+                metric.labels(*engine_labels, *(labels[n] for n in spec.labels)).set(value)
         for name, values in (transfer_stats_data.get("hist") or {}).items():
             metric = self._defs.get(name)
             if metric is None:

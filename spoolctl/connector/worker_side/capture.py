@@ -165,6 +165,7 @@ class ChunkStager:
                                        put_many=put_many, ledger=ledger)}
         self._writers = dict(writers)
         self._route, self._labels = route, dict(labels or {})
+        self._hung_told: dict[str, float] = {}  # drive -> the hung commit already told
         # request -> index of its first chunk not stored (see the module docstring)
         self._gaps: OrderedDict[str, int] = OrderedDict()
 
@@ -265,6 +266,19 @@ class ChunkStager:
         self._gaps.move_to_end(request)
         while len(self._gaps) > GAP_MEMORY:
             self._gaps.popitem(last=False)
+
+    def hung_commits(self, read_deadline_s: float) -> list[tuple[str, Callable[[], bool]]]:
+        """The writers whose commit running now is past its bound (``commit_bound``), each
+        once per commit: ``(drive, still)`` (drive "" for one store), ``still()`` True
+        while that same commit is running. Memory only (the engine thread, every step)."""
+        hung = []
+        for drive, writer in self._writers.items():
+            since = writer.commit_overdue(read_deadline_s)
+            if since is None or self._hung_told.get(drive) == since:
+                continue
+            self._hung_told[drive] = since
+            hung.append((drive, lambda w=writer, t=since: w.committing_since() == t))
+        return hung
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued commits (every drive's, within the one bound); False on timeout."""

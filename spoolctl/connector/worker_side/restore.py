@@ -51,6 +51,13 @@ anything else ``unknown``. A chunk that is gone or bad is also reported lost
 its caller (``take_reason``), which carries it to the scheduler (decision 2740). Nothing
 here raises into vLLM.
 
+On several drives, a drive with a read still running past the deadline is slow (decision
+2770): a new read for it is not queued behind the late one on its pool but fails at once
+(``disk_slow``, counted against the drive's guard, so a hung drive is taken out within
+three reads), the chunks before it restored; the other drives' reads go on. (One store
+keeps decision 2720's behaviour: each restore waits out its own deadline until the third
+takes the store out.)
+
 Several drives (decision 2714): with ``locate``, each chunk is read from the drive
 ``locate(key)`` names (its store, guard and read pool), looked up when its read is
 submitted (memory only); a chunk no up drive holds is ``absent`` and one whose drive is
@@ -150,6 +157,13 @@ class _Restore:
                                    or self.copied == len(self.items))
 
 
+def _failed(reason: str) -> Future:
+    """A read that failed before it began (``reason``: a ``load_errors_total`` label)."""
+    done: Future = Future()
+    done.set_result((None, reason, 0))
+    return done
+
+
 def copy_into_kv(item: ChunkRestore, buf: torch.Tensor) -> CopyHandle | None:
     """Copy one verified chunk buffer into its KV blocks (the blocks belong to a request
     vLLM does not run until its restore is reported; on the engine thread at a safe point,
@@ -182,6 +196,11 @@ class RestorePipeline:
         self.deadline_s = deadline_s
         self._guard = guard
         self._late: list[Future] = []  # reads of failed or cancelled restores, still running
+        # Several drives: every read submitted and not yet seen done -> its pool (a drive)
+        # and when it began on a thread of that pool ([None] while queued; ``_slow``).
+        self._sent: dict[Future, tuple[int, list[float | None]]] = {}
+        # Reads a restore gave up on at its deadline, still running -> their pool (``_slow``).
+        self._overdue: dict[Future, int] = {}
         self._namespace = namespace
         self._pool = pool
         self._counters = counters
@@ -315,6 +334,8 @@ class RestorePipeline:
                 r.failed_at, r.reason = r.copied, "deadline"
                 if guard is not None:
                     guard.failed("restore")
+                if where is not None and r.reads and not r.reads[0].done():
+                    self._overdue[r.reads[0]] = id(where.pool)  # its drive is slow now
             if r.failed_at is not None or r.cancelled:
                 r.close()  # before it is reported: no reader copies into its blocks now
                 if r.reads:
@@ -350,6 +371,9 @@ class RestorePipeline:
         self._bufs.put(buf, after=handle)
 
     def _submit(self) -> None:
+        if self._sent:
+            self._sent = {f: v for f, v in self._sent.items() if not f.done()}
+            self._overdue = {f: p for f, p in self._overdue.items() if not f.done()}
         for r in self._active:  # first come, first served
             while r.wants_reads and self._in_flight < self.slots:
                 item = r.items[r.submitted]
@@ -362,6 +386,35 @@ class RestorePipeline:
             if self._in_flight >= self.slots:
                 return
 
+    def _slow(self, pool: Executor) -> bool:
+        """A read on ``pool`` (one drive's) is late: a restore gave up on it at its
+        deadline, or it has been running longer than the deadline (begun on a thread:
+        reads queued behind others on a busy drive do not count by themselves)."""
+        if any(p == id(pool) and not f.done() for f, p in self._overdue.items()):
+            return True
+        late = time.monotonic() - self.deadline_s
+        return any(p == id(pool) and began[0] is not None and began[0] < late
+                   and not f.done() for f, (p, began) in self._sent.items())
+
+    def _send(self, pool: Executor, guard: DiskGuard | None, read: Callable[..., ReadResult],
+              *args: object) -> Future:
+        """Submit ``read(*args)`` to ``pool``, or fail it at once (``disk_slow``, counted
+        against the drive's ``guard``) while a read on that pool is past the deadline: it
+        would only queue behind the late one (see the module docstring)."""
+        if self._slow(pool):
+            if guard is not None:
+                guard.failed("restore")
+            return _failed("disk_slow")
+        began: list[float | None] = [None]
+
+        def timed() -> ReadResult:
+            began[0] = time.monotonic()
+            return read(*args)
+
+        fut = pool.submit(timed)
+        self._sent[fut] = (id(pool), began)
+        return fut
+
     def _read_located(self, r: _Restore, index: int, item: ChunkRestore) -> Future:
         """Several drives: submit ``item``'s read on the pool of the drive ``locate`` names;
         a chunk no up drive holds (``absent``) or whose drive is down (``disk_down``) fails
@@ -372,12 +425,10 @@ class RestorePipeline:
         if reason is None and where is not None:
             r.where[index] = where
             try:
-                return where.pool.submit(self.read, item, r, where)
+                return self._send(where.pool, where.guard, self.read, item, r, where)
             except RuntimeError:  # that drive's pool shut down (worker shutdown)
                 reason = "unknown"
-        done: Future = Future()
-        done.set_result((None, reason, 0))
-        return done
+        return _failed(reason or "unknown")
 
     def _take_ended(self) -> list[tuple[str, int | None]]:
         ended, still = [], []

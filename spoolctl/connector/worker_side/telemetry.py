@@ -7,13 +7,18 @@ and quarantine bytes (refreshed off the engine loop every ``GAUGE_REFRESH_S``, a
 keeps exporting is the one after its last change: vLLM collects only in engine steps, and an
 idle engine steps only for a short tail after its last activity, decision 1501) and
 the progress of its background threads: entries ``RankHoldings`` evicted and the
-maintainer's scrub, eviction, authorization and error counts (``collect``).
+maintainer's scrub, eviction, authorization and error counts (``collect``). On several
+drives the store gauges and the write-budget gauges are the sums over the rank's stores
+(each drive's facts read on its own pool, a drive out of service keeping its last ones;
+decision 2770).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -52,6 +57,9 @@ class WorkerTelemetry:
         self._maint_last: dict[str, Any] = {}
         self._gauges_at = float("-inf")
         self._changes_seen: float | None = None
+        # Each store's last facts (gauge name -> value), summed into the gauges.
+        self._facts: dict[int, dict[str, float]] = {}
+        self._facts_lock = threading.Lock()
 
     def collect(self, holdings: Any, maintainer: Any) -> None:
         """Fold ``holdings``' evictions and the ``maintainer``'s progress since the last
@@ -76,32 +84,45 @@ class WorkerTelemetry:
                 if delta > 0 and value in m.LABEL_VALUES[label]:
                     self._counters.inc(spec, delta, **{label: value})
 
-    def budget(self, state: Any) -> None:
+    def budget(self, state: Any | Sequence[Any]) -> None:
         """Export the day's write budget and the bytes counted against it (a
-        ``write_budget.LedgerState``; cheap, in memory)."""
-        self._counters.set_gauge(m.WRITE_BUDGET, state.budget)
-        self._counters.set_gauge(m.WRITE_BUDGET_USED, state.used_today(time.time()))
+        ``write_budget.LedgerState``, or one per drive: their sums; cheap, in memory)."""
+        states = [state] if not isinstance(state, Sequence) else list(state)
+        now = time.time()
+        self._counters.set_gauge(m.WRITE_BUDGET, sum(s.budget for s in states))
+        self._counters.set_gauge(m.WRITE_BUDGET_USED, sum(s.used_today(now) for s in states))
 
-    def refresh_gauges(self, store: Store, pool: Executor | None) -> None:
+    def refresh_gauges(self, store: Store | Sequence[tuple[Store, Executor | None]],
+                       pool: Executor | None = None) -> None:
         """Recompute the store's disk and quarantine bytes on ``pool`` (never on the engine
         loop) every ``GAUGE_REFRESH_S``, or ``CHANGED_REFRESH_S`` after the last refresh when
-        the store changed since; nothing without a pool."""
+        the store changed since; nothing without a pool. Several drives: ``store`` lists
+        ``(store, its pool)`` for the drives to read now, and the gauges are the sums over
+        every store read so far (a drive left out keeps its last facts)."""
+        stores = [(store, pool)] if isinstance(store, Store) else list(store)
         now = self._clock()
         changes = sum(self._counters.total(spec) for spec in _CHANGES)
         since = now - self._gauges_at
-        if pool is None or not (since >= GAUGE_REFRESH_S or (
+        if not any(p is not None for _, p in stores) or not (since >= GAUGE_REFRESH_S or (
                 changes != self._changes_seen and since >= CHANGED_REFRESH_S)):
             return
         self._gauges_at, self._changes_seen = now, changes
-        counters = self._counters
+        for one, on in stores:
+            if on is not None:
+                on.submit(self._refresh, one)
 
-        def refresh() -> None:
-            try:
-                # the same snapshot `spoolctl status` and `metrics` read (one set of facts)
-                for sample in m.store_gauges(store.facts()):
-                    if sample.spec in _STORE_GAUGES:
-                        counters.set_gauge(sample.spec, sample.value)
-            except Exception as exc:  # metrics are best effort
-                log.debug("spoolctl: gauge refresh failed: %s", exc)
-
-        pool.submit(refresh)
+    def _refresh(self, store: Store) -> None:
+        """On a pool thread: ``store``'s facts, then the gauges summed over the stores."""
+        try:
+            # the same snapshot `spoolctl status` and `metrics` read (one set of facts)
+            facts = {sample.spec.name: sample.value for sample in m.store_gauges(store.facts())
+                     if sample.spec in _STORE_GAUGES}
+        except Exception as exc:  # metrics are best effort
+            log.debug("spoolctl: gauge refresh failed: %s", exc)
+            return
+        with self._facts_lock:
+            self._facts[id(store)] = facts
+            for spec in _STORE_GAUGES:
+                values = [f[spec.name] for f in self._facts.values() if spec.name in f]
+                if values:
+                    self._counters.set_gauge(spec, sum(values))

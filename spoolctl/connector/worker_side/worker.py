@@ -110,6 +110,8 @@ class WorkerSide:
         self._telemetry = WorkerTelemetry(counters)
         self._guard: DiskGuard | None = None
         self._ledger: WriteLedger | None = None
+        self._drive_parts: list[_Parts] = []  # several drives: each drive's parts
+        self._drive_down: dict[str, float] = {}  # spoolctl_drive_down{drive} last sent
         # A store that opens after start (a disk hung or missing then, decision 2714):
         # its parts are built on the opening thread and taken into use by the engine
         # thread at its next hook (``_adopt_ready``).
@@ -126,7 +128,6 @@ class WorkerSide:
         self._built: set[str] = set()
         self._joining: list[tuple[DriveSlot, _Parts]] = []
         self._join: Callable[[DriveSlot, _Parts], None] | None = None
-        self._drive_parts: list[_Parts] = []
         self._drives_changed = False
         settings = deployment.settings
         self._store: Store | None = None
@@ -558,6 +559,7 @@ class WorkerSide:
         """Capture the step's planned chunks (after the forward) and queue their commits."""
         if self._stager is None:
             return
+        self._hung_commits()
         # Each chunk's request, so that a chunk not stored ends its request's stores
         # (``ChunkStager.stage``: chunks past a gap are unreachable by any restore).
         requests = {op.key: op.req_id for op in (*meta.stores, *meta.group_stores)}
@@ -572,6 +574,24 @@ class WorkerSide:
             self._stager.stage(key, index, fill, index_doc=hashes.to_index(meta.hash_identity)
                                if hashes is not None and meta.hash_identity else None,
                                request=requests.get(key))
+
+    def _hung_commits(self) -> None:
+        """A commit past its bound (``writer.commit_bound``) takes its drive out at once
+        (``DiskGuard.stuck``, decision 2770): its new chunks go to the runner-ups (one
+        store: skipped ``disk_down``), lookups and restores skip it, and the probe brings
+        it back once the commit ended and the disk answers. Memory only, every step."""
+        assert self._stager is not None
+        for drive, still in self._stager.hung_commits(self._dep.settings.read_deadline):
+            guard = self._guard_of(drive)
+            if guard is not None:
+                guard.stuck("commit", still)
+
+    def _guard_of(self, drive: str) -> DiskGuard | None:
+        """The ``DiskGuard`` of drive ``drive`` ("": the one store's)."""
+        if not drive:
+            return self._guard
+        slot = next((s for s in self._drives.opened() if s.drive_id == drive), None)
+        return guard_for(slot.store) if slot is not None and slot.store is not None else None
 
     def step_report(self) -> SpoolWorkerMeta | None:
         """This step's inventory changes and why the restores reported failed this step
@@ -609,12 +629,44 @@ class WorkerSide:
         if pending or self._pending_shown:
             self._counters.set_gauge(m.DISK_DOWN, pending)
             self._pending_shown = pending > 0
-        if self._store is not None:
+        if self._drive_parts:  # several drives: sums over the drives (decision 2770)
+            self._telemetry.refresh_gauges([(one.store, one.pool) for one in self._drive_parts
+                                            if one.store is not None and not
+                                            (one.guard is not None and one.guard.down)])
+            ledgers = [one.ledger.state() for one in self._drive_parts
+                       if one.ledger is not None]
+            if ledgers:
+                self._telemetry.budget(ledgers)
+        elif self._store is not None:
             self._telemetry.refresh_gauges(self._store, self._pool)
         if self._ledger is not None:
             self._telemetry.budget(self._ledger.state())
+        self._drive_gauges()
         self._telemetry.collect(self._holdings, self._maintainer)
         return self._counters.take()
+
+    def _drive_gauges(self) -> None:
+        """``spoolctl_drive_down{drive}`` per configured drive (its base root): 1 while
+        this rank's store there is out of service (its guard took it out, it has not
+        opened, or it has not joined the set yet, decision 2750), else 0; sent when it
+        changes (the exported gauge keeps its value)."""
+        if not self._enabled or not self._bound:
+            return
+        used = self._holdings.drive_ids() if self._drives.several and \
+            self._holdings is not None else None
+        for slot in self._drives.slots:
+            if slot.store is None or (used is not None and slot.drive_id not in used):
+                down = 1.0
+            else:
+                guard = self._guard_of(slot.drive_id) if self._drives.several else \
+                    self._guard
+                down = 1.0 if guard is None or guard.down else 0.0
+            if self._drive_down.get(slot.base) == down:
+                continue
+            self._drive_down[slot.base] = down
+            # a root no label can carry (not printable ASCII): no series for it
+            with contextlib.suppress(ValueError):
+                self._counters.set_gauge(m.DRIVE_DOWN, down, drive=slot.base)
 
     def _lost(self, key: str, drive: str | None = None) -> None:
         if self._holdings is not None:

@@ -17,6 +17,12 @@ With a daily write budget (``ledger``, a ``write_budget.WriteLedger``) each chun
 are taken from it before the commit and given back if the commit fails; a chunk that does
 not fit is skipped (reason ``write_budget``), and once the budget is spent ``try_reserve``
 refuses at once, so no chunk is even copied out of the KV cache (decision 2710).
+
+A commit that hangs (a disk that stops answering) holds the writer's one thread: it is the
+last commit that drive sees, so no count of failures could ever take the drive out.
+``commit_overdue`` tells the worker that the commit running now has been running past
+``commit_bound`` (memory only), and the worker takes the drive out at once
+(``DiskGuard.stuck``, decision 2770).
 """
 
 from __future__ import annotations
@@ -60,6 +66,19 @@ Put = Callable[[str, Any, Mapping[str, Any]], None]
 # call itself (a failure shared by the batch) counts against every chunk of it.
 PutMany = Callable[[Sequence[tuple[str, Any, Mapping[str, Any]]]], list[BaseException | None]]
 
+# A commit still running after COMMIT_DEADLINE_READS read deadlines plus its bytes at
+# COMMIT_FLOOR_BPS is hung (decision 2770): a healthy group commit took 0.1-0.3 s here for
+# 32-128 MiB, and the largest (32 chunks of 16 MiB) would take about 2 s at the 250-320 MB/s
+# fsync'd rate; a commit is off the serving path, so only a disk that stopped answering
+# should ever pass this bound.
+COMMIT_DEADLINE_READS = 4
+COMMIT_FLOOR_BPS = 32 << 20
+
+
+def commit_bound(read_deadline_s: float, nbytes: int) -> float:
+    """Seconds after which a commit of ``nbytes`` counts as hung (see above)."""
+    return COMMIT_DEADLINE_READS * read_deadline_s + nbytes / COMMIT_FLOOR_BPS
+
 
 @dataclass
 class PendingStore:
@@ -90,6 +109,9 @@ class StoreWriter:
         self._in_flight: set[str] = set()
         self._queue: queue.Queue[PendingStore | None] = queue.Queue()
         self._closed = False
+        # The commit running now: when it began (monotonic) and its bytes (commit_overdue).
+        self._commit_since: float | None = None
+        self._commit_bytes = 0
         self._thread = threading.Thread(target=self._run, name="spoolctl-store-writer",
                                         daemon=True)
         self._thread.start()
@@ -104,6 +126,20 @@ class StoreWriter:
     def staged_bytes(self) -> int:
         with self._lock:
             return self._staged
+
+    def commit_overdue(self, read_deadline_s: float, now: float | None = None
+                       ) -> float | None:
+        """When the commit running now began (monotonic), if it has been running longer
+        than ``commit_bound``; else None. Memory only: callable from the engine thread."""
+        since, nbytes = self._commit_since, self._commit_bytes
+        if since is None:
+            return None
+        now = time.monotonic() if now is None else now
+        return since if now - since > commit_bound(read_deadline_s, nbytes) else None
+
+    def committing_since(self) -> float | None:
+        """When the commit running now began (None: none is)."""
+        return self._commit_since
 
     def reserve(self, key: str, nbytes: int) -> bool:
         """Reserve staging memory for chunk ``key``; False (and counted) if it must be skipped."""
@@ -155,9 +191,12 @@ class StoreWriter:
                     stop = True  # close(): commit what was taken, then end
                     break
                 batch.append(more)
+            self._commit_bytes = sum(i.nbytes for i in batch)
+            self._commit_since = time.monotonic()
             try:
                 self._commit(batch)
             finally:
+                self._commit_since = None
                 for done in batch:
                     try:
                         if done.on_done is not None:
