@@ -208,8 +208,9 @@ def three(tmp_path_factory):
 def test_a_hung_drive_among_three_costs_only_its_chunks_and_hits_again_once_it_answers(
         three: _ThreeDrives) -> None:
     """Decision 2714's plan: one of three drives hangs (every operation on its objects
-    blocks). Restores that reach its chunks fail at the deadline, the chunks before them
-    restored byte for byte; its guard takes it out; lookups answer while it is still hung
+    blocks). A restore that reaches its chunks fails at the deadline, the next ones at once
+    while that read still hangs (``disk_slow``), the chunks before them restored byte for
+    byte; its guard takes it out; lookups answer while it is still hung
     and miss only from its first chunk on; recomputed chunks homed there are written to
     their runner-ups (counted) and the prompt is a full hit again; the disk answers → the
     probe brings it back and its own copies are read again."""
@@ -225,11 +226,16 @@ def test_a_hung_drive_among_three_costs_only_its_chunks_and_hits_again_once_it_a
     guard = d.guard(d.fused)
     try:
         deadlines = d.ws._counters.total(m.LOAD_ERRORS, reason="deadline")
-        while not guard.down:  # each restore that reaches the hung drive: one deadline
+        slow = d.ws._counters.total(m.LOAD_ERRORS, reason="disk_slow")
+        while not guard.down:  # each restore that reaches the hung drive fails there
             failed, copies = d.restore(keys)
             assert failed == first_hung
             assert copies == {k: _payload(k, chunk) for k in keys[:first_hung]}
-        assert d.ws._counters.total(m.LOAD_ERRORS, reason="deadline") - deadlines == 3
+        # The first waits out its deadline; its read still hangs, so the drive gets no new
+        # read: the next fail ``disk_slow`` at once, and the third failure takes it out
+        # (decision 2770).
+        assert d.ws._counters.total(m.LOAD_ERRORS, reason="deadline") - deadlines == 1
+        assert d.ws._counters.total(m.LOAD_ERRORS, reason="disk_slow") - slow == 2
         # Out of service: the lookup answers while the disk is still hung, and only the
         # hung drive's chunks miss (the prefix ends at its first one).
         assert d.hit(request) == first_hung * CHUNK_TOKENS
