@@ -316,16 +316,13 @@ def test_a_drive_that_fills_up_passes_its_chunks_to_a_drive_with_room(
             store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="failed commits do not count against a drive's guard "
-                   "(decision 2731 item 5: 'a commit ... does not count failed(\"commit\")'; "
-                   "hung commits and late reads counting against a drive's guard are built "
-                   "separately)")
 def test_a_drive_unmounted_while_serving_is_taken_out_and_its_chunks_fail_over(
         tmp_path: Path, mount_tmpfs) -> None:
     """The worker over two drives, the second a mount; it is unmounted while the engine
-    serves (``umount -l``: the path now leads to the empty mount point). 2714: three failed
-    commits take the drive out and its chunks are written to the other drive; found: every
-    chunk homed there is skipped ``io_error`` ("opening a lock file failed"), for good."""
+    serves (``umount -l``: the path now leads to the empty mount point). Three failed
+    commits take the drive out and its chunks are written to the other drive (decision
+    2790; before it every chunk homed there was skipped ``io_error``, "opening a lock file
+    failed", for good)."""
     import subprocess
 
     torch = pytest.importorskip("torch")

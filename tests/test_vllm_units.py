@@ -339,6 +339,64 @@ def test_writer_counts_capacity_and_io_failures_without_raising(tmp_path: Path):
     assert counters.total(m.STORES_SKIPPED, reason="io_error") == 1
 
 
+def test_commits_failing_on_the_disk_take_the_store_out_and_a_full_disk_does_not(
+        tmp_path: Path):
+    """Decision 2790: a commit failing with a disk error (the store's directory gone, as
+    under an unmounted drive) counts against the store's guard, three in a row take it
+    out, a stored chunk resets the count; a full disk (ENOSPC) never counts."""
+    import errno
+
+    from spoolctl.connector.diskguard import DiskGuard
+    from spoolctl.connector.worker_side.writer import PendingStore, StoreWriter
+    from spoolctl.errors import StoreIOError
+
+    root = Path(os.path.realpath(tmp_path)) / "s"
+    away = root.with_name("s-unmounted")
+    with Store.open(root, create=True) as store:
+        guard = DiskGuard(store, probe_interval_s=3600)
+        counters = ConnectorCounters()
+
+        def put(key, payload, meta):
+            store.put(kind="vllm", namespace=NS, key=key, objects={"kv": payload}, meta=meta)
+
+        w = StoreWriter(put, staging_bytes=1000, counters=counters, guard=guard)
+
+        def commit(i: int) -> None:
+            key = f"{i:064x}"
+            assert w.reserve(key, 10)
+            w.submit(PendingStore(key, b"x" * 10, 10, {}))
+            assert w.flush(30)
+
+        root.rename(away)  # the drive's path now leads nowhere
+        commit(0)
+        commit(1)
+        away.rename(root)
+        commit(2)  # stored: the two failures before it no longer count
+        assert counters.total(m.STORES_SKIPPED, reason="io_error") == 2
+        root.rename(away)
+        commit(3)
+        commit(4)
+        assert not guard.down
+        commit(5)
+        assert guard.down  # three failed commits in a row
+        away.rename(root)
+
+        full = DiskGuard(store, probe_interval_s=3600)
+
+        def no_space(key, payload, meta):
+            raise StoreIOError("writing an object failed: No space left on device",
+                               errno=errno.ENOSPC)
+
+        w2 = StoreWriter(no_space, staging_bytes=1000, counters=counters, guard=full)
+        for i in range(4):
+            assert w2.reserve(f"{i:064x}", 10)
+            w2.submit(PendingStore(f"{i:064x}", b"x" * 10, 10, {}))
+            assert w2.flush(30)
+        assert w2.full and not full.down  # full for FULL_RETRY_S, never taken out
+        guard.close()
+        full.close()
+
+
 def test_writer_flush_times_out_instead_of_blocking(tmp_path: Path):
     from spoolctl.connector.worker_side.writer import PendingStore, StoreWriter
 

@@ -17,7 +17,8 @@ same-process worker: ``guard_for``) is that policy:
   A late result is dropped when it arrives.
 * ``spare(fn)``: run ``fn`` (an LRU touch) only if the thread is idle; never waits.
 * ``failed(kind)`` / ``ok(kind)``: what the serving path saw, per kind of read (``lookup``:
-  the catalog; ``restore``: manifests and objects). ``FAILURES_TO_DOWN`` failures of one
+  the catalog; ``restore``: manifests and objects; ``commit``: a commit that failed with a
+  disk error, decision 2790). ``FAILURES_TO_DOWN`` failures of one
   kind in a row (no good read *of that kind* between) take the store down (``down``, one
   warning): a catalog that answers from the page cache says nothing about objects that
   hang (decision 2720). A probe thread then reads the root marker, the catalog and one

@@ -150,7 +150,8 @@ class ChunkStager:
                  counters: ConnectorCounters, pin: bool = False,
                  put_many: PutMany | None = None, ledger: Any = None,
                  writers: Mapping[str, StoreWriter] | None = None,
-                 route: Route | None = None, labels: Mapping[str, str] | None = None):
+                 route: Route | None = None, labels: Mapping[str, str] | None = None,
+                 guard: Any = None):
         self._chunk_bytes = chunk_bytes
         self._staging_bytes = staging_bytes
         self._meta = dict(meta)
@@ -162,7 +163,7 @@ class ChunkStager:
         if writers is None:  # one store: one writer, no route (today's path)
             assert put is not None
             writers = {"": StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
-                                       put_many=put_many, ledger=ledger)}
+                                       put_many=put_many, ledger=ledger, guard=guard)}
         self._writers = dict(writers)
         self._route, self._labels = route, dict(labels or {})
         self._hung_told: dict[str, float] = {}  # drive -> the hung commit already told
@@ -175,25 +176,30 @@ class ChunkStager:
                                                      PutMany | None, Any]],
                    route: Route, labels: Mapping[str, str], *, chunk_bytes: int,
                    staging_bytes: int, meta: Mapping[str, Any], counters: ConnectorCounters,
-                   pin: bool = False) -> ChunkStager:
+                   pin: bool = False, guards: Mapping[str, Any] | None = None
+                   ) -> ChunkStager:
         """A stager over several drives: ``commits`` maps each drive id to its
         ``(put, put_many, ledger)`` (``rank_commit`` / ``rank_commit_many`` of that drive's
-        store); ``labels`` maps a drive id to its base root (the metric's label)."""
+        store); ``labels`` maps a drive id to its base root (the metric's label);
+        ``guards`` a drive id to its ``DiskGuard``, told each commit's outcome."""
         share = max(chunk_bytes, staging_bytes // max(1, len(commits)))
+        guards = guards or {}
         writers = {drive: StoreWriter(put, staging_bytes=share, counters=counters,
-                                      put_many=put_many, ledger=ledger)
+                                      put_many=put_many, ledger=ledger,
+                                      guard=guards.get(drive))
                    for drive, (put, put_many, ledger) in commits.items()}
         return cls(None, chunk_bytes=chunk_bytes, staging_bytes=staging_bytes, meta=meta,
                    counters=counters, pin=pin, writers=writers, route=route, labels=labels)
 
     def add_drive(self, drive: str, put: Callable[[str, Objects, Mapping[str, Any]], None],
-                  put_many: PutMany | None, ledger: Any, route: Route, label: str) -> None:
+                  put_many: PutMany | None, ledger: Any, route: Route, label: str,
+                  guard: Any = None) -> None:
         """A drive that opened later joins (decision 2750; on the engine thread, before the
         next ``stage``): its own writer, with a share of ``staging_bytes`` as the others
         (the one buffer pool still bounds host memory), and ``route``, which includes it."""
         share = max(self._chunk_bytes, self._staging_bytes // (len(self._writers) + 1))
         writer = StoreWriter(put, staging_bytes=share, counters=self._counters,
-                             put_many=put_many, ledger=ledger)
+                             put_many=put_many, ledger=ledger, guard=guard)
         # Replaced, not changed: the exit drain iterates the writers from another thread.
         self._writers = {**self._writers, drive: writer}
         self._labels = {**self._labels, drive: label}

@@ -250,7 +250,10 @@ class WorkerSide:
             parts.stager = ChunkStager.for_drives(
                 commits, drive_route(list(stores), up), labels,
                 chunk_bytes=copier.chunk_bytes, staging_bytes=settings.staging_bytes,
-                meta=meta, counters=self._counters, pin=pin)
+                meta=meta, counters=self._counters, pin=pin,
+                # a commit failing with a disk error counts against its drive (2790)
+                guards={drive: one.guard for drive, one in zip(stores, parts.drives,
+                                                               strict=True)})
             exitdrain.register(parts.stager)
         ids = list(stores)
 
@@ -270,7 +273,7 @@ class WorkerSide:
                 parts.stager.add_drive(
                     drive, rank_commit(store, ns, holdings, committed, drive=drive),
                     rank_commit_many(store, ns, holdings, committed, drive=drive),
-                    one.ledger, drive_route(ids, up), slot.base)
+                    one.ledger, drive_route(ids, up), slot.base, guard=one.guard)
 
         parts.join = join
         return parts
@@ -327,7 +330,7 @@ class WorkerSide:
                                        counters=self._counters, pin=pin,
                                        put_many=rank_commit_many(store, ns, holdings,
                                                                  committed),
-                                       ledger=parts.ledger)
+                                       ledger=parts.ledger, guard=parts.guard)
             # `LLM(...).generate(...)` then exit: commit the last chunks before the pools go.
             exitdrain.register(parts.stager)
         parts.maintainer = self._start_maintainer(store)

@@ -23,6 +23,12 @@ last commit that drive sees, so no count of failures could ever take the drive o
 ``commit_overdue`` tells the worker that the commit running now has been running past
 ``commit_bound`` (memory only), and the worker takes the drive out at once
 (``DiskGuard.stuck``, decision 2770).
+
+A commit that fails with a disk error (``disk_error``: EIO, a store directory gone under an
+unmounted drive, a lock file that cannot be opened; not a full disk, not a refusal of the
+chunk itself) counts ``failed("commit")`` on the writer's ``guard``, and one that stores a
+chunk ``ok("commit")``: three in a row take the drive out as failed lookups and restores do
+(decision 2790). Called on the writer's thread (the guard is thread-safe).
 """
 
 from __future__ import annotations
@@ -97,8 +103,10 @@ class StoreWriter:
     chunks queued together (see the module docstring)."""
 
     def __init__(self, put: Put, *, staging_bytes: int, counters: ConnectorCounters,
-                 put_many: PutMany | None = None, ledger: Any = None):
+                 put_many: PutMany | None = None, ledger: Any = None,
+                 guard: Any = None):
         self._put = put
+        self._guard = guard  # a DiskGuard (``ok`` / ``failed``), or None
         self._ledger = ledger
         self._put_many = put_many
         self._budget = staging_bytes
@@ -249,6 +257,7 @@ class StoreWriter:
         """Count each chunk: committed (bytes, and the time since its commit began) or
         skipped by reason; one warning per distinct failure of a batch."""
         elapsed = time.perf_counter() - started
+        self._tell_guard(errors)
         warned: set[str] = set()
         for item, exc in zip(items, errors, strict=True):
             if exc is None:
@@ -259,7 +268,7 @@ class StoreWriter:
                 self._ledger.refund(item.nbytes)
             reason = _reason(exc)
             self._counters.inc(m.STORES_SKIPPED, reason=reason)
-            if isinstance(exc, StoreIOError) and exc.errno == errno.ENOSPC:
+            if isinstance(exc, StoreIOError) and exc.errno in _FULL:
                 self._full_until = time.monotonic() + FULL_RETRY_S
             if reason != "io_error":
                 continue
@@ -270,6 +279,17 @@ class StoreWriter:
             elif "bug" not in warned:  # a bug must not take the worker down
                 warned.add("bug")
                 log.error("spoolctl: unexpected error while storing a chunk", exc_info=exc)
+
+    def _tell_guard(self, errors: Sequence[BaseException | None]) -> None:
+        """One commit's outcome for the drive's health: failed when a chunk of it failed
+        with a disk error, else good when a chunk of it was stored (a commit refused for
+        other reasons says nothing about the disk)."""
+        if self._guard is None:
+            return
+        if any(exc is not None and disk_error(exc) for exc in errors):
+            self._guard.failed("commit")
+        elif any(exc is None for exc in errors):
+            self._guard.ok("commit")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted chunk is committed or skipped; False on timeout."""
@@ -298,6 +318,20 @@ def _call(put: Put, item: PendingStore) -> BaseException | None:
     except Exception as exc:
         return exc
     return None
+
+
+# A full disk or quota: the drive is passed over for FULL_RETRY_S, not taken out.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_error(exc: BaseException) -> bool:
+    """``exc`` (a failed commit) says the drive itself fails: a ``StoreIOError`` (the
+    store's own files or directories could not be opened, written or synced: EIO, ENOENT
+    under an unmounted drive, EROFS) or a bare ``OSError``, other than a full disk. Not a
+    capacity or busy refusal, a configuration or corruption refusal, or a bug."""
+    if isinstance(exc, StoreIOError):
+        return exc.errno not in _FULL
+    return isinstance(exc, OSError) and exc.errno not in _FULL
 
 
 def _reason(exc: BaseException) -> str:
