@@ -255,3 +255,51 @@ def test_a_bad_budget_fails_startup_with_one_line(value, needle):
     ok = parse_settings({"spoolctl_root": "/abs", "spoolctl_write_budget": "500GiB"},
                         block_size=32)
     assert ok.write_budget == 500 << 30
+
+
+def test_a_ledger_on_a_hung_drive_never_freezes_the_other_drives_budget_view(
+        tmp_path: Path):
+    """Decision 2790: ``BudgetWatch`` reads each ledger within a bound; a drive hung on a
+    real FUSE mount keeps its last value while the other drive's ledger is read again, and
+    its read is not started again while it still runs (one thread, not one per round)."""
+    import threading
+
+    from fusemount import Mounts
+    from waiting import wait_until
+
+    base = Path(os.path.realpath(tmp_path))
+    drives = [base / "nvme0", base / "nvme1"]
+    paths = [d / "write-budget-rank-0000.json" for d in drives]
+
+    def used(path: Path, n: int) -> None:
+        path.unlink(missing_ok=True)
+        ledger = wb.WriteLedger(path, 1 << 20)
+        assert ledger.take(n)
+        ledger.close()
+
+    for d in drives:
+        d.mkdir()
+    used(paths[0], 512 << 10)
+    used(paths[1], 256 << 10)
+    watch = wb.BudgetWatch(lambda: [paths], interval=0, read_bound=0.2)
+
+    def refreshed() -> bool:  # refresh() returned (on a thread: the old code never did)
+        t = threading.Thread(target=watch.refresh, daemon=True)
+        t.start()
+        t.join(30)
+        return not t.is_alive()
+
+    with Mounts(base / "fuse") as mounts:
+        mount = mounts.over(drives[1])
+        assert refreshed()
+        assert watch.left_share() == pytest.approx((512 + 768) / 2048)
+        mount.hang()
+        used(paths[0], 1 << 20)  # the first drive spent meanwhile
+        assert refreshed()
+        # the hung drive's last value, the other drive's new one
+        assert watch.left_share() == pytest.approx(768 / 2048)
+        assert watch.reads_running == 1
+        assert refreshed()
+        assert watch.reads_running == 1  # still that one read
+        mount.release()
+        wait_until(lambda: watch.reads_running == 0, what="the hung read to end")

@@ -223,25 +223,40 @@ def pooled_left_share(states: Sequence[LedgerState], now: float) -> float:
     return left / budget if budget > 0 else 0.0
 
 
+# A ledger is a small file read in milliseconds; a read still running after this long is
+# on a hung drive, and the round goes on without it (decision 2790).
+LEDGER_READ_BOUND_S = 1.0
+
+
 class BudgetWatch:
     """The scheduler's view of the ledgers of the rank stores on its host: the smallest
     share of the day's budget left over the ranks (``left_share``), each rank's share
     pooled over its drives (``pooled_left_share``). ``paths()`` lists, per rank, its
     ledger path or the paths of its drives' ledgers. The files are read on a daemon thread
-    at most every ``interval`` seconds, one read at a time, so a slow disk delays the view,
+    at most every ``interval`` seconds, one round at a time, so a slow disk delays the view,
     never a scheduler step; until the first read the budget counts as untouched (the
     workers still enforce it). A drive whose ledger is missing (nothing written there yet)
-    or unreadable is left out of its rank's sum."""
+    or unreadable is left out of its rank's sum.
+
+    Each ledger is read on a thread of its own, waited for at most ``read_bound``
+    (decision 2790): a drive that hangs never freezes the other drives' values. While a
+    path's read is still running, no new read of it is started (one thread per hung
+    ledger, never one per round) and its last value, if any, is used."""
 
     def __init__(self, paths: Callable[[], Sequence[Path | Sequence[Path]]], *,
                  interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time,
+                 read_bound: float = LEDGER_READ_BOUND_S):
         self._paths = paths
         self._interval = interval
+        self._read_bound = read_bound
         self._clock, self._wall = clock, wall
         self._read_at = float("-inf")
         self._busy = threading.Lock()
         self._states: list[list[LedgerState]] = []  # per rank with a ledger: its drives'
+        self._lock = threading.Lock()  # guards _last and _reading
+        self._last: dict[Path, LedgerState | None] = {}  # each ledger's last value read
+        self._reading: dict[Path, threading.Event] = {}  # reads still running: set when done
 
     def left_share(self) -> float:
         """The smallest share of today's budget left over the ranks read last (1.0 when
@@ -254,9 +269,16 @@ class BudgetWatch:
         return min((pooled_left_share(rank, wall) for rank in self._states), default=1.0)
 
     def refresh(self) -> None:
-        """Read the ledgers now, on the caller's thread (tests, start-up)."""
+        """Read the ledgers now, on the caller's thread (tests, start-up), each within
+        ``read_bound``."""
         with self._busy:
             self._read_states()
+
+    @property
+    def reads_running(self) -> int:
+        """Ledger reads still running (each on a drive that has not answered yet)."""
+        with self._lock:
+            return len(self._reading)
 
     def _read(self) -> None:
         try:
@@ -265,19 +287,42 @@ class BudgetWatch:
             self._busy.release()
 
     def _read_states(self) -> None:
+        listed = [[paths] if isinstance(paths, Path) else list(paths)
+                  for paths in self._paths()]
+        started = [self._start(path) for rank in listed for path in rank]
+        end = time.monotonic() + self._read_bound
+        for done in started:
+            if done is not None:
+                done.wait(max(0.0, end - time.monotonic()))
+        with self._lock:
+            last = dict(self._last)
         states = []
-        for paths in self._paths():
-            rank = []
-            for path in [paths] if isinstance(paths, Path) else paths:
-                try:
-                    state = read(path)
-                except LedgerError as exc:
-                    log.debug("spoolctl: %s", exc)
-                    continue  # the worker treats it as spent and says so
-                except OSError:
-                    continue
-                if state is not None:
-                    rank.append(state)
-            if rank:
-                states.append(rank)
+        for rank in listed:
+            got = [state for path in rank if (state := last.get(path)) is not None]
+            if got:
+                states.append(got)
         self._states = states
+
+    def _start(self, path: Path) -> threading.Event | None:
+        """Start reading ``path`` on its own thread (None: a read of it is still running)."""
+        with self._lock:
+            if path in self._reading:
+                return None
+            done = self._reading[path] = threading.Event()
+
+        def body() -> None:
+            state: LedgerState | None = None
+            try:
+                state = read(path)
+            except LedgerError as exc:
+                log.debug("spoolctl: %s", exc)  # the worker treats it as spent and says so
+            except OSError:
+                pass
+            finally:
+                with self._lock:
+                    self._last[path] = state
+                    del self._reading[path]
+                done.set()
+
+        threading.Thread(target=body, name="spoolctl-budget-read", daemon=True).start()
+        return done
