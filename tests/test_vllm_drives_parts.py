@@ -1840,3 +1840,53 @@ def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
             assert copies == {k: _payload(k, chunk) for k in on_slow[2:4]}
         finally:
             worker.shutdown()
+
+
+def test_a_keeper_stuck_on_its_drive_takes_the_drive_out_until_its_step_ends(
+        tmp_path: Path) -> None:
+    """Decision 2790: a drive that only its keeper touches (a capacity step blocked on the
+    drive's catalog, held by ``tests/stuck_catalog.py``) stays in service by every read and
+    commit; once the keeper's step is past its bound (``writer.commit_bound`` of an empty
+    commit, 0.2 s here) the next step's ``save`` takes that drive out, and the probe brings
+    it back once the step ended."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from stuck_catalog import stuck_catalog
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_configs import vllm_configs
+    from waiting import wait_until
+
+    from spoolctl.connector import SpoolConnector
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.planning.messages import SpoolConnectorMetadata
+
+    roots = _dirs(tmp_path, 2)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
+                              spoolctl_probe_interval=0.05, spoolctl_read_deadline=0.05)
+    extra = vcfg.kv_transfer_config.kv_connector_extra_config
+    del extra["spoolctl_root"]
+    extra["spoolctl_roots"] = roots
+    for root in roots:
+        Path(root).mkdir(parents=True)
+    worker = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    try:
+        worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
+        ws = worker.worker
+        ids = [drives.read_drive_id(r) for r in roots]
+        gone = ids[-1]
+        store = ws._holdings._stores[gone]
+        guard = guard_for(store)
+        with stuck_catalog(store) as disk:
+            ws._holdings.rescan_s = 0.05  # its next round rescans the drive's catalog
+            ws._holdings._keepers[gone].wake.set()
+            wait_until(lambda: (ws.save(SpoolConnectorMetadata()), guard.down)[1], 10,
+                       what="the drive taken out for its stuck keeper")
+            busy = {one["drive"]: one["busy_s"] for one in ws._holdings.state()["drives"]}
+            assert busy[gone] is not None  # its keeper still in that step
+            disk.release()
+            wait_until(lambda: not guard.down, 20, what="the probe bringing the drive back")
+    finally:
+        worker.shutdown()

@@ -106,6 +106,7 @@ class _Keeper:
         self.drops: list[bytes] = []  # chunks the scheduler asked every rank to drop
         self.redundant: dict[bytes, float] = {}  # duplicate copies here -> first seen
         self.busy_since: float | None = None  # monotonic start of the store step running
+        self.stuck_told: float | None = None  # the step already told stuck (engine thread)
         self.bytes: int | None = None  # the store's bytes at its last pass
         self.looked = -1  # the holdings' ``_moves`` when it last looked for twins
         self.evicted_entries = 0
@@ -398,6 +399,21 @@ class RankHoldings:
                         exc.message if isinstance(exc, SpoolError) else exc)
         finally:
             keeper.busy_since = None
+
+    def stuck_keepers(self, bound_s: float) -> list[tuple[str, Callable[[], bool]]]:
+        """The drives whose keeper has been in one store step for longer than ``bound_s``
+        (a drive that hangs under its bookkeeping only), each once per step: ``(drive,
+        still)``, ``still()`` True while that same step runs. Memory only (the engine
+        thread, every step; decision 2790)."""
+        now = time.monotonic()
+        stuck = []
+        for keeper in list(self._keepers.values()):
+            since = keeper.busy_since
+            if since is None or now - since <= bound_s or keeper.stuck_told == since:
+                continue
+            keeper.stuck_told = since
+            stuck.append((keeper.drive, lambda k=keeper, t=since: k.busy_since == t))
+        return stuck
 
     def _which(self, drive: str | None) -> list[str]:
         """``drive``, or every drive (None: a caller outside the keepers, e.g. a test)."""

@@ -582,12 +582,24 @@ class WorkerSide:
         """A commit past its bound (``writer.commit_bound``) takes its drive out at once
         (``DiskGuard.stuck``, decision 2770): its new chunks go to the runner-ups (one
         store: skipped ``disk_down``), lookups and restores skip it, and the probe brings
-        it back once the commit ended and the disk answers. Memory only, every step."""
+        it back once the commit ended and the disk answers. A keeper stuck in one store
+        step past the same bound does the same (decision 2790). Memory only, every step."""
         assert self._stager is not None
         for drive, still in self._stager.hung_commits(self._dep.settings.read_deadline):
             guard = self._guard_of(drive)
             if guard is not None:
                 guard.stuck("commit", still)
+        if self._holdings is None:
+            return
+        # A keeper step (rescan, eviction, acknowledged deletes) past the bound of an empty
+        # commit: a drive that only its keeper touches hangs (decision 2790).
+        from .writer import commit_bound
+
+        bound = commit_bound(self._dep.settings.read_deadline, 0)
+        for drive, still in self._holdings.stuck_keepers(bound):
+            guard = self._guard_of(drive)
+            if guard is not None:
+                guard.stuck("keeper", still)
 
     def _guard_of(self, drive: str) -> DiskGuard | None:
         """The ``DiskGuard`` of drive ``drive`` ("": the one store's)."""
