@@ -1662,7 +1662,10 @@ def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drive
     roots = _dirs(tmp_path, 3)
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
-                              spoolctl_probe_interval=3600, spoolctl_write_budget="1GiB")
+                              spoolctl_probe_interval=3600, spoolctl_write_budget="1GiB",
+                              # opens bounded by 4 lookup deadlines, never retried
+                              # here (probe 3600 s): room for a loaded host
+                              spoolctl_lookup_deadline=5)
     extra = vcfg.kv_transfer_config.kv_connector_extra_config
     del extra["spoolctl_root"]
     extra["spoolctl_roots"] = roots
@@ -1790,7 +1793,10 @@ def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
     roots = _dirs(tmp_path, 3)
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     vcfg, kcfg = vllm_configs(roots[0], [spec], num_blocks=8, spoolctl_scrub_rate="0",
-                              spoolctl_probe_interval=3600, spoolctl_read_deadline=0.2)
+                              spoolctl_probe_interval=3600, spoolctl_read_deadline=0.2,
+                              # opens bounded by 4 lookup deadlines, never retried
+                              # here (probe 3600 s): room for a loaded host
+                              spoolctl_lookup_deadline=5)
     extra = vcfg.kv_transfer_config.kv_connector_extra_config
     del extra["spoolctl_root"]
     extra["spoolctl_roots"] = roots

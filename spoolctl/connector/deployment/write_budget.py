@@ -270,8 +270,9 @@ class BudgetWatch:
 
     def refresh(self) -> None:
         """Read the ledgers now, on the caller's thread (tests, start-up), each within
-        ``read_bound``."""
+        ``read_bound``; the next round ``left_share`` starts is due ``interval`` later."""
         with self._busy:
+            self._read_at = self._clock()
             self._read_states()
 
     @property
