@@ -711,6 +711,13 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
         assert [(d.base, d.drive_id) for d in hs.drives] == list(zip(roots, ids, strict=True))
         sched.set_xfer_handshake_metadata({0: hs})
         assert sorted(sched.store_roots) == sorted(worker.store_roots)
+
+        def drive_state() -> list[tuple]:  # the scheduler's view of rank 0's drives
+            return [(d["base"], d["drive"], d["source"], d["up"], d["late"])
+                    for d in sched.inventory_state[0]["drives"]]
+
+        assert drive_state() == [(r, i, "catalog", True, False)
+                                 for r, i in zip(roots, ids, strict=True)]
         side, ws = sched.scheduler, worker.worker
         keys = request_keys(request, namespace=side._dep.chain_namespace, chunk_tokens=64)
         assert len(keys) == 12 and {drives.home(k, ids) for k in keys} == set(ids)
@@ -752,6 +759,9 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
         for _ in range(3):
             guard.failed("restore")
         assert guard.down
+        assert drive_state() == [(r, i, "catalog", i != gone, False)
+                                 for r, i in zip(roots, ids, strict=True)]
+        assert sched.inventory_state[0]["disk_down"] is True
         assert hit() == first_gone * 64  # only the down drive's chunks miss
         missed = [k for k in keys if drives.home(k, ids) == gone]
         store(missed)  # recomputed: written to their runner-ups
@@ -1248,6 +1258,10 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=metas[-1]))
         wait_until(lambda: hit(held) == 12 * 64, NET_S, what="the scheduler reading it")
         assert len(sched.store_roots) == 3
+        # The scheduler's inventory_state names each drive, the joined one as opened late.
+        assert [(d["base"], d["drive"], d["source"], d["up"], d["late"])
+                for d in sched.inventory_state[0]["drives"]] == \
+            [(r, i, "catalog", True, i == late) for r, i in zip(roots, ids, strict=True)]
         assert hit(new) == 12 * 64 and hit(old) == 12 * 64
         assert restore(fresh) == {k: _payload(k, chunk) for k in fresh}
         guards = [guard_for(st) for st in ws._holdings._stores.values()]
@@ -1866,8 +1880,6 @@ def test_status_over_the_drives_marks_the_one_the_engine_has_out_until_its_probe
     store = ws._holdings._stores[ids[1]]
     rank_store = str(store.root)
     argv = [a for r in roots for a in ("--root", r)]
-    doc = run_json("status", *argv)
-    assert [d.get("out_of_service") for d in doc["drives"]] == [None, None, None]
 
     guard = guard_for(store)
     guard.probe_interval_s = 0.05
@@ -1908,4 +1920,3 @@ def test_status_over_the_drives_marks_the_one_the_engine_has_out_until_its_probe
     assert doc["drives"][1].get("out_of_service") is None
     assert doc["drives"][1]["result"]["stores"][0]["result"]["status"]["out_of_service"][
         "stale"] is True
-    assert "a stale out-of-service record" in run("status", *argv)[1]

@@ -74,8 +74,19 @@ def read(store_root: str | Path) -> dict[str, Any] | None:
         return None
     stale = None
     if doc["host"] == socket.gethostname():
-        stale = process_started(doc["pid"]) != doc["started"]
+        stale = process_started(doc["pid"]) != doc["started"] if doc["started"] else \
+            not _exists(doc["pid"])  # written without /proc: the pid alone
     return {**doc, "stale": stale}
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 class OutOfServiceRecorder:
