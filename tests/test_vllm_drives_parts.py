@@ -711,6 +711,13 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
         assert [(d.base, d.drive_id) for d in hs.drives] == list(zip(roots, ids, strict=True))
         sched.set_xfer_handshake_metadata({0: hs})
         assert sorted(sched.store_roots) == sorted(worker.store_roots)
+
+        def drive_state() -> list[tuple]:  # the scheduler's view of rank 0's drives
+            return [(d["base"], d["drive"], d["source"], d["up"], d["late"])
+                    for d in sched.inventory_state[0]["drives"]]
+
+        assert drive_state() == [(r, i, "catalog", True, False)
+                                 for r, i in zip(roots, ids, strict=True)]
         side, ws = sched.scheduler, worker.worker
         keys = request_keys(request, namespace=side._dep.chain_namespace, chunk_tokens=64)
         assert len(keys) == 12 and {drives.home(k, ids) for k in keys} == set(ids)
@@ -752,6 +759,9 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
         for _ in range(3):
             guard.failed("restore")
         assert guard.down
+        assert drive_state() == [(r, i, "catalog", i != gone, False)
+                                 for r, i in zip(roots, ids, strict=True)]
+        assert sched.inventory_state[0]["disk_down"] is True
         assert hit() == first_gone * 64  # only the down drive's chunks miss
         missed = [k for k in keys if drives.home(k, ids) == gone]
         store(missed)  # recomputed: written to their runner-ups
@@ -1248,6 +1258,10 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=metas[-1]))
         wait_until(lambda: hit(held) == 12 * 64, NET_S, what="the scheduler reading it")
         assert len(sched.store_roots) == 3
+        # The scheduler's inventory_state names each drive, the joined one as opened late.
+        assert [(d["base"], d["drive"], d["source"], d["up"], d["late"])
+                for d in sched.inventory_state[0]["drives"]] == \
+            [(r, i, "catalog", True, i == late) for r, i in zip(roots, ids, strict=True)]
         assert hit(new) == 12 * 64 and hit(old) == 12 * 64
         assert restore(fresh) == {k: _payload(k, chunk) for k in fresh}
         guards = [guard_for(st) for st in ws._holdings._stores.values()]
@@ -1896,3 +1910,69 @@ def test_a_keeper_stuck_on_its_drive_takes_the_drive_out_until_its_step_ends(
             wait_until(lambda: not guard.down, 20, what="the probe bringing the drive back")
     finally:
         worker.shutdown()
+
+
+def test_status_over_the_drives_marks_the_one_the_engine_has_out_until_its_probe_answers(
+        three_drive_worker) -> None:
+    """Issue 32 items 2 and 4: ``spoolctl status`` over a running worker's three drives marks
+    the drive whose guard took its rank store out (its row's ``out_of_service``, the
+    store's record: reason, pid, not stale; the drive's line in the text view), the others
+    not; the probe bringing it back removes the mark. A record whose process is gone is
+    shown ``stale`` and no longer marks its drive."""
+    import json
+    import subprocess
+    import sys
+
+    from operator_cli import run, run_json
+    from waiting import wait_until
+
+    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.deployment import out_of_service as oos
+    from spoolctl.connector.diskguard import guard_for
+
+    worker, roots = three_drive_worker.worker, three_drive_worker.roots
+    ws = worker.worker
+    ids = [drives.read_drive_id(r) for r in roots]
+    store = ws._holdings._stores[ids[1]]
+    rank_store = str(store.root)
+    argv = [a for r in roots for a in ("--root", r)]
+
+    guard = guard_for(store)
+    guard.probe_interval_s = 0.05
+    hung = [True]  # a commit past its bound keeps it out while it runs (decision 2770)
+    guard.stuck("commit", lambda: hung[0])
+    recorders = [one.recorder for one in ws._drive_parts]
+    assert all(r.wait(NET_S) for r in recorders)
+    doc = run_json("status", *argv)
+    assert [d.get("out_of_service") for d in doc["drives"]] == [None, [rank_store], None]
+    (one,) = doc["drives"][1]["result"]["stores"]
+    out = one["result"]["status"]["out_of_service"]
+    assert out["reason"] == "a commit still running past its bound"
+    assert out["pid"] == os.getpid() and out["stale"] is False
+    code, text, _ = run("status", *argv)
+    assert code == 0
+    lines = text.splitlines()
+    marked = [line for line in lines if line.startswith("drive ")]
+    assert [("out of service for its engine" in line) for line in marked] == \
+        [False, True, False]
+    assert any(line.startswith("rank 0000: taken out of service by its engine") for line in lines)
+    # the rank store given alone says it too (one root's `status`)
+    assert run_json("status", "--root", rank_store)["out_of_service"]["stale"] is False
+
+    hung[0] = False  # the commit ended: the next probe reads the drive and brings it back
+    wait_until(lambda: not guard.down, NET_S, what="the probe bringing the drive back")
+    assert all(r.wait(NET_S) for r in recorders)
+    doc = run_json("status", *argv)
+    assert [d.get("out_of_service") for d in doc["drives"]] == [None, None, None]
+    assert not oos.record_path(rank_store).exists()
+
+    # An engine killed while it had the drive out leaves its record: stale, not a mark.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    oos.record_path(rank_store).write_text(json.dumps({
+        "schema": oos.SCHEMA, "since": 1.0, "reason": "3 restore reads late or failed in a row",
+        "pid": int(gone.stdout), "host": __import__("socket").gethostname(), "started": 1}))
+    doc = run_json("status", *argv)
+    assert doc["drives"][1].get("out_of_service") is None
+    assert doc["drives"][1]["result"]["stores"][0]["result"]["status"]["out_of_service"][
+        "stale"] is True

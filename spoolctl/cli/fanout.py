@@ -191,10 +191,24 @@ class DriveResult:
     view: View | None = None
     error: str | None = None
     disk_down: bool = False
+    # the rank stores on it a running engine has out of service (``status``)
+    taken_out: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return outcome_json({"root": str(self.root)}, self.code, self.doc, self.error,
-                            disk_down=self.disk_down)
+        row = outcome_json({"root": str(self.root)}, self.code, self.doc, self.error,
+                           disk_down=self.disk_down)
+        if self.taken_out:
+            row["out_of_service"] = list(self.taken_out)
+        return row
+
+
+def taken_out(docs: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The stores among ``docs`` (``status`` documents) whose engine has them out of service
+    now: a record that is not known to be stale (``out_of_service``)."""
+    facts = [d.get("status", d) for d in docs]  # a rank store's are under ``status``
+    return tuple(str(d.get("root")) for d in facts
+                 if isinstance(out := d.get("out_of_service"), dict)
+                 and "error" not in out and out.get("stale") is not True)
 
 
 def store_docs(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -222,7 +236,8 @@ def run_per_drive(roots: list[Path], job: DriveJob, *, json_output: bool,
             results.append(DriveResult(root, error_exit_code(exc), error=str(exc),
                                        disk_down=isinstance(exc, DiskNotAnsweringError)))
             continue
-        results.append(DriveResult(root, code, doc=doc, view=view))
+        results.append(DriveResult(root, code, doc=doc, view=view,
+                                   taken_out=taken_out(per_store(doc))))
     summed: dict[str, int] = {}
     for r in results:
         for one in per_store(r.doc) if r.doc is not None else ():
@@ -244,7 +259,11 @@ def _drives_view(results: list[DriveResult], doc: dict[str, Any]) -> list[Any]:
     out: list[Any] = []
     for r in results:
         # the whole path, never shortened to the terminal's width (a Rule would)
-        out.append(Text.assemble(("drive ", "bold"), (plain(str(r.root)), "bold")))
+        head = Text.assemble(("drive ", "bold"), (plain(str(r.root)), "bold"))
+        if r.taken_out:  # the engine bypasses it: said on the drive's own line
+            head.append(f"  out of service for its engine ({len(r.taken_out)} rank "
+                        f"store{'s' if len(r.taken_out) > 1 else ''})", style="red")
+        out.append(head)
         if r.error is not None:
             state = "down (its disk did not answer)" if r.disk_down else "error"
             out.append(Text.assemble((f"{state}: ", "red"), plain(r.error)))

@@ -67,7 +67,9 @@ DRIVES = Document("(status, clean, scrub, export, on several roots)", "A command
                       "roots": "the roots given, in order",
                       "drives": "per drive: `root`, `exit`, and `result` (the document the "
                                 "command prints for that root alone) or `error` (with "
-                                "`disk_down`: true when its disk did not answer in time)",
+                                "`disk_down`: true when its disk did not answer in time); "
+                                "status: `out_of_service`, the rank stores on it a running "
+                                "engine has out of service (absent when none)",
                       "totals": "`drives`, `drives_down` (missing, unreadable or hung), and "
                                 "the command's numbers summed over every store that answered "
                                 "(status: `stores`, `entries`, `bytes`; export: "
@@ -103,7 +105,12 @@ DOCUMENTS: tuple[Document, ...] = (
                                 "`matches_keyring`; null: none configured), `tenants`, "
                                 "`entries_by_version`, `unreadable_entries`, `imported_keys` "
                                 "(per tenant id, the live key versions an import brought, "
-                                "decision 2813)"}),
+                                "decision 2813)",
+                  "out_of_service": "a vLLM rank store its engine's worker took out of "
+                                    "service (its disk stopped answering): `since`, "
+                                    "`reason`, `pid`, `host`, `started`, and `stale` (true: "
+                                    "that process is gone; null: written on another host), "
+                                    "or `error`; absent while the store is in service"}),
     Document("ls", "Entries, newest access first by default.", {
         "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows",
         "being_deleted": "entries an interrupted clean is deleting (not listed; the next "

@@ -147,7 +147,40 @@ def status_doc(store: Store, facts: StoreFacts | None = None) -> dict[str, Any]:
 
     facts = facts if facts is not None else store.facts()
     genai = store.entries(kind="genai") if "genai" in facts.by_kind else []
-    return {**facts.to_json(), "genai": expiry_summary(genai, time.time()).to_json()}
+    doc = {**facts.to_json(), "genai": expiry_summary(genai, time.time()).to_json()}
+    if (out := out_of_service_doc(store.root)) is not None:
+        doc["out_of_service"] = out
+    return doc
+
+
+def out_of_service_doc(store_root: Path) -> dict[str, Any] | None:
+    """The record a vLLM worker keeps beside its rank store while its guard has that store
+    out of service (``connector/deployment/out_of_service.py``), None without one;
+    ``{"error": ...}`` when it cannot be read."""
+    from spoolctl.connector.deployment import out_of_service
+
+    try:
+        return out_of_service.read(store_root)
+    except out_of_service.DescriptionError as exc:
+        return {"error": str(exc)}
+
+
+def out_of_service_line(name: str, out: dict[str, Any]) -> Text:
+    """One line saying that ``name`` (a store, a rank) is out of service for its engine."""
+    from rich.text import Text
+    if "error" in out:
+        return Text(f"{name}: out-of-service record unreadable: {plain(out['error'])}",
+                    style="yellow")
+    who = f"pid {out['pid']} on {plain(out['host'])}"
+    if out["stale"]:
+        return Text(f"{name}: a stale out-of-service record (its engine, {who}, is gone; "
+                    f"it said since {render.past_time(out['since'], time.time())}: "
+                    f"{plain(out['reason'])}); the next engine start removes it",
+                    style="yellow")
+    return Text(f"{name}: taken out of service by its engine ({who}) "
+                f"{render.past_time(out['since'], time.time())}: {plain(out['reason'])}; "
+                "lookups and restores skip it and its writes go to the other drives until "
+                "the engine's probe reads it again", style="red")
 
 
 @commands.command("status")
@@ -313,7 +346,10 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
     if doc["unknown_files"]:
         t.add_row("unknown files", text(", ".join(doc["unknown_files"][:5])))
     models = doc.get("models") or {}
-    return [t, *_model_lines(models)] if models else t
+    out = [*_model_lines(models)]
+    if (off := doc.get("out_of_service")) is not None:
+        out.insert(0, out_of_service_line("this store", off))
+    return [t, *out] if out else t
 
 
 def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
@@ -466,8 +502,10 @@ def _deployment_view(doc: dict[str, Any]) -> list[Any]:
     out: list[Any] = []
     errors = {(s.get("deployment") or "", s["rank"]): s["error"] for s in doc["stores"]
               if "error" in s}
+    outs = {(s.get("deployment") or "", s["rank"]): s["result"]["status"]["out_of_service"]
+            for s in doc["stores"] if "out_of_service" in s.get("result", {}).get("status", {})}
     for name, dep in sorted(doc["deployments"].items()):
-        out.extend(_one_deployment_view(name, dep, errors))
+        out.extend(_one_deployment_view(name, dep, errors, outs))
     for (name, rank), error in sorted(errors.items()):
         if name not in doc["deployments"]:
             out.append(Text.assemble((f"{plain(name)}/rank-{rank:04d}: ", "bold"),
@@ -475,7 +513,8 @@ def _deployment_view(doc: dict[str, Any]) -> list[Any]:
     return out
 
 
-def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[Any]:
+def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict,
+                         outs: dict[tuple[str, int], dict[str, Any]]) -> list[Any]:
     from rich.table import Table
     from rich.text import Text
 
@@ -515,8 +554,10 @@ def _one_deployment_view(name: str, dep: dict[str, Any], errors: dict) -> list[A
                    + (f"rank {unread} could not be read; " if unread else "")
                    + f"{dep['complete_chunks']} chunks on every rank; a chunk missing "
                    "on any rank is a miss everywhere until re-stored")
-    return [what, t, verdict, _host_line(dep["host"]), _lifecycle_line(dep.get("lifecycle")),
-            hits]
+    offs = [out_of_service_line(f"rank {rank:04d}", off)
+            for (dep_name, rank), off in sorted(outs.items()) if dep_name == name]
+    return [what, t, *offs, verdict, _host_line(dep["host"]),
+            _lifecycle_line(dep.get("lifecycle")), hits]
 
 
 def _lifecycle_line(life: dict[str, Any] | None) -> Text:

@@ -73,6 +73,8 @@ class DiskGuard:
         self._busy: Future | None = None  # the call on the guard's thread, if any
         self._failures: dict[str, int] = {}  # kind of read -> failures in a row
         self._down_since: float | None = None
+        # why it was taken out, for people (``out_of_service`` records it); None while up
+        self.reason: str | None = None
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
         self._listeners: list[Callable[[bool], None]] = []
@@ -116,6 +118,7 @@ class DiskGuard:
                     self._failures[kind] < self.failures_to_down:
                 return
             self._down_since = time.monotonic()
+            self.reason = f"{self.failures_to_down} {kind} reads late or failed in a row"
             self.downs += 1
             self._start_probe()
         self._tell(True)
@@ -133,6 +136,7 @@ class DiskGuard:
             if self._down_since is not None:
                 return
             self._down_since = time.monotonic()
+            self.reason = f"a {kind} still running past its bound"
             self.downs += 1
             self._start_probe()
         self._tell(True)
@@ -243,6 +247,7 @@ class DiskGuard:
             if done and not self._held():
                 with self._lock:
                     since, self._down_since = self._down_since, None
+                    self.reason = None
                     self._failures.clear()
                 log.warning("spoolctl: store disk answers again after %.0f s; using it: %s",
                             time.monotonic() - (since or time.monotonic()), self._root)

@@ -23,6 +23,7 @@ No vLLM import: vLLM's request objects are read by attribute.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -284,6 +285,15 @@ class RankLookup:
         one entry per drive out, so ``spoolctl_disk_down`` counts stores)."""
         return sorted([r for r, g in self._guards.items() if g.down] +
                       [r for r, more in self._more.items() for _, g in more if g.down])
+
+    def drives_up(self, rank: int) -> dict[str, bool]:
+        """The stores ``rank`` is read in here, by root (``os.path.normpath``): True while
+        in service by this scheduler's own guards. Empty: read from its reports."""
+        local = self._local.get(rank)
+        if local is None:
+            return {}
+        guards = [(local[0], self._guards[rank]), *self._more.get(rank, ())]
+        return {os.path.normpath(str(s.root)): not g.down for s, g in guards}
 
     def state(self) -> dict:
         """Per rank: how it is read and how many chunks it is known to hold (and

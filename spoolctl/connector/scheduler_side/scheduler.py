@@ -94,6 +94,9 @@ class SchedulerSide:
         self._late = LateDrives(stores, tag_key=settings.tag_key(),
                                 deadline_s=settings.lookup_deadline,
                                 probe_interval_s=settings.probe_interval)
+        # Ranks on several drives: rank -> root -> (the drive as its worker named it last,
+        # whether it was taken into the set after the handshake); for ``inventory_state``.
+        self._drive_infos: dict[int, dict[str, tuple[DriveInfo, bool]]] = {}
         # LoRA requests are keyed by their adapter's content digest (decision 2111).
         self._adapters = AdapterDigests(memo_dir_for(deployment.settings.weights_memo))
         # Encryption at rest: each request's cache_salt names its tenant (decision 2801).
@@ -122,6 +125,9 @@ class SchedulerSide:
             self._ranks.apply([hs.report])
             self._coord.reports_applied(self._ranks.last_applied)
             sites[hs.rank] = RankSite(hs.host, hs.chunk_bytes)
+            if hs.drives:  # several drives: named in ``inventory_state``
+                self._drive_infos[hs.rank] = {os.path.normpath(d.root): (d, False)
+                                              for d in hs.drives}
             if self._dep.settings.inventory == "auto" and hs.host == here:
                 self._adopt_local(hs)
         self._coord.handshakes(sites)
@@ -197,6 +203,12 @@ class SchedulerSide:
         catalogs are read here, open each drive not read yet (``latedrives``; returns at
         once). A rank read from its reports needs nothing: they cover every drive."""
         for rank, infos in drives.items():
+            known = self._drive_infos.setdefault(rank, {})
+            for info in infos:  # opened late: not opened by its worker at the handshake
+                before = known.get(os.path.normpath(info.root))
+                late = before is None or before[1] or (bool(info.store_id)
+                                                      and not before[0].store_id)
+                known[os.path.normpath(info.root)] = (info, late)
             read = {os.path.normpath(str(s.root)) for s in self._ranks.stores_of(rank)}
             if not read:
                 continue
@@ -330,7 +342,23 @@ class SchedulerSide:
 
     @property
     def inventory_state(self) -> dict:
-        return self._ranks.state()
+        """Per rank (``RankLookup.state``); a rank on several drives also gets ``drives``:
+        per drive its ``base``, ``root``, ``drive`` id, ``source`` (``catalog``: read here;
+        ``reports``: covered by the rank's reports; ``pending``: its worker has not opened
+        it), ``up`` (a drive read here: by this scheduler's own guards; else None) and
+        ``late`` (its worker took it into its set after the handshake, decision 2750)."""
+        state = self._ranks.state()
+        for rank, infos in self._drive_infos.items():
+            if rank not in state:
+                continue
+            read = self._ranks.drives_up(rank)
+            state[rank]["drives"] = [
+                {"base": info.base, "root": info.root, "drive": info.drive_id,
+                 "source": "catalog" if root in read else
+                 "reports" if info.store_id else "pending",
+                 "up": read.get(root), "late": late}
+                for root, (info, late) in infos.items()]
+        return state
 
     def shutdown(self) -> None:
         """Let go of the rank stores read here (closed with their last user)."""

@@ -53,6 +53,7 @@ from spoolctl.errors import ConfigError
 from spoolctl.store import Store
 
 from ..deployment import description
+from ..deployment.out_of_service import OutOfServiceRecorder
 from ..deployment.topology import rank_root
 from ..diskguard import DiskGuard, guard_for
 from ..drivestores import DriveSlot, DriveStores
@@ -286,6 +287,7 @@ class WorkerSide:
         one.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"spoolctl-restore-d{index}")
         one.guard = guard_for(store, deadline_s=settings.lookup_deadline,
                               probe_interval_s=settings.probe_interval)
+        one.recorder = _record_guard(store, one.guard)
         one.ledger = self._ledger_for(store)
         one.maintainer = self._start_maintainer(store)
         return one
@@ -312,6 +314,7 @@ class WorkerSide:
         # out of its lookups too (decision 2700).
         parts.guard = guard_for(store, deadline_s=settings.lookup_deadline,
                                 probe_interval_s=settings.probe_interval)
+        parts.recorder = _record_guard(store, parts.guard)
         parts.pipeline = self._pipeline_for(store, parts.pool, tenant_bytes,
                                             guard=parts.guard)
         epoch = store.next_generation(f"vllm-connector:{ns}")
@@ -755,10 +758,21 @@ class WorkerSide:
             parts.pool.shutdown(wait=False, cancel_futures=True)
         if parts.guard is not None:
             parts.guard.close()
+        if parts.recorder is not None:  # this engine no longer has it out
+            parts.recorder.update(False)
         if parts.pipeline is not None:  # restores in flight end, their buffers come back
             parts.pipeline.close()
         for one in parts.drives:  # several drives: each drive's pool, guard, ledger...
             cls._shutdown_parts(one)
+
+
+def _record_guard(store: Store, guard: DiskGuard) -> OutOfServiceRecorder:
+    """Say beside ``store`` when ``guard`` takes it out and brings it back, for
+    ``spoolctl status`` (``out_of_service``); a previous engine's record goes now."""
+    recorder = OutOfServiceRecorder(store.root)
+    guard.listen(lambda down: recorder.update(down, guard.reason))
+    recorder.update(guard.down, guard.reason)
+    return recorder
 
 
 @dataclass(eq=False)
@@ -773,6 +787,7 @@ class _Parts:
     holdings: RankHoldings | None = None
     maintainer: Any = None
     ledger: WriteLedger | None = None
+    recorder: OutOfServiceRecorder | None = None
     drives: list[_Parts] = field(default_factory=list)  # several drives: each one's parts
     # Several drives: ``join(slot, parts)`` takes a drive that opened later into this set.
     join: Callable[[DriveSlot, _Parts], None] | None = None
