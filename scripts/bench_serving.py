@@ -20,7 +20,11 @@ Arms, each in its own engine processes, same model, same seeded schedule:
             while the store was still in service (their restores met the hung disk and
             pay the deadline), and ``after_out``, those that arrived once it was taken out
             (goal: the no-connector TTFT); each group's p50/p99 TTFT and hit tokens next
-            to the ``none`` arm's for the same arrivals (same seeded schedule)
+            to the ``none`` arm's for the same arrivals (same seeded schedule). With
+            ``--drives N`` (N > 1) the spool and hung arms use N drive roots
+            (``spoolctl_roots``) and the hung arm hangs only the last drive's ``objects/``:
+            what one hung drive among N costs (its share of the hits, and the deadline for
+            the restores that met it); "taken out" is then that drive's guard
 
 For ``spool`` and ``native`` a first process computes and stores every arrival's long
 prefix (a document of ``--prefix-tokens`` tokens + a question) and shuts down cleanly once
@@ -76,7 +80,9 @@ def _connector_config(job: dict):
     from vllm.config import KVTransferConfig
 
     if job["arm"] in ("spool", "hung"):
-        extra = {"spoolctl_root": job["spool_root"], "spoolctl_scrub_rate": "0"}
+        roots = job.get("spool_roots")  # several drives (--drives): spoolctl_roots
+        extra = {**({"spoolctl_roots": roots} if roots else {"spoolctl_root": job["spool_root"]}),
+                 "spoolctl_scrub_rate": "0"}
         if job.get("read_deadline") is not None:
             extra["spoolctl_read_deadline"] = job["read_deadline"]
         return KVTransferConfig(
@@ -257,8 +263,13 @@ def measure(job: dict) -> dict:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         side = get_kv_transfer_group().worker
+        hung_base = (job.get("spool_roots") or [None])[-1]
 
         def store_out() -> bool:
+            if hung_base is not None:  # several drives: the hung (last) drive's guard
+                slot = next(s for s in side._drives.slots if s.base == hung_base)
+                guard = side._guard_of(slot.drive_id) if slot.drive_id else None
+                return guard is None or guard.down
             # the rank store's health, shared with the scheduler's lookups (decision 2700)
             return side._guard is not None and side._guard.down
 
@@ -332,8 +343,9 @@ def _spawn(job: dict, workdir: Path, hang=None) -> dict:
 
 
 def _hang_objects(spool_root: Path, workdir: Path):
-    """Move the (one) rank store's ``objects/`` onto the FUSE filesystem the tests control
-    and hang it; the mount (``tests/fusemount.ControlledMount``) is returned."""
+    """Move the (one) rank store's ``objects/`` under ``spool_root`` (with ``--drives``:
+    the last drive's root) onto the FUSE filesystem the tests control and hang it; the
+    mount (``tests/fusemount.ControlledMount``) is returned."""
     sys.path.insert(0, str(HERE.parent.parent / "tests"))
     from fusemount import ControlledMount, fuse_missing
 
@@ -421,6 +433,9 @@ def main() -> None:
     ap.add_argument("--read-deadline", type=float, default=None,
                     help="spoolctl_read_deadline for the spool and hung arms (default: the "
                          "connector's)")
+    ap.add_argument("--drives", type=int, default=1,
+                    help="drive roots of the spool and hung arms (spoolctl_roots when > 1); "
+                         "the hung arm hangs the last one only")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -437,6 +452,8 @@ def main() -> None:
     unknown = set(arms) - {"none", "spool", "native", "hung"}
     if unknown:
         ap.error(f"unknown arm(s) {sorted(unknown)}; use none, spool, native, hung")
+    if not 1 <= args.drives <= 64:
+        ap.error("--drives takes 1 to 64 (the connector's limit)")
     workdir = Path(os.path.realpath(args.workdir or f"/var/tmp/spoolctl-serving-{os.getpid()}"))
     workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(workdir / f"model-{args.preset}", args.preset)
@@ -462,6 +479,7 @@ def main() -> None:
             "kv_bytes": (args.arrivals + 2) * n_tok * KV_BYTES_PER_TOKEN + (128 << 20),
             "read_deadline": args.read_deadline}
     report: dict = {"model": args.preset, "prefix_tokens": args.prefix_tokens,
+                    "drives": args.drives,
                     "arrivals": args.arrivals, "streams": args.streams, "gap_s": args.gap_s,
                     "read_deadline_s": args.read_deadline or _default_read_deadline(),
                     "offsets_s": offsets, "load_avg": {"start": os.getloadavg()[0]},
@@ -473,11 +491,18 @@ def main() -> None:
         native_root.mkdir()
         job = {**base, "arm": arm, "spool_root": str(spool_root),
                "native_root": str(native_root)}
+        hung_root = spool_root
+        if args.drives > 1 and arm in ("spool", "hung"):
+            roots = [spool_root / f"drive{i}" for i in range(args.drives)]
+            for root in roots:
+                root.mkdir(parents=True)
+            job["spool_roots"] = [str(r) for r in roots]
+            hung_root = roots[-1]
         if arm != "none":
             prep = _spawn({**job, "kind": "prepare"}, workdir)
             report["stored_completely"][arm] = prep["stored_completely"]
         report["page_cache_dropped"].append(drop_page_cache())
-        hang = (lambda root=spool_root: _hang_objects(root, workdir)) if arm == "hung" else None
+        hang = (lambda root=hung_root: _hang_objects(root, workdir)) if arm == "hung" else None
         report["arms"][arm] = res = _spawn({**job, "kind": "measure"}, workdir, hang)
         print(f"# {arm}: restores TTFT p50 {res['restores']['ttft_s']['p50']:.3f}s "
               f"p99 {res['restores']['ttft_s']['p99']:.3f}s hits "

@@ -119,6 +119,14 @@ class Controlled(fuse.Operations):
         self._gate(new)
         os.replace(self._p(old), self._p(new))
 
+    def link(self, target, source):
+        # mfusepy's order: ``target`` is the new name, ``source`` the existing file. Without
+        # it a hard link fails EROFS, and a drive marker (created by os.link, so two
+        # processes agree on one id) could never be written on the mount.
+        self._gate(source)
+        self._gate(target)
+        os.link(self._p(source), self._p(target))
+
     def chmod(self, path, mode):
         self._gate(path)
         os.chmod(self._p(path), mode)
