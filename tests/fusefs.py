@@ -10,8 +10,10 @@ except on paths (inside the mount) that a line of the file CONTROL names:
 
 The tests drive it through ``tests/fusemount.py``, which always releases and unmounts it.
 Needs the kernel's FUSE (``/dev/fuse``), libfuse3 (Debian ``fuse3``) and ``mfusepy``.
-SQLite's shared-memory file does not work on it (SIGBUS): mount it over a store's
-``manifests/`` or ``objects/`` directory, not over a whole store.
+A whole store can live on it (files created on it open read-write, so SQLite's WAL index
+can be mapped; hard links pass through, so a drive marker can be written), or only a
+store's ``manifests/`` or ``objects/`` directory (a publish into it from the store's
+``tmp/`` is then a cross-device rename, refused before it gets here).
 """
 
 from __future__ import annotations
