@@ -6,7 +6,9 @@ except on paths (inside the mount) that a line of the file CONTROL names:
   sector or a broken network mount does;
 * ``hang PATTERN``: every operation on a matching path (lookups, stats, opens, reads,
   writes, listings) blocks, as on a hung mount, until the line is removed from CONTROL;
-  ``hang /`` hangs the whole mount.
+  ``hang /`` hangs the whole mount;
+* ``nolink``: hard links fail with EPERM, as on a filesystem without them (vfat, many FUSE
+  and SMB mounts).
 
 The tests drive it through ``tests/fusemount.py``, which always releases and unmounts it.
 Needs the kernel's FUSE (``/dev/fuse``), libfuse3 (Debian ``fuse3``) and ``mfusepy``.
@@ -48,7 +50,8 @@ class Controlled(fuse.Operations):
         except FileNotFoundError:
             return [], []
         hang = [line[5:].strip() for line in lines if line.startswith("hang ")]
-        return [line for line in lines if not line.startswith("hang ")], hang
+        return [line for line in lines if not line.startswith("hang ")
+                and line != "nolink"], hang
 
     def _gate(self, path: str) -> list[str]:
         """Block while a ``hang`` line matches ``path``; then the EIO patterns."""
@@ -127,6 +130,9 @@ class Controlled(fuse.Operations):
         # processes agree on one id) could never be written on the mount.
         self._gate(source)
         self._gate(target)
+        with open(self.control) as f:
+            if "nolink" in (line.strip() for line in f):
+                raise fuse.FuseOSError(errno.EPERM)
         os.link(self._p(source), self._p(target))
 
     def chmod(self, path, mode):

@@ -85,6 +85,10 @@ class ControlledMount:
         """Every operation on paths containing ``pattern`` blocks (``/``: all of them)."""
         self._set([f"hang {pattern}"])
 
+    def refuse_links(self) -> None:
+        """Hard links fail with EPERM (a filesystem without them); the rest passes through."""
+        self._set(["nolink"])
+
     def release(self) -> None:
         """The disk works again: hung operations complete, nothing fails."""
         self._set([])

@@ -256,6 +256,39 @@ def test_a_drive_root_an_operator_got_wrong_is_one_line_naming_the_fix(
             "read-write, or remove it from spoolctl_roots)" in line[1]
 
 
+def test_a_drive_on_a_filesystem_without_hard_links_is_refused_with_the_fix(
+        tmp_path: Path, caplog) -> None:
+    """A drive root on a filesystem without hard links (a real FUSE mount refusing them, as
+    vfat and many FUSE and SMB mounts do): its drive marker can never be written. The other
+    drive opens; this one is refused with one error line naming it and the fix, not retried
+    with an errno forever (decision 2792's finding), and no temporary marker is left."""
+    from fusemount import Mounts
+
+    from spoolctl.connector.drivestores import OPEN, REFUSED, DriveStores
+    from spoolctl.connector.rankstores import OpenStores
+
+    here = Path(os.path.realpath(tmp_path))
+    good, odd = here / "nvme0" / "spool", here / "nvme1" / "spool"
+    good.mkdir(parents=True)
+    odd.mkdir(parents=True)
+    with Mounts(here / "fuse") as mounts:
+        mounts.over(odd).refuse_links()
+        roots = [(str(b), str(b / "vllm-v1-x" / "rank-0000")) for b in (good, odd)]
+        caplog.set_level("WARNING", logger="spoolctl.connector")
+        d = DriveStores.open(roots, OpenStores(), create=True, deadline_s=1,
+                             probe_interval_s=0.05)
+        try:
+            said = [(r.levelname, r.getMessage()) for r in caplog.records]
+            states = [s.state for s in d.slots]
+        finally:
+            d.close()
+        assert states == [OPEN, REFUSED]
+        (line,) = said
+        assert line[0] == "ERROR" and f"{odd} is on a filesystem without hard links" in \
+            line[1] and "put this drive root on a local filesystem such as ext4 or xfs" in line[1]
+        assert os.listdir(odd) == []  # no marker, no temporary marker
+
+
 def test_a_drive_that_fills_up_passes_its_chunks_to_a_drive_with_room(
         tmp_path: Path, mount_tmpfs) -> None:
     """Two drives, the second a small filesystem (its own size below any ``max_size``):

@@ -19,6 +19,7 @@ a fresh (replaced) drive gets a new id, and only its share of chunks starts cold
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -34,6 +35,9 @@ from .description import Unreadable, read_bounded
 MARKER = ".spoolctl-drive"
 SCHEMA = "spoolctl-drive/v1"
 _ID_HEX = 32
+# What ``link`` fails with where a filesystem has no hard links (EROFS: mfusepy's default).
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS,
+                            errno.EMLINK, errno.EROFS})
 _LIMIT = 4096
 
 
@@ -112,6 +116,15 @@ def drive_id(root: str | Path) -> str:
         os.link(tmp, root / MARKER)  # fails if another process recorded one meanwhile
     except FileExistsError:
         pass
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        # A filesystem without hard links (vfat, many FUSE and SMB mounts) can never hold
+        # the marker: say so once, with the fix, instead of an errno on every retry.
+        raise ConfigError(f"{root} is on a filesystem without hard links ({exc.strerror}), "
+                          "which the drive marker needs; put this drive root on a local "
+                          "filesystem such as ext4 or xfs, or leave it out of the roots",
+                          path=str(root)) from None
     finally:
         os.unlink(tmp)
     dirfd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
