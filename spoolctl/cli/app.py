@@ -282,13 +282,11 @@ def build_command(argv: list[str] | None = None) -> Any:
     the whole tree, so ``--help`` and "did you mean" see every command."""
     import typer.main
 
-    from .common import one_root_only
     from .placeholders import polish
 
     name = next((word for word in argv or () if not word.startswith("-")), None)
     command = typer.main.get_command(_only(name) if name else app)
     polish(command)
-    one_root_only(command)
     return command
 
 

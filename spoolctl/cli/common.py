@@ -87,9 +87,24 @@ def default_store_root() -> Path:
     return Path(env) if env else default_root() / "store"
 
 
+def _refuse_several_roots(ctx: typer.Context, value: list[str] | None) -> list[str] | None:
+    """A one-root command given ``--root`` more than once is a usage error, not click's
+    silent "the last one wins" (``keys rotate --root a --root b`` rotated b only, exit 0)."""
+    if value and len(value) > 1:
+        raise ConfigError(f"`{ctx.command_path}` takes one --root, and {len(value)} were given",
+                          path=" ".join(value),
+                          fix="run it once per root; status, metrics, clean, scrub and "
+                              "export take several")
+    return value
+
+
+# Text, made a Path by ``resolve_root``: declared through typer's public API only (a repeatable
+# text option plus a callback), since typer validates its own parameter types and refuses one
+# changed behind its back. Text, not click's Path: that stats the path while parsing.
 RootOption = Annotated[
-    Path | None,
-    typer.Option("--root", help=f"Store root (absolute). Default: ${ENV_ROOT}, else "
+    list[str] | None,
+    typer.Option("--root", metavar="<path>", callback=_refuse_several_roots,
+                 help=f"Store root (absolute). Default: ${ENV_ROOT}, else "
                  "~/.cache/spoolctl/store.", show_default=False),
 ]
 # Text, made a Path by ``drive_roots`` / ``first_root``: click's Path type stats the path
@@ -102,32 +117,6 @@ RootsOption = Annotated[
                  f"${ENV_ROOT} (several roots separated by ':'), else "
                  "~/.cache/spoolctl/store.", show_default=False),
 ]
-
-
-def one_root_only(command: Any) -> None:
-    """Make a repeated ``--root`` of a one-root command (``RootOption``) a usage error
-    instead of click's silent "the last one wins" (``keys rotate --root a --root b``
-    rotated b only, exit 0): in place, on ``command`` and its subcommands. The option
-    collects every value it is given; the callback hands the command the one or refuses."""
-    for param in getattr(command, "params", ()):
-        if getattr(param, "name", None) == "root" and "--root" in getattr(param, "opts", ()) \
-                and not param.multiple:
-            param.multiple = True
-            param.callback = _the_one_root
-    for sub in getattr(command, "commands", {}).values():
-        one_root_only(sub)
-
-
-def _the_one_root(ctx: Any, param: Any, value: Any) -> Any:
-    if value is None or isinstance(value, Path | str):
-        return value
-    given = list(value)
-    if len(given) > 1:
-        raise ConfigError(f"`{ctx.command_path}` takes one --root, and {len(given)} were given",
-                          path=" ".join(str(v) for v in given),
-                          fix="run it once per root; status, metrics, clean, scrub and "
-                              "export take several")
-    return given[0] if given else None
 
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
@@ -238,11 +227,16 @@ def drive_roots(roots: list[str] | None) -> list[Path] | None:
     return given
 
 
-def resolve_root(root: Path | None) -> Path:
-    return root if root is not None else default_store_root()
+def resolve_root(root: Path | str | list[str] | None) -> Path:
+    """The one root a command acts on: ``--root`` (a ``RootOption`` hands a list of at most
+    one), else ``$SPOOLCTL_ROOT``, else the user's store."""
+    if isinstance(root, list):
+        root = root[0] if root else None
+    return Path(root) if root is not None else default_store_root()
 
 
-def open_store(root: Path | None, *, create: bool = False, max_bytes: int | None = None,
+def open_store(root: Path | str | list[str] | None, *, create: bool = False,
+               max_bytes: int | None = None,
                read_only_ok: bool = False) -> Store:
     """Open the store at ``root``. ``read_only_ok`` (commands that only read): if it cannot
     be opened for writing because of permissions (a read-only or immutable catalog, a

@@ -82,7 +82,7 @@ def _target(found: StorePlace) -> StoreTarget:
     return StoreTarget(found.path, found.rank, found.deployment)
 
 
-def resolve_targets(root: Path | None, *, rank: int | None = None,
+def resolve_targets(root: Path | str | list[str] | None, *, rank: int | None = None,
                     deployment: str | None = None) -> Targets:
     """Resolve ``--root`` (default: ``$SPOOLCTL_ROOT`` or the user's store) into stores,
     narrowed by ``rank`` / ``deployment``.

@@ -79,7 +79,7 @@ def export_source(root: Path | None, rank: int | None,
     return source
 
 
-def import_target(root: Path | None) -> RootContents:
+def import_target(root: Path | str | list[str] | None) -> RootContents:
     """Classify an import's ``--root`` (``inspect_root``): a path that does not exist yet
     or an empty directory (a fresh root), a store, a deployment directory or a base root;
     the importer creates what is missing. A rank store whose deployment name an archive
