@@ -14,7 +14,12 @@
 #                                     # its declared dependencies only, plus the test runners
 #   bash scripts/run.sh test-rest     # the default suite minus that base set, in .venv
 #   bash scripts/run.sh check-collect # every test module collects in a child process; names
-#                                     # any module that kills the interpreter (issue 27)
+#                                     # any module that kills the interpreter
+#   bash scripts/run.sh test-newest   # the newest versions pyproject.toml allows (no constraints
+#                                     # file): the base set and the demo in .venv-newest
+#   bash scripts/run.sh test-lowest   # the oldest versions it allows (uv's lowest-direct
+#                                     # resolution): the base set in .venv-lowest
+#   bash scripts/run.sh test-lanes    # both, one after the other (CI runs them beside `test`)
 #
 # Installs are idempotent: a stamp records what was installed for which pyproject.
 set -euo pipefail
@@ -87,6 +92,71 @@ install_base_only() {
   touch "$BASE_VENV/.spoolctl-$stamp"
 }
 
+# The dependency lanes: what `pip install spoolctl` resolves today, and the oldest versions the
+# bounds allow. The constrained venvs stay the main run; these catch a new release that breaks
+# us (fix our code, or bound it with a comment naming the break) and a bound that is too low.
+NEWEST_VENV="${SPOOLCTL_NEWEST_VENV:-.venv-newest}"
+LOWEST_VENV="${SPOOLCTL_LOWEST_VENV:-.venv-lowest}"
+RUNNERS=(pytest pytest-timeout pytest-xdist hypothesis)
+
+fresh_venv() {  # fresh_venv DIR: a venv with a current pip
+  if [ ! -x "$1/bin/python" ]; then
+    "$PY" -m venv "$1"
+    logged "$1/install.log" "$1/bin/python" -m pip install --quiet \
+      --disable-pip-version-check -U pip wheel
+  fi
+}
+
+install_newest() {
+  # No stamp: "newest" is whatever the index serves today. torch is held at the CPU build
+  # (another version downloads a multi-GB CUDA build); everything else resolves freely.
+  fresh_venv "$NEWEST_VENV"
+  echo "run.sh: installing the newest allowed versions into $NEWEST_VENV (log: $NEWEST_VENV/install.log)" >&2
+  logged "$NEWEST_VENV/install.log" "$NEWEST_VENV/bin/python" -m pip install --quiet \
+    --disable-pip-version-check torch==2.13.0
+  logged "$NEWEST_VENV/install.log" "$NEWEST_VENV/bin/python" -m pip install --quiet \
+    --disable-pip-version-check -U -e '.[torch]' "${RUNNERS[@]}" \
+    -c <(echo torch==2.13.0)
+  "$NEWEST_VENV/bin/python" -m pip freeze --exclude-editable > "$NEWEST_VENV/resolved.txt"
+}
+
+install_lowest() {
+  local stamp; stamp=$(stamp_for lowest)
+  if [ -f "$LOWEST_VENV/.spoolctl-$stamp" ]; then return; fi
+  fresh_venv "$LOWEST_VENV"
+  echo "run.sh: installing the oldest allowed versions into $LOWEST_VENV (log: $LOWEST_VENV/install.log)" >&2
+  # uv resolves the lowest versions of spoolctl's own dependencies; pip installs them.
+  logged "$LOWEST_VENV/install.log" "$LOWEST_VENV/bin/python" -m pip install --quiet \
+    --disable-pip-version-check uv
+  logged "$LOWEST_VENV/install.log" "$LOWEST_VENV/bin/python" -m uv pip compile pyproject.toml \
+    --resolution lowest-direct --python "$LOWEST_VENV/bin/python" --no-header --no-annotate \
+    --quiet -o "$LOWEST_VENV/lowest.txt"
+  logged "$LOWEST_VENV/install.log" "$LOWEST_VENV/bin/python" -m pip install --quiet \
+    --disable-pip-version-check -c "$LOWEST_VENV/lowest.txt" -e . "${RUNNERS[@]}"
+  touch "$LOWEST_VENV/.spoolctl-$stamp"
+}
+
+base_set() {  # base_set VENV [ARGS]: the base-marked modules in VENV, as test-base runs them
+  local venv="$1"; shift
+  precompile "$venv/bin/python"
+  # shellcheck disable=SC2046
+  SPOOLCTL_TEST_BASE_ONLY=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    $(workers) -m "base and not extended" "$@"
+}
+
+newest_demo() {  # the README's main job on the newest versions, in a throwaway cache dir
+  local home; home=$(mktemp -d)
+  local rc=0
+  HOME="$home" XDG_CACHE_HOME="$home/cache" "$NEWEST_VENV/bin/spoolctl" demo --preset tiny \
+    >"$home/demo.log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ]; then
+    echo "run.sh: the demo failed on the newest versions (exit $rc):" >&2
+    tail -n 40 "$home/demo.log" >&2
+  fi
+  rm -rf "$home"
+  return "$rc"
+}
+
 # The default suite runs on every core (pytest-xdist, at most 4 workers; SPOOLCTL_TEST_WORKERS
 # overrides, 0 = in this process), a module's tests on one worker (--dist loadfile: module
 # fixtures such as a module's engines run once). Modules that start real vLLM engines take
@@ -156,6 +226,25 @@ case "$job" in
     SPOOLCTL_TEST_BASE_ONLY=1 exec "$BASE_VENV/bin/python" -m pytest -q -p no:cacheprovider \
       $(workers) --durations=15 -m "base and not extended" "$@"
     ;;
+  test-newest)
+    install_newest
+    echo "run.sh: newest lane: $(grep -i -E '^(typer|rich|click|prometheus|blake3|msgspec|transformers|safetensors|numpy)==' "$NEWEST_VENV/resolved.txt" | tr '\n' ' ')" >&2
+    rc=0
+    base_set "$NEWEST_VENV" "$@" || rc=$?
+    newest_demo || rc=$?
+    exit "$rc"
+    ;;
+  test-lowest)
+    install_lowest
+    echo "run.sh: lowest lane: $(grep -v '^#' "$LOWEST_VENV/lowest.txt" | tr '\n' ' ')" >&2
+    base_set "$LOWEST_VENV" "$@"
+    ;;
+  test-lanes)
+    rc=0
+    bash "$SELF" test-newest "$@" || rc=$?
+    bash "$SELF" test-lowest "$@" || rc=$?
+    exit "$rc"
+    ;;
   docs)
     install_full
     exec bash scripts/check_docs.sh
@@ -167,7 +256,7 @@ case "$job" in
     exec "$VENV/bin/lint-imports"
     ;;
   *)
-    echo "usage: bash scripts/run.sh demo|test|test-base|test-rest|test-extended|check-collect|lint|docs [ARGS]" >&2
+    echo "usage: bash scripts/run.sh demo|test|test-base|test-rest|test-extended|test-newest|test-lowest|test-lanes|check-collect|lint|docs [ARGS]" >&2
     exit 2
     ;;
 esac

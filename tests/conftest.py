@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import platform_guard
 import pytest
 from native_probe import install_guard
 
@@ -105,8 +106,20 @@ def _engines_take_turns(request: pytest.FixtureRequest,
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test module is imported: another platform's vLLM modules and the kernel
+    # libraries of other CPU classes are refused, and whoever imports one fails, named.
+    config.stash[_CPU_CLASS] = platform_guard.install(config)
+
+
+_CPU_CLASS = pytest.StashKey[str | None]()
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return [f"not importable on this host (probed in a child process): {name}: {why}"
+    played = config.stash.get(_CPU_CLASS, None)
+    header = [f"vLLM CPU class: {played} (other platforms' modules and kernel libraries refused)"
+              ] if played else []
+    return header + [f"not importable on this host (probed in a child process): {name}: {why}"
             for name, why in sorted(NATIVE_CRASHES.items())]
 
 

@@ -12,6 +12,7 @@ blocks identical, every other byte, padding included, untouched).
 from __future__ import annotations
 
 import pytest
+import vllm_backends
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -26,11 +27,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.worker.utils import (  # noqa: E402
-    allocate_kv_cache,
-    customize_attention_spec,
-    select_common_block_size,
-)
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from spoolctl.connector.kv import layouts  # noqa: E402
 from spoolctl.connector.kv.kvio import PagedKV, view_declared  # noqa: E402
@@ -101,31 +98,19 @@ def roundtrip(spec, layout: str, *, kernel_block: int | None = None, n_src: int 
 # -- the layouts vLLM's backends declare, with the specs they make -----------------------------
 
 def _backend_cases():
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
-
+    # Resolved in a child process: some backends import another platform's kernels.
     cases = []
-    for member in AttentionBackendEnum:
-        try:
-            cls = member.get_class()
-            mla = "MLA" in member.name
-            spec = (MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
-                                     dtype=torch.bfloat16, cache_dtype_str="auto") if mla
-                    else FullAttentionSpec(block_size=64, num_kv_heads=4, head_size=64,
-                                           dtype=torch.bfloat16))
-            spec = customize_attention_spec(cls, spec)
-            kernel = select_common_block_size(spec.block_size, [cls], [spec])
-            supported = get_supported_kv_cache_layouts([cls])
-        except Exception as exc:  # a backend this build cannot import or use: say why
-            # (an extension this CPU cannot load is an ImportError here: tests/native_probe.py)
-            cases.append(pytest.param(None, None, None, None, id=f"{member.name}-unavailable",
+    for backend in vllm_backends.resolve():
+        if backend.unusable is not None:  # a backend this build cannot import or use: say why
+            cases.append(pytest.param(None, None, None, id=f"{backend.name}-unavailable",
                                       marks=pytest.mark.skip(
-                                          reason=f"{member.name} is not usable with this "
-                                                 f"vLLM build: {type(exc).__name__}: {exc}")))
+                                          reason=f"{backend.name} is not usable with this "
+                                                 f"vLLM build: {backend.unusable}")))
             continue
-        for layout in supported:
-            cases.append(pytest.param(cls, spec, layout.name, kernel,
-                                      id=f"{member.name}-{layout.name}-k{kernel}"))
+        spec = backend.make_spec()
+        for layout in backend.layouts:
+            cases.append(pytest.param(spec, layout, backend.kernel,
+                                      id=f"{backend.name}-{layout}-k{backend.kernel}"))
     return cases
 
 
@@ -141,8 +126,8 @@ def test_the_installed_vllm_has_backends_of_every_family():
     assert {"LBNHC", "LBHNC", "LHBNC", "BLHNC"} <= layouts_seen
 
 
-@pytest.mark.parametrize("cls,spec,layout,kernel", BACKEND_CASES)
-def test_each_backend_layout_roundtrips_exactly(cls, spec, layout, kernel):
+@pytest.mark.parametrize("spec,layout,kernel", BACKEND_CASES)
+def test_each_backend_layout_roundtrips_exactly(spec, layout, kernel):
     kernel_block = kernel if kernel != spec.block_size else None
     try:
         vllm_caches(spec, layout, 4, kernel_block)
