@@ -21,7 +21,8 @@ def test_create_sets_layout_marker_and_private_modes(store_root: Path) -> None:
     with Store.open(store_root, create=True, max_bytes=1 << 30) as store:
         store.put(kind="mlx", namespace="ns", key="k", objects={"a": b"payload"})
     marker = json.loads((store_root / ".spoolctl-root").read_text())
-    assert marker["schema"] == "spoolctl-root/v1"
+    # every store this version writes keeps its hints in state/hints.log (decision 3050)
+    assert marker["schema"] == "spoolctl-root/v2" and marker["requires"] == ["hints-log"]
     assert marker["max_bytes"] == 1 << 30
     for name in ("objects", "manifests", "tmp", "quarantine", "state"):
         assert stat.S_IMODE(os.stat(store_root / name).st_mode) == 0o700

@@ -360,19 +360,20 @@ def test_a_store_with_sps2_objects_requires_it_in_its_marker(tmp_path: Path,
     master = _master(key_env)
     root = Path(os.path.realpath(tmp_path)) / "s"
     with Store.open(root, create=True, master_key=master) as store:
-        assert _marker(root)["schema"] == "spoolctl-root/v1"  # nothing sealed yet
+        assert _marker(root)["requires"] == ["hints-log"]  # nothing sealed yet
         m = store.put(kind=KIND, namespace=NS, key="k", objects={"kv": b"x" * 99}, tenant="t")
         assert m.index["sealed"]["version"] >= 1 << 32
         doc = _marker(root)
         # what every earlier spoolctl compares (root.marker_from_json since the first commit)
-        assert doc["schema"] == "spoolctl-root/v2" and doc["requires"] == ["sealed-v2"], doc
+        assert doc["schema"] == "spoolctl-root/v2" and doc["requires"] == ["hints-log",
+                                                                          "sealed-v2"], doc
         store.set_max_bytes(1 << 30)  # from the copy read before the key was made
-        assert _marker(root)["requires"] == ["sealed-v2"]
+        assert _marker(root)["requires"] == ["hints-log", "sealed-v2"]
         assert _marker(root)["max_bytes"] == 1 << 30
     with Store.open(root, master_key=master, max_bytes=1 << 31) as store:
         assert bytes(store.read(m, "kv")) == b"x" * 99
-        assert store.marker.requires == ("sealed-v2",)
-    assert _marker(root)["requires"] == ["sealed-v2"]
+        assert store.marker.requires == ("hints-log", "sealed-v2")
+    assert _marker(root)["requires"] == ["hints-log", "sealed-v2"]
 
     # A store whose SPS2 key was made before decision 2831 (a v1 marker): marked when it is
     # next opened writable; a read-only open writes nothing.

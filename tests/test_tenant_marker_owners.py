@@ -59,13 +59,13 @@ def test_root_marking_another_users_store_v2_leaves_the_marker_the_owners(
                   tenant="t")
     marker = root / ".spoolctl-root"
     doc = json.loads(marker.read_text())
-    assert doc["requires"] == ["sealed-v2"]
-    marker.write_text(json.dumps({k: v for k, v in doc.items() if k != "requires"}
-                                 | {"schema": "spoolctl-root/v1"}))  # made before 2831
+    assert doc["requires"] == ["hints-log", "sealed-v2"]
+    # the key made before 2831 (a store of this format otherwise: status opens it writable)
+    marker.write_text(json.dumps(doc | {"requires": ["hints-log"]}))
     give(root)
     code, _, err = run("--allow-foreign-owner", "status", "--root", str(root), env=env)
     assert code == 0, err
-    assert json.loads(marker.read_text())["schema"] == "spoolctl-root/v2"
+    assert json.loads(marker.read_text())["requires"] == ["hints-log", "sealed-v2"]
     uid = unprivileged_uid()
     assert (marker.stat().st_uid, marker.stat().st_gid) == (uid, uid)  # still the owner's
 
@@ -91,8 +91,7 @@ def test_a_v2_marking_the_owner_cannot_write_gives_a_read_only_view_not_a_crash(
                   tenant="t")
     marker = root / ".spoolctl-root"
     doc = json.loads(marker.read_text())
-    v1 = json.dumps({k: v for k, v in doc.items() if k != "requires"}
-                    | {"schema": "spoolctl-root/v1"})  # the key was made before 2831
+    v1 = json.dumps(doc | {"requires": ["hints-log"]})  # the key was made before 2831
     marker.write_text(v1)
     give(root)
     give(key)

@@ -240,11 +240,12 @@ def open_store(root: Path | str | list[str] | None, *, create: bool = False,
                read_only_ok: bool = False) -> Store:
     """Open the store at ``root``. ``read_only_ok`` (commands that only read): if it cannot
     be opened for writing because of permissions (a read-only or immutable catalog, a
-    directory this user cannot write), open it read-only and say so on stderr."""
+    directory this user cannot write), open it read-only and say so on stderr; a store an
+    older spoolctl wrote is opened read-only too (reading never upgrades it)."""
     from spoolctl.store import Store
     path = str(resolve_root(root))
     try:
-        return Store.open(path, create=create, max_bytes=max_bytes)
+        return Store.open(path, create=create, max_bytes=max_bytes, upgrade=not read_only_ok)
     except (StoreIOError, ConfigError) as exc:
         if not read_only_ok or create or not permission_problem(exc):
             raise

@@ -109,7 +109,9 @@ DOCUMENTS: tuple[Document, ...] = (
                   "out_of_service": "a vLLM rank store its engine's worker took out of "
                                     "service (its disk stopped answering): `since`, "
                                     "`reason`, `pid`, `host`, `started`, and `stale` (true: "
-                                    "that process is gone; null: written on another host), "
+                                    "that process is gone, by the lock it held; null: "
+                                    "cannot tell, a record of an older writer from another "
+                                    "host), "
                                     "or `error`; absent while the store is in service"}),
     Document("ls", "Entries, newest access first by default.", {
         "schema": SCHEMA, "entries": "the entries (rows)", "count": "number of rows",

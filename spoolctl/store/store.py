@@ -69,6 +69,7 @@ from ..errors import (
     KeyUnavailableError,
     ManifestError,
     NotFoundError,
+    RootError,
     SpoolError,
     StoreIOError,
 )
@@ -85,11 +86,13 @@ from .disk.ownership import give_back
 from .disk.publish import Publisher
 from .disk.reserve import Reserve
 from .disk.root import (
+    FEATURE_HINTS_LOG,
     FEATURE_SEALED_V2,
     Marker,
     StorePaths,
     check_root_path,
     create_or_adopt,
+    read_marker,
     require_feature,
 )
 from .disk.verify import failed_object, read_verified
@@ -188,6 +191,7 @@ class Store:
         tag_key: TagKey | None = FROM_ENVIRONMENT,
         clock: Callable[[], float] = time.time,
         master_key: MasterKey | None = FROM_ENVIRONMENT,
+        upgrade: bool = True,
     ) -> Store:
         """Open (or with ``create`` make) the store at ``root``.
 
@@ -212,6 +216,11 @@ class Store:
 
         ``master_key``: encryption at rest (``sealing``, decision 2800); by default from the
         environment (None: off); a key file inside the root is refused (ConfigError).
+
+        ``upgrade``: a writable open brings a store an older spoolctl wrote to this one's
+        format (its catalog schema, the hint log, the marker's ``requires``; decision
+        3050). ``False`` (a command that only reads): such a store is opened read-only
+        instead, so reading never changes it.
         """
         path = check_root_path(root)
         if tag_key is FROM_ENVIRONMENT:
@@ -222,6 +231,8 @@ class Store:
             master_key = MasterKey.from_environment()
         if master_key is not None:
             master_key.check_outside(path)
+        if not (read_only or create or upgrade) and older_format(path):
+            read_only = True
         if read_only and (create or max_bytes is not None):
             raise ConfigError("a read-only open cannot create a store or set its max size",
                               fix="drop create/max_bytes, or open it writable")
@@ -244,6 +255,7 @@ class Store:
         if sealer is not None:  # SPS2 keys made before decision 2831: mark the store now
             store._shedding(sealer.keyring.mark_wide)
         store._shedding(store._catalogs.open)  # on a full disk too: the reserve makes room
+        store._shedding(store._upgrade)
         store.reserve.ensure()
         clean_tmp(layout.tmp, min_age=float("inf"), dry_run=False)  # dead writers' files
         with try_hold_gated(store._maint_lock, store._maint_gate) as alone:
@@ -256,6 +268,18 @@ class Store:
         for name in store.unknown_files:
             log.warning("unknown file in store root %s: %s", layout.root, name)
         return store
+
+    def _upgrade(self) -> None:
+        """Bring a store an older spoolctl wrote to this format (a writable open): the hint
+        log written from the catalog's hints, then the marker made to require it, so every
+        older spoolctl refuses the store from then on. A crash between the two leaves the
+        store as old as it was: the next writable open writes the log again."""
+        hints = self.catalog.hints.path
+        if FEATURE_HINTS_LOG in self.marker.requires and os.path.lexists(hints):
+            return
+        self.run_with_catalog_repair(lambda: self.catalog.seed_hints())
+        faults.checkpoint("upgrade.hints_seeded")  # crash tests: before the marker says so
+        self.limits.marker = require_feature(self.layout, FEATURE_HINTS_LOG)
 
     @property
     def root(self) -> Path:
@@ -735,3 +759,12 @@ class Store:
     row = forward(Queries.row, "_queries")
     resolve = forward(Queries.resolve, "_queries")
     tmp_usage = forward(Queries.tmp_usage, "_queries")
+
+
+def older_format(root: Path) -> bool:
+    """Whether the store at ``root`` is in an older spoolctl's format (its marker does not
+    require the hint log); False when there is no valid marker (the open reports that)."""
+    try:
+        return FEATURE_HINTS_LOG not in read_marker(StorePaths(root)).requires
+    except RootError:
+        return False

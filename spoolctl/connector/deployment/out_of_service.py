@@ -11,14 +11,24 @@ when a worker opens that rank store again. For people only: nothing decides from
 
 Writes run on a daemon thread, one at a time per record, the latest state winning: the drive
 being recorded is the sick one, so a write may hang or fail (then one warning, and ``status``
-shows that drive by its own bounded read, decision 2701: down when it does not answer). A
-record outlives a process killed without its exit path; ``status`` calls it ``stale`` when it
-names a process of this host that is gone (its pid absent, or reused: the start time differs),
-and cannot tell for a record written on another host (a shared mount): ``stale`` is None then.
+shows that drive by its own bounded read, decision 2701: down when it does not answer).
+
+Whether the record's process still runs is judged by a lock, not by its pid: the writer holds
+an ``flock`` on ``out-of-service-rank-NNNN.lock`` from before it writes the record until after
+it removes it. The kernel drops the lock when the process dies, and a lock is seen by every
+process that opens the same file, whatever PID namespace, container or hostname it has; a pid
+is not (pid 1 of one container is another process in the next, and a record written before a
+hostname change named a host that no longer exists). So a record whose lock is free is
+``stale``, one whose lock is held is not. A record without a lock file (written by an older
+spoolctl) is judged as before: by pid and start time, only on the host and in the PID
+namespace that wrote it, ``stale`` None (cannot tell) elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -50,6 +60,46 @@ def record_path(store_root: str | Path) -> Path:
     return root.parent / f"{PREFIX}{root.name}.json"
 
 
+def lock_path(store_root: str | Path) -> Path:
+    """The file whose ``flock`` the record's writer holds while its record exists."""
+    return record_path(store_root).with_suffix(".lock")
+
+
+def pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[N]``), None without ``/proc``."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def holder_alive(store_root: str | Path) -> bool | None:
+    """Whether the writer of the record of ``store_root`` still runs: True when its lock is
+    held, False when it is free, None when there is no lock file (an older writer) or it
+    cannot be tried (another user's file)."""
+    return _lock_held(lock_path(store_root))
+
+
+def _lock_held(path: Path) -> bool | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+            return None
+        return False  # closing the descriptor drops the lock at once
+    finally:
+        os.close(fd)
+
+
 def process_started(pid: int) -> int | None:
     """The start time of process ``pid`` in clock ticks since boot (``/proc``), None when
     there is no such process or no ``/proc``. With the pid it names one process for good."""
@@ -72,11 +122,24 @@ def read(store_root: str | Path) -> dict[str, Any] | None:
                       "no engine runs")
     if doc is None:
         return None
-    stale = None
-    if doc["host"] == socket.gethostname():
+    alive = holder_alive(store_root)
+    stale = None if alive is None else not alive
+    if alive is None and doc["host"] == socket.gethostname() and \
+            _same_pid_namespace(path):
         stale = process_started(doc["pid"]) != doc["started"] if doc["started"] else \
             not _exists(doc["pid"])  # written without /proc: the pid alone
     return {**doc, "stale": stale}
+
+
+def _same_pid_namespace(path: Path) -> bool:
+    """Whether the record at ``path`` names a pid of this process's PID namespace (a record
+    that does not say, from an older writer, is taken to)."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    written = doc.get("pid_ns") if isinstance(doc, dict) else None
+    return not isinstance(written, str) or written == pid_namespace()
 
 
 def _exists(pid: int) -> bool:
@@ -96,6 +159,8 @@ class OutOfServiceRecorder:
 
     def __init__(self, store_root: str | Path) -> None:
         self._path = record_path(store_root)
+        self._lock_path = lock_path(store_root)
+        self._held: int | None = None  # the lock file's descriptor while a record exists
         self._lock = threading.Lock()
         self._wanted: tuple[str, float] | None = None  # (reason, since) or None: no record
         self._done: object = object()  # what is on the disk (unknown at first)
@@ -127,8 +192,9 @@ class OutOfServiceRecorder:
                     return
             try:
                 if wanted is None:
-                    self._path.unlink(missing_ok=True)
+                    self._remove()
                 else:
+                    self._hold()
                     self._put(*wanted)
             except Exception as exc:  # only people read it: serving is unaffected
                 log.warning("spoolctl: could not record the drive's state in %s: %s",
@@ -136,16 +202,47 @@ class OutOfServiceRecorder:
             with self._lock:
                 self._done = wanted
 
+    def _hold(self) -> None:
+        """Take the record's lock before the record exists (held until it is removed)."""
+        while self._held is None:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            try:
+                # a reader holds it for an instant only; a previous engine's lock died with it
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                # a holder that removed its record unlinked this file meanwhile: a new one
+                if os.fstat(fd).st_ino == os.lstat(self._lock_path).st_ino:
+                    self._held, fd = fd, -1
+            except FileNotFoundError:
+                pass
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+
+    def _remove(self) -> None:
+        """No record: this process's own goes with its lock file (while still held), then
+        the lock; another process's goes only when its lock says that process is gone (a
+        live engine of another container keeps its record)."""
+        if self._held is None and _lock_held(self._lock_path) is True:
+            return
+        self._path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self._lock_path.unlink()
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
+
     def _put(self, reason: str, since: float) -> None:
         where = self._path.parent
         if not stat.S_ISDIR(os.lstat(where).st_mode):
             return
         pid = os.getpid()
         doc = {"schema": SCHEMA, "since": since, "reason": reason, "pid": pid,
-               "host": socket.gethostname(), "started": process_started(pid) or 0}
+               "host": socket.gethostname(), "started": process_started(pid) or 0,
+               "pid_ns": pid_namespace()}
         tmp, _, _ = write_tmp(where, [json.dumps(doc, sort_keys=True).encode() + b"\n"])
         os.replace(tmp, self._path)  # no fsync: a crash makes it stale anyway
 
 
-__all__ = ["DescriptionError", "OutOfServiceRecorder", "process_started", "read",
-           "record_path"]
+__all__ = ["DescriptionError", "OutOfServiceRecorder", "holder_alive", "lock_path",
+           "process_started", "read", "record_path"]

@@ -96,7 +96,7 @@ class CatalogKeeper:
 
     def open(self) -> None:
         try:
-            self._catalog = Catalog(self.path)
+            self._catalog = Catalog(self.path, tmp=self._layout.tmp)
         except sqlite3.DatabaseError as exc:
             if not is_damaged(exc):
                 raise sqlite_error(exc, self.path) from None
@@ -145,7 +145,7 @@ class CatalogKeeper:
                 ]
                 self._evidence.add(QuarantineReason.CATALOG, why, files)
                 log.warning("catalog quarantined and rebuilt: %s", why)
-            self._catalog = Catalog(self.path)
+            self._catalog = Catalog(self.path, tmp=self._layout.tmp)
             if why is None and self._catalog.totals().entries:
                 return  # another process rebuilt it while this one waited for the lock
             self._index_all(self._catalog)

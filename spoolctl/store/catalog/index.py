@@ -2,7 +2,9 @@
 
 It holds what manifests cannot (they are immutable): the retain/release hint,
 the LRU clock, and commit state. Everything else is a copy of manifest facts,
-so the whole file can be rebuilt from ``manifests/`` (hints reset to retain).
+so the whole file can be rebuilt from ``manifests/``; every hint change is also appended
+to ``state/hints.log`` (``hint_log``), which the rebuild reads too, so released entries
+stay released (the LRU clock restarts at each entry's creation).
 
 Rows move ``pending`` -> ``committed``: a commit records its intent (row and
 object references) *before* its manifest is written, so a crash between
@@ -30,12 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...errors import RootError
 from ..disk import faults
 from ..disk.sqlite_files import DamagedDatabaseError, connect_private, connect_read_only
 from ..disk.wal_checkpoints import BackgroundCheckpoints
 from ..format.clocks import FUTURE_SLACK
 from ..format.manifest import Manifest
 from . import load as catalog_load
+from .hint_log import NAME as HINT_LOG
+from .hint_log import HintLog
 from .rows import NOT_HELD, WELL_FORMED, CatalogRow, MalformedRow, parse_row
 from .schema import COLUMNS as _COLUMNS
 from .schema import DDL as _DDL
@@ -67,21 +72,29 @@ class Totals:
 class Catalog:
     """Typed access to the catalog database. All methods are thread-safe."""
 
-    def __init__(self, path: Path, *, read_only: bool = False):
+    def __init__(self, path: Path, *, read_only: bool = False, tmp: Path | None = None):
         self.path = path
         self.read_only = read_only
+        # Where hint changes go besides the catalog (``tmp``: where a rewrite drafts it).
+        self.hints = HintLog(path.with_name(HINT_LOG), tmp or path.parent)
         self._lock = threading.RLock()
         self._checkpoints: BackgroundCheckpoints | None = None
         # Malformed rows met while reading (entry id -> reason), for reports.
         self.malformed_seen: dict[str, str] = {}
-        if read_only:
-            self._db = connect_read_only(path, timeout=60, ddl=_DDL, earlier_ddl=(DDL_V1,))
-        else:
-            # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
-            # last transactions, which is safe because the catalog is derived (pending
-            # rows and unindexed manifests are reconciled; see docs/decisions/0003).
-            self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL", timeout=60,
-                                       earlier_ddl=(DDL_V1,))
+        try:
+            if read_only:
+                self._db = connect_read_only(path, timeout=60, ddl=_DDL,
+                                             earlier_ddl=(DDL_V1,))
+            else:
+                # NORMAL in WAL mode: a process crash loses nothing; a power cut may lose the
+                # last transactions, which is safe because the catalog is derived (pending
+                # rows and unindexed manifests are reconciled; see docs/decisions/0003).
+                self._db = connect_private(path, ddl=_DDL, synchronous="NORMAL", timeout=60,
+                                           earlier_ddl=(DDL_V1,))
+        except DamagedDatabaseError:
+            # A newer spoolctl's catalog is not damage: never quarantined and rebuilt.
+            refuse_newer(stored_schema(path), path)
+            raise
         try:
             if not read_only:
                 self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)",
@@ -91,6 +104,7 @@ class Catalog:
         except BaseException:
             self._db.close()
             raise
+        refuse_newer(version, path, close=self._db)
         # A read-only open reads a version-1 catalog as it is (it cannot migrate it).
         if version != SCHEMA_VERSION and not (version == "1" and (read_only or self._migrate())):
             self._db.close()
@@ -230,6 +244,7 @@ class Catalog:
                     rows = [row for row in rows if row[0] not in taken]
                     refs = [ref for ref in refs if ref[0] not in taken]
             self._insert_rows(db, rows, refs)
+            self.hints.append((row[0], row[8]) for row in rows if row[8] != "retain")
         return taken
 
     def mark_committed(self, entry_id: str, supersedes: str | None) -> None:
@@ -238,12 +253,14 @@ class Catalog:
     def mark_committed_many(self, entries: Iterable[tuple[str, str | None]]) -> None:
         """Mark rows committed, in order, in one transaction; release what each supersedes."""
         with self._write() as db:
+            released = []
             for entry_id, supersedes in entries:
                 db.execute("UPDATE entries SET state='committed' WHERE entry_id=?",
                            (entry_id,))
-                if supersedes:
-                    db.execute("UPDATE entries SET hint='release' WHERE entry_id=?",
-                               (supersedes,))
+                if supersedes and db.execute("UPDATE entries SET hint='release' WHERE "
+                                             "entry_id=?", (supersedes,)).rowcount:
+                    released.append((supersedes, "release"))
+            self.hints.append(released)
 
     def index_manifest(
         self, manifest: Manifest, manifest_size: int, *, hint: str = "retain",
@@ -255,16 +272,32 @@ class Catalog:
             self._insert(db, manifest, manifest_size, last_access or manifest.created,
                          hint=hint, state="committed", index=index)
 
-    def load(self, found: Iterable[Iterable[tuple[Manifest, int]]]) -> int:
-        """Replace every entry with the manifests found on disk (retain, last access =
-        created), one batch of (manifest, manifest size) at a time, in one transaction
-        (``catalog_load``: a rebuild). Returns the number of entries."""
-        batches = (_rows_and_refs(batch, "committed") for batch in found)
+    def load(self, found: Iterable[Iterable[tuple[Manifest, int]]], *,
+             hints: Mapping[str, str] | None = None) -> int:
+        """Replace every entry with the manifests found on disk (last access = created),
+        one batch of (manifest, manifest size) at a time, in one transaction
+        (``catalog_load``: a rebuild). ``hints``: each entry's hint (the hint log's; retain
+        when absent); the log is then rewritten with the released entries, in the same
+        transaction. Returns the number of entries."""
+        batches = (_rows_and_refs(batch, "committed", hints=hints) for batch in found)
         with self._lock, catalog_load.page_cache(self._db), self._write() as db:
             count = catalog_load.load(db, batches, ddl=_DDL, columns=_COLUMNS,
                                       fill_malformed=FILL_MALFORMED)
+            self._rewrite_hints(db)
         self._kind_totals = True
         return count
+
+    def seed_hints(self) -> None:
+        """Write the hint log afresh from the catalog's released entries (a store of an
+        older spoolctl, whose hints lived in its catalog alone), in one write transaction:
+        no hint can change between the read and the rename."""
+        with self._write() as db:
+            self._rewrite_hints(db)
+            faults.checkpoint("catalog.hints_seeded")  # crash tests: before the commit
+
+    def _rewrite_hints(self, db: sqlite3.Connection) -> None:
+        self.hints.rewrite(r[0] for r in db.execute(
+            "SELECT entry_id FROM entries WHERE hint='release' ORDER BY entry_id"))
 
     @staticmethod
     def _insert_rows(db, rows: list[tuple], refs: list[tuple[str, str, int]]) -> None:
@@ -301,6 +334,8 @@ class Catalog:
                 "UPDATE entries SET hint=?, last_access=? WHERE entry_id=? AND state='committed'",
                 (hint, now, entry_id),
             )
+            if cur.rowcount > 0:
+                self.hints.append([(entry_id, hint)])
             return cur.rowcount > 0
 
     def update_index(self, entry_id: str, changes: dict) -> bool:
@@ -645,8 +680,11 @@ class Catalog:
             return int(n), int(size)
         with self._write() as db:  # counted and released in one transaction
             n, size = db.execute(count, params).fetchone()
+            ids = [r[0] for r in db.execute(f"SELECT entry_id FROM entries WHERE {where}",
+                                            params)]
             db.execute(f"UPDATE entries SET hint='release', last_access=? WHERE {where}",
                        (now, *params))
+            self.hints.append((entry_id, "release") for entry_id in ids)
         return int(n), int(size)
 
     # -- deletion ---------------------------------------------------------------------
@@ -679,6 +717,11 @@ class Catalog:
                 "WHERE NOT EXISTS (SELECT 1 FROM entry_objects e WHERE e.digest = o.digest)"
             ).fetchall()
             db.executemany("DELETE FROM objects WHERE digest=?", [(d,) for d, _ in freed])
+            # Deleted entries' lines stay in the hint log until it is written afresh.
+            released = db.execute("SELECT COALESCE(SUM(entries), 0) FROM kind_totals "
+                                  "WHERE hint='release'").fetchone()[0]
+            if self.hints.oversized(int(released)):
+                self._rewrite_hints(db)
         # Only well-formed digests name files: a hand-edited row must never become a path.
         return [(digest, size) for digest, size in freed
                 if isinstance(digest, str) and _HEX64.fullmatch(digest)
@@ -720,3 +763,38 @@ _VERSION = "json_extract(index_json, '$.sealed.version')"
 def _chunks(items: list[str], n: int) -> Iterator[list[str]]:
     for i in range(0, len(items), n):
         yield items[i:i + n]
+
+
+def stored_schema(path: Path) -> str | None:
+    """The schema version a catalog file says it has, read without running anything of
+    the file's (its ``meta`` table must be exactly ours); None when it cannot be told."""
+    try:
+        db = connect_read_only(path, timeout=5, snapshot=True)  # creates no -wal, -shm
+    except sqlite3.Error:
+        return None
+    try:
+        meta = db.execute("SELECT sql FROM sqlite_master WHERE name='meta'").fetchone()
+        if meta is None or meta[0] != _META_SQL:
+            return None
+        row = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+        return str(row[0]) if row else None
+    except sqlite3.Error:
+        return None
+    finally:
+        db.close()
+
+
+def refuse_newer(version: str | None, path: Path,
+                 close: sqlite3.Connection | None = None) -> None:
+    """RootError (nothing changed) when ``version`` is a catalog schema newer than this
+    spoolctl's: a newer spoolctl wrote it, and rebuilding it would lose what it holds."""
+    if version is None or not version.isdigit() or int(version) <= int(SCHEMA_VERSION):
+        return
+    if close is not None:
+        close.close()
+    raise RootError(f"the catalog has schema {version}, newer than this spoolctl reads (up "
+                    f"to {SCHEMA_VERSION}): a newer version wrote it; nothing was changed",
+                    path=path, fix="run the spoolctl version that wrote the store (or newer)")
+
+
+_META_SQL = "CREATE TABLE meta(k TEXT PRIMARY KEY, v TEXT NOT NULL)"

@@ -49,7 +49,10 @@ TRANSFER_CHECKPOINTS: tuple[str, ...] = ("export.entry_written",)
 # the marker's draft is written in ``tmp/``, not yet renamed.
 INIT_CHECKPOINTS: tuple[str, ...] = ("init.layout_made", "init.marker_drafted")
 # Migrating an older catalog: its steps are done, the transaction not yet committed.
-CATALOG_CHECKPOINTS: tuple[str, ...] = ("catalog.migrated",)
+# Upgrading an older store: the hint log renamed into place (its transaction open), then
+# committed with the marker not yet requiring it.
+CATALOG_CHECKPOINTS: tuple[str, ...] = ("catalog.migrated", "catalog.hints_seeded",
+                                        "upgrade.hints_seeded")
 CHECKPOINTS: frozenset[str] = frozenset(
     COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
     + RACE_CHECKPOINTS + TRANSFER_CHECKPOINTS + INIT_CHECKPOINTS + CATALOG_CHECKPOINTS)

@@ -42,7 +42,11 @@ ROOT_SCHEMA_V2 = "spoolctl-root/v2"
 # Objects sealed under a random 63-bit key id (SPS2 headers, decision 2812): a spoolctl
 # that reads only SPS1 would quarantine them as corrupt.
 FEATURE_SEALED_V2 = "sealed-v2"
-KNOWN_FEATURES = frozenset((FEATURE_SEALED_V2,))
+# Hints kept in ``state/hints.log`` besides the catalog, which a rebuild reads: a spoolctl
+# that does not know it would change hints without the log (a later rebuild would bring
+# back stale ones) and, before catalog schema 2, rebuild this one's catalog as damaged.
+FEATURE_HINTS_LOG = "hints-log"
+KNOWN_FEATURES = frozenset((FEATURE_SEALED_V2, FEATURE_HINTS_LOG))
 _FEATURE_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 SUBDIRS = ("objects", "manifests", "tmp", "quarantine", "state")
 FANOUT = [f"{i:02x}" for i in range(256)]

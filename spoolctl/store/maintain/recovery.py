@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import CorruptionError, ManifestError, NotFoundError, QuarantineReason
+from ...errors import CorruptionError, ManifestError, NotFoundError, QuarantineReason, RootError
 from ..catalog.rows import parse_index, valid_facts
 from ..disk import dirfd
 from ..disk.fsio import (
@@ -43,7 +43,7 @@ from ..disk.fsio import (
     read_manifest,
     read_manifest_sized,
 )
-from ..disk.root import KNOWN_TOP
+from ..disk.root import FEATURE_HINTS_LOG, KNOWN_TOP, read_marker
 from ..disk.verify import classify, verify_object
 from ..format import clocks
 from ..format.manifest import Manifest
@@ -144,8 +144,16 @@ class Recovery:
         (``fsio.prefetch``: the kernel reads them while this one is decoded) unless a
         sample of them is there already. All on this thread: prefetching or decoding on
         helper threads was measured slower, as they contend for the interpreter lock
-        (decision 1405). A manifest that does not decode is quarantined on the way."""
-        return catalog.load(self._decoded())
+        (decision 1405). A manifest that does not decode is quarantined on the way.
+        Hints come from the hint log once the store's marker says every writer keeps it."""
+        return catalog.load(self._decoded(), hints=self._kept_hints(catalog))
+
+    def _kept_hints(self, catalog: Catalog) -> dict[str, str]:
+        try:
+            kept = FEATURE_HINTS_LOG in read_marker(self._ctx.layout).requires
+        except RootError:
+            kept = False
+        return catalog.hints.read() if kept else {}
 
     def _decoded(self) -> Iterator[list[tuple[Manifest, int]]]:
         """(manifest, size) of every valid manifest, a fan-out directory per batch."""
