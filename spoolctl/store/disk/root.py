@@ -42,7 +42,10 @@ ROOT_SCHEMA_V2 = "spoolctl-root/v2"
 # Objects sealed under a random 63-bit key id (SPS2 headers, decision 2812): a spoolctl
 # that reads only SPS1 would quarantine them as corrupt.
 FEATURE_SEALED_V2 = "sealed-v2"
-KNOWN_FEATURES = frozenset((FEATURE_SEALED_V2,))
+# Objects bound to their entry and name (SPS3 headers): a spoolctl that reads only SPS1/SPS2
+# would quarantine them as corrupt.
+FEATURE_SEALED_V3 = "sealed-v3"
+KNOWN_FEATURES = frozenset((FEATURE_SEALED_V2, FEATURE_SEALED_V3))
 _FEATURE_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 SUBDIRS = ("objects", "manifests", "tmp", "quarantine", "state")
 FANOUT = [f"{i:02x}" for i in range(256)]
