@@ -59,7 +59,7 @@ def test_root_marking_another_users_store_v2_leaves_the_marker_the_owners(
                   tenant="t")
     marker = root / ".spoolctl-root"
     doc = json.loads(marker.read_text())
-    assert doc["requires"] == ["sealed-v2"]
+    assert doc["requires"] == ["sealed-v2", "sealed-v3"]
     marker.write_text(json.dumps({k: v for k, v in doc.items() if k != "requires"}
                                  | {"schema": "spoolctl-root/v1"}))  # made before 2831
     give(root)
