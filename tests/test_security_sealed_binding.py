@@ -200,8 +200,8 @@ def test_moved_objects_through_the_pytorch_controller_run_cold(tiny_model_dir: P
     from controller_backends import cold_tokens
 
     from spoolctl.controllers import CachePrepareParams, Element
-    from spoolctl.controllers.pytorch import KV_OBJECT, PyTorchBackend, PyTorchCacheController
     from spoolctl.controllers.local.tenancy import PREFIX_OBJECT
+    from spoolctl.controllers.pytorch import KV_OBJECT, PyTorchBackend, PyTorchCacheController
 
     monkeypatch.setenv(VALUE_ENV, secrets.token_hex(32))
     backend = PyTorchBackend(tiny_model_dir, model_id="tiny")
