@@ -1,5 +1,5 @@
 """Encryption at rest with per-tenant keys (decision 2800): the master key, the store's keyring
-of wrapped data keys, and sealed (AES-256-GCM) objects.
+of wrapped data keys, and the tenant policy of sealed objects (``sealed_objects`` seals them).
 
 Off unless a master key is configured; then ``cryptography`` is needed (the ``crypto`` extra)
 and is imported here only. Contracts:
@@ -16,10 +16,13 @@ and is imported here only. Contracts:
   stores from before it keep their counters 1, 2, ...), so (tenant id, version) names one key
   on every host under one master key and a key can travel in an archive (``KeyTable``,
   ``Keyring.adopt``); erased versions are remembered and never taken back.
-* ``Sealer.seal`` returns ``HEADER | ciphertext | tag`` for one payload; ``Sealer.open``
-  reads one object and decrypts it in one pass (the GCM tag is the integrity check), raising
-  ``KeyUnavailableError`` (a miss, nothing quarantined) when the key is gone and
-  ``CorruptionError`` when the tag fails.
+  Erased keys are also recorded in the key ledger outside the store (``erased_keys``,
+  decision 3021): the keyring never hands one out again, whatever keyring.json says.
+* ``Sealer.seal`` returns ``HEADER | ciphertext | tag`` for one payload, bound to its entry
+  and name (decision 3020); ``Sealer.open`` reads one object and decrypts it in one pass
+  against the binding the reader built (``read_binding``: the GCM tag is the integrity and
+  placement check), raising ``KeyUnavailableError`` (a miss, nothing quarantined) when the
+  key is gone or the entry predates binding, and ``CorruptionError`` otherwise.
 * Tenant names are never stored: ``tenant_id`` is an opaque 16-hex id derived with the master
   key; entry keys of a tenant are replaced by a keyed hash (``sealed_key``), so equal prompts of
   two tenants give unrelated entry ids.
