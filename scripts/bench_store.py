@@ -647,7 +647,7 @@ def crypto_floor(size: int) -> dict:
     buffer). ``*_cpu_ratio`` is what the commit and read ratios tend to when the disk is
     infinitely fast: the floor set by AES-GCM against BLAKE3 on this CPU."""
     from spoolctl.store.format.digest import Hasher
-    from spoolctl.store.sealing import MasterKey, Sealer
+    from spoolctl.store.sealing import Binding, MasterKey, Sealer
 
     class _Ring:  # Sealer.seal/unseal need only a data key, not a store's keyring
         def __init__(self, key: bytes):
@@ -659,8 +659,8 @@ def crypto_floor(size: int) -> dict:
     data = os.urandom(size)
     key = os.urandom(32)
     sealer = Sealer(MasterKey(os.urandom(32), "bench"), _Ring(key))  # type: ignore[arg-type]
-    tid = "00" * 8
-    sealed = memoryview(sealer.seal(tid, 1, key, data))
+    binding = Binding("00" * 32, "kv", "00" * 8, 1)
+    sealed = memoryview(sealer.seal(binding, key, data))
     out = memoryview(bytearray(size))
 
     def best(fn) -> float:
@@ -678,8 +678,8 @@ def crypto_floor(size: int) -> dict:
         h.hexdigest()
 
     t_hash = best(lambda: digest([data]))
-    t_seal = best(lambda: digest(sealer.seal_stream(tid, 1, key, data)))
-    t_open = best(lambda: sealer.unseal(sealed, out))
+    t_seal = best(lambda: digest(sealer.seal_stream(binding, key, data)))
+    t_open = best(lambda: sealer.unseal(sealed, out, binding=binding))
     rate = {"blake3": t_hash, "aes_gcm_seal_and_hash": t_seal, "aes_gcm_open": t_open}
     row = {f"{k}_gb_s": round(size / v / 1e9, 2) for k, v in rate.items()}
     row["commit_cpu_ratio"] = round(t_hash / t_seal, 2)

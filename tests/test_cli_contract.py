@@ -240,7 +240,8 @@ def test_every_documented_document_matches_the_real_output(tmp_path: Path) -> No
     except ImportError:
         keys = {}
     sealed_root = tmp_path / "sealed"  # the keys documents, on an encrypted store
-    sealed_env = {"SPOOLCTL_MASTER_KEY": "ab" * 32}
+    sealed_env = {"SPOOLCTL_MASTER_KEY": "ab" * 32,  # a revoke records erased keys outside
+                  "SPOOLCTL_KEY_LEDGER": str(tmp_path / "erased-keys.json")}
     if keys:
         from spoolctl.store.sealing import MasterKey
         with Store.open(sealed_root, create=True,

@@ -729,7 +729,8 @@ def test_tenants_on_an_encrypted_store(server, store_root, clock, monkeypatch, c
                 assert got.source == "cold" and got.ref != first.ref, other
                 assert creates(server) == n
         run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(store_root),
-                 env={VALUE_ENV: master})
+                 env={VALUE_ENV: master,  # erased keys are recorded outside the store
+                      "SPOOLCTL_KEY_LEDGER": str(store_root.parent / "erased-keys.json")})
         with GoogleGenAICacheController(gemini_client(server), st, clock=clock,
                                         tenant="acme") as revoked:
             assert revoked.prepare(p).source == "cold" and creates(server) == 4

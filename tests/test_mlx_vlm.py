@@ -331,7 +331,7 @@ def test_tenants_on_an_encrypted_store(backend, vlm_dir, images, tmp_path, monke
 
     from operator_cli import run_json
 
-    from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, MAGIC2, VALUE_ENV
+    from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, MAGIC3, VALUE_ENV
 
     ip = image_params(str(vlm_dir), images["red"])
     want = cold_tokens(backend, ip)
@@ -352,8 +352,8 @@ def test_tenants_on_an_encrypted_store(backend, vlm_dir, images, tmp_path, monke
         first = ctl.generate(ip, QUESTION, NEW)
     assert first.handle.source == "cold" and first.tokens == want
     objects = list((root / "objects").rglob("*.obj"))
-    # a new tenant key is a random 63-bit version: SPS2 headers (decision 2812)
-    assert objects and all(p.read_bytes()[:4] == MAGIC2 for p in objects)
+    # objects bound to their entry: SPS3 headers (decision 3020)
+    assert objects and all(p.read_bytes()[:4] == MAGIC3 for p in objects)
     for path in (p for p in root.rglob("*") if p.is_file()):
         data = path.read_bytes()
         for s in secrets_in_clear:
@@ -371,7 +371,8 @@ def test_tenants_on_an_encrypted_store(backend, vlm_dir, images, tmp_path, monke
         assert got.handle.ref != first.handle.ref
 
     run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(root),
-             env={VALUE_ENV: master})
+             env={VALUE_ENV: master,  # erased keys are recorded outside the store
+                  "SPOOLCTL_KEY_LEDGER": str(root.parent / "erased-keys.json")})
     with MlxVlmCacheController(backend, root, tenant="acme") as ctl:
         again = ctl.generate(ip, QUESTION, NEW)
     assert again.handle.source == "cold" and again.tokens == want

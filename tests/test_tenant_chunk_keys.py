@@ -39,7 +39,8 @@ def test_a_revoked_tenant_storing_the_same_chunk_again_gets_a_new_entry(tmp_path
     """The entry id of a chunk does not change with the key version (the naming key is the
     tenant's, decision 2800): after a revoke the same chunk committed again must be written
     under the new version, not the erased entry revived (every later restore would fail)."""
-    master = MasterKey.from_hex(secrets.token_hex(32), "test")
+    master = MasterKey.from_hex(secrets.token_hex(32), "test",
+                                ledger=Path(os.path.realpath(tmp_path)) / "erased-keys.json")
     key = TenantNames(master).chunk_key("alice", "a" * 64)
     root = Path(os.path.realpath(tmp_path)) / "s"
     with Store.open(root, create=True, master_key=master) as store:

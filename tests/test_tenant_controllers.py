@@ -23,7 +23,7 @@ from operator_cli import run_json
 from spoolctl.controllers import CachePrepareParams, Element, LocalCacheController
 from spoolctl.errors import ConfigError
 from spoolctl.store import Store
-from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, MAGIC2, VALUE_ENV
+from spoolctl.store.sealing import COMMAND_ENV, FILE_ENV, MAGIC3, VALUE_ENV
 
 SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
 DOC1 = "Ward 7 note: patient 4711, hypertension, started on amlodipine five milligrams. " * 3
@@ -58,7 +58,7 @@ def _check_tenancy(backend, make, root: Path, master_env: str, monkeypatch, capl
     # Sealed at rest: every object is ciphertext, no manifest or catalog row carries the
     # token ids or the tenant's name, and the element hashes are keyed per tenant.
     objects = [p for p in (root / "objects").rglob("*.obj")]
-    assert objects and all(p.read_bytes()[:4] == MAGIC2 for p in objects)
+    assert objects and all(p.read_bytes()[:4] == MAGIC3 for p in objects)
     ids = first.handle.ref
     with Store.open(root, read_only=True, master_key=None) as store:
         manifest = store.manifest(ids)
@@ -93,7 +93,8 @@ def _check_tenancy(backend, make, root: Path, master_env: str, monkeypatch, capl
 
     # Crypto-erase: acme's entries are misses at once.
     run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(root),
-             env={VALUE_ENV: master_env})
+             env={VALUE_ENV: master_env,  # erased keys are recorded outside the store
+                  "SPOOLCTL_KEY_LEDGER": str(root.parent / "erased-keys.json")})
     with make(backend, root, "acme") as ctl:
         again = ctl.generate(p2, QUESTION, n)
         assert again.handle.source == "cold" and again.tokens == want2

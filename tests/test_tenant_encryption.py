@@ -26,6 +26,7 @@ from spoolctl.store.sealing import (
     FILE_ENV,
     HEADER_BYTES,
     VALUE_ENV,
+    Binding,
     MasterKey,
     overhead,
 )
@@ -179,7 +180,8 @@ def test_scrub_and_request_auth_need_no_key(store_root: Path, master: MasterKey)
         ms = [store.put(kind=KIND, namespace=NS, key=f"k{i}", objects={"kv": SECRET + bytes([i])},
                         tenant=t) for i, t in enumerate(("alice", "alice", "bob", "bob"))]
     root = ("--root", str(store_root))
-    keyed = {VALUE_ENV: master_hex(master)}
+    keyed = {VALUE_ENV: master_hex(master),
+             "SPOOLCTL_KEY_LEDGER": str(store_root.parent / "erased-keys.json")}
     for env in (None, keyed):
         doc = run_json("request-auth", ms[0].entry_id, *root, env=env)
         assert doc["result"] == "verified" and doc["proves"] == "integrity", doc
@@ -232,12 +234,13 @@ def test_large_objects_seal_and_open_in_pieces_without_a_second_copy(store_root:
         path = store.layout.object_path(m.objects[0].digest)
         sealed = path.read_bytes()
         assert len(sealed) == size + overhead(m.index["sealed"]["version"])
-        assert bytes(store.sealer.unseal(memoryview(sealed))) == data
-        # an object sealed in one buffer (before decision 2820) reads back the same
         tid, version = m.index["sealed"]["tenant"], m.index["sealed"]["version"]
+        binding = Binding(m.entry_id, "kv", tid, version)
+        assert bytes(store.sealer.unseal(memoryview(sealed), binding=binding)) == data
+        # an object sealed in one buffer (before decision 2820) reads back the same
         key = store.sealer.keyring.data_key(tid, version)
         path.chmod(0o600)
-        path.write_bytes(bytes(store.sealer.seal(tid, version, key, data)))
+        path.write_bytes(bytes(store.sealer.seal(binding, key, data)))
         assert bytes(store.read(m, "kv")) == data
         tampered = bytearray(path.read_bytes())
         tampered[HEADER_BYTES + (5 << 20) + 7] ^= 1
@@ -268,7 +271,8 @@ def test_an_encrypted_commit_starts_write_back_of_each_piece_before_its_fsync(
         tmp = create_tmp(tmp_dir)
         seen: list[int | None] = []
         flushing = write_tmp_flushing(
-            tmp_dir, store.sealer.seal_stream(tid, version, key, os.urandom(size)),
+            tmp_dir, store.sealer.seal_stream(Binding("ab" * 32, "kv", tid, version), key,
+                                    os.urandom(size)),
             into=tmp, on_written=lambda: seen.append(dirty_pages(tmp.fd, size)))
         flushing.flushed.result()
         os.unlink(flushing.path)

@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("cryptography")
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from operator_cli import ENV, run, run_json
 
@@ -35,6 +36,7 @@ from spoolctl.store.sealing import (
     FILE_ENV,
     MAGIC,
     MAGIC2,
+    MAGIC3,
     NONCE_BYTES,
     VALUE_ENV,
     MasterKey,
@@ -67,7 +69,7 @@ def _master(env: dict[str, str]) -> MasterKey:
 
 
 def _blobs(data: bytes) -> bool:
-    return data[:4] in (MAGIC, MAGIC2)
+    return data[:4] in (MAGIC, MAGIC2, MAGIC3)
 
 
 def _live_keys(root: Path, env: dict[str, str]) -> list[bytes]:
@@ -80,9 +82,17 @@ def _live_keys(root: Path, env: dict[str, str]) -> list[bytes]:
 
 def _decrypts(blob: bytes, keys: list[bytes]) -> bool:
     """True if any of ``keys`` opens the sealed ``blob`` (tried with every key, not only the
-    one its header names)."""
-    hb = 32 if blob[:4] == MAGIC2 else 28  # SPS2 (decision 2812) or SPS1 header
+    one its header names). The tag also covers where the object belongs (SPS3), unknown
+    for a file found lying around: the ciphertext is deciphered without it (GCM's counter
+    mode) and the key opens the blob if the result is one of the test's plaintexts."""
+    hb = 28 if blob[:4] == MAGIC else 32  # SPS1, or SPS2 / SPS3 headers
     nonce = blob[hb - NONCE_BYTES:hb]
+    if blob[:4] == MAGIC3:
+        for key in keys:
+            ctr = Cipher(algorithms.AES(key), modes.CTR(nonce + b"\0\0\0\2")).decryptor()
+            if b" secret prompt #" in ctr.update(blob[hb:hb + 64]):
+                return True
+        return False
     for key in keys:
         try:
             AESGCM(key).decrypt(nonce, blob[hb:], blob[:hb])
@@ -297,7 +307,8 @@ def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: P
     """Decision 2812: two stores under one master key never give the same (tenant, version)
     to two different keys (versions were counters: both hosts had a version 1, so a key
     carried from one to the other would have collided). A store from before keeps its
-    counters and SPS1 objects readable; its next key is a random id."""
+    counters (what it seals under one now is bound, SPS3: decision 3020); its next key is a
+    random id."""
     master = _master(key_env)
     base = Path(os.path.realpath(tmp_path))
     made = []
@@ -310,7 +321,7 @@ def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: P
     assert made[0][1] != made[1][1] and made[0][0] != made[1][0]
     assert all(v >= 1 << 32 for v, _ in made)
 
-    # A keyring written before decision 2812: counters, no "current", SPS1 objects.
+    # A keyring written before decision 2812: counters, no "current".
     old_root = base / "old"
     with Store.open(old_root, create=True, master_key=master) as store:
         tid = store.sealer.tenant_id("t")
@@ -324,15 +335,15 @@ def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: P
         legacy = store.put(kind=KIND, namespace=NS, key="old", objects={"kv": b"legacy" * 9},
                            tenant="t")
         obj = store.layout.object_path(legacy.objects[0].digest).read_bytes()
-        assert legacy.index["sealed"]["version"] == 1 and obj[:4] == MAGIC
-        assert len(obj) == 54 + 44  # the SPS1 header and tag
+        assert legacy.index["sealed"]["version"] == 1 and obj[:4] == MAGIC3
+        assert len(obj) == 54 + 48  # the SPS3 header (a u64 version) and tag
     doc = run_json("keys", "rotate", "--tenant", "t", "--root", str(old_root), env=key_env)
     (new,) = doc["tenants"][0]["versions"]
     with Store.open(old_root, master_key=master) as store:
         fresh = store.put(kind=KIND, namespace=NS, key="new", objects={"kv": b"fresh" * 9},
                           tenant="t")
         assert fresh.index["sealed"]["version"] == new >= 1 << 32
-        assert store.layout.object_path(fresh.objects[0].digest).read_bytes()[:4] == MAGIC2
+        assert store.layout.object_path(fresh.objects[0].digest).read_bytes()[:4] == MAGIC3
         assert bytes(store.read(legacy, "kv")) == b"legacy" * 9
         assert bytes(store.read(fresh, "kv")) == b"fresh" * 9
     doc = run_json("keys", "retire", "--tenant", "t", "--yes", "--root", str(old_root),
@@ -365,15 +376,16 @@ def test_a_store_with_sps2_objects_requires_it_in_its_marker(tmp_path: Path,
         assert m.index["sealed"]["version"] >= 1 << 32
         doc = _marker(root)
         # what every earlier spoolctl compares (root.marker_from_json since the first commit)
-        assert doc["schema"] == "spoolctl-root/v2" and doc["requires"] == ["hints-log",
-                                                                          "sealed-v2"], doc
+        # SPS2 keys, and objects bound to their entry (SPS3, decision 3020)
+        assert doc["schema"] == "spoolctl-root/v2" and \
+            doc["requires"] == ["hints-log", "sealed-v2", "sealed-v3"], doc
         store.set_max_bytes(1 << 30)  # from the copy read before the key was made
-        assert _marker(root)["requires"] == ["hints-log", "sealed-v2"]
+        assert _marker(root)["requires"] == ["hints-log", "sealed-v2", "sealed-v3"]
         assert _marker(root)["max_bytes"] == 1 << 30
     with Store.open(root, master_key=master, max_bytes=1 << 31) as store:
         assert bytes(store.read(m, "kv")) == b"x" * 99
-        assert store.marker.requires == ("hints-log", "sealed-v2")
-    assert _marker(root)["requires"] == ["hints-log", "sealed-v2"]
+        assert store.marker.requires == ("hints-log", "sealed-v2", "sealed-v3")
+    assert _marker(root)["requires"] == ["hints-log", "sealed-v2", "sealed-v3"]
 
     # A store whose SPS2 key was made before decision 2831 (a v1 marker): marked when it is
     # next opened writable; a read-only open writes nothing.

@@ -59,7 +59,7 @@ def test_root_marking_another_users_store_v2_leaves_the_marker_the_owners(
                   tenant="t")
     marker = root / ".spoolctl-root"
     doc = json.loads(marker.read_text())
-    assert doc["requires"] == ["hints-log", "sealed-v2"]
+    assert doc["requires"] == ["hints-log", "sealed-v2", "sealed-v3"]
     # the key made before 2831 (a store of this format otherwise: status opens it writable)
     marker.write_text(json.dumps(doc | {"requires": ["hints-log"]}))
     give(root)

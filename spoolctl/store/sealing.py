@@ -1,5 +1,5 @@
 """Encryption at rest with per-tenant keys (decision 2800): the master key, the store's keyring
-of wrapped data keys, and sealed (AES-256-GCM) objects.
+of wrapped data keys, and the tenant policy of sealed objects (``sealed_objects`` seals them).
 
 Off unless a master key is configured; then ``cryptography`` is needed (the ``crypto`` extra)
 and is imported here only. Contracts:
@@ -16,10 +16,13 @@ and is imported here only. Contracts:
   stores from before it keep their counters 1, 2, ...), so (tenant id, version) names one key
   on every host under one master key and a key can travel in an archive (``KeyTable``,
   ``Keyring.adopt``); erased versions are remembered and never taken back.
-* ``Sealer.seal`` returns ``HEADER | ciphertext | tag`` for one payload; ``Sealer.open``
-  reads one object and decrypts it in one pass (the GCM tag is the integrity check), raising
-  ``KeyUnavailableError`` (a miss, nothing quarantined) when the key is gone and
-  ``CorruptionError`` when the tag fails.
+  Erased keys are also recorded in the key ledger outside the store (``erased_keys``,
+  decision 3021): the keyring never hands one out again, whatever keyring.json says.
+* ``Sealer.seal`` returns ``HEADER | ciphertext | tag`` for one payload, bound to its entry
+  and name (decision 3020); ``Sealer.open`` reads one object and decrypts it in one pass
+  against the binding the reader built (``read_binding``: the GCM tag is the integrity and
+  placement check), raising ``KeyUnavailableError`` (a miss, nothing quarantined) when the
+  key is gone or the entry predates binding, and ``CorruptionError`` otherwise.
 * Tenant names are never stored: ``tenant_id`` is an opaque 16-hex id derived with the master
   key; entry keys of a tenant are replaced by a keyed hash (``sealed_key``), so equal prompts of
   two tenants give unrelated entry ids.
@@ -33,11 +36,9 @@ import os
 import re
 import secrets
 import shlex
-import struct
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,31 @@ from typing import Any
 import blake3
 
 from ..errors import ConfigError, CorruptionError, KeyUnavailableError, QuarantineReason
+from . import sealed_objects
 from .commit.committer import PutRequest
-from .disk.fsio import SpecialFileError, advise_willneed, fsync_dir, open_for_read, write_tmp
+from .disk.fsio import SpecialFileError, fsync_dir, open_for_read, write_tmp
 from .disk.locks import hold
-from .disk.verify import HASH_POOL, INLINE_HASH_MAX, PIPE_CHUNK, read_exactly
+from .erased_keys import ErasedKeys, ledger_for
+from .erased_keys import check_outside as check_ledger_outside
 from .format.entry_tags import read_key_file
-from .format.keys import TenantId
+from .format.keys import TenantId, entry_id_for
+from .sealed_objects import (  # noqa: F401  (the header constants are part of this API)
+    BOUND_HEADER_BYTES,
+    HEADER_BYTES,
+    MAGIC,
+    MAGIC2,
+    MAGIC3,
+    NONCE_BYTES,
+    OVERHEAD,
+    SEAL_CHUNK,
+    TAG_BYTES,
+    WIDE_VERSION,
+    Binding,
+    BytesLike,
+    LegacySealError,
+    SealedStream,
+    legacy_refusal,
+)
 
 FILE_ENV = "SPOOLCTL_MASTER_KEY_FILE"
 VALUE_ENV = "SPOOLCTL_MASTER_KEY"
@@ -58,26 +78,9 @@ COMMAND_ENV = "SPOOLCTL_MASTER_KEY_COMMAND"
 COMMAND_TIMEOUT = 10.0
 KEYRING_SCHEMA = "spoolctl-keyring/v1"
 DEFAULT_TENANT = "default"
-INDEX_FIELD = "sealed"  # the manifest index fact: {"tenant": tid, "version": n}
+INDEX_FIELD = "sealed"  # the manifest index fact: {"tenant": tid, "version": n, "bound": true}
 
-MAGIC = b"SPS1"
-MAGIC2 = b"SPS2"
-NONCE_BYTES = 12
-TAG_BYTES = 16
-# MAGIC | tenant id (8 bytes) | key version (u32, big endian) | nonce: keys made before
-# decision 2812, whose versions were counted per keyring (1, 2, ...).
-_HEADER = struct.Struct(">4s8sI12s")
-HEADER_BYTES = _HEADER.size
-OVERHEAD = HEADER_BYTES + TAG_BYTES
-# MAGIC2 | tenant id | key version (u64) | nonce: keys made since decision 2812, whose version
-# is a random 63-bit id, unique across hosts (so a key can travel in an archive).
-_HEADER2 = struct.Struct(">4s8sQ12s")
-# Versions at or above this are random key ids (SPS2 objects); below it, legacy counters.
-WIDE_VERSION = 1 << 32
 _MAX_VERSION = (1 << 63) - 1  # SQLite's json_extract reads it back as an integer
-# Plaintext per encrypted piece of a commit (``SealedStream``): small enough to stay in cache.
-SEAL_CHUNK = 1 << 20
-BytesLike = bytes | bytearray | memoryview
 
 _KEY_RE = re.compile(r"[0-9a-fA-F]{64}")
 _TID_RE = re.compile(r"[0-9a-f]{16}")
@@ -122,14 +125,17 @@ class _Lib:
 class MasterKey:
     """The 32-byte master key. ``source`` names where it came from; the key is never shown."""
 
-    __slots__ = ("_key", "_lib", "key_id", "source")
+    __slots__ = ("_key", "_lib", "key_id", "ledger", "source")
 
-    def __init__(self, key: bytes, source: str):
+    def __init__(self, key: bytes, source: str, ledger: Path | None = None):
+        """``ledger``: the file outside the store where erased keys are recorded
+        (``erased_keys``); None: none, and a revoke is refused."""
         if not isinstance(key, bytes) or len(key) != 32:
             raise ConfigError("a master key is 32 bytes", fix="generate one: openssl rand -hex 32")
         self._lib = _crypto()
         self._key = key
         self.source = source
+        self.ledger = ledger
         self.key_id = self.derive(b"key-id").hex()[:16]
 
     def __repr__(self) -> str:
@@ -142,12 +148,12 @@ class MasterKey:
                         info=b"spoolctl/v1 " + label).derive(self._key)
 
     @classmethod
-    def from_hex(cls, text: str, source: str) -> MasterKey:
+    def from_hex(cls, text: str, source: str, ledger: Path | None = None) -> MasterKey:
         text = text.strip()
         if not _KEY_RE.fullmatch(text):
             raise ConfigError(f"{source} does not hold a master key (64 hex characters)",
                               fix="write one with: openssl rand -hex 32")
-        return cls(bytes.fromhex(text), source)
+        return cls(bytes.fromhex(text), source, ledger)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> MasterKey:
@@ -157,7 +163,7 @@ class MasterKey:
         data = read_key_file(path, what="the master key file", env=FILE_ENV, others=0o077,
                              mode_fix=f"chmod 600 {path}")
         text = data.decode("ascii", "replace") if len(data) <= _MAX_KEY_FILE else ""
-        return cls.from_hex(text, str(path))
+        return cls.from_hex(text, str(path), ledger_for(str(path), os.environ))
 
     @classmethod
     def from_command(cls, command: str) -> MasterKey:
@@ -197,13 +203,17 @@ class MasterKey:
         name, value = given[0]
         assert value is not None
         if name == FILE_ENV:
-            return cls.from_file(value)
-        if name == VALUE_ENV:
-            return cls.from_hex(value, VALUE_ENV)
-        return cls.from_command(value)
+            key = cls.from_file(value)
+        elif name == VALUE_ENV:
+            key = cls.from_hex(value, VALUE_ENV)
+        else:
+            key = cls.from_command(value)
+        key.ledger = ledger_for(value if name == FILE_ENV else None, env)
+        return key
 
     def check_outside(self, root: Path) -> None:
-        """ConfigError if the key file lies inside the store root."""
+        """ConfigError if the key file or the key ledger lies inside the store root."""
+        check_ledger_outside(self.ledger, root)
         if not self.source.startswith("/"):
             return
         real, base = os.path.realpath(self.source), os.path.realpath(root)
@@ -387,6 +397,8 @@ class Keyring:
         self._seen: tuple[int, int, int] | None = None
         self._doc: dict[str, Any] = _empty(master.key_id)
         self._keys: dict[tuple[str, int], bytes] = {}
+        # erased keys are recorded outside the store: a restored keyring cannot bring one back
+        self.erased = ErasedKeys(master.ledger, master.derive(b"erased-key-fingerprints"))
 
     # reading
 
@@ -398,7 +410,10 @@ class Keyring:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def refresh(self) -> dict[str, Any]:
-        """The keyring as it is on disk now (reloaded only when the file changed)."""
+        """The keyring as it is on disk now (reloaded only when the file changed), and the
+        ledger of erased keys (likewise)."""
+        if self.erased.refresh():
+            self._keys = {}
         sig = self._signature()
         if sig != self._seen:
             self._doc = _load_doc(self.path) if sig is not None else _empty(self._master.key_id)
@@ -432,8 +447,9 @@ class Keyring:
         if not isinstance(wrapped, str) or doc.get("master_id") != self._master.key_id:
             return None
         key = self._unwrap(tid, version, wrapped)
-        if key is not None:
-            self._keys[(tid, version)] = key
+        if key is None or self.erased.erased(key):
+            return None
+        self._keys[(tid, version)] = key
         return key
 
     def _unwrap(self, tid: str, version: int, wrapped: str) -> bytes | None:
@@ -496,6 +512,9 @@ class Keyring:
             keys = rec.setdefault("keys", {})
             if "current" not in rec:  # a record from before decision 2812: pin it
                 rec["current"] = _current(rec)
+            # recorded outside the store first: no restored copy of this keyring unwraps them
+            self.erased.record([k for v, w in keys.items() if (keep is None or int(v) != keep)
+                                and (k := self._unwrap(tid, int(v), w)) is not None])
             for v in sorted(int(v) for v in keys):
                 if keep is None or v != keep:
                     del keys[str(v)]
@@ -531,7 +550,8 @@ class Keyring:
             adding: list[tuple[str, int, str]] = []
             for (tid, version), (wrapped, key) in unwrapped.items():
                 rec = doc["tenants"].get(tid) or {}
-                if rec.get("revoked") or version in rec.get("erased", []):
+                if rec.get("revoked") or version in rec.get("erased", []) or \
+                        self.erased.erased(key):
                     done.refused.append((tid, version))
                     continue
                 have = rec.get("keys", {}).get(str(version))
@@ -668,258 +688,82 @@ class TenantNames:
 
 
 class Sealer(TenantNames):
-    """One store's encryption: the master key and its keyring (see the module docstring)."""
+    """One store's encryption: the master key and its keyring (see the module docstring).
+    ``on_bound``: called once, before this sealer first seals an object (the store makes
+    its marker require bound objects there, so an older spoolctl refuses the store)."""
 
-    def __init__(self, master: MasterKey, keyring: Keyring):
+    def __init__(self, master: MasterKey, keyring: Keyring,
+                 on_bound: Callable[[], Any] | None = None):
         super().__init__(master)
         self.keyring = keyring
         self._lib = master._lib
+        self._on_bound = on_bound
+
+    def before_sealing(self) -> None:
+        """Run ``on_bound`` once per sealer."""
+        if self._on_bound is not None:
+            self._on_bound()
+            self._on_bound = None
 
     def key_available(self, manifest: Any) -> bool:
         """False when ``manifest`` is sealed under a key the keyring no longer holds (revoked,
-        retired, or another master key); True for a sealed entry it can open and a plain one."""
+        retired, erased, or another master key) or in the format before objects were bound
+        (never opened); True for a sealed entry it can open and a plain one."""
         fact = sealed_fact(manifest.index)
-        return fact is None or self.keyring.data_key(*fact) is not None
+        if fact is None:
+            return True
+        return _bound(manifest.index) and self.keyring.data_key(*fact) is not None
 
-    def seal(self, tid: str, version: int, key: bytes,
-             payload: bytes | bytearray | memoryview) -> memoryview:
-        """``payload`` sealed under ``key``, version ``version`` of tenant ``tid`` (from
-        ``keyring.current``)."""
-        data = memoryview(payload).cast("B")
-        n = len(data)
-        header = _pack_header(tid, version)
-        hb = len(header)
-        lib = self._lib
-        enc = lib.Cipher(lib.algorithms.AES(key), lib.modes.GCM(header[-NONCE_BYTES:])).encryptor()
-        enc.authenticate_additional_data(header)
-        out = bytearray(hb + n + 15 + TAG_BYTES)  # update_into wants a block spare
-        view = memoryview(out)
-        view[:hb] = header
-        done = enc.update_into(data, view[hb:]) if n else 0
-        enc.finalize()
-        view[hb + done:hb + done + TAG_BYTES] = enc.tag
-        return view[:hb + n + TAG_BYTES]
+    def _key_of(self, binding: Binding) -> bytes:
+        key = self.keyring.data_key(binding.tid, binding.version)
+        if key is None:
+            raise KeyUnavailableError(
+                f"the key of tenant {binding.tid} version {binding.version} is not available "
+                "(revoked, retired, or another master key)",
+                fix="nothing to do for a revoked tenant: it is a miss; otherwise check the "
+                    "master key (`spoolctl doctor`)", erased=self.keyring.master_matches)
+        return key
 
-    def seal_stream(self, tid: str, version: int, key: bytes,
-                    payload: BytesLike) -> SealedStream:
+    def seal(self, binding: Binding, key: bytes, payload: BytesLike) -> memoryview:
+        """``payload`` sealed under ``key`` (``keyring.current`` of ``binding.tid``), bound to
+        ``binding``, in one buffer."""
+        return sealed_objects.seal(self._lib, key, binding, payload)
+
+    def seal_stream(self, binding: Binding, key: bytes, payload: BytesLike) -> SealedStream:
         """``payload`` sealed like ``seal``, as a stream the commit writes chunk by chunk
-        (``SealedStream``): the same bytes on disk (one GCM stream, format unchanged)."""
-        return SealedStream(self._lib, key, _pack_header(tid, version), payload)
+        (``SealedStream``): the same bytes on disk (one GCM stream)."""
+        return SealedStream(self._lib, key, binding, payload)
 
-    def open(self, path: Path, size: int, into: memoryview | None = None) -> memoryview:
-        """Read the sealed object at ``path`` (``size`` bytes) and return its plaintext.
+    def open(self, path: Path, size: int, into: memoryview | None = None, *,
+             binding: Binding) -> memoryview:
+        """Read the sealed object at ``path`` (``size`` bytes), which must be bound to
+        ``binding`` (built by the reader from the entry it asked for: ``read_binding``), and
+        return its plaintext.
 
         One pass: chunks are read and decrypted as they arrive (an object larger than
         ``verify.INLINE_HASH_MAX`` decrypts chunk i on a helper thread while chunk i+1 is
         read), straight into the returned buffer; the tag, checked at the end,
-        authenticates every byte, and on a failure the buffer is wiped before the error.
-        FileNotFoundError if missing; KeyUnavailableError when its key is gone (found from
-        the header, before the body is read); CorruptionError on a bad size, header or tag,
-        or a file that is not regular."""
-        try:
-            fd = open_for_read(path)
-        except SpecialFileError as exc:
-            raise CorruptionError(f"object is not a regular file ({exc.kind})",
-                                  reason=QuarantineReason.PAYLOAD_MISSING, path=path) from None
-        try:
-            if os.fstat(fd).st_size != size or size < OVERHEAD:
-                raise CorruptionError(f"sealed object is not {size} bytes",
-                                      reason=QuarantineReason.PAYLOAD_SIZE, path=path)
-            with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-                magic = bytes(_read_exactly(f, memoryview(bytearray(4)), path))
-                layout = _HEADER2 if magic == MAGIC2 else _HEADER
-                if size < layout.size + TAG_BYTES:
-                    raise CorruptionError(f"sealed object is not {size} bytes",
-                                          reason=QuarantineReason.PAYLOAD_SIZE, path=path)
-                rest = _read_exactly(f, memoryview(bytearray(layout.size - 4)), path)
-                dec = self._decryptor(memoryview(magic + bytes(rest)), path)
-                n = size - layout.size - TAG_BYTES
-                pipelined = n > INLINE_HASH_MAX
-                if pipelined:
-                    advise_willneed(fd)  # the whole object: readahead beyond one chunk
-                out = into if into is not None else memoryview(bytearray(n))
-                if len(out) != n:
-                    raise ValueError("destination buffer has the wrong size")
-                try:
-                    _decrypt_stream(f, dec, out, pipelined, path)
-                    tag = bytes(_read_exactly(f, memoryview(bytearray(TAG_BYTES)), path))
-                    if f.read(1):
-                        raise CorruptionError("sealed object grew while reading",
-                                              reason=QuarantineReason.PAYLOAD_SIZE, path=path)
-                    dec.finalize_with_tag(tag)
-                except BaseException as exc:
-                    out[:] = bytes(n)  # nothing unauthenticated is left in the buffer
-                    if isinstance(exc, self._lib.InvalidTag):
-                        raise _tag_failed(path) from None
-                    raise
-        finally:
-            os.close(fd)
-        return out
-
-    def _decryptor(self, header: memoryview, path: Path | None) -> Any:
-        """A GCM decryptor for the object whose header (SPS1 or SPS2, whole) is ``header``
-        (tag given at the end); KeyUnavailableError / CorruptionError as for ``open``."""
-        layout = _HEADER2 if bytes(header[:4]) == MAGIC2 else _HEADER
-        if len(header) != layout.size:
-            raise CorruptionError("object is not sealed (bad header)",
-                                  reason=QuarantineReason.PAYLOAD_DIGEST, path=path)
-        magic, tid_raw, version, nonce = layout.unpack_from(header)
-        # A wide version in an SPS1 header, or a legacy one in SPS2, is not what seal wrote.
-        if magic not in (MAGIC, MAGIC2) or header_struct(version) is not layout:
-            raise CorruptionError("object is not sealed (bad header)",
-                                  reason=QuarantineReason.PAYLOAD_DIGEST, path=path)
-        tid = tid_raw.hex()
-        key = self.keyring.data_key(tid, version)
-        if key is None:
-            raise KeyUnavailableError(
-                f"the key of tenant {tid} version {version} is not available (revoked, retired, "
-                "or another master key)", path=path,
-                fix="nothing to do for a revoked tenant: it is a miss; otherwise check the "
-                    "master key (`spoolctl doctor`)", erased=self.keyring.master_matches)
-        lib = self._lib
-        dec = lib.Cipher(lib.algorithms.AES(key), lib.modes.GCM(nonce)).decryptor()
-        dec.authenticate_additional_data(bytes(header))
-        return dec
+        authenticates every byte and the binding, and on a failure the buffer is wiped
+        before the error. FileNotFoundError if missing; KeyUnavailableError when its key is
+        gone (before the body is read); CorruptionError on a bad size or tag, a header of
+        another tenant, key or format, or a file that is not regular."""
+        return sealed_objects.open_file(self._lib, self._key_of, path, size, binding, into)
 
     def unseal(self, sealed: memoryview, into: memoryview | None = None, *,
-               path: Path | None = None) -> memoryview:
+               binding: Binding, path: Path | None = None) -> memoryview:
         """The plaintext of the sealed bytes ``sealed`` (see ``open``)."""
-        layout = _HEADER2 if bytes(sealed[:4]) == MAGIC2 else _HEADER
-        hb = layout.size
-        if len(sealed) < hb + TAG_BYTES:
-            raise CorruptionError("sealed object too short", reason=QuarantineReason.PAYLOAD_SIZE,
-                                  path=path)
-        dec = self._decryptor(sealed[:hb], path)
-        n = len(sealed) - hb - TAG_BYTES
-        out = into if into is not None else memoryview(bytearray(n))
-        if len(out) != n:
-            raise ValueError("destination buffer has the wrong size")
-        tag = bytes(sealed[len(sealed) - TAG_BYTES:])
-        body = sealed[hb:hb + n]
-        # update_into wants 15 spare bytes after the output: decrypt all but the last 32
-        # bytes straight into ``out``, the tail through a small copy.
-        head = max(0, n - 32)
-        try:
-            if head:
-                dec.update_into(body[:head], out)
-            out[head:n] = dec.update(body[head:])
-            dec.finalize_with_tag(tag)
-        except self._lib.InvalidTag:
-            if into is not None:
-                into[:] = bytes(n)  # nothing unauthenticated is left in the caller's buffer
-            raise _tag_failed(path) from None
-        return out
-
-
-def _tag_failed(path: Path | None) -> CorruptionError:
-    return CorruptionError("sealed object failed authentication (tag mismatch)",
-                           reason=QuarantineReason.PAYLOAD_DIGEST, path=path)
-
-
-def _read_exactly(f: Any, window: memoryview, path: Path) -> memoryview:
-    return read_exactly(f, window, path, "sealed object shorter than its size")
-
-
-def _decrypt_stream(f: Any, dec: Any, out: memoryview, pipelined: bool, path: Path) -> None:
-    """Read ``len(out)`` ciphertext bytes from ``f`` in ``PIPE_CHUNK`` pieces and decrypt them
-    into ``out``. Pipelined: two scratch buffers, chunk i decrypted on the hash pool while
-    chunk i+1 is read (the read releases the GIL), in order (GCM is one stream)."""
-    n = len(out)
-    scratch = [memoryview(bytearray(min(PIPE_CHUNK, n))) for _ in range(2 if pipelined else 1)]
-    pending = None
-    offset = turn = 0
-    try:
-        while offset < n:
-            end = min(offset + PIPE_CHUNK, n)
-            window = _read_exactly(f, scratch[turn][:end - offset], path)
-            if pending is not None:
-                pending, done = None, pending
-                done.result()
-            if pipelined:
-                pending = HASH_POOL.submit(_decrypt_into, dec, window, out, offset)
-                turn ^= 1
-            else:
-                _decrypt_into(dec, window, out, offset)
-            offset = end
-    finally:
-        if pending is not None:  # never leave the helper writing into ``out``
-            pending.result()
-
-
-def _decrypt_into(dec: Any, chunk: memoryview, out: memoryview, offset: int) -> None:
-    """Decrypt ``chunk`` into ``out`` at ``offset``. ``update_into`` wants a block's worth of
-    room past the output: the last bytes of the buffer go through a small copy."""
-    k = len(chunk)
-    head = k if len(out) - offset - k >= 16 else max(0, k - 32)
-    if head:
-        dec.update_into(chunk[:head], out[offset:])
-    if head < k:
-        out[offset + head:offset + k] = dec.update(chunk[head:])
-
-
-# Per thread: the two chunk buffers of the ``SealedStream`` it is writing (2 MiB, kept).
-_SCRATCH = threading.local()
-
-
-class SealedStream:
-    """One sealed object, encrypted as the commit writes it: its header (SPS1 or SPS2), the
-    ciphertext in ``SEAL_CHUNK`` pieces, the tag (``seal``'s bytes).
-
-    ``transient``: each chunk is one of two buffers used in turn, valid until the chunk
-    after next is asked for (``fsio.write_tmp_flushing`` writes it at once and hashes it on
-    the hash pool while the next one is encrypted, both in the CPU cache). No buffer of the
-    object's size is made: sealing 64 MiB into fresh memory cost 2-3x the encryption
-    itself here (page faults; docs/benchmarks.md). Encrypting on a helper thread instead
-    was slower on this 2-core host (hand-offs under load). ``size``: the bytes it yields;
-    ``replayable``: iterable again (a commit retried after a catalog repair), the same
-    bytes each time."""
-
-    transient = True
-    replayable = True
-
-    def __init__(self, lib: Any, key: bytes, header: bytes, payload: BytesLike):
-        self._lib, self._key, self._header = lib, key, header
-        self._data = memoryview(payload).cast("B")
-        self.size = len(header) + len(self._data) + TAG_BYTES
-
-    def __iter__(self) -> Iterator[memoryview | bytes]:
-        lib, data = self._lib, self._data
-        n = len(data)
-        enc = lib.Cipher(lib.algorithms.AES(self._key),
-                         lib.modes.GCM(self._header[-NONCE_BYTES:])).encryptor()
-        enc.authenticate_additional_data(self._header)
-        yield self._header
-        # two buffers in turn (the writer hashes one while this fills the other), this
-        # thread's own when free: two fresh 1 MiB buffers cost more than sealing 1 MiB
-        # (1.6-1.9 ms of page faults against ~0.5 ms here)
-        own = n > 0 and not getattr(_SCRATCH, "busy", False)
-        if own:
-            _SCRATCH.busy = True
-            bufs = getattr(_SCRATCH, "bufs", None)
-            if bufs is None:  # update_into wants a block's worth of room past its output
-                bufs = _SCRATCH.bufs = [memoryview(bytearray(SEAL_CHUNK + 16)) for _ in range(2)]
-        else:
-            bufs = [memoryview(bytearray(min(SEAL_CHUNK, n) + 16)) for _ in range(2)]
-        try:
-            for i, at in enumerate(range(0, n, SEAL_CHUNK)):
-                buf = bufs[i % 2]
-                yield buf[:enc.update_into(data[at:at + SEAL_CHUNK], buf)]
-        finally:
-            if own:
-                _SCRATCH.busy = False
-        enc.finalize()
-        yield enc.tag
+        return sealed_objects.unseal(self._lib, self._key_of, sealed, binding, into, path)
 
 
 def open_sealer(state: Path, tmp: Path, *, lock_timeout: float, read_only: bool,
-                master: MasterKey | None,
-                on_wide: Callable[[], Any] | None = None) -> Sealer | None:
+                master: MasterKey | None, on_wide: Callable[[], Any] | None = None,
+                on_bound: Callable[[], Any] | None = None) -> Sealer | None:
     """The store's sealer for ``master`` (None: encryption off); ``on_wide``: see
-    ``Keyring``."""
+    ``Keyring``; ``on_bound``: see ``Sealer``."""
     if master is None:
         return None
     return Sealer(master, Keyring(state, tmp, master, lock_timeout=lock_timeout,
-                                  read_only=read_only, on_wide=on_wide))
+                                  read_only=read_only, on_wide=on_wide), on_bound)
 
 
 def sealed_fact(index: Mapping[str, Any] | None) -> tuple[str, int] | None:
@@ -931,30 +775,53 @@ def sealed_fact(index: Mapping[str, Any] | None) -> tuple[str, int] | None:
     return None
 
 
+def _bound(index: Mapping[str, Any] | None) -> bool:
+    """Whether a sealed entry's objects are bound to it (SPS3): its fact says so."""
+    fact = (index or {}).get(INDEX_FIELD)
+    return isinstance(fact, Mapping) and fact.get("bound") is True
+
+
 def plain_size(manifest: Any, name: str) -> int:
     """The bytes object ``name`` of ``manifest`` reads back as (``Store.read``): its size on
     disk, less the header and tag of a sealed object. KeyError if there is no such object."""
     size = manifest.object(name).size
     fact = sealed_fact(manifest.index)
-    return size if fact is None else size - overhead(fact[1])
+    return size if fact is None else size - overhead(fact[1], bound=_bound(manifest.index))
 
 
-def header_struct(version: int) -> struct.Struct:
-    """The header layout of objects sealed under key ``version``: SPS1 for the per-keyring
-    counters of old stores, SPS2 for the random key ids of decision 2812."""
-    return _HEADER2 if version >= WIDE_VERSION else _HEADER
+def overhead(version: int, *, bound: bool = True) -> int:
+    """Bytes a sealed object adds to its payload (header and tag): the SPS3 header of every
+    object sealed now; ``bound=False``, an older object under key ``version`` (SPS1 for
+    the per-keyring counters of old stores, SPS2 for random key ids)."""
+    if bound:
+        return OVERHEAD
+    return (HEADER_BYTES if version < WIDE_VERSION else BOUND_HEADER_BYTES) + TAG_BYTES
 
 
-def _pack_header(tid: str, version: int) -> bytes:
-    """A fresh object header (random nonce) for key ``version`` of tenant ``tid``."""
-    layout = header_struct(version)
-    return layout.pack(MAGIC2 if layout is _HEADER2 else MAGIC, bytes.fromhex(tid), version,
-                       secrets.token_bytes(NONCE_BYTES))
+def key_tenant(key: str) -> str | None:
+    """The tenant id an entry's stored key names (``sealed_key``: ``t:<id>:...``;
+    ``chunk_key``: ``<id>...``), None when it names none."""
+    if key.startswith("t:"):
+        tid = key[2:18]
+        return tid if key[18:19] == ":" and _TID_RE.fullmatch(tid) else None
+    return key[:16] if _TID_RE.fullmatch(key[:16]) else None
 
 
-def overhead(version: int) -> int:
-    """Bytes a sealed object adds to its payload under key ``version`` (header and tag)."""
-    return header_struct(version).size + TAG_BYTES
+def read_binding(manifest: Any, name: str) -> Binding:
+    """The binding object ``name`` of the sealed entry ``manifest`` must carry, from the
+    entry the reader asked for: its id (which the reader derived from the tenant and key
+    it asked with) and the tenant its key names -- never from the object's bytes.
+    CorruptionError when the manifest's sealed fact names another tenant than its key;
+    LegacySealError (a miss) for an entry sealed before objects were bound."""
+    fact = sealed_fact(manifest.index)
+    assert fact is not None, "read_binding is for sealed entries"
+    tid, version = fact
+    if key_tenant(manifest.key) != tid:
+        raise CorruptionError("a sealed entry names another tenant than its key",
+                              reason=QuarantineReason.MANIFEST_VALIDATION)
+    if not _bound(manifest.index):
+        raise legacy_refusal(None)
+    return Binding(manifest.entry_id, name, tid, version)
 
 
 def new_version(taken: Any = ()) -> int:
@@ -969,10 +836,11 @@ def new_version(taken: Any = ()) -> int:
 
 def seal_request(sealer: Sealer | None, request: PutRequest) -> PutRequest:
     """``request`` as the store commits it: with a sealer, its objects sealed under the
-    tenant's current key, its key replaced by ``sealed_key`` (kept for a ``TenantId``:
-    ``stored_key``) and the ``sealed`` fact in its index; without one, unchanged (a
-    ``tenant`` then is a ConfigError: it would not isolate anything). A streamed payload is
-    gathered first (AES-GCM seals one buffer)."""
+    tenant's current key, each bound to the entry and its name (``Binding``), its key
+    replaced by ``sealed_key`` (kept for a ``TenantId``: ``stored_key``) and the ``sealed``
+    fact in its index; without one, unchanged (a ``tenant`` then is a ConfigError: it would
+    not isolate anything). A streamed payload is gathered first (AES-GCM seals one
+    buffer)."""
     if sealer is None:
         if request.tenant is not None:
             raise ConfigError("a tenant was given but the store has no encryption configured",
@@ -980,16 +848,18 @@ def seal_request(sealer: Sealer | None, request: PutRequest) -> PutRequest:
                                   "the tenant")
         return request
     tid = tenant_of(sealer, request.tenant, request.key)
+    key_name = stored_key(sealer, request.tenant, request.key)
+    entry_id = entry_id_for(request.kind, request.namespace, key_name)
     version, key = sealer.keyring.current(tid)
+    sealer.before_sealing()
     objects: dict[str, SealedStream] = {}
     for name, payload in request.objects.items():
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             payload = b"".join(payload)  # the tag covers all of it: gathered, then streamed
-        objects[name] = sealer.seal_stream(tid, version, key, payload)
+        objects[name] = sealer.seal_stream(Binding(entry_id, name, tid, version), key, payload)
     index = dict(request.index or {})
-    index[INDEX_FIELD] = {"tenant": tid, "version": version}
-    return replace(request, key=stored_key(sealer, request.tenant, request.key),
-                   objects=objects, index=index, tenant=None)
+    index[INDEX_FIELD] = {"tenant": tid, "version": version, "bound": True}
+    return replace(request, key=key_name, objects=objects, index=index, tenant=None)
 
 
 def tenant_of(names: TenantNames, tenant: str | TenantId | None, key: str) -> str:

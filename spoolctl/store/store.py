@@ -88,6 +88,7 @@ from .disk.reserve import Reserve
 from .disk.root import (
     FEATURE_HINTS_LOG,
     FEATURE_SEALED_V2,
+    FEATURE_SEALED_V3,
     Marker,
     StorePaths,
     check_root_path,
@@ -116,6 +117,7 @@ from .sealing import (
     Sealer,
     TenantId,
     open_sealer,
+    read_binding,
     seal_request,
     sealed_fact,
     stored_key,
@@ -245,7 +247,8 @@ class Store:
                               fix="run as the store's owner or fix its permissions") from None
         sealer = open_sealer(layout.state, layout.tmp, lock_timeout=lock_timeout,
                              read_only=read_only, master=master_key,
-                             on_wide=lambda: require_feature(layout, FEATURE_SEALED_V2))
+                             on_wide=lambda: require_feature(layout, FEATURE_SEALED_V2),
+                             on_bound=lambda: require_feature(layout, FEATURE_SEALED_V3))
         store = cls(layout, marker, lock_timeout=lock_timeout, read_only=read_only,
                     tag_key=tag_key, clock=clock, sealer=sealer)
         if read_only:
@@ -548,7 +551,8 @@ class Store:
                     raise KeyUnavailableError(f"entry {manifest.entry_id} is encrypted and no "
                                               "master key is configured", path=self.root,
                                               fix="configure the master key (docs/runbook.md)")
-                return self.sealer.open(path, ref.size, into)
+                return self.sealer.open(path, ref.size, into,
+                                        binding=read_binding(manifest, name))
             return read_verified(path, digest=ref.digest, size=ref.size, into=into)
         except KeyUnavailableError as exc:
             if exc.erased and not self.read_only:  # crypto-erased: out of reuse, for `clean`

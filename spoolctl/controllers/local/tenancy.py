@@ -136,7 +136,10 @@ class Tenancy:
             return self._store.lookup(self._kind, namespace, key, touch=False)
         if not self._store.live([entry_id]):
             return None
-        return self._store.manifest(entry_id)
+        manifest = self._store.manifest(entry_id)
+        # the catalog row chose it: read it only if its key (bound to its id) names this
+        # tenant, so its objects are opened for this tenant or not at all
+        return manifest if manifest.key.startswith(f"t:{self.tenant_id}:") else None
 
 
 class SealedFormat:

@@ -46,7 +46,10 @@ FEATURE_SEALED_V2 = "sealed-v2"
 # that does not know it would change hints without the log (a later rebuild would bring
 # back stale ones) and, before catalog schema 2, rebuild this one's catalog as damaged.
 FEATURE_HINTS_LOG = "hints-log"
-KNOWN_FEATURES = frozenset((FEATURE_SEALED_V2, FEATURE_HINTS_LOG))
+# Objects bound to their entry and name (SPS3 headers): a spoolctl that reads only SPS1/SPS2
+# would quarantine them as corrupt.
+FEATURE_SEALED_V3 = "sealed-v3"
+KNOWN_FEATURES = frozenset((FEATURE_SEALED_V2, FEATURE_HINTS_LOG, FEATURE_SEALED_V3))
 _FEATURE_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 SUBDIRS = ("objects", "manifests", "tmp", "quarantine", "state")
 FANOUT = [f"{i:02x}" for i in range(256)]
