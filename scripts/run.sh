@@ -95,7 +95,8 @@ install_base_only() {
 # The dependency lanes: what `pip install spoolctl` resolves today, and the oldest versions the
 # bounds allow. The constrained venvs stay the main run; these catch a new release that breaks
 # us (fix our code, or bound it with a comment naming the break) and a bound that is too low.
-NEWEST_VENV="${SPOOLCTL_NEWEST_VENV:-.venv-newest}"
+NEWEST_VENV="${SPOOLCTL_NEWEST_VENV:-.venv-newest}"  # `pip install spoolctl`: the base set
+NEWEST_TORCH_VENV="${SPOOLCTL_NEWEST_TORCH_VENV:-.venv-newest-torch}"  # `[torch]`: the demo
 LOWEST_VENV="${SPOOLCTL_LOWEST_VENV:-.venv-lowest}"
 RUNNERS=(pytest pytest-timeout pytest-xdist hypothesis)
 
@@ -107,17 +108,19 @@ fresh_venv() {  # fresh_venv DIR: a venv with a current pip
   fi
 }
 
-install_newest() {
+install_newest() {  # install_newest VENV SPEC: SPEC (`.` or `.[torch]`) with no constraints file
   # No stamp: "newest" is whatever the index serves today. torch is held at the CPU build
   # (another version downloads a multi-GB CUDA build); everything else resolves freely.
-  fresh_venv "$NEWEST_VENV"
-  echo "run.sh: installing the newest allowed versions into $NEWEST_VENV (log: $NEWEST_VENV/install.log)" >&2
-  logged "$NEWEST_VENV/install.log" "$NEWEST_VENV/bin/python" -m pip install --quiet \
-    --disable-pip-version-check torch==2.13.0
-  logged "$NEWEST_VENV/install.log" "$NEWEST_VENV/bin/python" -m pip install --quiet \
-    --disable-pip-version-check -U -e '.[torch]' "${RUNNERS[@]}" \
-    -c <(echo torch==2.13.0)
-  "$NEWEST_VENV/bin/python" -m pip freeze --exclude-editable > "$NEWEST_VENV/resolved.txt"
+  local venv="$1" spec="$2"
+  fresh_venv "$venv"
+  echo "run.sh: installing the newest allowed versions of $spec into $venv (log: $venv/install.log)" >&2
+  if [ "$spec" != "." ]; then
+    logged "$venv/install.log" "$venv/bin/python" -m pip install --quiet \
+      --disable-pip-version-check torch==2.13.0
+  fi
+  logged "$venv/install.log" "$venv/bin/python" -m pip install --quiet \
+    --disable-pip-version-check -U -e "$spec" "${RUNNERS[@]}" -c <(echo torch==2.13.0)
+  "$venv/bin/python" -m pip freeze --exclude-editable > "$venv/resolved.txt"
 }
 
 install_lowest() {
@@ -147,7 +150,7 @@ base_set() {  # base_set VENV [ARGS]: the base-marked modules in VENV, as test-b
 newest_demo() {  # the README's main job on the newest versions, in a throwaway cache dir
   local home; home=$(mktemp -d)
   local rc=0
-  HOME="$home" XDG_CACHE_HOME="$home/cache" "$NEWEST_VENV/bin/spoolctl" demo --preset tiny \
+  HOME="$home" XDG_CACHE_HOME="$home/cache" "$NEWEST_TORCH_VENV/bin/spoolctl" demo --preset tiny \
     >"$home/demo.log" 2>&1 || rc=$?
   if [ "$rc" != 0 ]; then
     echo "run.sh: the demo failed on the newest versions (exit $rc):" >&2
@@ -227,10 +230,12 @@ case "$job" in
       $(workers) --durations=15 -m "base and not extended" "$@"
     ;;
   test-newest)
-    install_newest
-    echo "run.sh: newest lane: $(grep -i -E '^(typer|rich|click|prometheus|blake3|msgspec|transformers|safetensors|numpy)==' "$NEWEST_VENV/resolved.txt" | tr '\n' ' ')" >&2
+    install_newest "$NEWEST_VENV" .
+    echo "run.sh: newest lane: $(grep -v '^#' "$NEWEST_VENV/resolved.txt" | tr '\n' ' ')" >&2
     rc=0
     base_set "$NEWEST_VENV" "$@" || rc=$?
+    install_newest "$NEWEST_TORCH_VENV" '.[torch]'
+    echo "run.sh: newest lane, torch extra: $(grep -i -E '^(transformers|safetensors|numpy|tokenizers|huggingface.hub)==' "$NEWEST_TORCH_VENV/resolved.txt" | tr '\n' ' ')" >&2
     newest_demo || rc=$?
     exit "$rc"
     ;;

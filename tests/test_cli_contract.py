@@ -147,9 +147,9 @@ def _options() -> dict[str, set[str]]:
         ctx = Context(cmd, info_name=cmd.name, parent=parent, **(cmd.context_settings or {}))
         for param in cmd.get_params(ctx):
             if param.param_type_name == "option" and not param.hidden:
-                # what typer's rich help prints beside the option (typer 0.28: the metavar;
-                # a flag shows none)
-                shown = "" if param.is_flag else (param.make_metavar(ctx=ctx) or "")
+                # what typer's rich help prints beside the option (a flag shows none):
+                # make_metavar up to typer 0.28, display_type_rich from 0.29
+                shown = "" if param.is_flag else (_placeholder(param, ctx) or "")
                 choices = "|" in shown and shown.startswith("<") and "file" not in shown
                 name = max(param.opts, key=len)
                 found.setdefault(name, set()).add("<choice>" if choices else shown)
@@ -158,6 +158,11 @@ def _options() -> dict[str, set[str]]:
 
     walk(build_command(), None)
     return found
+
+
+def _placeholder(param, ctx) -> str | None:
+    show = getattr(param, "display_type_rich", None)
+    return show(ctx) if show is not None else param.make_metavar(ctx=ctx)
 
 
 def test_help_placeholders_are_exact_and_one_per_option() -> None:

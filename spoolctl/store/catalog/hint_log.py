@@ -33,6 +33,9 @@ _LINE = re.compile(rb"(retain|release) ([0-9a-f]{64})")
 LINE_BYTES = len(b"release ") + 64 + 1
 COMPACT_FACTOR = 4
 COMPACT_MIN = 1 << 20
+# Written first, so the log holds its first block from the day it is made: the appends of a
+# store on a disk kept full then go into that block and do not eat the store's reserve.
+HEADER = b"# spoolctl hints log: one '<retain|release> <entry id>' line per change\n"
 
 
 class HintLog:
@@ -76,7 +79,7 @@ class HintLog:
     def rewrite(self, released: Iterable[str]) -> None:
         """Replace the log, atomically, with one ``release`` line per id of ``released``."""
         data = b"".join(f"release {entry_id}\n".encode() for entry_id in released)
-        tmp, _, _ = write_tmp(self._tmp, [data])
+        tmp, _, _ = write_tmp(self._tmp, [HEADER, data])
         try:
             os.replace(tmp, self.path)
         except BaseException:
