@@ -283,11 +283,17 @@ def _mkdir(dir_fd: int, name: str, path: Path) -> bool:
         dirfd.mkdir_at(dir_fd, name, DIR_MODE, path)
         return True
     except FileExistsError:
+        pass
+    except OSError as exc:  # named after the whole path, as a plain mkdir's would be
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISDIR(st.st_mode):
-            raise RootError("expected a directory", path=path,
-                            fix="remove the file or symlink in its place") from None
-        return False
+    except FileNotFoundError:
+        return False  # removed meanwhile: the next open reports it
+    if not stat.S_ISDIR(st.st_mode):
+        raise RootError("expected a directory", path=path,
+                        fix="remove the file or symlink in its place")
+    return False
 
 
 def ensure_layout(layout: StorePaths) -> None:
