@@ -137,7 +137,7 @@ def q_show(item: ItemArg, root: RootOption = None, rank: RankOption = None,
     def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
         found = store.quarantine.get(resolve_item(store.quarantine_items(), item))
         try:
-            files = sorted(p.name for p in found.path.iterdir())
+            files = sorted(found.files_present())
         except OSError:
             files = []
         return {**found.to_json(), "contents": files}, EXIT_OK

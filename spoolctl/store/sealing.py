@@ -48,6 +48,7 @@ import blake3
 from ..errors import ConfigError, CorruptionError, KeyUnavailableError, QuarantineReason
 from . import sealed_objects
 from .commit.committer import PutRequest
+from .disk import dirfd
 from .disk.fsio import SpecialFileError, fsync_dir, open_for_read, write_tmp
 from .disk.locks import hold
 from .erased_keys import ErasedKeys, ledger_for
@@ -615,10 +616,10 @@ class Keyring:
             data = json.dumps(doc, sort_keys=True, indent=1).encode() + b"\n"
             tmp, _, _ = write_tmp(self._tmp, [data])
             try:
-                os.replace(tmp, self.path)
+                dirfd.replace(tmp, self.path)
             except OSError:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    dirfd.unlink(tmp)
                 raise
             fsync_dir(self.path.parent)
             self._seen = None

@@ -82,7 +82,6 @@ from .context import Limits, PartContext, WritableGuard
 from .disk import faults
 from .disk.fsio import io_error, read_manifest
 from .disk.locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
-from .disk.ownership import give_back
 from .disk.publish import Publisher
 from .disk.reserve import Reserve
 from .disk.root import (
@@ -340,12 +339,11 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        if self._catalogs.close() and not self.read_only:
-            if self.reserve.count < self.reserve.most:
-                # The last connection's close deleted SQLite's -wal/-shm files: take that
-                # room back into the reserve before another program does.
-                self.reserve.ensure()
-            give_back(self.layout)  # root on another user's store (issue 30.5)
+        if self._catalogs.close() and not self.read_only and \
+                self.reserve.count < self.reserve.most:
+            # The last connection's close deleted SQLite's -wal/-shm files: take that
+            # room back into the reserve before another program does.
+            self.reserve.ensure()
 
     # -- commit -----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -38,6 +39,45 @@ _PASS_FLAGS = (getattr(os, "O_PATH", 0) | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXE
                if hasattr(os, "O_PATH") else _DIR_FLAGS)
 # ``os.unlink(dir_fd=)`` and friends: every POSIX platform the store runs on (Linux, macOS).
 SUPPORTED = os.open in os.supports_dir_fd and os.unlink in os.supports_dir_fd
+
+
+# Roots another user owns, opened by this process (``guard``): their trailing-separator
+# path -> (uid, gid) of the owner. Under them every path is resolved by ``open_dir``'s walk,
+# and what root creates is handed to the owner through its own descriptor (``give``).
+_GUARDED: dict[str, tuple[int, int]] = {}
+
+
+def guard(root: str | os.PathLike[str], st: os.stat_result) -> None:
+    """Resolve every path under ``root`` (whose ``lstat`` is ``st``) by descriptors from now
+    on: it belongs to uid ``st.st_uid``, not to this process, so its owner can swap any of
+    its directories while this process acts in it. A root this user owns is left alone."""
+    if not hasattr(os, "geteuid") or st.st_uid == os.geteuid():
+        return
+    _GUARDED[os.path.join(os.path.normpath(os.fspath(root)), "")] = (st.st_uid, st.st_gid)
+
+
+def guarded(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` lies under a root another user owns (``guard``)."""
+    if not _GUARDED:
+        return False
+    text = os.fspath(path)
+    return any(text.startswith(top) for top in _GUARDED)
+
+
+def _owner(path: str) -> tuple[int, int] | None:
+    """The owner to give a file root creates at ``path`` to, or None."""
+    if not _GUARDED or os.geteuid() != 0:
+        return None
+    return next((who for top, who in _GUARDED.items() if path.startswith(top)), None)
+
+
+def give(fd: int, path: str | os.PathLike[str]) -> None:
+    """Root just created the file or directory open at ``fd`` (at ``path``) in a root
+    another user owns: make it the owner's now, through the descriptor, so the owner's own
+    jobs can open it and nothing is ever chowned later by a name that could be re-pointed."""
+    who = _owner(os.fspath(path))
+    if who is not None:
+        os.fchown(fd, *who)
 
 
 def open_dir(path: str | os.PathLike[str]) -> int:
@@ -97,6 +137,7 @@ def _step(fd: int, part: str, text: str, mode: int | None, *, last: bool) -> int
         made = os.open(part, _DIR_FLAGS, dir_fd=fd)  # readable: fchmod needs a real fd
         try:
             os.fchmod(made, mode)  # the umask only took bits away; this is the mode asked
+            give(made, text)
         except BaseException:
             os.close(made)
             raise
@@ -113,6 +154,12 @@ def _is_link(name: str, dir_fd: int) -> bool:
         return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+def open_sub(dir_fd: int, name: str, path: str | os.PathLike[str]) -> int:
+    """A readable descriptor of directory ``name`` in the one open at ``dir_fd``, never
+    through a link (OSError ``ELOOP`` naming ``path`` if it is one)."""
+    return _step(dir_fd, name, os.fspath(path), None, last=True)
 
 
 @contextlib.contextmanager
@@ -141,17 +188,62 @@ def unlink(path: str | os.PathLike[str]) -> None:
 
 
 def create(path: str | os.PathLike[str], flags: int, mode: int) -> int:
-    """``os.open(path, flags | O_NOFOLLOW, mode)`` through its directory's descriptor."""
+    """``os.open(path, flags | O_NOFOLLOW, mode)`` through its directory's descriptor. A
+    file it creates in a root another user owns is that user's (``give``)."""
     parent, name = _split(path)
     with opened(parent) as fd:
-        return os.open(name, flags | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=fd)
+        return open_at(fd, name, flags, mode, path)
+
+
+def open_at(dir_fd: int, name: str, flags: int, mode: int,
+            path: str | os.PathLike[str]) -> int:
+    """``os.open(name, flags | O_NOFOLLOW, mode, dir_fd=)``; with ``O_CREAT`` and without
+    ``O_EXCL`` it tries an exclusive create first, so a file it made (and only that) goes
+    to the owner of a guarded root (``give``; ``path`` names it)."""
+    flags |= _O_NOFOLLOW | _O_CLOEXEC
+    if not flags & os.O_CREAT or _owner(os.fspath(path)) is None:
+        return os.open(name, flags, mode, dir_fd=dir_fd)
+    if not flags & os.O_EXCL:
+        try:
+            fd = os.open(name, flags | os.O_EXCL, mode, dir_fd=dir_fd)
+        except FileExistsError:
+            return os.open(name, flags & ~os.O_CREAT, mode, dir_fd=dir_fd)
+    else:
+        fd = os.open(name, flags, mode, dir_fd=dir_fd)
+    try:
+        give(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_file(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
+    """Open the file at absolute ``path`` without following a link anywhere: by its
+    directory's descriptor under a guarded root (``create``), else by name with
+    ``O_NOFOLLOW`` (only the store's own user can write the directories on the way)."""
+    if guarded(path):
+        return create(path, flags, mode)
+    return os.open(path, flags | _O_NOFOLLOW | _O_CLOEXEC, mode)
 
 
 def mkdir(path: str | os.PathLike[str], mode: int) -> None:
-    """``os.mkdir(path, mode)`` through its parent's descriptor."""
+    """``os.mkdir(path, mode)`` through its parent's descriptor (the owner's, ``give``, in
+    a root another user owns)."""
     parent, name = _split(path)
     with opened(parent) as fd:
-        os.mkdir(name, mode, dir_fd=fd)
+        mkdir_at(fd, name, mode, path)
+
+
+def mkdir_at(dir_fd: int, name: str, mode: int, path: str | os.PathLike[str]) -> None:
+    """``os.mkdir(name, mode, dir_fd=)``, the new directory then given (``give``)."""
+    os.mkdir(name, mode, dir_fd=dir_fd)
+    if _owner(os.fspath(path)) is not None:
+        made = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            give(made, path)
+        finally:
+            os.close(made)
 
 
 def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
@@ -172,6 +264,68 @@ def rmtree(path: str | os.PathLike[str]) -> None:
     parent, name = _split(path)
     with opened(parent) as fd:
         shutil.rmtree(name, dir_fd=fd)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a directory listed through its descriptor (``scandir`` of a guarded
+    path): its name, its path for messages and later calls (which resolve it again by
+    descriptor), and its ``lstat`` taken through the directory's descriptor."""
+
+    name: str
+    path: str
+    st: os.stat_result
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        return self.st  # never through a link: a link is reported as one
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        return stat.S_ISDIR(self.st.st_mode)
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        return stat.S_ISREG(self.st.st_mode)
+
+    def is_symlink(self) -> bool:
+        return stat.S_ISLNK(self.st.st_mode)
+
+    def inode(self) -> int:
+        return self.st.st_ino
+
+
+def scandir(path: str | os.PathLike[str]) -> list:
+    """The entries of the directory at ``path`` (``os.DirEntry``-like). Under a guarded root
+    it is opened by ``open_dir`` and each entry ``lstat``-ed through its descriptor
+    (``Entry``); elsewhere ``os.scandir``. OSError as ``os.scandir``."""
+    text = os.fspath(path)
+    if not guarded(text):
+        with os.scandir(text) as it:
+            return list(it)
+    out = []
+    with opened(text) as fd:
+        for e in listing(fd):
+            try:
+                st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            out.append(Entry(e.name, os.path.join(text, e.name), st))
+    return out
+
+
+def listdir(path: str | os.PathLike[str]) -> list[str]:
+    """``os.listdir(path)``, through ``open_dir``'s descriptor under a guarded root."""
+    if not guarded(path):
+        return os.listdir(path)
+    with opened(path) as fd:
+        return os.listdir(fd)
+
+
+def lstat(path: str | os.PathLike[str]) -> os.stat_result:
+    """``os.lstat(path)``, relative to its directory's descriptor under a guarded root."""
+    if not guarded(path):
+        return os.lstat(path)
+    parent, name = _split(path)
+    with opened(parent) as fd:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
 
 
 def listing(fd: int) -> list[os.DirEntry]:

@@ -74,8 +74,10 @@ def full_fsync(fd: int) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    """Make a rename or unlink inside ``path`` durable (opened by ``dirfd.open_dir``'s walk
+    under a root another user owns)."""
+    fd = dirfd.open_dir(path) if dirfd.guarded(path) else \
+        os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     try:
         full_fsync(fd)
     finally:
@@ -90,7 +92,7 @@ def precreate_private(path: Path) -> None:
     private. Any error is left for SQLite's own open to report.
     """
     with contextlib.suppress(OSError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, FILE_MODE))
+        os.close(dirfd.open_file(path, os.O_WRONLY | os.O_CREAT, FILE_MODE))
 
 
 def ensure_real_dirs(root: Path, directory: Path) -> None:
@@ -245,7 +247,7 @@ def create_tmp(tmp_dir: Path, dirs: DirFds | None = None) -> TmpFile:
     try:
         if dirs is None:
             return TmpFile(path, dirfd.create(path, flags, FILE_MODE))
-        return TmpFile(path, os.open(name, flags, FILE_MODE, dir_fd=dirs.fd(tmp_dir)))
+        return TmpFile(path, dirfd.open_at(dirs.fd(tmp_dir), name, flags, FILE_MODE, path))
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc
 
@@ -420,7 +422,7 @@ def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = FILE_MODE) ->
     and ``fstat`` on the descriptor refuses anything that is not a regular file with
     ``SpecialFileError``. The descriptor is switched back to blocking mode (which regular
     files ignore anyway)."""
-    fd = os.open(path, flags | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, mode)
+    fd = dirfd.open_file(path, flags | _O_NONBLOCK, mode)  # no link followed on the way
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -491,7 +493,7 @@ def _peek_open(path: str) -> int | None:
     """A read-only descriptor of ``path`` for a hint to the kernel, or None if it cannot be
     opened (never follows a symlink, never blocks on a FIFO)."""
     try:
-        return os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+        return dirfd.open_file(path, os.O_RDONLY | _O_NONBLOCK)
     except OSError:
         return None
 

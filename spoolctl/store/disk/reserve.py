@@ -34,6 +34,7 @@ import shutil
 from pathlib import Path
 
 from ...errors import StoreIOError
+from . import dirfd
 from .fsio import FILE_MODE, fsync_dir, full_fsync, tmp_name
 
 RESERVE_NAME = "reserve"
@@ -78,7 +79,7 @@ class Reserve:
 
     def _present(self, n: int) -> bool:
         try:
-            return os.lstat(self._path(n)).st_size >= self.piece_bytes
+            return dirfd.lstat(self._path(n)).st_size >= self.piece_bytes
         except OSError:
             return False
 
@@ -105,18 +106,17 @@ class Reserve:
             if shutil.disk_usage(self.state_dir).free < self.piece_bytes:
                 return False
             tmp = self.state_dir / f".{RESERVE_NAME}.{tmp_name()}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                         FILE_MODE)
+            fd = dirfd.create(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             try:
                 _allocate(fd, self.piece_bytes)
                 full_fsync(fd)
             except OSError:
                 os.close(fd)
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    dirfd.unlink(tmp)
                 return False
             os.close(fd)
-            os.replace(tmp, self._path(n))
+            dirfd.replace(tmp, self._path(n))
             fsync_dir(self.state_dir)
             return True
         except OSError:
@@ -126,7 +126,7 @@ class Reserve:
         """Delete one piece (its space goes back to the filesystem); True if there was one."""
         for n in reversed(range(self.most)):
             try:
-                os.unlink(self._path(n))
+                dirfd.unlink(self._path(n))
             except FileNotFoundError:
                 continue
             except OSError:

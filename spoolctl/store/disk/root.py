@@ -27,6 +27,7 @@ from .fsio import (
     DIR_MODE,
     describe_os_error,
     fsync_dir,
+    full_fsync,
     io_error,
     read_small,
     tmp_writer,
@@ -259,30 +260,16 @@ def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> Ma
     if new:
         faults.checkpoint("init.marker_drafted")
     try:
-        _owned_as_root_dir(tmp, layout.root)
-        os.replace(tmp, layout.marker)
+        dirfd.replace(tmp, layout.marker)  # the draft is the owner's from its creation
     except OSError as exc:
         # A root directory this user cannot write (chmod 500, a read-only bind): one
         # StoreIOError naming the fix -- read-only commands then fall back to a read-only
         # view -- and no draft left in tmp/ (decision 2831's rewrite at a writable open).
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            dirfd.unlink(tmp)
         raise io_error(exc, "writing the store marker", layout.marker) from None
     fsync_dir(layout.root)
     return marker
-
-
-def _owned_as_root_dir(path: Path, root: Path) -> None:
-    """As root on a store another user owns (``--allow-foreign-owner``), give the new marker
-    to the store's owner before it replaces the old one: a root-owned 0600 marker locks the
-    owner out of the whole store ("unreadable store marker"). Since decision 2831 any
-    writable open may rewrite the marker (``mark_wide``), not only ``init --max-size``;
-    ``ownership.give_back`` at close covers only ``state/``, ``tmp/`` and ``quarantine/``."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return
-    st = os.stat(root)
-    if st.st_uid != 0:
-        os.lchown(path, st.st_uid, st.st_gid)
 
 
 def require_feature(layout: StorePaths, feature: str) -> Marker:
@@ -296,46 +283,65 @@ def require_feature(layout: StorePaths, feature: str) -> Marker:
     return write_marker(layout, replace(marker, requires=(*marker.requires, feature)))
 
 
-def _mkdir(path: Path) -> bool:
-    """Create a 0700 directory; return True if it was created, False if it existed."""
+def _mkdir(dir_fd: int, name: str, path: Path) -> bool:
+    """Create 0700 directory ``name`` in the one open at ``dir_fd`` (``path``); return True
+    if it was created, False if it existed."""
     try:
-        os.mkdir(path, DIR_MODE)
+        dirfd.mkdir_at(dir_fd, name, DIR_MODE, path)
         return True
     except FileExistsError:
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode):
-            raise RootError("expected a directory", path=path,
-                            fix="remove the file or symlink in its place") from None
+        pass
+    except OSError as exc:  # named after the whole path, as a plain mkdir's would be
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False  # removed meanwhile: the next open reports it
+    if not stat.S_ISDIR(st.st_mode):
+        raise RootError("expected a directory", path=path,
+                        fix="remove the file or symlink in its place")
+    return False
 
 
 def ensure_layout(layout: StorePaths) -> None:
-    """Create every directory of the layout (idempotent); fsync only what changed.
+    """Create every directory of the layout (idempotent); fsync only what changed. Every
+    directory is reached through its parent's descriptor, never by a path its owner could
+    re-point meanwhile.
 
     StoreIOError if the filesystem refuses (no space, no inodes, read-only): what was
     made stays, and the next ``init`` finishes it (``unfinished_init``)."""
     try:
-        _ensure_layout(layout)
+        with dirfd.opened(layout.root) as top:
+            _ensure_layout(layout, top)
     except OSError as exc:
         raise io_error(exc, "creating the store layout",
                        Path(exc.filename) if exc.filename else layout.root) from None
 
 
-def _ensure_layout(layout: StorePaths) -> None:
-    created_top = [_mkdir(layout.root / name) for name in SUBDIRS]
+def _ensure_layout(layout: StorePaths, top: int) -> None:
+    created_top = [_mkdir(top, name, layout.root / name) for name in SUBDIRS]
     for parent in (layout.objects, layout.manifests):
-        existing = set(os.listdir(parent))
-        for fan in existing.intersection(FANOUT):
-            # a fan-out "directory" that is a symlink would send renames outside the root
-            if not stat.S_ISDIR(os.lstat(parent / fan).st_mode):
-                raise RootError("expected a directory, found a symlink or file", path=parent / fan,
-                                fix="remove it; spoolctl recreates the directory")
-        missing = [fan for fan in FANOUT if fan not in existing]
-        for fan in missing:
-            _mkdir(parent / fan)
-        if missing:
-            fsync_dir(parent)
+        fd = dirfd.open_sub(top, parent.name, parent)
+        try:
+            _ensure_fans(parent, fd)
+        finally:
+            os.close(fd)
     if any(created_top):
-        fsync_dir(layout.root)
+        full_fsync(top)
+
+
+def _ensure_fans(parent: Path, fd: int) -> None:
+    existing = set(os.listdir(fd))
+    for fan in existing.intersection(FANOUT):
+        # a fan-out "directory" that is a symlink would send renames outside the root
+        if not stat.S_ISDIR(os.stat(fan, dir_fd=fd, follow_symlinks=False).st_mode):
+            raise RootError("expected a directory, found a symlink or file", path=parent / fan,
+                            fix="remove it; spoolctl recreates the directory")
+    missing = [fan for fan in FANOUT if fan not in existing]
+    for fan in missing:
+        _mkdir(fd, fan, parent / fan)
+    if missing:
+        full_fsync(fd)
 
 
 ALLOW_FOREIGN_ENV = "SPOOLCTL_ALLOW_FOREIGN_OWNER"
@@ -385,17 +391,17 @@ def unfinished_init(layout: StorePaths) -> list[Path] | None:
     """
     drafts: list[Path] = []
     try:
-        names = os.listdir(layout.root)
+        names = dirfd.listdir(layout.root)
         if not names:  # empty: nothing was started here (a fresh or unmounted vLLM root)
             return None
         for name in names:
             path = layout.root / name
-            if name not in SUBDIRS or not stat.S_ISDIR(os.lstat(path).st_mode):
+            if name not in SUBDIRS or not stat.S_ISDIR(dirfd.lstat(path).st_mode):
                 return None
-            for child in os.listdir(path):
-                cst = os.lstat(path / child)
+            for child in dirfd.listdir(path):
+                cst = dirfd.lstat(path / child)
                 if name in ("objects", "manifests") and child in FANOUT and \
-                        stat.S_ISDIR(cst.st_mode) and not os.listdir(path / child):
+                        stat.S_ISDIR(cst.st_mode) and not dirfd.listdir(path / child):
                     continue
                 if name == "tmp" and tmp_writer(child) is not None and \
                         stat.S_ISREG(cst.st_mode) and cst.st_size <= 1 << 16:
@@ -425,6 +431,8 @@ def create_or_adopt(
         st = None
     if st is not None and not stat.S_ISDIR(st.st_mode):
         raise RootError("store root is not a directory", path=root, fix="choose another --root")
+    if st is not None:
+        dirfd.guard(root, st)  # another user's root: its owner may swap what is under it
     has_marker = st is not None and os.path.lexists(layout.marker)
     if read_only:
         if st is None:
@@ -470,7 +478,7 @@ def create_or_adopt(
         faults.checkpoint("init.layout_made")
         for part in leftovers or ():  # the unfinished init's own marker draft
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(part)
+                dirfd.unlink(part)
         write_marker(layout, marker, new=True)
         return layout, marker
     check_owner(root, allow_foreign_owner=allow_foreign_owner)

@@ -32,6 +32,7 @@ used: SQLite then refuses to parse our own catalog (its ``malformed_rows`` trigg
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -39,11 +40,13 @@ import shutil
 import sqlite3
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 from urllib.parse import quote
 
 from ...errors import BusyError, SpoolError, StoreIOError
+from . import dirfd
 from .fsio import file_kind, precreate_private
 from .space import INODE_FIX, inodes_short, no_inodes_detail
 
@@ -157,7 +160,7 @@ def check_files(path: Path) -> None:
     for suffix in SUFFIXES:
         p = path.with_name(path.name + suffix)
         try:
-            st = os.lstat(p)
+            st = dirfd.lstat(p)
         except FileNotFoundError:
             continue
         if not stat.S_ISREG(st.st_mode):
@@ -212,6 +215,85 @@ def _guarded(target: str, *, uri: bool = False, timeout: float,
     return db
 
 
+@contextlib.contextmanager
+def _pinned(path: Path) -> Iterator[str]:
+    """The name to give SQLite for the database at ``path``: under a root another user owns
+    (``dirfd.guarded``), ``/proc/self/fd/N/NAME`` of its directory opened by ``open_dir``'s
+    walk (SQLite turns it back into the directory's current path: the one checked, where
+    its owner moved it or not), else ``path`` itself. ``_check_opened`` then proves which
+    files SQLite holds."""
+    if not dirfd.guarded(path) or not os.path.isdir(_PROC_FD):
+        yield str(path)
+        return
+    fd = dirfd.open_dir(path.parent)
+    try:
+        yield f"{_PROC_FD}/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+_PROC_FD = "/proc/self/fd"
+
+
+def _check_opened(db: sqlite3.Connection, path: Path) -> None:
+    """Under a root another user owns: read the schema (SQLite opens the database and, in
+    WAL mode, its -wal/-shm files), then make sure every one of those files SQLite holds
+    is the one in ``path``'s directory reached without a link; otherwise close ``db`` and
+    raise StoreIOError (ELOOP): its owner swapped the directory while SQLite opened it by
+    name. Nothing has been written through such a connection yet."""
+    if not dirfd.guarded(path) or not os.path.isdir(_PROC_FD):
+        return
+    try:
+        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        held = _held_files()
+        with dirfd.opened(path.parent) as fd:
+            for suffix in SUFFIXES:
+                name = path.name + suffix
+                wanted = [link for link, _ in held if link.endswith(os.sep + name)]
+                if suffix and not wanted:
+                    continue  # not opened (no WAL yet, or a read-only snapshot)
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    st = None
+                ours = st is not None and any(key == (st.st_dev, st.st_ino)
+                                              for link, key in held if link in wanted)
+                if not ours:
+                    raise OSError(errno.ELOOP, "store directory swapped while SQLite opened "
+                                  "it", str(path.with_name(name)))
+    except BaseException as exc:
+        db.close()
+        if isinstance(exc, OSError):
+            raise StoreIOError(f"opening {path.name} failed: {exc.strerror}", path=path,
+                               errno=exc.errno, fix="a store directory was swapped for a "
+                               "symlink: inspect the store before using it again") from None
+        raise
+
+
+def _held_files() -> list[tuple[str, tuple[int, int]]]:
+    """(target path, (device, inode)) of every file this process holds open."""
+    out = []
+    for name in os.listdir(_PROC_FD):
+        try:
+            link = os.readlink(f"{_PROC_FD}/{name}")
+            st = os.stat(f"{_PROC_FD}/{name}")
+        except OSError:
+            continue
+        out.append((link, (st.st_dev, st.st_ino)))
+    return out
+
+
+def connect_pinned(path: Path, *, timeout: float) -> sqlite3.Connection:
+    """A plain autocommit connection to the existing database at ``path`` (a checkpointer's),
+    opened as ``connect_private`` opens it where another user owns the store: through the
+    checked directory, every file SQLite holds proved to be in it (``_check_opened``)."""
+    with _pinned(path) as target:
+        db = sqlite3.connect(target, timeout=timeout, isolation_level=None,
+                             check_same_thread=False)
+    _check_opened(db, path)
+    return db
+
+
 @functools.lru_cache(maxsize=8)
 def _expected_schema(ddl: str) -> frozenset[tuple[str, str, str, str | None]]:
     """(type, name, table, sql) of every object ``ddl`` creates (applied to an empty
@@ -254,9 +336,20 @@ def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None
     can (another host's store, read and never touched: ``peer``). ``earlier_ddl``: schemas of
     earlier versions the file may still have (not migrated: a read-only open cannot)."""
     check_files(path)
-    if not path.exists():
-        raise sqlite3.OperationalError("unable to open database file")
-    uri = "file:" + quote(str(path), safe="/")
+    with _pinned(path) as target:
+        return _read_only(path, target, timeout=timeout, ddl=ddl, deadline=deadline,
+                          snapshot=snapshot, earlier_ddl=earlier_ddl)
+
+
+def _read_only(path: Path, target: str, *, timeout: float, ddl: str | None,
+               deadline: float | None, snapshot: bool, earlier_ddl: tuple[str, ...]
+               ) -> sqlite3.Connection:
+    """``connect_read_only`` of ``path``, named ``target`` for SQLite (``_pinned``)."""
+    try:
+        dirfd.lstat(path)
+    except FileNotFoundError:
+        raise sqlite3.OperationalError("unable to open database file") from None
+    uri = "file:" + quote(target, safe="/")
     db = None
     try:
         if not snapshot:
@@ -274,6 +367,7 @@ def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None
     if db is None:
         db = _guarded(f"{uri}?mode=ro&immutable=1", uri=True, timeout=timeout,
                       deadline=deadline)
+    _check_opened(db, path)
     if ddl is not None:
         try:
             check_schema(db, ddl, earlier=earlier_ddl)
@@ -296,10 +390,15 @@ def connect_private(
     of the file's."""
     check_files(path)
     precreate_private(path)
-    db = _guarded(str(path), timeout=timeout)
+    for suffix in SUFFIXES[1:] if dirfd.guarded(path) else ():
+        precreate_private(path.with_name(path.name + suffix))  # the owner's from the start
+    with _pinned(path) as target:
+        db = _guarded(target, timeout=timeout)
     try:
+        _check_opened(db, path)
         check_schema(db, ddl, earlier=earlier_ddl)
         db.execute("PRAGMA journal_mode=WAL")
+        _check_opened(db, path)  # the -wal/-shm files a new database opens only now
         db.execute(f"PRAGMA synchronous={synchronous}")
         db.executescript(ddl)
     except BaseException:

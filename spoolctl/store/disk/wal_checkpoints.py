@@ -27,6 +27,9 @@ import sqlite3
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from ...errors import SpoolError
+from .sqlite_files import connect_pinned
+
 
 class BackgroundCheckpoints:
     """Passive checkpoints of the WAL database at ``path``, one at a time, on a helper
@@ -62,11 +65,10 @@ class BackgroundCheckpoints:
     def _checkpoint(self) -> None:
         try:
             if self._db is None:
-                self._db = sqlite3.connect(str(self._path), timeout=self._timeout,
-                                           isolation_level=None)
+                self._db = connect_pinned(self._path, timeout=self._timeout)
             self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             self.done += 1
-        except sqlite3.Error:
+        except (sqlite3.Error, SpoolError):
             pass  # skipped: a later checkpoint copies these pages (module docstring)
 
     def _close(self) -> None:

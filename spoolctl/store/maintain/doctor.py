@@ -63,6 +63,8 @@ def run_checks(root: str | os.PathLike[str]) -> list[Check]:
         return [Check("root.exists", "fail", f"{path} does not exist",
                       f"create it with `spoolctl init --root {path}`")]
     checks.append(Check("root.path", "ok", f"{path} is absolute and not a symlink"))
+    with contextlib.suppress(OSError):
+        dirfd.guard(path, os.lstat(path))  # another user's store: nothing under it by name
     marker = None
     try:
         marker = read_marker(layout)

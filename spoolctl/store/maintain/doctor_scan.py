@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..disk import dirfd
 from ..disk.fsio import describe_os_error, file_kind
 from ..disk.root import SUBDIRS, StorePaths
 from ..disk.sqlite_files import SUFFIXES
@@ -57,8 +58,7 @@ def _walk(layout: StorePaths, dirs_bad: list[str], owner: int) -> Iterator[os.Di
     ``dirs_bad``."""
     for top in (layout.objects, layout.manifests, layout.tmp, layout.state):
         try:
-            with os.scandir(top) as it:
-                children = list(it)
+            children = dirfd.scandir(top)
         except OSError as exc:
             dirs_bad.append(f"{top} ({describe_os_error(exc)})")
             continue
@@ -74,8 +74,7 @@ def _walk(layout: StorePaths, dirs_bad: list[str], owner: int) -> Iterator[os.Di
                 dirs_bad.append(f"{child.path} ({why})")
                 continue
             try:
-                with os.scandir(child.path) as it:
-                    yield from list(it)
+                yield from dirfd.scandir(child.path)
             except OSError as exc:
                 dirs_bad.append(f"{child.path} ({describe_os_error(exc)})")
 
@@ -162,7 +161,7 @@ def catalog_write_check(layout: StorePaths) -> list:
     for suffix in SUFFIXES:
         p = path.with_name(path.name + suffix)
         try:
-            fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            fd = dirfd.open_file(p, os.O_WRONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             continue
         except OSError as exc:
@@ -290,8 +289,7 @@ def _utf8(name: str) -> bool:
 
 def _names(directory: Path) -> list[os.DirEntry]:
     try:
-        with os.scandir(directory) as it:
-            return list(it)
+        return dirfd.scandir(directory)
     except OSError:
         return []  # unreadable directories are store.directories' finding
 

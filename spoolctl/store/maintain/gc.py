@@ -440,7 +440,7 @@ def tmp_usage(tmp_dir: Path) -> tuple[int, int]:
     """(files, bytes) under ``tmp_dir``."""
     files = size = 0
     with contextlib.suppress(OSError):  # an unreadable tmp/ is doctor's finding
-        for e in os.scandir(tmp_dir):
+        for e in dirfd.scandir(tmp_dir):
             with contextlib.suppress(FileNotFoundError):
                 size += e.stat(follow_symlinks=False).st_size
                 files += 1

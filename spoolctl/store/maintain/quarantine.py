@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import secrets
 import time
@@ -47,6 +46,11 @@ class QuarantineItem:
             "time": self.time, "entry_id": self.entry_id, "kind": self.kind,
             "files": self.files, "bytes": self.bytes, "path": str(self.path),
         }
+
+    def files_present(self) -> list[str]:
+        """The names in the item's directory now (listed through its descriptor where
+        another user owns the store)."""
+        return dirfd.listdir(self.path)
 
 
 def validate_item_id(item_id: str) -> str:
@@ -116,7 +120,7 @@ class Quarantine:
     def items(self) -> list[QuarantineItem]:
         out = []
         try:
-            names = sorted(os.listdir(self.directory))
+            names = sorted(dirfd.listdir(self.directory))
         except FileNotFoundError:
             return []
         except OSError as exc:
@@ -137,7 +141,7 @@ class Quarantine:
         path = self.directory / name
         size = 0
         try:
-            for child in os.scandir(path):
+            for child in dirfd.scandir(path):
                 if child.name != REASON_FILE and child.is_file(follow_symlinks=False):
                     size += child.stat(follow_symlinks=False).st_size
         except OSError:

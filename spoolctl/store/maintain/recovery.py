@@ -377,7 +377,7 @@ class Recovery:
         return out
 
     def unknown_top_level(self) -> list[str]:
-        return sorted(name for name in os.listdir(self._ctx.root) if name not in KNOWN_TOP)
+        return sorted(name for name in dirfd.listdir(self._ctx.root) if name not in KNOWN_TOP)
 
 
 def _prefetch_fan(fan: Path) -> list[os.DirEntry]:
@@ -416,8 +416,7 @@ def _scan(directory: Path, unreadable: dict[str, str], *, sort: bool = False) ->
     """The entries of ``directory``; [] (and ``unreadable[directory] = reason``) if it
     cannot be listed."""
     try:
-        with os.scandir(directory) as it:
-            found = list(it)
+        found = dirfd.scandir(directory)
     except FileNotFoundError:
         return []
     except OSError as exc:
