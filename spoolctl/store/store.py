@@ -79,7 +79,7 @@ from .catalog.rows import index_problem
 from .commit.committer import Committer, Payload, Pending, PutOutcome, PutRequest
 from .commit.inputs import check_put, known_size
 from .context import Limits, PartContext, WritableGuard
-from .disk import faults
+from .disk import dirfd, faults
 from .disk.fsio import io_error, read_manifest
 from .disk.locks import OwnerInfo, OwnerLease, hold_gated, read_owner, try_hold_gated
 from .disk.publish import Publisher
@@ -767,6 +767,7 @@ def older_format(root: Path) -> bool:
     """Whether the store at ``root`` is in an older spoolctl's format (its marker does not
     require the hint log); False when there is no valid marker (the open reports that)."""
     try:
+        dirfd.guard(root, os.lstat(root))  # another user's root: read its marker by descriptor
         return FEATURE_HINTS_LOG not in read_marker(StorePaths(root)).requires
-    except RootError:
+    except (RootError, OSError):
         return False

@@ -24,6 +24,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..disk import dirfd
 from ..disk.fsio import fsync_dir, write_tmp
 
 NAME = "hints.log"
@@ -51,8 +52,7 @@ class HintLog:
                         if hint in ("retain", "release"))
         if not data:
             return
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o600)
+        fd = dirfd.open_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -64,7 +64,7 @@ class HintLog:
         """The last hint of every entry the log names ({} without a log, or when it is not
         a regular file)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = dirfd.open_file(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, OSError):
             return {}
         hints: dict[str, str] = {}
@@ -81,16 +81,16 @@ class HintLog:
         data = b"".join(f"release {entry_id}\n".encode() for entry_id in released)
         tmp, _, _ = write_tmp(self._tmp, [HEADER, data])
         try:
-            os.replace(tmp, self.path)
+            dirfd.replace(tmp, self.path)
         except BaseException:
-            os.unlink(tmp)
+            dirfd.unlink(tmp)
             raise
         fsync_dir(self.path.parent)
 
     def oversized(self, released: int) -> bool:
         """Whether the log holds far more than its ``released`` entries need."""
         try:
-            size = os.lstat(self.path).st_size
+            size = dirfd.lstat(self.path).st_size
         except OSError:
             return False
         return size > COMPACT_MIN and size > COMPACT_FACTOR * LINE_BYTES * released
