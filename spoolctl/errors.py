@@ -131,3 +131,51 @@ class ArchiveError(SpoolError):
 
     Raised before anything of the defective part is published; entries completed and
     verified before the defect stay (each was committed on its own)."""
+
+
+class AccessDeniedError(ConfigError):
+    """This user may not read a path it was asked to operate on: the wrong user (a cron job
+    under another account) or a mount that came back with other permissions (CLI exit 2).
+    Never "nothing to do": a root that cannot be read is not an empty one."""
+
+
+class OutputWriteError(StoreIOError):
+    """The command's output could not be written whole: stdout, or a file it was asked to
+    write (an archive, a metrics textfile), on a full disk or an I/O error. Nothing cut was
+    put in place (CLI exit 3)."""
+
+
+def _user_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def access_denied(path: str | Path, *, action: str = "read") -> AccessDeniedError:
+    """The one error for a path this process may not ``action``: it names the path, this
+    user, the path's owner and mode (when they can be seen) and the fix."""
+    import os
+    import stat
+
+    user = _user_name(os.geteuid()) if hasattr(os, "geteuid") else "this user"
+    try:
+        st = os.stat(path)
+        what = "this directory" if stat.S_ISDIR(st.st_mode) else "this file"
+        owner = f" (owned by {_user_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o})"
+        fix_owner = f"run it as {_user_name(st.st_uid)}, or give {user} access"
+    except OSError:
+        what, owner, fix_owner = "this path", "", f"give {user} access"
+    return AccessDeniedError(
+        f"permission denied: user {user} cannot {action} {what}{owner}", path=path,
+        fix=f"{fix_owner} (chown, chmod or setfacl; check how the disk is mounted)")
+
+
+def from_os_permission(exc: OSError) -> AccessDeniedError:
+    """A PermissionError that reached the top, as ``access_denied`` of the path it names."""
+    import os
+
+    name = exc.filename
+    return access_denied(os.fsdecode(name) if isinstance(name, (str, bytes)) else "?")

@@ -42,6 +42,7 @@ from .common import (
     plain,
 )
 from .interrupt import exit_code, interrupt_of, signal_name, signals_as_interrupts, take
+from .output import write_all
 
 app = typer.Typer(
     name="spoolctl",
@@ -130,14 +131,25 @@ class OutputError(Exception):
 class _GuardedStdout:
     """sys.stdout for one command: a write or flush that fails raises ``OutputError``, so a
     closed pipe or a full disk under ``> FILE`` is told apart from the store's own I/O
-    (which is always a SpoolError) instead of surfacing as an unexpected OSError."""
+    (which is always a SpoolError) instead of surfacing as an unexpected OSError. Text goes
+    to the descriptor through the one checked write (``output.write_all``): Python's
+    unbuffered stdout drops the rest of a short write, and a full disk cut the output."""
 
     def __init__(self, stream: Any):
         self._stream = stream
+        try:
+            self._fd: int | None = stream.fileno()
+        except (OSError, ValueError, AttributeError):  # a StringIO (an in-process caller)
+            self._fd = None
 
     def write(self, data: str) -> int:
         try:
-            return self._stream.write(data)
+            if self._fd is None:
+                return self._stream.write(data)
+            self._stream.flush()  # what was written to the stream itself goes first
+            write_all(self._fd, data.encode(self._stream.encoding or "utf-8",
+                                            self._stream.errors or "strict"))
+            return len(data)
         except (OSError, ValueError) as exc:
             raise OutputError(exc) from exc
 
@@ -396,6 +408,15 @@ def _run(argv: list[str], *, debug: bool, json_mode: bool) -> int:
         if cause is not None and take() is not None:  # not reported by the command
             return _interrupted(cause, json_mode)
         return _exit_code(exc.exit_code, json_mode)
+    except PermissionError as exc:  # a path this user may not read: the usual error line
+        if debug:
+            raise
+        from spoolctl.errors import from_os_permission
+
+        denied = from_os_permission(exc)
+        return _fail(denied.message, code=error_exit_code(denied), fix=denied.fix,
+                     path=denied.path, kind=type(denied).__name__, json_mode=json_mode,
+                     human=f"[red]error:[/red] {esc(str(denied))}")
     except KeyboardInterrupt as exc:  # SIGINT / SIGTERM outside click's own handling
         take()
         return _interrupted(exc, json_mode)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from spoolctl.errors import OutputWriteError
 from spoolctl.store import (
     ConfigError,
     CorruptionError,
@@ -43,8 +44,9 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
-# stdout cannot take the output (a full disk, an I/O error, a closed descriptor): the command
-# stopped; its result was not (fully) written. Distinct from 1 (findings) and 2 (usage).
+# The output cannot be written whole (stdout, an archive, a metrics textfile: a full disk, an
+# I/O error, a closed descriptor): the command stopped; nothing cut was put in place.
+# Distinct from 1 (findings) and 2 (usage).
 EXIT_OUTPUT = 3
 # The reader of stdout went away (`spoolctl status | head -1`): the shells' code for a
 # process killed by SIGPIPE (128 + 13), so `set -o pipefail` scripts see what they expect.
@@ -55,9 +57,12 @@ SCHEMA_PREFIX = "spoolctl-cli/"
 def error_exit_code(exc: SpoolError) -> int:
     """The one mapping of a store error to an exit code (a whole command's, ``app.main``,
     and one store's of several, ``fanout``): 1 for findings (corruption, an entry not
-    found), 2 for usage and configuration (a ConfigError always, whatever else it is)."""
+    found), 2 for usage and configuration (a ConfigError always, whatever else it is), 3 for
+    output (stdout, an archive, a textfile) that could not be written whole."""
     if isinstance(exc, ConfigError):
         return EXIT_USAGE
+    if isinstance(exc, OutputWriteError):
+        return EXIT_OUTPUT
     return EXIT_FINDINGS if isinstance(exc, (CorruptionError, NotFoundError)) else EXIT_USAGE
 ENV_ROOT = "SPOOLCTL_ROOT"
 

@@ -131,9 +131,10 @@ def _child(fn: Callable[[], Any], write_end: int) -> None:
         sys.stdout, sys.stderr = io.StringIO(), err
         try:
             outcome: tuple[str, Any] = ("ok", fn())
-        except SpoolError as exc:
-            outcome = ("spool", (type(exc).__name__, exc.message, _text(exc.path),
-                                 exc.fix, getattr(exc, "errno", None)))
+        except (SpoolError, PermissionError) as exc:
+            spool = errors.from_os_permission(exc) if isinstance(exc, PermissionError) else exc
+            outcome = ("spool", (type(spool).__name__, spool.message, _text(spool.path),
+                                 spool.fix, getattr(spool, "errno", None)))
         except BaseException:
             outcome = ("bug", traceback.format_exc())
         try:
