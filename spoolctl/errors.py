@@ -156,21 +156,43 @@ def _user_name(uid: int) -> str:
 
 def access_denied(path: str | Path, *, action: str = "read") -> AccessDeniedError:
     """The one error for a path this process may not ``action``: it names the path, this
-    user, the path's owner and mode (when they can be seen) and the fix."""
+    user, the owner and mode of what is in the way (the path, or a directory above it that
+    cannot be searched) and the fix."""
+    import os
+
+    user = _user_name(os.geteuid()) if hasattr(os, "geteuid") else "this user"
+    what, owner = _what_denies(Path(path))
+    if owner is None:
+        return AccessDeniedError(f"permission denied: user {user} cannot {action} this path",
+                                 path=path, fix=f"give {user} access (chown, chmod or "
+                                                "setfacl; check how the disk is mounted)")
+    return AccessDeniedError(
+        f"permission denied: user {user} cannot {action} {what}", path=path,
+        fix=f"run it as {owner}, or give {user} access (chown, chmod or setfacl; check how "
+            "the disk is mounted)")
+
+
+def _what_denies(path: Path) -> tuple[str, str | None]:
+    """What keeps this user out of ``path``, in words, and its owner's name (None when
+    nothing on the way can be seen)."""
     import os
     import stat
 
-    user = _user_name(os.geteuid()) if hasattr(os, "geteuid") else "this user"
-    try:
-        st = os.stat(path)
-        what = "this directory" if stat.S_ISDIR(st.st_mode) else "this file"
-        owner = f" (owned by {_user_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o})"
-        fix_owner = f"run it as {_user_name(st.st_uid)}, or give {user} access"
-    except OSError:
-        what, owner, fix_owner = "this path", "", f"give {user} access"
-    return AccessDeniedError(
-        f"permission denied: user {user} cannot {action} {what}{owner}", path=path,
-        fix=f"{fix_owner} (chown, chmod or setfacl; check how the disk is mounted)")
+    blocked = None
+    for place in (path, *path.parents):
+        try:
+            st = os.stat(place)
+        except PermissionError:
+            blocked = place
+            continue
+        except OSError:
+            return "this path", None
+        mode = f"owned by {_user_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+        if blocked is None:
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"
+            return f"this {kind} ({mode})", _user_name(st.st_uid)
+        return f"this path: {place} cannot be searched ({mode})", _user_name(st.st_uid)
+    return "this path", None
 
 
 def from_os_permission(exc: OSError) -> AccessDeniedError:
