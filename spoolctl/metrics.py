@@ -73,14 +73,15 @@ PATTERN_LABELS: dict[str, re.Pattern[str]] = {
     "tenant": re.compile(r"[0-9a-f]{16}|other", re.ASCII),
     # a drive's base root as configured (an operator's path, never prompt data; at most 64
     # roots, decision 2714): the same value as ``TARGET_LABELS["drive"]``
-    "drive": re.compile(r"/[\x20-\x7e]{0,1023}", re.ASCII),
+    "drive": re.compile(r"/[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{0,1023}"),
 }
 # Labels that name which rank store a store gauge describes (several stores, one file).
 TARGET_LABELS: dict[str, re.Pattern[str]] = {
     "deployment": re.compile(DEPLOYMENT_NAME, re.ASCII),
     "rank": re.compile(RANK_DIGITS, re.ASCII),
     # the --root of one drive of several (decision 2712): an absolute path, printable
-    "drive": re.compile(r"/[\x20-\x7e]{0,1023}", re.ASCII),
+    # (UTF-8; ``drive_label`` shows control characters and undecodable bytes escaped)
+    "drive": re.compile(r"/[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{0,1023}"),
 }
 
 
@@ -392,6 +393,20 @@ def with_target(samples: list[Sample], deployment: str, rank: int) -> list[Sampl
     return [Sample(s.spec, s.value, s.labels, target) for s in samples]
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def drive_label(root: str) -> str:
+    """A drive root as a label value: label values are UTF-8, so any printable path is
+    itself; a control character or a byte that is not UTF-8 (a surrogate escape) is shown
+    as ``\\xNN``, so one odd root never keeps the others' gauges out."""
+    def shown(match: re.Match[str]) -> str:
+        code = ord(match.group())
+        return f"\\x{code - 0xdc00 if 0xdc80 <= code <= 0xdcff else code:02x}" \
+            if code < 0x100 or 0xdc80 <= code <= 0xdcff else f"\\u{code:04x}"
+    return _UNPRINTABLE.sub(shown, root)
+
+
 def with_drive(samples: list[Sample], drive: str) -> list[Sample]:
     """``samples`` of one drive of several labelled with its root, and with ``deployment``
     and ``rank`` empty where they do not apply (a drive that is one store, or down), so
@@ -400,7 +415,7 @@ def with_drive(samples: list[Sample], drive: str) -> list[Sample]:
     for s in samples:
         have = dict(s.target)
         target = (("deployment", have.get("deployment", "")), ("rank", have.get("rank", "")),
-                  ("drive", drive))
+                  ("drive", drive_label(drive)))
         check_target(dict(target))
         out.append(Sample(s.spec, s.value, s.labels, target))
     return out

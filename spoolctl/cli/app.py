@@ -23,7 +23,6 @@ from typing import Any
 
 import typer
 
-from spoolctl import __version__
 from spoolctl.errors import DiskNotAnsweringError, SpoolError
 from spoolctl.store import ALLOW_FOREIGN_ENV
 
@@ -57,7 +56,9 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        sys.stdout.write(f"spoolctl {__version__}\n")
+        from spoolctl.version import version
+
+        sys.stdout.write(f"spoolctl {version()}\n")
         raise typer.Exit()
 
 
@@ -67,6 +68,9 @@ def _root_callback(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and debug logs."),
+    pretty: bool = typer.Option(
+        False, "--pretty", help="Indent --json output even when stdout is not a terminal "
+        "(it is one line per document there); also accepted after the command."),
     allow_foreign_owner: bool = typer.Option(
         False, "--allow-foreign-owner",
         help=f"Operate on a store root owned by another user (sets {ALLOW_FOREIGN_ENV}=1)."),
@@ -219,6 +223,14 @@ def _normalise_argv(argv: list[str]) -> list[str]:
     return [*rest, *tail, *moved]
 
 
+def _take_pretty(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--pretty`` (a switch of the output, valid anywhere before ``--``),
+    and whether it was given."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept = [arg for arg in argv[:end] if arg != "--pretty"]
+    return kept + argv[end:], len(kept) != end
+
+
 def _json_requested(argv: list[str]) -> bool:
     return "--json" in (argv[:argv.index("--")] if "--" in argv else argv)
 
@@ -338,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     json_mode = _json_requested(args)
     JsonState.reset()
+    args, JsonState.pretty = _take_pretty(args)
     new_command()  # this command's consoles take COLUMNS and the terminal as they are now
     if not logging.getLogger().handlers:
         handler = logging.StreamHandler()

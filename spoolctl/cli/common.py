@@ -309,11 +309,13 @@ class JsonState:
 
     emitted = False
     to_stderr = False
+    pretty = False  # --pretty: indented even when the stream is not a terminal
 
     @classmethod
     def reset(cls) -> None:
         cls.emitted = False
         cls.to_stderr = False
+        cls.pretty = False
 
 
 def schema_id(command: str | None = None) -> str:
@@ -342,9 +344,35 @@ def emit_json(doc: Any, *, command: str | None = None) -> None:
     if isinstance(doc, dict) and not str(doc.get("schema", "")).startswith(SCHEMA_PREFIX):
         doc = {**doc, "schema": schema_id(command)}  # the CLI's id, whatever a part carried
     stream = sys.stderr if JsonState.to_stderr else sys.stdout
-    stream.write(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+    # One line per document for logs and pipes (cron appends them); indented for people.
+    indent = 2 if JsonState.pretty or _is_terminal(stream) else None
+    stream.write(json.dumps(exact_ints(doc), indent=indent, sort_keys=True, default=str)
+                 + "\n")
     stream.flush()
     JsonState.emitted = True
+
+
+# The largest integer a double holds exactly: jq and JavaScript read JSON numbers as doubles.
+MAX_EXACT_INT = 2**53 - 1
+
+
+def exact_ints(value: Any) -> Any:
+    """``value`` with every integer beyond +-(2**53 - 1) as its decimal string (random 63-bit
+    ids, byte counts past 8 PiB): a reader that parses numbers as doubles would round it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value) if abs(value) > MAX_EXACT_INT else value
+    if isinstance(value, dict):
+        return {k: exact_ints(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [exact_ints(v) for v in value]
+    return value
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def error_doc(message: str, *, code: int, fix: str | None = None, path: str | None = None,

@@ -121,18 +121,22 @@ def _drive_samples(drives: list[Path], rank: int | None,
                    deployment: str | None) -> tuple[list[Any], int]:
     """The gauges of every drive, each labelled with its root; a drive that cannot be read
     (missing, unmounted, hung) shows ``spoolctl_store_up{drive=...} 0`` and exits 2."""
-    from spoolctl.metrics import check_target, down_reason, store_unreadable, with_drive
+    from spoolctl.metrics import (
+        check_target,
+        down_reason,
+        drive_label,
+        store_unreadable,
+        with_drive,
+    )
 
     samples: list[Any] = []
     code = EXIT_OK
     for one in drives:
         try:
-            check_target({"drive": str(one)})
+            check_target({"drive": drive_label(str(one))})
         except ValueError:
-            raise ConfigError("a drive root must be an absolute path of printable ASCII "
-                              "characters to label its gauges", path=str(one),
-                              fix="give its absolute path (or a symlink-free ASCII one)"
-                              ) from None
+            raise ConfigError("a drive root must be an absolute path to label its gauges",
+                              path=str(one), fix="give its absolute path") from None
     for one in drives:
         try:
             targets = targets_from_json(within_disk_timeout(one, lambda one=one: (
