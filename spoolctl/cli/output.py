@@ -43,6 +43,7 @@ def replace_file(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     be created is a ConfigError (exit 2); one that cannot be written whole is an
     OutputWriteError (exit 3), the old file left as it was."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    sweep_leftovers(path, ".tmp")
     try:
         if os.path.lexists(tmp):  # a leftover (or anything planted there): never open it
             os.unlink(tmp)
@@ -64,3 +65,44 @@ def replace_file(path: Path, data: bytes, *, mode: int = 0o644) -> None:
             os.unlink(tmp)
         raise output_failed(exc, path, "free space on its filesystem (or check the "
                                        "disk); the previous file is unchanged") from None
+
+
+# A temp file untouched this long whose writer's process is gone is a leftover (a writer
+# killed with -9). The age also spares a live writer on another host of a shared directory.
+STALE_TEMP_S = 60.0
+
+
+def sweep_leftovers(path: Path, suffix: str) -> list[Path]:
+    """Remove ``.NAME.<pid><suffix>`` temp files of ``path`` (what ``replace_file`` and an
+    export write before the rename) whose writer is no longer running; the removed ones."""
+    import re
+    import time
+
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+){re.escape(suffix)}")
+    removed = []
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return removed
+    for name in names:
+        found = pattern.fullmatch(name)
+        if found is None or _running(int(found.group(1))):
+            continue
+        leftover = path.parent / name
+        with contextlib.suppress(OSError):
+            if time.time() - os.lstat(leftover).st_mtime >= STALE_TEMP_S:
+                os.unlink(leftover)
+                removed.append(leftover)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process (or no such pid number): leave it
+    return True

@@ -191,6 +191,9 @@ def _archive_sink(output: str, force: bool):
         raise ConfigError("the output file exists", path=path,
                           fix="remove it, choose another name or add --force")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    from .output import sweep_leftovers
+
+    sweep_leftovers(path, ".part")  # an export killed with -9 left its .part: gone now
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                      0o600)
