@@ -43,7 +43,7 @@ from .common import (
 from .interrupt import exit_code, interrupt_of, signal_name, signals_as_interrupts, take
 from .output import write_all
 
-app = typer.Typer(
+_app = typer.Typer(
     name="spoolctl",
     help="Operate spoolctl prompt/KV cache stores: see, verify, clean and repair them.",
     no_args_is_help=False,
@@ -62,7 +62,7 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback(invoke_without_command=True)
+@_app.callback(invoke_without_command=True)
 def _root_callback(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
@@ -87,7 +87,23 @@ def _root_callback(
         status(root=None, json_output=False, check=False, rank=None, deployment=None)
 
 
-commands.register(app)  # every command, listed in cli/commands.py
+_registered: list[bool] = []
+
+
+def full_app() -> typer.Typer:
+    """The spoolctl app with every command (cli/commands.py), registered at the first call:
+    a process that runs one command imports only its module (``build_command``)."""
+    if not _registered:
+        commands.register(_app)
+        _registered.append(True)
+    return _app
+
+
+def __getattr__(name: str) -> Any:
+    # `from spoolctl.cli.app import app`: the whole app, as before commands loaded lazily.
+    if name == "app":
+        return full_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _SafeFormatter(logging.Formatter):
@@ -309,15 +325,18 @@ def build_command(argv: list[str] | None = None) -> Any:
     from .placeholders import polish
 
     name = next((word for word in argv or () if not word.startswith("-")), None)
-    command = typer.main.get_command(_only(name) if name else app)
+    if argv == []:  # bare `spoolctl` runs `status` (the root callback)
+        name = "status"
+    command = typer.main.get_command(_only(name) if name else full_app())
     polish(command)
     return command
 
 
 def _only(name: str) -> typer.Typer:
-    """``app`` with only the top-level command or group ``name`` (``app`` itself if no
-    command has that name). The command modules' Typers are added without a name
-    (``commands.register``), so their commands and groups are the top level."""
+    """The spoolctl app with only the top-level command or group ``name``, whose module
+    alone is imported (``commands.module_of``); the whole app if no command has that name.
+    The command modules' Typers are added without a name (``commands.register``), so their
+    commands and groups are the top level."""
     import copy
 
     from typer.models import DefaultPlaceholder
@@ -325,22 +344,18 @@ def _only(name: str) -> typer.Typer:
     def named(value: Any) -> Any:  # typer keeps an unset name as a placeholder object
         return value.value if isinstance(value, DefaultPlaceholder) else value
 
-    kept = []
-    for info in app.registered_groups:
-        module = info.typer_instance
-        if named(info.name) is not None or module is None:
-            return app  # a named group at the top: not how commands.register adds them
-        found = [c for c in module.registered_commands if named(c.name) == name]
-        groups = [g for g in module.registered_groups if named(g.name) == name]
-        if found or groups:
-            slim = copy.copy(module)
-            slim.registered_commands, slim.registered_groups = found, groups
-            kept.append(copy.copy(info))
-            kept[-1].typer_instance = slim
-    if not kept:
-        return app
-    only = copy.copy(app)
-    only.registered_groups = kept
+    module = commands.module_of(name)
+    if module is None:
+        return full_app()
+    found = [c for c in module.commands.registered_commands if named(c.name) == name]
+    groups = [g for g in module.commands.registered_groups if named(g.name) == name]
+    if not found and not groups:  # commands.COMMANDS out of date: the whole tree
+        return full_app()
+    slim = copy.copy(module.commands)
+    slim.registered_commands, slim.registered_groups = found, groups
+    only = copy.copy(_app)
+    only.registered_groups = []
+    only.add_typer(slim)
     return only
 
 

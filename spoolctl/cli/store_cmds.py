@@ -220,12 +220,12 @@ def status(
 def _status_of(root: Path | None, rank: int | None, deployment: str | None,
                check: bool) -> tuple[dict[str, Any], int, Any]:
     """``status`` of one root: its document, exit code and view."""
-    from spoolctl.store import encryption_summary
-
     targets = targets_from_json(within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: (
         targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
     if targets.single:
         def read() -> tuple[dict[str, Any], bool]:
+            from spoolctl.store import encryption_summary
+
             with open_store(targets.given, read_only_ok=True) as store:
                 facts = store.facts()
                 doc = status_doc(store, facts)
@@ -365,6 +365,8 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
 def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
     """Per-rank status of a deployment directory or base root, and whether anything needs
     attention (ranks that disagree, quarantine, a rank's own findings)."""
+    if not targets.stores:  # an empty root: nothing to read, nor anything to load for it
+        return multi_doc(targets, [], deployments={}), False
     from spoolctl.connector.deployment.topology import RankReport
     from spoolctl.store import DeploymentUse
 
