@@ -192,7 +192,8 @@ DOCUMENTS: tuple[Document, ...] = (
                                "(null: none live)", "revoked": "true once `keys revoke` erased "
                                "it (no import brings its keys back, decision 2813)",
                                "versions": "per version: `version` (a random 63-bit id, "
-                               "decision 2812; small counters in stores from before), `key` "
+                               "decision 2812, a decimal string when beyond 2^53 - 1; small "
+                               "counters in stores from before, numbers), `key` "
                                "(`live` or `unavailable`), `origin` (`here` or `imported`), "
                                "`entries`, `bytes`"}}),
     *(Document(f"keys-{action}", what, {
