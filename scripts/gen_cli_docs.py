@@ -33,11 +33,15 @@ Every command takes `--root PATH` (default `$SPOOLCTL_ROOT`, else
 `~/.cache/spoolctl/store`; also accepted before the command, `spoolctl --root PATH status`)
 and `--json` where it prints results: one JSON document on stdout whatever the outcome,
 failures included (see [JSON output](json.md)). `-h` is `--help`. Exit codes: `0` ok,
-`1` findings (corruption, failed checks, not found), `2` usage or configuration error,
-`3` stdout cannot take the output (full disk, I/O error, closed stdout), `141` the reader
-of stdout went away (`spoolctl ls | head`; silent, as for any filter).
+`1` findings (corruption, failed checks, not found), `2` usage or configuration error
+(a root this user cannot read included), `3` the output cannot be written whole (stdout,
+an `export -o` archive or a `metrics --textfile` file: full disk, I/O error, closed
+stdout; nothing cut is left in place), `141` the reader of stdout went away
+(`spoolctl ls | head`; silent, as for any filter).
+`--json` is one document per line off a terminal, indented on one or with `--pretty`.
 Colors are off when stdout is not a terminal or when `NO_COLOR` is set; sizes are IEC
-(`KiB`, `MiB`, `GiB`) and times are relative (`5m ago`).
+(`KiB`, `MiB`, `GiB`) and times are relative (`5m ago`; a past time stamped by a clock
+that ran ahead shows `in the future`). `spoolctl --version` names the build's commit.
 
 `spoolctl` with no command shows `spoolctl status` for the default root.
 """

@@ -131,3 +131,73 @@ class ArchiveError(SpoolError):
 
     Raised before anything of the defective part is published; entries completed and
     verified before the defect stay (each was committed on its own)."""
+
+
+class AccessDeniedError(ConfigError):
+    """This user may not read a path it was asked to operate on: the wrong user (a cron job
+    under another account) or a mount that came back with other permissions (CLI exit 2).
+    Never "nothing to do": a root that cannot be read is not an empty one."""
+
+
+class OutputWriteError(StoreIOError):
+    """The command's output could not be written whole: stdout, or a file it was asked to
+    write (an archive, a metrics textfile), on a full disk or an I/O error. Nothing cut was
+    put in place (CLI exit 3)."""
+
+
+def _user_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def access_denied(path: str | Path, *, action: str = "read") -> AccessDeniedError:
+    """The one error for a path this process may not ``action``: it names the path, this
+    user, the owner and mode of what is in the way (the path, or a directory above it that
+    cannot be searched) and the fix."""
+    import os
+
+    user = _user_name(os.geteuid()) if hasattr(os, "geteuid") else "this user"
+    what, owner = _what_denies(Path(path))
+    if owner is None:
+        return AccessDeniedError(f"permission denied: user {user} cannot {action} this path",
+                                 path=path, fix=f"give {user} access (chown, chmod or "
+                                                "setfacl; check how the disk is mounted)")
+    return AccessDeniedError(
+        f"permission denied: user {user} cannot {action} {what}", path=path,
+        fix=f"run it as {owner}, or give {user} access (chown, chmod or setfacl; check how "
+            "the disk is mounted)")
+
+
+def _what_denies(path: Path) -> tuple[str, str | None]:
+    """What keeps this user out of ``path``, in words, and its owner's name (None when
+    nothing on the way can be seen)."""
+    import os
+    import stat
+
+    blocked = None
+    for place in (path, *path.parents):
+        try:
+            st = os.stat(place)
+        except PermissionError:
+            blocked = place
+            continue
+        except OSError:
+            return "this path", None
+        mode = f"owned by {_user_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+        if blocked is None:
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"
+            return f"this {kind} ({mode})", _user_name(st.st_uid)
+        return f"this path: {place} cannot be searched ({mode})", _user_name(st.st_uid)
+    return "this path", None
+
+
+def from_os_permission(exc: OSError) -> AccessDeniedError:
+    """A PermissionError that reached the top, as ``access_denied`` of the path it names."""
+    import os
+
+    name = exc.filename
+    return access_denied(os.fsdecode(name) if isinstance(name, (str, bytes)) else "?")

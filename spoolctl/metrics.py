@@ -57,6 +57,8 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         "disk_slow",
         # the day's write budget is spent, or too low for this chunk (decision 2710)
         "write_budget",
+        # why a store could not be read at all (``spoolctl_store_down_reason``)
+        "permission_denied", "missing",
         # quarantine reasons (spoolctl.store.QuarantineReason values)
         "manifest_io", "manifest_validation", "payload_digest", "payload_size",
         "payload_missing", "object_collision", "catalog", "scrub_state", "auth_queue",
@@ -71,14 +73,15 @@ PATTERN_LABELS: dict[str, re.Pattern[str]] = {
     "tenant": re.compile(r"[0-9a-f]{16}|other", re.ASCII),
     # a drive's base root as configured (an operator's path, never prompt data; at most 64
     # roots, decision 2714): the same value as ``TARGET_LABELS["drive"]``
-    "drive": re.compile(r"/[\x20-\x7e]{0,1023}", re.ASCII),
+    "drive": re.compile(r"/[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{0,1023}"),
 }
 # Labels that name which rank store a store gauge describes (several stores, one file).
 TARGET_LABELS: dict[str, re.Pattern[str]] = {
     "deployment": re.compile(DEPLOYMENT_NAME, re.ASCII),
     "rank": re.compile(RANK_DIGITS, re.ASCII),
     # the --root of one drive of several (decision 2712): an absolute path, printable
-    "drive": re.compile(r"/[\x20-\x7e]{0,1023}", re.ASCII),
+    # (UTF-8; ``drive_label`` shows control characters and undecodable bytes escaped)
+    "drive": re.compile(r"/[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{0,1023}"),
 }
 
 
@@ -160,6 +163,9 @@ SCRUB_UNREADABLE = _g("scrub_unreadable_entries",
 MALFORMED_ROWS = _g("store_malformed_rows",
                     "Catalog rows with a malformed value, skipped by clean and status.")
 STORE_UP = _g("store_up", "1 if the store could be opened and read for these gauges, else 0.")
+STORE_DOWN = _g("store_down_reason",
+                "1, beside store_up 0, labelled with why the store could not be read: "
+                "permission_denied, missing, disk_down, io_error or unknown.", "reason")
 FS_FREE_BYTES = _g("fs_free_bytes", "Bytes free (to this user) on the store's filesystem.")
 FS_FREE_INODES = _g("fs_free_inodes",
                     "Inodes free on the store's filesystem (absent where it has no fixed "
@@ -170,7 +176,8 @@ STORE_GAUGES: tuple[MetricSpec, ...] = (
     STORE_ENTRIES, STORE_BYTES, STORE_MAX_BYTES, STORE_USAGE_RATIO, KIND_ENTRIES, KIND_BYTES,
     RELEASED_ENTRIES, RELEASED_BYTES, QUARANTINED_ITEMS, QUARANTINED_BYTES, TMP_BYTES, TMP_FILES,
     OWNER_PRESENT, SCRUB_LAST_COMPLETED, SCRUB_LAST_CHECKED, SCRUB_LAST_QUARANTINED,
-    SCRUB_PROGRESS, SCRUB_UNREADABLE, MALFORMED_ROWS, STORE_UP, FS_FREE_BYTES, FS_FREE_INODES,
+    SCRUB_PROGRESS, SCRUB_UNREADABLE, MALFORMED_ROWS, STORE_UP, STORE_DOWN, FS_FREE_BYTES,
+    FS_FREE_INODES,
     FS_INODES,
 )
 
@@ -386,6 +393,20 @@ def with_target(samples: list[Sample], deployment: str, rank: int) -> list[Sampl
     return [Sample(s.spec, s.value, s.labels, target) for s in samples]
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def drive_label(root: str) -> str:
+    """A drive root as a label value: label values are UTF-8, so any printable path is
+    itself; a control character or a byte that is not UTF-8 (a surrogate escape) is shown
+    as ``\\xNN``, so one odd root never keeps the others' gauges out."""
+    def shown(match: re.Match[str]) -> str:
+        code = ord(match.group())
+        return f"\\x{code - 0xdc00 if 0xdc80 <= code <= 0xdcff else code:02x}" \
+            if code < 0x100 or 0xdc80 <= code <= 0xdcff else f"\\u{code:04x}"
+    return _UNPRINTABLE.sub(shown, root)
+
+
 def with_drive(samples: list[Sample], drive: str) -> list[Sample]:
     """``samples`` of one drive of several labelled with its root, and with ``deployment``
     and ``rank`` empty where they do not apply (a drive that is one store, or down), so
@@ -394,18 +415,36 @@ def with_drive(samples: list[Sample], drive: str) -> list[Sample]:
     for s in samples:
         have = dict(s.target)
         target = (("deployment", have.get("deployment", "")), ("rank", have.get("rank", "")),
-                  ("drive", drive))
+                  ("drive", drive_label(drive)))
         check_target(dict(target))
         out.append(Sample(s.spec, s.value, s.labels, target))
     return out
 
 
-def store_down(deployment: str, rank: int) -> list[Sample]:
-    """The gauges of a rank store that could not be read: ``store_up`` 0, nothing else."""
-    return with_target([Sample(STORE_UP, 0)], deployment, rank)
+def store_down(deployment: str, rank: int, reason: str = "unknown") -> list[Sample]:
+    """The gauges of a rank store that could not be read: ``store_up`` 0 and why."""
+    return with_target(store_unreadable(reason), deployment, rank)
 
 
-def store_unreadable() -> list[Sample]:
+def store_unreadable(reason: str = "unknown") -> list[Sample]:
     """The gauges of a ``--root`` that could not be read at all (gone, unmounted, not a
-    store): ``store_up`` 0, nothing else, so an alert on it fires (issue 30.6)."""
-    return [Sample(STORE_UP, 0)]
+    store, not this user's to read): ``store_up`` 0 and why, so an alert on it fires."""
+    return [Sample(STORE_UP, 0), Sample(STORE_DOWN, 1, (("reason", reason),))]
+
+
+def down_reason(exc: BaseException) -> str:
+    """The ``store_down_reason`` label of the error that kept a store from being read."""
+    from spoolctl.errors import (
+        AccessDeniedError,
+        ConfigError,
+        DiskNotAnsweringError,
+        StoreIOError,
+    )
+
+    if isinstance(exc, (AccessDeniedError, PermissionError)):
+        return "permission_denied"
+    if isinstance(exc, DiskNotAnsweringError):
+        return "disk_down"
+    if isinstance(exc, (StoreIOError, OSError)):
+        return "io_error"
+    return "missing" if isinstance(exc, ConfigError) else "unknown"

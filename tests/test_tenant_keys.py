@@ -131,7 +131,7 @@ def test_revoke_leaves_nothing_of_the_tenant_that_decrypts(store_root: Path, tmp
 
     doc = run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(store_root),
                    env=key_env)
-    (v1,) = doc["tenants"][0]["versions"]
+    (v1,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON (3040)
     assert doc["released_entries"] == 2 and v1 == acme[0].index["sealed"]["version"]
 
     files = {p: p.read_bytes() for p in store_root.rglob("*") if p.is_file()}
@@ -168,7 +168,7 @@ def test_rotate_keeps_old_entries_until_retired(store_root: Path, key_env: dict[
     with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
         old = store.put(kind=KIND, namespace=NS, key="a", objects={"kv": b"old"}, tenant="t")
     doc = run_json("keys", "rotate", "--tenant", "t", "--root", str(store_root), env=key_env)
-    (v2,) = doc["tenants"][0]["versions"]
+    (v2,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON (3040)
     v1 = old.index["sealed"]["version"]
     assert v2 != v1
     with Store.open(store_root, master_key=_master(key_env)) as store:
@@ -177,7 +177,7 @@ def test_rotate_keeps_old_entries_until_retired(store_root: Path, key_env: dict[
         assert bytes(store.read(old, "kv")) == b"old"  # still readable
     listing = run_json("keys", "ls", "--root", str(store_root), env=key_env)
     (tenant,) = listing["tenants"]
-    assert [(v["version"], v["entries"], v["key"]) for v in tenant["versions"]] == \
+    assert [(int(v["version"]), v["entries"], v["key"]) for v in tenant["versions"]] == \
         sorted([(v1, 1, "live"), (v2, 1, "live")])
     out = json.dumps(listing) + run("keys", "ls", "--root", str(store_root), env=key_env)[1]
     secret = Path(key_env[FILE_ENV]).read_text().strip()
@@ -338,7 +338,7 @@ def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: P
         assert legacy.index["sealed"]["version"] == 1 and obj[:4] == MAGIC3
         assert len(obj) == 54 + 48  # the SPS3 header (a u64 version) and tag
     doc = run_json("keys", "rotate", "--tenant", "t", "--root", str(old_root), env=key_env)
-    (new,) = doc["tenants"][0]["versions"]
+    (new,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON (3040)
     with Store.open(old_root, master_key=master) as store:
         fresh = store.put(kind=KIND, namespace=NS, key="new", objects={"kv": b"fresh" * 9},
                           tenant="t")
@@ -350,7 +350,7 @@ def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: P
                    env=key_env)
     assert doc["tenants"][0]["versions"] == [1] and doc["released_entries"] == 1
     listing = run_json("keys", "ls", "--root", str(old_root), env=key_env)
-    assert [(v["version"], v["key"]) for v in listing["tenants"][0]["versions"]] == \
+    assert [(int(v["version"]), v["key"]) for v in listing["tenants"][0]["versions"]] == \
         [(new, "live")]
 
 

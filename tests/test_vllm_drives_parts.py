@@ -54,9 +54,9 @@ def test_spoolctl_roots_and_a_colon_list_in_spoolctl_root_name_the_drives(
     ({}, {"SPOOLCTL_ROOT": "/a: /b"}, "spaces around", "remove the spaces"),
     ({"spoolctl_roots": [f"/d{i}" for i in range(MAX_ROOTS + 1)]}, {}, "at most 64",
      "at most 64"),
-    # its base root labels spoolctl_drive_*{drive} (decision 2770): printable ASCII
-    ({"spoolctl_roots": ["/a", "/nvme1/spül"]}, {}, "cannot label", "printable ASCII"),
-    ({}, {"SPOOLCTL_ROOT": "/a:/b\tc"}, "cannot label", "printable ASCII"),
+    # its base root labels spoolctl_drive_*{drive} (decision 2770): printable UTF-8
+    ({"spoolctl_roots": ["/a", "/nvme1/sp\x1bl"]}, {}, "cannot label", "printable characters"),
+    ({}, {"SPOOLCTL_ROOT": "/a:/b\tc"}, "cannot label", "printable characters"),
 ])
 def test_each_refused_list_of_roots_is_one_config_error_line_naming_the_fix(
         several, extra, env, says, fix) -> None:

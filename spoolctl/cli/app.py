@@ -23,7 +23,6 @@ from typing import Any
 
 import typer
 
-from spoolctl import __version__
 from spoolctl.errors import DiskNotAnsweringError, SpoolError
 from spoolctl.store import ALLOW_FOREIGN_ENV
 
@@ -42,8 +41,9 @@ from .common import (
     plain,
 )
 from .interrupt import exit_code, interrupt_of, signal_name, signals_as_interrupts, take
+from .output import write_all
 
-app = typer.Typer(
+_app = typer.Typer(
     name="spoolctl",
     help="Operate spoolctl prompt/KV cache stores: see, verify, clean and repair them.",
     no_args_is_help=False,
@@ -56,16 +56,21 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        sys.stdout.write(f"spoolctl {__version__}\n")
+        from spoolctl.version import version
+
+        sys.stdout.write(f"spoolctl {version()}\n")
         raise typer.Exit()
 
 
-@app.callback(invoke_without_command=True)
+@_app.callback(invoke_without_command=True)
 def _root_callback(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and debug logs."),
+    pretty: bool = typer.Option(
+        False, "--pretty", help="Indent --json output even when stdout is not a terminal "
+        "(it is one line per document there); also accepted after the command."),
     allow_foreign_owner: bool = typer.Option(
         False, "--allow-foreign-owner",
         help=f"Operate on a store root owned by another user (sets {ALLOW_FOREIGN_ENV}=1)."),
@@ -82,7 +87,23 @@ def _root_callback(
         status(root=None, json_output=False, check=False, rank=None, deployment=None)
 
 
-commands.register(app)  # every command, listed in cli/commands.py
+_registered: list[bool] = []
+
+
+def full_app() -> typer.Typer:
+    """The spoolctl app with every command (cli/commands.py), registered at the first call:
+    a process that runs one command imports only its module (``build_command``)."""
+    if not _registered:
+        commands.register(_app)
+        _registered.append(True)
+    return _app
+
+
+def __getattr__(name: str) -> Any:
+    # `from spoolctl.cli.app import app`: the whole app, as before commands loaded lazily.
+    if name == "app":
+        return full_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _SafeFormatter(logging.Formatter):
@@ -130,14 +151,25 @@ class OutputError(Exception):
 class _GuardedStdout:
     """sys.stdout for one command: a write or flush that fails raises ``OutputError``, so a
     closed pipe or a full disk under ``> FILE`` is told apart from the store's own I/O
-    (which is always a SpoolError) instead of surfacing as an unexpected OSError."""
+    (which is always a SpoolError) instead of surfacing as an unexpected OSError. Text goes
+    to the descriptor through the one checked write (``output.write_all``): Python's
+    unbuffered stdout drops the rest of a short write, and a full disk cut the output."""
 
     def __init__(self, stream: Any):
         self._stream = stream
+        try:
+            self._fd: int | None = stream.fileno()
+        except (OSError, ValueError, AttributeError):  # a StringIO (an in-process caller)
+            self._fd = None
 
     def write(self, data: str) -> int:
         try:
-            return self._stream.write(data)
+            if self._fd is None:
+                return self._stream.write(data)
+            self._stream.flush()  # what was written to the stream itself goes first
+            write_all(self._fd, data.encode(self._stream.encoding or "utf-8",
+                                            self._stream.errors or "strict"))
+            return len(data)
         except (OSError, ValueError) as exc:
             raise OutputError(exc) from exc
 
@@ -205,6 +237,14 @@ def _normalise_argv(argv: list[str]) -> list[str]:
         cut = tail.index("--")
         return [*rest, *tail[:cut], *moved, *tail[cut:]]
     return [*rest, *tail, *moved]
+
+
+def _take_pretty(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--pretty`` (a switch of the output, valid anywhere before ``--``),
+    and whether it was given."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept = [arg for arg in argv[:end] if arg != "--pretty"]
+    return kept + argv[end:], len(kept) != end
 
 
 def _json_requested(argv: list[str]) -> bool:
@@ -285,15 +325,18 @@ def build_command(argv: list[str] | None = None) -> Any:
     from .placeholders import polish
 
     name = next((word for word in argv or () if not word.startswith("-")), None)
-    command = typer.main.get_command(_only(name) if name else app)
+    if argv == []:  # bare `spoolctl` runs `status` (the root callback)
+        name = "status"
+    command = typer.main.get_command(_only(name) if name else full_app())
     polish(command)
     return command
 
 
 def _only(name: str) -> typer.Typer:
-    """``app`` with only the top-level command or group ``name`` (``app`` itself if no
-    command has that name). The command modules' Typers are added without a name
-    (``commands.register``), so their commands and groups are the top level."""
+    """The spoolctl app with only the top-level command or group ``name``, whose module
+    alone is imported (``commands.module_of``); the whole app if no command has that name.
+    The command modules' Typers are added without a name (``commands.register``), so their
+    commands and groups are the top level."""
     import copy
 
     from typer.models import DefaultPlaceholder
@@ -301,22 +344,18 @@ def _only(name: str) -> typer.Typer:
     def named(value: Any) -> Any:  # typer keeps an unset name as a placeholder object
         return value.value if isinstance(value, DefaultPlaceholder) else value
 
-    kept = []
-    for info in app.registered_groups:
-        module = info.typer_instance
-        if named(info.name) is not None or module is None:
-            return app  # a named group at the top: not how commands.register adds them
-        found = [c for c in module.registered_commands if named(c.name) == name]
-        groups = [g for g in module.registered_groups if named(g.name) == name]
-        if found or groups:
-            slim = copy.copy(module)
-            slim.registered_commands, slim.registered_groups = found, groups
-            kept.append(copy.copy(info))
-            kept[-1].typer_instance = slim
-    if not kept:
-        return app
-    only = copy.copy(app)
-    only.registered_groups = kept
+    module = commands.module_of(name)
+    if module is None:
+        return full_app()
+    found = [c for c in module.commands.registered_commands if named(c.name) == name]
+    groups = [g for g in module.commands.registered_groups if named(g.name) == name]
+    if not found and not groups:  # commands.COMMANDS out of date: the whole tree
+        return full_app()
+    slim = copy.copy(module.commands)
+    slim.registered_commands, slim.registered_groups = found, groups
+    only = copy.copy(_app)
+    only.registered_groups = []
+    only.add_typer(slim)
     return only
 
 
@@ -326,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     json_mode = _json_requested(args)
     JsonState.reset()
+    args, JsonState.pretty = _take_pretty(args)
     new_command()  # this command's consoles take COLUMNS and the terminal as they are now
     if not logging.getLogger().handlers:
         handler = logging.StreamHandler()
@@ -396,6 +436,15 @@ def _run(argv: list[str], *, debug: bool, json_mode: bool) -> int:
         if cause is not None and take() is not None:  # not reported by the command
             return _interrupted(cause, json_mode)
         return _exit_code(exc.exit_code, json_mode)
+    except PermissionError as exc:  # a path this user may not read: the usual error line
+        if debug:
+            raise
+        from spoolctl.errors import from_os_permission
+
+        denied = from_os_permission(exc)
+        return _fail(denied.message, code=error_exit_code(denied), fix=denied.fix,
+                     path=denied.path, kind=type(denied).__name__, json_mode=json_mode,
+                     human=f"[red]error:[/red] {esc(str(denied))}")
     except KeyboardInterrupt as exc:  # SIGINT / SIGTERM outside click's own handling
         take()
         return _interrupted(exc, json_mode)

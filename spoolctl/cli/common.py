@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from spoolctl.errors import OutputWriteError
 from spoolctl.store import (
     ConfigError,
     CorruptionError,
@@ -43,8 +44,9 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
-# stdout cannot take the output (a full disk, an I/O error, a closed descriptor): the command
-# stopped; its result was not (fully) written. Distinct from 1 (findings) and 2 (usage).
+# The output cannot be written whole (stdout, an archive, a metrics textfile: a full disk, an
+# I/O error, a closed descriptor): the command stopped; nothing cut was put in place.
+# Distinct from 1 (findings) and 2 (usage).
 EXIT_OUTPUT = 3
 # The reader of stdout went away (`spoolctl status | head -1`): the shells' code for a
 # process killed by SIGPIPE (128 + 13), so `set -o pipefail` scripts see what they expect.
@@ -55,9 +57,12 @@ SCHEMA_PREFIX = "spoolctl-cli/"
 def error_exit_code(exc: SpoolError) -> int:
     """The one mapping of a store error to an exit code (a whole command's, ``app.main``,
     and one store's of several, ``fanout``): 1 for findings (corruption, an entry not
-    found), 2 for usage and configuration (a ConfigError always, whatever else it is)."""
+    found), 2 for usage and configuration (a ConfigError always, whatever else it is), 3 for
+    output (stdout, an archive, a textfile) that could not be written whole."""
     if isinstance(exc, ConfigError):
         return EXIT_USAGE
+    if isinstance(exc, OutputWriteError):
+        return EXIT_OUTPUT
     return EXIT_FINDINGS if isinstance(exc, (CorruptionError, NotFoundError)) else EXIT_USAGE
 ENV_ROOT = "SPOOLCTL_ROOT"
 
@@ -305,11 +310,13 @@ class JsonState:
 
     emitted = False
     to_stderr = False
+    pretty = False  # --pretty: indented even when the stream is not a terminal
 
     @classmethod
     def reset(cls) -> None:
         cls.emitted = False
         cls.to_stderr = False
+        cls.pretty = False
 
 
 def schema_id(command: str | None = None) -> str:
@@ -338,9 +345,35 @@ def emit_json(doc: Any, *, command: str | None = None) -> None:
     if isinstance(doc, dict) and not str(doc.get("schema", "")).startswith(SCHEMA_PREFIX):
         doc = {**doc, "schema": schema_id(command)}  # the CLI's id, whatever a part carried
     stream = sys.stderr if JsonState.to_stderr else sys.stdout
-    stream.write(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+    # One line per document for logs and pipes (cron appends them); indented for people.
+    indent = 2 if JsonState.pretty or _is_terminal(stream) else None
+    stream.write(json.dumps(exact_ints(doc), indent=indent, sort_keys=True, default=str)
+                 + "\n")
     stream.flush()
     JsonState.emitted = True
+
+
+# The largest integer a double holds exactly: jq and JavaScript read JSON numbers as doubles.
+MAX_EXACT_INT = 2**53 - 1
+
+
+def exact_ints(value: Any) -> Any:
+    """``value`` with every integer beyond +-(2**53 - 1) as its decimal string (random 63-bit
+    ids, byte counts past 8 PiB): a reader that parses numbers as doubles would round it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value) if abs(value) > MAX_EXACT_INT else value
+    if isinstance(value, dict):
+        return {k: exact_ints(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [exact_ints(v) for v in value]
+    return value
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def error_doc(message: str, *, code: int, fix: str | None = None, path: str | None = None,

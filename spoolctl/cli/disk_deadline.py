@@ -97,7 +97,10 @@ def within_disk_timeout(root: str | Path, fn: Callable[[], T]) -> T:
         return value
     if kind == "spool":
         raise _rebuild(*value)
-    raise RuntimeError(value)  # a bug in the child: its traceback, as text
+    # A bug in the child: its last traceback line is the one error line; the whole
+    # traceback only with --debug (a log line never carries a traceback by default).
+    logging.getLogger(__name__).debug("the bounded child failed:\n%s", value)
+    raise RuntimeError(str(value).strip().splitlines()[-1] if str(value).strip() else value)
 
 
 def _read_within(fd: int, limit: float) -> bytes | None:
@@ -131,9 +134,10 @@ def _child(fn: Callable[[], Any], write_end: int) -> None:
         sys.stdout, sys.stderr = io.StringIO(), err
         try:
             outcome: tuple[str, Any] = ("ok", fn())
-        except SpoolError as exc:
-            outcome = ("spool", (type(exc).__name__, exc.message, _text(exc.path),
-                                 exc.fix, getattr(exc, "errno", None)))
+        except (SpoolError, PermissionError) as exc:
+            spool = errors.from_os_permission(exc) if isinstance(exc, PermissionError) else exc
+            outcome = ("spool", (type(spool).__name__, spool.message, _text(spool.path),
+                                 spool.fix, getattr(spool, "errno", None)))
         except BaseException:
             outcome = ("bug", traceback.format_exc())
         try:

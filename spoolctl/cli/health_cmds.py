@@ -9,8 +9,6 @@ command exits 2 after writing the others (node_exporter keeps getting the health
 
 from __future__ import annotations
 
-import contextlib
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -68,10 +66,7 @@ def metrics_cmd(
 
     Example: [bold]spoolctl metrics --textfile /var/lib/node_exporter/textfile/spoolctl.prom[/bold]
     """
-    from spoolctl.metrics import (
-        render_samples,
-        store_unreadable,
-    )
+    from spoolctl.metrics import down_reason, render_samples, store_unreadable
 
     if textfile is not None:
         _check_textfile(textfile)
@@ -86,18 +81,18 @@ def metrics_cmd(
             targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
         if targets.single:
             samples = _gauges_within(targets.given)
-    except SpoolError:
+    except SpoolError as exc:
         if textfile is None:
             raise
         # The root is gone (unmounted disk, renamed directory) or unreadable: the previous
         # file must not go on saying `store_up 1`. Replace it, then fail.
-        _write_atomic(textfile, render_samples(store_unreadable()).encode())
+        _write_atomic(textfile, render_samples(store_unreadable(down_reason(exc))).encode())
         raise
     if textfile is not None and not targets.single and not targets.stores:
         # A base root with no store under it: on a host whose vLLM wrote stores there this
         # is an unmounted disk (the mount point stays, empty). An alert on `store_up == 0`
         # must fire, so the file says so rather than holding no gauge (decision 2300).
-        _write_atomic(textfile, render_samples(store_unreadable()).encode())
+        _write_atomic(textfile, render_samples(store_unreadable("missing")).encode())
         raise ConfigError("no spoolctl store under this root (is its disk mounted?); "
                           "wrote spoolctl_store_up 0", path=str(targets.given),
                           fix="mount the store's disk, or run this only once vLLM has "
@@ -128,6 +123,8 @@ def _drive_samples(drives: list[Path], rank: int | None,
     (missing, unmounted, hung) shows ``spoolctl_store_up{drive=...} 0`` and exits 2."""
     from spoolctl.metrics import (
         check_target,
+        down_reason,
+        drive_label,
         store_unreadable,
         with_drive,
     )
@@ -136,12 +133,10 @@ def _drive_samples(drives: list[Path], rank: int | None,
     code = EXIT_OK
     for one in drives:
         try:
-            check_target({"drive": str(one)})
+            check_target({"drive": drive_label(str(one))})
         except ValueError:
-            raise ConfigError("a drive root must be an absolute path of printable ASCII "
-                              "characters to label its gauges", path=str(one),
-                              fix="give its absolute path (or a symlink-free ASCII one)"
-                              ) from None
+            raise ConfigError("a drive root must be an absolute path to label its gauges",
+                              path=str(one), fix="give its absolute path") from None
     for one in drives:
         try:
             targets = targets_from_json(within_disk_timeout(one, lambda one=one: (
@@ -156,7 +151,7 @@ def _drive_samples(drives: list[Path], rank: int | None,
                 got, got_code = _rank_samples(targets)
         except SpoolError as exc:
             err_console.print(text(f"error: drive {one}: {exc}"), soft_wrap=True)
-            got, got_code = store_unreadable(), EXIT_USAGE
+            got, got_code = store_unreadable(down_reason(exc)), EXIT_USAGE
         samples += with_drive(got, str(one))
         code = max(code, got_code)
     return samples, code
@@ -177,7 +172,7 @@ def _gauges_within(root: Path) -> list[Any]:
 def _rank_samples(targets: Any) -> tuple[list[Any], int]:
     """The gauges of every rank store of a vLLM root, labelled ``deployment`` and ``rank``
     (a rank that cannot be read: ``store_up`` 0), and the exit code."""
-    from spoolctl.metrics import store_down, with_target
+    from spoolctl.metrics import down_reason, store_down, with_target
 
     code = EXIT_OK
     samples = []
@@ -195,7 +190,7 @@ def _rank_samples(targets: Any) -> tuple[list[Any], int]:
             samples += with_target(_gauges_within(target.root), target.deployment,
                                    target.rank)
         except SpoolError as exc:
-            samples += store_down(target.deployment, target.rank)
+            samples += store_down(target.deployment, target.rank, down_reason(exc))
             err_console.print(text(f"error: {target.label}: {exc}"), soft_wrap=True)
             code = EXIT_USAGE
     return samples, code
@@ -222,29 +217,11 @@ def _check_textfile(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a same-directory temp file + rename, so a reader
-    (node_exporter) never sees a partial file. Mode 0644 whatever the umask (set with
-    ``fchmod``: under ``umask 077`` the create alone makes it 0600 and node_exporter, which
-    runs as another user, cannot read it); outside a store, so not the store's private
-    ``publish`` path."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        if os.path.lexists(tmp):  # a leftover (or anything planted there): never open it
-            os.unlink(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            os.fchmod(fd, 0o644)
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise ConfigError(f"cannot write the metrics file: {os.strerror(exc.errno or 0)}",
-                          path=path, fix="check the directory's permissions") from None
+    """The metrics file replaced whole (``output.replace_file``), mode 0644 whatever the
+    umask: node_exporter runs as another user."""
+    from .output import replace_file
+
+    replace_file(path, data, mode=0o644)
 
 
 @commands.command("doctor")

@@ -194,7 +194,8 @@ DOCUMENTS: tuple[Document, ...] = (
                                "(null: none live)", "revoked": "true once `keys revoke` erased "
                                "it (no import brings its keys back, decision 2813)",
                                "versions": "per version: `version` (a random 63-bit id, "
-                               "decision 2812; small counters in stores from before), `key` "
+                               "decision 2812, a decimal string when beyond 2^53 - 1; small "
+                               "counters in stores from before, numbers), `key` "
                                "(`live` or `unavailable`), `origin` (`here` or `imported`), "
                                "`entries`, `bytes`"}}),
     *(Document(f"keys-{action}", what, {
@@ -243,6 +244,11 @@ def render_markdown() -> str:
            "Each document names its schema in `schema` (`spoolctl-cli/<command>/v1`; a "
            "change that breaks a reader bumps the version). CI runs the commands and checks "
            "every document below against its real output.", "",
+           "Layout: one document per line when stdout is not a terminal (a log gets one "
+           "line per run), indented on a terminal or with `--pretty`. Numbers: an integer "
+           "beyond 2^53 - 1 in absolute value (a random 63-bit key version) is printed as "
+           "its decimal string, since jq and JavaScript read JSON numbers as doubles and "
+           "would round it; smaller integers stay numbers.", "",
            "One name per concept: `bytes` is a size in bytes, `entries` a count of entries "
            "(or the list of them), `exit` the exit code. Renamed keys stay one release as "
            "deprecated aliases:", ""]

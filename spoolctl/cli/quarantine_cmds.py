@@ -102,13 +102,13 @@ def _ls_view(doc: dict[str, Any]) -> Table | Text:
     if not console.is_terminal:
         return render.columns(("item", "reason", "entry", "size", "when"), [
             [i["item"], i["reason"], i["entry_id"] or "-", render.size(i["bytes"]),
-             render.rel_time(i["time"])] for i in doc["items"]])
+             render.past_time(i["time"])] for i in doc["items"]])
     t = Table(title=render.count(doc["count"], "quarantined item"), title_justify="left")
     for col in ("item", "reason", "entry", "size", "when"):
         t.add_column(col, no_wrap=col in ("size", "when"), overflow="fold")
     for i in doc["items"]:
         t.add_row(text(i["item"]), text(i["reason"]), text((i["entry_id"] or "-")[:12]),
-                  render.size(i["bytes"]), render.rel_time(i["time"]))
+                  render.size(i["bytes"]), render.past_time(i["time"]))
     return t
 
 
@@ -152,7 +152,7 @@ def _show_view(doc: dict[str, Any]) -> Panel:
     body = Text(
         f"reason   {plain(doc['reason'])}\ndetail   {plain(doc['detail'])}\n"
         f"entry    {plain(doc['entry_id'] or '-')}\nkind     {plain(doc['kind'] or '-')}\n"
-        f"when     {render.rel_time(doc['time'])}\nsize     {render.size(doc['bytes'])}\n"
+        f"when     {render.past_time(doc['time'])}\nsize     {render.size(doc['bytes'])}\n"
         f"path     {plain(doc['path'])}\nfiles    {plain(', '.join(doc['contents']))}")
     return Panel(body, title=esc(doc["item"]), title_align="left")
 

@@ -69,11 +69,18 @@ def rel_time(t: float | None, now: float | None = None) -> str:
     return f"in {text}" if future else f"{text} ago"
 
 
+# A past time this far ahead of the clock was stamped by a clock that ran ahead (or this
+# one is behind); less is the jitter between two processes' clocks.
+FUTURE_SLACK_S = 2.0
+
+
 def past_time(t: float | None, now: float | None = None) -> str:
-    """``rel_time`` for a time that can only be in the past (created, last access): one
-    from the future was stamped by a clock that ran ahead, and shows as ``now`` rather
-    than ``in 364d``."""
+    """``rel_time`` for a time that can only be in the past (created, last access). One
+    from the future points at a clock problem and says so: ``in the future``, never
+    ``0s ago`` (which hid it) nor ``in 364d``."""
     now = time.time() if now is None else now
+    if t and t > now + FUTURE_SLACK_S:
+        return "in the future"
     return rel_time(min(t, now) if t else t, now)
 
 

@@ -220,12 +220,12 @@ def status(
 def _status_of(root: Path | None, rank: int | None, deployment: str | None,
                check: bool) -> tuple[dict[str, Any], int, Any]:
     """``status`` of one root: its document, exit code and view."""
-    from spoolctl.store import encryption_summary
-
     targets = targets_from_json(within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: (
         targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
     if targets.single:
         def read() -> tuple[dict[str, Any], bool]:
+            from spoolctl.store import encryption_summary
+
             with open_store(targets.given, read_only_ok=True) as store:
                 facts = store.facts()
                 doc = status_doc(store, facts)
@@ -269,17 +269,26 @@ def _model_lines(models: dict[str, Any]) -> list[Text]:
         # hour granularity: the lifecycle rules work in days, and the view stays the same
         # from one run to the next (`spoolctl` and `spoolctl status` show one view)
         last = m.get("last_used")
-        used = "never" if not last else render.rel_time(last, now) \
-            if now - last >= 3600 else "within the last hour"
-        line = Text(f"model {plain(name)}: {plain(str(m.get('model') or '?'))} "
-                    f"({plain(str(m.get('framework')))}, weights "
-                    f"{plain(str(m.get('weights') or '?')[:24])}); last used {used}; "
+        used = "never" if not last else render.past_time(last, now) \
+            if abs(now - last) >= 3600 else "within the last hour"
+        line = Text(f"model {plain(name)}: {_model_identity(m)}; last used {used}; "
                     f"{m['entries']} entries, {render.size(m['bytes'])}")
         if m["state"] != "current":
             line.append(f"\n  {m['state']} ({m['reason']}): nothing will read it again; "
                         "`spoolctl clean --superseded --yes` reclaims it", style="yellow")
         out.append(line)
     return out
+
+
+def _model_identity(m: dict[str, Any]) -> str:
+    """What a controller namespace holds (model, framework, weights), each part that its
+    entries do not record said to be unknown, and why, never a bare ``?`` or ``None``."""
+    model, framework, weights = m.get("model"), m.get("framework"), m.get("weights")
+    if not (model or framework or weights):
+        return "unknown (its entries record no model, framework or weights)"
+    return (f"{plain(str(model)) if model else 'unknown model'} "
+            f"({plain(str(framework)) if framework else 'framework unknown'}, weights "
+            f"{plain(str(weights)[:24]) if weights else 'not recorded'})")
 
 
 def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
@@ -327,7 +336,7 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
     scrub = doc["scrub"]
     last = scrub["last_cycle"]
     if last:
-        t.add_row("last scrub", f"finished {render.rel_time(last['finished'])}: "
+        t.add_row("last scrub", f"finished {render.past_time(last['finished'])}: "
                   f"{last['checked']} entries / {render.size(last['bytes'])} checked, "
                   f"{last['quarantined']} quarantined, "
                   f"{render.size(last['orphan_bytes'])} orphans reclaimed")
@@ -336,13 +345,14 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
     cur = scrub["current"]
     if cur:
         t.add_row("scrub progress", f"{100 * cur['progress']:.1f}% (cycle started "
-                  f"{render.rel_time(cur['started'])}, updated {render.rel_time(cur['updated'])})")
+                  f"{render.past_time(cur['started'])}, updated "
+                  f"{render.past_time(cur['updated'])})")
     if doc.get("scrub_unreadable"):
         t.add_row("unreadable", Text(f"{doc['scrub_unreadable']} entries the scrub could not "
                                      "read (`spoolctl doctor`)", style="red"))
     owner = doc["owner"]
     t.add_row("owner", text(f"{owner['role']} pid {owner['pid']} on {owner['host']} since "
-                            f"{render.rel_time(owner['since'])}") if owner else "none")
+                            f"{render.past_time(owner['since'])}") if owner else "none")
     if doc["unknown_files"]:
         t.add_row("unknown files", text(", ".join(doc["unknown_files"][:5])))
     models = doc.get("models") or {}
@@ -355,6 +365,8 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
 def deployment_status_doc(targets: Targets) -> tuple[dict[str, Any], bool]:
     """Per-rank status of a deployment directory or base root, and whether anything needs
     attention (ranks that disagree, quarantine, a rank's own findings)."""
+    if not targets.stores:  # an empty root: nothing to read, nor anything to load for it
+        return multi_doc(targets, [], deployments={}), False
     from spoolctl.connector.deployment.topology import RankReport
     from spoolctl.store import DeploymentUse
 
@@ -567,8 +579,9 @@ def _lifecycle_line(life: dict[str, Any] | None) -> Text:
     if not life:
         return Text("")
     weights = str(life.get("weights") or "not bound (stored before weights were)")[:24]
-    used = render.rel_time(life["last_used"]) if life.get("last_used") else "never"
-    line = Text(f"model {plain(str(life.get('model') or '?'))}, weights {plain(weights)}; "
+    used = render.past_time(life["last_used"]) if life.get("last_used") else "never"
+    model = plain(str(life["model"])) if life.get("model") else "unknown (not recorded)"
+    line = Text(f"model {model}, weights {plain(weights)}; "
                 f"last used {used}; {render.size(life['bytes'])} in {life['entries']} chunks")
     if life["state"] == "superseded":
         line.append(f"\nsuperseded ({life['reason']}) by {str(life['successor'])[:24]}: "

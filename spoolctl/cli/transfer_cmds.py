@@ -191,6 +191,9 @@ def _archive_sink(output: str, force: bool):
         raise ConfigError("the output file exists", path=path,
                           fix="remove it, choose another name or add --force")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    from .output import sweep_leftovers
+
+    sweep_leftovers(path, ".part")  # an export killed with -9 left its .part: gone now
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                      0o600)
@@ -325,10 +328,12 @@ def _export_root(root: Path | None, output: str, *, force: bool, selection: Sele
         raise StoreIOError("the archive's reader closed the pipe before the end",
                            path=output, fix="see the importing side's error") from None
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
-            raise StoreIOError(f"writing the archive failed: {os.strerror(exc.errno or 0)}",
-                               path=output, fix="free space where the archive is written") \
-                from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG):
+            from .output import output_failed
+
+            where = "stdout" if output == "-" else output
+            raise output_failed(exc, where, "free space where the archive is written; no "
+                                "archive was put in place") from None
         raise
     doc = export_doc(report.to_json(), source)
     doc["output"] = output

@@ -348,8 +348,8 @@ def _roots(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[tuple[str,
             # the first failover, on the engine's thread.
             raise ConfigError(f"{given} has a root that cannot label the per-drive metrics "
                               f"({root!r})", path=where,
-                              fix="give each drive's base root as a path of printable ASCII "
-                                  "characters (an ASCII-named symlink to it works)")
+                              fix="give each drive's base root as a path of printable "
+                                  "characters (no control characters, valid UTF-8)")
     return tuple(roots), given
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ...errors import InvalidIdError, RootError
+from ...errors import InvalidIdError, RootError, access_denied
 from . import dirfd, faults
 from .fsio import (
     DIR_MODE,
@@ -129,8 +129,16 @@ class Marker:
         return doc
 
 
+# SQLite's unix VFS cannot open a database whose path, with the "-journal" it appends, is 512
+# bytes or more; the longest database name in a store is state/auth_requests.sqlite3.
+SQLITE_MAX_PATH = 512
+MAX_ROOT_BYTES = SQLITE_MAX_PATH - len("-journal") - len("/state/auth_requests.sqlite3")
+NAME_MAX = 255  # one path component, on every filesystem the store runs on
+
+
 def check_root_path(root: str | os.PathLike[str]) -> Path:
-    """Refuse a relative root or one whose path crosses a symlink; return it as a Path."""
+    """Refuse a relative root, one too long for the store's files, or one whose path
+    crosses a symlink; return it as a Path. Nothing is created before these checks."""
     text = os.fspath(root)
     if not text or not os.path.isabs(text):
         raise RootError(
@@ -139,6 +147,16 @@ def check_root_path(root: str | os.PathLike[str]) -> Path:
             fix="pass an absolute path, e.g. --root /var/cache/spoolctl",
         )
     path = Path(os.path.normpath(text))
+    size = len(os.fsencode(path))
+    if size > MAX_ROOT_BYTES:
+        raise RootError(
+            f"store root path is too long: {size} bytes, at most {MAX_ROOT_BYTES} (SQLite "
+            "cannot open the store's catalog under a longer one)", path=path,
+            fix="choose a shorter path, e.g. a bind mount of the directory at a short one")
+    longest = max((len(os.fsencode(part)) for part in path.parts[1:]), default=0)
+    if longest > NAME_MAX:
+        raise RootError(f"a name in the store root path is too long: {longest} bytes, at "
+                        f"most {NAME_MAX}", path=path, fix="choose a path with shorter names")
     current = Path(path.anchor)
     for part in path.parts[1:]:
         current = current / part
@@ -146,6 +164,11 @@ def check_root_path(root: str | os.PathLike[str]) -> Path:
             st = os.lstat(current)
         except FileNotFoundError:
             break
+        except PermissionError:
+            raise access_denied(path, action="reach") from None
+        except OSError as exc:
+            raise RootError(f"the store root path cannot be used: {os.strerror(exc.errno or 0)}",
+                            path=current, fix="choose another root") from None
         if stat.S_ISLNK(st.st_mode):
             raise RootError(
                 "store root path goes through a symlink",

@@ -17,7 +17,8 @@ root is one of four kinds (decisions 0900, 1100):
 * ``empty``: a path that does not exist yet, or a directory holding nothing but empty
   directories (a base root before the first engine start). ``exists`` tells the two apart.
 
-Anything else is a RootError naming the path. Discovery only lists directories and checks
+A root this user cannot list or reach is an AccessDeniedError, never ``empty``. Anything
+else is a RootError naming the path. Discovery only lists directories and checks
 markers: it never opens a store, so it is safe on a peer's root mounted read-only, and it
 never follows a symlink. Rank directory names are parsed by ``rankdirs`` (ASCII only).
 Routing (``Target.route``) sends a vLLM rank store only to the directory an engine of *its*
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ...errors import ArchiveError, ConfigError, RootError
+from ...errors import ArchiveError, ConfigError, RootError, access_denied
 from ..disk.root import MARKER, StorePaths, check_root_path, unfinished_init
 from ..format.rankdirs import is_deployment_name, parse_rank_dirname
 from .archive import deployment_of, place_for, validate_place
@@ -149,16 +150,33 @@ class RootContents:
         return RootContents(self.kind, self.path, good, self.exists), bad
 
 
+def _check_readable(path: Path) -> None:
+    """AccessDeniedError if this user cannot list ``path`` or look inside it: everything
+    below would otherwise read as absent, and the root as an empty one ("nothing to do")."""
+    try:
+        os.listdir(path)
+        os.lstat(path / MARKER)
+    except FileNotFoundError:
+        pass
+    except PermissionError:
+        raise access_denied(path) from None
+
+
 def inspect_root(root: str | os.PathLike[str]) -> RootContents:
     """Classify ``root`` and list its stores (no store is opened); RootError for a path
     that is none of the kinds (see the module docstring)."""
     path = check_root_path(root)
-    if not os.path.lexists(path):
+    try:
+        os.lstat(path)
+    except PermissionError:  # a directory above it cannot be searched: not "no root here"
+        raise access_denied(path, action="reach") from None
+    except OSError:
         return RootContents("empty", path, (), exists=False)
     if not _is_dir(path):
         raise RootError("not a directory", path=path,
                         fix="pass a store root, a deployment directory or the connector's "
                             "spoolctl_root")
+    _check_readable(path)
     if _is_store(path):
         return RootContents("store", path, (StorePlace(path, None, None, place_of_store(path)),))
     ranks = _rank_children(path)
