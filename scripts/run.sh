@@ -95,7 +95,7 @@ install_base_only() {
 # The dependency lanes: what `pip install spoolctl` resolves today, and the oldest versions the
 # bounds allow. The constrained venvs stay the main run; these catch a new release that breaks
 # us (fix our code, or bound it with a comment naming the break) and a bound that is too low.
-NEWEST_VENV="${SPOOLCTL_NEWEST_VENV:-.venv-newest}"  # `pip install spoolctl`: the base set
+NEWEST_VENV="${SPOOLCTL_NEWEST_VENV:-.venv-newest}"  # the base install: the base set
 NEWEST_TORCH_VENV="${SPOOLCTL_NEWEST_TORCH_VENV:-.venv-newest-torch}"  # `[torch]`: the demo
 LOWEST_VENV="${SPOOLCTL_LOWEST_VENV:-.venv-lowest}"
 RUNNERS=(pytest pytest-timeout pytest-xdist hypothesis)

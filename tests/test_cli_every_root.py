@@ -60,7 +60,7 @@ def _commands_with_root() -> set[str]:
         elif any("--root" in getattr(p, "opts", ()) for p in command.params):
             found.add(" ".join(path))
 
-    walk(build_command([]), ())
+    walk(build_command(), ())
     return found
 
 

@@ -237,3 +237,42 @@ def test_clean_dry_run_plans_from_a_read_only_view(base: Path) -> None:
     assert "read-only view" in proc.stderr
     with Store.open(root, read_only=True) as store:  # nothing deleted
         assert len(store.entries()) == 3
+
+
+OWNER, SHARED_GROUP = 4242, 4242  # a service account and its group (no passwd entry needed)
+
+
+def _as(identity: str, *args: str) -> subprocess.CompletedProcess:
+    proc = script(RUNNER, "cli", *args, program=sys.executable, cwd="/tmp",
+                  env={"SPOOLCTL_TEST_AS": identity})
+    assert "Traceback" not in proc.stderr and "unexpected" not in proc.stderr, proc.stderr
+    return proc
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play two users")
+def test_what_a_foreign_unprivileged_run_leaves_the_owner_can_use(base: Path) -> None:
+    """An operator in the service account's group runs maintenance with
+    --allow-foreign-owner (it cannot chown): what it creates is shared through the store's
+    group, so the owner's own scrub and clean run on it afterwards."""
+    root, made = owned_store(base, 4, released=1)
+    for path in [root, *root.rglob("*")]:  # the service account's store, shared with its group
+        os.lchown(path, OWNER, SHARED_GROUP)
+        if not path.is_symlink():
+            path.chmod(path.stat().st_mode | (path.stat().st_mode & 0o700) >> 3)
+    for name in ("scrub.sqlite3", "scrub.sqlite3-wal", "scrub.sqlite3-shm", "scrub.lock"):
+        (root / "state" / name).unlink(missing_ok=True)
+    _obj(root, made[1]).write_bytes(b"corrupt")  # the foreign scrub quarantines it
+    operator = f"{UID}:{UID}:{SHARED_GROUP}"
+    proc = _as(operator, "--allow-foreign-owner", "scrub", "--root", str(root))
+    assert proc.returncode == 1, proc.stderr  # a finding: the corrupt object
+    made_by_operator = [p for p in [root, *root.rglob("*")] if p.lstat().st_uid == UID]
+    assert made_by_operator, "the foreign scrub created nothing: the test proves nothing"
+    owner = f"{OWNER}:{SHARED_GROUP}"
+    for args in (("scrub",), ("clean", "--released", "--yes"), ("quarantine", "ls")):
+        proc = _as(owner, *args, "--root", str(root))
+        assert proc.returncode in (0, 1), (args, proc.returncode, proc.stderr)
+        assert "permission" not in (proc.stdout + proc.stderr).lower(), (args, proc.stdout,
+                                                                         proc.stderr)
+    doc = json.loads(_as(owner, "doctor", "--json", "--root", str(root)).stdout)
+    unusable = [c for c in doc["checks"] if c["name"] == "store.files" and c["status"] != "ok"]
+    assert not unusable, unusable

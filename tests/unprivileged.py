@@ -7,9 +7,9 @@
 
 Started as root, it loads every module spoolctl may need, then drops to ``nobody``
 (``os.setgid``/``os.setuid``; the interpreter itself may live where ``nobody`` cannot
-read, so nothing is imported after the drop). Started as another user, it runs as that
-user. ``unprivileged_uid()`` says which uid the work runs as, so a test can give it the
-files it owns.
+read, so nothing is imported after the drop), or to ``SPOOLCTL_TEST_AS`` (uid, gid,
+groups). Started as another user, it runs as that user. ``unprivileged_uid()`` says which
+uid the work runs as, so a test can give it the files it owns.
 """
 
 from __future__ import annotations
@@ -21,6 +21,20 @@ import sys
 
 NOBODY = 65534
 PRELOAD_ENV = "SPOOLCTL_TEST_PRELOAD"
+
+
+AS_ENV = "SPOOLCTL_TEST_AS"  # "UID:GID[:GROUP,...]": another user than nobody, with groups
+
+
+def _identity() -> tuple[int, int, list[int]]:
+    """The (uid, gid, supplementary groups) to drop to: ``nobody`` with no groups, or what
+    ``SPOOLCTL_TEST_AS`` names."""
+    given = os.environ.get(AS_ENV)
+    if not given:
+        return NOBODY, NOBODY, []
+    uid, gid, *rest = given.split(":")
+    groups = [int(g) for g in rest[0].split(",") if g] if rest else []
+    return int(uid), int(gid), groups
 
 
 def unprivileged_uid() -> int:
@@ -90,9 +104,10 @@ def main() -> None:
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
         importlib.import_module(name)
     if os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+        uid, gid, groups = _identity()
+        os.setgroups(groups)
+        os.setgid(gid)
+        os.setuid(uid)
         os.environ["HOME"] = "/tmp"
     if mode == "cli":
         from spoolctl.cli.app import main as cli

@@ -65,19 +65,29 @@ def guarded(path: str | os.PathLike[str]) -> bool:
 
 
 def _owner(path: str) -> tuple[int, int] | None:
-    """The owner to give a file root creates at ``path`` to, or None."""
-    if not _GUARDED or os.geteuid() != 0:
+    """The owner of the guarded root ``path`` lies under (the user to hand what this
+    process creates there to), or None."""
+    if not _GUARDED:
         return None
     return next((who for top, who in _GUARDED.items() if path.startswith(top)), None)
 
 
 def give(fd: int, path: str | os.PathLike[str]) -> None:
-    """Root just created the file or directory open at ``fd`` (at ``path``) in a root
-    another user owns: make it the owner's now, through the descriptor, so the owner's own
-    jobs can open it and nothing is ever chowned later by a name that could be re-pointed."""
+    """This process just created the file or directory open at ``fd`` (at ``path``) in a
+    root another user owns: make it usable by that owner now, through the descriptor, so
+    the owner's own jobs can open it and nothing is changed later by a name that could be
+    re-pointed. Root gives it away; anyone else (who cannot) shares it through the root's
+    group, the way this user got into the store: the group gets the owner bits."""
     who = _owner(os.fspath(path))
-    if who is not None:
+    if who is None:
+        return
+    if os.geteuid() == 0:
         os.fchown(fd, *who)
+        return
+    with contextlib.suppress(PermissionError):  # only a group this user is a member of
+        os.fchown(fd, -1, who[1])
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    os.fchmod(fd, mode | (mode & 0o700) >> 3)
 
 
 def open_dir(path: str | os.PathLike[str]) -> int:

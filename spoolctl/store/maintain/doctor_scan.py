@@ -52,7 +52,8 @@ def _examples(paths: list[str]) -> str:
     return shown + (f" and {len(paths) - MAX_EXAMPLES} more" if len(paths) > MAX_EXAMPLES else "")
 
 
-def _walk(layout: StorePaths, dirs_bad: list[str], owner: int) -> Iterator[os.DirEntry]:
+def _walk(layout: StorePaths, dirs_bad: list[str], owner: int,
+          group: int) -> Iterator[os.DirEntry]:
     """Every entry under objects/, manifests/ (two levels), tmp/ and state/; directories
     that cannot be listed, or that the store's ``owner`` could not use, go to
     ``dirs_bad``."""
@@ -67,7 +68,7 @@ def _walk(layout: StorePaths, dirs_bad: list[str], owner: int) -> Iterator[os.Di
             if top in (layout.tmp, layout.state) or not child.is_dir(follow_symlinks=False):
                 continue
             try:
-                why = _owner_cannot(child.stat(follow_symlinks=False), owner, 0o700)
+                why = _owner_cannot(child.stat(follow_symlinks=False), owner, 0o700, group)
             except OSError:
                 continue
             if why:
@@ -79,14 +80,17 @@ def _walk(layout: StorePaths, dirs_bad: list[str], owner: int) -> Iterator[os.Di
                 dirs_bad.append(f"{child.path} ({describe_os_error(exc)})")
 
 
-def _owner_cannot(st: os.stat_result, owner: int, bits: int) -> str:
+def _owner_cannot(st: os.stat_result, owner: int, bits: int, group: int) -> str:
     """Why the store's ``owner`` could not use this file or directory with the owner
     permission ``bits`` ('' if it can): judged from ownership and mode, not from who runs
-    doctor (root can open anything, another user nothing private; issue 30.4, 30.5)."""
+    doctor (root can open anything, another user nothing private). A file another user
+    made is usable when it is shared through the root's ``group`` with those bits."""
+    mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != owner:
+        if st.st_gid == group and not (bits >> 3) & ~mode:
+            return ""
         return f"owned by uid {st.st_uid}"
-    missing = bits & ~stat.S_IMODE(st.st_mode)
-    return f"mode {oct(stat.S_IMODE(st.st_mode))}" if missing else ""
+    return f"mode {oct(mode)}" if bits & ~mode else ""
 
 
 def tree_checks(layout: StorePaths) -> list:
@@ -101,11 +105,11 @@ def tree_checks(layout: StorePaths) -> list:
             st = os.lstat(p)
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and (why := _owner_cannot(st, owner, 0o700)):
+        if stat.S_ISDIR(st.st_mode) and (why := _owner_cannot(st, owner, 0o700, group)):
             dirs_bad.append(f"{p} ({why})")
     unreadable: list[str] = []
     special: list[str] = []
-    for e in _walk(layout, dirs_bad, owner):
+    for e in _walk(layout, dirs_bad, owner, group):
         try:
             st = e.stat(follow_symlinks=False)
         except OSError:
@@ -114,7 +118,7 @@ def tree_checks(layout: StorePaths) -> list:
             continue
         if not stat.S_ISREG(st.st_mode):
             special.append(f"{e.path} ({file_kind(st.st_mode)})")
-        elif why := _owner_cannot(st, owner, 0o600 if "/state/" in e.path else 0o400):
+        elif why := _owner_cannot(st, owner, 0o600 if "/state/" in e.path else 0o400, group):
             unreadable.append(f"{e.path} ({why})")
     me = os.geteuid() if hasattr(os, "geteuid") else owner
     if me not in (owner, 0) and any("Permission denied" in d for d in dirs_bad):
