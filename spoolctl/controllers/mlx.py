@@ -45,7 +45,7 @@ from spoolctl.store import Store
 
 from . import mlx_codec, mlx_files, mlx_generate, mlx_import_check
 from .contract import CacheHandle, CachePrepareParams
-from .local.decoding import GREEDY, Decoding
+from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.mlx_format import (
     CacheFormatError,  # noqa: F401  (re-exported: callers catch it from here)
@@ -440,7 +440,7 @@ class MlxBackend:
 
     def generate(self, cache: Sequence[Any] | None, cached_tokens: int,
                  prompt_tokens: Sequence[int], max_new_tokens: int,
-                 decoding: Decoding = GREEDY) -> list[int]:
+                 decoding: Decoding = DEFAULT) -> list[int]:
         """Continuation of ``prompt_tokens`` (``mlx_generate.generate``)."""
         return mlx_generate.generate(self, cache, cached_tokens, prompt_tokens,
                                      max_new_tokens, decoding)

@@ -39,7 +39,7 @@ from spoolctl.errors import ConfigError
 from spoolctl.store import Store, entry_id_for, hash_parts
 
 from .contract import CachePrepareParams
-from .local.decoding import GREEDY, Decoding
+from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.entry_format import Loaded, Plan, Prompt, check_common
 from .local.tokens import TokenPrefix, namespace_for
@@ -208,8 +208,9 @@ class VlmEntryFormat:
         return loaded.cache, len(loaded.prefix)
 
     def run(self, cache: VlmSnapshot | None, cached: int, prompt: Prompt,
-            max_new_tokens: int, decoding: Decoding = GREEDY) -> tuple[list[int], int]:
-        if not decoding.is_default:
+            max_new_tokens: int, decoding: Decoding = DEFAULT) -> tuple[list[int], int]:
+        if not decoding.over(0.0).greedy or decoding.seed is not None or \
+                decoding.streamer is not None or decoding.extra:
             raise ConfigError("the mlx-vlm controller decodes greedily only",
                               fix="drop temperature / top_p / top_k / seed / streamer / "
                                   "generate_kwargs")

@@ -34,7 +34,7 @@ from spoolctl.store import Hasher
 
 from . import pytorch_layers as hf_layers
 from .local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
-from .local.decoding import GREEDY, Decoding
+from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.render import ChatTemplate, template_source
 from .local.safetensors_layout import tiling_error
@@ -462,11 +462,27 @@ class PyTorchBackend:
 
     # -- generation ---------------------------------------------------------------------------
 
+    def resolve(self, decoding: Decoding) -> Decoding:
+        """``decoding`` over the model's ``generation_config``: what ``model.generate``
+        would sample with where the caller left a setting out (transformers' global
+        defaults where the config leaves one out too)."""
+        config = self.model.generation_config
+        defaults_of = getattr(config, "_get_default_generation_params", None)
+        defaults = defaults_of() if callable(defaults_of) else {}
+
+        def value(name: str, fallback: float) -> Any:
+            got = getattr(config, name, None)
+            return got if got is not None else defaults.get(name, fallback)
+
+        return decoding.over(float(value("temperature", 1.0)) if config.do_sample else 0.0,
+                             top_p=float(value("top_p", 1.0)), top_k=int(value("top_k", 0)))
+
     def _generation_config(self, decoding: Decoding, max_new_tokens: int, *,
                            sample: bool = True) -> Any:
-        """The model's generation config with spoolctl's length and sampling settings
-        (sampling flags cleared for greedy decoding, so transformers has nothing to warn
-        about). ``sample=False``: a seeded sampler in ``logits_processor`` draws the
+        """The model's generation config (its repetition penalty and every other setting
+        ``model.generate`` would use) with spoolctl's length and the resolved sampling
+        settings (sampling flags cleared for greedy decoding, so transformers has nothing to
+        warn about). ``sample=False``: a seeded sampler in ``logits_processor`` draws the
         token, so transformers' own sampling stays off."""
         config = copy.deepcopy(self.model.generation_config)
         config.max_new_tokens = max_new_tokens
@@ -475,8 +491,8 @@ class PyTorchBackend:
         sampling = sample and not decoding.greedy
         config.do_sample = sampling
         config.temperature = decoding.temperature if sampling else None
-        config.top_p = decoding.top_p if sampling and decoding.top_p < 1 else None
-        config.top_k = (decoding.top_k or None) if sampling else None
+        config.top_p = decoding.top_p if sampling else None
+        config.top_k = decoding.top_k if sampling else None
         if config.pad_token_id is None:
             config.pad_token_id = self.tokenizer.pad_token_id \
                 if self.tokenizer.pad_token_id is not None else min(self.eos_ids, default=None)
@@ -485,11 +501,13 @@ class PyTorchBackend:
         return config
 
     def generate(self, cache: Any | None, cached_tokens: int, prompt_tokens: list[int],
-                 max_new_tokens: int, decoding: Decoding = GREEDY) -> list[int]:
+                 max_new_tokens: int, decoding: Decoding = DEFAULT) -> list[int]:
         """``model.generate`` continued from ``cache`` (cloned, never modified): the
         uncached prompt tokens but the last are prefilled in chunks first, so a long
-        prompt never runs as one forward."""
+        prompt never runs as one forward. ``decoding`` over the model's own defaults
+        (``resolve``)."""
         torch = self._torch
+        decoding = self.resolve(decoding)
         if not 0 <= cached_tokens < len(prompt_tokens):
             raise ValueError("the cache must leave at least one prompt token to run")
         if cache is None:

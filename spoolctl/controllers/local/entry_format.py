@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from spoolctl.store import ConfigError, entry_id_for, hash_parts
 
 from ..contract import CachePrepareParams, KVBackend
-from .decoding import GREEDY, Decoding
+from .decoding import DEFAULT, Decoding
 from .render import ChatTemplate, render, render_id
 from .tokens import TokenPrefix, namespace_for
 
@@ -126,7 +126,7 @@ class EntryFormat(Protocol):
     def fit(self, loaded: Loaded, prompt: Prompt) -> tuple[Any | None, int]: ...
 
     def run(self, cache: Any | None, cached: int, prompt: Prompt,
-            max_new_tokens: int, decoding: Decoding = GREEDY) -> tuple[list[int], int]: ...
+            max_new_tokens: int, decoding: Decoding = DEFAULT) -> tuple[list[int], int]: ...
 
     def decode(self, tokens: list[int]) -> str | None: ...
 
@@ -316,8 +316,8 @@ class KVEntryFormat:
         return self.backend.trim(self.clone(loaded.cache), keep), keep
 
     def run(self, cache: Any | None, cached: int, prompt: Prompt, max_new_tokens: int,
-            decoding: Decoding = GREEDY) -> tuple[list[int], int]:
-        if decoding.is_default:  # every KVBackend can decode greedily
+            decoding: Decoding = DEFAULT) -> tuple[list[int], int]:
+        if decoding.is_default:  # every KVBackend decodes with its model's defaults
             out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens)
         else:
             out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens,

@@ -65,6 +65,7 @@ class EntryIO:
         self._format, self._kind, self._read_only = entry_format, kind, read_only
         self._identity = identity
         self._count, self._lock, self._memory = count, lock, memory
+        self._warned: set[str] = set()  # warnings said once per controller (then debug)
 
     def load_exact(self, plan: Plan, *, touch: bool) -> Loaded | None:
         """The entry of ``plan`` (``touch``: move its LRU clock), verified and loaded, or
@@ -202,6 +203,14 @@ class EntryIO:
                 keep == base_len and cand.entry_id not in snapshots
         return None
 
+    def _once(self, what: str, message: str, *args: object) -> None:
+        """``message`` as a warning the first time ``what`` happens, then at debug level:
+        a store that refuses every commit must not flood the log with one line a prepare."""
+        with self._lock:
+            first = what not in self._warned
+            self._warned.add(what)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
     def can_cut(self, keep: int, base_len: int) -> bool:
         """Whether a base of ``base_len`` tokens can serve a plan sharing ``keep`` of them:
         always by extension (``keep == base_len``); by cutting back only where the format's
@@ -240,7 +249,8 @@ class EntryIO:
         try:
             objects, layout = self._format.serialize(cache, plan)
         except Exception as exc:  # the cache still serves this process from memory
-            log.warning("cache could not be serialized, not persisted: %s", reason(exc))
+            self._once("serialize", "cache could not be serialized, not persisted: %s",
+                       reason(exc))
             self._count(commit_failures=1)
             return False
         own_meta, own_index = self._format.describe(plan)
@@ -258,7 +268,8 @@ class EntryIO:
                 self._deadlines.read_deadline_s)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
-            log.warning("cache not persisted (%s); serving it from memory", reason(exc))
+            self._once("persist", "cache not persisted (%s); serving it from memory (said "
+                       "once per controller; see stats()['commit_failures'])", reason(exc))
             self._count(commit_failures=1)
             return False
         return done  # not done: it completes in the background once the disk answers, or never

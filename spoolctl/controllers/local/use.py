@@ -96,9 +96,9 @@ class CacheUse:
         max_new_tokens: int = 32,
         *,
         params: CachePrepareParams | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         streamer: Any = None,
         generate_kwargs: Mapping[str, Any] | None = None,
@@ -113,8 +113,11 @@ class CacheUse:
         cache is used only if its tokens are a prefix of the prompt; if using it fails,
         the request is re-run cold (``usage.cache_read_tokens = 0``).
 
-        Decoding is greedy unless ``temperature > 0`` (then ``top_p`` / ``top_k``
-        sampling, seeded by ``seed``); ``streamer`` is a transformers-style streamer
+        Decoding settings left out are the framework's defaults for the model, as its own
+        generate with no arguments (transformers: the model's ``generation_config``, e.g.
+        its ``do_sample``, temperature and repetition penalty; mlx-lm: greedy).
+        ``temperature=0`` is greedy; ``temperature > 0`` samples (with ``top_p`` /
+        ``top_k``), seeded by ``seed``; ``streamer`` is a transformers-style streamer
         (``put``/``end``, e.g. ``TextStreamer``); ``generate_kwargs`` go to the
         framework's own generate call verbatim (see ``decoding.py``).
         """
