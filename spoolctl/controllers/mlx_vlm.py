@@ -154,10 +154,12 @@ class VlmEntryFormat:
 
     # -- entries ---------------------------------------------------------------------------
 
-    def check(self, meta: Mapping[str, Any], plan: Plan | None) -> TokenPrefix:
+    def check(self, meta: Mapping[str, Any], plan: Plan | None, *,
+              identity: Mapping[str, str] | None = None) -> TokenPrefix:
         """The common checks, then (with a plan) that the entry's mode and image identity
         are exactly the plan's."""
-        prefix = check_common(meta, name=self.name, noun=self.noun, identity=self.identity)
+        prefix = check_common(meta, name=self.name, noun=self.noun,
+                              identity=identity or self.identity)
         if plan is None:
             return prefix
         data: VlmPlanData = plan.extra

@@ -38,6 +38,7 @@ from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.render import ChatTemplate, template_source
 from .local.safetensors_layout import tiling_error
+from .pytorch_adapters import TorchModelState
 
 KV_OBJECT = "kv"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -155,6 +156,8 @@ class PyTorchBackend:
                               fix="check the directory holds a causal LM and its tokenizer") \
                 from None
         self.model.to(self.device).eval()
+        self._loaded_model = self.model  # what model_state compares the backend's model to
+        self._state: TorchModelState | None = None
         self._cache_arg = cache_argument(self.model.forward)
         self.dtype = next(self.model.parameters()).dtype
         self.config = self.model.config.get_text_config(decoder=True) \
@@ -235,7 +238,17 @@ class PyTorchBackend:
                         if self.layers is None else
                         f"{hf_layers.LAYOUT_NAME}/{hf_layers.summary(self.layers)}",
                 }
+                self._state = TorchModelState(self._torch, self._loaded_model)
             return dict(self._identity)
+
+    def model_state(self) -> dict[str, str]:
+        """The identity fields of the PEFT adapters acting on the base weights now (``{}``:
+        the model as loaded; ``pytorch_adapters``). ``UnidentifiedModel`` for a change it
+        cannot name (a base weight edited since the identity was computed, an unknown
+        wrapper in ``self.model``)."""
+        self.identity()
+        assert self._state is not None
+        return self._state.extra(self.model)
 
     def tokenize_segments(self, segments: list[str], *, bos: bool = True) -> list[list[int]]:
         """One id list per segment, no special tokens added except (``bos``) the

@@ -86,9 +86,10 @@ class EntryIO:
         return loaded
 
     def load_manifest(self, manifest: Manifest, *, plan: Plan | None,
-                      quarantine: bool = True) -> Loaded | None:
+                      quarantine: bool = True, base_of: Plan | None = None) -> Loaded | None:
         """Verify and load an entry; None (after quarantining bad entries) on any defect.
-        ``plan``: the plan the entry must hold exactly (None: a base, any prefix)."""
+        ``plan``: the plan the entry must hold exactly (None: a base, any prefix, of the
+        model state of ``base_of``)."""
         try:
             meta: Any = manifest.meta
             objects: dict[str, Any] | None = None
@@ -100,7 +101,8 @@ class EntryIO:
                     raise
                 except SpoolError as exc:
                     raise _TransientReadError(exc) from exc
-            prefix = self._format.check(meta, plan)
+            prefix = self._format.check(meta, plan,
+                                        identity=base_of.identity if base_of else None)
             if plan is not None and prefix != plan.prefix:
                 raise ValueError("cached token ids differ from the prompt's")
             try:
@@ -181,7 +183,7 @@ class EntryIO:
                 except SpoolError:
                     continue
                 try:
-                    theirs = self._format.check(meta, None)
+                    theirs = self._format.check(meta, None, identity=plan.identity)
                     keep = common_prefix_tokens(theirs, plan.prefix)
                     if not self.can_cut(keep, len(theirs)):
                         continue  # not worth reading: its state is past the shared prefix
@@ -189,7 +191,7 @@ class EntryIO:
                     keep = -1  # bad meta: load_manifest below rejects and quarantines it
                 if keep == 0:
                     continue
-                loaded = self.load_manifest(manifest, plan=None)
+                loaded = self.load_manifest(manifest, plan=None, base_of=plan)
                 if loaded is None:
                     continue
                 cache, base_len, where = loaded.cache, len(loaded.prefix), "disk"
@@ -254,7 +256,8 @@ class EntryIO:
             self._count(commit_failures=1)
             return False
         own_meta, own_index = self._format.describe(plan)
-        meta = {"format": self._format.name, "identity": self._identity, "layout": layout,
+        meta = {"format": self._format.name, "identity": plan.identity or self._identity,
+                "layout": layout,
                 "model": plan.params.model, "includes": plan.params.includes().to_json(),
                 **own_meta, **plan.prefix.to_meta()}
         index = {"group": plan.group, "elements": list(plan.elements),

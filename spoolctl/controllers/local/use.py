@@ -33,6 +33,7 @@ from ..logsafe import reason
 from ..targets import FOREIGN_HANDLE, resolve_target
 from .decoding import Decoding
 from .entry_format import EntryFormat, Loaded, Plan, Prompt
+from .model_state import UnidentifiedModel
 from .usage import PrepareWork, call_usage
 
 log = logging.getLogger("spoolctl.controllers")
@@ -135,9 +136,10 @@ class CacheUse:
         if handle is None:
             handle = self._ctx.prepare(query)
         rendered = self.format.prompt(query, prompt)
-        belongs = handle.ref is None or handle.ref == self.format.entry_id(query)
+        state = self._state_of(handle, query)
+        belongs = state is not False
         work = self._ctx.take_work(handle) if belongs else None
-        cache, cached, reloaded = self._cache_for(handle, query, rendered, belongs)
+        cache, cached, reloaded = self._cache_for(handle, query, rendered, state)
         out: list[int] | None = None
         if cache is not None:
             try:
@@ -162,13 +164,26 @@ class CacheUse:
             params = self._ctx.normalize(params)
         return resolve_target(target, params, self._ctx.known)
 
+    def _state_of(self, handle: CacheHandle, params: CachePrepareParams) -> bool | None:
+        """Whether ``handle`` is the entry of ``params`` for the model as it is now: True,
+        False (prepared for other params), or None (prepared for this query in another
+        model state -- adapters switched since -- or the model cannot be identified now)."""
+        if handle.ref is None:
+            return True
+        try:
+            if handle.ref == self.format.entry_id(params):
+                return True
+        except UnidentifiedModel:
+            return None
+        return None if self._ctx.known(handle) == params else False
+
     def _cache_for(self, handle: CacheHandle,
                    params: CachePrepareParams, prompt: Prompt,
-                   belongs: bool) -> tuple[Any | None, int, bool]:
+                   state: bool | None) -> tuple[Any | None, int, bool]:
         """``(cache, cached tokens, reloaded from disk)`` to continue from."""
-        if handle.ref is None:
+        if handle.ref is None or state is None:
             return None, 0, False
-        if not belongs:
+        if not state:
             log.warning(FOREIGN_HANDLE)
             return None, 0, False
         loaded, reloaded = self._ctx.loaded(handle, params)
@@ -223,7 +238,8 @@ class CacheUse:
         if handle.ref is not None and query is None:
             raise ConfigError("this handle was not prepared by this controller",
                               fix="prepare() the params with this controller first")
-        loaded = self._ctx.loaded(handle, query)[0] if handle.ref is not None else None
+        loaded = self._ctx.loaded(handle, query)[0] \
+            if handle.ref is not None and self._state_of(handle, query) else None
         if loaded is None:
             return Restored(cache=new(), tokens=[], handle=handle)
         return Restored(cache=clone(loaded.cache), tokens=list(loaded.prefix.tokens),
