@@ -149,3 +149,101 @@ def test_a_weight_edited_in_memory_bypasses_the_cache_with_one_warning(
         assert ctl.store.entries() == stored  # nothing written
     said = [r for r in caplog.records if "cannot identify" in r.getMessage()]
     assert [r.levelno for r in said].count(logging.WARNING) == 1
+
+
+# -- mlx-lm --------------------------------------------------------------------------------
+
+def _mlx_adapter(path: Path, seed: int) -> Path:
+    """An adapter directory mlx-lm loads (``adapter_config.json`` + ``adapters.safetensors``):
+    rank-4 LoRA on the q/v projections of both layers, random nonzero weights."""
+    import json
+
+    import mlx.core as mx
+
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": 2,
+        "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0,
+                            "keys": ["self_attn.q_proj", "self_attn.v_proj"]}}))
+    key = mx.random.key(seed)
+    weights = {}
+    for layer in range(2):
+        for proj, out in (("q_proj", 128), ("v_proj", 64)):
+            key, ka, kb = mx.random.split(key, 3)
+            stem = f"model.layers.{layer}.self_attn.{proj}"
+            weights[f"{stem}.lora_a"] = mx.random.normal((128, 4), key=ka) * 0.5
+            weights[f"{stem}.lora_b"] = mx.random.normal((4, out), key=kb) * 0.5
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mlx_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    pytest.importorskip("mlx.core", reason="mlx is not installed here; pip install "
+                                           "'mlx-lm[cpu]'")
+    root = tmp_path_factory.mktemp("mlx-adapters")
+    return {"A": _mlx_adapter(root / "A", 1), "B": _mlx_adapter(root / "B", 2)}
+
+
+def _mlx_reference(tiny_model_dir: Path, adapter: Path | None) -> list[int]:
+    from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+
+    backend = MlxBackend(tiny_model_dir, model_id="tiny", adapter_path=adapter)
+    with MlxCacheController(backend) as ctl:
+        ids = ctl.prompt_tokens(P, QUESTION)
+    return backend.generate(None, 0, ids, NEW)
+
+
+def test_mlx_adapters_key_each_state_and_survive_a_restart(tiny_model_dir, mlx_adapters,
+                                                            tmp_path):
+    from mlx_lm.tuner.utils import load_adapters, remove_lora_layers
+
+    from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+
+    ref = {state: _mlx_reference(tiny_model_dir, mlx_adapters.get(state))
+           for state in (BASE, "A", "B")}
+    assert len({tuple(v) for v in ref.values()}) == 3, "the adapters must change the tokens"
+    root = tmp_path / "store"
+    with MlxCacheController(MlxBackend(tiny_model_dir, model_id="tiny"), root) as ctl:
+        model = ctl.mlx.model
+        runs = {}
+        source, runs[BASE], tokens = _run(ctl)
+        assert (source, tokens) == ("cold", ref[BASE])
+        load_adapters(model, str(mlx_adapters["A"]))
+        source, runs["A"], tokens = _run(ctl)
+        assert (source, tokens) == ("cold", ref["A"]), "adapter A got the base's cache"
+        model.load_weights(str(mlx_adapters["B"] / "adapters.safetensors"), strict=False)
+        source, runs["B"], tokens = _run(ctl)
+        assert (source, tokens) == ("cold", ref["B"])
+        model.load_weights(str(mlx_adapters["A"] / "adapters.safetensors"), strict=False)
+        assert _run(ctl) == ("memory", runs["A"], ref["A"])  # same content: A's own entry
+        remove_lora_layers(model)
+        assert _run(ctl) == ("memory", runs[BASE], ref[BASE])
+        assert len(set(runs.values())) == 3 and ctl.stats()["bypassed"] == 0
+    # A restart: the adapter loaded by mlx_lm.load(..., adapter_path=) this time.
+    for state in ("A", "B", BASE):
+        with MlxCacheController(tiny_model_dir, root, model_id="tiny",
+                                adapter_path=mlx_adapters.get(state)) as ctl:
+            assert _run(ctl) == ("disk", runs[state], ref[state])
+
+
+def test_mlx_a_weight_replaced_in_memory_bypasses_with_one_warning(tiny_model_dir, tmp_path,
+                                                                   mlx_adapters, caplog):
+    from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+
+    caplog.set_level(logging.DEBUG, logger="spoolctl.controllers")
+    backend = MlxBackend(tiny_model_dir, model_id="tiny", adapter_path=mlx_adapters["A"])
+    with MlxCacheController(backend, tmp_path / "store") as ctl:
+        assert ctl.prepare(P).source == "cold"
+        stored = ctl.store.entries()
+        proj = ctl.mlx.model.model.layers[0].self_attn.o_proj
+        proj.weight = proj.weight + 1e-3
+        ids = ctl.prompt_tokens(P, QUESTION)
+        edited_cold = backend.generate(None, 0, ids, NEW)
+        for _ in range(2):
+            assert ctl.prepare(P).ref is None
+            result = ctl.generate(P, QUESTION, NEW)
+            assert result.tokens == edited_cold and result.usage.cache_read_tokens == 0
+        assert ctl.stats()["bypassed"] == 4 and ctl.store.entries() == stored
+    said = [r for r in caplog.records if "cannot identify" in r.getMessage()]
+    assert [r.levelno for r in said].count(logging.WARNING) == 1
