@@ -1,7 +1,7 @@
 """mlx-lm adapter: the ``MlxBackend`` KV backend and the ``MlxCacheController``.
 
-This module and ``mlx_generate`` are the only modules of spoolctl that import ``mlx`` /
-``mlx_lm`` (lazily, in ``MlxBackend.__init__`` and when generating), so
+This module, ``mlx_generate`` and ``mlx_adapters`` are the only modules of spoolctl that
+import ``mlx`` / ``mlx_lm`` (lazily, in ``MlxBackend.__init__`` and when generating), so
 ``import spoolctl.controllers.mlx`` works without them and fails with one clear
 ConfigError only when a backend is built. Parts of the backend live in modules of their
 own, as functions of the backend: ``mlx_codec`` (entry bytes), ``mlx_generate``,
@@ -45,7 +45,7 @@ from spoolctl.store import Store
 
 from . import mlx_codec, mlx_files, mlx_generate, mlx_import_check
 from .contract import CacheHandle, CachePrepareParams
-from .local.decoding import GREEDY, Decoding
+from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.mlx_format import (
     CacheFormatError,  # noqa: F401  (re-exported: callers catch it from here)
@@ -60,6 +60,7 @@ from .local.mlx_format import (
     slice_layer,
 )
 from .local.render import ChatTemplate, template_source
+from .mlx_adapters import MlxModelState
 from .mlx_codec import OBJECT_NAME  # noqa: F401  (re-exported)
 from .mlx_files import TOKENS_META  # noqa: F401  (re-exported)
 
@@ -93,6 +94,10 @@ class MlxBackend:
     crosses that count, the conversion happens at exactly that token (chunks are split
     there), so a cache's bytes depend only on its tokens and a stored one is exactly what
     a cold prefill computes (decision 2604).
+
+    ``adapter_path``: LoRA / DoRA adapters to load, as ``mlx_lm.load(..., adapter_path=)``.
+    Adapters loaded into ``self.model`` later are seen too: every prepare keys on the
+    adapters acting at that moment (``model_state``, ``mlx_adapters``).
     """
 
     kind = KIND
@@ -100,7 +105,8 @@ class MlxBackend:
     def __init__(self, model: str | os.PathLike[str], *, prefill_step: int = PREFILL_STEP,
                  model_id: str | None = None, kv_bits: int | None = None,
                  kv_group_size: int = KV_GROUP_SIZE,
-                 quantized_kv_start: int = QUANTIZED_KV_START):
+                 quantized_kv_start: int = QUANTIZED_KV_START,
+                 adapter_path: str | os.PathLike[str] | None = None):
         try:
             import mlx.core as mx
             import mlx_lm
@@ -138,8 +144,15 @@ class MlxBackend:
         self.model_path = self.model_dir
         is_dir = Path(self.model_name).expanduser().is_dir()
         self.model_id = model_id or (str(self.model_dir) if is_dir else self.model_name)
+        if adapter_path is not None and not (Path(adapter_path) / "adapter_config.json").is_file():
+            raise ConfigError("not an mlx-lm adapter directory (no adapter_config.json)",
+                              path=adapter_path,
+                              fix="pass a directory written by mlx_lm.lora (adapter_config.json "
+                                  "and adapters.safetensors)")
         try:
-            self.model, self.tokenizer = mlx_lm.load(str(self.model_dir))
+            self.model, self.tokenizer = mlx_lm.load(
+                str(self.model_dir),
+                adapter_path=os.fspath(adapter_path) if adapter_path is not None else None)
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"mlx-lm cannot load the model: {exc}", path=self.model_dir,
                               fix="pass a transformers-format model directory mlx-lm supports"
@@ -158,6 +171,13 @@ class MlxBackend:
             **({"kv_bits": str(kv_bits), "kv_group_size": str(kv_group_size),
                 "quantized_kv_start": str(quantized_kv_start)} if kv_bits is not None else {}),
         }
+        self._state = MlxModelState(mx, self.model)
+
+    def model_state(self) -> dict[str, str]:
+        """The identity fields of the LoRA layers acting on the base weights now (``{}``:
+        the model as loaded without adapters; ``mlx_adapters``). ``UnidentifiedModel`` for
+        a change it cannot name (a base weight replaced, another model object)."""
+        return self._state.extra(self.model)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -440,7 +460,7 @@ class MlxBackend:
 
     def generate(self, cache: Sequence[Any] | None, cached_tokens: int,
                  prompt_tokens: Sequence[int], max_new_tokens: int,
-                 decoding: Decoding = GREEDY) -> list[int]:
+                 decoding: Decoding = DEFAULT) -> list[int]:
         """Continuation of ``prompt_tokens`` (``mlx_generate.generate``)."""
         return mlx_generate.generate(self, cache, cached_tokens, prompt_tokens,
                                      max_new_tokens, decoding)
@@ -470,7 +490,8 @@ class MlxCacheController(LocalCacheController):
     store that ``close()`` removes. ``kv_bits`` / ``kv_group_size`` /
     ``quantized_kv_start``: mlx-lm's quantized KV cache (see ``MlxBackend``); ignored when
     ``model`` is a built backend. ``tenant``: on an encrypted store, the tenant whose key
-    seals the entries (see ``LocalCacheController``).
+    seals the entries (see ``LocalCacheController``). ``adapter_path``: LoRA adapters to
+    load with the model (see ``MlxBackend``).
     """
 
     def __init__(
@@ -488,10 +509,12 @@ class MlxCacheController(LocalCacheController):
         kv_group_size: int = KV_GROUP_SIZE,
         quantized_kv_start: int = QUANTIZED_KV_START,
         tenant: str | None = None,
+        adapter_path: str | os.PathLike[str] | None = None,
     ):
         backend = model if isinstance(model, MlxBackend) else \
             MlxBackend(model, prefill_step=prefill_step, model_id=model_id, kv_bits=kv_bits,
-                       kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+                       kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+                       adapter_path=adapter_path)
         if root is not None and not isinstance(root, Store):
             root = os.fspath(root)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,

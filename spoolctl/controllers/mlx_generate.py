@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from spoolctl.errors import ConfigError
 
-from .local.decoding import GREEDY, Decoding
+from .local.decoding import DEFAULT, Decoding
 
 if TYPE_CHECKING:
     from .mlx import MlxBackend
@@ -22,19 +22,21 @@ if TYPE_CHECKING:
 
 def generate(backend: MlxBackend, cache: Sequence[Any] | None, cached_tokens: int,
              prompt_tokens: Sequence[int], max_new_tokens: int,
-             decoding: Decoding = GREEDY) -> list[int]:
+             decoding: Decoding = DEFAULT) -> list[int]:
     """Continuation of ``prompt_tokens`` (stops at EOS or ``max_new_tokens``).
 
     ``cache`` (not modified) covers ``prompt_tokens[:cached_tokens]``; only the
     rest is fed to mlx-lm. If that rest is empty, the last cached token is
     trimmed and re-fed, since mlx-lm needs a non-empty prompt for the logits.
-    ``decoding``: greedy, or ``make_sampler(temp, top_p, top_k)``; its streamer gets
+    ``decoding`` over mlx-lm's defaults (greedy): greedy, or ``make_sampler(temp, top_p,
+    top_k)``; its streamer gets
     the prompt ids, every new token and ``end()``, as transformers feeds one.
     """
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
     mx = backend._mx
+    decoding = decoding.over(0.0)
     if max_new_tokens <= 0:
         return []
     if not prompt_tokens:

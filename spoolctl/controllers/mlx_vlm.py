@@ -39,7 +39,7 @@ from spoolctl.errors import ConfigError
 from spoolctl.store import Store, entry_id_for, hash_parts
 
 from .contract import CachePrepareParams
-from .local.decoding import GREEDY, Decoding
+from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.entry_format import Loaded, Plan, Prompt, check_common
 from .local.tokens import TokenPrefix, namespace_for
@@ -154,10 +154,12 @@ class VlmEntryFormat:
 
     # -- entries ---------------------------------------------------------------------------
 
-    def check(self, meta: Mapping[str, Any], plan: Plan | None) -> TokenPrefix:
+    def check(self, meta: Mapping[str, Any], plan: Plan | None, *,
+              identity: Mapping[str, str] | None = None) -> TokenPrefix:
         """The common checks, then (with a plan) that the entry's mode and image identity
         are exactly the plan's."""
-        prefix = check_common(meta, name=self.name, noun=self.noun, identity=self.identity)
+        prefix = check_common(meta, name=self.name, noun=self.noun,
+                              identity=identity or self.identity)
         if plan is None:
             return prefix
         data: VlmPlanData = plan.extra
@@ -208,8 +210,9 @@ class VlmEntryFormat:
         return loaded.cache, len(loaded.prefix)
 
     def run(self, cache: VlmSnapshot | None, cached: int, prompt: Prompt,
-            max_new_tokens: int, decoding: Decoding = GREEDY) -> tuple[list[int], int]:
-        if not decoding.is_default:
+            max_new_tokens: int, decoding: Decoding = DEFAULT) -> tuple[list[int], int]:
+        if not decoding.over(0.0).greedy or decoding.seed is not None or \
+                decoding.streamer is not None or decoding.extra:
             raise ConfigError("the mlx-vlm controller decodes greedily only",
                               fix="drop temperature / top_p / top_k / seed / streamer / "
                                   "generate_kwargs")

@@ -34,10 +34,11 @@ from spoolctl.store import Hasher
 
 from . import pytorch_layers as hf_layers
 from .local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
-from .local.decoding import GREEDY, Decoding
+from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.render import ChatTemplate, template_source
 from .local.safetensors_layout import tiling_error
+from .pytorch_adapters import TorchModelState
 
 KV_OBJECT = "kv"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -155,6 +156,8 @@ class PyTorchBackend:
                               fix="check the directory holds a causal LM and its tokenizer") \
                 from None
         self.model.to(self.device).eval()
+        self._loaded_model = self.model  # what model_state compares the backend's model to
+        self._state: TorchModelState | None = None
         self._cache_arg = cache_argument(self.model.forward)
         self.dtype = next(self.model.parameters()).dtype
         self.config = self.model.config.get_text_config(decoder=True) \
@@ -235,7 +238,17 @@ class PyTorchBackend:
                         if self.layers is None else
                         f"{hf_layers.LAYOUT_NAME}/{hf_layers.summary(self.layers)}",
                 }
+                self._state = TorchModelState(self._torch, self._loaded_model)
             return dict(self._identity)
+
+    def model_state(self) -> dict[str, str]:
+        """The identity fields of the PEFT adapters acting on the base weights now (``{}``:
+        the model as loaded; ``pytorch_adapters``). ``UnidentifiedModel`` for a change it
+        cannot name (a base weight edited since the identity was computed, an unknown
+        wrapper in ``self.model``)."""
+        self.identity()
+        assert self._state is not None
+        return self._state.extra(self.model)
 
     def tokenize_segments(self, segments: list[str], *, bos: bool = True) -> list[list[int]]:
         """One id list per segment, no special tokens added except (``bos``) the
@@ -462,11 +475,27 @@ class PyTorchBackend:
 
     # -- generation ---------------------------------------------------------------------------
 
+    def resolve(self, decoding: Decoding) -> Decoding:
+        """``decoding`` over the model's ``generation_config``: what ``model.generate``
+        would sample with where the caller left a setting out (transformers' global
+        defaults where the config leaves one out too)."""
+        config = self.model.generation_config
+        defaults_of = getattr(config, "_get_default_generation_params", None)
+        defaults = defaults_of() if callable(defaults_of) else {}
+
+        def value(name: str, fallback: float) -> Any:
+            got = getattr(config, name, None)
+            return got if got is not None else defaults.get(name, fallback)
+
+        return decoding.over(float(value("temperature", 1.0)) if config.do_sample else 0.0,
+                             top_p=float(value("top_p", 1.0)), top_k=int(value("top_k", 0)))
+
     def _generation_config(self, decoding: Decoding, max_new_tokens: int, *,
                            sample: bool = True) -> Any:
-        """The model's generation config with spoolctl's length and sampling settings
-        (sampling flags cleared for greedy decoding, so transformers has nothing to warn
-        about). ``sample=False``: a seeded sampler in ``logits_processor`` draws the
+        """The model's generation config (its repetition penalty and every other setting
+        ``model.generate`` would use) with spoolctl's length and the resolved sampling
+        settings (sampling flags cleared for greedy decoding, so transformers has nothing to
+        warn about). ``sample=False``: a seeded sampler in ``logits_processor`` draws the
         token, so transformers' own sampling stays off."""
         config = copy.deepcopy(self.model.generation_config)
         config.max_new_tokens = max_new_tokens
@@ -475,8 +504,8 @@ class PyTorchBackend:
         sampling = sample and not decoding.greedy
         config.do_sample = sampling
         config.temperature = decoding.temperature if sampling else None
-        config.top_p = decoding.top_p if sampling and decoding.top_p < 1 else None
-        config.top_k = (decoding.top_k or None) if sampling else None
+        config.top_p = decoding.top_p if sampling else None
+        config.top_k = decoding.top_k if sampling else None
         if config.pad_token_id is None:
             config.pad_token_id = self.tokenizer.pad_token_id \
                 if self.tokenizer.pad_token_id is not None else min(self.eos_ids, default=None)
@@ -485,11 +514,13 @@ class PyTorchBackend:
         return config
 
     def generate(self, cache: Any | None, cached_tokens: int, prompt_tokens: list[int],
-                 max_new_tokens: int, decoding: Decoding = GREEDY) -> list[int]:
+                 max_new_tokens: int, decoding: Decoding = DEFAULT) -> list[int]:
         """``model.generate`` continued from ``cache`` (cloned, never modified): the
         uncached prompt tokens but the last are prefilled in chunks first, so a long
-        prompt never runs as one forward."""
+        prompt never runs as one forward. ``decoding`` over the model's own defaults
+        (``resolve``)."""
         torch = self._torch
+        decoding = self.resolve(decoding)
         if not 0 <= cached_tokens < len(prompt_tokens):
             raise ValueError("the cache must leave at least one prompt token to run")
         if cache is None:

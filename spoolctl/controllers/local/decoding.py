@@ -3,13 +3,19 @@
 Pure data and validation (no framework imports). The backends map a ``Decoding`` to
 their framework (decision 1703):
 
-* PyTorch: ``model.generate(generation_config=..., streamer=..., **extra)`` --
-  ``temperature > 0`` samples (``do_sample=True``) with ``top_p`` / ``top_k``.
+* PyTorch: ``model.generate(generation_config=..., streamer=..., **extra)`` -- the model's
+  own ``generation_config`` (its ``do_sample``, temperature, top-p / top-k, repetition
+  penalty...) with the caller's settings over it; ``temperature > 0`` samples
+  (``do_sample=True``) with ``top_p`` / ``top_k``.
 * mlx-lm: ``generate_step(sampler=make_sampler(temp, top_p, top_k=...), **extra)``; the
   streamer is fed like transformers feeds it (the prompt ids first, then every new
-  token, then ``end()``), so a ``transformers.TextStreamer`` works with both.
+  token, then ``end()``), so a ``transformers.TextStreamer`` works with both. mlx-lm's
+  defaults are greedy decoding (its ``generate`` ignores ``generation_config.json``'s
+  sampling), so are the backend's.
 
-``temperature == 0`` (the default) is greedy decoding; ``seed`` seeds a random generator
+A setting left out (None) is the framework's default for the model (``over``), so a call
+with no settings decodes as the framework's own generate with no arguments would;
+``temperature == 0`` is greedy decoding; ``seed`` seeds a random generator
 of the call's own (a ``torch.Generator`` / an ``mx.random.key``), never the framework's
 global one, so concurrent seeded calls give what serial ones give (decision 2103).
 ``extra`` is handed to the framework's own generate call verbatim (e.g.
@@ -20,6 +26,7 @@ there, so a setting is never silently overridden.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,29 +46,29 @@ RESERVED = frozenset({
 class Decoding:
     """How to pick the next tokens (see the module docstring)."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     streamer: Any = field(default=None, compare=False)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
-                or t < 0:
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not math.isfinite(t) or t < 0):
             raise ConfigError(f"temperature must be a number >= 0, not {t!r}",
                               fix="pass 0 for greedy decoding or e.g. 0.7 to sample")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                              or not 0 < p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], not {p!r}", fix="pass e.g. 0.9")
         k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ConfigError(f"top_k must be an integer >= 0, not {k!r}",
                               fix="pass 0 (off) or e.g. 50")
-        if t == 0 and (p < 1 or k > 0):
-            raise ConfigError("top_p / top_k have no effect with temperature=0 (greedy)",
-                              fix="pass a temperature > 0 to sample, or drop top_p / top_k")
+        if t == 0:
+            self._refuse_filters()
         if self.seed is not None and (isinstance(self.seed, bool)
                                       or not isinstance(self.seed, int) or self.seed < 0):
             raise ConfigError(f"seed must be an integer >= 0, not {self.seed!r}",
@@ -81,14 +88,38 @@ class Decoding:
                                   "temperature, top_p, top_k, streamer)")
         object.__setattr__(self, "extra", dict(self.extra))
 
+    def _refuse_filters(self) -> None:
+        if (self.top_p is not None and self.top_p < 1) or (self.top_k or 0) > 0:
+            raise ConfigError("top_p / top_k have no effect with greedy decoding "
+                              "(temperature=0, or a model whose default is greedy)",
+                              fix="pass a temperature > 0 to sample, or drop top_p / top_k")
+
+    def over(self, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Decoding:
+        """These settings over a model's defaults (``temperature`` 0: the model decodes
+        greedily by default): each setting left out takes the default. A greedy result
+        drops the defaults' top-p / top-k and refuses the caller's."""
+        t = float(self.temperature if self.temperature is not None else temperature)
+        if t == 0:
+            self._refuse_filters()
+            return dataclasses.replace(self, temperature=0.0, top_p=1.0, top_k=0)
+        return dataclasses.replace(
+            self, temperature=t, top_p=float(self.top_p if self.top_p is not None else top_p),
+            top_k=int(self.top_k if self.top_k is not None else top_k))
+
     @property
     def greedy(self) -> bool:
+        """Whether this (resolved, ``over``) decoding is greedy."""
         return self.temperature == 0
 
     @property
     def is_default(self) -> bool:
-        """Greedy, unseeded, no streamer, no extra kwargs: what every backend supports."""
-        return self.greedy and self.seed is None and self.streamer is None and not self.extra
+        """No setting at all (the model's defaults), no seed, streamer or extra kwargs: what
+        every backend supports."""
+        return self.temperature is None and self.top_p is None and self.top_k is None \
+            and self.seed is None and self.streamer is None and not self.extra
 
 
-GREEDY = Decoding()
+#: The model's own defaults (what the framework's generate does with no arguments).
+DEFAULT = Decoding()
+#: Greedy decoding, whatever the model's defaults.
+GREEDY = Decoding(temperature=0.0)

@@ -71,6 +71,7 @@ from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
 from .entry_io import EntryIO
 from .handle_book import HandleBook
 from .model_params import normalize_params
+from .model_state import UnidentifiedModel
 from .plan_rules import same_params, snapshot_plan
 from .store_open import default_max_bytes
 from .store_open import open_store as _open_store
@@ -195,6 +196,7 @@ class LocalCacheController:
         # holds them (decision 2100; the handles are the book's).
         self._superseded: dict[str, str] = {}
         self._closed = False
+        self._warned_bypass = False
         self._stats = ControllerStats()
         self._book = HandleBook(self._lock)
         self._entries = EntryIO(store=self._store, deadlines=self._deadlines,
@@ -324,7 +326,11 @@ class LocalCacheController:
         params = self._normalize(params)
         if self._superseded:
             self._settle()
-        plan = self._plan(params)
+        try:
+            plan = self._plan(params)
+        except UnidentifiedModel as exc:
+            self._bypass(exc)
+            return self._book.stamp(params, CacheHandle.empty(), None)
         if plan is None:
             return self._book.stamp(params, CacheHandle.empty(), None)
         with self._lock:
@@ -358,6 +364,17 @@ class LocalCacheController:
                                     PrepareWork(memory=shared.cached_tokens) if shared else None)
         return self._flights.lead(flight,
                                   lambda: self._book.stamp(params, *self._prepare_slow(plan)))
+
+    def _bypass(self, exc: UnidentifiedModel) -> None:
+        """Count a prepare that runs without the cache: the model is in a state its backend
+        cannot name, so no entry is its (said once per controller)."""
+        with self._lock:
+            self._stats.bypassed += 1
+            first = not self._warned_bypass
+            self._warned_bypass = True
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "%s: running without the cache, nothing reused or written (said once per "
+                "controller; stats()['bypassed'] counts them)", exc.message)
 
     # -- supersession: only strict extensions, only once nobody holds the base --------------
 
@@ -419,7 +436,7 @@ class LocalCacheController:
             log.warning("prepare fell back to a cold run: %s", reason(exc))
             return CacheHandle.empty(), None
 
-    def _prepare_locked(self, plan: Plan) -> tuple[CacheHandle, PrepareWork]:
+    def _prepare_locked(self, plan: Plan) -> tuple[CacheHandle, PrepareWork | None]:
         total = len(plan.prefix)
         loaded = self._entries.load_exact(plan, touch=True)
         if loaded is not None:
@@ -448,6 +465,10 @@ class LocalCacheController:
         if based is None:
             cache = self._prefill_with_snapshot(plan)
             base_id, source, computed, reused = None, "cold", total, 0
+        if not self._still(plan):  # switched mid-prefill: a cache of no one model state
+            log.warning("the model changed during a prefill (adapters switched?): that cache "
+                        "is dropped and the query runs cold")
+            return CacheHandle.empty(), None
         # Only a base this entry strictly extends is superseded; a sibling that shares a
         # shorter prefix (the system message) stays (decision 2100). A base a live handle
         # of this controller holds is released later, once nobody holds it.
@@ -492,7 +513,7 @@ class LocalCacheController:
                 self.kind, snap.namespace, snap.key, touch=False, tenant=self._tenancy.tenant),
                 self._deadlines.lookup_deadline_s)
             head = self.format.prefill(snap)
-            if done and known is None:
+            if done and known is None and self._still(snap):
                 self._commit(snap, head, None, snapshot=True)
             self._remember(snap, Loaded(head, snap.prefix))
             if getattr(self.format, "extends_by_token", False):
@@ -506,6 +527,12 @@ class LocalCacheController:
                 raise
             log.warning("instructions snapshot skipped: %s", reason(exc))
             return self.format.prefill(plan)
+
+    def _still(self, plan: Plan) -> bool:
+        """Whether the model is still in the state ``plan`` was made in (formats whose model
+        cannot change always are)."""
+        still = getattr(self.format, "still", None)
+        return bool(still(plan)) if callable(still) else True
 
     def _commit(self, plan: Plan, cache: Any, base_id: str | None, *,
                 snapshot: bool = False) -> bool:
@@ -547,7 +574,10 @@ class LocalCacheController:
             loaded = self._memory.get(handle.ref)
         if loaded is not None:
             return loaded, False
-        plan = self._plan(params)
+        try:
+            plan = self._plan(params)
+        except UnidentifiedModel:
+            return None, False
         if plan is None or plan.entry_id != handle.ref:
             return None, False
         loaded = self._entries.load_exact(plan, touch=not params.read_only)

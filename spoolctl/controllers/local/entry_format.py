@@ -24,7 +24,8 @@ from typing import Any, Protocol
 from spoolctl.store import ConfigError, entry_id_for, hash_parts
 
 from ..contract import CachePrepareParams, KVBackend
-from .decoding import GREEDY, Decoding
+from .decoding import DEFAULT, Decoding
+from .model_state import StateNamespaces, UnidentifiedModel
 from .render import ChatTemplate, render, render_id
 from .tokens import TokenPrefix, namespace_for
 
@@ -49,6 +50,9 @@ class Plan:
     elements: tuple[str, ...]
     lead_segments: int = 0
     extra: Any = field(default=None, compare=False, repr=False)
+    #: The backend identity of the model state the plan was made in (None: the format's
+    #: own, fixed identity); what its entry's manifest records and must match.
+    identity: Mapping[str, str] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -78,9 +82,10 @@ class EntryFormat(Protocol):
       format also offers ``clone``, ``trim`` and ``extend``.
     * ``plan(params)``: the plan, or None when nothing can be cached.
     * ``entry_id(params)``: the entry ``params`` map to, cheaply (no prefill).
-    * ``check(meta, plan)``: the token prefix an entry's manifest meta records, after
-      checking it belongs to this format and backend (and, with ``plan``, to that plan);
-      ValueError on any mismatch.
+    * ``check(meta, plan, identity=None)``: the token prefix an entry's manifest meta
+      records, after checking it belongs to this format and backend -- of the model state
+      ``identity`` (a base of a plan: that plan's), else the plan's, else the format's --
+      (and, with ``plan``, to that plan); ValueError on any mismatch.
     * ``prefill(plan)``: a cold cache of the plan's prefix.
     * ``serialize(cache, plan)``: ``(objects, layout)``; ``describe(plan)``: the format's
       own manifest ``meta`` and catalog ``index`` fields.
@@ -110,7 +115,8 @@ class EntryFormat(Protocol):
 
     def entry_id(self, params: CachePrepareParams) -> str: ...
 
-    def check(self, meta: Mapping[str, Any], plan: Plan | None) -> TokenPrefix: ...
+    def check(self, meta: Mapping[str, Any], plan: Plan | None, *,
+              identity: Mapping[str, str] | None = None) -> TokenPrefix: ...
 
     def prefill(self, plan: Plan) -> Any: ...
 
@@ -126,7 +132,7 @@ class EntryFormat(Protocol):
     def fit(self, loaded: Loaded, prompt: Prompt) -> tuple[Any | None, int]: ...
 
     def run(self, cache: Any | None, cached: int, prompt: Prompt,
-            max_new_tokens: int, decoding: Decoding = GREEDY) -> tuple[list[int], int]: ...
+            max_new_tokens: int, decoding: Decoding = DEFAULT) -> tuple[list[int], int]: ...
 
     def decode(self, tokens: list[int]) -> str | None: ...
 
@@ -161,6 +167,10 @@ class KVEntryFormat:
         self.label = self.kind
         self.identity = dict(backend.identity())
         self.namespace = namespace_for(self.kind, self.identity)
+        self._states = StateNamespaces(self.identity,
+                                       lambda identity: namespace_for(self.kind, identity))
+        state = getattr(backend, "model_state", None)
+        self._model_state: Any = state if callable(state) else None
         get_template = getattr(backend, "chat_template", None)
         self.template: ChatTemplate | None = get_template() if callable(get_template) else None
 
@@ -203,19 +213,36 @@ class KVEntryFormat:
             group = hash_parts(b"spoolctl-rendered/v1", group.encode(), rid.encode())
         return key, group
 
+    def current(self) -> tuple[dict[str, str], str]:
+        """(identity, namespace) of the model as it is now: the backend identity plus its
+        ``model_state()`` (adapters acting on the base weights); ``UnidentifiedModel``
+        when the backend cannot name the state (``model_state``)."""
+        if self._model_state is None:
+            return self.identity, self.namespace
+        return self._states.of(self._model_state())
+
+    def still(self, plan: Plan) -> bool:
+        """Whether the model is still in the state ``plan`` was made in (a state switched
+        during a prefill makes that cache nobody's)."""
+        try:
+            return self.current()[1] == plan.namespace
+        except UnidentifiedModel:
+            return False
+
     def plan(self, params: CachePrepareParams) -> Plan | None:
+        identity, namespace = self.current()
         ids, lead = self._tokens(params, None)
         prefix = TokenPrefix.from_segments(ids)
         if not len(prefix):
             return None
         key, group = self._key(params, prefix)
-        return Plan(params=params, key=key, namespace=self.namespace,
-                    entry_id=entry_id_for(self.kind, self.namespace, key), prefix=prefix,
+        return Plan(params=params, key=key, namespace=namespace,
+                    entry_id=entry_id_for(self.kind, namespace, key), prefix=prefix,
                     group=group, elements=tuple(params.element_hashes()),
-                    lead_segments=lead)
+                    lead_segments=lead, identity=identity)
 
     def entry_id(self, params: CachePrepareParams) -> str:
-        return entry_id_for(self.kind, self.namespace, self._key(params)[0])
+        return entry_id_for(self.kind, self.current()[1], self._key(params)[0])
 
     def prompt(self, params: CachePrepareParams, text: str) -> Prompt:
         segments, _ = self._tokens(params, text)
@@ -228,8 +255,10 @@ class KVEntryFormat:
 
     # -- entries ---------------------------------------------------------------------------
 
-    def check(self, meta: Mapping[str, Any], plan: Plan | None) -> TokenPrefix:
-        return check_common(meta, name=self.name, noun=self.noun, identity=self.identity)
+    def check(self, meta: Mapping[str, Any], plan: Plan | None, *,
+              identity: Mapping[str, str] | None = None) -> TokenPrefix:
+        want = identity or (plan.identity if plan is not None else None) or self.identity
+        return check_common(meta, name=self.name, noun=self.noun, identity=want)
 
     def prefill(self, plan: Plan) -> Any:
         return self.backend.prefill(self.backend.new_cache(), list(plan.prefix.tokens))
@@ -316,8 +345,8 @@ class KVEntryFormat:
         return self.backend.trim(self.clone(loaded.cache), keep), keep
 
     def run(self, cache: Any | None, cached: int, prompt: Prompt, max_new_tokens: int,
-            decoding: Decoding = GREEDY) -> tuple[list[int], int]:
-        if decoding.is_default:  # every KVBackend can decode greedily
+            decoding: Decoding = DEFAULT) -> tuple[list[int], int]:
+        if decoding.is_default:  # every KVBackend decodes with its model's defaults
             out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens)
         else:
             out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens,

@@ -65,6 +65,7 @@ class EntryIO:
         self._format, self._kind, self._read_only = entry_format, kind, read_only
         self._identity = identity
         self._count, self._lock, self._memory = count, lock, memory
+        self._warned: set[str] = set()  # warnings said once per controller (then debug)
 
     def load_exact(self, plan: Plan, *, touch: bool) -> Loaded | None:
         """The entry of ``plan`` (``touch``: move its LRU clock), verified and loaded, or
@@ -85,9 +86,10 @@ class EntryIO:
         return loaded
 
     def load_manifest(self, manifest: Manifest, *, plan: Plan | None,
-                      quarantine: bool = True) -> Loaded | None:
+                      quarantine: bool = True, base_of: Plan | None = None) -> Loaded | None:
         """Verify and load an entry; None (after quarantining bad entries) on any defect.
-        ``plan``: the plan the entry must hold exactly (None: a base, any prefix)."""
+        ``plan``: the plan the entry must hold exactly (None: a base, any prefix, of the
+        model state of ``base_of``)."""
         try:
             meta: Any = manifest.meta
             objects: dict[str, Any] | None = None
@@ -99,7 +101,8 @@ class EntryIO:
                     raise
                 except SpoolError as exc:
                     raise _TransientReadError(exc) from exc
-            prefix = self._format.check(meta, plan)
+            prefix = self._format.check(meta, plan,
+                                        identity=base_of.identity if base_of else None)
             if plan is not None and prefix != plan.prefix:
                 raise ValueError("cached token ids differ from the prompt's")
             try:
@@ -180,7 +183,7 @@ class EntryIO:
                 except SpoolError:
                     continue
                 try:
-                    theirs = self._format.check(meta, None)
+                    theirs = self._format.check(meta, None, identity=plan.identity)
                     keep = common_prefix_tokens(theirs, plan.prefix)
                     if not self.can_cut(keep, len(theirs)):
                         continue  # not worth reading: its state is past the shared prefix
@@ -188,7 +191,7 @@ class EntryIO:
                     keep = -1  # bad meta: load_manifest below rejects and quarantines it
                 if keep == 0:
                     continue
-                loaded = self.load_manifest(manifest, plan=None)
+                loaded = self.load_manifest(manifest, plan=None, base_of=plan)
                 if loaded is None:
                     continue
                 cache, base_len, where = loaded.cache, len(loaded.prefix), "disk"
@@ -201,6 +204,14 @@ class EntryIO:
             return cache, keep, cand.entry_id, where, \
                 keep == base_len and cand.entry_id not in snapshots
         return None
+
+    def _once(self, what: str, message: str, *args: object) -> None:
+        """``message`` as a warning the first time ``what`` happens, then at debug level:
+        a store that refuses every commit must not flood the log with one line a prepare."""
+        with self._lock:
+            first = what not in self._warned
+            self._warned.add(what)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
     def can_cut(self, keep: int, base_len: int) -> bool:
         """Whether a base of ``base_len`` tokens can serve a plan sharing ``keep`` of them:
@@ -240,11 +251,13 @@ class EntryIO:
         try:
             objects, layout = self._format.serialize(cache, plan)
         except Exception as exc:  # the cache still serves this process from memory
-            log.warning("cache could not be serialized, not persisted: %s", reason(exc))
+            self._once("serialize", "cache could not be serialized, not persisted: %s",
+                       reason(exc))
             self._count(commit_failures=1)
             return False
         own_meta, own_index = self._format.describe(plan)
-        meta = {"format": self._format.name, "identity": self._identity, "layout": layout,
+        meta = {"format": self._format.name, "identity": plan.identity or self._identity,
+                "layout": layout,
                 "model": plan.params.model, "includes": plan.params.includes().to_json(),
                 **own_meta, **plan.prefix.to_meta()}
         index = {"group": plan.group, "elements": list(plan.elements),
@@ -258,7 +271,8 @@ class EntryIO:
                 self._deadlines.read_deadline_s)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
-            log.warning("cache not persisted (%s); serving it from memory", reason(exc))
+            self._once("persist", "cache not persisted (%s); serving it from memory (said "
+                       "once per controller; see stats()['commit_failures'])", reason(exc))
             self._count(commit_failures=1)
             return False
         return done  # not done: it completes in the background once the disk answers, or never

@@ -8,9 +8,10 @@ the old one is never read again. ``judge`` names such namespaces with the rule o
 deployments (``connector.staleness``, decisions 2112 and 2120):
 
 * **superseded**: another namespace of the same *lineage* -- same store kind, framework,
-  model, dtype and device: everything but the weights digest, the versions and the layout --
-  stored its first entry after this one was last used. Two namespaces of one lineage both
-  still in use (two processes on two versions) are both current.
+  model, dtype, device and adapters acting (``model_state``): everything but the weights
+  digest, the versions and the layout -- stored its first entry after this one was last
+  used. Two namespaces of one lineage both still in use (two processes on two versions) are
+  both current.
 * **unused**: not used for longer than the operator's threshold.
 * **current**: neither. A namespace whose identity cannot be read is never superseded.
 
@@ -30,7 +31,8 @@ from spoolctl.store import DeploymentUse, Verdict, judge
 #: resources with their own expiry, vllm ones are deployments).
 KINDS = ("pytorch", "mlx")
 
-_LINEAGE = ("kind", "framework", "model", "dtype", "device")
+# "adapters": a model with LoRA adapters acting is a sibling of its base, never its successor
+_LINEAGE = ("kind", "framework", "model", "dtype", "device", "adapters")
 _WEIGHTS = ("model_digest", "revision")
 _VERSIONS = ("transformers", "torch", "mlx_lm_version", "mlx_version", "mlx_vlm_version",
              "cache_format", "snapshot_format")

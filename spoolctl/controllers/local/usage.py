@@ -70,3 +70,6 @@ class ControllerStats:
     #: Store calls skipped or abandoned because the disk did not answer within its deadline
     #: (``deadlines``, decision 2701): each one a miss or an unwritten cache, never a wait.
     disk_down: int = 0
+    #: Prepares that ran without the cache because the model had changed in a way its
+    #: backend cannot identify (a weight edited in memory, an unknown wrapper).
+    bypassed: int = 0

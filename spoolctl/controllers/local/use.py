@@ -33,6 +33,7 @@ from ..logsafe import reason
 from ..targets import FOREIGN_HANDLE, resolve_target
 from .decoding import Decoding
 from .entry_format import EntryFormat, Loaded, Plan, Prompt
+from .model_state import UnidentifiedModel
 from .usage import PrepareWork, call_usage
 
 log = logging.getLogger("spoolctl.controllers")
@@ -96,9 +97,9 @@ class CacheUse:
         max_new_tokens: int = 32,
         *,
         params: CachePrepareParams | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         streamer: Any = None,
         generate_kwargs: Mapping[str, Any] | None = None,
@@ -113,8 +114,11 @@ class CacheUse:
         cache is used only if its tokens are a prefix of the prompt; if using it fails,
         the request is re-run cold (``usage.cache_read_tokens = 0``).
 
-        Decoding is greedy unless ``temperature > 0`` (then ``top_p`` / ``top_k``
-        sampling, seeded by ``seed``); ``streamer`` is a transformers-style streamer
+        Decoding settings left out are the framework's defaults for the model, as its own
+        generate with no arguments (transformers: the model's ``generation_config``, e.g.
+        its ``do_sample``, temperature and repetition penalty; mlx-lm: greedy).
+        ``temperature=0`` is greedy; ``temperature > 0`` samples (with ``top_p`` /
+        ``top_k``), seeded by ``seed``; ``streamer`` is a transformers-style streamer
         (``put``/``end``, e.g. ``TextStreamer``); ``generate_kwargs`` go to the
         framework's own generate call verbatim (see ``decoding.py``).
         """
@@ -132,9 +136,10 @@ class CacheUse:
         if handle is None:
             handle = self._ctx.prepare(query)
         rendered = self.format.prompt(query, prompt)
-        belongs = handle.ref is None or handle.ref == self.format.entry_id(query)
+        state = self._state_of(handle, query)
+        belongs = state is not False
         work = self._ctx.take_work(handle) if belongs else None
-        cache, cached, reloaded = self._cache_for(handle, query, rendered, belongs)
+        cache, cached, reloaded = self._cache_for(handle, query, rendered, state)
         out: list[int] | None = None
         if cache is not None:
             try:
@@ -159,13 +164,26 @@ class CacheUse:
             params = self._ctx.normalize(params)
         return resolve_target(target, params, self._ctx.known)
 
+    def _state_of(self, handle: CacheHandle, params: CachePrepareParams) -> bool | None:
+        """Whether ``handle`` is the entry of ``params`` for the model as it is now: True,
+        False (prepared for other params), or None (prepared for this query in another
+        model state -- adapters switched since -- or the model cannot be identified now)."""
+        if handle.ref is None:
+            return True
+        try:
+            if handle.ref == self.format.entry_id(params):
+                return True
+        except UnidentifiedModel:
+            return None
+        return None if self._ctx.known(handle) == params else False
+
     def _cache_for(self, handle: CacheHandle,
                    params: CachePrepareParams, prompt: Prompt,
-                   belongs: bool) -> tuple[Any | None, int, bool]:
+                   state: bool | None) -> tuple[Any | None, int, bool]:
         """``(cache, cached tokens, reloaded from disk)`` to continue from."""
-        if handle.ref is None:
+        if handle.ref is None or state is None:
             return None, 0, False
-        if not belongs:
+        if not state:
             log.warning(FOREIGN_HANDLE)
             return None, 0, False
         loaded, reloaded = self._ctx.loaded(handle, params)
@@ -220,7 +238,8 @@ class CacheUse:
         if handle.ref is not None and query is None:
             raise ConfigError("this handle was not prepared by this controller",
                               fix="prepare() the params with this controller first")
-        loaded = self._ctx.loaded(handle, query)[0] if handle.ref is not None else None
+        loaded = self._ctx.loaded(handle, query)[0] \
+            if handle.ref is not None and self._state_of(handle, query) else None
         if loaded is None:
             return Restored(cache=new(), tokens=[], handle=handle)
         return Restored(cache=clone(loaded.cache), tokens=list(loaded.prefix.tokens),
