@@ -226,9 +226,14 @@ def test_a_trigger_planted_in_the_catalog_never_runs(base: Path) -> None:
     _plant(root / "state" / "catalog.sqlite3",
            f"CREATE TRIGGER spin BEFORE INSERT ON meta BEGIN {ENDLESS}; END",
            f"CREATE TRIGGER spin2 BEFORE UPDATE ON entries BEGIN {ENDLESS}; END")
+    proc = operator("status", "--json", "--root", str(root))  # a read: reported, not rebuilt
+    out, err = _finish(proc)
+    assert proc.returncode == 1, err
+    assert "does not rebuild it" in err and "'spin'" in err, err
+    out, err = _finish(operator("scrub", "--json", "--root", str(root)))  # a write rebuilds it
+    assert "catalog quarantined and rebuilt" in err and "'spin'" in err, err
     out, err = _finish(operator("status", "--json", "--root", str(root)))
     assert json.loads(out)["entries"] == 3, err  # rebuilt from the manifests
-    assert "catalog quarantined and rebuilt" in err and "'spin'" in err, err
     with Store.open(root, allow_foreign_owner=True) as store:  # the rebuilt file is ours
         assert store.live([m.entry_id for m in made]) == {m.entry_id for m in made}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -122,6 +123,11 @@ def test_fifo_manifest_marker_and_lock(root: Path) -> None:
 def test_fifo_catalog_is_quarantined_and_rebuilt(root: Path, name: str) -> None:
     _fresh(root)
     _fifo(root / "state" / name)
+    # a read command reports it and changes nothing; the next writing command rebuilds it
+    proc = _sh("status", "--root", str(root), "--json")
+    assert proc.returncode == 1 and "does not rebuild it" in proc.stderr, proc.stderr
+    assert stat.S_ISFIFO(os.lstat(root / "state" / name).st_mode)
+    assert _sh("scrub", "--root", str(root)).returncode == 0
     proc = _sh("status", "--root", str(root), "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)

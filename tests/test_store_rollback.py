@@ -268,3 +268,33 @@ def test_a_newer_catalog_is_refused_in_one_line_and_never_rebuilt(store_root: Pa
         assert code == 2, (argv, out, err)
         assert "catalog has schema 3" in err and "up to 2" in err, err
         assert _snapshot(store_root) == before, argv
+
+
+@pytest.mark.parametrize("damage", ["garbage", "deleted"])
+def test_a_read_command_never_rebuilds_a_damaged_catalog(tmp_path: Path, damage: str) -> None:
+    """A damaged (or lost) catalog is reported by every read command, in one line, with the
+    store left as it was; the next command that writes rebuilds it, releases kept."""
+    root = tmp_path / "store"
+    with Store.open(root, create=True) as store:
+        made = [store.put(kind="pytorch", namespace="ns", key=f"k{i}",
+                          objects={"kv": os.urandom(500)}) for i in range(3)]
+        store.release(made[0].entry_id)
+    catalog = root / "state" / "catalog.sqlite3"
+    for suffix in ("-wal", "-shm"):
+        Path(f"{catalog}{suffix}").unlink(missing_ok=True)
+    if damage == "garbage":
+        catalog.write_bytes(b"garbage" * 1000)
+    else:
+        catalog.unlink()
+    before = _snapshot(root)
+    for argv in (("status",), ("ls",), ("inspect", made[1].entry_id), ("metrics",),
+                 ("quarantine", "ls")):
+        code, out, err = run(*argv, "--root", str(root))
+        assert code == 1 and "does not rebuild it" in err and len(err.splitlines()) == 1, \
+            (argv, code, out, err)
+        _assert_unchanged(root, before, argv)
+    code, _, err = run("scrub", "--root", str(root))  # a command that writes rebuilds it
+    assert code == 0, err
+    with Store.open(root, read_only=True) as store:
+        assert store.totals().entries == 3
+        assert store.row(made[0].entry_id).hint == "release"

@@ -256,7 +256,12 @@ class Store:
             return store
         if sealer is not None:  # SPS2 keys made before decision 2831: mark the store now
             store._shedding(sealer.keyring.mark_wide)
-        store._shedding(store._catalogs.open)  # on a full disk too: the reserve makes room
+        try:  # on a full disk too: the reserve makes room; a read command never rebuilds it
+            store._shedding(lambda: store._catalogs.open(repair=upgrade))
+        except CorruptionError:
+            with contextlib.suppress(Exception):
+                store.close()
+            raise
         store._shedding(store._upgrade)
         store.reserve.ensure()
         clean_tmp(layout.tmp, min_age=float("inf"), dry_run=False)  # dead writers' files

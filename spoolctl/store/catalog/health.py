@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...errors import ConfigError, CorruptionError, QuarantineReason, StoreIOError
+from ..disk import dirfd
 from ..disk.reserve import is_no_space
 from ..disk.sqlite_files import is_damaged, sqlite_error
 from .index import Catalog
@@ -94,18 +95,36 @@ class CatalogKeeper:
                                   ) from None
             raise sqlite_error(exc, self.path) from None
 
-    def open(self) -> None:
+    def open(self, *, repair: bool = True) -> None:
+        """Open the catalog; a damaged or empty one of a store with manifests is rebuilt
+        from them, or, without ``repair`` (a command that only reads), refused with
+        CorruptionError: reading never rewrites the catalog."""
+        if not repair and not _exists(self.path) and self._has_manifests():
+            self._refuse_unless(repair, "no catalog while the store holds manifests")
         try:
             self._catalog = Catalog(self.path, tmp=self._layout.tmp)
         except sqlite3.DatabaseError as exc:
             if not is_damaged(exc):
                 raise sqlite_error(exc, self.path) from None
+            self._refuse_unless(repair, f"catalog unreadable ({exc})")
             self._rebuild(f"catalog unreadable: {exc}")
             return
         # An empty catalog (new, or a rebuild that failed midway rolled back) of a store
         # that has manifests: build it from them.
         if self._catalog.totals().entries == 0 and self._has_manifests():
+            self._refuse_unless(repair, "catalog empty while the store holds manifests")
             self._rebuild(None)
+
+    def _refuse_unless(self, repair: bool, why: str) -> None:
+        if repair:
+            return
+        if self._catalog is not None:
+            self._catalog.close()
+            self._catalog = None
+        raise CorruptionError(f"{why}; a command that only reads does not rebuild it",
+                              reason=QuarantineReason.CATALOG, path=self.path,
+                              fix="run `spoolctl scrub` (or any command that writes) to "
+                                  "rebuild it from the manifests")
 
     def run_with_catalog_repair(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (catalog work); if SQLite reports the catalog damaged, quarantine the
@@ -177,3 +196,11 @@ def shedding(reserve: Reserve, root: Path, fn: Callable[[], T]) -> T:
     # program takes the space again (best effort: a lstat when it is in place).
     reserve.ensure()
     return result
+
+
+def _exists(path: Path) -> bool:
+    try:
+        dirfd.lstat(path)
+    except FileNotFoundError:
+        return False
+    return True
