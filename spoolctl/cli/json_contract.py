@@ -166,7 +166,10 @@ DOCUMENTS: tuple[Document, ...] = (
         "contents": "file names in it"}),
     Document("quarantine-purge", "Items deleted (or, with --dry-run, that would be).", {
         "schema": SCHEMA, "dry_run": "true for a plan", "purged": "item ids",
-        "count": "items", "bytes": "bytes freed"}),
+        "count": "items", "bytes": "bytes freed",
+        "skipped": "items left partly in place (a planted directory tree too deep to walk): "
+                   "`item`, `path`, `kept` (up to 10 of the deepest kept directories), "
+                   "`reason`, `fix`; exit 1 when any"}),
     Document("export", "The archive written (to stderr with -o -).", {
         "schema": SCHEMA, "root": "source root",
         "kind": "store, deployment, base or empty (`places.inspect_root`)",
