@@ -728,8 +728,8 @@ def test_tenants_on_an_encrypted_store(server, store_root, clock, monkeypatch, c
                 got = ctl.prepare(p)
                 assert got.source == "cold" and got.ref != first.ref, other
                 assert creates(server) == n
-        run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(store_root),
-                 env={VALUE_ENV: master})
+        run_json("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes",
+                 "--root", str(store_root), env={VALUE_ENV: master, "SPOOLCTL_TENANT": "acme"})
         with GoogleGenAICacheController(gemini_client(server), st, clock=clock,
                                         tenant="acme") as revoked:
             assert revoked.prepare(p).source == "cold" and creates(server) == 4

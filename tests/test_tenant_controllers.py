@@ -92,8 +92,8 @@ def _check_tenancy(backend, make, root: Path, master_env: str, monkeypatch, capl
                 {acme_row.index["group"], *acme_row.index["elements"]}
 
     # Crypto-erase: acme's entries are misses at once.
-    run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(root),
-             env={VALUE_ENV: master_env})
+    run_json("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes", "--root", str(root),
+             env={VALUE_ENV: master_env, "SPOOLCTL_TENANT": "acme"})
     with make(backend, root, "acme") as ctl:
         again = ctl.generate(p2, QUESTION, n)
         assert again.handle.source == "cold" and again.tokens == want2

@@ -91,6 +91,7 @@ if TYPE_CHECKING:
         retire_keys,
         revoke_tenant,
         rotate_keys,
+        tenant_from_argument,
     )
     from .transfer.archive import FdSink, deployment_of, rank_of
     from .transfer.archive_sign import (
@@ -139,7 +140,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".store": ("Store",),
     ".tenant_keys": (
         "encryption_checks", "encryption_summary", "key_usage", "retire_keys", "revoke_tenant",
-        "rotate_keys",
+        "rotate_keys", "tenant_from_argument",
     ),
     ".transfer.archive": ("FdSink", "deployment_of", "rank_of"),
     ".transfer.archive_sign": (
@@ -256,6 +257,7 @@ __all__ = [
     "rotate_keys",
     "run_checks",
     "sign_archive",
+    "tenant_from_argument",
     "validate_entry_id",
     "validate_entry_prefix",
     "validate_item_id",
