@@ -4,6 +4,7 @@ of 300,000 files. Real stores, the installed console script."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -111,3 +112,68 @@ def test_rmtree_walks_to_its_bound_and_no_further(tmp_path: Path, depth: int) ->
     else:
         assert kept == [str(top) + "/d" * (dirfd.MAX_TREE_DEPTH + 1)]
         assert top.exists() and not (top / "link").exists()
+
+
+def _fill_tmp(root: Path, n: int) -> None:
+    """``n`` empty temp files of a writer that is gone (the name carries its pid)."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    fd = os.open(root / "tmp", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(n):
+            os.close(os.open(f"{dead.pid}-{i:016x}.part", os.O_CREAT | os.O_WRONLY, 0o600,
+                             dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def test_a_huge_tmp_is_not_reported_as_a_hung_disk(root: Path) -> None:
+    """300,000 files in tmp/ (what a store writer, or years of crashed writes, can leave):
+    listing them all took longer than the disk deadline, so `status` called a healthy disk
+    hung. The count is bounded; status answers, names the real cause and the fix."""
+    fill(root, 2)
+    _fill_tmp(root, 300_000)
+    env = {"SPOOLCTL_DISK_TIMEOUT": "2"}
+    proc = script("status", "--json", "--root", str(root), env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["tmp"]["files"] == 10_000 and doc["tmp"]["at_least"] is True
+    assert "disk_down" not in proc.stdout or doc.get("disk_down") in (None, False)
+    human = script("status", "--root", str(root), env=env, timeout=300)
+    assert human.returncode == 0, human.stderr
+    assert "hung" not in human.stdout + human.stderr
+    assert "at least 10000" in human.stdout and "spoolctl clean --tmp" in human.stdout
+    assert script("status", "--check", "--root", str(root), env=env,
+                  timeout=300).returncode == 1  # it needs attention
+    script_json("clean", "--tmp", "--min-age", "0s", "--yes", "--root", str(root))
+    doc = script_json("status", "--root", str(root))
+    assert doc["tmp"] == {"files": 0, "bytes": 0, "at_least": False}
+
+
+def test_a_listing_that_progresses_is_slow_not_hung(tmp_path: Path) -> None:
+    """The deadline's own rule, on a real child process: ticks of progress keep it waiting
+    (up to its cap), silence does not, and each ends in its own error line."""
+    import time
+
+    from spoolctl.cli import disk_deadline
+    from spoolctl.errors import DiskNotAnsweringError, StoreIOError
+    from spoolctl.store import install_progress_sink
+
+    def progressing() -> None:
+        from spoolctl.store.disk import progress
+        for _ in range(400):
+            time.sleep(0.01)
+            progress.tick()
+
+    os.environ["SPOOLCTL_DISK_TIMEOUT"] = "0.5"
+    try:
+        with pytest.raises(StoreIOError, match="answers but reading") as slow:
+            disk_deadline.within_disk_timeout(tmp_path, progressing)
+        assert not isinstance(slow.value, DiskNotAnsweringError)
+        assert "spoolctl clean --tmp" in (slow.value.fix or "")
+        with pytest.raises(DiskNotAnsweringError, match="did not answer"):
+            disk_deadline.within_disk_timeout(tmp_path, lambda: time.sleep(5))
+        assert disk_deadline.within_disk_timeout(tmp_path, lambda: "fine") == "fine"
+    finally:
+        del os.environ["SPOOLCTL_DISK_TIMEOUT"]
+        install_progress_sink(None)

@@ -92,7 +92,9 @@ DOCUMENTS: tuple[Document, ...] = (
         "by_kind": "per kind: `entries`, `bytes`", "max_bytes": "max size (null: unbounded)",
         "usage_pct": "bytes / max_bytes in percent (null: unbounded)",
         "released": "`entries`, `bytes` waiting for `clean --released`",
-        "quarantined": "`items`, `bytes`, `by_reason`", "tmp": "temp files: count and bytes",
+        "quarantined": "`items`, `bytes`, `by_reason`",
+        "tmp": "temp files: `files`, `bytes`, `at_least` (true: the count stopped at 10,000; "
+               "`spoolctl clean --tmp` reclaims them)",
         "orphans": "orphans reclaimed by the last scrub", "scrub": "last and current cycle",
         "scrub_unreadable": "files the last scrub could not read",
         "unknown_files": "files the store does not know", "owner": "the owner lease holder",

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .commit.committer import PutOutcome, PutRequest
     from .disk.fsio import SpecialFileError, fsync_dir, read_small, write_tmp
     from .disk.locks import hold
+    from .disk.progress import install_progress_sink
     from .disk.root import ALLOW_FOREIGN_ENV, MARKER, check_root_path
     from .facts import StoreFacts
     from .format.digest import Hasher, hash_bytes, hash_parts
@@ -113,6 +114,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".catalog.rows": ("MalformedRow",),
     ".commit.committer": ("PutOutcome", "PutRequest"),
     ".disk.fsio": ("SpecialFileError", "fsync_dir", "read_small", "write_tmp"),
+    ".disk.progress": ("install_progress_sink",),
     ".disk.locks": ("hold",),
     ".disk.root": ("ALLOW_FOREIGN_ENV", "MARKER", "check_root_path"),
     ".facts": ("StoreFacts",),
@@ -238,6 +240,7 @@ __all__ = [
     "hold",
     "import_from_root",
     "inspect_root",
+    "install_progress_sink",
     "judge",
     "key_usage",
     "load_signing_key",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import stat
 import threading
@@ -247,11 +248,12 @@ def _unlink_entry(fd: int, name: str) -> None:
         os.unlink(name, dir_fd=fd)
 
 
-def listing(fd: int) -> list[os.DirEntry]:
+def listing(fd: int, limit: int | None = None) -> list[os.DirEntry]:
     """The entries of the directory open at ``fd`` (``scandir`` on the descriptor: each
-    entry's ``stat(follow_symlinks=False)`` is relative to it too)."""
+    entry's ``stat(follow_symlinks=False)`` is relative to it too); the first ``limit`` of
+    them when given (the directory is read no further)."""
     with os.scandir(fd) as it:
-        return list(it)
+        return list(it) if limit is None else list(itertools.islice(it, limit))
 
 
 class DirFds:
