@@ -25,11 +25,11 @@ pytest.importorskip("cryptography")
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from faultseam import CRASH_EXIT_CODE
 from operator_cli import ENV, run, run_json
 
 from spoolctl.errors import KeyUnavailableError, QuarantineReason
 from spoolctl.store import Store
-from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 from spoolctl.store.sealing import (
     COMMAND_ENV,
     FILE_ENV,
