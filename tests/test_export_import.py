@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from faultseam import CRASH_EXIT_CODE
 from transfer_support import (
     ENV,
     SPOOLCTL,
@@ -26,7 +27,6 @@ from transfer_support import (
 )
 
 from spoolctl.store import Store
-from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 
 D1 = "vllm-v1-" + "1" * 48
 D2 = "vllm-v1-" + "2" * 48

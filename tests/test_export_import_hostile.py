@@ -311,3 +311,41 @@ def test_random_damage_is_refused_or_harmless(base, exported):
             got = snapshot(target)
             assert all(got[e] == expected[e] for e in got), i
             assert tmp_files(target) == []
+
+
+def _with_size_field(data: bytes, member_prefix: str, field: bytes) -> bytes:
+    """``data`` with the size field of the first member named ``member_prefix...`` replaced
+    by ``field`` (12 bytes) and the header's checksum made right again: a crafted header."""
+    out = bytearray(data)
+    off = 0
+    while not bytes(out[off:off + 100]).rstrip(b"\0").decode().startswith(member_prefix):
+        size = tarfile.nti(bytes(out[off + 124:off + 136]))
+        off += 512 + (size + 511) // 512 * 512
+    out[off + 124:off + 136] = field
+    out[off + 148:off + 156] = b" " * 8
+    out[off + 148:off + 156] = b"%06o\0 " % sum(out[off:off + 512])
+    return bytes(out)
+
+
+@pytest.mark.parametrize("field", [
+    tarfile.itn(-5, 12, tarfile.GNU_FORMAT),  # base-256, negative
+    tarfile.itn(-(1 << 80), 12, tarfile.GNU_FORMAT),
+    b"\xff" * 12,  # base-256 -1
+    b"99999999999\0",  # not octal
+], ids=["minus-5", "minus-2**80", "minus-1", "not-octal"])
+@pytest.mark.parametrize("member", ["objects/", "manifests/", "spoolctl-archive.json"])
+def test_a_crafted_size_field_is_a_one_line_refusal_with_nothing_left(base, exported, field,
+                                                                      member):
+    """A header whose size is negative (a base-256 field) or not a number is refused like any
+    other defect: one line, exit 1, no traceback and no ``.part`` file in the target."""
+    _src, members = exported
+    data = _with_size_field(build(members), member, field)
+    refused(base, data, match="error:")
+    archive = base / "crafted.tar"
+    archive.write_bytes(data)
+    proc = cli("import", "--root", str(base / "from-file"), str(archive))
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and len(err.strip().splitlines()) == 1, err
+    assert "unexpected" not in err and "Traceback" not in err, err
+    if (base / "from-file").exists():
+        assert tmp_files(base / "from-file") == []

@@ -728,9 +728,11 @@ def test_tenants_on_an_encrypted_store(server, store_root, clock, monkeypatch, c
                 got = ctl.prepare(p)
                 assert got.source == "cold" and got.ref != first.ref, other
                 assert creates(server) == n
-        run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(store_root),
-                 env={VALUE_ENV: master,  # erased keys are recorded outside the store
-                      "SPOOLCTL_KEY_LEDGER": str(store_root.parent / "erased-keys.json")})
+        run_json("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes",
+                 "--root", str(store_root), env={
+                     VALUE_ENV: master, "SPOOLCTL_TENANT": "acme",
+                     # erased keys are recorded outside the store
+                     "SPOOLCTL_KEY_LEDGER": str(store_root.parent / "erased-keys.json")})
         with GoogleGenAICacheController(gemini_client(server), st, clock=clock,
                                         tenant="acme") as revoked:
             assert revoked.prepare(p).source == "cold" and creates(server) == 4

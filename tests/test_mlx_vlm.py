@@ -370,8 +370,9 @@ def test_tenants_on_an_encrypted_store(backend, vlm_dir, images, tmp_path, monke
         assert got.handle.source == "cold" and got.tokens == want, other
         assert got.handle.ref != first.handle.ref
 
-    run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(root),
-             env={VALUE_ENV: master,  # erased keys are recorded outside the store
+    run_json("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes", "--root", str(root),
+             env={VALUE_ENV: master, "SPOOLCTL_TENANT": "acme",
+                  # erased keys are recorded outside the store
                   "SPOOLCTL_KEY_LEDGER": str(root.parent / "erased-keys.json")})
     with MlxVlmCacheController(backend, root, tenant="acme") as ctl:
         again = ctl.generate(ip, QUESTION, NEW)

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from faultseam import CRASH_EXIT_CODE
 from operator_cli import run, run_json, script
 
 from spoolctl.store import Store, StoreIOError
-from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 from spoolctl.store.disk.root import StorePaths, ensure_layout
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)

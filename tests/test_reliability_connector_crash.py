@@ -16,8 +16,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from faultseam import CRASH_EXIT_CODE
+
 from spoolctl.store import Store
-from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

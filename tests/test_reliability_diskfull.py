@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import faultseam
 import pytest
 
 from spoolctl.store import Store
-from spoolctl.store.disk import faults
 
 pytest.importorskip("transformers")
 
@@ -55,20 +55,18 @@ def _consistent(root: Path) -> None:
 
 
 @pytest.mark.parametrize(("point", "code"), CASES)
-def test_injected_error_during_prepare(backend, cold, store_root: Path, monkeypatch,
+def test_injected_error_during_prepare(backend, cold, store_root: Path,
                                        point: str, code: str) -> None:
     from spoolctl.controllers.pytorch import PyTorchCacheController
 
-    monkeypatch.setenv(faults.FAIL_ENV, f"{point}:{code}")
-    faults.reload()
+    faultseam.install(fail_at=f"{point}:{code}")
     try:
         with PyTorchCacheController(backend, str(store_root)) as ctl:
             handle = ctl.prepare(_params())
             assert handle.source == "cold" and ctl.stats()["commit_failures"] == 1
             assert ctl.generate(_params(), QUESTION, 6).tokens == cold
     finally:
-        monkeypatch.delenv(faults.FAIL_ENV)
-        faults.reload()
+        faultseam.uninstall()
     _consistent(store_root)
     with Store.open(store_root) as store:
         assert store.entries() == [] or point == "manifest.published"

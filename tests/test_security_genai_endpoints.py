@@ -170,3 +170,73 @@ def test_operator_origins_come_from_the_environment_and_options_only():
         kw = {"project": "p", "location": "us-central1", field: value}
         assert EndpointPolicy().refusal(GenaiTarget("vertex", **kw)) is not None
     assert EndpointPolicy().refusal(GenaiTarget("gemini", api_version="v1/../x")) is not None
+
+
+def _other_apps_cache(server: FakeGenAIServer) -> str:
+    """A cache another application made with the same API key: nothing in the store names it."""
+    client = genai.Client(api_key=KEY, http_options=types.HttpOptions(
+        base_url=server.base_url, api_version="v1beta"))
+    cc = client.caches.create(model="gemini-2.5-flash", config=types.CreateCachedContentConfig(
+        contents=[types.Content(role="user", parts=[types.Part(text="Their data. " * 300)])],
+        ttl="3600s"))
+    assert cc.name is not None
+    return cc.name
+
+
+def test_clean_deletes_the_cache_the_manifest_names_never_the_catalogs(store, monkeypatch):
+    """A store writer edits a pending record's catalog row to name another application's
+    cache; root's `clean --genai` (the operator allowed this endpoint) must not delete it."""
+    with FakeGenAIServer(api_key=KEY) as server:
+        monkeypatch.setenv(ENDPOINTS_ENV, server.base_url)
+        monkeypatch.setenv("GOOGLE_API_KEY", KEY)
+        ours = _pending_record(store, server)
+        theirs = _other_apps_cache(server)
+        (row,) = store.entries(kind="genai")
+        store.update_index(row.entry_id, {"name": theirs})  # any writer of the store can
+        report = clean_remote(store)
+        assert theirs in server.live_names(), "clean deleted a cache the store does not own"
+        assert server.requests("DELETE", contains=theirs.split("/")[-1]) == []
+        (refused_name, line), = report.refused
+        assert refused_name == ours and "\n" not in line and not report.ok
+        assert f"record {row.entry_id[:16]}" in line and "catalog row names another" in line
+        store.update_index(row.entry_id, {"name": ours})  # the row put back: it is deleted
+        report = clean_remote(store)
+        assert report.deleted == [ours] and ours not in server.live_names()
+        assert theirs in server.live_names()
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("projects/proj-1/locations/us-central1/cachedContents/theirs", "names a Vertex AI cache"),
+    ("cachedContents/..", "is not a cachedContents name"),
+])
+def test_a_manifest_cannot_name_a_cache_outside_its_target(store, monkeypatch, name, why):
+    """A record written whole by the store's writer (without a tag key the manifest is theirs
+    too) still deletes only a cache of its own API, project and location."""
+    with FakeGenAIServer(api_key=KEY) as server:
+        monkeypatch.setenv(ENDPOINTS_ENV, server.base_url)
+        monkeypatch.setenv("GOOGLE_API_KEY", KEY)
+        target = {"api": "gemini", "project": None, "location": None,
+                  "base_url": server.base_url, "api_version": "v1beta"}
+        store.put(kind="genai", namespace="gemini-0123456789abcdef01234567", key=f"k/{name}",
+                  objects={}, meta={"name": name, "target": target},
+                  index={"name": name, "expire_time": 4e9, "remote_pending": True})
+        report = clean_remote(store)
+        assert server.requests("DELETE") == []
+        (refused_name, line), = report.refused
+        assert refused_name == name and why in line
+
+
+@pytest.mark.parametrize(("name", "refused"), [
+    ("projects/proj-1/locations/us-central1/cachedContents/c1", None),
+    ("projects/123456/locations/us-central1/cachedContents/c1", None),  # a project number
+    ("cachedContents/c1", None),
+    ("projects/proj-2/locations/us-central1/cachedContents/c1", "another project"),
+    ("projects/proj-1/locations/europe-west4/cachedContents/c1", "another location"),
+])
+def test_a_vertex_name_must_be_in_the_records_project_and_location(name, refused):
+    from spoolctl.controllers.genai.endpoints import name_refusal, scoped_name
+
+    target = GenaiTarget("vertex", project="proj-1", location="us-central1")
+    why = name_refusal(target, name)
+    assert (why is None) if refused is None else (why is not None and refused in why)
+    assert scoped_name(target, name) == "cachedContents/c1"  # the client adds its own scope

@@ -18,12 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from faultseam import CRASH_EXIT_CODE
 from operator_cli import run
 
 from spoolctl.store import Store, entry_id_for
 from spoolctl.store.catalog.rows import WELL_FORMED
 from spoolctl.store.catalog.schema import DDL_V1, SCHEMA_VERSION
-from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 from spoolctl.store.format.manifest import Manifest, encode
 
 

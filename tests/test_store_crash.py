@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from faultseam import CRASH_EXIT_CODE
 
 from spoolctl.store import Store
-from spoolctl.store.disk.faults import COMMIT_CHECKPOINTS, CRASH_EXIT_CODE
+from spoolctl.store.disk.faults import COMMIT_CHECKPOINTS
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import faultseam
 import pytest
 
 from spoolctl import metrics
@@ -118,11 +119,13 @@ def test_checkpoint_refuses_unknown_names() -> None:
 
 
 def test_unknown_crash_target_is_refused_at_start(tmp_path: Path) -> None:
-    env = {**os.environ, faults.ENV: "manifest.no_such_step"}
-    # a process refuses as soon as it loads the store (spoolctl.store's names load lazily)
+    env = {**os.environ, faultseam.CRASH_ENV: "manifest.no_such_step"}
+    # a process the tests start refuses as soon as the fault seam loads (at start-up)
     proc = subprocess.run([sys.executable, "-c", "from spoolctl.store import Store"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "unknown checkpoint 'manifest.no_such_step'" in proc.stderr
+    with pytest.raises(ValueError, match="unknown checkpoint"):
+        faultseam.install(fail_at="object.nowhere:EIO")
 
 
 def test_every_checkpoint_the_store_passes_is_listed(store: Store) -> None:

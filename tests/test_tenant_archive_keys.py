@@ -231,7 +231,8 @@ def test_hostile_key_tables_are_refused_and_a_revoked_tenant_stays_revoked(fleet
     # the other tenant's imported and readable.
     revoked = base / "revoked"
     run_json("import", str(archive), "--root", str(revoked), env=env)
-    run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(revoked), env=env)
+    run_json("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes", "--root", str(revoked),
+             env={**env, "SPOOLCTL_TENANT": "acme"})
     # Crypto-erased entries do not travel: an export leaves them out (and carries no key).
     out = run_json("export", "-o", str(base / "after-revoke.tar"), "--root", str(revoked),
                    env=env)

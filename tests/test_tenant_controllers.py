@@ -92,8 +92,9 @@ def _check_tenancy(backend, make, root: Path, master_env: str, monkeypatch, capl
                 {acme_row.index["group"], *acme_row.index["elements"]}
 
     # Crypto-erase: acme's entries are misses at once.
-    run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(root),
-             env={VALUE_ENV: master_env,  # erased keys are recorded outside the store
+    run_json("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes", "--root", str(root),
+             env={VALUE_ENV: master_env, "SPOOLCTL_TENANT": "acme",
+                  # erased keys are recorded outside the store
                   "SPOOLCTL_KEY_LEDGER": str(root.parent / "erased-keys.json")})
     with make(backend, root, "acme") as ctl:
         again = ctl.generate(p2, QUESTION, n)

@@ -185,7 +185,8 @@ def test_scrub_and_request_auth_need_no_key(store_root: Path, master: MasterKey)
     for env in (None, keyed):
         doc = run_json("request-auth", ms[0].entry_id, *root, env=env)
         assert doc["result"] == "verified" and doc["proves"] == "integrity", doc
-    run_json("keys", "revoke", "--tenant", "alice", "--yes", *root, env=keyed)
+    run_json("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes", *root,
+             env={**keyed, "SPOOLCTL_TENANT": "alice"})
     doc = run_json("request-auth", ms[1].entry_id, *root, env=keyed)  # key gone, bytes intact
     assert doc["result"] == "verified", doc
 

@@ -26,11 +26,11 @@ pytest.importorskip("cryptography")
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from faultseam import CRASH_EXIT_CODE
 from operator_cli import ENV, run, run_json
 
 from spoolctl.errors import KeyUnavailableError, QuarantineReason
 from spoolctl.store import Store
-from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 from spoolctl.store.sealing import (
     COMMAND_ENV,
     FILE_ENV,
@@ -129,9 +129,9 @@ def test_revoke_leaves_nothing_of_the_tenant_that_decrypts(store_root: Path, tmp
     assert any(_blobs(p.read_bytes()) for p in (store_root / "objects").rglob("*.obj")
                if p.stat().st_size) and list((store_root / "tmp").iterdir())
 
-    doc = run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(store_root),
-                   env=key_env)
-    (v1,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON (3040)
+    doc = run_json("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes",
+                   "--root", str(store_root), env={**key_env, "SPOOLCTL_TENANT": "acme"})
+    (v1,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON
     assert doc["released_entries"] == 2 and v1 == acme[0].index["sealed"]["version"]
 
     files = {p: p.read_bytes() for p in store_root.rglob("*") if p.is_file()}
@@ -167,8 +167,9 @@ def test_revoke_leaves_nothing_of_the_tenant_that_decrypts(store_root: Path, tmp
 def test_rotate_keeps_old_entries_until_retired(store_root: Path, key_env: dict[str, str]):
     with Store.open(store_root, create=True, master_key=_master(key_env)) as store:
         old = store.put(kind=KIND, namespace=NS, key="a", objects={"kv": b"old"}, tenant="t")
-    doc = run_json("keys", "rotate", "--tenant", "t", "--root", str(store_root), env=key_env)
-    (v2,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON (3040)
+    doc = run_json("keys", "rotate", "--tenant-env", "SPOOLCTL_TENANT", "--root", str(store_root),
+                   env={**key_env, "SPOOLCTL_TENANT": "t"})
+    (v2,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON
     v1 = old.index["sealed"]["version"]
     assert v2 != v1
     with Store.open(store_root, master_key=_master(key_env)) as store:
@@ -184,10 +185,13 @@ def test_rotate_keeps_old_entries_until_retired(store_root: Path, key_env: dict[
     keyring = json.loads((store_root / "state" / "keyring.json").read_text())
     wrapped = [w for r in keyring["tenants"].values() for w in r["keys"].values()]
     assert secret not in out and not any(w[24:56] in out for w in wrapped)  # no key material
-    code, _, err = run("keys", "retire", "--tenant", "t", "--yes", "--root", str(store_root),
-                       env={VALUE_ENV: secrets.token_hex(32)})  # a wrong master key
+    code, _, err = run("keys", "retire", "--tenant-env", "SPOOLCTL_TENANT", "--yes",
+                       "--root", str(store_root),
+                       env={VALUE_ENV: secrets.token_hex(32),  # a wrong master key
+                            "SPOOLCTL_TENANT": "t"})
     assert code == 1 and "not the one this store's keyring" in err
-    run_json("keys", "retire", "--tenant", "t", "--yes", "--root", str(store_root), env=key_env)
+    run_json("keys", "retire", "--tenant-env", "SPOOLCTL_TENANT", "--yes",
+             "--root", str(store_root), env={**key_env, "SPOOLCTL_TENANT": "t"})
     with Store.open(store_root, master_key=_master(key_env)) as store:
         with pytest.raises(KeyUnavailableError):
             store.read(old, "kv")
@@ -210,7 +214,8 @@ def test_an_entry_whose_key_is_gone_is_released_by_its_first_read(store_root: Pa
 
 def test_keys_refuse_a_store_without_encryption(store_root: Path):
     run("init", "--root", str(store_root))
-    code, _, err = run("keys", "revoke", "--tenant", "t", "--yes", "--root", str(store_root))
+    code, _, err = run("keys", "revoke", "--tenant-env", "SPOOLCTL_TENANT", "--yes",
+                       "--root", str(store_root), env={"SPOOLCTL_TENANT": "t"})
     assert code == 2 and "no encryption configured" in err and err.count("\n") == 1
     assert run_json("keys", "ls", "--root", str(store_root))["encrypted"] is False
 
@@ -268,15 +273,18 @@ def test_no_key_material_in_any_output_or_log(store_root: Path, tmp_path: Path, 
     root = ("--root", str(store_root))
     outputs: list[str] = []
     with caplog.at_level("DEBUG"):
+        by_env = ("--tenant-env", "SPOOLCTL_TENANT")
         runs = [("keys", "ls"), ("keys", "ls", "--json"), ("keys", "rotate", "--json"),
-                ("keys", "rotate", "--tenant", "acme"),
-                ("keys", "retire", "--tenant", "acme", "--yes"),
-                ("keys", "revoke", "--tenant", "globex", "--dry-run"),
-                ("--debug", "keys", "revoke", "--tenant", "globex", "--yes", "--json"),
+                ("keys", "rotate", *by_env, "acme"),
+                ("keys", "retire", *by_env, "--yes", "acme"),
+                ("keys", "revoke", *by_env, "--dry-run", "globex"),
+                ("--debug", "keys", "revoke", *by_env, "--yes", "--json", "globex"),
                 ("status",), ("status", "--json"), ("doctor", "--json"),
                 ("export", "-o", str(tmp_path / "a.tar"), "--json")]
         for argv in runs:
-            code, out, err = run(*argv, *root, env=key_env)
+            tenant = argv[-1] if by_env[0] in argv else None
+            argv = argv[:-1] if tenant else argv
+            code, out, err = run(*argv, *root, env={**key_env, "SPOOLCTL_TENANT": tenant or ""})
             assert code == 0, (argv, err)
             outputs += [out, err]
         wrong = {VALUE_ENV: secrets.token_hex(32)}  # failures, too
@@ -337,8 +345,9 @@ def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: P
         obj = store.layout.object_path(legacy.objects[0].digest).read_bytes()
         assert legacy.index["sealed"]["version"] == 1 and obj[:4] == MAGIC3
         assert len(obj) == 54 + 48  # the SPS3 header (a u64 version) and tag
-    doc = run_json("keys", "rotate", "--tenant", "t", "--root", str(old_root), env=key_env)
-    (new,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON (3040)
+    doc = run_json("keys", "rotate", "--tenant-env", "SPOOLCTL_TENANT", "--root", str(old_root),
+                   env={**key_env, "SPOOLCTL_TENANT": "t"})
+    (new,) = map(int, doc["tenants"][0]["versions"])  # 63-bit: strings in JSON
     with Store.open(old_root, master_key=master) as store:
         fresh = store.put(kind=KIND, namespace=NS, key="new", objects={"kv": b"fresh" * 9},
                           tenant="t")
@@ -346,8 +355,8 @@ def test_key_versions_are_unique_per_key_and_old_keyrings_still_read(tmp_path: P
         assert store.layout.object_path(fresh.objects[0].digest).read_bytes()[:4] == MAGIC3
         assert bytes(store.read(legacy, "kv")) == b"legacy" * 9
         assert bytes(store.read(fresh, "kv")) == b"fresh" * 9
-    doc = run_json("keys", "retire", "--tenant", "t", "--yes", "--root", str(old_root),
-                   env=key_env)
+    doc = run_json("keys", "retire", "--tenant-env", "SPOOLCTL_TENANT", "--yes",
+                   "--root", str(old_root), env={**key_env, "SPOOLCTL_TENANT": "t"})
     assert doc["tenants"][0]["versions"] == [1] and doc["released_entries"] == 1
     listing = run_json("keys", "ls", "--root", str(old_root), env=key_env)
     assert [(int(v["version"]), v["key"]) for v in listing["tenants"][0]["versions"]] == \

@@ -48,6 +48,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-tenants")))
     master_file = key_file(work, "master.key")
     root = work / "store"
+    names = TenantNames(MasterKey.from_file(master_file))
     job = {"model": str(tiny_model_dir), "root": str(root),
            "extra": {"spoolctl_chunk_tokens": CHUNK},
            "requests": [
@@ -55,15 +56,14 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                {"name": "b", "tokens": P, "salt": B},
                {"name": "unsalted", "tokens": P},
                {"name": "a_hit", "tokens": P, "salt": A},
-               {"name": "revoke", "cli": ["keys", "revoke", "--tenant", A, "--root", str(root),
-                                          "--yes"]},
+               {"name": "revoke", "cli": ["keys", "revoke", "--tenant", names.tenant_id(A),
+                                          "--root", str(root), "--yes"]},
                {"name": "a_revoked", "tokens": P, "salt": A},
                {"name": "b_hit", "tokens": P, "salt": B},
                {"name": "a_again", "tokens": P, "salt": A},
            ]}
     env = {FILE_ENV: str(master_file)}
     out = run_engine(job, work, "tenants", env=env, unset=(VALUE_ENV, COMMAND_ENV))
-    names = TenantNames(MasterKey.from_file(master_file))
     return {"out": out, "work": work, "root": root, "key_file": master_file, "job": job,
             "tid": {A: names.tenant_id(A), B: names.tenant_id(B),
                     None: names.tenant_id(None)}}

@@ -8,7 +8,8 @@ work -- opening it, reading its facts -- runs in a forked child process that han
 its result (and what it printed on stderr) through a pipe, as JSON: the callers hand back
 documents and plain values (``encode``/``decode`` where they need objects), so nothing in
 this process ever unpickles bytes (decision 2712). A store that has not answered
-within ``SPOOLCTL_DISK_TIMEOUT`` seconds (default 10) is reported as down
+within ``SPOOLCTL_DISK_TIMEOUT`` seconds (default 10) -- neither its answer nor a progress
+tick (a long listing reports one as it goes) -- is reported as down
 (``DiskNotAnsweringError``: the error line, ``disk_down`` in the JSON, ``store_up 0`` in the
 metrics); the command goes on and exits, and the child -- holding none of its output
 streams -- stays in the kernel until the disk answers, then ends.
@@ -31,11 +32,14 @@ from typing import Any, TypeVar
 
 from spoolctl import errors
 from spoolctl.errors import ConfigError, DiskNotAnsweringError, SpoolError, StoreIOError
+from spoolctl.store import install_progress_sink
 
 ENV_DISK_TIMEOUT = "SPOOLCTL_DISK_TIMEOUT"
 #: Far above a healthy store's slowest `status` (a catalog of 100k rows counts in well under
 #: a second), far below what an operator waits for before assuming the command hangs.
 DEFAULT_DISK_TIMEOUT_S = 10.0
+# A read that keeps reporting progress may run this many deadlines in all: the disk answers.
+SLOW_FACTOR = 6
 
 T = TypeVar("T")
 
@@ -75,9 +79,16 @@ def within_disk_timeout(root: str | Path, fn: Callable[[], T]) -> T:
         _child(fn, write_end)
     os.close(write_end)
     try:
-        data = _read_within(read_end, limit)
+        data, progressed = _read_within(read_end, limit)
     finally:
         os.close(read_end)
+    if data is None and progressed:
+        raise StoreIOError(
+            f"the store's disk answers but reading the store did not finish within "
+            f"{limit * SLOW_FACTOR:g} s: the disk is slow or a store directory is very large "
+            "(not a hung mount)", path=str(root),
+            fix="`spoolctl clean --tmp --yes` reclaims a full tmp/; `spoolctl doctor` names "
+                f"other damage; {ENV_DISK_TIMEOUT} sets the wait")
     if data is None:
         raise DiskNotAnsweringError(
             f"the store's disk did not answer within {limit:g} s: the store is down "
@@ -103,20 +114,30 @@ def within_disk_timeout(root: str | Path, fn: Callable[[], T]) -> T:
     raise RuntimeError(str(value).strip().splitlines()[-1] if str(value).strip() else value)
 
 
-def _read_within(fd: int, limit: float) -> bytes | None:
-    """Everything the child writes to ``fd`` until it closes it, or None past ``limit``."""
-    end = time.monotonic() + limit
+def _read_within(fd: int, limit: float) -> tuple[bytes | None, bool]:
+    """(everything the child writes to ``fd`` until it closes it, or None, whether it reported
+    progress). None when ``limit`` seconds pass without a word from it -- each progress tick
+    (a NUL byte: its JSON answer holds none) starts the wait again -- or ``SLOW_FACTOR`` times
+    ``limit`` pass in all."""
+    start = time.monotonic()
+    end = start + limit
+    cap = start + limit * SLOW_FACTOR
     chunks = []
+    progressed = False
     while True:
-        left = end - time.monotonic()
+        left = min(end, cap) - time.monotonic()
         if left <= 0:
-            return None
+            return None, progressed
         ready, _, _ = select.select([fd], [], [], left)
         if not ready:
-            return None
+            return None, progressed
         chunk = os.read(fd, 1 << 16)
         if not chunk:
-            return b"".join(chunks)
+            return b"".join(chunks), progressed
+        if b"\0" in chunk:
+            progressed = True
+            end = time.monotonic() + limit
+            chunk = chunk.replace(b"\0", b"")
         chunks.append(chunk)
 
 
@@ -129,6 +150,8 @@ def _child(fn: Callable[[], Any], write_end: int) -> None:
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         err = io.StringIO()
+        # "still reading" ticks (see _read_within)
+        install_progress_sink(lambda: os.write(write_end, b"\0"))
         with contextlib.suppress(Exception):
             _redirect_log_handlers(sys.stderr, sys.stdout, err)
         sys.stdout, sys.stderr = io.StringIO(), err

@@ -92,7 +92,9 @@ DOCUMENTS: tuple[Document, ...] = (
         "by_kind": "per kind: `entries`, `bytes`", "max_bytes": "max size (null: unbounded)",
         "usage_pct": "bytes / max_bytes in percent (null: unbounded)",
         "released": "`entries`, `bytes` waiting for `clean --released`",
-        "quarantined": "`items`, `bytes`, `by_reason`", "tmp": "temp files: count and bytes",
+        "quarantined": "`items`, `bytes`, `by_reason`",
+        "tmp": "temp files: `files`, `bytes`, `at_least` (true: the count stopped at 10,000; "
+               "`spoolctl clean --tmp` reclaims them)",
         "orphans": "orphans reclaimed by the last scrub", "scrub": "last and current cycle",
         "scrub_unreadable": "files the last scrub could not read",
         "unknown_files": "files the store does not know", "owner": "the owner lease holder",
@@ -168,7 +170,10 @@ DOCUMENTS: tuple[Document, ...] = (
         "contents": "file names in it"}),
     Document("quarantine-purge", "Items deleted (or, with --dry-run, that would be).", {
         "schema": SCHEMA, "dry_run": "true for a plan", "purged": "item ids",
-        "count": "items", "bytes": "bytes freed"}),
+        "count": "items", "bytes": "bytes freed",
+        "skipped": "items left partly in place (a planted directory tree too deep to walk): "
+                   "`item`, `path`, `kept` (up to 10 of the deepest kept directories), "
+                   "`reason`, `fix`; exit 1 when any"}),
     Document("export", "The archive written (to stderr with -o -).", {
         "schema": SCHEMA, "root": "source root",
         "kind": "store, deployment, base or empty (`places.inspect_root`)",

@@ -1,12 +1,20 @@
 """``spoolctl keys ls|rotate|revoke|retire``: the keys of an encrypted store (decision 2800),
-on one store or on every rank store under a vLLM root. Tenants are named on the command line
-(``--tenant``) and shown only by their opaque id; no key material is ever printed."""
+on one store or on every rank store under a vLLM root. A tenant is named by its opaque id
+(``--tenant``, as ``keys ls`` shows it) or by its name -- a secret (vLLM: the cache_salt) --
+read from a file, stdin or an environment variable, never from the command line, where every
+local user's process listing and the shell's history would show it. Tenants are shown only
+by their opaque id; no key material is ever printed."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+from spoolctl.store import ConfigError
 
 from . import render
 from .common import EXIT_OK, DeploymentOption, JsonOption, RankOption, RootOption, text
@@ -23,8 +31,17 @@ keys_app = typer.Typer(
 commands.add_typer(keys_app, name="keys")
 
 TenantOption = Annotated[str | None, typer.Option(
-    "--tenant", help="The tenant's name (vLLM: its cache_salt; `default` for unsalted "
-    "requests). Shown only as its opaque id.")]
+    "--tenant", metavar="<tenant id>", help="The tenant's id, as `spoolctl keys ls` shows it "
+    "(or `default`, the unsalted requests' tenant). Its name (vLLM: its cache_salt) is a "
+    "secret: it is refused here; use --tenant-file or --tenant-env.")]
+TenantFileOption = Annotated[str | None, typer.Option(
+    "--tenant-file", metavar="<file|->", help="Read the tenant's name (vLLM: its cache_salt) "
+    "from this file, or from stdin with -.")]
+TenantEnvOption = Annotated[str | None, typer.Option(
+    "--tenant-env", metavar="<variable>", help="Read the tenant's name (vLLM: its "
+    "cache_salt) from this environment variable.")]
+# A tenant's name is at most this long (``TenantNames.tenant_id``); one line ending is allowed.
+MAX_TENANT_NAME = 1024
 DryRunOption = Annotated[bool, typer.Option("--dry-run", help="Only report.")]
 YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")]
 
@@ -75,6 +92,59 @@ def _change_view(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class TenantArg:
+    """The tenant a command names: an id from ``--tenant``, checked against each store
+    (``tenant_from_argument``), or a name read from a file, stdin or the environment."""
+
+    def __init__(self, given: str | None, file: str | None, env: str | None):
+        if sum(x is not None for x in (given, file, env)) > 1:
+            raise ConfigError("--tenant, --tenant-file and --tenant-env name the same tenant",
+                              fix="give one of them")
+        self.given = given
+        self.name = _read_name(file) if file is not None else \
+            _env_name(env) if env is not None else None
+
+    @property
+    def empty(self) -> bool:
+        return self.given is None and self.name is None
+
+    def resolve(self, store: Store) -> Any:
+        from spoolctl.store import tenant_from_argument
+        if self.given is not None:
+            return tenant_from_argument(store, self.given)
+        return self.name
+
+
+def _read_name(file: str) -> str:
+    where = "stdin" if file == "-" else file
+    try:
+        if file == "-":
+            raw = sys.stdin.buffer.read(MAX_TENANT_NAME + 3)
+        else:
+            with Path(file).expanduser().open("rb") as f:
+                raw = f.read(MAX_TENANT_NAME + 3)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the tenant's name: {os.strerror(exc.errno or 0)}",
+                          path=where, fix="pass a readable file with the name") from None
+    return _checked_name(raw.decode("utf-8", "replace"), f"--tenant-file {where}")
+
+
+def _env_name(variable: str) -> str:
+    value = os.environ.get(variable)
+    if not value:
+        raise ConfigError(f"--tenant-env: the variable {variable[:80]!r} is not set",
+                          fix="export the tenant's name in it, or use --tenant-file")
+    return _checked_name(value, f"--tenant-env {variable[:80]}")
+
+
+def _checked_name(raw: str, where: str) -> str:
+    name = raw[:-2] if raw.endswith("\r\n") else raw[:-1] if raw.endswith("\n") else raw
+    if not name or len(name) > MAX_TENANT_NAME or "\n" in name:
+        raise ConfigError(f"{where}: a tenant's name is one line of 1 to {MAX_TENANT_NAME} "
+                          "characters", fix="write the name alone (a final newline is fine)")
+    return name
+
+
 def _run(action: str, root: Any, rank: Any, deployment: Any, json_output: bool,
          call: Any) -> None:
     targets = resolve_targets(root, rank=rank, deployment=deployment)
@@ -85,49 +155,57 @@ def _run(action: str, root: Any, rank: Any, deployment: Any, json_output: bool,
 
 
 @keys_app.command("rotate")
-def keys_rotate(tenant: TenantOption = None, dry_run: DryRunOption = False,
+def keys_rotate(tenant: TenantOption = None, tenant_file: TenantFileOption = None,
+                tenant_env: TenantEnvOption = None, dry_run: DryRunOption = False,
                 root: RootOption = None, rank: RankOption = None,
                 deployment: DeploymentOption = None, json_output: JsonOption = False) -> None:
-    """Start a new key version (of --tenant, or of every tenant): new entries use it, older
+    """Start a new key version (of one tenant, or of every tenant): new entries use it, older
     versions stay readable until `spoolctl keys retire`.
 
-    Example: [bold]spoolctl keys rotate --tenant acme[/bold]
+    Example: [bold]spoolctl keys rotate --tenant 3f2a9c0d1e4b5a69[/bold]
     """
     from spoolctl.store import rotate_keys
+    who = TenantArg(tenant, tenant_file, tenant_env)
     _run("rotate", root, rank, deployment, json_output,
-         lambda s: rotate_keys(s, tenant, dry_run=dry_run))
+         lambda s: rotate_keys(s, who.resolve(s), dry_run=dry_run))
 
 
 @keys_app.command("revoke")
-def keys_revoke(tenant: Annotated[str, typer.Option(
-                    "--tenant", help="The tenant whose every key is erased.")],
+def keys_revoke(tenant: TenantOption = None, tenant_file: TenantFileOption = None,
+                tenant_env: TenantEnvOption = None,
                 dry_run: DryRunOption = False, yes: YesOption = False,
                 root: RootOption = None, rank: RankOption = None,
                 deployment: DeploymentOption = None, json_output: JsonOption = False) -> None:
     """Crypto-erase a tenant: its keys are deleted, so none of its entries can be read again
     (each is a miss at once); `spoolctl clean` reclaims their bytes.
 
-    Example: [bold]spoolctl keys revoke --tenant acme --yes[/bold]
+    Example: [bold]spoolctl keys revoke --tenant-file /run/secrets/acme-salt --yes[/bold]
     """
     from spoolctl.store import revoke_tenant
+    who = TenantArg(tenant, tenant_file, tenant_env)
+    if who.empty:
+        raise ConfigError("keys revoke needs the tenant", fix="give --tenant ID (`spoolctl "
+                          "keys ls`), --tenant-file PATH|- or --tenant-env VAR")
     _confirm(yes, dry_run, "keys revoke")
     _run("revoke", root, rank, deployment, json_output,
-         lambda s: revoke_tenant(s, tenant, dry_run=dry_run))
+         lambda s: revoke_tenant(s, who.resolve(s), dry_run=dry_run))
 
 
 @keys_app.command("retire")
-def keys_retire(tenant: TenantOption = None, dry_run: DryRunOption = False,
+def keys_retire(tenant: TenantOption = None, tenant_file: TenantFileOption = None,
+                tenant_env: TenantEnvOption = None, dry_run: DryRunOption = False,
                 yes: YesOption = False, root: RootOption = None, rank: RankOption = None,
                 deployment: DeploymentOption = None, json_output: JsonOption = False) -> None:
-    """Erase every key version older than the current one (of --tenant, or of every tenant);
-    the entries written under them become misses and `spoolctl clean` reclaims them.
+    """Erase every key version older than the current one (of one tenant, or of every
+    tenant); the entries written under them become misses and `spoolctl clean` reclaims them.
 
-    Example: [bold]spoolctl keys retire --tenant acme --yes[/bold]
+    Example: [bold]spoolctl keys retire --tenant 3f2a9c0d1e4b5a69 --yes[/bold]
     """
     from spoolctl.store import retire_keys
+    who = TenantArg(tenant, tenant_file, tenant_env)
     _confirm(yes, dry_run, "keys retire")
     _run("retire", root, rank, deployment, json_output,
-         lambda s: retire_keys(s, tenant, dry_run=dry_run))
+         lambda s: retire_keys(s, who.resolve(s), dry_run=dry_run))
 
 
 def _confirm(yes: bool, dry_run: bool, what: str) -> None:

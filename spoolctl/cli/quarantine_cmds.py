@@ -14,6 +14,7 @@ from spoolctl.store import ConfigError, NotFoundError, parse_duration
 
 from . import render
 from .common import (
+    EXIT_FINDINGS,
     EXIT_OK,
     DeploymentOption,
     JsonOption,
@@ -242,15 +243,34 @@ def q_purge(
 
     def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
         chosen = _select(store.quarantine_items(), age, now, wanted)
-        if not dry_run:
-            for i in chosen:
-                store.quarantine.remove(i)
-        return {"dry_run": dry_run, "purged": [i.item_id for i in chosen],
-                "count": len(chosen), "bytes": sum(i.bytes for i in chosen)}, EXIT_OK
+        skipped = [] if dry_run else _remove_items(store, chosen)
+        done = [i for i in chosen if i.item_id not in {s["item"] for s in skipped}]
+        return {"dry_run": dry_run, "purged": [i.item_id for i in done],
+                "count": len(done), "bytes": sum(i.bytes for i in done),
+                "skipped": skipped}, EXIT_FINDINGS if skipped else EXIT_OK
 
     finish(run_on_targets(targets, job, json_output=json_output, view=_purge_view))
 
 
+def _remove_items(store: Store, chosen: list[QuarantineItem]) -> list[dict[str, Any]]:
+    """Purge ``chosen``; the items left partly in place (a planted tree too deep to walk),
+    each with what was kept and the fix."""
+    skipped = []
+    for i in chosen:
+        kept = store.quarantine.remove(i)
+        if kept:
+            skipped.append({
+                "item": i.item_id, "path": str(i.path), "kept": kept[:10],
+                "reason": f"{render.count(len(kept), 'directory', 'directories')} deeper "
+                          f"than {store.quarantine.max_depth} levels (spoolctl never writes "
+                          "one: someone planted it)",
+                "fix": f"look at who wrote it, then remove it: rm -rf -- {i.path}"})
+    return skipped
+
+
 def _purge_view(doc: dict[str, Any]) -> str:
     verb = "would purge" if doc["dry_run"] else "purged"
-    return f"{verb} {render.count(doc['count'], 'item')}, {render.size(doc['bytes'])}"
+    lines = [f"{verb} {render.count(doc['count'], 'item')}, {render.size(doc['bytes'])}"]
+    lines += [f"skipped {esc(s['item'])}: {esc(s['reason'])}; {esc(s['fix'])}"
+              for s in doc["skipped"]]
+    return "\n".join(lines)

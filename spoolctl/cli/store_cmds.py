@@ -322,7 +322,14 @@ def _status_view(doc: dict[str, Any]) -> Table | list[Any]:
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(q["by_reason"].items()))
     shown = f"{q['items']} items  {render.size(q['bytes'])}" + (f"  ({reasons})" if reasons else "")
     t.add_row("quarantined", text(shown, "red" if q["items"] else None))
-    t.add_row("temp files", f"{doc['tmp']['files']}  {render.size(doc['tmp']['bytes'])}")
+    tmp = doc["tmp"]
+    if tmp.get("at_least"):  # a listing bounded on purpose: the disk answered, tmp/ is huge
+        t.add_row("temp files", Text(
+            f"at least {tmp['files']} (counting stopped there)  {render.size(tmp['bytes'])}+: "
+            "abandoned writes fill tmp/; `spoolctl clean --tmp --yes` reclaims them",
+            style="yellow"))
+    else:
+        t.add_row("temp files", f"{tmp['files']}  {render.size(tmp['bytes'])}")
     if doc.get("malformed_rows"):
         t.add_row("malformed rows", Text(f"{doc['malformed_rows']} skipped by clean and status "
                                          "(`spoolctl doctor`)", style="red"))

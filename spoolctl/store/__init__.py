@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .commit.committer import PutOutcome, PutRequest
     from .disk.fsio import SpecialFileError, fsync_dir, read_small, write_tmp
     from .disk.locks import hold
+    from .disk.progress import install_progress_sink
     from .disk.root import ALLOW_FOREIGN_ENV, MARKER, check_root_path
     from .facts import StoreFacts
     from .format.digest import Hasher, hash_bytes, hash_parts
@@ -91,6 +92,7 @@ if TYPE_CHECKING:
         retire_keys,
         revoke_tenant,
         rotate_keys,
+        tenant_from_argument,
     )
     from .transfer.archive import FdSink, deployment_of, rank_of
     from .transfer.archive_sign import (
@@ -112,6 +114,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".catalog.rows": ("MalformedRow",),
     ".commit.committer": ("PutOutcome", "PutRequest"),
     ".disk.fsio": ("SpecialFileError", "fsync_dir", "read_small", "write_tmp"),
+    ".disk.progress": ("install_progress_sink",),
     ".disk.locks": ("hold",),
     ".disk.root": ("ALLOW_FOREIGN_ENV", "MARKER", "check_root_path"),
     ".facts": ("StoreFacts",),
@@ -139,7 +142,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".store": ("Store",),
     ".tenant_keys": (
         "encryption_checks", "encryption_summary", "key_usage", "retire_keys", "revoke_tenant",
-        "rotate_keys",
+        "rotate_keys", "tenant_from_argument",
     ),
     ".transfer.archive": ("FdSink", "deployment_of", "rank_of"),
     ".transfer.archive_sign": (
@@ -237,6 +240,7 @@ __all__ = [
     "hold",
     "import_from_root",
     "inspect_root",
+    "install_progress_sink",
     "judge",
     "key_usage",
     "load_signing_key",
@@ -256,6 +260,7 @@ __all__ = [
     "rotate_keys",
     "run_checks",
     "sign_archive",
+    "tenant_from_argument",
     "validate_entry_id",
     "validate_entry_prefix",
     "validate_item_id",

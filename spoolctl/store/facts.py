@@ -54,6 +54,7 @@ class StoreFacts:
     quarantine: QuarantineFacts
     tmp_files: int
     tmp_bytes: int
+    tmp_complete: bool  # False: the count stopped at gc.TMP_COUNT_LIMIT (there are more)
     owner: OwnerInfo | None
     scrub: ScrubSummary
     unknown_files: tuple[str, ...] = ()
@@ -84,9 +85,10 @@ class StoreFacts:
     @property
     def needs_attention(self) -> bool:
         """What ``status --check`` flags: quarantine, over max size, scrub findings
-        (quarantined or unreadable entries), malformed catalog rows."""
+        (quarantined or unreadable entries), malformed catalog rows, a tmp/ too full to
+        count."""
         return bool(self.quarantine.items or self.over_max or self.last_scrub_quarantined
-                    or self.scrub_unreadable or self.malformed_rows)
+                    or self.scrub_unreadable or self.malformed_rows or not self.tmp_complete)
 
     def to_json(self) -> dict[str, Any]:
         last = self.scrub.last_cycle
@@ -102,7 +104,8 @@ class StoreFacts:
             "by_kind": self.by_kind,
             "released": {"entries": self.released_entries, "bytes": self.released_bytes},
             "quarantined": self.quarantine.to_json(),
-            "tmp": {"files": self.tmp_files, "bytes": self.tmp_bytes},
+            "tmp": {"files": self.tmp_files, "bytes": self.tmp_bytes,
+                    "at_least": not self.tmp_complete},
             "orphans": {"reclaimed_by_last_scrub": {
                 "objects": last.orphan_objects if last else 0,
                 "bytes": last.orphan_bytes if last else 0}},
@@ -145,7 +148,7 @@ def collect(store: FactSource) -> StoreFacts:
     by_reason: dict[str, int] = {}
     for item in items:
         by_reason[item.reason] = by_reason.get(item.reason, 0) + 1
-    tmp_files, tmp_bytes = tmp_usage(store.layout.tmp)
+    tmp_files, tmp_bytes, tmp_complete = tmp_usage(store.layout.tmp)
     return StoreFacts(
         root=str(store.root),
         store_id=store.marker.store_id,
@@ -158,6 +161,7 @@ def collect(store: FactSource) -> StoreFacts:
         quarantine=QuarantineFacts(len(items), sum(i.bytes for i in items), by_reason),
         tmp_files=tmp_files,
         tmp_bytes=tmp_bytes,
+        tmp_complete=tmp_complete,
         owner=store.owner(),
         scrub=ScrubState.summary_of(store),
         unknown_files=tuple(store.unknown_files),

@@ -86,6 +86,6 @@ class Queries:
                                  fix="type more characters of the id")
         return matches[0]
 
-    def tmp_usage(self) -> tuple[int, int]:
-        """(files, bytes) under tmp/."""
+    def tmp_usage(self) -> tuple[int, int, bool]:
+        """(files, bytes, complete) of tmp/ (``gc.tmp_usage``: a bounded count)."""
         return tmp_usage(self._layout.tmp)

@@ -103,6 +103,7 @@ from .format.manifest import Manifest, authenticate, canonical_json
 from .maintain.clean import CLEAN_STEPS, CleanReport, run_clean
 from .maintain.gc import (
     DEFAULT_ORPHAN_AGE,
+    TMP_COUNT_LIMIT,
     DeleteReport,
     GarbageCollector,
     clean_tmp,
@@ -264,7 +265,8 @@ class Store:
             raise
         store._shedding(store._upgrade)
         store.reserve.ensure()
-        clean_tmp(layout.tmp, min_age=float("inf"), dry_run=False)  # dead writers' files
+        # Dead writers' files, a bounded number per open: `clean --tmp` reclaims any number.
+        clean_tmp(layout.tmp, min_age=float("inf"), dry_run=False, limit=TMP_COUNT_LIMIT)
         with try_hold_gated(store._maint_lock, store._maint_gate) as alone:
             if alone:
                 try:

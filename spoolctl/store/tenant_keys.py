@@ -21,9 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, KeyUnavailableError
-from .sealing import Sealer
+from ..errors import ConfigError, InvalidIdError, KeyUnavailableError
+from .format.keys import TenantId
+from .sealing import DEFAULT_TENANT, Sealer
 from .store import Store
+
+# A tenant is named by its name (vLLM: the cache_salt, a secret) or by its opaque id.
+Tenant = str | TenantId
 
 
 @dataclass
@@ -87,17 +91,51 @@ def key_usage(store: Store) -> dict[str, Any]:
     return doc
 
 
-def revoke_tenant(store: Store, tenant: str, *, dry_run: bool = False) -> KeyChange:
+def _tid(sealer: Sealer, tenant: Tenant) -> str:
+    return tenant.tid if isinstance(tenant, TenantId) else sealer.tenant_id(tenant)
+
+
+def known_tenant_ids(store: Store) -> set[str]:
+    """The tenant ids this store knows: in its keyring, or on its sealed entries."""
+    sealer = _sealer(store, owned=False)
+    counts = store.run_with_catalog_repair(store.catalog.sealed_counts)
+    return {t.tenant_id for t in sealer.keyring.tenants()} | {tid for tid, *_ in counts}
+
+
+def tenant_from_argument(store: Store, value: str) -> Tenant:
+    """The tenant a command-line ``--tenant`` value names: an id (16 hex, as ``keys ls``
+    shows it) or ``default``. A tenant's name there would be a secret in every process
+    listing and shell history: ConfigError when ``value`` is the name of a tenant this store
+    knows (its keyed id is known) or is not an id at all; the message never repeats it."""
+    if value == DEFAULT_TENANT:
+        return value
+    sealer = _sealer(store)
+    known = known_tenant_ids(store)
+    secret = "a tenant's name (vLLM: its cache_salt) is a secret: never pass it as an argument"
+    fix = ("pass the name in a file (--tenant-file PATH, or --tenant-file - for stdin) or an "
+           "environment variable (--tenant-env VAR), or the tenant's id (`spoolctl keys ls`)")
+    if sealer.tenant_id(value) in known and value not in known:
+        raise ConfigError(f"--tenant was given a tenant's name, not its id: {secret}",
+                          fix=f"rotate that secret if others can read this host's process "
+                              f"list or your shell history; {fix}")
+    try:
+        return TenantId(value)
+    except InvalidIdError:
+        raise ConfigError(f"--tenant takes a tenant id (16 hex characters); {secret}",
+                          fix=fix) from None
+
+
+def revoke_tenant(store: Store, tenant: Tenant, *, dry_run: bool = False) -> KeyChange:
     """Crypto-erase ``tenant`` (see the module docstring)."""
-    return _erase(store, _sealer(store).tenant_id(tenant), None, dry_run, "revoke")
+    return _erase(store, _tid(_sealer(store), tenant), None, dry_run, "revoke")
 
 
-def retire_keys(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
+def retire_keys(store: Store, tenant: Tenant | None, *, dry_run: bool = False) -> KeyChange:
     """Erase every version but the current one (older ones, and keys imported from archives),
     of ``tenant`` (None: every tenant)."""
     sealer = _sealer(store)
     change = KeyChange("retire", dry_run)
-    tids = [sealer.tenant_id(tenant)] if tenant is not None else \
+    tids = [_tid(sealer, tenant)] if tenant is not None else \
         [t.tenant_id for t in sealer.keyring.tenants()]
     for t in sealer.keyring.tenants():
         if t.tenant_id in tids and t.current is not None:
@@ -108,12 +146,12 @@ def retire_keys(store: Store, tenant: str | None, *, dry_run: bool = False) -> K
     return change
 
 
-def rotate_keys(store: Store, tenant: str | None, *, dry_run: bool = False) -> KeyChange:
+def rotate_keys(store: Store, tenant: Tenant | None, *, dry_run: bool = False) -> KeyChange:
     """A new current key version for ``tenant`` (None: every tenant with a key)."""
     sealer = _sealer(store)
     store._writable("rotating keys")
     change = KeyChange("rotate", dry_run)
-    tids = [sealer.tenant_id(tenant)] if tenant is not None else \
+    tids = [_tid(sealer, tenant)] if tenant is not None else \
         [t.tenant_id for t in sealer.keyring.tenants()]
     if dry_run:  # a new version is a random id (decision 2812): none is drawn for a dry run
         change.tenants = {tid: [] for tid in tids}

@@ -9,6 +9,9 @@ Called by ``spoolctl clean --genai`` *before* ``Store.clean_released``:
 * a record whose target is not Google's endpoint over https (nor an origin the operator
   allowed, ``genai_endpoints``) is refused before any client is built: no credentials go
   there, the record stays pending and lands in ``refused`` (a finding);
+* the cache deleted is the one the record's manifest names, in the record's own project and
+  location (``endpoints.scoped_name``): a catalog row naming another cache, or a manifest
+  naming one of another project, location or API, is refused like a foreign endpoint;
 * a record whose cache has expired is settled without a request (the service
   drops expired caches itself) and released, so local cleanup removes it.
 
@@ -30,7 +33,7 @@ from typing import Any
 
 from spoolctl.store import ConfigError, MalformedRow, NotFoundError, SpoolError, Store
 
-from .endpoints import EndpointPolicy
+from .endpoints import EndpointPolicy, owned_name_refusal, scoped_name
 from .records import (
     KIND,
     GenaiRecord,
@@ -172,17 +175,22 @@ def clean_remote(
         if not pending:
             continue  # live, or released and already deleted on the server
         try:
-            target = GenaiRecord.from_manifest(store.manifest(row.entry_id), row).target
+            record = GenaiRecord.from_manifest(store.manifest(row.entry_id), row)
         except MalformedRow as exc:
             report.malformed.append((row.entry_id, exc.reason))
             continue
         except SpoolError as exc:
             report.skipped.append((name, f"record unreadable: {exc}"))
             continue
-        refused = policy.check(target, row.entry_id)
+        # The cache to delete is the one the manifest names (checked on load, tagged under a
+        # tag key), never the catalog's copy: any writer of the store can edit that.
+        target, name = record.target, record.name
+        refused = policy.check(target, row.entry_id) or \
+            owned_name_refusal(record, index.get("name"))
         if refused is not None:
             report.refused.append((name, refused))
             continue
+        scoped = scoped_name(target, name)
         client = _client_for(target, factory, clients, refusals)
         if client is None:
             report.skipped.append((name, refusals[target]))
@@ -191,7 +199,7 @@ def clean_remote(
             report.deleted.append(name)
             continue
         try:
-            client.caches.delete(name=name)
+            client.caches.delete(name=scoped)
         except Exception as exc:
             err = remote_error(exc, "deleting a cached content", name)
             if isinstance(err, NotFoundError):

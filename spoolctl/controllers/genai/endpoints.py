@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from spoolctl.store import ConfigError
 
-from .records import GenaiTarget
+from .records import GenaiRecord, GenaiTarget
 
 ENDPOINTS_ENV = "SPOOLCTL_GENAI_ENDPOINTS"
 """Comma-separated origins (``http://127.0.0.1:8080``) the operator allows besides Google's."""
@@ -120,3 +120,46 @@ class EndpointPolicy:
                 f"endpoint, allow it: {ENDPOINTS_ENV}={origin} or "
                 f"`spoolctl clean --genai --genai-endpoint {origin}`; otherwise find who wrote "
                 f"the record: the store's writer chose that address)")
+
+
+_NAME_PARTS_RE = re.compile(r"(?:projects/(?P<project>[^/]+)/locations/(?P<location>[^/]+)/)?"
+                            r"cachedContents/(?P<id>[A-Za-z0-9._-]+)")
+
+
+def scoped_name(target: GenaiTarget, name: str) -> str:
+    """``cachedContents/<id>`` of ``name``: the SDK completes it with the client's own
+    project and location (those of ``target``), so a delete never leaves them."""
+    m = _NAME_PARTS_RE.fullmatch(name)
+    if m is None:
+        raise ValueError(f"not a cachedContents name: {name[:80]!r}")
+    return f"cachedContents/{m.group('id')}"
+
+
+def name_refusal(target: GenaiTarget, name: str) -> str | None:
+    """Why ``name`` is not a cache of ``target`` (one phrase), or None when it is one: a
+    Gemini API cache has the short form; a full Vertex name must be in the target's location
+    and project (or a project number: Vertex names projects by number, the SDK by id)."""
+    m = _NAME_PARTS_RE.fullmatch(name)
+    if m is None or m.group("id").strip(".") == "":
+        return f"{name[:80]!r} is not a cachedContents name"
+    if m.group("project") is None:
+        return None
+    if target.api != "vertex":
+        return f"{name[:120]!r} names a Vertex AI cache, the record a Gemini API one"
+    if m.group("location") != target.location:
+        return f"{name[:120]!r} is in another location than the record's ({target.location})"
+    if m.group("project") != target.project and not m.group("project").isdigit():
+        return f"{name[:120]!r} is in another project than the record's ({target.project})"
+    return None
+
+
+def owned_name_refusal(record: GenaiRecord, row_name: object) -> str | None:
+    """``name_refusal`` for the cache ``record`` (read from its manifest) names, and a
+    catalog row that names another: one line naming the record and the fix, or None."""
+    why = name_refusal(record.target, record.name)
+    if why is None and row_name is not None and row_name != record.name:
+        why = "its catalog row names another cache than its manifest (the row was edited)"
+    if why is None:
+        return None
+    return (f"record {record.entry_id[:16]}: nothing deleted: {why}; find who wrote the "
+            "record: the store's writer chose that name")

@@ -293,7 +293,7 @@ class Committer:
                     claim=not revive,
                     hints={p.entry_id: p.hint for p in recorded if p.hint != "retain"})
                 self._publisher.mark("catalog", "intent")
-            except OSError as exc:  # an injected fault at the checkpoint (faults.FAIL_ENV)
+            except OSError as exc:  # a fault a test injected at the checkpoint (faults.install)
                 self._forget_intents(recorded)
                 raise io_error(exc, "committing entries", self._ctx.layout.manifests) from exc
             for p in recorded:
@@ -314,7 +314,7 @@ class Committer:
             except SpoolError as exc:
                 p.fail(exc)
                 self._discard(p)
-            except OSError as exc:  # an injected fault at a checkpoint (faults.FAIL_ENV)
+            except OSError as exc:  # a fault a test injected at a checkpoint (faults.install)
                 p.fail(io_error(exc, "writing an entry", self._ctx.layout.tmp))
                 self._discard(p)
         return recorded

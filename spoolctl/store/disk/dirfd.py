@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
-import shutil
 import stat
 import threading
 from collections.abc import Iterator
@@ -268,12 +268,24 @@ def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
             os.replace(src_name, dst_name, src_dir_fd=sfd, dst_dir_fd=dfd)
 
 
-def rmtree(path: str | os.PathLike[str]) -> None:
-    """Remove the directory tree at ``path`` (``shutil.rmtree`` relative to its parent's
-    descriptor: it never follows a symlink inside the tree either)."""
+# Deeper than this, ``rmtree`` leaves a tree in place: one descriptor is held per level, and
+# nothing spoolctl writes is more than two levels deep (a deeper tree was planted).
+MAX_TREE_DEPTH = 64
+
+
+def rmtree(path: str | os.PathLike[str], *, max_depth: int = MAX_TREE_DEPTH) -> list[str]:
+    """Remove the directory tree at ``path`` without following a symlink anywhere in it
+    (every call names one entry of a directory open as a descriptor), iteratively: a tree
+    of any depth costs no recursion. Directories deeper than ``max_depth`` levels below
+    ``path`` are left in place, and so are the directories holding them; returns those
+    deepest kept directories (paths under ``path``); an empty list: all of it is gone."""
     parent, name = _split(path)
     with opened(parent) as fd:
-        shutil.rmtree(name, dir_fd=fd)
+        skipped = _rmtree_under(fd, name, os.fspath(path), max_depth)
+        if not skipped:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(name, dir_fd=fd)
+    return skipped
 
 
 @dataclass(frozen=True)
@@ -338,11 +350,74 @@ def lstat(path: str | os.PathLike[str]) -> os.stat_result:
         return os.stat(name, dir_fd=fd, follow_symlinks=False)
 
 
-def listing(fd: int) -> list[os.DirEntry]:
+class _Level:
+    """One open directory of an ``rmtree`` walk: its descriptor and what is left of it."""
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path, self.kept = fd, path, False
+        self.left = [(e.name, e.is_dir(follow_symlinks=False)) for e in listing(fd)]
+
+
+def _rmtree_under(parent_fd: int, name: str, path: str, max_depth: int) -> list[str]:
+    """Empty the directory ``name`` of ``parent_fd`` (see ``rmtree``); it stays itself."""
+    skipped: list[str] = []
+    try:
+        stack = [_Level(os.open(name, _DIR_FLAGS, dir_fd=parent_fd), path)]
+    except FileNotFoundError:
+        return skipped
+    try:
+        while stack:
+            top = stack[-1]
+            if not top.left:
+                stack.pop()
+                os.close(top.fd)
+                if stack and top.kept:
+                    stack[-1].kept = True
+                elif stack:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rmdir(os.path.basename(top.path), dir_fd=stack[-1].fd)
+                continue
+            entry, is_dir = top.left.pop()
+            if not is_dir:
+                _unlink_entry(top.fd, entry)
+            elif len(stack) > max_depth:
+                top.kept = True
+                skipped.append(os.path.join(top.path, entry))
+            else:
+                child = _open_subdir(top.fd, entry)
+                if child is not None:
+                    stack.append(_Level(child, os.path.join(top.path, entry)))
+    finally:
+        for level in stack:
+            os.close(level.fd)
+    return skipped
+
+
+def _open_subdir(fd: int, name: str) -> int | None:
+    """A descriptor of directory ``name`` of ``fd``; None when it is gone, or was swapped
+    for a symlink or a file since the listing (then that is unlinked instead)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+    _unlink_entry(fd, name)
+    return None
+
+
+def _unlink_entry(fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=fd)
+
+
+def listing(fd: int, limit: int | None = None) -> list[os.DirEntry]:
     """The entries of the directory open at ``fd`` (``scandir`` on the descriptor: each
-    entry's ``stat(follow_symlinks=False)`` is relative to it too)."""
+    entry's ``stat(follow_symlinks=False)`` is relative to it too); the first ``limit`` of
+    them when given (the directory is read no further)."""
     with os.scandir(fd) as it:
-        return list(it)
+        return list(it) if limit is None else list(itertools.islice(it, limit))
 
 
 class DirFds:

@@ -1,28 +1,17 @@
-"""Named durability checkpoints for crash testing.
+"""Named durability checkpoints, and the hook tests use to act at one.
 
 Every durability step of the store calls ``checkpoint(name)`` with a name from
-``CHECKPOINTS`` (any other name is refused). In production this is two set lookups.
-A test sets ``SPOOLCTL_CRASH_AT=<name>`` (optionally ``<name>:<n>`` to crash at the
-n-th pass) in a subprocess, which then dies with
-``os._exit(CRASH_EXIT_CODE)`` exactly there, like a power cut or kill -9
-(no cleanup handlers, no buffered writes flushed).
+``CHECKPOINTS`` (any other name is refused). In a product process no hook is installed and
+this is one set lookup: nothing here reads the environment, so no variable an attacker can
+set for root's maintenance crashes, fails or pauses it. The test suite installs a hook
+(``install``) in the processes it starts, through its own bootstrap (``tests/faultseam.py``):
+a crash there (``os._exit``, like a power cut or kill -9), an injected OSError, or a pause
+until the test has acted.
 """
 
 from __future__ import annotations
 
-import errno
-import os
-
-CRASH_EXIT_CODE = 86
-ENV = "SPOOLCTL_CRASH_AT"
-# ``SPOOLCTL_FAIL_AT=<name>:<ENOSPC|EIO|...>`` raises that OSError at the checkpoint instead,
-# to prove a disk error there leaves the store consistent.
-FAIL_ENV = "SPOOLCTL_FAIL_AT"
-# ``SPOOLCTL_PAUSE_AT=<name>:<dir>`` stops at the checkpoint until a test has acted there: the
-# process writes a line to the FIFO ``<dir>/reached``, then waits for a line on the FIFO
-# ``<dir>/resume``. This makes a race deterministic (a store writer swapping a directory
-# for a symlink between root's listing and its unlinks, issue 35.1), without sleeps.
-PAUSE_ENV = "SPOOLCTL_PAUSE_AT"
+from collections.abc import Callable
 
 # Every checkpoint the store passes, by operation. ``checkpoint()`` refuses any other name, so
 # this list cannot go stale: a new durability step must be named here to run at all.
@@ -57,75 +46,30 @@ CHECKPOINTS: frozenset[str] = frozenset(
     COMMIT_CHECKPOINTS + DELETE_CHECKPOINTS + QUARANTINE_CHECKPOINTS + SCRUB_CHECKPOINTS
     + RACE_CHECKPOINTS + TRANSFER_CHECKPOINTS + INIT_CHECKPOINTS + CATALOG_CHECKPOINTS)
 
-_target: str | None = None
-_countdown = 0
-_fail: tuple[str, int] | None = None
-_pause: tuple[str, str] | None = None
+Hook = Callable[[str], None]
+_hook: Hook | None = None
 
 
-def _load() -> None:
-    global _target, _countdown, _fail, _pause
-    pause = os.environ.get(PAUSE_ENV)
-    if pause:
-        point, _, directory = pause.partition(":")
-        _known(point, PAUSE_ENV)
-        _pause = (point, directory)
-    else:
-        _pause = None
-    fail = os.environ.get(FAIL_ENV)
-    if fail:
-        point, _, code = fail.partition(":")
-        _known(point, FAIL_ENV)
-        _fail = (point, int(getattr(errno, code or "EIO")))
-    else:
-        _fail = None
-    spec = os.environ.get(ENV)
-    if not spec:
-        _target = None
-        return
-    name, _, count = spec.partition(":")
-    _known(name, ENV)
-    _target = name
-    _countdown = int(count) if count else 1
-
-
-def _known(name: str, where: str) -> None:
-    if name not in CHECKPOINTS:
-        raise ValueError(f"unknown checkpoint {name!r} (in {where}); "
-                         f"known: {', '.join(sorted(CHECKPOINTS))}")
-
-
-_load()
+def install(hook: Hook | None) -> None:
+    """Call ``hook(name)`` at every checkpoint from now on (None: none). For test harnesses:
+    nothing in spoolctl installs one."""
+    global _hook
+    _hook = hook
 
 
 def checkpoint(name: str) -> None:
-    """Mark a durability step; die here if a test asked for it.
+    """Mark a durability step (and call the installed hook, if any).
 
     Raises ValueError for a name not in ``CHECKPOINTS`` (a step nobody can crash-test).
     """
-    global _countdown
     if name not in CHECKPOINTS:
-        _known(name, "checkpoint()")
-    if _fail is not None and name == _fail[0]:
-        raise OSError(_fail[1], os.strerror(_fail[1]))
-    if _pause is not None and name == _pause[0]:
-        _wait_here(_pause[1])
-    if _target is None or name != _target:
-        return
-    _countdown -= 1
-    if _countdown <= 0:
-        os._exit(CRASH_EXIT_CODE)
+        known(name, "checkpoint()")
+    if _hook is not None:
+        _hook(name)
 
 
-def _wait_here(directory: str) -> None:
-    """Tell the test this checkpoint is reached and wait until it says to go on (each
-    FIFO open blocks until the test opens the other end)."""
-    with open(os.path.join(directory, "reached"), "w") as f:
-        f.write("reached\n")
-    with open(os.path.join(directory, "resume")) as f:
-        f.readline()
-
-
-def reload() -> None:
-    """Re-read the environment (for in-process unit tests)."""
-    _load()
+def known(name: str, where: str) -> None:
+    """ValueError unless ``name`` is a checkpoint (``where`` says who named it)."""
+    if name not in CHECKPOINTS:
+        raise ValueError(f"unknown checkpoint {name!r} (in {where}); "
+                         f"known: {', '.join(sorted(CHECKPOINTS))}")

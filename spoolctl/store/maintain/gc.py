@@ -40,6 +40,7 @@ from ..capacity import low_watermark
 from ..disk import (
     dirfd,
     faults,
+    progress,
 )
 from ..disk.fsio import describe_os_error, fsync_dir, tmp_writer, unlink_many
 from ..disk.sqlite_files import no_space
@@ -379,9 +380,11 @@ class _Unlinking:
                 pass
 
 
-def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool) -> DeleteReport:
+def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool,
+              limit: int | None = None) -> DeleteReport:
     """Delete temp files whose writer is dead, or that are older than ``min_age`` seconds
-    and whose writer is not a live process of this host.
+    and whose writer is not a live process of this host; look at the first ``limit`` files
+    only when given (opening a store must not take as long as tmp/ is large).
 
     A temp file of a live writer is kept unless it is older than an hour (a real write
     takes seconds; only a reused pid can be that old), so ``min_age=0`` never breaks a
@@ -399,14 +402,16 @@ def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool) -> DeleteReport:
         return report
     try:
         try:
-            found = dirfd.listing(fd)
+            found = dirfd.listing(fd, limit)
         except OSError as exc:
             report.failed[str(tmp_dir)] = describe_os_error(exc)
             return report
         faults.checkpoint("tmp.listed")
-        for e in found:
+        for n, e in enumerate(found, 1):
             _clean_tmp_entry(fd, e, os.path.join(tmp_dir, e.name), now, min_age, dry_run,
                              report)
+            if n % 512 == 0:
+                progress.tick()
     finally:
         os.close(fd)
     return report
@@ -436,15 +441,25 @@ def _clean_tmp_entry(fd: int, e: os.DirEntry, path: str, now: float, min_age: fl
     report.bytes += st.st_size
 
 
-def tmp_usage(tmp_dir: Path) -> tuple[int, int]:
-    """(files, bytes) under ``tmp_dir``."""
+# ``tmp_usage`` counts at most this many temp files: a healthy store holds a handful (one per
+# write in flight), and a directory of millions must not make ``status`` look like a hung disk.
+TMP_COUNT_LIMIT = 10_000
+
+
+def tmp_usage(tmp_dir: Path, limit: int = TMP_COUNT_LIMIT) -> tuple[int, int, bool]:
+    """(files, bytes, complete) of ``tmp_dir``, counting at most ``limit`` files: ``complete``
+    is False when the listing stopped there (there are at least that many)."""
     files = size = 0
     with contextlib.suppress(OSError):  # an unreadable tmp/ is doctor's finding
         for e in dirfd.scandir(tmp_dir):
+            if files >= limit:
+                return files, size, False
             with contextlib.suppress(FileNotFoundError):
                 size += e.stat(follow_symlinks=False).st_size
                 files += 1
-    return files, size
+            if files % 512 == 0:
+                progress.tick()
+    return files, size, True
 
 
 def pid_alive(pid: int) -> bool:

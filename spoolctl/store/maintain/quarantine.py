@@ -65,6 +65,8 @@ def validate_item_id(item_id: str) -> str:
 class Quarantine:
     """The quarantine directory of one store."""
 
+    max_depth = dirfd.MAX_TREE_DEPTH  # ``remove`` leaves deeper directories in place
+
     def __init__(self, directory: Path, tmp_dir: Path):
         self.directory = directory
         self._tmp = tmp_dir
@@ -167,10 +169,14 @@ class Quarantine:
             files=files, bytes=size,
         )
 
-    def remove(self, item: QuarantineItem) -> None:
+    def remove(self, item: QuarantineItem) -> list[str]:
+        """Delete ``item``; returns the directories left in place because they lie deeper
+        than ``dirfd.MAX_TREE_DEPTH`` (planted: spoolctl writes items one level deep), with
+        the item's own directory holding them; an empty list: the item is gone."""
         try:
             faults.checkpoint("quarantine.listed")
-            dirfd.rmtree(item.path)
+            kept = dirfd.rmtree(item.path)
             fsync_dir(self.directory)
         except OSError as exc:
             raise io_error(exc, "purging a quarantine item", item.path) from exc
+        return kept

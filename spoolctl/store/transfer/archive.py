@@ -125,6 +125,9 @@ class Member:
 
 def parse_member(name: str, size: int) -> Member:
     """Classify a member by its name and size; ArchiveError for anything off-grammar."""
+    if not isinstance(size, int) or size < 0:  # a base-256 size field can be negative
+        raise ArchiveError(f"member {_show(name)} has an invalid size ({size})",
+                           fix="the archive is damaged or hostile; do not import it")
     if name == INDEX_NAME:
         if size > MAX_INDEX_BYTES:
             raise ArchiveError(f"archive index is {size} bytes (limit {MAX_INDEX_BYTES})",

@@ -97,11 +97,10 @@ def stage_object(store: Store, source: Source, size: int, digest: str,
     file if its digest is ``digest``; otherwise deletes it and raises DigestMismatch. Not
     fsynced here (``Section`` flushes it on a helper thread while the next objects are
     read)."""
-    path = store.layout.tmp / tmp_name()
-    try:  # through tmp/'s descriptor: never into a tmp/ swapped for a link (issue 35.1)
-        fd = dirfd.create(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        raise io_error(exc, "creating a temporary file", path) from exc
+    if size < 0:
+        raise ArchiveError(f"object {digest} has a negative size",
+                           fix="the source is damaged or hostile; do not import it")
+    # Buffers before the file: nothing that can fail lies between its creation and the try.
     hasher = Hasher()
     n_buf = min(COPY_CHUNK, size)
     # An object up to INLINE_HASH_MAX is hashed on this thread, chunk by chunk, between its
@@ -111,6 +110,11 @@ def stage_object(store: Store, source: Source, size: int, digest: str,
     inline = size <= INLINE_HASH_MAX
     bufs = [memoryview(bytearray(n_buf))] if size and inline else \
         [memoryview(bytearray(n_buf)), memoryview(bytearray(n_buf))] if size else []
+    path = store.layout.tmp / tmp_name()
+    try:  # through tmp/'s descriptor: never into a tmp/ swapped for a link (issue 35.1)
+        fd = dirfd.create(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise io_error(exc, "creating a temporary file", path) from exc
     pending = None
     try:
         try:
