@@ -167,7 +167,7 @@ def test_the_command_list_is_every_store_command() -> None:
     from spoolctl.cli import commands
 
     names = set()
-    for module in commands.MODULES:
+    for module in commands.modules():
         for info in module.commands.registered_commands:
             names.add(info.name)
         for group in module.commands.registered_groups:

@@ -62,7 +62,8 @@ def test_restoring_the_store_from_before_a_revoke_decrypts_nothing_of_the_tenant
     run_json("export", "-o", str(archive), "--root", str(root), env=env)
     shutil.copytree(root, backup, symlinks=True)  # a backup of the store, no key needed
 
-    run_json("keys", "revoke", "--tenant", "acme", "--yes", "--root", str(root), env=env)
+    run_json("keys", "revoke", "--tenant-env", "TENANT", "--yes", "--root", str(root),
+             env={**env, "TENANT": "acme"})
     ledger = Path(env[FILE_ENV] + ".erased")
     assert ledger.exists() and not ledger.is_relative_to(root)
 
@@ -98,8 +99,8 @@ def test_restoring_the_store_from_before_a_revoke_decrypts_nothing_of_the_tenant
 
     # Without a ledger a revoke is refused in one line, and nothing is erased.
     value_env = {VALUE_ENV: Path(env[FILE_ENV]).read_text().strip()}
-    code, _, err = run("keys", "revoke", "--tenant", "other", "--yes", "--root", str(root),
-                       env=value_env)
+    code, _, err = run("keys", "revoke", "--tenant-env", "TENANT", "--yes", "--root",
+                       str(root), env={**value_env, "TENANT": "other"})
     assert code != 0 and LEDGER_ENV in err and len(err.strip().splitlines()) == 1, err
     with Store.open(root, master_key=MasterKey.from_environment(env)) as store:
         assert bytes(store.read(store.lookup(KIND, NS, "p1", tenant="other"), "kv")) == \

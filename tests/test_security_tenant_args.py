@@ -32,7 +32,9 @@ def keyed(tmp_path: Path) -> tuple[Path, dict[str, str], str]:
                       tenant=tenant)
         assert store.sealer is not None
         tid = store.sealer.tenant_id(SALT)
-    return root, {"SPOOLCTL_MASTER_KEY": hex_key}, tid
+    # a revoke records the keys it erases in a ledger outside the store
+    return root, {"SPOOLCTL_MASTER_KEY": hex_key,
+                  "SPOOLCTL_KEY_LEDGER": str(tmp_path / "erased-keys.json")}, tid
 
 
 def script_json(*argv: str, env: dict[str, str], stdin: str | None = None) -> dict:

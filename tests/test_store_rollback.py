@@ -30,12 +30,12 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from faultseam import CRASH_EXIT_CODE
 from operator_cli import ENV, run
 
 from spoolctl.errors import CorruptionError
 from spoolctl.store import Store, entry_id_for
 from spoolctl.store.catalog.schema import DDL_V1
-from spoolctl.store.disk.faults import CRASH_EXIT_CODE
 
 pytestmark = pytest.mark.base
 
