@@ -19,7 +19,7 @@
 #                                     # file): the base set and the demo in .venv-newest
 #   bash scripts/run.sh test-lowest   # the oldest versions it allows (uv's lowest-direct
 #                                     # resolution): the base set in .venv-lowest
-#   bash scripts/run.sh test-lanes    # both, one after the other (CI runs them beside `test`)
+#   bash scripts/run.sh test-lanes    # both, side by side (CI runs them beside `test`)
 #
 # Installs are idempotent: a stamp records what was installed for which pyproject.
 set -euo pipefail
@@ -245,9 +245,11 @@ case "$job" in
     base_set "$LOWEST_VENV" "$@"
     ;;
   test-lanes)
+    # side by side: each is mostly one pytest process, and they share no venv
+    bash "$SELF" test-newest "$@" & newest=$!
     rc=0
-    bash "$SELF" test-newest "$@" || rc=$?
     bash "$SELF" test-lowest "$@" || rc=$?
+    wait "$newest" || rc=$?
     exit "$rc"
     ;;
   docs)
