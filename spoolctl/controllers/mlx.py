@@ -71,6 +71,9 @@ PREFILL_STEP = 512
 #: mlx-lm cache classes stored beyond plain ``KVCache`` (sliding windows, state-space,
 #: quantized KV).
 FAMILY_CLASSES = {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache"}
+#: mlx-lm model types refused (docs/controllers.md): each layer's cache is a ``CacheList``
+#: (two caches in one layer, e.g. attention + state-space), which spoolctl does not store.
+REFUSED_MODEL_TYPES = ("baichuan_m1", "deepseek_v32", "falcon_h1", "longcat_flash")
 #: ``kv_bits`` and ``kv_group_size`` values ``mx.quantize`` accepts.
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
