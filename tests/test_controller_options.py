@@ -165,3 +165,9 @@ def test_mlx_refuses_falcon_h1_naming_the_controller_that_runs_it(tmp_path):
     with pytest.raises(ConfigError, match=r"model type 'falcon_h1' uses mlx-lm cache types "
                                           r"\['CacheList'\].*PyTorchCacheController"):
         MlxCacheController(model_dir, tmp_path / "store")
+
+
+def test_async_calls_stay_coroutine_functions():
+    controller = _controller("GoogleGenAICacheController")
+    for name in ("aprepare", "agenerate", "arelease", "aclose"):
+        assert inspect.iscoroutinefunction(getattr(controller, name)), name

@@ -34,8 +34,7 @@ def _strict(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         return fn
     allowed = frozenset(accepted_options(fn))
 
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if kwargs and not allowed.issuperset(kwargs):
             unknown = sorted(set(kwargs) - allowed)[0]
             near = difflib.get_close_matches(unknown, sorted(allowed), n=1)
@@ -45,6 +44,18 @@ def _strict(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             where = owner if name == "__init__" else f"{owner}.{name}"
             raise ConfigError(f"{where}() takes no argument {unknown!r}",
                               fix=f"{hint}it takes: {', '.join(sorted(allowed))}")
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def acall(*args: Any, **kwargs: Any) -> Any:
+            check(args, kwargs)
+            return await fn(*args, **kwargs)
+        setattr(acall, _MARK, True)
+        return acall
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        check(args, kwargs)
         return fn(*args, **kwargs)
 
     setattr(call, _MARK, True)
