@@ -45,6 +45,7 @@ from spoolctl.store import Store
 
 from . import mlx_codec, mlx_files, mlx_generate, mlx_import_check
 from .contract import CacheHandle, CachePrepareParams
+from .local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
 from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.mlx_format import (
@@ -70,6 +71,9 @@ PREFILL_STEP = 512
 #: mlx-lm cache classes stored beyond plain ``KVCache`` (sliding windows, state-space,
 #: quantized KV).
 FAMILY_CLASSES = {"KVCache", "RotatingKVCache", "ArraysCache", "QuantizedKVCache"}
+#: mlx-lm model types refused (docs/controllers.md): each layer's cache is a ``CacheList``
+#: (two caches in one layer, e.g. attention + state-space), which spoolctl does not store.
+REFUSED_MODEL_TYPES = ("baichuan_m1", "deepseek_v32", "falcon_h1", "longcat_flash")
 #: ``kv_bits`` and ``kv_group_size`` values ``mx.quantize`` accepts.
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -153,10 +157,12 @@ class MlxBackend:
             self.model, self.tokenizer = mlx_lm.load(
                 str(self.model_dir),
                 adapter_path=os.fspath(adapter_path) if adapter_path is not None else None)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"mlx-lm cannot load the model: {exc}", path=self.model_dir,
-                              fix="pass a transformers-format model directory mlx-lm supports"
-                              ) from None
+        except Exception as exc:  # mlx-lm raises whatever its model code hits (TypeError...)
+            why = " ".join(str(exc).split())[:300]
+            raise ConfigError(f"mlx-lm cannot load the model ({type(exc).__name__}: {why})",
+                              path=self.model_dir,
+                              fix="check config.json and the weights are a complete model of "
+                                  "an architecture this mlx-lm supports") from None
         self._probe()
         self._identity = {
             "framework": "mlx-lm",
@@ -203,10 +209,12 @@ class MlxBackend:
         cache = self._cache_mod.make_prompt_cache(self.model)
         classes = {type(c).__name__ for c in cache}
         if not classes <= FAMILY_CLASSES:
+            model_type = getattr(getattr(self.model, "args", None), "model_type", None)
             raise ConfigError(
-                f"model uses mlx-lm cache types {sorted(classes)}; spoolctl stores "
-                f"{', '.join(sorted(FAMILY_CLASSES))}", path=self.model_dir,
-                fix="use a model whose mlx-lm prompt cache has only those layer types")
+                f"model type {model_type!r} uses mlx-lm cache types {sorted(classes)}; "
+                f"spoolctl stores {', '.join(sorted(FAMILY_CLASSES))}", path=self.model_dir,
+                fix="use a model whose mlx-lm prompt cache has only those layer types, or "
+                    "PyTorchCacheController for this model")
         if self.kv_bits is not None and "RotatingKVCache" in classes:
             raise ConfigError("mlx-lm cannot quantize a sliding-window (RotatingKVCache) "
                               "cache", path=self.model_dir,
@@ -491,7 +499,8 @@ class MlxCacheController(LocalCacheController):
     ``quantized_kv_start``: mlx-lm's quantized KV cache (see ``MlxBackend``); ignored when
     ``model`` is a built backend. ``tenant``: on an encrypted store, the tenant whose key
     seals the entries (see ``LocalCacheController``). ``adapter_path``: LoRA adapters to
-    load with the model (see ``MlxBackend``).
+    load with the model (see ``MlxBackend``). ``lookup_deadline`` / ``read_deadline``: see
+    ``LocalCacheController`` (a hung disk costs ``prepare`` one deadline, then a cold run).
     """
 
     def __init__(
@@ -510,6 +519,8 @@ class MlxCacheController(LocalCacheController):
         quantized_kv_start: int = QUANTIZED_KV_START,
         tenant: str | None = None,
         adapter_path: str | os.PathLike[str] | None = None,
+        lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S,
+        read_deadline: float = DEFAULT_READ_DEADLINE_S,
     ):
         backend = model if isinstance(model, MlxBackend) else \
             MlxBackend(model, prefill_step=prefill_step, model_id=model_id, kv_bits=kv_bits,
@@ -518,7 +529,8 @@ class MlxCacheController(LocalCacheController):
         if root is not None and not isinstance(root, Store):
             root = os.fspath(root)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout, read_only=read_only, tenant=tenant)
+                         lock_timeout=lock_timeout, read_only=read_only, tenant=tenant,
+                         lookup_deadline=lookup_deadline, read_deadline=read_deadline)
         self.mlx: MlxBackend = backend
 
     def export_prompt_cache(self, target: CachePrepareParams | CacheHandle,

@@ -39,6 +39,7 @@ from spoolctl.errors import ConfigError
 from spoolctl.store import Store, entry_id_for, hash_parts
 
 from .contract import CachePrepareParams
+from .local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
 from .local.decoding import DEFAULT, Decoding
 from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
 from .local.entry_format import Loaded, Plan, Prompt, check_common
@@ -230,7 +231,7 @@ class MlxVlmCacheController(LocalCacheController):
     (``VlmEntryFormat``; see the module docstring). ``generate`` takes the params (or a
     handle) and a final prompt. ``tenant``: on an encrypted store, the tenant whose key
     seals the entries, with their token ids and image digests (decision 2821); as for
-    ``LocalCacheController``.
+    ``LocalCacheController``. ``lookup_deadline`` / ``read_deadline``: as there.
     """
 
     def __init__(
@@ -242,12 +243,15 @@ class MlxVlmCacheController(LocalCacheController):
         memory_entries: int = DEFAULT_MEMORY_ENTRIES,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         tenant: str | None = None,
+        lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S,
+        read_deadline: float = DEFAULT_READ_DEADLINE_S,
     ):
         backend = model if isinstance(model, MlxVlmBackend) else MlxVlmBackend(model)
         if root is not None and not isinstance(root, Store):
             root = os.fspath(root)
         fmt = VlmEntryFormat(backend)
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout, entry_format=fmt, tenant=tenant)
+                         lock_timeout=lock_timeout, entry_format=fmt, tenant=tenant,
+                         lookup_deadline=lookup_deadline, read_deadline=read_deadline)
         self.vlm: MlxVlmBackend = backend
         self.namespaces = fmt.namespaces

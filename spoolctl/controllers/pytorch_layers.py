@@ -27,6 +27,10 @@ from typing import Any
 #: (transformers' recurrent layers do not count tokens).
 TOKENS_ATTR = "spoolctl_tokens"
 LAYOUT_NAME = "hf-layers/v1"
+#: The transformers cache layer classes ``layer_kind`` accepts (docs/controllers.md lists them).
+STORED_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer",
+                 "LinearAttentionAndFullAttentionLayer",
+                 "LinearAttentionAndSlidingWindowAttentionLayer")
 
 
 def _classes() -> dict[str, type]:

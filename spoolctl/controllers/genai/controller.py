@@ -51,6 +51,7 @@ from spoolctl.store import (
 from ..contract import CacheHandle, CachePrepareParams, GenerateResult
 from ..flight import Flight, PrepareFlights
 from ..logsafe import reason
+from ..options import strict_options
 from ..targets import hosted as _hosted
 from ..targets import ref_of as _ref_of
 from ..targets import refuse_foreign, resolve_target
@@ -95,6 +96,7 @@ class GenaiStats:
         return dict(self.__dict__)
 
 
+@strict_options
 class GoogleGenAICacheController:
     """Context caches on the Gemini API or Vertex AI, recorded in a spool store.
 

@@ -65,6 +65,7 @@ from spoolctl.store import (
 from ..contract import CacheHandle, CachePrepareParams, GenerateResult, KVBackend
 from ..flight import PrepareFlights
 from ..logsafe import reason
+from ..options import strict_options
 from ..targets import ref_of
 from .deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S, StoreDeadlines
 from .entry_format import FORMAT, EntryFormat, KVEntryFormat, Loaded, Plan
@@ -91,6 +92,7 @@ __all__ = ["DEFAULT_LOCK_TIMEOUT", "DEFAULT_MEMORY_ENTRIES", "FORMAT", "LOCK_STR
            "ControllerStats", "GenerateResult", "KVBackend", "LocalCacheController"]
 
 
+@strict_options
 class LocalCacheController:
     """A ``PromptCacheController`` for in-process inference, generic over a backend and
     its entry format.
@@ -116,6 +118,11 @@ class LocalCacheController:
     ``generate``, ``restore``, ``import_cache`` and friends are ``local_use.CacheUse``'s,
     a part this controller is composed of and forwards to (decision 2520).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # every controller's own calls refuse an unknown keyword by name, not by TypeError
+        super().__init_subclass__(**kwargs)
+        strict_options(cls)
 
     def __init__(
         self,
