@@ -83,8 +83,11 @@ def test_quantized_and_compiled_models_are_named_by_their_own_tensors(tiny_model
     quant = PyTorchBackend.from_loaded(*quantized(tiny_model_dir))
     assert base.identity()["revision"] == comp.identity()["revision"]
     assert quant.identity()["revision"] != base.identity()["revision"]
-    # a weight that differs only inside the quantized integers changes the digest
+    # a weight that differs only inside the quantized integers changes the digest, also of
+    # a model object already digested once
     other, tokenizer = quantized(tiny_model_dir)
+    before = PyTorchBackend.from_loaded(other, tokenizer).identity()["revision"]
+    assert before == quant.identity()["revision"]
     layer = other.model.layers[0].mlp.down_proj
     w, b = layer._packed_params._weight_bias()
     ints = w.int_repr().clone()

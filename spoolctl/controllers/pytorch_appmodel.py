@@ -56,6 +56,9 @@ def _fingerprint(model: Any) -> tuple[Any, ...]:
         except RuntimeError:  # an inference tensor keeps no version counter
             version = -1
         out.append((id(t), int(t.data_ptr()), version))
+    # torch.ao packed weights are no parameters: set_weight_bias swaps the packed object
+    out.extend(id(m._packed_params) for m in model.modules()
+               if hasattr(m, "_packed_params") and not hasattr(m._packed_params, "parameters"))
     return tuple(out)
 
 
