@@ -143,3 +143,21 @@ def test_what_is_not_a_model_or_an_identity_is_one_config_error(tiny_model_dir):
         PyTorchBackend.from_loaded(object(), tokenizer)
     with pytest.raises(ConfigError, match="identity must be a non-empty string"):
         PyTorchBackend.from_loaded(model, tokenizer, identity=" ")
+
+
+def test_a_weight_edited_after_the_hand_over_bypasses_the_cache(tiny_model_dir, store_root):
+    """The handed-over model is watched like a loaded one: an in-place edit is no silent
+    reuse of the entries made with the old weights."""
+    import torch
+
+    p = CachePrepareParams(**PARAMS)
+    model, tokenizer = plain(tiny_model_dir)
+    with PyTorchCacheController.from_model(model, tokenizer, store_root,
+                                           model_id="tiny") as ctl:
+        ctl.prepare(p)
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight[0, 0] += 0.5
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert ctl.prepare(p).source != "memory"
+        assert ctl.stats()["bypassed"] >= 1
