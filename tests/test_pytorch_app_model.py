@@ -143,6 +143,8 @@ def test_what_is_not_a_model_or_an_identity_is_one_config_error(tiny_model_dir):
         PyTorchBackend.from_loaded(object(), tokenizer)
     with pytest.raises(ConfigError, match="identity must be a non-empty string"):
         PyTorchBackend.from_loaded(model, tokenizer, identity=" ")
+    with pytest.raises(ConfigError, match="dtype cannot apply to a model already loaded"):
+        PyTorchCacheController.from_model(model, tokenizer, dtype="float16")
 
 
 def test_a_weight_edited_after_the_hand_over_bypasses_the_cache(tiny_model_dir, store_root):

@@ -805,6 +805,11 @@ class PyTorchCacheController(LocalCacheController):
         ``from_pretrained`` returned, quantized or ``torch.compile``-d as the app likes);
         ``identity``: see ``PyTorchBackend.from_loaded``; ``options``: the store options of
         the constructor (``max_bytes``, ``tenant``, ``read_only``...)."""
+        loading = sorted({"dtype", "device", "revision", "trusted_revision"} & set(options))
+        if loading:
+            raise ConfigError(f"{', '.join(loading)} cannot apply to a model already loaded",
+                              fix="cast or move the model before handing it over; name its "
+                                  "weights with identity=")
         backend = PyTorchBackend.from_loaded(model, tokenizer, identity=identity,
                                              model_id=model_id)
         return cls(backend, root, **options)
