@@ -32,6 +32,7 @@ from typing import Any
 from spoolctl.errors import ConfigError
 from spoolctl.store import Hasher
 
+from . import pytorch_appmodel as appmodel
 from . import pytorch_layers as hf_layers
 from .local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
 from .local.decoding import DEFAULT, Decoding
@@ -140,22 +141,93 @@ class PyTorchBackend:
         self._st = safetensors.torch
         self._DynamicCache = DynamicCache
         self._v5 = int(transformers.__version__.split(".")[0]) >= 5
-        self.path = path.resolve()
+        self.path: Path | None = path.resolve()
         self.model_path = self.path
-        self.model_id = model_id or str(self.path)
+        self.model_id = model_id or str(path.resolve())
         self.prefill_chunk = prefill_chunk
         self.device = _usable_device(torch, device)
         dtype_kw: dict[str, Any] = {}
         if dtype is not None:
             dtype_kw["dtype" if self._v5 else "torch_dtype"] = getattr(torch, dtype)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
-            self.model = AutoModelForCausalLM.from_pretrained(str(self.path), **dtype_kw)
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path.resolve()))
+            self.model = AutoModelForCausalLM.from_pretrained(str(path.resolve()), **dtype_kw)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load the model: {str(exc)[:300]}", path=self.path,
                               fix="check the directory holds a causal LM and its tokenizer") \
                 from None
         self.model.to(self.device).eval()
+        self._revision = revision
+        self._trusted_revision = trusted_revision
+        self._stated: str | None = None
+        self._run: Any = self.model
+        self._adopt()
+
+    @classmethod
+    def from_loaded(cls, model: Any, tokenizer: Any, *, identity: str | None = None,
+                    model_id: str | None = None,
+                    prefill_chunk: int = PREFILL_CHUNK) -> PyTorchBackend:
+        """A backend of a model the application already loaded (quantized, compiled, on its
+        own device map); the contract is in docs/controllers.md.
+
+        ``identity=None``: the weights are named by the digest of every tensor in the
+        model's ``state_dict`` (quantized ones by their integers and scales), computed once
+        per model object. ``identity="..."``: the caller's name for these weights instead,
+        a promise that it changes whenever they do; the model's architecture (classes,
+        config, tensor names, dtypes and shapes) is still part of the identity, and a name
+        this process already saw on another architecture is a ConfigError.
+        A ``torch.compile``-d model runs the prefill forwards compiled and is named by
+        the module it wraps. The model is put in eval mode.
+        """
+        for name, value in (("identity", identity), ("model_id", model_id)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{name} must be a non-empty string, not {value!r}",
+                                  fix=f"pass e.g. {name}='acme-8b-int8@3f1c2a9', or leave it out")
+        if prefill_chunk < 1:
+            raise ConfigError("prefill_chunk must be >= 1", fix="use e.g. 512")
+        try:
+            import safetensors.torch
+            import torch
+            import transformers
+            from transformers import DynamicCache
+        except ImportError as exc:
+            raise ConfigError(f"the PyTorch backend needs torch and transformers ({exc})",
+                              fix="pip install 'spoolctl[torch]'") from None
+        base = appmodel.unwrap(model)
+        if not isinstance(base, torch.nn.Module) or not callable(getattr(base, "generate", None)) \
+                or getattr(base, "config", None) is None:
+            raise ConfigError(f"not a transformers causal LM: a {type(base).__name__}",
+                              fix="pass the model AutoModelForCausalLM.from_pretrained() "
+                                  "returned (quantized or compiled is fine)")
+        if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+            raise ConfigError(f"not a transformers tokenizer: a {type(tokenizer).__name__}",
+                              fix="pass the tokenizer AutoTokenizer.from_pretrained() returned")
+        self = cls.__new__(cls)
+        self._torch = torch
+        self._st = safetensors.torch
+        self._DynamicCache = DynamicCache
+        self._v5 = int(transformers.__version__.split(".")[0]) >= 5
+        self.path = None
+        self.model_path = None
+        self.model_id = model_id or str(getattr(base.config, "_name_or_path", "") or
+                                        type(base).__name__)
+        self.prefill_chunk = prefill_chunk
+        first = next(iter((*base.parameters(), *base.buffers())), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.model = base.eval()
+        self.tokenizer = tokenizer
+        self._revision = None
+        self._trusted_revision = None
+        self._stated = identity
+        self._run = model
+        self._adopt()
+        if identity is not None:
+            appmodel.check_stated(identity, appmodel.architecture(torch, base))
+        return self
+
+    def _adopt(self) -> None:
+        """Read what the backend needs from ``self.model`` / ``self.tokenizer`` (loaded from
+        the directory, or handed over by the application: ``from_loaded``)."""
         self._loaded_model = self.model  # what model_state compares the backend's model to
         self._state: TorchModelState | None = None
         self._cache_arg = cache_argument(self.model.forward)
@@ -172,9 +244,7 @@ class PyTorchBackend:
         self.layers: list[dict[str, Any]] | None = None
         #: Tokens per forward when continuing a cache that already holds tokens: 1 for
         #: models whose multi-token forward ignores a previous recurrent state.
-        self._resume_chunk = prefill_chunk
-        self._revision = revision
-        self._trusted_revision = trusted_revision
+        self._resume_chunk = self.prefill_chunk
         self._identity: dict[str, str] | None = None
         self._identity_lock = threading.Lock()
         bos = self.tokenizer.bos_token_id
@@ -213,7 +283,7 @@ class PyTorchBackend:
         torch = self._torch
         with torch.no_grad():
             ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
+            out = self._run(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
         return out.logits[0, -1].float()
 
     # -- identity / tokens ----------------------------------------------------------------
@@ -228,8 +298,7 @@ class PyTorchBackend:
                     "transformers": transformers.__version__,
                     "torch": self._torch.__version__.split("+")[0],
                     "model": self.model_id,
-                    "revision": f"trusted:{self._trusted_revision}"
-                    if self._trusted_revision else f"blake3:{model_digest(self.path)}",
+                    **self._weights_fields(),
                     **({"revision_name": self._revision} if self._revision else {}),
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "device": self.device.type,
@@ -240,6 +309,18 @@ class PyTorchBackend:
                 }
                 self._state = TorchModelState(self._torch, self._loaded_model)
             return dict(self._identity)
+
+    def _weights_fields(self) -> dict[str, str]:
+        """The identity fields naming the weights: the files' digest, a vouched revision,
+        or for a handed-over model the digest of its tensors or the caller's stated name
+        plus its architecture (``pytorch_appmodel``)."""
+        if self.path is None:
+            if self._stated is not None:
+                return {"revision": f"stated:{self._stated}",
+                        "architecture": appmodel.architecture(self._torch, self.model)}
+            return {"revision": f"params:{appmodel.weights_digest(self._torch, self.model)}"}
+        return {"revision": f"trusted:{self._trusted_revision}" if self._trusted_revision
+                else f"blake3:{model_digest(self.path)}"}
 
     def model_state(self) -> dict[str, str]:
         """The identity fields of the PEFT adapters acting on the base weights now (``{}``:
@@ -321,7 +402,7 @@ class PyTorchBackend:
                     (len(tokens) if before == 0 else 1)
                 chunk = torch.tensor([list(tokens[start:start + step])],
                                      dtype=torch.long, device=self.device)
-                out = self.model(input_ids=chunk, use_cache=True, logits_to_keep=1,
+                out = self._run(input_ids=chunk, use_cache=True, logits_to_keep=1,
                                  **{self._cache_arg: cache})
                 if recurrent_only:
                     setattr(cache, hf_layers.TOKENS_ATTR, before + chunk.shape[1])
@@ -715,3 +796,20 @@ class PyTorchCacheController(LocalCacheController):
         super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
                          lock_timeout=lock_timeout, read_only=read_only, tenant=tenant,
                          lookup_deadline=lookup_deadline, read_deadline=read_deadline)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, root: Any = None, *,
+                   identity: str | None = None, model_id: str | None = None,
+                   **options: Any) -> PyTorchCacheController:
+        """A controller of a model the application already loaded (``model``: what
+        ``from_pretrained`` returned, quantized or ``torch.compile``-d as the app likes);
+        ``identity``: see ``PyTorchBackend.from_loaded``; ``options``: the store options of
+        the constructor (``max_bytes``, ``tenant``, ``read_only``...)."""
+        loading = sorted({"dtype", "device", "revision", "trusted_revision"} & set(options))
+        if loading:
+            raise ConfigError(f"{', '.join(loading)} cannot apply to a model already loaded",
+                              fix="cast or move the model before handing it over; name its "
+                                  "weights with identity=")
+        backend = PyTorchBackend.from_loaded(model, tokenizer, identity=identity,
+                                             model_id=model_id)
+        return cls(backend, root, **options)
