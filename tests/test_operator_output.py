@@ -17,15 +17,14 @@ runs as its own process:
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from operator_cli import ENV, SPOOLCTL, script
+from test_operator_full_disk import fill
 
 from spoolctl.store import Store
 
@@ -38,14 +37,7 @@ def _fill_leaving(fs: Path, slack: int = SLACK) -> None:
     """Fill ``fs`` (another program's files) so that exactly ``slack`` bytes stay free."""
     keep = fs / "slack"
     keep.write_bytes(b"\0" * slack)
-    for block in (1 << 16, 1 << 12, 1 << 9):
-        try:
-            with open(fs / f"filler-{time.monotonic_ns()}", "wb") as f:
-                while True:
-                    f.write(b"\0" * block)
-                    f.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
+    fill(fs)
     keep.unlink()
     assert 0 < os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize <= slack
 

@@ -64,16 +64,22 @@ def test_a_product_process_ignores_crash_and_fail_points(tmp_path: Path, variabl
     assert proc.returncode == 0, proc.stderr  # a commit passes every commit checkpoint
 
 
-def test_a_product_process_never_pauses_or_writes_through_a_planted_link(
-        tmp_path: Path) -> None:
-    """The pause point wrote ``<dir>/reached`` with a plain open: a planted symlink there
-    made root write into any file. A product process neither pauses nor writes."""
-    base = Path(os.path.realpath(tmp_path))
+def _planted_link(base: Path) -> tuple[Path, Path]:
+    """(victim, trap): ``trap/reached`` is a symlink to the file ``victim``."""
     victim = base / "victim"
     victim.write_text("precious\n")
     trap = base / "trap"
     trap.mkdir()
     (trap / "reached").symlink_to(victim)
+    return victim, trap
+
+
+def test_a_product_process_never_pauses_or_writes_through_a_planted_link(
+        tmp_path: Path) -> None:
+    """The pause point wrote ``<dir>/reached`` with a plain open: a planted symlink there
+    made root write into any file. A product process neither pauses nor writes."""
+    base = Path(os.path.realpath(tmp_path))
+    victim, trap = _planted_link(base)
     root = base / "store"
     for point in ("init.layout_made", "tmp.listed"):
         env = _product_env(SPOOLCTL_PAUSE_AT=f"{point}:{trap}")
@@ -102,11 +108,7 @@ def test_the_tests_seam_still_crashes_a_process_the_tests_start(tmp_path: Path) 
 def test_the_seams_pause_does_not_follow_a_planted_link(tmp_path: Path) -> None:
     """Even in the tests' own processes the pause opens its FIFOs without following a link."""
     base = Path(os.path.realpath(tmp_path))
-    victim = base / "victim"
-    victim.write_text("precious\n")
-    trap = base / "trap"
-    trap.mkdir()
-    (trap / "reached").symlink_to(victim)
+    victim, trap = _planted_link(base)
     env = {**os.environ, "SPOOLCTL_PAUSE_AT": f"init.layout_made:{trap}"}
     proc = subprocess.run([SPOOLCTL, "init", "--root", str(base / "store")], env=env,
                           capture_output=True, text=True, timeout=120,

@@ -127,20 +127,7 @@ class PyTorchBackend:
         if dtype is not None and dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r}",
                               fix=f"use one of: {', '.join(DTYPES)}")
-        if prefill_chunk < 1:
-            raise ConfigError("prefill_chunk must be >= 1", fix="use e.g. 512")
-        try:
-            import safetensors.torch
-            import torch
-            import transformers
-            from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-        except ImportError as exc:
-            raise ConfigError(f"the PyTorch backend needs torch and transformers ({exc})",
-                              fix="pip install 'spoolctl[torch]'") from None
-        self._torch = torch
-        self._st = safetensors.torch
-        self._DynamicCache = DynamicCache
-        self._v5 = int(transformers.__version__.split(".")[0]) >= 5
+        torch, transformers = self._bind_frameworks(prefill_chunk)
         self.path: Path | None = path.resolve()
         self.model_path = self.path
         self.model_id = model_id or str(path.resolve())
@@ -150,8 +137,9 @@ class PyTorchBackend:
         if dtype is not None:
             dtype_kw["dtype" if self._v5 else "torch_dtype"] = getattr(torch, dtype)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(path.resolve()))
-            self.model = AutoModelForCausalLM.from_pretrained(str(path.resolve()), **dtype_kw)
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.resolve()))
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(str(path.resolve()),
+                                                                           **dtype_kw)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load the model: {str(exc)[:300]}", path=self.path,
                               fix="check the directory holds a causal LM and its tokenizer") \
@@ -183,16 +171,8 @@ class PyTorchBackend:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"{name} must be a non-empty string, not {value!r}",
                                   fix=f"pass e.g. {name}='acme-8b-int8@3f1c2a9', or leave it out")
-        if prefill_chunk < 1:
-            raise ConfigError("prefill_chunk must be >= 1", fix="use e.g. 512")
-        try:
-            import safetensors.torch
-            import torch
-            import transformers
-            from transformers import DynamicCache
-        except ImportError as exc:
-            raise ConfigError(f"the PyTorch backend needs torch and transformers ({exc})",
-                              fix="pip install 'spoolctl[torch]'") from None
+        self = cls.__new__(cls)
+        torch, _ = self._bind_frameworks(prefill_chunk)
         base = appmodel.unwrap(model)
         if not isinstance(base, torch.nn.Module) or not callable(getattr(base, "generate", None)) \
                 or getattr(base, "config", None) is None:
@@ -202,11 +182,6 @@ class PyTorchBackend:
         if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
             raise ConfigError(f"not a transformers tokenizer: a {type(tokenizer).__name__}",
                               fix="pass the tokenizer AutoTokenizer.from_pretrained() returned")
-        self = cls.__new__(cls)
-        self._torch = torch
-        self._st = safetensors.torch
-        self._DynamicCache = DynamicCache
-        self._v5 = int(transformers.__version__.split(".")[0]) >= 5
         self.path = None
         self.model_path = None
         self.model_id = model_id or str(getattr(base.config, "_name_or_path", "") or
@@ -224,6 +199,24 @@ class PyTorchBackend:
         if identity is not None:
             appmodel.check_stated(identity, appmodel.architecture(torch, base))
         return self
+
+    def _bind_frameworks(self, prefill_chunk: int) -> tuple[Any, Any]:
+        """Check ``prefill_chunk`` and import torch, safetensors and transformers (one
+        ConfigError naming the extra without them); returns (torch, transformers)."""
+        if prefill_chunk < 1:
+            raise ConfigError("prefill_chunk must be >= 1", fix="use e.g. 512")
+        try:
+            import safetensors.torch
+            import torch
+            import transformers
+        except ImportError as exc:
+            raise ConfigError(f"the PyTorch backend needs torch and transformers ({exc})",
+                              fix="pip install 'spoolctl[torch]'") from None
+        self._torch = torch
+        self._st = safetensors.torch
+        self._DynamicCache = transformers.DynamicCache
+        self._v5 = int(transformers.__version__.split(".")[0]) >= 5
+        return torch, transformers
 
     def _adopt(self) -> None:
         """Read what the backend needs from ``self.model`` / ``self.tokenizer`` (loaded from
