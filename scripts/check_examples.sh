@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Examples job: execute or check every file in examples/ (tests/test_examples.py).
+# Examples job: execute or check every file in examples/ (tests/project/test_examples.py).
 #
 #   bash scripts/check_examples.sh            # everything, incl. vLLM twice (~2-4 min on 2 cores)
 #   bash scripts/check_examples.sh -m 'not slow'   # skip the vLLM restart example
@@ -19,4 +19,4 @@ for tool in promtool systemd-analyze; do
     echo "check_examples: $tool not found; its check is skipped (structural checks still run)" >&2
   fi
 done
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_examples.py "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/project/test_examples.py "$@"

@@ -3,9 +3,9 @@
 # host", never "not installed" (issue 27.7). Run by .ci/run as root; elsewhere it says what it
 # would install and leaves the machine alone.
 #
-#   promtool (Debian package prometheus): tests/test_examples.py checks the shipped alert rules
+#   promtool (Debian package prometheus): tests/project/test_examples.py checks the shipped alert rules
 #   and recording rules with it; docs snippets that call it run too.
-#   fuse3 (libfuse3 and fusermount3): tests/test_disk_faults.py fails reads with EIO on a real
+#   fuse3 (libfuse3 and fusermount3): tests/store/test_disk_faults.py fails reads with EIO on a real
 #   FUSE filesystem (tests/fusefs.py, through mfusepy from the dev extra).
 set -euo pipefail
 need=()

@@ -22,7 +22,7 @@ present once its manifest was durable; in a batch, exactly the entries whose man
 renamed before the crash are present), no committed entry was lost, nothing in the catalog
 fails verification, and ``spoolctl clean --min-age 0s --yes`` leaves no temp file and no
 unreferenced object. Prints one JSON document: trials, crashes reached, violations per family
-(``violations`` must be 0). The tests (``tests/test_reliability_crash.py``) run one repetition
+(``violations`` must be 0). The tests (``tests/store/test_reliability_crash.py``) run one repetition
 of the same trials; this script is the longer run whose figures docs/RELIABILITY.md reports.
 """
 

@@ -1,7 +1,7 @@
 """Write the module map of ``docs/architecture.md`` from the package's own docstrings.
 
 The map lives in the page between ``START`` and ``END``: one table per package, one row per
-module, each row the first line of the module's docstring. ``tests/test_docs.py`` fails CI
+module, each row the first line of the module's docstring. ``tests/project/test_docs.py`` fails CI
 when the page is out of date (a module added, moved, removed or re-described), so the map
 cannot drift from the code. Run after moving or adding a module:
 ``python scripts/gen_architecture.py``.

@@ -2,7 +2,7 @@
 
 The index lives in the page itself (between ``START`` and ``END``) so that it reads the same
 on the repository view as on the built site; ``scripts/mkdocs_hooks.py`` fails the strict
-build and ``tests/test_docs.py`` fails CI when it is out of date. Run this after adding a
+build and ``tests/project/test_docs.py`` fails CI when it is out of date. Run this after adding a
 record: ``python scripts/gen_decisions_index.py``.
 
 Records are grouped by their series (the first two digits of the number: each series is one

@@ -6,7 +6,7 @@ does with ``--small``). Three parts, one JSON document on stdout:
 1. ``layouts``: for every KV layout vLLM allocates (``LBHNC LBNHC LHBNC BLHNC BLNHC
    BHLNC``) and page shape (attention, MLA latent, packed quantised, kernel-split
    blocks), vLLM-shaped caches are built on the device (``layouts.place`` +
-   ``view_declared``, proven equal to vLLM's allocator in tests/test_kv_layouts.py) and
+   ``view_declared``, proven equal to vLLM's allocator in tests/connector/test_kv_layouts.py) and
    filled with random bytes; a chunk is captured, committed to a spool store (verified
    commit), read back verified, restored into fresh blocks of a second cache, and the
    destination must equal a reference made with plain tensor indexing on the device,

@@ -1,6 +1,6 @@
 """A fake of the OpenAI completions surface a vLLM server exposes (``GET /v1/models``,
 ``POST /v1/completions``) on 127.0.0.1, for the tests of ``spoolctl prefill --server``
-that do not need a real engine (tests/test_prefill_server.py also runs a real one).
+that do not need a real engine (tests/connector/test_prefill_server.py also runs a real one).
 
 ``complete(body, attempt)`` returns (HTTP status, JSON document or raw bytes) for each
 completion request; ``attempt`` counts the requests for the same prompt. Every request's

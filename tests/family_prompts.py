@@ -1,7 +1,8 @@
-"""Shared prompts and helpers of the cache-family tests (tests/test_pytorch_families.py,
-tests/test_mlx_families.py): one system prompt, documents, their near misses, a cold run of
-a backend to compare tokens with, and the checks both frameworks' controllers must pass
-(``check_*``: ``make(backend, root)`` builds the framework's controller)."""
+"""Shared prompts and helpers of the cache-family tests
+(tests/controllers/test_pytorch_families.py, tests/controllers/test_mlx_families.py): one system
+prompt, documents, their near misses, a cold run of a backend to compare tokens with, and the
+checks both frameworks' controllers must pass (``check_*``: ``make(backend, root)`` builds the
+framework's controller)."""
 
 from __future__ import annotations
 

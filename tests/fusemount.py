@@ -5,7 +5,7 @@ backing directory, mounts the filesystem over it and tells it to fail (``eio``) 
 unmounts lazily (``fusermount3 -u -z``) and ends the daemon, killing it if it does not exit
 (the kernel then fails whatever still waits on the mount with ENOTCONN): no test can leave
 a process, or the suite, stuck on it. ``Mounts`` holds a test's mounts (the ``fuse`` fixture
-of ``tests/test_disk_faults.py``) and ``skip_without_fuse`` skips where FUSE cannot mount.
+of ``tests/store/test_disk_faults.py``) and ``skip_without_fuse`` skips where FUSE cannot mount.
 """
 
 from __future__ import annotations

