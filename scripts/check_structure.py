@@ -157,9 +157,9 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def private_reads() -> list[str]:
+def private_reads(tests: Path = TESTS) -> list[str]:
     found = []
-    for path in sorted(TESTS.rglob("*.py")):
+    for path in sorted(tests.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             name = None
@@ -170,7 +170,8 @@ def private_reads() -> list[str]:
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("spoolctl"):
                 name = next((a.name for a in node.names if _private(a.name)), None)
             if name:
-                found.append(f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}: {name}")
+                where = f"{path.relative_to(tests.parent)}:{getattr(node, 'lineno', 0)}"
+                found.append(f"{where}: {name}")
     return found
 
 
