@@ -315,3 +315,23 @@ def test_staging_hashes_small_objects_on_the_reading_thread(store: Store):
     big = data + b"x"
     with pytest.raises(RuntimeError, match="shutdown"):  # over the limit: pipelined
         stage_object(store, Stream(big), len(big), hash_bytes(big), closed)
+
+
+def test_export_and_peer_copy_refuse_a_store_no_archive_carries(tmp_path: Path):
+    """A caller-classified layout holding a rank store whose deployment name an archive
+    cannot carry is refused with one ConfigError (it crashed with a TypeError)."""
+    from spoolctl.store.transfer.exporter import export
+    from spoolctl.store.transfer.importer import Importer
+    from spoolctl.store.transfer.peer import import_from_root
+
+    base = Path(os.path.realpath(tmp_path))
+    with Store.open(base / "src" / "bad name" / "rank-0000", create=True) as st:
+        st.put(kind="pytorch", namespace="ns", key="k", objects={"data": b"x" * 10})
+    layout = inspect_root(base / "src")
+    assert [s.place for s in layout.stores] == [None]
+    written: list[bytes] = []
+    with pytest.raises(ConfigError, match="cannot be carried in an archive"):
+        export(base / "src", lambda bufs: written.extend(bytes(b) for b in bufs), layout=layout)
+    assert written == []
+    with pytest.raises(ConfigError, match="cannot be carried in an archive"):
+        import_from_root(Importer(base / "dst"), base / "src", layout=layout)

@@ -1,19 +1,11 @@
-"""Directory descriptors: how the store deletes, creates and renames (issue 35.1).
+"""Directory descriptors: how the store deletes, creates and renames.
 
-A store belongs to the serving user while root runs its maintenance, so whoever can write
-the store can swap any of its directories for a symlink at any moment, including between
-a check and the call that acts on a path. Every delete, create and rename under a root
-therefore goes through a descriptor of the directory it acts in, opened component by
-component from ``/`` with ``O_DIRECTORY|O_NOFOLLOW`` (``open_dir``), and names only one
-entry of it (``unlink(name, dir_fd=)``, ``open(name, dir_fd=)``, ``replace(src_dir_fd=,
-dst_dir_fd=)``, ``scandir(fd)``). A directory swapped for a symlink before the open is
-refused (OSError ``ELOOP``/``ENOTDIR``); one swapped after it is no longer reached at all:
-the descriptor still names the directory that was checked.
-
-Store roots never cross a symlink (``root.check_root_path``), so walking from ``/`` costs
-nothing they were allowed. The walk is a handful of ``openat`` calls; a pass over many
-files keeps its descriptors in a ``DirFds`` for the length of the pass, never longer (a
-cached descriptor of a directory recreated since would write into the deleted one).
+Whoever can write a store can swap any of its directories for a symlink at any moment, so
+every delete, create and rename under a root goes through a descriptor of the directory
+it acts in, opened component by component from ``/`` with ``O_DIRECTORY|O_NOFOLLOW``
+(``open_dir``), and names one entry of it. A directory swapped before the open is refused
+(OSError ``ELOOP``/``ENOTDIR``); one swapped after it is no longer reached. ``DirFds``
+keeps descriptors for one pass only (a directory recreated since would be stale).
 """
 
 from __future__ import annotations
@@ -26,6 +18,7 @@ import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -49,8 +42,7 @@ _GUARDED: dict[str, tuple[int, int]] = {}
 
 def guard(root: str | os.PathLike[str], st: os.stat_result) -> None:
     """Resolve every path under ``root`` (whose ``lstat`` is ``st``) by descriptors from now
-    on: it belongs to uid ``st.st_uid``, not to this process, so its owner can swap any of
-    its directories while this process acts in it. A root this user owns is left alone."""
+    on if another user owns it (its owner can swap its directories meanwhile)."""
     if not hasattr(os, "geteuid") or st.st_uid == os.geteuid():
         return
     _GUARDED[os.path.join(os.path.normpath(os.fspath(root)), "")] = (st.st_uid, st.st_gid)
@@ -65,19 +57,16 @@ def guarded(path: str | os.PathLike[str]) -> bool:
 
 
 def _owner(path: str) -> tuple[int, int] | None:
-    """The owner of the guarded root ``path`` lies under (the user to hand what this
-    process creates there to), or None."""
+    """The (uid, gid) owning the guarded root ``path`` lies under, or None."""
     if not _GUARDED:
         return None
     return next((who for top, who in _GUARDED.items() if path.startswith(top)), None)
 
 
 def give(fd: int, path: str | os.PathLike[str]) -> None:
-    """This process just created the file or directory open at ``fd`` (at ``path``) in a
-    root another user owns: make it usable by that owner now, through the descriptor, so
-    the owner's own jobs can open it and nothing is changed later by a name that could be
-    re-pointed. Root gives it away; anyone else (who cannot) shares it through the root's
-    group, the way this user got into the store: the group gets the owner bits."""
+    """Hand the file or directory just created at ``fd`` (``path``) in a guarded root to
+    its owner, through the descriptor: root chowns it; anyone else shares it through the
+    root's group (the group gets the owner bits)."""
     who = _owner(os.fspath(path))
     if who is None:
         return
@@ -91,12 +80,11 @@ def give(fd: int, path: str | os.PathLike[str]) -> None:
 
 
 def open_dir(path: str | os.PathLike[str]) -> int:
-    """A descriptor of the directory at absolute ``path``, every component of which was
-    opened relative to the one before with ``O_DIRECTORY|O_NOFOLLOW``.
+    """A descriptor of the directory at absolute ``path`` (the caller closes it), each
+    component opened relative to the one before with ``O_DIRECTORY|O_NOFOLLOW``.
 
-    Raises OSError: ``ELOOP`` (or ``ENOTDIR``) if a component is a symlink or not a
-    directory, ``ENOENT`` if one is missing, ``EACCES`` as the walk meets it. The caller
-    closes the descriptor."""
+    OSError ``ELOOP``/``ENOTDIR`` for a symlink or non-directory on the way, ``ENOENT``,
+    ``EACCES``; ValueError for a relative path."""
     text = os.fspath(path)
     if not os.path.isabs(text):
         raise ValueError(f"not an absolute path: {text!r}")
@@ -104,11 +92,9 @@ def open_dir(path: str | os.PathLike[str]) -> int:
 
 
 def makedirs(path: str | os.PathLike[str], mode: int) -> int:
-    """Create the directory at absolute ``path`` and every missing parent, each with
-    exactly ``mode`` (set with ``fchmod`` on its own descriptor: neither the umask nor a
-    symlink swapped in meanwhile decides it), walking from ``/`` as ``open_dir`` does;
-    directories that exist are left as they are. Returns a descriptor of ``path`` (the
-    caller closes it). OSError as ``open_dir``, or that of the ``mkdir``."""
+    """Create absolute ``path`` and every missing parent with exactly ``mode`` (fchmod:
+    not the umask's), walking as ``open_dir`` does; existing directories are kept.
+    Returns a descriptor of ``path`` (the caller closes it). OSError as ``open_dir``."""
     text = os.fspath(path)
     if not os.path.isabs(text):
         raise ValueError(f"not an absolute path: {text!r}")
@@ -274,11 +260,9 @@ MAX_TREE_DEPTH = 64
 
 
 def rmtree(path: str | os.PathLike[str], *, max_depth: int = MAX_TREE_DEPTH) -> list[str]:
-    """Remove the directory tree at ``path`` without following a symlink anywhere in it
-    (every call names one entry of a directory open as a descriptor), iteratively: a tree
-    of any depth costs no recursion. Directories deeper than ``max_depth`` levels below
-    ``path`` are left in place, and so are the directories holding them; returns those
-    deepest kept directories (paths under ``path``); an empty list: all of it is gone."""
+    """Remove the tree at ``path`` without following a symlink anywhere in it, without
+    recursion. Directories deeper than ``max_depth`` (and those holding them) are kept;
+    returns the deepest kept ones, an empty list when all of it is gone."""
     parent, name = _split(path)
     with opened(parent) as fd:
         skipped = _rmtree_under(fd, name, os.fspath(path), max_depth)
@@ -290,9 +274,7 @@ def rmtree(path: str | os.PathLike[str], *, max_depth: int = MAX_TREE_DEPTH) -> 
 
 @dataclass(frozen=True)
 class Entry:
-    """One entry of a directory listed through its descriptor (``scandir`` of a guarded
-    path): its name, its path for messages and later calls (which resolve it again by
-    descriptor), and its ``lstat`` taken through the directory's descriptor."""
+    """One entry of a directory listed through its descriptor: name, path, and ``lstat``."""
 
     name: str
     path: str
@@ -314,15 +296,29 @@ class Entry:
         return self.st.st_ino
 
 
-def scandir(path: str | os.PathLike[str]) -> list:
-    """The entries of the directory at ``path`` (``os.DirEntry``-like). Under a guarded root
-    it is opened by ``open_dir`` and each entry ``lstat``-ed through its descriptor
-    (``Entry``); elsewhere ``os.scandir``. OSError as ``os.scandir``."""
+class DirEntryLike(Protocol):
+    """What ``scandir`` returns: an ``os.DirEntry`` or an ``Entry``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result: ...
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool: ...
+    def is_file(self, *, follow_symlinks: bool = True) -> bool: ...
+    def is_symlink(self) -> bool: ...
+    def inode(self) -> int: ...
+
+
+def scandir(path: str | os.PathLike[str]) -> list[DirEntryLike]:
+    """The entries of the directory at ``path``: under a guarded root through
+    ``open_dir``'s descriptor (``Entry``), elsewhere ``os.scandir``. OSError as
+    ``os.scandir``."""
     text = os.fspath(path)
     if not guarded(text):
         with os.scandir(text) as it:
             return list(it)
-    out = []
+    out: list[DirEntryLike] = []
     with opened(text) as fd:
         for e in listing(fd):
             try:
@@ -412,28 +408,24 @@ def _unlink_entry(fd: int, name: str) -> None:
         os.unlink(name, dir_fd=fd)
 
 
-def listing(fd: int, limit: int | None = None) -> list[os.DirEntry]:
-    """The entries of the directory open at ``fd`` (``scandir`` on the descriptor: each
-    entry's ``stat(follow_symlinks=False)`` is relative to it too); the first ``limit`` of
-    them when given (the directory is read no further)."""
+def listing(fd: int, limit: int | None = None) -> list[os.DirEntry[str]]:
+    """The entries of the directory open at ``fd`` (at most ``limit``, read no further)."""
     with os.scandir(fd) as it:
         return list(it) if limit is None else list(itertools.islice(it, limit))
 
 
 class DirFds:
-    """Directory descriptors opened once each (``open_dir``) for the length of one pass
-    over many files; thread-safe (the unlink pool shares one). Close it when the pass ends.
-    """
+    """Directory descriptors opened once each for one pass over many files; thread-safe.
+    Close it when the pass ends."""
 
     def __init__(self) -> None:
         self._fds: dict[str, int | OSError] = {}
         self._lock = threading.Lock()
 
     def fd(self, directory: str | os.PathLike[str]) -> int:
-        """The descriptor of absolute ``directory`` (opened on first use, relative to its
-        parent's, which is kept too: 64 fan-outs of one store cost 64 opens, not 64 walks
-        from /); the OSError of its open, raised again on every later use, if it could not
-        be opened. For ``*at`` calls only (opened for search where the platform allows)."""
+        """The descriptor of absolute ``directory``, opened on first use relative to its
+        parent's (kept too), for ``*at`` calls only. A failed open's OSError is raised again
+        on every later use."""
         key = os.path.normpath(os.fspath(directory))
         if not os.path.isabs(key):
             raise ValueError(f"not an absolute path: {key!r}")

@@ -1,12 +1,9 @@
 """Named durability checkpoints, and the hook tests use to act at one.
 
 Every durability step of the store calls ``checkpoint(name)`` with a name from
-``CHECKPOINTS`` (any other name is refused). In a product process no hook is installed and
-this is one set lookup: nothing here reads the environment, so no variable an attacker can
-set for root's maintenance crashes, fails or pauses it. The test suite installs a hook
-(``install``) in the processes it starts, through its own bootstrap (``tests/faultseam.py``):
-a crash there (``os._exit``, like a power cut or kill -9), an injected OSError, or a pause
-until the test has acted.
+``CHECKPOINTS``. No hook is installed in a product process, and nothing here reads the
+environment, so no variable can crash, fail or pause root's maintenance; the test suite
+installs one (``tests/faultseam.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ SCRUB_CHECKPOINTS: tuple[str, ...] = ("scrub.progress_saved",)
 # Between a listing and the deletions it chose (``gc.clean_tmp``, a quarantine purge): where
 # a swap would race.
 RACE_CHECKPOINTS: tuple[str, ...] = ("tmp.listed", "quarantine.listed")
-# An export after each entry it wrote to the archive: where a signal stops it mid-stream
-# (tests of what an interrupted export leaves behind, decision 2310).
+# An export after each entry it wrote to the archive: where a signal stops it mid-stream.
 TRANSFER_CHECKPOINTS: tuple[str, ...] = ("export.entry_written",)
 # Creating a store (``root.create_or_adopt``): the layout is made, the marker is not yet;
 # the marker's draft is written in ``tmp/``, not yet renamed.

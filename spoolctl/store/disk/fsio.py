@@ -1,9 +1,6 @@
-"""Durable writes and safe reads of single files (the raw file I/O of the store; the
-verification of an object, hash and check, is ``verify.py``).
+"""Durable writes and safe reads of single store files (object verification is ``verify``).
 
-Platform branches are small and named: ``full_fsync`` uses ``F_FULLFSYNC`` on
-macOS (plain fsync there does not reach stable storage) and ``fsync``
-elsewhere; ``O_NOFOLLOW`` guards every open inside the root.
+``O_NOFOLLOW`` guards every open inside the root.
 """
 
 from __future__ import annotations
@@ -41,28 +38,23 @@ _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 # the filesystem into few journal commits; each thread mostly waits on the disk.
 FLUSH_WORKERS = 16
 FLUSH_POOL = LazyPool("spoolctl-fsync", FLUSH_WORKERS)
-# Unlinks are independent metadata operations that release the GIL; on filesystems where
-# each one waits on the journal or an online discard (ext4 mounted with `discard`, common
-# on VMs) a few in flight at once are an order of magnitude faster than one at a time.
-# 16: a clean of 30k entries of a 1M-entry store took 7.1-7.5 s with 8, 6.7 s with 16 or
-# 32, 12.9 s with 4 (scripts/bench_cli.py's store, 2 cores, ext4 with discard).
+# Unlinks in flight at once: where each waits on the journal or an online discard, a few
+# together are an order of magnitude faster than one at a time.
 UNLINK_WORKERS = 16
 UNLINK_POOL = LazyPool("spoolctl-unlink", UNLINK_WORKERS)
 # Hashing on a helper thread, one chunk after another (BLAKE3 releases the GIL): the
 # verified read's pipeline (``verify``) and a transient source's commit (below).
 HASH_POOL = LazyPool("spoolctl-hash", 1)
 # A plain payload of at least PLAIN_WRITEBACK_MIN bytes is written in WRITEBACK_PIECE pieces,
-# each one's write-back started as it is written (decision 2951): one large write stalls in
-# the kernel's dirty-page throttling while nothing is on its way to the disk. Smaller
-# payloads (a 1 MiB ``put``, a group commit's entries) keep one write: there the extra
-# calls cost more than they save (decision 2950).
+# each one's write-back started as written: one large write stalls in dirty-page throttling
+# with nothing on its way to disk. Smaller payloads keep one write (extra calls cost more).
 PLAIN_WRITEBACK_MIN = 4 << 20
 WRITEBACK_PIECE = 1 << 20
 
 
 def full_fsync(fd: int) -> None:
-    """Flush a file descriptor to stable storage (F_FULLFSYNC on macOS)."""
-    if IS_DARWIN:
+    """Flush a file descriptor to stable storage."""
+    if sys.platform == "darwin":  # plain fsync there does not reach stable storage
         import fcntl
 
         try:
@@ -74,8 +66,7 @@ def full_fsync(fd: int) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink inside ``path`` durable (opened by ``dirfd.open_dir``'s walk
-    under a root another user owns)."""
+    """Make a rename or unlink inside ``path`` durable."""
     fd = dirfd.open_dir(path) if dirfd.guarded(path) else \
         os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     try:
@@ -85,27 +76,17 @@ def fsync_dir(path: Path) -> None:
 
 
 def precreate_private(path: Path) -> None:
-    """Create ``path`` empty with mode 0600 if it does not exist (best effort).
-
-    For SQLite databases: SQLite creates a new database 0644 (less the umask) and gives its
-    -wal/-shm files the database's mode, so creating the file first keeps all three
-    private. Any error is left for SQLite's own open to report.
-    """
+    """Create ``path`` empty with mode 0600 if it does not exist (best effort; errors are
+    left for the next open to report). SQLite gives -wal/-shm the database's mode, so a
+    database created this way keeps all three private."""
     with contextlib.suppress(OSError):
         os.close(dirfd.open_file(path, os.O_WRONLY | os.O_CREAT, FILE_MODE))
 
 
 def ensure_real_dirs(root: Path, directory: Path) -> None:
     """Raise OSError(ELOOP) unless ``root`` and every directory from it down to
-    ``directory`` is a real directory, not a symlink (ValueError if ``directory`` is not
-    under ``root``).
-
-    Called just before each write into the store, so a directory swapped for a link
-    *after* the store was opened (TOCTOU) never redirects a write outside the root.
-    This narrows the race to the moment between this check and the write; dir-fd based
-    I/O (openat) would close it completely (docs/SECURITY.md). Works on strings, not
-    ``pathlib``: a group commit calls it several times per entry.
-    """
+    ``directory`` is a real directory, not a symlink; ValueError if ``directory`` is not
+    under ``root``. Strings, not ``pathlib``: a group commit calls it per entry."""
     top, below = os.fspath(root), os.fspath(directory)
     if below != top:
         prefix = top if top.endswith(os.sep) else top + os.sep
@@ -133,8 +114,7 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def tmp_name() -> str:
-    """A unique in-flight file name that records the writer's pid (for abandonment checks):
-    ``<pid>-<16 hex>.part``; ``tmp_writer`` reads it back."""
+    """A unique temp file name ``<pid>-<16 hex>.part`` (the pid: for abandonment checks)."""
     return f"{os.getpid()}-{secrets.token_hex(8)}.part"
 
 
@@ -144,9 +124,8 @@ _PID_MAX = (1 << 31) - 1
 
 
 def tmp_writer(name: str) -> int | None:
-    """The pid of the process that made temp file ``name`` (``tmp_name``), or None if
-    spoolctl did not make a file of that name (or its pid cannot be one: no process check
-    may be asked about it)."""
+    """The writer pid in a ``tmp_name`` name, or None if ``name`` is not one or its pid
+    is out of range."""
     m = _TMP_NAME_RE.fullmatch(name)
     if m is None:
         return None
@@ -154,7 +133,7 @@ def tmp_writer(name: str) -> int | None:
     return pid if 0 < pid <= _PID_MAX else None
 
 
-def io_error(exc: OSError, what: str, path: Path) -> StoreIOError:
+def io_error(exc: OSError, what: str, path: Path | str) -> StoreIOError:
     fix = {
         errno.ENOSPC: "free disk space: `spoolctl clean --released` and lowering the max size "
                       "work on a full disk (docs/runbook.md)",
@@ -166,7 +145,7 @@ def io_error(exc: OSError, what: str, path: Path) -> StoreIOError:
     }.get(exc.errno or 0, "check the disk (`spoolctl doctor`, dmesg)")
     reason = describe_os_error(exc)
     if exc.errno == errno.ENOSPC and (short := inodes_short(path)) is not None:
-        # bytes free, inodes not: `df -h` shows space, so say which ran out (issue 30.2)
+        # bytes free, inodes not: `df -h` shows space, so say which ran out
         reason, fix = f"{reason}: {no_inodes_detail(short)}", INODE_FIX
     return StoreIOError(f"{what} failed: {reason}", path=path, fix=fix, errno=exc.errno)
 
@@ -184,13 +163,11 @@ def write_tmp(
     on_written: Callable[[], None] | None = None, limit: int | None = None,
 ) -> tuple[Path, str, int]:
     """Write ``chunks`` to a new file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), hash
-    them on the way, fsync, and return ``(tmp_path, digest, size)``.
+    them, fsync, and return ``(tmp_path, digest, size)``.
 
-    ``on_written`` is called once the bytes are written, before the fsync (a crash-test
-    checkpoint). ``limit``: once more than this many bytes arrived, stop and raise
-    SizeLimitExceeded (a streamed payload is bounded while it streams, not after). On any
-    error the partial file is removed; an OS error is raised as StoreIOError, a chunk
-    that is not bytes-like as TypeError.
+    ``on_written``: called after the write, before the fsync. ``limit``: more bytes than
+    this raise SizeLimitExceeded. On any error the partial file is removed; OS errors are
+    raised as StoreIOError, a chunk that is not bytes-like as TypeError.
     """
     tmp = write_tmp_flushing(tmp_dir, chunks, on_written=on_written, limit=limit)
     try:
@@ -202,11 +179,10 @@ def write_tmp(
 
 
 class Flushing:
-    """A temp file written and hashed whose flush to disk may still be running.
+    """A temp file written and hashed whose flush may still be running.
 
-    ``flushed`` completes (or raises the OSError of the fsync) once the bytes are durable;
-    its descriptor is closed by then either way. The caller owns ``path``: it removes it
-    if the flush failed or the file is not used."""
+    ``flushed`` completes (or raises the fsync's OSError) once the bytes are durable, the
+    descriptor closed either way. The caller owns ``path`` and removes it if unused."""
 
     __slots__ = ("digest", "flushed", "path", "size")
 
@@ -215,10 +191,8 @@ class Flushing:
 
 
 class TmpFile:
-    """A new, empty temp file and its open descriptor (``create_tmp``), not yet written.
-
-    Whoever holds it writes it (``write_tmp_flushing(..., into=)``, which then owns it) or
-    gives it up with ``discard``."""
+    """A new, empty temp file and its open descriptor: written by
+    ``write_tmp_flushing(..., into=)`` (which then owns it) or given up with ``discard``."""
 
     __slots__ = ("fd", "path")
 
@@ -233,14 +207,9 @@ class TmpFile:
 
 
 def create_tmp(tmp_dir: Path, dirs: DirFds | None = None) -> TmpFile:
-    """Create a new temp file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600), through the
-    directory's descriptor (from ``dirs`` when given, else opened for this file: never
-    through a ``tmp/`` swapped for a link, issue 35.1); StoreIOError if it cannot be
-    created.
-
-    A group commit creates its files ahead, several together before any of their flushes
-    starts: on ext4 a file created while a journal commit is in flight waits for it (64
-    files: 6 ms created between flushes, 2 ms together; decision 1408)."""
+    """Create a new temp file in ``tmp_dir`` (O_EXCL|O_NOFOLLOW, 0600) through the
+    directory's descriptor (from ``dirs``, else opened now), so a ``tmp/`` swapped for a
+    link is never followed. StoreIOError if it cannot be created."""
     name = tmp_name()
     path = tmp_dir / name
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
@@ -258,19 +227,11 @@ def write_tmp_flushing(
     into: TmpFile | None = None, dirs: DirFds | None = None,
 ) -> Flushing:
     """``write_tmp`` without waiting for the fsync: write ``chunks``, start the flush on
-    a helper thread, hash the bytes on this one while it runs, and return.
+    a helper thread, hash the bytes meanwhile, and return.
 
-    A group commit stages many files this way, so their flushes overlap each other (and
-    the next writes) and the filesystem can merge them into a few journal commits. The
-    chunks are kept referenced until hashed. ``into``: a file ``create_tmp`` made ahead,
-    written instead of a new one (and owned from here on, also on error). ``dirs``: see
-    ``create_tmp``. Errors as for ``write_tmp``; a failed flush is reported by
-    ``Flushing.flushed``.
-
-    Early write-back (only starts what the fsync would do; durability is the fsync's): a
-    transient source's pieces each as written (decision 2830); a plain payload once the
-    chunks so far reach ``PLAIN_WRITEBACK_MIN``, written in ``WRITEBACK_PIECE`` pieces
-    (decision 2951). Below that, one write per chunk and nothing started early.
+    ``into``: a file from ``create_tmp`` to write instead of a new one (owned from here on,
+    also on error). ``dirs``: see ``create_tmp``. Errors as for ``write_tmp``; a failed
+    flush is raised by ``Flushing.flushed``.
     """
     tmp = create_tmp(tmp_dir, dirs) if into is None else into
     path, fd = tmp.path, tmp.fd
@@ -303,18 +264,18 @@ def write_tmp_flushing(
                     size += n
                     view = view[n:]
                     if early and size - started >= WRITEBACK_PIECE:
-                        start_writeback(fd, started, size - started)  # decision 2951
+                        start_writeback(fd, started, size - started)
                         started = size
                 if transient:  # the chunk before this one is hashed before its buffer is reused
                     # start this piece's write-back now, while the next one is encrypted,
-                    # so the fsync below finds little left to write (decision 2830)
+                    # so the fsync below finds little left to write
                     start_writeback(fd, size - len(whole), len(whole))
                     if hashing is not None:
-                        hashing, done = None, hashing
+                        done, hashing = hashing, None
                         done.result()
                     hashing = HASH_POOL.submit(hasher.update, whole)
             if hashing is not None:
-                hashing, done = None, hashing
+                done, hashing = hashing, None
                 done.result()
             if on_written is not None:
                 on_written()
@@ -342,10 +303,8 @@ def write_tmp_flushing(
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing ``length`` bytes of ``fd`` at ``offset`` from the page cache to the disk
-    without waiting for them (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so that a
-    later fsync has little left to do. Durability is unchanged: only the fsync promises
-    anything. Best effort: nothing where the call does not exist or the filesystem refuses."""
+    """Start writing ``length`` bytes of ``fd`` at ``offset`` to disk without waiting
+    (Linux ``sync_file_range``), so a later fsync has little left. Best effort."""
     call = _sync_file_range()
     if call is not None:
         call(fd, offset, length, _SFR_WRITE)  # an error is ignored: the fsync reports it
@@ -380,12 +339,8 @@ def fsync_close(fd: int) -> None:
 
 
 def unlink_quietly(path: Path) -> None:
-    """Remove ``path`` if it can be removed (cleanup on a path already failing), through
-    its directory's descriptor (``dirfd.unlink``).
-
-    A commit calls this for every temp file of its batch, most of them renamed already:
-    one ``lstat`` tells those apart before the walk from / (the check only decides whether
-    to try; the unlink itself never resolves the path)."""
+    """Remove ``path`` through its directory's descriptor if it can be (errors ignored).
+    One ``lstat`` first skips the common case of a file already renamed away."""
     if not os.path.lexists(path):
         return
     with contextlib.suppress(OSError):
@@ -393,10 +348,7 @@ def unlink_quietly(path: Path) -> None:
 
 
 class SpecialFileError(OSError):
-    """A store path is not a regular file (a FIFO, socket, device or directory).
-
-    Raised instead of opening it for I/O: reading a FIFO would block forever, and no
-    spoolctl process ever creates anything but regular files in a store."""
+    """A store path is not a regular file (a FIFO, socket, device or directory)."""
 
     def __init__(self, path: Path | str, mode: int):
         super().__init__(errno.EINVAL, f"not a regular file ({file_kind(mode)})", str(path))
@@ -414,14 +366,10 @@ def file_kind(mode: int) -> str:
     return "special file"
 
 
-def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = FILE_MODE) -> int:
-    """Open a store file without ever blocking and only if it is a regular file.
-
-    ``O_NONBLOCK`` makes the open of a FIFO return at once (a plain open for reading
-    waits for a writer forever), ``O_NOFOLLOW`` refuses a symlink at the last component,
-    and ``fstat`` on the descriptor refuses anything that is not a regular file with
-    ``SpecialFileError``. The descriptor is switched back to blocking mode (which regular
-    files ignore anyway)."""
+def open_regular(path: Path | str, flags: int = os.O_RDONLY, mode: int = FILE_MODE) -> int:
+    """Open a store file, never following a link and never blocking (O_NONBLOCK: a FIFO
+    would wait for a writer forever); SpecialFileError unless it is a regular file.
+    Returns a blocking descriptor."""
     fd = dirfd.open_file(path, flags | _O_NONBLOCK, mode)  # no link followed on the way
     try:
         st = os.fstat(fd)
@@ -435,13 +383,13 @@ def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = FILE_MODE) ->
     return fd
 
 
-def open_for_read(path: Path) -> int:
+def open_for_read(path: Path | str) -> int:
     """Open a store file for reading: no symlink at its last component, never blocks,
     regular files only (``open_regular``)."""
     return open_regular(path)
 
 
-def read_small(path: Path, limit: int) -> bytes:
+def read_small(path: Path | str, limit: int) -> bytes:
     """Read a whole small file (manifest, marker, reason) without following symlinks;
     at most ``limit + 1`` bytes, so a caller can tell an oversized file."""
     fd = open_for_read(path)
@@ -498,9 +446,8 @@ def _peek_open(path: str) -> int | None:
         return None
 
 
-# Errors of the disk or the mount rather than of the file (a failing sector, a hung or
-# vanished network/FUSE mount): proof of nothing about the bytes, so a read that meets one
-# is a miss and a finding, never a quarantine (decision 2700).
+# Errors of the disk or the mount, not of the file: they prove nothing about the bytes, so
+# a read that meets one is a miss and a finding, never a quarantine.
 DISK_ERRNOS = frozenset(e for e in (errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.ESTALE,
                                     errno.ENXIO, errno.ENODEV,
                                     getattr(errno, "EREMOTEIO", None)) if e is not None)
@@ -516,7 +463,7 @@ def read_manifest(path: Path, entry_id: str) -> Manifest:
     return read_manifest_sized(path, entry_id)[0]
 
 
-def read_manifest_sized(path: Path, entry_id: str) -> tuple[Manifest, int]:
+def read_manifest_sized(path: Path | str, entry_id: str) -> tuple[Manifest, int]:
     """``read_manifest`` and the size of the file it read (what the catalog records)."""
     try:
         data = read_small(path, MAX_MANIFEST_BYTES)
@@ -533,7 +480,7 @@ def read_manifest_sized(path: Path, entry_id: str) -> tuple[Manifest, int]:
     return decode(data, expected_entry_id=entry_id, path=str(path)), len(data)
 
 
-def flush_submit(fn: Callable[..., Any], *args: Any) -> Future:
+def flush_submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     """``fn(*args)`` on the shared pool that runs fsyncs (of files and directories) off the
     calling thread; on the calling thread at interpreter exit (``pools.LazyPool``)."""
     return FLUSH_POOL.submit(fn, *args)
@@ -577,15 +524,8 @@ def _unlink(path: Path, dirs: DirFds) -> bool | OSError:
 
 def unlink_many(paths: list[Path], dirs: DirFds) -> Iterable[bool | OSError]:
     """Unlink ``paths`` concurrently, each through its directory's descriptor in ``dirs``
-    (so a directory swapped for a symlink after it was opened is never followed; the
-    caller keeps ``dirs`` open until the results are consumed); yield, in order, each
-    one's outcome (True: deleted, False: already gone, or the OSError that kept it).
-
-    One system call per file, no stat: sizes come from the catalog, and an unlink that
-    waits on the filesystem's journal should not wait twice. Results are yielded as they
-    complete in order, so a caller can mark a checkpoint after each; other unlinks may
-    already be in flight at that moment.
-    """
+    (kept open by the caller until the results are consumed); yield each outcome in order
+    (True: deleted, False: already gone, or the OSError that kept it). No stat."""
     if len(paths) < 2 * UNLINK_WORKERS:
         return (_unlink(p, dirs) for p in paths)
     return UNLINK_POOL.map(_unlink, paths, itertools.repeat(dirs))

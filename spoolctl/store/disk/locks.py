@@ -1,20 +1,13 @@
 """Inter-process locks on one store (``flock(2)``: POSIX hosts, where the store lives).
 
-* ``maintenance.lock``: commits take it SHARED (many at once); anything that
-  deletes (clean, eviction, orphan collection, catalog rebuild) takes it
-  EXCLUSIVE. So a deletion can never race a commit that is still publishing
-  objects, and a commit never revives an entry a deletion is removing.
-* ``owner.lock``: the owner lease. A live vLLM worker holds it for its whole
-  life; ``spoolctl`` sees the holder (``owner.json``) and queues work for it
-  instead of acting behind its back. The lease dies with the process, so a
-  killed worker never leaves a stale owner.
+* ``maintenance.lock``: commits take it shared, anything that deletes exclusive, so a
+  deletion never races a commit still publishing and a commit never revives an entry
+  being deleted.
+* ``owner.lock``: the owner lease a live worker holds for its whole life (``owner.json``
+  names it); it dies with the process.
 
-Each acquisition opens its own file description, so threads of one process
-exclude each other exactly like separate processes do. A lock file is opened only if
-its directory (``state/``) and the root above it are real directories, never through a
-symlink, never blocking, and only if it is a regular file (``fsio.open_regular``): a
-``state/`` swapped for a link after the store was opened cannot make lock files appear
-outside the root, and a FIFO in a lock's place is an error, not a hang.
+Each acquisition opens its own file description, so threads exclude each other like
+processes. Lock files are opened only as regular files under real directories.
 """
 
 from __future__ import annotations
@@ -29,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 from ...errors import BusyError, StoreIOError
 from .fsio import FILE_MODE, ensure_real_dirs, io_error, open_regular, read_small, write_tmp
@@ -38,12 +32,8 @@ _POLL = 0.01
 _HELD_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES})
 
 
-def _try_lock(fh, exclusive: bool) -> bool:
-    """``flock`` without waiting: True if taken, False if another holder has it.
-
-    Plain ``fcntl.flock`` rather than portalocker (which this wrapped on POSIX): the
-    library's import pulled ``importlib.metadata`` and the email parser into every
-    ``spoolctl`` process, ~0.1 s of start-up for one system call."""
+def _try_lock(fh: IO[bytes], exclusive: bool) -> bool:
+    """``flock`` without waiting: True if taken, False if another holder has it."""
     try:
         fcntl.flock(fh.fileno(), (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except OSError as exc:
@@ -53,11 +43,11 @@ def _try_lock(fh, exclusive: bool) -> bool:
     return True
 
 
-def _unlock(fh) -> None:
+def _unlock(fh: IO[bytes]) -> None:
     fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _open_lock_file(path: Path):
+def _open_lock_file(path: Path) -> IO[bytes]:
     try:
         ensure_real_dirs(path.parent.parent, path.parent)
         fd = open_regular(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
@@ -66,7 +56,7 @@ def _open_lock_file(path: Path):
     return os.fdopen(fd, "r+b")
 
 
-def _open_lock_file_read_only(path: Path):
+def _open_lock_file_read_only(path: Path) -> IO[bytes] | None:
     """The lock file opened for reading only (flock works on it), or None if it does not
     exist: a read-only store process creates nothing."""
     try:
@@ -79,7 +69,7 @@ def _open_lock_file_read_only(path: Path):
     return os.fdopen(fd, "rb")
 
 
-def _acquire(path: Path, exclusive: bool, timeout: float | None):
+def _acquire(path: Path, exclusive: bool, timeout: float | None) -> IO[bytes] | None:
     """Take a lock on ``path``; None timeout = wait forever, 0 = try once. A lock the
     filesystem cannot give (ENOLCK on some network mounts) is a StoreIOError, not "busy"."""
     fh = _open_lock_file(path)
@@ -131,7 +121,7 @@ def try_hold(path: Path, *, exclusive: bool) -> Iterator[bool]:
             fh.close()
 
 
-def _release(*handles) -> None:
+def _release(*handles: IO[bytes] | None) -> None:
     """Unlock and close each lock file handle that is not None."""
     for handle in handles:
         if handle is not None:
@@ -153,13 +143,10 @@ def _busy(what: str, path: Path) -> BusyError:
 def hold_gated(
     path: Path, gate: Path, *, exclusive: bool, timeout: float | None, what: str
 ) -> Iterator[None]:
-    """The maintenance lock with writer preference.
+    """The maintenance lock with writer preference; BusyError after ``timeout``.
 
-    flock has no fairness: with commits holding ``path`` shared back to back, an exclusive
-    taker (clean, eviction) could wait forever. So everyone passes a turnstile first:
-    shared takers hold ``gate`` shared only while they take ``path`` (a moment), exclusive
-    takers hold ``gate`` exclusively for their whole critical section. Once a deleter has
-    the gate, no new commit starts, the ones in flight drain, and it gets ``path``.
+    flock has no fairness, so everyone passes a turnstile first: shared takers hold ``gate``
+    only while they take ``path``, exclusive takers for their whole critical section.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -202,7 +189,7 @@ class OwnerInfo:
     role: str
     since: float
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "host": self.host, "role": self.role, "since": self.since}
 
 
@@ -213,7 +200,7 @@ class OwnerLease:
         self._lock_path = lock_path
         self._info_path = info_path
         self.info = OwnerInfo(os.getpid(), socket.gethostname(), role, time.time())
-        self._fh = None
+        self._fh: IO[bytes] | None = None
 
     def try_acquire(self) -> bool:
         fh = _acquire(self._lock_path, True, 0)
@@ -245,10 +232,8 @@ class OwnerLease:
 
 
 def read_owner(lock_path: Path, info_path: Path) -> OwnerInfo | None:
-    """The live owner, or None. A lease whose process died is not reported.
-
-    Opens the lock file read-only and creates nothing (works on a store this process
-    cannot write)."""
+    """The live owner, or None (a lease whose process died is not reported). Creates
+    nothing."""
     fh = _open_lock_file_read_only(lock_path)
     if fh is None:
         return None

@@ -1,17 +1,8 @@
 """Shared helper-thread pools made on first use, that still work at interpreter exit.
 
-The store runs some work off the calling thread: fsyncs (a group commit's flushes overlap),
-the hash of a large verified read (chunk i hashed while chunk i+1 is read) and the unlinks
-of a clean. Each is one process-wide ``LazyPool``, created the first time it is used.
-
-At interpreter exit ``concurrent.futures`` shuts every pool down from a
-``threading._register_atexit`` hook, which runs *before* ``atexit`` handlers
-(ENVIRONMENT.md): a pool then refuses new work ("cannot schedule new futures after
-interpreter shutdown"), and one first made then refuses it too. A commit, verified read or
-clean run from an ``atexit`` drain (the connector's, a controller's ``close``) must still
-work, so a ``LazyPool`` that refuses work runs it on the calling thread instead: the same
-result, only without the overlap. All pools behave alike here (before this module the
-unlink pool raised instead; issue 28 item 8).
+At interpreter exit ``concurrent.futures`` shuts every pool down before ``atexit``
+handlers run, so a ``LazyPool`` that refuses work runs it on the calling thread instead:
+a commit or clean from an ``atexit`` drain still works, only without the overlap.
 """
 
 from __future__ import annotations
@@ -36,10 +27,8 @@ class LazyPool:
             os.register_at_fork(after_in_child=self._forget)
 
     def _forget(self) -> None:
-        """In a forked child (``status``/``metrics`` read each store in one, decision 2701):
-        the parent's executor has no threads here, yet counts its idle workers, so work
-        handed to it would wait forever (a marker rewrite in the child hung ``status`` until
-        its disk deadline); the child makes its own pool at first use."""
+        """In a forked child: the parent's executor has no threads here yet counts its idle
+        workers, so work handed to it would wait forever; make a new pool at first use."""
         self._lock = threading.Lock()
         self._executor = None
 
@@ -51,13 +40,13 @@ class LazyPool:
                                                     thread_name_prefix=self.name)
             return self._executor
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """``fn(*args)`` on the pool, or run here and now when the pool no longer accepts
         work (interpreter exit); either way a Future holding its result or exception."""
         try:
             return self.executor().submit(fn, *args)
         except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-            done: Future = Future()
+            done: Future[Any] = Future()
             try:
                 done.set_result(fn(*args))
             except BaseException as exc:
@@ -74,7 +63,7 @@ class LazyPool:
         return _results(futures)
 
 
-def _results(futures: list[Future]) -> Iterator[Any]:
+def _results(futures: list[Future[Any]]) -> Iterator[Any]:
     try:
         for future in futures:
             yield future.result()

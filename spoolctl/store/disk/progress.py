@@ -1,7 +1,5 @@
 """Progress a long read of the store reports while it runs, so that whoever waits on it with a
-deadline (``spoolctl status`` in its child process) can tell a large directory that is being
-read from a disk that does not answer. No sink is installed by default: ``tick`` is then one
-global read."""
+deadline can tell a large directory from a disk that does not answer."""
 
 from __future__ import annotations
 

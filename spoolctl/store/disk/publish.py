@@ -1,23 +1,12 @@
 """Making files visible in the store durably: the one copy of write-temp / fsync / rename /
 fsync-directory.
 
-A file is published in three steps, each its own method, so that a batch (group commit)
-can run one step for many files before the next and fsync each directory once:
-
-1. ``stage``: write the bytes to a new temp file in ``tmp/`` (``O_EXCL|O_NOFOLLOW``,
-   0600), hash them on the way and fsync the file. Nothing is visible yet; a crash leaves
-   a temp file named after the writer's pid, which is reclaimed once the writer is dead.
-2. ``place``: rename it to its final path, after checking that neither the root nor any
-   directory below it on the way is a symlink (a directory swapped after open must not
-   redirect the write).
-3. ``sync``: fsync each distinct parent directory once, which makes the renames durable.
-
-``stage_flushing`` is step 1 without waiting for the fsync, for a group commit that
-starts many flushes before it waits for any. ``publish`` is steps 2 and 3 for one file.
-Each step passes a named crash checkpoint ``<what>.tmp_written`` / ``.fsynced`` /
-``.published`` / ``.dir_fsynced`` (see ``faults``) when ``what`` is given. Steps raise
-``OSError``; ``failing`` turns it into the store's ``StoreIOError`` and removes the staged
-temp file.
+Three steps, each its own method so a group commit can run one step for many files and
+fsync each directory once: ``stage`` (write, hash and fsync a temp file), ``place``
+(rename it to its final path, no symlinked directory on the way), ``sync`` (fsync each
+parent directory once). ``publish`` is steps 2 and 3 for one file. With ``what`` given,
+each step passes the crash checkpoint ``<what>.tmp_written`` / ``.fsynced`` /
+``.published`` / ``.dir_fsynced``.
 """
 
 from __future__ import annotations
@@ -64,10 +53,8 @@ class Publisher:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Inside, this thread's creates and renames reuse one descriptor per directory
-        (``dirfd.DirFds``), opened at first use and closed when the batch ends; outside,
-        each opens its directories itself. Either way no path is resolved again after its
-        directory was opened without following a link (issue 35.1). Nests."""
+        """Inside, this thread's creates and renames reuse one descriptor per directory,
+        closed when the batch ends. Nests."""
         if getattr(self._local, "dirs", None) is not None:
             yield
             return
@@ -100,17 +87,15 @@ class Publisher:
         return staged
 
     def create_tmp(self) -> TmpFile:
-        """A new empty temp file, to be written by ``stage_flushing(..., into=)`` (a group
-        commit creates its files ahead, decision 1408). StoreIOError if it cannot be."""
+        """A new empty temp file, to be written by ``stage_flushing(..., into=)``.
+        StoreIOError if it cannot be created."""
         return create_tmp(self.tmp_dir, self._dirs())
 
     def stage_flushing(self, chunks: Chunks, *, what: str | None,
                        limit: int | None = None, into: TmpFile | None = None) -> Flushing:
-        """Step 1 without waiting for the flush (a group commit): write ``chunks`` to a temp
-        file (``into``, made by ``create_tmp``, or a new one) and hash them; the fsync runs
-        on a helper thread (``Flushing.flushed``). The caller passes ``<what>.fsynced`` once
-        it has waited for it, and removes the file if it is not published. Errors as for
-        ``stage``."""
+        """Step 1 without waiting for the fsync (``Flushing.flushed``), into ``into`` or a
+        new temp file. The caller passes ``<what>.fsynced`` once it has waited, and removes
+        the file if it is not published. Errors as for ``stage``."""
         return write_tmp_flushing(self.tmp_dir, chunks, limit=limit, into=into,
                                   on_written=lambda: self.mark(what, "tmp_written"),
                                   dirs=self._dirs())
@@ -124,10 +109,8 @@ class Publisher:
               placed: list[Path] | None = None, checked: bool = False) -> None:
         """Step 2: rename ``src`` to ``final`` (atomic; replaces what is there).
 
-        ``final`` is appended to ``placed`` as soon as the rename is done, so a caller that
-        sees an error afterwards knows the file is visible (and must not roll back).
-        ``checked``: the caller ran ``check_dirs(final.parent)`` just before (no other
-        file system call in between), so it is not repeated.
+        ``final`` is appended to ``placed`` as soon as it is visible. ``checked``: the caller
+        ran ``check_dirs(final.parent)`` just before.
         """
         if not checked:
             ensure_real_dirs(self.root, final.parent)

@@ -1,28 +1,15 @@
 """Room to shed load on a full disk: the store's reserve file and the commit headroom.
 
-A cache whose cleaner cannot run on a full disk turns a full disk into an outage: with
-the filesystem at 100%, SQLite cannot even create its shared-memory file, so recording a
-release, deleting released entries or evicting to a lowered max size would all fail with
-ENOSPC. Two rules keep shedding possible (decision 1103):
+On a full disk SQLite cannot even create its shared-memory file, so shedding load (release,
+clean, eviction) would fail with ENOSPC. Two rules keep it possible:
 
-* **A reserve** of up to ``PIECES`` files ``state/reserve.<n>`` (``PIECE_BYTES`` each,
-  allocated up front; at most 1/64 of the filesystem, so a small filesystem is not eaten
-  by it and one under 4 MiB gets none) holds disk space for the store's own maintenance.
-  An operation that *sheds* load (release, clean, eviction, orphan collection, lowering
-  the max size, and opening the catalog to do any of these: SQLite must create its 32 KiB
-  shared-memory file and write-ahead log before the first write) that fails for lack of
-  space deletes one piece and retries, piece by piece. Pieces let several operations in a
-  row run on a disk that another program keeps full (a release frees nothing; the clean
-  after it still needs room). After each shedding operation, and at each open, missing
-  pieces are re-created from whatever space is free, before another program can take it.
-* **Commit headroom**: a commit refuses to start (StoreIOError, ENOSPC) while the
-  filesystem has less than ``HEADROOM_BYTES`` free (1/64 of a small filesystem), so the
-  store's own writers stop short of a full disk and never take the room a piece just gave
-  back.
+* **A reserve** of up to ``PIECES`` preallocated files ``state/reserve.<n>`` (at most 1/64
+  of the filesystem): a shedding operation that fails for lack of space deletes one piece
+  and retries; missing pieces are re-created after each shedding operation and at open.
+* **Commit headroom**: a commit refuses to start while less than ``HEADROOM_BYTES`` are
+  free, so the store's writers never take the room a piece gave back.
 
-So the disk a store may occupy is bounded by its max size, plus the entries in flight,
-plus this reserve (``RESERVE_BYTES``). Everything here is best effort: a filesystem that
-cannot hold the reserve works as before, with fewer pieces or none.
+Best effort: a filesystem that cannot hold the reserve works with fewer pieces or none.
 """
 
 from __future__ import annotations
@@ -94,8 +81,7 @@ class Reserve:
 
     def ensure(self) -> int:
         """Create the missing pieces while the filesystem has room for them; return how
-        many pieces are in place afterwards. Never raises. Costs one lstat per piece when
-        the reserve is whole."""
+        many pieces are in place afterwards. Never raises."""
         for n in range(self.pieces):
             if not self._present(n) and not self._create(n):
                 break

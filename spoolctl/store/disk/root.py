@@ -1,11 +1,8 @@
 """Store roots: validation, the ``.spoolctl-root`` marker, and the directory layout.
 
-Rules (docs/concepts.md, "Roots"): a root is absolute and reached through no symlink;
-it is created only when new or empty, adopted only with a valid marker, and used only by
-the user who owns it (from the very first open: an empty directory owned by someone else
-is refused too, so root cannot seed root-owned files into a user's directory). A
-read-only open creates and rewrites nothing, so it may read a store another user owns.
-The marker is validated strictly: wrong types are a one-line RootError, never a guess.
+A root is absolute and reached through no symlink; it is created only when new or empty,
+adopted only with a valid marker, and used only by the user who owns it (an empty
+directory included). A read-only open creates and rewrites nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import stat
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ...errors import InvalidIdError, RootError, access_denied
 from . import dirfd, faults
@@ -37,11 +35,10 @@ from .fsio import (
 MARKER = ".spoolctl-root"
 ROOT_SCHEMA = "spoolctl-root/v1"
 # A store holding something a reader must understand has a v2 marker naming it in
-# ``requires`` (decision 2831): every spoolctl before v2 refuses any schema but v1 at open,
-# and one that knows v2 refuses a feature it does not know. Nothing else changes in v2.
+# ``requires``: older versions refuse any schema but v1, newer ones an unknown feature.
 ROOT_SCHEMA_V2 = "spoolctl-root/v2"
-# Objects sealed under a random 63-bit key id (SPS2 headers, decision 2812): a spoolctl
-# that reads only SPS1 would quarantine them as corrupt.
+# Objects sealed under a random 63-bit key id (SPS2 headers): a spoolctl that reads only
+# SPS1 would quarantine them as corrupt.
 FEATURE_SEALED_V2 = "sealed-v2"
 # Hints kept in ``state/hints.log`` besides the catalog, which a rebuild reads: a spoolctl
 # that does not know it would change hints without the log (a later rebuild would bring
@@ -61,8 +58,7 @@ _HEX64_RE = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class StorePaths:
-    """Paths inside one store root (what ``places.inspect_root`` finds under a ``--root``
-    is a ``places.RootContents``)."""
+    """Paths inside one store root."""
 
     root: Path
 
@@ -98,8 +94,8 @@ class StorePaths:
 
 
 def _hex64(value: str, what: str) -> str:
-    """No path is ever built from anything but 64 lowercase hex characters (the last line
-    of defence against ids read from a hand-edited catalog or a foreign file)."""
+    """``value`` if it is 64 lowercase hex characters (the only thing a path is built
+    from), else InvalidIdError."""
     if not isinstance(value, str) or not _HEX64_RE.fullmatch(value):
         raise InvalidIdError(f"invalid {what} {str(value)[:80]!r}",
                              fix="this value came from a damaged catalog or file: run "
@@ -110,15 +106,15 @@ def _hex64(value: str, what: str) -> str:
 @dataclass(frozen=True)
 class Marker:
     """Contents of ``.spoolctl-root``. ``requires``: the features a reader must know
-    (sorted; empty: a v1 marker, as every store before decision 2831)."""
+    (sorted; empty: a v1 marker)."""
 
     store_id: str
     created: float
     max_bytes: int | None
     requires: tuple[str, ...] = ()
 
-    def to_json(self) -> dict:
-        doc: dict = {
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
             "schema": ROOT_SCHEMA_V2 if self.requires else ROOT_SCHEMA,
             "store_id": self.store_id,
             "created": self.created,
@@ -215,10 +211,8 @@ def _number(value: object) -> bool:
 
 def marker_from_json(doc: object, path: Path) -> Marker:
     """Validate a parsed marker strictly (types, not just presence); RootError if wrong.
-
-    ``max_bytes`` must be a positive integer or null: ``true`` is not 1 byte (it would make
-    capacity maintenance evict everything) and ``"10GiB"`` is not a size. A v2 marker's
-    ``requires`` must be a list of feature names this version knows (decision 2831)."""
+    ``max_bytes``: a positive integer or null (``true`` is not 1 byte). ``requires``: a
+    list of feature names this version knows."""
     if not isinstance(doc, dict) or doc.get("schema") not in (ROOT_SCHEMA, ROOT_SCHEMA_V2):
         schema = doc.get("schema") if isinstance(doc, dict) else None
         raise RootError(
@@ -268,10 +262,8 @@ def _show(value: object) -> str:
 
 
 def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> Marker:
-    """Atomically (re)write the marker: tmp file, fsync, rename, fsync the root; returns
-    what was written. ``new``: the store is being created (crash-test checkpoints of init).
-    A feature the marker on disk requires is kept (a max-size change made with an older
-    copy never drops one another process added)."""
+    """Atomically (re)write the marker and return what was written; ``new``: the store is
+    being created. Features the marker on disk requires are kept. StoreIOError."""
     if not new:
         with contextlib.suppress(RootError):
             on_disk = read_marker(layout).requires
@@ -285,9 +277,8 @@ def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> Ma
     try:
         dirfd.replace(tmp, layout.marker)  # the draft is the owner's from its creation
     except OSError as exc:
-        # A root directory this user cannot write (chmod 500, a read-only bind): one
-        # StoreIOError naming the fix -- read-only commands then fall back to a read-only
-        # view -- and no draft left in tmp/ (decision 2831's rewrite at a writable open).
+        # A root this user cannot write: one StoreIOError naming the fix (read-only
+        # commands then fall back to a read-only view), and no draft left in tmp/.
         with contextlib.suppress(OSError):
             dirfd.unlink(tmp)
         raise io_error(exc, "writing the store marker", layout.marker) from None
@@ -296,9 +287,8 @@ def write_marker(layout: StorePaths, marker: Marker, *, new: bool = False) -> Ma
 
 
 def require_feature(layout: StorePaths, feature: str) -> Marker:
-    """Make the marker require ``feature`` (a v2 marker, decision 2831) before the store
-    holds anything that needs it, so an older spoolctl refuses the store at open instead of
-    misreading it; returns the marker. A no-op when it already does."""
+    """Make the marker require ``feature`` before the store holds anything that needs it,
+    so an older spoolctl refuses the store instead of misreading it; returns the marker."""
     assert feature in KNOWN_FEATURES, feature
     marker = read_marker(layout)
     if feature in marker.requires:
@@ -327,12 +317,9 @@ def _mkdir(dir_fd: int, name: str, path: Path) -> bool:
 
 
 def ensure_layout(layout: StorePaths) -> None:
-    """Create every directory of the layout (idempotent); fsync only what changed. Every
-    directory is reached through its parent's descriptor, never by a path its owner could
-    re-point meanwhile.
-
-    StoreIOError if the filesystem refuses (no space, no inodes, read-only): what was
-    made stays, and the next ``init`` finishes it (``unfinished_init``)."""
+    """Create every directory of the layout (idempotent) through its parent's descriptor;
+    fsync only what changed. StoreIOError if the filesystem refuses (what was made stays:
+    the next ``init`` finishes it)."""
     try:
         with dirfd.opened(layout.root) as top:
             _ensure_layout(layout, top)
@@ -401,16 +388,9 @@ def check_layout(layout: StorePaths) -> None:
 
 
 def unfinished_init(layout: StorePaths) -> list[Path] | None:
-    """If ``layout.root`` (a directory without a marker) holds nothing but what an
-    interrupted or failed ``init`` creates, return the marker drafts it left in ``tmp/``
-    (to remove); else None.
-
-    What init creates before the marker: the top directories of the layout, empty fan-out
-    directories under ``objects/`` and ``manifests/``, and one small draft of the marker
-    in ``tmp/``. Anything else (a file, a symlink, an object, a manifest, a catalog, a
-    fan-out directory that is not empty) means the directory is not ours: refused. An
-    empty directory is not an unfinished init (``init`` creates a store there anyway; other
-    commands see an empty vLLM base root, as a fresh or an unmounted one looks).
+    """If ``layout.root`` (without a marker) holds nothing but what an interrupted
+    ``init`` creates (top directories, empty fan-outs, small marker drafts in ``tmp/``),
+    return those drafts (to remove); else None. An empty directory is None too.
     """
     drafts: list[Path] = []
     try:
@@ -442,10 +422,9 @@ def create_or_adopt(
 ) -> tuple[StorePaths, Marker]:
     """Open the root at ``root``; create it when ``create`` and it is new or empty.
 
-    Refuses a non-empty directory without a marker, a marker of another schema or with
-    malformed fields, and (unless ``allow_foreign_owner``) a root, even an empty one, owned
-    by another user. ``max_bytes`` (when given) is recorded in the marker. ``read_only``
-    writes nothing: no directory or marker is created, repaired or rewritten.
+    RootError for a non-empty directory without a marker, a foreign or malformed marker,
+    and (unless ``allow_foreign_owner``) a root owned by another user. ``max_bytes`` (when
+    given) is recorded in the marker. ``read_only`` creates and rewrites nothing.
     """
     layout = StorePaths(root)
     try:
@@ -476,7 +455,7 @@ def create_or_adopt(
         leftovers: list[Path] | None = []
         if st is not None and os.listdir(root):
             # An init that was interrupted (Ctrl-C) or failed (no inodes left) leaves its
-            # directories without the marker; the next init finishes it (issue 30.1).
+            # directories without the marker; the next init finishes it.
             leftovers = unfinished_init(layout)
             if leftovers is None:
                 raise RootError(
@@ -488,9 +467,8 @@ def create_or_adopt(
             # The foreign-owner rule holds from the first open: an empty directory someone
             # else owns is theirs (creating the store in it would seed files they cannot use).
             check_owner(root, allow_foreign_owner=allow_foreign_owner, st=st)
-        # Every directory made on the way gets DIR_MODE, not what the umask leaves, and the
-        # root's mode is set through its own descriptor, never through a path a writer of
-        # a parent could swap for a link meanwhile (issue 35.4).
+        # Every directory made on the way gets DIR_MODE whatever the umask, the root's
+        # through its own descriptor: a writer of a parent could swap the path for a link.
         fd = dirfd.makedirs(root, DIR_MODE)
         try:
             os.fchmod(fd, DIR_MODE)

@@ -1,12 +1,7 @@
-"""Room on the filesystem under a store: free bytes and free inodes (issue 30.2).
+"""Room on the filesystem under a store: free bytes and free inodes.
 
-A filesystem can refuse a new file (ENOSPC) with bytes to spare: it has no inode left
-(many small files on a tmpfs or an ext4 made with few inodes). ``df -h`` then shows
-space, so an error that says "free disk space" sends the operator the wrong way. Every
-no-space error and check of the store asks ``space_of`` which of the two ran out and
-names it. Deleting files frees inodes, so the shedding commands (``clean``) are the fix
-for both; the commit headroom keeps ``INODE_HEADROOM`` inodes for them, as it keeps
-bytes (reserve.py).
+A filesystem can refuse a new file (ENOSPC) with bytes to spare when it has no inode left,
+and ``df -h`` then shows space: every no-space error names which of the two ran out.
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ INODE_FIX = ("free inodes: `spoolctl clean --released` (and `--capacity`) delete
 
 @dataclass(frozen=True)
 class Space:
-    """Free room on one filesystem. ``inodes`` is None where the filesystem has no fixed
-    inode count (btrfs, some network filesystems report 0)."""
+    """Free room on one filesystem; ``inodes`` is None where it has no fixed inode count."""
 
     free_bytes: int
     total_bytes: int
@@ -46,8 +40,7 @@ class Space:
 
     @property
     def short_of_inodes(self) -> bool:
-        """True if the filesystem is (nearly) out of inodes: a no-space error here is
-        about inodes, not bytes."""
+        """True if the filesystem is (nearly) out of inodes."""
         return self.free_inodes is not None and self.free_inodes < self.inode_headroom
 
     def to_json(self) -> dict[str, int | None]:

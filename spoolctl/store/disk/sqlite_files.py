@@ -1,33 +1,12 @@
 """The store's SQLite databases (catalog, scrub progress, request queue): opened one way,
-and their errors classified one way, by SQLite's result codes.
+their errors classified one way by SQLite's result codes.
 
-``error_code`` reads the primary result code of a ``sqlite3`` exception: Python 3.11+
-carries it (``sqlite_errorcode``); on 3.10 it is recovered from the message, which SQLite
-builds from fixed per-code strings (``sqlite3_errstr``). ``is_damaged`` says whether an
-error means the file itself is not what spoolctl wrote (rebuild or reset it);
-``sqlite_error`` turns any other error into the store's own error with its fix.
-
-Before SQLite sees a path, ``check_files`` makes sure the database and its ``-wal`` /
-``-shm`` companions are regular files (or absent): SQLite would follow a symlink out of
-the store, and block forever reading a FIFO. A special file there is damage
-(``DamagedDatabaseError``: quarantined and rebuilt or reset like a corrupt one).
-``connect_read_only`` opens a database without creating or writing anything, for a
-process that may not write the store (``Store.open(..., read_only=True)``).
-
-Whoever can write the store can plant views and triggers in these files (issue 35.3): a
-``BEFORE INSERT ON meta`` trigger or a view over an endless recursive query would spin
-every process that opens the file, root's maintenance included. So every connection
-(``_guarded``) has a deadline on every statement (``STATEMENT_DEADLINE``, enforced by a
-progress handler: a statement past it fails with SQLITE_INTERRUPT), and, before any
-statement touches a table, its schema is compared
-with what spoolctl's own DDL creates (``check_schema``): a table, index, trigger or view
-that is not ours, or one of ours with other SQL, is damage (``DamagedDatabaseError``:
-rebuilt or reset like a corrupt file, a finding for ``doctor``). Missing objects of
-ours are fine (a file of an older spoolctl: the DDL adds them). Parsing a schema runs
-none of it, so reading ``sqlite_master`` is safe. ``PRAGMA trusted_schema=OFF`` is not
-used: SQLite then refuses to parse our own catalog (its ``malformed_rows`` triggers call
-``json_valid()``, "unsafe use"), and once every object is proved ours it adds nothing
-(decision 2001).
+Whoever can write the store can plant symlinks, FIFOs, views and triggers in these files.
+So before SQLite sees a path, ``check_files`` requires regular files; every connection has
+a per-statement deadline (``STATEMENT_DEADLINE``); and before any statement touches a
+table, ``check_schema`` requires every schema object to be one spoolctl's DDL creates.
+Any of these failing is damage (``DamagedDatabaseError``: rebuilt or reset like a corrupt
+file). ``trusted_schema=OFF`` is not used: it rejects our own ``json_valid()`` triggers.
 """
 
 from __future__ import annotations
@@ -42,7 +21,7 @@ import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import quote
 
 from ...errors import BusyError, SpoolError, StoreIOError
@@ -88,12 +67,13 @@ _TEXT_CODES: tuple[tuple[str, int], ...] = (
 
 
 class DamagedDatabaseError(sqlite3.DatabaseError):
-    """Raised by spoolctl's own checks: the file opened as SQLite but is not what spoolctl
-    wrote (another schema version, a failed quick_check, a malformed row)."""
+    """The file opened as SQLite but is not what spoolctl wrote (foreign schema, failed
+    quick_check, malformed row, special file)."""
 
 
 def error_code(exc: sqlite3.Error) -> int | None:
     """The primary SQLite result code of ``exc``, or None if SQLite did not raise it."""
+    # Python 3.10 has no sqlite_errorcode: recover the code from SQLite's fixed messages
     code = getattr(exc, "sqlite_errorcode", None)
     if isinstance(code, int):
         return code & 0xFF
@@ -167,9 +147,9 @@ def check_files(path: Path) -> None:
             raise DamagedDatabaseError(f"{p.name} is not a regular file ({file_kind(st.st_mode)})")
 
 
-# Seconds one statement may run before the progress handler interrupts it. A statement of
-# spoolctl's over a million-entry catalog takes well under a second (decision 1403); a bulk
-# rebuild is one ``executemany`` per table, seconds. Only a planted query gets near this.
+# Seconds one statement may run before the progress handler interrupts it: spoolctl's own
+# take under a second on a million-entry catalog, a bulk rebuild seconds; only a planted
+# query gets near this.
 STATEMENT_DEADLINE = 120.0
 # The handler runs every this many SQLite VM instructions (about a millisecond of work).
 _PROGRESS_STEPS = 10_000
@@ -189,15 +169,15 @@ class _Guarded(sqlite3.Connection):
     def _late(self) -> int:
         return 1 if time.monotonic() > self._until else 0  # nonzero: SQLITE_INTERRUPT
 
-    def execute(self, *args, **kwargs):  # type: ignore[override]
+    def execute(self, *args: Any, **kwargs: Any) -> sqlite3.Cursor:
         self._start()
         return super().execute(*args, **kwargs)
 
-    def executemany(self, *args, **kwargs):  # type: ignore[override]
+    def executemany(self, *args: Any, **kwargs: Any) -> sqlite3.Cursor:
         self._start()
         return super().executemany(*args, **kwargs)
 
-    def executescript(self, *args, **kwargs):  # type: ignore[override]
+    def executescript(self, *args: Any, **kwargs: Any) -> sqlite3.Cursor:
         self._start()
         return super().executescript(*args, **kwargs)
 
@@ -217,11 +197,8 @@ def _guarded(target: str, *, uri: bool = False, timeout: float,
 
 @contextlib.contextmanager
 def _pinned(path: Path) -> Iterator[str]:
-    """The name to give SQLite for the database at ``path``: under a root another user owns
-    (``dirfd.guarded``), ``/proc/self/fd/N/NAME`` of its directory opened by ``open_dir``'s
-    walk (SQLite turns it back into the directory's current path: the one checked, where
-    its owner moved it or not), else ``path`` itself. ``_check_opened`` then proves which
-    files SQLite holds."""
+    """The name to give SQLite for ``path``: under a guarded root ``/proc/self/fd/N/NAME``
+    of its directory opened by ``open_dir``'s walk, else ``path`` itself."""
     if not dirfd.guarded(path) or not os.path.isdir(_PROC_FD):
         yield str(path)
         return
@@ -236,11 +213,9 @@ _PROC_FD = "/proc/self/fd"
 
 
 def _check_opened(db: sqlite3.Connection, path: Path) -> None:
-    """Under a root another user owns: read the schema (SQLite opens the database and, in
-    WAL mode, its -wal/-shm files), then make sure every one of those files SQLite holds
-    is the one in ``path``'s directory reached without a link; otherwise close ``db`` and
-    raise StoreIOError (ELOOP): its owner swapped the directory while SQLite opened it by
-    name. Nothing has been written through such a connection yet."""
+    """Under a guarded root: prove every file SQLite holds for ``db`` is the one in
+    ``path``'s directory reached without a link; else close ``db`` and raise StoreIOError
+    (ELOOP: the directory was swapped while SQLite opened it)."""
     if not dirfd.guarded(path) or not os.path.isdir(_PROC_FD):
         return
     try:
@@ -284,9 +259,8 @@ def _held_files() -> list[tuple[str, tuple[int, int]]]:
 
 
 def connect_pinned(path: Path, *, timeout: float) -> sqlite3.Connection:
-    """A plain autocommit connection to the existing database at ``path`` (a checkpointer's),
-    opened as ``connect_private`` opens it where another user owns the store: through the
-    checked directory, every file SQLite holds proved to be in it (``_check_opened``)."""
+    """A plain autocommit connection to the existing database at ``path``, opened through
+    the checked directory under a guarded root (``_check_opened``)."""
     with _pinned(path) as target:
         db = sqlite3.connect(target, timeout=timeout, isolation_level=None,
                              check_same_thread=False)
@@ -296,8 +270,7 @@ def connect_pinned(path: Path, *, timeout: float) -> sqlite3.Connection:
 
 @functools.lru_cache(maxsize=8)
 def _expected_schema(ddl: str) -> frozenset[tuple[str, str, str, str | None]]:
-    """(type, name, table, sql) of every object ``ddl`` creates (applied to an empty
-    in-memory database, so the text is SQLite's own normalised form of ours)."""
+    """(type, name, table, sql) of every object ``ddl`` creates, in SQLite's normal form."""
     mem = sqlite3.connect(":memory:")
     try:
         mem.executescript(ddl)
@@ -307,12 +280,11 @@ def _expected_schema(ddl: str) -> frozenset[tuple[str, str, str, str | None]]:
 
 
 def check_schema(db: sqlite3.Connection, ddl: str, *, earlier: tuple[str, ...] = ()) -> None:
-    """Raise DamagedDatabaseError if the database holds a table, index, trigger or view
-    that ``ddl`` does not create, or one of the same name with other SQL. ``earlier``: the
-    DDL of schemas earlier spoolctl versions created, whose objects are ours too (the caller
-    migrates them). Reading ``sqlite_master`` runs none of them (nor does anything else
-    before this returns)."""
-    expected = frozenset().union(*(_expected_schema(d) for d in (ddl, *earlier)))
+    """Raise DamagedDatabaseError if the database holds a schema object that ``ddl`` (or
+    one of the ``earlier`` versions' DDL) does not create, or one with other SQL. Missing
+    objects are fine. Reading ``sqlite_master`` runs none of them."""
+    expected: frozenset[tuple[str, str, str, str | None]] = frozenset().union(
+        *(_expected_schema(d) for d in (ddl, *earlier)))
     found = db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
     for row in found:
         if tuple(row) not in expected:
@@ -325,16 +297,13 @@ def connect_read_only(path: Path, *, timeout: float = 30, ddl: str | None = None
                       deadline: float | None = None, snapshot: bool = False,
                       earlier_ddl: tuple[str, ...] = ()) -> sqlite3.Connection:
     """A connection that never writes or creates anything (``mode=ro``), falling back to
-    ``immutable=1`` when SQLite cannot set up its shared-memory index (a WAL database
-    whose directory this process cannot write, with no readable -shm file). Immutable
-    reads the main file only: a snapshot that may lack the newest commits of a writer
-    that is running right now, never a torn one. Raises sqlite3 errors as they come
-    (absent file: SQLITE_CANTOPEN). ``ddl``: the schema the file must keep to
-    (``check_schema``; DamagedDatabaseError otherwise, the connection closed).
-    ``deadline``: seconds per statement (default ``STATEMENT_DEADLINE``). ``snapshot``:
-    immutable at once -- not even the -shm/-wal files that ``mode=ro`` creates where it
-    can (another host's store, read and never touched: ``peer``). ``earlier_ddl``: schemas of
-    earlier versions the file may still have (not migrated: a read-only open cannot)."""
+    ``immutable=1`` (the main file only: maybe missing a running writer's newest commits,
+    never torn) where SQLite cannot set up its shared-memory index.
+
+    ``ddl``/``earlier_ddl``: the schema the file must keep to (``check_schema``).
+    ``deadline``: seconds per statement. ``snapshot``: immutable at once, creating not even
+    -shm/-wal. Raises sqlite3 errors as they come (absent file: SQLITE_CANTOPEN),
+    DamagedDatabaseError (the connection closed)."""
     check_files(path)
     with _pinned(path) as target:
         return _read_only(path, target, timeout=timeout, ddl=ddl, deadline=deadline,
@@ -381,13 +350,10 @@ def connect_private(
     path: Path, *, ddl: str, synchronous: Literal["NORMAL", "FULL"], timeout: float = 30,
     earlier_ddl: tuple[str, ...] = (),
 ) -> sqlite3.Connection:
-    """A WAL-mode connection to ``path`` (created 0600: SQLite would make it 0644, and its
-    -wal/-shm files inherit the mode), with ``ddl`` applied once the file's schema proved
-    to be ``ddl``'s or one of ``earlier_ddl``'s (``check_schema``; migrating an earlier one
-    is the caller's job). Autocommit mode; the caller manages transactions.
-    The connection is closed again if setup fails. A special file in the database's place,
-    or a schema that is not ours, raises DamagedDatabaseError before SQLite runs anything
-    of the file's."""
+    """An autocommit WAL-mode connection to ``path`` (created 0600), with ``ddl`` applied
+    once the schema proved ours (``check_schema``; migrating ``earlier_ddl`` is the
+    caller's job). DamagedDatabaseError for a special file or a foreign schema; the
+    connection is closed if setup fails."""
     check_files(path)
     precreate_private(path)
     for suffix in SUFFIXES[1:] if dirfd.guarded(path) else ():

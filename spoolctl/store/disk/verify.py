@@ -1,20 +1,10 @@
 """Verifying an object: one primitive that reads and checks it, one classifier of failures.
 
-Every reader of an object goes through ``verify_object``: the verified read that hands bytes
-to a model (``Store.read``, and through it request-auth, the connector's restore and the
-export of small entries), the scrub (its rate limit is the ``pace`` hook), the export of a
-large entry (its bytes go to the archive through the ``each`` hook while they are hashed),
-a commit's check of an object it would reuse, and a quarantine restore.
-
-Whatever stopped a verification, ``classify`` says what it means, so the quarantine reason
-(a metrics label, an alert) does not depend on who found the damage (issue 28 item 2,
-decision 2510): a missing object, a symlink, FIFO, socket, device or directory in its place
-is ``payload_missing`` (the payload is not in the store; whatever occupies its path is moved
-into the quarantine item as evidence, never followed or opened); a wrong size (also one
-that changed while reading) is ``payload_size``; bytes that do not hash to the digest are
-``payload_digest``. An object that cannot be read (permissions, an I/O error) is not damage:
-nothing is quarantined, and fixing the cause makes the entry whole again.
-``failed_object`` then acts on it the same way for every caller.
+Every reader of an object (verified read, scrub, export, commit reuse, restore) goes
+through ``verify_object``, and ``classify``/``failed_object`` give every finder the same
+quarantine reason (a metrics label): nothing or a special file in its place is
+``payload_missing``, a wrong size ``payload_size``, wrong bytes ``payload_digest``. An
+object that cannot be read (permissions, I/O error) is not damage: nothing is quarantined.
 """
 
 from __future__ import annotations
@@ -24,7 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from ...errors import CorruptionError, NotFoundError, QuarantineReason, SpoolError
 from ..format.digest import Hasher
@@ -40,7 +30,8 @@ from .root import StorePaths
 
 # Granularity of the read/hash pipeline (and of the hooks' chunks).
 PIPE_CHUNK = 2 << 20
-# Objects up to this size are hashed on the reading thread (no hand-off; decision 1402).
+# Objects up to this size are hashed on the reading thread: a hand-off costs more than
+# it overlaps.
 INLINE_HASH_MAX = 4 << 20
 __all__ = ["HASH_POOL"]  # the pipeline's helper (defined in fsio, shared with commits)
 
@@ -52,20 +43,12 @@ def verify_object(
 ) -> None:
     """Read the object at ``path`` and prove it is ``digest`` of ``size`` bytes, in one pass.
 
-    ``into``: a buffer of ``size`` bytes that receives the object (``read_verified``);
-    without it the bytes pass through one reused chunk buffer. ``each(chunk)`` sees every
-    chunk in order as it is read (before the digest is known: a consumer that cannot take
-    bytes back must handle a CorruptionError at the end). ``pace(n)`` is called after each
-    chunk of ``n`` bytes (the scrub's rate limit).
-
-    Objects read ``into`` a buffer larger than ``INLINE_HASH_MAX`` are pipelined (chunk i is
-    hashed on a helper thread while chunk i+1 is read; both release the GIL); others are
-    hashed inline, chunk by chunk (a hand-off costs more than it overlaps, decision 1402).
+    ``into``: a buffer of ``size`` bytes that receives the object. ``each(chunk)`` sees every
+    chunk as read, before the digest is known. ``pace(n)`` is called after each chunk.
 
     Raises CorruptionError (``payload_size``, ``payload_digest``) if the bytes are not the
-    object's, and the OSError of the open or read otherwise (FileNotFoundError,
-    ``SpecialFileError``, ELOOP for a symlink, EACCES...): ``classify`` says what each
-    means. Never follows a symlink, never blocks on a FIFO.
+    object's, else the OSError of the open or read (``classify`` says what each means).
+    Never follows a symlink, never blocks on a FIFO.
     """
     fd = open_for_read(path)
     try:
@@ -78,11 +61,10 @@ def verify_object(
         hasher = Hasher()
         pipelined = into is not None and size > INLINE_HASH_MAX
         if pipelined:
-            # Ask for the whole object at once: the kernel then reads ahead of the pipeline's
-            # 2 MiB reads instead of one readahead window at a time (64 MiB cold: 0.92-0.94x
-            # a raw read without, 0.97x with; docs/benchmarks.md).
+            # Ask for the whole object at once: the kernel then reads ahead of the
+            # pipeline's reads instead of one readahead window at a time.
             advise_willneed(fd)
-        scratch = None if into is not None else memoryview(bytearray(min(PIPE_CHUNK, size)))
+        scratch = into if into is not None else memoryview(bytearray(min(PIPE_CHUNK, size)))
         pending = None
         offset = 0
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
@@ -113,11 +95,16 @@ def verify_object(
                               path=path)
 
 
-def read_exactly(f: Any, window: memoryview, path: Path,
+class ReadsInto(Protocol):
+    """An unbuffered binary file."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+def read_exactly(f: ReadsInto, window: memoryview, path: Path,
                  short: str = "shorter than its size while reading") -> memoryview:
     """Fill ``window`` from the unbuffered file ``f`` (short reads retried) and return it;
-    CorruptionError(PAYLOAD_SIZE, ``short``) if the file ends first (plain and sealed
-    objects, each with its own message)."""
+    CorruptionError(PAYLOAD_SIZE, ``short``) if the file ends first."""
     got = 0
     while got < len(window):
         n = f.readinto(window[got:])
@@ -130,8 +117,7 @@ def read_exactly(f: Any, window: memoryview, path: Path,
 def read_verified(path: Path, *, digest: str, size: int,
                   into: memoryview | None = None) -> memoryview:
     """The object at ``path`` read whole (into ``into`` if given, else a new buffer) and
-    verified in the same pass (``verify_object``, same errors). The bytes are only ever
-    returned verified."""
+    verified in the same pass (``verify_object``, same errors)."""
     buf = into if into is not None else memoryview(bytearray(size))
     verify_object(path, digest=digest, size=size, into=buf)
     return buf
@@ -139,12 +125,8 @@ def read_verified(path: Path, *, digest: str, size: int,
 
 @dataclass(frozen=True)
 class Failure:
-    """What a failed verification of one object means (``classify``).
-
-    ``reason`` None: not damage (the object cannot be read: permissions, an I/O error);
-    nothing is quarantined. ``occupied``: something is at the object's path (the bad file,
-    a symlink, a FIFO, a directory) and goes into the quarantine item as evidence.
-    ``missing``: nothing is there (the entry may also have been deleted meanwhile)."""
+    """What a failed verification of one object means. ``reason`` None: not damage
+    (unreadable). ``occupied``: something is at the object's path (evidence to move)."""
 
     reason: QuarantineReason | None
     detail: str
@@ -186,10 +168,8 @@ class _Quarantines(Protocol):
 
 @dataclass(frozen=True)
 class ObjectFailure:
-    """A verification failure and what was done about it (``failed_object``): ``error`` is
-    the one to raise or report: NotFoundError (the entry was deleted meanwhile: a miss),
-    CorruptionError (damage: the entry was quarantined unless the store is read-only) or
-    StoreIOError (unreadable: nothing moved)."""
+    """A verification failure and the error to raise: NotFoundError (deleted meanwhile),
+    CorruptionError (quarantined unless read-only) or StoreIOError (unreadable)."""
 
     failure: Failure
     error: SpoolError
@@ -197,11 +177,10 @@ class ObjectFailure:
 
 def failed_object(store: _Quarantines, entry_id: str, name: str, digest: str, path: Path,
                   exc: BaseException, *, found_by: str) -> ObjectFailure:
-    """Act on ``exc``, raised by ``verify_object`` for object ``name`` (``digest``, at
-    ``path``) of ``entry_id``, the same way whoever found it (``found_by``: read, scrub,
-    export... recorded in the quarantine detail). A missing object of an entry whose
-    manifest is gone too was deleted by maintenance meanwhile: a miss, not damage.
-    Raises StoreIOError if quarantining fails (a read-only or full directory)."""
+    """Act on ``exc`` from ``verify_object`` for object ``name`` (``digest`` at ``path``) of
+    ``entry_id`` the same way whoever found it (``found_by``, recorded in the detail). A
+    missing object whose manifest is gone too is a miss. StoreIOError if quarantining
+    fails."""
     failure = classify(exc, name)
     if failure.reason is None:
         assert isinstance(exc, OSError)

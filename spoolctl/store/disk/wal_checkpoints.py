@@ -1,23 +1,10 @@
 """Checkpointing a WAL database on a helper thread, between one writer's transactions.
 
-SQLite's automatic checkpoint runs inside the ``COMMIT`` that crosses the threshold (1,000
-pages): the committing thread copies every page of the write-ahead log back into the
-database file and fsyncs both before it returns. A deletion batch of ``clean`` dirties
-about 4,000 catalog pages, so every batch's commit paid a whole checkpoint, and the
-catalog's share of a clean was mostly checkpointing (decision 1407).
-
-``BackgroundCheckpoints`` moves that work off the writer's thread: after each write
-transaction ``start`` hands a passive checkpoint to a helper thread (its own connection;
-SQLite runs it without the GIL), and the next write transaction first ``wait``\\ s for it.
-The writer's file work in between (unlinking manifests and objects) overlaps the
-checkpoint, and because each checkpoint completes before the next write begins, SQLite
-restarts the log at every write: the WAL stays the size of one transaction, as with
-automatic checkpoints. Durability is unchanged: the catalog runs ``synchronous=NORMAL``,
-where a transaction is durable once a checkpoint (or a later sync) has flushed the log,
-whichever thread runs it.
-
-A checkpoint that fails (busy, disk full, I/O) is skipped: the next one, or SQLite's
-automatic checkpoint once the writer restores it, copies those pages later.
+SQLite's automatic checkpoint runs inside the ``COMMIT`` that crosses its threshold, so a
+large deletion batch paid a whole checkpoint on the writer's thread. Here, after each write
+transaction ``start`` hands a passive checkpoint to a helper thread, and the next write
+first waits for it (``wait``): the writer's unlinks overlap it and the WAL stays one
+transaction long. A checkpoint that fails is skipped; a later one copies those pages.
 """
 
 from __future__ import annotations
@@ -69,7 +56,7 @@ class BackgroundCheckpoints:
             self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             self.done += 1
         except (sqlite3.Error, SpoolError):
-            pass  # skipped: a later checkpoint copies these pages (module docstring)
+            pass  # skipped: a later checkpoint copies these pages
 
     def _close(self) -> None:
         if self._db is not None:

@@ -1,12 +1,8 @@
-"""Timestamps from the future (issue 30.7).
+"""Timestamps from the future.
 
-A host whose clock ran ahead (a bad NTP step, a wrong RTC after a reboot) stamps files and
-catalog rows with times that, once the clock is corrected, lie in the future. Taken at
-face value they protect what they stamp: an orphan "younger" than any ``--min-age`` is
-never reclaimed, and an entry "used" next year outranks every entry used today in the
-LRU. They are treated as untrustworthy instead: such a time says only that the thing was
-made before the clock was corrected, so it protects nothing (decision 2300).
-``FUTURE_SLACK`` absorbs small steps and the skew of a filesystem's own clock.
+A clock that ran ahead stamps times that later lie in the future; taken at face value they
+would protect what they stamp forever (an orphan never old enough, an entry always most
+recently used). Such a time protects nothing. ``FUTURE_SLACK`` absorbs small clock skew.
 """
 
 from __future__ import annotations

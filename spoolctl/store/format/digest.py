@@ -1,9 +1,7 @@
 """Content digests: BLAKE3, 256-bit, lowercase hex.
 
-Chosen by measurement (docs/decisions/0002-digest-blake3.md): BLAKE3 hashes
-about 2x faster than SHA-256 on one core here and scales with threads, so a
-verified read can keep up with the disk. All hashing goes through this module
-so the algorithm is named in exactly one place.
+BLAKE3: about twice as fast as SHA-256 per core and it scales with threads, so a verified
+read keeps up with the disk. All hashing goes through this module.
 """
 
 from __future__ import annotations

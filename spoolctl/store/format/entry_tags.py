@@ -1,26 +1,15 @@
-"""Entry authentication tags: a keyed MAC the store's writer cannot forge (decision 2011).
+"""Entry authentication tags: a keyed MAC the store's writer cannot forge.
 
-Digests prove that bytes are the bytes a manifest names; they do not prove who wrote the
-manifest: anyone who can write the store can replace an object and recompute both
-digests. A *tag* closes that gap. It is keyed BLAKE3 (BLAKE3's MAC mode, 32-byte key)
-over the manifest's envelope digest, which covers the whole body -- entry id, namespace,
-key, every object's digest and size, meta, index -- so a valid tag plus the digest check
-of every read proves the entry was committed by a holder of the key.
+Digests do not prove who wrote a manifest: anyone who can write the store can recompute
+them. A tag is keyed BLAKE3 over the manifest's envelope digest (which covers the whole
+body), so a valid tag proves the entry was committed by a holder of the key. The key is
+held by the engine and the operator only, never in a store root:
 
-The key is held by the engine and the operator only, never by the store:
+* ``SPOOLCTL_TAG_KEY_FILE``: a private regular file holding 64 hex characters;
+* ``SPOOLCTL_TAG_KEY``: the 64 hex characters themselves.
 
-* ``SPOOLCTL_TAG_KEY_FILE``: a file holding 64 hex characters (``openssl rand -hex 32``),
-  a regular file (not a symlink) owned by the reading user or root, with no access for
-  others and no group write (0600 or 0640), outside every store root;
-* ``SPOOLCTL_TAG_KEY``: the 64 hex characters themselves (for process managers that
-  inject secrets as variables).
-
-``Store.open`` reads these by default (``tag_key=FROM_ENVIRONMENT``); the vLLM connector
-also takes ``kv_connector_extra_config["tag_key_file"]``. With a key, every commit tags its
-manifest and every ``Store.manifest`` (so every restore, read, scrub, export and
-``request-auth``) checks the tag: an entry without a valid one is quarantined
-(``auth_tag``) and is a miss. Without a key nothing is tagged or checked (format v1
-unchanged: the tag is an optional envelope field).
+With a key, every commit tags its manifest and every ``Store.manifest`` checks the tag (an
+entry without a valid one is quarantined, ``auth_tag``). Without a key nothing is tagged.
 """
 
 from __future__ import annotations

@@ -288,8 +288,8 @@ def decode(
 
 
 def authenticate(tag_key: TagKey, manifest: Manifest, path: Path) -> None:
-    """ManifestError (``auth_tag``) unless ``manifest``'s tag is valid under ``tag_key``
-    (decision 2011); the one check every reader of a manifest and the commit use."""
+    """ManifestError (``auth_tag``) unless ``manifest``'s tag is valid under ``tag_key``;
+    the one check every reader of a manifest and the commit use."""
     problem = tag_key.problem(manifest.tag, envelope_digest(manifest))
     if problem is not None:
         raise ManifestError(

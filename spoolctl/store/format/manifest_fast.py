@@ -1,17 +1,10 @@
 """The fast path of manifest decoding: msgspec parses and shape-checks the envelope in C.
 
-``manifest.decode`` is the reference: stdlib ``json``, the envelope digest over the body
-re-encoded as canonical JSON, then field checks (~50 µs a manifest, most of a warm catalog
-rebuild, decision 1405). This module gives the *same verdict* for what spoolctl itself
-writes, at a fraction of the cost: msgspec decodes into typed structs (unknown or missing
-fields, wrong types: no result), the body is re-encoded canonically by msgspec and hashed,
-and the ``Manifest`` is built by the same constructor, so every field check still runs.
-
-Contract: when ``parse(data)`` returns an envelope, the reference decoder would have parsed
-the same values and found the same digest valid; otherwise it returns None and the caller
-runs the reference decoder, which accepts or rejects with its own message. The two agree
-because the fast path accepts only documents where msgspec's canonical encoding is
-byte-for-byte Python's ``canonical_json``:
+``manifest.decode`` (stdlib ``json``) is the reference. Contract: when ``parse(data)``
+returns an envelope, the reference decoder would have parsed the same values and found the
+same digest valid; otherwise it returns None and the caller runs the reference decoder.
+The two agree because the fast path accepts only documents where msgspec's canonical
+encoding is byte-for-byte Python's ``canonical_json``:
 
 * the file is ASCII (Python's encoder writes ``ensure_ascii``; anything else goes slow);
 * the re-encoded body is ASCII without DEL (msgspec writes non-ASCII and DEL raw, Python
@@ -21,9 +14,8 @@ byte-for-byte Python's ``canonical_json``:
 * integers beyond 64 bits, lone surrogates, NaN literals: msgspec refuses them, so they go
   slow too.
 
-``tests/test_manifest_fast.py`` checks the agreement on spoolctl's own manifests and on
-mutated ones (decision 2900). msgspec is a base dependency; where it is missing (an environment not
-reinstalled) ``parse`` always returns None and decoding is only slower.
+``tests/test_manifest_fast.py`` checks the agreement. Without msgspec ``parse`` always
+returns None and decoding is only slower.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ from .digest import hash_bytes
 try:
     import msgspec
 except ImportError:  # declared, but an old environment may lack it: the slow path only
-    msgspec = None
+    msgspec = None  # type: ignore[assignment]  # an optional module: None when missing
 
 # Bytes that make the re-encoded body differ from Python's ensure_ascii canonical JSON.
 _NOT_CANONICAL = re.compile(rb"[\x7f-\xff]")

@@ -1,10 +1,7 @@
-"""The connector's directory names: ``<deployment>/rank-NNNN`` (decisions 0900, 2500).
+"""The connector's directory names: ``<deployment>/rank-NNNN``: the one parser and formatter.
 
-The one parser and formatter of these names, for every part that reads or writes them
-(the connector's topology, root discovery, archive places, metric labels). Both patterns
-are ASCII only and matched whole: ``\\d`` would read ``rank-١٢٣٤`` (Arabic-Indic digits) as
-rank 1234, and ``$`` would accept ``rank-0001\\n``; either would make two directories stand
-for one rank.
+Both patterns are ASCII only and matched whole: ``\\d`` would read Arabic-Indic digits as a
+rank and ``$`` would accept a trailing newline, making two directories stand for one rank.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Authenticate one entry now, directly or through the store's live owner.
 
-``authenticate`` re-reads and verifies an entry's manifest and every object in
-this process and answers what that proves (decision 2011):
+``authenticate`` re-reads and verifies an entry in this process and answers what that
+proves:
 
-* ``authenticated``: the store has a tag key and the entry's tag is valid under it, and
-  every object matched its digest: the entry was committed by a holder of the key and
-  is intact (``proves = "origin"``);
-* ``verified``: no tag key is configured; every object matched its digest. That proves
-  integrity only (``proves = "integrity"``): anyone who can write the store could have
-  written a consistent manifest and objects;
-* ``absent`` or ``quarantined`` (a failure -- including, with a key, a missing or bad
-  tag -- quarantines the entry, exactly like any verified read).
+* ``authenticated``: the tag is valid under the store's tag key and every object matched
+  its digest: committed by a key holder, intact (``proves = "origin"``);
+* ``verified``: no tag key; every object matched (``proves = "integrity"`` only: anyone who
+  can write the store could have written a consistent entry);
+* ``absent`` or ``quarantined`` (any failure, a bad tag included, quarantines the entry).
 
-When a live worker holds the owner lease, an operator must not act behind its
-back: ``submit`` queues the request durably in ``state/auth_requests.sqlite3``,
-the worker's background maintainer answers it with ``process_pending`` (which
-writes a receipt: result, detail, time, pid), and ``wait`` polls for that
-receipt. Requests survive a restart of either side; a receipt is written once. A queue
-database that is damaged (or a special file in its place) is quarantined
-(``auth_queue``) and started afresh: it only holds requests, which can be asked again.
+While a live worker holds the owner lease, ``submit`` queues the request durably in
+``state/auth_requests.sqlite3``, the worker answers it (``process_pending``) and ``wait``
+polls for the receipt. A damaged queue is quarantined and started afresh.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import sqlite3
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...errors import CorruptionError, InvalidIdError, NotFoundError, QuarantineReason
 from ..disk.sqlite_files import SUFFIXES, connect_private, is_damaged, sqlite_error
@@ -101,7 +94,7 @@ class AuthResult:
     def healthy(self) -> bool:
         return self.result in PROVES
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "proves": self.proves}
 
 
@@ -167,7 +160,9 @@ class AuthQueue:
         cur = self._db.execute(
             "INSERT INTO requests(entry_id, created, requester_pid) VALUES (?, ?, ?)",
             (entry_id, time.time(), os.getpid()))
-        return int(cur.lastrowid)
+        request_id = cur.lastrowid
+        assert request_id is not None  # an INSERT always sets it
+        return request_id
 
     def receipt(self, request_id: int) -> AuthResult | None:
         row = self._db.execute(
@@ -227,11 +222,8 @@ def _allow_verified(db: sqlite3.Connection) -> None:
 
 
 def process_pending(store: Store, *, limit: int = 100) -> int:
-    """Answer up to ``limit`` queued requests (the owner's job); return how many.
-
-    A request whose stored id is malformed is answered ``absent`` rather than
-    left to block the queue.
-    """
+    """Answer up to ``limit`` queued requests (the owner's job); return how many. A
+    malformed stored id is answered ``absent`` rather than left to block the queue."""
     if not (store.layout.state / AUTH_DB).exists():
         return 0  # nobody ever queued anything: do not create the file
     with AuthQueue.of(store) as queue:

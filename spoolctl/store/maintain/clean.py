@@ -2,19 +2,14 @@
 order, and what each deleted or would delete.
 
 Steps, always in this order: ``released`` (delete released entries), ``capacity`` (evict
-down to the low watermark if over the maximum), ``tmp`` (abandoned temp files),
-``orphans`` (reconcile catalog and disk, delete unreferenced objects). ``dry_run`` runs
-every step as a plan: the report says what would go and nothing changes.
-
-One bad part never stops the pass: malformed catalog rows are skipped by every step and
-reported (``malformed``; the orphans step re-indexes them from their manifests), files
-that cannot be deleted are counted per step (``failed``), and a step that fails outright
-is recorded in ``errors`` while the later steps still run.
+down to the low watermark), ``tmp`` (abandoned temp files), ``orphans`` (reconcile catalog
+and disk). One bad part never stops the pass: malformed rows, undeletable files and failed
+steps are reported (``malformed``, ``failed``, ``errors``) and the later steps still run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,7 +38,7 @@ class CleanReport:
         return self.orphans.quarantined if self.orphans is not None else 0
 
     def steps_json(self) -> dict[str, dict[str, Any]]:
-        """Per step, in the order run: entries/objects/files/bytes (and, for orphans, what
+        """Per step, in the order run: entries/objects/files/bytes (orphans: and what
         reconciling found)."""
         out: dict[str, dict[str, Any]] = {}
         for step in CLEAN_STEPS:
@@ -77,8 +72,8 @@ class CleanReport:
 
 
 class Cleanable(Protocol):
-    """The store operations a cleaning pass runs (``Store`` has them): named here so that
-    this module, below the ``Store`` facade, does not import it (decision 2520)."""
+    """The store operations a cleaning pass runs (``Store`` has them; this module sits
+    below the facade and must not import it)."""
 
     def malformed_count(self) -> int: ...
     def malformed_rows(self, limit: int = 100) -> list[tuple[str, str]]: ...
@@ -93,12 +88,11 @@ class Cleanable(Protocol):
 
 def run_clean(store: Cleanable, steps: Iterable[str] = CLEAN_STEPS, *, min_age: float,
               dry_run: bool, also_released: Iterable[str] = ()) -> CleanReport:
-    """Run ``steps`` (any of ``CLEAN_STEPS``; always in their fixed order) on ``store``.
+    """Run ``steps`` (any of ``CLEAN_STEPS``, in their fixed order) on ``store``.
 
-    ``min_age``: temp files and orphan objects must be at least this many seconds old.
-    A dry run reports what the run would do, step by step (issue 36.3): the ``released``
-    step counts the objects it frees and ``also_released``, and ``capacity`` plans from
-    the totals the ``released`` step would leave, skipping what it deletes.
+    ``min_age``: seconds temp files and orphan objects must be old. ``dry_run``: report
+    exactly what the run would do (``capacity`` planned from what ``released`` leaves;
+    ``also_released`` counted as released). ConfigError for an unknown step.
     """
     wanted = set(steps)
     unknown = wanted - set(CLEAN_STEPS)
@@ -117,22 +111,19 @@ def run_clean(store: Cleanable, steps: Iterable[str] = CLEAN_STEPS, *, min_age: 
         done = report.deleted.get("released")
         return done.entry_ids if dry_run and done is not None else []
 
-    runs = {
+    deletes: dict[str, Callable[[], DeleteReport]] = {
         "released": lambda: store.clean_released(dry_run=dry_run, also=also),
         "capacity": lambda: store.enforce_capacity(dry_run=dry_run, before=released_first()),
         "tmp": lambda: store.clean_tmp(min_age=min_age, dry_run=dry_run),
-        "orphans": lambda: store.collect_orphans(min_age=min_age, dry_run=dry_run),
     }
     for step in CLEAN_STEPS:
         if step not in wanted:
             continue
         try:
-            result = runs[step]()
+            if step == "orphans":
+                report.orphans = store.collect_orphans(min_age=min_age, dry_run=dry_run)
+            else:
+                report.deleted[step] = deletes[step]()
         except SpoolError as exc:  # recorded; the later steps still run
             report.errors[step] = str(exc)
-            continue
-        if step == "orphans":
-            report.orphans = result
-        else:
-            report.deleted[step] = result
     return report

@@ -1,10 +1,9 @@
 """Health checks of a store root, its filesystem and its SQLite files (``spoolctl doctor``).
 
-Each check returns a ``Check`` with a status (``ok``, ``warn``, ``fail``), what
-was seen, and what to do about it. Checks never modify store data; they only
-create and remove their own probe files under ``tmp/``. Every file is opened without
-blocking (a FIFO is a finding, not a hang) and every database read-only; the checks of
-every file and row are in ``doctor_scan``.
+Each check returns a ``Check``: status (``ok``, ``warn``, ``fail``), what was seen, what to
+do. Checks never modify store data (only their own probe files under ``tmp/``); files are
+opened without blocking and databases read-only. Per-file and per-row checks are in
+``doctor_scan``.
 """
 
 from __future__ import annotations
@@ -134,7 +133,7 @@ def _permission_checks(layout: StorePaths) -> list[Check]:
                          f"chmod {oct(DIR_MODE)[2:]} the listed directories (cached prompts "
                          "are sensitive)"))
     else:
-        out.append(Check("root.permissions", "ok", "directories are private (0700)"))
+        out.append(Check("root.permissions", "ok", "directories are private (mode 0700)"))
     out.append(_parents_check(layout.root, st.st_uid))
     writable = os.access(layout.root, os.W_OK) and os.access(layout.tmp, os.W_OK)
     if writable:
@@ -154,9 +153,8 @@ def _permission_checks(layout: StorePaths) -> list[Check]:
 
 
 def _parents_check(root: Path, owner: int) -> Check:
-    """``root.parents``: no directory above the root may be writable by others (unless
-    sticky) or owned by anyone but root and the store's owner: whoever can write a
-    parent can swap the store for another directory or a link (issue 35.4)."""
+    """``root.parents``: warn if a directory above the root is writable by others (not
+    sticky) or owned by anyone but root and the store's owner: they could swap the store."""
     risky = []
     for parent in root.parents:
         try:
@@ -178,7 +176,7 @@ def _parents_check(root: Path, owner: int) -> Check:
 def _filesystem_checks(layout: StorePaths, max_bytes: int | None) -> list[Check]:
     out = []
     if read_only_mount(layout.root):
-        # what it is, not a disk or ownership problem (issue 30.4)
+        # name the read-only mount itself, not a disk or ownership problem
         out.append(Check("fs.read_only", "fail", "the store's filesystem is mounted read-only: "
                          "read commands show a read-only view, nothing can be written",
                          "remount it read-write (`mount -o remount,rw MOUNTPOINT`) if the store "
@@ -246,9 +244,8 @@ def _filesystem_checks(layout: StorePaths, max_bytes: int | None) -> list[Check]
 
 
 def _inode_check(layout: StorePaths) -> Check:
-    """``fs.inodes``: a filesystem can be out of inodes with bytes free (issue 30.2). Fail
-    once commits stop (fewer free than the headroom kept for maintenance), warn below
-    ``INODE_WARN_RATIO`` of all inodes free."""
+    """``fs.inodes``: fail once commits stop (free inodes under the maintenance headroom),
+    warn below ``INODE_WARN_RATIO`` free."""
     space = space_of(layout.root)
     if space is None or space.inodes is None or space.free_inodes is None:
         return Check("fs.inodes", "ok", "no fixed inode count on this filesystem")
@@ -275,11 +272,11 @@ def _catalog_ddl() -> str:
 def _catalog_earlier() -> tuple[str, ...]:
     from ..catalog.schema import DDL_V1
 
-    return (DDL_V1,)  # a catalog not yet migrated (decision 2920) is not damage
+    return (DDL_V1,)  # a catalog not yet migrated to the current schema is not damage
 
 
 def _scrub_ddl() -> str:
-    from .scrub import _DDL
+    from .scrub_state import _DDL
 
     return _DDL
 
@@ -290,7 +287,7 @@ def _auth_ddl() -> str:
     return _DDL
 
 
-# The schema each database must keep to (``sqlite_files.check_schema``, issue 35.3).
+# The schema each database must keep to (``sqlite_files.check_schema``).
 _SCHEMAS = {"catalog.sqlite3": _catalog_ddl, "scrub.sqlite3": _scrub_ddl,
             "auth_requests.sqlite3": _auth_ddl}
 

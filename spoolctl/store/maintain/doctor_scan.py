@@ -2,10 +2,8 @@
 special files where a store keeps regular ones, malformed catalog rows, the catalog's
 writability, scrub findings and the full-disk reserve (pure reads; never blocks).
 
-Each function returns ``Check`` records (``doctor.Check``); ``doctor.run_checks`` adds
-them after the root, filesystem and SQLite checks. Permission problems are reported as
-what the operator must fix (``chown``/``chmod``/``chattr -i``), never as corruption:
-nothing is moved, and fixing them makes every entry whole again.
+Each function returns ``Check`` records. Permission problems are reported as what the
+operator must fix (``chown``/``chmod``/``chattr -i``), never as corruption.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ..disk import dirfd
 from ..disk.fsio import describe_os_error, file_kind
@@ -38,13 +36,12 @@ class Check:
     detail: str
     fix: str = ""
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _check(name: str, status: str, detail: str, fix: str = "") -> Check:
-
-    return Check(name, status, detail, fix)  # type: ignore[arg-type]
+def _check(name: str, status: Status, detail: str, fix: str = "") -> Check:
+    return Check(name, status, detail, fix)
 
 
 def _examples(paths: list[str]) -> str:
@@ -53,7 +50,7 @@ def _examples(paths: list[str]) -> str:
 
 
 def _walk(layout: StorePaths, dirs_bad: list[str], owner: int,
-          group: int) -> Iterator[os.DirEntry]:
+          group: int) -> Iterator[dirfd.DirEntryLike]:
     """Every entry under objects/, manifests/ (two levels), tmp/ and state/; directories
     that cannot be listed, or that the store's ``owner`` could not use, go to
     ``dirs_bad``."""
@@ -82,9 +79,8 @@ def _walk(layout: StorePaths, dirs_bad: list[str], owner: int,
 
 def _owner_cannot(st: os.stat_result, owner: int, bits: int, group: int) -> str:
     """Why the store's ``owner`` could not use this file or directory with the owner
-    permission ``bits`` ('' if it can): judged from ownership and mode, not from who runs
-    doctor (root can open anything, another user nothing private). A file another user
-    made is usable when it is shared through the root's ``group`` with those bits."""
+    permission ``bits`` ('' if it can), judged from ownership and mode (not from who runs
+    doctor); another user's file shared through the root's ``group`` is usable."""
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid != owner:
         if st.st_gid == group and not (bits >> 3) & ~mode:
@@ -93,7 +89,7 @@ def _owner_cannot(st: os.stat_result, owner: int, bits: int, group: int) -> str:
     return f"mode {oct(mode)}" if bits & ~mode else ""
 
 
-def tree_checks(layout: StorePaths) -> list:
+def tree_checks(layout: StorePaths) -> list[Check]:
     """Files and directories of the store that its owner cannot use (owned by another
     user, or without the owner's permission bits), and special files, in its tree."""
     root_st = os.stat(layout.root)
@@ -128,7 +124,7 @@ def tree_checks(layout: StorePaths) -> list:
                        f"run `spoolctl doctor` as uid {owner} (e.g. `sudo -u '#{owner}' "
                        "spoolctl doctor --root ROOT`)")]
     chown = f"chown -R {owner}:{group} {layout.root}"
-    out = []
+    out: list[Check] = []
     if dirs_bad:
         out.append(_check("store.directories", "fail",
                           f"{len(dirs_bad)} directories the store's owner (uid {owner}) cannot "
@@ -155,7 +151,7 @@ def tree_checks(layout: StorePaths) -> list:
     return out
 
 
-def catalog_write_check(layout: StorePaths) -> list:
+def catalog_write_check(layout: StorePaths) -> list[Check]:
     """Can this user write the catalog (file, -wal/-shm, state/)? Opens for writing
     without writing (an immutable or read-only file refuses the open)."""
     path = layout.state / "catalog.sqlite3"
@@ -193,7 +189,7 @@ def catalog_write_check(layout: StorePaths) -> list:
                    f"chown {st.st_uid}:{st.st_gid}); until then only read-only commands work")]
 
 
-def row_checks(layout: StorePaths) -> list:
+def row_checks(layout: StorePaths) -> list[Check]:
     """Malformed catalog rows (read-only; a full scan)."""
     from ..catalog.index import Catalog
 
@@ -221,9 +217,9 @@ def row_checks(layout: StorePaths) -> list:
                    "then clean, status and metrics skip them")]
 
 
-def scrub_checks(layout: StorePaths) -> list:
+def scrub_checks(layout: StorePaths) -> list[Check]:
     """Entries the last scrub could not read (the scrub moved on; they need a fix)."""
-    from .scrub import SCRUB_DB, UNREADABLE, ScrubState
+    from .scrub_state import SCRUB_DB, UNREADABLE, ScrubState
 
     path = layout.state / SCRUB_DB
     if not path.exists():
@@ -254,7 +250,7 @@ def scrub_checks(layout: StorePaths) -> list:
                    "them again")]
 
 
-def reserve_check(layout: StorePaths) -> list:
+def reserve_check(layout: StorePaths) -> list[Check]:
     from ..disk.reserve import Reserve
 
     reserve = Reserve(layout.state)
@@ -278,8 +274,7 @@ _IN_FAN = {"objects": re.compile(r"[0-9a-f]{64}\.obj"),
 
 
 def shown_name(path: str) -> str:
-    """``path`` as text that always prints: bytes that are not UTF-8 (a name Python holds
-    with surrogate escapes) shown as ``\\xff`` (issue 30.11)."""
+    """``path`` as text that always prints: non-UTF-8 bytes shown as ``\\xff``."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
@@ -291,18 +286,16 @@ def _utf8(name: str) -> bool:
     return True
 
 
-def _names(directory: Path) -> list[os.DirEntry]:
+def _names(directory: Path) -> list[dirfd.DirEntryLike]:
     try:
         return dirfd.scandir(directory)
     except OSError:
         return []  # unreadable directories are store.directories' finding
 
 
-def name_checks(layout: StorePaths) -> list:
+def name_checks(layout: StorePaths) -> list[Check]:
     """Names spoolctl never writes: in ``objects/<aa>/`` and ``manifests/<aa>/`` anything
-    but that fan-out's object or manifest names, and anywhere in the tree (top level,
-    ``state/``, ``quarantine/`` and its items, ``tmp/``) a name that is not UTF-8. They are
-    never read, and no cleanup deletes what it does not know: the operator moves them."""
+    but that fan-out's names, and anywhere in the tree a name that is not UTF-8."""
     odd: list[str] = []
     for e in _names(layout.root):
         if not _utf8(e.name):

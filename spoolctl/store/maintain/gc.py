@@ -1,26 +1,16 @@
 """Garbage collection: what a store may delete, and in which order.
 
-* ``clean_released``: every released entry (except those held for a remote delete), in
-  batches whose steps overlap: one batch's catalog rows are deleted while the next
-  batch's manifests and the previous batch's objects are unlinked (decision 1407);
-* ``evict``: released entries first, then least recently used, down to the low
-  watermark (90% of the maximum);
-* ``delete_entries``: the one deletion sequence (``clean_released`` runs its steps
-  overlapped across batches, each entry in the same order): manifests first, then
-  catalog rows, then the objects no remaining entry references, so a concurrent reader
-  sees either the whole entry or a clean miss and a crash at any point leaves nothing
-  visible that is incomplete (leftover objects are orphans, see ``recovery``);
-* ``clean_tmp``: temp files whose writer is dead (or that are too old to be in flight).
+* ``clean_released``: every released entry not held for a remote delete, in pipelined
+  batches;
+* ``evict``: released entries first, then least recently used, down to the low watermark;
+* ``delete_entries``: the one deletion order: manifests, then catalog rows, then the
+  objects no entry references, so a reader sees the whole entry or a clean miss and a
+  crash leaves only orphan objects (``recovery`` reclaims them);
+* ``clean_tmp``: temp files whose writer is dead (or too old to be in flight).
 
-On a full disk a deletion must still go through (it is how space comes back): if the
-catalog cannot record a batch for lack of space, the batch is split and each part's
-objects are deleted before the next part is recorded, so each step frees room for the
-next. A file that cannot be deleted (a directory without write permission) is counted in
-``DeleteReport.failed`` and its entry kept, never an exception that stops the pass.
-
-Locking is the caller's job: ``Store`` holds the exclusive maintenance lock around every
-method here except ``clean_tmp`` (temp files of live writers are never touched, so it
-needs no lock). Results are ``DeleteReport`` data; ``dry_run`` plans without deleting.
+A file that cannot be deleted is counted in ``DeleteReport.failed`` and its entry kept.
+The caller holds the maintenance lock (``clean_tmp`` needs none: it never touches a live
+writer's file). ``dry_run`` plans without deleting.
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..capacity import low_watermark
 from ..disk import (
@@ -47,6 +37,7 @@ from ..disk.sqlite_files import no_space
 from ..format import clocks
 
 if TYPE_CHECKING:
+    from ..catalog.index import Catalog
     from ..context import PartContext
 
 DELETE_BATCH = 1000
@@ -76,8 +67,8 @@ class DeleteReport:
         self.entry_ids.extend(other.entry_ids)
         self.failed.update(other.failed)
 
-    def to_json(self) -> dict:
-        doc = {
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
             "entries": self.entries, "objects": self.objects, "bytes": self.bytes,
             "files": self.files, "dry_run": self.dry_run,
         }
@@ -92,8 +83,8 @@ class GarbageCollector:
 
     def __init__(self, ctx: PartContext):
         self._ctx = ctx
-        # The directory descriptors of this thread's pass in progress (``_pass``): every
-        # unlink goes through one, never through a path resolved again (issue 35.1).
+        # This thread's pass's directory descriptors: every unlink goes through one, so a
+        # directory swapped for a link meanwhile is never followed.
         self._local = threading.local()
 
     @contextlib.contextmanager
@@ -110,10 +101,9 @@ class GarbageCollector:
                 self._local.dirs = None
 
     def planned(self, entry_ids: list[str], before: set[str] | None = None) -> DeleteReport:
-        """What deleting ``entry_ids`` frees (a dry run), counted as ``delete_entries``
-        counts it: their manifests, and the objects no other entry references; ``before``:
-        entries an earlier step of the same plan deletes (their objects are not counted
-        again, and objects they share with ``entry_ids`` are freed now)."""
+        """What deleting ``entry_ids`` frees (a dry run): their manifests and the objects
+        no other entry references. ``before``: entries an earlier step of the same plan
+        deletes (not counted again)."""
         catalog = self._ctx.catalog()
         freed = catalog.freed_by(entry_ids, before)
         sizes = catalog.manifest_sizes(entry_ids)
@@ -124,25 +114,19 @@ class GarbageCollector:
     def clean_released(self, dry_run: bool, also: Iterable[str] = ()) -> DeleteReport:
         catalog = self._ctx.catalog()
         report = DeleteReport(dry_run=dry_run)
-        if dry_run:  # exactly what the run below deletes (issue 36.3)
+        if dry_run:  # exactly what the run below deletes
             ids = [r.entry_id for r in catalog.list(hint="release", sort="age", skip_held=True)]
             extra = set(also) - set(ids)
             if extra:  # entries the same clean releases first (``clean --superseded``)
                 ids += [r.entry_id for r in catalog.list(skip_held=True)
                         if r.entry_id in extra and r.hint == "retain"]
             return self.planned(ids)
-        # Id order: each batch touches few manifest fan-out dirs, so it needs few
-        # directory fsyncs (10k released entries: ~256 instead of ~2,500). Paged by id, so
-        # a pass over a million rows reads each once.
-        # The catalog checkpoints on a helper thread meanwhile, overlapping the unlinks
-        # (decision 1407).
-        #
-        # Pipelined: a batch's catalog rows are deleted while the next batch's manifests
-        # and the previous batch's objects are being unlinked (the unlinks wait on the
-        # filesystem's journal, the deletion on SQLite). Each entry still goes manifest
-        # (its directory fsynced), then row, then objects.
+        # Id order: each batch touches few fan-out dirs, so needs few directory fsyncs.
+        # Pipelined: a batch's rows are deleted (waiting on SQLite) while the next batch's
+        # manifests and the previous batch's objects are unlinked (waiting on the journal);
+        # each entry still goes manifest, row, objects.
         with catalog.background_checkpoints(), self._pass():
-            page = catalog.released_page("", DELETE_BATCH)
+            page: list[tuple[str, int]] = catalog.released_page("", DELETE_BATCH)
             manifests = self._start_manifests(page)
             objects: _Unlinking | None = None
             try:
@@ -176,7 +160,7 @@ class GarbageCollector:
                                        for entry_id, _ in page], self._live_dirs())
 
     def _live_dirs(self) -> dirfd.DirFds:
-        dirs = getattr(self._local, "dirs", None)
+        dirs: dirfd.DirFds | None = getattr(self._local, "dirs", None)
         if dirs is None:
             raise RuntimeError("unlinks outside a deletion pass")  # a programming error
         return dirs
@@ -203,13 +187,15 @@ class GarbageCollector:
         if total <= max_bytes:
             return report
         if not dry_run:
-            # no LRU rank from a clock that ran ahead (issue 30.7)
+            # no LRU rank from a clock that ran ahead
             catalog.clamp_future_access(self._ctx.clock())
         target = low_watermark(max_bytes)
         remaining = budget if budget is not None else 1 << 62
         while total > target and remaining > 0:
-            batch, estimate = [], 0
-            for entry_id, _hint in catalog.eviction_order(min(remaining, DELETE_BATCH)):
+            batch: list[str] = []
+            estimate = 0
+            order: list[tuple[str, str]] = catalog.eviction_order(min(remaining, DELETE_BATCH))
+            for entry_id, _hint in order:
                 row = catalog.get(entry_id)
                 batch.append(entry_id)
                 estimate += row.size if row else 0
@@ -227,8 +213,8 @@ class GarbageCollector:
 
     def _plan_evict(self, total: int, max_bytes: int, budget: int | None,
                     before: set[str]) -> DeleteReport:
-        """The dry run of ``evict``: the same batches, chosen the same way, with the totals
-        the deletions would leave (``planned``) instead of deleting (issue 36.3)."""
+        """The dry run of ``evict``: the same batches, chosen the same way, counted by
+        ``planned`` instead of deleted."""
         catalog = self._ctx.catalog()
         report = DeleteReport(dry_run=True)
         total -= self.planned(list(before)).bytes if before else 0
@@ -240,7 +226,8 @@ class GarbageCollector:
         order = (e for e in _eviction_order(catalog) if e not in doomed)
         while total > target and remaining > 0:
             want = min(remaining, DELETE_BATCH)
-            batch, estimate = [], 0
+            batch: list[str] = []
+            estimate = 0
             for entry_id in order:
                 row = catalog.get(entry_id)
                 batch.append(entry_id)
@@ -286,7 +273,7 @@ class GarbageCollector:
                 continue
             deleted.append(entry_id)
             if gone:
-                report.bytes += size  # the catalog's size: no stat (decision 1407)
+                report.bytes += size  # the catalog's size: no stat
                 dirs.add(path.parent)
             self._ctx.checkpoint(f"{step}.manifest_deleted")
         for d in dirs:
@@ -305,7 +292,7 @@ class GarbageCollector:
         while deleted:
             part = deleted[:chunk]
             try:
-                freed = ctx.catalog().delete_entries(part)
+                freed: list[tuple[str, int]] = ctx.catalog().delete_entries(part)
             except sqlite3.OperationalError as exc:
                 if not no_space(exc, ctx.catalog().path) or chunk == 1:
                     raise
@@ -340,12 +327,11 @@ class GarbageCollector:
                         next(iter(report.failed.items())))
 
 
-def _eviction_order(catalog) -> Iterator[str]:
-    """Every entry id in eviction order, read in growing pages (the dry run reads the order
-    once, where the run reads it again after each batch it deletes)."""
+def _eviction_order(catalog: Catalog) -> Iterator[str]:
+    """Every entry id in eviction order, read in growing pages."""
     limit, seen = 4096, 0
     while True:
-        rows = catalog.eviction_order(limit)
+        rows: list[tuple[str, str]] = catalog.eviction_order(limit)
         for entry_id, _hint in rows[seen:]:
             yield entry_id
         if len(rows) < limit:
@@ -365,8 +351,7 @@ class _Unlinking:
     @staticmethod
     def start(facts: list[tuple[str, int]], paths: list[Path],
               dirs: dirfd.DirFds) -> _Unlinking:
-        """Start unlinking ``paths`` (``unlink_many`` through ``dirs``), one per fact, in
-        order."""
+        """Start unlinking ``paths`` through ``dirs``, one per fact, in order."""
         return _Unlinking(facts, paths, unlink_many(paths, dirs))
 
     def results(self) -> Iterator[tuple[tuple[str, int], Path, bool | OSError]]:
@@ -382,19 +367,14 @@ class _Unlinking:
 
 def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool,
               limit: int | None = None) -> DeleteReport:
-    """Delete temp files whose writer is dead, or that are older than ``min_age`` seconds
-    and whose writer is not a live process of this host; look at the first ``limit`` files
-    only when given (opening a store must not take as long as tmp/ is large).
-
-    A temp file of a live writer is kept unless it is older than an hour (a real write
-    takes seconds; only a reused pid can be that old), so ``min_age=0`` never breaks a
-    commit in flight.
+    """Delete temp files whose writer is dead or that are older than ``min_age`` seconds;
+    a live writer's file only past ``LIVE_WRITER_GRACE`` (only a reused pid is that old),
+    so ``min_age=0`` never breaks a commit in flight. At most ``limit`` files are looked at.
     """
     report = DeleteReport(dry_run=dry_run)
     now = time.time()
-    # Listed and unlinked through one descriptor of tmp/ (opened without following a link
-    # anywhere on its path): a tmp/ swapped for a symlink after the listing cannot turn an
-    # unlink into one outside the store (issue 35.1, ``dirfd``).
+    # Listed and unlinked through one descriptor of tmp/: a tmp/ swapped for a symlink
+    # after the listing cannot turn an unlink into one outside the store.
     try:
         fd = dirfd.open_dir(tmp_dir)
     except OSError as exc:
@@ -417,7 +397,7 @@ def clean_tmp(tmp_dir: Path, *, min_age: float, dry_run: bool,
     return report
 
 
-def _clean_tmp_entry(fd: int, e: os.DirEntry, path: str, now: float, min_age: float,
+def _clean_tmp_entry(fd: int, e: os.DirEntry[str], path: str, now: float, min_age: float,
                      dry_run: bool, report: DeleteReport) -> None:
     """``clean_tmp`` for one entry of the tmp/ directory open at ``fd``."""
     try:
@@ -426,7 +406,7 @@ def _clean_tmp_entry(fd: int, e: os.DirEntry, path: str, now: float, min_age: fl
         return
     writer = tmp_writer(e.name)
     alive = writer is None or writer == os.getpid() or pid_alive(writer)
-    age = clocks.age(st.st_mtime, now)  # a future mtime protects nothing (issue 30.7)
+    age = clocks.age(st.st_mtime, now)  # a future mtime protects nothing
     if alive and age < max(min_age, LIVE_WRITER_GRACE):
         return
     if not dry_run:

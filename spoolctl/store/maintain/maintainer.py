@@ -1,20 +1,10 @@
 """Background maintenance for a long-lived process (a vLLM worker) that owns a store.
 
-``BackgroundMaintainer`` runs one low-priority daemon thread that, every
-``interval_s`` seconds:
-
-1. answers queued ``spoolctl request-auth`` requests (only while it holds the
-   owner lease: the operator CLI queues work for the owner);
-2. does one bounded scrub step at ``scrub_rate_bytes`` (only with the owner
-   lease; the scrub lock makes it take turns with a CLI ``spoolctl scrub``);
-3. enforces capacity without waiting for the maintenance lock (always, lease or
-   not: a bounded store must stay bounded), unless ``enforce_capacity=False``
-   (an owner that evicts by itself, like the vLLM connector).
-
-Nothing it does raises into the caller: exceptions are logged and counted
-(``errors`` by step). ``counters`` exposes what it did for metrics (names in
-``spoolctl.metrics``). ``start``/``stop`` are idempotent; ``stop`` joins the thread
-and releases the lease.
+``BackgroundMaintainer`` runs one low-priority daemon thread that, every ``interval_s``:
+answers queued ``request-auth`` requests and does one bounded scrub step (both only while
+it holds the owner lease), and enforces capacity without waiting for the maintenance
+lock (lease or not; unless ``enforce_capacity=False``). Nothing raises into the caller:
+errors are logged and counted in ``counters``.
 """
 
 from __future__ import annotations
@@ -24,8 +14,9 @@ import logging
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import BusyError
 
@@ -48,13 +39,13 @@ class MaintainerCounters:
     scrubbed_entries: int = 0
     scrubbed_bytes: int = 0
     scrub_cycles_completed: int = 0
-    quarantine_events: Counter = field(default_factory=Counter)  # by QuarantineReason value
+    quarantine_events: Counter[str] = field(default_factory=Counter)  # by reason value
     evicted_entries: int = 0
     evicted_bytes: int = 0
     auth_requests: int = 0
-    errors: Counter = field(default_factory=Counter)  # by step: scrub, capacity, auth
+    errors: Counter[str] = field(default_factory=Counter)  # by step: scrub, capacity, auth
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return {
             "steps": self.steps, "scrubbed_entries": self.scrubbed_entries,
             "scrubbed_bytes": self.scrubbed_bytes,
@@ -66,7 +57,8 @@ class MaintainerCounters:
 
 
 class BackgroundMaintainer:
-    """See the module docstring. ``store`` must stay open while the maintainer runs."""
+    """See the module docstring. ``store`` must stay open while the maintainer runs;
+    ``start``/``stop`` are idempotent; ``stop`` joins the thread and releases the lease."""
 
     def __init__(
         self,
@@ -157,7 +149,7 @@ class BackgroundMaintainer:
         if self.enforce_capacity:
             self._guard("capacity", self._capacity)
 
-    def _guard(self, step: str, fn) -> None:
+    def _guard(self, step: str, fn: Callable[[], None]) -> None:
         if self._stop.is_set() and step != "auth":
             return
         try:

@@ -14,8 +14,10 @@ import math
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ...errors import InvalidIdError, NotFoundError, QuarantineReason
 from ..disk import dirfd, faults
@@ -37,10 +39,10 @@ class QuarantineItem:
     time: float
     entry_id: str | None = None
     kind: str | None = None
-    files: list[dict] = field(default_factory=list)
+    files: list[dict[str, Any]] = field(default_factory=list)
     bytes: int = 0
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "item": self.item_id, "reason": self.reason, "detail": self.detail,
             "time": self.time, "entry_id": self.entry_id, "kind": self.kind,
@@ -48,8 +50,7 @@ class QuarantineItem:
         }
 
     def files_present(self) -> list[str]:
-        """The names in the item's directory now (listed through its descriptor where
-        another user owns the store)."""
+        """The names in the item's directory now."""
         return dirfd.listdir(self.path)
 
 
@@ -79,7 +80,7 @@ class Quarantine:
         *,
         entry_id: str | None = None,
         kind: str | None = None,
-        checkpoint=None,
+        checkpoint: Callable[[str], None] | None = None,
     ) -> Path:
         """Move ``files`` ((path, role) pairs) into a new item; missing files are skipped.
 
@@ -90,7 +91,9 @@ class Quarantine:
         except OSError as exc:
             raise io_error(exc, "quarantining", self.directory) from exc
 
-    def _add(self, reason, detail, files, *, entry_id, kind, checkpoint) -> Path:
+    def _add(self, reason: QuarantineReason, detail: str, files: list[tuple[Path, str]], *,
+             entry_id: str | None, kind: str | None,
+             checkpoint: Callable[[str], None] | None) -> Path:
         now = time.time()
         item_id = (
             time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
@@ -98,8 +101,8 @@ class Quarantine:
         )
         item = self.directory / item_id
         ensure_real_dirs(self.directory.parent, self.directory)  # no redirected evidence
-        # Created, renamed into and purged through directory descriptors (issue 35.1): a
-        # quarantine/ swapped for a symlink after the check above is never followed.
+        # Created, renamed into and purged through directory descriptors: a quarantine/
+        # swapped for a symlink after the check above is never followed.
         dirfd.mkdir(item, DIR_MODE)
         doc = {
             "schema": SCHEMA, "item": item_id, "reason": reason.value, "detail": detail[:500],
@@ -170,9 +173,8 @@ class Quarantine:
         )
 
     def remove(self, item: QuarantineItem) -> list[str]:
-        """Delete ``item``; returns the directories left in place because they lie deeper
-        than ``dirfd.MAX_TREE_DEPTH`` (planted: spoolctl writes items one level deep), with
-        the item's own directory holding them; an empty list: the item is gone."""
+        """Delete ``item``; returns the directories kept because they lie deeper than
+        ``dirfd.MAX_TREE_DEPTH`` (an empty list: the item is gone). StoreIOError."""
         try:
             faults.checkpoint("quarantine.listed")
             kept = dirfd.rmtree(item.path)

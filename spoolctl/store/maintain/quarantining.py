@@ -1,10 +1,8 @@
-"""Moving an entry's files into quarantine: a part of ``Store`` (decision 2520).
+"""Moving an entry's files into quarantine: a part of ``Store``.
 
 ``EntryQuarantine`` drops the entry's catalog row first, then moves its manifest (and the
-objects named bad) into a new quarantine item (``quarantine.Quarantine``, the evidence
-directory). Every part that finds damage -- a read, the commit, recovery, the scrub --
-quarantines through this one object. Re-admitting an item is ``Store.restore_quarantined``
-(it needs the recovery part and the maintenance lock, which the facade owns).
+objects named bad) into a new quarantine item. Every part that finds damage quarantines
+through this one object.
 """
 
 from __future__ import annotations
@@ -27,10 +25,8 @@ log = logging.getLogger("spoolctl.store")
 
 
 class EntryQuarantine:
-    """Quarantines entries of one store (see the module docstring).
-
-    ``catalog`` returns the open catalog, or None while a repair has it closed (the
-    files are still moved: the rebuild will not see the manifest)."""
+    """Quarantines entries of one store. ``catalog`` returns the open catalog, or None
+    while a repair has it closed (the files are still moved)."""
 
     def __init__(self, layout: StorePaths, catalog: Callable[[], Catalog | None],
                  evidence: Quarantine, checkpoint: Callable[[str], None],

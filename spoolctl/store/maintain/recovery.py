@@ -1,23 +1,14 @@
-"""Recovery: bringing the catalog back in line with the files on disk.
+"""Recovery: bringing the catalog back in line with the manifests (the truth) on disk.
 
-The manifests are the truth and the catalog is derived from them, so every repair walks
-the manifests:
-
-* ``index_all``: fill a new, empty catalog from every manifest (a rebuild; every hint
-  comes back as retain, which loses nothing);
-* ``resolve_pending``: finish or roll back commits a crash interrupted (a pending row
-  whose manifest is durable is marked committed, any other is deleted);
-* ``reconcile``: index manifests the catalog lacks, drop rows whose manifest is gone,
-  delete objects no manifest references once they are older than a cutoff, and report
-  files that do not belong in the store;
+* ``index_all``: fill an empty catalog from every manifest (a rebuild);
+* ``resolve_pending``: finish or roll back commits a crash interrupted;
+* ``reconcile``: index missing manifests, drop rows whose manifest is gone, delete old
+  unreferenced objects, report files that do not belong;
 * ``readmit``: move a quarantined entry back once it verifies again.
 
-A manifest that does not decode is quarantined on the way. Catalog rows that are not
-what spoolctl writes (``rows``) are re-indexed from their manifest, keeping the
-catalog-only facts that are still well formed. A directory that cannot be read is
-reported (``ReconcileReport.unreadable``) and left alone: nothing under it is taken for
-gone, so no row is dropped and no object deleted because of a permission problem.
-Locking is the caller's job: ``Store`` holds the exclusive maintenance lock around each.
+A manifest that does not decode is quarantined on the way. A directory that cannot be
+read is reported (``ReconcileReport.unreadable``) and nothing under it is taken for gone.
+The caller holds the maintenance lock.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import CorruptionError, ManifestError, NotFoundError, QuarantineReason, RootError
 from ..catalog.rows import parse_index, valid_facts
@@ -57,8 +48,8 @@ if TYPE_CHECKING:
 
 _OBJ_RE = re.compile(r"[0-9a-f]{64}\.obj")
 _MAN_RE = re.compile(r"[0-9a-f]{64}\.json")
-# Fan-out directories a rebuild asks into the page cache ahead of the one it reads
-# (decision 1405: reads of a cold store wait on the disk; a few in flight keep it busy).
+# Fan-out directories a rebuild asks into the page cache ahead of the one it reads: reads
+# of a cold store wait on the disk, and a few in flight keep it busy.
 REBUILD_AHEAD = 1
 # Files of a fan-out directory looked at first: all in the page cache -> no prefetch.
 PREFETCH_SAMPLE = 3
@@ -77,7 +68,7 @@ class ReconcileReport:
     repaired_rows: int = 0
     unreadable: dict[str, str] = field(default_factory=dict)  # directory -> reason
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "indexed": self.indexed, "dropped_rows": self.dropped_rows,
             "quarantined": self.quarantined, "orphans": self.orphan_objects.to_json(),
@@ -96,9 +87,8 @@ class Recovery:
     # -- walking the manifests ---------------------------------------------------------
 
     def manifest_files(self, unreadable: dict[str, str] | None = None) -> Iterator[Path]:
-        """Every well-named file under ``manifests/<aa>/`` (regular or not: a special file
-        in a manifest's place is quarantined by the caller), in fan-out order. A directory
-        that cannot be read is added to ``unreadable`` (path -> reason) and skipped."""
+        """Every well-named file (regular or not) under ``manifests/<aa>/``, in fan-out
+        order; a directory that cannot be read is added to ``unreadable`` and skipped."""
         unreadable = {} if unreadable is None else unreadable
         for fan in _scan(self._ctx.layout.manifests, unreadable, sort=True):
             if fan.is_dir(follow_symlinks=False):
@@ -135,17 +125,11 @@ class Recovery:
     # -- repairs -----------------------------------------------------------------------
 
     def index_all(self, catalog: Catalog) -> int:
-        """Index every valid manifest on disk into ``catalog`` (a rebuild), replacing what
-        it holds, in one transaction (``Catalog.load``); return how many were indexed.
-
-        A rebuild happens after a crash or a lost catalog, when the manifests are often not
-        in memory and each read waits on the disk. So the files of the next
-        ``REBUILD_AHEAD`` fan-out directories are asked into the page cache
-        (``fsio.prefetch``: the kernel reads them while this one is decoded) unless a
-        sample of them is there already. All on this thread: prefetching or decoding on
-        helper threads was measured slower, as they contend for the interpreter lock
-        (decision 1405). A manifest that does not decode is quarantined on the way.
-        Hints come from the hint log once the store's marker says every writer keeps it."""
+        """Index every valid manifest on disk into ``catalog``, replacing what it holds, in
+        one transaction; return how many were indexed. Undecodable manifests are
+        quarantined; hints come from the hint log where the marker requires it.
+        The next fan-outs are prefetched; decoding stays on this thread (helper threads
+        contend for the interpreter lock)."""
         return catalog.load(self._decoded(), hints=self._kept_hints(catalog))
 
     def _kept_hints(self, catalog: Catalog) -> dict[str, str]:
@@ -164,7 +148,7 @@ class Recovery:
             found = ahead.pop(0)
             if i + REBUILD_AHEAD + 1 < len(fans):
                 ahead.append(_prefetch_fan(fans[i + REBUILD_AHEAD + 1]))
-            batch = []
+            batch: list[tuple[Manifest, int]] = []
             for path, result in _read_fan(found):
                 if isinstance(result, tuple):
                     batch.append(result)
@@ -175,7 +159,8 @@ class Recovery:
     def resolve_pending(self) -> None:
         """Finish or roll back commits interrupted by a crash."""
         ctx = self._ctx
-        for entry_id in ctx.catalog().pending():
+        pending: list[str] = ctx.catalog().pending()
+        for entry_id in pending:
             path = ctx.layout.manifest_path(entry_id)
             manifest = self.decode_found(path) if path.exists() else None
             if manifest is not None:
@@ -211,7 +196,8 @@ class Recovery:
         gone = sorted(e for e in indexed - on_disk
                       if not hidden_all and (not isinstance(e, str) or e[:2] not in hidden))
         if gone and not dry_run:
-            for digest, _size in catalog.delete_entries(gone):
+            freed: list[tuple[str, int]] = catalog.delete_entries(gone)
+            for digest, _size in freed:
                 with contextlib.suppress(OSError):  # left an orphan: reclaimed below or later
                     dirfd.unlink(layout.object_path(digest))
         report.dropped_rows = len(gone)
@@ -228,8 +214,8 @@ class Recovery:
         for fan in _scan(self._ctx.layout.objects, report.unreadable):
             if not fan.is_dir(follow_symlinks=False):
                 continue
-            # Listed and unlinked through the fan-out's descriptor (issue 35.1): one swapped
-            # for a symlink after the listing never turns an unlink into one elsewhere.
+            # Listed and unlinked through the fan-out's descriptor: one swapped for a
+            # symlink after the listing never turns an unlink into one elsewhere.
             try:
                 fd = dirfd.open_dir(fan.path)
             except OSError as exc:
@@ -272,13 +258,14 @@ class Recovery:
             report.orphan_objects.bytes += st.st_size
 
     def repair_rows(self, limit: int = 10_000) -> int:
-        """Re-index malformed catalog rows from their manifests, keeping the catalog-only
-        facts that are still well formed (hint, remote_pending...); drop rows whose
-        manifest is gone. Returns how many rows were repaired or dropped."""
+        """Re-index malformed catalog rows from their manifests, keeping the well-formed
+        catalog-only facts; drop rows whose manifest is gone. Returns how many rows were
+        repaired or dropped."""
         ctx = self._ctx
         catalog = ctx.catalog()
         done = 0
-        for entry_id, _why in catalog.malformed(limit):
+        malformed: list[tuple[Any, str]] = catalog.malformed(limit)
+        for entry_id, _why in malformed:
             raw = catalog.raw_row(entry_id)
             named = isinstance(entry_id, str) and _MAN_RE.fullmatch(f"{entry_id}.json")
             path = ctx.layout.manifests / str(entry_id)[:2] / f"{entry_id}.json"
@@ -309,12 +296,10 @@ class Recovery:
         return done
 
     def readmit(self, item: QuarantineItem, entry_id: str, publisher: Publisher) -> Manifest:
-        """Move a quarantined entry back if, and only if, its manifest and every object
-        verify now: objects first, then the manifest (manifest-last, as in a commit).
-
-        Raises CorruptionError (nothing moved) if anything still fails. The caller holds
-        the maintenance lock shared (this adds, like a commit) and removes the item after.
-        """
+        """Move a quarantined entry back if its manifest and every object verify now:
+        objects first, then the manifest (as a commit does). CorruptionError or
+        NotFoundError (nothing moved) otherwise. The caller holds the maintenance lock
+        shared and removes the item after."""
         layout = self._ctx.layout
         src = item.path / f"{entry_id}.json"
         purge = f"purge it with `spoolctl quarantine purge {item.item_id} --yes`"
@@ -380,10 +365,9 @@ class Recovery:
         return sorted(name for name in dirfd.listdir(self._ctx.root) if name not in KNOWN_TOP)
 
 
-def _prefetch_fan(fan: Path) -> list[os.DirEntry]:
-    """The well-named manifest files of the fan-out directory ``fan``, each asked into the
-    page cache unless a sample of them is there already (on a store in memory that would
-    only cost time)."""
+def _prefetch_fan(fan: Path) -> list[dirfd.DirEntryLike]:
+    """The well-named manifest files of fan-out ``fan``, each asked into the page cache
+    unless a sample of them is there already."""
     found = _manifest_entries(fan, {})
     if all(in_page_cache(e.path) for e in found[:PREFETCH_SAMPLE]):
         return found
@@ -392,27 +376,27 @@ def _prefetch_fan(fan: Path) -> list[os.DirEntry]:
     return found
 
 
-def _read_fan(found: list[os.DirEntry]
+def _read_fan(found: list[dirfd.DirEntryLike]
               ) -> Iterator[tuple[str, tuple[Manifest, int] | OSError | ManifestError]]:
     """Read and decode the manifest files ``found``: (path, (manifest, size)) or (path,
     the error to quarantine it for)."""
     for e in found:
-        # The directory entry's own path string: a Path per manifest cost ~10% of a warm
-        # rebuild (decision 2900), and the reads take any path-like.
+        # the entry's own path string: a Path per manifest costs ~10% of a warm rebuild
         try:
-            yield e.path, read_manifest_sized(e.path, e.name[:-5])  # type: ignore[arg-type]
+            yield e.path, read_manifest_sized(e.path, e.name[:-5])
         except (ManifestError, SpecialFileError, FileNotFoundError) as exc:
             yield e.path, exc
 
 
-def _manifest_entries(fan: Path, unreadable: dict[str, str]) -> list[os.DirEntry]:
+def _manifest_entries(fan: Path, unreadable: dict[str, str]) -> list[dirfd.DirEntryLike]:
     """The well-named files of the manifest fan-out directory ``fan`` (regular or not;
     never a directory or a symlink); ``unreadable`` as for ``_scan``."""
     return [e for e in _scan(fan, unreadable) if _MAN_RE.fullmatch(e.name)
             and not e.is_dir(follow_symlinks=False) and not e.is_symlink()]
 
 
-def _scan(directory: Path, unreadable: dict[str, str], *, sort: bool = False) -> list:
+def _scan(directory: Path, unreadable: dict[str, str], *,
+          sort: bool = False) -> list[dirfd.DirEntryLike]:
     """The entries of ``directory``; [] (and ``unreadable[directory] = reason``) if it
     cannot be listed."""
     try:

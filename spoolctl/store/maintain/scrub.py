@@ -1,28 +1,11 @@
 """Deep scrub: re-read and verify every manifest and object at a bounded byte rate.
 
-A *cycle* walks every catalog entry in id order. Progress lives in
-``state/scrub.sqlite3`` (cursor = last entry finished, ``inflight`` = the entry
-being verified), so a killed scrub resumes where it stopped:
-
-* the cursor and the next ``inflight`` id are saved in one transaction before an
-  entry is verified, so a crash mid-verify re-verifies that entry on resume even
-  if its catalog row was already dropped by an interrupted quarantine (its
-  manifest is then re-checked from disk and quarantined, never re-admitted);
-* a failed entry is quarantined (its manifest and bad object moved out of the
-  store, its catalog row dropped) before the cursor passes it;
-* an object the scrubber cannot read (permissions, an I/O error) is recorded as an
-  ``unreadable`` finding and the walk moves on: nothing is moved, so fixing the cause
-  (``spoolctl doctor`` names it) makes the entry whole again. A scrub never stops at the
-  same object on every run.
-
-When the walk reaches the end, the cycle reclaims proven orphans (objects no
-catalog row references, older than the cycle start, under the exclusive
-maintenance lock so no commit is in flight) and abandoned temp files, and is
-recorded as finished with what it authenticated and found.
-
-Only one scrubber runs per store at a time: it holds ``state/scrub.lock``
-exclusively while it works, so the CLI and a worker's background thread take
-turns on the same cycle instead of fighting (``BusyError`` / skipped step).
+A *cycle* walks every catalog entry in id order; progress (cursor, ``inflight`` entry)
+is saved in ``state/scrub.sqlite3`` before each entry, so a killed scrub resumes and
+re-verifies the entry it was in. A failed entry is quarantined before the cursor passes
+it; an object that cannot be read is an ``unreadable`` finding (nothing moved). At the
+end the cycle reclaims proven orphans and abandoned temp files. One scrubber per store
+at a time (``state/scrub.lock``).
 """
 
 from __future__ import annotations
@@ -33,14 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import BusyError, CorruptionError, NotFoundError, StoreIOError
 from ..disk import faults
 from ..disk.locks import try_hold
 from ..disk.verify import failed_object, verify_object
 from .scrub_state import (  # noqa: F401 (the progress database's names, imported from here too)
-    _DDL,
     SCRUB_DB,
     UNREADABLE,
     Cycle,
@@ -72,15 +54,15 @@ class ScrubReport:
     checked: int = 0
     bytes: int = 0
     absent: int = 0
-    quarantined: list[dict] = field(default_factory=list)
-    unreadable: list[dict] = field(default_factory=list)
+    quarantined: list[dict[str, str]] = field(default_factory=list)
+    unreadable: list[dict[str, str]] = field(default_factory=list)
     cycle_completed: bool = False
     resumed: bool = False
-    orphans: dict = field(default_factory=dict)
-    tmp: dict = field(default_factory=dict)
+    orphans: dict[str, int] = field(default_factory=dict)
+    tmp: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -110,12 +92,7 @@ class RateLimiter:
 
 
 class Scrubber:
-    """Runs scrub work on one store. Not thread-safe; one per thread.
-
-    ``run`` verifies at most ``max_items`` entries (all, when None) of the current
-    cycle, or until ``until_complete`` finishes the cycle; ``should_stop`` is polled
-    between entries (the background thread's shutdown flag).
-    """
+    """Runs scrub work on one store. Not thread-safe; one per thread."""
 
     def __init__(self, store: Store, *, rate_bytes: int | None = None,
                  sleep: Callable[[float], None] = time.sleep):
@@ -147,8 +124,10 @@ class Scrubber:
         should_stop: Callable[[], bool] | None = None,
         progress: Callable[[Cycle, int], None] | None = None,
     ) -> ScrubReport | None:
-        """Do scrub work; return None if another scrubber holds the lock and ``wait``
-        is False (the caller skips this step), else what was done."""
+        """Verify at most ``max_items`` entries of the current cycle (all when None), or
+        until the cycle finishes (``until_complete``); ``should_stop`` is polled between
+        entries. Returns what was done, or None if another scrubber holds the lock and
+        ``wait`` is False."""
         started = time.monotonic()
         with self._exclusive(wait) as held:
             if not held:
@@ -161,7 +140,9 @@ class Scrubber:
         report.seconds = round(time.monotonic() - started, 6)
         return report
 
-    def _run(self, state, max_items, until_complete, should_stop, progress) -> ScrubReport:
+    def _run(self, state: ScrubState, max_items: int | None, until_complete: bool,
+             should_stop: Callable[[], bool] | None,
+             progress: Callable[[Cycle, int], None] | None) -> ScrubReport:
         store = self.store
         cycle = state.current()
         report = ScrubReport()
@@ -178,8 +159,10 @@ class Scrubber:
         cursor = cycle.inflight or cycle.cursor
         total = store.totals().entries
         while True:
-            batch = store.run_with_catalog_repair(
-                lambda c=cursor: store.catalog.iter_ids_after(c, BATCH))
+            def page(c: str = cursor) -> list[tuple[str, str]]:
+                return store.catalog.iter_ids_after(c, BATCH)
+
+            batch = store.run_with_catalog_repair(page)
             if not batch:
                 self._finish(state, cycle, report)
                 break
@@ -233,11 +216,9 @@ class Scrubber:
     def verify_entry(self, entry_id: str) -> tuple[str, int, str]:
         """Re-read and verify ``entry_id`` now, paced by the rate limit.
 
-        Returns ``(outcome, bytes_read, reason)`` where outcome is ``checked``,
-        ``quarantined`` (moved to quarantine now), ``absent`` (deleted meanwhile) or
-        ``unreadable`` (an object could not be read: permissions or an I/O error; nothing
-        is moved and ``reason`` says why). An object that is not a regular file (a FIFO,
-        a symlink) is damage: quarantined.
+        Returns ``(outcome, bytes_read, reason)``; outcome is ``checked``, ``quarantined``
+        (moved now; a special file counts as damage), ``absent`` (deleted meanwhile) or
+        ``unreadable`` (nothing moved; ``reason`` says why).
         """
         store = self.store
         try:

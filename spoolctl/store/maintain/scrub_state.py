@@ -1,10 +1,6 @@
 """The scrub's progress database, ``state/scrub.sqlite3``: cycles (cursor, in-flight entry,
-counts) and findings, for the scrubber (``scrub.Scrubber``) that writes it and for
-``status`` / metrics / doctor that read it (``ScrubState.summary_of``: read-only, never
-created by a reader).
-
-Its own module so that the store's facts (``facts``, below the ``Store`` facade) read the
-summary without importing the scrubber, which works on a whole ``Store`` (decision 2520).
+counts) and findings, written by ``scrub.Scrubber``, read by status, metrics and doctor.
+Apart from the scrubber so code below the ``Store`` facade can read it.
 """
 
 from __future__ import annotations
@@ -13,9 +9,9 @@ import logging
 import re
 import sqlite3
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import QuarantineReason, StoreIOError
 from ..disk.sqlite_files import DamagedDatabaseError, connect_private, connect_read_only, is_damaged
@@ -28,8 +24,7 @@ log = logging.getLogger("spoolctl.store")
 
 
 class StoreDirs(Protocol):
-    """What the progress database needs of a store: where ``state/`` is, and the
-    quarantine a damaged database goes to (``Store`` has both)."""
+    """What the progress database needs of a store: its layout and its quarantine."""
 
     layout: StorePaths
     quarantine: Quarantine
@@ -96,7 +91,7 @@ class Cycle:
         denom = max(self.total_at_start, total_now, 1)
         return min(1.0, self.done / denom)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -106,9 +101,9 @@ class ScrubSummary:
 
     last_cycle: Cycle | None
     current_cycle: Cycle | None
-    last_findings: list[dict]
+    last_findings: list[dict[str, Any]]
 
-    def to_json(self, total_now: int) -> dict:
+    def to_json(self, total_now: int) -> dict[str, Any]:
         cur = self.current_cycle
         return {
             "last_cycle": self.last_cycle.to_json() if self.last_cycle else None,
@@ -134,8 +129,8 @@ class ScrubState:
 
     @classmethod
     def summary_of(cls, store: StoreDirs) -> ScrubSummary:
-        """Summary for status/metrics; an absent or unreadable scrub db reads as empty.
-        Opened read-only: a reader never creates or changes the progress database."""
+        """Summary for status/metrics, read-only; an absent or unreadable database reads
+        as empty."""
         if not (store.layout.state / SCRUB_DB).exists():
             return ScrubSummary(None, None, [])
         try:
@@ -175,12 +170,9 @@ class ScrubState:
 
     @classmethod
     def open_checked(cls, store: StoreDirs) -> ScrubState:
-        """Open the progress database for a scrubber (which holds ``scrub.lock``).
-
-        A corrupt or malformed database is quarantined (reason ``scrub_state``) and a
-        fresh one started: progress is advisory, so the worst outcome is one cycle that
-        starts over; every entry is still verified. Transient errors raise StoreIOError.
-        """
+        """Open the progress database for a scrubber (which holds ``scrub.lock``). A
+        damaged one is quarantined and a fresh one started (progress is advisory);
+        transient errors raise StoreIOError."""
         path = store.layout.state / SCRUB_DB
         try:
             state = cls(path)
@@ -214,7 +206,7 @@ class ScrubState:
         (unreadable,) = self._db.execute(
             "SELECT COUNT(*) FROM findings WHERE cycle_id=? AND reason=?",
             (row[0], UNREADABLE)).fetchone()
-        return Cycle(*row, unreadable=unreadable)
+        return replace(Cycle(*row), unreadable=unreadable)
 
     def current(self) -> Cycle | None:
         return self._cycle("finished IS NULL")
@@ -222,7 +214,7 @@ class ScrubState:
     def last_finished(self) -> Cycle | None:
         return self._cycle("finished IS NOT NULL")
 
-    def findings(self, cycle_id: int, limit: int = 100) -> list[dict]:
+    def findings(self, cycle_id: int, limit: int = 100) -> list[dict[str, Any]]:
         return [
             {"entry_id": e, "reason": r, "time": t} for e, r, t in self._db.execute(
                 "SELECT entry_id, reason, time FROM findings WHERE cycle_id=? ORDER BY time "

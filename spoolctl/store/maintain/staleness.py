@@ -1,21 +1,15 @@
 """Which vLLM deployments under a base root are stale, and why (pure; no I/O, no vLLM).
 
-A deployment directory is named by its identity's digest (``identity``), so when the model's
-weights, the vLLM version or the connector format change, the next engine start writes a new
-directory and the old one is never read again. Its bytes stay on disk until someone reclaims
-them. ``judge`` names such directories from what their rank stores say (decision 2112):
+A deployment directory is named by its identity's digest, so a change of weights, vLLM
+version or format starts a new directory and the old one is never read again. ``judge``:
 
-* **superseded**: another deployment of the same *lineage* (same model locator and revision,
-  dtypes, block and chunk size, TP/PP sizes: everything but the weights, the engine and the
-  format) stored its first chunk after this one was last used. The newer one replaced it
-  (new weights at the same path, a vLLM upgrade), and nothing has read the old one since.
-  Two deployments of one lineage that are both still in use (an A/B rollout) are both
-  current: each was used after the other started.
-* **unused**: not used for longer than the operator's threshold (``unused_for``).
+* **superseded**: another deployment of the same *lineage* (everything but weights, engine
+  and format) stored its first chunk after this one was last used (two in use at once,
+  an A/B rollout, are both current);
+* **unused**: not used for longer than ``unused_for``;
 * **current**: neither.
 
-The identity facts come from a manifest's ``deployment`` record (``identity.summary()``); a
-deployment whose facts cannot be read is never superseded (only the unused rule applies).
+A deployment whose identity facts cannot be read is never superseded.
 """
 
 from __future__ import annotations
@@ -96,8 +90,7 @@ def judge(uses: Iterable[DeploymentUse], *, now: float, unused_for: float | None
           lineage_of: Lineage = lineage, what_changed: Changed = _what_changed
           ) -> dict[str, Verdict]:
     """A verdict per deployment (see the module docstring). ``lineage_of`` and
-    ``what_changed`` default to vLLM deployments' facts; the controllers' model namespaces
-    pass their own (``controllers.model_lifecycle``, decision 2120)."""
+    ``what_changed`` default to vLLM deployments' facts; other namespaces pass their own."""
     uses = list(uses)
     out: dict[str, Verdict] = {}
     for use in uses:

@@ -1,7 +1,7 @@
 """The export archive format: member names, index and end record, tar framing (no store I/O).
 
 An archive is a plain POSIX ustar stream that ``tar -tvf`` lists and ``tar -xf`` unpacks
-into the store layout (``docs/format.md``, decision 1600)::
+into the store layout (``docs/format.md``)::
 
     spoolctl-archive.json                          index: what the archive plans to hold
     [<deployment>/rank-NNNN/]objects/ab/<digest>.obj     payloads, named by their digest
@@ -14,21 +14,20 @@ A *place* is where a store lives relative to the exported root: ``""`` for a sin
 every object appears once, before the first manifest that names it, and every object
 member is named by the manifest that follows it (the importer refuses anything else).
 
-Only regular-file members with names that match this grammar exist; links, directories,
-pax or GNU extension headers, absolute or ``..`` names are refused by ``TarReader``.
-Everything here is pure except ``TarWriter``/``TarReader``, which only touch the stream
-they are given.
+Only regular-file members with names of this grammar are accepted by ``TarReader``.
+Everything here is pure except ``TarWriter``/``TarReader``, which touch only their stream.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import re
 import tarfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from ...errors import ArchiveError
 from ..format.keys import KINDS
@@ -47,8 +46,8 @@ MAX_STORES = 4096
 MAX_COUNT = 1 << 62
 # Bytes after the end-of-archive marker that are drained (and must be zero) before giving up.
 MAX_TAIL = 1 << 20
-# A signed stream (``export -o - --sign-key``, decision 2811) ends, after the zero padding, with
-# one signature trailer of exactly this size that starts with this magic (``archive_sign``).
+# A signed stream (``export -o - --sign-key``) ends, after the zero padding, with one
+# signature trailer of exactly this size that starts with this magic (``archive_sign``).
 TRAILER_MAGIC = b"spoolctl-archive-sig-trailer/v1\n"
 TRAILER_BYTES = 1024
 
@@ -69,9 +68,9 @@ _TYPE_NAMES = {
 # -- places and member names --------------------------------------------------------------
 
 
-def validate_place(place: str) -> str:
+def validate_place(place: object) -> str:
     """``""`` or ``<deployment>/rank-NNNN`` (one safe component each); else ArchiveError."""
-    if place == "" or (isinstance(place, str) and _PLACE_RE.fullmatch(place)):
+    if isinstance(place, str) and (place == "" or _PLACE_RE.fullmatch(place)):
         return place
     raise ArchiveError(f"invalid store place {str(place)[:80]!r} in the archive",
                        fix="the archive was not written by `spoolctl export`")
@@ -191,16 +190,15 @@ class StoreSection:
     store_id: str = ""
     kinds: Mapping[str, int] = field(default_factory=dict)
     deployment: Mapping[str, Any] | None = None
-    # Entries of this store the source holds released (decision 2311): an import keeps
-    # them released. Absent from the JSON when empty (archives of live entries only are
-    # byte-for-byte what earlier versions wrote; those importers ignore the key).
+    # Entries the source holds released, kept released by an import. Absent from the JSON
+    # when empty, so archives of live entries stay what earlier versions wrote.
     released: frozenset[str] = frozenset()
-    # The wrapped data keys of its encrypted entries (decision 2813); absent from the JSON
-    # for a store without any, so plain archives are unchanged.
+    # The wrapped data keys of its encrypted entries; absent from the JSON when there are
+    # none, so plain archives are unchanged.
     keys: KeyTable | None = None
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"place": self.place, "entries": self.entries, "bytes": self.bytes,
+        doc: dict[str, Any] = {"place": self.place, "entries": self.entries, "bytes": self.bytes,
                "store_id": self.store_id, "kinds": dict(self.kinds),
                "deployment": dict(self.deployment) if self.deployment else None}
         if self.released:
@@ -214,7 +212,7 @@ class StoreSection:
         if not isinstance(doc, dict):
             raise ArchiveError("archive index: a store is not an object",
                                fix="the archive was not written by `spoolctl export`")
-        place = validate_place(doc.get("place"))  # type: ignore[arg-type]
+        place = validate_place(doc.get("place"))
         kinds = doc.get("kinds") or {}
         if not isinstance(kinds, dict) or any(k not in KINDS for k in kinds):
             raise ArchiveError("archive index: unknown entry kind",
@@ -266,13 +264,13 @@ class ArchiveIndex:
     def section(self, place: str) -> StoreSection | None:
         return next((s for s in self.stores if s.place == place), None)
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> builtins.bytes:
         return json.dumps({"schema": SCHEMA, "created": self.created, "tool": self.tool,
                            "stores": [s.to_json() for s in self.stores]},
                           sort_keys=True, indent=1).encode() + b"\n"
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> ArchiveIndex:
+    def from_bytes(cls, data: builtins.bytes) -> ArchiveIndex:
         doc = _load_json(data, "index")
         if doc.get("schema") != SCHEMA:
             raise ArchiveError(f"archive index has schema {str(doc.get('schema'))[:40]!r}, "
@@ -318,7 +316,7 @@ def parse_end_record(data: bytes) -> dict[str, SectionCount]:
         if not isinstance(item, dict):
             raise ArchiveError("archive end record is malformed",
                                fix="the archive was not written by `spoolctl export`")
-        place = validate_place(item.get("place"))  # type: ignore[arg-type]
+        place = validate_place(item.get("place"))
         if place in out:
             raise ArchiveError("archive end record lists a store twice",
                                fix="the archive was not written by `spoolctl export`")
@@ -406,16 +404,21 @@ class FdSink:
                     n = 0
 
 
+class Stream(Protocol):
+    """A binary stream an archive is read from."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
 class TarReader:
     """Reads members from a binary stream, strictly: regular files with grammar names only.
 
-    ``next()`` returns the next ``Member`` (skipping what is left of the previous one) or
-    None at the end-of-archive marker or at EOF on a member boundary (``clean_eof`` tells
-    which). ``readinto`` reads the current member's data; EOF inside it is an ArchiveError
-    naming the member ("truncated").
+    ``next()`` returns the next ``Member`` or None at the end-of-archive marker or at EOF on
+    a member boundary (``clean_eof`` tells which). ``readinto`` reads the current member's
+    data; EOF inside it is an ArchiveError ("truncated").
     """
 
-    def __init__(self, stream: BinaryIO):
+    def __init__(self, stream: Stream):
         self._stream = stream
         self.offset = 0
         self.member: Member | None = None
@@ -514,9 +517,8 @@ class TarReader:
 
     def _drain_tail(self) -> None:
         """After the end marker: read to EOF (a pipe's writer must not see EPIPE), at most
-        ``MAX_TAIL`` bytes, all zero (padding) but for one signature trailer at the very end
-        (a signed stream read by an importer that does not ask for signatures); anything
-        else is refused."""
+        ``MAX_TAIL`` bytes, all zero but for one signature trailer at the very end;
+        ArchiveError for anything else."""
         buf = memoryview(bytearray(64 << 10))
         total = 0
         kept = b""  # the non-zero tail seen so far: only a trailer may be there

@@ -1,25 +1,10 @@
-"""Archives that prove their author: an Ed25519 signature next to an export archive
-(decision 2800, "signed archives").
+"""Archives that prove their author: an Ed25519 signature over an export archive.
 
-``<archive>.sig`` is a small JSON document: the BLAKE3 digest of every byte of the archive and
-an Ed25519 signature over it by the fleet's signing key. Exporting hosts hold the private key
-(``export --sign-key``); importing hosts hold only the public key (``import --require-signed
---verify-key``), so an importer cannot forge an archive (which a shared HMAC key would allow).
-
-``verified_copy`` copies the archive into a private temporary file while hashing it and checks
-the signature *before* anything is imported; the import then reads that private copy, so the
-bytes imported are the bytes verified even if someone rewrites the original meanwhile.
-A stream (``export -o - --sign-key``, decision 2811) carries its signature in-stream: after
-the tar's end-of-archive padding comes one ``TRAILER_BYTES`` trailer (``TRAILER_MAGIC``, then the
-same JSON document, padded with spaces) whose digest covers every byte before it.
-``SigningSink`` hashes what the exporter writes and ``trailer`` makes the block;
-``verified_stream_copy`` stages the whole stream in a private temporary file while hashing
-all but its last ``TRAILER_BYTES``, verifies the trailer, and yields the copy without it -- so
-``import - --require-signed`` publishes nothing before the end of the stream has been seen and
-verified (a truncated, forged or re-signed stream is refused first). Importers that do not ask
-for signatures accept the trailer and ignore it (``TarReader``).
-Keys are PEM files (``openssl genpkey -algorithm ed25519 -out fleet.key``; ``openssl pkey -in
-fleet.key -pubout -out fleet.pub``); the private key file must be private (0600, not a symlink).
+``<archive>.sig`` is a JSON document: the BLAKE3 digest of every byte of the archive and an
+Ed25519 signature over it. Importers hold only the public key, so they cannot forge one.
+A stream carries the same document in a ``TRAILER_BYTES`` trailer after the tar's end
+padding. Both are verified on a private copy before anything is imported, so the bytes
+imported are the bytes verified. Keys are PEM files; the private one must be mode 0600.
 """
 
 from __future__ import annotations
@@ -29,14 +14,20 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 import blake3
 
 from ...errors import ArchiveError, ConfigError
 from .archive import TRAILER_BYTES, TRAILER_MAGIC
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
 
 SCHEMA = "spoolctl-archive-sig/v1"
 ALGORITHM = "ed25519"
@@ -72,7 +63,7 @@ def _read_key_file(path: Path, *, private: bool) -> bytes:
         os.close(fd)
 
 
-def _lib() -> Any:
+def _lib() -> Any:  # the optional `cryptography` modules, imported on first use
     try:
         from cryptography.exceptions import InvalidSignature
         from cryptography.hazmat.primitives import serialization
@@ -83,17 +74,18 @@ def _lib() -> Any:
     return InvalidSignature, serialization, ed25519
 
 
-def _raw_public(public: Any) -> bytes:
+def _raw_public(public: Ed25519PublicKey) -> bytes:
     _, serialization, _ = _lib()
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def key_id(public: Any) -> str:
+def key_id(public: Ed25519PublicKey) -> str:
     return blake3.blake3(b"spoolctl-fleet-key/v1" + _raw_public(public)).hexdigest()[:16]
 
 
-def load_signing_key(path: str | os.PathLike[str]) -> Any:
-    _, serialization, ed25519 = _lib()
+def load_signing_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
+    _, serialization, _ = _lib()
+    from cryptography.hazmat.primitives.asymmetric import ed25519
     path = Path(path)
     try:
         key = serialization.load_pem_private_key(_read_key_file(path, private=True), None)
@@ -105,8 +97,9 @@ def load_signing_key(path: str | os.PathLike[str]) -> Any:
     return key
 
 
-def load_verify_key(path: str | os.PathLike[str]) -> Any:
-    _, serialization, ed25519 = _lib()
+def load_verify_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
+    _, serialization, _ = _lib()
+    from cryptography.hazmat.primitives.asymmetric import ed25519
     path = Path(path)
     try:
         key = serialization.load_pem_public_key(_read_key_file(path, private=False))
@@ -130,12 +123,12 @@ def _digest_file(path: Path, copy_to: int | None = None) -> str:
     return hasher.hexdigest()
 
 
-def _signature_doc(key: Any, digest: str) -> dict[str, Any]:
+def _signature_doc(key: Ed25519PrivateKey, digest: str) -> dict[str, Any]:
     return {"schema": SCHEMA, "alg": ALGORITHM, "key_id": key_id(key.public_key()),
             "blake3": digest, "signature": key.sign(_CONTEXT + digest.encode()).hex()}
 
 
-def sign_archive(archive: Path, key: Any) -> Path:
+def sign_archive(archive: Path, key: Ed25519PrivateKey) -> Path:
     """Write ``<archive>.sig`` for the finished archive file ``archive``; returns its path."""
     doc = _signature_doc(key, _digest_file(archive))
     out = sig_path(archive)
@@ -149,7 +142,7 @@ class SigningSink:
     """A sink (``FdSink``'s contract) that hashes every byte it passes on; ``trailer(key)``
     is the signature block to write after the archive's last byte."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Callable[[list[bytes | memoryview]], None]):
         self._inner = inner
         self._hasher = blake3.blake3()
 
@@ -158,14 +151,14 @@ class SigningSink:
             self._hasher.update(b)
         self._inner(bufs)
 
-    def trailer(self, key: Any) -> bytes:
+    def trailer(self, key: Ed25519PrivateKey) -> bytes:
         body = TRAILER_MAGIC + json.dumps(_signature_doc(key, self._hasher.hexdigest()),
                                           sort_keys=True).encode()
         assert len(body) <= TRAILER_BYTES
         return body + b" " * (TRAILER_BYTES - len(body))
 
 
-def _check_signature(doc: Any, public: Any, where: Any) -> str:
+def _check_signature(doc: Any, public: Ed25519PublicKey, where: str | Path) -> str:
     """The signed digest of a signature document ``doc`` that verifies under ``public``;
     ArchiveError (one line) otherwise."""
     invalid, _, _ = _lib()
@@ -189,11 +182,11 @@ def _check_signature(doc: Any, public: Any, where: Any) -> str:
 
 
 @contextlib.contextmanager
-def verified_stream_copy(stream: Any, public: Any) -> Iterator[Path]:
-    """A private copy of the signed stream ``stream`` (see the module docstring), without its
-    trailer, whose signature verifies under ``public``; ArchiveError (one line, nothing
-    imported) for a stream without a trailer (unsigned or cut short), a malformed, forged or
-    foreign signature, or bytes changed after signing. The copy is removed on exit."""
+def verified_stream_copy(stream: IO[bytes], public: Ed25519PublicKey) -> Iterator[Path]:
+    """A private copy of the signed stream ``stream``, without its trailer, whose signature
+    verifies under ``public``; ArchiveError (nothing imported) for an unsigned or cut-short
+    stream, a malformed, forged or foreign signature, or bytes changed after signing. The
+    copy is removed on exit."""
     with tempfile.TemporaryDirectory(prefix="spoolctl-import-") as tmp:
         copy = Path(tmp) / "archive.tar"
         fd = os.open(copy, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -229,7 +222,7 @@ def verified_stream_copy(stream: Any, public: Any) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def verified_copy(archive: Path, public: Any) -> Iterator[Path]:
+def verified_copy(archive: Path, public: Ed25519PublicKey) -> Iterator[Path]:
     """A private copy of ``archive`` whose signature ``<archive>.sig`` verifies under
     ``public``; ArchiveError (one line, nothing imported) for a missing, malformed, forged or
     foreign signature. The copy is removed on exit."""

@@ -1,17 +1,10 @@
 """Export selected entries of the stores under a root as one streaming archive.
 
-The archive (``archive.py``) is written front to back to a sink without seeking; memory is
-bounded by the read-ahead (``READ_AHEAD_BYTES``: the next entries are read and verified on
-helper threads while one is written; an entry over ``ENTRY_BUFFER`` is streamed). Every
-object is verified against its digest as it is read (the store's verified read), so an
-archive never carries bytes the store would not hand to a model. An entry that fails
-verification is quarantined by the store and left out; one deleted meanwhile (eviction,
-cleanup) is left out too. A streamed object that fails only at its end cannot be taken back:
-the export stops with a CorruptionError and no end record, which every import refuses as
-truncated.
-
-Only the store's public API is used (``Store.open/entries/manifest/read``), plus its layout
-to stream a large object from its file.
+The archive is written front to back without seeking; memory is bounded by the read-ahead
+(``READ_AHEAD_BYTES``; an entry over ``ENTRY_BUFFER`` is streamed). Every object is verified
+as it is read: a corrupt entry is quarantined and left out, as is one deleted meanwhile. A
+streamed object that fails only at its end cannot be taken back: the export stops with a
+CorruptionError and no end record, which every import refuses as truncated.
 """
 
 from __future__ import annotations
@@ -123,13 +116,11 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
            layout: RootContents | None = None, quorum: bool | None = None) -> ExportReport:
     """Write the entries of the stores under ``root`` chosen by ``selection`` to ``sink``.
 
-    ``root`` is a store, a deployment directory or a connector base root; a caller that
-    has already resolved it (the CLI, through ``cli.targets``) passes ``layout`` instead
-    (possibly with no store: an empty archive) and may turn the rank ``quorum`` off (one
-    rank of a deployment). With several stores, one that cannot be opened is recorded in
-    ``failed`` and the others are exported (its deployment's chunks are then incomplete
-    and left out). Raises ConfigError for a bad root or selection, CorruptionError if a
-    streamed object fails verification (the archive then has no end record).
+    ``layout``: ``root`` already classified (``RootContents.archivable``; may hold no
+    store). ``quorum``: False exports one rank of a deployment. With several stores, one
+    that cannot be opened is recorded in ``failed`` and the others are exported. Raises
+    ConfigError for a bad root, selection or a store no archive carries, CorruptionError if
+    a streamed object fails verification (the archive then has no end record).
     """
     selection = selection or Selection()
     started = time.perf_counter()
@@ -138,17 +129,19 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
     stores = list(layout.stores)
     if selection.deployments:
         wanted = resolve_deployments(selection.deployments, layout.deployments)
-        stores = [s for s in stores if s.place.split("/", 1)[0] in wanted and s.place]
+        stores = [s for s in stores
+                  if s.archive_place.split("/", 1)[0] in wanted and s.archive_place]
     report = ExportReport(root=str(layout.path))
     with contextlib.ExitStack() as stack:
         opened: dict[str, Store] = {}
         for s in stores:
+            place = s.archive_place  # before the open: a store no archive carries is refused
             try:
-                opened[s.place] = stack.enter_context(Store.open(s.path))
+                opened[place] = stack.enter_context(Store.open(s.path))
             except SpoolError as exc:
                 if len(stores) == 1:
                     raise
-                report.failed[s.place] = str(exc)
+                report.failed[place] = str(exc)
         rows = {place: st.entries(sort="access", include_pending=False)
                 for place, st in opened.items()}
         tables: dict[str, KeyTable] = {}
@@ -190,7 +183,7 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
                                                       thread_name_prefix="spoolctl-export"))
         # What the archive will hold at most: every planned member with its header and
         # padding (shared objects are written once, so the archive may come out smaller).
-        # Progress never shows more written than planned (issue 30.9).
+        # Progress never shows more written than planned.
         planned = writer.offset + _END_SLACK + sum(
             c.size + manifest_sizes.get((c.place, c.entry_id), 0) + _MEMBER_SLACK
             for c in chosen.parts)
@@ -215,10 +208,9 @@ def export(root: str | os.PathLike[str], sink: Callable[[list[Any]], None],
 
 def _with_keys(store: Store, rows: list[Any], report: ExportReport
                ) -> tuple[list[Any], KeyTable | None]:
-    """``rows`` without the encrypted entries whose data key the store's keyring no longer
-    holds (revoked or retired: crypto-erased, so they do not travel), and the wrapped keys of
-    the others, read from the keyring as they are (decision 2813; the exporter needs no
-    master key)."""
+    """``rows`` without the encrypted entries whose data key the keyring no longer holds
+    (crypto-erased), and the wrapped keys of the others as the keyring holds them (the
+    exporter needs no master key)."""
     facts = {r.entry_id: f for r in rows if (f := sealed_fact(r.index)) is not None}
     if not facts:
         return rows, None
@@ -255,7 +247,7 @@ def _load(store: Store, c: Candidate) -> _Loaded:
         manifest = store.manifest(c.entry_id)
         unique = {ref.digest: ref for ref in manifest.objects}
         # An encrypted entry travels as its ciphertext, streamed and checked against its
-        # keyless digest like a large one (decision 2800): the exporter needs no key.
+        # keyless digest like a large one: the exporter needs no key.
         if sealed_fact(manifest.index) is not None or \
                 sum(r.size for r in unique.values()) > ENTRY_BUFFER:
             return _Loaded("ok", manifest, encode(manifest), large=True)
@@ -321,10 +313,9 @@ def _emit_entry(store: Store, c: Candidate, loaded: _Loaded, writer: TarWriter,
 
 def _stream_object(store: Store, manifest: Manifest, ref: ObjectRef, writer: TarWriter,
                    place: str) -> None:
-    """Copy a large object into the archive, verifying it on the way (``verify_object``, its
-    chunks written as they are hashed). Damage quarantines the entry, with the reason any
-    reader gives (``verify.failed_object``), and stops the export: bytes may already be in
-    the archive. An object that cannot be read stops it too (StoreIOError, nothing moved)."""
+    """Copy a large object into the archive, verifying it on the way. Damage quarantines
+    the entry and stops the export (bytes may already be in the archive): CorruptionError;
+    an unreadable object stops it too: StoreIOError."""
     path = store.layout.object_path(ref.digest)
     member = object_member(place, ref.digest)
     started, written = False, 0

@@ -1,25 +1,16 @@
 """Import an archive (or a peer's store root) into local stores: verify, then publish.
 
-Each object is streamed from the source into the target store's ``tmp/`` while it is
-hashed; it is kept only if its bytes match its digest (its member name), its size matches
-what its manifest says, and that manifest validates (envelope digest, entry id). Verified
-entries are then published in batches by ``import_commit.publish_entries`` -- the store's
-commit protocol -- so an entry is visible complete or not at all, also after a crash.
-Objects the target already holds are not written again (the archive's copy is read and
-discarded); entries it already holds are skipped.
+Each object is hashed as it streams into the target's ``tmp/`` and kept only if it matches
+its digest and its manifest validates; verified entries are published through the store's
+commit protocol, so an entry is visible complete or not at all. Objects and entries the
+target holds are not written again.
 
-Capacity: before anything is written, an archive that declares more bytes for a store than
-the store's max size (or than the disk can hold) is refused. While importing, an entry is
-skipped when it would take the store above its low watermark (90% of max) or fill the
-disk; imports never evict (on a live vLLM rank store the connector must withdraw victims
-first, decision 0901). Archives are newest first, so what is skipped is the oldest.
+Capacity: an archive that declares more than a store's max size (or the disk) is refused
+up front; an entry that would take a store above its low watermark is skipped. Imports
+never evict: on a live rank store only the connector may choose victims.
 
-A defect in the archive (``ArchiveError``: bad names, links, a digest or size that does not
-match, duplicated members, a manifest naming objects the archive lacks, a truncated
-stream, counts that exceed the index) stops the import at that member. The entries
-verified before it are published (each is complete and proven); nothing of the defective
-entry is, and nothing is ever written outside the target stores' ``tmp/``, ``objects/``
-and ``manifests/``.
+A defect in the archive (``ArchiveError``) stops the import at that member; entries verified
+before it are published, nothing of the defective one is.
 """
 
 from __future__ import annotations
@@ -31,13 +22,13 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ...errors import ArchiveError, CapacityError, ConfigError
 from ..disk.root import MARKER
 from ..sealing import KeyTable, MasterKey, check_key_table
 from ..store import Store
-from .archive import ArchiveIndex, SectionCount, TarReader, parse_end_record, rank_of
+from .archive import ArchiveIndex, SectionCount, Stream, TarReader, parse_end_record, rank_of
 from .ingest import PlaceTally, Section, SkipSection, free_bytes
 from .places import RootContents, Target, check_single_layout, inspect_root
 from .selection import resolve_deployments
@@ -77,13 +68,11 @@ class ImportReport:
 class Importer:
     """Imports into the stores under ``target`` (a store, deployment dir or base root).
 
-    ``accept``: deployments whose chunks may be imported into a base root that serves
-    other deployments, and (when given) the only deployments imported. ``rank``: import
-    only that rank's stores of the source (a host of a multi-host deployment takes its own
-    ranks). ``store_max_bytes`` is recorded in stores the import creates. ``layout``: the
-    target already classified by the caller (the CLI, through ``cli.targets``). ``retag``:
-    the operator vouches for the source, so entries the target's tag key does not
-    authenticate are tagged with it instead of skipped (needs a key; decision 2011)."""
+    ``accept``: deployments that may be imported into a base root serving others (and, when
+    given, the only ones imported). ``rank``: import only that rank's stores.
+    ``store_max_bytes``: recorded in stores the import creates. ``layout``: the target
+    already classified. ``retag``: entries the target's tag key does not authenticate are
+    tagged with it instead of skipped (the operator vouches for the source)."""
 
     def __init__(self, target: str | os.PathLike[str], *, accept: tuple[str, ...] = (),
                  store_max_bytes: int | None = None, progress: Progress | None = None,
@@ -113,8 +102,8 @@ class Importer:
         """Route every source store, check capacity, open (or create) the targets.
         ``released``: per source store, the entries it holds released (kept released).
         ``keys``: per source store, the wrapped data keys of its encrypted entries: checked
-        against this host's master key before any store is opened or created (a refusal
-        publishes nothing), then merged into each target's keyring (decision 2813)."""
+        against this host's master key before any store is opened or created, then merged
+        into each target's keyring."""
         places = list(declared)
         check_single_layout(places)
         if self.rank is not None and "" in places:
@@ -218,6 +207,7 @@ class Importer:
                 with contextlib.suppress(ArchiveError):
                     sec.flush()
             self.report.error = str(exc)
+            # errors.ArchiveError declares no ``report``; the CLI reads it with getattr
             exc.report = self.report  # type: ignore[attr-defined]
             raise
         except BaseException:
@@ -231,7 +221,7 @@ class Importer:
             self._flusher.shutdown(wait=True)
         return self.report
 
-    def from_archive(self, stream: BinaryIO, name: str = "-") -> ImportReport:
+    def from_archive(self, stream: Stream, name: str = "-") -> ImportReport:
         """Import the archive read from ``stream`` (a file or a pipe)."""
         reader = TarReader(stream)
 

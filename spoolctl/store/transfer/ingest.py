@@ -1,14 +1,10 @@
 """Receive one store of an import: stage objects verified, check manifests, batch commits.
 
 ``Section`` is fed the members of one source store in order (objects, then the manifest
-that names them) by ``importer.Importer`` (archives) or ``peer`` (a peer's root). It
-streams each object into the target store's ``tmp/`` while hashing it
-(``stage_object``), keeps it only if it matches its digest, checks the manifest that
-follows (validates, names exactly those objects, sizes agree, every other object it names
-is already here), applies the capacity rules (never above the low watermark, never a full
-disk, never evicting) and hands complete entries to ``import_commit.publish_entries`` in
-batches. Rules for archives are strict (``ArchiveError`` on any defect); a peer's
-corrupt or vanished entry is skipped by the caller (``DigestMismatch``/``abort_entry``).
+that names them). It stages each object verified (``stage_object``), checks the manifest
+that follows, applies the capacity rules (never above the low watermark, never a full disk,
+never evicting) and publishes complete entries in batches. Archives are strict
+(``ArchiveError`` on any defect); a peer's corrupt or vanished entry is skipped.
 """
 
 from __future__ import annotations
@@ -70,7 +66,7 @@ class PlaceTally:
     skipped_corrupt: int = 0
     skipped_unauthenticated: int = 0  # the target has a tag key; the entry no valid tag
     # encrypted entries whose data key this store cannot use: a revoked tenant's, or one the
-    # archive did not carry (decision 2813)
+    # archive did not carry
     skipped_key: int = 0
     keys_added: int = 0  # wrapped data keys the archive brought into the keyring
     keys_refused: int = 0  # ... and those not taken (revoked or erased here)
@@ -79,7 +75,7 @@ class PlaceTally:
     objects_present: int = 0
     bytes_written: int = 0
     created: bool = False
-    released: int = 0  # of ``imported``: kept released, as the source had them (2311)
+    released: int = 0  # of ``imported``: kept released, as the source had them
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -92,30 +88,26 @@ def _drain(source: Source) -> None:
 def stage_object(store: Store, source: Source, size: int, digest: str,
                  pool: ThreadPoolExecutor) -> Path:
     """Copy ``size`` bytes of ``source`` into a new file in the store's ``tmp/``, hashing
-    them on the way: an object over ``INLINE_HASH_MAX`` has chunk i hashed on ``pool`` while
-    this thread writes it and reads chunk i+1; a smaller one is hashed here. Returns the
-    file if its digest is ``digest``; otherwise deletes it and raises DigestMismatch. Not
-    fsynced here (``Section`` flushes it on a helper thread while the next objects are
-    read)."""
+    them on the way (over ``INLINE_HASH_MAX`` on ``pool``). Returns the file (not fsynced)
+    if its digest is ``digest``; otherwise deletes it and raises DigestMismatch.
+    ArchiveError if the source ends early, StoreIOError if the disk fails."""
     if size < 0:
         raise ArchiveError(f"object {digest} has a negative size",
                            fix="the source is damaged or hostile; do not import it")
     # Buffers before the file: nothing that can fail lies between its creation and the try.
     hasher = Hasher()
     n_buf = min(COPY_CHUNK, size)
-    # An object up to INLINE_HASH_MAX is hashed on this thread, chunk by chunk, between its
-    # read and its write: a hand-off per chunk to the pool (a queue put, a wake-up, a wait)
-    # cost more than the ~0.4 ms of BLAKE3 a 1 MiB chunk takes, the more so on a loaded
-    # 2-core host (decision 2941; the same rule as the verified read's, 1402).
+    # A small object is hashed on this thread between read and write: a hand-off per
+    # chunk to the pool costs more than hashing the chunk.
     inline = size <= INLINE_HASH_MAX
     bufs = [memoryview(bytearray(n_buf))] if size and inline else \
         [memoryview(bytearray(n_buf)), memoryview(bytearray(n_buf))] if size else []
     path = store.layout.tmp / tmp_name()
-    try:  # through tmp/'s descriptor: never into a tmp/ swapped for a link (issue 35.1)
+    try:  # through tmp/'s descriptor: never into a tmp/ swapped for a link
         fd = dirfd.create(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
         raise io_error(exc, "creating a temporary file", path) from exc
-    pending = None
+    pending: Future[None] | None = None
     try:
         try:
             left, i = size, 0
@@ -183,7 +175,7 @@ class Section:
         self.store = store
         # With a tag key on the target: an entry whose tag this key does not verify is
         # skipped, unless the operator vouches for the source (``retag``): then it is
-        # tagged anew (decision 2011). Without a key, tags travel as they are.
+        # tagged anew. Without a key, tags travel as they are.
         self.retag = retag
         self.tally = tally
         self.pool = pool
@@ -201,7 +193,7 @@ class Section:
         self.dropped: set[str] = set()
         self.seen: set[str] = set()
         # Entries the source holds released: imported released (cleanup backlog stays
-        # backlog, decision 2311).
+        # backlog).
         self.released: frozenset[str] = frozenset()
         self._room = 0
         self.refresh_room()

@@ -3,13 +3,9 @@
 The peer is only read: its manifests and objects are opened with ``O_NOFOLLOW`` and read;
 its locks and temp files are never touched, nor its catalog but for reading hints
 (``Store.open`` would recover and clean them, which is the owner's job and unsafe across
-hosts). Entries are ordered by their manifest's ``created`` time. The hints come from a
-snapshot of the catalog (SQLite ``immutable``: nothing written, nothing recovered); an
-entry the peer holds released is imported released (decision 2311). A peer whose catalog
-cannot be read that way has every entry counted as retained. A peer that is live keeps
-changing: an entry deleted while it is copied is skipped (``skipped_vanished``), a corrupt
-one too (``skipped_corrupt``); the same verification and commit path as an archive import
-applies (``importer.Section``).
+hosts). Hints come from an immutable snapshot of the catalog (released stays released;
+an unreadable catalog counts every entry retained). An entry deleted or corrupt while it is
+copied is skipped; the same verification and commit path as an archive import applies.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from ..catalog.schema import DDL as CATALOG_DDL
 from ..disk.fsio import open_for_read, read_small
 from ..disk.root import StorePaths
 from ..disk.sqlite_files import connect_read_only
-from ..format.manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode
+from ..format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectRef, decode, encode
 from ..sealing import KeyTable, read_key_table, sealed_fact
 from .importer import Importer, ImportReport
 from .ingest import DigestMismatch, Section
@@ -110,10 +106,8 @@ def _scan(place: str, root: Path, counts: dict[str, int],
 
 
 def _released(root: Path) -> frozenset[str]:
-    """The entries the peer store at ``root`` holds released, read from a snapshot of
-    its catalog (immutable: no -shm/-wal file created, no lock taken, nothing recovered;
-    the newest hint changes of a writer running there may be missed). Empty if the
-    catalog cannot be read so: each entry then counts as retained."""
+    """The entries the peer store at ``root`` holds released, from an immutable snapshot
+    of its catalog (nothing created or locked); empty if it cannot be read so."""
     path = StorePaths(root).state / "catalog.sqlite3"
     try:
         db = connect_read_only(path, timeout=5, ddl=CATALOG_DDL, snapshot=True)
@@ -141,21 +135,22 @@ def import_from_root(importer: Importer, source: str | os.PathLike[str],
     if selection.deployments:
         wanted = resolve_deployments(selection.deployments, layout.deployments)
         stores = [s for s in stores if s.place and s.place.split("/", 1)[0] in wanted]
+    places = [(s.archive_place, s.path) for s in stores]
     scan_counts: dict[str, int] = {}
-    sealed: dict[str, set[tuple[str, int]]] = {s.place: set() for s in stores}
-    candidates = {s.place: _scan(s.place, s.path, scan_counts, sealed[s.place])
-                  for s in stores}
-    # The wrapped keys of the peer's encrypted entries, from its keyring (decision 2813).
+    sealed: dict[str, set[tuple[str, int]]] = {place: set() for place, _ in places}
+    candidates = {place: _scan(place, path, scan_counts, sealed[place])
+                  for place, path in places}
+    # The wrapped keys of the peer's encrypted entries, read from its keyring as they are.
     keys: dict[str, KeyTable] = {}
-    for s in stores:
-        table = read_key_table(StorePaths(s.path).state, sealed[s.place]) \
-            if sealed[s.place] else None
+    for place, path in places:
+        table = read_key_table(StorePaths(path).state, sealed[place]) \
+            if sealed[place] else None
         if table is not None and table.keys:
-            keys[s.place] = table
-    released = {s.place: _released(s.path) for s in stores}
+            keys[place] = table
+    released = {place: _released(path) for place, path in places}
     chosen = plan(candidates, selection, quorum=layout.quorum)
     per_place = chosen.by_place()
-    roots = {s.place: StorePaths(s.path) for s in stores}
+    roots = {place: StorePaths(path) for place, path in places}
 
     def body() -> None:
         importer.prepare({p: sum(c.size for c in per_place.get(p, [])) for p in roots},
@@ -185,7 +180,7 @@ def _copy_entry(sec: Section, peer: StorePaths, c: Candidate, emitted: set[str])
         sec.tally.skipped_vanished += 1
         return 0
     read = 0
-    new = []
+    new: list[ObjectRef] = []
     for ref in manifest.objects:
         if ref.digest not in emitted and all(ref.digest != r.digest for r in new):
             new.append(ref)

@@ -1,9 +1,8 @@
 """Where stores live under a ``--root``, and where an archive's stores go on import.
 
-``inspect_root`` is the one scanner of roots (decision 2500): the CLI (every command's
-``--root``, ``cli/targets.py``), export, import and the peer API all classify a root
-through it, and only narrow (``--rank``, ``--deployment``) and render what it found. A
-root is one of four kinds (decisions 0900, 1100):
+``inspect_root`` is the one scanner of roots: the CLI, export, import and the peer API all
+classify a root through it, and only narrow and render what it found. A root is one of
+four kinds:
 
 * ``store``: a directory with a ``.spoolctl-root`` marker, or what an interrupted
   ``init`` left (init finishes it); its place is ``""``, or ``<deployment>/rank-NNNN``
@@ -17,13 +16,10 @@ root is one of four kinds (decisions 0900, 1100):
 * ``empty``: a path that does not exist yet, or a directory holding nothing but empty
   directories (a base root before the first engine start). ``exists`` tells the two apart.
 
-A root this user cannot list or reach is an AccessDeniedError, never ``empty``. Anything
-else is a RootError naming the path. Discovery only lists directories and checks
-markers: it never opens a store, so it is safe on a peer's root mounted read-only, and it
-never follows a symlink. Rank directory names are parsed by ``rankdirs`` (ASCII only).
-Routing (``Target.route``) sends a vLLM rank store only to the directory an engine of *its*
-deployment reads (decision 1602): chunks are keyed through their deployment identity and
-cannot be re-keyed for another one.
+A root this user cannot list or reach is an AccessDeniedError, never ``empty``; anything
+else is a RootError naming the path. Discovery never opens a store nor follows a symlink.
+``Target.route`` sends a vLLM rank store only to its own deployment's directory: chunks are
+keyed through their deployment identity and cannot be re-keyed for another one.
 """
 
 from __future__ import annotations
@@ -53,6 +49,20 @@ class StorePlace:
     deployment: str | None = None
     rank: int | None = None
     place: str | None = ""
+
+    @property
+    def archive_place(self) -> str:
+        """``place``; ConfigError for a store an archive cannot carry."""
+        if self.place is None:
+            raise ConfigError(_not_carried(self.deployment), path=self.path,
+                              fix="export the connector's own deployment directories")
+        return self.place
+
+
+def _not_carried(deployment: str | None) -> str:
+    return (f"the deployment directory name {deployment!r} cannot be carried in an archive "
+            "(letters, digits, '.', '_', '-' only; the connector names them "
+            "vllm-v1-<digest>)")
 
 
 def _is_dir(path: Path) -> bool:
@@ -143,9 +153,7 @@ class RootContents:
     def archivable(self) -> tuple[RootContents, list[tuple[StorePlace, str]]]:
         """These contents with only the stores an archive can carry, and the others with
         why (a deployment directory name other than letters, digits, ``.``, ``_``, ``-``)."""
-        bad = [(s, f"the deployment directory name {s.deployment!r} cannot be carried in an "
-                   "archive (letters, digits, '.', '_', '-' only; the connector names them "
-                   "vllm-v1-<digest>)") for s in self.stores if s.place is None]
+        bad = [(s, _not_carried(s.deployment)) for s in self.stores if s.place is None]
         good = tuple(s for s in self.stores if s.place is not None)
         return RootContents(self.kind, self.path, good, self.exists), bad
 
@@ -243,7 +251,7 @@ class Target:
                     f"the archive's chunks belong to deployment {dep}, the target directory "
                     f"is deployment {lay.path.name}; chunks are keyed through their deployment "
                     "and are never hit by another one", path=lay.path,
-                    fix="import into the connector's spoolctl_root instead (decision 1602)")
+                    fix="import into the connector's spoolctl_root instead")
             return lay.path / place.split("/", 1)[1]
         # base or empty
         if dep is None:

@@ -5,10 +5,9 @@ manifest ``created``, since its catalog is not read), skipping those that would 
 ``max_bytes`` and continuing with smaller ones, so a size-bounded export holds the newest
 entries that fit.
 
-vLLM chunks of a deployment with several ranks are selected as whole chunks: a chunk is
-only useful when every rank holds its shard (the connector's quorum, decision 0900), so
-the shards of one chunk key on every rank form one unit, sized as their sum. A key some
-rank lacks is left out (counted in ``incomplete_chunks``).
+vLLM chunks of a deployment with several ranks are selected as whole chunks (every rank's
+shard of one key, sized as their sum): a chunk is only useful when every rank holds its
+shard. A key some rank lacks is left out (counted in ``incomplete_chunks``).
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ MIN_DEPLOYMENT_PREFIX = 4
 def resolve_deployment(text: str, available: Iterable[str]) -> str:
     """The one deployment of ``available`` that ``--deployment text`` names: the full
     directory name or a unique prefix of at least ``MIN_DEPLOYMENT_PREFIX`` characters.
-    ConfigError for no or several matches. Every command and the transfer API use this one
-    rule (decision 2500)."""
+    ConfigError for no or several matches."""
     avail = sorted(set(available))
     matches = [d for d in avail if d == text] or \
         ([d for d in avail if d.startswith(text)] if len(text) >= MIN_DEPLOYMENT_PREFIX else [])
