@@ -254,6 +254,8 @@ case "$job" in
     ;;
   docs)
     install_full
+    # every module, file and folder the docs name exists (one line per stale mention)
+    "$VENV/bin/python" scripts/check_doc_paths.py
     exec bash scripts/check_docs.sh
     ;;
   lint)

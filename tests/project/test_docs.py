@@ -105,7 +105,7 @@ def test_rich_markup_becomes_markdown() -> None:
 
 
 def _runbook() -> str:
-    return (DOCS / "runbook.md").read_text()
+    return "\n".join(p.read_text() for p in sorted(DOCS.glob("runbook*.md")))
 
 
 def test_runbook_explains_every_metric() -> None:

@@ -77,8 +77,8 @@ OPT_OUTS = {
     ("docs/controllers.md", "talks to the Gemini API"),
     ("docs/connector.md", "starts a vLLM server on a real model"),
     ("docs/operations.md", "installs systemd units"),
-    ("docs/benchmarks.md", "starts vLLM engines on generated models"),
-    ("docs/benchmarks.md", "the first line needs a CUDA device"),
+    ("docs/benchmarks-vllm.md", "starts vLLM engines on generated models"),
+    ("docs/benchmarks-vllm.md", "the first line needs a CUDA device"),
 }
 TIMEOUT = 600
 
