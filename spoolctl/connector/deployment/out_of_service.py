@@ -1,17 +1,16 @@
 """Which rank store a running engine took out, said beside it: ``out-of-service-rank-NNNN.json``.
 
 A worker's ``DiskGuard`` takes a drive's rank store out of service when its reads or commits
-stop answering (decisions 2700, 2770); the engine's metrics say so (``spoolctl_drive_down``),
-but an operator running ``spoolctl status`` on the host may not scrape them. So the worker
-records it in the deployment directory of that drive, beside the rank store (like the write
-ledger, decision 2710; the store's own format is untouched): the reason, when, and which
-process (pid, host, the process's start time). The record is removed when the guard's probe
-brings the store back, at the worker's shutdown, and, for a record a previous engine left,
-when a worker opens that rank store again. For people only: nothing decides from it.
+stop answering. The worker records it beside the rank store in that drive's deployment
+directory (the store's own format is untouched), so ``spoolctl status`` shows it without
+scraping metrics: the reason, when, and which process (pid, host, start time). The record is
+removed when the store comes back, at the worker's shutdown, and, for a record a previous
+engine left, when a worker opens that rank store again. For people only: nothing decides
+from it.
 
 Writes run on a daemon thread, one at a time per record, the latest state winning: the drive
-being recorded is the sick one, so a write may hang or fail (then one warning, and ``status``
-shows that drive by its own bounded read, decision 2701: down when it does not answer).
+being recorded is the sick one, so a write may hang or fail (then one warning; ``status``
+reads the drive with its own deadline and shows it down when it does not answer).
 
 Whether the record's process still runs is judged by a lock, not by its pid: the writer holds
 an ``flock`` on ``out-of-service-rank-NNNN.lock`` from before it writes the record until after

@@ -1,8 +1,7 @@
 """A daily write budget per rank store (``spoolctl_write_budget``): what a drive may take.
 
-A write-heavy cache wears an SSD out: a drive is rated for so many drive writes per day
-(DWPD), e.g. 1 DWPD on 3.84 TB is 3.84 TB a day for every tenant of the drive. The budget
-bounds the KV bytes one rank store commits per UTC day; decision 2710.
+The budget bounds the KV bytes one rank store commits per UTC day, so a write-heavy
+cache cannot wear out an SSD rated for so many drive writes per day.
 
 * **Counted where the bytes are written.** The worker's store writer takes each chunk's
   bytes from the ``WriteLedger`` before committing it (``take``) and gives them back when
@@ -22,7 +21,7 @@ bounds the KV bytes one rank store commits per UTC day; decision 2710.
   drive: its share left is the sum of their bytes left against the sum of their budgets
   (a chunk is written to one drive, so the drives' budgets add up; a spent drive's own
   writer skips the chunks routed to it), and the tightest rank decides (a chunk is
-  useful only when every rank stores it); decision 2770.
+  useful only when every rank stores it).
 
 Reads are never limited: a spent budget only stops writes, every chunk stored still hits.
 """
@@ -224,7 +223,7 @@ def pooled_left_share(states: Sequence[LedgerState], now: float) -> float:
 
 
 # A ledger is a small file read in milliseconds; a read still running after this long is
-# on a hung drive, and the round goes on without it (decision 2790).
+# on a hung drive, and the round goes on without it.
 LEDGER_READ_BOUND_S = 1.0
 
 
@@ -238,10 +237,10 @@ class BudgetWatch:
     workers still enforce it). A drive whose ledger is missing (nothing written there yet)
     or unreadable is left out of its rank's sum.
 
-    Each ledger is read on a thread of its own, waited for at most ``read_bound``
-    (decision 2790): a drive that hangs never freezes the other drives' values. While a
-    path's read is still running, no new read of it is started (one thread per hung
-    ledger, never one per round) and its last value, if any, is used."""
+    Each ledger is read on a thread of its own, waited for at most ``read_bound``: a drive
+    that hangs never freezes the other drives' values. While a path's read is still
+    running, no new read of it is started (one thread per hung ledger, never one per
+    round) and its last value, if any, is used."""
 
     def __init__(self, paths: Callable[[], Sequence[Path | Sequence[Path]]], *,
                  interval: float = 5.0, clock: Callable[[], float] = time.monotonic,

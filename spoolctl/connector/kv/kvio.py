@@ -337,6 +337,7 @@ class BufferPool:
             return
         # Registration refused (e.g. a locked-memory limit): torch's own pinned allocator.
         self._slab = torch.empty(self.nbytes * self.slots, dtype=torch.uint8, pin_memory=True)
+        assert self._map is not None  # set by __init__, released only here
         self._map.close()
         self._map = None
 

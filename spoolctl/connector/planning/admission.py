@@ -17,7 +17,7 @@ truncated-key collision only admits a chunk early: neither can affect a response
 
 With a daily write budget (``track=True``) sightings are counted even when ``after`` is 1,
 so that ``admitted(key, after=n)`` can ask for more sightings as the budget runs low
-(``deployment.write_budget.effective_after``, decision 2710).
+(``deployment.write_budget.effective_after``).
 
 Not thread-safe (vLLM's scheduler is single-threaded).
 """

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spoolctl import metrics as m
 from spoolctl.errors import SpoolError
@@ -43,12 +43,17 @@ from ..deployment.topology import rank_root
 from ..deployment.write_budget import BudgetWatch, effective_after, ledger_path
 from ..planning.admission import Admission
 from ..planning.events import ChunkHashes, EventLedger, HashBook, chunk_hashes
-from ..planning.inventory import Applied, key_bytes
+from ..planning.inventory import Ack, Applied, key_bytes
 from ..stats import ConnectorCounters
 from .lookup import KIND, RankLookup
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+
+    from ..deployment.topology import RankPlace
     from ..planning.messages import SpoolConnectorMetadata
+    from ..vllm_api.introspect import Deployment
+    from ..vllm_api.protocols import RequestLike
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -62,15 +67,18 @@ _BULK_RESOLVE = 64
 
 
 class Coordinator:
-    """See the module docstring. ``deployment`` is the scheduler's ``introspect.Deployment``."""
+    """See the module docstring. ``clock`` and ``sleep`` pace idle stepping; ``idle_tail_s``
+    is how long after activity an idle engine keeps stepping slowly."""
 
-    def __init__(self, deployment: Any, ranks: RankLookup, counters: ConnectorCounters, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, deployment: Deployment, ranks: RankLookup, counters: ConnectorCounters,
+                 *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 idle_tail_s: float = IDLE_TAIL_S):
         self._dep = deployment
         self._ranks = ranks
         self._counters = counters
         self._clock, self._sleep = clock, sleep
+        self._idle_tail_s = idle_tail_s
         settings = deployment.settings
         hbs = deployment.hash_block_size or deployment.block_size
         self._hbs = hbs
@@ -91,7 +99,7 @@ class Coordinator:
         self._sites: dict[int, RankSite] = {}
         self._shares: dict[int, int] = {}
         self._shares_sent = True
-        self._sent_acks: dict = {}
+        self._sent_acks: dict[int, Ack] = {}
         self._identity: str | None = None
         self._startup = self._ledger is not None  # the startup inventory is still due
         now = clock()
@@ -107,7 +115,7 @@ class Coordinator:
                             "announces chunks stored by this process only (set "
                             "PYTHONHASHSEED, or use sha256)", deployment.hash_algo)
 
-    def _rank_roots(self, place: Any) -> list[str]:
+    def _rank_roots(self, place: RankPlace) -> list[str]:
         """The rank store roots of ``place`` under this host's roots, one per drive."""
         roots = getattr(self._dep.settings, "roots", ())
         if len(roots) <= 1:
@@ -125,7 +133,7 @@ class Coordinator:
             if fresh != self._shares:
                 self._shares, self._shares_sent = fresh, False
 
-    def looked_up(self, req_id: str, request: Any, keys: list[str],
+    def looked_up(self, req_id: str, request: RequestLike, keys: list[str],
                   present: list[bool]) -> None:
         """A lookup found ``present`` among the request's chunks ``keys``."""
         self._active_at = self._clock()
@@ -153,7 +161,7 @@ class Coordinator:
         if any(a.kind != "dropped" and (a.added or a.removed or a.kind != "delta")
                for a in applied):
             now = self._clock()
-            self._active_at, self._tail_until = now, now + IDLE_TAIL_S
+            self._active_at, self._tail_until = now, now + self._idle_tail_s
         if self._ledger is not None:
             self._ledger.applied(applied)
 
@@ -180,7 +188,7 @@ class Coordinator:
         keys = [s.key for s in meta.stores] + [s.key for s in meta.group_stores]
         if keys:
             now = self._clock()
-            self._active_at, self._tail_until = now, now + IDLE_TAIL_S
+            self._active_at, self._tail_until = now, now + self._idle_tail_s
             identity = self.identity()
             if identity is not None:
                 meta.hash_identity = identity
@@ -204,7 +212,7 @@ class Coordinator:
 
     # -- KV events ------------------------------------------------------------------------------
 
-    def take_events(self) -> list[Any]:
+    def take_events(self) -> list[KVCacheEvent]:
         """vLLM KV events due now (vLLM's ``take_events``); empty when events are off."""
         if self._ledger is None:
             return []
