@@ -1,41 +1,25 @@
 """``SpoolConnector``: vLLM v1 KV connector that persists prompt-prefix KV in the spool store.
 
-This class is a thin facade: vLLM constructs it once per role and it forwards each hook to
-the part that does the work. Where to find things:
+A thin facade: vLLM constructs it once per role and it forwards each hook to the part that
+does the work:
 
-* ``introspect``: everything read from vLLM at startup (settings, KV cache groups, ranks,
-  engine tag, host) -> one ``Deployment``; fails closed on a layout that cannot be persisted.
-* ``formats`` (``format_single``, ``format_grouped``): the two stored chunk formats, each a
-  strategy with a scheduler half (``Planning``) and a worker half (``Copier``).
-* ``scheduler``: ``SchedulerSide`` (lookups, planning, what every rank holds), using
-  ``lookup`` (chunk keys, bypass rules, the all-ranks quorum) and ``plan`` (pure planners),
-  and ``coordinator`` (KV events for routers via ``events`` + ``kvevents``, the host disk
-  budget's shares via ``host_budget``, write admission via ``admission``, idle steps).
-* ``worker``: ``WorkerSide`` (one rank's store), using ``restore`` (the restore pipeline),
-  ``capture`` + ``writer`` (capture into staging, background commits), ``holdings`` +
-  ``inventory`` (what the rank holds, reported to the scheduler; withdraw-then-delete
-  eviction) and ``telemetry`` (gauges, background progress).
-* ``messages``: what vLLM carries between the roles (step metadata, handshake, reports).
-* ``rankstores``: stores shared by the roles of one process, closed with the last user.
-* Pure helpers: ``chain`` (chunk keys), ``identity`` (deployment namespace), ``settings``,
-  ``topology`` (rank roots, quorum), ``groups`` (KV group semantics), ``kvio`` (block
-  copies), ``stats`` / ``promstats`` (counters, vLLM metrics), ``contract`` (API drift).
+* ``vllm_api.introspect``: what is read from vLLM at startup -> one ``Deployment``;
+  ``ConfigError`` on a layout that cannot be persisted.
+* ``kv.format_single`` / ``kv.format_grouped``: the two stored chunk formats, each with a
+  scheduler half (``Planning``) and a worker half (``Copier``).
+* ``scheduler_side``: ``SchedulerSide`` (lookups, plans, what every rank holds) and its
+  ``Coordinator`` (KV events, host budget shares, write admission, idle steps).
+* ``worker_side``: ``WorkerSide`` (one rank's store: restores, captures, commits,
+  holdings, telemetry).
+* ``planning``: pure logic shared by both roles, including the wire messages
+  (``planning.messages``, registered as vLLM's types by ``vllm_api.wire``).
 
-Behaviour in short. Scheduler role: computes each request's chunk chain, looks it up for
-every rank (a chunk is a hit only if every rank holds it) and plans restores (into the
-blocks vLLM allocated for the hit) and stores (of complete chunks once computed). Worker
-role: restores asynchronously (read + verify in one pass on helper threads while other
-requests run, copy whole blocks at the engine's safe points, report the request when its
-KV is in place) and captures stored chunks after the forward into bounded staging memory,
-committed by a background thread (drained at exit).
-
-Failure model: anything wrong with a stored chunk (corrupt, short, missing, deleted,
-layout mismatch) quarantines it where applicable and is reported to vLLM, which recomputes
-(run with ``kv_load_failure_policy="recompute"``): per block in the single format
-(``get_block_ids_with_load_errors``), per request in the grouped one (``failed_recving``).
-Anything wrong while storing skips the chunk and is counted. Requests that cannot be keyed
-safely (bypass flag, LoRA, prompt embeddings, multimodal items without identity) are
-neither restored nor stored. No prompt text, token ids, salts or keys are logged.
+Failures: anything wrong with a stored chunk is reported to vLLM, which recomputes (run
+with ``kv_load_failure_policy="recompute"``): per block in the single format, per request
+in the grouped one. Anything wrong while storing skips the chunk and is counted. Requests
+that cannot be keyed safely (bypass flag, LoRA without a digest, prompt embeddings,
+multimodal items without identity) are neither restored nor stored. No prompt text,
+token ids, salts or keys are logged.
 """
 
 from __future__ import annotations

@@ -13,11 +13,9 @@ it accordingly (``vllm.v1.kv_cache_interface.create_kv_cache_views``):
   head), MLA latent caches (``H = 1``, ``C`` = latent + rope), packed/quantised caches
   (``num_head_slots``, ``state_content_bytes``) and compressed caches
   (``tokens_per_state > 1``: fewer states than tokens);
-* the **layout** ``KVCacheLayout`` resolved for the model from every backend's
-  ``supported_kv_cache_layouts`` (``KVCacheConfig.kv_cache_layout``): a permutation of
-  ``LBHNC`` naming the memory order (flash-attn, Triton, FlexAttention: ``LBNHC``; CPU,
-  FlashInfer HND: ``LBHNC``; FlashInfer on SM100, the DeepSeek indexer: ``BLHNC``
-  (block-outermost, layers interleaved per block); ROCm: ``LHBNC`` (heads outside blocks));
+* the **layout** ``KVCacheLayout`` resolved for the model (``KVCacheConfig.kv_cache_layout``):
+  a permutation of ``LBHNC`` naming the memory order (e.g. ``LBNHC``, or ``BLHNC`` with
+  layers interleaved per block);
 * the **placement** of each ``KVCacheTensor`` (``offset``, ``layer_stride``,
   ``block_stride``) inside one shared backing buffer.
 
@@ -44,6 +42,8 @@ from typing import TYPE_CHECKING, Any, cast
 from spoolctl.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from ..vllm_api.protocols import (
         KVCacheConfigLike,
         KVCacheGroupLike,
@@ -130,8 +130,8 @@ class TensorView:
     dtype: str
 
     @classmethod
-    def of(cls, tensor: Any) -> TensorView:
-        """Read a torch tensor's geometry (duck-typed: no torch import here)."""
+    def of(cls, tensor: torch.Tensor) -> TensorView:
+        """Read a torch tensor's geometry (no torch import at runtime)."""
         return cls(tuple(int(s) for s in tensor.shape), tuple(int(s) for s in tensor.stride()),
                    int(tensor.storage_offset()), int(tensor.element_size()),
                    str(tensor.dtype).removeprefix("torch."))

@@ -1,30 +1,19 @@
-"""The scheduler's part beyond planning restores and stores.
+"""The scheduler's work beyond planning one request: ``Coordinator``, owned by ``SchedulerSide``.
 
-``Coordinator`` is owned by ``SchedulerSide`` and does what concerns the fleet and the
-host rather than one request:
+* KV events for routers: notes looked-up chunks' vLLM block hashes, sends them with the
+  chunk's store plan, announces chunks every rank holds, withdraws them when one rank stops
+  holding them, and announces the stores' contents at startup (``take_events``).
+* Host disk budget: each rank's share from the handshakes, sent in the step metadata, and
+  the chunks one rank withdrew dropped on every rank (``fill``).
+* Write admission: stores of chunks not yet admitted are removed from the step's plan
+  (skipped, reason ``admission``); with a daily write budget more sightings are asked as
+  it runs low and no store is planned once it is spent (reason ``write_budget``).
+* Idle stepping (``has_pending_work``): vLLM moves connector messages only in engine
+  steps, so an idle engine keeps stepping while something is due, slowly for
+  ``idle_tail_s`` after activity, and never longer than ``IDLE_LIMIT_S`` after it.
 
-* **KV events for routers** (``events``, ``kvevents``): notes each looked-up chunk's vLLM
-  block hashes, sends them with the chunk's store plan (the worker records them in the
-  manifest), announces chunks once every rank holds them and withdraws them when one rank
-  stops holding them, and announces at startup what the rank stores already hold;
-* **one disk budget per host** (``host_budget``): each rank's share, from the workers'
-  handshakes, sent in the step metadata; chunks one rank withdrew are dropped by every
-  rank (``inventory.InventoryView.take_drops``);
-* **write admission** (``admission``): counts sightings at lookup and removes the stores
-  of chunks not yet admitted from each step's plan (counted as skipped, reason
-  ``admission``); with a daily write budget (``write_budget``) the rule asks for more
-  sightings as the budget of a rank store on this host runs low, and plans no store once
-  one is spent (reason ``write_budget``);
-* **keeping an idle engine stepping** (``has_pending_work``, vLLM's
-  ``has_pending_push_work``): vLLM only delivers connector metadata, worker reports and
-  KV events in engine steps, and an idle engine takes none. While something is due (the
-  startup inventory, reports a rank said would follow, an acknowledgement or drop to
-  deliver, an unsettled rank) the engine keeps stepping; for ``IDLE_TAIL_S`` after
-  activity it steps at most every ``IDLE_TICK_S`` (commits and evictions finishing in the
-  background); never longer than ``IDLE_LIMIT_S`` after the last activity.
-
-No vLLM import: the vLLM event classes come in through ``kvevents`` (imported on first use).
-Not thread-safe (vLLM's scheduler is single-threaded).
+No vLLM import at runtime (event classes come from ``kvevents`` on first use). Not
+thread-safe (vLLM's scheduler is single-threaded).
 """
 
 from __future__ import annotations
