@@ -124,7 +124,8 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
             for v in values:
                 child.observe(v)
 
-    def _amplification(self, data: dict[str, Any], engine_idx: int, labels: list) -> None:
+    def _amplification(self, data: dict[str, Any], engine_idx: int,
+                       labels: list[object]) -> None:
         counters = data.get("counters") or {}
         written = sum((counters.get(m.STORE_WRITE_BYTES.name) or {}).values())
         restored = sum((counters.get(m.RESTORE_BYTES.name) or {}).values())
