@@ -15,12 +15,15 @@ imports vLLM or torch; only touching ``SpoolConnector`` does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .connector import SpoolConnector
 
 __all__ = ["SpoolConnector"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[SpoolConnector]:
     if name == "SpoolConnector":
         from .connector import SpoolConnector
 

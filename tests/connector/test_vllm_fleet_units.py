@@ -373,19 +373,37 @@ def test_a_host_budget_share_becomes_the_stores_max_size(tmp_path: Path):
 # -- the scheduler's coordinator ------------------------------------------------------------------
 
 
-def _scheduler(tmp_path: Path, **extra):
+def _configs(root: str, **extra):
+    """vLLM's config objects for one rank of a small model whose store root is ``root``."""
     pytest.importorskip("vllm")
     torch = pytest.importorskip("torch")
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm_configs import vllm_configs
 
-    from spoolctl.connector import SpoolConnector
-
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    vcfg, kcfg = vllm_configs(str(Path(os.path.realpath(tmp_path)) / "spool"), [spec],
-                              spoolctl_scrub_rate="0", **extra)
-    return SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+    return vllm_configs(root, [spec], spoolctl_scrub_rate="0", **extra)
+
+
+def _coordinator(vcfg, kcfg, **seams) -> SimpleNamespace:
+    """The scheduler's ``Coordinator`` over these configs, built as the scheduler builds it
+    (``seams``: its clock, sleep, idle tail), with its deployment, ranks and counters."""
+    from spoolctl.connector.deployment.topology import all_ranks
+    from spoolctl.connector.scheduler_side.coordinator import Coordinator
+    from spoolctl.connector.scheduler_side.lookup import RankLookup
+    from spoolctl.connector.stats import ConnectorCounters
+    from spoolctl.connector.vllm_api.introspect import probe
+
+    dep = probe(vcfg, kcfg, scheduler=True)
+    ranks = RankLookup(all_ranks(dep.identity.tp_size, dep.identity.pp_size))
+    counters = ConnectorCounters()
+    return SimpleNamespace(coord=Coordinator(dep, ranks, counters, **seams), dep=dep,
+                           ranks=ranks, counters=counters)
+
+
+def _scheduler_parts(tmp_path: Path, *, seams: dict | None = None,
+                     **extra) -> SimpleNamespace:
+    return _coordinator(*_configs(str(Path(os.path.realpath(tmp_path)) / "spool"), **extra),
+                        **(seams or {}))
 
 
 def _request(req_id: str, tokens: list[int], hashes: list[bytes]):
@@ -398,8 +416,8 @@ def test_admission_filters_planned_stores_and_counts_them(tmp_path: Path):
     from spoolctl.connector.planning.messages import SpoolConnectorMetadata
     from spoolctl.connector.planning.plan import ChunkStore
 
-    sched = _scheduler(tmp_path, spoolctl_admit_after=2)
-    coord = sched.scheduler._coord
+    sched = _scheduler_parts(tmp_path, spoolctl_admit_after=2)
+    coord = sched.coord
     tokens = list(range(3, 3 + 130))
     hashes = [h(i) for i in range(4)]
     keys = [key.hex() for key in (k(0), k(1))]
@@ -413,7 +431,6 @@ def test_admission_filters_planned_stores_and_counts_them(tmp_path: Path):
     meta = SpoolConnectorMetadata(stores=[ChunkStore("b", 0, keys[0], (1, 2))])
     coord.fill(meta)
     assert [s.key for s in meta.stores] == [keys[0]]
-    sched.shutdown()
 
 
 def test_stores_carry_their_block_hashes_and_idle_steps_end(tmp_path: Path):
@@ -425,29 +442,36 @@ def test_stores_carry_their_block_hashes_and_idle_steps_end(tmp_path: Path):
     from spoolctl.connector.scheduler_side.coordinator import IDLE_LIMIT_S, IDLE_TAIL_S
 
     init_none_hash(sha256)
-    sched = _scheduler(tmp_path)
-    coord = sched.scheduler._coord
     now, slept = [100.0], []
-    coord._clock, coord._sleep = (lambda: now[0]), slept.append
-    coord._active_at = now[0]
+    clock = {"clock": lambda: now[0], "sleep": slept.append}
     tokens = list(range(3, 3 + 130))
     hashes = [h(i) for i in range(4)]
     keys = [key.hex() for key in (k(0), k(1))]
-    coord.looked_up("a", _request("a", tokens, hashes), keys, [False, False])
-    meta = SpoolConnectorMetadata(stores=[ChunkStore("a", 1, keys[1], (3, 4))])
-    coord.fill(meta)
+
+    def store_planned(coord) -> SpoolConnectorMetadata:
+        coord.looked_up("a", _request("a", tokens, hashes), keys, [False, False])
+        meta = SpoolConnectorMetadata(stores=[ChunkStore("a", 1, keys[1], (3, 4))])
+        coord.fill(meta)
+        return meta
+
+    coord = _scheduler_parts(tmp_path / "a", seams=clock).coord
+    meta = store_planned(coord)
     assert meta.chunk_hashes == {keys[1]: ChunkHashes(h(1), (h(2), h(3)))}
     assert meta.hash_identity  # vLLM's hash seed is known: hashes can be recorded
     # No events configured: nothing to publish, but stores just planned keep an idle engine
     # stepping (slowly) for the tail, then it rests.
-    assert sched.take_events() == []
-    assert sched.has_pending_push_work() and slept
+    assert coord.take_events() == []
+    assert coord.has_pending_work() and slept
     now[0] += IDLE_TAIL_S + 0.1
-    assert not sched.has_pending_push_work()
-    coord._tail_until = now[0] + 100
-    now[0] += IDLE_LIMIT_S
-    assert not sched.has_pending_push_work()  # never longer than the limit after activity
-    sched.shutdown()
+    assert not coord.has_pending_work()
+    # A tail longer than the limit still ends at the limit after the last activity.
+    coord = _scheduler_parts(tmp_path / "b", seams={**clock, "idle_tail_s": IDLE_LIMIT_S + 100}
+                             ).coord
+    store_planned(coord)
+    now[0] += IDLE_LIMIT_S - 1
+    assert coord.has_pending_work()
+    now[0] += 1.1
+    assert not coord.has_pending_work()  # never longer than the limit after activity
 
 
 def test_the_fleet_parts_import_without_vllm_or_torch():

@@ -285,7 +285,7 @@ class _Roles:
         from spoolctl.connector.worker_side.capture import rank_commit
 
         w = self.worker.worker
-        keys = request_keys(self.request(), namespace=self.sched.scheduler._dep.chain_namespace,
+        keys = request_keys(self.request(), namespace=self.sched.deployment.chain_namespace,
                             chunk_tokens=64)
         put = rank_commit(w._store, w._namespace, w._holdings)
         for i, key in enumerate(keys):

@@ -69,9 +69,8 @@ class Engine:
     def keys(self, salt: str | None) -> list[str]:
         from spoolctl.connector.scheduler_side.lookup import request_keys
 
-        side = self.sched.scheduler
-        return request_keys(_request(salt), namespace=side._dep.chain_namespace,
-                            chunk_tokens=64, tenants=side._tenants)
+        return request_keys(_request(salt), namespace=self.sched.deployment.chain_namespace,
+                            chunk_tokens=64, tenants=self.sched.scheduler._tenants)
 
     def store_chunks(self, salt: str | None) -> None:
         """Commit the prompt's chunks as the worker's capture path does (``rank_commit``)."""

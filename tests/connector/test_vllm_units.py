@@ -236,6 +236,41 @@ def test_import_spoolctl_connector_does_not_import_vllm_or_torch():
     assert out.stdout.split() == ["False", "False"]
 
 
+def test_every_planning_module_imports_without_vllm_or_torch():
+    """The planning package is pure logic: its wire messages too (vLLM's base classes are
+    attached by ``vllm_api.wire``)."""
+    code = ("import pkgutil, importlib, sys, spoolctl.connector.planning as p\n"
+            "names = [m.name for m in pkgutil.iter_modules(p.__path__)]\n"
+            "for n in names: importlib.import_module(f'{p.__name__}.{n}')\n"
+            "print(len(names) > 5, 'vllm' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["True", "False", "False"]
+
+
+def test_the_wire_messages_are_vllms_metadata_types():
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+
+    from spoolctl.connector import SpoolConnector  # noqa: F401  (registers them)
+    from spoolctl.connector.planning.inventory import InventoryReport
+    from spoolctl.connector.planning.messages import (
+        SpoolConnectorMetadata,
+        SpoolHandshake,
+        SpoolWorkerMeta,
+    )
+
+    assert isinstance(SpoolConnectorMetadata(), KVConnectorMetadata)
+    assert isinstance(SpoolWorkerMeta(), KVConnectorWorkerMetadata)
+    hs = SpoolHandshake(rank=0, host="h", root="/r", store_id="s",
+                        report=InventoryReport(rank=0, epoch=1, seq=0))
+    assert isinstance(hs, KVConnectorHandshakeMetadata)
+
+
 # -- block copies on real tensors ------------------------------------------------------------
 
 def test_paged_kv_capture_restore_roundtrip_in_cpu_layout():

@@ -140,14 +140,14 @@ def test_status_shows_each_ranks_writes_against_the_budget(tmp_path: Path):
 
 
 def test_the_scheduler_plans_no_store_once_a_local_budget_is_spent(tmp_path: Path):
-    from test_vllm_fleet_units import _request, _scheduler, h, k
+    from test_vllm_fleet_units import _request, _scheduler_parts, h, k
 
     from spoolctl.connector.planning.messages import SpoolConnectorMetadata
     from spoolctl.connector.planning.plan import ChunkStore
 
-    sched = _scheduler(tmp_path, spoolctl_write_budget="1MiB")
-    coord = sched.scheduler._coord
-    rank_root = Path(sched.scheduler._dep.rank_root(coord._ranks.places[0]))
+    sched = _scheduler_parts(tmp_path, spoolctl_write_budget="1MiB")
+    coord = sched.coord
+    rank_root = Path(sched.dep.rank_root(sched.ranks.places[0]))
     tokens = list(range(3, 3 + 130))
     keys = [key.hex() for key in (k(0), k(1))]
 
@@ -173,7 +173,6 @@ def test_the_scheduler_plans_no_store_once_a_local_budget_is_spent(tmp_path: Pat
     assert plan("d") == []
     assert sched.counters.total(m.STORES_SKIPPED, reason="write_budget") == 1
     assert json.loads(wb.ledger_path(rank_root).read_text())["used"] == 1 << 20
-    sched.shutdown()
 
 
 def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
@@ -181,14 +180,8 @@ def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
     """A rank on two drives has a ledger on each (its writes are spread over them): the
     scheduler tightens admission by the bytes left on both against both budgets, not by
     the first drive's ledger alone (decision 2770); both spent: no store planned."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("vllm")
-    from test_vllm_fleet_units import _request, h, k
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm_configs import vllm_configs
+    from test_vllm_fleet_units import _configs, _coordinator, _request, h, k
 
-    from spoolctl.connector import SpoolConnector
     from spoolctl.connector.deployment import settings as settings_mod
     from spoolctl.connector.deployment.topology import rank_root
     from spoolctl.connector.planning.messages import SpoolConnectorMetadata
@@ -196,16 +189,14 @@ def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
 
     base = Path(os.path.realpath(tmp_path))
     roots = [str(base / f"nvme{i}" / "spool") for i in range(2)]
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    vcfg, kcfg = vllm_configs(roots[0], [spec], spoolctl_scrub_rate="0",
-                              spoolctl_write_budget="1MiB")
+    vcfg, kcfg = _configs(roots[0], spoolctl_write_budget="1MiB")
     extra = vcfg.kv_transfer_config.kv_connector_extra_config
     del extra["spoolctl_root"]
     extra["spoolctl_roots"] = roots
     assert settings_mod.SEVERAL_DRIVES
-    sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
-    coord = sched.scheduler._coord
-    place = coord._ranks.places[0]
+    sched = _coordinator(vcfg, kcfg)
+    coord = sched.coord
+    place = sched.ranks.places[0]
     tokens = list(range(3, 3 + 130))
     keys = [key.hex() for key in (k(0), k(1))]
     sighting = iter(range(100))
@@ -221,7 +212,7 @@ def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
 
     def used(*nbytes: int) -> None:  # what each drive's worker wrote today
         for root, n in zip(roots, nbytes, strict=True):
-            store_root = Path(rank_root(root, sched.scheduler._dep.chain_namespace, place))
+            store_root = Path(rank_root(root, sched.dep.chain_namespace, place))
             store_root.parent.mkdir(parents=True, exist_ok=True)
             path = wb.ledger_path(store_root)
             path.unlink(missing_ok=True)
@@ -230,17 +221,14 @@ def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
             ledger.close()
         coord.budget_watch.refresh()
 
-    try:
-        used(900 << 10, 1)  # the first drive nearly spent, the second untouched: 56% left
-        assert plan() == [keys[0]]  # the configured rule (the first drive alone: 12%)
-        used(600 << 10, 1 << 20)  # 40% and 0% left: 20% in all, two more sightings
-        assert plan() == []  # its 2nd sighting: not yet (the first drive alone: 40%, yes)
-        assert plan() == [keys[0]]  # its 3rd
-        used(1 << 20, 1 << 20)
-        assert plan() == []
-        assert sched.counters.total(m.STORES_SKIPPED, reason="write_budget") == 1
-    finally:
-        sched.shutdown()
+    used(900 << 10, 1)  # the first drive nearly spent, the second untouched: 56% left
+    assert plan() == [keys[0]]  # the configured rule (the first drive alone: 12%)
+    used(600 << 10, 1 << 20)  # 40% and 0% left: 20% in all, two more sightings
+    assert plan() == []  # its 2nd sighting: not yet (the first drive alone: 40%, yes)
+    assert plan() == [keys[0]]  # its 3rd
+    used(1 << 20, 1 << 20)
+    assert plan() == []
+    assert sched.counters.total(m.STORES_SKIPPED, reason="write_budget") == 1
 
 
 @pytest.mark.parametrize(("value", "needle"), [

@@ -5,7 +5,7 @@ an operator with three deployments on a root nothing. Each worker writes the ran
 facts of its identity (model, revision, dtypes, TP/PP sizes, block and chunk size, engine,
 weights) next to the rank stores when it starts; ``spoolctl status`` shows them even before
 the first chunk is stored. It is a label for people, never an input to a decision: the
-namespace and every manifest still bind the identity (decision 2420), so a wrong or forged
+namespace and every manifest still bind the identity, so a wrong or forged
 file can mislead a reader, not a restore. Written atomically, never through a symlink; read
 bounded, non-blocking, without following links; every field shown is validated text.
 """

@@ -1,8 +1,7 @@
 """One disk budget per host for all rank stores of a deployment (``spoolctl_host_max_size``).
 
-``spoolctl_max_size`` bounds each rank store, so a host running 8 TP ranks with a 100 GiB
-setting can fill 800 GiB. ``spoolctl_host_max_size`` bounds the sum instead. It is enforced
-without a new process or lock shared between the ranks' processes:
+``spoolctl_max_size`` bounds each rank store; ``spoolctl_host_max_size`` bounds their sum on
+one host, with no process or lock shared between the ranks' processes:
 
 * **Shares.** Each rank's store gets a share of the host budget, in proportion to its chunk
   size (TP ranks are equal; PP stages differ by their layers): ``shares``. The scheduler

@@ -5,7 +5,7 @@ dtypes, the block size, the runtime KV cache layout (every KV cache group's
 layer names and spec), the TP/PP topology and this rank's place in it, the
 engine's KV layout generation (vLLM major.minor and attention backend), the
 connector's format version and the content digest of the model's files
-(``weights``, decision 2110). Its digest is the store namespace, so a different
+(``weights``). Its digest is the store namespace, so a different
 deployment is a different namespace and can never read another's KV. It is
 derived from vLLM's public config objects by attribute access only.
 """
@@ -17,9 +17,12 @@ import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spoolctl.store import hash_bytes
+
+if TYPE_CHECKING:
+    from ..vllm_api.protocols import VllmConfigLike
 
 FORMAT_VERSION = 1
 NAMESPACE_PREFIX = "vllm-v1-"
@@ -93,7 +96,8 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def kv_layout_of(kv_cache_config: Any, *, with_layers: bool = True) -> tuple[dict[str, Any], ...]:
+def kv_layout_of(kv_cache_config: object, *,
+                 with_layers: bool = True) -> tuple[dict[str, Any], ...]:
     """The layout part of vLLM's ``KVCacheConfig``: per group, layer names + spec type/fields.
 
     ``num_blocks`` and tensor sizes are left out on purpose: they depend on free
@@ -114,7 +118,7 @@ def kv_layout_of(kv_cache_config: Any, *, with_layers: bool = True) -> tuple[dic
 
 
 def identity_from_vllm(
-    vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int, engine: str,
+    vllm_config: VllmConfigLike, kv_cache_config: object, *, chunk_tokens: int, engine: str,
     tp_rank: int = 0, pp_rank: int = 0, group_format: list[dict[str, Any]] | None = None,
     weights: str | None = None,
 ) -> DeploymentIdentity:
@@ -127,6 +131,7 @@ def identity_from_vllm(
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
+    revision = getattr(model, "revision", None)
     layout = kv_layout_of(kv_cache_config, with_layers=int(par.pipeline_parallel_size) == 1)
     if group_format is not None:
         if len(group_format) != len(layout):
@@ -135,7 +140,7 @@ def identity_from_vllm(
                                                                   strict=True))
     return DeploymentIdentity(
         model=str(model.model),
-        revision=None if getattr(model, "revision", None) is None else str(model.revision),
+        revision=None if revision is None else str(revision),
         dtype=str(model.dtype),
         kv_cache_dtype=str(cache.cache_dtype),
         block_size=int(cache.block_size),

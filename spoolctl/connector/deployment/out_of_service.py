@@ -1,27 +1,19 @@
 """Which rank store a running engine took out, said beside it: ``out-of-service-rank-NNNN.json``.
 
-A worker's ``DiskGuard`` takes a drive's rank store out of service when its reads or commits
-stop answering (decisions 2700, 2770); the engine's metrics say so (``spoolctl_drive_down``),
-but an operator running ``spoolctl status`` on the host may not scrape them. So the worker
-records it in the deployment directory of that drive, beside the rank store (like the write
-ledger, decision 2710; the store's own format is untouched): the reason, when, and which
-process (pid, host, the process's start time). The record is removed when the guard's probe
-brings the store back, at the worker's shutdown, and, for a record a previous engine left,
-when a worker opens that rank store again. For people only: nothing decides from it.
+A worker whose ``DiskGuard`` takes a drive's rank store out of service records it in that
+drive's deployment directory (the reason, when, and which process), so ``spoolctl status``
+shows it without scraping metrics. The record is removed when the store comes back, at the
+worker's shutdown, and when a later worker opens that rank store again. For people only:
+nothing decides from it.
 
-Writes run on a daemon thread, one at a time per record, the latest state winning: the drive
-being recorded is the sick one, so a write may hang or fail (then one warning, and ``status``
-shows that drive by its own bounded read, decision 2701: down when it does not answer).
+Writes run on a daemon thread, one at a time per record, the latest state winning (the
+drive being recorded may hang; then one warning).
 
-Whether the record's process still runs is judged by a lock, not by its pid: the writer holds
-an ``flock`` on ``out-of-service-rank-NNNN.lock`` from before it writes the record until after
-it removes it. The kernel drops the lock when the process dies, and a lock is seen by every
-process that opens the same file, whatever PID namespace, container or hostname it has; a pid
-is not (pid 1 of one container is another process in the next, and a record written before a
-hostname change named a host that no longer exists). So a record whose lock is free is
-``stale``, one whose lock is held is not. A record without a lock file (written by an older
-spoolctl) is judged as before: by pid and start time, only on the host and in the PID
-namespace that wrote it, ``stale`` None (cannot tell) elsewhere.
+Liveness is judged by an ``flock`` on ``out-of-service-rank-NNNN.lock``, held by the
+writer from before it writes the record until after it removes it: the kernel drops it
+when the process dies, whatever PID namespace or host name it had. A record whose lock is
+free is ``stale``. A record without a lock file (an older spoolctl) is judged by pid and
+start time on the host and PID namespace that wrote it, ``stale`` None elsewhere.
 """
 
 from __future__ import annotations

@@ -14,14 +14,18 @@ drain) so each can change alone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spoolctl.errors import ConfigError
 from spoolctl.store import filesystem_type, format_size
+
+if TYPE_CHECKING:
+    from ..vllm_api.protocols import VllmConfigLike
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -79,7 +83,7 @@ def check_roots(roots: tuple[str, ...] | list[str], *, bound_s: float) -> list[s
     warnings: list[str] = []
     devices: dict[int, str] = {}
     for root in roots:
-        done, found = bounded(lambda r=root: (check_root(r), _device(r)), bound_s)
+        done, found = bounded(functools.partial(_root_facts, root), bound_s)
         if not done:
             warnings.append(f"spoolctl root {root} does not answer within {bound_s:g} s (a "
                             "hung or slow disk); the connector starts without it and "
@@ -94,6 +98,10 @@ def check_roots(roots: tuple[str, ...] | list[str], *, bound_s: float) -> list[s
     return warnings
 
 
+def _root_facts(root: str) -> tuple[list[str], int]:
+    return check_root(root), _device(root)
+
+
 def _device(root: str) -> int:
     """``st_dev`` of ``root`` or of its nearest existing parent."""
     path = Path(root)
@@ -102,7 +110,7 @@ def _device(root: str) -> int:
     return os.stat(path).st_dev
 
 
-def chunk_bytes_estimate(vllm_config: Any, chunk_tokens: int) -> int | None:
+def chunk_bytes_estimate(vllm_config: VllmConfigLike, chunk_tokens: int) -> int | None:
     """Bytes of KV one chunk holds on one rank, from the model's config (layers on this
     stage x KV heads on this rank x head size x 2 for K and V, 1 for MLA's latent x the KV
     cache element size); None when the config does not say. A model with attention-free
@@ -122,7 +130,7 @@ def chunk_bytes_estimate(vllm_config: Any, chunk_tokens: int) -> int | None:
     return chunk_tokens * layers * heads * head * kv * size
 
 
-def _element_size(dtype: Any) -> int | None:
+def _element_size(dtype: object) -> int | None:
     size = getattr(dtype, "itemsize", None)  # a torch.dtype
     if isinstance(size, int):
         return size
@@ -141,8 +149,10 @@ def chunk_bytes_from_model_dir(model_dir: str | os.PathLike[str], *, tp: int = 1
 
     try:
         with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
-            cfg = json.load(f)
-        cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
+            doc = json.load(f)
+        if not isinstance(doc, dict):
+            return None
+        cfg = doc.get("text_config", doc)
         layers = int(cfg["num_hidden_layers"])
         heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
         head = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(
@@ -166,13 +176,14 @@ def check_max_size(max_bytes: int | None, chunk_bytes: int | None, chunk_tokens:
         fix=f"set spoolctl_max_size to many chunks, e.g. {format_size(chunk_bytes * 1024)}")
 
 
-def preflight(vllm_config: Any) -> list[str]:
+def preflight(vllm_config: VllmConfigLike) -> list[str]:
     """The connector's start-up checks for ``vllm_config`` (see the module docstring):
     ConfigError on a root it cannot use or a max size below one chunk; the warning lines,
     each also logged once."""
     from .settings import parse_settings
 
     tcfg = vllm_config.kv_transfer_config
+    assert tcfg is not None, "vLLM builds a KV connector only with a kv_transfer_config"
     settings = parse_settings(tcfg.kv_connector_extra_config,
                               block_size=int(vllm_config.cache_config.block_size))
     if not os.path.isabs(settings.root):

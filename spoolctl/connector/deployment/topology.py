@@ -160,8 +160,8 @@ class DeploymentStatus:
     deployment: str
     ranks: tuple[RankReport, ...]
     comparison: RankDisagreement
-    # The host disk budget (``spoolctl_host_max_size``, ``host_budget``) recorded for the
-    # deployment, and why it could not be read (issue 20: host total against the budget).
+    # The host disk budget (``spoolctl_host_max_size``) recorded for the deployment, so
+    # status can set the host's total against it, and why it could not be read.
     host_max_bytes: int | None = None
     host_budget_error: str | None = None
     # Ranks whose store is there but could not be read (status lists their error): they
@@ -188,7 +188,7 @@ class DeploymentStatus:
                  "quarantined": r.quarantined,
                  "missing_chunks": self.comparison.partial[r.rank],
                  "write_budget": r.write_budget} for r in self.ranks]
-        host = {"bytes": self.host_bytes, "max_bytes": self.host_max_bytes,
+        host: dict[str, object] = {"bytes": self.host_bytes, "max_bytes": self.host_max_bytes,
                 "usage_pct": round(100 * self.host_bytes / self.host_max_bytes, 1)
                 if self.host_max_bytes else None}
         if self.host_budget_error is not None:

@@ -3,7 +3,7 @@
 ``weights_digest(model_dir)`` names the bytes of every file in a model directory (weights,
 config, tokenizer: all of them shape what a KV block holds). It is bound into the deployment
 identity (``identity``), so an engine whose weights changed at the same path starts a new,
-empty namespace instead of restoring KV another model computed (decision 2110).
+empty namespace instead of restoring KV another model computed.
 
 Per file, cheapest proof first:
 
@@ -291,7 +291,7 @@ def resolve_model_dir(model: str, revision: str | None) -> Path | None:
 
 
 class AdapterDigests:
-    """The content digest of a LoRA adapter per request, for the chunk chain (decision 2111).
+    """The content digest of a LoRA adapter per request, for the chunk chain.
 
     Called on the scheduler's hot path: each call walks and stats the adapter's few files
     and reuses the digest while their identities are unchanged; changed files are hashed
@@ -303,7 +303,7 @@ class AdapterDigests:
         self._memo_dir = memo_dir
         self._known: dict[str, tuple[tuple, str]] = {}
 
-    def __call__(self, lora_request: Any) -> str | None:
+    def __call__(self, lora_request: object) -> str | None:
         path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", None)
         if not isinstance(path, str) or not path:
             return None

@@ -1,30 +1,17 @@
 """A daily write budget per rank store (``spoolctl_write_budget``): what a drive may take.
 
-A write-heavy cache wears an SSD out: a drive is rated for so many drive writes per day
-(DWPD), e.g. 1 DWPD on 3.84 TB is 3.84 TB a day for every tenant of the drive. The budget
-bounds the KV bytes one rank store commits per UTC day; decision 2710.
+The budget bounds the KV bytes one rank store commits per UTC day, so a write-heavy cache
+cannot wear out an SSD rated for so many drive writes per day. Reads are never limited.
 
-* **Counted where the bytes are written.** The worker's store writer takes each chunk's
-  bytes from the ``WriteLedger`` before committing it (``take``) and gives them back when
-  the commit fails (``refund``). A chunk that does not fit is not stored (skipped, reason
-  ``write_budget``); nothing ever waits for the budget. Once it is spent the worker does
-  not even copy chunks out of the KV cache (``spent``, checked on the forward path).
-* **Persisted, crash-safe.** The count lives beside the rank stores in
-  ``<deployment dir>/write-budget-rank-NNNN.json`` (``ledger_path``), written atomically.
-  It is charged *ahead* in slabs (``SLAB_SHARE`` of the budget): before bytes beyond the
-  recorded charge are written, the next slab is recorded, so a crash at any point leaves a
-  count that is at least what was written (at most one slab more). A clean close records
-  the exact count. A restart reads it back; a new UTC day starts at zero.
-* **Tightened admission.** The scheduler reads the ledgers of the rank stores on its host
-  (``read``, off its thread) and stores a chunk only on a later sighting as the budget
-  runs low (``effective_after``), and on none once it is spent: the writes the budget
-  still allows go to chunks seen more often. A rank on several drives has a ledger per
-  drive: its share left is the sum of their bytes left against the sum of their budgets
-  (a chunk is written to one drive, so the drives' budgets add up; a spent drive's own
-  writer skips the chunks routed to it), and the tightest rank decides (a chunk is
-  useful only when every rank stores it); decision 2770.
-
-Reads are never limited: a spent budget only stops writes, every chunk stored still hits.
+* ``WriteLedger`` (worker): the store writer ``take``s each chunk's bytes before committing
+  it and ``refund``s them when the commit fails; a chunk that does not fit is skipped
+  (reason ``write_budget``), nothing waits. Once ``spent``, nothing is even captured.
+  Persisted in ``<deployment dir>/write-budget-rank-NNNN.json`` (``ledger_path``),
+  charged ahead in slabs of ``SLAB_SHARE`` so a crash never under-counts (at most one slab
+  over); a new UTC day starts at zero.
+* ``BudgetWatch`` (scheduler): reads the ledgers of the rank stores on its host off its
+  thread; ``effective_after`` turns the share left into the sightings admission asks for.
+  A rank on several drives pools its drives' ledgers; the tightest rank decides.
 """
 
 from __future__ import annotations
@@ -224,24 +211,18 @@ def pooled_left_share(states: Sequence[LedgerState], now: float) -> float:
 
 
 # A ledger is a small file read in milliseconds; a read still running after this long is
-# on a hung drive, and the round goes on without it (decision 2790).
+# on a hung drive, and the round goes on without it.
 LEDGER_READ_BOUND_S = 1.0
 
 
 class BudgetWatch:
     """The scheduler's view of the ledgers of the rank stores on its host: the smallest
-    share of the day's budget left over the ranks (``left_share``), each rank's share
-    pooled over its drives (``pooled_left_share``). ``paths()`` lists, per rank, its
-    ledger path or the paths of its drives' ledgers. The files are read on a daemon thread
-    at most every ``interval`` seconds, one round at a time, so a slow disk delays the view,
-    never a scheduler step; until the first read the budget counts as untouched (the
-    workers still enforce it). A drive whose ledger is missing (nothing written there yet)
-    or unreadable is left out of its rank's sum.
-
-    Each ledger is read on a thread of its own, waited for at most ``read_bound``
-    (decision 2790): a drive that hangs never freezes the other drives' values. While a
-    path's read is still running, no new read of it is started (one thread per hung
-    ledger, never one per round) and its last value, if any, is used."""
+    share of the day's budget left over the ranks (``left_share``), each rank's pooled over
+    its drives (``pooled_left_share``). ``paths()`` lists, per rank, its ledger path or its
+    drives' ledger paths. Read on a daemon thread at most every ``interval`` seconds, each
+    ledger waited for at most ``read_bound`` (a hung read keeps its last value and is not
+    restarted); until the first read the budget counts as untouched. A missing or
+    unreadable ledger is left out of its rank's sum."""
 
     def __init__(self, paths: Callable[[], Sequence[Path | Sequence[Path]]], *,
                  interval: float = 5.0, clock: Callable[[], float] = time.monotonic,

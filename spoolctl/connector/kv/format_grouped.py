@@ -13,10 +13,11 @@ that crosses its boundary. See ``formats`` for the interface.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spoolctl import metrics as m
 from spoolctl.errors import ConfigError
@@ -36,9 +37,10 @@ from .formats import Capture, Captured, ChunkRestore, Copier, KVFormat, Planning
 if TYPE_CHECKING:
     import torch
 
-    from spoolctl.store import Store
+    from spoolctl.store import Manifest, Store
 
     from ..planning.messages import SpoolConnectorMetadata
+    from ..vllm_api.protocols import KVCacheBlocksLike
     from ..worker_side.restore import RestorePipeline
     from .kvio import CopyEngine, CopyHandle, PagedKV
     from .layouts import LayerDecl
@@ -70,7 +72,8 @@ class GroupedFormat(KVFormat):
 class GroupedPlanning(Planning):
     planner: GroupedPlanner
 
-    def allocated(self, req_id: str, blocks: Any, num_external_tokens: int) -> None:
+    def allocated(self, req_id: str, blocks: KVCacheBlocksLike,
+                  num_external_tokens: int) -> None:
         if num_external_tokens > 0:
             self.planner.allocated(req_id, blocks.get_block_ids(), num_external_tokens)
 
@@ -161,17 +164,18 @@ class GroupedCopier(Copier):
                   in zip(self._gkv, chunk.targets, strict=True) if targets is not None]
         digest = self.layout_digest
 
-        def valid(manifest: Any) -> bool:
+        def valid(manifest: Manifest) -> bool:
             names = {ref.name for ref in manifest.objects}
             return manifest.meta.get("layout") == digest and all(
                 lay.name in names and plain_size(manifest, lay.name) == kv.chunk_bytes
                 for lay, kv, _, _ in wanted)
 
-        def fill(store: Store, manifest: Any, buf: torch.Tensor) -> int:
+        def fill(store: Store, manifest: Manifest, buf: torch.Tensor) -> int:
             nbytes = 0
             for lay, kv, off, _ in wanted:
-                store.read(manifest, lay.name,
-                           into=memoryview(buf[off:off + kv.chunk_bytes].numpy()))
+                part = buf[off:off + kv.chunk_bytes].numpy()
+                # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+                store.read(manifest, lay.name, into=memoryview(part))  # type: ignore[arg-type]
                 nbytes += kv.chunk_bytes
             return nbytes
 
@@ -187,7 +191,7 @@ class GroupedCopier(Copier):
         if not self._gkv:
             return
         for op in meta.group_stores:
-            yield op.key, op.index, lambda buf, op=op: self._capture(op, buf)
+            yield op.key, op.index, functools.partial(self._capture, op)
 
     def _capture(self, op: GroupChunkStore, buf: torch.Tensor) -> Captured:
         """Copy one chunk's stored blocks of every group into ``buf``; one object per
@@ -203,5 +207,6 @@ class GroupedCopier(Copier):
         for (lay, kv, offset), ids in targets:
             part = buf[offset:offset + kv.chunk_bytes]
             handles.append(kv.capture(ids, part))
-            objects[lay.name] = memoryview(part.numpy())
+            # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+            objects[lay.name] = memoryview(part.numpy())  # type: ignore[arg-type]
         return objects, last(handles)

@@ -1,13 +1,12 @@
 """The single format: one full-attention KV cache group, one object ``kv`` per chunk.
 
 A chunk entry holds the chunk's ``chunk_tokens / block_size`` blocks of every layer in
-one object (layer-major, ``kvio``). Restores are asynchronous for vLLM (``load_kv_async``,
-decision 1200): planned when vLLM allocates the hit's blocks, begun in ``start_load_kv``
-(with the KV cache in host memory: when vLLM binds the step's metadata, before the forward,
-decision 2740; reads and verification on helper threads, ``restore.RestorePipeline``),
-copied into the
-KV blocks at the engine's safe points while other requests run, and reported per request
-in ``get_transfer_results`` once every chunk is in place. A request's chunks are copied in
+one object (layer-major, ``kvio``). Restores are asynchronous for vLLM (``load_kv_async``):
+planned when vLLM allocates the hit's blocks, begun in ``start_load_kv`` (with the KV cache
+in host memory: when vLLM binds the step's metadata, before the forward; reads and
+verification on helper threads, ``restore.RestorePipeline``), copied into the KV blocks
+at the engine's safe points while other requests run, and reported per request in
+``get_transfer_results`` once every chunk is in place. A request's chunks are copied in
 order; on the first failure that chunk's and every later chunk's blocks are reported
 through ``get_block_ids_with_load_errors`` in the same step (vLLM truncates the request
 at the first failed block and recomputes from there; the scheduler does not restore it
@@ -17,7 +16,7 @@ again). See ``formats`` for the interface.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spoolctl import metrics as m
 from spoolctl.store import plain_size
@@ -29,9 +28,10 @@ from .formats import Capture, Captured, ChunkRestore, Copier, KVFormat, Planning
 if TYPE_CHECKING:
     import torch
 
-    from spoolctl.store import Store
+    from spoolctl.store import Manifest, Store
 
     from ..planning.messages import SpoolConnectorMetadata
+    from ..vllm_api.protocols import KVCacheBlocksLike
     from ..worker_side.restore import RestorePipeline
     from .kvio import CopyEngine, PagedKV
     from .layouts import LayerDecl
@@ -66,7 +66,8 @@ class SinglePlanning(Planning):
         # Requests restoring now: the blocks they load (to tell which of them failed).
         self._loading: dict[str, frozenset[int]] = {}
 
-    def allocated(self, req_id: str, blocks: Any, num_external_tokens: int) -> None:
+    def allocated(self, req_id: str, blocks: KVCacheBlocksLike,
+                  num_external_tokens: int) -> None:
         table = blocks.get_block_ids()[0] if num_external_tokens > 0 else None
         self.planner.allocated(req_id, table, num_external_tokens)
 
@@ -161,12 +162,13 @@ class SingleCopier(Copier):
         kv = self._kv
         assert kv is not None
 
-        def valid(manifest: Any) -> bool:
+        def valid(manifest: Manifest) -> bool:
             return manifest.meta.get("layout") == kv.layout_digest and \
                 plain_size(manifest, OBJECT) == kv.chunk_bytes
 
-        def fill(store: Store, manifest: Any, buf: torch.Tensor) -> int:
-            store.read(manifest, OBJECT, into=memoryview(buf.numpy()))
+        def fill(store: Store, manifest: Manifest, buf: torch.Tensor) -> int:
+            # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+            store.read(manifest, OBJECT, into=memoryview(buf.numpy()))  # type: ignore[arg-type]
             return kv.chunk_bytes
 
         return ChunkRestore(load.key, valid, fill,
@@ -179,6 +181,7 @@ class SingleCopier(Copier):
         for op in meta.stores:
             def fill(buf: torch.Tensor, ids: tuple[int, ...] = op.block_ids) -> Captured:
                 handle = kv.capture(ids, buf)
-                return {OBJECT: memoryview(buf.numpy())}, handle
+                # numpy's stubs give ndarray the buffer protocol on Python >= 3.12 only
+                return {OBJECT: memoryview(buf.numpy())}, handle  # type: ignore[arg-type]
 
             yield op.key, op.index, fill

@@ -291,12 +291,10 @@ def _runs(block_ids: Sequence[int], *, skip_null: bool = False) -> list[tuple[in
 class BufferPool:
     """A fixed set of chunk-sized host buffers carved from one anonymous mapping.
 
-    Fresh pages are expensive (a new 2 MiB buffer costs milliseconds of 4 KiB page faults on
-    a VM, more than copying into it), so capture and restore recycle slots of one slab,
-    advised for transparent huge pages where the kernel offers them (one fault per 2 MiB).
-    Unpinned pages are only materialised when first used. ``pin=True`` (KV on a CUDA
-    device) page-locks the slab once (``cudaHostRegister``), so device copies are DMA and
-    asynchronous; the pinned bytes are exactly ``nbytes * slots``.
+    Slots are recycled because fresh pages cost more to fault in than to copy into; the
+    slab is advised for transparent huge pages. ``pin=True`` (KV on a CUDA device)
+    page-locks the slab once, so device copies are asynchronous; the pinned bytes are
+    exactly ``nbytes * slots``.
 
     ``get`` returns None when every slot is in use (the caller skips or waits). ``put(buf,
     after=handle)`` returns a slot whose device copy may still run: it is handed out again
@@ -337,6 +335,7 @@ class BufferPool:
             return
         # Registration refused (e.g. a locked-memory limit): torch's own pinned allocator.
         self._slab = torch.empty(self.nbytes * self.slots, dtype=torch.uint8, pin_memory=True)
+        assert self._map is not None  # set by __init__, released only here
         self._map.close()
         self._map = None
 

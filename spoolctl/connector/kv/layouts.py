@@ -13,11 +13,9 @@ it accordingly (``vllm.v1.kv_cache_interface.create_kv_cache_views``):
   head), MLA latent caches (``H = 1``, ``C`` = latent + rope), packed/quantised caches
   (``num_head_slots``, ``state_content_bytes``) and compressed caches
   (``tokens_per_state > 1``: fewer states than tokens);
-* the **layout** ``KVCacheLayout`` resolved for the model from every backend's
-  ``supported_kv_cache_layouts`` (``KVCacheConfig.kv_cache_layout``): a permutation of
-  ``LBHNC`` naming the memory order (flash-attn, Triton, FlexAttention: ``LBNHC``; CPU,
-  FlashInfer HND: ``LBHNC``; FlashInfer on SM100, the DeepSeek indexer: ``BLHNC``
-  (block-outermost, layers interleaved per block); ROCm: ``LHBNC`` (heads outside blocks));
+* the **layout** ``KVCacheLayout`` resolved for the model (``KVCacheConfig.kv_cache_layout``):
+  a permutation of ``LBHNC`` naming the memory order (e.g. ``LBNHC``, or ``BLHNC`` with
+  layers interleaved per block);
 * the **placement** of each ``KVCacheTensor`` (``offset``, ``layer_stride``,
   ``block_stride``) inside one shared backing buffer.
 
@@ -39,9 +37,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from spoolctl.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..vllm_api.protocols import (
+        KVCacheConfigLike,
+        KVCacheGroupLike,
+        KVCacheTensorLike,
+        LayerSpecLike,
+    )
 
 LOGICAL = "LBHNC"  # vLLM's logical axis order (RFC #42082)
 _L, _B, _H, _N, _C = range(5)
@@ -122,8 +130,8 @@ class TensorView:
     dtype: str
 
     @classmethod
-    def of(cls, tensor: Any) -> TensorView:
-        """Read a torch tensor's geometry (duck-typed: no torch import here)."""
+    def of(cls, tensor: torch.Tensor) -> TensorView:
+        """Read a torch tensor's geometry (no torch import at runtime)."""
         return cls(tuple(int(s) for s in tensor.shape), tuple(int(s) for s in tensor.stride()),
                    int(tensor.storage_offset()), int(tensor.element_size()),
                    str(tensor.dtype).removeprefix("torch."))
@@ -275,7 +283,8 @@ def geometry(name: str, view: TensorView, num_blocks: int) -> BlockGeometry:
                               f"(shape {view.shape}, strides {view.stride})")
     in_memory = sorted((d for d in dims if d[1] > 1), key=lambda d: -d[2])
     # The innermost dims that are dense make one contiguous piece; the others repeat it.
-    piece, outer = 1, []
+    piece = 1
+    outer: list[tuple[int, int]] = []
     for _, dsize, dstride in reversed(in_memory):
         if not outer and dstride == piece:
             piece *= dsize
@@ -321,7 +330,7 @@ def prove(decl: LayerDecl, tensor: TensorView) -> BlockGeometry:
 
 # -- reading vLLM's declarations (attribute access only) --------------------------------------
 
-def _layer_specs(group: Any) -> Mapping[str, Any]:
+def _layer_specs(group: KVCacheGroupLike) -> Mapping[str, object]:
     spec = group.kv_cache_spec
     per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
     if isinstance(per_layer, Mapping):
@@ -329,13 +338,13 @@ def _layer_specs(group: Any) -> Mapping[str, Any]:
     return {name: spec for name in group.layer_names}
 
 
-def declarations(kv_cache_config: Any, layout: str,
+def declarations(kv_cache_config: KVCacheConfigLike, layout: str,
                  layers: Iterable[str] | None = None) -> dict[str, LayerDecl]:
     """Every layer's ``LayerDecl`` from vLLM's runtime ``KVCacheConfig`` and the resolved
     ``layout`` name; ``layers`` restricts it. A layer vLLM declares without a per-layer view
     (state-space raw buffers) or whose spec lacks a field is refused."""
     wanted = None if layers is None else set(layers)
-    specs: dict[str, Any] = {}
+    specs: dict[str, object] = {}
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
         specs.update(_layer_specs(group))
     tensors = getattr(kv_cache_config, "kv_cache_tensors", None)
@@ -357,16 +366,17 @@ def declarations(kv_cache_config: Any, layout: str,
     return out
 
 
-def _decl(name: str, spec: Any, layout: str, kt: Any, index: int, num_layers: int,
-          num_blocks: int) -> LayerDecl:
+def _decl(name: str, spec: object, layout: str, kt: KVCacheTensorLike, index: int,
+          num_layers: int, num_blocks: int) -> LayerDecl:
     if not getattr(spec, "has_layer_views", True):
         raise LayoutError(f"KV cache of {name}: {type(spec).__name__} has no per-layer "
                           "block view")
+    page = cast("LayerSpecLike", spec)  # a spec lacking these fields is refused below
     try:
-        dtype = spec.dtype
+        dtype = page.dtype
         itemsize = int(getattr(dtype, "itemsize", 0)) or int(dtype.element_size())
-        heads, states = int(spec.num_heads), int(spec.num_states)
-        content = int(spec.state_content_size_bytes)
+        heads, states = int(page.num_heads), int(page.num_states)
+        content = int(page.state_content_size_bytes)
         padded = getattr(spec, "page_size_padded", None)
         return LayerDecl(
             name=name, layout=str(layout), num_blocks=num_blocks, heads=heads,

@@ -1,23 +1,17 @@
 """Write admission: store a chunk only on its N-th sighting within a window (pure).
 
-Prompts seen once and never again (one-off documents, unique user turns) are the bulk of
-what a disk tier writes and the part it never reads back: they cost SSD endurance and write
-bandwidth for nothing. With ``spoolctl_admit_after = N`` (default 1: store on the first
-sighting, the behaviour without admission) the scheduler plans the store of a chunk only
-once N requests within ``spoolctl_admit_window`` seconds contained it, the same idea as
-NVIDIA Dynamo's KVBM writing a block to disk on its second sighting.
+With ``spoolctl_admit_after = N`` (default 1: store on the first sighting) the scheduler
+plans the store of a chunk only once N requests within ``spoolctl_admit_window`` seconds
+contained it, so prompts seen once cost no disk writes.
 
-What is kept: for each chunk key sighted, 8 bytes of the key (the chunk chain hash, never
-tokens or text), a count and the time of the first sighting in the current window, in a
-table of at most ``capacity`` chunks (least recently sighted forgotten first, so memory is
-bounded whatever the traffic). The table lives in the scheduler's memory: a restart starts
-counting afresh. A sighting is counted once per request (a request looked up again after
-preemption is the same sighting). Forgetting a chunk only delays its admission; a
-truncated-key collision only admits a chunk early: neither can affect a response.
+Kept in the scheduler's memory (a restart counts afresh): per chunk sighted, 8 bytes of its
+key, a count and the time of the window's first sighting, for at most ``capacity`` chunks
+(least recently sighted forgotten first). A sighting counts once per request. Forgetting a
+chunk only delays its admission; a truncated-key collision only admits one early.
 
 With a daily write budget (``track=True``) sightings are counted even when ``after`` is 1,
 so that ``admitted(key, after=n)`` can ask for more sightings as the budget runs low
-(``deployment.write_budget.effective_after``, decision 2710).
+(``deployment.write_budget.effective_after``).
 
 Not thread-safe (vLLM's scheduler is single-threaded).
 """

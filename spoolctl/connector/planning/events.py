@@ -1,9 +1,8 @@
 """KV events for cache-aware routers: what the spool tier offers, in vLLM's block hashes (pure).
 
-Routers in front of many replicas (llm-d's KV-cache indexer, NVIDIA Dynamo's router, vLLM's
-production-stack router) learn which replica holds which prefix from vLLM's KV cache events.
-The scheduler side publishes the spool tier's part of that stream (``kvevents`` turns the
-records below into vLLM's ``BlockStored`` / ``BlockRemoved`` with ``medium="STORAGE"``):
+Routers learn which replica holds which prefix from vLLM's KV cache events; the scheduler
+publishes the spool tier's part of that stream (``kvevents`` turns the records below into
+vLLM's ``BlockStored`` / ``BlockRemoved`` with ``medium="STORAGE"``):
 
 * a chunk is announced (``Stored``) once **every** rank holds it (the quorum a lookup uses:
   a router must not route to a replica that cannot restore), and withdrawn (``Removed``)
@@ -12,15 +11,11 @@ records below into vLLM's ``BlockStored`` / ``BlockRemoved`` with ``medium="STOR
 * at startup, everything the rank stores already hold is announced, before any request
   (the connector keeps vLLM's engine loop stepping until it is out).
 
-What each chunk *is* in a router's terms: the vLLM block hashes of its blocks (the chained
-hashes vLLM computes from the tokens, ``Request.block_hashes``), and the hash of the block
-before it. They are taken from the request at lookup (``HashBook``) and persisted, hashes
-only, in the chunk's manifest index (``ChunkHashes.to_index``) so that a restarted replica
-can announce its disk contents. Block hashes are only comparable between processes whose
-hash function and seed agree (vLLM's ``prefix_caching_hash_algo``, ``PYTHONHASHSEED``); the
-persisted record carries a fingerprint of both (``kvevents.hash_identity``) and a record
-from another identity is never announced (fail closed: a router then simply does not know
-about that chunk).
+A chunk is named by the vLLM block hashes of its blocks (``Request.block_hashes``) and
+the hash of the block before it: taken from the request at lookup (``HashBook``) and kept
+in the chunk's manifest index (``ChunkHashes.to_index``) so a restarted replica can
+announce its disk contents. The record carries a fingerprint of vLLM's hash function and
+seed (``kvevents.hash_identity``); a record from another fingerprint is never announced.
 
 Events never carry prompt text: no token ids, no salts, no extra keys.
 

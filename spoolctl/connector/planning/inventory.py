@@ -248,6 +248,13 @@ class RankInventory:
         """Withdrawn keys not yet acknowledged."""
         return len(self._awaiting)
 
+    def consistent(self) -> bool:
+        """Whether the incrementally kept sets match their definitions: the unsent additions
+        are the held keys the scheduler was not told, the unsent withdrawals are told keys.
+        O(inventory): for tests and diagnostics, not per step."""
+        return self._unsent_adds == self._held - self._told \
+            and self._unsent_withdrawals <= self._told
+
 
 @dataclass
 class _RankState:

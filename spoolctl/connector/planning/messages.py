@@ -11,22 +11,17 @@
   everything it holds.
 * ``SpoolWorkerMeta``: every worker -> scheduler, each step: inventory changes, and why
   each restore reported failed in the same step failed (``restore_failure``: the reason the
-  scheduler counts when vLLM looks the request up again, decision 2740), and, in the step
-  after a drive joined a rank's set, that rank's drives (decision 2750). vLLM aggregates
+  scheduler counts when vLLM looks the request up again), and, in the step after a drive
+  joined a rank's set, that rank's drives. vLLM aggregates
   the workers' messages with ``aggregate``.
 
 vLLM pickles these between processes; they hold plain data only (no stores, no tensors).
+No vLLM import: ``vllm_api.wire`` registers them as vLLM's metadata types.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
 
 from .events import ChunkHashes
 from .inventory import Ack, InventoryReport
@@ -34,7 +29,7 @@ from .plan import ChunkStore, GroupChunkStore, RequestLoad, SingleRequestLoad
 
 
 @dataclass
-class SpoolConnectorMetadata(KVConnectorMetadata):
+class SpoolConnectorMetadata:
     """One step's plan, sent from the scheduler to every worker."""
 
     # Single format: restores begun this step (asynchronous, one per request), captures.
@@ -61,7 +56,7 @@ class SpoolConnectorMetadata(KVConnectorMetadata):
 
 @dataclass(frozen=True)
 class DriveInfo:
-    """One drive of a rank on several drives (decision 2714): its base root as configured,
+    """One drive of a rank on several drives: its base root as configured,
     the rank store's root under it, the drive's id and the store's id (both "" for a drive
     the worker had not opened)."""
 
@@ -72,7 +67,7 @@ class DriveInfo:
 
 
 @dataclass
-class SpoolHandshake(KVConnectorHandshakeMetadata):
+class SpoolHandshake:
     """A worker's startup message: where its store is and everything it holds. ``drives``:
     every drive of the rank when it has several (``root``/``store_id`` are the first open
     one's); empty for one root."""
@@ -109,7 +104,7 @@ def _telling(a: str, b: str) -> str:
 
 
 @dataclass
-class SpoolWorkerMeta(KVConnectorWorkerMetadata):
+class SpoolWorkerMeta:
     """One step's inventory changes and failed restores' reasons from every worker (vLLM
     aggregates across workers)."""
 
@@ -117,10 +112,11 @@ class SpoolWorkerMeta(KVConnectorWorkerMetadata):
     # Request id -> ``restore_failure`` reason, for the restores reported failed this step.
     load_failures: dict[str, str] = field(default_factory=dict)
     # Rank -> every drive it uses now, sent once in the step after a drive that opened late
-    # joined its set (decision 2750); empty otherwise (the handshake's ``drives`` stand).
+    # joined its set; empty otherwise (the handshake's ``drives`` stand).
     drives: dict[int, tuple[DriveInfo, ...]] = field(default_factory=dict)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+    def aggregate(self, other: object) -> SpoolWorkerMeta:
+        """This step's message joined with ``other`` worker's (vLLM's ``aggregate``)."""
         if not isinstance(other, SpoolWorkerMeta):
             return SpoolWorkerMeta(reports=list(self.reports),
                                    load_failures=dict(self.load_failures),

@@ -321,9 +321,10 @@ class GroupedPlanner:
                 if slot < 0:
                     return None  # not stored (cannot happen for hits ending at a boundary)
                 targets = per_chunk.setdefault(index, [None] * len(self.groups))
-                if targets[gi] is None:
-                    targets[gi] = [0] * g.stored_blocks
-                targets[gi][slot] = block
+                stored = targets[gi]
+                if stored is None:
+                    stored = targets[gi] = [0] * g.stored_blocks
+                stored[slot] = block
         return [GroupChunkLoad(i, plan.keys[i], tuple(
                     None if t is None else tuple(t) for t in per_chunk[i]))
                 for i in range(first_chunk, last_chunk) if i in per_chunk]

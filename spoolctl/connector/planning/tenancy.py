@@ -1,4 +1,4 @@
-"""Tenants of an encrypted rank store in the connector (decision 2801).
+"""Tenants of an encrypted rank store in the connector.
 
 With a master key configured (``SPOOLCTL_MASTER_KEY_FILE`` / ``SPOOLCTL_MASTER_KEY`` /
 ``SPOOLCTL_MASTER_KEY_COMMAND``, the same for every process of the deployment), a request's

