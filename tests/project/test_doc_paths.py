@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from testpaths import REPO_DIR
 
 pytestmark = pytest.mark.base
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 SCRIPT = REPO / "scripts" / "check_doc_paths.py"
 
 
