@@ -11,9 +11,10 @@ What counts as a mention, and how it is resolved:
 * a path under a top-level folder of the repository (``spoolctl/store/disk/fsio.py``,
   ``tests/test_docs.py``, ``scripts/bench_store.py``, ``examples/prometheus/``): it must
   exist from the repository root, or from the page's own folder (a relative link);
-* a ``.py`` path written relative to a package (``planning/messages.py``,
-  ``store/disk/fsio.py``), recognised because its first folder is a folder name somewhere
-  under ``spoolctl/``: some file under ``spoolctl/`` must end with that path;
+* a ``.py`` path or a folder ending in ``/`` written relative to a package
+  (``planning/messages.py``, ``store/disk/``), recognised because its first folder is a
+  folder name somewhere under ``spoolctl/``: some file or folder under ``spoolctl/`` must
+  end with that path;
 * a test's name in backticks (`` `test_doctor_reports_...` ``): some ``tests/`` module
   defines it;
 * a dotted name starting ``spoolctl.`` (``spoolctl.store.disk.fsio``,
@@ -86,7 +87,9 @@ class Tree:
         pkg = repo / PACKAGE
         self.package_files = [str(p.relative_to(pkg)) for p in pkg.rglob("*")
                               if p.is_file() and "__pycache__" not in p.parts]
-        self.package_dirs = {p.name for p in pkg.rglob("*") if p.is_dir()} | {PACKAGE}
+        dirs = [p for p in pkg.rglob("*") if p.is_dir() and p.name != "__pycache__"]
+        self.package_paths = [str(p.relative_to(pkg)) for p in dirs]
+        self.package_dirs = {p.name for p in dirs} | {PACKAGE}
         self.test_names = {m for p in (repo / "tests").rglob("*.py")
                            for m in re.findall(r"^\s*(?:async )?def (test_\w+)",
                                                p.read_text(encoding="utf-8"), flags=re.M)}
@@ -105,6 +108,8 @@ class Tree:
             return True
         if first in self.package_dirs and path.endswith(".py"):
             return any(f == path or f.endswith("/" + path) for f in self.package_files)
+        if first in self.package_dirs and mention.endswith("/"):
+            return any(d == path or d.endswith("/" + path) for d in self.package_paths)
         return None
 
     def dotted_ok(self, mention: str) -> bool:

@@ -50,7 +50,7 @@ def _tree(tmp_path: Path, page: str) -> Path:
 
 def test_live_mentions_in_every_form_pass(tmp_path: Path) -> None:
     repo = _tree(tmp_path, "\n".join([
-        "`spoolctl/connector/planning/messages.py` and `planning/messages.py`",
+        "`spoolctl/connector/planning/messages.py` and `planning/messages.py`, `planning/`",
         "`spoolctl.connector.planning.messages.SpoolMeta`, `spoolctl.connector`",
         "[a record](decisions/0001-x.md), `scripts/bench_*.py`, `tests/test_a.py`",
         "`test_real`, vLLM's own `worker/utils.py`, /etc/spoolctl/x.yml, a store's `state/k.json`",
@@ -62,7 +62,7 @@ def test_each_stale_form_is_named_with_its_page_and_line(tmp_path: Path) -> None
     repo = _tree(tmp_path, "\n".join([
         "intro",
         "`spoolctl/connector/planning/gone.py`",
-        "`planning/old_messages.py`",
+        "`planning/old_messages.py` and `connector/drives/`",
         "`spoolctl.connector.genai_records`",
         "`spoolctl.connector.planning.messages.OldMeta`",
         "`scripts/bench_gone.py` and `tests/test_b*.py`",
@@ -71,6 +71,7 @@ def test_each_stale_form_is_named_with_its_page_and_line(tmp_path: Path) -> None
     assert found == [
         "docs/page.md:2: `spoolctl/connector/planning/gone.py` is not in the tree",
         "docs/page.md:3: `planning/old_messages.py` is not in the tree",
+        "docs/page.md:3: `connector/drives/` is not in the tree",
         "docs/page.md:4: `spoolctl.connector.genai_records` is not in the tree",
         "docs/page.md:5: `spoolctl.connector.planning.messages.OldMeta` is not in the tree",
         "docs/page.md:6: `scripts/bench_gone.py` is not in the tree",
