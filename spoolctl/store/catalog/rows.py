@@ -192,3 +192,7 @@ def valid_facts(index: Mapping[str, Any]) -> dict[str, Any]:
 def _short(value: Any) -> str:
     text = json.dumps(value, ensure_ascii=True, default=str)
     return text if len(text) <= 40 else text[:37] + "..."
+
+# An encrypted entry's tenant id and key version, from its index's ``sealed`` fact.
+SEALED_TENANT = "json_extract(index_json, '$.sealed.tenant')"
+SEALED_VERSION = "json_extract(index_json, '$.sealed.version')"
