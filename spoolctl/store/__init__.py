@@ -76,7 +76,8 @@ if TYPE_CHECKING:
     from .format.sizes import format_size, parse_duration, parse_rate, parse_size
     from .maintain.auth_requests import AuthQueue, authenticate
     from .maintain.clean import CLEAN_STEPS, CleanReport
-    from .maintain.doctor import Check, filesystem_type, run_checks
+    from .maintain.doctor import filesystem_type, run_checks
+    from .maintain.doctor_scan import Check
     from .maintain.gc import DeleteReport
     from .maintain.maintainer import BackgroundMaintainer
     from .maintain.quarantine import QuarantineItem, validate_item_id
@@ -131,7 +132,8 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".format.sizes": ("format_size", "parse_duration", "parse_rate", "parse_size"),
     ".maintain.auth_requests": ("AuthQueue", "authenticate"),
     ".maintain.clean": ("CLEAN_STEPS", "CleanReport"),
-    ".maintain.doctor": ("Check", "filesystem_type", "run_checks"),
+    ".maintain.doctor": ("filesystem_type", "run_checks"),
+    ".maintain.doctor_scan": ("Check",),
     ".maintain.gc": ("DeleteReport",),
     ".maintain.maintainer": ("BackgroundMaintainer",),
     ".maintain.quarantine": ("QuarantineItem", "validate_item_id"),

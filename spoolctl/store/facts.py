@@ -24,7 +24,7 @@ from .maintain.scrub_state import ScrubState, ScrubSummary
 
 if TYPE_CHECKING:
     from .disk.root import Marker, StorePaths
-    from .maintain.quarantine import QuarantineItem
+    from .maintain.quarantine import Quarantine, QuarantineItem
 
 
 @dataclass(frozen=True)
@@ -124,10 +124,12 @@ class FactSource(Protocol):
     below the ``Store`` facade, does not import it (decision 2520)."""
 
     layout: StorePaths
-    marker: Marker
+    quarantine: Quarantine
     read_only: bool
     unknown_files: list[str]
 
+    @property
+    def marker(self) -> Marker: ...
     @property
     def root(self) -> Path: ...
     @property

@@ -265,8 +265,9 @@ class Keyring:
 
     def _unwrap(self, tid: str, version: int, wrapped: str) -> bytes | None:
         try:
-            return self._kek.decrypt(bytes.fromhex(wrapped[:24]), bytes.fromhex(wrapped[24:]),
-                                     _wrap_aad(tid, version))
+            key: bytes = self._kek.decrypt(bytes.fromhex(wrapped[:24]),
+                                           bytes.fromhex(wrapped[24:]), _wrap_aad(tid, version))
+            return key
         except (ValueError, self._master._lib.InvalidTag):
             return None
 

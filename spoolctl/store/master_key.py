@@ -77,8 +77,9 @@ class MasterKey:
     def derive(self, label: bytes, length: int = 32) -> bytes:
         """HKDF-SHA256 of the master key for ``label`` (each use has its own label)."""
         lib = self._lib
-        return lib.HKDF(algorithm=lib.hashes.SHA256(), length=length, salt=None,
-                        info=b"spoolctl/v1 " + label).derive(self._key)
+        key: bytes = lib.HKDF(algorithm=lib.hashes.SHA256(), length=length, salt=None,
+                              info=b"spoolctl/v1 " + label).derive(self._key)
+        return key
 
     @classmethod
     def from_hex(cls, text: str, source: str, ledger: Path | None = None) -> MasterKey:

@@ -25,6 +25,7 @@ from ..errors import ConfigError, CorruptionError, KeyUnavailableError, Quaranti
 from . import sealed_objects
 from .commit.committer import PutRequest
 from .format.keys import TenantId, entry_id_for
+from .format.manifest import Manifest
 from .keyring import (
     KEYRING_SCHEMA,
     TID_RE,
@@ -132,7 +133,7 @@ class Sealer(TenantNames):
             self._on_bound()
             self._on_bound = None
 
-    def key_available(self, manifest: Any) -> bool:
+    def key_available(self, manifest: Manifest) -> bool:
         """False when ``manifest`` is sealed under a key the keyring no longer holds (revoked,
         retired, erased, or another master key) or in the format before objects were bound
         (never opened); True for a sealed entry it can open and a plain one."""
@@ -208,7 +209,7 @@ def _bound(index: Mapping[str, Any] | None) -> bool:
     return isinstance(fact, Mapping) and fact.get("bound") is True
 
 
-def plain_size(manifest: Any, name: str) -> int:
+def plain_size(manifest: Manifest, name: str) -> int:
     """The bytes object ``name`` of ``manifest`` reads back as (``Store.read``): its size on
     disk, less the header and tag of a sealed object. KeyError if there is no such object."""
     size = manifest.object(name).size
@@ -234,7 +235,7 @@ def key_tenant(key: str) -> str | None:
     return key[:16] if TID_RE.fullmatch(key[:16]) else None
 
 
-def read_binding(manifest: Any, name: str) -> Binding:
+def read_binding(manifest: Manifest, name: str) -> Binding:
     """The binding object ``name`` of the sealed entry ``manifest`` must carry, from the
     entry the reader asked for: its id (which the reader derived from the tenant and key
     it asked with) and the tenant its key names -- never from the object's bytes.

@@ -201,7 +201,7 @@ def encryption_summary(store: Store) -> dict[str, Any] | None:
 
 def encryption_checks(root: Any) -> list[Any]:
     """``doctor``'s encryption checks for the store at ``root`` (none for a plain store)."""
-    from .maintain.doctor import Check
+    from .maintain.doctor_scan import Check
     from .sealing import FILE_ENV, MasterKey
 
     keyring = Path(root) / "state" / "keyring.json"

@@ -20,8 +20,9 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-Row = tuple  # an ``entries`` row in the catalog's column order
+Row = tuple[Any, ...]  # an ``entries`` row in the catalog's column order
 Ref = tuple[str, str, int]  # (entry id, object digest, object size)
 # Page cache of the loading connection (KiB): a rebuild of 100,000 entries fits.
 LOAD_CACHE_KIB = 64 << 10

@@ -125,7 +125,8 @@ class CatalogReads:
         With ``sort="access"`` and a ``limit`` the newest rows are read from the
         ``(hint, last_access)`` index, one walk per hint merged, instead of sorting every
         row of the store (``released_page`` pages through released rows by id)."""
-        where, params = [WELL_FORMED], []
+        where: list[str] = [WELL_FORMED]
+        params: list[Any] = []
         if not include_pending:
             where.append("state='committed'")
         if skip_held:
@@ -167,7 +168,7 @@ class CatalogReads:
             f"state='committed' AND {WELL_FORMED} AND {NOT_HELD} AND entry_id > ? "
             "ORDER BY entry_id LIMIT ?", (after, limit))]
 
-    def _newest(self, where: list[str], params: list, hint: str | None,
+    def _newest(self, where: list[str], params: list[Any], hint: str | None,
                 limit: int) -> list[CatalogRow]:
         rows: list[CatalogRow] = []
         for h in (hint,) if hint is not None else ("retain", "release"):

@@ -78,7 +78,7 @@ class CatalogWrites:
 
     def index_manifest(
         self, manifest: Manifest, manifest_size: int, *, hint: str = "retain",
-        last_access: float | None = None, index: dict | None = None,
+        last_access: float | None = None, index: dict[str, Any] | None = None,
     ) -> None:
         """Index a manifest found on disk as committed (recovery and rebuild); ``index``
         replaces the manifest's index facts (a repair that keeps catalog-only facts)."""
@@ -115,7 +115,7 @@ class CatalogWrites:
             "SELECT entry_id FROM entries WHERE hint='release' ORDER BY entry_id"))
 
     @staticmethod
-    def _insert_rows(db, rows: list[tuple], refs: list[tuple[str, str, int]]) -> None:
+    def _insert_rows(db: sqlite3.Connection, rows: list[Row], refs: list[Ref]) -> None:
         """Insert (replace) ``entries`` rows and their object references, statement by
         statement over the batch (executemany)."""
         ids = [(row[0],) for row in rows]
@@ -129,8 +129,8 @@ class CatalogWrites:
                        [(entry_id, digest) for entry_id, digest, _ in refs])
 
     @staticmethod
-    def _insert(db, manifest: Manifest, manifest_size: int, now: float, *, hint: str,
-                state: str, index: dict | None = None) -> None:
+    def _insert(db: sqlite3.Connection, manifest: Manifest, manifest_size: int, now: float,
+                *, hint: str, state: str, index: dict[str, Any] | None = None) -> None:
         db.execute("DELETE FROM entry_objects WHERE entry_id=?", (manifest.entry_id,))
         db.execute("DELETE FROM entries WHERE entry_id=?", (manifest.entry_id,))
         db.execute(f"INSERT INTO entries({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -151,7 +151,7 @@ class CatalogWrites:
                 self._hints.append([(entry_id, hint)])
             return cur.rowcount > 0
 
-    def update_index(self, entry_id: str, changes: dict) -> bool:
+    def update_index(self, entry_id: str, changes: dict[str, Any]) -> bool:
         """Merge ``changes`` into the row's index (a value of None removes that key).
 
         For facts that change after commit (a hosted cache's expire time, a pending
@@ -293,7 +293,7 @@ class CatalogWrites:
 
 
 def _row(manifest: Manifest, manifest_size: int, last_access: float, hint: str, state: str,
-         index: dict | None = None) -> tuple:
+         index: dict[str, Any] | None = None) -> Row:
     """The ``entries`` row of ``manifest`` (``COLUMNS`` order)."""
     return (manifest.entry_id, manifest.kind, manifest.namespace, manifest.key,
             manifest.payload_bytes + manifest_size, manifest_size, manifest.created,
@@ -301,15 +301,15 @@ def _row(manifest: Manifest, manifest_size: int, last_access: float, hint: str, 
             json.dumps(dict(manifest.index if index is None else index), sort_keys=True))
 
 
-
 def _rows_and_refs(entries: Iterable[tuple[Manifest, int]], state: str,
                    last_access: float | None = None, *,
                    hints: Mapping[str, str] | None = None
-                   ) -> tuple[list[tuple], list[tuple[str, str, int]]]:
+                   ) -> tuple[list[Row], list[Ref]]:
     """The ``entries`` rows of (manifest, manifest size) pairs (retained unless ``hints``
     says otherwise) and their object references (entry id, digest, size); last access
     ``last_access``, or each manifest's creation time if None."""
-    rows, refs = [], []
+    rows: list[Row] = []
+    refs: list[Ref] = []
     for manifest, size in entries:
         hint = hints.get(manifest.entry_id, "retain") if hints else "retain"
         rows.append(_row(manifest, size, manifest.created if last_access is None
