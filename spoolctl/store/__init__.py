@@ -43,9 +43,9 @@ from ..errors import (
 # Each public name is loaded from its module on first use (PEP 562), so a process that
 # needs only part of the store (``spoolctl --help``, a command on one subsystem, the
 # connector's scheduler) does not import the rest: the transfer, scrub and doctor modules,
-# the catalog and its SQLite are each imported by the first name that needs them (decision
-# 2940). The import statements below are the same names for type checkers and for the layer
-# contracts (.importlinter); ``_LAZY`` must list exactly them (tests/test_store_lazy.py).
+# the catalog and its SQLite are each imported by the first name that needs them. The
+# import statements below are the same names for type checkers and for the layer contracts
+# (.importlinter); ``_LAZY`` must list exactly them (tests/test_startup.py).
 if TYPE_CHECKING:
     from .catalog.index import CatalogRow, Totals
     from .catalog.rows import MalformedRow

@@ -1,4 +1,4 @@
-"""What the store's parts receive instead of the whole ``Store`` (decision 2520).
+"""What the store's parts receive instead of the whole ``Store``.
 
 ``Store`` (``store.py``) is composed of parts -- the committer (``commit``), the garbage
 collector (``gc``), recovery (``recovery``), the entry quarantine (``quarantining``), the

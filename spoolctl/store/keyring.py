@@ -50,9 +50,9 @@ class TenantKeys:
 
 @dataclass(frozen=True)
 class KeyTable:
-    """The wrapped data keys an archive carries for one store's encrypted entries (decision
-    2813): the id of the master key they are wrapped under and ``(tenant id, version,
-    wrapped)`` per key -- the keyring's own records, never a key in clear."""
+    """The wrapped data keys an archive carries for one store's encrypted entries: the id
+    of the master key they are wrapped under and ``(tenant id, version, wrapped)`` per key
+    -- the keyring's own records, never a key in clear."""
 
     master_id: str
     keys: tuple[tuple[str, int, str], ...]
@@ -91,7 +91,7 @@ class KeyAdoption:
 
     added: list[tuple[str, int]] = field(default_factory=list)
     present: list[tuple[str, int]] = field(default_factory=list)
-    # keys of a tenant revoked here, or erased here before: never taken (decision 2813)
+    # keys of a tenant revoked here, or erased here before: never taken
     refused: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -176,7 +176,7 @@ def _load_doc(path: Path) -> dict[str, Any]:
 
 
 def _current(rec: Mapping[str, Any]) -> int | None:
-    """The version new objects of a tenant record use: its ``current`` (decision 2812); a
+    """The version new objects of a tenant record use: its ``current``; a
     record written before it has none, and its newest counter is current."""
     keys = rec.get("keys") or {}
     if "current" in rec:
@@ -196,7 +196,7 @@ class Keyring:
                  read_only: bool = False, on_wide: Callable[[], Any] | None = None):
         """``on_wide``: called before the keyring first holds a random-id version (one that
         seals SPS2 objects), and by ``mark_wide`` -- the store makes its marker require
-        them there, so a spoolctl that reads only SPS1 refuses the store (decision 2831)."""
+        them there, so a spoolctl that reads only SPS1 refuses the store."""
         self.path = state / "keyring.json"
         self._on_wide = on_wide
         self._lock = state / "keyring.lock"
@@ -288,7 +288,7 @@ class Keyring:
 
     def mark_wide(self) -> None:
         """Call ``on_wide`` if the keyring already holds (or held) a random-id version: a
-        store whose SPS2 keys were made before decision 2831 gets its marker at the next
+        store whose SPS2 keys were made before the marker named them gets it at the next
         writable open."""
         if self._on_wide is not None and not self._read_only and _has_wide(self.refresh()):
             self._on_wide()
@@ -307,7 +307,7 @@ class Keyring:
 
     def revoke(self, tid: str) -> list[int]:
         """Erase every data key of ``tid`` and remember the revoke (no archive brings one of
-        its keys back, decision 2813); returns the versions erased."""
+        its keys back); returns the versions erased."""
         return self.retire(tid, keep=None, revoke=True)
 
     def retire(self, tid: str, keep: int | None, *, revoke: bool = False) -> list[int]:
@@ -322,7 +322,7 @@ class Keyring:
                     return
                 rec = doc["tenants"][tid] = {"keys": {}}
             keys = rec.setdefault("keys", {})
-            if "current" not in rec:  # a record from before decision 2812: pin it
+            if "current" not in rec:  # a record from before ``current`` existed: pin it
                 rec["current"] = _current(rec)
             # recorded outside the store first: no restored copy of this keyring unwraps them
             self.erased.record([k for v, w in keys.items() if (keep is None or int(v) != keep)
@@ -341,7 +341,7 @@ class Keyring:
 
     def adopt(self, table: KeyTable, source: str) -> KeyAdoption:
         """Merge the wrapped keys an archive (``source``) carries into this keyring, so its
-        encrypted entries read here; all or nothing (decision 2813).
+        encrypted entries read here; all or nothing.
 
         ConfigError (one line) when they are wrapped under another master key; ArchiveError
         when one does not unwrap under it for its tenant and version (damaged, or a key
@@ -381,7 +381,7 @@ class Keyring:
             for tid, version, wrapped in adding:
                 rec = doc["tenants"].setdefault(tid, {"keys": {}, "current": None})
                 rec.setdefault("keys", {})
-                if "current" not in rec:  # a record from before decision 2812: pin it
+                if "current" not in rec:  # a record from before ``current`` existed: pin it
                     rec["current"] = _current(rec)
                 rec["keys"][str(version)] = wrapped
                 rec.setdefault("imported", {})[str(version)] = now
@@ -419,7 +419,7 @@ class Keyring:
             try:
                 change(doc)
                 if self._on_wide is not None and _has_wide(doc):
-                    self._on_wide()  # before the keyring names such a key (decision 2831)
+                    self._on_wide()  # the marker first, so no older spoolctl reads such a key
             except BaseException:
                 self._seen = None  # the copy in memory may be half changed: reload it
                 raise
@@ -461,7 +461,7 @@ def _wrap_aad(tid: str, version: int) -> bytes:
 def new_version(taken: Any = ()) -> int:
     """A fresh key version: a random 63-bit id above the legacy counters, not in ``taken``.
     Random, not counted, so two hosts under one master key never give the same (tenant,
-    version) to two different keys (decision 2812)."""
+    version) to two different keys."""
     while True:
         version = WIDE_VERSION + secrets.randbelow(_MAX_VERSION - WIDE_VERSION)
         if str(version) not in taken and version not in taken:

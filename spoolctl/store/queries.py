@@ -1,5 +1,4 @@
-"""The store's read-only queries: totals, listings, id resolution (a part of ``Store``,
-decision 2520).
+"""The store's read-only queries: totals, listings, id resolution (a part of ``Store``).
 
 ``Queries`` receives what it reads: the catalog (asked for on each use: a repair replaces
 it), the catalog repair wrapper every catalog call goes through (a damaged catalog is

@@ -300,7 +300,7 @@ def stored_key(names: TenantNames, tenant: str | TenantId | None, key: str) -> s
 def refuse_encrypted(store: Any, consumer: str) -> None:
     """ConfigError if ``store`` is encrypted: ``consumer`` does not pass tenants yet, and its
     own entry ids would never match the tenant-keyed names (every lookup a miss). Fail closed
-    and say so rather than write entries that are never found (decision 2800, item 6)."""
+    and say so rather than write entries that are never found."""
     if getattr(store, "sealer", None) is not None:
         raise ConfigError(f"{consumer} does not support encryption at rest yet",
                           path=getattr(store, "root", None),

@@ -159,7 +159,7 @@ class CatalogReads:
 
         Only ids and sizes: building whole rows cost more than the query. The index is
         named, or SQLite would pick a filter column's index and sort every match for each
-        page: released rows have their own (O(released) a pass, decision 1406); a catalog
+        page: released rows have their own (O(released) a pass); a catalog
         opened read-only from before it walks the primary key (each row read once)."""
         source = ("entries INDEXED BY entries_released" if self._db.released_index
                   else "entries INDEXED BY sqlite_autoindex_entries_1")

@@ -39,12 +39,12 @@ class CatalogWrites:
                        ) -> set[str]:
         """Record a batch of commits in flight (one transaction): a pending row per
         (manifest, manifest size) plus its object references; ``hints`` gives an entry a
-        hint other than retain (an import keeping the source's, decision 2311).
+        hint other than retain (an import keeping the source's).
 
         ``claim``: an entry that already has a row -- another writer's commit of the same
         entry in flight or done -- is left to it: not recorded, and its id returned. The
         check and the insert share one write transaction, so of two concurrent imports of
-        one entry exactly one records it (issue 30.9)."""
+        one entry exactly one records it."""
         rows, refs = _rows_and_refs(entries, "pending", now, hints=hints)
         taken: set[str] = set()
         with self._db.write_transaction() as db:
@@ -181,7 +181,7 @@ class CatalogWrites:
     def touch(self, entry_ids: Iterable[str], now: float) -> None:
         """Record an access at ``now`` (only where the last one is stale, so hot lookups do
         not write). A last access from the future (a clock that ran ahead) is stale too:
-        the access now is the entry's real recency (issue 30.7)."""
+        the access now is the entry's real recency."""
         ahead = now + FUTURE_SLACK
         ids = [
             r[0] for chunk in chunks(list(entry_ids), 500) for r in self._db.read(
@@ -203,8 +203,7 @@ class CatalogWrites:
         """Give every entry whose last access lies in the future (written while the clock
         ran ahead, not used since it was corrected) a last access just before the oldest
         trusted one of the store, so it is evicted first of the retained entries instead of
-        last, after every entry used today (issue 30.7, decision 2300). Returns how many
-        rows changed; one indexed probe per hint when there are none."""
+        last, after every entry used today. Returns how many rows changed."""
         ahead = now + FUTURE_SLACK
         probe = ("SELECT 1 FROM entries INDEXED BY entries_lru WHERE hint=? AND last_access > ? "
                  "AND typeof(last_access) IN ('integer', 'real') LIMIT 1")
@@ -235,7 +234,7 @@ class CatalogWrites:
                        dry_run: bool = False) -> tuple[int, int]:
         """Release the committed entries of ``tenant_id`` (but those under key version
         ``keep``; None: all); returns (entries, bytes). ``dry_run`` only counts them.
-        Versions are ids, not an order (decision 2812): "older than current" is "not
+        Versions are ids, not an order: "older than current" is "not
         current"."""
         where = (f"state='committed' AND hint='retain' AND json_valid(index_json) "
                  f"AND {SEALED_TENANT} = ? AND (? IS NULL OR {SEALED_VERSION} IS NOT ?)")

@@ -106,7 +106,7 @@ class Committer:
         deleted), also on error. ``revive``: an entry already committed is revived if
         released (``put``); without it, it is only reported present (import). Raises on a
         failure of a shared step (see the module docstring). The batch's creates and renames
-        share one descriptor per directory (``Publisher.batch``, issue 35.1)."""
+        share one descriptor per directory (``Publisher.batch``)."""
         with self._publisher.batch():
             self._commit(batch, given=given, revive=revive)
 
@@ -201,7 +201,7 @@ class Committer:
         """Steps 1-2: stage every entry, record the intents, wait for the flushes. Returns
         the entries whose intent was recorded (some may have failed since)."""
         flushing: list[Flushing] = []
-        # Every file the batch writes, created ahead (decision 1408): one per object, one
+        # Every file the batch writes, created ahead: one per object, one
         # per manifest.
         ahead = TmpAhead(self._publisher, sum(
             (len(p.request.objects) if p.request is not None else 0) + 1 for p in live))
@@ -326,7 +326,7 @@ class Committer:
             final = layout.objects
             try:
                 if p.staged:
-                    # Written through descriptors opened ahead (decision 1408), renamed by
+                    # Written through descriptors opened ahead, renamed by
                     # path: a tmp/ swapped for a link since then is named as such.
                     final = layout.tmp
                     self._publisher.check_dirs(layout.tmp)
@@ -374,10 +374,10 @@ class Committer:
         """fsync ``dirs`` concurrently (the filesystem merges them); StoreIOError if any
         fails. A single directory (every ``put``) is fsynced on this thread: handing it to
         the pool and waiting would only add two thread switches to the commit's critical
-        path (decision 2901). Many (a group commit touches ~30 fan-outs per step) go to
+        path. Many (a group commit touches ~30 fan-outs per step) go to
         the pool as at most ``FLUSH_WORKERS`` lanes, each fsyncing its share in turn:
         as many fsyncs in flight as the pool runs anyway, one hand-off per lane instead
-        of one per directory (decision 2950)."""
+        of one per directory."""
         ordered = sorted(set(dirs))
         if len(ordered) == 1:
             try:
