@@ -13,7 +13,7 @@ def query_plans(store: Store, call: Callable[[], object],
                 verbs: tuple[str, ...] = ("SELECT", "UPDATE")) -> list[str]:
     """Run ``call`` and return ``EXPLAIN QUERY PLAN`` of every statement starting with one of
     ``verbs`` that it executed on the store's catalog, one line per statement."""
-    db = store.catalog._db
+    db = store.catalog.connection_for_inspection()
     statements: list[str] = []
     db.set_trace_callback(statements.append)
     try:

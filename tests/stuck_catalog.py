@@ -33,7 +33,7 @@ def stuck_catalog(store: Store) -> Iterator[_Held]:
     held, release = threading.Event(), threading.Event()
 
     def stuck_writer() -> None:
-        with store.catalog._lock:
+        with store.catalog.held():
             held.set()
             release.wait()
 

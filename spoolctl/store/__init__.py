@@ -43,9 +43,9 @@ from ..errors import (
 # Each public name is loaded from its module on first use (PEP 562), so a process that
 # needs only part of the store (``spoolctl --help``, a command on one subsystem, the
 # connector's scheduler) does not import the rest: the transfer, scrub and doctor modules,
-# the catalog and its SQLite are each imported by the first name that needs them (decision
-# 2940). The import statements below are the same names for type checkers and for the layer
-# contracts (.importlinter); ``_LAZY`` must list exactly them (tests/test_store_lazy.py).
+# the catalog and its SQLite are each imported by the first name that needs them. The
+# import statements below are the same names for type checkers and for the layer contracts
+# (.importlinter); ``_LAZY`` must list exactly them (tests/test_startup.py).
 if TYPE_CHECKING:
     from .catalog.index import CatalogRow, Totals
     from .catalog.rows import MalformedRow
@@ -76,7 +76,8 @@ if TYPE_CHECKING:
     from .format.sizes import format_size, parse_duration, parse_rate, parse_size
     from .maintain.auth_requests import AuthQueue, authenticate
     from .maintain.clean import CLEAN_STEPS, CleanReport
-    from .maintain.doctor import Check, filesystem_type, run_checks
+    from .maintain.doctor import filesystem_type, run_checks
+    from .maintain.doctor_scan import Check
     from .maintain.gc import DeleteReport
     from .maintain.maintainer import BackgroundMaintainer
     from .maintain.quarantine import QuarantineItem, validate_item_id
@@ -131,7 +132,8 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".format.sizes": ("format_size", "parse_duration", "parse_rate", "parse_size"),
     ".maintain.auth_requests": ("AuthQueue", "authenticate"),
     ".maintain.clean": ("CLEAN_STEPS", "CleanReport"),
-    ".maintain.doctor": ("Check", "filesystem_type", "run_checks"),
+    ".maintain.doctor": ("filesystem_type", "run_checks"),
+    ".maintain.doctor_scan": ("Check",),
     ".maintain.gc": ("DeleteReport",),
     ".maintain.maintainer": ("BackgroundMaintainer",),
     ".maintain.quarantine": ("QuarantineItem", "validate_item_id"),

@@ -1,4 +1,4 @@
-"""What the store's parts receive instead of the whole ``Store`` (decision 2520).
+"""What the store's parts receive instead of the whole ``Store``.
 
 ``Store`` (``store.py``) is composed of parts -- the committer (``commit``), the garbage
 collector (``gc``), recovery (``recovery``), the entry quarantine (``quarantining``), the
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..errors import ReadOnlyError
 
@@ -38,6 +38,15 @@ if TYPE_CHECKING:
     from .format.entry_tags import TagKey
     from .format.manifest import Manifest
     from .maintain.quarantining import EntryQuarantine
+
+
+T = TypeVar("T")
+
+
+class CatalogWork(Protocol):
+    """Runs catalog work through the catalog repair (``Store.run_with_catalog_repair``)."""
+
+    def __call__(self, fn: Callable[[], T], /) -> T: ...
 
 
 class Limits:

@@ -24,7 +24,7 @@ from .maintain.scrub_state import ScrubState, ScrubSummary
 
 if TYPE_CHECKING:
     from .disk.root import Marker, StorePaths
-    from .maintain.quarantine import QuarantineItem
+    from .maintain.quarantine import Quarantine, QuarantineItem
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class StoreFacts:
     unknown_files: tuple[str, ...] = ()
     malformed_rows: int = 0
     read_only: bool = False
-    space: Space | None = None  # the filesystem's free bytes and inodes (issue 30.2)
+    space: Space | None = None  # the filesystem's free bytes and inodes
 
     @property
     def usage_ratio(self) -> float | None:
@@ -121,13 +121,15 @@ class StoreFacts:
 
 class FactSource(Protocol):
     """What ``collect`` reads of a store (``Store`` is one): named here so that this module,
-    below the ``Store`` facade, does not import it (decision 2520)."""
+    below the ``Store`` facade, does not import it."""
 
     layout: StorePaths
-    marker: Marker
+    quarantine: Quarantine
     read_only: bool
     unknown_files: list[str]
 
+    @property
+    def marker(self) -> Marker: ...
     @property
     def root(self) -> Path: ...
     @property

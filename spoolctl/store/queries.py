@@ -1,5 +1,4 @@
-"""The store's read-only queries: totals, listings, id resolution (a part of ``Store``,
-decision 2520).
+"""The store's read-only queries: totals, listings, id resolution (a part of ``Store``).
 
 ``Queries`` receives what it reads: the catalog (asked for on each use: a repair replaces
 it), the catalog repair wrapper every catalog call goes through (a damaged catalog is
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..errors import InvalidIdError, NotFoundError
 from .catalog.index import Catalog, CatalogRow, Totals
 from .catalog.rows import shown_id
+from .context import CatalogWork
 from .format.keys import validate_entry_id, validate_entry_prefix
 from .maintain.gc import tmp_usage
 
@@ -28,7 +28,7 @@ class Queries:
     """A store's queries (see the module docstring)."""
 
     def __init__(self, layout: StorePaths, catalog: Callable[[], Catalog],
-                 repairing: Callable[[Callable[[], Any]], Any]):
+                 repairing: CatalogWork):
         self._layout = layout
         self._catalog = catalog
         self._repairing = repairing

@@ -20,6 +20,7 @@ import secrets
 import struct
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,14 +225,14 @@ def _decrypt_stream(f: Any, dec: Any, out: memoryview, pipelined: bool, path: Pa
     chunk i+1 is read (the read releases the GIL), in order (GCM is one stream)."""
     n = len(out)
     scratch = [memoryview(bytearray(min(PIPE_CHUNK, n))) for _ in range(2 if pipelined else 1)]
-    pending = None
+    pending: Future[None] | None = None
     offset = turn = 0
     try:
         while offset < n:
             end = min(offset + PIPE_CHUNK, n)
             window = _read_exactly(f, scratch[turn][:end - offset], path)
             if pending is not None:
-                pending, done = None, pending
+                done, pending = pending, None
                 done.result()
             if pipelined:
                 pending = HASH_POOL.submit(_decrypt_into, dec, window, out, offset)

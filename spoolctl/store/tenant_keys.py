@@ -1,4 +1,4 @@
-"""Key operations of an encrypted store (``spoolctl keys``, decision 2800), as data.
+"""Key operations of an encrypted store (``spoolctl keys``), as data.
 
 * ``usage``: whether the store is encrypted, whether the configured master key is the one
   its keyring was written under, and per tenant id its key versions and entries per version.
@@ -153,7 +153,7 @@ def rotate_keys(store: Store, tenant: Tenant | None, *, dry_run: bool = False) -
     change = KeyChange("rotate", dry_run)
     tids = [_tid(sealer, tenant)] if tenant is not None else \
         [t.tenant_id for t in sealer.keyring.tenants()]
-    if dry_run:  # a new version is a random id (decision 2812): none is drawn for a dry run
+    if dry_run:  # a new version is a random id: none is drawn for a dry run
         change.tenants = {tid: [] for tid in tids}
         return change
     change.tenants = {tid: [v] for tid, v in sealer.keyring.rotate(tids).items()}
@@ -201,7 +201,7 @@ def encryption_summary(store: Store) -> dict[str, Any] | None:
 
 def encryption_checks(root: Any) -> list[Any]:
     """``doctor``'s encryption checks for the store at ``root`` (none for a plain store)."""
-    from .maintain.doctor import Check
+    from .maintain.doctor_scan import Check
     from .sealing import FILE_ENV, MasterKey
 
     keyring = Path(root) / "state" / "keyring.json"

@@ -30,7 +30,8 @@ def _store_chain(store: Store, salt: str | None, tokens: list[int]) -> list[str]
 
 def _traced_lookups(store: Store, keys: list[str]) -> list[str]:
     statements: list[str] = []
-    db = store.catalog._db  # the catalog's own connection: see exactly what a lookup runs
+    # the catalog's own connection: see exactly what a lookup runs
+    db = store.catalog.connection_for_inspection()
     db.set_trace_callback(statements.append)
     try:
         hits = [store.lookup("vllm", NS, key, touch=False) for key in keys]

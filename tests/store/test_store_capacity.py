@@ -10,7 +10,7 @@ import pytest
 from waiting import StepClock
 
 from spoolctl.store import CapacityError, Store
-from spoolctl.store.catalog import index as catalog_mod
+from spoolctl.store.catalog import writes as catalog_mod
 
 pytestmark = pytest.mark.base  # runs on a base install too (scripts/run.sh test-base)
 

@@ -45,7 +45,7 @@ def _names(db: sqlite3.Connection) -> set[str]:
 
 
 def test_malformed_rows_follow_every_write(store: Store) -> None:
-    db = store.catalog._db
+    db = store.catalog.connection_for_inspection()
     ids = [_put(store, f"k{i}") for i in range(6)]
     assert _recorded(db) == _by_scan(db) == set() and store.malformed_count() == 0
     # Hand edits of the kinds people make: each breaks one rule of WELL_FORMED.
@@ -88,7 +88,8 @@ def _old_store(root: Path) -> tuple[list[str], dict[str, tuple]]:
     with Store.open(root, create=True) as s:
         ids = [_put(s, f"k{i}") for i in range(8)]
         s.release(ids[1])
-        s.catalog._db.execute("UPDATE entries SET index_json='[' WHERE entry_id=?", (ids[2],))
+        s.catalog.connection_for_inspection().execute(
+            "UPDATE entries SET index_json='[' WHERE entry_id=?", (ids[2],))
     _make_v1(root)
     db = sqlite3.connect(root / "state" / "catalog.sqlite3")
     rows = {r[0]: r for r in db.execute("SELECT * FROM entries")}
@@ -161,7 +162,7 @@ def test_a_rebuild_records_the_malformed_rows_its_manifests_make(store_root: Pat
     for suffix in ("", "-wal", "-shm"):
         (store_root / "state" / f"catalog.sqlite3{suffix}").unlink(missing_ok=True)
     with Store.open(store_root) as s:
-        db = s.catalog._db
+        db = s.catalog.connection_for_inspection()
         assert {r[0] for r in db.execute("SELECT entry_id FROM entries")} == {*ids,
                                                                           odd.entry_id}
         assert _recorded(db) == _by_scan(db) == {odd.entry_id}

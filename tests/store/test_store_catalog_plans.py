@@ -26,7 +26,7 @@ def test_live_and_touch_search_by_primary_key(store: Store) -> None:
         store.put(kind="vllm", namespace="ns", key=f"k{i}", objects={"kv": b"x" * 10})
         ids.append(entry_id_for("vllm", "ns", f"k{i}"))
     # Age the entries so touch has rows to update (it skips recently touched ones).
-    with store.catalog._write() as db:
+    with store.catalog.write_transaction() as db:
         db.execute("UPDATE entries SET last_access = ?", (time.time() - 3600,))
     for call in (lambda: store.live(ids[:8]), lambda: store.touch(ids[:8])):
         plans = _plans(store, call)

@@ -49,7 +49,7 @@ def _expected_released(db: sqlite3.Connection) -> tuple[int, int]:
 
 
 def _check(store: Store) -> None:
-    db = store.catalog._db
+    db = store.catalog.connection_for_inspection()
     assert _kept(db) == _grouped(db)
     assert store.by_kind() == _expected_by_kind(db)
     assert store.released() == _expected_released(db)
@@ -131,7 +131,7 @@ def test_catalog_made_before_kind_totals(store_root: Path) -> None:
         s.release(entry_id_for("genai", "ns", "genai0"))
         _check(s)
     with Store.open(store_root, read_only=True) as ro:  # now read from kind_totals
-        assert ro.catalog._kind_totals
+        assert ro.catalog.has_kind_totals
         with sqlite3.connect(catalog) as db:
             assert ro.by_kind() == _expected_by_kind(db)
             assert ro.released() == _expected_released(db) == (3, ro.released()[1])
@@ -143,14 +143,14 @@ def test_pending_rows_come_from_their_index(store: Store) -> None:
     plans = query_plans(store, store.catalog.pending)
     assert plans and all("entries_pending" in p and "SCAN entries" not in p.replace(
         "SCAN entries USING INDEX entries_pending", "") for p in plans), plans
-    with store.catalog._write() as db:  # an interrupted commit, as a crash leaves it
+    with store.catalog.write_transaction() as db:  # an interrupted commit, as a crash leaves it
         db.execute("UPDATE entries SET state='pending' WHERE key='k3'")
     assert store.catalog.pending() == [entry_id_for("vllm", "ns", "k3")]
 
 
 def test_newest_rows_walk_the_lru_index(store: Store) -> None:
     ids = [_put(store, "vllm", f"k{i}") for i in range(12)]
-    with store.catalog._write() as db:  # distinct access times, interleaving both hints
+    with store.catalog.write_transaction() as db:  # distinct access times, interleaving both hints
         for n, entry_id in enumerate(ids):
             db.execute("UPDATE entries SET last_access=?, hint=? WHERE entry_id=?",
                        (1000.0 + n, "release" if n % 3 == 0 else "retain", entry_id))
@@ -172,7 +172,7 @@ def test_released_pages_walk_the_released_index(store: Store) -> None:
     kept = sorted(_put(store, "vllm", f"keep{i}") for i in range(10))
     for entry_id in ids:
         store.release(entry_id)
-    with store.catalog._write() as db:  # one held for a remote delete, one mid-commit
+    with store.catalog.write_transaction() as db:  # one held for a remote delete, one mid-commit
         db.execute("UPDATE entries SET index_json='{\"remote_pending\": true}' "
                    "WHERE entry_id=?", (ids[1],))
         db.execute("UPDATE entries SET state='pending' WHERE entry_id=?", (ids[2],))
@@ -269,7 +269,7 @@ def test_rebuild_loads_every_manifest_with_indexes_triggers_and_totals(
         ids = sorted(_put(s, kind, f"{kind}{i}", size=30 + i) for kind in ("vllm", "mlx")
                      for i in range(40))
         assert s.release(ids[0])
-        before, schema = s.totals(), _schema(s.catalog._db)
+        before, schema = s.totals(), _schema(s.catalog.connection_for_inspection())
         bad = s.layout.manifest_path(ids[-1])
     bad.write_bytes(bad.read_bytes()[:-20])  # truncated: quarantined by the rebuild
     for suffix in ("", "-wal", "-shm"):
@@ -279,7 +279,7 @@ def test_rebuild_loads_every_manifest_with_indexes_triggers_and_totals(
         # the release survives (state/hints.log); every other entry is retained
         assert [r.entry_id for r in s.entries() if r.hint != "retain"] == [ids[0]]
         assert s.totals().entries == before.entries - 1
-        assert _schema(s.catalog._db) == schema
+        assert _schema(s.catalog.connection_for_inspection()) == schema
         _check(s)
         assert [i.entry_id for i in s.quarantine_items()] == [ids[-1]]
         for entry_id in ids[:-1]:
@@ -299,7 +299,7 @@ def test_a_rebuild_that_fails_midway_leaves_the_catalog_as_it_was(
 
     with Store.open(store_root, create=True) as s:
         ids = sorted(_put(s, "vllm", f"k{i}") for i in range(60))
-        schema = _schema(s.catalog._db)
+        schema = _schema(s.catalog.connection_for_inspection())
     for suffix in ("", "-wal", "-shm"):
         (store_root / "state" / f"catalog.sqlite3{suffix}").unlink(missing_ok=True)
     real, calls = recovery._read_fan, []

@@ -15,7 +15,8 @@ from spoolctl.store.maintain import gc as gc_mod
 
 
 def _autocheckpoint(store: Store) -> int:
-    return int(store.catalog._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+    db = store.catalog.connection_for_inspection()
+    return int(db.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
 
 
 def _wal(store: Store) -> Path:
@@ -53,7 +54,8 @@ def test_clean_checkpoints_on_a_helper_thread_and_keeps_the_log_bounded(
 
     monkeypatch.setattr(BackgroundCheckpoints, "__init__", track)
     before = _autocheckpoint(store)
-    store.catalog._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the log starts empty
+    # the log starts empty
+    store.catalog.connection_for_inspection().execute("PRAGMA wal_checkpoint(TRUNCATE)")
     report = store.clean_released()
     assert report.entries == 200 and len(seen) == 10
     assert all(auto == 0 for auto, _ in seen)  # commits left checkpoints to the helper
@@ -105,10 +107,10 @@ def test_a_checkpoint_that_fails_is_skipped(tmp_path: Path) -> None:
 def test_nested_background_checkpoints_leave_the_outer_in_charge(store: Store) -> None:
     before = _autocheckpoint(store)
     with store.catalog.background_checkpoints():
-        outer = store.catalog._checkpoints
+        outer = store.catalog.background_checkpointer
         with store.catalog.background_checkpoints():
-            assert store.catalog._checkpoints is outer
+            assert store.catalog.background_checkpointer is outer
             store.put(kind="vllm", namespace="ns", key="k", objects={"o": b"x"})
-        assert store.catalog._checkpoints is outer and _autocheckpoint(store) == 0
-    assert store.catalog._checkpoints is None and _autocheckpoint(store) == before
+        assert store.catalog.background_checkpointer is outer and _autocheckpoint(store) == 0
+    assert store.catalog.background_checkpointer is None and _autocheckpoint(store) == before
     assert outer is not None and outer.done >= 1  # the put's transactions checkpointed

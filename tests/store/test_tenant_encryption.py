@@ -42,15 +42,21 @@ def no_operator_key(monkeypatch):
 
 
 @pytest.fixture
-def master() -> MasterKey:
-    return MasterKey.from_hex(secrets.token_hex(32), "test")
+def master_hex() -> str:
+    return secrets.token_hex(32)
+
+
+@pytest.fixture
+def master(master_hex: str) -> MasterKey:
+    return MasterKey.from_hex(master_hex, "test")
 
 
 def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
 
-def test_entries_are_sealed_per_tenant_and_read_back(store_root: Path, master: MasterKey):
+def test_entries_are_sealed_per_tenant_and_read_back(store_root: Path, master: MasterKey,
+                                                      master_hex: str):
     with Store.open(store_root, create=True, master_key=master) as store:
         a = store.put(kind=KIND, namespace=NS, key="prompt", objects={"kv": SECRET},
                       tenant="alice")
@@ -73,12 +79,8 @@ def test_entries_are_sealed_per_tenant_and_read_back(store_root: Path, master: M
         assert SECRET[:32] not in data, path
         assert b"alice" not in data and b"bob" not in data, path
     # The same store reopened by the same key in another process reads the same bytes.
-    with Store.open(store_root, master_key=MasterKey.from_hex(master_hex(master), "again")) as s:
+    with Store.open(store_root, master_key=MasterKey.from_hex(master_hex, "again")) as s:
         assert bytes(s.read(s.manifest(a.entry_id), "kv")) == SECRET
-
-
-def master_hex(master: MasterKey) -> str:
-    return master._key.hex()
 
 
 def test_a_tampered_object_is_quarantined_and_a_miss(store_root: Path, master: MasterKey):
@@ -170,7 +172,8 @@ def test_without_cryptography_one_clear_line(monkeypatch):
     assert "spoolctl[crypto]" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_scrub_and_request_auth_need_no_key(store_root: Path, master: MasterKey):
+def test_scrub_and_request_auth_need_no_key(store_root: Path, master: MasterKey,
+                                             master_hex: str):
     """Scrub and request-auth check an encrypted entry against its ciphertext's digest (the
     object's name): cron needs no key, an entry is found whether or not the key is there (or
     still exists), and a flipped byte is quarantined either way (decision 2800, "Scrub")."""
@@ -180,7 +183,7 @@ def test_scrub_and_request_auth_need_no_key(store_root: Path, master: MasterKey)
         ms = [store.put(kind=KIND, namespace=NS, key=f"k{i}", objects={"kv": SECRET + bytes([i])},
                         tenant=t) for i, t in enumerate(("alice", "alice", "bob", "bob"))]
     root = ("--root", str(store_root))
-    keyed = {VALUE_ENV: master_hex(master),
+    keyed = {VALUE_ENV: master_hex,
              "SPOOLCTL_KEY_LEDGER": str(store_root.parent / "erased-keys.json")}
     for env in (None, keyed):
         doc = run_json("request-auth", ms[0].entry_id, *root, env=env)

@@ -269,7 +269,7 @@ def test_no_key_material_in_any_output_or_log(store_root: Path, tmp_path: Path, 
              for t in sealer.keyring.tenants()]
     data_keys = _live_keys(store_root, key_env)
     assert len(data_keys) == 3
-    secrets_ = [master._key, *derived, *data_keys]
+    secrets_ = [bytes.fromhex(Path(key_env[FILE_ENV]).read_text()), *derived, *data_keys]
     root = ("--root", str(store_root))
     outputs: list[str] = []
     with caplog.at_level("DEBUG"):

@@ -1,12 +1,12 @@
 """How a store keeps its catalog usable: opening it (writable or read-only), repairing it
-when SQLite reports damage, and the full-disk guard (a part of ``Store``, decision 2520).
+when SQLite reports damage, and the full-disk guard (a part of ``Store``).
 
 * ``CatalogKeeper.run_with_catalog_repair``: a catalog that SQLite reports damaged (by
   result code, ``sqlite_files.is_damaged``; also a FIFO or symlink in its place) is
   quarantined and rebuilt from the manifests, and the call retried once. A read-only
   store cannot rebuild: it reports the damage in one line instead.
 * ``shedding``: an operation that sheds load (or must run to let one run) that fails for
-  lack of space deletes the reserve file and retries once (``reserve``, decision 1103).
+  lack of space deletes the reserve file and retries once (``reserve``).
 
 ``CatalogKeeper`` receives what it uses, not the store: the layout, whether the store is
 read-only, the evidence directory, the exclusive maintenance lock (so two processes never

@@ -1,18 +1,11 @@
 """Loading a catalog in bulk: a rebuild from the manifests in one transaction.
 
-A rebuild indexes every manifest of the store into a catalog that has none of them. Row by
-row, the secondary indexes and the triggers that keep ``totals`` and ``kind_totals`` cost
-several times the insert itself (decision 1405). ``load`` instead, inside **one**
-transaction: drops the secondary indexes and the triggers, inserts every row, creates the
-indexes and triggers again from the catalog's DDL and computes both totals tables and the
-malformed rows (one pass of ``WELL_FORMED``, decision 2920) from the rows. SQLite's DDL is
-transactional, so another connection sees the catalog before or after, never a catalog
-without its indexes, triggers or right totals; a crash midway rolls the whole load back
-(the next writable open rebuilds again). ``page_cache`` enlarges the connection's page
-cache around the transaction (``LOAD_CACHE_KIB``) and gives it back after: the inserts and
-index builds then stay in memory instead of spilling pages to the log midway.
-
-Pure SQL over a connection the caller holds in a write transaction; no file system access.
+``load``, inside the caller's write transaction, drops the secondary indexes and triggers,
+inserts every row, re-creates them from the catalog's DDL and computes both totals tables
+and the malformed rows from the rows. Another connection sees the catalog before or after,
+never half-loaded; a crash rolls the whole load back. ``page_cache`` enlarges the
+connection's page cache around the transaction (``LOAD_CACHE_KIB``) and restores it after.
+Pure SQL over a connection the caller holds; no file system access.
 """
 
 from __future__ import annotations
@@ -20,8 +13,9 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-Row = tuple  # an ``entries`` row in the catalog's column order
+Row = tuple[Any, ...]  # an ``entries`` row in the catalog's column order
 Ref = tuple[str, str, int]  # (entry id, object digest, object size)
 # Page cache of the loading connection (KiB): a rebuild of 100,000 entries fits.
 LOAD_CACHE_KIB = 64 << 10

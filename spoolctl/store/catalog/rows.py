@@ -106,9 +106,9 @@ class CatalogRow:
     hint: str
     state: str
     supersedes: str | None
-    index: dict
+    index: dict[str, Any]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "entry_id": self.entry_id, "kind": self.kind, "namespace": self.namespace,
             "size": self.size, "created": self.created, "last_access": self.last_access,
@@ -130,7 +130,7 @@ def shown_id(value: Any) -> str:
     return text[:64]
 
 
-def parse_row(row: tuple) -> CatalogRow:
+def parse_row(row: tuple[Any, ...]) -> CatalogRow:
     """A ``CatalogRow`` from ``SELECT entry_id, kind, ..., index_json``; raises
     MalformedRow naming the first bad value."""
     (entry_id, kind, namespace, key, size, manifest_size, created, last_access, hint, state,
@@ -160,7 +160,7 @@ def parse_row(row: tuple) -> CatalogRow:
                       float(last_access), hint, state, supersedes, index)
 
 
-def parse_index(text: Any, entry_id: str = "") -> dict:
+def parse_index(text: Any, entry_id: str = "") -> dict[str, Any]:
     """The index facts of a row (a JSON object); MalformedRow if not valid."""
     try:
         index = json.loads(text or "{}") if isinstance(text, (str, type(None))) else None
@@ -192,3 +192,7 @@ def valid_facts(index: Mapping[str, Any]) -> dict[str, Any]:
 def _short(value: Any) -> str:
     text = json.dumps(value, ensure_ascii=True, default=str)
     return text if len(text) <= 40 else text[:37] + "..."
+
+# An encrypted entry's tenant id and key version, from its index's ``sealed`` fact.
+SEALED_TENANT = "json_extract(index_json, '$.sealed.tenant')"
+SEALED_VERSION = "json_extract(index_json, '$.sealed.version')"

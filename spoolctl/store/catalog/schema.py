@@ -11,8 +11,7 @@ from __future__ import annotations
 from .rows import WELL_FORMED, WELL_FORMED_COLUMNS, well_formed
 
 # 2: malformed rows are recorded in their own table by triggers (was: a partial index over
-# ``NOT WELL_FORMED``); a catalog of version 1 is migrated when opened writable (``MIGRATE``,
-# decision 2920).
+# ``NOT WELL_FORMED``); a catalog of version 1 is migrated when opened writable (``MIGRATE``).
 SCHEMA_VERSION = "2"
 
 DDL = """
@@ -78,13 +77,13 @@ BEGIN
 # Pending rows (commits in flight or interrupted), indexed by themselves: every writable
 # open looks for them, which must not scan a store of a million entries.
 DDL += "CREATE INDEX IF NOT EXISTS entries_pending ON entries(entry_id) WHERE state='pending';\n"
-# Released rows in id order, indexed by themselves: `clean` pages through them (decision
-# 1406) in O(released), not by walking every row of the store for each page.
+# Released rows in id order, indexed by themselves: `clean` pages through them
+# in O(released), not by walking every row of the store for each page.
 DDL += "CREATE INDEX IF NOT EXISTS entries_released ON entries(entry_id) WHERE hint='release';\n"
 _COMMON = DDL
 # Version 1 kept malformed rows in a partial index over ``NOT WELL_FORMED``: building it
 # evaluated the expression once more per row after a rebuild's load, the costliest step of
-# the load (decision 2920). Kept here so that a version-1 file is recognised as ours
+# the load. Kept here so that a version-1 file is recognised as ours
 # (``check_schema``) and migrated.
 DDL_V1 = _COMMON + ("CREATE INDEX IF NOT EXISTS entries_malformed ON entries(entry_id) "
                     f"WHERE NOT {WELL_FORMED};\n")

@@ -1,61 +1,36 @@
-"""Committing entries, manifest-last: one (``Store.put``) or many together (group commit).
+"""Committing entries, manifest-last: one (``Store.put``) or many together (group commit),
+with one round of flushes per step, each step durable before the next (docs/format.md):
 
-``put`` is a batch of one; a batch makes many entries durable with one round of flushes per
-step instead of one per entry. Each step is durable before the next (docs/format.md):
-
-1. **stage**: the batch's temp files are created in ``tmp/`` ahead, up to MAX_FLUSHING
-   together (decision 1408); every object of every entry is written to one and hashed,
-   its flush started at once (flushes overlap the next writes, and the filesystem merges
-   concurrent flushes into few journal commits); then the entry's manifest is built,
-   written, its flush started. Objects are bounded while they stream by what is left of
-   their entry's size budget (90% of the store's max size).
-2. **intent**: while those flushes run, one catalog transaction records a pending row per
-   entry (its object references pin the objects against a concurrent clean from now on);
-   then the commit waits for every flush. Nothing is visible. An entry that fails from
-   here on has its pending row removed again.
-3. **objects**: each staged object is renamed to ``objects/<aa>/<digest>.obj``
-   (content-addressed: an identical object already there is reused, a damaged one is
-   quarantined and replaced); every fan-out directory holding an object of the batch,
-   reused ones included, is fsynced once.
-4. **manifests**: each manifest is renamed to ``manifests/<aa>/<entry_id>.json`` -- only
-   now is an entry visible -- and each manifest directory fsynced once.
+1. **stage**: objects written to temp files created ahead and hashed, bounded by their
+   entry's size budget, flushes started at once; then each manifest written likewise.
+2. **intent**: one catalog transaction records a pending row per entry (pinning its
+   objects against a concurrent clean); then every flush is waited for.
+3. **objects**: staged objects renamed to ``objects/<aa>/<digest>.obj`` (an identical one
+   already there is reused, a damaged one quarantined and replaced); directories fsynced.
+4. **manifests**: manifests renamed into ``manifests/`` -- only now is an entry visible --
+   and their directories fsynced.
 5. **committed**: one catalog transaction marks the rows committed (superseded entries
    released).
 
-The intent is recorded before the flushes are waited for because the transaction then
-costs nothing on the critical path (it overlaps the disk's flush); recording it earlier
-than the objects' renames is safe: a pending row whose manifest never appears is rolled
-back by recovery like any interrupted commit (decision 1404).
-
-A crash before step 4 leaves only temp files, orphans and pending rows, which recovery
-rolls back; a crash during step 4 leaves each entry complete or invisible (a manifest is
-renamed only after every object it names is durable), and recovery marks the complete ones
-committed. Per entry, all or nothing (decision 1400): an entry whose arguments, size or
-own objects fail is refused (its outcome carries the error) and the rest of the batch goes
-on; a failure of a step shared by the batch (a directory fsync, a manifest rename, the
-catalog) raises, and no entry whose manifest was not yet renamed becomes visible. The
-caller (``Store``) holds the maintenance lock shared, so no deletion runs meanwhile.
-Checkpoints (``faults.COMMIT_CHECKPOINTS``) are passed once per object, manifest or
-directory, in the order above.
+A crash leaves each entry complete or invisible; recovery rolls back pending rows without a
+manifest. Per entry, all or nothing: an entry whose arguments, size or objects fail gets an
+error outcome and the batch goes on; a failure of a shared step raises. The caller holds the
+maintenance lock shared. Checkpoints (``faults.COMMIT_CHECKPOINTS``) are passed once per
+object, manifest or directory, in this order (docs/decisions/1400-group-commit.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import sqlite3
-import stat
-from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...errors import (
     CapacityError,
     ConfigError,
-    CorruptionError,
     ManifestError,
     NotFoundError,
     QuarantineReason,
@@ -74,75 +49,27 @@ from ..disk.fsio import (
     unlink_quietly,
 )
 from ..disk.publish import Publisher
-from ..disk.reserve import HEADROOM_BYTES, headroom_ok
-from ..disk.space import INODE_FIX, Space, inodes_short, no_inodes_detail
-from ..disk.verify import verify_object
+from ..disk.reserve import headroom_ok
+from ..disk.space import inodes_short
 from ..format.manifest import Manifest, ObjectRef, authenticate, encode
-from .inputs import is_bytes_like, known_size
+from .batch import Payload, Pending, PutOutcome, PutRequest
+from .flushes import (
+    MAX_FLUSHING,
+    TmpAhead,
+    bound,
+    discard_flushing,
+    existing_object_ok,
+    flushed,
+    object_present,
+    store_full,
+)
+from .inputs import known_size
+
+__all__ = ["MAX_FLUSHING", "Committer", "Payload", "Pending", "PutOutcome", "PutRequest",
+           "object_present", "store_full"]
 
 if TYPE_CHECKING:
     from ..context import PartContext
-    from ..disk.root import StorePaths
-
-Payload = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
-# Flushes a batch may have in flight before staging waits for the oldest (each holds a file
-# descriptor until its fsync is done).
-MAX_FLUSHING = 64
-
-
-@dataclass(frozen=True)
-class PutRequest:
-    """One entry for ``Store.put_many``: the arguments of ``Store.put``."""
-
-    kind: str
-    namespace: str
-    key: str
-    objects: Mapping[str, Payload]
-    meta: Mapping[str, Any] | None = None
-    index: Mapping[str, Any] | None = None
-    supersedes: str | None = None
-    # encrypted stores: whose keys seal it, a name or a sealing.TenantId (decision 2800)
-    tenant: Any = None
-
-
-@dataclass
-class PutOutcome:
-    """What became of one entry of a batch.
-
-    ``status``: ``committed`` (written now), ``present`` (already committed: returned as
-    is), ``failed`` (refused: ``error`` says why; nothing of it is visible) or ``vanished``
-    (an imported entry whose object is no longer in the store)."""
-
-    entry_id: str
-    status: str
-    manifest: Manifest | None = None
-    error: SpoolError | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.manifest is not None
-
-
-@dataclass
-class Pending:
-    """One entry of a batch being committed (internal to the commit and its callers).
-
-    Either ``request`` (payloads to stage; the manifest is built here) or ``manifest`` +
-    ``data`` (an entry built elsewhere, its objects already verified in ``tmp/``: the
-    import's path) is set."""
-
-    entry_id: str
-    request: PutRequest | None = None
-    manifest: Manifest | None = None
-    data: bytes | None = None
-    staged: list[tuple[str, Flushing]] = field(default_factory=list)
-    manifest_tmp: Flushing | None = None
-    outcome: PutOutcome | None = None
-    hint: str = "retain"  # the hint it is committed with (an import keeps the source's)
-
-    def fail(self, error: SpoolError, status: str = "failed") -> None:
-        self.outcome = PutOutcome(self.entry_id, status, error=error)
-
 
 class Committer:
     """Commits entries into one store through ``publisher`` (see the module docstring)."""
@@ -179,7 +106,7 @@ class Committer:
         deleted), also on error. ``revive``: an entry already committed is revived if
         released (``put``); without it, it is only reported present (import). Raises on a
         failure of a shared step (see the module docstring). The batch's creates and renames
-        share one descriptor per directory (``Publisher.batch``, issue 35.1)."""
+        share one descriptor per directory (``Publisher.batch``)."""
         with self._publisher.batch():
             self._commit(batch, given=given, revive=revive)
 
@@ -274,9 +201,9 @@ class Committer:
         """Steps 1-2: stage every entry, record the intents, wait for the flushes. Returns
         the entries whose intent was recorded (some may have failed since)."""
         flushing: list[Flushing] = []
-        # Every file the batch writes, created ahead (decision 1408): one per object, one
+        # Every file the batch writes, created ahead: one per object, one
         # per manifest.
-        ahead = _TmpAhead(self._publisher, sum(
+        ahead = TmpAhead(self._publisher, sum(
             (len(p.request.objects) if p.request is not None else 0) + 1 for p in live))
         try:
             for p in live:
@@ -289,7 +216,8 @@ class Committer:
                 # Without ``revive`` (an import), an entry another writer recorded since
                 # ``_not_present`` looked is theirs: reported present, not committed twice.
                 taken = self._ctx.catalog().record_intents(
-                    [(p.manifest, len(p.data)) for p in recorded], self._ctx.clock(),
+                    [(m, len(data)) for m, data in (p.built() for p in recorded)],
+                    self._ctx.clock(),
                     claim=not revive,
                     hints={p.entry_id: p.hint for p in recorded if p.hint != "retain"})
                 self._publisher.mark("catalog", "intent")
@@ -306,10 +234,10 @@ class Committer:
                 continue
             try:
                 for _name, f in p.staged:
-                    _flushed(f, "writing an object")
+                    flushed(f, "writing an object")
                     self._publisher.mark("object", "fsynced")
                 assert p.manifest_tmp is not None
-                _flushed(p.manifest_tmp, "writing a manifest")
+                flushed(p.manifest_tmp, "writing a manifest")
                 self._publisher.mark("manifest", "fsynced")
             except SpoolError as exc:
                 p.fail(exc)
@@ -319,7 +247,7 @@ class Committer:
                 self._discard(p)
         return recorded
 
-    def _stage_entry(self, p: Pending, flushing: list[Flushing], ahead: _TmpAhead,
+    def _stage_entry(self, p: Pending, flushing: list[Flushing], ahead: TmpAhead,
                      given: dict[str, Path]) -> None:
         """Step 1 for one entry: its objects (a new entry) and its manifest written, their
         flushes started; on failure the entry is refused and what it staged removed."""
@@ -334,6 +262,7 @@ class Committer:
                     supersedes=p.request.supersedes)
                 p.data = encode(p.manifest, self._ctx.tag_key)
             else:
+                assert p.manifest is not None, "an entry built elsewhere has its manifest"
                 missing = [r for r in p.manifest.objects
                            if r.digest not in given and not object_present(self._ctx.layout, r)]
                 if missing:
@@ -341,9 +270,9 @@ class Committer:
                                          f"{p.entry_id} is no longer in the store"),
                            "vanished")
                     return
-            p.manifest_tmp = self._publisher.stage_flushing([p.data], what="manifest",
+            p.manifest_tmp = self._publisher.stage_flushing([p.built()[1]], what="manifest",
                                                             into=ahead.next())
-            _bound(flushing, p.manifest_tmp)
+            bound(flushing, p.manifest_tmp)
         except SpoolError as exc:
             p.fail(exc)
             self._discard(p)
@@ -360,7 +289,7 @@ class Committer:
             with contextlib.suppress(sqlite3.DatabaseError):
                 self._ctx.catalog().delete_entries([p.entry_id for p in failed])
 
-    def _stage_objects(self, p: Pending, flushing: list[Flushing], ahead: _TmpAhead) -> None:
+    def _stage_objects(self, p: Pending, flushing: list[Flushing], ahead: TmpAhead) -> None:
         assert p.request is not None
         objects = p.request.objects
         self.check_fits(sum(known_size(v) or 0 for v in objects.values()))
@@ -369,11 +298,12 @@ class Committer:
             left = None if budget is None else budget - sum(f.size for _, f in p.staged)
             f = self._stage_one(name, payload, left, ahead.next())
             p.staged.append((name, f))
-            _bound(flushing, f)
+            bound(flushing, f)
 
     def _stage_one(self, name: str, payload: Payload, left: int | None,
                    into: TmpFile | None = None) -> Flushing:
-        chunks = [payload] if is_bytes_like(payload) else payload
+        chunks: Iterable[bytes | bytearray | memoryview] = \
+            [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
         try:
             return self._publisher.stage_flushing(chunks, what="object", limit=left,
                                                   into=into)
@@ -396,7 +326,7 @@ class Committer:
             final = layout.objects
             try:
                 if p.staged:
-                    # Written through descriptors opened ahead (decision 1408), renamed by
+                    # Written through descriptors opened ahead, renamed by
                     # path: a tmp/ swapped for a link since then is named as such.
                     final = layout.tmp
                     self._publisher.check_dirs(layout.tmp)
@@ -429,7 +359,7 @@ class Committer:
         self._publisher.check_dirs(final.parent)
         checked = True
         if os.path.lexists(final):
-            if _existing_object_ok(final, digest, size):
+            if existing_object_ok(final, digest, size):
                 unlink_quietly(src)  # content-addressed: already stored
                 done.add(digest)
                 return
@@ -444,10 +374,10 @@ class Committer:
         """fsync ``dirs`` concurrently (the filesystem merges them); StoreIOError if any
         fails. A single directory (every ``put``) is fsynced on this thread: handing it to
         the pool and waiting would only add two thread switches to the commit's critical
-        path (decision 2901). Many (a group commit touches ~30 fan-outs per step) go to
+        path. Many (a group commit touches ~30 fan-outs per step) go to
         the pool as at most ``FLUSH_WORKERS`` lanes, each fsyncing its share in turn:
         as many fsyncs in flight as the pool runs anyway, one hand-off per lane instead
-        of one per directory (decision 2950)."""
+        of one per directory."""
         ordered = sorted(set(dirs))
         if len(ordered) == 1:
             try:
@@ -483,14 +413,14 @@ class Committer:
                 final = ctx.layout.manifest_path(p.entry_id)
                 placed: list[Path] = []
                 try:
-                    self._publisher.place(p.manifest_tmp.path, final, what="manifest",
+                    self._publisher.place(p.staged_manifest().path, final, what="manifest",
                                           placed=placed)
                 finally:
                     if placed:
                         published.add(p.entry_id)
             self._sync((ctx.layout.manifest_path(p.entry_id).parent for p in todo),
                        "manifest", "publishing manifests")
-            catalog.mark_committed_many([(p.entry_id, p.manifest.supersedes) for p in todo])
+            catalog.mark_committed_many([(p.entry_id, p.built()[0].supersedes) for p in todo])
             self._publisher.mark("catalog", "committed")
         except (OSError, SpoolError, sqlite3.DatabaseError) as exc:
             # Roll back the intents of entries that never became visible, so their rows do
@@ -509,16 +439,16 @@ class Committer:
     def _discard(self, p: Pending) -> None:
         """Remove what ``p`` staged and did not publish (renamed files are gone already)."""
         for _name, f in p.staged:
-            _discard_flushing(f)
+            discard_flushing(f)
         if p.manifest_tmp is not None:
-            _discard_flushing(p.manifest_tmp)
+            discard_flushing(p.manifest_tmp)
 
     def publish_object(self, name: str, payload: Payload) -> ObjectRef:
         """Stage ``payload`` and make it ``objects/<aa>/<digest>.obj``, its directory synced
         (no entry names it: an orphan until one does)."""
         f = self._stage_one(name, payload, self.budget())
         try:
-            _flushed(f, "writing an object")
+            flushed(f, "writing an object")
             self._publisher.mark("object", "fsynced")
             final = self._ctx.layout.object_path(f.digest)
             try:
@@ -528,50 +458,11 @@ class Committer:
             self._sync([final.parent], "object", "publishing an object")
             return ObjectRef(name=name, digest=f.digest, size=f.size)
         finally:
-            _discard_flushing(f)
-
-
-def object_present(layout: StorePaths, ref: ObjectRef) -> bool:
-    """True if the store holds a regular file of the right size for ``ref`` (cheap: lstat;
-    its bytes are verified by every read and by scrub, like any stored object)."""
-    try:
-        st = os.lstat(layout.object_path(ref.digest))
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_size == ref.size
-
-
-class _TmpAhead:
-    """The temp files of a batch, created ahead, up to MAX_FLUSHING at a time: together,
-    before the flushes they wait on start (``fsio.create_tmp``, decision 1408).
-
-    ``next`` hands out one, or None when one could not be created (the writer then creates
-    its own and reports that error for its entry); ``close`` removes those not handed out.
-    tmp/ is still checked before each file is created; the writes go through the
-    descriptors, so a tmp/ swapped afterwards redirects none of them."""
-
-    def __init__(self, publisher: Publisher, count: int):
-        self._publisher = publisher
-        self._left = count  # files the batch still needs that are not created yet
-        self._ready: deque[TmpFile] = deque()
-
-    def next(self) -> TmpFile | None:
-        if not self._ready and self._left > 0:
-            for _ in range(min(self._left, MAX_FLUSHING)):
-                try:
-                    self._ready.append(self._publisher.create_tmp())
-                except SpoolError:
-                    break
-                self._left -= 1
-        return self._ready.popleft() if self._ready else None
-
-    def close(self) -> None:
-        while self._ready:
-            self._ready.popleft().discard()
+            discard_flushing(f)
 
 
 def _fsync_dirs(dirs: list[Path]) -> dict[Path, OSError]:
-    """fsync each of ``dirs`` in turn (one lane of ``Committer._sync``); the failures, by
+    """fsync each of ``dirs`` in turn (one lane of a parallel directory sync); the failures, by
     directory (every directory is tried: the caller reports the first, in order)."""
     errors: dict[Path, OSError] = {}
     for d in dirs:
@@ -580,54 +471,3 @@ def _fsync_dirs(dirs: list[Path]) -> dict[Path, OSError]:
         except OSError as exc:
             errors[d] = exc
     return errors
-
-
-def _bound(flushing: list[Flushing], f: Flushing) -> None:
-    """Track ``f``; wait for the oldest flushes while more than MAX_FLUSHING are in flight
-    (their results are read later, in order)."""
-    flushing.append(f)
-    while len(flushing) > MAX_FLUSHING:
-        with contextlib.suppress(OSError):
-            flushing.pop(0).flushed.result()
-
-
-def _flushed(f: Flushing, what: str) -> None:
-    try:
-        f.flushed.result()
-    except OSError as exc:
-        raise io_error(exc, what, f.path) from exc
-
-
-def _discard_flushing(f: Flushing) -> None:
-    with contextlib.suppress(OSError):
-        f.flushed.result()  # its descriptor is closed before the file goes
-    unlink_quietly(f.path)
-
-
-def store_full(where: Path, short: Space | None = None) -> SpoolError:
-    """The error of a commit refused because the filesystem is (nearly) full: of bytes,
-    or of inodes (``short``: its room, then)."""
-    from ...errors import StoreIOError
-
-    if short is not None:
-        return StoreIOError(f"committing an entry refused: No space left on device: "
-                            f"{no_inodes_detail(short)}; the last {short.inode_headroom} "
-                            "are kept for maintenance", path=where, fix=INODE_FIX,
-                            errno=errno.ENOSPC)
-
-    return StoreIOError(f"committing an entry refused: No space left on device (less than "
-                        f"{HEADROOM_BYTES >> 10} KiB free: that room is kept for maintenance)",
-                        path=where,
-                        fix="free disk space: `spoolctl clean --released` and lowering the "
-                            "max size work on a full disk (docs/runbook.md)",
-                        errno=errno.ENOSPC)
-
-
-def _existing_object_ok(path: Path, digest: str, size: int) -> bool:
-    """True if the object already at ``path`` is a regular file with exactly this content
-    (the one verification primitive: ``verify.verify_object``)."""
-    try:
-        verify_object(path, digest=digest, size=size)
-    except (OSError, CorruptionError):
-        return False
-    return True

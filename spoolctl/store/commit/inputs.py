@@ -13,7 +13,7 @@ chunk still leaves nothing behind.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from ...errors import ConfigError, InvalidIdError
 from ..catalog.rows import index_problem
@@ -23,7 +23,7 @@ from ..format.manifest import MAX_DEPTH, MAX_MANIFEST_BYTES, MAX_OBJECTS, canoni
 BytesLike = bytes | bytearray | memoryview
 
 
-def is_bytes_like(value: Any) -> bool:
+def is_bytes_like(value: Any) -> TypeGuard[bytes | bytearray | memoryview]:
     return isinstance(value, (bytes, bytearray, memoryview))
 
 
