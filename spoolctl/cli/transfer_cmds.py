@@ -16,8 +16,9 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 
@@ -84,7 +85,7 @@ ProgressOption = Annotated[bool | None, typer.Option(
 
 # `--max-size` of export/import was a selection limit, `--max-size` of init the capacity:
 # one name, two meanings. The selection limit is --limit-size; the old name stays one
-# release, hidden, with a warning (decision 2410).
+# release, hidden, with a warning (a renamed option stays one release).
 DeprecatedMaxSize = Annotated[str | None, typer.Option(
     "--max-size", hidden=True, help="Deprecated name of --limit-size.", show_default=False)]
 
@@ -127,8 +128,11 @@ class _Progress:
         if self._p is not None:
             # A planned total is an estimate (an import plans payload bytes, the stream
             # also carries headers): the bar never shows more done than its total.
-            self._p.update(self._task, completed=done, entries=entries,
-                           **({"total": max(total, done)} if total else {}))
+            if total:
+                self._p.update(self._task, completed=done, entries=entries,
+                               total=max(total, done))
+            else:
+                self._p.update(self._task, completed=done, entries=entries)
 
 
 def _want_progress(flag: bool | None, json_output: bool) -> bool:
@@ -159,7 +163,7 @@ def _interrupted(exc: KeyboardInterrupt, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _archive_sink(output: str, force: bool):
+def _archive_sink(output: str, force: bool) -> Iterator[int]:
     """A file descriptor to write the archive to; for a regular file, a temp name in the same
     directory renamed into place only when the archive is complete."""
     if output == "-":
@@ -266,7 +270,7 @@ def export_cmd(
                            None if hint is ExportHint.any else hint.value, max_size)
     show = _want_progress(progress, json_output)
     drives = drive_roots(root)
-    if drives is not None:  # several drives: one archive per drive (decision 2713)
+    if drives is not None:  # several drives: one archive per drive
         _export_drives(drives, output, force=force, selection=selection, rank=rank,
                        deployment=deployment, sign_key=sign_key, show=show,
                        json_output=json_output)
@@ -310,7 +314,8 @@ def _export_root(root: Path | None, output: str, *, force: bool, selection: Sele
     try:
         with _archive_sink(output, force) as fd, bar:
             sink: Any = FdSink(fd)
-            if signer is not None and output == "-":  # in-stream: a trailer (decision 2811)
+            # a stream has no file beside it for the signature: it goes in a trailer
+            if signer is not None and output == "-":
                 from spoolctl.store import SigningSink
 
                 sink = SigningSink(sink)
@@ -345,7 +350,7 @@ def _export_root(root: Path | None, output: str, *, force: bool, selection: Sele
     return doc
 
 
-# -- export across drives (decision 2713) ---------------------------------------------------
+# -- export across drives ------------------------------------------------------------------
 
 
 def drive_archive_name(root: Path) -> str:
@@ -392,7 +397,7 @@ def _export_drives(drives: list[Path], output: str, *, force: bool, selection: S
 
     def job(drive: Path) -> tuple[dict[str, Any], int, View]:
         # The drive is scanned first in a child bounded by SPOOLCTL_DISK_TIMEOUT: a hung
-        # mount is this drive's row, not a stalled command (decision 2712's rule).
+        # mount is this drive's row, not a stalled command.
         within_disk_timeout(drive, lambda: _probe_drive(drive, rank, deployment))
         target = str(directory / drive_archive_name(drive))
         doc = _export_root(drive, target, force=force, selection=selection, rank=rank,
@@ -556,7 +561,7 @@ def import_cmd(
 
 
 @contextlib.contextmanager
-def _archive_source(source: str):
+def _archive_source(source: str) -> Iterator[BinaryIO]:
     if source == "-":
         if sys.stdin.isatty():
             raise ConfigError("stdin is a terminal, not an archive",
