@@ -45,6 +45,7 @@ from .common import (
 )
 from .disk_deadline import within_disk_timeout
 from .fanout import finish, run_per_drive
+from .transfer_progress import TransferProgress, want_progress
 from .transfer_roots import (
     export_doc,
     export_source,
@@ -56,8 +57,6 @@ from .transfer_roots import (
 )
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
-
     from spoolctl.store import Selection
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
@@ -88,57 +87,6 @@ ProgressOption = Annotated[bool | None, typer.Option(
 # release, hidden, with a warning (a renamed option stays one release).
 DeprecatedMaxSize = Annotated[str | None, typer.Option(
     "--max-size", hidden=True, help="Deprecated name of --limit-size.", show_default=False)]
-
-
-class _Progress:
-    """Bytes, entries and rate on stderr (a terminal only), or nothing."""
-
-    def __init__(self, label: str, enabled: bool):
-        self.label = label
-        self.enabled = enabled
-        self._p: Progress | None = None
-        self._task: Any = None
-        self.entries = 0  # the last count reported, also when nothing is shown
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:  # rich's progress is imported only when a bar is shown
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TransferSpeedColumn,
-            )
-
-            self._p = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
-                               DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                               TextColumn("{task.fields[entries]} entries"),
-                               TimeElapsedColumn(), console=err_console.get(), transient=True)
-            self._p.__enter__()
-            self._task = self._p.add_task(self.label, total=None, entries=0)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._p is not None:
-            self._p.__exit__(None, None, None)
-
-    def __call__(self, done: int, entries: int, total: int | None = None) -> None:
-        self.entries = entries
-        if self._p is not None:
-            # A planned total is an estimate (an import plans payload bytes, the stream
-            # also carries headers): the bar never shows more done than its total.
-            if total:
-                self._p.update(self._task, completed=done, entries=entries,
-                               total=max(total, done))
-            else:
-                self._p.update(self._task, completed=done, entries=entries)
-
-
-def _want_progress(flag: bool | None, json_output: bool) -> bool:
-    if flag is not None:
-        return flag
-    return not json_output and err_console.is_terminal
 
 
 def _selection(kind: list[str] | None, namespace: list[str] | None,
@@ -268,7 +216,7 @@ def export_cmd(
     max_size = deprecated_alias("--max-size", "--limit-size", old_max_size, max_size)
     selection = _selection(kind, namespace, None,
                            None if hint is ExportHint.any else hint.value, max_size)
-    show = _want_progress(progress, json_output)
+    show = want_progress(progress, json_output)
     drives = drive_roots(root)
     if drives is not None:  # several drives: one archive per drive
         _export_drives(drives, output, force=force, selection=selection, rank=rank,
@@ -310,7 +258,7 @@ def _export_root(root: Path | None, output: str, *, force: bool, selection: Sele
         from spoolctl.store import load_signing_key
 
         signer = load_signing_key(Path(sign_key).expanduser())
-    bar = _Progress("export", show)
+    bar = TransferProgress("export", show)
     try:
         with _archive_sink(output, force) as fd, bar:
             sink: Any = FdSink(fd)
@@ -486,7 +434,7 @@ def import_cmd(
     layout = import_target(root)
     store_max = parse_size(store_max_size) if store_max_size is not None else None
     selection = _selection(kind, namespace, None, None, max_size)
-    show = _want_progress(progress, json_output)
+    show = want_progress(progress, json_output)
     is_dir = source != "-" and Path(source).expanduser().is_dir()
     if max_size is not None and not is_dir:
         raise ConfigError("--limit-size selects entries from a store root", fix="limit an "
@@ -507,7 +455,7 @@ def import_cmd(
     def wants(manifest: Any) -> bool:
         return selection.wants(manifest.kind, manifest.namespace)
 
-    with _Progress("import", show) as bar:
+    with TransferProgress("import", show) as bar:
         importer = Importer(layout.path, accept=tuple(deployment or ()),
                             store_max_bytes=store_max, progress=bar,
                             wants=None if is_dir else wants, rank=rank, layout=layout,
