@@ -103,7 +103,7 @@ def timed(*args: str, repeat: int = 1) -> dict:
 
 
 def in_process_status(root: Path, repeat: int = 5) -> float:
-    from spoolctl.cli.store_cmds import status_doc
+    from spoolctl.cli.store_status import status_doc
 
     times = []
     for _ in range(repeat):

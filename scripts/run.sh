@@ -261,7 +261,9 @@ case "$job" in
   lint)
     install_full
     "$VENV/bin/ruff" check spoolctl tests scripts examples
-    # the layers, the store's one public API, no import circles (.importlinter, decision 2530)
+    # types: the package in mypy's default mode, the store and the CLI strict ([tool.mypy])
+    "$VENV/bin/python" -m mypy
+    # the layers, the store's one public API, no import circles (.importlinter)
     exec "$VENV/bin/lint-imports"
     ;;
   *)

@@ -1,5 +1,5 @@
 """Composition helper: a facade method that forwards to the same method of one of its
-parts (decision 2520).
+parts.
 
 ``Store`` and ``LocalCacheController`` are composed of parts, not mixed from them; the
 methods users call stay on the facade. ``forward`` writes one of them in one line, with

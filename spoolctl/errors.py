@@ -22,7 +22,7 @@ class QuarantineReason(str, enum.Enum):
     CATALOG = "catalog"
     SCRUB_STATE = "scrub_state"  # state/scrub.sqlite3 unreadable: quarantined and reset
     AUTH_QUEUE = "auth_queue"  # state/auth_requests.sqlite3 unreadable: quarantined and reset
-    AUTH_TAG = "auth_tag"  # a tag key is configured and the entry has no valid tag (2011)
+    AUTH_TAG = "auth_tag"  # a tag key is configured and the entry has no valid tag
     UNKNOWN = "unknown"
 
 
@@ -66,7 +66,7 @@ class NotFoundError(SpoolError):
 
 class KeyUnavailableError(NotFoundError):
     """An encrypted entry whose data key is gone (revoked, retired) or whose master key is not
-    the one configured: a miss, never corruption; nothing is quarantined (decision 2800)."""
+    the one configured: a miss, never corruption; nothing is quarantined."""
 
     def __init__(self, message: str, *, path: str | Path | None = None, fix: str | None = None,
                  erased: bool = False):
@@ -98,7 +98,7 @@ class StoreIOError(SpoolError):
 
 class DiskNotAnsweringError(StoreIOError):
     """The store's disk did not answer within a deadline (a hung mount, a stalled drive):
-    the store counts as down and nothing of it was read (decision 2701)."""
+    the store counts as down and nothing of it was read."""
 
 
 class CapacityError(SpoolError):

@@ -46,16 +46,16 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
         # lookup miss/bypass reasons
         "none", "absent", "partial", "lora", "prompt_embeds", "multimodal", "requested",
         "disabled", "corrupt",
-        # an encrypted store: a cache_salt too long to name a tenant (decision 2801)
+        # an encrypted store: a cache_salt too long to name a tenant
         "tenant",
         # skipped-store reasons
         "budget", "capacity", "io_error", "busy", "too_short", "exists", "shutdown",
         "admission", "after_gap",
-        # a slow or failing disk (decision 2700): a read past its deadline, the store taken out
+        # a slow or failing disk: a read past its deadline, the store taken out
         "deadline", "disk_down",
-        # a lookup after a restore that missed its deadline (decision 2740)
+        # a lookup after a restore that missed its deadline
         "disk_slow",
-        # the day's write budget is spent, or too low for this chunk (decision 2710)
+        # the day's write budget is spent, or too low for this chunk
         "write_budget",
         # why a store could not be read at all (``spoolctl_store_down_reason``)
         "permission_denied", "missing",
@@ -72,14 +72,14 @@ LABEL_VALUES: dict[str, frozenset[str]] = {
 PATTERN_LABELS: dict[str, re.Pattern[str]] = {
     "tenant": re.compile(r"[0-9a-f]{16}|other", re.ASCII),
     # a drive's base root as configured (an operator's path, never prompt data; at most 64
-    # roots, decision 2714): the same value as ``TARGET_LABELS["drive"]``
+    # roots): the same value as ``TARGET_LABELS["drive"]``
     "drive": re.compile(r"/[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{0,1023}"),
 }
 # Labels that name which rank store a store gauge describes (several stores, one file).
 TARGET_LABELS: dict[str, re.Pattern[str]] = {
     "deployment": re.compile(DEPLOYMENT_NAME, re.ASCII),
     "rank": re.compile(RANK_DIGITS, re.ASCII),
-    # the --root of one drive of several (decision 2712): an absolute path, printable
+    # the --root of one drive of several: an absolute path, printable
     # (UTF-8; ``drive_label`` shows control characters and undecodable bytes escaped)
     "drive": re.compile(r"/[^\x00-\x1f\x7f-\x9f\ud800-\udfff]{0,1023}"),
 }
@@ -201,12 +201,12 @@ MAINTENANCE_ERRORS = _c("maintenance_errors_total",
 EVICTED_ENTRIES = _c("evicted_entries_total", "Entries evicted by capacity maintenance.")
 DRIVE_FAILOVER_STORES = _c("drive_failover_stores_total",
                            "Chunks written to a runner-up drive because their home drive "
-                           "(drive: its base root) was down (several drives, decision 2714).",
+                           "(drive: its base root) was down (several drives).",
                            "drive")
 AUTH_REQUESTS = _c("auth_requests_processed_total",
                    "Queued request-auth requests answered by the worker.")
 
-# Per tenant of an encrypted store (decision 2801): opaque ids, at most
+# Per tenant of an encrypted store: opaque ids, at most
 # ``spoolctl_tenant_metrics`` of them per process, the rest ``other``.
 TENANT_LOOKUPS = _c("tenant_lookups_total",
                     "Prefix lookups on an encrypted store by tenant (opaque id) and result.",
@@ -228,7 +228,7 @@ CONNECTOR_METRICS: tuple[MetricSpec, ...] = (
     DRIVE_FAILOVER_STORES,
 )
 
-# -- KV events, write admission (issue 20; exported by the vLLM scheduler and /metrics) ------
+# -- KV events, write admission (exported by the vLLM scheduler and /metrics) ----------------
 
 EVENTS_STORED = _c("kv_events_stored_chunks_total",
                    "Chunks announced to routers as held by the spool tier (BlockStored).")
@@ -242,7 +242,7 @@ DISK_DOWN = _g("disk_down",
                "their lookups are misses and a probe checks them; 0 when all serve).")
 DRIVE_DOWN = _g("drive_down",
                 "Rank stores out of service on one drive (drive: its base root; several "
-                "drives, decision 2770): taken out by their guard, not open yet, or not in "
+                "drives): taken out by their guard, not open yet, or not in "
                 "the engine's drive set; summed over the workers, 0 when all serve.",
                 "drive")
 WRITE_AMPLIFICATION = _g("write_amplification_ratio",

@@ -345,7 +345,7 @@ def _parse_usage(doc: Any) -> tuple[int, int | None]:
     exceeds the prompt is not believed (None: shown as n/a), never a negative computed."""
     usage = doc.get("usage") if isinstance(doc, dict) else None
     prompt = _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
-    if prompt is None:
+    if prompt is None or not isinstance(usage, dict):
         raise ServerError("the response has no usage.prompt_tokens", 200)
     details = usage.get("prompt_tokens_details")
     cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None

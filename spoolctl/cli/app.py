@@ -4,7 +4,7 @@
 (usage/configuration) or 1 (findings such as corruption), never a traceback
 unless ``--debug`` is given. With ``--json`` the failure is also one JSON document on stdout
 (``common.error_doc``), so a log of ``--json`` output records failures. Output that cannot be
-written has its own codes (decision 2410): 141 when the reader of stdout went away (silent,
+written has its own codes: 141 when the reader of stdout went away (silent,
 as for any Unix filter), 3 when stdout cannot take it (full disk, I/O error, closed).
 Usage errors are recognised without importing ``click``: typer vendors its own copy
 (``typer._click``) and a base install has no ``click`` package, so exceptions are matched
@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, Protocol, TextIO, cast
 
 import typer
 
@@ -113,6 +113,12 @@ class _SafeFormatter(logging.Formatter):
         return plain(super().format(record))
 
 
+class _ClickError(Protocol):
+    """What the CLI uses of click's exceptions (whichever copy of click typer uses)."""
+
+    def format_message(self) -> str: ...
+
+
 def _is(exc: BaseException, *names: str) -> bool:
     """True if ``exc`` is an instance of a class named one of ``names`` (click's classes,
     whichever copy of click typer uses)."""
@@ -121,7 +127,7 @@ def _is(exc: BaseException, *names: str) -> bool:
 
 def _command_line(argv: list[str] | None) -> str:
     """``spoolctl CMD [SUBCMD]`` as typed (the words before the first option)."""
-    words = []
+    words: list[str] = []
     for word in argv if argv is not None else sys.argv[1:]:
         if word.startswith("-") or len(words) == 2:
             break
@@ -130,8 +136,8 @@ def _command_line(argv: list[str] | None) -> str:
 
 
 def _interrupted(exc: KeyboardInterrupt, json_mode: bool) -> int:
-    """A command stopped by SIGINT/SIGTERM without its own summary: one line, 130/143
-    (decision 2310), and with --json the error document. A command that has a summary
+    """A command stopped by SIGINT/SIGTERM without its own summary: one line, 130/143,
+    and with --json the error document. A command that has a summary
     prints it and exits with the same code."""
     line = (f"interrupted ({signal_name(exc)}): stopped; what finished before it is kept "
             "(every entry is whole or absent); run the command again to continue")
@@ -155,7 +161,7 @@ class _GuardedStdout:
     to the descriptor through the one checked write (``output.write_all``): Python's
     unbuffered stdout drops the rest of a short write, and a full disk cut the output."""
 
-    def __init__(self, stream: Any):
+    def __init__(self, stream: TextIO):
         self._stream = stream
         try:
             self._fd: int | None = stream.fileno()
@@ -203,7 +209,7 @@ def _silence_stdout() -> None:
 # The root callback's own options: they may come before a command, nothing else may.
 _GLOBAL_FLAGS = ("--debug", "--allow-foreign-owner", "--version", "--help", "-h")
 # kubectl/restic habit: `spoolctl --root X status`. These options belong to the commands;
-# written before the command they are moved after it (decision 2410).
+# written before the command they are moved after it.
 _MOVABLE = ("--root", "--json")
 
 
@@ -316,9 +322,8 @@ def build_command(argv: list[str] | None = None) -> Any:
     names what it takes (the same name for the same thing in every command).
 
     With ``argv`` whose command word names a command (``status``, ``quarantine``), the tree
-    holds only that command: typer builds every command's click form (signature, options,
-    help) each time it is asked, ~0.09 s of CPU per process for all of them, and a process
-    runs one (decision 2940). Anything else (no command, a typo, a completion request) gets
+    holds only that command (typer builds every command's click form each time it is asked,
+    and a process runs one). Anything else (no command, a typo, a completion request) gets
     the whole tree, so ``--help`` and "did you mean" see every command."""
     import typer.main
 
@@ -456,13 +461,14 @@ def _run(argv: list[str], *, debug: bool, json_mode: bool) -> int:
                      json_mode=json_mode, human="aborted")
     except Exception as exc:  # click usage errors and anything unexpected
         if _is(exc, "ClickException", "TyperException"):
-            if not exc.format_message().strip():  # empty after a bare group printed its help
+            # empty after a bare group printed its help
+            if not cast("_ClickError", exc).format_message().strip():
                 return EXIT_USAGE
-            cause, fix = usage_message(exc)
+            reason, fix = usage_message(exc)
             # One line, like every other error: `error: cause: fix`.
-            return _fail(cause, code=EXIT_USAGE, fix=fix, path=None, kind="UsageError",
+            return _fail(reason, code=EXIT_USAGE, fix=fix, path=None, kind="UsageError",
                          json_mode=json_mode,
-                         human=f"[red]error:[/red] {esc(cause)}: {esc(fix)}")
+                         human=f"[red]error:[/red] {esc(reason)}: {esc(fix)}")
         if _is(exc, "Exit"):
             return _exit_code(getattr(exc, "exit_code", 0), json_mode)
         if _is(exc, "Abort"):

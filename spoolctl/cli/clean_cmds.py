@@ -34,7 +34,7 @@ from .common import (
     open_store,
     text,
 )
-from .fanout import finish, on_drive, run_on_targets, run_per_drive
+from .fanout import StoreJob, finish, on_drive, run_on_targets, run_per_drive
 from .targets import StoreTarget, Targets, resolve_targets
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
@@ -103,13 +103,13 @@ def clean_cmd(
     if by_rule and "released" not in steps:
         steps = ["released", *steps]  # what reclaiming a deployment releases is deleted
 
-    def prepare(drive: Path | None) -> tuple[Targets, Any]:
+    def prepare(drive: Path | None) -> tuple[Targets, StoreJob]:
         """The stores under ``drive`` (a --root) and the job to run on each (after the plan is shown
         and confirmed)."""
         targets = resolve_targets(drive, rank=rank, deployment=deployment)
         stale = _stale_deployments(targets, superseded, unused) if by_rule else {}
 
-        def make_job(dry: bool, remote: bool):
+        def make_job(dry: bool, remote: bool) -> StoreJob:
             def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
                 # before local cleanup: settles holds
                 remote_doc = _clean_genai(store, remote, dry, endpoints)
@@ -117,8 +117,8 @@ def clean_cmd(
                     if by_rule and not targets.single else None
                 models = _reclaim_models(store, superseded, unused, dry) \
                     if by_rule and targets.single else None
-                # A dry run counts what the rules would release in its released step
-                # (decision 2121).
+                # A dry run counts what the rules would release in its released step,
+                # so its totals are what the real run deletes.
                 rule_ids = [*(lifecycle or {}).pop("_ids", []),
                             *(e for m in (models or {}).values() for e in m.pop("_ids", []))]
                 report = store.clean(steps, min_age=age, dry_run=dry, also_released=rule_ids)
@@ -141,7 +141,7 @@ def clean_cmd(
 
         if render.require_yes(yes, dry_run, "clean") and targets.stores:
             # The plan shown is the dry run of this very command (server calls aside), and
-            # nothing is asked when it deletes nothing (decision 2122).
+            # nothing is asked when it deletes nothing.
             plan_job = make_job(True, False)
             plans = []
             for target in targets.stores:
@@ -160,12 +160,12 @@ def clean_cmd(
                     raise typer.Exit(EXIT_OK)
 
         # A dry run only reads: on a store this user cannot write it plans from a read-only
-        # view (decision 2310), like ls and status.
+        # view, like ls and status.
         job = make_job(dry_run, genai)
         return targets, job
 
     drives = drive_roots(root)
-    if drives is not None:  # several drives: a row each, and totals (decision 2712)
+    if drives is not None:  # several drives: a row each, and totals
         render.require_yes(yes, dry_run, "clean")  # no --yes under cron: one line, not one a drive
         finish(run_per_drive(drives, lambda one: on_drive(
             *prepare(one), view=_clean_view, read_only_ok=dry_run),
@@ -196,10 +196,9 @@ def _endpoint_policy(enabled: bool, extra: list[str]) -> Any:
 
 def _stale_deployments(targets: Targets, superseded: bool,
                        unused: float | None) -> dict[str, Verdict]:
-    """The deployments the chosen rules reclaim (decision 2112), by directory name. On one
-    store the rules judge its controller models instead (``_reclaim_models``, decision
-    2120); a vLLM rank store given alone is a usage error (its deployment's siblings are
-    what the rules compare)."""
+    """The deployments the chosen rules reclaim, by directory name. On one store the rules
+    judge its controller models instead (``_reclaim_models``); a vLLM rank store given alone
+    is a usage error (its deployment's siblings are what the rules compare)."""
     from .lifecycle import deployment_uses, siblings, verdicts
 
     if targets.single:
@@ -229,7 +228,7 @@ def _reclaim(store: Store, verdict: Verdict | None, dry_run: bool) -> dict[str, 
 
 def _reclaim_models(store: Store, superseded: bool, unused: float | None,
                     dry_run: bool) -> dict[str, Any]:
-    """Release the entries of this store's stale controller models (decision 2120): per
+    """Release the entries of this store's stale controller models: per
     namespace its verdict and what is (or, dry, would be) released."""
     from .lifecycle import reclaim_models, stale_models
 

@@ -69,8 +69,8 @@ ENV_ROOT = "SPOOLCTL_ROOT"
 
 def default_root() -> Path:
     """The user's spoolctl cache dir (XDG on Linux, ~/Library/Caches on macOS): the default
-    store and the models ``prefill`` fetches live in it. ``$SPOOLCTL_ROOT`` has one meaning
-    (decision 2501), the default ``--root`` (``default_store_root``), never this."""
+    store and the models ``prefill`` fetches live in it. ``$SPOOLCTL_ROOT`` is the default
+    ``--root`` (``default_store_root``), never this."""
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "spoolctl"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -83,8 +83,8 @@ def default_store_root() -> Path:
     cache dir (models etc. live beside it)."""
     env = os.environ.get(ENV_ROOT)
     if env and ":" in env:
-        # Only status, metrics, clean, scrub and export take several roots (drive_roots,
-        # decision 2712); the others would take "a:b" for one path and create a store there.
+        # Only status, metrics, clean, scrub and export take several roots (drive_roots);
+        # the others would take "a:b" for one path and create a store there.
         raise ConfigError(f"${ENV_ROOT} names several roots (separated by ':') and this "
                           "command takes one", path=env,
                           fix=f"pass the one root with --root (or set {ENV_ROOT} to it); "
@@ -114,7 +114,7 @@ RootOption = Annotated[
 ]
 # Text, made a Path by ``drive_roots`` / ``first_root``: click's Path type stats the path
 # while parsing the command line, which blocks forever on a hung mount point, before any
-# disk deadline can bound it (decision 2712).
+# disk deadline can bound it.
 RootsOption = Annotated[
     list[str] | None,
     typer.Option("--root", metavar="<path>", help=f"Store root (absolute); repeat it for a "
@@ -133,15 +133,10 @@ DeploymentOption = Annotated[str | None, typer.Option(
     "at least 4 characters) under a vLLM base root.", show_default=False)]
 
 class CommandConsole:
-    """The rich ``Console`` of the command being run, made at its first use in each command.
-
-    rich reads ``COLUMNS`` (and whether a terminal is there) when a Console is made. One made
-    at import kept the width of whatever imported it first: in a process that runs several
-    commands (the in-process CLI of the tests, a program calling ``main`` twice) a table's
-    width depended on an earlier command's environment. ``app.main`` calls ``new_command``
-    at each command, so each one takes ``COLUMNS`` and the terminal as they are then. Made
-    lazily also so that a command that prints nothing through rich (``--json``, a plain
-    error line) never imports rich (decision 2940). Every attribute is the Console's."""
+    """The rich ``Console`` of the command being run, made at its first use in each command
+    (``renew`` drops it), so each command takes ``COLUMNS`` and the terminal as they are then
+    and one that prints nothing through rich never imports rich. Every attribute is the
+    Console's."""
 
     def __init__(self, **options: Any):
         self._options = options
@@ -207,7 +202,7 @@ def first_root(roots: list[str] | None) -> Path | None:
 def drive_roots(roots: list[str] | None) -> list[Path] | None:
     """The roots of a command that takes several drives (repeated ``--root``, or
     ``$SPOOLCTL_ROOT`` with ':' between roots), or None for one root: the command then
-    runs exactly as with a single ``--root`` (or none), decision 2712. A root given twice
+    runs exactly as with a single ``--root`` (or none). A root given twice
     or an empty element is a usage error."""
     if roots:
         if len(roots) == 1:
@@ -335,7 +330,7 @@ def _current_context() -> Any:
     try:
         from typer._click.globals import get_current_context
     except ImportError:  # an older typer that uses click itself
-        from click import get_current_context
+        from click import get_current_context  # type: ignore[no-redef]  # same function
     return get_current_context(silent=True)
 
 

@@ -1,18 +1,12 @@
-"""How long an operator command waits for a store's disk (decision 2701).
+"""How long an operator command waits for a store's disk.
 
-``status`` and ``metrics`` are what an operator (or node_exporter's cron) runs when
-something is wrong, so they must answer on a hung store too. A thread cannot do it: a
-thread stuck in the kernel on a hung mount (a FUSE or NFS request already sent, a stalled
-drive) cannot be stopped, and the process cannot exit until it returns. So each store's
-work -- opening it, reading its facts -- runs in a forked child process that hands back
-its result (and what it printed on stderr) through a pipe, as JSON: the callers hand back
-documents and plain values (``encode``/``decode`` where they need objects), so nothing in
-this process ever unpickles bytes (decision 2712). A store that has not answered
-within ``SPOOLCTL_DISK_TIMEOUT`` seconds (default 10) -- neither its answer nor a progress
-tick (a long listing reports one as it goes) -- is reported as down
-(``DiskNotAnsweringError``: the error line, ``disk_down`` in the JSON, ``store_up 0`` in the
-metrics); the command goes on and exits, and the child -- holding none of its output
-streams -- stays in the kernel until the disk answers, then ends.
+Each store's work (opening it, reading its facts) runs in a forked child that hands back
+its result and its stderr through a pipe, as JSON (nothing here unpickles bytes): a thread
+stuck in the kernel on a hung mount can be neither stopped nor outlived. A store that sends
+neither its answer nor a progress tick within ``SPOOLCTL_DISK_TIMEOUT`` seconds (default
+10) raises ``DiskNotAnsweringError``; the child, holding none of the command's output
+streams, ends when the disk answers
+(docs/decisions/2701-hung-disk-under-the-controllers-and-the-cli.md).
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from spoolctl import errors
 from spoolctl.errors import ConfigError, DiskNotAnsweringError, SpoolError, StoreIOError
@@ -105,7 +99,7 @@ def within_disk_timeout(root: str | Path, fn: Callable[[], T]) -> T:
     if err:
         sys.stderr.write(err)
     if kind == "ok":
-        return value
+        return cast(T, value)  # fn's result after a JSON round trip
     if kind == "spool":
         raise _rebuild(*value)
     # A bug in the child: its last traceback line is the one error line; the whole
@@ -122,7 +116,7 @@ def _read_within(fd: int, limit: float) -> tuple[bytes | None, bool]:
     start = time.monotonic()
     end = start + limit
     cap = start + limit * SLOW_FACTOR
-    chunks = []
+    chunks: list[bytes] = []
     progressed = False
     while True:
         left = min(end, cap) - time.monotonic()
@@ -141,6 +135,11 @@ def _read_within(fd: int, limit: float) -> tuple[bytes | None, bool]:
         chunks.append(chunk)
 
 
+def _tick(write_end: int) -> None:
+    """Tell the parent the read goes on (a NUL byte: its JSON answer holds none)."""
+    os.write(write_end, b"\0")
+
+
 def _child(fn: Callable[[], Any], write_end: int) -> None:
     """Run ``fn`` holding none of the parent's output streams (a child stuck on the disk
     must not keep a pipe that cron or a test reads open), send the outcome, exit."""
@@ -151,7 +150,7 @@ def _child(fn: Callable[[], Any], write_end: int) -> None:
             os.dup2(null, fd)
         err = io.StringIO()
         # "still reading" ticks (see _read_within)
-        install_progress_sink(lambda: os.write(write_end, b"\0"))
+        install_progress_sink(lambda: _tick(write_end))
         with contextlib.suppress(Exception):
             _redirect_log_handlers(sys.stderr, sys.stdout, err)
         sys.stdout, sys.stderr = io.StringIO(), err

@@ -5,7 +5,7 @@ and scripts ask it often, and the whole CLI costs several times the interpreter'
 
 Importing the CLI takes about a second on a cold page cache (typer, rich, the store). A
 Ctrl-C (or SIGTERM turned into one) in that second must end the command like one anywhere
-else (decision 2310): one line, exit 130, nothing done, never a Python traceback. Everything
+else: one line, exit 130, nothing done, never a Python traceback. Everything
 else is ``spoolctl.cli.app.main``.
 """
 

@@ -29,7 +29,7 @@ from .common import (
     plain,
     text,
 )
-from .fanout import StoreResult, finish, multi_doc, multi_view, run_each, run_on_targets
+from .fanout import StoreJob, StoreResult, finish, multi_doc, multi_view, run_each, run_on_targets
 from .targets import StoreTarget, resolve_entry, resolve_targets
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def ls_cmd(
         # A deletion removes the manifest before the row (manifest-last in reverse): a row
         # whose manifest is gone is an entry an interrupted clean or eviction was deleting.
         # It no longer exists (`inspect` says so, a lookup misses), so it is not listed;
-        # the next clean or open drops the row (decision 2310).
+        # the next clean or open drops the row.
         listed = [r for r in rows if store.layout.manifest_path(r.entry_id).exists()]
         now = time.time()
         return {"entries": [_row_json(r, now) for r in listed], "count": len(listed),
@@ -158,7 +158,7 @@ def entry_doc(store: Store, entry_id: str) -> dict[str, Any]:
     return doc
 
 
-def _inspect_job(entry: str):
+def _inspect_job(entry: str) -> StoreJob:
     def job(store: Store, _target: StoreTarget) -> tuple[dict[str, Any], int]:
         doc = entry_doc(store, resolve_entry(store, entry))
         missing = any(not o["present"] for o in doc["objects"])  # a finding in any format

@@ -164,7 +164,7 @@ def on_targets(targets: Targets, job: StoreJob, *, view: View, read_only_ok: boo
     return doc, doc["exit"], multi_view(view, empty=empty), results
 
 
-# -- several drives (decision 2712) ---------------------------------------------------------
+# -- several drives ------------------------------------------------------------------------
 
 
 def on_drive(targets: Targets, job: StoreJob, *, view: View, read_only_ok: bool = False,
@@ -244,13 +244,14 @@ def run_per_drive(roots: list[Path], job: DriveJob, *, json_output: bool,
             for key, value in totals(one).items():
                 summed[key] = summed.get(key, 0) + value
     down = [r for r in results if r.error is not None]
+    code = worst([r.code for r in results])
     doc = {"roots": [str(r) for r in roots], "drives": [r.to_json() for r in results],
            "totals": {"drives": len(results), "drives_down": len(down), **summed},
-           "exit": worst([r.code for r in results])}
+           "exit": code}
     emit(doc, json_output=json_output, view=lambda d: _drives_view(results, d))
     for r in down:  # on stderr too: cron mails it
         err_console.print(text(f"error: drive {r.root}: {r.error}"), soft_wrap=True)
-    return doc["exit"]
+    return code
 
 
 def _drives_view(results: list[DriveResult], doc: dict[str, Any]) -> list[Any]:

@@ -37,7 +37,7 @@ from .common import (
 )
 from .disk_deadline import within_disk_timeout
 from .fanout import finish, multi_doc, multi_view, worst
-from .targets import resolve_targets, targets_from_json, targets_json
+from .targets import Targets, resolve_targets, targets_from_json, targets_json
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -71,14 +71,12 @@ def metrics_cmd(
     if textfile is not None:
         _check_textfile(textfile)
     drives = drive_roots(root)
-    if drives is not None:  # several drives: every gauge labelled `drive` (decision 2712)
+    if drives is not None:  # several drives: every gauge labelled `drive`
         samples, code = _drive_samples(drives, rank, deployment)
         _emit_samples(samples, code, textfile, json_output)
         return
-    root = first_root(root)
     try:
-        targets = targets_from_json(within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: (
-            targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
+        targets = _bounded_targets(first_root(root), rank, deployment)
         if targets.single:
             samples = _gauges_within(targets.given)
     except SpoolError as exc:
@@ -91,7 +89,7 @@ def metrics_cmd(
     if textfile is not None and not targets.single and not targets.stores:
         # A base root with no store under it: on a host whose vLLM wrote stores there this
         # is an unmounted disk (the mount point stays, empty). An alert on `store_up == 0`
-        # must fire, so the file says so rather than holding no gauge (decision 2300).
+        # must fire, so the file says so rather than holding no gauge.
         _write_atomic(textfile, render_samples(store_unreadable("missing")).encode())
         raise ConfigError("no spoolctl store under this root (is its disk mounted?); "
                           "wrote spoolctl_store_up 0", path=str(targets.given),
@@ -101,6 +99,12 @@ def metrics_cmd(
     if not targets.single:
         samples, code = _rank_samples(targets)
     _emit_samples(samples, code, textfile, json_output)
+
+
+def _bounded_targets(root: Path | None, rank: int | None, deployment: str | None) -> Targets:
+    """``resolve_targets`` read within the disk deadline (``DiskNotAnsweringError``)."""
+    return targets_from_json(within_disk_timeout(root or "SPOOLCTL_ROOT", lambda: (
+        targets_json(resolve_targets(root, rank=rank, deployment=deployment)))))
 
 
 def _emit_samples(samples: list[Any], code: int, textfile: Path | None,
@@ -139,8 +143,7 @@ def _drive_samples(drives: list[Path], rank: int | None,
                               path=str(one), fix="give its absolute path") from None
     for one in drives:
         try:
-            targets = targets_from_json(within_disk_timeout(one, lambda one=one: (
-                targets_json(resolve_targets(one, rank=rank, deployment=deployment)))))
+            targets = _bounded_targets(one, rank, deployment)
             if targets.single:
                 got, got_code = _gauges_within(targets.given), EXIT_OK
             elif not targets.stores:
@@ -280,7 +283,7 @@ def doctor_cmd(
 
 
 def _lifecycle_check(verdict: Any, size: int) -> Any:
-    """``deployment.lifecycle``: a deployment that nothing will read again (decision 2112)."""
+    """``deployment.lifecycle``: a deployment that nothing will read again."""
     from spoolctl.store import Check
 
     from . import render
@@ -294,9 +297,9 @@ def _lifecycle_check(verdict: Any, size: int) -> Any:
 
 
 def _model_checks(path: Path) -> list[Any]:
-    """``model.lifecycle``: a controller model of this store nothing will read again
-    (decision 2120): a warning per stale namespace, none when there is none or the store
-    does not open (the store checks say why)."""
+    """``model.lifecycle``: a controller model of this store nothing will read again: a
+    warning per stale namespace, none when there is none or the store does not open (the
+    store checks say why)."""
     from spoolctl.store import Check, Store
 
     from . import render

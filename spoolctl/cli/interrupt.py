@@ -7,7 +7,7 @@ cleans up for both: an export's temp archive is removed, an import's staged file
 store is closed. Nothing else changes for the store: every commit is crash-safe anyway.
 
 The exit status is the shell's convention for death by a signal, ``128 + signal number``:
-130 for SIGINT, 143 for SIGTERM (decision 2310). It is distinct from every documented result
+130 for SIGINT, 143 for SIGTERM. It is distinct from every documented result
 code (0 ok, 1 findings, 2 usage), so a cron wrapper or a script can tell "stopped" from
 "failed".
 """

@@ -5,7 +5,7 @@ reference) and tests/test_cli_contract.py runs the commands and checks each real
 against it: its ``schema`` id, and that its top-level keys are exactly the documented ones.
 A new key, a renamed one or a removed one fails CI until it is written down here.
 
-Rules (decision 2410): every document has ``schema`` = ``spoolctl-cli/<command>/v1``; one
+Rules: every document has ``schema`` = ``spoolctl-cli/<command>/v1``; one
 name per concept across commands (``bytes`` for a size in bytes, ``entries`` for a count of
 entries, ``exit`` for the command's exit code where the document carries it); a renamed key
 stays one release as a deprecated alias (``DEPRECATED``), then goes; a change that breaks a
@@ -61,7 +61,7 @@ MULTI = Document("(any, on a vLLM root)", "A command run on a vLLM base root or 
                  })
 
 DRIVES = Document("(status, clean, scrub, export, on several roots)", "A command given several "
-                  "drive roots (repeated --root, or SPOOLCTL_ROOT with ':'; decision 2712): "
+                  "drive roots (repeated --root, or SPOOLCTL_ROOT with ':'): "
                   "one document for every drive.", {
                       "schema": SCHEMA,
                       "roots": "the roots given, in order",
@@ -103,11 +103,10 @@ DOCUMENTS: tuple[Document, ...] = (
         "filesystem": "the store's filesystem: free bytes, inodes and free inodes",
         "models": "per PyTorch/MLX model namespace: model, weights, last use, entries, bytes, "
                   "verdict (`current`, `unused`, `superseded`)"},
-        optional={"encryption": "an encrypted store (decision 2800): `master_key` (`key_id`, "
+        optional={"encryption": "an encrypted store: `master_key` (`key_id`, "
                                 "`matches_keyring`; null: none configured), `tenants`, "
                                 "`entries_by_version`, `unreadable_entries`, `imported_keys` "
-                                "(per tenant id, the live key versions an import brought, "
-                                "decision 2813)",
+                                "(per tenant id, the live key versions an import brought)",
                   "out_of_service": "a vLLM rank store its engine's worker took out of "
                                     "service (its disk stopped answering): `since`, "
                                     "`reason`, `pid`, `host`, `started`, and `stale` (true: "
@@ -181,10 +180,9 @@ DOCUMENTS: tuple[Document, ...] = (
         "bytes": "payload bytes", "archive_bytes": "archive bytes", "seconds": "run time",
         "bytes_per_second": "rate", "left_out": "entries not taken (and why)",
         "stores": "per source store", "exit": "exit code"},
-        optional={"signature": "with --sign-key: the `.sig` file written next to the archive "
-                               "(decision 2800), or `-` for a stream signed by its trailer "
-                               "(decision 2811)"}),
-    Document("keys-ls", "The encryption facts of a store (decision 2800): ids and counts, never "
+        optional={"signature": "with --sign-key: the `.sig` file written next to the archive, "
+                               "or `-` for a stream signed by its trailer"}),
+    Document("keys-ls", "The encryption facts of a store: ids and counts, never "
              "key material.", {
                  "schema": SCHEMA,
                  "encrypted": "true if a master key is configured or encrypted entries exist",
@@ -197,9 +195,9 @@ DOCUMENTS: tuple[Document, ...] = (
                  "unreadable_entries": "entries under revoked, retired or unknown keys"},
              rows={"tenants": {"tenant_id": "16-hex opaque id", "current": "current version "
                                "(null: none live)", "revoked": "true once `keys revoke` erased "
-                               "it (no import brings its keys back, decision 2813)",
+                               "it (no import brings its keys back)",
                                "versions": "per version: `version` (a random 63-bit id, "
-                               "decision 2812, a decimal string when beyond 2^53 - 1; small "
+                               "a decimal string when beyond 2^53 - 1; small "
                                "counters in stores from before, numbers), `key` "
                                "(`live` or `unavailable`), `origin` (`here` or `imported`), "
                                "`entries`, `bytes`"}}),
@@ -212,7 +210,7 @@ DOCUMENTS: tuple[Document, ...] = (
         "released_bytes": "their bytes"},
         rows={"tenants": {"tenant_id": "16-hex opaque id", "versions": "key versions " + verb}})
       for action, what, verb in (
-          ("rotate", "The new key version of each tenant (decision 2800).", "started"),
+          ("rotate", "The new key version of each tenant.", "started"),
           ("revoke", "A tenant crypto-erased: every key version deleted, its entries released.",
            "erased"),
           ("retire", "Key versions older than the current one erased, their entries released.",
@@ -225,7 +223,7 @@ DOCUMENTS: tuple[Document, ...] = (
         "skipped_capacity": "entries over the max size", "skipped_corrupt": "entries that "
         "failed verification", "skipped_unauthenticated": "entries without a valid tag",
         "skipped_key": "encrypted entries whose data key this host cannot use (a tenant "
-        "revoked here, or a key the archive did not carry; decision 2813)",
+        "revoked here, or a key the archive did not carry)",
         "skipped_vanished": "peer entries gone meanwhile", "objects_written": "objects",
         "objects_present": "objects already there", "bytes_written": "bytes",
         "source_bytes": "bytes read", "seconds": "run time", "bytes_per_second": "rate",

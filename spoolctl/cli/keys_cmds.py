@@ -1,9 +1,10 @@
-"""``spoolctl keys ls|rotate|revoke|retire``: the keys of an encrypted store (decision 2800),
-on one store or on every rank store under a vLLM root. A tenant is named by its opaque id
-(``--tenant``, as ``keys ls`` shows it) or by its name -- a secret (vLLM: the cache_salt) --
-read from a file, stdin or an environment variable, never from the command line, where every
-local user's process listing and the shell's history would show it. Tenants are shown only
-by their opaque id; no key material is ever printed."""
+"""``spoolctl keys ls|rotate|revoke|retire``: the keys of an encrypted store, on one store or
+on every rank store under a vLLM root.
+
+A tenant is named by its opaque id (``--tenant``, as ``keys ls`` shows it) or by its name --
+a secret (vLLM: the cache_salt) -- read from a file, stdin or an environment variable, never
+from the command line, where every local user's process listing and the shell's history
+would show it. Tenants are shown only by their opaque id; no key material is ever printed."""
 
 from __future__ import annotations
 

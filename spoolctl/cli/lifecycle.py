@@ -1,4 +1,4 @@
-"""Stale vLLM deployments for ``status``, ``doctor`` and ``clean`` (decision 2112).
+"""Stale vLLM deployments and controller models for ``status``, ``doctor`` and ``clean``.
 
 Reads what each rank store says about its deployment (entries, bytes, first stored, last
 used, the identity facts of one manifest) and asks ``connector.staleness`` for a verdict;
@@ -94,7 +94,7 @@ def reclaim(store: Store, *, dry_run: bool) -> tuple[list[str], int]:
     return [r.entry_id for r in rows], sum(r.size for r in rows)
 
 
-# -- controller models (decision 2120) ---------------------------------------------------
+# -- controller models -------------------------------------------------------------------
 
 
 def model_uses(store: Store) -> dict[str, DeploymentUse]:

@@ -79,7 +79,7 @@ def sweep_leftovers(path: Path, suffix: str) -> list[Path]:
     import time
 
     pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+){re.escape(suffix)}")
-    removed = []
+    removed: list[Path] = []
     try:
         names = os.listdir(path.parent)
     except OSError:

@@ -10,7 +10,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -31,11 +31,25 @@ from .common import (
     text,
 )
 
+if TYPE_CHECKING:
+    from spoolctl.controllers import KVBackend
+
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
 # that lists every command).
 commands = typer.Typer()
 
 MAX_PROMPT_FILE = 64 << 20
+
+
+def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
+    """``--prompt``, or the text of ``--prompt-file``; ConfigError when it is empty."""
+    if prompt is not None:
+        found = prompt
+    else:
+        found = _read_text(prompt_file, "prompt file") if prompt_file is not None else ""
+    if not found:
+        raise ConfigError("the prompt is empty", fix="pass a non-empty prompt")
+    return found
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -154,7 +168,7 @@ def prefill_cmd(
     Example: [bold]spoolctl prefill --server http://127.0.0.1:8000 --prompt-list
     prompts.jsonl --concurrency 8[/bold]
     """
-    from spoolctl.controllers import BACKENDS, CachePrepareParams, LocalCacheController
+    from spoolctl.controllers import BACKENDS, CachePrepareParams, Element, LocalCacheController
 
     prompts_file = deprecated_alias("--prompts-file", "--prompt-list", old_prompts_file,
                                     prompts_file)
@@ -181,10 +195,8 @@ def prefill_cmd(
     if messages_file is not None:
         params = _load_messages(messages_file, str(model_dir))
     else:
-        text = prompt if prompt is not None else _read_text(prompt_file, "prompt file")
-        if not text:
-            raise ConfigError("the prompt is empty", fix="pass a non-empty prompt")
-        params = CachePrepareParams(model=str(model_dir), instructions=[text])
+        params = CachePrepareParams(model=str(model_dir),
+                                    instructions=[Element(_prompt_text(prompt, prompt_file))])
     if max_image_size is not None and not image:
         raise ConfigError("--max-image-size needs --image", fix="add --image FILE")
     if image:
@@ -194,18 +206,23 @@ def prefill_cmd(
         _prefill_vlm(model_dir, params, image or [], max_image_size, root, json_out)
         return
     t0 = time.perf_counter()
-    if backend == "pytorch":
-        from spoolctl.controllers.pytorch import PyTorchBackend, quiet_frameworks
-
-        quiet_frameworks()
-        kv = PyTorchBackend(model_dir, dtype=dtype, device=device)
-    else:
-        from spoolctl.controllers import load_backend
-
-        kv = load_backend(backend, model_dir)
+    kv = _load_backend(backend, model_dir, dtype=dtype, device=device)
     load_s = time.perf_counter() - t0
     _prepare_and_render(LocalCacheController(kv, resolve_root(root)), params, json_out,
                         backend=backend, model=str(model_dir), load_s=load_s)
+
+
+def _load_backend(backend: str, model_dir: Path, *, dtype: str | None,
+                  device: str) -> KVBackend:
+    """The ``backend`` for ``model_dir``; ``dtype`` and ``device`` are PyTorch's."""
+    from spoolctl.controllers import load_backend
+
+    if backend == "pytorch":
+        from spoolctl.controllers.pytorch import quiet_frameworks
+
+        quiet_frameworks()
+        return load_backend(backend, model_dir, dtype=dtype, device=device)
+    return load_backend(backend, model_dir)
 
 
 def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file: Path | None,
@@ -227,10 +244,7 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
     if prompts_file is not None:
         prompts = sw.read_prompts_file(prompts_file)
     else:
-        text = prompt if prompt is not None else _read_text(prompt_file, "prompt file")
-        if not text:
-            raise ConfigError("the prompt is empty", fix="pass a non-empty prompt")
-        prompts = [sw.WarmPrompt("#1", text)]
+        prompts = [sw.WarmPrompt("#1", _prompt_text(prompt, prompt_file))]
     client = sw.Client(target, timeout=timeout,
                        api_key=os.environ.get(sw.API_KEY_ENV) or None)
     try:
@@ -272,7 +286,7 @@ def _prefill_server(url: str, model: str | None, prompt: str | None, prompt_file
     else:
         for renderable in _server_view(doc):
             console.print(renderable)
-    if report.interrupted is not None:  # what was done is printed: 130 / 143 (decision 2310)
+    if report.interrupted is not None:  # what was done is printed: 130 / 143
         from .interrupt import exit_code, reported, signal_name
 
         reported()
@@ -332,7 +346,7 @@ def _prefill_vlm(model_dir: Path, params: Any, images: list[Path], max_image_siz
 
 
 def _prepare_and_render(ctl: Any, params: Any, json_out: bool, *, backend: str, model: str,
-                        load_s: float, extra: dict | None = None) -> None:
+                        load_s: float, extra: dict[str, Any] | None = None) -> None:
     """Prepare ``params`` on ``ctl`` (closed afterwards), then print what it did."""
     with ctl:
         t1 = time.perf_counter()
@@ -350,7 +364,7 @@ def _prepare_and_render(ctl: Any, params: Any, json_out: bool, *, backend: str, 
     _render_prefill(doc, json_out)
 
 
-def _render_prefill(doc: dict, json_out: bool) -> None:
+def _render_prefill(doc: dict[str, Any], json_out: bool) -> None:
     from rich.table import Table
     if json_out:
         emit_json(doc)

@@ -20,6 +20,7 @@ from .common import (
     JsonOption,
     RankOption,
     RootOption,
+    View,
     console,
     emit,
     esc,
@@ -28,7 +29,7 @@ from .common import (
     text,
 )
 from .entry_cmds import found_in
-from .fanout import finish, multi_doc, multi_view, run_each, run_on_targets
+from .fanout import StoreJob, finish, multi_doc, multi_view, run_each, run_on_targets
 from .targets import StoreTarget, Targets, resolve_targets
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def _ls_view(doc: dict[str, Any]) -> Table | Text:
     return t
 
 
-def _on_item(targets: Targets, item: str, job, *, json_output: bool, view,
+def _on_item(targets: Targets, item: str, job: StoreJob, *, json_output: bool, view: View,
              read_only_ok: bool = False) -> None:
     """Run ``job`` on the store holding quarantine item ``item`` (any rank store)."""
     check_item(item)

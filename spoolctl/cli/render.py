@@ -97,7 +97,7 @@ def expiry_text(seconds: float | None) -> str:
 
 
 def stderr_is_tty() -> bool:
-    return err_console.is_terminal
+    return bool(err_console.is_terminal)
 
 
 def stdin_is_tty() -> bool:

@@ -101,7 +101,7 @@ def scrub_cmd(
         return doc, EXIT_FINDINGS if findings else EXIT_OK
 
     drives = drive_roots(root)
-    if drives is not None:  # several drives: a row each, and totals (decision 2712)
+    if drives is not None:  # several drives: a row each, and totals
         finish(run_per_drive(drives, lambda one: on_drive(
             resolve_targets(one, rank=rank, deployment=deployment), job, view=_scrub_view),
             json_output=json_output, totals=_scrub_totals))
@@ -212,12 +212,13 @@ def _request_auth(store: Store, entry: str, wait: bool, timeout: float
             if not wait:
                 return {"entry_id": entry_id, "result": "queued", "request_id": request_id,
                         "owner": owner.to_json()}, EXIT_OK
-            result = queue.wait(request_id, timeout)
-        if result is None:
+            receipt = queue.wait(request_id, timeout)
+        if receipt is None:
             raise BusyError(
                 f"no receipt from the owner ({owner.role} pid {owner.pid}) within "
                 f"{timeout:g}s; request {request_id} stays queued",
                 path=store.root, fix="retry with a longer --timeout, or check the worker")
+        result = receipt
     return result.to_json(), EXIT_OK if result.healthy else EXIT_FINDINGS
 
 

@@ -2,9 +2,9 @@
 entry id resolved into an entry.
 
 What a ``--root`` is (a store, a vLLM deployment directory, a vLLM base root or an empty
-root) is decided by the store's one scanner, ``spoolctl.store.transfer.places.inspect_root``
-(decisions 1100, 2500), with the same kinds and refusals for every command and for the
-library's export/import/peer API. This module only narrows (``--rank N``, ``--deployment
+root) is decided by the store's one scanner, ``spoolctl.store.transfer.places.inspect_root``,
+with the same kinds and refusals for every command and for the library's export/import/peer
+API. This module only narrows (``--rank N``, ``--deployment
 NAME``) and applies one CLI rule: a path that does not exist is the one store a command
 acts on (``init`` creates it; other commands say it is not a store). Commands loop over
 ``Targets.stores`` (see ``fanout``).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spoolctl.store import ConfigError, CorruptionError, NotFoundError, QuarantineReason
 
@@ -46,7 +46,7 @@ class StoreTarget:
         name = f"rank-{self.rank:04d}"
         return f"{self.deployment}/{name}" if self.deployment else name
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"root": str(self.root), "rank": self.rank, "deployment": self.deployment}
 
 
@@ -65,14 +65,14 @@ class Targets:
         return self.kind == "store"
 
 
-def targets_json(targets: Targets) -> dict:
+def targets_json(targets: Targets) -> dict[str, Any]:
     """``targets`` as JSON, for a bounded child to hand back (``disk_deadline``); the
     scanner's ``contents`` stay behind (``targets_from_json`` leaves them None)."""
     return {"given": str(targets.given), "kind": targets.kind,
             "stores": [t.to_json() for t in targets.stores]}
 
 
-def targets_from_json(doc: dict) -> Targets:
+def targets_from_json(doc: dict[str, Any]) -> Targets:
     """The ``Targets`` of ``targets_json`` (without ``contents``)."""
     return Targets(Path(doc["given"]), doc["kind"], tuple(
         StoreTarget(Path(t["root"]), t["rank"], t["deployment"]) for t in doc["stores"]))
@@ -137,7 +137,7 @@ def resolve_entry(store: Store, text: str) -> str:
     now in quarantine is a finding (exit 1) naming the item. A malformed id is a usage
     error (exit 2, InvalidIdError from the store)."""
     try:
-        entry_id = store.resolve(text)
+        entry_id: str = store.resolve(text)
         if store.row(entry_id) is not None:
             return entry_id
     except NotFoundError:

@@ -16,8 +16,9 @@ import os
 import re
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 
@@ -44,6 +45,7 @@ from .common import (
 )
 from .disk_deadline import within_disk_timeout
 from .fanout import finish, run_per_drive
+from .transfer_progress import TransferProgress, want_progress
 from .transfer_roots import (
     export_doc,
     export_source,
@@ -55,8 +57,6 @@ from .transfer_roots import (
 )
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
-
     from spoolctl.store import Selection
 
 # This module's commands: cli/commands.py adds them to the spoolctl app (the one place
@@ -84,57 +84,9 @@ ProgressOption = Annotated[bool | None, typer.Option(
 
 # `--max-size` of export/import was a selection limit, `--max-size` of init the capacity:
 # one name, two meanings. The selection limit is --limit-size; the old name stays one
-# release, hidden, with a warning (decision 2410).
+# release, hidden, with a warning (a renamed option stays one release).
 DeprecatedMaxSize = Annotated[str | None, typer.Option(
     "--max-size", hidden=True, help="Deprecated name of --limit-size.", show_default=False)]
-
-
-class _Progress:
-    """Bytes, entries and rate on stderr (a terminal only), or nothing."""
-
-    def __init__(self, label: str, enabled: bool):
-        self.label = label
-        self.enabled = enabled
-        self._p: Progress | None = None
-        self._task: Any = None
-        self.entries = 0  # the last count reported, also when nothing is shown
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:  # rich's progress is imported only when a bar is shown
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TransferSpeedColumn,
-            )
-
-            self._p = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
-                               DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                               TextColumn("{task.fields[entries]} entries"),
-                               TimeElapsedColumn(), console=err_console.get(), transient=True)
-            self._p.__enter__()
-            self._task = self._p.add_task(self.label, total=None, entries=0)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._p is not None:
-            self._p.__exit__(None, None, None)
-
-    def __call__(self, done: int, entries: int, total: int | None = None) -> None:
-        self.entries = entries
-        if self._p is not None:
-            # A planned total is an estimate (an import plans payload bytes, the stream
-            # also carries headers): the bar never shows more done than its total.
-            self._p.update(self._task, completed=done, entries=entries,
-                           **({"total": max(total, done)} if total else {}))
-
-
-def _want_progress(flag: bool | None, json_output: bool) -> bool:
-    if flag is not None:
-        return flag
-    return not json_output and err_console.is_terminal
 
 
 def _selection(kind: list[str] | None, namespace: list[str] | None,
@@ -159,7 +111,7 @@ def _interrupted(exc: KeyboardInterrupt, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _archive_sink(output: str, force: bool):
+def _archive_sink(output: str, force: bool) -> Iterator[int]:
     """A file descriptor to write the archive to; for a regular file, a temp name in the same
     directory renamed into place only when the archive is complete."""
     if output == "-":
@@ -264,9 +216,9 @@ def export_cmd(
     max_size = deprecated_alias("--max-size", "--limit-size", old_max_size, max_size)
     selection = _selection(kind, namespace, None,
                            None if hint is ExportHint.any else hint.value, max_size)
-    show = _want_progress(progress, json_output)
+    show = want_progress(progress, json_output)
     drives = drive_roots(root)
-    if drives is not None:  # several drives: one archive per drive (decision 2713)
+    if drives is not None:  # several drives: one archive per drive
         _export_drives(drives, output, force=force, selection=selection, rank=rank,
                        deployment=deployment, sign_key=sign_key, show=show,
                        json_output=json_output)
@@ -306,11 +258,12 @@ def _export_root(root: Path | None, output: str, *, force: bool, selection: Sele
         from spoolctl.store import load_signing_key
 
         signer = load_signing_key(Path(sign_key).expanduser())
-    bar = _Progress("export", show)
+    bar = TransferProgress("export", show)
     try:
         with _archive_sink(output, force) as fd, bar:
             sink: Any = FdSink(fd)
-            if signer is not None and output == "-":  # in-stream: a trailer (decision 2811)
+            # a stream has no file beside it for the signature: it goes in a trailer
+            if signer is not None and output == "-":
                 from spoolctl.store import SigningSink
 
                 sink = SigningSink(sink)
@@ -345,7 +298,7 @@ def _export_root(root: Path | None, output: str, *, force: bool, selection: Sele
     return doc
 
 
-# -- export across drives (decision 2713) ---------------------------------------------------
+# -- export across drives ------------------------------------------------------------------
 
 
 def drive_archive_name(root: Path) -> str:
@@ -392,7 +345,7 @@ def _export_drives(drives: list[Path], output: str, *, force: bool, selection: S
 
     def job(drive: Path) -> tuple[dict[str, Any], int, View]:
         # The drive is scanned first in a child bounded by SPOOLCTL_DISK_TIMEOUT: a hung
-        # mount is this drive's row, not a stalled command (decision 2712's rule).
+        # mount is this drive's row, not a stalled command.
         within_disk_timeout(drive, lambda: _probe_drive(drive, rank, deployment))
         target = str(directory / drive_archive_name(drive))
         doc = _export_root(drive, target, force=force, selection=selection, rank=rank,
@@ -481,7 +434,7 @@ def import_cmd(
     layout = import_target(root)
     store_max = parse_size(store_max_size) if store_max_size is not None else None
     selection = _selection(kind, namespace, None, None, max_size)
-    show = _want_progress(progress, json_output)
+    show = want_progress(progress, json_output)
     is_dir = source != "-" and Path(source).expanduser().is_dir()
     if max_size is not None and not is_dir:
         raise ConfigError("--limit-size selects entries from a store root", fix="limit an "
@@ -502,7 +455,7 @@ def import_cmd(
     def wants(manifest: Any) -> bool:
         return selection.wants(manifest.kind, manifest.namespace)
 
-    with _Progress("import", show) as bar:
+    with TransferProgress("import", show) as bar:
         importer = Importer(layout.path, accept=tuple(deployment or ()),
                             store_max_bytes=store_max, progress=bar,
                             wants=None if is_dir else wants, rank=rank, layout=layout,
@@ -556,7 +509,7 @@ def import_cmd(
 
 
 @contextlib.contextmanager
-def _archive_source(source: str):
+def _archive_source(source: str) -> Iterator[BinaryIO]:
     if source == "-":
         if sys.stdin.isatty():
             raise ConfigError("stdin is a terminal, not an archive",

@@ -2,17 +2,17 @@
 their per-store reports.
 
 ``--root`` goes through ``targets.resolve_targets`` and so through the store's one scanner,
-``places.inspect_root`` (decisions 1100, 2500): the same kinds (store, deployment, base,
+``places.inspect_root``: the same kinds (store, deployment, base,
 empty), refusals and ``--rank`` / ``--deployment`` narrowing as ``status``/``clean``/
 ``scrub``. What is handed to the store's exporter/importer is the scanner's own
-``RootContents``, narrowed, so the archive format and the deployment placement rule
-(decision 1602) are unchanged.
+``RootContents``, narrowed, so the archive format and the deployment placement rule are
+unchanged.
 
 Reports: the JSON document keeps the exporter's/importer's keys and adds, per store, its
 ``root``, ``deployment``, ``rank`` and ``exit`` (and ``error`` for a store that could not be
 read), plus the command's worst ``exit`` and the root's ``kind``, like the other commands'
 multi-store documents. Human views print every text that came from a store or a client
-through ``plain``/``text`` (decision 1102).
+through ``plain``/``text`` (store text is data, never markup).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def export_source(root: Path | None, rank: int | None,
 
     With ``--rank`` one rank's shards are taken as they are (no quorum across ranks: the
     rank is all that was asked for); otherwise a vLLM chunk is taken only when every rank
-    holds it (decision 1602)."""
+    holds it (a chunk some rank lacks cannot be restored)."""
     from spoolctl.store import RootContents, StorePlace
-    names = list(dict.fromkeys(deployments or [])) or [None]
+    names: list[str | None] = [*dict.fromkeys(deployments or [])] or [None]
     resolved = [resolve_targets(root, rank=rank, deployment=name) for name in names]
     first = resolved[0]
     stores: list[StoreTarget] = []

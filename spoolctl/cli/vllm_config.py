@@ -84,7 +84,7 @@ def config_vllm(
     from spoolctl.store import check_root_path
 
     path = check_root_path(resolve_root(root))  # absolute, no symlink: fail here, not in vLLM
-    if max_size is None:  # a store is bounded; its size is the operator's choice (2122)
+    if max_size is None:  # a store is bounded; its size is the operator's choice
         raise ConfigError("config vllm needs --max-size: without it every rank store of "
                           "the connector is unbounded",
                           fix="add --max-size SIZE (per rank store, e.g. 200GiB)")

@@ -75,12 +75,13 @@ def _messy_store(root: Path) -> None:
     size that the released step alone does not bring under it, temp files of a dead writer
     and orphan objects, all old enough."""
     shared, pair = _blob("shared"), _blob("pair")
-    with Store.open(root, create=True) as store:
-        ids = []
+    now = [time.time() - 1000]  # the store's clock: a stable LRU order
+    with Store.open(root, create=True, clock=lambda: now[0]) as store:
         for i in range(12):  # retained, least recently used first
-            ids.append(store.put(kind="pytorch", namespace="m", key=f"r{i}",
-                                 objects={"kv": _blob(f"r{i}"),
-                                          **({"s": shared} if i < 3 else {})}).entry_id)
+            now[0] += 1
+            store.put(kind="pytorch", namespace="m", key=f"r{i}",
+                      objects={"kv": _blob(f"r{i}"), **({"s": shared} if i < 3 else {})})
+        now[0] = time.time()
         doomed = [store.put(kind="pytorch", namespace="m", key=f"x{i}",
                             objects={"kv": _blob(f"x{i}"), "s": shared}).entry_id
                   for i in range(3)]  # released; their "s" stays referenced
@@ -88,10 +89,6 @@ def _messy_store(root: Path) -> None:
                              objects={"kv": pair}).entry_id for i in range(2)]  # one object
         for entry_id in doomed:
             store.release(entry_id)
-        with store.catalog._write() as db:  # a stable LRU order
-            for n, entry_id in enumerate(ids):
-                db.execute("UPDATE entries SET last_access = ? WHERE entry_id = ?",
-                           (time.time() - 1000 + n, entry_id))
         total = store.totals().bytes
         store.set_max_bytes(int(total * 0.8))  # over even once the released are gone
         layout = store.layout

@@ -33,13 +33,15 @@ def _identity(model: str, weights: str, rank: int) -> dict:
 
 def _fill(root: Path, rank: int, model: str, weights: str, created: float, used: float,
           n: int = 3) -> None:
-    with Store.open(root, create=True) as store:
-        for i in range(n):
-            store.put(kind="vllm", namespace=f"ns-{root.parent.name[-4:]}-r{rank}",
-                      key=f"{i:064x}", objects={"kv": os.urandom(1024)},
-                      meta={"chunk_index": i, "deployment": _identity(model, weights, rank)})
-        with store.catalog._write() as db:  # when these chunks were stored and last read
-            db.execute("UPDATE entries SET created = ?, last_access = ?", (created, used))
+    now = [created]  # the store's clock: when these chunks were stored, then last read
+    with Store.open(root, create=True, clock=lambda: now[0]) as store:
+        ids = [store.put(kind="vllm", namespace=f"ns-{root.parent.name[-4:]}-r{rank}",
+                         key=f"{i:064x}", objects={"kv": os.urandom(1024)},
+                         meta={"chunk_index": i,
+                               "deployment": _identity(model, weights, rank)}).entry_id
+               for i in range(n)]
+        now[0] = used
+        store.touch(ids)
 
 
 @pytest.fixture

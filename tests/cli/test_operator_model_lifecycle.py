@@ -143,13 +143,14 @@ def _identity(kind: str, weights: str, *, model: str = "/models/m",
 
 def _fill(store: Store, kind: str, namespace: str, identity: dict, created: float,
           used: float, n: int = 2) -> None:
-    for i in range(n):
-        store.put(kind=kind, namespace=namespace, key=f"{namespace}-{i}",
-                  objects={"kv": os.urandom(2048)},
-                  meta={"format": "spoolctl-local-kv/v1", "identity": identity})
-    with store.catalog._write() as db:  # when these entries were stored and last read
-        db.execute("UPDATE entries SET created = ?, last_access = ? WHERE namespace = ?",
-                   (created, used, namespace))
+    store.clock = lambda: created  # when these entries were stored, then last read
+    ids = [store.put(kind=kind, namespace=namespace, key=f"{namespace}-{i}",
+                     objects={"kv": os.urandom(2048)},
+                     meta={"format": "spoolctl-local-kv/v1", "identity": identity}).entry_id
+           for i in range(n)]
+    store.clock = lambda: used
+    store.touch(ids)
+    store.clock = time.time
 
 
 @pytest.fixture

@@ -124,10 +124,9 @@ def test_export_progress_counts_entries_as_it_goes_and_never_overshoots(
 
 def test_no_progress_bar_text_overshoots_on_a_terminal(tmp_path: Path, source) -> None:
     """The CLI's bar (rich) is given a total never below what is done."""
-    from spoolctl.cli.transfer_cmds import _Progress
+    from spoolctl.cli.transfer_progress import TransferProgress
 
-    bar = _Progress("export", True)
+    bar = TransferProgress("export", True)
     with bar:
         bar(5000, 1, 4000)  # an estimate passed: the bar grows, not overshoots
-        task = bar._p.tasks[0]  # type: ignore[union-attr]
-        assert (task.completed, task.total, task.fields["entries"]) == (5000, 5000, 1)
+        assert bar.shown() == (5000, 5000, 1)

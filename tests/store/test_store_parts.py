@@ -181,7 +181,7 @@ def test_publish_refuses_a_directory_swapped_for_a_symlink(tmp_path: Path) -> No
 
 
 def test_status_and_metrics_report_the_same_facts(store: Store) -> None:
-    from spoolctl.cli.store_cmds import status_doc
+    from spoolctl.cli.store_status import status_doc
 
     a = store.put(kind="mlx", namespace="ns", key="a", objects={"a": b"x" * 1000})
     store.put(kind="vllm", namespace="ns", key="b", objects={"a": b"y" * 3000})
