@@ -112,8 +112,9 @@ def test_a_model_served_from_memory_is_in_use(tiny_model_dir, store_root) -> Non
                                               role="user")])
     with LocalCacheController(make_backend("pytorch", tiny_model_dir), store_root) as ctl:
         assert ctl.prepare(params).source == "cold"
-        with Store.open(store_root) as store, store.catalog._write() as db:
-            db.execute("UPDATE entries SET last_access = ?", (time.time() - 40 * DAY,))
+        with Store.open(store_root, clock=lambda: time.time() - 40 * DAY) as store:
+            store.touch([row.entry_id for row in store.entries()])  # last read 40 days ago
+            assert all(row.last_access < time.time() - 39 * DAY for row in store.entries())
         assert ctl.prepare(params).source == "memory"
         doc = run_json("clean", "--root", str(store_root), "--unused-for", "30d", "--dry-run")
         assert doc["model_lifecycle"] == {}
