@@ -89,7 +89,8 @@ class TierIO:
     # -- the scheduler thread -------------------------------------------------------------
 
     def submit_load(self, job_id: int, keys: Sequence[bytes], slots: list[memoryview]) -> None:
-        job = LoadJob(job_id, list(keys), slots, deadline=time.monotonic() + self._deadline)
+        job = LoadJob(job_id, list(keys), list(slots),
+                      deadline=time.monotonic() + self._deadline)
         self._active_loads[job_id] = job
         self._begin()
         self._loads.put(job)
@@ -101,7 +102,7 @@ class TierIO:
             return False
         self._begin()
         try:
-            self._stores.put_nowait(StoreJob(job_id, list(keys), slots))
+            self._stores.put_nowait(StoreJob(job_id, list(keys), list(slots)))
         except queue.Full:
             self._end()
             return False
