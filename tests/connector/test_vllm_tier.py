@@ -123,3 +123,28 @@ def test_a_corrupt_object_is_recomputed_and_quarantined(runs: dict) -> None:
     assert sum(r["cached"] for r in c["requests"]) < 3 * FULL
     [files] = runs["quarantine"]  # one entry, with the corrupt object as evidence
     assert f"{runs['corrupt']}.obj" in files
+
+
+@pytest.mark.extended  # a fourth engine start; full-disk commits: test_vllm_group_commit.py
+def test_a_full_disk_fails_stores_and_leaves_inference_alone(
+        tiny_model_dir: Path, mount_tmpfs, tmp_path: Path) -> None:
+    from spoolctl.store.disk.reserve import HEADROOM_BYTES
+
+    fs = mount_tmpfs("8m")
+    root = fs / "store"
+    Store.open(root, create=True).close()
+    free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
+    chunk = 36 << 10  # one stored chunk of the tiny model, with its manifest
+    (fs / "filler").write_bytes(b"\0" * max(0, free - HEADROOM_BYTES - chunk - (8 << 10)))
+    other = [t + 1 for t in PROMPT]
+    job = {"model": str(tiny_model_dir), "root": str(root), "block_size": BLOCK,
+           "requests": [request(entries=3), {"tokens": other, "entries": 6}, request()],
+           "settle_s": 20.0}
+    out = engine(job, tmp_path, "full")
+    counters = out["counters"]
+    first, _, again = out["requests"]
+    assert again["tokens"] == first["tokens"]  # the engine serves on, unaffected
+    assert counters["store_failures"] >= 1, out  # the disk refused some chunks
+    assert counters["store_chunks"] + counters["store_failures"] == 6  # each accounted for
+    assert out["requests"][1]["entries"] == counters["store_chunks"]
+    assert run_json("status", "--root", str(root))["entries"] == counters["store_chunks"]

@@ -146,7 +146,13 @@ class SpoolTier(SecondaryTierManager):
         requests = [PutRequest(KIND, self.namespace, entry_key(k), {OBJECT: data})
                     for k, data in chunks]
         stored: set[bytes] = set()
-        for (key, _), outcome in zip(chunks, self.store.put_many(requests), strict=True):
+        try:
+            outcomes = self.store.put_many(requests)
+        except SpoolError as exc:  # shared by the batch: a full disk, a lock, the catalog
+            log.warning("spoolctl tier: %d chunks were not stored: %s", len(chunks), exc)
+            self.counters.add(store_failures=len(chunks))
+            return stored
+        for (key, _), outcome in zip(chunks, outcomes, strict=True):
             if outcome.error is None:
                 stored.add(key)
             else:
