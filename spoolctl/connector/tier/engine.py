@@ -1,0 +1,57 @@
+"""What the tier learns from the vLLM engine it runs in (imports vLLM).
+
+vLLM hands a secondary tier only the offloading config; the hash algorithm and the LoRA
+setting live in the engine's ``VllmConfig``, which the scheduler building the tier holds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.v1.core import kv_cache_utils
+
+# How many caller frames to search for the scheduler's config (the tier is built a few
+# calls below ``Scheduler.__init__``).
+_FRAMES = 24
+
+
+def engine_config() -> VllmConfig | None:
+    """The ``VllmConfig`` of the engine building this tier, None if none is found."""
+    current = get_current_vllm_config_or_none()
+    if current is not None:
+        return current
+    frame = inspect.currentframe()
+    try:
+        for _ in range(_FRAMES):
+            if frame is None:
+                return None
+            found = _config_in(frame.f_locals)
+            if found is not None:
+                return found
+            frame = frame.f_back
+    finally:
+        del frame  # frames reference each other: break the cycle at once
+    return None
+
+
+def _config_in(scope: dict[str, Any]) -> VllmConfig | None:
+    for value in (scope.get("vllm_config"), getattr(scope.get("self"), "vllm_config", None)):
+        if isinstance(value, VllmConfig):
+            return value
+    return None
+
+
+def hash_algo(config: VllmConfig | None) -> str | None:
+    return None if config is None else config.cache_config.prefix_caching_hash_algo
+
+
+def seed_is_stable() -> bool:
+    """Whether the block-hash chain's seed, once vLLM resolved it, is the same in every
+    process (the fixed default or ``PYTHONHASHSEED``); True before it is resolved."""
+    seed = kv_cache_utils._NONE_HASH_SEED
+    if seed is None:
+        return True
+    return seed in (kv_cache_utils.DEFAULT_NONE_HASH_SEED, os.environ.get("PYTHONHASHSEED"))

@@ -1,0 +1,226 @@
+"""The tier's I/O: store reads and writes on the tier's own threads, never the scheduler's.
+
+``TierIO`` runs load (promotion) jobs on ``read_threads`` and store (cascade) jobs on
+``write_threads``. Store jobs wait in a bounded queue: when the disk falls behind, a new
+store job fails at once (the chunk stays only in the CPU tier) instead of blocking the
+scheduler. A load reads and verifies each chunk into a private buffer and copies it into
+the primary slot only if its job is still wanted: a load past its deadline (a hung disk) is
+failed by the scheduler thread and its late bytes are dropped, never copied.
+
+Pure: no vLLM import; jobs are described by ``LoadJob``/``StoreJob`` and report ``Done``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger("spoolctl.connector")
+
+# Reads one chunk, verified, into the buffer; False for a miss (absent, corrupt, unreadable).
+ReadChunk = Callable[[bytes, memoryview], bool]
+# Commits chunks (key, bytes) together; returns the keys that are now stored.
+WriteChunks = Callable[[Sequence[tuple[bytes, memoryview]]], set[bytes]]
+
+
+@dataclass
+class Done:
+    """One finished job: ``ok_keys`` is every key that made it."""
+
+    job_id: int
+    keys: list[bytes]
+    ok_keys: list[bytes]
+    is_load: bool
+    seconds: float
+    nbytes: int
+
+
+@dataclass
+class LoadJob:
+    job_id: int
+    keys: list[bytes]
+    slots: list[memoryview]
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+    # Held while a worker copies into a primary slot, and to abandon the job.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    abandoned: bool = False  # failed by its deadline: its late bytes are dropped
+    completed: bool = False  # its result is queued
+
+
+@dataclass
+class StoreJob:
+    job_id: int
+    keys: list[bytes]
+    slots: list[memoryview]
+    started: float = field(default_factory=time.monotonic)
+
+
+class TierIO:
+    """Owns the threads and the job queues; ``finished()`` is polled by the scheduler."""
+
+    def __init__(self, *, read: ReadChunk, write: WriteChunks, chunk_bytes: int,
+                 read_threads: int, write_threads: int, queue_depth: int,
+                 read_deadline: float) -> None:
+        self._read, self._write = read, write
+        self._chunk_bytes = chunk_bytes
+        self._deadline = read_deadline
+        self._loads: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
+        self._stores: queue.Queue[StoreJob | None] = queue.Queue(maxsize=queue_depth)
+        self._done: deque[Done] = deque()
+        self._expired: list[Done] = []  # loads failed by their deadline (scheduler thread)
+        self._active_loads: dict[int, LoadJob] = {}
+        self._idle = threading.Condition()
+        self._in_flight = 0  # guarded by _idle
+        self._stopped = False
+        self._threads = [
+            *(threading.Thread(target=self._load_loop, name=f"spool_tier_read{i}", daemon=True)
+              for i in range(read_threads)),
+            *(threading.Thread(target=self._store_loop, name=f"spool_tier_write{i}",
+                               daemon=True) for i in range(write_threads))]
+        for t in self._threads:
+            t.start()
+
+    # -- the scheduler thread -------------------------------------------------------------
+
+    def submit_load(self, job_id: int, keys: Sequence[bytes], slots: list[memoryview]) -> None:
+        job = LoadJob(job_id, list(keys), list(slots),
+                      deadline=time.monotonic() + self._deadline)
+        self._active_loads[job_id] = job
+        self._begin()
+        self._loads.put(job)
+
+    def submit_store(self, job_id: int, keys: Sequence[bytes], slots: list[memoryview]
+                     ) -> bool:
+        """Queue a store job; False (nothing queued) when the queue is full."""
+        if self._stopped:
+            return False
+        self._begin()
+        try:
+            self._stores.put_nowait(StoreJob(job_id, list(keys), list(slots)))
+        except queue.Full:
+            self._end()
+            return False
+        return True
+
+    def finished(self) -> list[Done]:
+        """Jobs done since the last call; loads past their deadline are failed here."""
+        self._expire_overdue(time.monotonic())
+        out, self._expired = self._expired, []
+        while self._done:
+            done = self._done.popleft()
+            if done.is_load and self._active_loads.pop(done.job_id, None) is None:
+                continue  # already failed by its deadline
+            out.append(done)
+        return out
+
+    def busy(self) -> bool:
+        with self._idle:
+            return self._in_flight > 0
+
+    def wait_idle(self, poll: float = 0.05) -> None:
+        """Block until every job finished or, for a load past its deadline, was failed."""
+        with self._idle:
+            while self._in_flight > 0 and self._overdue_running(time.monotonic()):
+                self._idle.wait(poll)
+        # Loads left running are past their deadline: fail them so nothing waits on them.
+        self._expire_overdue(time.monotonic())
+
+    def shutdown(self, timeout: float) -> bool:
+        """Finish queued jobs (up to ``timeout`` s), stop the threads; False if some hang."""
+        self._stopped = True
+        for t in self._threads:
+            (self._loads.put(None) if t.name.startswith("spool_tier_read")
+             else self._stores.put(None))
+        until = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, until - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        with self._idle:
+            self._in_flight += 1
+
+    def _end(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def _overdue_running(self, now: float) -> bool:
+        """True while some job is still within its time (worth waiting for)."""
+        return any(now < job.deadline for job in self._active_loads.values()) or \
+            self._in_flight > len(self._active_loads)
+
+    def _expire_overdue(self, now: float) -> None:
+        for job_id, job in list(self._active_loads.items()):
+            if now < job.deadline:
+                continue
+            with job.lock:
+                if job.abandoned or job.completed:
+                    continue
+                job.abandoned = True
+            log.warning("spoolctl tier: a promotion of %d chunks passed its %.0f s deadline "
+                        "(a slow or hung disk); the chunks are recomputed", len(job.keys),
+                        self._deadline)
+            del self._active_loads[job_id]
+            self._expired.append(Done(job_id, job.keys, [], True, now - job.started, 0))
+
+    # -- the tier's threads ---------------------------------------------------------------
+
+    def _load_loop(self) -> None:
+        scratch = memoryview(bytearray(self._chunk_bytes))
+        while (job := self._loads.get()) is not None:
+            try:
+                self._run_load(job, scratch)
+            finally:
+                job.slots.clear()  # no view of the CPU tier outlives its job
+                self._end()
+
+    def _run_load(self, job: LoadJob, scratch: memoryview) -> None:
+        ok: list[bytes] = []
+        for key, slot in zip(job.keys, job.slots, strict=True):
+            if job.abandoned:
+                break
+            try:
+                found = self._read(key, scratch)
+            except Exception:  # a bug or an unexpected error: a miss, never a crash
+                log.exception("spoolctl tier: reading a chunk failed")
+                found = False
+            if not found:
+                continue
+            with job.lock:
+                if job.abandoned:
+                    break
+                slot[:] = scratch
+            ok.append(key)
+        with job.lock:
+            if not job.abandoned:
+                job.completed = True
+                self._done.append(Done(job.job_id, job.keys, ok, True,
+                                       time.monotonic() - job.started,
+                                       len(ok) * self._chunk_bytes))
+
+    def _store_loop(self) -> None:
+        while (job := self._stores.get()) is not None:
+            try:
+                self._run_store(job)
+            finally:
+                job.slots.clear()
+                self._end()
+
+    def _run_store(self, job: StoreJob) -> None:
+        try:
+            stored = self._write(list(zip(job.keys, job.slots, strict=True)))
+        except Exception:
+            log.exception("spoolctl tier: storing %d chunks failed", len(job.keys))
+            stored = set()
+        ok = [k for k in job.keys if k in stored]
+        self._done.append(Done(job.job_id, job.keys, ok, False,
+                               time.monotonic() - job.started, len(ok) * self._chunk_bytes))
