@@ -189,7 +189,6 @@ def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
     from vllm_configs import vllm_configs
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import settings as settings_mod
     from spoolctl.connector.deployment.topology import rank_root
     from spoolctl.connector.planning.messages import SpoolConnectorMetadata
     from spoolctl.connector.planning.plan import ChunkStore
@@ -202,7 +201,6 @@ def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
     extra = vcfg.kv_transfer_config.kv_connector_extra_config
     del extra["spoolctl_root"]
     extra["spoolctl_roots"] = roots
-    assert settings_mod.SEVERAL_DRIVES
     sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
     coord = sched.scheduler._coord
     place = coord._ranks.places[0]

@@ -32,6 +32,7 @@ from ..planning.plan import (
 )
 from ..stats import ConnectorCounters
 from .formats import Capture, Captured, ChunkRestore, Copier, KVFormat, Planning
+from .formats import Restorer as RestorePipeline
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     from spoolctl.store import Store
 
     from ..planning.messages import SpoolConnectorMetadata
-    from ..worker_side.restore import RestorePipeline
     from .kvio import CopyEngine, CopyHandle, PagedKV
     from .layouts import LayerDecl
 
