@@ -107,7 +107,7 @@ class _ThreeDrives:
         from spoolctl.connector.drives import placement as drives
         from spoolctl.connector.scheduler_side.lookup import request_keys
 
-        ns = self.sched.scheduler._dep.chain_namespace
+        ns = self.sched.scheduler.deployment.chain_namespace
         for start in range(seed * 100_000, seed * 100_000 + 500):
             tokens = list(range(start, start + 8 * CHUNK_TOKENS + 5))
             request = SimpleNamespace(request_id=f"r{start}", prompt_token_ids=tokens,

@@ -723,7 +723,7 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
         assert drive_state() == [(r, i, "catalog", True, False)
                                  for r, i in zip(roots, ids, strict=True)]
         side, ws = sched.scheduler, worker.worker
-        keys = request_keys(request, namespace=side._dep.chain_namespace, chunk_tokens=64)
+        keys = request_keys(request, namespace=side.deployment.chain_namespace, chunk_tokens=64)
         assert len(keys) == 12 and {drives.home(k, ids) for k in keys} == set(ids)
 
         def store(wanted: list[str]) -> None:
@@ -1183,7 +1183,7 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
         chunk = ws.copier.chunk_bytes
 
         def keys_of(req: SimpleNamespace) -> list[str]:
-            return request_keys(req, namespace=side._dep.chain_namespace, chunk_tokens=64)
+            return request_keys(req, namespace=side.deployment.chain_namespace, chunk_tokens=64)
 
         def store(wanted: list[str]) -> None:
             for i, key in enumerate(wanted):
@@ -1274,7 +1274,7 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
             sched.shutdown()
         worker.shutdown()
     # Shutdown stops every drive's parts, the joined one's too (its guard stops probing).
-    assert len(guards) == 3 and all(g._stop.is_set() for g in guards)
+    assert len(guards) == 3 and all(g.closed for g in guards)
 
 
 def test_a_late_drive_the_scheduler_cannot_open_yet_is_retried(tmp_path: Path) -> None:

@@ -285,8 +285,8 @@ class _Roles:
         from spoolctl.connector.worker_side.capture import rank_commit
 
         w = self.worker.worker
-        keys = request_keys(self.request(), namespace=self.sched.scheduler._dep.chain_namespace,
-                            chunk_tokens=64)
+        chain = self.sched.scheduler.deployment.chain_namespace
+        keys = request_keys(self.request(), namespace=chain, chunk_tokens=64)
         put = rank_commit(w.drives.primary, w.namespace, w.holdings)
         for i, key in enumerate(keys):
             put(key, {"kv": memoryview(bytes([i + 1]) * w.copier.chunk_bytes)},
@@ -380,7 +380,7 @@ def test_a_failed_restore_is_looked_up_again_with_the_workers_reason(
         assert roles.misses("corrupt") == (1 if reason == "corrupt" else 0)
         # It left vLLM: its reason went with it (nothing per request stays behind).
         roles.sched.request_finished_all_groups(req, ([1, 2, 3, 4, 5],))
-        assert roles.sched.scheduler._no_restore == {}
+        assert roles.sched.scheduler.unrestorable == {}
     finally:
         release.set()
         roles.close()
@@ -405,7 +405,7 @@ def test_a_restore_failure_reported_after_its_request_left_is_not_kept(tmp_path:
         roles.sched.update_connector_output(KVConnectorOutput(
             finished_recving={"r"}, failed_recving={"r"},
             kv_connector_worker_meta=SpoolWorkerMeta(load_failures={"r": "disk_slow"})))
-        assert roles.sched.scheduler._no_restore == {}
+        assert roles.sched.scheduler.unrestorable == {}
         # The same id again (a new request): a plain hit, no failed restore counted.
         assert roles.sched.get_num_new_matched_tokens(req, 0) == (128, True)
         assert roles.misses("disk_slow") == 0

@@ -70,8 +70,8 @@ class Engine:
         from spoolctl.connector.scheduler_side.lookup import request_keys
 
         side = self.sched.scheduler
-        return request_keys(_request(salt), namespace=side._dep.chain_namespace,
-                            chunk_tokens=64, tenants=side._tenants)
+        return request_keys(_request(salt), namespace=side.deployment.chain_namespace,
+                            chunk_tokens=64, tenants=side.tenants)
 
     def store_chunks(self, salt: str | None) -> None:
         """Commit the prompt's chunks as the worker's capture path does (``rank_commit``)."""

@@ -100,6 +100,11 @@ class DiskGuard:
     # -- health --------------------------------------------------------------------------------
 
     @property
+    def closed(self) -> bool:
+        """``close`` was called: no more probes."""
+        return self._stop.is_set()
+
+    @property
     def down(self) -> bool:
         """The store is out of service: do not read it for a request."""
         return self._down_since is not None

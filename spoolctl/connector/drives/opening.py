@@ -10,15 +10,14 @@ unreadable (a base this user may not read, write and enter, or on a read-only
 filesystem: the warning names the fix) is ``pending``: one warning line names it, and
 it is tried again every probe interval, one attempt at a time. When it opens,
 ``on_open(slot)`` is called on the opening thread (never the engine's); a late attempt
-that ends after ``close`` releases what it opened. With one root, a configuration
-mistake found in time (a ``ConfigError``: a directory that is not a store, another
-user's root) is raised, as before; with several it is ``refused`` (one error line with
-the fix, not retried: the other drives serve).
+that ends after ``close`` releases what it opened. The set's ``DrivePolicy`` (from the
+number of roots) says what a configuration mistake found in time (a ``ConfigError``: a
+directory that is not a store, another user's root) does: one root raises it; several
+refuse that drive (one error line with the fix, not retried: the other drives serve).
 
-One root is a set of one and takes today's path: no drive marker is written and no drive
-id computed (``drive_id`` stays empty). With several roots each drive is identified
-(``drives.drive_id``: a worker creates the marker, a reader only reads it; a drive
-without one is pending until its worker marked it). Of two roots carrying one drive id (a
+One root is a set of one drive ``""``: no drive marker is written. With several roots each
+drive is identified (``placement.drive_id``: a worker creates the marker, a reader only
+reads it; a drive without one is pending until its worker marked it). Of two roots carrying one drive id (a
 copied marker, a bind mount) the one listed later is not used: one error line naming both
 marker files and the fix.
 """

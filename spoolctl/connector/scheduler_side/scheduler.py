@@ -110,6 +110,20 @@ class SchedulerSide:
 
     # -- what each rank holds ------------------------------------------------------------------
 
+    @property
+    def deployment(self) -> Deployment:
+        return self._dep
+
+    @property
+    def tenants(self) -> TenantKeys | None:
+        """The tenants' keys from the environment (None: no encryption at rest)."""
+        return self._tenants
+
+    @property
+    def unrestorable(self) -> dict[str, str]:
+        """Requests whose restore failed -> why (a copy; kept while the request is in vLLM)."""
+        return dict(self._no_restore)
+
     def adopt_handshakes(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Every worker's handshake, keyed by (pp_rank, tp_rank): adopt its inventory, and read
         its catalog directly when its store is on this host (and inventory mode allows)."""
