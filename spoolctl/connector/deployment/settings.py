@@ -222,7 +222,7 @@ def parse_settings(
                               fix="give one base directory; each rank's store is placed under "
                                   "<root>/<deployment digest>/rank-<NNNN> automatically")
         # A hung disk must not hang the engine's start: a root that does not answer in
-        # time is checked again by ``drivestores`` before a store is opened under it.
+        # time is checked again by ``drives.opening`` before a store is opened under it.
         if store_root_answer(root, 4 * lookup_deadline) is True:
             # One meaning for SPOOLCTL_ROOT: a root the CLI's --root also
             # takes. A single store is such a root, but the connector's stores go *under*

@@ -17,9 +17,9 @@ refuse that drive (one error line with the fix, not retried: the other drives se
 
 One root is a set of one drive ``""``: no drive marker is written. With several roots each
 drive is identified (``placement.drive_id``: a worker creates the marker, a reader only
-reads it; a drive without one is pending until its worker marked it). Of two roots carrying one drive id (a
-copied marker, a bind mount) the one listed later is not used: one error line naming both
-marker files and the fix.
+reads it; a drive without one is pending until its worker marked it). Of two roots
+carrying one drive id (a copied marker, a bind mount) the one listed later is not used:
+one error line naming both marker files and the fix.
 """
 
 from __future__ import annotations

@@ -51,20 +51,16 @@ anything else ``unknown``. A chunk that is gone or bad is also reported lost
 its caller (``take_reason``), which carries it to the scheduler. Nothing
 here raises into vLLM.
 
-With ``locate`` (several drives), a drive with a read still running past the deadline is
-slow: a new read for it is not queued behind the late one on its pool but fails at once
-(``disk_slow``, counted against the drive's guard, so a hung drive is taken out within
-three reads), the chunks before it restored; the other drives' reads go on. Without it
-(one root) each restore waits out its own deadline until the third takes the store out:
-its floor figures were measured that way
-(docs/decisions/2770-each-drives-health-gauges-and-budget-are-its-own.md).
-
-Several drives: with ``locate``, each chunk is read from the drive
-``locate(key)`` names (its store, guard and read pool), looked up when its read is
+With ``locate`` (the drive set's policy for several drives), each chunk is read from the
+drive ``locate(key)`` names (its store, guard and read pool), looked up when its read is
 submitted (memory only); a chunk no up drive holds is ``absent`` and one whose drive is
 down ``disk_down``, both at once without a read, so the chunks before it are restored. A
-failed read is lost on that drive only (``on_lost(key, drive)``), and the restored
-entries are touched on the drive each was read from.
+failed read is lost on that drive only (``on_lost(key, drive)``), and the restored entries
+are touched on the drive each was read from. A drive with a read still running past the
+deadline is slow: a new read for it fails at once (``disk_slow``, counted against the
+drive's guard), the other drives' reads go on. Without ``locate`` (one root) each restore
+waits out its own deadline until the third takes the store out: its floor figures were
+measured that way (docs/decisions/2770-each-drives-health-gauges-and-budget-are-its-own.md).
 
 What a chunk *is* (which objects, which blocks) is the format's business (``formats``).
 """

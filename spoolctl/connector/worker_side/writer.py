@@ -73,10 +73,8 @@ Put = Callable[[str, Any, Mapping[str, Any]], None]
 PutMany = Callable[[Sequence[tuple[str, Any, Mapping[str, Any]]]], list[BaseException | None]]
 
 # A commit still running after COMMIT_DEADLINE_READS read deadlines plus its bytes at
-# COMMIT_FLOOR_BPS is hung: a healthy group commit took 0.1-0.3 s here for
-# 32-128 MiB, and the largest (32 chunks of 16 MiB) would take about 2 s at the 250-320 MB/s
-# fsync'd rate; a commit is off the serving path, so only a disk that stopped answering
-# should ever pass this bound.
+# COMMIT_FLOOR_BPS is hung: far past any healthy group commit, so only a disk that stopped
+# answering passes this bound.
 COMMIT_DEADLINE_READS = 4
 COMMIT_FLOOR_BPS = 32 << 20
 
