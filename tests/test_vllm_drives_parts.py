@@ -460,7 +460,7 @@ def test_a_restore_reads_each_chunk_from_the_drive_holding_it_and_stops_at_a_dow
     from spoolctl.connector.worker_side.restore import Located, RestorePipeline
 
     d = _Drives(tmp_path)
-    keys = _keys(12, "p")
+    keys = _keys(36, "p")  # every drive (random ids) is some key's home
     for key in keys:
         d.stores[d.home(key)].put(kind="vllm", namespace="ns", key=key,
                                   objects={"kv": _payload(key, 4096)})
