@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -144,12 +144,15 @@ class ChunkStager:
         # one. Pinned when the KV cache is on a CUDA device (device copies are then DMA).
         self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes),
                                 pin=pin)
-        if writers is None:  # one store: one writer, no route (today's path)
+        if writers is None:  # one store: a set of one writer, every chunk routed to it
             assert put is not None
             writers = {"": StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
                                        put_many=put_many, ledger=ledger, guard=guard)}
+            route = route or _to_the_one
+        assert route is not None
         self._writers = dict(writers)
-        self._route, self._labels = route, dict(labels or {})
+        self._route: Route = route
+        self._labels = dict(labels or {})
         self._hung_told: dict[str, float] = {}  # drive -> the hung commit already told
         # request -> index of its first chunk not stored (see the module docstring)
         self._gaps: OrderedDict[str, int] = OrderedDict()
@@ -207,16 +210,14 @@ class ChunkStager:
         if gap is not None and index > gap:
             self._counters.inc(m.STORES_SKIPPED, reason="after_gap")
             return
-        drive, home = "", ""
-        if self._route is not None:
-            # A drive out of space is passed over while others have room (runner-ups).
-            full = [d for d, w in self._writers.items() if w.full]
-            routed = self._route(key, full) if full else None
-            routed = routed or self._route(key)
-            if routed is None:  # every drive down: nothing waits on a disk that hangs
-                self.skip(index, request=request, reason="disk_down")
-                return
-            drive, home = routed
+        # A drive out of space is passed over while others have room (runner-ups).
+        full = [d for d, w in self._writers.items() if w.full]
+        routed = self._route(key, full) if full else None
+        routed = routed or self._route(key)
+        if routed is None:  # every drive down: nothing waits on a disk that hangs
+            self.skip(index, request=request, reason="disk_down")
+            return
+        drive, home = routed
         writer = self._writers[drive]
         why = writer.try_reserve(key, nbytes)
         if why is not None:
@@ -289,6 +290,11 @@ class ChunkStager:
         if drained:
             self._bufs.close()
         return drained
+
+
+def _to_the_one(key: str, avoid: Collection[str] = ()) -> tuple[str, str]:
+    """The route of a stager over one store: its one writer, full or not."""
+    return "", ""
 
 
 def _still_committing(writer: StoreWriter, since: float) -> bool:
