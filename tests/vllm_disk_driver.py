@@ -81,7 +81,7 @@ def run(job: dict, work: Path) -> dict:
     waits: dict = {}
 
     def guard():
-        return worker.worker._guard  # the rank store's health (shared with the scheduler)
+        return worker.worker.drives.guard_of("")  # shared with the scheduler
 
     try:
         for step in job["steps"]:

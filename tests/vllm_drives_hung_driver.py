@@ -55,19 +55,19 @@ def _until(cond, seconds: float) -> bool:
 def run(job: dict) -> dict:
     from vllm import SamplingParams
 
-    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.planning.chain import chain_root, chunk_keys
 
     llm = make_llm(job)
     sched, conn = _connectors(llm)
     ws = conn.worker
     chunk_tokens = job["extra"]["spoolctl_chunk_tokens"]
-    slots = {s.base: s for s in ws._drives.slots}
+    slots = {s.base: s for s in ws.drives.slots}
     results: dict = {}
     waits: list[bool] = []
 
     def down(base: str) -> bool:
-        guard = ws._guard_of(slots[base].drive_id) if slots[base].drive_id else None
+        guard = ws.drives.guard_of(slots[base].drive_id) if slots[base].drive_id else None
         return guard is None or guard.down
 
     def by_id(drive: str | None) -> str | None:
@@ -80,7 +80,7 @@ def run(job: dict) -> dict:
         for step in job["steps"]:
             if "request" in step:
                 req = step["request"]
-                located = [by_id(ws._holdings.locate(k)) for k in keys(req["tokens"])]
+                located = [by_id(ws.holdings.locate(k)) for k in keys(req["tokens"])]
                 sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
                 out = llm.generate([{"prompt_token_ids": req["tokens"]}], sp,
                                    use_tqdm=False)[0]
@@ -108,8 +108,8 @@ def run(job: dict) -> dict:
                 homed = [k for k in keys(tokens) if drives.home(k, ids) == slots[base].drive_id]
                 waits.append(_until(
                     lambda b=base, h=homed: not down(b)
-                    and all(f.done() for f in list(ws._pipeline._overdue))
-                    and all(by_id(ws._holdings.locate(k)) == b for k in h), seconds))
+                    and all(f.done() for f in list(ws.pipeline.overdue))
+                    and all(by_id(ws.holdings.locate(k)) == b for k in h), seconds))
     finally:
         _control(job["control"], [])  # nothing this process left may stay hung
     return {"results": results, "waits": waits, "namespace": conn.namespace,

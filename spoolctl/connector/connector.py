@@ -42,10 +42,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .deployment.preflight import preflight
+from .drives.rankstores import OPEN_STORES
 from .kv.format_choice import format_for
 from .kv.formats import KVFormat
 from .planning.messages import SpoolConnectorMetadata, SpoolHandshake, SpoolWorkerMeta
-from .rankstores import OPEN_STORES
 from .scheduler_side.scheduler import SchedulerSide
 from .stats import ConnectorCounters
 from .vllm_api.contract import check_contract

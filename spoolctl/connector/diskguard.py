@@ -5,7 +5,7 @@ has a deadline; past it the chunk is a miss (vLLM recomputes it) and the late re
 completes, is dropped. A store whose reads keep missing their deadline or failing with an
 I/O error is taken out: the connector stops reading it (its lookups are misses, its
 restores fail at once, nothing waits on it), probes it in the background and uses it again
-when it answers (decision 2700).
+when it answers.
 
 ``DiskGuard`` (one per open ``Store`` in a process, shared by the scheduler and a
 same-process worker: ``guard_for``) is that policy:
@@ -18,14 +18,14 @@ same-process worker: ``guard_for``) is that policy:
 * ``spare(fn)``: run ``fn`` (an LRU touch) only if the thread is idle; never waits.
 * ``failed(kind)`` / ``ok(kind)``: what the serving path saw, per kind of read (``lookup``:
   the catalog; ``restore``: manifests and objects; ``commit``: a commit that failed with a
-  disk error, decision 2790). ``FAILURES_TO_DOWN`` failures of one
+  disk error). ``FAILURES_TO_DOWN`` failures of one
   kind in a row (no good read *of that kind* between) take the store down (``down``, one
   warning): a catalog that answers from the page cache says nothing about objects that
-  hang (decision 2720). A probe thread then reads the root marker, the catalog and one
+  hang. A probe thread then reads the root marker, the catalog and one
   object past the page cache every ``probe_interval_s`` under 4x the deadline, and the
   first probe that answers in time brings the store back (logged).
 * ``stuck(kind, still)``: an operation that cannot fail a second time because it never
-  ends (a commit holding its writer's one thread past its bound, decision 2770) takes the
+  ends (a commit holding its writer's one thread past its bound) takes the
   store out at once, and the probe does not bring it back while ``still()`` is True.
 
 An I/O error is not proof of corruption (a sector that fails today may read tomorrow, a
@@ -50,7 +50,7 @@ from spoolctl.store import MARKER, Store
 
 log = logging.getLogger("spoolctl.connector")
 
-# Defaults (decision 2700): a lookup blocks vLLM's scheduler (every request waits), so its
+# Defaults: a lookup blocks vLLM's scheduler (every request waits), so its
 # catalog read gets little time; a restore blocks only its own request.
 DEFAULT_LOOKUP_DEADLINE_S = 0.5
 DEFAULT_READ_DEADLINE_S = 5.0
@@ -84,7 +84,7 @@ class DiskGuard:
     def listen(self, on_change: Callable[[bool], None]) -> None:
         """Call ``on_change(down)`` whenever the store is taken out or comes back (outside
         the guard's lock, on the thread that saw it: a reader's or the probe's, never
-        expected to be the engine's; several drives, decision 2714)."""
+        expected to be the engine's; several drives)."""
         with self._lock:
             self._listeners.append(on_change)
 
@@ -98,6 +98,11 @@ class DiskGuard:
                 log.exception("spoolctl: disk state listener failed")
 
     # -- health --------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """``close`` was called: no more probes."""
+        return self._stop.is_set()
 
     @property
     def down(self) -> bool:

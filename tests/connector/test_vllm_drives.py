@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spoolctl.connector.deployment import drives
+from spoolctl.connector.drives import placement as drives
 from spoolctl.errors import ConfigError
 
 KEYS = [f"{i * 2654435761 % (1 << 64):016x}" * 4 for i in range(2000)]

@@ -23,6 +23,17 @@ from unprivileged import PRELOAD_ENV, unprivileged_uid
 RUNNER = str(TESTS_DIR.joinpath("unprivileged.py"))
 UID = unprivileged_uid()
 
+def route_over(ids, up):
+    """A stager's route over ``ids`` (``DriveSet.route``'s rule): (drive, home) or None."""
+    from spoolctl.connector.drives import placement
+
+    def route(key, avoid=()):
+        drive = placement.route(key, ids, {d for d in ids if d not in avoid and up(d)})
+        return (drive, placement.home(key, ids)) if drive is not None else None
+
+    return route
+
+
 
 def as_user(code: str, *, preload: str, timeout: float = 120) -> dict:
     """``code`` run as the unprivileged user with ``preload`` (modules) loaded before the
@@ -49,8 +60,8 @@ def bases():
 # stores opened by a worker (``DriveStores.open``, decision 2714 item 4).
 _OPEN = """
     import json, logging, os, threading
-    from spoolctl.connector.drivestores import DriveStores
-    from spoolctl.connector.rankstores import OpenStores
+    from spoolctl.connector.drives.opening import DriveStores
+    from spoolctl.connector.drives.rankstores import OpenStores
 
     class Keep(logging.Handler):
         def __init__(self):
@@ -84,7 +95,7 @@ def test_a_drive_its_user_may_not_read_is_pending_with_the_fix_and_opens_once_al
                       "after": [s.state for s in d.slots], "ids": [s.drive_id for s in d.slots],
                       "lines": keep.lines}))
     d.close()
-    """, preload="spoolctl.connector.drivestores")
+    """, preload="spoolctl.connector.drives.opening")
     assert doc["states"] == ["open", "pending", "open"]
     root = bases[1] / "vllm-v1-x" / "rank-0000"
     assert doc["warned"] == [
@@ -106,7 +117,7 @@ _WORKER = _OPEN + """
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm_configs import vllm_configs
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.kv.kvio import DONE
 
     opened = threading.Event()
@@ -133,12 +144,12 @@ _WORKER = _OPEN + """
     def store(w, seed):
         keys = [f"{{seed}}{{i:063x}}"[-64:] for i in range(12)]
         for i, key in enumerate(keys):
-            w.worker._stager.stage(key, i, fill, request=seed)
+            w.worker.stager.stage(key, i, fill, request=seed)
         assert w.worker.flush(60)
         return keys
 
     def where(w, keys):  # the base root of the drive each key is read from
-        h = w.worker._holdings
+        h = w.worker.holdings
         by_id = {{drives.read_drive_id(b): b for b in bases if os.access(b, os.R_OK)}}
         return [by_id.get(h.locate(k)) for k in keys]
 """
@@ -149,7 +160,7 @@ def _worker_as_user(bases: list[Path], steps: str) -> dict:
     return as_user(code + steps, timeout=300, preload=",".join([
         "torch", "vllm", "vllm.distributed.kv_transfer.kv_connector.v1.base",
         "vllm.v1.kv_cache_interface", "spoolctl.connector.connector",
-        "spoolctl.connector.worker_side.worker", "spoolctl.connector.drivestores"]))
+        "spoolctl.connector.worker_side.worker", "spoolctl.connector.drives.opening"]))
 
 
 @pytest.mark.extended  # vLLM's import in a process of its own, two connector starts (~20 s)
@@ -193,7 +204,7 @@ def test_a_drive_given_its_permissions_back_while_serving_takes_its_share_at_onc
     assert opened.wait(60)
     import time
     deadline = time.monotonic() + 60
-    while len(w.worker._holdings.drive_ids()) < 3:  # the engine thread's next hook joins it
+    while len(w.worker.holdings.drive_ids()) < 3:  # the engine thread's next hook joins it
         assert time.monotonic() < deadline, "the drive never joined"
         w.worker.take_stats()
         time.sleep(0.05)
@@ -217,8 +228,8 @@ def test_a_drive_root_an_operator_got_wrong_is_one_line_naming_the_fix(
     "permission denied ... chmod")."""
     import subprocess
 
-    from spoolctl.connector.drivestores import OPEN, PENDING, REFUSED, DriveStores
-    from spoolctl.connector.rankstores import OpenStores
+    from spoolctl.connector.drives.opening import OPEN, PENDING, REFUSED, DriveStores
+    from spoolctl.connector.drives.rankstores import OpenStores
 
     here = Path(os.path.realpath(tmp_path))
     good = here / "nvme0" / "spool"
@@ -265,8 +276,8 @@ def test_a_drive_on_a_filesystem_without_hard_links_is_refused_with_the_fix(
     with an errno forever (decision 2792's finding), and no temporary marker is left."""
     from fusemount import Mounts
 
-    from spoolctl.connector.drivestores import OPEN, REFUSED, DriveStores
-    from spoolctl.connector.rankstores import OpenStores
+    from spoolctl.connector.drives.opening import OPEN, REFUSED, DriveStores
+    from spoolctl.connector.drives.rankstores import OpenStores
 
     here = Path(os.path.realpath(tmp_path))
     good, odd = here / "nvme0" / "spool", here / "nvme1" / "spool"
@@ -298,12 +309,11 @@ def test_a_drive_that_fills_up_passes_its_chunks_to_a_drive_with_room(
     as it stays full; only the chunks of the commits that met the full disk are lost."""
     pytest.importorskip("torch")
     from spoolctl import metrics as m
-    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.kv.kvio import DONE
     from spoolctl.connector.stats import ConnectorCounters
     from spoolctl.connector.worker_side.capture import (
         ChunkStager,
-        drive_route,
         rank_commit,
         rank_commit_many,
     )
@@ -322,7 +332,7 @@ def test_a_drive_that_fills_up_passes_its_chunks_to_a_drive_with_room(
     commits = {d: (rank_commit(s, "ns", holdings, drive=d),
                    rank_commit_many(s, "ns", holdings, drive=d), None)
                for d, s in stores.items()}
-    stager = ChunkStager.for_drives(commits, drive_route(ids, lambda d: True),
+    stager = ChunkStager.for_drives(commits, route_over(ids, lambda d: True),
                                     {d: str(b) for d, b in zip(ids, bases, strict=True)},
                                     chunk_bytes=chunk, staging_bytes=4 * chunk, meta={},
                                     counters=counters)
@@ -389,9 +399,9 @@ def test_a_drive_unmounted_while_serving_is_taken_out_and_its_chunks_fail_over(
         ws = worker.worker
         subprocess.run(["umount", "-l", str(bases[1])], check=True)
         for i in range(24):
-            ws._stager.stage(f"{i:064x}", i, fill)
+            ws.stager.stage(f"{i:064x}", i, fill)
             assert ws.flush(60)
-        assert ws._counters.total(m.STORES_SKIPPED, reason="io_error") <= 3
-        assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=str(bases[1])) > 0
+        assert ws.counters.total(m.STORES_SKIPPED, reason="io_error") <= 3
+        assert ws.counters.total(m.DRIVE_FAILOVER_STORES, drive=str(bases[1])) > 0
     finally:
         worker.shutdown()

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from vllm_engines import run_engine
 
-from spoolctl.connector.deployment import drives
+from spoolctl.connector.drives import placement as drives
 from spoolctl.connector.planning.chain import chain_root, chunk_keys
 from spoolctl.store import Store
 

@@ -57,7 +57,7 @@ class _ThreeDrives:
         from vllm_configs import vllm_configs
 
         from spoolctl.connector import SpoolConnector
-        from spoolctl.connector.deployment import drives
+        from spoolctl.connector.drives import placement as drives
 
         skip_without_fuse()
         base = Path(os.path.realpath(tmp))
@@ -104,10 +104,10 @@ class _ThreeDrives:
     def _prompt(self, seed: int, want) -> tuple[SimpleNamespace, list[str]]:
         """A request of eight chunks whose keys' homes satisfy ``want(homes, fused)`` (the
         drive ids are random, so the prompt is chosen to fit them); (request, keys)."""
-        from spoolctl.connector.deployment import drives
+        from spoolctl.connector.drives import placement as drives
         from spoolctl.connector.scheduler_side.lookup import request_keys
 
-        ns = self.sched.scheduler._dep.chain_namespace
+        ns = self.sched.scheduler.deployment.chain_namespace
         for start in range(seed * 100_000, seed * 100_000 + 500):
             tokens = list(range(start, start + 8 * CHUNK_TOKENS + 5))
             request = SimpleNamespace(request_id=f"r{start}", prompt_token_ids=tokens,
@@ -120,7 +120,7 @@ class _ThreeDrives:
 
     def store(self, keys: list[str]) -> None:
         for i, key in enumerate(keys):
-            self.ws._stager.stage(key, i, _fill(key), request=f"store-{key}")
+            self.ws.stager.stage(key, i, _fill(key), request=f"store-{key}")
         assert self.ws.flush(NET_S)
 
     def hit(self, request) -> int:
@@ -134,7 +134,7 @@ class _ThreeDrives:
         of the first chunk that failed (None: all restored) and the bytes restored."""
         from spoolctl.connector.kv.formats import ChunkRestore
 
-        chunk, copies = self.ws._copier.chunk_bytes, {}
+        chunk, copies = self.ws.copier.chunk_bytes, {}
 
         def item(key: str) -> ChunkRestore:
             def fill(st: Store, manifest, buf) -> int:
@@ -144,14 +144,14 @@ class _ThreeDrives:
             return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
                                 copy=lambda buf: copies.__setitem__(key, bytes(buf.numpy())))
 
-        self.ws._pipeline.copy_in_reader = False
-        failed = _bounded(lambda: self.ws._pipeline.run([item(k) for k in keys]), self.mount)
+        self.ws.pipeline.copy_in_reader = False
+        failed = _bounded(lambda: self.ws.pipeline.run([item(k) for k in keys]), self.mount)
         return failed, copies
 
     def guard(self, drive: str):
         from spoolctl.connector.diskguard import guard_for
 
-        return guard_for(self.ws._holdings._stores[drive])
+        return guard_for(self.ws.holdings.stores[drive])
 
     def _shutdown(self) -> None:
         for role in (self.sched, self.worker):
@@ -215,7 +215,7 @@ def test_a_hung_drive_among_three_costs_only_its_chunks_and_hits_again_once_it_a
     their runner-ups (counted) and the prompt is a full hit again; the disk answers → the
     probe brings it back and its own copies are read again."""
     d = three
-    chunk = d.ws._copier.chunk_bytes
+    chunk = d.ws.copier.chunk_bytes
     request, keys = d.prompts["hang"]
     first_hung = next(i for i, k in enumerate(keys) if _home(d, k) == d.fused)
     assert d.hit(request) == 8 * CHUNK_TOKENS
@@ -225,8 +225,8 @@ def test_a_hung_drive_among_three_costs_only_its_chunks_and_hits_again_once_it_a
     d.mount.hang()
     guard = d.guard(d.fused)
     try:
-        deadlines = d.ws._counters.total(m.LOAD_ERRORS, reason="deadline")
-        slow = d.ws._counters.total(m.LOAD_ERRORS, reason="disk_slow")
+        deadlines = d.ws.counters.total(m.LOAD_ERRORS, reason="deadline")
+        slow = d.ws.counters.total(m.LOAD_ERRORS, reason="disk_slow")
         restores = 0
         while not guard.down:  # each restore that reaches the hung drive fails there
             failed, copies = d.restore(keys)
@@ -236,19 +236,19 @@ def test_a_hung_drive_among_three_costs_only_its_chunks_and_hits_again_once_it_a
         # The first waits out its deadline; its reads still hang, so the drive gets no new
         # read: any later one fails ``disk_slow`` at once, until three failed reads took
         # it out (the first restore's parallel reads may count several; decision 2770).
-        assert d.ws._counters.total(m.LOAD_ERRORS, reason="deadline") - deadlines == 1
-        assert d.ws._counters.total(m.LOAD_ERRORS, reason="disk_slow") - slow == restores - 1
+        assert d.ws.counters.total(m.LOAD_ERRORS, reason="deadline") - deadlines == 1
+        assert d.ws.counters.total(m.LOAD_ERRORS, reason="disk_slow") - slow == restores - 1
         # Out of service: the lookup answers while the disk is still hung, and only the
         # hung drive's chunks miss (the prefix ends at its first one).
         assert d.hit(request) == first_hung * CHUNK_TOKENS
-        down = d.ws._counters.total(m.LOAD_ERRORS, reason="disk_down")
+        down = d.ws.counters.total(m.LOAD_ERRORS, reason="disk_down")
         failed, copies = d.restore(keys)  # its chunk fails at once, without a read
         assert failed == first_hung and set(copies) == set(keys[:first_hung])
-        assert d.ws._counters.total(m.LOAD_ERRORS, reason="disk_down") - down == 1
+        assert d.ws.counters.total(m.LOAD_ERRORS, reason="disk_down") - down == 1
         # vLLM recomputes; the chunks homed on the hung drive go to their runner-ups.
-        before = d.ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=d.roots[2])
+        before = d.ws.counters.total(m.DRIVE_FAILOVER_STORES, drive=d.roots[2])
         d.store(on_fused)
-        assert d.ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=d.roots[2]) - before \
+        assert d.ws.counters.total(m.DRIVE_FAILOVER_STORES, drive=d.roots[2]) - before \
             == len(on_fused)
         assert d.hit(request) == 8 * CHUNK_TOKENS
         assert d.restore(keys) == (None, {k: _payload(k, chunk) for k in keys})
@@ -256,18 +256,18 @@ def test_a_hung_drive_among_three_costs_only_its_chunks_and_hits_again_once_it_a
         d.mount.release()
     wait_until(lambda: not guard.down, NET_S, what="the probe bringing the drive back")
     # The reads that hung end once released (until then the drive is still slow: 2770).
-    wait_until(lambda: all(f.done() for f in list(d.ws._pipeline._overdue)), NET_S,
+    wait_until(lambda: all(f.done() for f in list(d.ws.pipeline.overdue)), NET_S,
                what="the hung reads ending")
     # Back: its own chunks are read from it again (the runner-ups' copies stay).
-    wait_until(lambda: all(d.ws._holdings.locate(k) == d.fused for k in on_fused), NET_S,
+    wait_until(lambda: all(d.ws.holdings.locate(k) == d.fused for k in on_fused), NET_S,
                what="the drive's chunks held again")
     assert d.hit(request) == 8 * CHUNK_TOKENS
     assert d.restore(keys) == (None, {k: _payload(k, chunk) for k in keys})
-    assert not list((Path(d.ws._holdings._stores[d.fused].root) / "quarantine").iterdir())
+    assert not list((Path(d.ws.holdings.stores[d.fused].root) / "quarantine").iterdir())
 
 
 def _home(d: _ThreeDrives, key: str) -> str:
-    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drives import placement as drives
 
     return drives.home(key, d.ids)
 
@@ -282,19 +282,19 @@ def test_an_eio_on_one_drives_objects_is_a_miss_never_a_quarantine_nor_wrong_byt
     from spoolctl.store import entry_id_for
 
     d = three
-    chunk = d.ws._copier.chunk_bytes
+    chunk = d.ws.copier.chunk_bytes
     request, keys = d.prompts["eio"]
     bad = next(i for i, k in enumerate(keys) if _home(d, k) == d.fused)
-    store = d.ws._holdings._stores[d.fused]
-    entry = entry_id_for("vllm", d.ws._namespace, keys[bad])
+    store = d.ws.holdings.stores[d.fused]
+    entry = entry_id_for("vllm", d.ws.namespace, keys[bad])
     (ref,) = store.manifest(entry).objects
-    errors = d.ws._counters.total(m.LOAD_ERRORS, reason="io_error")
+    errors = d.ws.counters.total(m.LOAD_ERRORS, reason="io_error")
     d.mount.eio(ref.digest)  # that object's opens and reads fail
     try:
         failed, copies = d.restore(keys)
         assert failed == bad and copies == {k: _payload(k, chunk) for k in keys[:bad]}
-        assert d.ws._counters.total(m.LOAD_ERRORS, reason="io_error") - errors == 1
-        assert d.ws._counters.total(m.QUARANTINE_EVENTS) == 0
+        assert d.ws.counters.total(m.LOAD_ERRORS, reason="io_error") - errors == 1
+        assert d.ws.counters.total(m.QUARANTINE_EVENTS) == 0
         assert store.quarantine_items() == [] and store.live([entry]) == {entry}
         assert not d.guard(d.fused).down  # one error is a finding, not a dead drive
     finally:

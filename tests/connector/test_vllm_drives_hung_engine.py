@@ -34,7 +34,7 @@ pytest.importorskip("vllm")
 from fusemount import Mounts
 from testpaths import TESTS_DIR
 
-from spoolctl.connector.deployment import drives
+from spoolctl.connector.drives import placement as drives
 from spoolctl.connector.planning.chain import chain_root, chunk_keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

@@ -10,10 +10,21 @@ from pathlib import Path
 import pytest
 
 from spoolctl import metrics as m
-from spoolctl.connector.deployment import settings as settings_mod
 from spoolctl.connector.deployment.settings import MAX_ROOTS, parse_settings
 from spoolctl.errors import ConfigError
 from spoolctl.store import Store
+
+
+def route_over(ids, up):
+    """A stager's route over ``ids`` (``DriveSet.route``'s rule): (drive, home) or None."""
+    from spoolctl.connector.drives import placement
+
+    def route(key, avoid=()):
+        drive = placement.route(key, ids, {d for d in ids if d not in avoid and up(d)})
+        return (drive, placement.home(key, ids)) if drive is not None else None
+
+    return route
+
 
 
 def _dirs(tmp_path: Path, n: int) -> list[str]:
@@ -21,14 +32,8 @@ def _dirs(tmp_path: Path, n: int) -> list[str]:
     return [str(base / f"nvme{i}" / "spool") for i in range(n)]
 
 
-@pytest.fixture
-def several(monkeypatch):
-    """The connector takes several drive roots (decision 2714)."""
-    monkeypatch.setattr(settings_mod, "SEVERAL_DRIVES", True)
-
-
 def test_spoolctl_roots_and_a_colon_list_in_spoolctl_root_name_the_drives(
-        tmp_path: Path, several) -> None:
+        tmp_path: Path) -> None:
     roots = _dirs(tmp_path, 3)
     got = parse_settings({"spoolctl_roots": roots}, block_size=32, env={})
     assert got.roots == tuple(roots) and got.root == roots[0]
@@ -59,7 +64,7 @@ def test_spoolctl_roots_and_a_colon_list_in_spoolctl_root_name_the_drives(
     ({}, {"SPOOLCTL_ROOT": "/a:/b\tc"}, "cannot label", "printable characters"),
 ])
 def test_each_refused_list_of_roots_is_one_config_error_line_naming_the_fix(
-        several, extra, env, says, fix) -> None:
+        extra, env, says, fix) -> None:
     with pytest.raises(ConfigError, match=says) as exc:
         parse_settings(extra, block_size=32, env=env)
     assert fix in (exc.value.fix or "") and "\n" not in str(exc.value)
@@ -67,7 +72,7 @@ def test_each_refused_list_of_roots_is_one_config_error_line_naming_the_fix(
     assert ("SPOOLCTL_ROOT" in str(exc.value.path)) == ("SPOOLCTL_ROOT" in env)
 
 
-def test_a_store_given_as_a_drive_root_is_refused(tmp_path: Path, several) -> None:
+def test_a_store_given_as_a_drive_root_is_refused(tmp_path: Path) -> None:
     roots = _dirs(tmp_path, 2)
     Store.open(roots[1], create=True).close()
     with pytest.raises(ConfigError, match="spoolctl_roots is a single store") as exc:
@@ -123,8 +128,8 @@ def test_a_drive_hung_at_start_is_pending_and_taken_into_use_when_it_answers(
 
     from waiting import wait_until
 
-    from spoolctl.connector.drivestores import OPEN, PENDING, DriveStores
-    from spoolctl.connector.rankstores import OpenStores
+    from spoolctl.connector.drives.opening import OPEN, PENDING, DriveStores
+    from spoolctl.connector.drives.rankstores import OpenStores
 
     base = Path(os.path.realpath(tmp_path)) / "spool"
     root = base / "vllm-v1-x" / "rank-0000"
@@ -190,7 +195,7 @@ def test_a_worker_started_on_a_hung_disk_serves_misses_then_takes_its_store_into
     first = SpoolConnector(before, KVConnectorRole.WORKER, kcfg)  # a run before: one chunk
     first.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
     (root,) = first.store_roots
-    ns = first.worker._namespace
+    ns = first.worker.namespace
     first.shutdown()
     with Store.open(root) as store:
         store.put(kind="vllm", namespace=ns, key="d" * 64, objects={"kv": b"x" * 100})
@@ -248,9 +253,9 @@ def test_several_drives_are_identified_a_missing_one_joins_later_and_a_twin_is_n
 
     from waiting import wait_until
 
-    from spoolctl.connector.deployment import drives
-    from spoolctl.connector.drivestores import OPEN, PENDING, REFUSED, DriveStores
-    from spoolctl.connector.rankstores import OpenStores
+    from spoolctl.connector.drives import placement as drives
+    from spoolctl.connector.drives.opening import OPEN, PENDING, REFUSED, DriveStores
+    from spoolctl.connector.drives.rankstores import OpenStores
 
     bases = [Path(b) for b in _dirs(tmp_path, 4)]
     for b in bases[:2]:
@@ -297,8 +302,8 @@ def test_one_root_that_is_not_a_store_still_refuses_the_start(tmp_path: Path) ->
     """Only a disk that is late or fails makes a store pending: with one root, a mistake
     (a non-empty directory that is not a store where the rank store goes) is the one
     error line it was before, not a cache that silently never opens."""
-    from spoolctl.connector.drivestores import DriveStores
-    from spoolctl.connector.rankstores import OpenStores
+    from spoolctl.connector.drives.opening import DriveStores
+    from spoolctl.connector.drives.rankstores import OpenStores
 
     base = Path(_dirs(tmp_path, 1)[0])
     root = base / "vllm-v1-x" / "rank-0000"
@@ -320,7 +325,7 @@ class _Drives:
     stand-in for the guards' flags: memory only, as the worker reads them)."""
 
     def __init__(self, tmp_path: Path, n: int = 3) -> None:
-        from spoolctl.connector.deployment import drives
+        from spoolctl.connector.drives import placement as drives
 
         self.bases = [Path(b) for b in _dirs(tmp_path, n)]
         self.ids, self.stores = [], {}
@@ -333,7 +338,7 @@ class _Drives:
         self.up = set(self.ids)
 
     def home(self, key: str) -> str:
-        from spoolctl.connector.deployment import drives
+        from spoolctl.connector.drives import placement as drives
 
         return drives.home(key, self.ids)
 
@@ -348,7 +353,6 @@ class _Drives:
 def _stager(d: _Drives, holdings, counters, *, staging_chunks: int = 64):
     from spoolctl.connector.worker_side.capture import (
         ChunkStager,
-        drive_route,
         rank_commit,
         rank_commit_many,
     )
@@ -356,7 +360,7 @@ def _stager(d: _Drives, holdings, counters, *, staging_chunks: int = 64):
     commits = {drive: (rank_commit(store, "ns", holdings, drive=drive),
                        rank_commit_many(store, "ns", holdings, drive=drive), None)
                for drive, store in d.stores.items()}
-    return ChunkStager.for_drives(commits, drive_route(d.ids, d.up.__contains__), d.labels,
+    return ChunkStager.for_drives(commits, route_over(d.ids, d.up.__contains__), d.labels,
                                   chunk_bytes=4096, staging_bytes=staging_chunks * 4096,
                                   meta={}, counters=counters)
 
@@ -389,7 +393,7 @@ def test_writes_go_to_each_chunks_home_and_to_its_runner_up_while_the_home_is_do
     every drive down: skipped ``disk_down``. The rank holds what its up drives hold, and
     ``locate`` names a drive that has the chunk."""
     pytest.importorskip("torch")
-    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.stats import ConnectorCounters
     from spoolctl.connector.worker_side.holdings import RankHoldings
 
@@ -456,7 +460,7 @@ def test_a_restore_reads_each_chunk_from_the_drive_holding_it_and_stops_at_a_dow
     from spoolctl.connector.worker_side.restore import Located, RestorePipeline
 
     d = _Drives(tmp_path)
-    keys = _keys(12, "p")
+    keys = _keys(36, "p")  # every drive (random ids) is some key's home
     for key in keys:
         d.stores[d.home(key)].put(kind="vllm", namespace="ns", key=key,
                                   objects={"kv": _payload(key, 4096)})
@@ -535,7 +539,7 @@ def entry_id_for_key(key: str) -> str:
 
 
 @pytest.fixture
-def three_drive_worker(tmp_path: Path, several):
+def three_drive_worker(tmp_path: Path):
     """A worker connector over three drive directories (``spoolctl_roots``), its KV caches
     registered: ``worker``, ``roots``, and the vLLM configs ``vcfg``/``kcfg`` (a scheduler
     of the same process is built from them); shut down after the test."""
@@ -574,8 +578,8 @@ def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_driv
     held only there, its chunks' writes go to their runner-ups (counted per drive), a
     restore reads the chunks of the drives still up and misses the down drive's at once;
     ``spoolctl_drive_failover_stores_total{drive}`` names the home's root."""
-    from spoolctl.connector.deployment import drives
     from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.kv.formats import ChunkRestore
     from spoolctl.connector.planning.inventory import key_bytes
 
@@ -584,12 +588,12 @@ def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_driv
     ids = [drives.read_drive_id(r) for r in roots]
     assert len(set(ids)) == 3 and None not in ids
     assert [str(Path(r).parent.parent) for r in worker.store_roots] == roots
-    stores = ws._holdings._stores
+    stores = ws.holdings.stores
     first = _keys(18, "w")
     for i, key in enumerate(first):
-        ws._stager.stage(key, i, _fill(key), request="A")
+        ws.stager.stage(key, i, _fill(key), request="A")
     assert ws.flush(NET_S)
-    ns = ws._namespace
+    ns = ws.namespace
     for drive in ids:
         assert stores[drive].live_keys("vllm", ns) == \
             {k for k in first if drives.home(k, ids) == drive}
@@ -606,11 +610,11 @@ def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_driv
     assert only_there and set(report.removed) == {key_bytes(k) for k in only_there}
     second = _keys(18, "v")
     for i, key in enumerate(second):
-        ws._stager.stage(key, i, _fill(key), request="B")
+        ws.stager.stage(key, i, _fill(key), request="B")
     assert ws.flush(NET_S)
     moved = [k for k in second if drives.home(k, ids) == gone]
     assert moved and not stores[gone].live_keys("vllm", ns) & set(second)
-    assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[1]) == len(moved)
+    assert ws.counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[1]) == len(moved)
     # The connector's inventory_state shows each drive: its root, whether it serves, and
     # what it holds (the down drive's chunks are still on it, out of the rank's union).
     state = worker.inventory_state
@@ -620,7 +624,7 @@ def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_driv
         [len(stores[drive].live_keys("vllm", ns)) for drive in ids]
 
     copies: dict[str, bytes] = {}
-    chunk = ws._copier.chunk_bytes
+    chunk = ws.copier.chunk_bytes
 
     def item(key: str) -> ChunkRestore:
         def fill(store: Store, manifest, buf) -> int:
@@ -630,11 +634,11 @@ def test_a_worker_over_three_drives_writes_each_chunk_home_and_fails_over_a_driv
         return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
                             copy=lambda buf: copies.__setitem__(key, bytes(buf.numpy())))
 
-    ws._pipeline.copy_in_reader = False
+    ws.pipeline.copy_in_reader = False
     served = [k for k in first if k not in only_there] + moved
-    assert ws._pipeline.run([item(k) for k in served]) is None
+    assert ws.pipeline.run([item(k) for k in served]) is None
     assert copies == {k: _payload(k, chunk) for k in served}
-    assert ws._pipeline.run([item(served[0]), item(sorted(only_there)[0])]) == 1
+    assert ws.pipeline.run([item(served[0]), item(sorted(only_there)[0])]) == 1
 
 
 # -- the scheduler's lookup over a rank's drives (decision 2714 item 5, first part) ------------
@@ -692,8 +696,8 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
     from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.kv.formats import ChunkRestore
     from spoolctl.connector.scheduler_side.lookup import request_keys
 
@@ -719,18 +723,18 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
         assert drive_state() == [(r, i, "catalog", True, False)
                                  for r, i in zip(roots, ids, strict=True)]
         side, ws = sched.scheduler, worker.worker
-        keys = request_keys(request, namespace=side._dep.chain_namespace, chunk_tokens=64)
+        keys = request_keys(request, namespace=side.deployment.chain_namespace, chunk_tokens=64)
         assert len(keys) == 12 and {drives.home(k, ids) for k in keys} == set(ids)
 
         def store(wanted: list[str]) -> None:
             for i, key in enumerate(wanted):
-                ws._stager.stage(key, i, _fill(key), request=f"store-{key}")
+                ws.stager.stage(key, i, _fill(key), request=f"store-{key}")
             assert ws.flush(NET_S)
 
         def hit() -> int:
             return sched.get_num_new_matched_tokens(request, 0)[0] or 0
 
-        chunk = ws._copier.chunk_bytes
+        chunk = ws.copier.chunk_bytes
 
         def restore(wanted: list[str]) -> dict[str, bytes]:
             copies: dict[str, bytes] = {}
@@ -744,8 +748,8 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
                                     copy=lambda buf: copies.__setitem__(key,
                                                                         bytes(buf.numpy())))
 
-            ws._pipeline.copy_in_reader = False
-            assert ws._pipeline.run([item(k) for k in wanted]) is None
+            ws.pipeline.copy_in_reader = False
+            assert ws.pipeline.run([item(k) for k in wanted]) is None
             return copies
 
         assert hit() == 0
@@ -755,7 +759,7 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
 
         gone = drives.home(keys[3], ids)
         first_gone = next(i for i, k in enumerate(keys) if drives.home(k, ids) == gone)
-        guard = guard_for(ws._holdings._stores[gone])  # the worker's and the scheduler's
+        guard = guard_for(ws.holdings.stores[gone])  # the worker's and the scheduler's
         for _ in range(3):
             guard.failed("restore")
         assert guard.down
@@ -765,7 +769,7 @@ def test_a_scheduler_and_a_worker_over_three_drives_lose_only_a_down_drives_shar
         assert hit() == first_gone * 64  # only the down drive's chunks miss
         missed = [k for k in keys if drives.home(k, ids) == gone]
         store(missed)  # recomputed: written to their runner-ups
-        assert ws._counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[ids.index(gone)]) \
+        assert ws.counters.total(m.DRIVE_FAILOVER_STORES, drive=roots[ids.index(gone)]) \
             == len(missed)
         assert hit() == 12 * 64  # the next request with that prefix: a full hit
         assert restore(keys) == {k: _payload(k, chunk) for k in keys}
@@ -800,9 +804,9 @@ def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
         holdings.rescan()
         view = InventoryView()
         view.apply(holdings.handshake_report())
-        holdings._enforce_capacity()
+        holdings.enforce_capacity()
         assert twin not in d.on(full) and twin in d.on(spare)  # deleted at once
-        assert holdings.locate(twin) == spare and key_bytes(twin) in holdings._inv.held
+        assert holdings.locate(twin) == spare and twin in holdings.held_keys()
         report = holdings.step_report()
         withdrawn = {k.hex() for k in report.removed}
         assert withdrawn and twin not in withdrawn and withdrawn <= set(keys)
@@ -810,7 +814,7 @@ def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
         assert kept == withdrawn  # released, kept until acknowledged
         view.apply(report)
         holdings.on_scheduler(view.acks(), {})
-        holdings._delete_acknowledged()
+        holdings.delete_acknowledged()
         assert not [k for k in withdrawn if d.stores[full].row(entry_id_for_key(k))]
         assert d.on(spare) == {twin} and len(d.on(full)) == len(keys) - 1 - len(withdrawn)
         # A set of one drive (the others pending at start): a drop is withdrawn on it.
@@ -819,7 +823,7 @@ def test_a_full_drive_evicts_on_itself_only_a_copy_held_elsewhere_at_once(
         alone.rescan()
         assert alone.locate(twin) == spare
         alone.on_scheduler({}, {}, drops=[key_bytes(twin)])
-        alone._drop_requested()
+        alone.drop_requested()
         assert twin not in d.on(spare)
     finally:
         d.close()
@@ -886,7 +890,7 @@ def test_a_drive_whose_store_io_hangs_stops_only_its_own_keeper(tmp_path: Path) 
             state = holdings.state()
             return {one["drive"]: one["busy_s"] for one in state["drives"]}[hung] is not None
         wait_until(hung_busy, 30, what="state() showing the hung drive's keeper in a step")
-        keepers.update((drive, k.thread) for drive, k in holdings._keepers.items())
+        keepers.update(holdings.keeper_threads().items())
         holdings.stop()  # within its bound, although one keeper is stuck
         assert not keepers[full].is_alive() and keepers[hung].is_alive()
     finally:
@@ -958,7 +962,7 @@ def test_a_copy_written_while_its_home_was_down_is_released_once_the_home_is_bac
     pytest.importorskip("torch")
     from concurrent.futures import ThreadPoolExecutor
 
-    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.kv.formats import ChunkRestore
     from spoolctl.connector.stats import ConnectorCounters
     from spoolctl.connector.worker_side.holdings import RankHoldings
@@ -1121,7 +1125,7 @@ def test_a_drive_added_after_start_is_scanned_by_its_own_keeper_and_then_counts(
 
 
 def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_it(
-        tmp_path: Path, several) -> None:
+        tmp_path: Path) -> None:
     """Three drive roots, the third not mounted when the engine starts (its base absent):
     the worker and the scheduler serve on the other two (a prompt's chunks homed on the
     third by the rule over all three land on their runner-ups). The drive then appears,
@@ -1141,8 +1145,8 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
     from waiting import wait_until
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
     from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.kv.formats import ChunkRestore
     from spoolctl.connector.planning.inventory import key_bytes
     from spoolctl.connector.scheduler_side.lookup import request_keys
@@ -1169,21 +1173,21 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
         worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
         ws = worker.worker
         # No periodic rescan during the test: the joined drive must be scanned as it joins.
-        ws._holdings.rescan_s = 3600
+        ws.holdings.rescan_s = 3600
         sched = SpoolConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
         hs = worker.get_handshake_metadata()
         assert len(hs.drives) == 2
         sched.set_xfer_handshake_metadata({0: hs})
         assert len(sched.store_roots) == 2
-        side, ns = sched.scheduler, ws._namespace
-        chunk = ws._copier.chunk_bytes
+        side, ns = sched.scheduler, ws.namespace
+        chunk = ws.copier.chunk_bytes
 
         def keys_of(req: SimpleNamespace) -> list[str]:
-            return request_keys(req, namespace=side._dep.chain_namespace, chunk_tokens=64)
+            return request_keys(req, namespace=side.deployment.chain_namespace, chunk_tokens=64)
 
         def store(wanted: list[str]) -> None:
             for i, key in enumerate(wanted):
-                ws._stager.stage(key, i, _fill(key), request=f"store-{key}")
+                ws.stager.stage(key, i, _fill(key), request=f"store-{key}")
             assert ws.flush(NET_S)
 
         def hit(req: SimpleNamespace) -> int:
@@ -1201,8 +1205,8 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
                                     copy=lambda buf: copies.__setitem__(key,
                                                                         bytes(buf.numpy())))
 
-            ws._pipeline.copy_in_reader = False
-            assert ws._pipeline.run([item(k) for k in wanted]) is None
+            ws.pipeline.copy_in_reader = False
+            assert ws.pipeline.run([item(k) for k in wanted]) is None
             return copies
 
         # The third drive as an earlier run left it, mounted elsewhere for now: its id, and
@@ -1210,7 +1214,7 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
         staged = Path(os.path.realpath(tmp_path)) / "staged" / "spool"
         staged.mkdir(parents=True)
         late = drives.drive_id(staged)
-        rank_root = Path(ws._drives.slots[2].root)
+        rank_root = Path(ws.drives.slots[2].root)
         with Store.open(staged / rank_root.relative_to(roots[2]), create=True) as earlier:
             for key in keys_of(held):
                 earlier.put(kind="vllm", namespace=ns, key=key,
@@ -1223,7 +1227,7 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
         assert homed  # on their runner-ups, where the rule over all three puts them
         for key in homed:
             runner_up = drives.ranked(key, ids)[1]
-            assert key in ws._holdings._stores[runner_up].live_keys("vllm", ns)
+            assert key in ws.holdings.stores[runner_up].live_keys("vllm", ns)
         assert hit(held) == 0
 
         os.rename(staged.parent, Path(roots[2]).parent)  # mounted
@@ -1232,12 +1236,12 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
             metas[-1] is not None and metas[-1].drives), NET_S, what="the drive joined")
         (infos,) = metas[-1].drives.values()
         assert [(d.base, d.drive_id) for d in infos] == list(zip(roots, ids, strict=True))
-        assert ws._holdings.drive_ids() == ids
+        assert ws.holdings.drive_ids() == ids
         # What it held: in the rank's inventory once scanned, and restorable.
-        wait_until(lambda: all(ws._holdings.locate(k) == late for k in keys_of(held)),
+        wait_until(lambda: all(ws.holdings.locate(k) == late for k in keys_of(held)),
                    NET_S, what="the joined drive scanned")
         assert {key_bytes(k) for k in keys_of(held)} <= {
-            key_bytes(k) for k in ws._holdings.held_keys()}
+            key_bytes(k) for k in ws.holdings.held_keys()}
         assert restore(keys_of(held)) == {k: _payload(k, chunk) for k in keys_of(held)}
         assert [(d["base"], d["drive"]) for d in worker.inventory_state["drives"]] == \
             list(zip(roots, ids, strict=True))  # the joined drive named by its root
@@ -1250,9 +1254,9 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
         before = files()
         store(fresh)
         on_late = {k for k in fresh if drives.home(k, ids) == late}
-        assert on_late and on_late <= ws._holdings._stores[late].live_keys("vllm", ns)
+        assert on_late and on_late <= ws.holdings.stores[late].live_keys("vllm", ns)
         assert len(files() - before) >= len(on_late)  # their objects, on that drive
-        assert ws._counters.total(m.DRIVE_FAILOVER_STORES) == 0
+        assert ws.counters.total(m.DRIVE_FAILOVER_STORES) == 0
         # The scheduler reads it once told: a prompt held only there is a full hit.
         assert hit(held) == 0
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=metas[-1]))
@@ -1264,13 +1268,13 @@ def test_a_drive_missing_at_start_joins_the_running_set_and_the_scheduler_reads_
             [(r, i, "catalog", True, i == late) for r, i in zip(roots, ids, strict=True)]
         assert hit(new) == 12 * 64 and hit(old) == 12 * 64
         assert restore(fresh) == {k: _payload(k, chunk) for k in fresh}
-        guards = [guard_for(st) for st in ws._holdings._stores.values()]
+        guards = [guard_for(st) for st in ws.holdings.stores.values()]
     finally:
         if sched is not None:
             sched.shutdown()
         worker.shutdown()
     # Shutdown stops every drive's parts, the joined one's too (its guard stops probing).
-    assert len(guards) == 3 and all(g._stop.is_set() for g in guards)
+    assert len(guards) == 3 and all(g.closed for g in guards)
 
 
 def test_a_late_drive_the_scheduler_cannot_open_yet_is_retried(tmp_path: Path) -> None:
@@ -1279,8 +1283,8 @@ def test_a_late_drive_the_scheduler_cannot_open_yet_is_retried(tmp_path: Path) -
     exists it is handed to the caller, once; ``close`` releases what was never taken."""
     from waiting import wait_until
 
+    from spoolctl.connector.drives.rankstores import OpenStores
     from spoolctl.connector.planning.messages import DriveInfo
-    from spoolctl.connector.rankstores import OpenStores
     from spoolctl.connector.scheduler_side.latedrives import LateDrives
 
     base = Path(_dirs(tmp_path, 1)[0])
@@ -1307,7 +1311,7 @@ def test_a_late_drive_the_scheduler_cannot_open_yet_is_retried(tmp_path: Path) -
 
 @pytest.mark.extended  # a FUSE mount and both connector roles (~5 s)
 def test_a_drive_hung_at_start_joins_the_running_set_when_it_answers(
-        tmp_path: Path, several) -> None:
+        tmp_path: Path) -> None:
     """As a user meets it: the third drive hangs when the engine starts (its drive marker
     and rank store from an earlier run; the store's objects on a FUSE mount that hangs).
     The worker starts within its bound and serves on the other two; when the mount
@@ -1327,7 +1331,7 @@ def test_a_drive_hung_at_start_joins_the_running_set_when_it_answers(
     from waiting import wait_until
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.scheduler_side.lookup import request_keys
 
     roots = _dirs(tmp_path, 3)
@@ -1341,8 +1345,8 @@ def test_a_drive_hung_at_start_joins_the_running_set_when_it_answers(
         Path(root).mkdir(parents=True)
     earlier = SpoolConnector(vcfg, KVConnectorRole.WORKER, kcfg)  # a run before: ids, stores
     earlier.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
-    third = Path(earlier.worker._drives.slots[2].root)
-    ns, chain = earlier.worker._namespace, earlier.worker._dep.chain_namespace
+    third = Path(earlier.worker.drives.slots[2].root)
+    ns, chain = earlier.worker.namespace, earlier.worker.deployment.chain_namespace
     earlier.shutdown()
     ids = [drives.read_drive_id(r) for r in roots]
     tokens = list(range(7, 7 + 12 * 64 + 5))
@@ -1381,12 +1385,12 @@ def test_a_drive_hung_at_start_joins_the_running_set_when_it_answers(
             metas: list[object] = []
             wait_until(lambda: metas.append(worker.build_connector_worker_meta()) or (
                 metas[-1] is not None and metas[-1].drives), NET_S, what="the drive joined")
-            assert ws._holdings.drive_ids() == ids
-            wait_until(lambda: all(ws._holdings.locate(k) == ids[2] for k in keys), NET_S,
+            assert ws.holdings.drive_ids() == ids
+            wait_until(lambda: all(ws.holdings.locate(k) == ids[2] for k in keys), NET_S,
                        what="the joined drive scanned")
             # Its share of new writes: routed to it (the writes themselves are not tried
             # here: its objects are on another filesystem than the rest of its store).
-            assert all(ws._stager._route(k)[0] == ids[2]
+            assert all(ws.drives.route(k)[0] == ids[2]
                        for k in keys if drives.home(k, ids) == ids[2])
             sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=metas[-1]))
             wait_until(lambda: sched.get_num_new_matched_tokens(request, 0)[0] == 12 * 64,
@@ -1404,7 +1408,7 @@ def test_a_drive_hung_at_start_joins_the_running_set_when_it_answers(
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_commit_hung_past_its_bound_takes_its_drive_out_until_it_ends(
-        tmp_path: Path, several, n: int) -> None:
+        tmp_path: Path, n: int) -> None:
     """A commit that hangs on a drive (its writer's one thread stuck, so no second commit
     can fail) takes that drive out once it is past its bound (``writer.commit_bound``):
     the next step's ``save`` tells the drive's guard. With three drives the keys held only
@@ -1421,8 +1425,8 @@ def test_a_commit_hung_past_its_bound_takes_its_drive_out_until_it_ends(
     from waiting import wait_until
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
     from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.kv.formats import ChunkRestore
     from spoolctl.connector.planning.inventory import key_bytes
     from spoolctl.connector.planning.messages import SpoolConnectorMetadata
@@ -1441,15 +1445,15 @@ def test_a_commit_hung_past_its_bound_takes_its_drive_out_until_it_ends(
     try:
         worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
         ws = worker.worker
-        ns = ws._namespace
+        ns = ws.namespace
         if n > 1:
             ids = [drives.read_drive_id(r) for r in roots]
-            stores = ws._holdings._stores
+            stores = ws.holdings.stores
         else:
-            ids, stores = [""], {"": ws._store}
+            ids, stores = [""], {"": ws.drives.primary}
         first = _keys(18, "w")
         for i, key in enumerate(first):
-            ws._stager.stage(key, i, _fill(key), request="A")
+            ws.stager.stage(key, i, _fill(key), request="A")
         assert ws.flush(NET_S)
         worker.get_handshake_metadata()  # the scheduler knows every committed chunk
         gone = ids[-1]
@@ -1460,12 +1464,12 @@ def test_a_commit_hung_past_its_bound_takes_its_drive_out_until_it_ends(
 
         hung = next(k for k in _keys(40, "h") if home(k) == gone)
         with stuck_catalog(stores[gone]) as disk:
-            ws._stager.stage(hung, 0, _fill(hung), request="H")  # its commit hangs
+            ws.stager.stage(hung, 0, _fill(hung), request="H")  # its commit hangs
             # Each engine step's save looks at the commits (memory only): once this one is
             # past its bound (0.2 s here) the drive is out.
             wait_until(lambda: (ws.save(SpoolConnectorMetadata()), guard.down)[1], 20,
                        what="the drive taken out for its hung commit")
-            chunk = ws._copier.chunk_bytes
+            chunk = ws.copier.chunk_bytes
 
             def item(key: str) -> ChunkRestore:
                 def fill(store: Store, manifest, buf) -> int:
@@ -1475,27 +1479,27 @@ def test_a_commit_hung_past_its_bound_takes_its_drive_out_until_it_ends(
                 return ChunkRestore(key=key, valid=lambda manifest: True, fill=fill,
                                     copy=lambda buf: None)
 
-            ws._pipeline.copy_in_reader = False
+            ws.pipeline.copy_in_reader = False
             there = [k for k in first if home(k) == gone]
             if n == 1:
-                assert ws._pipeline.run([item(first[0])]) == 0
-                assert ws._counters.total(m.LOAD_ERRORS, reason="disk_down") == 1
+                assert ws.pipeline.run([item(first[0])]) == 0
+                assert ws.counters.total(m.LOAD_ERRORS, reason="disk_down") == 1
             else:
                 report = worker.build_connector_worker_meta().reports[0]
                 assert there and set(report.removed) == {key_bytes(k) for k in there}
                 second = _keys(18, "v")
                 for i, key in enumerate(second):
-                    ws._stager.stage(key, i, _fill(key), request="B")
-                for drive, writer in ws._stager._writers.items():
+                    ws.stager.stage(key, i, _fill(key), request="B")
+                for drive, writer in ws.stager.writers.items():
                     assert drive == gone or writer.flush(NET_S)
                 moved = [k for k in second if home(k) == gone]
-                assert moved and ws._counters.total(
+                assert moved and ws.counters.total(
                     m.DRIVE_FAILOVER_STORES, drive=roots[-1]) == len(moved)
                 for key in moved:
                     assert key in stores[drives.route(key, ids, set(ids[:-1]))].live_keys(
                         "vllm", ns)
                 ok = next(k for k in first if home(k) != gone)
-                assert ws._pipeline.run([item(ok), item(there[0])]) == 1
+                assert ws.pipeline.run([item(ok), item(there[0])]) == 1
             disk.release()  # the commit ends; the probe brings the drive back
             wait_until(lambda: not guard.down, NET_S, what="the probe")
         assert ws.flush(NET_S)
@@ -1656,7 +1660,7 @@ def test_every_local_store_of_every_rank_is_read_at_once(tmp_path: Path) -> None
 
 
 def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drives(
-        tmp_path: Path, several) -> None:
+        tmp_path: Path) -> None:
     """Per-drive gauges (decision 2770): ``spoolctl_drive_down{drive}`` is 0 for each
     configured drive while its store serves and 1 once its guard takes it out (labelled
     with its base root); the worker's store bytes and write-budget gauges are the sums over
@@ -1669,9 +1673,9 @@ def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drive
     from waiting import wait_until
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
     from spoolctl.connector.deployment import write_budget as wb
     from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.drives import placement as drives
 
     roots = _dirs(tmp_path, 3)
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
@@ -1690,16 +1694,16 @@ def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drive
         worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
         ws = worker.worker
         ids = [drives.read_drive_id(r) for r in roots]
-        stores = ws._holdings._stores
+        stores = ws.holdings.stores
         keys = _keys(18, "g")
         for i, key in enumerate(keys):
-            ws._stager.stage(key, i, _fill(key), request="A")
+            ws.stager.stage(key, i, _fill(key), request="A")
         assert ws.flush(NET_S)
-        chunk = ws._copier.chunk_bytes
-        assert all(stores[d].live_keys("vllm", ws._namespace) for d in ids)
+        chunk = ws.copier.chunk_bytes
+        assert all(stores[d].live_keys("vllm", ws.namespace) for d in ids)
 
         def gauge(spec, **labels):
-            return ws._counters.totals().get(spec.name, {}).get(
+            return ws.counters.totals().get(spec.name, {}).get(
                 ",".join(f"{k}={v}" for k, v in labels.items()))
 
         def facts_summed() -> bool:
@@ -1724,7 +1728,7 @@ def test_a_worker_exports_each_drives_state_and_its_gauges_summed_over_the_drive
 
 
 def test_a_drive_whose_mount_hangs_under_a_commit_is_taken_out_and_comes_back(
-        tmp_path: Path, several) -> None:
+        tmp_path: Path) -> None:
     """The hung commit on a real hung mount (``tests/fusefs.py`` over one drive's
     ``objects/``): the commit blocks in the kernel, the drive is taken out at the next step
     past the bound, the other drives take its new chunks and still restore; released, the
@@ -1738,8 +1742,8 @@ def test_a_drive_whose_mount_hangs_under_a_commit_is_taken_out_and_comes_back(
     from waiting import wait_until
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
     from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.planning.messages import SpoolConnectorMetadata
 
     roots = _dirs(tmp_path, 3)
@@ -1757,26 +1761,26 @@ def test_a_drive_whose_mount_hangs_under_a_commit_is_taken_out_and_comes_back(
             worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
             ws = worker.worker
             ids = [drives.read_drive_id(r) for r in roots]
-            stores = ws._holdings._stores
+            stores = ws.holdings.stores
             first = _keys(18, "m")
             for i, key in enumerate(first):
-                ws._stager.stage(key, i, _fill(key), request="A")
+                ws.stager.stage(key, i, _fill(key), request="A")
             assert ws.flush(NET_S)
             gone = ids[2]
             guard = guard_for(stores[gone])
             mount = mounts.over(Path(stores[gone].root) / "objects")
             mount.hang()
             hung = next(k for k in _keys(40, "n") if drives.home(k, ids) == gone)
-            ws._stager.stage(hung, 0, _fill(hung), request="H")
+            ws.stager.stage(hung, 0, _fill(hung), request="H")
             wait_until(lambda: (ws.save(SpoolConnectorMetadata()), guard.down)[1], 20,
                        what="the drive taken out for its hung commit")
             second = _keys(18, "o")
             for i, key in enumerate(second):
-                ws._stager.stage(key, i, _fill(key), request="B")
-            for drive, writer in ws._stager._writers.items():
+                ws.stager.stage(key, i, _fill(key), request="B")
+            for drive, writer in ws.stager.writers.items():
                 assert drive == gone or writer.flush(NET_S)
             moved = [k for k in second if drives.home(k, ids) == gone]
-            assert moved and ws._counters.total(m.DRIVE_FAILOVER_STORES,
+            assert moved and ws.counters.total(m.DRIVE_FAILOVER_STORES,
                                                 drive=roots[2]) == len(moved)
             mount.release()
             wait_until(lambda: not guard.down, NET_S, what="the probe")
@@ -1786,7 +1790,7 @@ def test_a_drive_whose_mount_hangs_under_a_commit_is_taken_out_and_comes_back(
 
 
 def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
-        tmp_path: Path, several) -> None:
+        tmp_path: Path) -> None:
     """The late read on a real hung mount (``tests/fusefs.py`` over one drive's
     ``objects/``): a restore waiting on that drive fails at its deadline with its read
     stuck in the kernel; the next restore's chunk there fails at once (``disk_slow``, never
@@ -1801,7 +1805,7 @@ def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
     from waiting import wait_until
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.kv.formats import ChunkRestore
 
     roots = _dirs(tmp_path, 3)
@@ -1822,15 +1826,15 @@ def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
             worker.register_kv_caches({"layer.0": torch.zeros(8, 2, 32, 64)})
             ws = worker.worker
             ids = [drives.read_drive_id(r) for r in roots]
-            stores = ws._holdings._stores
+            stores = ws.holdings.stores
             keys = _keys(24, "q")
             for i, key in enumerate(keys):
-                ws._stager.stage(key, i, _fill(key), request="A")
+                ws.stager.stage(key, i, _fill(key), request="A")
             assert ws.flush(NET_S)
             slow = ids[0]
             on_slow = [k for k in keys if drives.home(k, ids) == slow]
             well = [k for k in keys if drives.home(k, ids) != slow]
-            chunk, copies = ws._copier.chunk_bytes, {}
+            chunk, copies = ws.copier.chunk_bytes, {}
 
             def item(key: str) -> ChunkRestore:
                 def fill(store: Store, manifest, buf) -> int:
@@ -1841,7 +1845,7 @@ def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
                                     copy=lambda buf: copies.__setitem__(key,
                                                                         bytes(buf.numpy())))
 
-            pipe = ws._pipeline
+            pipe = ws.pipeline
             pipe.copy_in_reader = False
             mount = mounts.over(Path(stores[slow].root) / "objects")
             mount.hang()
@@ -1853,7 +1857,7 @@ def test_a_drive_whose_mount_hangs_under_a_read_gets_no_new_reads(
             assert set(copies) == set(well[:3])
             assert pipe.run([item(k) for k in well]) is None  # the other drives serve
             mount.release()
-            wait_until(lambda: (pipe.pump(), not pipe._late)[1], NET_S,
+            wait_until(lambda: (pipe.pump(), not pipe.late_reads)[1], NET_S,
                        what="the stuck read")
             copies.clear()
             assert pipe.run([item(k) for k in on_slow[2:4]]) is None
@@ -1878,8 +1882,8 @@ def test_a_keeper_stuck_on_its_drive_takes_the_drive_out_until_its_step_ends(
     from waiting import wait_until
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.deployment import drives
     from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.drives import placement as drives
     from spoolctl.connector.planning.messages import SpoolConnectorMetadata
 
     roots = _dirs(tmp_path, 2)
@@ -1897,14 +1901,14 @@ def test_a_keeper_stuck_on_its_drive_takes_the_drive_out_until_its_step_ends(
         ws = worker.worker
         ids = [drives.read_drive_id(r) for r in roots]
         gone = ids[-1]
-        store = ws._holdings._stores[gone]
+        store = ws.holdings.stores[gone]
         guard = guard_for(store)
         with stuck_catalog(store) as disk:
-            ws._holdings.rescan_s = 0.05  # its next round rescans the drive's catalog
-            ws._holdings._keepers[gone].wake.set()
+            ws.holdings.rescan_s = 0.05  # its next round rescans the drive's catalog
+            ws.holdings.wake(gone)
             wait_until(lambda: (ws.save(SpoolConnectorMetadata()), guard.down)[1], 10,
                        what="the drive taken out for its stuck keeper")
-            busy = {one["drive"]: one["busy_s"] for one in ws._holdings.state()["drives"]}
+            busy = {one["drive"]: one["busy_s"] for one in ws.holdings.state()["drives"]}
             assert busy[gone] is not None  # its keeper still in that step
             disk.release()
             wait_until(lambda: not guard.down, 20, what="the probe bringing the drive back")
@@ -1926,14 +1930,14 @@ def test_status_over_the_drives_marks_the_one_the_engine_has_out_until_its_probe
     from operator_cli import run, run_json
     from waiting import wait_until
 
-    from spoolctl.connector.deployment import drives
     from spoolctl.connector.deployment import out_of_service as oos
     from spoolctl.connector.diskguard import guard_for
+    from spoolctl.connector.drives import placement as drives
 
     worker, roots = three_drive_worker.worker, three_drive_worker.roots
     ws = worker.worker
     ids = [drives.read_drive_id(r) for r in roots]
-    store = ws._holdings._stores[ids[1]]
+    store = ws.holdings.stores[ids[1]]
     rank_store = str(store.root)
     argv = [a for r in roots for a in ("--root", r)]
 
@@ -1941,7 +1945,7 @@ def test_status_over_the_drives_marks_the_one_the_engine_has_out_until_its_probe
     guard.probe_interval_s = 0.05
     hung = [True]  # a commit past its bound keeps it out while it runs (decision 2770)
     guard.stuck("commit", lambda: hung[0])
-    recorders = [one.recorder for one in ws._drive_parts]
+    recorders = [one.recorder for one in ws.drives.in_use]
     assert all(r.wait(NET_S) for r in recorders)
     doc = run_json("status", *argv)
     assert [d.get("out_of_service") for d in doc["drives"]] == [None, [rank_store], None]

@@ -327,12 +327,12 @@ def test_a_chunk_evicted_on_one_rank_is_withdrawn_and_deleted_on_the_other(tmp_p
             hold.rescan()
             view.apply(hold.handshake_report())
         # Rank 1 evicts chunk 0 (its own capacity); the scheduler learns of it.
-        h1._withdraw([entry_id_for("vllm", "ns1", keys[0])])
+        h1.withdraw([entry_id_for("vllm", "ns1", keys[0])])
         view.apply(h1.step_report())
         drops = view.take_drops(16)
         assert drops == [k(0)]
         h0.on_scheduler(view.acks(), {}, drops)
-        h0._drop_requested()
+        h0.drop_requested()
         assert h0.dropped == 1
         eid0 = entry_id_for("vllm", "ns0", keys[0])
         assert not s0.live([eid0])  # withdrawn at once: same-host lookups stop counting it
@@ -340,7 +340,7 @@ def test_a_chunk_evicted_on_one_rank_is_withdrawn_and_deleted_on_the_other(tmp_p
         view.apply(h0.step_report())
         for hold in (h0, h1):
             hold.on_scheduler(view.acks(), {})
-            hold._delete_acknowledged()
+            hold.delete_acknowledged()
         assert s0.row(eid0) is None and s1.row(entry_id_for("vllm", "ns1", keys[0])) is None
         assert view.has_all(k(1)) and not view.has_all(k(0))
     finally:
@@ -355,13 +355,13 @@ def test_a_host_budget_share_becomes_the_stores_max_size(tmp_path: Path):
         hold.start()
         assert store.max_bytes == 4_000  # the smaller bound wins
         hold.on_scheduler({}, {}, share=20_000)
-        hold._apply_share()
+        hold.apply_share()
         assert store.max_bytes == 10_000  # spoolctl_max_size still bounds the rank
         for i in range(8):
             store.put(kind="vllm", namespace="ns0", key=k(i).hex(), objects={"kv": bytes(1500)},
                       evict=False)
         hold.rescan()
-        hold._enforce_capacity()
+        hold.enforce_capacity()
         assert store.totals().bytes <= 10_000
     finally:
         hold.stop()

@@ -284,20 +284,20 @@ def test_holdings_withdraws_before_evicting_and_deletes_after_the_ack(small_stor
     while (rep := holdings.step_report()) is not None:
         view.apply(rep)
     assert small_store.totals().bytes > 40_000
-    holdings._enforce_capacity()
+    holdings.enforce_capacity()
     victims = [e for e in ids if small_store.row(e).hint == "release"]
     assert victims, "nothing was chosen for eviction"
     # Withdrawn (released: same-host lookups stop at once) but not deleted before the ack.
     assert all(small_store.row(e) is not None for e in victims)
     assert small_store.live(victims) == set()
     holdings.on_scheduler(view.acks(), {})  # the old ack does not cover the withdrawal
-    holdings._delete_acknowledged()
+    holdings.delete_acknowledged()
     assert all(small_store.row(e) is not None for e in victims)
     view.apply(holdings.step_report())  # the withdrawal reaches the scheduler
     victim_keys = [small_store.row(e).key for e in victims]
     assert view.has(0, [key_bytes(x) for x in victim_keys]) == [False] * len(victims)
     holdings.on_scheduler(view.acks(), {})
-    holdings._delete_acknowledged()
+    holdings.delete_acknowledged()
     assert all(small_store.row(e) is None for e in victims)
     assert small_store.totals().bytes <= 40_000
     assert holdings.evicted_entries == len(victims)
@@ -343,12 +343,12 @@ def test_holdings_deletes_anyway_when_the_ack_never_comes(small_store: Store):
     for i in range(6, 12):
         put(small_store, ns, i)
         holdings.committed(chunk_key(i))
-    holdings._enforce_capacity()
+    holdings.enforce_capacity()
     released = small_store.totals().bytes
     assert released > 40_000 and holdings.awaiting > 0  # withdrawn, waiting
     now[0] += 299
-    holdings._enforce_capacity()
+    holdings.enforce_capacity()
     assert small_store.totals().bytes == released  # still waiting
     now[0] += 2
-    holdings._enforce_capacity()
+    holdings.enforce_capacity()
     assert small_store.totals().bytes <= 40_000 and holdings.awaiting == 0

@@ -15,8 +15,8 @@ from waiting import wait_until
 
 from spoolctl import metrics as m
 from spoolctl.connector.deployment.topology import all_ranks
+from spoolctl.connector.drives.rankstores import OpenStores
 from spoolctl.connector.planning.inventory import InventoryReport, RankInventory, key_bytes
-from spoolctl.connector.rankstores import OpenStores
 from spoolctl.connector.scheduler_side.lookup import RankLookup
 from spoolctl.connector.stats import ConnectorCounters
 from spoolctl.store import Store, entry_id_for
@@ -203,7 +203,7 @@ def test_scheduler_and_worker_of_one_process_share_the_rank_store_and_close_it(
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from spoolctl.connector import SpoolConnector
-    from spoolctl.connector.rankstores import OPEN_STORES
+    from spoolctl.connector.drives.rankstores import OPEN_STORES
 
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     vcfg, kcfg = vllm_configs(str(_root(tmp_path, "spool")), [spec], num_blocks=8,
@@ -285,12 +285,12 @@ class _Roles:
         from spoolctl.connector.worker_side.capture import rank_commit
 
         w = self.worker.worker
-        keys = request_keys(self.request(), namespace=self.sched.deployment.chain_namespace,
-                            chunk_tokens=64)
-        put = rank_commit(w._store, w._namespace, w._holdings)
+        chain = self.sched.scheduler.deployment.chain_namespace
+        keys = request_keys(self.request(), namespace=chain, chunk_tokens=64)
+        put = rank_commit(w.drives.primary, w.namespace, w.holdings)
         for i, key in enumerate(keys):
-            put(key, {"kv": memoryview(bytes([i + 1]) * w._copier.chunk_bytes)},
-                {"layout": w._copier.layout_digest})
+            put(key, {"kv": memoryview(bytes([i + 1]) * w.copier.chunk_bytes)},
+                {"layout": w.copier.layout_digest})
         return keys
 
     def planned(self, request) -> None:
@@ -356,19 +356,19 @@ def test_a_failed_restore_is_looked_up_again_with_the_workers_reason(
         w = roles.worker.worker
         take_out = None
         if failure == "hung read":  # the device stops answering: every read blocks
-            real_read = w._store.read
+            real_read = w.drives.primary.read
 
             def hung_read(*args, **kwargs):
                 release.wait()
                 return real_read(*args, **kwargs)
 
-            w._store.read = hung_read
+            w.drives.primary.read = hung_read
         elif failure == "store out":  # three reads late or failed since the lookup
             def take_out() -> None:
                 for _ in range(3):
-                    w._guard.failed("restore")
+                    w.drives.guard_of("").failed("restore")
         else:
-            _flip_object_byte(w._store, keys[0], "kv", w._namespace)
+            _flip_object_byte(w.drives.primary, keys[0], "kv", w.namespace)
         req = roles.request()
         out = roles.restore(req, take_out or (lambda: None))
         assert out.invalid_block_ids == {1, 2, 3, 4}  # both chunks recomputed
@@ -380,7 +380,7 @@ def test_a_failed_restore_is_looked_up_again_with_the_workers_reason(
         assert roles.misses("corrupt") == (1 if reason == "corrupt" else 0)
         # It left vLLM: its reason went with it (nothing per request stays behind).
         roles.sched.request_finished_all_groups(req, ([1, 2, 3, 4, 5],))
-        assert roles.sched.scheduler._no_restore == {}
+        assert roles.sched.scheduler.unrestorable == {}
     finally:
         release.set()
         roles.close()
@@ -405,7 +405,7 @@ def test_a_restore_failure_reported_after_its_request_left_is_not_kept(tmp_path:
         roles.sched.update_connector_output(KVConnectorOutput(
             finished_recving={"r"}, failed_recving={"r"},
             kv_connector_worker_meta=SpoolWorkerMeta(load_failures={"r": "disk_slow"})))
-        assert roles.sched.scheduler._no_restore == {}
+        assert roles.sched.scheduler.unrestorable == {}
         # The same id again (a new request): a plain hit, no failed restore counted.
         assert roles.sched.get_num_new_matched_tokens(req, 0) == (128, True)
         assert roles.misses("disk_slow") == 0
@@ -458,7 +458,7 @@ def test_with_host_kv_a_restore_begins_when_the_step_is_bound_not_after_the_forw
         roles.worker.start_load_kv(None)  # after the forward: nothing begins twice
         roles.worker.clear_connector_metadata()
         assert roles.worker.get_block_ids_with_load_errors() == set()
-        chunk = roles.worker.worker._copier.chunk_bytes
+        chunk = roles.worker.worker.copier.chunk_bytes
         assert roles.worker.counters.total(m.RESTORE_BYTES) == 2 * chunk
         assert roles.worker.counters.total(m.LOAD_ERRORS) == 0
         raw = roles.kv.view(-1, 2, 32, 64).numpy().view("uint8").reshape(16, -1)

@@ -160,7 +160,7 @@ def test_cancelled_request_stops_and_still_ends_and_every_buffer_comes_back(
     assert ended == {"c": None, "a": None}
     assert len([1 for r, *_ in target.copies if r == "c"]) < 40
     assert [i for r, i, _, _ in target.copies if r == "a"] == list(range(6))
-    bufs = [pipe._bufs.get() for _ in range(pipe.slots)]
+    bufs = [pipe.buffers.get() for _ in range(pipe.slots)]
     assert all(b is not None for b in bufs)  # all slots free again
 
 
@@ -216,10 +216,10 @@ def test_a_read_past_its_deadline_is_a_miss_and_its_late_bytes_are_never_copied(
         assert pipe.take_reason("a") == "deadline" and pipe.take_reason("a") is None
         assert not guard.down  # one late read is not a sick disk
         gate.set()  # the late read completes now...
-        wait_until(lambda: pipe.pump() == [] and not pipe._late, what="the late read")
+        wait_until(lambda: pipe.pump() == [] and not pipe.late_reads, what="the late read")
         # ...and is dropped: never copied, its buffer back in the pool
         assert [i for _, i, _, _ in target.copies] == [0, 1]
-        assert all(pipe._bufs.get() is not None for _ in range(pipe.slots))
+        assert all(pipe.buffers.get() is not None for _ in range(pipe.slots))
 
 
 def test_repeated_deadline_misses_take_the_store_out_and_a_probe_brings_it_back(
@@ -300,7 +300,7 @@ def test_with_host_kv_the_reader_copies_each_verified_chunk_without_waiting_for_
     assert all(thread != me for *_, thread in target.copies)
     assert sorted((i, data) for _, i, data, _ in target.copies) == \
         [(i, _payload("a", i)) for i in range(6)]  # each chunk once, the verified bytes
-    assert all(pipe._bufs.get() is not None for _ in range(pipe.slots))
+    assert all(pipe.buffers.get() is not None for _ in range(pipe.slots))
 
 
 def test_a_reader_never_copies_into_a_request_that_failed_or_was_cancelled(
@@ -319,11 +319,11 @@ def test_a_reader_never_copies_into_a_request_that_failed_or_was_cancelled(
         pipe.cancel(["b"])
         assert pipe.pump(wait_s=30) == [("b", None)]  # ended, its reads still hanging
         gate.set()  # the hung reads complete now, verified...
-        wait_until(lambda: pipe.pump() == [] and not pipe._late, what="the late reads")
+        wait_until(lambda: pipe.pump() == [] and not pipe.late_reads, what="the late reads")
     # ...and are never copied: a's first two chunks only, nothing of b
     assert sorted(i for r, i, _, _ in target.copies if r == "a") == [0, 1]
     assert [1 for r, *_ in target.copies if r == "b"] == []
-    assert all(pipe._bufs.get() is not None for _ in range(pipe.slots))
+    assert all(pipe.buffers.get() is not None for _ in range(pipe.slots))
 
 
 def test_a_restore_touches_its_entries_once_not_once_per_chunk(small_store: Store) -> None:

@@ -69,15 +69,16 @@ class Engine:
     def keys(self, salt: str | None) -> list[str]:
         from spoolctl.connector.scheduler_side.lookup import request_keys
 
-        return request_keys(_request(salt), namespace=self.sched.deployment.chain_namespace,
-                            chunk_tokens=64, tenants=self.sched.scheduler._tenants)
+        side = self.sched.scheduler
+        return request_keys(_request(salt), namespace=side.deployment.chain_namespace,
+                            chunk_tokens=64, tenants=side.tenants)
 
     def store_chunks(self, salt: str | None) -> None:
         """Commit the prompt's chunks as the worker's capture path does (``rank_commit``)."""
         from spoolctl.connector.worker_side.capture import rank_commit
 
         w = self.worker.worker
-        put = rank_commit(w._store, w._namespace, w._holdings)
+        put = rank_commit(w.drives.primary, w.namespace, w.holdings)
         for key in self.keys(salt):
             put(key, {"kv": memoryview(bytes(64 * 4096))}, {})
 
@@ -98,7 +99,7 @@ def test_a_salt_finds_only_its_own_chunks(tmp_path: Path, monkeypatch):
         keys = eng.keys("alice")
         assert all(k.startswith(tid) and len(k) == 64 for k in keys)
         assert not set(keys) & set(eng.keys("bob"))
-        store: Store = eng.worker.worker._store
+        store: Store = eng.worker.worker.drives.primary
         mf = store.lookup("vllm", eng.worker.namespace, keys[0], tenant=TenantId.of(keys[0]))
         assert mf is not None and mf.index["sealed"]["tenant"] == tid
         assert bytes(store.read(mf, "kv")) == bytes(64 * 4096)  # sealed, reads back
@@ -129,7 +130,7 @@ def test_a_lost_master_key_at_start_is_misses_one_line_and_no_writes(
                 else "is not the key this rank store's keyring") in lines[0]
         assert "nothing is stored" in lines[0]
         assert eng.hit("alice") == 0 and eng.hit(None) == 0
-        assert eng.worker.worker._stager is None  # nothing written: not in clear, not at all
+        assert eng.worker.worker.stager is None  # nothing written: not in clear, not at all
         assert len([r for r in caplog.records if r.name.startswith("spoolctl")]) == 1
     finally:
         eng.close()

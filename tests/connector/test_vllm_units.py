@@ -229,7 +229,7 @@ def test_import_spoolctl_connector_does_not_import_vllm_or_torch():
             "spoolctl.connector.deployment.settings, spoolctl.connector.deployment.topology, "
             "spoolctl.connector.scheduler_side.lookup, spoolctl.connector.kv.formats, "
             "spoolctl.connector.vllm_api.introspect, spoolctl.connector.planning.groups, "
-            "spoolctl.connector.rankstores;"
+            "spoolctl.connector.drives.rankstores;"
             "print('vllm' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -182,7 +182,6 @@ def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
     the first drive's ledger alone (decision 2770); both spent: no store planned."""
     from test_vllm_fleet_units import _configs, _coordinator, _request, h, k
 
-    from spoolctl.connector.deployment import settings as settings_mod
     from spoolctl.connector.deployment.topology import rank_root
     from spoolctl.connector.planning.messages import SpoolConnectorMetadata
     from spoolctl.connector.planning.plan import ChunkStore
@@ -193,7 +192,6 @@ def test_on_several_drives_admission_reads_every_drives_ledger_pooled_per_rank(
     extra = vcfg.kv_transfer_config.kv_connector_extra_config
     del extra["spoolctl_root"]
     extra["spoolctl_roots"] = roots
-    assert settings_mod.SEVERAL_DRIVES
     sched = _coordinator(vcfg, kcfg)
     coord = sched.coord
     place = sched.ranks.places[0]

@@ -7,7 +7,7 @@ Keys (all optional except the root):
                              derived from vLLM's parallel config (see ``topology``)
 ``spoolctl_roots``           several base directories, one per drive (``["/nvme0/spool",
                              "/nvme1/spool"]``; or ``SPOOLCTL_ROOT`` with ':' between them):
-                             a rank store on each, chunks placed by ``drives`` (decision 2714);
+                             a rank store on each, chunks placed by ``drives``;
                              not together with ``spoolctl_root``
 ``spoolctl_max_size``        store capacity, e.g. ``200GiB`` (recorded in the root marker)
 ``spoolctl_chunk_tokens``    tokens per chunk; a multiple of the block size (default: the
@@ -37,20 +37,20 @@ Keys (all optional except the root):
                              (e.g. a release tag), used instead of the weights digest; needed
                              only for a model that is not a local directory or hub cache snapshot
 ``spoolctl_lookup_deadline`` seconds a lookup waits for a rank store's catalog on this host
-                             (default 0.5; past it the request is a miss), decision 2700
+                             (default 0.5; past it the request is a miss)
 ``spoolctl_read_deadline``   seconds a restore waits for its next chunk (default 5; past it
                              that chunk and the rest are recomputed)
 ``spoolctl_probe_interval``  seconds between probes of a store taken out of service after
                              repeated late or failed reads (default 5)
 ``spoolctl_write_budget``    KV bytes each rank store may write per UTC day, e.g. ``500GiB``
                              (default: no limit); enforced by admission, counted across
-                             restarts (``write_budget``, decision 2710)
+                             restarts (``write_budget``)
 ``spoolctl_tenant_metrics``  per-tenant metrics on an encrypted store (``tenancy``): the most
                              tenant ids labelled per role (default 32; later tenants count as
                              ``other``; 0: none)
 ``spoolctl_weights_memo``    directory remembering file digests by file identity (default
                              ``~/.cache/spoolctl/weights``; ``off``: hash every file at each
-                             start) (``weights``, decision 2110)
+                             start) (``weights``)
 """
 
 from __future__ import annotations
@@ -90,8 +90,6 @@ KNOWN_KEYS = frozenset({
     "spoolctl_read_deadline", "spoolctl_probe_interval", "spoolctl_write_budget",
     "spoolctl_tenant_metrics", "spoolctl_roots",
 })
-# Whether the worker and the scheduler use several drive roots (decisions 2714, 2731, 2732).
-SEVERAL_DRIVES = True
 # The most drive roots one connector takes (a metric label per drive: bounded).
 MAX_ROOTS = 64
 ON_UNSUPPORTED = ("error", "disable")
@@ -119,18 +117,18 @@ class ConnectorSettings:
     kv_events: str = "on"
     tag_key_file: str | None = None
     # The operator's name for the weights (replaces the digest), and the digest memo
-    # directory: None = the default, "off" = none (decision 2110).
+    # directory: None = the default, "off" = none.
     weights_id: str | None = None
     weights_memo: str | None = None
-    # A slow or failing disk turns into misses (``diskguard``, decision 2700).
+    # A slow or failing disk turns into misses (``diskguard``).
     lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S
     read_deadline: float = DEFAULT_READ_DEADLINE_S
     probe_interval: float = DEFAULT_PROBE_INTERVAL_S
-    # KV bytes a rank store may write per UTC day (``write_budget``, decision 2710).
+    # KV bytes a rank store may write per UTC day (``write_budget``).
     write_budget: int | None = None
     # Tenant ids labelled in the per-tenant metrics, per role (the rest are "other").
     tenant_metrics: int = DEFAULT_TENANT_METRICS
-    # Every base root, ``root`` first (empty when built by hand: ``(root,)``), decision 2714.
+    # Every base root, ``root`` first (empty when built by hand: ``(root,)``)
     roots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -224,17 +222,12 @@ def parse_settings(
                               fix="give one base directory; each rank's store is placed under "
                                   "<root>/<deployment digest>/rank-<NNNN> automatically")
         # A hung disk must not hang the engine's start: a root that does not answer in
-        # time is checked again by ``drivestores`` before a store is opened under it.
+        # time is checked again by ``drives.opening`` before a store is opened under it.
         if store_root_answer(root, 4 * lookup_deadline) is True:
-            # One meaning for SPOOLCTL_ROOT (decision 2501): a root the CLI's --root also
+            # One meaning for SPOOLCTL_ROOT: a root the CLI's --root also
             # takes. A single store is such a root, but the connector's stores go *under*
             # its root.
             raise single_store_error(given, root)
-    if len(roots) > 1 and not SEVERAL_DRIVES:
-        raise ConfigError(f"{given} names several roots ({len(roots)}); this connector takes one "
-                          "base root", path=_WHERE,
-                          fix='set "spoolctl_root": "/abs/path" (several drives per '
-                              "connector are not built yet, decision 2714)")
     root = roots[0]
     if block_size <= 0:
         raise ConfigError("vLLM block size must be positive", path="cache_config.block_size")
@@ -287,8 +280,8 @@ def parse_settings(
 
 def _roots(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
     """The base roots and the name they were given by (``spoolctl_root``,
-    ``spoolctl_roots`` or ``SPOOLCTL_ROOT``); ConfigError, one line, for each refusal of
-    decision 2714 item 1. The variable is read only when neither key is given."""
+    ``spoolctl_roots`` or ``SPOOLCTL_ROOT``); ConfigError, one line naming the fix, for a
+    refused list. The variable is read only when neither key is given."""
     one, several = extra.get("spoolctl_root"), extra.get("spoolctl_roots")
     if one not in (None, "") and several not in (None, ""):
         raise ConfigError("spoolctl_root and spoolctl_roots are both set", path=_WHERE,
@@ -311,7 +304,7 @@ def _roots(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[tuple[str,
         if one:
             given, roots = "spoolctl_root", [value]
         else:
-            # The CLI's reading of the variable (decision 2712): ':' between drive roots.
+            # The CLI's reading of the variable: ':' between drive roots.
             given, roots = "SPOOLCTL_ROOT", value.split(":")
     if not roots:
         raise ConfigError(f"{given} is empty", path=_WHERE,
@@ -343,7 +336,7 @@ def _roots(extra: Mapping[str, Any], env: Mapping[str, str]) -> tuple[tuple[str,
                               path=root, fix="name each drive's base root once")
         seen[norm] = root
         if len(roots) > 1 and not DRIVE_LABEL.fullmatch(root):
-            # Its base root labels the per-drive metrics (decision 2770), as the CLI's
+            # Its base root labels the per-drive metrics, as the CLI's
             # `metrics --root` requires: a label outside the vocabulary would be refused at
             # the first failover, on the engine's thread.
             raise ConfigError(f"{given} has a root that cannot label the per-drive metrics "

@@ -33,6 +33,7 @@ from ..planning.plan import (
 )
 from ..stats import ConnectorCounters
 from .formats import Capture, Captured, ChunkRestore, Copier, KVFormat, Planning
+from .formats import Restorer as RestorePipeline
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
     from ..planning.messages import SpoolConnectorMetadata
     from ..vllm_api.protocols import KVCacheBlocksLike
-    from ..worker_side.restore import RestorePipeline
     from .kvio import CopyEngine, CopyHandle, PagedKV
     from .layouts import LayerDecl
 

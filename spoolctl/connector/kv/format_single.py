@@ -24,6 +24,7 @@ from spoolctl.store import plain_size
 from ..planning.plan import ChunkLoad, Planner, ScheduledStep, SingleRequestLoad
 from ..stats import ConnectorCounters
 from .formats import Capture, Captured, ChunkRestore, Copier, KVFormat, Planning
+from .formats import Restorer as RestorePipeline
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
     from ..planning.messages import SpoolConnectorMetadata
     from ..vllm_api.protocols import KVCacheBlocksLike
-    from ..worker_side.restore import RestorePipeline
     from .kvio import CopyEngine, PagedKV
     from .layouts import LayerDecl
 

@@ -20,8 +20,8 @@ Each format has one half per vLLM role, built by the format object:
   step's ``SpoolConnectorMetadata``.
 * ``Copier`` (worker, ``copier()``): binds vLLM's KV tensors (``bind``: their layout
   proven against vLLM's declarations, copies run by one ``kvio.CopyEngine``), restores the
-  step's planned chunks through the ``RestorePipeline``, yields the chunks to capture for
-  the ``ChunkStager``, and holds the restore outcomes vLLM collects. Copies are
+  step's planned chunks through the restore pipeline (``Restorer``), yields the chunks to
+  capture for the ``ChunkStager``, and holds the restore outcomes vLLM collects. Copies are
   asynchronous on a device: a capture's ``fill`` returns the ``CopyHandle`` the commit
   thread waits for, a restore's ``copy`` the one its buffer is recycled after.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..planning.plan import GroupedPlanner, Planner, ScheduledStep
 from ..stats import ConnectorCounters
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from spoolctl.store import Store
 
     from ..planning.messages import SpoolConnectorMetadata
-    from ..worker_side.restore import RestorePipeline
     from .kvio import CopyEngine, CopyHandle
     from .layouts import LayerDecl
 
@@ -66,6 +65,21 @@ class ChunkRestore:
     # Issues the copies (compute stream ordered after them); the buffer is reused once the
     # returned handle is done (None: the copy already finished).
     copy: Callable[[torch.Tensor], CopyHandle | None]
+
+
+class Restorer(Protocol):
+    """What a format's ``Copier`` asks of the restore pipeline (``restore.RestorePipeline``)."""
+
+    def begin(self, req_id: str, items: Sequence[ChunkRestore]) -> None: ...
+
+    def cancel(self, req_ids: Iterable[str]) -> None: ...
+
+    def pump(self, wait_s: float | None = 0.0) -> list[tuple[str, int | None]]: ...
+
+    def take_reason(self, req_id: str) -> str | None: ...
+
+    def run(self, items: Sequence[ChunkRestore], *, req_id: str | None = None
+            ) -> int | None: ...
 
 
 class Planning(ABC):
@@ -115,7 +129,7 @@ class Copier(ABC):
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         # Why each restore reported failed since the last step report failed (a
-        # ``load_errors_total`` reason), for the scheduler (decision 2740).
+        # ``load_errors_total`` reason), for the scheduler.
         self._fail_reasons: dict[str, str] = {}
 
     @abstractmethod
@@ -127,10 +141,10 @@ class Copier(ABC):
         ConfigError for a layout it cannot copy."""
 
     @abstractmethod
-    def restore(self, meta: SpoolConnectorMetadata, pipeline: RestorePipeline | None) -> None:
+    def restore(self, meta: SpoolConnectorMetadata, pipeline: Restorer | None) -> None:
         """Run this step's planned restores (``pipeline`` None: cannot restore: fail them)."""
 
-    def poll(self, pipeline: RestorePipeline | None, finished: set[str], *,
+    def poll(self, pipeline: Restorer | None, finished: set[str], *,
              idle: bool) -> None:
         """A safe point (``get_transfer_results``): copy restored chunks, record the
         restores that ended. ``finished``: requests vLLM finished (stop restoring them);

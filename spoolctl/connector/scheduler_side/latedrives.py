@@ -1,7 +1,7 @@
 """Drives a same-host rank took into its set after its handshake, opened for the scheduler.
 
 A worker on several drives takes a drive that was missing or hung at start into its set
-when the drive answers (decision 2750) and names the rank's drives again in its next step
+when the drive answers and names the rank's drives again in its next step
 output (``SpoolWorkerMeta.drives``). For a rank whose catalogs it reads, the scheduler
 opens the new drive's rank store here: read-only and bounded (``DriveStores.open(create=
 False)``, as ``SchedulerSide._adopt_local`` does at the handshake), on a daemon thread per
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from spoolctl.errors import SpoolError
 from spoolctl.store import Store, TagKey
 
-from ..drivestores import DriveSlot, DriveStores
+from ..drives.opening import DriveSlot, DriveStores
+from ..drives.rankstores import OpenStores
 from ..planning.messages import DriveInfo
-from ..rankstores import OpenStores
 
 log = logging.getLogger("spoolctl.connector")
 

@@ -5,18 +5,18 @@
   cache (connector disabled, bypass flag, a cache_salt too long to name a tenant,
   a LoRA adapter whose files cannot be read, prompt embeddings, multimodal items without a
   persistent content identity). A LoRA request's chain is keyed by its adapter's content
-  digest (decision 2111).
+  digest.
 * ``RankLookup`` answers "which chunks does *every* rank hold" (the quorum, ``topology``):
   ranks whose store is on this host are read in their catalogs at every lookup, the others
   in the inventory they report (``inventory``). A rank withdraws an entry before deleting
   it (``holdings``), so no request is planned against a chunk a rank evicted. A catalog
   read has a deadline (``diskguard``): a store late or taken out counts as holding
   nothing, and the request is a miss (``last_unserved``), never a wait on the disk.
-  A rank on several drives (decision 2714 item 5) holds a key when one of its drives that
+  A rank on several drives holds a key when one of its drives that
   answered does; a drive its worker took into its set later is read from when the
-  scheduler opened it (``add_drive``, decision 2750). Every local store (every drive of
+  scheduler opened it (``add_drive``). Every local store (every drive of
   every same-host rank) is read at once, each within the deadline, so a lookup waits for
-  the slowest store, never for their sum (decision 2770).
+  the slowest store, never for their sum.
 
 No vLLM import: vLLM's request objects are read by attribute.
 """
@@ -151,7 +151,7 @@ class RankLookup:
         """Per local rank, which of ``keys`` one of its stores that answered holds (a late
         or down store holds nothing: ``last_unserved``). Every store's ``live(ids)`` is
         started at once, each within its guard's deadline, so the whole read takes the
-        slowest store's time, not the sum over ranks and drives (decision 2770); one
+        slowest store's time, not the sum over ranks and drives; one
         store alone is read on the caller's thread."""
         reads: list[tuple[int, list[str], Store, DiskGuard]] = []
         for rank, (store, ns) in self._local.items():
@@ -223,7 +223,7 @@ class RankLookup:
 
     def add_drive(self, rank: int, store: Store) -> bool:
         """Read ``rank``'s chunks in ``store`` too from now on (a drive its worker took into
-        its set after the handshake, decision 2750); False when ``rank`` is read from its
+        its set after the handshake); False when ``rank`` is read from its
         reports (which cover the drive already), leaving ``store`` to the caller."""
         if rank not in self._local:
             return False

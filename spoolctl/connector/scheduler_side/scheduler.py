@@ -8,15 +8,14 @@ their handshakes and per-step reports (``adopt_handshakes``, ``apply_output``); 
 whose store is on this host (same boot, same path, same store id) is read in its catalog
 instead, through a store shared with a same-process worker (``rankstores``); on several
 drives every drive's catalog, including a drive the worker took into its set after the
-handshake, opened here off the engine loop when the worker names it (``latedrives``,
-decision 2750).
+handshake, opened here off the engine loop when the worker names it (``latedrives``).
 
 A request whose restore failed (``failed_recving``, or a block reported invalid) is never
 restored again (a deterministic failure would otherwise loop): when vLLM looks it up anew
 it recomputes in full, and its absent chunks are still stored. That lookup is counted a
 miss with the reason the worker reported in the same step (``SpoolWorkerMeta``:
-``disk_slow``, ``io_error``, ``disk_down``, ``corrupt``, ``absent``, ``unknown``; decision
-2740), kept only while the request is in vLLM.
+``disk_slow``, ``io_error``, ``disk_down``, ``corrupt``, ``absent``, ``unknown``), kept
+only while the request is in vLLM.
 
 What concerns the fleet and the host rather than one request (KV events for routers, the
 host disk budget's shares, drops, write admission, keeping an idle engine stepping while
@@ -39,7 +38,8 @@ from ..deployment.host_budget import RankSite
 from ..deployment.topology import all_ranks
 from ..deployment.usage_record import UsageRecorder
 from ..deployment.weights import AdapterDigests, memo_dir_for
-from ..drivestores import DriveStores
+from ..drives.opening import DriveStores
+from ..drives.rankstores import OpenStores
 from ..kv.formats import KVFormat
 from ..planning.messages import (
     DriveInfo,
@@ -48,7 +48,6 @@ from ..planning.messages import (
     SpoolWorkerMeta,
 )
 from ..planning.tenancy import TenantKeys, TenantLabels
-from ..rankstores import OpenStores
 from ..stats import ConnectorCounters
 from ..vllm_api.introspect import Deployment, host_identity, scheduled_requests
 from .coordinator import Coordinator
@@ -90,16 +89,16 @@ class SchedulerSide:
         # with its request (``finished``).
         self._no_restore: dict[str, str] = {}
         self._coord = Coordinator(deployment, self._ranks, counters)
-        # Drives a same-host rank took into its set after its handshake (decision 2750).
+        # Drives a same-host rank took into its set after its handshake.
         self._late = LateDrives(stores, tag_key=settings.tag_key(),
                                 deadline_s=settings.lookup_deadline,
                                 probe_interval_s=settings.probe_interval)
         # Ranks on several drives: rank -> root -> (the drive as its worker named it last,
         # whether it was taken into the set after the handshake); for ``inventory_state``.
         self._drive_infos: dict[int, dict[str, tuple[DriveInfo, bool]]] = {}
-        # LoRA requests are keyed by their adapter's content digest (decision 2111).
+        # LoRA requests are keyed by their adapter's content digest.
         self._adapters = AdapterDigests(memo_dir_for(deployment.settings.weights_memo))
-        # Encryption at rest: each request's cache_salt names its tenant (decision 2801).
+        # Encryption at rest: each request's cache_salt names its tenant.
         self._tenants = TenantKeys.from_environment()
         self._tenant_labels = TenantLabels(settings.tenant_metrics
                                            if self._tenants is not None else 0)
@@ -110,6 +109,20 @@ class SchedulerSide:
         self._usage_final = weakref.finalize(self, self._usage.close, self._usage_counts)
 
     # -- what each rank holds ------------------------------------------------------------------
+
+    @property
+    def deployment(self) -> Deployment:
+        return self._dep
+
+    @property
+    def tenants(self) -> TenantKeys | None:
+        """The tenants' keys from the environment (None: no encryption at rest)."""
+        return self._tenants
+
+    @property
+    def unrestorable(self) -> dict[str, str]:
+        """Requests whose restore failed -> why (a copy; kept while the request is in vLLM)."""
+        return dict(self._no_restore)
 
     def adopt_handshakes(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Every worker's handshake, keyed by (pp_rank, tp_rank): adopt its inventory, and read
@@ -147,7 +160,7 @@ class SchedulerSide:
         ids = [d.store_id for d in hs.drives] or [hs.store_id]
         try:
             # A reader: never changes the max size the rank records (its worker sets it).
-            # Bounded: a disk that hangs now must not hang vLLM's scheduler (decision 2714).
+            # Bounded: a disk that hangs now must not hang vLLM's scheduler.
             drives = DriveStores.open(wanted, self._stores, create=False,
                                       tag_key=settings.tag_key(),
                                       deadline_s=settings.lookup_deadline,
@@ -158,7 +171,7 @@ class SchedulerSide:
             return
         opened = [s.store for s in drives.slots if s.store is not None]
         if len(opened) != len(wanted):
-            drives.close()  # no retries: its reports tell what it holds (2730)
+            drives.close()  # no retries: its reports tell what it holds
             log.warning("spoolctl: rank %d store not open here in time; using its reports",
                         hs.rank)
             return
@@ -259,7 +272,7 @@ class SchedulerSide:
         if req_id in self._no_restore:
             # Its asynchronous restore failed (a bad entry, a slow or failing disk): recompute
             # it in full rather than risk the same failure again; absent chunks are still
-            # stored. Counted with the worker's reason, not as corruption (decision 2740).
+            # stored. Counted with the worker's reason, not as corruption.
             self._planning.lookup(req_id, keys, present, n_prompt, num_computed_tokens,
                                   restore=False)
             self._counters.inc(m.LOOKUPS, result="miss", reason=self._no_restore[req_id])
@@ -275,11 +288,11 @@ class SchedulerSide:
             hit_chunks = -(-(num_computed_tokens + ext) // self._chunk)
             self._ranks.touch(keys[:hit_chunks])
         else:
-            # A store late or out of service on this host (decision 2700) is a miss too.
+            # A store late or out of service on this host is a miss too.
             self._counters.inc(m.LOOKUPS, result="miss",
                                reason="disk_down" if self._ranks.last_unserved else "absent")
         # Both formats restore asynchronously: the request waits for its KV while others
-        # run (decision 1200).
+        # run.
         return ext, self._fmt.load_async and ext > 0
 
     def _count_tenant(self, request: Any, ext: int) -> None:
@@ -346,7 +359,7 @@ class SchedulerSide:
         per drive its ``base``, ``root``, ``drive`` id, ``source`` (``catalog``: read here;
         ``reports``: covered by the rank's reports; ``pending``: its worker has not opened
         it), ``up`` (a drive read here: by this scheduler's own guards; else None) and
-        ``late`` (its worker took it into its set after the handshake, decision 2750)."""
+        ``late`` (its worker took it into its set after the handshake)."""
         state = self._ranks.state()
         for rank, infos in self._drive_infos.items():
             if rank not in state:

@@ -10,7 +10,7 @@ group commit (``rank_commit_many``, ``Store.put_many``), each with its own outco
 chunk that fails to capture is skipped and counted; nothing here can affect a response.
 A restart restores the longest run of a prompt's chunks from its first, so once one chunk
 of a request is not stored, its later chunks would be bytes on disk no restore can reach:
-they are not stored either (``after_gap``, issue 30.12), and what is on disk after a kill
+they are not stored either (``after_gap``), and what is on disk after a kill
 is what a restart can use (the writer commits in the order chunks were staged). A
 chunk's manifest index may carry its vLLM block hashes (hashes only, for the KV events:
 ``events``).
@@ -22,6 +22,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,7 +30,6 @@ import torch
 from spoolctl import metrics as m
 from spoolctl.store import PutRequest, Store, StoreIOError
 
-from ..deployment import drives
 from ..kv.kvio import BufferPool, CopyHandle
 from ..planning.tenancy import commit_tenant
 from ..scheduler_side.lookup import KIND
@@ -51,25 +51,9 @@ GAP_MEMORY = 4096
 
 # Told of each chunk committed: (its key, its bytes) -- the per-tenant byte counter.
 Committed = Callable[[str, int], None]
-# Several drives (decision 2714): a chunk key (and drives to pass over: full ones) ->
-# (the drive it is written to, its home), or None when no drive is up.
+# A chunk key (and drives to pass over: full ones) -> (the drive it is written to, its
+# home), or None when no drive can take it (``DriveSet.route``).
 Route = Callable[..., "tuple[str, str] | None"]
-
-
-def drive_route(ids: Sequence[str], up: Callable[[str], bool]) -> Route:
-    """``route(key)``: decision 2714's rule (``drives.route``, on one ranking): the first
-    drive of the key's ``ranked`` order that is ``up`` (its home while the home is up,
-    else the runner-up), with the home beside it so a failover can be counted; None when
-    every drive is down. ``avoid``: drives passed over although up (full ones).
-    ``up`` is read per chunk (memory only: a ``DiskGuard``'s flag)."""
-    ids = tuple(ids)
-
-    def route(key: str, avoid: Collection[str] = ()) -> tuple[str, str] | None:
-        order = drives.ranked(key, ids)  # ranked once: route's order, home first
-        target = next((d for d in order if up(d) and d not in avoid), None)
-        return None if target is None else (target, order[0])
-
-    return route
 
 
 def _nbytes(objects: Objects) -> int:
@@ -137,10 +121,10 @@ class ChunkStager:
     ``put`` (see ``rank_commit``), or chunks queued together with ``put_many`` if given
     (``rank_commit_many``). ``meta`` is recorded in every chunk's manifest.
 
-    Several drives (``for_drives``, decision 2714): one ``StoreWriter`` per drive (its own
+    Several drives (``for_drives``): one ``StoreWriter`` per drive (its own
     thread, batch, commit functions and ledger, each with ``staging_bytes / n``, so host
     memory stays bounded by ``staging_bytes`` and a hung drive fills only its share);
-    ``stage`` routes each chunk with ``route`` (``drive_route``): a chunk whose home is
+    ``stage`` routes each chunk with ``route`` (``DriveSet.route``): a chunk whose home is
     down, or out of space (``StoreWriter.full``) while another drive is not, goes to its
     runner-up, counted in ``spoolctl_drive_failover_stores_total{drive}``
     (``drive``: the home's base root), and one no drive can take is skipped ``disk_down``."""
@@ -160,12 +144,15 @@ class ChunkStager:
         # one. Pinned when the KV cache is on a CUDA device (device copies are then DMA).
         self._bufs = BufferPool(chunk_bytes, slots=max(1, staging_bytes // chunk_bytes),
                                 pin=pin)
-        if writers is None:  # one store: one writer, no route (today's path)
+        if writers is None:  # one store: a set of one writer, every chunk routed to it
             assert put is not None
             writers = {"": StoreWriter(put, staging_bytes=staging_bytes, counters=counters,
                                        put_many=put_many, ledger=ledger, guard=guard)}
+            route = route or _to_the_one
+        assert route is not None
         self._writers = dict(writers)
-        self._route, self._labels = route, dict(labels or {})
+        self._route: Route = route
+        self._labels = dict(labels or {})
         self._hung_told: dict[str, float] = {}  # drive -> the hung commit already told
         # request -> index of its first chunk not stored (see the module docstring)
         self._gaps: OrderedDict[str, int] = OrderedDict()
@@ -191,10 +178,15 @@ class ChunkStager:
         return cls(None, chunk_bytes=chunk_bytes, staging_bytes=staging_bytes, meta=meta,
                    counters=counters, pin=pin, writers=writers, route=route, labels=labels)
 
+    @property
+    def writers(self) -> dict[str, StoreWriter]:
+        """Each drive's writer (a copy: the set is replaced when a drive joins)."""
+        return dict(self._writers)
+
     def add_drive(self, drive: str, put: Callable[[str, Objects, Mapping[str, Any]], None],
                   put_many: PutMany | None, ledger: Any, route: Route, label: str,
                   guard: Any = None) -> None:
-        """A drive that opened later joins (decision 2750; on the engine thread, before the
+        """A drive that opened later joins (on the engine thread, before the
         next ``stage``): its own writer, with a share of ``staging_bytes`` as the others
         (the one buffer pool still bounds host memory), and ``route``, which includes it."""
         share = max(self._chunk_bytes, self._staging_bytes // (len(self._writers) + 1))
@@ -218,16 +210,14 @@ class ChunkStager:
         if gap is not None and index > gap:
             self._counters.inc(m.STORES_SKIPPED, reason="after_gap")
             return
-        drive, home = "", ""
-        if self._route is not None:
-            # A drive out of space is passed over while others have room (runner-ups).
-            full = [d for d, w in self._writers.items() if w.full]
-            routed = self._route(key, full) if full else None
-            routed = routed or self._route(key)
-            if routed is None:  # every drive down (decision 2720's check, per chunk)
-                self.skip(index, request=request, reason="disk_down")
-                return
-            drive, home = routed
+        # A drive out of space is passed over while others have room (runner-ups).
+        full = [d for d, w in self._writers.items() if w.full]
+        routed = self._route(key, full) if full else None
+        routed = routed or self._route(key)
+        if routed is None:  # every drive down: nothing waits on a disk that hangs
+            self.skip(index, request=request, reason="disk_down")
+            return
+        drive, home = routed
         writer = self._writers[drive]
         why = writer.try_reserve(key, nbytes)
         if why is not None:
@@ -252,10 +242,10 @@ class ChunkStager:
         meta_doc = dict(self._meta, chunk_index=index)
         if index_doc:
             meta_doc[INDEX_KEY] = dict(index_doc)
-        if drive != home:  # its home is down: written to the runner-up (decision 2714)
+        if drive != home:  # its home is down: written to the runner-up
             self._counters.inc(m.DRIVE_FAILOVER_STORES, drive=self._labels.get(home, home))
         writer.submit(PendingStore(
-            key, objects, nbytes, meta_doc, on_done=lambda buf=buf: self._bufs.put(buf),
+            key, objects, nbytes, meta_doc, on_done=partial(self._bufs.put, buf),
             ready=handle.wait))
 
     def skip(self, index: int, *, request: str | None, reason: str) -> None:
@@ -277,13 +267,13 @@ class ChunkStager:
         """The writers whose commit running now is past its bound (``commit_bound``), each
         once per commit: ``(drive, still)`` (drive "" for one store), ``still()`` True
         while that same commit is running. Memory only (the engine thread, every step)."""
-        hung = []
+        hung: list[tuple[str, Callable[[], bool]]] = []
         for drive, writer in self._writers.items():
             since = writer.commit_overdue(read_deadline_s)
             if since is None or self._hung_told.get(drive) == since:
                 continue
             self._hung_told[drive] = since
-            hung.append((drive, lambda w=writer, t=since: w.committing_since() == t))
+            hung.append((drive, partial(_still_committing, writer, since)))
         return hung
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -300,6 +290,16 @@ class ChunkStager:
         if drained:
             self._bufs.close()
         return drained
+
+
+def _to_the_one(key: str, avoid: Collection[str] = ()) -> tuple[str, str]:
+    """The route of a stager over one store: its one writer, full or not."""
+    return "", ""
+
+
+def _still_committing(writer: StoreWriter, since: float) -> bool:
+    """``writer`` is still in the commit that began at ``since``."""
+    return writer.committing_since() == since
 
 
 def _left(deadline: float | None) -> float | None:

@@ -93,7 +93,7 @@ def drain_all(timeout: float | None = None) -> bool:
     return complete
 
 
-# -- vLLM's own shutdown: drain or kill (issue 30.12) ---------------------------------------
+# -- vLLM's own shutdown: drain or kill ---------------------------------------
 
 DRAIN_FLAG = "--shutdown-timeout 30"
 _warned_no_drain = False

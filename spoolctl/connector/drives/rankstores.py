@@ -47,7 +47,7 @@ class OpenStores:
                 continue
             try:
                 # With a master key the store is encrypted: the connector names each
-                # request's tenant (``tenancy``, decision 2801).
+                # request's tenant (``tenancy``).
                 store = Store.open(root, create=create, max_bytes=max_bytes, tag_key=tag_key)
             except BaseException:
                 with self._lock:

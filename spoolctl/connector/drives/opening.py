@@ -1,26 +1,25 @@
 """A rank's stores on one or several drives, opened without ever waiting on a hung disk.
 
 ``DriveStores.open`` opens one rank store per drive root (``<base>/<deployment digest>/
-rank-<NNNN>``, decision 2714). Each drive is opened on a daemon thread, all of them at
-once, and waited for at most ``4 x`` the lookup deadline (the probe's bound, decision
-2700): ``Store.open`` stats the store's directories and hangs on a hung disk (decision
-2720), and a hung disk must not keep the engine from starting. A drive that is late,
+rank-<NNNN>``). Each drive is opened on a daemon thread, all of them at
+once, and waited for at most ``4 x`` the lookup deadline (the probe's bound):
+``Store.open`` stats the store's directories and hangs on a hung disk, and a hung disk
+must not keep the engine from starting. A drive that is late,
 missing (several drives: its base directory does not exist, e.g. not mounted) or
 unreadable (a base this user may not read, write and enter, or on a read-only
 filesystem: the warning names the fix) is ``pending``: one warning line names it, and
 it is tried again every probe interval, one attempt at a time. When it opens,
 ``on_open(slot)`` is called on the opening thread (never the engine's); a late attempt
-that ends after ``close`` releases what it opened. With one root, a configuration
-mistake found in time (a ``ConfigError``: a directory that is not a store, another
-user's root) is raised, as before; with several it is ``refused`` (one error line with
-the fix, not retried: the other drives serve).
+that ends after ``close`` releases what it opened. The set's ``DrivePolicy`` (from the
+number of roots) says what a configuration mistake found in time (a ``ConfigError``: a
+directory that is not a store, another user's root) does: one root raises it; several
+refuse that drive (one error line with the fix, not retried: the other drives serve).
 
-One root is a set of one and takes today's path: no drive marker is written and no drive
-id computed (``drive_id`` stays empty). With several roots each drive is identified
-(``drives.drive_id``: a worker creates the marker, a reader only reads it; a drive
-without one is pending until its worker marked it). Of two roots carrying one drive id (a
-copied marker, a bind mount) the one listed later is not used: one error line naming both
-marker files and the fix.
+One root is a set of one drive ``""``: no drive marker is written. With several roots each
+drive is identified (``placement.drive_id``: a worker creates the marker, a reader only
+reads it; a drive without one is pending until its worker marked it). Of two roots
+carrying one drive id (a copied marker, a bind mount) the one listed later is not used:
+one error line naming both marker files and the fix.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ from typing import Any
 from spoolctl.errors import ConfigError, SpoolError
 from spoolctl.store import MARKER, Store, TagKey
 
-from .deployment import drives
+from . import placement as drives
+from .policy import DrivePolicy
 from .rankstores import OpenStores
 
 log = logging.getLogger("spoolctl.connector")
@@ -75,6 +75,7 @@ class DriveStores:
                  prepare: Callable[[Store], None] | None,
                  on_open: Callable[[DriveSlot], None] | None):
         self.slots = slots
+        self.policy = DrivePolicy.for_roots(len(slots))
         self._stores = stores
         self._create, self._max_bytes, self._tag_key = create, max_bytes, tag_key
         self._bound_s, self._interval_s = bound_s, probe_interval_s
@@ -105,11 +106,11 @@ class DriveStores:
         with found._lock:
             found._started = True
             done = [a for a in attempts if a.future.done()]
-        if not found.several and done and isinstance(done[0].future.exception(), ConfigError):
-            # One root: a configuration mistake (a directory that is not a store, another
-            # user's root) refuses the start as before; only a disk that is late or fails
-            # (OSError, StoreIOError) makes the store pending.
-            raise done[0].future.exception()
+        first_error = done[0].future.exception() if done else None
+        if not found.policy.mistakes_refused and isinstance(first_error, ConfigError):
+            # A configuration mistake (a directory that is not a store, another user's
+            # root) refuses the start; only a late or failing disk makes the store pending.
+            raise first_error
         for attempt in done:  # in configured order: of two equal drive ids, the first wins
             found._settle(attempt, late=False)
         with found._lock:
@@ -121,10 +122,6 @@ class DriveStores:
         return found
 
     # -- what is open --------------------------------------------------------------------------
-
-    @property
-    def several(self) -> bool:
-        return len(self.slots) > 1
 
     def opened(self) -> list[DriveSlot]:
         """The open drives, in configured order."""
@@ -171,12 +168,11 @@ class DriveStores:
 
     def _open_one(self, slot: DriveSlot) -> tuple[str, Store]:
         """On the attempt's thread: identify the drive and open its rank store."""
-        several = self.several
         if os.path.lexists(os.path.join(slot.base, MARKER)):
             raise _Refused(f"{slot.base} is a single store (it holds {MARKER}), not a base "
                            "directory; set the connector's root to a directory of its own")
         drive = ""
-        if several:
+        if self.policy.identify:
             if not os.path.isdir(slot.base):
                 if os.path.lexists(slot.base):  # a file: no mount makes it a directory
                     raise _Refused(f"{slot.base} is not a directory; list a drive's "
@@ -231,7 +227,7 @@ class DriveStores:
             elif isinstance(error, _Refused):
                 slot.state, slot.why = REFUSED, str(error)
                 log.error("spoolctl: drive root not used: %s", error)
-            elif isinstance(error, ConfigError) and self.several:
+            elif isinstance(error, ConfigError) and self.policy.mistakes_refused:
                 # A mistake, not a disk (a root through a symlink, e.g. a drive listed twice,
                 # a damaged marker): retrying cannot mend it, and the other drives serve.
                 slot.state, slot.why = REFUSED, str(error)
