@@ -863,7 +863,7 @@ def test_a_drive_whose_store_io_hangs_stops_only_its_own_keeper(tmp_path: Path) 
     held, release = threading.Event(), threading.Event()
 
     def stuck_writer() -> None:
-        with d.stores[hung].catalog._lock:
+        with d.stores[hung].catalog.held():
             held.set()
             release.wait()
 
@@ -927,7 +927,7 @@ def test_a_drive_hung_at_start_does_not_hold_the_start_its_chunks_count_once_it_
     held, release = threading.Event(), threading.Event()
 
     def stuck_writer() -> None:
-        with d.stores[d.ids[0]].catalog._lock:
+        with d.stores[d.ids[0]].catalog.held():
             held.set()
             release.wait()
 

@@ -12,22 +12,42 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from ..drives.driveset import Drive
+from ..drives.driveset import Drive, DriveSet
 from ..drives.opening import DriveSlot
 
 if TYPE_CHECKING:
+    from ..kv.formats import Copier
+    from ..kv.kvio import CopyEngine
+    from ..stats import ConnectorCounters
+    from ..vllm_api.introspect import Deployment
     from .rankparts import RankBuilder, RankParts
-    from .worker import WorkerSide
 
 log = logging.getLogger("spoolctl.connector")
+
+
+class LateOpeningHost(Protocol):
+    """What late opening reads of its worker (``WorkerSide``)."""
+
+    @property
+    def deployment(self) -> Deployment: ...
+    @property
+    def copier(self) -> Copier: ...
+    @property
+    def counters(self) -> ConnectorCounters: ...
+    @property
+    def drives(self) -> DriveSet: ...
+    @property
+    def enabled(self) -> bool: ...
+    def engine(self) -> CopyEngine | None: ...
+    def lost(self, key: str, drive: str | None = None) -> None: ...
 
 
 class LateOpening:
     """The late-opening state of one ``WorkerSide`` (see the module docstring)."""
 
-    def __init__(self, worker: WorkerSide) -> None:
+    def __init__(self, worker: LateOpeningHost) -> None:
         self._worker = worker
         self._lock = threading.Lock()
         self.bound = False  # the copier is bound: parts can be built
@@ -44,7 +64,7 @@ class LateOpening:
 
         if self._builder is None:
             w = self._worker
-            self._builder = RankBuilder(w._dep, w.copier, w.counters, w.drives,
+            self._builder = RankBuilder(w.deployment, w.copier, w.counters, w.drives,
                                         engine=w.engine, on_lost=w.lost)
         return self._builder
 
