@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import io
 import os
 import re
 import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
@@ -509,13 +510,14 @@ def import_cmd(
 
 
 @contextlib.contextmanager
-def _archive_source(source: str) -> Iterator[BinaryIO]:
+def _archive_source(source: str) -> Iterator[io.BufferedIOBase]:
     if source == "-":
         if sys.stdin.isatty():
             raise ConfigError("stdin is a terminal, not an archive",
                               fix="pipe an archive in (spoolctl export ... | spoolctl import -)"
                                   " or pass a file")
-        stdin = sys.stdin.buffer
+        # a BufferedReader at run time (typeshed types it as BinaryIO, without readinto)
+        stdin = cast(io.BufferedIOBase, sys.stdin.buffer)
         # Empty stdin (the exporting side failed, or nothing was piped): say that, once,
         # instead of "nothing to import" and "not a spoolctl archive" together.
         if hasattr(stdin, "peek") and not stdin.peek(1):
@@ -526,7 +528,7 @@ def _archive_source(source: str) -> Iterator[BinaryIO]:
         return
     path = Path(source).expanduser()
     try:
-        f = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed below
+        f = io.BufferedReader(io.FileIO(path, "r"), buffer_size=1 << 20)  # closed below
     except FileNotFoundError:
         raise ConfigError("archive not found", path=path, fix="check the path") from None
     except OSError as exc:

@@ -16,7 +16,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
 
@@ -181,8 +181,14 @@ def _check_signature(doc: Any, public: Ed25519PublicKey, where: str | Path) -> s
     return digest
 
 
+class Readable(Protocol):
+    """A binary stream read in chunks."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
 @contextlib.contextmanager
-def verified_stream_copy(stream: IO[bytes], public: Ed25519PublicKey) -> Iterator[Path]:
+def verified_stream_copy(stream: Readable, public: Ed25519PublicKey) -> Iterator[Path]:
     """A private copy of the signed stream ``stream``, without its trailer, whose signature
     verifies under ``public``; ArchiveError (nothing imported) for an unsigned or cut-short
     stream, a malformed, forged or foreign signature, or bytes changed after signing. The
