@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from spoolctl.controllers import CachePrepareParams, Element
 from spoolctl.controllers.local.vlm_prompt import render_vlm
-from spoolctl.controllers.mlx_vlm import MlxVlmBackend, MlxVlmCacheController, VlmSnapshot
+from spoolctl.controllers.mlx.vlm import MlxVlmBackend, MlxVlmCacheController, VlmSnapshot
 
 SENTENCES = ["The spool store keeps prompt caches on local disk with integrity.",
              "A manifest describes every entry; objects are named by their digest."]

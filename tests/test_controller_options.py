@@ -25,7 +25,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "controllers.md"
 HEADING = "## What each controller takes and stores"
 MODULES = {"PyTorchCacheController": "spoolctl.controllers.pytorch",
            "MlxCacheController": "spoolctl.controllers.mlx",
-           "MlxVlmCacheController": "spoolctl.controllers.mlx_vlm",
+           "MlxVlmCacheController": "spoolctl.controllers.mlx.vlm",
            "GoogleGenAICacheController": "spoolctl.controllers.genai.controller"}
 
 

@@ -104,7 +104,7 @@ def framework_generate(backend, ids: list[int], *, cache=None, start: int = 0, *
     for token, _ in generate_step(mx.array(ids[start:]), backend.model, max_tokens=NEW,
                                   prompt_cache=cache, **kw, **sampling):
         tokens.append(int(token))
-        if int(token) in backend._eos:
+        if int(token) in set(backend.tokenizer.eos_token_ids):
             break
     return tokens
 

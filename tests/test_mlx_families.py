@@ -34,8 +34,7 @@ from family_prompts import (
 )
 
 from spoolctl.controllers import CachePrepareParams
-from spoolctl.controllers.local.mlx_format import CacheFormatError
-from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+from spoolctl.controllers.mlx import CacheFormatError, MlxBackend, MlxCacheController
 from spoolctl.store import Store
 
 #: Default run: one family per behaviour (sliding for restores, sliding + ssm for reuse

@@ -24,7 +24,7 @@ from PIL import Image
 
 from spoolctl.controllers import CachePrepareParams, Element
 from spoolctl.controllers.local.vlm_prompt import render_vlm
-from spoolctl.controllers.mlx_vlm import (
+from spoolctl.controllers.mlx.vlm import (
     FORMAT,
     OBJECT_NAME,
     MlxVlmBackend,
@@ -87,7 +87,7 @@ def cold_tokens(backend: MlxVlmBackend, p: CachePrepareParams) -> list[int]:
 WRITER = """
 import json, sys
 from spoolctl.controllers import CachePrepareParams
-from spoolctl.controllers.mlx_vlm import MlxVlmCacheController
+from spoolctl.controllers.mlx.vlm import MlxVlmCacheController
 model, root, specs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 with MlxVlmCacheController(model, root) as ctl:
     out = []
