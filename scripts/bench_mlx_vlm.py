@@ -112,7 +112,7 @@ def main() -> None:
         work = Path(tmp)
         model = args.model
         if model is None:
-            from spoolctl.tinyvlm import build_tiny_vlm
+            from spoolctl.demo.tinyvlm import build_tiny_vlm
 
             model = build_tiny_vlm(work / "tiny-qwen2-vl")
         from PIL import Image

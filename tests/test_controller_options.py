@@ -149,9 +149,9 @@ def test_mlx_refuses_falcon_h1_naming_the_controller_that_runs_it(tmp_path):
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
     from spoolctl.controllers.mlx import MlxCacheController
-    from spoolctl.tinymodel import _train_tokenizer
+    from spoolctl.demo.tinymodel import train_tokenizer
 
-    tok = _train_tokenizer(512)
+    tok = train_tokenizer(512)
     torch.manual_seed(0)
     config = FalconH1Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -42,7 +42,7 @@ SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from spoolctl.tinyvlm import build_tiny_vlm
+    from spoolctl.demo.tinyvlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl")
 

@@ -1,7 +1,7 @@
 """PyTorchCacheController on the cache families beyond full attention (issue #31).
 
 One tiny model per family, built from transformers' own config classes
-(``spoolctl.tinyfamilies``): Gemma 3 (sliding window + global layers), Jamba (Mamba +
+(``spoolctl.demo.tinyfamilies``): Gemma 3 (sliding window + global layers), Jamba (Mamba +
 attention), Mamba (recurrent state only). Real model code, real store, real files.
 """
 
@@ -39,7 +39,7 @@ BY_FAMILY = [pytest.param(f, marks=() if f == "sliding" else pytest.mark.extende
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory) -> dict[str, PyTorchBackend]:
-    from spoolctl.tinyfamilies import build_family_model
+    from spoolctl.demo.tinyfamilies import build_family_model
 
     root = tmp_path_factory.mktemp("families")
     return {f: PyTorchBackend(build_family_model(root / f, f), model_id=f) for f in FAMILIES}
@@ -155,7 +155,7 @@ def test_a_mamba_of_other_state_shapes_at_the_same_path_runs_cold(backends, tmp_
     manifest that claims the new layout (the per-tensor state-shape check)."""
     import shutil
 
-    from spoolctl.tinyfamilies import build_family_model
+    from spoolctl.demo.tinyfamilies import build_family_model
 
     path = tmp_path / "mamba"
     shutil.copytree(backends["ssm"].model_path, path)
