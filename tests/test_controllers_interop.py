@@ -455,7 +455,7 @@ out = {"version": transformers.__version__}
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with PyTorchCacheController(model, root) as ctl:
-        out["arg"] = ctl.backend._cache_arg
+        out["arg"] = ctl.backend.cache_arg
         out["cold"] = ctl.generate(p, "Q?", 8).tokens
     with PyTorchCacheController(model, root) as ctl:
         r = ctl.generate(p, "Q?", 8)

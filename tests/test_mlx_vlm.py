@@ -202,7 +202,7 @@ def test_entry_recorded_for_another_image_is_rejected(backend, vlm_dir, images,
     blue_p = image_params(str(vlm_dir), images["blue"])
     with MlxVlmCacheController(backend, root) as ctl:
         m = ctl.store.manifest(ctl.prepare(red_p).ref)
-        blue_plan = ctl._plan(blue_p)
+        blue_plan = ctl.format.plan(blue_p)
         objects = {k: bytes(v) for k, v in ctl.store.read_all(m).items()}
         forged = ctl.store.put(kind="mlx", namespace=blue_plan.namespace, key=blue_plan.key,
                                objects=objects, meta=dict(m.meta), index=dict(m.index))
@@ -236,8 +236,6 @@ def test_text_ref_is_refused_for_an_image_query(backend, vlm_dir, images, tmp_pa
 
 
 def test_vlm_entries_are_not_plain_mlx_lm_entries(backend, vlm_dir, tmp_path) -> None:
-    from types import SimpleNamespace
-
     from spoolctl.controllers.local.engine import FORMAT as PLAIN_FORMAT
 
     with MlxVlmCacheController(backend, tmp_path / "store") as ctl:
@@ -245,7 +243,7 @@ def test_vlm_entries_are_not_plain_mlx_lm_entries(backend, vlm_dir, tmp_path) ->
         meta = dict(ctl.store.manifest(h.ref).meta)
         assert meta["format"] != PLAIN_FORMAT
         with pytest.raises(ValueError, match="not an mlx-vlm entry"):
-            ctl._prefix_of(SimpleNamespace(meta={**meta, "format": PLAIN_FORMAT}))
+            ctl.format.check({**meta, "format": PLAIN_FORMAT}, None)
 
 
 def test_prefill_cli_with_an_image(vlm_dir, images, tmp_path) -> None:

@@ -181,5 +181,5 @@ def test_a_mamba_of_other_state_shapes_at_the_same_path_runs_cold(backends, tmp_
         new.deserialize(objects, m.meta["layout"], h.cached_tokens)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"stored tensor c0_0 \(1, 256, 4\)") as err:
-        new.deserialize(objects, new._layout(), h.cached_tokens)
+        new.deserialize(objects, new.layout(), h.cached_tokens)
     assert "\n" not in str(err.value)

@@ -1,7 +1,7 @@
 """Decoding settings of a local ``generate`` call: sampling, a streamer, framework kwargs.
 
 Pure data and validation (no framework imports). The backends map a ``Decoding`` to
-their framework (decision 1703):
+their framework:
 
 * PyTorch: ``model.generate(generation_config=..., streamer=..., **extra)`` -- the model's
   own ``generation_config`` (its ``do_sample``, temperature, top-p / top-k, repetition
@@ -17,7 +17,7 @@ A setting left out (None) is the framework's default for the model (``over``), s
 with no settings decodes as the framework's own generate with no arguments would;
 ``temperature == 0`` is greedy decoding; ``seed`` seeds a random generator
 of the call's own (a ``torch.Generator`` / an ``mx.random.key``), never the framework's
-global one, so concurrent seeded calls give what serial ones give (decision 2103).
+global one, so concurrent seeded calls give what serial ones give.
 ``extra`` is handed to the framework's own generate call verbatim (e.g.
 ``repetition_penalty`` for transformers, ``logits_processors`` for mlx-lm); the
 arguments spoolctl sets itself (prompt, cache, length, sampling, streamer) are refused
