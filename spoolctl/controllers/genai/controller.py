@@ -102,7 +102,8 @@ class GoogleGenAICacheController:
         self.verify_store_hits = verify_store_hits
         self.clock = clock
         self._owns_store = not isinstance(store, Store)
-        self.store = Store.open(os.fspath(store), create=True) if self._owns_store else store
+        self.store: Store = store if isinstance(store, Store) else \
+            Store.open(os.fspath(store), create=True)
         try:
             self._tenant = GenaiTenant(self.store, tenant)
         except SpoolError:
@@ -136,12 +137,9 @@ class GoogleGenAICacheController:
     # -- prepare -----------------------------------------------------------------------------
 
     def prepare(self, params: CachePrepareParams) -> CacheHandle:
-        """The handle of a live cache for ``params`` (created if needed, unless read_only).
-
-        Returns the empty handle when nothing can be cached (see ``cache_request``).
-        Raises a SpoolError (one line) when the server refuses or fails the create.
-        Concurrent identical prepares share one create (``flight.py``).
-        """
+        """The handle of a live cache for ``params`` (created if needed, unless read_only);
+        the empty handle when nothing can be cached. SpoolError (one line) when the server
+        refuses or fails the create."""
         request = cache_request(_hosted(params))
         if request is None:
             return CacheHandle.empty()

@@ -116,6 +116,7 @@ class EntryBuilder:
                      "in the chat template): a miss, prefilling it again")
         based = self._ctx.entries.from_base(plan, rows) if rows else None
         base_where, extends = "", False
+        base_id: str | None = None
         if based is not None:
             cache, keep, base_id, base_where, extends = based
             suffix = list(plan.prefix.tokens[keep:])

@@ -403,17 +403,17 @@ class LocalCacheController:
         """Hint that an entry (a handle, or its ``ref``) is no longer needed: out of reuse
         at once (memory and store); its bytes are deleted by ``close()`` or store
         maintenance. Releasing an empty handle does nothing."""
-        ref = ref_of(ref)
-        if ref is None:
+        entry_id = ref_of(ref)
+        if entry_id is None:
             return
-        validate_entry_id(ref)
+        validate_entry_id(entry_id)
         self._check_writable("release entries")
         with self._lock:
             # Params stay known so generate(handle) still works (cold) after a release.
-            self._memory.pop(ref, None)
-            self._released.add(ref)
+            self._memory.pop(entry_id, None)
+            self._released.add(entry_id)
         try:
-            self._store.release(ref)
+            self._store.release(entry_id)
         except SpoolError as exc:
             if isinstance(exc, ConfigError):
                 raise

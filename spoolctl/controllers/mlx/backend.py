@@ -98,10 +98,10 @@ class MlxBackend:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         self.quantized_kv_start = quantized_kv_start
-        self.mx = mx
-        self.cache_mod = mlx_cache
+        self.mx: Any = mx
+        self.cache_mod: Any = mlx_cache
         self.mlx_lm_version = str(mlx_lm.__version__)
-        self.mlx_version = str(mx.__version__)
+        self.mlx_version = str(mx.__version__)  # type: ignore[attr-defined]  # no stub
         self.format = cache_format(self.mlx_lm_version)
         self.prefill_step = prefill_step
         self.model_name = os.fspath(model)
@@ -112,11 +112,12 @@ class MlxBackend:
         self.model_id = model_id or (str(self.model_dir) if is_dir else self.model_name)
         if adapter_path is not None and not (Path(adapter_path) / "adapter_config.json").is_file():
             raise ConfigError("not an mlx-lm adapter directory (no adapter_config.json)",
-                              path=adapter_path,
+                              path=os.fspath(adapter_path),
                               fix="pass a directory written by mlx_lm.lora (adapter_config.json "
                                   "and adapters.safetensors)")
         try:
-            self.model, self.tokenizer = mlx_lm.load(
+            # a pair without return_config (the stub types the triple too)
+            self.model, self.tokenizer = mlx_lm.load(  # type: ignore[misc]
                 str(self.model_dir),
                 adapter_path=os.fspath(adapter_path) if adapter_path is not None else None)
         except Exception as exc:  # mlx-lm raises whatever its model code hits (TypeError...)
@@ -382,7 +383,7 @@ class MlxBackend:
         """A new cache: ``cache`` (not modified) extended by ``tokens``."""
         mx = self.mx
         with self.lock:
-            out = self.copy_cache(cache) if cache is not None else self.new_cache()
+            out: Any = self.copy_cache(cache) if cache is not None else self.new_cache()
             start = 0
             while start < len(tokens):
                 end = min(start + self.prefill_step, len(tokens))
@@ -414,7 +415,8 @@ class MlxBackend:
 
     # -- the parts in modules of their own, each a function of the backend ------------------
 
-    def serialize(self, cache: Sequence[Any], token_count: int) -> tuple[dict[str, bytes], dict]:
+    def serialize(self, cache: Sequence[Any], token_count: int
+                  ) -> tuple[dict[str, bytes | memoryview], dict]:
         """mlx-lm prompt-cache bytes of the first ``token_count`` tokens, plus layout meta
         (``codec``)."""
         return codec.serialize(self, cache, token_count)
@@ -441,10 +443,11 @@ class MlxBackend:
         (``import_check.check_import``)."""
         import_check.check_import(self, cache, tokens, full=full)
 
-    def save_file(self, cache: Sequence[Any], tokens: Sequence[int], path: str | Path) -> None:
+    def save_file(self, cache: Sequence[Any], tokens: Sequence[int],
+                  path: str | os.PathLike[str]) -> None:
         """Write ``cache`` as an mlx-lm ``save_prompt_cache`` file (with the token ids)."""
         files.save_file(self, cache, tokens, path)
 
-    def load_file(self, path: str | Path) -> tuple[list[Any], list[int] | None]:
+    def load_file(self, path: str | os.PathLike[str]) -> tuple[list[Any], list[int] | None]:
         """An mlx-lm prompt-cache file: (cache, token ids if the file records them)."""
         return files.load_file(self, path)

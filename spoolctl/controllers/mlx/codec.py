@@ -33,7 +33,7 @@ _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def serialize(backend: MlxRuntime, cache: Sequence[Any], token_count: int
-              ) -> tuple[dict[str, bytes], dict]:
+              ) -> tuple[dict[str, bytes | memoryview], dict]:
     """mlx-lm prompt-cache bytes of the first ``token_count`` tokens, plus layout meta."""
     if backend.size(cache) < token_count or token_count < 1:
         raise ValueError(f"cannot store {token_count} tokens of a "
@@ -63,7 +63,7 @@ def serialize(backend: MlxRuntime, cache: Sequence[Any], token_count: int
 
 def _layers_layout(backend: MlxRuntime, token_count: int) -> dict[str, Any]:
     classes, layers = backend.expected_layout(token_count)
-    out = {"format": backend.format, "mlx_lm_version": backend.mlx_lm_version,
+    out: dict[str, Any] = {"format": backend.format, "mlx_lm_version": backend.mlx_lm_version,
            "mlx_version": backend.mlx_version, "object": OBJECT_NAME,
            "classes": classes, "cache_layers": layers, "dtype": backend.dtype,
            "layers": backend.num_layers, "token_count": token_count}

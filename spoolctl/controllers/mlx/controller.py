@@ -81,5 +81,6 @@ class MlxCacheController(LocalCacheController):
         cache, tokens = self.mlx.load_file(path)
         if tokens is not None and tokens != self.prefix_tokens(params):
             raise ConfigError("the file caches other tokens than these params' prefix",
-                              path=path, fix="export and import with the same params and model")
+                              path=os.fspath(path),
+                              fix="export and import with the same params and model")
         return self.import_cache(params, cache, check=check)

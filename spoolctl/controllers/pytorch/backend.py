@@ -67,7 +67,7 @@ class PyTorchBackend:
                               fix=f"use one of: {', '.join(DTYPES)}")
         torch, transformers = self._bind_frameworks(prefill_chunk)
         self.path: Path | None = path.resolve()
-        self.model_path = self.path
+        self.model_path: Path | None = self.path
         self.model_id = model_id or str(path.resolve())
         self.prefill_chunk = prefill_chunk
         self.device = usable_device(torch, device)
@@ -150,8 +150,8 @@ class PyTorchBackend:
         except ImportError as exc:
             raise ConfigError(f"the PyTorch backend needs torch and transformers ({exc})",
                               fix="pip install 'spoolctl[torch]'") from None
-        self.torch = torch
-        self.safetensors = safetensors.torch
+        self.torch: Any = torch
+        self.safetensors: Any = safetensors.torch
         self._DynamicCache = transformers.DynamicCache
         self._v5 = int(transformers.__version__.split(".")[0]) >= 5
         return torch, transformers
@@ -377,7 +377,8 @@ class PyTorchBackend:
         """The layout meta every entry of this model records (``codec``)."""
         return codec.layout_of(self)
 
-    def serialize(self, cache: Any, token_count: int) -> tuple[dict[str, bytes], dict]:
+    def serialize(self, cache: Any, token_count: int
+                  ) -> tuple[dict[str, bytes | memoryview], dict]:
         return codec.serialize(self, cache, token_count)
 
     def deserialize(self, objects: dict[str, memoryview], layout: dict, token_count: int) -> Any:

@@ -31,7 +31,7 @@ def layout_of(backend: TorchRuntime) -> dict[str, Any]:
 
 
 def serialize(backend: TorchRuntime, cache: Any, token_count: int
-              ) -> tuple[dict[str, bytes], dict]:
+              ) -> tuple[dict[str, bytes | memoryview], dict]:
     if backend.layers is not None:
         if backend.length(cache) != token_count:
             raise ValueError(f"cache holds {backend.length(cache)} tokens, not {token_count}")

@@ -27,11 +27,8 @@ def quiet_frameworks() -> None:
 
 
 def model_digest(model_dir: Path) -> str:
-    """Digest of every file that defines the model (config, tokenizer, weights).
-
-    Hashing the weights costs about a second per 3 GB once per process; it makes a
-    retrained model at the same path a different namespace, so its caches are never
-    mixed up (pass ``trusted_revision=`` to vouch for the files instead).
+    """Digest of every file that defines the model (config, tokenizer, weights): a retrained
+    model at the same path is another namespace. ConfigError when there are no model files.
     """
     h = Hasher()
     files = sorted(p for p in model_dir.rglob("*")

@@ -110,7 +110,7 @@ def _seeded_sampler(backend: TorchRuntime, decoding: Decoding) -> Any:
     import transformers
 
     torch = backend.torch
-    warpers = [transformers.TemperatureLogitsWarper(float(decoding.temperature))]
+    warpers: list[Any] = [transformers.TemperatureLogitsWarper(float(decoding.temperature))]
     if decoding.top_k:
         warpers.append(transformers.TopKLogitsWarper(decoding.top_k))
     if decoding.top_p < 1:
