@@ -85,14 +85,14 @@ def reference_greedy(backend, cache, cached: int, ids: list[int], new: int) -> l
     import torch
 
     work = backend.clone(cache)
-    logits = backend._forward(work, ids[cached:])
+    logits = backend.forward(work, ids[cached:])
     out: list[int] = []
     while True:
         token = int(torch.argmax(logits).item())
         out.append(token)
         if token in backend.eos_ids or len(out) >= new:
             return out
-        logits = backend._forward(work, [token])
+        logits = backend.forward(work, [token])
 
 
 def render_section(work: Path, tokens: int, repeat: int) -> dict:

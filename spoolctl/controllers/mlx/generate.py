@@ -14,7 +14,7 @@ from typing import Any
 
 from spoolctl.errors import ConfigError
 
-from ..local.decoding import DEFAULT, Decoding
+from ..local.decoding import DEFAULT, Decoding, Sampling
 from .runtime import MlxRuntime
 
 
@@ -56,12 +56,13 @@ def generate(backend: MlxRuntime, cache: Sequence[Any] | None, cached_tokens: in
         start = len(prompt_tokens) - 1
         kwargs.update(kv_bits=backend.kv_bits, kv_group_size=backend.kv_group_size,
                       quantized_kv_start=backend.quantized_kv_start)
-    if not decoding.greedy and decoding.seed is not None:
-        kwargs["sampler"] = _seeded_sampler(backend, decoding)
-    elif not decoding.greedy:
-        kwargs["sampler"] = make_sampler(temp=float(decoding.temperature),
-                                         top_p=float(decoding.top_p) if decoding.top_p < 1
-                                         else 0.0, top_k=decoding.top_k)
+    if not decoding.greedy:
+        sampling = decoding.sampling()
+        kwargs["sampler"] = _seeded_sampler(backend, sampling, sampling.seed) \
+            if sampling.seed is not None else \
+            make_sampler(temp=sampling.temperature,
+                         top_p=sampling.top_p if sampling.top_p < 1 else 0.0,
+                         top_k=sampling.top_k)
     streamer = decoding.streamer
     out: list[int] = []
     with backend.lock:
@@ -91,23 +92,23 @@ def generate(backend: MlxRuntime, cache: Sequence[Any] | None, cached_tokens: in
     return out
 
 
-def _seeded_sampler(backend: MlxRuntime, decoding: Decoding) -> Any:
+def _seeded_sampler(backend: MlxRuntime, sampling: Sampling, seed: int) -> Any:
     """``make_sampler``'s top-p / top-k filters and categorical draw, from a random key
     of this call's own (``mx.random.seed`` would reseed the process-wide generator
     other threads and models draw from)."""
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
     mx = backend.mx
-    key = mx.random.key(int(decoding.seed))
-    inv_temp = 1.0 / float(decoding.temperature)
+    key = mx.random.key(seed)
+    inv_temp = 1.0 / sampling.temperature
 
     def sampler(logprobs: Any) -> Any:
         nonlocal key
         key, draw = mx.random.split(key)
-        if decoding.top_p < 1:
-            logprobs = apply_top_p(logprobs, float(decoding.top_p))
-        if decoding.top_k > 0:
-            logprobs = apply_top_k(logprobs, decoding.top_k)
+        if sampling.top_p < 1:
+            logprobs = apply_top_p(logprobs, sampling.top_p)
+        if sampling.top_k > 0:
+            logprobs = apply_top_k(logprobs, sampling.top_k)
         return mx.random.categorical(logprobs * inv_temp, key=draw)
 
     return sampler

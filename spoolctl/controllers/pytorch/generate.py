@@ -11,7 +11,7 @@ from typing import Any
 
 from spoolctl.errors import ConfigError
 
-from ..local.decoding import DEFAULT, Decoding
+from ..local.decoding import DEFAULT, Decoding, Sampling
 from .runtime import TorchRuntime
 
 
@@ -80,11 +80,12 @@ def generate(backend: TorchRuntime, cache: Any | None, cached_tokens: int, promp
     shown = prompt_tokens[-1:] if recurrent else prompt_tokens
     ids = torch.tensor([list(shown)], dtype=torch.long, device=backend.device)
     kwargs = {backend.cache_arg: work, **decoding.extra}
-    seeded = decoding.seed is not None and not decoding.greedy
-    if seeded:
+    seed = None if decoding.greedy else decoding.seed
+    seeded = seed is not None
+    if seed is not None:
         # A generator of this call's own: torch's global one is shared by every thread
         # (two seed=0 calls at once would interleave their draws).
-        sampler = _seeded_sampler(backend, decoding)
+        sampler = _seeded_sampler(backend, decoding.sampling(), seed)
         kwargs["logits_processor"] = [*(kwargs.get("logits_processor") or []), sampler]
     try:
         with torch.no_grad():
@@ -103,23 +104,23 @@ def generate(backend: TorchRuntime, cache: Any | None, cached_tokens: int, promp
     return out[0, len(shown):].tolist()
 
 
-def _seeded_sampler(backend: TorchRuntime, decoding: Decoding) -> Any:
+def _seeded_sampler(backend: TorchRuntime, sampling: Sampling, seed: int) -> Any:
     """A logits processor that samples like transformers (temperature, top-k, top-p
     warpers, then a multinomial draw) from a generator seeded for this call only, and
     leaves only the drawn token possible, so the (greedy) search picks it."""
     import transformers
 
     torch = backend.torch
-    warpers: list[Any] = [transformers.TemperatureLogitsWarper(float(decoding.temperature))]
-    if decoding.top_k:
-        warpers.append(transformers.TopKLogitsWarper(decoding.top_k))
-    if decoding.top_p < 1:
-        warpers.append(transformers.TopPLogitsWarper(decoding.top_p))
+    warpers: list[Any] = [transformers.TemperatureLogitsWarper(sampling.temperature)]
+    if sampling.top_k:
+        warpers.append(transformers.TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1:
+        warpers.append(transformers.TopPLogitsWarper(sampling.top_p))
     generator = torch.Generator(device=backend.device)
-    generator.manual_seed(int(decoding.seed))
+    generator.manual_seed(seed)
 
     class SeededSampler(transformers.LogitsProcessor):
-        def __call__(backend: TorchRuntime, input_ids: Any, scores: Any) -> Any:
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
             for warp in warpers:
                 scores = warp(input_ids, scores)
             probs = torch.softmax(scores.float(), dim=-1)
