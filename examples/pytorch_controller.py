@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from spoolctl.tinymodel import build_tiny_model
+            from spoolctl.demo.tinymodel import build_tiny_model
 
             model = str(build_tiny_model(Path(tmp) / "model", "tiny"))
         root = args.root or str(Path(tmp).resolve() / "store")

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model, cpu_test = args.model, False
     if model is None:
-        from spoolctl.tinymodel import build_tiny_model
+        from spoolctl.demo.tinymodel import build_tiny_model
 
         tiny = args.tiny_dir or args.root.rstrip("/") + "-model"
         model, cpu_test = str(build_tiny_model(tiny, "tiny")), True

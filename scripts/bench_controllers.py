@@ -13,7 +13,7 @@ On the locally generated "small" Llama (a 4K-token prefill takes seconds on a CP
   the cache, decision 1703) vs the hand-written greedy loop spoolctl used before, on the
   same cache; the tokens must be equal.
 * ``--families`` (a run of its own): for one tiny model per cache family
-  (``spoolctl.tinyfamilies``: Gemma 3 sliding window, Jamba attention + Mamba, Mamba), cold
+  (``spoolctl.demo.tinyfamilies``: Gemma 3 sliding window, Jamba attention + Mamba, Mamba), cold
   ``prepare`` vs a disk hit in a new process at ``--tokens`` (decisions 2600, 2601), on
   PyTorch and, where mlx-lm is installed, on MLX: the same three models plus the tiny Llama
   with mlx-lm's quantized KV cache (``kv_bits=4``, group 32, from the first token; decision
@@ -85,21 +85,21 @@ def reference_greedy(backend, cache, cached: int, ids: list[int], new: int) -> l
     import torch
 
     work = backend.clone(cache)
-    logits = backend._forward(work, ids[cached:])
+    logits = backend.forward(work, ids[cached:])
     out: list[int] = []
     while True:
         token = int(torch.argmax(logits).item())
         out.append(token)
         if token in backend.eos_ids or len(out) >= new:
             return out
-        logits = backend._forward(work, [token])
+        logits = backend.forward(work, [token])
 
 
 def render_section(work: Path, tokens: int, repeat: int) -> dict:
     """Chat-template rendering vs plain, and a memory-hit prepare, on the tiny chat model."""
     from spoolctl.controllers import CachePrepareParams, LocalCacheController
     from spoolctl.controllers.pytorch import PyTorchBackend
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     backend = PyTorchBackend(build_tiny_model(work / "chat-model", "tiny-chat"))
     params = build_params(backend, tokens)
@@ -149,7 +149,7 @@ def cold_vs_disk_hit(controller: Any, backend: Any, params: Any, model_dir: Path
 def families_section(work: Path, tokens: int, repeat: int) -> dict:
     """Cold prepare vs disk hit in a new process, per cache family, same prompt size."""
     from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
-    from spoolctl.tinyfamilies import FAMILIES, build_family_model
+    from spoolctl.demo.tinyfamilies import FAMILIES, build_family_model
 
     out = {}
     for family in FAMILIES:
@@ -178,8 +178,8 @@ def mlx_families_section(work: Path, tokens: int, repeat: int) -> dict:
         import mlx.core  # noqa: F401
     except (ImportError, OSError) as exc:
         return {"skipped": f"mlx is not usable here ({exc})"}
-    from spoolctl.tinyfamilies import build_family_model
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinyfamilies import build_family_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     out = {}
     for name, (family, kv) in MLX_FAMILIES.items():
@@ -263,7 +263,7 @@ def main() -> None:
         PyTorchCacheController,
         quiet_frameworks,
     )
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     quiet_frameworks()
     work = Path(os.path.realpath(tempfile.mkdtemp(prefix="spoolctl-bench-")))

@@ -53,7 +53,7 @@ def main() -> int:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--frameworks", nargs="+", default=["pytorch", "mlx"])
     args = ap.parse_args()
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     model = build_tiny_model(Path(tempfile.gettempdir()) / f"spoolctl-bench-{args.preset}",
                              args.preset)

@@ -111,7 +111,7 @@ def main() -> None:
         work = Path(tmp)
         model = args.model
         if model is None:
-            from spoolctl.tinymodel import build_tiny_model
+            from spoolctl.demo.tinymodel import build_tiny_model
 
             model = build_tiny_model(work / "small", "small")
         backend = MlxBackend(model)

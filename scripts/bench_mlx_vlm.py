@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from spoolctl.controllers import CachePrepareParams, Element
 from spoolctl.controllers.local.vlm_prompt import render_vlm
-from spoolctl.controllers.mlx_vlm import MlxVlmBackend, MlxVlmCacheController, VlmSnapshot
+from spoolctl.controllers.mlx.vlm import MlxVlmBackend, MlxVlmCacheController, VlmSnapshot
 
 SENTENCES = ["The spool store keeps prompt caches on local disk with integrity.",
              "A manifest describes every entry; objects are named by their digest."]
@@ -112,7 +112,7 @@ def main() -> None:
         work = Path(tmp)
         model = args.model
         if model is None:
-            from spoolctl.tinyvlm import build_tiny_vlm
+            from spoolctl.demo.tinyvlm import build_tiny_vlm
 
             model = build_tiny_vlm(work / "tiny-qwen2-vl")
         from PIL import Image

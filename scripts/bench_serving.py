@@ -429,7 +429,7 @@ def main() -> None:
     ap.add_argument("--gap-s", type=float, default=1.5, help="mean gap between arrivals")
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--workdir", default=None, help="scratch dir on the disk under test")
-    ap.add_argument("--preset", default="small", help="spoolctl.tinymodel preset")
+    ap.add_argument("--preset", default="small", help="spoolctl.demo.tinymodel preset")
     ap.add_argument("--read-deadline", type=float, default=None,
                     help="spoolctl_read_deadline for the spool and hung arms (default: the "
                          "connector's)")
@@ -446,7 +446,7 @@ def main() -> None:
         os.replace(args.out + ".part", args.out)  # the parent reads it once it exists
         os._exit(0)
 
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - {"none", "spool", "native", "hung"}

@@ -12,7 +12,7 @@ Every phase is a new engine process (so "restore" is after a genuine restart):
     native_store    OffloadingConnector + fs tier          -> peer cold + store
     native_restore  same fs tier directory, restart       -> peer restore TTFT
 
-The model is generated locally (``spoolctl.tinymodel`` preset ``small``: Llama, hidden
+The model is generated locally (``spoolctl.demo.tinymodel`` preset ``small``: Llama, hidden
 512, 4 layers, float32), prompts are seeded random tokens, ``--repeat`` distinct prompts
 per size (medians reported, every value printed). Page cache is dropped before each
 restore when running as root, so the restores read from disk. vLLM's CPU offloading
@@ -369,7 +369,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1024,4096,8192")
     ap.add_argument("--workdir", default=None, help="scratch dir on the disk under test")
-    ap.add_argument("--preset", default="small", help="spoolctl.tinymodel preset")
+    ap.add_argument("--preset", default="small", help="spoolctl.demo.tinymodel preset")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="spoolctl chunk size")
     ap.add_argument("--repeat", type=int, default=3,
                     help="distinct prompts per size (each measured once per phase; medians)")
@@ -392,7 +392,7 @@ def main() -> None:
             sys.exit(0)  # an ordinary interpreter exit: atexit hooks (spoolctl's drain) run
         os._exit(0)
 
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     sizes = [int(s) for s in args.sizes.split(",")]
     workdir = Path(os.path.realpath(args.workdir or f"/var/tmp/spoolctl-bench-{os.getpid()}"))

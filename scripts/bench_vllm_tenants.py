@@ -80,11 +80,11 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=8192, help="prompt tokens")
     ap.add_argument("--repeat", type=int, default=3, help="distinct prompts (medians)")
     ap.add_argument("--workdir", default=None, help="scratch dir on the disk under test")
-    ap.add_argument("--preset", default="small", help="spoolctl.tinymodel preset")
+    ap.add_argument("--preset", default="small", help="spoolctl.demo.tinymodel preset")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     args = ap.parse_args()
 
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     workdir = Path(os.path.realpath(args.workdir or f"/var/tmp/spoolctl-tenants-{os.getpid()}"))
     workdir.mkdir(parents=True, exist_ok=True)

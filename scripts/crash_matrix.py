@@ -458,7 +458,7 @@ def main() -> None:
             except ImportError as exc:
                 report["families"][fw] = {"skipped": str(exc)}
                 continue
-            from spoolctl.tinymodel import build_tiny_model
+            from spoolctl.demo.tinymodel import build_tiny_model
 
             model_dir = models / "tiny"
             if not model_dir.exists():

@@ -227,7 +227,7 @@ def check_copies(torch, device, small: bool, repeat: int) -> dict:
 # -- 3. the PyTorch controller: cold vs disk hit in a new process -------------------------------
 
 def model_spec(small: bool):
-    from spoolctl.tinymodel import PRESETS, TinyModelSpec
+    from spoolctl.demo.tinymodel import PRESETS, TinyModelSpec
 
     if small:
         return PRESETS["tiny"]
@@ -278,7 +278,7 @@ def check_controller(torch, device, small: bool, dtype: str, sizes: list[int],
     from dataclasses import asdict
 
     from spoolctl.controllers.pytorch import PyTorchCacheController, quiet_frameworks
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     quiet_frameworks()
     spec = model_spec(small)

@@ -174,7 +174,7 @@ def main() -> int:
         for n in range(args.committers):
             spawn(f"committer{n}", "committer", name=f"c{n}")
         if not args.no_controller:
-            from spoolctl.tinymodel import build_tiny_model
+            from spoolctl.demo.tinymodel import build_tiny_model
 
             spawn("controller", "controller", model=str(build_tiny_model(base / "model", "tiny")))
         spawn("clean", "cli", spoolctl=spoolctl,

@@ -148,7 +148,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama, built once per test session (needs the torch extra)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
@@ -158,7 +158,7 @@ def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a ChatML chat template (``tiny-chat`` preset), built once."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from spoolctl.tinymodel import build_tiny_model
+    from spoolctl.demo.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat", "tiny-chat")
 

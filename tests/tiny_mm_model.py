@@ -1,7 +1,7 @@
 """A locally generated tiny Idefics3 (image + text) model for the vLLM multimodal tests.
 
 Nothing is downloaded: the tokenizer is the project's inline-trained byte-level BPE
-(``spoolctl.tinymodel``) plus Idefics3's special tokens, the image processor is the
+(``spoolctl.demo.tinymodel``) plus Idefics3's special tokens, the image processor is the
 PIL ``Idefics3ImageProcessorPil`` (no torchvision needed) configured for 56x56 images
 without tiling, and all weights are random (seeded). vLLM loads the directory as
 ``Idefics3ForConditionalGeneration`` (SigLIP-like vision tower, pixel-shuffle
@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from spoolctl.tinymodel import publish_dir
+from spoolctl.demo.tinymodel import publish_dir
 
 IMAGE_SIZE = 56
 PATCH_SIZE = 7
@@ -56,9 +56,9 @@ def build_tiny_idefics3(path: str | os.PathLike[str], seed: int = 0) -> Path:
         Idefics3ImageProcessorPil,
     )
 
-    from spoolctl.tinymodel import _train_tokenizer
+    from spoolctl.demo.tinymodel import train_tokenizer
 
-    tokenizer = _train_tokenizer(512)
+    tokenizer = train_tokenizer(512)
     tokenizer.add_special_tokens({"additional_special_tokens": [
         "<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]})
     image_processor = Idefics3ImageProcessorPil(

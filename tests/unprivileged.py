@@ -50,8 +50,8 @@ def _preload() -> None:
                                  "spoolctl.controllers.genai.records",
                                  "spoolctl.controllers.contract"):
             continue  # framework adapters: not used by the store or the CLI
-        if mod.name in ("spoolctl.tinymodel", "spoolctl.tinyvlm", "spoolctl.demo",
-                        "spoolctl.connector_plugin"):
+        if mod.name in ("spoolctl.demo.tinymodel", "spoolctl.demo.tinyvlm", "spoolctl.demo",
+                        "spoolctl.demo.run", "spoolctl.connector_plugin"):
             continue
         importlib.import_module(mod.name)
     for name in ("rich.json", "rich.progress", "rich.panel", "rich.rule", "rich.table",

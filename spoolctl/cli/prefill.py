@@ -329,7 +329,7 @@ def _prefill_vlm(model_dir: Path, params: Any, images: list[Path], max_image_siz
     """``prefill --backend mlx --image FILE``: the mlx-vlm controller (images in the key)."""
     import dataclasses
 
-    from spoolctl.controllers.mlx_vlm import MlxVlmBackend, MlxVlmCacheController
+    from spoolctl.controllers.mlx.vlm import MlxVlmBackend, MlxVlmCacheController
 
     for path in images:
         if not path.expanduser().is_file():

@@ -14,7 +14,7 @@ their framework only when one is built::
 |---|---|---|
 | ``PyTorchCacheController``, ``PyTorchBackend`` | ``pytorch`` | ``spoolctl[torch]`` |
 | ``MlxCacheController``, ``MlxBackend`` | ``mlx`` | ``spoolctl[mlx]`` |
-| ``MlxVlmCacheController``, ``MlxVlmBackend`` | ``mlx_vlm`` | ``spoolctl[vlm]`` |
+| ``MlxVlmCacheController``, ``MlxVlmBackend`` | ``mlx.vlm`` | ``spoolctl[vlm]`` |
 | ``GoogleGenAICacheController`` | ``genai`` | ``spoolctl[genai]`` |
 
 A name whose module cannot be imported (google-genai is imported with its module)
@@ -51,7 +51,7 @@ from .local.use import Restored
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ resolves them
     from .genai.controller import GoogleGenAICacheController  # noqa: F401
     from .mlx import MlxBackend, MlxCacheController  # noqa: F401
-    from .mlx_vlm import MlxVlmBackend, MlxVlmCacheController  # noqa: F401
+    from .mlx.vlm import MlxVlmBackend, MlxVlmCacheController  # noqa: F401
     from .pytorch import PyTorchBackend, PyTorchCacheController  # noqa: F401
 
 BACKENDS = ("pytorch", "mlx")
@@ -62,8 +62,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "PyTorchBackend": (".pytorch", "torch"),
     "MlxCacheController": (".mlx", "mlx"),
     "MlxBackend": (".mlx", "mlx"),
-    "MlxVlmCacheController": (".mlx_vlm", "vlm"),
-    "MlxVlmBackend": (".mlx_vlm", "vlm"),
+    "MlxVlmCacheController": (".mlx.vlm", "vlm"),
+    "MlxVlmBackend": (".mlx.vlm", "vlm"),
     "GoogleGenAICacheController": (".genai.controller", "genai"),
 }
 

@@ -179,7 +179,7 @@ def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-#: ``formatter_options`` keys and what they mean (local controllers; decision 1702).
+#: ``formatter_options`` keys and what they mean (local controllers).
 #: ``template``: "auto" (the tokenizer's chat template when it has one, else plain),
 #: "chat" (require the chat template), "plain" (``role: content`` lines).
 #: ``chat_template_kwargs``: extra variables handed to the chat template

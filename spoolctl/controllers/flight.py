@@ -1,7 +1,7 @@
 """Single-flight of ``prepare``: concurrent identical calls share one piece of work.
 
 Used by every controller (the local engine and the GenAI controller), from threads
-and asyncio tasks alike. The rules, written once here (decision 1021):
+and asyncio tasks alike. The rules, written once here:
 
 * A flight is keyed by ``(key, read_only)``. The first caller of a key leads: it does
   the work and publishes the handle (or the exception) to everyone who joined.

@@ -1,6 +1,6 @@
 """What a default (INFO/WARNING) controller log line may say about an exception.
 
-One function for every controller (decisions 0801 and 1023): never an entry id, an
+One function for every controller: never an entry id, an
 object digest or a store path -- entry ids and digests are derived from the prompt,
 and logs travel further than the 0700 store (docs/SECURITY.md). A SpoolError is
 rendered by its ``message`` (its ``path`` and ``fix`` are left out), an OSError by

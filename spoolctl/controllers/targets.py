@@ -1,6 +1,6 @@
 """Which params and which handle a ``generate`` call runs with: one rule for every controller.
 
-``generate(target, prompt, ..., params=None)`` (decision 1022):
+``generate(target, prompt, ..., params=None)``:
 
 * ``target`` is ``CachePrepareParams``: they are the query, prepared first (``params=``
   must not be given as well).

@@ -1,4 +1,4 @@
-"""What every controller checks when it is opened with ``tenant=`` (decisions 2810, 2821).
+"""What every controller checks when it is opened with ``tenant=``.
 
 One refusal, one message for all of them: a tenant on a store without encryption at rest
 would isolate nothing, so it is a one-line ConfigError naming the store and the fix. And one

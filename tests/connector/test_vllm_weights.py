@@ -41,7 +41,7 @@ def counter(out: dict, spec: m.MetricSpec, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from spoolctl.tinymodel import TinyModelSpec, build_tiny_lora, build_tiny_model
+    from spoolctl.demo.tinymodel import TinyModelSpec, build_tiny_lora, build_tiny_model
 
     work = Path(os.path.realpath(tmp_path_factory.mktemp("weights")))
     model = work / "model"

@@ -291,7 +291,7 @@ def test_every_controller_is_importable_from_the_package_without_loading_its_fra
     import subprocess
     import sys
 
-    code = ("import sys, spoolctl.controllers as c, spoolctl.controllers.mlx_vlm\n"
+    code = ("import sys, spoolctl.controllers as c, spoolctl.controllers.mlx.vlm\n"
             "bad = [m for m in ('torch', 'transformers', 'mlx', 'mlx_vlm', 'google.genai')\n"
             "       if m in sys.modules]\n"
             "assert not bad, bad\n"

@@ -25,7 +25,7 @@ DOC = REPO_DIR / "docs" / "controllers.md"
 HEADING = "## What each controller takes and stores"
 MODULES = {"PyTorchCacheController": "spoolctl.controllers.pytorch",
            "MlxCacheController": "spoolctl.controllers.mlx",
-           "MlxVlmCacheController": "spoolctl.controllers.mlx_vlm",
+           "MlxVlmCacheController": "spoolctl.controllers.mlx.vlm",
            "GoogleGenAICacheController": "spoolctl.controllers.genai.controller"}
 
 
@@ -64,7 +64,7 @@ def test_the_table_lists_every_controller_and_its_constructor_options():
 
 def test_the_table_lists_the_layers_each_local_controller_stores():
     from spoolctl.controllers.mlx import FAMILY_CLASSES, REFUSED_MODEL_TYPES
-    from spoolctl.controllers.pytorch_layers import STORED_LAYERS
+    from spoolctl.controllers.pytorch.layers import STORED_LAYERS
 
     table = _table()
     assert table["PyTorchCacheController"]["layers"] == list(STORED_LAYERS)
@@ -76,7 +76,7 @@ def test_the_table_lists_the_layers_each_local_controller_stores():
 
 def test_the_pytorch_layers_listed_are_transformers_classes():
     cache_utils = pytest.importorskip("transformers.cache_utils")
-    from spoolctl.controllers.pytorch_layers import STORED_LAYERS
+    from spoolctl.controllers.pytorch.layers import STORED_LAYERS
 
     assert all(hasattr(cache_utils, name) for name in STORED_LAYERS)
 
@@ -119,7 +119,7 @@ def test_mlx_takes_the_deadlines(tiny_model_dir, tmp_path):
 
     with MlxCacheController(tiny_model_dir, tmp_path / "store", lookup_deadline=0.25,
                             read_deadline=2.0) as ctl:
-        assert (ctl._deadlines.lookup_deadline_s, ctl._deadlines.read_deadline_s) == (0.25, 2.0)
+        assert (ctl.deadlines.lookup_deadline_s, ctl.deadlines.read_deadline_s) == (0.25, 2.0)
         with pytest.raises(ConfigError, match=r"MlxCacheController\.generate"):
             ctl.generate(CachePrepareParams(instructions=["x"]), "hi", max_tokens=2)
     with pytest.raises(ConfigError, match="lookup_deadline"):
@@ -149,9 +149,9 @@ def test_mlx_refuses_falcon_h1_naming_the_controller_that_runs_it(tmp_path):
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
     from spoolctl.controllers.mlx import MlxCacheController
-    from spoolctl.tinymodel import _train_tokenizer
+    from spoolctl.demo.tinymodel import train_tokenizer
 
-    tok = _train_tokenizer(512)
+    tok = train_tokenizer(512)
     torch.manual_seed(0)
     config = FalconH1Config(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,

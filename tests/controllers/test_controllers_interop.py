@@ -104,7 +104,7 @@ def framework_generate(backend, ids: list[int], *, cache=None, start: int = 0, *
     for token, _ in generate_step(mx.array(ids[start:]), backend.model, max_tokens=NEW,
                                   prompt_cache=cache, **kw, **sampling):
         tokens.append(int(token))
-        if int(token) in backend._eos:
+        if int(token) in set(backend.tokenizer.eos_token_ids):
             break
     return tokens
 
@@ -455,7 +455,7 @@ out = {"version": transformers.__version__}
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with PyTorchCacheController(model, root) as ctl:
-        out["arg"] = ctl.backend._cache_arg
+        out["arg"] = ctl.backend.cache_arg
         out["cold"] = ctl.generate(p, "Q?", 8).tokens
     with PyTorchCacheController(model, root) as ctl:
         r = ctl.generate(p, "Q?", 8)

@@ -20,8 +20,8 @@ from controller_backends import make_backend
 pytest.importorskip("transformers")
 
 from spoolctl.controllers import CachePrepareParams, Element, LocalCacheController
+from spoolctl.demo.tinymodel import CHAT_TEMPLATE
 from spoolctl.store import Store
-from spoolctl.tinymodel import CHAT_TEMPLATE
 
 SYSTEM = "You are a helpful assistant. Answer using the reference documents below."
 DOCS = [

@@ -506,7 +506,7 @@ def test_generate_uses_the_cache_and_reports_cache_read_tokens(ctl, server):
     assert ctl.stats()["cache_read_tokens"] == handle.cached_tokens
     assert result.handle == handle
 
-    cold = generate_with_cache(ctl._client, p, type(handle)(), "Summarise it in one line.")
+    cold = generate_with_cache(ctl.client, p, type(handle)(), "Summarise it in one line.")
     cold_body = server.requests("POST", ":generateContent")[-1].body
     assert "cachedContent" not in cold_body and "systemInstruction" in cold_body
     assert len(cold_body["contents"]) == 3 and cold.usage.cache_read_tokens == 0
@@ -517,7 +517,7 @@ def test_generate_on_a_cache_gone_on_the_server_reruns_cold(ctl, server, caplog)
     handle = ctl.prepare(p)
     server.state.caches.clear()  # gone behind the controller's back
     with pytest.raises(NotFoundError, match="gone on the server"):
-        generate_with_cache(ctl._client, p, handle, "hello")  # the low-level helper says so
+        generate_with_cache(ctl.client, p, handle, "hello")  # the low-level helper says so
     with caplog.at_level(logging.WARNING, logger="spoolctl.genai"):
         result = ctl.generate(handle, "hello")  # the controller recovers
     assert result.usage.cache_read_tokens == 0 and not result.handle
@@ -559,7 +559,7 @@ def test_explicit_params_win_over_the_handle_and_a_foreign_handle_runs_cold(ctl,
     assert body["cachedContent"] == ha.ref and res.usage.cache_read_tokens == ha.cached_tokens
     assert [c["parts"][0]["text"] for c in body["contents"]] == ["Who wrote it?", "hi"]
     # A handle this controller did not prepare is checked against its store record.
-    with GoogleGenAICacheController(ctl._client, ctl.store) as other:
+    with GoogleGenAICacheController(ctl.client, ctl.store) as other:
         res = other.generate(ha, "hi", params=b)
         assert res.usage.cache_read_tokens == 0 and not res.handle
         res = other.generate(ha, "hi", params=a)

@@ -2,7 +2,7 @@
 
 The tiny Gemma 3 (``RotatingKVCache`` sliding layers + a ``KVCache`` global layer), Jamba
 (``ArraysCache`` Mamba state + ``KVCache``) and Mamba (``ArraysCache`` only) of
-``spoolctl.tinyfamilies``, loaded by mlx-lm with its own model code.
+``spoolctl.demo.tinyfamilies``, loaded by mlx-lm with its own model code.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from family_prompts import (
 )
 
 from spoolctl.controllers import CachePrepareParams
-from spoolctl.controllers.local.mlx_format import CacheFormatError
-from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+from spoolctl.controllers.mlx import CacheFormatError, MlxBackend, MlxCacheController
 from spoolctl.store import Store
 
 #: Default run: one family per behaviour (sliding for restores, sliding + ssm for reuse
@@ -61,7 +60,7 @@ def _check_restores_equal_cold(b: MlxBackend, store_root, p: CachePrepareParams)
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory) -> dict[str, MlxBackend]:
-    from spoolctl.tinyfamilies import build_family_model
+    from spoolctl.demo.tinyfamilies import build_family_model
 
     root = tmp_path_factory.mktemp("mlx-families")
     return {f: MlxBackend(build_family_model(root / f, f), model_id=f) for f in FAMILIES}

@@ -24,7 +24,7 @@ from PIL import Image
 
 from spoolctl.controllers import CachePrepareParams, Element
 from spoolctl.controllers.local.vlm_prompt import render_vlm
-from spoolctl.controllers.mlx_vlm import (
+from spoolctl.controllers.mlx.vlm import (
     FORMAT,
     OBJECT_NAME,
     MlxVlmBackend,
@@ -42,7 +42,7 @@ SPOOLCTL = str(Path(sys.executable).parent / "spoolctl")
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from spoolctl.tinyvlm import build_tiny_vlm
+    from spoolctl.demo.tinyvlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl")
 
@@ -87,7 +87,7 @@ def cold_tokens(backend: MlxVlmBackend, p: CachePrepareParams) -> list[int]:
 WRITER = """
 import json, sys
 from spoolctl.controllers import CachePrepareParams
-from spoolctl.controllers.mlx_vlm import MlxVlmCacheController
+from spoolctl.controllers.mlx.vlm import MlxVlmCacheController
 model, root, specs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 with MlxVlmCacheController(model, root) as ctl:
     out = []
@@ -202,7 +202,7 @@ def test_entry_recorded_for_another_image_is_rejected(backend, vlm_dir, images,
     blue_p = image_params(str(vlm_dir), images["blue"])
     with MlxVlmCacheController(backend, root) as ctl:
         m = ctl.store.manifest(ctl.prepare(red_p).ref)
-        blue_plan = ctl._plan(blue_p)
+        blue_plan = ctl.format.plan(blue_p)
         objects = {k: bytes(v) for k, v in ctl.store.read_all(m).items()}
         forged = ctl.store.put(kind="mlx", namespace=blue_plan.namespace, key=blue_plan.key,
                                objects=objects, meta=dict(m.meta), index=dict(m.index))
@@ -236,8 +236,6 @@ def test_text_ref_is_refused_for_an_image_query(backend, vlm_dir, images, tmp_pa
 
 
 def test_vlm_entries_are_not_plain_mlx_lm_entries(backend, vlm_dir, tmp_path) -> None:
-    from types import SimpleNamespace
-
     from spoolctl.controllers.local.engine import FORMAT as PLAIN_FORMAT
 
     with MlxVlmCacheController(backend, tmp_path / "store") as ctl:
@@ -245,7 +243,7 @@ def test_vlm_entries_are_not_plain_mlx_lm_entries(backend, vlm_dir, tmp_path) ->
         meta = dict(ctl.store.manifest(h.ref).meta)
         assert meta["format"] != PLAIN_FORMAT
         with pytest.raises(ValueError, match="not an mlx-vlm entry"):
-            ctl._prefix_of(SimpleNamespace(meta={**meta, "format": PLAIN_FORMAT}))
+            ctl.format.check({**meta, "format": PLAIN_FORMAT}, None)
 
 
 def test_prefill_cli_with_an_image(vlm_dir, images, tmp_path) -> None:

@@ -69,7 +69,7 @@ def test_a_handed_over_model_restores_from_disk_like_a_cold_run(make, tiny_model
         assert got.handle.source == "disk"
         assert got.tokens == want
         if make is compiled:
-            assert ctl.backend._run is model and ctl.backend.model is model._orig_mod
+            assert ctl.backend.run is model and ctl.backend.model is model._orig_mod
 
 
 def test_quantized_and_compiled_models_are_named_by_their_own_tensors(tiny_model_dir):

@@ -1,7 +1,7 @@
 """PyTorchCacheController on the cache families beyond full attention (issue #31).
 
 One tiny model per family, built from transformers' own config classes
-(``spoolctl.tinyfamilies``): Gemma 3 (sliding window + global layers), Jamba (Mamba +
+(``spoolctl.demo.tinyfamilies``): Gemma 3 (sliding window + global layers), Jamba (Mamba +
 attention), Mamba (recurrent state only). Real model code, real store, real files.
 """
 
@@ -39,7 +39,7 @@ BY_FAMILY = [pytest.param(f, marks=() if f == "sliding" else pytest.mark.extende
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory) -> dict[str, PyTorchBackend]:
-    from spoolctl.tinyfamilies import build_family_model
+    from spoolctl.demo.tinyfamilies import build_family_model
 
     root = tmp_path_factory.mktemp("families")
     return {f: PyTorchBackend(build_family_model(root / f, f), model_id=f) for f in FAMILIES}
@@ -157,7 +157,7 @@ def test_a_mamba_of_other_state_shapes_at_the_same_path_runs_cold(backends, tmp_
     manifest that claims the new layout (the per-tensor state-shape check)."""
     import shutil
 
-    from spoolctl.tinyfamilies import build_family_model
+    from spoolctl.demo.tinyfamilies import build_family_model
 
     path = tmp_path / "mamba"
     shutil.copytree(backends["ssm"].model_path, path)
@@ -183,5 +183,5 @@ def test_a_mamba_of_other_state_shapes_at_the_same_path_runs_cold(backends, tmp_
         new.deserialize(objects, m.meta["layout"], h.cached_tokens)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"stored tensor c0_0 \(1, 256, 4\)") as err:
-        new.deserialize(objects, new._layout(), h.cached_tokens)
+        new.deserialize(objects, new.layout(), h.cached_tokens)
     assert "\n" not in str(err.value)

@@ -191,7 +191,7 @@ def world(tmp_path_factory, tiny_chat_model_dir) -> dict[str, Path | str]:
         import mlx_vlm  # noqa: F401
         from PIL import Image
 
-        from spoolctl.tinyvlm import build_tiny_vlm
+        from spoolctl.demo.tinyvlm import build_tiny_vlm
 
         out["vlm"] = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl")
         picture = tmp_path_factory.mktemp("pictures") / "chart.png"

@@ -105,7 +105,7 @@ def test_wheel_metadata_has_the_script_the_plugin_and_the_extras(artifacts) -> N
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
         metadata = whl.read(f"{info}/METADATA").decode()
-    assert "spoolctl/store/catalog/index.py" in names and "spoolctl/tinymodel.py" in names
+    assert "spoolctl/store/catalog/index.py" in names and "spoolctl/demo/tinymodel.py" in names
     assert not [n for n in names if n.startswith(("tests/", "examples/", "docs/", "scripts/"))]
     assert "[console_scripts]\nspoolctl = spoolctl.cli.entry:main" in entry_points
     assert "[vllm.general_plugins]\nspoolctl = spoolctl.connector_plugin:register" in entry_points

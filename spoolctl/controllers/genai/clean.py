@@ -17,7 +17,7 @@ Called by ``spoolctl clean --genai`` *before* ``Store.clean_released``:
 
 Settled records are released and no longer held, so ``clean_released`` deletes
 them; pending ones are skipped by it. A record whose facts cannot be read (a value that
-is not what spoolctl writes, ``genai_records.index_problem``) is skipped and reported in
+is not what spoolctl writes, ``records.index_problem``) is skipped and reported in
 ``malformed``; the others are still handled (one bad row never stops the job).
 google-genai is imported only when a server delete is actually attempted with the
 default client factory.

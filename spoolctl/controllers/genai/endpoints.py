@@ -4,7 +4,7 @@ A GenAI record's target (``base_url``, ``api_version``, the Vertex ``project`` a
 ``location``) is data from the store -- or from an archive imported into it -- and whoever
 can write the store writes it. ``spoolctl clean --genai`` (run by cron with the operator's
 API key or Google Cloud credentials) builds its client from that target, so the target
-decides where ``x-goog-api-key`` or an OAuth token is sent. The rule (decision 2010):
+decides where ``x-goog-api-key`` or an OAuth token is sent. The rule:
 
 * Google's own endpoints only, over https: no ``base_url`` (the SDK derives
   ``https://generativelanguage.googleapis.com`` or ``https://<location>-aiplatform.googleapis.com``),

@@ -3,9 +3,9 @@
 The controller's logic is written once, as generators (``Step``) that yield the I/O
 they need: ``Remote`` (one ``client.caches`` call) and ``Local`` (one store call).
 ``drive_sync`` runs them on ``client.caches`` in the calling thread; ``drive_async``
-on ``client.aio.caches``, with store calls in a worker thread (decision 0402). A
+on ``client.aio.caches``, with store calls in a worker thread. A
 failure of either comes back into the generator as a SpoolError (server and
-transport errors via ``genai_records.remote_error``), so it can react in one place.
+transport errors via ``records.remote_error``), so it can react in one place.
 
 Imports google-genai (its error types), like ``genai.py``.
 """

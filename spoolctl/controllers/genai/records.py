@@ -11,7 +11,7 @@
 * ``genai_status``: the rows ``spoolctl status`` shows for genai entries.
 * ``index_problem`` / ``from_manifest``: a record is read field by field; a value the
   helpers cannot use raises ``MalformedRow`` (the store's "bad row", a ValueError) naming
-  it, so every job skips that one record, reports it and goes on (issue 15 item 7).
+  it, so every job skips that one record, reports it and goes on.
 
 Store mapping: one entry per server resource, ``kind="genai"``, ``namespace =
 target.namespace()``, ``key = "<controller key>/<resource name>"`` (so a cache

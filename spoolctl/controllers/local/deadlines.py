@@ -1,6 +1,5 @@
 """Deadlines on a local controller's store calls: a hung disk costs ``prepare`` one
-deadline, then the controller runs without its store until the disk answers (decisions
-2700 and 2701).
+deadline, then the controller runs without its store until the disk answers.
 
 ``StoreDeadlines.call(fn, deadline_s)`` runs ``fn`` (a lookup, an object read, a commit)
 on a daemon thread and waits at most ``deadline_s``: ``(True, result)``, or
@@ -11,7 +10,7 @@ at once and starts nothing, so a hung disk holds at most the calls that were run
 it hung -- no queue of threads, no memory growth. The late call ending (the disk answered,
 even with an error) brings the store back; its result is dropped.
 
-The defaults are the connector's (decision 2700): 0.5 s for a lookup (catalog and
+The defaults are the connector's: 0.5 s for a lookup (catalog and
 manifest), 5 s for reading an entry's objects and for a commit. A late commit is not
 undone: it completes in the background when the disk comes back (the commit protocol makes
 it all or nothing), the ``prepare`` that started it reports nothing written.
@@ -29,7 +28,7 @@ from spoolctl.errors import ConfigError
 
 log = logging.getLogger("spoolctl.controllers")
 
-#: The connector's defaults (``spoolctl.connector.diskguard``, decision 2700).
+#: The connector's defaults (``spoolctl.connector.diskguard``).
 DEFAULT_LOOKUP_DEADLINE_S = 0.5
 DEFAULT_READ_DEADLINE_S = 5.0
 

@@ -1,7 +1,7 @@
 """Decoding settings of a local ``generate`` call: sampling, a streamer, framework kwargs.
 
 Pure data and validation (no framework imports). The backends map a ``Decoding`` to
-their framework (decision 1703):
+their framework:
 
 * PyTorch: ``model.generate(generation_config=..., streamer=..., **extra)`` -- the model's
   own ``generation_config`` (its ``do_sample``, temperature, top-p / top-k, repetition
@@ -17,7 +17,7 @@ A setting left out (None) is the framework's default for the model (``over``), s
 with no settings decodes as the framework's own generate with no arguments would;
 ``temperature == 0`` is greedy decoding; ``seed`` seeds a random generator
 of the call's own (a ``torch.Generator`` / an ``mx.random.key``), never the framework's
-global one, so concurrent seeded calls give what serial ones give (decision 2103).
+global one, so concurrent seeded calls give what serial ones give.
 ``extra`` is handed to the framework's own generate call verbatim (e.g.
 ``repetition_penalty`` for transformers, ``logits_processors`` for mlx-lm); the
 arguments spoolctl sets itself (prompt, cache, length, sampling, streamer) are refused
@@ -106,6 +106,14 @@ class Decoding:
             self, temperature=t, top_p=float(self.top_p if self.top_p is not None else top_p),
             top_k=int(self.top_k if self.top_k is not None else top_k))
 
+    def sampling(self) -> Sampling:
+        """The sampling settings of a decoding resolved by ``over``; ValueError for one that
+        is not (a setting still left to the model)."""
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if t is None or p is None or k is None:
+            raise ValueError("decoding settings are not resolved: call over() first")
+        return Sampling(temperature=float(t), top_p=float(p), top_k=int(k), seed=self.seed)
+
     @property
     def greedy(self) -> bool:
         """Whether this (resolved, ``over``) decoding is greedy."""
@@ -117,6 +125,16 @@ class Decoding:
         every backend supports."""
         return self.temperature is None and self.top_p is None and self.top_k is None \
             and self.seed is None and self.streamer is None and not self.extra
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The settings of a resolved decoding (``Decoding.sampling``), none left out."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
 
 
 #: The model's own defaults (what the framework's generate does with no arguments).

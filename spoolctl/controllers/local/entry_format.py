@@ -1,6 +1,6 @@
-"""Entry formats: the variation point of the local engine (decision 1020).
+"""Entry formats: the variation point of the local engine.
 
-``LocalCacheController`` (``local.py``) does everything that is the same for every
+``LocalCacheController`` (``engine.py``) does everything that is the same for every
 local entry: single-flight, key locks, the memory LRU, disk lookups, verification,
 quarantine, base selection, commit, release, close, usage. What an entry *is* -- how
 params become a prompt and a key, what the manifest must say, how a cache becomes
@@ -8,7 +8,7 @@ bytes and back, how a cache is continued -- is an ``EntryFormat``:
 
 * ``KVEntryFormat`` (here): plain KV caches of a ``KVBackend`` (PyTorch, mlx-lm);
   prefix-matching, incremental prefill from bases (``bases = True``).
-* ``VlmEntryFormat`` (``mlx_vlm.py``): mlx-vlm exact snapshots with image identity;
+* ``VlmEntryFormat`` (``mlx/vlm.py``): mlx-vlm exact snapshots with image identity;
   exact-match only (``bases = False``).
 
 Everything here is pure logic over the backend; no store I/O.
@@ -152,7 +152,7 @@ def check_common(meta: Mapping[str, Any], *, name: str, noun: str,
 
 class KVEntryFormat:
     """Plain KV cache entries of a ``KVBackend``. The prompt is rendered by
-    ``render.render`` -- the model's chat template when it has one (decision 1702), else
+    ``render.render`` -- the model's chat template when it has one, else
     the plain format -- and tokenized per segment, so element prefixes line up with
     token prefixes (what base selection and incremental prefill rely on). Keys of
     template-rendered prompts also carry the template's identity."""
@@ -200,7 +200,7 @@ class KVEntryFormat:
         system header), so the same params can render other tokens tomorrow. Binding the
         rendered tokens makes that a different entry -- a plain miss, counted as
         ``prefix_moved`` -- instead of an entry whose tokens disagree with its key, which
-        only damage can explain (decision 2101). The group stays the params' own, so the
+        only damage can explain. The group stays the params' own, so the
         entry of yesterday's rendering is still found as a relative."""
         rid = render_id(params, self.template)
         key, group = params.key(), params.group_hash()

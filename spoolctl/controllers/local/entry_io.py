@@ -1,7 +1,7 @@
 """A local controller's entries in its store: exact lookups, verified loads, base
 selection and commits -- every store call within a deadline (``deadlines``).
 
-A part of ``LocalCacheController`` (decision 2520), sharing the controller's lock and its
+A part of ``LocalCacheController``, sharing the controller's lock and its
 LRU of loaded caches. Contracts:
 
 * A stored cache is used only if its manifest identity, token ids, prefix digests and
@@ -243,7 +243,7 @@ class EntryIO:
     def commit(self, plan: Plan, cache: Any, base_id: str | None, *,
                snapshot: bool = False) -> bool:
         """Store ``cache`` as ``plan``'s entry (superseding ``base_id``; ``snapshot``: an
-        instructions snapshot, decision 2602): whether it was committed. Never raises for
+        instructions snapshot): whether it was committed. Never raises for
         store trouble (a full disk, a busy store, a late disk): the cache still serves from
         memory."""
         if self._tenancy.lost:  # said once at open; every commit would fail the same way

@@ -1,15 +1,15 @@
 """What a local controller remembers of its ``prepare`` calls and the handles they returned.
 
-A part of ``LocalCacheController`` (decision 2520), sharing the controller's lock. Every
+A part of ``LocalCacheController``, sharing the controller's lock. Every
 table is bounded (``MAX_KNOWN_PARAMS``), oldest forgotten first:
 
 * the params and the work of each ``prepare`` call, by the handle's ``prepare_id``
   (``generate(handle)`` reports the work once, ``usage.py``), and the params last prepared
   for each ref (a handle from elsewhere, or one whose call was forgotten);
 * the live handles holding each ref (weak references): a superseded base is released only
-  once no live handle holds it (decision 2100);
+  once no live handle holds it;
 * when a memory hit last moved each entry's LRU clock in the catalog: at most one catalog
-  write per entry per ``MEMORY_TOUCH_INTERVAL``, never one per hit (decision 2120).
+  write per entry per ``MEMORY_TOUCH_INTERVAL``, never one per hit.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from ..contract import CacheHandle, CachePrepareParams
 from .usage import PrepareWork
 
-#: How often a memory hit moves an entry's LRU clock in the catalog (seconds; decision 2120).
+#: How often a memory hit moves an entry's LRU clock in the catalog (seconds).
 MEMORY_TOUCH_INTERVAL = 60.0
 MAX_KNOWN_PARAMS = 4096  # refs / prepare calls whose params generate(handle) can look up
 #: One sequence for every controller of the process, so a handle of another controller

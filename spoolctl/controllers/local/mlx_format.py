@@ -1,6 +1,6 @@
 """Pure parts of the mlx-lm adapter: the cache format id, the model digest, KV slicing,
-and the bounds-checked safetensors header parser. No mlx import (``mlx.py`` adapts
-mlx-lm; ``mlx_vlm_backend.py`` shares these)."""
+and the bounds-checked safetensors header parser. No mlx import (``mlx/backend.py`` adapts
+mlx-lm; ``mlx/vlm_backend.py`` shares these)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ backend identity (``tokens.namespace_for``): the model, the content digest of it
 (``revision`` / ``model_digest``), the framework versions, dtype, device and KV layout. New
 weights at the same path, or a framework upgrade, give the next process a new namespace and
 the old one is never read again. ``judge`` names such namespaces with the rule of the vLLM
-deployments (``connector.staleness``, decisions 2112 and 2120):
+deployments (``connector.staleness``):
 
 * **superseded**: another namespace of the same *lineage* -- same store kind, framework,
   model, dtype, device and adapters acting (``model_state``): everything but the weights

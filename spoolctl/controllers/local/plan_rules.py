@@ -1,7 +1,7 @@
 """Pure rules the local engine follows about plans (no store, no framework).
 
 * ``snapshot_plan``: where a cold prefill also commits the state after the instructions
-  alone, as an entry of its own (caches that cannot be cut back; decision 2602).
+  alone, as an entry of its own (caches that cannot be cut back).
 * ``same_params``: whether a catalog row holds the plan's own params under another entry id
   (the prompt rendered other tokens: a template that renders the date).
 """
@@ -20,7 +20,7 @@ def snapshot_plan(entry_format: EntryFormat, plan: Plan) -> Plan | None:
     """The plan of the instructions alone, where a cold prefill of ``plan`` should also
     store a snapshot there: only for caches that cannot be cut back (sliding windows,
     recurrent states), whose entries otherwise serve only prompts that extend them whole
-    -- with it, one system prompt over many documents still hits (decision 2602)."""
+    -- with it, one system prompt over many documents still hits."""
     params = plan.params
     if getattr(entry_format, "trimmable", True) or not entry_format.bases or \
             not params.instructions or not params.data or params.read_only:

@@ -1,4 +1,4 @@
-"""How params become prompt text: the model's chat template, or the plain format (decision 1702).
+"""How params become prompt text: the model's chat template, or the plain format.
 
 Pure logic: no framework imports and no I/O; the chat template itself is a callable
 the backend hands in (``transformers``' / mlx-lm's ``apply_chat_template`` with

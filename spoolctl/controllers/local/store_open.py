@@ -1,5 +1,5 @@
 """Opening the store of a local controller: the default size limit of a store it creates,
-and one owner of that limit (decision 2104).
+and one owner of that limit.
 
 A store a controller creates without ``max_bytes`` is bounded: a tenth of its filesystem,
 at most 64 GiB, at least 1 GiB where the filesystem has 2. An existing store keeps its own

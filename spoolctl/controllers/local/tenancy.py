@@ -1,5 +1,4 @@
-"""Tenants of the local prompt-cache controllers on an encrypted store (issue 33 item 6,
-decision 2810).
+"""Tenants of the local prompt-cache controllers on an encrypted store.
 
 A controller opened with ``tenant=`` on a store with a master key seals its entries with that
 tenant's data key (``Store.put(..., tenant=)``), and finds only that tenant's entries. Contracts:
@@ -9,7 +8,7 @@ tenant's data key (``Store.put(..., tenant=)``), and finds only that tenant's en
   unrelated entries, so another tenant's lookup is a plain miss -- tokens as a cold run.
 * Nothing prompt-derived stays in clear text in a sealed entry's manifest or catalog row:
   the token ids and prefix digests -- and what a format names in ``sealed_meta`` /
-  ``sealed_layout`` (mlx-vlm: image digests, its snapshot's hashes; decision 2821) -- move
+  ``sealed_layout`` (mlx-vlm: image digests, its snapshot's hashes) -- move
   into a sealed object (``PREFIX_OBJECT``) and the
   params' group and element hashes are keyed per tenant (equal prompts of two tenants do
   not show equal hashes); base selection looks only at the tenant's own rows.

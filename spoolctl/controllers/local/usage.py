@@ -1,4 +1,4 @@
-"""Usage accounting of the local controllers: one rule, pure (decision 1701).
+"""Usage accounting of the local controllers: one rule, pure.
 
 A ``generate`` call's prompt is served partly from a cache and partly computed. The
 cache is what a ``prepare`` produced; that prepare either read it (from memory, or
@@ -64,11 +64,11 @@ class ControllerStats:
     tokens_reused: int = 0
     load_failures: int = 0
     #: Misses because the same params rendered other prefix tokens than a stored entry
-    #: (a chat template that renders the date): normal drift, not damage (decision 2101).
+    #: (a chat template that renders the date): normal drift, not damage.
     prefix_moved: int = 0
     commit_failures: int = 0
     #: Store calls skipped or abandoned because the disk did not answer within its deadline
-    #: (``deadlines``, decision 2701): each one a miss or an unwritten cache, never a wait.
+    #: (``deadlines``): each one a miss or an unwritten cache, never a wait.
     disk_down: int = 0
     #: Prepares that ran without the cache because the model had changed in a way its
     #: backend cannot identify (a weight edited in memory, an unknown wrapper).

@@ -1,22 +1,22 @@
 """Using prepared caches: ``generate``, and the interop calls of the local controllers.
 
-The half of ``LocalCacheController`` that consumes what ``prepare`` made (``local.py``
-makes it): a part the controller is composed of (decision 2520). ``CacheUse`` receives a
+The half of ``LocalCacheController`` that consumes what ``prepare`` made (``engine.py``
+makes it): a part the controller is composed of. ``CacheUse`` receives a
 ``UseContext`` -- the entry format and the few engine calls it needs (prepare, the params
 and work of a handle, its loaded cache, commit of an imported cache, the open/writable
 guards) -- never the controller, and the controller forwards its public methods here.
 
 * ``generate``: decoding settings (``decoding.Decoding``: sampling, a streamer,
-  framework kwargs), the target rule (``targets.py``, decision 1022), per-call usage
-  (``usage.py``, decision 1701).
+  framework kwargs), the target rule (``targets.py``), per-call usage
+  (``usage.py``).
 * ``prompt_tokens`` / ``prefix_tokens``: the token ids spoolctl runs and caches for a
   query, rendered exactly as ``generate`` renders them (chat template included).
 * ``restore``: the cache of a handle in the framework's own type (transformers
   ``DynamicCache``, mlx-lm's list of cache objects), an independent copy, for the
-  framework's own generate (decision 1704).
+  framework's own generate.
 * ``import_cache``: the other way: a cache the framework computed becomes the store
   entry of some params, after its length and shapes check and its K/V is recomputed from
-  the tokens (every position by default, four with ``check="sample"``; decision 2102).
+  the tokens (every position by default, four with ``check="sample"``).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class CacheUse:
         chat template).
 
         ``target`` is the params (prepared here) or a handle; which params and which
-        cache a call runs with follows ``targets.resolve_target`` (decision 1022):
+        cache a call runs with follows ``targets.resolve_target``:
         ``params=`` is the query when given, a handle of other params is refused. The
         cache is used only if its tokens are a prefix of the prompt; if using it fails,
         the request is re-run cold (``usage.cache_read_tokens = 0``).

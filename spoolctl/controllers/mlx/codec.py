@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .local.mlx_format import (
+from ..local.mlx_format import (
     CacheFormatError,
     NamedBytesIO,
     PromptCache,
@@ -24,9 +24,7 @@ from .local.mlx_format import (
     dtype_name,
     safetensors_header,
 )
-
-if TYPE_CHECKING:
-    from .mlx import MlxBackend
+from .runtime import MlxRuntime
 
 #: Name of the one payload object of an entry (the mlx-lm prompt-cache file).
 OBJECT_NAME = "kv"
@@ -34,16 +32,16 @@ OBJECT_NAME = "kv"
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
-def serialize(backend: MlxBackend, cache: Sequence[Any], token_count: int
-              ) -> tuple[dict[str, bytes], dict]:
+def serialize(backend: MlxRuntime, cache: Sequence[Any], token_count: int
+              ) -> tuple[dict[str, bytes | memoryview], dict]:
     """mlx-lm prompt-cache bytes of the first ``token_count`` tokens, plus layout meta."""
     if backend.size(cache) < token_count or token_count < 1:
         raise ValueError(f"cannot store {token_count} tokens of a "
                          f"{backend.size(cache)}-token cache")
-    used = backend._copy(cache, token_count)
+    used = backend.copy_cache(cache, token_count)
     buf = io.BytesIO()
-    with backend._lock:
-        backend._cache_mod.save_prompt_cache(buf, used,
+    with backend.lock:
+        backend.cache_mod.save_prompt_cache(buf, used,
                                              metadata={"spoolctl_format": backend.format})
     if backend.layers is not None:
         return {OBJECT_NAME: buf.getvalue()}, _layers_layout(backend, token_count)
@@ -63,9 +61,9 @@ def serialize(backend: MlxBackend, cache: Sequence[Any], token_count: int
     return {OBJECT_NAME: buf.getvalue()}, layout
 
 
-def _layers_layout(backend: MlxBackend, token_count: int) -> dict[str, Any]:
-    classes, layers = backend._expected(token_count)
-    out = {"format": backend.format, "mlx_lm_version": backend.mlx_lm_version,
+def _layers_layout(backend: MlxRuntime, token_count: int) -> dict[str, Any]:
+    classes, layers = backend.expected_layout(token_count)
+    out: dict[str, Any] = {"format": backend.format, "mlx_lm_version": backend.mlx_lm_version,
            "mlx_version": backend.mlx_version, "object": OBJECT_NAME,
            "classes": classes, "cache_layers": layers, "dtype": backend.dtype,
            "layers": backend.num_layers, "token_count": token_count}
@@ -75,7 +73,7 @@ def _layers_layout(backend: MlxBackend, token_count: int) -> dict[str, Any]:
     return out
 
 
-def check_layout(backend: MlxBackend, layout: Mapping[str, Any], token_count: int) -> None:
+def check_layout(backend: MlxRuntime, layout: Mapping[str, Any], token_count: int) -> None:
     """Raise CacheFormatError unless ``layout`` describes a cache this backend can load."""
     if backend.layers is not None:
         if dict(layout) != _layers_layout(backend, token_count):
@@ -98,7 +96,7 @@ def check_layout(backend: MlxBackend, layout: Mapping[str, Any], token_count: in
                                    f"match this model ({want!r})")
 
 
-def deserialize(backend: MlxBackend, objects: Mapping[str, memoryview | bytes],
+def deserialize(backend: MlxRuntime, objects: Mapping[str, memoryview | bytes],
                 layout: Mapping[str, Any], token_count: int) -> list[Any]:
     """Rebuild a cache from ``serialize`` output; CacheFormatError on any mismatch."""
     check_layout(backend, layout, token_count)
@@ -108,8 +106,8 @@ def deserialize(backend: MlxBackend, objects: Mapping[str, memoryview | bytes],
     data = memoryview(objects[OBJECT_NAME])
     _check_header(backend, safetensors_header(data), token_count)
     try:
-        with backend._lock:
-            cache, meta = backend._cache_mod.load_prompt_cache(
+        with backend.lock:
+            cache, meta = backend.cache_mod.load_prompt_cache(
                 NamedBytesIO(data), return_metadata=True)
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CacheFormatError(f"mlx-lm could not load the cache file: {exc}") from None
@@ -133,11 +131,11 @@ def deserialize(backend: MlxBackend, objects: Mapping[str, memoryview | bytes],
     return cache
 
 
-def _checked_layers(backend: MlxBackend, cache: list[Any], token_count: int
+def _checked_layers(backend: MlxRuntime, cache: list[Any], token_count: int
                     ) -> PromptCache:
     """A loaded mixed-layer cache, after checking every layer against the model's
     description (class, window, K/V dims, state shapes and dtypes, token count)."""
-    classes, layers = backend._expected(token_count)
+    classes, layers = backend.expected_layout(token_count)
     if [type(c).__name__ for c in cache] != classes:
         raise CacheFormatError("loaded cache layer classes do not match this model")
     for i, (c, want) in enumerate(zip(cache, layers or [], strict=True)):
@@ -153,13 +151,13 @@ def _checked_layers(backend: MlxBackend, cache: list[Any], token_count: int
     return out
 
 
-def _check_header(backend: MlxBackend, header: Mapping[str, Any], token_count: int) -> None:
+def _check_header(backend: MlxRuntime, header: Mapping[str, Any], token_count: int) -> None:
     meta = header.get("__metadata__")
     if not isinstance(meta, dict):
         raise CacheFormatError("cache file has no mlx-lm metadata")
     classes = sorted(v for k, v in meta.items() if k.startswith("1."))
     if backend.layers is not None:
-        if classes != sorted(backend._expected(token_count)[0]):
+        if classes != sorted(backend.expected_layout(token_count)[0]):
             raise CacheFormatError(f"cache file holds cache classes {classes[:4]}")
         return
     if classes != ["KVCache"] * backend.num_layers:

@@ -26,7 +26,7 @@ from typing import Any
 
 from spoolctl.store import Hasher
 
-from .local.model_state import ADAPTERS, UnidentifiedModel, digest_of
+from ..local.model_state import ADAPTERS, UnidentifiedModel, digest_of
 
 _LEAVES = ("lora_a", "lora_b", "m")  # the arrays of mlx-lm's LoRA / DoRA layers
 _KEPT_DIGESTS = 16  # adapter digests remembered (each holds its adapter arrays)

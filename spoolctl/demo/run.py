@@ -133,7 +133,8 @@ def run_demo(
     """Run the demo against the store at ``root`` (created if missing); see module doc."""
     from spoolctl.controllers.pytorch import PyTorchBackend, quiet_frameworks
     from spoolctl.store import Store
-    from spoolctl.tinymodel import build_tiny_model
+
+    from .tinymodel import build_tiny_model
 
     say = progress or (lambda _msg: None)
     quiet_frameworks()

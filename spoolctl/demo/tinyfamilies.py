@@ -22,7 +22,7 @@ from pathlib import Path
 
 from spoolctl.errors import ConfigError
 
-from .tinymodel import _train_tokenizer, publish_dir
+from .tinymodel import publish_dir, train_tokenizer
 
 FAMILIES = ("sliding", "hybrid", "ssm")
 #: The sliding window of the ``sliding`` model: small, so tests cross it with short prompts.
@@ -81,7 +81,7 @@ def build_family_model(path: str | os.PathLike[str], family: str, *, seed: int =
         pass
     import torch
 
-    tokenizer = _train_tokenizer(512)
+    tokenizer = train_tokenizer(512)
     config, cls = _config(family, tokenizer)
     for name, value in (overrides or {}).items():
         if not hasattr(config, name):

@@ -1,31 +1,16 @@
 """mlx-vlm controller: persistent prompt caches for vision-language models on MLX.
 
-``MlxVlmCacheController`` is the local engine (``local.LocalCacheController``) with
-the ``VlmEntryFormat`` defined here over an ``MlxVlmBackend`` (``mlx_vlm_backend``,
-the only module that imports ``mlx_vlm``; ``import spoolctl.controllers.mlx_vlm``
-works without it).
+``MlxVlmCacheController`` is ``LocalCacheController`` with the ``VlmEntryFormat`` defined
+here over an ``MlxVlmBackend`` (``vlm_backend``, the only module that imports ``mlx_vlm``).
 
-Contract (see docs/controllers-mlx-vlm.md and docs/decisions/0700-0702):
-
-* An entry is an exact snapshot of the language model's prompt cache, encoded by
-  mlx-vlm's own exact-snapshot codec (``DiskBlockStore.save_exact_cache``, layout
-  ``exact_cache_v1``) and stored as one verified spool object (``kind="mlx"``), so
-  ``spoolctl status/verify/scrub/clean`` handle it like any other entry.
-* Text-only prompts and prompts with images use two namespaces (``vlm_mode`` is
-  part of the namespace identity and of the meta) and a format marker that differs
-  from the plain mlx-lm controller's: none of the three ever loads into another.
-* Image identity (normalized payload after the resize: mode, width, height, pixel
-  bytes, plus each image's place in the prompt, plus ``max_image_size``) is part of
-  the key, of the entry meta, and of the snapshot's ``extra_hash``. A load checks
-  format, identity, layout, mode, image count, image digests, resize setting,
-  ``extra_hash`` and that the snapshot's token ids equal the manifest's and are a
-  prefix of the current prompt. Any mismatch is a miss: the query runs cold
-  (``cache_read_tokens = 0``); bad bytes are quarantined.
-* Both kinds of VLM entries are exact-match only: no base selection, no
-  incremental prefill, no trimming to a shorter base.
-* A process-local ``VisionFeatureCache`` is handed to mlx-vlm; it only helps
-  models that define ``encode_image(s)`` (e.g. gemma4, lfm2_vl); for Qwen2-VL,
-  LLaVA and PaliGemma mlx-vlm ignores it.
+* An entry is an exact snapshot of the language model's prompt cache in mlx-vlm's own
+  exact-snapshot codec, stored as one verified object (``kind="mlx"``).
+* Text-only and image prompts use two namespaces and a format marker of their own: no
+  entry ever loads into another kind of controller.
+* Image identity (normalized pixels, place in the prompt, ``max_image_size``) is part of
+  the key, the meta and the snapshot's ``extra_hash``; any mismatch on load is a miss (the
+  query runs cold; bad bytes are quarantined).
+* Entries are exact-match only: no base selection, incremental prefill or trimming.
 """
 
 from __future__ import annotations
@@ -38,13 +23,13 @@ from typing import Any
 from spoolctl.errors import ConfigError
 from spoolctl.store import Store, entry_id_for, hash_parts
 
-from .contract import CachePrepareParams
-from .local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
-from .local.decoding import DEFAULT, Decoding
-from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
-from .local.entry_format import Loaded, Plan, Prompt, check_common
-from .local.tokens import TokenPrefix, namespace_for
-from .local.vlm_prompt import (
+from ..contract import CachePrepareParams
+from ..local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
+from ..local.decoding import DEFAULT, Decoding
+from ..local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
+from ..local.entry_format import Loaded, Plan, Prompt, check_common
+from ..local.tokens import TokenPrefix, namespace_for
+from ..local.vlm_prompt import (
     MODE_IMAGE,
     MODE_TEXT,
     extra_hash_of,
@@ -52,7 +37,7 @@ from .local.vlm_prompt import (
     images_in_prefix,
     render_vlm,
 )
-from .mlx_vlm_backend import (
+from .vlm_backend import (
     KIND,
     MAX_IMAGE_FILE,
     OBJECT_NAME,
@@ -91,8 +76,8 @@ class VlmEntryFormat:
     noun = "an mlx-vlm entry"
     label = "mlx-vlm"
     kind = KIND
-    bases = False  # exact-match only (decision 0701)
-    # On an encrypted store these go into the entry's sealed object (decision 2821): the
+    bases = False  # a snapshot restores whole: no shorter base exists
+    # On an encrypted store these go into the entry's sealed object: the
     # image digests and the hashes derived from them or from the prompt's key.
     sealed_meta = ("images", "image_digest", "image_count", "extra_hash")
     sealed_layout = ("cache_hash", "file_name", "extra_hash")
@@ -230,7 +215,7 @@ class MlxVlmCacheController(LocalCacheController):
     coalescing, locks, release, close and generate, with exact-match VLM entries
     (``VlmEntryFormat``; see the module docstring). ``generate`` takes the params (or a
     handle) and a final prompt. ``tenant``: on an encrypted store, the tenant whose key
-    seals the entries, with their token ids and image digests (decision 2821); as for
+    seals the entries, with their token ids and image digests; as for
     ``LocalCacheController``. ``lookup_deadline`` / ``read_deadline``: as there.
     """
 

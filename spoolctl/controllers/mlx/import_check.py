@@ -1,5 +1,4 @@
-"""Checking a cache handed to ``import_cache`` against its tokens: ``MlxBackend.check_import``
-(decision 2102).
+"""Checking a cache handed to ``import_cache`` against its tokens: ``MlxBackend.check_import``.
 
 Plain KV caches: every position recomputed (``full``) or four sampled ones, each compared
 layer by layer within a relative tolerance of the dtype. Mixed layers (windows, recurrent
@@ -11,25 +10,23 @@ whose ``mx`` does the arithmetic): no framework import here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .local.mlx_format import describe_layer, slice_caches
-
-if TYPE_CHECKING:
-    from .mlx import MlxBackend
+from ..local.mlx_format import describe_layer, slice_caches
+from .runtime import MlxRuntime
 
 #: Relative tolerance of ``check_import``'s recomputed positions, by dtype.
 _IMPORT_RTOL = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
 
 
-def check_import(backend: MlxBackend, cache: Sequence[Any], tokens: Sequence[int], *,
+def check_import(backend: MlxRuntime, cache: Sequence[Any], tokens: Sequence[int], *,
                  full: bool = True) -> None:
     """Check that ``cache`` holds ``tokens`` for this model; ValueError on a mismatch.
 
     ``full`` (the default): prefill ``tokens`` again, step by step, and compare every
-    layer's K/V at every position (decision 2102); ``full=False``: recompute four
+    layer's K/V at every position; ``full=False``: recompute four
     positions only, each on the cache cut just before it."""
-    mx = backend._mx
+    mx = backend.mx
     n = len(tokens)
     rtol = _IMPORT_RTOL.get(backend.dtype, 6e-2)
     if backend.layers is not None:  # states are a function of the whole prefix: recompute
@@ -39,8 +36,8 @@ def check_import(backend: MlxBackend, cache: Sequence[Any], tokens: Sequence[int
         _check_all_positions(backend, cache, [int(t) for t in tokens], rtol)
         return
     for pos in sorted({0, n // 3, (2 * n) // 3, n - 1}):
-        with backend._lock:
-            work = slice_caches(cache, pos, backend._cache_mod.KVCache)
+        with backend.lock:
+            work = slice_caches(cache, pos, backend.cache_mod.KVCache)
             backend.model(mx.array([[int(tokens[pos])]]), cache=work)
             mx.eval([c.state for c in work])
         for c, w in zip(cache, work, strict=True):
@@ -53,14 +50,14 @@ def check_import(backend: MlxBackend, cache: Sequence[Any], tokens: Sequence[int
                                      f"{int(tokens[pos])} recomputed")
 
 
-def _check_layers_import(backend: MlxBackend, cache: Sequence[Any], tokens: list[int],
+def _check_layers_import(backend: MlxRuntime, cache: Sequence[Any], tokens: list[int],
                          rtol: float) -> None:
     """Check a mixed-layer cache against ``tokens``: its layout (classes, windows, state
     shapes, quantization) must be the model's, and every layer's arrays must match a
     prefill of ``tokens`` by this model. A window or recurrent state depends on the
     whole prefix, so there is nothing to sample: ``check="sample"`` costs the same."""
-    mx = backend._mx
-    want_layers = backend._expected(len(tokens))[1]
+    mx = backend.mx
+    want_layers = backend.expected_layout(len(tokens))[1]
     try:
         got_layers = [describe_layer(c) for c in cache]
     except (AttributeError, TypeError, ValueError, IndexError):
@@ -86,13 +83,13 @@ def _check_layers_import(backend: MlxBackend, cache: Sequence[Any], tokens: list
                                  "recomputed")
 
 
-def _check_all_positions(backend: MlxBackend, cache: Sequence[Any], tokens: list[int],
+def _check_all_positions(backend: MlxRuntime, cache: Sequence[Any], tokens: list[int],
                          rtol: float) -> None:
-    mx = backend._mx
+    mx = backend.mx
     work = backend.new_cache()
     for start in range(0, len(tokens), backend.prefill_step):
         end = min(start + backend.prefill_step, len(tokens))
-        with backend._lock:
+        with backend.lock:
             backend.model(mx.array([tokens[start:end]]), cache=work)
             mx.eval([c.state for c in work])
         for c, w in zip(cache, work, strict=True):

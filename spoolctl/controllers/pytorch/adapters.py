@@ -31,7 +31,7 @@ from typing import Any
 
 from spoolctl.store import Hasher
 
-from .local.model_state import ADAPTERS, UnidentifiedModel, canonical, digest_of
+from ..local.model_state import ADAPTERS, UnidentifiedModel, canonical, digest_of
 
 #: PEFT config fields that say where an adapter came from or how it was first initialised,
 #: not what it computes (the tensors are digested).

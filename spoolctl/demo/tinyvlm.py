@@ -19,7 +19,8 @@ import os
 from pathlib import Path
 
 from spoolctl.errors import ConfigError
-from spoolctl.tinymodel import publish_dir
+
+from .tinymodel import publish_dir
 
 SPEC_VERSION = 1
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",

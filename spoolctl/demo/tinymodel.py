@@ -101,7 +101,7 @@ def publish_dir(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def _train_tokenizer(vocab_size: int, chat: bool = False):
+def train_tokenizer(vocab_size: int, chat: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -144,7 +144,7 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | str = "
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _train_tokenizer(spec.vocab_size, spec.chat)
+    tokenizer = train_tokenizer(spec.vocab_size, spec.chat)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,

@@ -49,7 +49,7 @@ def unwrap(model: Any) -> Any:
 
 def _fingerprint(model: Any) -> tuple[Any, ...]:
     """What changes when a parameter or buffer may have: identity, pointer, version."""
-    out = []
+    out: list[Any] = []
     for t in (*model.parameters(), *model.buffers()):
         try:
             version = int(t._version)

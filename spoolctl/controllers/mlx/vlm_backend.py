@@ -5,7 +5,7 @@ The only module of spoolctl that imports ``mlx_vlm`` (lazily, in
 with their images, prefills, continues a snapshot, and turns a snapshot into mlx-vlm's
 own exact-snapshot bytes (``DiskBlockStore.save_exact_cache``, layout
 ``exact_cache_v1``) and back. What an entry is (key, image identity, manifest fields)
-is ``mlx_vlm.VlmEntryFormat``; the controller is ``mlx_vlm.MlxVlmCacheController``.
+is ``vlm.VlmEntryFormat``; the controller is ``vlm.MlxVlmCacheController``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 from spoolctl.errors import ConfigError
 from spoolctl.store import hash_bytes
 
-from .contract import ImageInput
-from .local.mlx_format import CacheFormatError, model_digest, slice_caches
-from .local.vlm_prompt import ImageIdentity
+from ..contract import ImageInput
+from ..local.mlx_format import CacheFormatError, model_digest, slice_caches
+from ..local.vlm_prompt import ImageIdentity
 
 KIND = "mlx"
 OBJECT_NAME = "snapshot"

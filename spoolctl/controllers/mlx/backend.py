@@ -1,35 +1,15 @@
-"""mlx-lm adapter: the ``MlxBackend`` KV backend and the ``MlxCacheController``.
+"""The mlx-lm KV backend (``MlxBackend``) of ``LocalCacheController``.
 
-This module, ``mlx_generate`` and ``mlx_adapters`` are the only modules of spoolctl that
-import ``mlx`` / ``mlx_lm`` (lazily, in ``MlxBackend.__init__`` and when generating), so
-``import spoolctl.controllers.mlx`` works without them and fails with one clear
-ConfigError only when a backend is built. Parts of the backend live in modules of their
-own, as functions of the backend: ``mlx_codec`` (entry bytes), ``mlx_generate``,
-``mlx_import_check`` and ``mlx_files`` (prompt-cache files).
+Imports ``mlx`` / ``mlx_lm`` only when a backend is built, so importing the module needs
+neither; a missing framework is one ConfigError then.
 
-Contract of the backend (the protocol of ``spoolctl.controllers.local.engine``):
-
-* Caches are mlx-lm prompt caches (``make_prompt_cache``: one ``KVCache`` per
-  layer; ``RotatingKVCache`` / ``ArraysCache`` layers too, as a ``PromptCache``, decision
-  2601). Every operation is **non-mutating**: ``prefill``/``trim`` return a new
-  cache and never touch their input, because the controller keeps a prepared
-  cache in memory and hands it to many generate calls.
-* ``serialize`` writes mlx-lm's own prompt-cache file (``save_prompt_cache``:
-  safetensors with mlx-lm's class/scalar metadata) to bytes, holding only the
-  ``token_count`` used positions of each layer (mlx-lm preallocates 256-token
-  steps; the spare tail is never stored). No pickle anywhere.
-* ``deserialize`` accepts only bytes written in this mlx-lm cache format version
-  (``cache_format()``) for this model's shape: a format, class, dtype or shape
-  mismatch raises ``CacheFormatError`` (a ValueError), which the controller
-  treats as a miss (cold path, entry quarantined and rebuilt), never a crash.
-* ``generate`` feeds mlx-lm only the uncached tokens; when the cache covers the
-  whole prompt (mlx-lm rejects an empty prompt) it trims the last cached token and
-  re-feeds it, which yields exactly the cold logits. Greedy by default; a
-  ``Decoding`` with a temperature samples through ``make_sampler``.
-* Interop (decision 1704): ``restore(handle).cache`` is mlx-lm's list of cache objects
-  (what ``load_prompt_cache`` returns); ``export_prompt_cache`` writes an entry as a
-  ``save_prompt_cache`` file and ``import_prompt_cache`` stores such a file (checked)
-  as the entry of some params.
+* Caches are mlx-lm prompt caches (``make_prompt_cache``); mixed layers (windows,
+  state-space, quantized KV) come as a ``PromptCache`` that counts its tokens.
+* Every operation is non-mutating: ``prefill`` / ``trim`` return a new cache, because the
+  controller hands one prepared cache to many generate calls.
+* ``serialize`` writes mlx-lm's own prompt-cache file (no pickle) of the used positions;
+  ``deserialize`` raises ``CacheFormatError`` (a miss, never a crash) for any other
+  format, class, dtype or shape.
 """
 
 from __future__ import annotations
@@ -41,15 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from spoolctl.errors import ConfigError
-from spoolctl.store import Store
 
-from . import mlx_codec, mlx_files, mlx_generate, mlx_import_check
-from .contract import CacheHandle, CachePrepareParams
-from .local.deadlines import DEFAULT_LOOKUP_DEADLINE_S, DEFAULT_READ_DEADLINE_S
-from .local.decoding import DEFAULT, Decoding
-from .local.engine import DEFAULT_LOCK_TIMEOUT, DEFAULT_MEMORY_ENTRIES, LocalCacheController
-from .local.mlx_format import (
-    CacheFormatError,  # noqa: F401  (re-exported: callers catch it from here)
+from ..local.decoding import DEFAULT, Decoding
+from ..local.mlx_format import (
     PromptCache,
     cache_format,
     copy_state,
@@ -60,10 +34,9 @@ from .local.mlx_format import (
     slice_caches,
     slice_layer,
 )
-from .local.render import ChatTemplate, template_source
-from .mlx_adapters import MlxModelState
-from .mlx_codec import OBJECT_NAME  # noqa: F401  (re-exported)
-from .mlx_files import TOKENS_META  # noqa: F401  (re-exported)
+from ..local.render import ChatTemplate, template_source
+from . import codec, files, generate, import_check
+from .adapters import MlxModelState
 
 KIND = "mlx"
 #: How many prompt tokens one forward pass takes while prefilling (bounds peak memory).
@@ -82,26 +55,15 @@ KV_GROUP_SIZE = 64
 QUANTIZED_KV_START = 5000
 
 
-
 class MlxBackend:
-    """The mlx-lm KV backend of ``LocalCacheController`` (see the module docstring).
+    """The mlx-lm KV backend of ``LocalCacheController``.
 
-    ``model`` is a local transformers/mlx-format model directory (or, as with
-    ``mlx_lm.load``, a Hugging Face repo id already in the local hub cache).
-    ``model_id``: the name ``params.model`` is normalised to (default: the hub id as
-    given, else the resolved directory).
-    Forward passes are serialised by a lock: one model, one compute stream.
-
-    ``kv_bits`` (mlx-lm's option; None: full precision): the KV layers become mlx-lm
-    ``QuantizedKVCache`` (``kv_group_size``) once a cache holds ``quantized_kv_start``
-    tokens. Unlike mlx-lm's ``generate_step``, which converts after whichever prefill chunk
-    crosses that count, the conversion happens at exactly that token (chunks are split
-    there), so a cache's bytes depend only on its tokens and a stored one is exactly what
-    a cold prefill computes (decision 2604).
-
-    ``adapter_path``: LoRA / DoRA adapters to load, as ``mlx_lm.load(..., adapter_path=)``.
-    Adapters loaded into ``self.model`` later are seen too: every prepare keys on the
-    adapters acting at that moment (``model_state``, ``mlx_adapters``).
+    ``model``: a local model directory, or a hub id already in the local hub cache.
+    ``model_id``: what ``params.model`` is normalised to (default: the id as given, else the
+    resolved directory). ``kv_bits``: KV layers become ``QuantizedKVCache``
+    (``kv_group_size``) at exactly token ``quantized_kv_start``, so a stored cache equals a
+    cold prefill. ``adapter_path``: LoRA / DoRA adapters to load; adapters loaded later
+    are keyed too (``model_state``). ConfigError for a bad option, model or framework.
     """
 
     kind = KIND
@@ -136,25 +98,26 @@ class MlxBackend:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         self.quantized_kv_start = quantized_kv_start
-        self._mx = mx
-        self._cache_mod = mlx_cache
+        self.mx: Any = mx
+        self.cache_mod: Any = mlx_cache
         self.mlx_lm_version = str(mlx_lm.__version__)
-        self.mlx_version = str(mx.__version__)
+        self.mlx_version = str(mx.__version__)  # type: ignore[attr-defined]  # no stub
         self.format = cache_format(self.mlx_lm_version)
         self.prefill_step = prefill_step
         self.model_name = os.fspath(model)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self.model_dir = self._resolve(self.model_name)
         self.model_path = self.model_dir
         is_dir = Path(self.model_name).expanduser().is_dir()
         self.model_id = model_id or (str(self.model_dir) if is_dir else self.model_name)
         if adapter_path is not None and not (Path(adapter_path) / "adapter_config.json").is_file():
             raise ConfigError("not an mlx-lm adapter directory (no adapter_config.json)",
-                              path=adapter_path,
+                              path=os.fspath(adapter_path),
                               fix="pass a directory written by mlx_lm.lora (adapter_config.json "
                                   "and adapters.safetensors)")
         try:
-            self.model, self.tokenizer = mlx_lm.load(
+            # a pair without return_config (the stub types the triple too)
+            self.model, self.tokenizer = mlx_lm.load(  # type: ignore[misc]
                 str(self.model_dir),
                 adapter_path=os.fspath(adapter_path) if adapter_path is not None else None)
         except Exception as exc:  # mlx-lm raises whatever its model code hits (TypeError...)
@@ -181,7 +144,7 @@ class MlxBackend:
 
     def model_state(self) -> dict[str, str]:
         """The identity fields of the LoRA layers acting on the base weights now (``{}``:
-        the model as loaded without adapters; ``mlx_adapters``). ``UnidentifiedModel`` for
+        the model as loaded without adapters; ``adapters``). ``UnidentifiedModel`` for
         a change it cannot name (a base weight replaced, another model object)."""
         return self._state.extra(self.model)
 
@@ -205,8 +168,8 @@ class MlxBackend:
 
     def _probe(self) -> None:
         """Learn the cache layout (classes, dtype, KV shape) from a one-token forward."""
-        mx = self._mx
-        cache = self._cache_mod.make_prompt_cache(self.model)
+        mx = self.mx
+        cache = self.cache_mod.make_prompt_cache(self.model)
         classes = {type(c).__name__ for c in cache}
         if not classes <= FAMILY_CLASSES:
             model_type = getattr(getattr(self.model, "args", None), "model_type", None)
@@ -219,11 +182,11 @@ class MlxBackend:
             raise ConfigError("mlx-lm cannot quantize a sliding-window (RotatingKVCache) "
                               "cache", path=self.model_dir,
                               fix="leave kv_bits out for this model")
-        with self._lock:
+        with self.lock:
             self.model(mx.array([[0]]), cache=cache)
             mx.eval([c.state for c in cache])
         #: Per-layer description of a cache that is not all ``KVCache`` (None: the plain
-        #: full-attention layout): class, window, K/V dims, state shapes (decision 2601).
+        #: full-attention layout): class, window, K/V dims, state shapes.
         self.layers: list[dict[str, Any]] | None = None
         self.classes = [type(c).__name__ for c in cache]
         if classes != {"KVCache"} or self.kv_bits is not None:
@@ -249,7 +212,7 @@ class MlxBackend:
         self.dtype = dtype_name(first.keys.dtype) if first is not None else \
             dtype_name(next(a for a in cache[0].cache if a is not None).dtype)
         self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-        self._eos = {int(t) for t in (getattr(self.tokenizer, "eos_token_ids", None) or ())}
+        self.eos_ids = {int(t) for t in (getattr(self.tokenizer, "eos_token_ids", None) or ())}
         bos = getattr(self.tokenizer, "bos_token_id", None)
         plain = self.tokenizer.encode("a", add_special_tokens=False)
         full = self.tokenizer.encode("a")
@@ -291,8 +254,8 @@ class MlxBackend:
     def new_cache(self) -> list[Any]:
         if self.layers is not None:
             return self._quantize_at_start(
-                PromptCache(self._cache_mod.make_prompt_cache(self.model)))
-        return self._cache_mod.make_prompt_cache(self.model)
+                PromptCache(self.cache_mod.make_prompt_cache(self.model)))
+        return self.cache_mod.make_prompt_cache(self.model)
 
     def _quantized(self, cache: Sequence[Any]) -> list[Any]:
         """mlx-lm's own conversion (``to_quantized``) of every KV layer of ``cache``."""
@@ -307,7 +270,7 @@ class MlxBackend:
             cache[:] = self._quantized(cache)
         return cache
 
-    def _expected(self, token_count: int) -> tuple[list[str], list[dict[str, Any]] | None]:
+    def expected_layout(self, token_count: int) -> tuple[list[str], list[dict[str, Any]] | None]:
         """Layer classes and descriptions of a cache of ``token_count`` tokens."""
         if self.kv_bits is not None and token_count < self.quantized_kv_start:
             return self._plain_classes, self._plain_layers
@@ -326,7 +289,7 @@ class MlxBackend:
 
     def clone(self, cache: Sequence[Any]) -> list[Any]:
         """An independent copy (cheaper than ``deepcopy``: only the used tokens)."""
-        return self._copy(cache)
+        return self.copy_cache(cache)
 
     def decode(self, tokens: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(tokens)))
@@ -341,7 +304,7 @@ class MlxBackend:
     def length(self, cache: Sequence[Any]) -> int:
         return self.size(cache)
 
-    def _copy(self, cache: Sequence[Any], keep: int | None = None) -> list[Any]:
+    def copy_cache(self, cache: Sequence[Any], keep: int | None = None) -> list[Any]:
         """An independent cache holding the first ``keep`` (default: all) tokens.
 
         Slicing makes new arrays, so writes into the copy (mlx-lm assigns into its
@@ -356,7 +319,7 @@ class MlxBackend:
         keep = size if keep is None else keep
         if not 0 <= keep <= size:
             raise ValueError(f"cannot keep {keep} tokens of a {size}-token cache")
-        return slice_caches(cache, keep, self._cache_mod.KVCache)
+        return slice_caches(cache, keep, self.cache_mod.KVCache)
 
     def _copy_layers(self, cache: Sequence[Any], keep: int | None) -> list[Any]:
         """A copy of a mixed-layer cache (new arrays, so mlx-lm's in-place writes into the
@@ -367,19 +330,19 @@ class MlxBackend:
         if not isinstance(cache, PromptCache) and isinstance(cache, list):
             cache = self._counted(cache)
         if not isinstance(cache, PromptCache) or \
-                [type(c).__name__ for c in cache] != self._expected(cache.tokens)[0]:
+                [type(c).__name__ for c in cache] != self.expected_layout(cache.tokens)[0]:
             raise ValueError("not a prompt cache of this model")
         size = self.size(cache)
         keep = size if keep is None else keep
         if self.kv_bits is not None:
             return self._copy_quantizing(cache, keep)
-        out = PromptCache(type(c).from_state(copy_state(self._mx, c.state)) for c in cache)
+        out = PromptCache(type(c).from_state(copy_state(self.mx, c.state)) for c in cache)
         out.tokens = size
         if keep != size:
-            if not 0 <= keep < size or not self._cache_mod.can_trim_prompt_cache(out):
+            if not 0 <= keep < size or not self.cache_mod.can_trim_prompt_cache(out):
                 raise ValueError(f"this model's cache ({', '.join(sorted(set(self.classes)))}) "
                                  f"cannot be cut back from {size} to {keep} tokens")
-            if self._cache_mod.trim_prompt_cache(out, size - keep) != size - keep:
+            if self.cache_mod.trim_prompt_cache(out, size - keep) != size - keep:
                 raise ValueError("mlx-lm trimmed fewer tokens than asked")
             out.tokens = keep
         return out
@@ -412,15 +375,15 @@ class MlxBackend:
                                  f"cut back from {size} to {keep} tokens")
         out = PromptCache(
             slice_layer(c, keep) if type(c).__name__ in ("KVCache", "QuantizedKVCache")
-            else type(c).from_state(copy_state(self._mx, c.state)) for c in cache)
+            else type(c).from_state(copy_state(self.mx, c.state)) for c in cache)
         out.tokens = keep
         return out
 
     def prefill(self, cache: Sequence[Any] | None, tokens: Sequence[int]) -> list[Any]:
         """A new cache: ``cache`` (not modified) extended by ``tokens``."""
-        mx = self._mx
-        with self._lock:
-            out = self._copy(cache) if cache is not None else self.new_cache()
+        mx = self.mx
+        with self.lock:
+            out: Any = self.copy_cache(cache) if cache is not None else self.new_cache()
             start = 0
             while start < len(tokens):
                 end = min(start + self.prefill_step, len(tokens))
@@ -440,120 +403,51 @@ class MlxBackend:
         """A new cache holding the first ``keep_tokens`` tokens (mlx-lm's own trim)."""
         if self.layers is not None:
             return self._copy_layers(cache, keep_tokens)
-        out = self._copy(cache)
-        if not self._cache_mod.can_trim_prompt_cache(out):
+        out = self.copy_cache(cache)
+        if not self.cache_mod.can_trim_prompt_cache(out):
             raise ValueError("this prompt cache cannot be trimmed")
         drop = self.size(out) - keep_tokens
         if drop < 0 or keep_tokens < 0:
             raise ValueError(f"cannot keep {keep_tokens} tokens of a {self.size(out)}-token cache")
-        if drop and self._cache_mod.trim_prompt_cache(out, drop) != drop:
+        if drop and self.cache_mod.trim_prompt_cache(out, drop) != drop:
             raise ValueError("mlx-lm trimmed fewer tokens than asked")
         return out
 
     # -- the parts in modules of their own, each a function of the backend ------------------
 
-    def serialize(self, cache: Sequence[Any], token_count: int) -> tuple[dict[str, bytes], dict]:
+    def serialize(self, cache: Sequence[Any], token_count: int
+                  ) -> tuple[dict[str, bytes | memoryview], dict]:
         """mlx-lm prompt-cache bytes of the first ``token_count`` tokens, plus layout meta
-        (``mlx_codec``)."""
-        return mlx_codec.serialize(self, cache, token_count)
+        (``codec``)."""
+        return codec.serialize(self, cache, token_count)
 
     def check_layout(self, layout: Mapping[str, Any], token_count: int) -> None:
         """Raise CacheFormatError unless ``layout`` describes a cache this backend can load."""
-        mlx_codec.check_layout(self, layout, token_count)
+        codec.check_layout(self, layout, token_count)
 
     def deserialize(self, objects: Mapping[str, memoryview | bytes], layout: Mapping[str, Any],
                     token_count: int) -> list[Any]:
         """Rebuild a cache from ``serialize`` output; CacheFormatError on any mismatch."""
-        return mlx_codec.deserialize(self, objects, layout, token_count)
+        return codec.deserialize(self, objects, layout, token_count)
 
     def generate(self, cache: Sequence[Any] | None, cached_tokens: int,
                  prompt_tokens: Sequence[int], max_new_tokens: int,
                  decoding: Decoding = DEFAULT) -> list[int]:
-        """Continuation of ``prompt_tokens`` (``mlx_generate.generate``)."""
-        return mlx_generate.generate(self, cache, cached_tokens, prompt_tokens,
+        """Continuation of ``prompt_tokens`` (``generate.generate``)."""
+        return generate.generate(self, cache, cached_tokens, prompt_tokens,
                                      max_new_tokens, decoding)
 
     def check_import(self, cache: Sequence[Any], tokens: Sequence[int], *,
                      full: bool = True) -> None:
         """Check that ``cache`` holds ``tokens`` for this model; ValueError on a mismatch
-        (``mlx_import_check.check_import``)."""
-        mlx_import_check.check_import(self, cache, tokens, full=full)
+        (``import_check.check_import``)."""
+        import_check.check_import(self, cache, tokens, full=full)
 
-    def save_file(self, cache: Sequence[Any], tokens: Sequence[int], path: str | Path) -> None:
+    def save_file(self, cache: Sequence[Any], tokens: Sequence[int],
+                  path: str | os.PathLike[str]) -> None:
         """Write ``cache`` as an mlx-lm ``save_prompt_cache`` file (with the token ids)."""
-        mlx_files.save_file(self, cache, tokens, path)
+        files.save_file(self, cache, tokens, path)
 
-    def load_file(self, path: str | Path) -> tuple[list[Any], list[int] | None]:
+    def load_file(self, path: str | os.PathLike[str]) -> tuple[list[Any], list[int] | None]:
         """An mlx-lm prompt-cache file: (cache, token ids if the file records them)."""
-        return mlx_files.load_file(self, path)
-
-
-class MlxCacheController(LocalCacheController):
-    """The prompt-cache controller for mlx-lm: ``LocalCacheController`` over ``MlxBackend``.
-
-    Entries are ``kind="mlx"`` in the same store as every other kind, so
-    ``spoolctl status/scrub/clean`` handle them like any entry. ``model`` is a model
-    directory (loaded here) or an already built ``MlxBackend`` (shared, e.g. by tests
-    or by several controllers of one process). ``root=None`` is a managed temporary
-    store that ``close()`` removes. ``kv_bits`` / ``kv_group_size`` /
-    ``quantized_kv_start``: mlx-lm's quantized KV cache (see ``MlxBackend``); ignored when
-    ``model`` is a built backend. ``tenant``: on an encrypted store, the tenant whose key
-    seals the entries (see ``LocalCacheController``). ``adapter_path``: LoRA adapters to
-    load with the model (see ``MlxBackend``). ``lookup_deadline`` / ``read_deadline``: see
-    ``LocalCacheController`` (a hung disk costs ``prepare`` one deadline, then a cold run).
-    """
-
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | MlxBackend,
-        root: str | os.PathLike[str] | Store | None = None,
-        *,
-        max_bytes: int | None = None,
-        memory_entries: int = DEFAULT_MEMORY_ENTRIES,
-        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
-        prefill_step: int = PREFILL_STEP,
-        model_id: str | None = None,
-        read_only: bool = False,
-        kv_bits: int | None = None,
-        kv_group_size: int = KV_GROUP_SIZE,
-        quantized_kv_start: int = QUANTIZED_KV_START,
-        tenant: str | None = None,
-        adapter_path: str | os.PathLike[str] | None = None,
-        lookup_deadline: float = DEFAULT_LOOKUP_DEADLINE_S,
-        read_deadline: float = DEFAULT_READ_DEADLINE_S,
-    ):
-        backend = model if isinstance(model, MlxBackend) else \
-            MlxBackend(model, prefill_step=prefill_step, model_id=model_id, kv_bits=kv_bits,
-                       kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
-                       adapter_path=adapter_path)
-        if root is not None and not isinstance(root, Store):
-            root = os.fspath(root)
-        super().__init__(backend, root, max_bytes=max_bytes, memory_entries=memory_entries,
-                         lock_timeout=lock_timeout, read_only=read_only, tenant=tenant,
-                         lookup_deadline=lookup_deadline, read_deadline=read_deadline)
-        self.mlx: MlxBackend = backend
-
-    def export_prompt_cache(self, target: CachePrepareParams | CacheHandle,
-                            path: str | os.PathLike[str]) -> list[int]:
-        """Write the cache of a handle (params are prepared first) as an mlx-lm
-        ``save_prompt_cache`` file that ``mlx_lm.load_prompt_cache`` reads; the file also
-        records the token ids it covers. Returns those ids."""
-        restored = self.restore(target)
-        if not restored.tokens:
-            raise ConfigError("nothing to export: the handle holds no cache",
-                              fix="prepare params with a cacheable prefix (not read-only "
-                                  "on a miss)")
-        self.mlx.save_file(restored.cache, restored.tokens, path)
-        return restored.tokens
-
-    def import_prompt_cache(self, params: CachePrepareParams,
-                            path: str | os.PathLike[str], *, check: str = "full") -> CacheHandle:
-        """Store an mlx-lm prompt-cache file (``save_prompt_cache``, e.g. from
-        ``export_prompt_cache`` or your own prefill of ``prefix_tokens(params)``) as the
-        entry of ``params``. A file that records token ids must record exactly the
-        prefix's; every file is checked like ``import_cache`` (``check`` as there)."""
-        cache, tokens = self.mlx.load_file(path)
-        if tokens is not None and tokens != self.prefix_tokens(params):
-            raise ConfigError("the file caches other tokens than these params' prefix",
-                              path=path, fix="export and import with the same params and model")
-        return self.import_cache(params, cache, check=check)
+        return files.load_file(self, path)

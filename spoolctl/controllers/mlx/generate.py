@@ -4,23 +4,21 @@ Only the uncached tokens are fed to mlx-lm (``generate_step``); when the cache c
 whole prompt (mlx-lm rejects an empty prompt) the last cached token is trimmed and
 re-fed, which yields exactly the cold logits. Greedy by default; a ``Decoding`` with a
 temperature samples through ``make_sampler``, or with a seed through a sampler drawing from
-a random key of its own (decision 2103). Imports ``mlx_lm`` lazily, when called.
+a random key of its own. Imports ``mlx_lm`` lazily, when called.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spoolctl.errors import ConfigError
 
-from .local.decoding import DEFAULT, Decoding
-
-if TYPE_CHECKING:
-    from .mlx import MlxBackend
+from ..local.decoding import DEFAULT, Decoding, Sampling
+from .runtime import MlxRuntime
 
 
-def generate(backend: MlxBackend, cache: Sequence[Any] | None, cached_tokens: int,
+def generate(backend: MlxRuntime, cache: Sequence[Any] | None, cached_tokens: int,
              prompt_tokens: Sequence[int], max_new_tokens: int,
              decoding: Decoding = DEFAULT) -> list[int]:
     """Continuation of ``prompt_tokens`` (stops at EOS or ``max_new_tokens``).
@@ -35,7 +33,7 @@ def generate(backend: MlxBackend, cache: Sequence[Any] | None, cached_tokens: in
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    mx = backend._mx
+    mx = backend.mx
     decoding = decoding.over(0.0)
     if max_new_tokens <= 0:
         return []
@@ -58,15 +56,16 @@ def generate(backend: MlxBackend, cache: Sequence[Any] | None, cached_tokens: in
         start = len(prompt_tokens) - 1
         kwargs.update(kv_bits=backend.kv_bits, kv_group_size=backend.kv_group_size,
                       quantized_kv_start=backend.quantized_kv_start)
-    if not decoding.greedy and decoding.seed is not None:
-        kwargs["sampler"] = _seeded_sampler(backend, decoding)
-    elif not decoding.greedy:
-        kwargs["sampler"] = make_sampler(temp=float(decoding.temperature),
-                                         top_p=float(decoding.top_p) if decoding.top_p < 1
-                                         else 0.0, top_k=decoding.top_k)
+    if not decoding.greedy:
+        sampling = decoding.sampling()
+        kwargs["sampler"] = _seeded_sampler(backend, sampling, sampling.seed) \
+            if sampling.seed is not None else \
+            make_sampler(temp=sampling.temperature,
+                         top_p=sampling.top_p if sampling.top_p < 1 else 0.0,
+                         top_k=sampling.top_k)
     streamer = decoding.streamer
     out: list[int] = []
-    with backend._lock:
+    with backend.lock:
         if streamer is not None:
             import numpy as np
 
@@ -79,7 +78,7 @@ def generate(backend: MlxBackend, cache: Sequence[Any] | None, cached_tokens: in
                 out.append(int(token))
                 if streamer is not None:
                     streamer.put(np.array([int(token)]))
-                if int(token) in backend._eos:
+                if int(token) in backend.eos_ids:
                     break
         except TypeError as exc:
             if decoding.extra:
@@ -93,23 +92,23 @@ def generate(backend: MlxBackend, cache: Sequence[Any] | None, cached_tokens: in
     return out
 
 
-def _seeded_sampler(backend: MlxBackend, decoding: Decoding) -> Any:
+def _seeded_sampler(backend: MlxRuntime, sampling: Sampling, seed: int) -> Any:
     """``make_sampler``'s top-p / top-k filters and categorical draw, from a random key
     of this call's own (``mx.random.seed`` would reseed the process-wide generator
-    other threads and models draw from; decision 2103)."""
+    other threads and models draw from)."""
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-    mx = backend._mx
-    key = mx.random.key(int(decoding.seed))
-    inv_temp = 1.0 / float(decoding.temperature)
+    mx = backend.mx
+    key = mx.random.key(seed)
+    inv_temp = 1.0 / sampling.temperature
 
     def sampler(logprobs: Any) -> Any:
         nonlocal key
         key, draw = mx.random.split(key)
-        if decoding.top_p < 1:
-            logprobs = apply_top_p(logprobs, float(decoding.top_p))
-        if decoding.top_k > 0:
-            logprobs = apply_top_k(logprobs, decoding.top_k)
+        if sampling.top_p < 1:
+            logprobs = apply_top_p(logprobs, sampling.top_p)
+        if sampling.top_k > 0:
+            logprobs = apply_top_k(logprobs, sampling.top_k)
         return mx.random.categorical(logprobs * inv_temp, key=draw)
 
     return sampler
