@@ -8,7 +8,7 @@
 #   bash scripts/run.sh test-extended # the tests marked `extended`: more real-engine variants
 #                                     # (TP/PP/hybrid engines, every crash point); ~20 min more
 #   bash scripts/run.sh test ARGS     # pytest ARGS in the full venv (one module, -k, -x ...)
-#   bash scripts/run.sh lint          # ruff
+#   bash scripts/run.sh lint          # ruff, mypy, import layers, structure limits
 #   bash scripts/run.sh docs          # CLI reference current + mkdocs build --strict
 #   bash scripts/run.sh test-base     # the modules marked `base` in .venv-base: spoolctl with
 #                                     # its declared dependencies only, plus the test runners
@@ -264,7 +264,10 @@ case "$job" in
     # types: the package in mypy's default mode, the store and the CLI strict ([tool.mypy])
     "$VENV/bin/python" -m mypy
     # the layers, the store's one public API, no import circles (.importlinter)
-    exec "$VENV/bin/lint-imports"
+    "$VENV/bin/lint-imports"
+    # sizes, circles through any import, references to the decision log, private reads in
+    # tests, one drive set, commit subjects (one line per breach)
+    exec "$VENV/bin/python" scripts/check_structure.py
     ;;
   *)
     echo "usage: bash scripts/run.sh demo|test|test-base|test-rest|test-extended|test-newest|test-lowest|test-lanes|check-collect|lint|docs [ARGS]" >&2
