@@ -38,6 +38,7 @@ from pathlib import Path
 from benchutil import drop_page_cache
 
 from spoolctl.store import Store
+from spoolctl.store.catalog.writes import CatalogWrites
 from spoolctl.store.disk.fsio import FILE_MODE
 from spoolctl.store.format.digest import hash_bytes
 from spoolctl.store.format.manifest import Manifest, ObjectRef, encode
@@ -70,9 +71,9 @@ def build(root: Path, n: int) -> float:
             os.write(fd, blob)
             os.close(fd)
             rows.append((m, len(blob)))
-        with cat._write() as db:  # one transaction per batch (setup only)
+        with cat.write_transaction() as db:  # one transaction per batch (setup only)
             for m, size in rows:
-                cat._insert(db, m, size, m.created, hint="retain", state="committed")
+                CatalogWrites._insert(db, m, size, m.created, hint="retain", state="committed")
         if (start + batch) % 100_000 == 0:
             print(f"built {start + batch} entries in {time.perf_counter() - t0:.0f} s",
                   file=sys.stderr, flush=True)
@@ -83,7 +84,7 @@ def build(root: Path, n: int) -> float:
 def release(root: Path, count: int) -> None:
     with Store.open(root) as store:
         ids = [r.entry_id for r in store.entries(sort="age", limit=count)]
-        with store.catalog._write() as db:
+        with store.catalog.write_transaction() as db:
             db.executemany("UPDATE entries SET hint='release' WHERE entry_id=?",
                            [(i,) for i in ids])
 

@@ -80,7 +80,7 @@ def bench_lookup(n: int, chain: int, root: Path) -> dict:
     keys = [key(i) for i in range(n // 2, n // 2 + chain)]
     view_s = min(timed(lambda: view.has(0, keys)) for _ in range(50))
     with Store.open(root, create=True) as store:
-        with store.catalog._write() as db:  # bulk rows: only the lookup is measured
+        with store.catalog.write_transaction() as db:  # bulk rows: only the lookup is measured
             db.executemany(
                 "INSERT INTO entries VALUES (?, 'vllm', ?, ?, 1, 1, 0, 0, 'retain', "
                 "'committed', NULL, '{}')",

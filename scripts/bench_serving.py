@@ -266,12 +266,13 @@ def measure(job: dict) -> dict:
         hung_base = (job.get("spool_roots") or [None])[-1]
 
         def store_out() -> bool:
+            drives = side.drives
             if hung_base is not None:  # several drives: the hung (last) drive's guard
-                slot = next(s for s in side._drives.slots if s.base == hung_base)
-                guard = side._guard_of(slot.drive_id) if slot.drive_id else None
+                slot = next(s for s in drives.slots if s.base == hung_base)
+                guard = drives.guard_of(slot.drive_id) if slot.drive_id else None
                 return guard is None or guard.down
-            # the rank store's health, shared with the scheduler's lookups (decision 2700)
-            return side._guard is not None and side._guard.down
+            # one root: its guard, shared with the scheduler's lookups
+            return any(drive.guard.down for drive in drives.in_use)
 
     out = {}
     for phase, questions in (("restores", job["questions"]),
