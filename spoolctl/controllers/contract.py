@@ -116,18 +116,19 @@ class ToolDefinition:
         if isinstance(value, ToolDefinition):
             return value
         if isinstance(value, Mapping):
-            if value.get("type") == "function" and isinstance(value.get("function"), Mapping):
-                extra = set(value) - {"type", "function"}
+            spec: Mapping[str, Any] = value
+            if spec.get("type") == "function" and isinstance(spec.get("function"), Mapping):
+                extra = set(spec) - {"type", "function"}
                 if extra:
                     raise ConfigError(f"unknown tool fields {sorted(extra)}",
                                       fix='use {"type": "function", "function": {...}}')
-                value = value["function"]
-            unknown = set(value) - {"name", "description", "parameters"}
+                spec = spec["function"]
+            unknown = set(spec) - {"name", "description", "parameters"}
             if unknown:
                 raise ConfigError(f"unknown tool fields {sorted(unknown)}",
                                   fix="a tool has name, description and parameters")
-            return cls(name=value.get("name", ""), description=value.get("description", ""),
-                       parameters=value.get("parameters", {}))
+            return cls(name=spec.get("name", ""), description=spec.get("description", ""),
+                       parameters=spec.get("parameters", {}))
         raise ConfigError(f"a tool must be a ToolDefinition or a dict, not {type(value).__name__}",
                           fix="pass {name, description, parameters}")
 
@@ -300,7 +301,8 @@ class CachePrepareParams:
     def chat_template_kwargs(self) -> dict[str, Any]:
         return dict(self.formatter_options.get("chat_template_kwargs", {}))
 
-    def _require_model(self) -> str:
+    def require_model(self) -> str:
+        """``model``; ConfigError when it is not set."""
         if self.model is None:
             raise ConfigError("params.model is not set",
                               fix="a local controller fills it in (prepare through it); "
@@ -353,7 +355,7 @@ class CachePrepareParams:
     def group_hash(self) -> str:
         """What must match for one entry to serve as another's base: everything but
         the elements (model, tools, formatter options, reasoning effort)."""
-        return hash_parts(KEY_SCHEMA, b"group", self._require_model().encode(),
+        return hash_parts(KEY_SCHEMA, b"group", self.require_model().encode(),
                           self.tools_hash.encode(),
                           self.formatter_hash.encode(), (self.reasoning_effort or "").encode())
 

@@ -238,7 +238,7 @@ class GoogleGenAICacheController:
         tokens = cc.usage_metadata.total_token_count if cc.usage_metadata else None
         return GenaiRecord(
             entry_id=self._tenant.entry_id(self.namespace, store_key(ckey, name)),
-            name=name, model=cc.model or params.model, key=ckey,
+            name=name, model=cc.model or params.require_model(), key=ckey,
             display_name=cc.display_name or "",
             create_time=to_unix(cc.create_time) or now,
             expire_time=to_unix(cc.expire_time) or now + self.ttl_seconds,

@@ -74,7 +74,7 @@ def generate_with_cache(client: genai.Client, params: CachePrepareParams, handle
     what the cache lacks (per ``handle.includes``) plus ``query``. Usage reports
     ``cache_read_tokens`` from ``usage_metadata.cached_content_token_count``."""
     args = _generate_args(params, handle, query, config)
-    step = Remote("generate_content", args, "generating", params.model)
+    step = Remote("generate_content", args, "generating", params.require_model())
     try:
         response = client.models.generate_content(**args)
     except TRANSPORT_ERRORS as exc:
@@ -87,7 +87,7 @@ async def agenerate_with_cache(client: genai.Client, params: CachePrepareParams,
                                query: Query = None, *,
                                config: Mapping[str, Any] | None = None) -> GenerateResult:
     args = _generate_args(params, handle, query, config)
-    step = Remote("generate_content", args, "generating", params.model)
+    step = Remote("generate_content", args, "generating", params.require_model())
     try:
         response = await client.aio.models.generate_content(**args)
     except TRANSPORT_ERRORS as exc:

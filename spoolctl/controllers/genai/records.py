@@ -30,7 +30,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 from spoolctl.errors import (
     BusyError,
@@ -134,11 +134,12 @@ class GenaiTarget:
         if not isinstance(doc, Mapping):
             raise ConfigError("a genai target is not an object", fix="see docs/format.md")
         fields = {k: doc.get(k) for k in ("project", "location", "base_url", "api_version")}
-        fields["api"] = doc.get("api", "gemini")
-        bad = sorted(k for k, v in fields.items() if v is not None and not isinstance(v, str))
+        api = doc.get("api", "gemini")
+        bad = sorted(k for k, v in {**fields, "api": api}.items()
+                     if v is not None and not isinstance(v, str))
         if bad:
             raise ConfigError(f"genai target {bad[0]} is not text", fix="see docs/format.md")
-        return cls(**fields)
+        return cls(api, **fields)  # __post_init__ rejects an unknown api
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ class GenaiRecord:
         )
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -386,24 +387,26 @@ def remote_error(exc: BaseException, action: str, where: str) -> SpoolError:
     message = _one_line(getattr(exc, "message", None) or exc)
     head = f"{action} failed on {where}"
     detail = f" ({code} {status}: {message})" if code else f" ({type(exc).__name__}: {message})"
-    err: SpoolError
-    if code == 400:
-        err = ConfigError(head + detail, fix="fix the request (model name, TTL, contents)")
-    elif code in (401, 403):
-        err = ConfigError(head + detail,
-                          fix="check the API key / credentials and their permissions")
-    elif code == 404:
-        err = NotFoundError(head + detail, fix="the cache is gone on the server; "
-                                               "prepare() creates a new one")
-    elif code == 429:
-        err = BusyError(head + detail, fix="quota exhausted or rate limited: retry later")
-    else:
-        err = RemoteServiceError(head + detail,
-                                 fix="the service failed; retry later (`spoolctl clean --genai` "
-                                     "retries pending deletes)")
+    err = _http_error(code, head + detail)
+    # SpoolError declares no HTTP fields; callers read the service's code and status here.
     err.code = code  # type: ignore[attr-defined]
     err.status = status  # type: ignore[attr-defined]
     return err
+
+
+def _http_error(code: int | None, text: str) -> SpoolError:
+    """The spoolctl error class of an HTTP status ``code`` (None: transport failure)."""
+    if code == 400:
+        return ConfigError(text, fix="fix the request (model name, TTL, contents)")
+    if code in (401, 403):
+        return ConfigError(text, fix="check the API key / credentials and their permissions")
+    if code == 404:
+        return NotFoundError(text, fix="the cache is gone on the server; "
+                                        "prepare() creates a new one")
+    if code == 429:
+        return BusyError(text, fix="quota exhausted or rate limited: retry later")
+    return RemoteServiceError(text, fix="the service failed; retry later "
+                                        "(`spoolctl clean --genai` retries pending deletes)")
 
 
 # -- status ------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from spoolctl.store import ConfigError, SpoolError, Store, hold
 from ..contract import CacheHandle, CachePrepareParams
 from ..logsafe import reason
 from .deadlines import StoreDeadlines
-from .entry_format import EntryFormat, Loaded, Plan
+from .entry_format import EntryFormat, Loaded, Plan, base_ops
 from .entry_io import EntryIO
 from .handle_book import HandleBook
 from .plan_rules import same_params, snapshot_plan
@@ -122,7 +122,7 @@ class EntryBuilder:
             suffix = list(plan.prefix.tokens[keep:])
             try:
                 if suffix:
-                    cache = self._ctx.format.extend(cache, suffix)
+                    cache = base_ops(self._ctx.format).extend(cache, suffix)
                 source, computed, reused = "incremental", len(suffix), keep
             except Exception as exc:  # a base the model cannot extend: start over cold
                 log.warning("incremental prefill on a base failed, prefilling cold: %s",
@@ -188,7 +188,8 @@ class EntryBuilder:
                 # a second cold forward of the whole prefix is far cheaper than that.
                 return self._ctx.format.prefill(plan)
             rest = list(plan.prefix.tokens[len(snap.prefix):])
-            return self._ctx.format.extend(self._ctx.format.clone(head), rest)
+            ops = base_ops(self._ctx.format)
+            return ops.extend(ops.clone(head), rest)
         except (SpoolError, ValueError, RuntimeError) as exc:
             if isinstance(exc, ConfigError):
                 raise

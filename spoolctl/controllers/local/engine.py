@@ -380,7 +380,9 @@ class LocalCacheController:
     def _loaded(self, handle: CacheHandle,
                 params: CachePrepareParams) -> tuple[Loaded | None, bool]:
         """The loaded cache of ``handle`` (memory, else reloaded from disk when it was
-        evicted) and whether it was reloaded; (None, False) if it is gone."""
+        evicted) and whether it was reloaded; (None, False) if it is gone or empty."""
+        if handle.ref is None:
+            return None, False
         with self._lock:
             loaded = self._memory.get(handle.ref)
         if loaded is not None:

@@ -17,9 +17,10 @@ Everything here is pure logic over the backend; no store I/O.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from spoolctl.store import ConfigError, entry_id_for, hash_parts
 
@@ -135,6 +136,52 @@ class EntryFormat(Protocol):
             max_new_tokens: int, decoding: Decoding = DEFAULT) -> tuple[list[int], int]: ...
 
     def decode(self, tokens: list[int]) -> str | None: ...
+
+
+@runtime_checkable
+class BaseFormat(Protocol):
+    """The cache operations of a format whose entries serve as bases (``bases = True``)."""
+
+    def clone(self, cache: Any) -> Any: ...
+
+    def trim(self, cache: Any, keep: int) -> Any: ...
+
+    def extend(self, cache: Any, tokens: list[int]) -> Any: ...
+
+
+def base_ops(entry_format: EntryFormat) -> BaseFormat:
+    """The base operations of a format with ``bases = True``; ConfigError if it lacks them."""
+    if not isinstance(entry_format, BaseFormat):
+        raise ConfigError(f"entry format {entry_format.name!r} sets bases but lacks clone(), "
+                          "trim() or extend()",
+                          fix="implement all three on the format, or set bases = False")
+    return entry_format
+
+
+@runtime_checkable
+class ImportCheckingBackend(Protocol):
+    """The optional ``KVBackend`` members ``import_cache`` needs."""
+
+    def length(self, cache: Any) -> int: ...
+
+    def check_import(self, cache: Any, tokens: list[int], *, full: bool = True) -> None: ...
+
+
+class DecodingBackend(Protocol):
+    """A ``KVBackend`` whose ``generate`` takes the optional ``decoding`` keyword."""
+
+    def generate(self, cache: Any | None, cached_tokens: int, prompt_tokens: list[int],
+                 max_new_tokens: int, *, decoding: Decoding) -> list[int]: ...
+
+
+def takes_decoding(backend: KVBackend) -> TypeGuard[DecodingBackend]:
+    """Whether ``backend.generate`` accepts ``decoding=`` (by name or ``**kwargs``)."""
+    try:
+        params = inspect.signature(backend.generate).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call itself decide
+        return True
+    return "decoding" in params or \
+        any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def check_common(meta: Mapping[str, Any], *, name: str, noun: str,
@@ -307,9 +354,13 @@ class KVEntryFormat:
         recomputed from the tokens (``check_import``: every position when ``full``, else
         four sampled positions)."""
         tokens = list(plan.prefix.tokens)
+        backend = self.backend
+        if not isinstance(backend, ImportCheckingBackend):
+            raise ConfigError(f"the {self.kind} backend cannot check an imported cache",
+                              fix="implement length() and check_import() on the backend")
         try:
             own = self.clone(cache)
-            length = self.backend.length(own)
+            length = backend.length(own)
         except Exception as exc:
             raise ConfigError(f"not a cache of this model: {str(exc)[:200]}",
                               fix="pass the framework's own cache object (transformers "
@@ -320,7 +371,7 @@ class KVEntryFormat:
                               fix="prefill exactly ctl.prefix_tokens(params) into it")
         try:
             self.backend.serialize(own, len(tokens))  # shapes, layers, dtype
-            self.backend.check_import(own, tokens, full=full)
+            backend.check_import(own, tokens, full=full)
         except ValueError as exc:
             raise ConfigError(f"the cache does not hold these tokens for this model: "
                               f"{str(exc)[:200]}",
@@ -346,11 +397,16 @@ class KVEntryFormat:
 
     def run(self, cache: Any | None, cached: int, prompt: Prompt, max_new_tokens: int,
             decoding: Decoding = DEFAULT) -> tuple[list[int], int]:
+        backend = self.backend
         if decoding.is_default:  # every KVBackend decodes with its model's defaults
-            out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens)
+            out = backend.generate(cache, cached, prompt.tokens, max_new_tokens)
+        elif takes_decoding(backend):
+            out = backend.generate(cache, cached, prompt.tokens, max_new_tokens,
+                                   decoding=decoding)
         else:
-            out = self.backend.generate(cache, cached, prompt.tokens, max_new_tokens,
-                                        decoding=decoding)
+            raise ConfigError(f"the {self.kind} backend's generate() takes no decoding options",
+                              fix="leave out sampling, streamer and framework options, or "
+                                  "add a decoding= parameter to the backend's generate()")
         return list(out), cached if cache is not None else 0
 
     def decode(self, tokens: list[int]) -> str | None:

@@ -39,7 +39,7 @@ from spoolctl.store import (
 
 from ..logsafe import reason
 from .deadlines import StoreDeadlines
-from .entry_format import EntryFormat, Loaded, Plan
+from .entry_format import EntryFormat, Loaded, Plan, base_ops
 from .tenancy import Tenancy
 from .tokens import common_prefix_tokens, rank_bases
 
@@ -170,7 +170,8 @@ class EntryIO:
                 keep = common_prefix_tokens(in_memory.prefix, plan.prefix)
                 if keep == 0 or not self.can_cut(keep, len(in_memory.prefix)):
                     continue
-                cache, base_len = self._format.clone(in_memory.cache), len(in_memory.prefix)
+                cache, base_len = base_ops(self._format).clone(in_memory.cache), \
+                    len(in_memory.prefix)
                 where = "memory"
             else:
                 try:
@@ -197,7 +198,7 @@ class EntryIO:
                 cache, base_len, where = loaded.cache, len(loaded.prefix), "disk"
             try:
                 if keep < base_len:
-                    cache = self._format.trim(cache, keep)
+                    cache = base_ops(self._format).trim(cache, keep)
             except Exception as exc:
                 log.warning("could not trim a base: %s", reason(exc))
                 continue

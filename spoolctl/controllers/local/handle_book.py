@@ -47,9 +47,10 @@ class HandleBook:
     def stamp(self, params: CachePrepareParams, handle: CacheHandle,
               work: PrepareWork | None) -> CacheHandle:
         """``handle`` with a new ``prepare_id``; remember the call's params and work."""
-        handle = dataclasses.replace(handle, prepare_id=next(_PREPARE_IDS))
+        prepare_id = next(_PREPARE_IDS)
+        handle = dataclasses.replace(handle, prepare_id=prepare_id)
         with self._lock:
-            self._calls[handle.prepare_id] = (params, work)
+            self._calls[prepare_id] = (params, work)
             while len(self._calls) > MAX_KNOWN_PARAMS:
                 self._calls.popitem(last=False)
             if handle.ref is not None:
@@ -76,11 +77,14 @@ class HandleBook:
 
     def take_work(self, handle: CacheHandle) -> PrepareWork | None:
         """The work of ``handle``'s prepare call if not yet reported (then it is)."""
+        prepare_id = handle.prepare_id
+        if not prepare_id:
+            return None
         with self._lock:
-            call = self._calls.get(handle.prepare_id) if handle.prepare_id else None
+            call = self._calls.get(prepare_id)
             if call is None or call[1] is None:
                 return None
-            self._calls[handle.prepare_id] = (call[0], None)
+            self._calls[prepare_id] = (call[0], None)
             return call[1]
 
     def forget_calls(self) -> None:
@@ -93,6 +97,7 @@ class HandleBook:
 
     def hold(self, handle: CacheHandle) -> None:
         """Remember that ``handle`` (alive while its caller keeps it) holds its ref."""
+        assert handle.ref is not None, "only a handle of an entry holds a ref"
         refs = self._holders.setdefault(handle.ref, [])
         refs[:] = [r for r in refs if r() is not None]
         refs.append(weakref.ref(handle))

@@ -235,11 +235,14 @@ class CacheUse:
             raise ConfigError(f"restore() takes params or a handle, not {type(handle).__name__}",
                               fix="pass the handle prepare() returned")
         query = self._ctx.known(handle)
-        if handle.ref is not None and query is None:
+        if handle.ref is None:
+            loaded = None
+        elif query is None:
             raise ConfigError("this handle was not prepared by this controller",
                               fix="prepare() the params with this controller first")
-        loaded = self._ctx.loaded(handle, query)[0] \
-            if handle.ref is not None and self._state_of(handle, query) else None
+        else:
+            loaded = self._ctx.loaded(handle, query)[0] \
+                if self._state_of(handle, query) else None
         if loaded is None:
             return Restored(cache=new(), tokens=[], handle=handle)
         return Restored(cache=clone(loaded.cache), tokens=list(loaded.prefix.tokens),
