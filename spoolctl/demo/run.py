@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from spoolctl.controllers.contract import CachePrepareParams
+from spoolctl.controllers.contract import CachePrepareParams, Element, ToolDefinition
 
 QUESTION = "Question: what should I do first? Answer:"
 GEN_TOKENS = 8
@@ -90,30 +90,31 @@ def demo_prompts(run_id: str, scale: int = 1) -> dict[str, CachePrepareParams]:
     """Three realistic long prompts (contracts assistant, tool agent, support bot)."""
     tag = f"(session {run_id})"
     contract = CachePrepareParams(
-        instructions=[{"role": "system", "content": "You are a careful contracts assistant. "
-                       f"Answer from the reference documents only, citing clauses. {tag}"}],
-        data=["\n".join(_clauses(7 * scale)), "\n".join(_clauses(5 * scale)[::-1])],
+        instructions=[Element(role="system", content="You are a careful contracts assistant. "
+                              f"Answer from the reference documents only, citing clauses. {tag}")],
+        data=[Element("\n".join(_clauses(7 * scale))),
+              Element("\n".join(_clauses(5 * scale)[::-1]))],
     )
     agent = CachePrepareParams(
-        instructions=[{"role": "system", "content": "You are an operations agent. Use the "
-                       f"tools when they help; think step by step. {tag}"}],
-        tools=[{"name": n, "description": f"{n} tool: returns JSON results for a query",
-                "parameters": {"type": "object",
-                               "properties": {"query": {"type": "string"},
-                                              "limit": {"type": "integer"}}}}
+        instructions=[Element(role="system", content="You are an operations agent. Use the "
+                              f"tools when they help; think step by step. {tag}")],
+        tools=[ToolDefinition(name=n, description=f"{n} tool: returns JSON results for a query",
+                              parameters={"type": "object",
+                                          "properties": {"query": {"type": "string"},
+                                                         "limit": {"type": "integer"}}})
                for n in ("search", "calculator", "weather", "calendar", "tickets")],
-        data=["Runbook: " + " ".join(
+        data=[Element("Runbook: " + " ".join(
             f"Step {i}: check the pump logs, the valve state and the tank level; if the "
             "alarm repeats, open a ticket and page the on-call engineer." for i in range(
-                8 * scale))],
+                8 * scale)))],
     )
     support = CachePrepareParams(
-        instructions=[{"role": "system", "content": "You are a support assistant for the "
-                       f"spool store product. Be brief and exact. {tag}"}],
-        data=["Manual: " + " ".join(
+        instructions=[Element(role="system", content="You are a support assistant for the "
+                              f"spool store product. Be brief and exact. {tag}")],
+        data=[Element("Manual: " + " ".join(
             f"Section {i}: the spool store keeps prompt caches on local disk with integrity "
             "and bounded capacity; a corrupt byte is detected and quarantined." for i in range(
-                10 * scale))],
+                10 * scale)))],
         reasoning_effort="low",
     )
     return {"contracts": contract, "agent": agent, "support": support}
@@ -121,7 +122,7 @@ def demo_prompts(run_id: str, scale: int = 1) -> dict[str, CachePrepareParams]:
 
 def _extend(params: CachePrepareParams, text: str) -> CachePrepareParams:
     return CachePrepareParams(model=params.model, instructions=params.instructions,
-                              data=[*params.data, text], tools=params.tools,
+                              data=[*params.data, Element(text)], tools=params.tools,
                               reasoning_effort=params.reasoning_effort,
                               formatter_options=params.formatter_options)
 
@@ -156,7 +157,8 @@ def run_demo(
             t = time.perf_counter()
             h = ctl.prepare(params)
             seconds = time.perf_counter() - t
-            refs.add(h.ref)
+            if h.ref is not None:  # the empty handle holds no entry to release
+                refs.add(h.ref)
             cold[name] = (seconds, ctl.generate(h, QUESTION, GEN_TOKENS).tokens,
                           h.cached_tokens, h.written_tokens)
     # A new controller has nothing in memory: every hit below comes from disk.
@@ -176,7 +178,8 @@ def run_demo(
         t = time.perf_counter()
         h = ctl.prepare(grown)
         inc_s = time.perf_counter() - t
-        refs.add(h.ref)
+        if h.ref is not None:
+            refs.add(h.ref)
         inc_tokens = ctl.generate(h, QUESTION, GEN_TOKENS).tokens
         # The honest comparison for an incremental prefill is a cold prefill of the same
         # grown prompt, measured here with the backend alone (no store involved).

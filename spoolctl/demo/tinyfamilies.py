@@ -42,7 +42,8 @@ def _config(family: str, tokenizer) -> tuple[object, type]:
             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             sliding_window=SLIDING_WINDOW, max_position_embeddings=16384,
             layer_types=["sliding_attention"] * 3 + ["full_attention"],
-            sliding_window_pattern=4,  # mlx-lm reads the pattern, not layer_types
+            # mlx-lm reads the pattern, not layer_types; a config **kwarg, not typed
+            sliding_window_pattern=4,  # type: ignore[call-arg]
             **common), \
             Gemma3ForCausalLM
     if family == "hybrid":

@@ -158,12 +158,13 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | str = "
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        torch_dtype="float32",  # type: ignore[call-arg]  # PretrainedConfig **kwargs, not typed
     )
     if spec.sliding_window is not None:
         config.sliding_window = spec.sliding_window
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # transformers' decorator on .to() hides torch's dtype overload from mypy
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     # Random init gives near-uniform logits; widen them so greedy decoding is decisive
     # and ties (which could flip between kernels) practically never happen.
     with torch.no_grad():

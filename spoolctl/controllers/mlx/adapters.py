@@ -22,7 +22,7 @@ with ``mlx_lm.fuse`` is a model directory of its own (its files' digest).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 from spoolctl.store import Hasher
 
@@ -71,7 +71,9 @@ class MlxModelState:
         return sorted(layers, key=lambda nm: nm[0]), owned, dropout
 
     def _base_arrays(self, owned: set[int]) -> list[Any]:
-        return [a for _, a in self._flatten(self._root.parameters()) if id(a) not in owned]
+        # tree_flatten returns a list of (path, array) pairs when given no destination
+        flat = cast(list[tuple[str, Any]], self._flatten(self._root.parameters()))
+        return [a for _, a in flat if id(a) not in owned]
 
     def extra(self, model: Any) -> dict[str, str]:
         """The identity fields of the LoRA layers acting now (``{}``: the model as loaded);

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 from spoolctl.errors import ConfigError
 from spoolctl.store import hash_bytes
@@ -25,6 +25,14 @@ from spoolctl.store import hash_bytes
 from ..contract import ImageInput
 from ..local.mlx_format import CacheFormatError, model_digest, slice_caches
 from ..local.vlm_prompt import ImageIdentity
+
+
+class _Tokenizer(Protocol):
+    """The part of the processor's tokenizer this backend uses."""
+
+    def convert_ids_to_tokens(self, ids: int) -> str: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
 
 KIND = "mlx"
 OBJECT_NAME = "snapshot"
@@ -98,7 +106,7 @@ class MlxVlmBackend:
         self._mx, self._apc, self._cache_mod = mx, apc, vlm_cache
         self._mlx_vlm, self._prepare_inputs, self._Image = mlx_vlm, prepare_inputs, Image
         self.mlx_vlm_version = str(getattr(mlx_vlm, "__version__", "unknown"))
-        self.mlx_version = str(mx.__version__)
+        self.mlx_version = str(mx.__version__)  # type: ignore[attr-defined]  # not in mlx's stub
         self.format = snapshot_format(self.mlx_vlm_version)
         self.model_name = os.fspath(model)
         self.model_dir = Path(self.model_name).expanduser()
@@ -116,7 +124,8 @@ class MlxVlmBackend:
         except Exception as exc:  # mlx-vlm raises many types for an unusable directory
             raise ConfigError(f"mlx-vlm cannot load the model: {exc}", path=self.model_dir,
                               fix="pass a model directory mlx-vlm supports") from None
-        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        # A processor without a tokenizer attribute is the tokenizer itself.
+        self.tokenizer = cast(_Tokenizer, getattr(self.processor, "tokenizer", self.processor))
         self.vision_cache = VisionFeatureCache(max_size=VISION_CACHE_SIZE)
         self.uses_vision_cache = hasattr(self.model, "encode_image") or \
             hasattr(self.model, "encode_images")
@@ -163,8 +172,10 @@ class MlxVlmBackend:
         self.num_layers = len(cache)
         from mlx.utils import tree_flatten
 
-        first = next(iter(p for _, p in tree_flatten(self.model.language_model.parameters())),
-                     None)
+        # tree_flatten returns a list of (path, array) pairs when given no destination
+        flat = cast(list[tuple[str, Any]],
+                    tree_flatten(self.model.language_model.parameters()))
+        first = next(iter(p for _, p in flat), None)
         self.dtype = str(first.dtype).rsplit(".", 1)[-1] if first is not None else "unknown"
         mx = self._mx
         self.device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
@@ -248,10 +259,14 @@ class MlxVlmBackend:
         reused = 0
         with self._lock:
             for r in self._mlx_vlm.stream_generate(
-                    self.model, self.processor, "", image=[i.image for i in images] or None,
+                    # mlx-vlm's load() adds the detokenizer its ProcessorLike type asks for
+                    self.model, self.processor,  # type: ignore[arg-type]
+                    "", image=[i.image for i in images] or None,
                     max_tokens=max_tokens, temperature=0.0, vision_cache=self.vision_cache,
                     **self._kwargs(encoded), **extra):
                 reused = int(getattr(r, "cached_tokens", 0) or 0)
+                if r.token is None:  # mlx-vlm's closing record when it generated nothing
+                    break
                 out.append(int(r.token))
                 if int(r.token) in self._eos or len(out) >= max_tokens:
                     break
