@@ -15,9 +15,11 @@ uid the work runs as, so a test can give it the files it owns.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import pkgutil
 import sys
+from pathlib import Path
 
 NOBODY = 65534
 PRELOAD_ENV = "SPOOLCTL_TEST_PRELOAD"
@@ -54,6 +56,8 @@ def _preload() -> None:
                         "spoolctl.demo.run", "spoolctl.connector_plugin"):
             continue
         importlib.import_module(mod.name)
+    for name in _lazy_imports():
+        importlib.import_module(name)
     for name in ("rich.json", "rich.progress", "rich.panel", "rich.rule", "rich.table",
                  "rich.text", "rich.markup", "rich.console", "rich.highlighter",
                  "rich.syntax", "rich.pretty", "rich.traceback", "rich.live",
@@ -62,6 +66,33 @@ def _preload() -> None:
                  "typer.rich_utils", "typer.completion"):
         importlib.import_module(name)
     _rehearse()
+
+
+def _lazy_imports() -> list[str]:
+    """What the CLI and the store import inside functions that the preload above leaves out:
+    the connector modules the CLI reads, and the optional ``cryptography`` (encrypted
+    stores). Read from their source, so a new lazy import is loaded before the drop without
+    editing a list here; a module that is not installed is skipped."""
+    import ast
+
+    import spoolctl
+
+    package = Path(spoolctl.__file__).parent
+    names: set[str] = set()
+    for path in [*package.joinpath("cli").rglob("*.py"), *package.joinpath("store").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            if module.startswith(("spoolctl.connector", "cryptography")):
+                names.add(module)
+                names.update(f"{module}.{a.name}" for a in node.names)
+    return sorted(n for n in names if _is_module(n))
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ModuleNotFoundError, ValueError):  # a name in a module, not a module itself
+        return False
 
 
 def _rehearse() -> None:
