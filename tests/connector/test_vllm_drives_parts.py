@@ -1532,8 +1532,9 @@ def test_the_probe_keeps_a_drive_out_while_its_hung_commit_still_runs(tmp_path: 
             wait_until(lambda: len(asked) >= 3, NET_S, what="three probes")
             assert guard.down  # the reads answer, the commit does not
             running[0] = False
-            wait_until(lambda: not guard.down, NET_S, what="the probe")
-            assert changes == [True, False]
+            # the guard comes back, then tells its listeners (on the probe's thread)
+            wait_until(lambda: len(changes) == 2, NET_S, what="the probe's notice")
+            assert not guard.down and changes == [True, False]
         finally:
             guard.close()
 
