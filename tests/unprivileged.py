@@ -79,10 +79,14 @@ def _lazy_imports() -> list[str]:
 
     package = Path(spoolctl.__file__).parent
     names: set[str] = set()
+    wanted = ("spoolctl.connector", "cryptography")
     for path in [*package.joinpath("cli").rglob("*.py"), *package.joinpath("store").rglob("*.py")]:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        text = path.read_text(encoding="utf-8")
+        if not any(name in text for name in wanted):
+            continue  # parse only the few files that name one: every runner start pays it
+        for node in ast.walk(ast.parse(text)):
             module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
-            if module.startswith(("spoolctl.connector", "cryptography")):
+            if module.startswith(wanted):
                 names.add(module)
                 names.update(f"{module}.{a.name}" for a in node.names)
     return sorted(n for n in names if _is_module(n))
