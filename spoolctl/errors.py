@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
+from typing import Any
 
 
 class QuarantineReason(str, enum.Enum):
@@ -30,8 +31,12 @@ class SpoolError(Exception):
     """Base class of every error spoolctl raises on purpose.
 
     ``message`` says what is wrong, ``path`` where, ``fix`` what the operator
-    should do about it. ``str()`` renders all three on one line.
+    should do about it. ``str()`` renders all three on one line. ``code`` and ``status``
+    are the remote service's HTTP code and status where a remote call failed, else None.
     """
+
+    code: int | None = None
+    status: object = None
 
     def __init__(self, message: str, *, path: str | Path | None = None, fix: str | None = None):
         super().__init__(message)
@@ -130,7 +135,10 @@ class ArchiveError(SpoolError):
     """An export archive that is malformed, truncated, hostile or inconsistent (CLI exit 1).
 
     Raised before anything of the defective part is published; entries completed and
-    verified before the defect stay (each was committed on its own)."""
+    verified before the defect stay (each was committed on its own). ``report`` is the
+    import's report up to the defect, where an import raised it."""
+
+    report: Any = None
 
 
 class AccessDeniedError(ConfigError):

@@ -103,6 +103,6 @@ def _generate_error(exc: BaseException, step: Remote, handle: CacheHandle) -> Sp
         err = NotFoundError(f"cached content {handle.ref} is gone on the server "
                             f"({getattr(exc, 'code', '')}: {' '.join(message.split())[:200]})",
                             fix="prepare() again to create a new cache")
-        err.code = getattr(exc, "code", None)  # type: ignore[attr-defined]
+        err.code = getattr(exc, "code", None)
         return err
     return remote_error(exc, step.action, step.where)

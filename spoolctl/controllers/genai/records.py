@@ -388,9 +388,8 @@ def remote_error(exc: BaseException, action: str, where: str) -> SpoolError:
     head = f"{action} failed on {where}"
     detail = f" ({code} {status}: {message})" if code else f" ({type(exc).__name__}: {message})"
     err = _http_error(code, head + detail)
-    # SpoolError declares no HTTP fields; callers read the service's code and status here.
-    err.code = code  # type: ignore[attr-defined]
-    err.status = status  # type: ignore[attr-defined]
+    err.code = code
+    err.status = status
     return err
 
 

@@ -207,8 +207,7 @@ class Importer:
                 with contextlib.suppress(ArchiveError):
                     sec.flush()
             self.report.error = str(exc)
-            # errors.ArchiveError declares no ``report``; the CLI reads it with getattr
-            exc.report = self.report  # type: ignore[attr-defined]
+            exc.report = self.report
             raise
         except BaseException:
             for sec in self.sections.values():
