@@ -234,3 +234,15 @@ def test_a_weight_edited_after_the_hand_over_bypasses_with_one_warning(
         assert ctl.stats()["bypassed"] == 4 and ctl.store.entries() == stored
     said = [r for r in caplog.records if "cannot identify" in r.getMessage()]
     assert [r.levelno for r in said].count(logging.WARNING) == 1
+
+
+def test_from_model_takes_every_constructor_option_but_the_loading_one(tiny_model_dir):
+    """What docs/controllers.md says under the options table: every option of the
+    constructor but ``adapter_path`` (which loads) passes through ``from_model``."""
+    import inspect
+
+    signature = inspect.signature(MlxCacheController.__init__).parameters
+    options = {name: p.default for name, p in signature.items()
+               if name not in ("self", "model", "root", "adapter_path")}
+    with MlxCacheController.from_model(*plain(tiny_model_dir), **options) as ctl:
+        assert ctl.prepare(CachePrepareParams(**{**PARAMS, "model": None})).source == "cold"
