@@ -54,13 +54,13 @@ def plain(model_dir: Path, adapter: Path | None = None):
     return mlx_lm.load(str(model_dir))
 
 
-def quantized(model_dir: Path, adapter: Path | None = None):
+def quantized(model_dir: Path, adapter: Path | None = None, bits: int = 4):
     """mlx-lm's own quantize path (what ``mlx_lm.convert -q`` runs), done by the app."""
     import mlx_lm
     from mlx_lm.utils import quantize_model
 
     model, tokenizer, config = mlx_lm.load(str(model_dir), return_config=True)
-    model, _ = quantize_model(model, config, group_size=32, bits=4)
+    model, _ = quantize_model(model, config, group_size=32, bits=bits)
     return model, tokenizer
 
 
@@ -122,7 +122,8 @@ def test_a_handed_over_model_restores_from_disk_like_a_cold_run(make, tiny_model
 def test_quantized_compiled_and_adapted_models_are_named_by_their_own_weights(
         tiny_model_dir, adapter_dir):
     """Compiling keeps the module's identity; quantizing, another bit width, one packed
-    integer, and fusing each change it; a loaded adapter is keyed by its content."""
+    integer, the scales, and fusing each change it; a loaded adapter is keyed by its
+    content, not in the base digest."""
     import mlx.core as mx
 
     def digest(model, tokenizer) -> str:
@@ -138,6 +139,7 @@ def test_quantized_compiled_and_adapted_models_are_named_by_their_own_weights(
     quant = digest(quant_model, tokenizer)
     assert quant != base
     assert digest(*quantized(tiny_model_dir)) == quant  # a fresh load, quantized the same way
+    assert digest(*quantized(tiny_model_dir, bits=8)) not in (quant, base)
     proj = quant_model.model.layers[0].mlp.down_proj
     ints = proj.weight  # packed 4-bit integers in uint32 words
     proj.weight = mx.concatenate([ints.reshape(-1)[:1] ^ 1, ints.reshape(-1)[1:]]
@@ -246,3 +248,30 @@ def test_from_model_takes_every_constructor_option_but_the_loading_one(tiny_mode
                if name not in ("self", "model", "root", "adapter_path")}
     with MlxCacheController.from_model(*plain(tiny_model_dir), **options) as ctl:
         assert ctl.prepare(CachePrepareParams(**{**PARAMS, "model": None})).source == "cold"
+
+
+def test_a_second_controller_on_the_same_model_does_not_hash_it_again(tiny_model_dir,
+                                                                      monkeypatch):
+    """The digest is kept per model object while it holds the same arrays; a replaced
+    array is hashed again."""
+    from spoolctl.controllers.mlx import appmodel
+    from spoolctl.store import Hasher
+
+    fed: list[int] = []
+
+    class Counting(Hasher):
+        def update(self, data) -> None:
+            fed.append(len(data))
+            super().update(data)
+
+    monkeypatch.setattr(appmodel, "Hasher", Counting)
+    model, tokenizer = plain(tiny_model_dir)
+    first = MlxBackend.from_loaded(model, tokenizer).identity()["model_digest"]
+    hashed = len(fed)
+    assert hashed > 0
+    with MlxCacheController.from_model(model, tokenizer) as ctl:
+        assert ctl.mlx.identity()["model_digest"] == first and len(fed) == hashed
+    proj = model.model.layers[1].mlp.gate_proj
+    proj.weight = proj.weight * 2
+    assert MlxBackend.from_loaded(model, tokenizer).identity()["model_digest"] != first
+    assert len(fed) > hashed

@@ -92,7 +92,7 @@ def weights_digest(mx: Any, model: Any) -> str:
         known = _digests.get(id(model))
     if known is not None and known[0]() is model and known[1] == key:
         return known[3]
-    h = Hasher()
+    h = Hasher(threaded=True)  # the whole model, hashed while the app waits
     quant = json.dumps(_quantization(model), default=str).encode()
     h.update(len(quant).to_bytes(8, "big") + quant)
     for name, a in params:
