@@ -215,6 +215,16 @@ def test_the_source_directory_names_the_model_by_default(tiny_model_dir):
         assert h.source == "cold"
 
 
+def test_a_plain_transformers_tokenizer_is_wrapped_as_mlx_lm_does(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    model, wrapper = plain(tiny_model_dir)
+    backend = MlxBackend.from_loaded(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    reference = MlxBackend.from_loaded(model, wrapper)
+    assert backend.tokenize_segments([SYSTEM, DOC]) == reference.tokenize_segments([SYSTEM, DOC])
+    assert backend.eos_ids == reference.eos_ids and backend.model_id == str(tiny_model_dir)
+
+
 def test_a_weight_edited_after_the_hand_over_bypasses_with_one_warning(
         tiny_model_dir, store_root, caplog):
     """The handed-over model is watched like a loaded one: a replaced weight is no silent

@@ -28,6 +28,7 @@ class MlxCacheController(LocalCacheController):
     seals the entries (see ``LocalCacheController``). ``adapter_path``: LoRA adapters to
     load with the model (see ``MlxBackend``). ``lookup_deadline`` / ``read_deadline``: see
     ``LocalCacheController`` (a hung disk costs ``prepare`` one deadline, then a cold run).
+    ``from_model``: a controller of a model the application loaded itself.
     """
 
     def __init__(
