@@ -37,6 +37,13 @@ def _lora_arrays(module: Any) -> list[tuple[str, Any]]:
         if isinstance(module, dict) and "lora_a" in module and "lora_b" in module else []
 
 
+def lora_layers(root: Any) -> dict[str, set[int]]:
+    """The LoRA / DoRA layers of ``root`` by name: the ids of their own arrays (not the
+    base weights they wrap)."""
+    return {name: {id(a) for _, a in arrays} for name, module in root.named_modules()
+            if (arrays := _lora_arrays(module))}
+
+
 class MlxModelState:
     """The model state of one ``MlxBackend`` (see the module docstring); the baseline is the
     model as it is when this object is made."""

@@ -35,7 +35,7 @@ from ..local.mlx_format import (
     slice_layer,
 )
 from ..local.render import ChatTemplate, template_source
-from . import codec, files, generate, import_check
+from . import appmodel, codec, files, generate, import_check
 from .adapters import MlxModelState
 
 KIND = "mlx"
@@ -53,6 +53,57 @@ KV_GROUP_SIZES = (32, 64, 128)
 #: mlx-lm's defaults (``generate_step``): group size 64, quantize from token 5000 on.
 KV_GROUP_SIZE = 64
 QUANTIZED_KV_START = 5000
+
+
+def check_options(prefill_step: int, model_id: str | None, kv_bits: int | None,
+                  kv_group_size: int, quantized_kv_start: int) -> None:
+    """One ConfigError for a bad backend option (the constructor's, ``from_loaded``'s)."""
+    if not isinstance(prefill_step, int) or prefill_step < 1:
+        raise ConfigError("prefill_step must be a positive integer", fix="pass e.g. 512")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+        raise ConfigError(f"model_id must be a non-empty string, not {model_id!r}",
+                          fix="pass e.g. model_id='acme/llama-3-8b', or leave it out")
+    if kv_bits is not None and (type(kv_bits) is not int or kv_bits not in KV_BITS):
+        raise ConfigError(f"kv_bits must be one of {KV_BITS} or None, not {kv_bits!r}",
+                          fix="pass e.g. kv_bits=4, or leave it out for a full-precision "
+                              "cache")
+    if type(kv_group_size) is not int or kv_group_size not in KV_GROUP_SIZES:
+        raise ConfigError(f"kv_group_size must be one of {KV_GROUP_SIZES}, not "
+                          f"{kv_group_size!r}", fix="pass e.g. kv_group_size=64")
+    if type(quantized_kv_start) is not int or quantized_kv_start < 0:
+        raise ConfigError(f"quantized_kv_start must be an integer >= 0, not "
+                          f"{quantized_kv_start!r}", fix="pass e.g. quantized_kv_start=0")
+
+
+def resolve_model(model: str) -> Path:
+    """The directory of a model directory or of a hub id already downloaded."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ConfigError("model path is not a directory", path=path,
+                          fix="pass a transformers-format model directory")
+    try:  # a hub id: only what is already downloaded; spoolctl never fetches weights
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:
+        raise ConfigError(f"model {model!r} is neither a directory nor in the local hub "
+                          "cache", fix="pass a local model directory") from None
+
+
+def counted(cache: list[Any]) -> PromptCache:
+    """A plain mlx-lm cache list as a ``PromptCache``, its token count read from an
+    attention layer; ValueError for a state-space-only cache, which keeps no count."""
+    offsets = {int(c.offset) for c in cache if hasattr(c, "offset")}
+    if len(offsets) != 1:
+        raise ValueError("this mlx-lm cache does not say how many tokens it holds (a "
+                         "state-space-only model keeps no count): pass "
+                         "spoolctl.controllers.mlx.PromptCache(cache) with .tokens set, "
+                         "or a file from export_prompt_cache")
+    out = PromptCache(cache)
+    out.tokens = offsets.pop()
+    return out
 
 
 class MlxBackend:
@@ -73,6 +124,57 @@ class MlxBackend:
                  kv_group_size: int = KV_GROUP_SIZE,
                  quantized_kv_start: int = QUANTIZED_KV_START,
                  adapter_path: str | os.PathLike[str] | None = None):
+        mlx_lm = self._bind(prefill_step, model_id, kv_bits, kv_group_size, quantized_kv_start)
+        self.model_name = os.fspath(model)
+        model_dir = resolve_model(self.model_name)
+        self.model_dir: Path | None = model_dir
+        self.model_path: Path | None = model_dir
+        is_dir = Path(self.model_name).expanduser().is_dir()
+        self.model_id = model_id or (str(model_dir) if is_dir else self.model_name)
+        if adapter_path is not None and not (Path(adapter_path) / "adapter_config.json").is_file():
+            raise ConfigError("not an mlx-lm adapter directory (no adapter_config.json)",
+                              path=os.fspath(adapter_path),
+                              fix="pass a directory written by mlx_lm.lora (adapter_config.json "
+                                  "and adapters.safetensors)")
+        try:
+            # a pair without return_config (the stub types the triple too)
+            self.model, self.tokenizer = mlx_lm.load(  # type: ignore[misc]
+                str(model_dir),
+                adapter_path=os.fspath(adapter_path) if adapter_path is not None else None)
+        except Exception as exc:  # mlx-lm raises whatever its model code hits (TypeError...)
+            why = " ".join(str(exc).split())[:300]
+            raise ConfigError(f"mlx-lm cannot load the model ({type(exc).__name__}: {why})",
+                              path=self.model_dir,
+                              fix="check config.json and the weights are a complete model of "
+                                  "an architecture this mlx-lm supports") from None
+        self._adopt({"model_digest": model_digest(model_dir)})
+
+    @classmethod
+    def from_loaded(cls, model: Any, tokenizer: Any, *, identity: str | None = None,
+                    model_id: str | None = None, prefill_step: int = PREFILL_STEP,
+                    kv_bits: int | None = None, kv_group_size: int = KV_GROUP_SIZE,
+                    quantized_kv_start: int = QUANTIZED_KV_START) -> MlxBackend:
+        """A backend of a model the application already loaded (``mlx_lm.load``'s pair;
+        quantized, ``mx.compile``-d or with adapters as the app likes); the contract is in
+        docs/controllers.md. ``identity=None``: the weights are named by the digest of
+        every base parameter (``appmodel``), once per model object. ``identity="..."``:
+        the caller's name for these weights, a promise that it changes whenever they do;
+        the architecture is still part of the identity, and a name this process already
+        saw on another architecture is a ConfigError. Other options: as the constructor."""
+        self = cls.__new__(cls)
+        self._bind(prefill_step, model_id, kv_bits, kv_group_size, quantized_kv_start)
+        self.model, self.tokenizer, source = appmodel.check_loaded(model, tokenizer)
+        self.model_name = source or type(self.model).__name__
+        self.model_dir = Path(source) if source and Path(source).is_dir() else None
+        self.model_path = self.model_dir
+        self.model_id = model_id or self.model_name
+        self._adopt(appmodel.weights_fields(self.mx, self.model, identity))
+        return self
+
+    def _bind(self, prefill_step: int, model_id: str | None, kv_bits: int | None,
+              kv_group_size: int, quantized_kv_start: int) -> Any:
+        """Check the options and import mlx / mlx_lm (one ConfigError without them);
+        returns the ``mlx_lm`` module."""
         try:
             import mlx.core as mx
             import mlx_lm
@@ -80,21 +182,7 @@ class MlxBackend:
         except ImportError as exc:
             raise ConfigError(f"mlx-lm is not usable here ({exc})",
                               fix="pip install 'spoolctl[mlx]' (on Linux: 'mlx-lm[cpu]')") from None
-        if not isinstance(prefill_step, int) or prefill_step < 1:
-            raise ConfigError("prefill_step must be a positive integer", fix="pass e.g. 512")
-        if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
-            raise ConfigError(f"model_id must be a non-empty string, not {model_id!r}",
-                              fix="pass e.g. model_id='acme/llama-3-8b', or leave it out")
-        if kv_bits is not None and (type(kv_bits) is not int or kv_bits not in KV_BITS):
-            raise ConfigError(f"kv_bits must be one of {KV_BITS} or None, not {kv_bits!r}",
-                              fix="pass e.g. kv_bits=4, or leave it out for a full-precision "
-                                  "cache")
-        if type(kv_group_size) is not int or kv_group_size not in KV_GROUP_SIZES:
-            raise ConfigError(f"kv_group_size must be one of {KV_GROUP_SIZES}, not "
-                              f"{kv_group_size!r}", fix="pass e.g. kv_group_size=64")
-        if type(quantized_kv_start) is not int or quantized_kv_start < 0:
-            raise ConfigError(f"quantized_kv_start must be an integer >= 0, not "
-                              f"{quantized_kv_start!r}", fix="pass e.g. quantized_kv_start=0")
+        check_options(prefill_step, model_id, kv_bits, kv_group_size, quantized_kv_start)
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         self.quantized_kv_start = quantized_kv_start
@@ -104,43 +192,28 @@ class MlxBackend:
         self.mlx_version = str(mx.__version__)  # type: ignore[attr-defined]  # no stub
         self.format = cache_format(self.mlx_lm_version)
         self.prefill_step = prefill_step
-        self.model_name = os.fspath(model)
         self.lock = threading.RLock()
-        self.model_dir = self._resolve(self.model_name)
-        self.model_path = self.model_dir
-        is_dir = Path(self.model_name).expanduser().is_dir()
-        self.model_id = model_id or (str(self.model_dir) if is_dir else self.model_name)
-        if adapter_path is not None and not (Path(adapter_path) / "adapter_config.json").is_file():
-            raise ConfigError("not an mlx-lm adapter directory (no adapter_config.json)",
-                              path=os.fspath(adapter_path),
-                              fix="pass a directory written by mlx_lm.lora (adapter_config.json "
-                                  "and adapters.safetensors)")
-        try:
-            # a pair without return_config (the stub types the triple too)
-            self.model, self.tokenizer = mlx_lm.load(  # type: ignore[misc]
-                str(self.model_dir),
-                adapter_path=os.fspath(adapter_path) if adapter_path is not None else None)
-        except Exception as exc:  # mlx-lm raises whatever its model code hits (TypeError...)
-            why = " ".join(str(exc).split())[:300]
-            raise ConfigError(f"mlx-lm cannot load the model ({type(exc).__name__}: {why})",
-                              path=self.model_dir,
-                              fix="check config.json and the weights are a complete model of "
-                                  "an architecture this mlx-lm supports") from None
+        return mlx_lm
+
+    def _adopt(self, weights: dict[str, str]) -> None:
+        """Probe the loaded ``self.model`` and fix the identity (``weights`` names them)."""
         self._probe()
+        kv_bits = self.kv_bits
         self._identity = {
             "framework": "mlx-lm",
             "mlx_lm_version": self.mlx_lm_version,
             "mlx_version": self.mlx_version,
             "cache_format": self.format,
             "model": self.model_id,
-            "model_digest": model_digest(self.model_dir),
+            **weights,
             "dtype": self.dtype,
             "device": self.device,
             **({"cache_layers": layers_summary(self.layers)} if self.layers is not None else {}),
-            **({"kv_bits": str(kv_bits), "kv_group_size": str(kv_group_size),
-                "quantized_kv_start": str(quantized_kv_start)} if kv_bits is not None else {}),
+            **({"kv_bits": str(kv_bits), "kv_group_size": str(self.kv_group_size),
+                "quantized_kv_start": str(self.quantized_kv_start)} if kv_bits is not None
+               else {}),
         }
-        self._state = MlxModelState(mx, self.model)
+        self._state = MlxModelState(self.mx, self.model)
 
     def model_state(self) -> dict[str, str]:
         """The identity fields of the LoRA layers acting on the base weights now (``{}``:
@@ -149,22 +222,6 @@ class MlxBackend:
         return self._state.extra(self.model)
 
     # -- setup ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _resolve(model: str) -> Path:
-        path = Path(model).expanduser()
-        if path.is_dir():
-            return path.resolve()
-        if path.exists() or model.startswith((".", "/", "~")):
-            raise ConfigError("model path is not a directory", path=path,
-                              fix="pass a transformers-format model directory")
-        try:  # a hub id: only what is already downloaded; spoolctl never fetches weights
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(model, local_files_only=True))
-        except Exception:
-            raise ConfigError(f"model {model!r} is neither a directory nor in the local hub "
-                              "cache", fix="pass a local model directory") from None
 
     def _probe(self) -> None:
         """Learn the cache layout (classes, dtype, KV shape) from a one-token forward."""
@@ -328,7 +385,7 @@ class MlxBackend:
         list (``make_prompt_cache``, ``load_prompt_cache``: an import) counts its tokens by
         its attention layers' ``offset``."""
         if not isinstance(cache, PromptCache) and isinstance(cache, list):
-            cache = self._counted(cache)
+            cache = counted(cache)
         if not isinstance(cache, PromptCache) or \
                 [type(c).__name__ for c in cache] != self.expected_layout(cache.tokens)[0]:
             raise ValueError("not a prompt cache of this model")
@@ -345,20 +402,6 @@ class MlxBackend:
             if self.cache_mod.trim_prompt_cache(out, size - keep) != size - keep:
                 raise ValueError("mlx-lm trimmed fewer tokens than asked")
             out.tokens = keep
-        return out
-
-    @staticmethod
-    def _counted(cache: list[Any]) -> PromptCache:
-        """A plain mlx-lm cache list as a ``PromptCache``, its token count read from an
-        attention layer; ValueError for a state-space-only cache, which keeps no count."""
-        offsets = {int(c.offset) for c in cache if hasattr(c, "offset")}
-        if len(offsets) != 1:
-            raise ValueError("this mlx-lm cache does not say how many tokens it holds (a "
-                             "state-space-only model keeps no count): pass "
-                             "spoolctl.controllers.mlx.PromptCache(cache) with .tokens set, "
-                             "or a file from export_prompt_cache")
-        out = PromptCache(cache)
-        out.tokens = offsets.pop()
         return out
 
     def _copy_quantizing(self, cache: PromptCache, keep: int) -> PromptCache:

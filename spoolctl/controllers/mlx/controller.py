@@ -4,6 +4,7 @@ interop with mlx-lm's own prompt-cache files."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from spoolctl.errors import ConfigError
 from spoolctl.store import Store
@@ -27,6 +28,7 @@ class MlxCacheController(LocalCacheController):
     seals the entries (see ``LocalCacheController``). ``adapter_path``: LoRA adapters to
     load with the model (see ``MlxBackend``). ``lookup_deadline`` / ``read_deadline``: see
     ``LocalCacheController`` (a hung disk costs ``prepare`` one deadline, then a cold run).
+    ``from_model``: a controller of a model the application loaded itself.
     """
 
     def __init__(
@@ -58,6 +60,28 @@ class MlxCacheController(LocalCacheController):
                          lock_timeout=lock_timeout, read_only=read_only, tenant=tenant,
                          lookup_deadline=lookup_deadline, read_deadline=read_deadline)
         self.mlx: MlxBackend = backend
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any,
+                   root: str | os.PathLike[str] | Store | None = None, *,
+                   identity: str | None = None, model_id: str | None = None,
+                   **options: Any) -> MlxCacheController:
+        """A controller of a model the application already loaded (``model, tokenizer``:
+        what ``mlx_lm.load`` returned; quantized, ``mx.compile``-d or with adapters as the
+        app likes); ``identity``: see ``MlxBackend.from_loaded``; ``options``: the
+        constructor's cache options (``prefill_step``, ``kv_bits``, ``kv_group_size``,
+        ``quantized_kv_start``) and store options (``max_bytes``, ``tenant``...)."""
+        if "adapter_path" in options:
+            raise ConfigError("adapter_path cannot apply to a model already loaded",
+                              fix="load the adapters before handing the model over "
+                                  "(mlx_lm.load(..., adapter_path=...)); they are keyed by "
+                                  "their content")
+        cache_options = {k: options.pop(k) for k in
+                         ("prefill_step", "kv_bits", "kv_group_size", "quantized_kv_start")
+                         if k in options}
+        backend = MlxBackend.from_loaded(model, tokenizer, identity=identity,
+                                         model_id=model_id, **cache_options)
+        return cls(backend, root, **options)
 
     def export_prompt_cache(self, target: CachePrepareParams | CacheHandle,
                             path: str | os.PathLike[str]) -> list[int]:
