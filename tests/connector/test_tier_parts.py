@@ -1,16 +1,27 @@
-"""SpoolTier's pure parts: its options, its keys, and its I/O threads (no vLLM needed)."""
+"""SpoolTier's pure parts: its options, its keys, its I/O threads and its LRU touches
+(no vLLM needed; the touches against a real store)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from waiting import StepClock
 
 from spoolctl.connector.tier.io import Done, TierIO
-from spoolctl.connector.tier.keys import check_stable_hashing, entry_key, namespace_of
+from spoolctl.connector.tier.keys import (
+    KIND,
+    OBJECT,
+    check_stable_hashing,
+    entry_key,
+    namespace_of,
+)
 from spoolctl.connector.tier.settings import parse_settings
+from spoolctl.connector.tier.touch import Toucher, touch_in
 from spoolctl.errors import ConfigError
+from spoolctl.store import Store
 
 pytestmark = pytest.mark.base
 
@@ -126,3 +137,17 @@ def test_a_chunk_that_fails_to_read_is_left_out_and_the_others_are_copied() -> N
     assert done.ok_keys == [b"a", b"c"]
     assert [bytes(s) for s in slots] == [b"a" * CHUNK, b"\0" * CHUNK, b"c" * CHUNK]
     assert io.shutdown(10)
+
+
+def test_a_chunk_vllm_touched_outlives_an_untouched_newer_one(store_root: Path) -> None:
+    namespace = namespace_of({"model": "m"})
+    with Store.open(store_root, create=True, clock=StepClock(step=60.0)) as store:
+        for key in (b"old", b"newer"):
+            store.put(kind=KIND, namespace=namespace, key=entry_key(key),
+                      objects={OBJECT: key * 10_000})
+        toucher = Toucher(touch_in(store, namespace))
+        toucher.add([b"old", b"never-stored"])  # vLLM touches chunks of other tiers too
+        assert toucher.wait_idle(30) and toucher.shutdown(30)
+        store.set_max_bytes(store.totals().bytes - 1)  # room for one of the two
+        store.enforce_capacity()
+        assert store.live_keys(KIND, namespace) == {entry_key(b"old")}

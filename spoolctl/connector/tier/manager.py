@@ -35,6 +35,7 @@ from .io import Done, TierIO
 from .keys import KIND, OBJECT, check_stable_hashing, entry_key, namespace_of
 from .settings import TierSettings, parse_settings
 from .stats import TierCounters
+from .touch import Toucher, touch_in
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -109,6 +110,7 @@ class SpoolTier(SecondaryTierManager):
                           write_threads=s.write_threads, queue_depth=s.queue_depth,
                           read_deadline=s.read_deadline)
         self._probe = _StoreProbe(self, tier_type)
+        self._toucher = Toucher(touch_in(self.store, self.namespace))
         log.info("spoolctl tier: store %s, namespace %s", self.store.root, self.namespace)
 
     # -- store access (the tier's threads) ------------------------------------------------
@@ -234,7 +236,8 @@ class SpoolTier(SecondaryTierManager):
         return events
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        return  # promotions move the store's LRU clock; a catalog write here would block
+        if not self._unstable():
+            self._toucher.add(keys)  # the toucher's thread writes the catalog, never this one
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._probe.cleanup(req_context.req_id)
@@ -247,7 +250,7 @@ class SpoolTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._probe.shutdown()
-        if self._io.shutdown(SHUTDOWN_TIMEOUT):
+        if self._io.shutdown(SHUTDOWN_TIMEOUT) and self._toucher.shutdown(SHUTDOWN_TIMEOUT):
             self.store.close()
             if self._flat is not self._primary_kv_view:
                 self._flat.release()  # vLLM closes the CPU tier's mmap after us
