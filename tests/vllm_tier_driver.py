@@ -6,7 +6,8 @@ CPU-tier copy is replaced (``MemmoveTieringSpec`` from ``scripts/bench_vllm.py``
 CPU worker refuses the CPU backend). Requests (``tokens``, optional ``salt``: the cache salt)
 run one at a time (greedy); after one with ``entries``, the engine is stepped with tiny
 requests until the tier's store holds that many entries (or ``settle_s`` passed). OUT.json
-holds each request's tokens, ``num_cached_tokens`` and the tier's counters. Two runs in a row
+holds each request's tokens, ``num_cached_tokens``, the tier's counters and the metrics it
+reports to vLLM. Two runs in a row
 are an engine restart.
 """
 
@@ -82,6 +83,8 @@ def run(job: dict) -> dict:
                                 "cached": int(res.num_cached_tokens or 0),
                                 "entries": entries(tier)})
     out["counters"] = tier.counters.snapshot()
+    stats = tier.get_stats()  # what vLLM's metrics would export (stats off in offline LLM)
+    out["metrics"] = {} if stats is None else stats.reduce()
     llm.llm_engine.engine_core.shutdown()
     return out
 

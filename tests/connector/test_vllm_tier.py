@@ -101,6 +101,8 @@ def test_a_restart_restores_identical_tokens_from_the_tier(runs: dict) -> None:
     assert [plain["tokens"], salt_a["tokens"], salt_b["tokens"]] == [cold] * 3
     assert plain["cached"] == FULL and salt_a["cached"] == FULL  # every block, from the tier
     assert b["counters"]["load_chunks"] == 6 and b["counters"]["load_failures"] == 0
+    assert b["metrics"]["spoolctl_tier_promoted_chunks_total"] == 6  # what vLLM exports
+    assert b["metrics"]["spoolctl_tier_read_bytes_total"] == b["counters"]["load_bytes"] > 0
     assert b["namespace"] == runs["a"]["namespace"]  # the key survives the restart
 
 
@@ -120,6 +122,7 @@ def test_a_corrupt_object_is_recomputed_and_quarantined(runs: dict) -> None:
     c = runs["c"]
     assert [r["tokens"] for r in c["requests"]] == [cold] * 3
     assert c["counters"]["load_failures"] == 1 and c["counters"]["load_chunks"] == 8
+    assert c["metrics"]["spoolctl_tier_load_errors_total:('corrupt',)"] == 1
     assert sum(r["cached"] for r in c["requests"]) < 3 * FULL
     [files] = runs["quarantine"]  # one entry, with the corrupt object as evidence
     assert f"{runs['corrupt']}.obj" in files

@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from spoolctl.errors import ConfigError, SpoolError
+from spoolctl.errors import ConfigError, CorruptionError, NotFoundError, SpoolError
 from spoolctl.store import PutRequest, Store, refuse_encrypted
 
 from .engine import engine_config, hash_algo, seed_is_stable
@@ -36,9 +36,13 @@ from .keys import KIND, OBJECT, check_stable_hashing, entry_key, namespace_of
 from .settings import TierSettings, parse_settings
 from .stats import TierCounters
 from .touch import Toucher, touch_in
+from .vllm_stats import metric_definitions, take_stats
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 log = logging.getLogger("spoolctl.connector")
@@ -137,11 +141,14 @@ class SpoolTier(SecondaryTierManager):
                 self.counters.add(load_misses=1)
                 return False
             self.store.read(manifest, OBJECT, into=into)
+        except NotFoundError:  # deleted since the lookup
+            self.counters.add(load_misses=1)
+            return False
         except SpoolError as exc:
-            self.counters.add(load_failures=1)
+            corrupt = isinstance(exc, CorruptionError)
+            self.counters.add(load_failures=int(corrupt), load_io_errors=int(not corrupt))
             log.warning("spoolctl tier: a chunk is recomputed: %s", exc)
             return False
-        self.counters.add(load_chunks=1)
         return True
 
     def _write_chunks(self, chunks: Sequence[tuple[bytes, memoryview]]) -> set[bytes]:
@@ -211,8 +218,17 @@ class SpoolTier(SecondaryTierManager):
             results.append(self._result(done))
         return results
 
+    def _count(self, done: Done) -> None:
+        if not done.is_load:
+            self.counters.add(store_bytes=done.nbytes)
+        elif done.overdue:
+            self.counters.add(load_deadline_misses=len(done.keys))
+        else:
+            self.counters.add(load_chunks=len(done.ok_keys), load_bytes=done.nbytes)
+
     def _result(self, done: Done) -> JobResult:
         ok = len(done.ok_keys) == len(done.keys)
+        self._count(done)
         if done.is_load:
             if not ok:
                 failed = set(done.keys).difference(done.ok_keys)
@@ -225,6 +241,14 @@ class SpoolTier(SecondaryTierManager):
                          successful_keys=None if ok or not done.is_load or not done.ok_keys
                          else tuple(OffloadKey(k) for k in done.ok_keys),
                          transfer_time=done.seconds, transfer_bytes=done.nbytes or None)
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return take_stats(self.counters)
 
     def has_pending_work(self) -> bool:
         return self._io.busy()
