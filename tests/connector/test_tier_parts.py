@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import pytest
 from waiting import StepClock
 
+from spoolctl.connector.tier.api_check import check_tier_api
+from spoolctl.connector.tier.bounded import BoundedCall
 from spoolctl.connector.tier.io import Done, TierIO
 from spoolctl.connector.tier.keys import (
     KIND,
@@ -151,3 +154,70 @@ def test_a_chunk_vllm_touched_outlives_an_untouched_newer_one(store_root: Path) 
         store.set_max_bytes(store.totals().bytes - 1)  # room for one of the two
         store.enforce_capacity()
         assert store.live_keys(KIND, namespace) == {entry_key(b"old")}
+
+
+class TierABC(ABC):
+    """A stand-in for vLLM's SecondaryTierManager: one required hook, one optional."""
+
+    @abstractmethod
+    def lookup(self, key, req_context): ...
+
+    def touch(self, keys, req_context):
+        return
+
+
+class ATier(TierABC):
+    def lookup(self, key, req_context):
+        return True
+
+    def touch(self, keys, req_context, **unused):
+        return
+
+
+class WithNewRequiredMethod(TierABC):
+    @abstractmethod
+    def reserve(self, keys): ...
+
+
+class WithChangedHook(TierABC):
+    def touch(self, keys, req_context, priority):
+        return
+
+
+def test_a_tier_api_that_changed_is_refused_naming_the_vllm_version() -> None:
+    hooks = ("lookup", "touch")
+    check_tier_api(TierABC, ATier, "0.32.0", hooks)
+    for base, named in ((WithNewRequiredMethod, "reserve()"), (WithChangedHook, "touch()")):
+        with pytest.raises(ConfigError) as exc:
+            check_tier_api(base, ATier, "0.99.0", hooks)
+        assert "vLLM 0.99.0" in one_line(exc) and named in one_line(exc)
+    with pytest.raises(ConfigError, match="no touch_all"):
+        check_tier_api(TierABC, ATier, "0.99.0", (*hooks, "touch_all"))
+
+
+def test_a_lookup_on_a_hung_disk_is_a_miss_and_later_ones_do_not_queue_behind_it() -> None:
+    disk = threading.Event()
+    calls: list[str] = []
+
+    def query(name: str):
+        def run() -> set[str]:
+            calls.append(name)
+            disk.wait()
+            return {name}
+        return run
+
+    bounded = BoundedCall(0.2, "test_lookup")
+    assert bounded(query("a"), set()) == set()  # past its deadline: a miss
+    assert bounded.stuck
+    assert bounded(query("b"), set()) == set() and calls == ["a"]  # not queued behind it
+    disk.set()  # the disk answers again
+    assert wait_for(lambda: not bounded.stuck)
+    assert bounded(query("c"), set()) == {"c"}
+    bounded.close()
+
+
+def wait_for(cond, seconds: float = 30.0) -> bool:
+    until = time.monotonic() + seconds
+    while not cond() and time.monotonic() < until:
+        time.sleep(0.01)
+    return cond()

@@ -29,6 +29,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from spoolctl.errors import ConfigError, CorruptionError, NotFoundError, SpoolError
 from spoolctl.store import PutRequest, Store, refuse_encrypted
 
+from .api_check import check_tier_api
+from .bounded import BoundedCall
 from .engine import engine_config, hash_algo, seed_is_stable
 from .identity import python_hash_seed, tier_identity, weights_of
 from .io import Done, TierIO
@@ -74,6 +76,18 @@ def _refuse_engine(vllm_config: Any) -> None:
                           fix="use SpoolConnector for LoRA serving, or disable LoRA")
 
 
+def _refuse_encrypted(store: Store) -> None:
+    """Refuse an encrypted store: vLLM's tier API passes no tenant to choose a key by."""
+    try:
+        refuse_encrypted(store, "SpoolTier")
+    except ConfigError:
+        raise ConfigError("SpoolTier cannot use an encrypted store: vLLM's tier API passes "
+                          "no tenant with a chunk to choose its key by", path=store.root,
+                          fix="use SpoolConnector (tenants from cache_salt) for encryption "
+                              "at rest, or unset SPOOLCTL_MASTER_KEY, SPOOLCTL_MASTER_KEY_FILE "
+                              "and SPOOLCTL_MASTER_KEY_COMMAND for this engine") from None
+
+
 class SpoolTier(SecondaryTierManager):
     """A disk tier under vLLM's CPU tier, in a spoolctl store (see the package docstring)."""
 
@@ -82,6 +96,7 @@ class SpoolTier(SecondaryTierManager):
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview,
                  tier_type: str, backpressure_detector: BackpressureDetector | None = None,
                  **options: Any) -> None:
+        check_tier_api(SecondaryTierManager, type(self), vllm.__version__)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.settings: TierSettings = parse_settings(options)
         locality = options.get("locality")
@@ -96,7 +111,7 @@ class SpoolTier(SecondaryTierManager):
         self.store = Store.open(self.settings.root, create=True,
                                 max_bytes=self.settings.max_size)
         try:
-            refuse_encrypted(self.store, "the SpoolTier (vLLM's tier API carries no tenant)")
+            _refuse_encrypted(self.store)
         except ConfigError:
             self.store.close()
             raise
@@ -113,6 +128,7 @@ class SpoolTier(SecondaryTierManager):
                           chunk_bytes=self.block_size_bytes, read_threads=s.read_threads,
                           write_threads=s.write_threads, queue_depth=s.queue_depth,
                           read_deadline=s.read_deadline)
+        self._bounded = BoundedCall(s.read_deadline, "spool_tier_lookup")
         self._probe = _StoreProbe(self, tier_type)
         self._toucher = Toucher(touch_in(self.store, self.namespace))
         log.info("spoolctl tier: store %s, namespace %s", self.store.root, self.namespace)
@@ -123,9 +139,10 @@ class SpoolTier(SecondaryTierManager):
         return self.store.entry_id(KIND, self.namespace, entry_key(key))
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which keys have a committed entry (catalog only; the lookup thread)."""
+        """Which keys have a committed entry (catalog only; the lookup thread); all
+        misses if the catalog does not answer within ``read_deadline`` (a hung disk)."""
         ids = [self._entry_id(k) for k in keys]
-        live = self.store.live(ids)
+        live: set[str] = self._bounded(lambda: self.store.live(ids), set())
         return [i in live for i in ids]
 
     def _read_chunk(self, key: bytes, into: memoryview) -> bool:
@@ -274,6 +291,7 @@ class SpoolTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._probe.shutdown()
+        self._bounded.close()
         if self._io.shutdown(SHUTDOWN_TIMEOUT) and self._toucher.shutdown(SHUTDOWN_TIMEOUT):
             self.store.close()
             if self._flat is not self._primary_kv_view:
