@@ -128,7 +128,7 @@ class SpoolTier(SecondaryTierManager):
                           chunk_bytes=self.block_size_bytes, read_threads=s.read_threads,
                           write_threads=s.write_threads, queue_depth=s.queue_depth,
                           read_deadline=s.read_deadline)
-        self._bounded = BoundedCall(s.read_deadline, "spool_tier_lookup")
+        self.lookup_guard = BoundedCall(s.read_deadline, "spool_tier_lookup")
         self._probe = _StoreProbe(self, tier_type)
         self._toucher = Toucher(touch_in(self.store, self.namespace))
         log.info("spoolctl tier: store %s, namespace %s", self.store.root, self.namespace)
@@ -142,7 +142,7 @@ class SpoolTier(SecondaryTierManager):
         """Which keys have a committed entry (catalog only; the lookup thread); all
         misses if the catalog does not answer within ``read_deadline`` (a hung disk)."""
         ids = [self._entry_id(k) for k in keys]
-        live: set[str] = self._bounded(lambda: self.store.live(ids), set())
+        live: set[str] = self.lookup_guard(lambda: self.store.live(ids), set())
         return [i in live for i in ids]
 
     def _read_chunk(self, key: bytes, into: memoryview) -> bool:
@@ -291,7 +291,7 @@ class SpoolTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._probe.shutdown()
-        self._bounded.close()
+        self.lookup_guard.close()
         if self._io.shutdown(SHUTDOWN_TIMEOUT) and self._toucher.shutdown(SHUTDOWN_TIMEOUT):
             self.store.close()
             if self._flat is not self._primary_kv_view:
