@@ -7,7 +7,7 @@ CPU worker refuses the CPU backend). Requests (``tokens``, optional ``salt``: th
 run one at a time (greedy); after one with ``entries``, the engine is stepped with tiny
 requests until the tier's store holds that many entries (or ``settle_s`` passed). OUT.json
 holds each request's tokens, ``num_cached_tokens``, the tier's counters and the metrics it
-reports to vLLM. Two runs in a row
+reported to vLLM (``metrics``: what vLLM took from its ``get_stats``, summed). Two runs in a row
 are an engine restart.
 
 A request may first set the FUSE mount under the root (``job["control"]``, the control file
@@ -107,18 +107,32 @@ def serve(llm, tier, job: dict, out: dict) -> None:
                                 "entries": None if hung else entries(tier)})
 
 
+def record_stats(tier, into: dict) -> None:
+    """Sum into ``into`` what vLLM's scheduler takes from the tier's ``get_stats`` (it polls
+    every step; offline, without stat loggers, it drops them after)."""
+    take = tier.get_stats
+
+    def get_stats():
+        stats = take()
+        for name, value in ({} if stats is None else stats.reduce()).items():
+            into[name] = into.get(name, 0) + value
+        return stats
+
+    tier.get_stats = get_stats
+
+
 def run(job: dict) -> dict:
     llm = make_llm(job)
     tier = the_tier(llm)
-    out: dict = {"requests": [], "namespace": tier.namespace}
+    out: dict = {"requests": [], "namespace": tier.namespace, "metrics": {}}
+    record_stats(tier, out["metrics"])
     try:
         serve(llm, tier, job, out)
     finally:
         if "control" in job:
             disk(job, tier, "answer")  # nothing this process leaves may stay hung
     out["counters"] = tier.counters.snapshot()
-    stats = tier.get_stats()  # what vLLM's metrics would export (stats off in offline LLM)
-    out["metrics"] = {} if stats is None else stats.reduce()
+    tier.get_stats()  # what vLLM has not taken yet
     llm.llm_engine.engine_core.shutdown()
     return out
 
