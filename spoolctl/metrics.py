@@ -10,7 +10,7 @@ rank store, ``spoolctl metrics --root R``) add two *target* labels, ``deployment
 deployment directory's name: a digest of the deployment identity, never prompt data) and
 ``rank`` (four digits), each checked against a strict pattern (``TARGET_LABELS``).
 
-Two groups:
+Three groups:
 
 * Store gauges (``STORE_GAUGES``), computed from one ``Store.facts()`` snapshot by
   ``store_gauges`` (the same facts ``spoolctl status`` shows) and rendered in the
@@ -18,6 +18,8 @@ Two groups:
 * Connector metrics (``CONNECTOR_METRICS``): counters/histograms the vLLM
   connector records in-process and exports through vLLM's own ``/metrics``.
   The connector imports the name constants from here; it must not invent its own.
+* Tier metrics (``TIER_METRICS``): counters of ``SpoolTier`` (vLLM's own offloading with a
+  spoolctl disk tier), exported through vLLM's ``/metrics`` by its OffloadingConnector.
 
 Framework-free: only ``prometheus_client`` (a base dependency) and the store.
 """
@@ -258,8 +260,32 @@ WRITE_BUDGET_USED = _g("write_budget_used_bytes",
 
 CONNECTOR_METRICS += (EVENTS_STORED, EVENTS_REMOVED, EVENTS_UNRESOLVED)
 
+# -- SpoolTier under vLLM's OffloadingConnector (exported by vLLM's /metrics) -------------------
+
+TIER_LOOKUPS = _c("tier_lookups_total", "SpoolTier chunk lookups, by result (hit, miss).",
+                  "result")
+TIER_PROMOTED = _c("tier_promoted_chunks_total",
+                   "Chunks SpoolTier read, verified and copied into vLLM's CPU tier.")
+TIER_READ_BYTES = _c("tier_read_bytes_total", "KV bytes SpoolTier promoted into the CPU tier.")
+TIER_LOAD_ERRORS = _c("tier_load_errors_total",
+                      "Chunks SpoolTier could not promote (vLLM recomputes them), by reason: "
+                      "absent (gone since the lookup), corrupt (failed verification: "
+                      "quarantined), io_error, deadline (a promotion past read_deadline).",
+                      "reason")
+TIER_STORED = _c("tier_stored_chunks_total", "Chunks SpoolTier committed to its store.")
+TIER_WRITE_BYTES = _c("tier_write_bytes_total", "KV bytes SpoolTier committed to its store.")
+TIER_STORES_SKIPPED = _c("tier_stores_skipped_total",
+                         "Chunks SpoolTier did not store, by reason: busy (its store queue was "
+                         "full: backpressure), io_error (the store refused them: a full disk, "
+                         "capacity, an I/O error).", "reason")
+TIER_METRICS: tuple[MetricSpec, ...] = (
+    TIER_LOOKUPS, TIER_PROMOTED, TIER_READ_BYTES, TIER_LOAD_ERRORS, TIER_STORED,
+    TIER_WRITE_BYTES, TIER_STORES_SKIPPED,
+)
+
 ALL_METRICS: tuple[MetricSpec, ...] = (*STORE_GAUGES, *CONNECTOR_METRICS, WRITE_AMPLIFICATION,
-                                       DISK_DOWN, DRIVE_DOWN, WRITE_BUDGET, WRITE_BUDGET_USED)
+                                       DISK_DOWN, DRIVE_DOWN, WRITE_BUDGET, WRITE_BUDGET_USED,
+                                       *TIER_METRICS)
 
 
 @dataclass(frozen=True)

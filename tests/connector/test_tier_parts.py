@@ -1,16 +1,30 @@
-"""SpoolTier's pure parts: its options, its keys, and its I/O threads (no vLLM needed)."""
+"""SpoolTier's pure parts: its options, its keys, its I/O threads and its LRU touches
+(no vLLM needed; the touches against a real store)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
+from pathlib import Path
 
 import pytest
+from waiting import StepClock
 
+from spoolctl.connector.tier.api_check import check_tier_api
+from spoolctl.connector.tier.bounded import BoundedCall
 from spoolctl.connector.tier.io import Done, TierIO
-from spoolctl.connector.tier.keys import check_stable_hashing, entry_key, namespace_of
+from spoolctl.connector.tier.keys import (
+    KIND,
+    OBJECT,
+    check_stable_hashing,
+    entry_key,
+    namespace_of,
+)
 from spoolctl.connector.tier.settings import parse_settings
+from spoolctl.connector.tier.touch import Toucher, touch_in
 from spoolctl.errors import ConfigError
+from spoolctl.store import Store
 
 pytestmark = pytest.mark.base
 
@@ -126,3 +140,84 @@ def test_a_chunk_that_fails_to_read_is_left_out_and_the_others_are_copied() -> N
     assert done.ok_keys == [b"a", b"c"]
     assert [bytes(s) for s in slots] == [b"a" * CHUNK, b"\0" * CHUNK, b"c" * CHUNK]
     assert io.shutdown(10)
+
+
+def test_a_chunk_vllm_touched_outlives_an_untouched_newer_one(store_root: Path) -> None:
+    namespace = namespace_of({"model": "m"})
+    with Store.open(store_root, create=True, clock=StepClock(step=60.0)) as store:
+        for key in (b"old", b"newer"):
+            store.put(kind=KIND, namespace=namespace, key=entry_key(key),
+                      objects={OBJECT: key * 10_000})
+        toucher = Toucher(touch_in(store, namespace))
+        toucher.add([b"old", b"never-stored"])  # vLLM touches chunks of other tiers too
+        assert toucher.wait_idle(30) and toucher.shutdown(30)
+        store.set_max_bytes(store.totals().bytes - 1)  # room for one of the two
+        store.enforce_capacity()
+        assert store.live_keys(KIND, namespace) == {entry_key(b"old")}
+
+
+class TierABC(ABC):
+    """A stand-in for vLLM's SecondaryTierManager: one required hook, one optional."""
+
+    @abstractmethod
+    def lookup(self, key, req_context): ...
+
+    def touch(self, keys, req_context):
+        return
+
+
+class ATier(TierABC):
+    def lookup(self, key, req_context):
+        return True
+
+    def touch(self, keys, req_context, **unused):
+        return
+
+
+class WithNewRequiredMethod(TierABC):
+    @abstractmethod
+    def reserve(self, keys): ...
+
+
+class WithChangedHook(TierABC):
+    def touch(self, keys, req_context, priority):
+        return
+
+
+def test_a_tier_api_that_changed_is_refused_naming_the_vllm_version() -> None:
+    hooks = ("lookup", "touch")
+    check_tier_api(TierABC, ATier, "0.32.0", hooks)
+    for base, named in ((WithNewRequiredMethod, "reserve()"), (WithChangedHook, "touch()")):
+        with pytest.raises(ConfigError) as exc:
+            check_tier_api(base, ATier, "0.99.0", hooks)
+        assert "vLLM 0.99.0" in one_line(exc) and named in one_line(exc)
+    with pytest.raises(ConfigError, match="no touch_all"):
+        check_tier_api(TierABC, ATier, "0.99.0", (*hooks, "touch_all"))
+
+
+def test_a_lookup_on_a_hung_disk_is_a_miss_and_later_ones_do_not_queue_behind_it() -> None:
+    disk = threading.Event()
+    calls: list[str] = []
+
+    def query(name: str):
+        def run() -> set[str]:
+            calls.append(name)
+            disk.wait()
+            return {name}
+        return run
+
+    bounded = BoundedCall(0.2, "test_lookup")
+    assert bounded(query("a"), set()) == set()  # past its deadline: a miss
+    assert bounded.stuck
+    assert bounded(query("b"), set()) == set() and calls == ["a"]  # not queued behind it
+    disk.set()  # the disk answers again
+    assert wait_for(lambda: not bounded.stuck)
+    assert bounded(query("c"), set()) == {"c"}
+    bounded.close()
+
+
+def wait_for(cond, seconds: float = 30.0) -> bool:
+    until = time.monotonic() + seconds
+    while not cond() and time.monotonic() < until:
+        time.sleep(0.01)
+    return cond()

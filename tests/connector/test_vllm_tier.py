@@ -8,7 +8,8 @@ A  cold: stores every full block through the CPU tier into the store, unsalted a
    cache salt A (the same greedy tokens: a salt changes no computation).
 B  restart: the unsalted prompt and salt A's restore from the tier (identical tokens, every
    block a hit counted by the tier); salt B never finds them (isolation). Then
-   ``spoolctl status`` and ``scrub`` on the tier's root, and one stored object is corrupted.
+   ``spoolctl status``, ``scrub`` and ``metrics`` on the tier's root, and one stored
+   object is corrupted.
 C  restart: every variant again: identical tokens, the corrupt block recomputed (a failed
    promotion, not bytes handed to vLLM), its entry in quarantine and the block stored again.
 """
@@ -23,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from operator_cli import run_json
+from operator_cli import run, run_json
 from vllm_engines import run_engine
 
 from spoolctl.store import Store
@@ -77,6 +78,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
                                             request(SALT_B, entries=9)]}, work, "b")
     out["status"] = run_json("status", "--root", str(root))
     out["scrub"] = run_json("scrub", "--root", str(root))
+    out["metrics"] = run("metrics", "--root", str(root))
     out["corrupt"] = corrupt_one(root, out["a"]["namespace"])
     # The recomputed block is stored again before the salted variants read the shared object.
     out["c"] = engine({**base, "requests": [request(entries=9), request(SALT_A),
@@ -101,6 +103,8 @@ def test_a_restart_restores_identical_tokens_from_the_tier(runs: dict) -> None:
     assert [plain["tokens"], salt_a["tokens"], salt_b["tokens"]] == [cold] * 3
     assert plain["cached"] == FULL and salt_a["cached"] == FULL  # every block, from the tier
     assert b["counters"]["load_chunks"] == 6 and b["counters"]["load_failures"] == 0
+    assert b["metrics"]["spoolctl_tier_promoted_chunks_total"] == 6  # what vLLM exports
+    assert b["metrics"]["spoolctl_tier_read_bytes_total"] == b["counters"]["load_bytes"] > 0
     assert b["namespace"] == runs["a"]["namespace"]  # the key survives the restart
 
 
@@ -113,6 +117,8 @@ def test_the_operator_cli_works_on_the_tiers_root(runs: dict) -> None:
     assert status["by_kind"]["vllm"]["entries"] == 9  # salt B's blocks were stored too
     assert status["quarantined"]["items"] == 0
     assert runs["scrub"]["schema"].startswith("spoolctl-cli/scrub")
+    code, text, _ = runs["metrics"]
+    assert code == 0 and 'spoolctl_store_kind_entries{kind="vllm"} 9' in text
 
 
 def test_a_corrupt_object_is_recomputed_and_quarantined(runs: dict) -> None:
@@ -120,6 +126,7 @@ def test_a_corrupt_object_is_recomputed_and_quarantined(runs: dict) -> None:
     c = runs["c"]
     assert [r["tokens"] for r in c["requests"]] == [cold] * 3
     assert c["counters"]["load_failures"] == 1 and c["counters"]["load_chunks"] == 8
+    assert c["metrics"]["spoolctl_tier_load_errors_total:('corrupt',)"] == 1
     assert sum(r["cached"] for r in c["requests"]) < 3 * FULL
     [files] = runs["quarantine"]  # one entry, with the corrupt object as evidence
     assert f"{runs['corrupt']}.obj" in files

@@ -3,7 +3,8 @@
 Add it behind vLLM's CPU tier::
 
     {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-     "kv_connector_extra_config": {"cpu_bytes_to_use": 8589934592,
+     "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+       "cpu_bytes_to_use": 8589934592,
        "secondary_tiers": [{"type": "SpoolTier", "module_path": "spoolctl.connector.tier",
                             "root": "/var/cache/spoolctl", "max_size": "500GiB"}]}}
 

@@ -38,6 +38,7 @@ class Done:
     is_load: bool
     seconds: float
     nbytes: int
+    overdue: bool = False  # failed by its deadline (a slow or hung disk)
 
 
 @dataclass
@@ -170,7 +171,7 @@ class TierIO:
                         "(a slow or hung disk); the chunks are recomputed", len(job.keys),
                         self._deadline)
             del self._active_loads[job_id]
-            self._expired.append(Done(job_id, job.keys, [], True, now - job.started, 0))
+            self._expired.append(Done(job_id, job.keys, [], True, now - job.started, 0, True))
 
     # -- the tier's threads ---------------------------------------------------------------
 

@@ -26,18 +26,25 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from spoolctl.errors import ConfigError, SpoolError
+from spoolctl.errors import ConfigError, CorruptionError, NotFoundError, SpoolError
 from spoolctl.store import PutRequest, Store, refuse_encrypted
 
+from .api_check import check_tier_api
+from .bounded import BoundedCall
 from .engine import engine_config, hash_algo, seed_is_stable
 from .identity import python_hash_seed, tier_identity, weights_of
 from .io import Done, TierIO
 from .keys import KIND, OBJECT, check_stable_hashing, entry_key, namespace_of
 from .settings import TierSettings, parse_settings
 from .stats import TierCounters
+from .touch import Toucher, touch_in
+from .vllm_stats import metric_definitions, take_stats
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 log = logging.getLogger("spoolctl.connector")
@@ -69,6 +76,18 @@ def _refuse_engine(vllm_config: Any) -> None:
                           fix="use SpoolConnector for LoRA serving, or disable LoRA")
 
 
+def _refuse_encrypted(store: Store) -> None:
+    """Refuse an encrypted store: vLLM's tier API passes no tenant to choose a key by."""
+    try:
+        refuse_encrypted(store, "SpoolTier")
+    except ConfigError:
+        raise ConfigError("SpoolTier cannot use an encrypted store: vLLM's tier API passes "
+                          "no tenant with a chunk to choose its key by", path=store.root,
+                          fix="use SpoolConnector (tenants from cache_salt) for encryption "
+                              "at rest, or unset SPOOLCTL_MASTER_KEY, SPOOLCTL_MASTER_KEY_FILE "
+                              "and SPOOLCTL_MASTER_KEY_COMMAND for this engine") from None
+
+
 class SpoolTier(SecondaryTierManager):
     """A disk tier under vLLM's CPU tier, in a spoolctl store (see the package docstring)."""
 
@@ -77,6 +96,7 @@ class SpoolTier(SecondaryTierManager):
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview,
                  tier_type: str, backpressure_detector: BackpressureDetector | None = None,
                  **options: Any) -> None:
+        check_tier_api(SecondaryTierManager, type(self), vllm.__version__)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.settings: TierSettings = parse_settings(options)
         locality = options.get("locality")
@@ -91,7 +111,7 @@ class SpoolTier(SecondaryTierManager):
         self.store = Store.open(self.settings.root, create=True,
                                 max_bytes=self.settings.max_size)
         try:
-            refuse_encrypted(self.store, "the SpoolTier (vLLM's tier API carries no tenant)")
+            _refuse_encrypted(self.store)
         except ConfigError:
             self.store.close()
             raise
@@ -108,7 +128,9 @@ class SpoolTier(SecondaryTierManager):
                           chunk_bytes=self.block_size_bytes, read_threads=s.read_threads,
                           write_threads=s.write_threads, queue_depth=s.queue_depth,
                           read_deadline=s.read_deadline)
+        self.lookup_guard = BoundedCall(s.read_deadline, "spool_tier_lookup")
         self._probe = _StoreProbe(self, tier_type)
+        self._toucher = Toucher(touch_in(self.store, self.namespace))
         log.info("spoolctl tier: store %s, namespace %s", self.store.root, self.namespace)
 
     # -- store access (the tier's threads) ------------------------------------------------
@@ -117,9 +139,10 @@ class SpoolTier(SecondaryTierManager):
         return self.store.entry_id(KIND, self.namespace, entry_key(key))
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which keys have a committed entry (catalog only; the lookup thread)."""
+        """Which keys have a committed entry (catalog only; the lookup thread); all
+        misses if the catalog does not answer within ``read_deadline`` (a hung disk)."""
         ids = [self._entry_id(k) for k in keys]
-        live = self.store.live(ids)
+        live: set[str] = self.lookup_guard(lambda: self.store.live(ids), set())
         return [i in live for i in ids]
 
     def _read_chunk(self, key: bytes, into: memoryview) -> bool:
@@ -135,11 +158,14 @@ class SpoolTier(SecondaryTierManager):
                 self.counters.add(load_misses=1)
                 return False
             self.store.read(manifest, OBJECT, into=into)
+        except NotFoundError:  # deleted since the lookup
+            self.counters.add(load_misses=1)
+            return False
         except SpoolError as exc:
-            self.counters.add(load_failures=1)
+            corrupt = isinstance(exc, CorruptionError)
+            self.counters.add(load_failures=int(corrupt), load_io_errors=int(not corrupt))
             log.warning("spoolctl tier: a chunk is recomputed: %s", exc)
             return False
-        self.counters.add(load_chunks=1)
         return True
 
     def _write_chunks(self, chunks: Sequence[tuple[bytes, memoryview]]) -> set[bytes]:
@@ -209,8 +235,17 @@ class SpoolTier(SecondaryTierManager):
             results.append(self._result(done))
         return results
 
+    def _count(self, done: Done) -> None:
+        if not done.is_load:
+            self.counters.add(store_bytes=done.nbytes)
+        elif done.overdue:
+            self.counters.add(load_deadline_misses=len(done.keys))
+        else:
+            self.counters.add(load_chunks=len(done.ok_keys), load_bytes=done.nbytes)
+
     def _result(self, done: Done) -> JobResult:
         ok = len(done.ok_keys) == len(done.keys)
+        self._count(done)
         if done.is_load:
             if not ok:
                 failed = set(done.keys).difference(done.ok_keys)
@@ -224,6 +259,14 @@ class SpoolTier(SecondaryTierManager):
                          else tuple(OffloadKey(k) for k in done.ok_keys),
                          transfer_time=done.seconds, transfer_bytes=done.nbytes or None)
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return take_stats(self.counters)
+
     def has_pending_work(self) -> bool:
         return self._io.busy()
 
@@ -234,7 +277,8 @@ class SpoolTier(SecondaryTierManager):
         return events
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        return  # promotions move the store's LRU clock; a catalog write here would block
+        if not self._unstable():
+            self._toucher.add(keys)  # the toucher's thread writes the catalog, never this one
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._probe.cleanup(req_context.req_id)
@@ -247,7 +291,8 @@ class SpoolTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._probe.shutdown()
-        if self._io.shutdown(SHUTDOWN_TIMEOUT):
+        self.lookup_guard.close()
+        if self._io.shutdown(SHUTDOWN_TIMEOUT) and self._toucher.shutdown(SHUTDOWN_TIMEOUT):
             self.store.close()
             if self._flat is not self._primary_kv_view:
                 self._flat.release()  # vLLM closes the CPU tier's mmap after us
