@@ -254,7 +254,7 @@ def run_phase(job: dict) -> dict:
     init_s = time.perf_counter() - started
     sp = SamplingParams(temperature=0.0, max_tokens=1)
     rng = random.Random(f"warmup-{phase}")  # never stored by another phase: always a miss
-    for n in WARMUP_LENGTHS:
+    for n in WARMUP_LENGTHS if job.get("warmup", True) else ():
         llm.generate([{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(n)]}], sp,
                      use_tqdm=False)
     worker = None
@@ -317,6 +317,7 @@ def run_phase(job: dict) -> dict:
     warm_again = issue and phase.endswith("restore")
     if warm_again:
         out["sizes_warm"] = {}
+    out["entries"], out["entries_warm"] = {}, {}
     for size, reps in job["prompts"].items():
         entries, warm = [], []
         for tokens in reps:
@@ -327,8 +328,10 @@ def run_phase(job: dict) -> dict:
                 warm.append(measure(tokens))
                 job["drop_each"] = job_drop
         out["sizes"][size] = _aggregate(entries)
+        out["entries"][size] = entries
         if warm_again:
             out["sizes_warm"][size] = _aggregate(warm)
+            out["entries_warm"][size] = warm
     if worker is not None:
         out["connector_counters"] = worker.counters.totals()
     if issue and phase.endswith("store"):
@@ -365,6 +368,32 @@ def _spawn(job: dict, workdir: Path) -> dict:
     return json.loads(out_path.read_text())
 
 
+def _restart_each(base: dict, workdir: Path, dropped: list[bool]) -> dict[str, dict]:
+    """Every restore its own engine process, the page cache dropped before it starts, the
+    measured prompt its first request (no warm-up), the two sides interleaved."""
+    entries: dict[str, dict] = {f"{s}_restore": {"entries": {}, "entries_warm": {}}
+                                for s in ("spool", "native")}
+    for size, reps in base["prompts"].items():
+        for i, tokens in enumerate(reps):
+            for side in ("spool", "native") if i % 2 == 0 else ("native", "spool"):
+                dropped.append(drop_page_cache())
+                one = _spawn({**base, "phase": f"{side}_restore", "warmup": False,
+                              "prompts": {size: [tokens]}}, workdir)
+                for key in ("entries", "entries_warm"):
+                    entries[f"{side}_restore"][key].setdefault(size, []).extend(
+                        one[key].get(size, []))
+    out = {}
+    for phase, got in entries.items():
+        out[phase] = {"sizes": {n: _aggregate(e) for n, e in got["entries"].items()}}
+        if base["setup"] == "issue":
+            out[phase]["sizes_warm"] = {n: _aggregate(e)
+                                        for n, e in got["entries_warm"].items()}
+        print(f"# {phase} (a restart each): " + ", ".join(
+            f"{k}={v['ttft_s']:.3f}s hit {v['num_cached_tokens']}"
+            for k, v in out[phase]["sizes"].items()), file=sys.stderr)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1024,4096,8192")
@@ -381,6 +410,9 @@ def main() -> None:
                          "(native fs tier waited for until complete), each restore measured "
                          "cold and again "
                          "warm after reset_prefix_cache (issue 34's set-up)")
+    ap.add_argument("--restart-each", action="store_true",
+                    help="every restore a new engine, page cache dropped before its start, "
+                         "the measured prompt its first request (no warm-up)")
     ap.add_argument("--phase-job", help=argparse.SUPPRESS)
     ap.add_argument("--phase-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -413,15 +445,20 @@ def main() -> None:
     phases: dict[str, dict] = {}
     dropped = []
     load_start = os.getloadavg()[0]
-    for phase in ("cold", "spool_store", "spool_restore", "native_store", "native_restore"):
+    order = ("cold", "spool_store", "native_store") if args.restart_each else (
+        "cold", "spool_store", "spool_restore", "native_store", "native_restore")
+    for phase in order:
         if phase.endswith("restore"):
             dropped.append(drop_page_cache())
         phases[phase] = _spawn({**base, "phase": phase}, workdir)
         print(f"# {phase}: " + ", ".join(
             f"{k}={v['ttft_s']:.3f}s hit {v['num_cached_tokens']}"
             for k, v in phases[phase]["sizes"].items()), file=sys.stderr)
+    if args.restart_each:
+        phases.update(_restart_each(base, workdir, dropped))
 
     report: dict = {"model": args.preset, "block_size": BLOCK_SIZE, "setup": args.setup,
+                    "restart_each": args.restart_each,
                     "chunk_tokens": args.chunk_tokens,
                     "load_avg": {"start": load_start, "end": os.getloadavg()[0]},
                     "sizes": {},

@@ -107,7 +107,7 @@ class SpoolTier(SecondaryTierManager):
         self._io = TierIO(read=self._read_chunk, write=self._write_chunks,
                           chunk_bytes=self.block_size_bytes, read_threads=s.read_threads,
                           write_threads=s.write_threads, queue_depth=s.queue_depth,
-                          read_deadline=s.read_deadline)
+                          read_deadline=s.read_deadline, after_load=self._touch)
         self._probe = _StoreProbe(self, tier_type)
         log.info("spoolctl tier: store %s, namespace %s", self.store.root, self.namespace)
 
@@ -126,7 +126,7 @@ class SpoolTier(SecondaryTierManager):
         """Read one chunk, verified, into ``into``; False for a miss (a corrupt entry is
         quarantined by the store)."""
         try:
-            manifest = self.store.lookup(KIND, self.namespace, entry_key(key))
+            manifest = self.store.lookup(KIND, self.namespace, entry_key(key), touch=False)
             if manifest is None:
                 self.counters.add(load_misses=1)
                 return False
@@ -141,6 +141,11 @@ class SpoolTier(SecondaryTierManager):
             return False
         self.counters.add(load_chunks=1)
         return True
+
+    def _touch(self, keys: list[bytes]) -> None:
+        """Move the LRU clock of a promotion's chunks at once (one catalog write per job,
+        not one per chunk on the read path)."""
+        self.store.touch([self._entry_id(k) for k in keys])
 
     def _write_chunks(self, chunks: Sequence[tuple[bytes, memoryview]]) -> set[bytes]:
         requests = [PutRequest(KIND, self.namespace, entry_key(k), {OBJECT: data})
