@@ -131,6 +131,13 @@ class TierIO:
             out.append(done)
         return out
 
+    def wait_loads(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s while a load runs and none has finished: the caller's
+        thread gives the readers the interpreter instead of spinning through empty steps."""
+        with self._idle:
+            if self._active_loads and not self._done:
+                self._idle.wait(timeout)
+
     def busy(self) -> bool:
         with self._idle:
             return self._in_flight > 0

@@ -9,6 +9,7 @@ whose keys would not survive a restart or whose guarantees the tier API cannot c
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spoolctl.connector")
 SHUTDOWN_TIMEOUT = 60.0
+LOAD_YIELD_S = 0.002  # at most this per step, and only while a promotion is unfinished
 
 
 class _StoreProbe(AsyncLookupManager):
@@ -50,9 +52,12 @@ class _StoreProbe(AsyncLookupManager):
     def __init__(self, tier: SpoolTier, tier_type: str) -> None:
         super().__init__(tier_type=tier_type)
         self._tier = tier
+        self.answered = threading.Event()  # set after every batch answered
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier.present(keys)
+        found = self._tier.present(keys)
+        self.answered.set()
+        return found
 
 
 def _refuse_engine(vllm_config: Any) -> None:
@@ -83,6 +88,7 @@ class SpoolTier(SecondaryTierManager):
         self.locality = Locality(locality) if locality is not None else None
         _refuse_engine(engine_config())
         self._seed_checked = self._disabled = False
+        self._awaiting_lookup = False  # a lookup answered RETRY since the last poll
         config = offloading_spec.config
         engine = ".".join(vllm.__version__.split(".")[:2])
         identity = tier_identity(config, self.block_size_bytes,
@@ -186,6 +192,7 @@ class SpoolTier(SecondaryTierManager):
             return LookupResult.MISS
         found = self._probe.lookup(key, req_context)
         if found is None:
+            self._awaiting_lookup = True
             return LookupResult.RETRY
         self.counters.add(lookup_hits=int(found), lookup_misses=int(not found))
         return LookupResult.HIT if found else LookupResult.MISS
@@ -209,6 +216,13 @@ class SpoolTier(SecondaryTierManager):
                              self._slots(job_metadata))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        # Polled once per engine step: while a promotion runs, an engine with nothing else
+        # to do would spin and starve the readers of the interpreter, so wait a moment.
+        if self._awaiting_lookup:
+            self._awaiting_lookup = False
+            self._probe.answered.wait(LOAD_YIELD_S)
+            self._probe.answered.clear()
+        self._io.wait_loads(LOAD_YIELD_S)
         results, self._dropped = self._dropped, []
         for done in self._io.finished():
             results.append(self._result(done))
