@@ -7,7 +7,8 @@ scheduler. A load job's chunks are read by every read thread at once (one job is
 request's whole promotion); each reads and verifies a chunk into a private buffer and
 copies it into the primary slot only if its job is still wanted: a load past its deadline (a
 hung disk) is failed by the scheduler thread and its late bytes are dropped, never copied.
-The job's keys go to ``after_load`` (the LRU clock) once it is reported, off the critical path.
+The keys a load read go to ``after_load`` (the LRU clock) later, on a write thread, once no
+load has run for ``TOUCH_QUIET_S``: a catalog write during a promotion's forward slowed it.
 
 Pure: no vLLM import; jobs are described by ``LoadJob``/``StoreJob`` and report ``Done``.
 """
@@ -23,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger("spoolctl.connector")
+TOUCH_QUIET_S = 0.5  # touch promoted entries once loads have been quiet this long
+TOUCH_LATEST_S = 10.0  # ...or at the latest this long after the oldest waiting key
 
 # Reads one chunk, verified, into the buffer; False for a miss (absent, corrupt, unreadable).
 ReadChunk = Callable[[bytes, memoryview], bool]
@@ -82,6 +85,9 @@ class TierIO:
         self._done: deque[Done] = deque()
         self._expired: list[Done] = []  # loads failed by their deadline (scheduler thread)
         self._active_loads: dict[int, LoadJob] = {}
+        self._touch_lock = threading.Lock()
+        self._to_touch: list[bytes] = []  # read by loads, not yet given to after_load
+        self._touch_since = self._last_load = 0.0
         self._idle = threading.Condition()
         self._in_flight = 0  # guarded by _idle
         self._stopped = False
@@ -235,19 +241,44 @@ class TierIO:
             job.slots.clear()  # no view of the CPU tier outlives its job
         finally:
             self._end()
-        if ok and self._after_load is not None:
-            try:
-                self._after_load(ok)
-            except Exception:  # the LRU clock only: never fails a load
-                log.exception("spoolctl tier: touching promoted chunks failed")
+        with self._touch_lock:
+            self._last_load = time.monotonic()
+            if ok and self._after_load is not None:
+                self._touch_since = self._touch_since if self._to_touch else self._last_load
+                self._to_touch += ok
+
+    def _touch_due(self, *, stopping: bool = False) -> None:
+        """Give the waiting keys to ``after_load`` when loads are quiet (or stopping)."""
+        now = time.monotonic()
+        with self._touch_lock:
+            if not self._to_touch or not (
+                    stopping or now - self._last_load >= TOUCH_QUIET_S
+                    or now - self._touch_since >= TOUCH_LATEST_S):
+                return
+            keys, self._to_touch = self._to_touch, []
+        if self._after_load is None:
+            return
+        try:
+            self._after_load(keys)
+        except Exception:  # the LRU clock only: never fails a load
+            log.exception("spoolctl tier: touching promoted chunks failed")
 
     def _store_loop(self) -> None:
-        while (job := self._stores.get()) is not None:
+        while True:
+            try:
+                job = self._stores.get(timeout=TOUCH_QUIET_S)
+            except queue.Empty:
+                self._touch_due()
+                continue
+            if job is None:
+                self._touch_due(stopping=True)
+                return
             try:
                 self._run_store(job)
             finally:
                 job.slots.clear()
                 self._end()
+            self._touch_due()
 
     def _run_store(self, job: StoreJob) -> None:
         try:
