@@ -37,3 +37,14 @@ def test_unequal_work_is_refused_either_way(ours, peer, who) -> None:
 def test_a_missing_repeat_is_refused() -> None:
     ratio, why = _benchutil().equal_work_ratio(0.1, [1, 1], 0.2, [1])
     assert ratio is None and "2 measured runs against 1" in why
+
+
+def test_the_test_side_copy_coalesces_runs_consecutive_on_both_sides(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO_DIR / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_vllm",
+                                                  REPO_DIR / "scripts" / "bench_vllm.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench._runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (10, 7, 1)]
+    assert bench._runs([], []) == []
