@@ -221,3 +221,20 @@ def wait_for(cond, seconds: float = 30.0) -> bool:
     while not cond() and time.monotonic() < until:
         time.sleep(0.01)
     return cond()
+
+
+def test_promoted_keys_are_touched_once_loads_are_done() -> None:
+    touched: list[list[bytes]] = []
+
+    def read(key: bytes, into: memoryview) -> bool:
+        into[:] = key * CHUNK
+        return key != b"b"
+
+    io = TierIO(read=read, write=lambda chunks: set(), chunk_bytes=CHUNK, read_threads=2,
+                write_threads=1, queue_depth=2, read_deadline=30.0, after_load=touched.append)
+    slots = [memoryview(bytearray(CHUNK)) for _ in range(3)]
+    io.submit_load(1, [b"a", b"b", b"c"], slots)
+    [done] = wait_done(io, 1)
+    assert done.ok_keys == [b"a", b"c"]
+    assert io.shutdown(10)  # keys still waiting for quiet loads are touched before stopping
+    assert sorted(k for keys in touched for k in keys) == [b"a", b"c"]

@@ -3,9 +3,12 @@
 ``TierIO`` runs load (promotion) jobs on ``read_threads`` and store (cascade) jobs on
 ``write_threads``. Store jobs wait in a bounded queue: when the disk falls behind, a new
 store job fails at once (the chunk stays only in the CPU tier) instead of blocking the
-scheduler. A load reads and verifies each chunk into a private buffer and copies it into
-the primary slot only if its job is still wanted: a load past its deadline (a hung disk) is
-failed by the scheduler thread and its late bytes are dropped, never copied.
+scheduler. A load job's chunks are read by every read thread at once (one job is one
+request's whole promotion); each reads and verifies a chunk into a private buffer and
+copies it into the primary slot only if its job is still wanted: a load past its deadline (a
+hung disk) is failed by the scheduler thread and its late bytes are dropped, never copied.
+The keys a load read go to ``after_load`` (the LRU clock) later, on a write thread, once no
+load has run for ``TOUCH_QUIET_S``: a catalog write during a promotion's forward slowed it.
 
 Pure: no vLLM import; jobs are described by ``LoadJob``/``StoreJob`` and report ``Done``.
 """
@@ -21,11 +24,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger("spoolctl.connector")
+TOUCH_QUIET_S = 0.5  # touch promoted entries once loads have been quiet this long
+TOUCH_LATEST_S = 10.0  # ...or at the latest this long after the oldest waiting key
 
 # Reads one chunk, verified, into the buffer; False for a miss (absent, corrupt, unreadable).
 ReadChunk = Callable[[bytes, memoryview], bool]
 # Commits chunks (key, bytes) together; returns the keys that are now stored.
 WriteChunks = Callable[[Sequence[tuple[bytes, memoryview]]], set[bytes]]
+# Told the keys a finished load read (on a read thread, after the job is reported).
+AfterLoad = Callable[[list[bytes]], None]
 
 
 @dataclass
@@ -52,6 +59,8 @@ class LoadJob:
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False  # failed by its deadline: its late bytes are dropped
     completed: bool = False  # its result is queued
+    found: list[bool] = field(default_factory=list)  # per chunk, set by its reader
+    pending: int = 0  # chunks not read yet (guarded by lock)
 
 
 @dataclass
@@ -67,15 +76,19 @@ class TierIO:
 
     def __init__(self, *, read: ReadChunk, write: WriteChunks, chunk_bytes: int,
                  read_threads: int, write_threads: int, queue_depth: int,
-                 read_deadline: float) -> None:
-        self._read, self._write = read, write
+                 read_deadline: float, after_load: AfterLoad | None = None) -> None:
+        self._read, self._write, self._after_load = read, write, after_load
         self._chunk_bytes = chunk_bytes
         self._deadline = read_deadline
-        self._loads: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
+        # One task per chunk (job, index): a job's chunks spread over every read thread.
+        self._loads: queue.SimpleQueue[tuple[LoadJob, int] | None] = queue.SimpleQueue()
         self._stores: queue.Queue[StoreJob | None] = queue.Queue(maxsize=queue_depth)
         self._done: deque[Done] = deque()
         self._expired: list[Done] = []  # loads failed by their deadline (scheduler thread)
         self._active_loads: dict[int, LoadJob] = {}
+        self._touch_lock = threading.Lock()
+        self._to_touch: list[bytes] = []  # read by loads, not yet given to after_load
+        self._touch_since = self._last_load = 0.0
         self._idle = threading.Condition()
         self._in_flight = 0  # guarded by _idle
         self._stopped = False
@@ -92,9 +105,14 @@ class TierIO:
     def submit_load(self, job_id: int, keys: Sequence[bytes], slots: list[memoryview]) -> None:
         job = LoadJob(job_id, list(keys), list(slots),
                       deadline=time.monotonic() + self._deadline)
+        job.found, job.pending = [False] * len(job.keys), len(job.keys)
         self._active_loads[job_id] = job
         self._begin()
-        self._loads.put(job)
+        if not job.keys:
+            self._finish_load(job)
+            return
+        for index in range(len(job.keys)):
+            self._loads.put((job, index))
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], slots: list[memoryview]
                      ) -> bool:
@@ -119,6 +137,13 @@ class TierIO:
                 continue  # already failed by its deadline
             out.append(done)
         return out
+
+    def wait_loads(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s while a load runs and none has finished: the caller's
+        thread gives the readers the interpreter instead of spinning through empty steps."""
+        with self._idle:
+            if self._active_loads and not self._done:
+                self._idle.wait(timeout)
 
     def busy(self) -> bool:
         with self._idle:
@@ -177,44 +202,84 @@ class TierIO:
 
     def _load_loop(self) -> None:
         scratch = memoryview(bytearray(self._chunk_bytes))
-        while (job := self._loads.get()) is not None:
+        while (task := self._loads.get()) is not None:
+            job, index = task
             try:
-                self._run_load(job, scratch)
+                if not job.abandoned:
+                    self._read_one(job, index, scratch)
             finally:
-                job.slots.clear()  # no view of the CPU tier outlives its job
-                self._end()
+                with job.lock:
+                    job.pending -= 1
+                    last = job.pending == 0
+                if last:
+                    self._finish_load(job)
 
-    def _run_load(self, job: LoadJob, scratch: memoryview) -> None:
-        ok: list[bytes] = []
-        for key, slot in zip(job.keys, job.slots, strict=True):
-            if job.abandoned:
-                break
-            try:
-                found = self._read(key, scratch)
-            except Exception:  # a bug or an unexpected error: a miss, never a crash
-                log.exception("spoolctl tier: reading a chunk failed")
-                found = False
-            if not found:
-                continue
-            with job.lock:
-                if job.abandoned:
-                    break
-                slot[:] = scratch
-            ok.append(key)
+    def _read_one(self, job: LoadJob, index: int, scratch: memoryview) -> None:
+        key = job.keys[index]
+        try:
+            found = self._read(key, scratch)
+        except Exception:  # a bug or an unexpected error: a miss, never a crash
+            log.exception("spoolctl tier: reading a chunk failed")
+            found = False
+        if not found:
+            return
         with job.lock:
-            if not job.abandoned:
-                job.completed = True
-                self._done.append(Done(job.job_id, job.keys, ok, True,
-                                       time.monotonic() - job.started,
-                                       len(ok) * self._chunk_bytes))
+            if job.abandoned:
+                return
+            job.slots[index][:] = scratch
+            job.found[index] = True
+
+    def _finish_load(self, job: LoadJob) -> None:
+        """The job's last chunk is done: report it (unless its deadline failed it)."""
+        ok = [k for k, found in zip(job.keys, job.found, strict=True) if found]
+        try:
+            with job.lock:
+                if not job.abandoned:
+                    job.completed = True
+                    self._done.append(Done(job.job_id, job.keys, ok, True,
+                                           time.monotonic() - job.started,
+                                           len(ok) * self._chunk_bytes))
+            job.slots.clear()  # no view of the CPU tier outlives its job
+        finally:
+            self._end()
+        with self._touch_lock:
+            self._last_load = time.monotonic()
+            if ok and self._after_load is not None:
+                self._touch_since = self._touch_since if self._to_touch else self._last_load
+                self._to_touch += ok
+
+    def _touch_due(self, *, stopping: bool = False) -> None:
+        """Give the waiting keys to ``after_load`` when loads are quiet (or stopping)."""
+        now = time.monotonic()
+        with self._touch_lock:
+            if not self._to_touch or not (
+                    stopping or now - self._last_load >= TOUCH_QUIET_S
+                    or now - self._touch_since >= TOUCH_LATEST_S):
+                return
+            keys, self._to_touch = self._to_touch, []
+        if self._after_load is None:
+            return
+        try:
+            self._after_load(keys)
+        except Exception:  # the LRU clock only: never fails a load
+            log.exception("spoolctl tier: touching promoted chunks failed")
 
     def _store_loop(self) -> None:
-        while (job := self._stores.get()) is not None:
+        while True:
+            try:
+                job = self._stores.get(timeout=TOUCH_QUIET_S)
+            except queue.Empty:
+                self._touch_due()
+                continue
+            if job is None:
+                self._touch_due(stopping=True)
+                return
             try:
                 self._run_store(job)
             finally:
                 job.slots.clear()
                 self._end()
+            self._touch_due()
 
     def _run_store(self, job: StoreJob) -> None:
         try:

@@ -9,6 +9,7 @@ whose keys would not survive a restart or whose guarantees the tier API cannot c
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spoolctl.connector")
 SHUTDOWN_TIMEOUT = 60.0
+LOAD_YIELD_S = 0.002  # at most this per step, and only while a promotion is unfinished
 
 
 class _StoreProbe(AsyncLookupManager):
@@ -57,9 +59,12 @@ class _StoreProbe(AsyncLookupManager):
     def __init__(self, tier: SpoolTier, tier_type: str) -> None:
         super().__init__(tier_type=tier_type)
         self._tier = tier
+        self.answered = threading.Event()  # set after every batch answered
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier.present(keys)
+        found = self._tier.present(keys)
+        self.answered.set()
+        return found
 
 
 def _refuse_engine(vllm_config: Any) -> None:
@@ -103,6 +108,7 @@ class SpoolTier(SecondaryTierManager):
         self.locality = Locality(locality) if locality is not None else None
         _refuse_engine(engine_config())
         self._seed_checked = self._disabled = False
+        self._awaiting_lookup = False  # a lookup answered RETRY since the last poll
         config = offloading_spec.config
         engine = ".".join(vllm.__version__.split(".")[:2])
         identity = tier_identity(config, self.block_size_bytes,
@@ -127,7 +133,7 @@ class SpoolTier(SecondaryTierManager):
         self._io = TierIO(read=self._read_chunk, write=self._write_chunks,
                           chunk_bytes=self.block_size_bytes, read_threads=s.read_threads,
                           write_threads=s.write_threads, queue_depth=s.queue_depth,
-                          read_deadline=s.read_deadline)
+                          read_deadline=s.read_deadline, after_load=self._touch)
         self.lookup_guard = BoundedCall(s.read_deadline, "spool_tier_lookup")
         self._probe = _StoreProbe(self, tier_type)
         self._toucher = Toucher(touch_in(self.store, self.namespace))
@@ -149,7 +155,7 @@ class SpoolTier(SecondaryTierManager):
         """Read one chunk, verified, into ``into``; False for a miss (a corrupt entry is
         quarantined by the store)."""
         try:
-            manifest = self.store.lookup(KIND, self.namespace, entry_key(key))
+            manifest = self.store.lookup(KIND, self.namespace, entry_key(key), touch=False)
             if manifest is None:
                 self.counters.add(load_misses=1)
                 return False
@@ -167,6 +173,11 @@ class SpoolTier(SecondaryTierManager):
             log.warning("spoolctl tier: a chunk is recomputed: %s", exc)
             return False
         return True
+
+    def _touch(self, keys: list[bytes]) -> None:
+        """Move the LRU clock of a promotion's chunks at once (one catalog write per job,
+        not one per chunk on the read path)."""
+        self.store.touch([self._entry_id(k) for k in keys])
 
     def _write_chunks(self, chunks: Sequence[tuple[bytes, memoryview]]) -> set[bytes]:
         requests = [PutRequest(KIND, self.namespace, entry_key(k), {OBJECT: data})
@@ -207,6 +218,7 @@ class SpoolTier(SecondaryTierManager):
             return LookupResult.MISS
         found = self._probe.lookup(key, req_context)
         if found is None:
+            self._awaiting_lookup = True
             return LookupResult.RETRY
         self.counters.add(lookup_hits=int(found), lookup_misses=int(not found))
         return LookupResult.HIT if found else LookupResult.MISS
@@ -230,6 +242,13 @@ class SpoolTier(SecondaryTierManager):
                              self._slots(job_metadata))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        # Polled once per engine step: while a promotion runs, an engine with nothing else
+        # to do would spin and starve the readers of the interpreter, so wait a moment.
+        if self._awaiting_lookup:
+            self._awaiting_lookup = False
+            self._probe.answered.wait(LOAD_YIELD_S)
+            self._probe.answered.clear()
+        self._io.wait_loads(LOAD_YIELD_S)
         results, self._dropped = self._dropped, []
         for done in self._io.finished():
             results.append(self._result(done))
