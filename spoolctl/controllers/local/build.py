@@ -121,9 +121,14 @@ class EntryBuilder:
             cache, keep, base_id, base_where, extends = based
             suffix = list(plan.prefix.tokens[keep:])
             try:
-                if suffix:
-                    cache = base_ops(self._ctx.format).extend(cache, suffix)
-                source, computed, reused = "incremental", len(suffix), keep
+                if self.recompute_cheaper(keep, len(suffix)):
+                    # Extending this state would cost more than a cold prefill of it all.
+                    cache, base_where = self._ctx.format.prefill(plan), ""
+                    source, computed, reused = "cold", total, 0
+                else:
+                    if suffix:
+                        cache = base_ops(self._ctx.format).extend(cache, suffix)
+                    source, computed, reused = "incremental", len(suffix), keep
             except Exception as exc:  # a base the model cannot extend: start over cold
                 log.warning("incremental prefill on a base failed, prefilling cold: %s",
                             reason(exc))
@@ -183,11 +188,10 @@ class EntryBuilder:
             if done and known is None and self.still(snap):
                 self.commit(snap, head, None, snapshot=True)
             self.remember(snap, Loaded(head, snap.prefix))
-            if getattr(self._ctx.format, "extends_by_token", False):
-                # The model continues a state one token at a time (transformers' Mamba):
-                # a second cold forward of the whole prefix is far cheaper than that.
-                return self._ctx.format.prefill(plan)
             rest = list(plan.prefix.tokens[len(snap.prefix):])
+            if self.recompute_cheaper(len(snap.prefix), len(rest)):
+                # A second cold forward of the whole prefix is cheaper than extending.
+                return self._ctx.format.prefill(plan)
             ops = base_ops(self._ctx.format)
             return ops.extend(ops.clone(head), rest)
         except (SpoolError, ValueError, RuntimeError) as exc:
@@ -195,6 +199,10 @@ class EntryBuilder:
                 raise
             log.warning("instructions snapshot skipped: %s", reason(exc))
             return self._ctx.format.prefill(plan)
+
+    def recompute_cheaper(self, held: int, new: int) -> bool:
+        rule = getattr(self._ctx.format, "recompute_cheaper", None)
+        return bool(rule(held, new)) if callable(rule) else False
 
     def still(self, plan: Plan) -> bool:
         """Whether the model is still in the state ``plan`` was made in (formats whose model
