@@ -1,0 +1,190 @@
+"""Benchmark near misses of the local controllers against a cold prepare, per cache family.
+
+For every family the controller tests use -- the tiny Llama (full attention) and the tiny
+Gemma 3 (sliding window), Jamba (attention + Mamba) and Mamba (state only) of
+``spoolctl.demo.tinyfamilies`` -- on PyTorch and, where mlx-lm is installed, on MLX:
+
+* cold: ``prepare`` of the prompt on an empty store (prefill, instructions snapshot where
+  the cache cannot be cut back, verified commit);
+* message: a stored prompt (instructions + the first documents), then a NEW controller
+  (nothing in memory: the base comes from disk) prepares it with one more document;
+* mid-message: the same stored prompt, then a prompt whose last document changes in its
+  second half (the base: the instructions snapshot, or a cut-back entry where the cache
+  allows it).
+
+Repeats are interleaved (cold, message, mid-message, cold, ...) on fresh stores and medians
+reported; next to each time the handle's path and token counts (reused from memory / disk,
+computed, written) and whether 4 greedy tokens equal the cold run's. The goal: every
+near-miss / cold ratio <= 1.0. Usage::
+
+    .venv/bin/python scripts/bench_controllers_nearmiss.py [--tokens 1024] [--repeat 3]
+        [--frameworks pytorch,mlx] [--families full,sliding,hybrid,ssm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("full", "sliding", "hybrid", "ssm")
+QUESTION = "Question: what does the log say?"
+WORDS = ("pump", "valve", "tank", "level", "alarm", "ticket", "engineer", "seal", "pressure",
+         "flow", "sensor", "log", "check", "open", "close", "start", "stop", "report")
+
+
+def model_dir(work: Path, family: str) -> Path:
+    if family == "full":
+        from spoolctl.demo.tinymodel import build_tiny_model
+
+        return build_tiny_model(work / "models" / "tiny", "tiny")
+    from spoolctl.demo.tinyfamilies import build_family_model
+
+    return build_family_model(work / "models" / family, family)
+
+
+def make_backend(framework: str, path: Path, family: str) -> tuple[Any, Any]:
+    """(backend, controller class) of ``framework`` on the model at ``path``."""
+    if framework == "pytorch":
+        from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
+
+        return PyTorchBackend(path, model_id=family), PyTorchCacheController
+    from spoolctl.controllers.mlx import MlxBackend, MlxCacheController
+
+    return MlxBackend(path, model_id=family), MlxCacheController
+
+
+def documents(backend: Any, tokens: int, count: int) -> list[str]:
+    """``count`` documents of about ``tokens / count`` tokens each (seeded words)."""
+    rng = random.Random(1)
+    per = max(8, tokens // count)
+    out = []
+    for _ in range(count):
+        words = per
+        text = " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+        n = len(backend.tokenize_segments([text])[0])
+        words = max(4, int(words * per / max(n, 1)))
+        out.append(" ".join(rng.choice(WORDS) for _ in range(words)) + ".")
+    return out
+
+
+def prompts(backend: Any, tokens: int) -> dict[str, tuple[Any, Any]]:
+    """Per near-miss kind: (stored params, prompt params)."""
+    from spoolctl.controllers import CachePrepareParams
+
+    docs = documents(backend, tokens, 8)
+    system = ["You are a maintenance assistant. Answer from the logs below."]
+
+    def p(data: list[str]) -> Any:
+        return CachePrepareParams(instructions=system, data=data)
+
+    last = docs[6]
+    changed = last[: len(last) // 2] + " " + " ".join(reversed(last[len(last) // 2:].split()))
+    return {"message": (p(docs[:7]), p(docs[:8])),
+            "mid-message": (p(docs[:7]), p([*docs[:6], changed]))}
+
+
+def counts(ctl: Any, handle: Any) -> dict[str, Any]:
+    """The handle's path and token counts, and the usage split of its first generate."""
+    out = ctl.generate(handle, QUESTION, 4)
+    u = out.usage
+    return {"source": handle.source, "cached": handle.cached_tokens,
+            "reused": handle.reused_tokens, "computed": handle.computed_tokens,
+            "from_memory": u.cache_memory_tokens, "from_disk": u.cache_disk_tokens,
+            "written": u.cache_write_tokens, "tokens": list(out.tokens)}
+
+
+def timed_prepare(controller: Any, backend: Any, store: Path, params: Any) -> tuple[float, dict]:
+    with controller(backend, store) as ctl:
+        start = time.perf_counter()
+        handle = ctl.prepare(params)
+        seconds = time.perf_counter() - start
+        return seconds, counts(ctl, handle)
+
+
+def one_family(framework: str, family: str, work: Path, tokens: int, repeat: int) -> dict:
+    backend, controller = make_backend(framework, model_dir(work, family), family)
+    cases = prompts(backend, tokens)
+    times: dict[str, list[float]] = {"cold": [], **{k: [] for k in cases}}
+    seen: dict[str, dict] = {}
+    # Untimed: the first forwards of a process pay one-off setup (allocator, kernels).
+    timed_prepare(controller, backend, Path(tempfile.mkdtemp(dir=work)), cases["message"][0])
+    for r in range(repeat):
+        for kind in ("cold", *cases):
+            store = Path(tempfile.mkdtemp(dir=work, prefix=f"{framework}-{family}-{kind}-{r}-"))
+            target = cases["message"][1] if kind == "cold" else cases[kind][1]
+            if kind == "cold":
+                s, c = timed_prepare(controller, backend, store, target)
+            else:
+                with controller(backend, store) as ctl:  # the stored prefix
+                    ctl.prepare(cases[kind][0])
+                s, c = timed_prepare(controller, backend, store, target)
+            times[kind].append(s)
+            seen[kind] = c
+    cold_tokens = {k: timed_prepare(controller, backend,
+                                    Path(tempfile.mkdtemp(dir=work)), cases[k][1])[1]["tokens"]
+                   for k in cases}
+    cold_s = statistics.median(times["cold"])
+    row: dict[str, Any] = {"cold": {"s": round(cold_s, 4), **seen["cold"]}}
+    for kind in cases:
+        s = statistics.median(times[kind])
+        row[kind] = {"s": round(s, 4), "ratio_to_cold": round(s / cold_s, 3), **seen[kind],
+                     "tokens_equal_cold": seen[kind]["tokens"] == cold_tokens[kind]}
+    for entry in row.values():
+        entry.pop("tokens", None)
+    if hasattr(backend, "extends_by_token"):
+        row["extends_by_token"] = bool(backend.extends_by_token)
+    return row
+
+
+def mlx_usable() -> str | None:
+    try:
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"mlx-lm is not installed here ({exc})"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=1024, help="prefix tokens (about)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--frameworks", default="pytorch,mlx")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: tmp)")
+    args = ap.parse_args(argv)
+    families = [f for f in args.families.split(",") if f]
+    if unknown := set(families) - set(FAMILIES):
+        ap.error(f"unknown families {sorted(unknown)}; use some of {','.join(FAMILIES)}")
+    report: dict[str, Any] = {"tokens": args.tokens, "repeat": args.repeat,
+                              "goal": "near-miss / cold <= 1.0 for every family",
+                              "host": "shared, loaded (medians of interleaved repeats)"}
+    with tempfile.TemporaryDirectory(prefix="spoolctl-nearmiss-") as tmp:
+        work = args.work or Path(tmp)
+        for framework in [f for f in args.frameworks.split(",") if f]:
+            if framework == "mlx" and (why := mlx_usable()) is not None:
+                report["mlx"] = {"skipped": why}
+                continue
+            report[framework] = {f: one_family(framework, f, work, args.tokens, args.repeat)
+                                 for f in families}
+            print(json.dumps({framework: report[framework]}), file=sys.stderr, flush=True)
+    worst = [r[k]["ratio_to_cold"] for fw in ("pytorch", "mlx")
+             for r in report.get(fw, {}).values() if isinstance(r, dict)
+             for k in ("message", "mid-message") if k in r]
+    report["max_ratio"] = max(worst) if worst else None
+    report["all_tokens_equal"] = all(r[k]["tokens_equal_cold"] for fw in ("pytorch", "mlx")
+                                     for r in report.get(fw, {}).values() if isinstance(r, dict)
+                                     for k in ("message", "mid-message") if k in r)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
