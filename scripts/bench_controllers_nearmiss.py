@@ -13,12 +13,14 @@ Gemma 3 (sliding window), Jamba (attention + Mamba) and Mamba (state only) of
   allows it).
 
 Repeats are interleaved (cold, message, mid-message, cold, ...) on fresh stores and medians
-reported; next to each time the handle's path and token counts (reused from memory / disk,
-computed, written) and whether 4 greedy tokens equal the cold run's. The goal: every
+reported (wall and process CPU time: the CPU time is less disturbed by other jobs on a
+shared host; torch runs one thread unless ``--threads``); next to each time the handle's
+path and token counts (reused from memory / disk, computed, written) and whether 4 greedy
+tokens equal a run of the whole prompt without a cache. The goal: every
 near-miss / cold ratio <= 1.0. Usage::
 
-    .venv/bin/python scripts/bench_controllers_nearmiss.py [--tokens 1024] [--repeat 3]
-        [--frameworks pytorch,mlx] [--families full,sliding,hybrid,ssm]
+    .venv/bin/python scripts/bench_controllers_nearmiss.py [--tokens 512] [--repeat 3]
+        [--frameworks pytorch,mlx] [--families full,sliding,hybrid,ssm] [--threads 1]
 """
 
 from __future__ import annotations
@@ -90,54 +92,61 @@ def prompts(backend: Any, tokens: int) -> dict[str, tuple[Any, Any]]:
             "mid-message": (p(docs[:7]), p([*docs[:6], changed]))}
 
 
-def counts(ctl: Any, handle: Any) -> dict[str, Any]:
-    """The handle's path and token counts, and the usage split of its first generate."""
+def counts(ctl: Any, backend: Any, handle: Any, check: bool) -> dict[str, Any]:
+    """The handle's path and token counts, the usage split of its first generate, and
+    (``check``) whether its 4 greedy tokens equal a run of the whole prompt without a cache."""
     out = ctl.generate(handle, QUESTION, 4)
     u = out.usage
-    return {"source": handle.source, "cached": handle.cached_tokens,
-            "reused": handle.reused_tokens, "computed": handle.computed_tokens,
-            "from_memory": u.cache_memory_tokens, "from_disk": u.cache_disk_tokens,
-            "written": u.cache_write_tokens, "tokens": list(out.tokens)}
+    row = {"source": handle.source, "cached": handle.cached_tokens,
+           "reused": handle.reused_tokens, "computed": handle.computed_tokens,
+           "from_memory": u.cache_memory_tokens, "from_disk": u.cache_disk_tokens,
+           "written": u.cache_write_tokens}
+    if check:
+        ids = ctl.prompt_tokens(handle, QUESTION)
+        row["tokens_equal_cold"] = list(out.tokens) == list(backend.generate(None, 0, ids, 4))
+    return row
 
 
-def timed_prepare(controller: Any, backend: Any, store: Path, params: Any) -> tuple[float, dict]:
+def timed_prepare(controller: Any, backend: Any, store: Path, params: Any,
+                  check: bool = False) -> tuple[tuple[float, float], dict]:
+    """((wall s, process CPU s), counts) of one ``prepare`` in a new controller."""
     with controller(backend, store) as ctl:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         handle = ctl.prepare(params)
-        seconds = time.perf_counter() - start
-        return seconds, counts(ctl, handle)
+        seconds = (time.perf_counter() - start, time.process_time() - cpu)
+        return seconds, counts(ctl, backend, handle, check)
+
+
+def medians(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def one_family(framework: str, family: str, work: Path, tokens: int, repeat: int) -> dict:
     backend, controller = make_backend(framework, model_dir(work, family), family)
     cases = prompts(backend, tokens)
-    times: dict[str, list[float]] = {"cold": [], **{k: [] for k in cases}}
+    times: dict[str, list[tuple[float, float]]] = {"cold": [], **{k: [] for k in cases}}
     seen: dict[str, dict] = {}
     # Untimed: the first forwards of a process pay one-off setup (allocator, kernels).
     timed_prepare(controller, backend, Path(tempfile.mkdtemp(dir=work)), cases["message"][0])
     for r in range(repeat):
+        last = r == repeat - 1
         for kind in ("cold", *cases):
             store = Path(tempfile.mkdtemp(dir=work, prefix=f"{framework}-{family}-{kind}-{r}-"))
-            target = cases["message"][1] if kind == "cold" else cases[kind][1]
-            if kind == "cold":
-                s, c = timed_prepare(controller, backend, store, target)
-            else:
+            if kind != "cold":
                 with controller(backend, store) as ctl:  # the stored prefix
                     ctl.prepare(cases[kind][0])
-                s, c = timed_prepare(controller, backend, store, target)
+            target = cases["message" if kind == "cold" else kind][1]
+            s, c = timed_prepare(controller, backend, store, target, check=last)
             times[kind].append(s)
             seen[kind] = c
-    cold_tokens = {k: timed_prepare(controller, backend,
-                                    Path(tempfile.mkdtemp(dir=work)), cases[k][1])[1]["tokens"]
-                   for k in cases}
-    cold_s = statistics.median(times["cold"])
-    row: dict[str, Any] = {"cold": {"s": round(cold_s, 4), **seen["cold"]}}
+    cold_s, cold_cpu = medians(times["cold"])
+    row: dict[str, Any] = {"cold": {"s": round(cold_s, 4), "cpu_s": round(cold_cpu, 4),
+                                    **seen["cold"]}}
     for kind in cases:
-        s = statistics.median(times[kind])
-        row[kind] = {"s": round(s, 4), "ratio_to_cold": round(s / cold_s, 3), **seen[kind],
-                     "tokens_equal_cold": seen[kind]["tokens"] == cold_tokens[kind]}
-    for entry in row.values():
-        entry.pop("tokens", None)
+        s, cpu = medians(times[kind])
+        row[kind] = {"s": round(s, 4), "cpu_s": round(cpu, 4),
+                     "ratio_to_cold": round(s / cold_s, 3),
+                     "cpu_ratio_to_cold": round(cpu / cold_cpu, 3), **seen[kind]}
     if hasattr(backend, "extends_by_token"):
         row["extends_by_token"] = bool(backend.extends_by_token)
     return row
@@ -154,16 +163,22 @@ def mlx_usable() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=1024, help="prefix tokens (about)")
+    ap.add_argument("--tokens", type=int, default=512, help="prefix tokens (about)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--frameworks", default="pytorch,mlx")
     ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared host more add noise)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: tmp)")
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
+    import torch
+
+    torch.set_num_threads(args.threads)
     if unknown := set(families) - set(FAMILIES):
         ap.error(f"unknown families {sorted(unknown)}; use some of {','.join(FAMILIES)}")
     report: dict[str, Any] = {"tokens": args.tokens, "repeat": args.repeat,
+                              "torch_threads": args.threads,
                               "goal": "near-miss / cold <= 1.0 for every family",
                               "host": "shared, loaded (medians of interleaved repeats)"}
     with tempfile.TemporaryDirectory(prefix="spoolctl-nearmiss-") as tmp:
@@ -175,13 +190,11 @@ def main(argv: list[str] | None = None) -> int:
             report[framework] = {f: one_family(framework, f, work, args.tokens, args.repeat)
                                  for f in families}
             print(json.dumps({framework: report[framework]}), file=sys.stderr, flush=True)
-    worst = [r[k]["ratio_to_cold"] for fw in ("pytorch", "mlx")
-             for r in report.get(fw, {}).values() if isinstance(r, dict)
-             for k in ("message", "mid-message") if k in r]
-    report["max_ratio"] = max(worst) if worst else None
-    report["all_tokens_equal"] = all(r[k]["tokens_equal_cold"] for fw in ("pytorch", "mlx")
-                                     for r in report.get(fw, {}).values() if isinstance(r, dict)
-                                     for k in ("message", "mid-message") if k in r)
+    rows = [r[k] for fw in ("pytorch", "mlx") for r in report.get(fw, {}).values()
+            if isinstance(r, dict) for k in ("message", "mid-message") if k in r]
+    for name in ("ratio_to_cold", "cpu_ratio_to_cold"):
+        report[f"max_{name}"] = max((r[name] for r in rows), default=None)
+    report["all_tokens_equal"] = all(r["tokens_equal_cold"] for r in rows)
     print(json.dumps(report, indent=1))
     return 0
 
