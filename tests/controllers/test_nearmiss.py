@@ -76,15 +76,17 @@ def test_mlx_near_miss_gives_cold_tokens_by_the_cheaper_path(family_dirs, family
                        PATHS["mlx"][family])
 
 
+@pytest.mark.parametrize("instructions", [[], [SYSTEM]], ids=["plain", "snapshot"])
 def test_a_token_by_token_model_recomputes_a_near_miss_in_one_forward(torch_backends,
-                                                                     store_root):
+                                                                     store_root, instructions):
     """The Mamba continues a state one token per forward: extending the stored DOC1 state
-    by DOC2 would run one model forward per DOC2 token; the prepare runs exactly one forward
-    (the whole prefix, cold) and says so, and its tokens equal a cold run."""
+    (or the stored instructions snapshot) by the rest would run one model forward per new
+    token; the prepare runs exactly one forward (the whole prefix, cold), reads no base,
+    and says so; its tokens equal a cold run."""
     b = torch_backends["ssm"]
     assert b.extends_by_token
-    p = CachePrepareParams(model="ssm", data=[DOC1])  # no instructions: no snapshot
-    q = CachePrepareParams(model="ssm", data=[DOC1, DOC2])
+    p = CachePrepareParams(model="ssm", instructions=instructions, data=[DOC1])
+    q = CachePrepareParams(model="ssm", instructions=instructions, data=[DOC1, DOC2])
     with PyTorchCacheController(b, store_root) as ctl:
         held = ctl.prepare(p).cached_tokens
     calls: list[int] = []
@@ -94,15 +96,16 @@ def test_a_token_by_token_model_recomputes_a_near_miss_in_one_forward(torch_back
         with PyTorchCacheController(b, store_root) as ctl:
             h = ctl.prepare(q)
             forwards = len(calls)
-            tokens = ctl.generate(h, QUESTION, 8).tokens
+            out = ctl.generate(h, QUESTION, 8)
             stats = ctl.stats()
     finally:
         hook.remove()
     assert h.cached_tokens - held > 1
     assert forwards == 1
     assert (h.source, h.reused_tokens, h.computed_tokens) == ("cold", 0, h.cached_tokens)
+    assert out.usage.cache_disk_tokens == out.usage.cache_memory_tokens == 0
     assert stats["cold_prefills"] == 1 and stats["incremental_prefills"] == 0
-    assert tokens == cold_tokens(b, q, QUESTION, 8)
+    assert out.tokens == cold_tokens(b, q, QUESTION, 8)
 
 
 def test_the_cost_rule_extends_a_few_tokens_and_recomputes_many(torch_backends):

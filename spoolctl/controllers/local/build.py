@@ -121,14 +121,9 @@ class EntryBuilder:
             cache, keep, base_id, base_where, extends = based
             suffix = list(plan.prefix.tokens[keep:])
             try:
-                if self.recompute_cheaper(keep, len(suffix)):
-                    # Extending this state would cost more than a cold prefill of it all.
-                    cache, base_where = self._ctx.format.prefill(plan), ""
-                    source, computed, reused = "cold", total, 0
-                else:
-                    if suffix:
-                        cache = base_ops(self._ctx.format).extend(cache, suffix)
-                    source, computed, reused = "incremental", len(suffix), keep
+                if suffix:
+                    cache = base_ops(self._ctx.format).extend(cache, suffix)
+                source, computed, reused = "incremental", len(suffix), keep
             except Exception as exc:  # a base the model cannot extend: start over cold
                 log.warning("incremental prefill on a base failed, prefilling cold: %s",
                             reason(exc))
@@ -184,13 +179,16 @@ class EntryBuilder:
             done, known = ctx.entries.on_disk(lambda: ctx.store.lookup(
                 ctx.kind, snap.namespace, snap.key, touch=False, tenant=ctx.tenancy.tenant),
                 ctx.deadlines.lookup_deadline_s)
+            rest = list(plan.prefix.tokens[len(snap.prefix):])
+            # Extending the snapshot costs more than one cold forward of the whole prefix.
+            recompute = self.recompute_cheaper(len(snap.prefix), len(rest))
+            if recompute and (not done or known is not None):
+                return self._ctx.format.prefill(plan)  # the snapshot is stored already
             head = self._ctx.format.prefill(snap)
             if done and known is None and self.still(snap):
                 self.commit(snap, head, None, snapshot=True)
             self.remember(snap, Loaded(head, snap.prefix))
-            rest = list(plan.prefix.tokens[len(snap.prefix):])
-            if self.recompute_cheaper(len(snap.prefix), len(rest)):
-                # A second cold forward of the whole prefix is cheaper than extending.
+            if recompute:
                 return self._ctx.format.prefill(plan)
             ops = base_ops(self._ctx.format)
             return ops.extend(ops.clone(head), rest)
