@@ -56,19 +56,38 @@ def check_extension_rule(make: Callable[[Any, Path], Any], b: Any, family: str, 
         head = len(ctl.prefix_tokens(CachePrepareParams(model=family, instructions=[SYSTEM])))
     with make(b, root) as ctl:
         ext = ctl.prepare(params(family, DOC1, DOC2))
-        assert ext.source == "incremental" and ext.reused_tokens == base.cached_tokens
+        assert_near_miss(b, ext, base.cached_tokens)
         assert ctl.generate(ext, QUESTION, 8).tokens == cold(b, DOC1, DOC2)
     half = DOC1[: len(DOC1) // 2]
     with make(b, root) as ctl, caplog.at_level(logging.WARNING):
         for data in (DOC1_NEAR, half):
             h = ctl.prepare(params(family, data))
-            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert head > 0
+            assert_near_miss(b, h, head)
             assert ctl.generate(h, QUESTION, 8).tokens == cold(b, data)
         near = ctl.prepare(CachePrepareParams(model=family, instructions=[SYSTEM_NEAR],
                                               data=[DOC1]))
         assert near.source == "cold" and near.reused_tokens == 0
         assert ctl.generate(near, QUESTION, 8).tokens == cold(b, DOC1, system=SYSTEM_NEAR)
     assert spoolctl_warnings(caplog) == []
+
+
+def recomputes(b: Any, held: int, new: int) -> bool:
+    """Whether backend ``b`` estimates a cold prefill cheaper than extending ``held`` tokens
+    by ``new`` (a model continued one token per forward)."""
+    rule = getattr(b, "recompute_cheaper", None)
+    return bool(rule(held, new)) if callable(rule) else False
+
+
+def assert_near_miss(b: Any, h: Any, held: int) -> None:
+    """Handle ``h`` of a prompt that extends a stored ``held``-token state: it extended that
+    state, or (where the backend says so) recomputed the whole prefix cold."""
+    if recomputes(b, held, h.cached_tokens - held):
+        assert (h.source, h.reused_tokens, h.computed_tokens) == \
+            ("cold", 0, h.cached_tokens), h
+    else:
+        assert (h.source, h.reused_tokens, h.computed_tokens) == \
+            ("incremental", held, h.cached_tokens - held), h
 
 
 def check_instructions_snapshot(make: Callable[[Any, Path], Any], b: Any, family: str,
@@ -83,6 +102,7 @@ def check_instructions_snapshot(make: Callable[[Any, Path], Any], b: Any, family
     for doc in (DOC2, DOC1_NEAR):
         with make(b, root) as ctl:  # fresh memory: the snapshot comes from disk
             h = ctl.prepare(params(family, doc))
-            assert h.source == "incremental" and h.reused_tokens == head > 0
+            assert head > 0
+            assert_near_miss(b, h, head)
             assert h.supersedes is None
             assert ctl.generate(h, QUESTION, 8).tokens == cold(b, doc)

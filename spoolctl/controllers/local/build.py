@@ -179,15 +179,17 @@ class EntryBuilder:
             done, known = ctx.entries.on_disk(lambda: ctx.store.lookup(
                 ctx.kind, snap.namespace, snap.key, touch=False, tenant=ctx.tenancy.tenant),
                 ctx.deadlines.lookup_deadline_s)
+            rest = list(plan.prefix.tokens[len(snap.prefix):])
+            # Extending the snapshot costs more than one cold forward of the whole prefix.
+            recompute = self.recompute_cheaper(len(snap.prefix), len(rest))
+            if recompute and (not done or known is not None):
+                return self._ctx.format.prefill(plan)  # the snapshot is stored already
             head = self._ctx.format.prefill(snap)
             if done and known is None and self.still(snap):
                 self.commit(snap, head, None, snapshot=True)
             self.remember(snap, Loaded(head, snap.prefix))
-            if getattr(self._ctx.format, "extends_by_token", False):
-                # The model continues a state one token at a time (transformers' Mamba):
-                # a second cold forward of the whole prefix is far cheaper than that.
+            if recompute:
                 return self._ctx.format.prefill(plan)
-            rest = list(plan.prefix.tokens[len(snap.prefix):])
             ops = base_ops(self._ctx.format)
             return ops.extend(ops.clone(head), rest)
         except (SpoolError, ValueError, RuntimeError) as exc:
@@ -195,6 +197,10 @@ class EntryBuilder:
                 raise
             log.warning("instructions snapshot skipped: %s", reason(exc))
             return self._ctx.format.prefill(plan)
+
+    def recompute_cheaper(self, held: int, new: int) -> bool:
+        rule = getattr(self._ctx.format, "recompute_cheaper", None)
+        return bool(rule(held, new)) if callable(rule) else False
 
     def still(self, plan: Plan) -> bool:
         """Whether the model is still in the state ``plan`` was made in (formats whose model

@@ -339,6 +339,12 @@ class KVEntryFormat:
         extending a copy of a shorter state."""
         return bool(getattr(self.backend, "extends_by_token", False))
 
+    def recompute_cheaper(self, held: int, new: int) -> bool:
+        """Whether the backend estimates a cold prefill of ``held + new`` tokens cheaper
+        than extending a stored state of ``held`` tokens by ``new`` (False: no estimate)."""
+        rule = getattr(self.backend, "recompute_cheaper", None)
+        return bool(rule(held, new)) if callable(rule) else False
+
     def trim(self, cache: Any, keep: int) -> Any:
         return self.backend.trim(cache, keep)
 

@@ -168,7 +168,7 @@ class EntryIO:
                 in_memory = self._memory.get(cand.entry_id)
             if in_memory is not None:
                 keep = common_prefix_tokens(in_memory.prefix, plan.prefix)
-                if keep == 0 or not self.can_cut(keep, len(in_memory.prefix)):
+                if keep == 0 or not self.serves(keep, len(in_memory.prefix), len(plan.prefix)):
                     continue
                 cache, base_len = base_ops(self._format).clone(in_memory.cache), \
                     len(in_memory.prefix)
@@ -186,7 +186,7 @@ class EntryIO:
                 try:
                     theirs = self._format.check(meta, None, identity=plan.identity)
                     keep = common_prefix_tokens(theirs, plan.prefix)
-                    if not self.can_cut(keep, len(theirs)):
+                    if not self.serves(keep, len(theirs), len(plan.prefix)):
                         continue  # not worth reading: its state is past the shared prefix
                 except ValueError:
                     keep = -1  # bad meta: load_manifest below rejects and quarantines it
@@ -219,6 +219,12 @@ class EntryIO:
         always by extension (``keep == base_len``); by cutting back only where the format's
         caches can be cut exactly (full attention; not recurrent or window-full states)."""
         return keep == base_len or getattr(self._format, "trimmable", True)
+
+    def serves(self, keep: int, base_len: int, total: int) -> bool:
+        """``can_cut``, and extending ``keep`` tokens to ``total`` is not estimated to cost
+        more than recomputing all of them (the format's ``recompute_cheaper``)."""
+        rule = getattr(self._format, "recompute_cheaper", None)
+        return self.can_cut(keep, base_len) and not (callable(rule) and rule(keep, total - keep))
 
     def on_disk(self, fn: Any, deadline_s: float) -> tuple[bool, Any]:
         """``fn()`` (a store call) within ``deadline_s``: ``(True, result)``, or

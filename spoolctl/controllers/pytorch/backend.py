@@ -311,6 +311,25 @@ class PyTorchBackend:
         """Whether a cache that holds tokens is continued one token per forward."""
         return self._resume_chunk == 1
 
+    def forward_passes(self, held: int, new: int) -> int:
+        """Forward passes ``forward`` runs to add ``new`` tokens to a cache of ``held``."""
+        if new <= 0:
+            return 0
+        if self._resume_chunk == 1:
+            return 1 if held == 0 else new
+        return -(-new // self.prefill_chunk)
+
+    def extend_cost(self, held: int, new: int) -> float:
+        """Estimated cost of adding ``new`` tokens to a cache of ``held``, in single-token
+        forward passes: each pass costs one, plus its tokens over ``prefill_chunk`` (a full
+        chunk costs about two single-token passes: an estimate that favours recomputing)."""
+        return self.forward_passes(held, new) + new / self.prefill_chunk
+
+    def recompute_cheaper(self, held: int, new: int) -> bool:
+        """Whether a cold prefill of ``held + new`` tokens costs less than extending a cache
+        of ``held`` tokens by ``new`` (a model continued one token per forward)."""
+        return new > 0 and self.extend_cost(0, held + new) < self.extend_cost(held, new)
+
     @property
     def trimmable(self) -> bool:
         """Whether a cache of this model can always be cut back to a shorter prefix (full
