@@ -26,6 +26,7 @@ from family_prompts import (
     QUESTION,
     SEEDED,
     SYSTEM,
+    check_common_prefix_rule,
     check_extension_rule,
     check_instructions_snapshot,
     cold,
@@ -90,6 +91,13 @@ def test_one_system_prompt_many_documents_extends_the_instructions_snapshot(
         backends, family, store_root):
     """One system prompt, many documents (``family_prompts.check_instructions_snapshot``)."""
     check_instructions_snapshot(MlxCacheController, backends[family], family, store_root)
+
+
+@pytest.mark.parametrize("family", REUSE)
+def test_a_prompt_inside_or_past_a_stored_message_restores_the_checkpoint_before_it(
+        backends, family, store_root):
+    """The common-prefix rule (``family_prompts.check_common_prefix_rule``)."""
+    check_common_prefix_rule(MlxCacheController, backends[family], family, store_root)
 
 
 def test_entry_layout_says_what_it_holds_and_another_family_never_reads_it(backends,

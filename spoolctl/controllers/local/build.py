@@ -3,8 +3,8 @@
 A part the controller is composed of: ``EntryBuilder`` gets a ``BuildContext`` (the
 controller's store, format, locks and in-memory books), never the controller. Under the key
 stripe's lock it loads an exact hit, else extends the best base, else prefills cold (through
-an instructions snapshot for caches that cannot be cut back), commits, and supersedes a base
-only that entry strictly extends.
+an instructions snapshot and mid-prompt checkpoints for caches that cannot be cut back),
+commits, and supersedes a base only that entry strictly extends.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .deadlines import StoreDeadlines
 from .entry_format import EntryFormat, Loaded, Plan, base_ops
 from .entry_io import EntryIO
 from .handle_book import HandleBook
-from .plan_rules import same_params, snapshot_plan
+from .plan_rules import checkpoint_plan, checkpoint_positions, same_params, snapshot_plan
 from .tenancy import Tenancy
 from .usage import ControllerStats, PrepareWork
 
@@ -115,21 +115,20 @@ class EntryBuilder:
             log.info("the rendered prompt prefix changed since it was cached (e.g. a date "
                      "in the chat template): a miss, prefilling it again")
         based = self._ctx.entries.from_base(plan, rows) if rows else None
+        known = {entry_id for entry_id, _, _ in rows}
         base_where, extends = "", False
         base_id: str | None = None
         if based is not None:
             cache, keep, base_id, base_where, extends = based
-            suffix = list(plan.prefix.tokens[keep:])
             try:
-                if suffix:
-                    cache = base_ops(self._ctx.format).extend(cache, suffix)
-                source, computed, reused = "incremental", len(suffix), keep
+                cache = self.extend_through(plan, cache, keep, known)
+                source, computed, reused = "incremental", total - keep, keep
             except Exception as exc:  # a base the model cannot extend: start over cold
                 log.warning("incremental prefill on a base failed, prefilling cold: %s",
                             reason(exc))
                 based = None
         if based is None:
-            cache = self.prefill_with_snapshot(plan)
+            cache = self.prefill_with_snapshot(plan, known)
             base_id, source, computed, reused = None, "cold", total, 0
         if not self.still(plan):  # switched mid-prefill: a cache of no one model state
             log.warning("the model changed during a prefill (adapters switched?): that cache "
@@ -165,36 +164,62 @@ class EntryBuilder:
                             computed=computed,
                             supersedes=supersedes if persisted else None), work
 
-    def prefill_with_snapshot(self, plan: Plan) -> Any:
+    def prefill_with_snapshot(self, plan: Plan, known: set[str] | frozenset[str] = frozenset()
+                              ) -> Any:
         """A cold prefill of ``plan``; for caches that cannot be cut back it runs through the
         instructions first and commits that state as an entry of its own (a snapshot that
-        later prefills extend and never supersede), then extends a copy."""
+        later prefills extend and never supersede), then extends a copy through the plan's
+        checkpoints (``extend_through``). ``known``: ids already stored (not written again)."""
         snap = snapshot_plan(self._ctx.format, plan)
         if snap is None:
-            return self._ctx.format.prefill(plan)
+            return self.extend_through(plan, None, 0, known)
         try:
             # No key lock of its own (a second stripe lock could wait on the one held):
             # a put of an entry that exists is a no-op, so racing writers are harmless.
             ctx = self._ctx
-            done, known = ctx.entries.on_disk(lambda: ctx.store.lookup(
+            done, stored = ctx.entries.on_disk(lambda: ctx.store.lookup(
                 ctx.kind, snap.namespace, snap.key, touch=False, tenant=ctx.tenancy.tenant),
                 ctx.deadlines.lookup_deadline_s)
             head = self._ctx.format.prefill(snap)
-            if done and known is None and self.still(snap):
+            if done and stored is None and self.still(snap):
                 self.commit(snap, head, None, snapshot=True)
             self.remember(snap, Loaded(head, snap.prefix))
             if getattr(self._ctx.format, "extends_by_token", False):
                 # The model continues a state one token at a time (transformers' Mamba):
                 # a second cold forward of the whole prefix is far cheaper than that.
                 return self._ctx.format.prefill(plan)
-            rest = list(plan.prefix.tokens[len(snap.prefix):])
             ops = base_ops(self._ctx.format)
-            return ops.extend(ops.clone(head), rest)
+            return self.extend_through(plan, ops.clone(head), len(snap.prefix), known)
         except (SpoolError, ValueError, RuntimeError) as exc:
             if isinstance(exc, ConfigError):
                 raise
             log.warning("instructions snapshot skipped: %s", reason(exc))
             return self._ctx.format.prefill(plan)
+
+    def extend_through(self, plan: Plan, cache: Any | None, start: int,
+                       known: set[str] | frozenset[str]) -> Any:
+        """``cache`` (the state of the plan's first ``start`` ids; None: no state yet)
+        extended to the whole prefix. A cache that cannot be cut back commits its state at
+        each checkpoint past ``start`` on the way (``checkpoint_positions``; entries of their
+        own, never superseded), so a prompt sharing only part of this one later restores
+        the nearest checkpoint at or before the ids it shares instead of running cold."""
+        tokens = list(plan.prefix.tokens)
+        fmt = self._ctx.format
+        at = start
+        for count in checkpoint_positions(fmt, plan.prefix):
+            if count <= start:
+                continue
+            cut = checkpoint_plan(plan, count, self._ctx.tenancy.entry_id)
+            cache = fmt.prefill(cut) if cache is None else \
+                base_ops(fmt).extend(cache, tokens[at:count])
+            at = count
+            if cut.entry_id not in known and self.still(cut) and not self._ctx.deadlines.down:
+                self.commit(cut, cache, None, snapshot=True, checkpoint=True)
+                # a commit may still be writing these bytes in the background: go on on a copy
+                cache = base_ops(fmt).clone(cache)
+        if cache is None:
+            return fmt.prefill(plan)
+        return base_ops(fmt).extend(cache, tokens[at:]) if at < len(tokens) else cache
 
     def still(self, plan: Plan) -> bool:
         """Whether the model is still in the state ``plan`` was made in (formats whose model
@@ -203,8 +228,9 @@ class EntryBuilder:
         return bool(still(plan)) if callable(still) else True
 
     def commit(self, plan: Plan, cache: Any, base_id: str | None, *,
-                snapshot: bool = False) -> bool:
-        if not self._ctx.entries.commit(plan, cache, base_id, snapshot=snapshot):
+                snapshot: bool = False, checkpoint: bool = False) -> bool:
+        if not self._ctx.entries.commit(plan, cache, base_id, snapshot=snapshot,
+                                        checkpoint=checkpoint):
             return False
         with self._ctx.lock:
             # A commit revives an entry this controller had released earlier.
