@@ -65,7 +65,7 @@ def checkpoint_positions(entry_format: EntryFormat, prefix: TokenPrefix) -> list
     (any prefix of an entry serves), nor for a model that continues a state one id per
     forward (restoring and extending costs more than the cold prefill it saves)."""
     if getattr(entry_format, "trimmable", True) or not entry_format.bases or \
-            getattr(entry_format, "extends_by_token", False):
+            getattr(entry_format, "extends_by_token", False) or MAX_CHECKPOINTS <= 0:
         return []
     n = len(prefix)
     ladder = checkpoint_ladder(n)[-MAX_CHECKPOINTS:]
