@@ -21,6 +21,7 @@ from spoolctl.store import ConfigError, SpoolError, Store, hold
 
 from ..contract import CacheHandle, CachePrepareParams
 from ..logsafe import reason
+from .background_puts import BackgroundPuts
 from .deadlines import StoreDeadlines
 from .entry_format import EntryFormat, Loaded, Plan, base_ops
 from .entry_io import EntryIO
@@ -60,6 +61,11 @@ class EntryBuilder:
 
     def __init__(self, ctx: BuildContext):
         self._ctx = ctx
+        self._puts = BackgroundPuts(ctx.entries.put)
+
+    def close(self) -> None:
+        """Write the checkpoints still waiting, then stop their writer."""
+        self._puts.close()
 
     def handle(self, plan: Plan, *, source: str, written: int = 0, reused: int = 0,
                 computed: int = 0, supersedes: str | None = None) -> CacheHandle:
@@ -201,8 +207,9 @@ class EntryBuilder:
         """``cache`` (the state of the plan's first ``start`` ids; None: no state yet)
         extended to the whole prefix. A cache that cannot be cut back commits its state at
         each checkpoint past ``start`` on the way (``checkpoint_positions``; entries of their
-        own, never superseded), so a prompt sharing only part of this one later restores
-        the nearest checkpoint at or before the ids it shares instead of running cold."""
+        own, never superseded, written by a background thread), so a prompt sharing only
+        part of this one later restores the nearest checkpoint at or before the ids it
+        shares instead of running cold."""
         tokens = list(plan.prefix.tokens)
         fmt = self._ctx.format
         at = start
@@ -214,9 +221,11 @@ class EntryBuilder:
                 base_ops(fmt).extend(cache, tokens[at:count])
             at = count
             if cut.entry_id not in known and self.still(cut) and not self._ctx.deadlines.down:
-                self.commit(cut, cache, None, snapshot=True, checkpoint=True)
-                # a commit may still be writing these bytes in the background: go on on a copy
-                cache = base_ops(fmt).clone(cache)
+                staged = self._ctx.entries.stage(cut, cache, None, snapshot=True,
+                                                 checkpoint=True)
+                if staged is not None and self._puts.submit(staged):
+                    # the staged bytes may view this cache's tensors: go on on a copy
+                    cache = base_ops(fmt).clone(cache)
         if cache is None:
             return fmt.prefill(plan)
         return base_ops(fmt).extend(cache, tokens[at:]) if at < len(tokens) else cache

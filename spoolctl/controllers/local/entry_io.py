@@ -26,6 +26,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -47,6 +48,17 @@ from .tokens import BaseCandidate, PrefixDigests, common_prefix_tokens, rank_bas
 log = logging.getLogger("spoolctl.controllers")
 
 MAX_BASE_TRIES = 3
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An entry ready to put: serialized objects, meta, catalog row, the base it supersedes."""
+
+    plan: Plan
+    objects: dict[str, Any]
+    meta: dict[str, Any]
+    index: dict[str, Any]
+    base_id: str | None
 
 
 class _TransientReadError(Exception):
@@ -266,15 +278,22 @@ class EntryIO:
         the ``marks`` base selection ranks by): whether it was committed. Never raises for
         store trouble (a full disk, a busy store, a late disk): the cache still serves from
         memory."""
+        staged = self.stage(plan, cache, base_id, snapshot=snapshot, checkpoint=checkpoint)
+        return staged is not None and self.put(staged)
+
+    def stage(self, plan: Plan, cache: Any, base_id: str | None, *,
+              snapshot: bool = False, checkpoint: bool = False) -> Staged | None:
+        """What ``commit`` puts: the serialized cache, its meta and catalog row (None, counted
+        and said once, when it cannot be serialized)."""
         if self._tenancy.lost:  # said once at open; every commit would fail the same way
-            return False
+            return None
         try:
             objects, layout = self._format.serialize(cache, plan)
         except Exception as exc:  # the cache still serves this process from memory
             self._once("serialize", "cache could not be serialized, not persisted: %s",
                        reason(exc))
             self._count(commit_failures=1)
-            return False
+            return None
         own_meta, own_index = self._format.describe(plan)
         meta = {"format": self._format.name, "identity": plan.identity or self._identity,
                 "layout": layout,
@@ -285,12 +304,18 @@ class EntryIO:
                  "marks": PrefixDigests(plan.prefix.tokens, self._tenancy.mark_key()).marks(),
                  **({"snapshot": True} if snapshot else {}),
                  **({"checkpoint": True} if checkpoint else {})}
+        return Staged(plan, objects, meta, index, base_id)
+
+    def put(self, staged: Staged) -> bool:
+        """Seal and put a staged entry: whether it was committed (store trouble is counted
+        and said once, never raised)."""
+        plan = staged.plan
         try:
-            meta, objects = self._tenancy.seal_meta(meta, objects)
+            meta, objects = self._tenancy.seal_meta(staged.meta, staged.objects)
             done, _ = self.on_disk(lambda: self._store.put(
                 kind=self._kind, namespace=plan.namespace, key=plan.key, objects=objects,
-                meta=meta, index=index, supersedes=base_id, tenant=self._tenancy.tenant),
-                self._deadlines.read_deadline_s)
+                meta=meta, index=staged.index, supersedes=staged.base_id,
+                tenant=self._tenancy.tenant), self._deadlines.read_deadline_s)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
             self._once("persist", "cache not persisted (%s); serving it from memory (said "
