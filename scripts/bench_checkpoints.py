@@ -9,11 +9,15 @@ plus one long document (``--tokens`` ids):
   written and their bytes (the checkpoints' share, and bytes per checkpoint);
 * a prompt that stops inside the document (3/4 of it) prepared by a fresh controller on
   each store: restored from the nearest checkpoint vs from the instructions snapshot alone;
-  reused and computed ids next to the times.
+  reused and computed ids next to the times (median);
+* ``--wide``: the same models widened (hidden 512), where compute outweighs the store I/O.
+
+Cold ``prepare`` times leave out the checkpoints' puts (a background thread writes them;
+``close`` waits for them, untimed).
 
 Prints one JSON document. Times are wall clock on whatever host runs it. Usage::
 
-    .venv/bin/python scripts/bench_checkpoints.py [--tokens 1024] [--repeat 3]
+    .venv/bin/python scripts/bench_checkpoints.py [--tokens 1024] [--repeat 3] [--wide]
 """
 
 from __future__ import annotations
@@ -71,15 +75,21 @@ def _inside(backend: PyTorchBackend, root: Path, p: CachePrepareParams) -> dict[
             "computed": h.computed_tokens}
 
 
-def bench_family(family: str, tokens: int, repeat: int, work: Path) -> dict[str, Any]:
+WIDE = {"hidden_size": 512, "intermediate_size": 2048}
+
+
+def bench_family(family: str, tokens: int, repeat: int, work: Path, wide: bool
+                 ) -> dict[str, Any]:
     from spoolctl.demo.tinyfamilies import build_family_model
 
-    backend = PyTorchBackend(build_family_model(work / family, family), model_id=family)
+    model = build_family_model(work / family, family, overrides=WIDE if wide else None)
+    backend = PyTorchBackend(model, model_id=family)
     doc = _document(backend, tokens)
     p = CachePrepareParams(model=family, instructions=[SYSTEM], data=[doc])
     inside = CachePrepareParams(model=family, instructions=[SYSTEM],
                                 data=[doc[: len(doc) * 3 // 4]])
     times: dict[str, list[float]] = {"with": [], "without": []}
+    inside_times: dict[str, list[float]] = {"with": [], "without": []}
     limits = {"with": plan_rules.MAX_CHECKPOINTS, "without": 0}
     out: dict[str, Any] = {"family": family, "extends_by_token": backend.extends_by_token}
     for i in range(repeat):
@@ -93,13 +103,16 @@ def bench_family(family: str, tokens: int, repeat: int, work: Path) -> dict[str,
                 out[f"{arm}_entries"], out[f"{arm}_bytes"] = entries, total
                 if arm == "with":
                     out["checkpoint_bytes"] = ckpt
-                out[f"inside_{arm}"] = _inside(backend, root, inside)
+            seen = _inside(backend, root, inside)
+            inside_times[arm].append(seen.pop("s"))
+            out[f"inside_{arm}"] = seen
     plan_rules.MAX_CHECKPOINTS = limits["with"]
     out["checkpoints"] = out["with_entries"] - out["without_entries"]
     if out["checkpoints"]:
         out["bytes_per_checkpoint"] = out["checkpoint_bytes"] // out["checkpoints"]
-    out["cold_s_with"] = round(statistics.median(times["with"]), 4)
-    out["cold_s_without"] = round(statistics.median(times["without"]), 4)
+    for arm in ("with", "without"):
+        out[f"cold_s_{arm}"] = round(statistics.median(times[arm]), 4)
+        out[f"inside_s_{arm}"] = round(statistics.median(inside_times[arm]), 4)
     return out
 
 
@@ -108,11 +121,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--families", default="sliding,hybrid")
+    ap.add_argument("--wide", action="store_true",
+                    help=f"widen the tiny models ({WIDE}) so compute weighs more than I/O")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="spoolctl-bench-ckpt-") as tmp:
-        results = [bench_family(f, args.tokens, args.repeat, Path(tmp))
+        results = [bench_family(f, args.tokens, args.repeat, Path(tmp), args.wide)
                    for f in args.families.split(",")]
     print(json.dumps({"bench": "checkpoints", "tokens": args.tokens, "repeat": args.repeat,
+                      "wide": args.wide,
                       "max_checkpoints": plan_rules.MAX_CHECKPOINTS,
                       "checkpoint_first": plan_rules.CHECKPOINT_FIRST,
                       "results": results}, indent=2))
