@@ -301,6 +301,30 @@ def test_rank_bases_finds_a_base_by_its_token_marks_without_a_shared_element():
                       prefix=PrefixDigests(stored[:70], key=str.upper)) == []
 
 
+def test_background_puts_keep_order_drop_past_the_bound_and_close_writes_what_waits():
+    """Checkpoint puts: in order on one worker, at most ``max_pending`` waiting (the rest
+    dropped, never blocking the prepare), a failing put does not stop the worker, and
+    ``close`` returns only once every queued put ran; nothing is taken after it."""
+    import threading
+
+    from spoolctl.controllers.local.background_puts import BackgroundPuts
+
+    gate, done = threading.Event(), []
+
+    def put(item: int) -> None:
+        gate.wait(30)
+        if item == 1:
+            raise OSError("disk full")
+        done.append(item)
+
+    puts = BackgroundPuts(put, max_pending=3)
+    assert [puts.submit(i) for i in range(5)] == [True, True, True, False, False]
+    gate.set()
+    puts.close()
+    assert done == [0, 2]
+    assert puts.submit(9) is False
+
+
 def test_namespace_depends_on_every_identity_field():
     base = {"model": "/m", "dtype": "float32", "device": "cpu"}
     names = {namespace_for("pytorch", base),

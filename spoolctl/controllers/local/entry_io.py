@@ -173,18 +173,20 @@ class EntryIO:
         ``(cache, kept tokens, base id, "memory" | "disk", whether the plan extends the
         whole base)``, or None if no usable base (any failure falls back to a cold
         prefill)."""
-        trimmable = bool(getattr(self._format, "trimmable", True))
         candidates = rank_bases(rows, group=plan.group, elements=plan.elements,
                                 exclude=plan.entry_id, lead_segments=plan.lead_segments,
                                 prefix=PrefixDigests(plan.prefix.tokens,
                                                      self._tenancy.mark_key()),
-                                whole_only=not trimmable)
+                                whole_only=not getattr(self._format, "trimmable", True))
         # Snapshots serve many prompts: a prompt that extends one never supersedes it.
         snapshots = {entry_id for entry_id, _, index in rows
                      if hasattr(index, "get") and index.get("snapshot") is True}
-        sized = [(keep, i, cand, held) for i, cand in enumerate(candidates[:MAX_BASE_TRIES])
-                 if (found := self._shared(cand, plan)) is not None
-                 for keep, held in [found]]
+        sized: list[tuple[int, int, BaseCandidate, Loaded | Manifest]] = []
+        for rank, cand in enumerate(candidates[:MAX_BASE_TRIES]):
+            found = self._shared(cand, plan)
+            if found is not None:
+                sized.append((found[0], rank, cand, found[1]))
+        # most shared ids first; the rank breaks ties
         for keep, _, cand, held in sorted(sized, key=lambda s: (-s[0], s[1])):
             if isinstance(held, Loaded):
                 cache, base_len, where = base_ops(self._format).clone(held.cache), \
