@@ -22,7 +22,9 @@ SYSTEM_NEAR = SYSTEM[:-6] + "above."
 DOC2 = "Manual, part two: never run the pump dry; check the seal every month."
 QUESTION = "Question: when does the pump start?"
 SEEDED = {"temperature": 0.9, "top_k": 40, "seed": 7}
-MORE = "Then it runs until the tank is low."  # appended inside DOC1's own message
+MORE = "Then it runs until the tank is low."  # appended inside a document's own message
+#: A document past the first doubling checkpoint (256 ids with the instructions).
+LONG = DOC1 * 4
 
 
 def params(model: str, *data: str) -> CachePrepareParams:
@@ -54,8 +56,8 @@ def expected_reuse(b: Any, stored: list[int], head: int, shared: int) -> int:
     """What a prompt sharing ``shared`` leading ids with the stored instructions + one
     document (``stored``, instructions ``head`` ids long) reuses: all of them where the cache
     can be cut back; else the nearest stored state at or before them -- the instructions
-    snapshot, the doubling checkpoints (not for a model that continues one id per forward)
-    or the whole entry."""
+    snapshot (also the start of the last segment), the doubling checkpoints (not for a
+    model that continues one id per forward) or the whole entry."""
     if getattr(b, "trimmable", True):
         return shared
     points = {head, len(stored)}
@@ -66,21 +68,23 @@ def expected_reuse(b: Any, stored: list[int], head: int, shared: int) -> int:
 
 def check_common_prefix_rule(make: Callable[[Any, Path], Any], b: Any, model: str,
                              root: Path) -> None:
-    """Instructions + DOC1 stored; then (a) a prompt that stops inside DOC1 and (b) one that
-    extends DOC1 inside its own message, each against a fresh store holding only that entry
+    """Instructions + LONG stored; then (a) a prompt that stops inside LONG and (b) one that
+    extends LONG inside its own message, each against a fresh store holding only that entry
     and read by a fresh controller (bases from disk): it reuses ``expected_reuse`` ids (the
     handle and the usage say so), computes only the rest, never supersedes the base, and
     its greedy tokens equal a cold run."""
-    for case, data in enumerate((DOC1[: len(DOC1) // 2], DOC1 + MORE)):
+    for case, data in enumerate((LONG[: len(LONG) * 9 // 10], LONG + MORE)):
         store = root.with_name(f"{root.name}-{case}")
         with make(b, store) as ctl:
-            stored = ctl.prefix_tokens(params(model, DOC1))
+            stored = ctl.prefix_tokens(params(model, LONG))
             head = len(ctl.prefix_tokens(CachePrepareParams(model=model, instructions=[SYSTEM])))
-            ctl.prepare(params(model, DOC1))
+            ctl.prepare(params(model, LONG))
         with make(b, store) as ctl:
             ours = ctl.prefix_tokens(params(model, data))
             shared = shared_ids(stored, ours)
-            assert head < shared < len(stored)  # inside DOC1, past the instructions
+            assert head < shared < len(stored)
+            if not getattr(b, "trimmable", True):  # past the first doubling checkpoint
+                assert checkpoint_ladder(len(stored))[0] < shared
             want = expected_reuse(b, stored, head, shared)
             h = ctl.prepare(params(model, data))
             assert (h.source, h.reused_tokens, h.supersedes) == ("incremental", want, None)

@@ -20,10 +20,10 @@ from spoolctl.store import SpoolError, hash_parts
 from .entry_format import EntryFormat, Plan
 from .tokens import TokenPrefix
 
-#: The first mid-prompt checkpoint; later ones double (32, 64, 128, ...).
-CHECKPOINT_FIRST = 32
-#: At most this many checkpoints per prompt (the doublings first, then the latest
-#: segment boundaries): a bounded number of extra entries per prefill.
+#: The first mid-prompt checkpoint; later ones double (256, 512, 1024, ...). Each one costs
+#: a forward of its own (a pass over the weights), so the ids it saves must outweigh that.
+CHECKPOINT_FIRST = 256
+#: At most this many checkpoints per prompt: a bounded number of extra entries per prefill.
 MAX_CHECKPOINTS = 16
 
 
@@ -48,7 +48,7 @@ def snapshot_plan(entry_format: EntryFormat, plan: Plan) -> Plan | None:
 
 
 def checkpoint_ladder(count: int) -> list[int]:
-    """The doubling checkpoint positions below ``count`` ids: 32, 64, 128, ..."""
+    """The doubling checkpoint positions below ``count`` ids: 256, 512, 1024, ..."""
     out: list[int] = []
     p = CHECKPOINT_FIRST
     while p < count:
@@ -60,18 +60,17 @@ def checkpoint_ladder(count: int) -> list[int]:
 def checkpoint_positions(entry_format: EntryFormat, prefix: TokenPrefix) -> list[int]:
     """Where a prefill of ``prefix`` commits its state mid-prompt: for caches that cannot
     be cut back (sliding windows, recurrent states), whose entries otherwise serve only
-    prompts that extend them whole, at every doubling of 32 ids and every segment boundary
-    (at most ``MAX_CHECKPOINTS``, doublings first). None for caches that can be cut back
-    (any prefix of an entry serves), nor for a model that continues a state one id per
-    forward (restoring and extending costs more than the cold prefill it saves)."""
+    prompts that extend them whole, at every doubling of 256 ids and at the start of the
+    last segment (where an edited or regenerated last message parts from this prompt); at
+    most ``MAX_CHECKPOINTS``. None for caches that can be cut back (any prefix of an entry
+    serves), nor for a model that continues a state one id per forward (restoring and
+    extending costs more than the cold prefill it saves)."""
     if getattr(entry_format, "trimmable", True) or not entry_format.bases or \
             getattr(entry_format, "extends_by_token", False) or MAX_CHECKPOINTS <= 0:
         return []
     n = len(prefix)
-    ladder = checkpoint_ladder(n)[-MAX_CHECKPOINTS:]
-    bounds = [o for o in prefix.offsets if 0 < o < n and o not in ladder]
-    room = MAX_CHECKPOINTS - len(ladder)
-    return sorted({*ladder, *(bounds[-room:] if room > 0 else [])})
+    last = [o for o in prefix.offsets if 0 < o < n][-1:]
+    return sorted({*checkpoint_ladder(n), *last})[-MAX_CHECKPOINTS:]
 
 
 def checkpoint_plan(plan: Plan, count: int, entry_id: Callable[[str, str], str]) -> Plan:
