@@ -24,7 +24,7 @@ from ..logsafe import reason
 from .background_puts import BackgroundPuts
 from .deadlines import StoreDeadlines
 from .entry_format import EntryFormat, Loaded, Plan, base_ops
-from .entry_io import EntryIO
+from .entry_io import EntryIO, Staged
 from .handle_book import HandleBook
 from .plan_rules import checkpoint_plan, checkpoint_positions, same_params, snapshot_plan
 from .tenancy import Tenancy
@@ -122,19 +122,20 @@ class EntryBuilder:
                      "in the chat template): a miss, prefilling it again")
         based = self._ctx.entries.from_base(plan, rows) if rows else None
         known = {entry_id for entry_id, _, _ in rows}
+        later: list[Staged] = []  # checkpoints, put once this entry is committed
         base_where, extends = "", False
         base_id: str | None = None
         if based is not None:
             cache, keep, base_id, base_where, extends = based
             try:
-                cache = self.extend_through(plan, cache, keep, known)
+                cache = self.extend_through(plan, cache, keep, known, later)
                 source, computed, reused = "incremental", total - keep, keep
             except Exception as exc:  # a base the model cannot extend: start over cold
                 log.warning("incremental prefill on a base failed, prefilling cold: %s",
                             reason(exc))
                 based = None
         if based is None:
-            cache = self.prefill_with_snapshot(plan, known)
+            cache = self.prefill_with_snapshot(plan, known, later)
             base_id, source, computed, reused = None, "cold", total, 0
         if not self.still(plan):  # switched mid-prefill: a cache of no one model state
             log.warning("the model changed during a prefill (adapters switched?): that cache "
@@ -147,6 +148,8 @@ class EntryBuilder:
         with self._ctx.lock:
             deferred = supersedes is not None and self._ctx.book.held(supersedes)
         persisted = self.commit(plan, cache, None if deferred else supersedes)
+        for staged in later:  # after this entry's own write: the request's comes first
+            self._puts.submit(staged)
         self.remember(plan, Loaded(cache, plan.prefix))
         written = computed if persisted else 0
         with self._ctx.lock:
@@ -170,15 +173,16 @@ class EntryBuilder:
                             computed=computed,
                             supersedes=supersedes if persisted else None), work
 
-    def prefill_with_snapshot(self, plan: Plan, known: set[str] | frozenset[str] = frozenset()
-                              ) -> Any:
+    def prefill_with_snapshot(self, plan: Plan, known: set[str] | frozenset[str] = frozenset(),
+                              later: list[Staged] | None = None) -> Any:
         """A cold prefill of ``plan``; for caches that cannot be cut back it runs through the
         instructions first and commits that state as an entry of its own (a snapshot that
         later prefills extend and never supersede), then extends a copy through the plan's
-        checkpoints (``extend_through``). ``known``: ids already stored (not written again)."""
+        checkpoints (``extend_through``). ``known``: ids already stored (not written again);
+        ``later``: where the checkpoints are staged (None: put now, in the background)."""
         snap = snapshot_plan(self._ctx.format, plan)
         if snap is None:
-            return self.extend_through(plan, None, 0, known)
+            return self.extend_through(plan, None, 0, known, later)
         try:
             # No key lock of its own (a second stripe lock could wait on the one held):
             # a put of an entry that exists is a no-op, so racing writers are harmless.
@@ -195,7 +199,7 @@ class EntryBuilder:
                 # a second cold forward of the whole prefix is far cheaper than that.
                 return self._ctx.format.prefill(plan)
             ops = base_ops(self._ctx.format)
-            return self.extend_through(plan, ops.clone(head), len(snap.prefix), known)
+            return self.extend_through(plan, ops.clone(head), len(snap.prefix), known, later)
         except (SpoolError, ValueError, RuntimeError) as exc:
             if isinstance(exc, ConfigError):
                 raise
@@ -203,13 +207,14 @@ class EntryBuilder:
             return self._ctx.format.prefill(plan)
 
     def extend_through(self, plan: Plan, cache: Any | None, start: int,
-                       known: set[str] | frozenset[str]) -> Any:
+                       known: set[str] | frozenset[str],
+                       later: list[Staged] | None = None) -> Any:
         """``cache`` (the state of the plan's first ``start`` ids; None: no state yet)
         extended to the whole prefix. A cache that cannot be cut back commits its state at
         each checkpoint past ``start`` on the way (``checkpoint_positions``; entries of their
-        own, never superseded, written by a background thread), so a prompt sharing only
-        part of this one later restores the nearest checkpoint at or before the ids it
-        shares instead of running cold."""
+        own, never superseded, staged into ``later`` or else handed to the background
+        writer at once), so a prompt sharing only part of this one later restores the
+        nearest checkpoint at or before the ids it shares instead of running cold."""
         tokens = list(plan.prefix.tokens)
         fmt = self._ctx.format
         at = start
@@ -223,9 +228,14 @@ class EntryBuilder:
             if cut.entry_id not in known and self.still(cut) and not self._ctx.deadlines.down:
                 staged = self._ctx.entries.stage(cut, cache, None, snapshot=True,
                                                  checkpoint=True)
-                if staged is not None and self._puts.submit(staged):
-                    # the staged bytes may view this cache's tensors: go on on a copy
-                    cache = base_ops(fmt).clone(cache)
+                if staged is None:
+                    continue
+                if later is not None:
+                    later.append(staged)
+                elif not self._puts.submit(staged):
+                    continue
+                # the staged bytes may view this cache's tensors: go on on a copy
+                cache = base_ops(fmt).clone(cache)
         if cache is None:
             return fmt.prefill(plan)
         return base_ops(fmt).extend(cache, tokens[at:]) if at < len(tokens) else cache
