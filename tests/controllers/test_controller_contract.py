@@ -18,6 +18,7 @@ from spoolctl.controllers import (
     render_segments,
 )
 from spoolctl.controllers.local.tokens import (
+    PrefixDigests,
     TokenPrefix,
     common_prefix_tokens,
     namespace_for,
@@ -231,9 +232,12 @@ def test_token_prefix_offsets_hashes_and_meta_round_trip():
     assert a.hashes[:2] == b.hashes[:2] and a.hashes[2] != b.hashes[2]
     assert common_prefix_tokens(a, b) == 4
     assert common_prefix_tokens(a, a) == 6
-    # A different split of the same ids is a different boundary: not confirmed there.
+    # Ids decide, wherever they stop agreeing: inside a segment, or split differently.
     c = TokenPrefix.from_segments([[1, 2], [3, 4], [5, 6]])
-    assert common_prefix_tokens(a, c) == 0
+    assert common_prefix_tokens(a, c) == 6
+    d = TokenPrefix.from_segments([[1, 2, 3], [4, 5, 9, 9]])
+    assert common_prefix_tokens(a, d) == common_prefix_tokens(d, a) == 5
+    assert common_prefix_tokens(a, TokenPrefix.from_segments([[7]])) == 0
     assert a.is_prefix_of([1, 2, 3, 4, 5, 6, 9]) and not a.is_prefix_of([1, 2, 3])
 
 
@@ -264,6 +268,61 @@ def test_rank_bases_prefers_most_shared_elements_in_the_same_group():
     # With a shared leading tools segment even an entry with no shared element qualifies.
     assert "d" in [c.entry_id[0] for c in rank_bases(rows, group="g", elements=["q"],
                                                      lead_segments=1)]
+
+
+def test_rank_bases_finds_a_base_by_its_token_marks_without_a_shared_element():
+    """One long message grown by a few ids shares no element with the stored one: its
+    catalog marks confirm the shared leading ids, the longest confirmed ranks first, and
+    ``whole_only`` keeps only rows whose whole ids are a prefix of the plan's."""
+    stored = list(range(100, 180))  # 80 ids
+    ours = PrefixDigests([*stored[:70], 1, 2, 3])
+    grown = PrefixDigests([*stored, 1, 2])
+    short = list(range(100, 120))  # 20 ids, a prefix of both
+    rows = [
+        ("a" * 64, "k1", {"group": "g", "elements": ["x"], "tokens": 80,
+                          "marks": PrefixDigests(stored).marks()}),
+        ("b" * 64, "k2", {"group": "g", "elements": ["y"], "tokens": 20,
+                          "marks": PrefixDigests(short).marks()}),
+        ("c" * 64, "k3", {"group": "g", "elements": ["z"], "tokens": 80,
+                          "marks": PrefixDigests(list(range(80))).marks()}),
+        ("d" * 64, "k4", {"group": "g", "elements": ["w"], "tokens": 80, "marks": "junk"}),
+    ]
+    assert sorted(PrefixDigests(stored).marks(), key=int) == ["16", "32", "64", "80"]
+    ranked = rank_bases(rows, group="g", elements=["q"], prefix=ours)
+    assert [(c.entry_id[0], c.shared_tokens, c.whole) for c in ranked] == \
+        [("a", 64, False), ("b", 20, True)]
+    whole = rank_bases(rows, group="g", elements=["q"], prefix=ours, whole_only=True)
+    assert [c.entry_id[0] for c in whole] == ["b"]
+    assert [(c.entry_id[0], c.whole) for c in rank_bases(
+        rows, group="g", elements=["q"], prefix=grown, whole_only=True)] == \
+        [("a", True), ("b", True)]
+    # marks keyed for a tenant match no row of plain marks
+    assert rank_bases(rows, group="g", elements=["q"],
+                      prefix=PrefixDigests(stored[:70], key=str.upper)) == []
+
+
+def test_background_puts_keep_order_drop_past_the_bound_and_close_writes_what_waits():
+    """Checkpoint puts: in order on one worker, at most ``max_pending`` waiting (the rest
+    dropped, never blocking the prepare), a failing put does not stop the worker, and
+    ``close`` returns only once every queued put ran; nothing is taken after it."""
+    import threading
+
+    from spoolctl.controllers.local.background_puts import BackgroundPuts
+
+    gate, done = threading.Event(), []
+
+    def put(item: int) -> None:
+        gate.wait(30)
+        if item == 1:
+            raise OSError("disk full")
+        done.append(item)
+
+    puts = BackgroundPuts(put, max_pending=3)
+    assert [puts.submit(i) for i in range(5)] == [True, True, True, False, False]
+    gate.set()
+    puts.close()
+    assert done == [0, 2]
+    assert puts.submit(9) is False
 
 
 def test_namespace_depends_on_every_identity_field():

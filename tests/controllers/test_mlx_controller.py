@@ -162,6 +162,17 @@ def test_incremental_from_a_diverging_base_trims_to_the_common_prefix(backend,
         assert ctl.prepare(first).source == "disk"
 
 
+def test_a_prompt_inside_or_past_a_stored_message_reuses_every_shared_token(
+        tiny_model_dir: Path, store_root: Path) -> None:
+    """Full attention, the common-prefix rule (``family_prompts.check_common_prefix_rule``):
+    a prompt that stops inside a stored document, and one that extends it inside its
+    message, reuse every leading id they share with it, not only the instructions."""
+    from family_prompts import check_common_prefix_rule
+
+    check_common_prefix_rule(MlxCacheController, MlxBackend(tiny_model_dir, model_id="tiny"),
+                             "tiny", store_root)
+
+
 def test_cache_covering_the_whole_prompt_gives_cold_tokens(backend, tmp_path: Path) -> None:
     p = params(str(backend.model_dir), DOC_A)
     with MlxCacheController(backend, tmp_path / "store") as ctl:

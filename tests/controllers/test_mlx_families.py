@@ -26,6 +26,7 @@ from family_prompts import (
     QUESTION,
     SEEDED,
     SYSTEM,
+    check_common_prefix_rule,
     check_extension_rule,
     check_instructions_snapshot,
     cold,
@@ -34,6 +35,7 @@ from family_prompts import (
 )
 
 from spoolctl.controllers import CachePrepareParams
+from spoolctl.controllers.local.plan_rules import checkpoint_ladder
 from spoolctl.controllers.mlx import CacheFormatError, MlxBackend, MlxCacheController
 from spoolctl.store import Store
 
@@ -92,6 +94,13 @@ def test_one_system_prompt_many_documents_extends_the_instructions_snapshot(
     check_instructions_snapshot(MlxCacheController, backends[family], family, store_root)
 
 
+@pytest.mark.parametrize("family", REUSE)
+def test_a_prompt_inside_or_past_a_stored_message_restores_the_checkpoint_before_it(
+        backends, family, store_root):
+    """The common-prefix rule (``family_prompts.check_common_prefix_rule``)."""
+    check_common_prefix_rule(MlxCacheController, backends[family], family, store_root)
+
+
 def test_entry_layout_says_what_it_holds_and_another_family_never_reads_it(backends,
                                                                           store_root):
     entries = {}
@@ -118,8 +127,9 @@ def test_entry_layout_says_what_it_holds_and_another_family_never_reads_it(backe
 
 def test_a_base_that_would_need_cutting_back_is_not_even_read(backends, store_root, caplog):
     """No instructions, so no snapshot: the stored doc1 + doc2 state cannot serve doc1
-    alone (a recurrent state is never cut back). The prepare runs cold and correct without
-    reading that entry (nothing to log, no load failure)."""
+    alone (a recurrent state is never cut back), but its checkpoint at the doc1 boundary
+    can: the prepare restores it and computes nothing, without reading the longer entry
+    (nothing to log, no load failure), and its tokens equal a cold run."""
     b = backends["ssm"]
     both = CachePrepareParams(model="ssm", data=[DOC1, DOC2])
     with MlxCacheController(b, store_root) as ctl:
@@ -127,7 +137,8 @@ def test_a_base_that_would_need_cutting_back_is_not_even_read(backends, store_ro
     one = CachePrepareParams(model="ssm", data=[DOC1])
     with MlxCacheController(b, store_root) as ctl, caplog.at_level(logging.WARNING):
         h = ctl.prepare(one)
-        assert h.source == "cold" and h.reused_tokens == 0
+        assert h.source == "incremental" and h.supersedes is None
+        assert h.reused_tokens == h.cached_tokens and h.computed_tokens == 0
         assert ctl.stats()["load_failures"] == 0
         ids = ctl.prompt_tokens(h, QUESTION)
         assert ctl.generate(h, QUESTION, 8).tokens == b.generate(None, 0, ids, 8)
@@ -197,9 +208,10 @@ def test_quantized_kv_entry_says_bits_and_group_and_no_other_setting_reads_it(qu
 def test_quantized_kv_near_miss_reuses_only_the_exact_prefix(quantized, name, store_root):
     """A near miss inside the document reuses no more than the shared tokens: quantized from
     the first token, the doc1 entry is cut back (mlx-lm's ``QuantizedKVCache`` is
-    trimmable, per token); quantized from token 20, no cut is trusted, so the first prefill
-    also stored the instructions snapshot and that is what is reused. Tokens equal a cold
-    run with the same kv_bits either way."""
+    trimmable, per token) at the first differing id; quantized from token 20, no cut is
+    trusted, so the first prefill also stored the instructions snapshot and checkpoints, and
+    the nearest one before the shared ids is reused. Tokens equal a cold run with the same
+    kv_bits either way."""
     b = quantized[name]
     with MlxCacheController(b, store_root) as ctl:
         ctl.prepare(params("q", DOC1))
@@ -207,13 +219,17 @@ def test_quantized_kv_near_miss_reuses_only_the_exact_prefix(quantized, name, st
         shared = [x == y for x, y in zip(ctl.prefix_tokens(params("q", DOC1)),
                                          ctl.prefix_tokens(params("q", DOC1_NEAR)), strict=False)]
         common = shared.index(False) if False in shared else len(shared)
+        stored = len(ctl.prefix_tokens(params("q", DOC1)))
     assert b.trimmable is (name == "q4")
-    # A cache that cannot be cut back also stored the instructions' state (decision 2602).
-    assert len(list((store_root / "manifests").rglob("*.json"))) == (1 if name == "q4" else 2)
+    # A cache that cannot be cut back also stored the instructions' state (decision 2602)
+    # and the doubling checkpoints inside the document.
+    assert len(list((store_root / "manifests").rglob("*.json"))) == \
+        (1 if name == "q4" else 2 + len(checkpoint_ladder(stored)))
     with MlxCacheController(b, store_root) as ctl:
         h = ctl.prepare(params("q", DOC1_NEAR))
         assert h.source == "incremental"
         assert head <= h.reused_tokens <= common
+        assert h.reused_tokens == common or name != "q4"
         assert ctl.generate(h, QUESTION, 8).tokens == cold(b, DOC1_NEAR)
 
 

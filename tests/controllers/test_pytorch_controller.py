@@ -140,6 +140,34 @@ def test_shorter_prompt_reuses_a_longer_base_by_trimming(backend, store_root):
         assert ctl.generate(h1, QUESTION, 8).tokens == cold(backend, p1)
 
 
+def test_a_prompt_inside_or_past_a_stored_message_reuses_every_shared_token(backend,
+                                                                            store_root):
+    """Full attention, the common-prefix rule (``family_prompts.check_common_prefix_rule``):
+    a prompt that stops inside a stored document, and one that extends it inside its
+    message, reuse every leading id they share with it (the base cut there), not only the
+    instructions."""
+    from family_prompts import check_common_prefix_rule
+
+    check_common_prefix_rule(PyTorchCacheController, backend, "tiny", store_root)
+
+
+def test_one_long_message_extended_by_a_few_tokens_finds_its_base(backend, store_root):
+    """No instructions, one message: no element is shared with the stored entry, yet the
+    catalog's token marks find it and all but the changed tail is reused."""
+    from family_prompts import MORE, shared_ids
+
+    p1 = CachePrepareParams(model="tiny", data=[DOC1])
+    p2 = CachePrepareParams(model="tiny", data=[DOC1 + MORE])
+    with PyTorchCacheController(backend, store_root) as ctl:
+        stored = ctl.prefix_tokens(p1)
+        ctl.prepare(p1)
+    with PyTorchCacheController(backend, store_root) as ctl:
+        shared = shared_ids(stored, ctl.prefix_tokens(p2))
+        h = ctl.prepare(p2)
+        assert h.source == "incremental" and h.reused_tokens == shared > len(stored) - 4
+        assert ctl.generate(h, QUESTION, 8).tokens == cold(backend, p2)
+
+
 def test_corrupt_payload_is_a_cold_path_and_quarantined(backend, store_root):
     p = CachePrepareParams(**P1)
     want = cold(backend, p)

@@ -20,6 +20,7 @@ from family_prompts import (
     QUESTION,
     SEEDED,
     SYSTEM,
+    check_common_prefix_rule,
     check_extension_rule,
     check_instructions_snapshot,
     cold,
@@ -77,6 +78,15 @@ def test_one_system_prompt_many_documents_extends_the_instructions_snapshot(
         backends, family, store_root):
     """One system prompt, many documents (``family_prompts.check_instructions_snapshot``)."""
     check_instructions_snapshot(PyTorchCacheController, backends[family], family, store_root)
+
+
+@pytest.mark.parametrize("family", BY_FAMILY)
+def test_a_prompt_inside_or_past_a_stored_message_restores_the_checkpoint_before_it(
+        backends, family, store_root):
+    """The common-prefix rule (``family_prompts.check_common_prefix_rule``): a prompt that
+    stops inside a stored document, and one that extends it inside its message, restore
+    the nearest stored state at or before the ids they share, not a cold run."""
+    check_common_prefix_rule(PyTorchCacheController, backends[family], family, store_root)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

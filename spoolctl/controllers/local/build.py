@@ -3,8 +3,8 @@
 A part the controller is composed of: ``EntryBuilder`` gets a ``BuildContext`` (the
 controller's store, format, locks and in-memory books), never the controller. Under the key
 stripe's lock it loads an exact hit, else extends the best base, else prefills cold (through
-an instructions snapshot for caches that cannot be cut back), commits, and supersedes a base
-only that entry strictly extends.
+an instructions snapshot and mid-prompt checkpoints for caches that cannot be cut back),
+commits, and supersedes a base only that entry strictly extends.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from spoolctl.store import ConfigError, SpoolError, Store, hold
 
 from ..contract import CacheHandle, CachePrepareParams
 from ..logsafe import reason
+from .background_puts import BackgroundPuts
 from .deadlines import StoreDeadlines
 from .entry_format import EntryFormat, Loaded, Plan, base_ops
-from .entry_io import EntryIO
+from .entry_io import EntryIO, Staged
 from .handle_book import HandleBook
-from .plan_rules import same_params, snapshot_plan
+from .plan_rules import checkpoint_plan, checkpoint_positions, same_params, snapshot_plan
 from .tenancy import Tenancy
 from .usage import ControllerStats, PrepareWork
 
@@ -60,6 +61,11 @@ class EntryBuilder:
 
     def __init__(self, ctx: BuildContext):
         self._ctx = ctx
+        self._puts = BackgroundPuts(ctx.entries.put)
+
+    def close(self) -> None:
+        """Write the checkpoints still waiting, then stop their writer."""
+        self._puts.close()
 
     def handle(self, plan: Plan, *, source: str, written: int = 0, reused: int = 0,
                 computed: int = 0, supersedes: str | None = None) -> CacheHandle:
@@ -115,21 +121,21 @@ class EntryBuilder:
             log.info("the rendered prompt prefix changed since it was cached (e.g. a date "
                      "in the chat template): a miss, prefilling it again")
         based = self._ctx.entries.from_base(plan, rows) if rows else None
+        known = {entry_id for entry_id, _, _ in rows}
+        later: list[Staged] = []  # checkpoints, put once this entry is committed
         base_where, extends = "", False
         base_id: str | None = None
         if based is not None:
             cache, keep, base_id, base_where, extends = based
-            suffix = list(plan.prefix.tokens[keep:])
             try:
-                if suffix:
-                    cache = base_ops(self._ctx.format).extend(cache, suffix)
-                source, computed, reused = "incremental", len(suffix), keep
+                cache = self.extend_through(plan, cache, keep, known, later)
+                source, computed, reused = "incremental", total - keep, keep
             except Exception as exc:  # a base the model cannot extend: start over cold
                 log.warning("incremental prefill on a base failed, prefilling cold: %s",
                             reason(exc))
                 based = None
         if based is None:
-            cache = self.prefill_with_snapshot(plan)
+            cache = self.prefill_with_snapshot(plan, known, later)
             base_id, source, computed, reused = None, "cold", total, 0
         if not self.still(plan):  # switched mid-prefill: a cache of no one model state
             log.warning("the model changed during a prefill (adapters switched?): that cache "
@@ -142,6 +148,8 @@ class EntryBuilder:
         with self._ctx.lock:
             deferred = supersedes is not None and self._ctx.book.held(supersedes)
         persisted = self.commit(plan, cache, None if deferred else supersedes)
+        for staged in later:  # after this entry's own write: the request's comes first
+            self._puts.submit(staged)
         self.remember(plan, Loaded(cache, plan.prefix))
         written = computed if persisted else 0
         with self._ctx.lock:
@@ -165,33 +173,36 @@ class EntryBuilder:
                             computed=computed,
                             supersedes=supersedes if persisted else None), work
 
-    def prefill_with_snapshot(self, plan: Plan) -> Any:
+    def prefill_with_snapshot(self, plan: Plan, known: set[str] | frozenset[str] = frozenset(),
+                              later: list[Staged] | None = None) -> Any:
         """A cold prefill of ``plan``; for caches that cannot be cut back it runs through the
         instructions first and commits that state as an entry of its own (a snapshot that
-        later prefills extend and never supersede), then extends a copy."""
+        later prefills extend and never supersede), then extends a copy through the plan's
+        checkpoints (``extend_through``). ``known``: ids already stored (not written again);
+        ``later``: where the checkpoints are staged (None: put now, in the background)."""
         snap = snapshot_plan(self._ctx.format, plan)
         if snap is None:
-            return self._ctx.format.prefill(plan)
+            return self.extend_through(plan, None, 0, known, later)
         try:
             # No key lock of its own (a second stripe lock could wait on the one held):
             # a put of an entry that exists is a no-op, so racing writers are harmless.
             ctx = self._ctx
-            done, known = ctx.entries.on_disk(lambda: ctx.store.lookup(
+            done, stored = ctx.entries.on_disk(lambda: ctx.store.lookup(
                 ctx.kind, snap.namespace, snap.key, touch=False, tenant=ctx.tenancy.tenant),
                 ctx.deadlines.lookup_deadline_s)
-            rest = list(plan.prefix.tokens[len(snap.prefix):])
+            rest = len(plan.prefix) - len(snap.prefix)
             # Extending the snapshot costs more than one cold forward of the whole prefix.
-            recompute = self.recompute_cheaper(len(snap.prefix), len(rest))
-            if recompute and (not done or known is not None):
+            recompute = self.recompute_cheaper(len(snap.prefix), rest)
+            if recompute and (not done or stored is not None):
                 return self._ctx.format.prefill(plan)  # the snapshot is stored already
             head = self._ctx.format.prefill(snap)
-            if done and known is None and self.still(snap):
+            if done and stored is None and self.still(snap):
                 self.commit(snap, head, None, snapshot=True)
             self.remember(snap, Loaded(head, snap.prefix))
             if recompute:
                 return self._ctx.format.prefill(plan)
             ops = base_ops(self._ctx.format)
-            return ops.extend(ops.clone(head), rest)
+            return self.extend_through(plan, ops.clone(head), len(snap.prefix), known, later)
         except (SpoolError, ValueError, RuntimeError) as exc:
             if isinstance(exc, ConfigError):
                 raise
@@ -202,6 +213,40 @@ class EntryBuilder:
         rule = getattr(self._ctx.format, "recompute_cheaper", None)
         return bool(rule(held, new)) if callable(rule) else False
 
+    def extend_through(self, plan: Plan, cache: Any | None, start: int,
+                       known: set[str] | frozenset[str],
+                       later: list[Staged] | None = None) -> Any:
+        """``cache`` (the state of the plan's first ``start`` ids; None: no state yet)
+        extended to the whole prefix. A cache that cannot be cut back commits its state at
+        each checkpoint past ``start`` on the way (``checkpoint_positions``; entries of their
+        own, never superseded, staged into ``later`` or else handed to the background
+        writer at once), so a prompt sharing only part of this one later restores the
+        nearest checkpoint at or before the ids it shares instead of running cold."""
+        tokens = list(plan.prefix.tokens)
+        fmt = self._ctx.format
+        at = start
+        for count in checkpoint_positions(fmt, plan.prefix):
+            if count <= start:
+                continue
+            cut = checkpoint_plan(plan, count, self._ctx.tenancy.entry_id)
+            cache = fmt.prefill(cut) if cache is None else \
+                base_ops(fmt).extend(cache, tokens[at:count])
+            at = count
+            if cut.entry_id not in known and self.still(cut) and not self._ctx.deadlines.down:
+                staged = self._ctx.entries.stage(cut, cache, None, snapshot=True,
+                                                 checkpoint=True)
+                if staged is None:
+                    continue
+                if later is not None:
+                    later.append(staged)
+                elif not self._puts.submit(staged):
+                    continue
+                # the staged bytes may view this cache's tensors: go on on a copy
+                cache = base_ops(fmt).clone(cache)
+        if cache is None:
+            return fmt.prefill(plan)
+        return base_ops(fmt).extend(cache, tokens[at:]) if at < len(tokens) else cache
+
     def still(self, plan: Plan) -> bool:
         """Whether the model is still in the state ``plan`` was made in (formats whose model
         cannot change always are)."""
@@ -209,8 +254,9 @@ class EntryBuilder:
         return bool(still(plan)) if callable(still) else True
 
     def commit(self, plan: Plan, cache: Any, base_id: str | None, *,
-                snapshot: bool = False) -> bool:
-        if not self._ctx.entries.commit(plan, cache, base_id, snapshot=snapshot):
+                snapshot: bool = False, checkpoint: bool = False) -> bool:
+        if not self._ctx.entries.commit(plan, cache, base_id, snapshot=snapshot,
+                                        checkpoint=checkpoint):
             return False
         with self._ctx.lock:
             # A commit revives an entry this controller had released earlier.

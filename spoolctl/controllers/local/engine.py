@@ -230,6 +230,7 @@ class LocalCacheController:
             pending = sorted(self._superseded)
             self._superseded.clear()
             self._book.drop_holders()
+        self._build.close()  # the checkpoints still waiting are written (outside the lock)
         for base_id in pending:
             self._release_superseded(base_id)
         with self._lock:

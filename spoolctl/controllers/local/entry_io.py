@@ -9,9 +9,10 @@ LRU of loaded caches. Contracts:
   Anything else is a miss: the store has already quarantined corrupt bytes; an entry that
   verifies but does not fit the model is quarantined here (unless read-only); I/O trouble
   or a late read is a miss and no quarantine (the entry may be fine later).
-* A base is one of the namespace's retained entries of this tenant (``tokens.rank_bases``,
-  at most ``MAX_BASE_TRIES`` tried), cut back to the tokens it shares with the plan where
-  the format's caches can be cut exactly.
+* A base is one of the namespace's retained entries of this tenant (``tokens.rank_bases``
+  by the token marks of its catalog row, at most ``MAX_BASE_TRIES`` manifests read), the
+  one sharing the most leading ids, cut back to those ids where the format's caches can be
+  cut exactly (full attention); other caches only extend a whole entry (a checkpoint).
 * A disk that does not answer in time is ``disk_down`` in the controller's statistics and
   a miss (``on_disk``).
 * A commit never fails the request: serialization, sealing or store trouble is counted
@@ -25,6 +26,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -41,11 +43,22 @@ from ..logsafe import reason
 from .deadlines import StoreDeadlines
 from .entry_format import EntryFormat, Loaded, Plan, base_ops
 from .tenancy import Tenancy
-from .tokens import common_prefix_tokens, rank_bases
+from .tokens import BaseCandidate, PrefixDigests, common_prefix_tokens, rank_bases
 
 log = logging.getLogger("spoolctl.controllers")
 
 MAX_BASE_TRIES = 3
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An entry ready to put: serialized objects, meta, catalog row, the base it supersedes."""
+
+    plan: Plan
+    objects: dict[str, Any]
+    meta: dict[str, Any]
+    index: dict[str, Any]
+    base_id: str | None
 
 
 class _TransientReadError(Exception):
@@ -154,48 +167,36 @@ class EntryIO:
 
     def from_base(self, plan: Plan, rows: list[tuple[str, str, Any]]
                   ) -> tuple[Any, int, str, str, bool] | None:
-        """Best retained base: load it, trim it to the common token prefix. Returns
+        """Best retained base: of the best-ranked rows (``tokens.rank_bases``, at most
+        ``MAX_BASE_TRIES`` manifests read), the one sharing the most leading ids with the
+        plan; load it, cut it to those ids where the format's caches can be cut. Returns
         ``(cache, kept tokens, base id, "memory" | "disk", whether the plan extends the
         whole base)``, or None if no usable base (any failure falls back to a cold
         prefill)."""
         candidates = rank_bases(rows, group=plan.group, elements=plan.elements,
-                                exclude=plan.entry_id, lead_segments=plan.lead_segments)
+                                exclude=plan.entry_id, lead_segments=plan.lead_segments,
+                                prefix=PrefixDigests(plan.prefix.tokens,
+                                                     self._tenancy.mark_key()),
+                                whole_only=not getattr(self._format, "trimmable", True))
         # Snapshots serve many prompts: a prompt that extends one never supersedes it.
         snapshots = {entry_id for entry_id, _, index in rows
                      if hasattr(index, "get") and index.get("snapshot") is True}
-        for cand in candidates[:MAX_BASE_TRIES]:
-            with self._lock:
-                in_memory = self._memory.get(cand.entry_id)
-            if in_memory is not None:
-                keep = common_prefix_tokens(in_memory.prefix, plan.prefix)
-                if keep == 0 or not self.serves(keep, len(in_memory.prefix), len(plan.prefix)):
-                    continue
-                cache, base_len = base_ops(self._format).clone(in_memory.cache), \
-                    len(in_memory.prefix)
-                where = "memory"
+        sized: list[tuple[int, int, BaseCandidate, Loaded | Manifest]] = []
+        for rank, cand in enumerate(candidates[:MAX_BASE_TRIES]):
+            found = self._shared(cand, plan)
+            if found is not None:
+                sized.append((found[0], rank, cand, found[1]))
+        # most shared ids first; the rank breaks ties
+        for keep, _, cand, held in sorted(sized, key=lambda s: (-s[0], s[1])):
+            if isinstance(held, Loaded):
+                cache, base_len, where = base_ops(self._format).clone(held.cache), \
+                    len(held.prefix), "memory"
             else:
-                try:
-                    done, manifest = self.on_disk(partial(
-                        self._tenancy.base_manifest, plan.namespace, cand.key, cand.entry_id),
-                        self._deadlines.lookup_deadline_s)
-                    if not done or manifest is None:
-                        continue
-                    meta = self._tenancy.open_meta(manifest)[0]  # sealed: the token meta
-                except SpoolError:
-                    continue
-                try:
-                    theirs = self._format.check(meta, None, identity=plan.identity)
-                    keep = common_prefix_tokens(theirs, plan.prefix)
-                    if not self.serves(keep, len(theirs), len(plan.prefix)):
-                        continue  # not worth reading: its state is past the shared prefix
-                except ValueError:
-                    keep = -1  # bad meta: load_manifest below rejects and quarantines it
-                if keep == 0:
-                    continue
-                loaded = self.load_manifest(manifest, plan=None, base_of=plan)
+                loaded = self.load_manifest(held, plan=None, base_of=plan)
                 if loaded is None:
                     continue
                 cache, base_len, where = loaded.cache, len(loaded.prefix), "disk"
+            keep = min(keep, base_len)
             try:
                 if keep < base_len:
                     cache = base_ops(self._format).trim(cache, keep)
@@ -205,6 +206,37 @@ class EntryIO:
             return cache, keep, cand.entry_id, where, \
                 keep == base_len and cand.entry_id not in snapshots
         return None
+
+    def _shared(self, cand: BaseCandidate, plan: Plan) -> tuple[int, Loaded | Manifest] | None:
+        """The ids ``cand`` shares with the plan and what holds it (its loaded cache, else
+        its manifest, only the meta read); None if it cannot serve (gone, unreadable,
+        nothing shared, or its state is past the shared ids and cannot be cut back)."""
+        with self._lock:
+            in_memory = self._memory.get(cand.entry_id)
+        if in_memory is not None:
+            keep = common_prefix_tokens(in_memory.prefix, plan.prefix)
+            if keep == 0 or not self.serves(keep, len(in_memory.prefix), len(plan.prefix)):
+                return None
+            return keep, in_memory
+        try:
+            done, manifest = self.on_disk(partial(
+                self._tenancy.base_manifest, plan.namespace, cand.key, cand.entry_id),
+                self._deadlines.lookup_deadline_s)
+            if not done or manifest is None:
+                return None
+            meta = self._tenancy.open_meta(manifest)[0]  # sealed: the token meta
+        except SpoolError:
+            return None
+        try:
+            theirs = self._format.check(meta, None, identity=plan.identity)
+        except ValueError:
+            # bad meta: load_manifest rejects (and quarantines) it
+            self.load_manifest(manifest, plan=None, base_of=plan)
+            return None
+        keep = common_prefix_tokens(theirs, plan.prefix)
+        if keep == 0 or not self.serves(keep, len(theirs), len(plan.prefix)):
+            return None  # not worth reading: its state is past the shared prefix
+        return keep, manifest
 
     def _once(self, what: str, message: str, *args: object) -> None:
         """``message`` as a warning the first time ``what`` happens, then at debug level:
@@ -248,20 +280,28 @@ class EntryIO:
         return out
 
     def commit(self, plan: Plan, cache: Any, base_id: str | None, *,
-               snapshot: bool = False) -> bool:
+               snapshot: bool = False, checkpoint: bool = False) -> bool:
         """Store ``cache`` as ``plan``'s entry (superseding ``base_id``; ``snapshot``: an
-        instructions snapshot): whether it was committed. Never raises for
+        instructions snapshot or, ``checkpoint``, a mid-prompt one; the catalog row gets
+        the ``marks`` base selection ranks by): whether it was committed. Never raises for
         store trouble (a full disk, a busy store, a late disk): the cache still serves from
         memory."""
+        staged = self.stage(plan, cache, base_id, snapshot=snapshot, checkpoint=checkpoint)
+        return staged is not None and self.put(staged)
+
+    def stage(self, plan: Plan, cache: Any, base_id: str | None, *,
+              snapshot: bool = False, checkpoint: bool = False) -> Staged | None:
+        """What ``commit`` puts: the serialized cache, its meta and catalog row (None, counted
+        and said once, when it cannot be serialized)."""
         if self._tenancy.lost:  # said once at open; every commit would fail the same way
-            return False
+            return None
         try:
             objects, layout = self._format.serialize(cache, plan)
         except Exception as exc:  # the cache still serves this process from memory
             self._once("serialize", "cache could not be serialized, not persisted: %s",
                        reason(exc))
             self._count(commit_failures=1)
-            return False
+            return None
         own_meta, own_index = self._format.describe(plan)
         meta = {"format": self._format.name, "identity": plan.identity or self._identity,
                 "layout": layout,
@@ -269,13 +309,21 @@ class EntryIO:
                 **own_meta, **plan.prefix.to_meta()}
         index = {"group": plan.group, "elements": list(plan.elements),
                  "tokens": len(plan.prefix), **own_index,
-                 **({"snapshot": True} if snapshot else {})}
+                 "marks": PrefixDigests(plan.prefix.tokens, self._tenancy.mark_key()).marks(),
+                 **({"snapshot": True} if snapshot else {}),
+                 **({"checkpoint": True} if checkpoint else {})}
+        return Staged(plan, objects, meta, index, base_id)
+
+    def put(self, staged: Staged) -> bool:
+        """Seal and put a staged entry: whether it was committed (store trouble is counted
+        and said once, never raised)."""
+        plan = staged.plan
         try:
-            meta, objects = self._tenancy.seal_meta(meta, objects)
+            meta, objects = self._tenancy.seal_meta(staged.meta, staged.objects)
             done, _ = self.on_disk(lambda: self._store.put(
                 kind=self._kind, namespace=plan.namespace, key=plan.key, objects=objects,
-                meta=meta, index=index, supersedes=base_id, tenant=self._tenancy.tenant),
-                self._deadlines.read_deadline_s)
+                meta=meta, index=staged.index, supersedes=staged.base_id,
+                tenant=self._tenancy.tenant), self._deadlines.read_deadline_s)
         except SpoolError as exc:
             # A full disk or a busy store must not fail the request: serve from memory.
             self._once("persist", "cache not persisted (%s); serving it from memory (said "

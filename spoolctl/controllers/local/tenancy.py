@@ -10,8 +10,9 @@ tenant's data key (``Store.put(..., tenant=)``), and finds only that tenant's en
   the token ids and prefix digests -- and what a format names in ``sealed_meta`` /
   ``sealed_layout`` (mlx-vlm: image digests, its snapshot's hashes) -- move
   into a sealed object (``PREFIX_OBJECT``) and the
-  params' group and element hashes are keyed per tenant (equal prompts of two tenants do
-  not show equal hashes); base selection looks only at the tenant's own rows.
+  params' group and element hashes and the rows' token marks are keyed per tenant (equal
+  prompts of two tenants do not show equal hashes); base selection looks only at the
+  tenant's own rows.
 * A store without encryption takes ``tenant=`` as a ConfigError (it would isolate nothing);
   a master key that is not the keyring's (a lost key replaced) is one warning line at open,
   after which every lookup misses and nothing is persisted (``keyring.current`` refuses).
@@ -24,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from spoolctl.store import CorruptionError, Manifest, QuarantineReason, Store
 
 from ..tenant_guard import master_key_lost, refuse_tenant_without_encryption
 from .entry_format import Plan
+from .tokens import MARK_CHARS
 
 log = logging.getLogger("spoolctl.controllers")
 
@@ -67,6 +69,16 @@ class Tenancy:
     def _keyed(self, label: str, value: str) -> str:
         assert self._store.sealer is not None
         return self._store.sealer.sealed_key(self.tenant, f"{label}:{value}")
+
+    def mark_key(self) -> Callable[[str], str] | None:
+        """How a catalog token mark is bound to this tenant (None: stored as computed)."""
+        if not self.active:
+            return None
+        return lambda digest: self._keyed("mark", digest)[:MARK_CHARS]
+
+    def entry_id(self, namespace: str, key: str) -> str:
+        """The id the entry ``key`` of this tenant is stored under."""
+        return self._store.entry_id(self._kind, namespace, key, tenant=self.tenant)
 
     def plan(self, plan: Plan | None) -> Plan | None:
         """``plan`` with the tenant's entry id and tenant-keyed group and element hashes."""

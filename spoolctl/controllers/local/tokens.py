@@ -3,9 +3,10 @@
 No I/O and no framework imports. A prompt is tokenized one segment (element) at a
 time and the ids concatenated, so every element boundary is also a token
 boundary. ``prefix_offsets[j]`` is the token count after segment ``j`` and
-``prefix_hashes[j]`` the digest of the ids before that offset; two prompts that
-share their first ``j + 1`` segments share those values, which is how a base
-entry is confirmed at the token level without trusting element hashes alone.
+``prefix_hashes[j]`` the digest of the ids before that offset (they bind an entry's
+ids to its manifest). A base is shared up to the first differing id, inside a segment
+too; a catalog row's ``marks`` (digests of its first 16, 32, 64, ... ids and of all
+of them) let base selection rank rows without reading their manifests.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import itertools
 import json
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,18 +117,20 @@ class TokenPrefix:
 
 
 def common_prefix_tokens(base: TokenPrefix, ours: TokenPrefix) -> int:
-    """Tokens that ``base`` and ``ours`` share, confirmed at the last segment boundary
-    where both offset and digest agree (0 if none). Never more than either length."""
-    keep = 0
-    for (ob, hb), (oo, ho) in zip(zip(base.offsets, base.hashes, strict=True),
-                                  zip(ours.offsets, ours.hashes, strict=True), strict=False):
-        if ob != oo or hb != ho:
-            break
-        keep = ob
-    # The digests already bind the ids; comparing them is cheap and makes the bound exact.
-    if base.tokens[:keep] != ours.tokens[:keep]:
-        return 0
-    return keep
+    """Leading token ids that ``base`` and ``ours`` share, wherever they stop (inside a
+    segment too): a causal model's state of ids ``[0, k)`` depends on those ids alone."""
+    n = min(len(base.tokens), len(ours.tokens))
+    a, b = base.tokens, ours.tokens
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: halve on slices (C speed)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def common_element_prefix(a: Sequence[str], b: Sequence[str]) -> int:
@@ -139,26 +142,94 @@ def common_element_prefix(a: Sequence[str], b: Sequence[str]) -> int:
     return n
 
 
+MARK_SCHEMA = b"spoolctl-token-mark/v1"
+MARK_FIRST = 16
+MARK_CHARS = 24
+
+
+def mark_positions(count: int) -> list[int]:
+    """Where an entry's catalog row records a digest of its first ids: 16, 32, 64, ...
+    below its length, and its length (a few dozen bytes a doubling)."""
+    out: list[int] = []
+    p = MARK_FIRST
+    while p < count:
+        out.append(p)
+        p *= 2
+    if count > 0:
+        out.append(count)
+    return out
+
+
+class PrefixDigests:
+    """Digests of the first ``p`` ids of a token sequence, each computed once; ``key``
+    binds them to a tenant (a keyed hash), so a row's marks are only its tenant's."""
+
+    def __init__(self, tokens: Sequence[int], key: Callable[[str], str] | None = None):
+        self._tokens = tuple(tokens)
+        self._key = key
+        self._memo: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def at(self, p: int) -> str | None:
+        if not 0 < p <= len(self._tokens):
+            return None
+        if p not in self._memo:
+            digest = hash_parts(MARK_SCHEMA, _token_bytes(self._tokens[:p]))[:MARK_CHARS]
+            self._memo[p] = self._key(digest) if self._key else digest
+        return self._memo[p]
+
+    def marks(self) -> dict[str, str]:
+        """The catalog ``marks`` of an entry of these ids (``mark_positions``)."""
+        return {str(p): self.at(p) or "" for p in mark_positions(len(self._tokens))}
+
+
+def _matched_marks(marks: Any, ours: PrefixDigests) -> int | None:
+    """The longest marked position whose digest equals ours (0: none); None if the row
+    has no well-formed marks. Ids that differ before ``p`` differ before every later mark,
+    so the scan stops at the first mismatch."""
+    if not isinstance(marks, Mapping):
+        return None
+    try:
+        points = sorted((int(p), d) for p, d in marks.items())
+    except (TypeError, ValueError):
+        return None
+    matched = 0
+    for p, digest in points:
+        if not isinstance(digest, str) or ours.at(p) != digest:
+            break
+        matched = p
+    return matched
+
+
 @dataclass(frozen=True)
 class BaseCandidate:
-    """A retained entry that could serve as the base of an incremental prefill."""
+    """A retained entry that could serve as the base of an incremental prefill.
+    ``shared_tokens``: the leading ids its marks confirm it shares (a lower bound);
+    ``whole``: all of its ids are a prefix of the plan's."""
 
     entry_id: str
     key: str
     shared_elements: int
     tokens: int
+    shared_tokens: int = 0
+    whole: bool = False
 
 
 def rank_bases(
     rows: Sequence[tuple[str, str, Mapping[str, Any]]],
     *, group: str, elements: Sequence[str], exclude: str | None = None,
-    lead_segments: int = 0,
+    lead_segments: int = 0, prefix: PrefixDigests | None = None, whole_only: bool = False,
 ) -> list[BaseCandidate]:
     """Order candidate bases (``(entry_id, key, catalog index)``) best first.
 
-    A candidate must be in the same group (model, tools, formatter, effort) and
-    share at least one segment: one element, or the leading tools segment. More
-    shared elements rank first, then fewer extra tokens to trim (smaller entry).
+    A candidate must be in the same group (model, tools, formatter, effort) and share
+    leading ids its catalog ``marks`` confirm (against ``prefix``), or -- a row without
+    marks -- at least one segment: one element, or the leading tools segment. More
+    confirmed shared ids rank first, then more shared elements, then fewer extra tokens.
+    ``whole_only`` (caches that cannot be cut back): only rows whose whole ids the marks
+    confirm are a prefix of the plan's.
     """
     out: list[BaseCandidate] = []
     for entry_id, key, index in rows:
@@ -169,10 +240,14 @@ def rank_bases(
         if not isinstance(theirs, list) or not isinstance(tokens, int):
             continue
         shared = common_element_prefix(theirs, elements)
-        if shared == 0 and lead_segments == 0:
+        matched = _matched_marks(index.get("marks"), prefix) if prefix is not None else None
+        whole = matched == tokens
+        if matched is not None and whole_only and not whole:
+            continue  # its state is past the shared ids: never read
+        if not matched and shared == 0 and lead_segments == 0:
             continue
-        out.append(BaseCandidate(entry_id, key, shared, tokens))
-    out.sort(key=lambda c: (-c.shared_elements, c.tokens, c.entry_id))
+        out.append(BaseCandidate(entry_id, key, shared, tokens, matched or 0, whole))
+    out.sort(key=lambda c: (-c.shared_tokens, -c.shared_elements, c.tokens, c.entry_id))
     return out
 
 
