@@ -48,6 +48,20 @@ def hash_algo(config: VllmConfig | None) -> str | None:
     return None if config is None else config.cache_config.prefix_caching_hash_algo
 
 
+def engine_generation() -> str:
+    """vLLM's major.minor and device type (``vllm-0.32/cpu``): the attention kernels of
+    another release or device may lay a chunk's bytes out otherwise."""
+    from spoolctl.connector.vllm_api.introspect import engine_tag
+
+    return engine_tag()
+
+
+def model_revision(config: VllmConfig | None) -> str | None:
+    """The model revision the engine loaded (a hub branch, tag or commit), None if unset."""
+    revision = None if config is None else config.model_config.revision
+    return None if revision is None else str(revision)
+
+
 def seed_is_stable() -> bool:
     """Whether the block-hash chain's seed, once vLLM resolved it, is the same in every
     process (the fixed default or ``PYTHONHASHSEED``); True before it is resolved."""
