@@ -13,6 +13,11 @@ from typing import Any
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.core import kv_cache_utils
 
+# ModelConfig fields that change the KV a model computes for the same tokens and files:
+# hf_overrides land in hf_config (RoPE scaling, layer counts), quantization may be online.
+COMPUTE_FIELDS = ("dtype", "hf_config", "quantization", "quantization_config",
+                  "disable_sliding_window", "model_impl", "model_class_overrides")
+
 # How many caller frames to search for the scheduler's config (the tier is built a few
 # calls below ``Scheduler.__init__``).
 _FRAMES = 24
@@ -54,6 +59,23 @@ def engine_generation() -> str:
     from spoolctl.connector.vllm_api.introspect import engine_tag
 
     return engine_tag()
+
+
+def model_computation(config: VllmConfig | None) -> str | None:
+    """A digest of the engine's model settings that change a chunk's KV for the same
+    tokens and model files (``COMPUTE_FIELDS``); None without a config."""
+    if config is None:
+        return None
+    from vllm.config.utils import hash_factors, normalize_value
+
+    factors: dict[str, object] = {}
+    for name in COMPUTE_FIELDS:
+        value = getattr(config.model_config, name, None)
+        try:
+            factors[name] = normalize_value(value)
+        except TypeError:  # a value vLLM cannot render stably: its text still tells apart
+            factors[name] = f"{type(value).__qualname__}:{value}"
+    return hash_factors(factors)
 
 
 def model_revision(config: VllmConfig | None) -> str | None:

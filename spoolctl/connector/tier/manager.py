@@ -35,6 +35,7 @@ from .engine import (
     engine_config,
     engine_generation,
     hash_algo,
+    model_computation,
     model_revision,
     seed_is_stable,
 )
@@ -113,7 +114,8 @@ class SpoolTier(SecondaryTierManager):
         self._seed_checked = self._disabled = False
         config = offloading_spec.config
         weights = weights_of(config.model.name, self.settings, model_revision(vllm_config))
-        identity = tier_identity(config, self.block_size_bytes, weights, engine_generation())
+        identity = tier_identity(config, self.block_size_bytes, weights, engine_generation(),
+                                 model_computation(vllm_config))
         self.namespace = namespace_of(identity)
         self.store = open_store(self.settings, self.block_size_bytes)
         try:
