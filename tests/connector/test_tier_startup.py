@@ -85,3 +85,15 @@ def test_a_relative_weights_memo_is_refused() -> None:
         parse_settings({"root": "/r", "weights_memo": "memo"})
     assert "'weights_memo'" in one_line(exc)
     assert parse_settings({"root": "/r", "weights_memo": "off"}).weights_memo == "off"
+
+
+def test_a_spoolconnector_root_is_refused_naming_root(tmp_path: Path) -> None:
+    """The SpoolConnector keeps rank stores under its root; the tier's root is one store."""
+    root = tmp_path / "connector"
+    Store.open(root / "vllm-v1-abc" / "rank-0000", create=True).close()
+    with pytest.raises(ConfigError) as exc:
+        open_store(parse_settings({"root": str(root)}), CHUNK)
+    line = one_line(exc)
+    assert line.startswith("SpoolTier option 'root': ") and "without a .spoolctl-root" in line
+    assert 'set "root" to a new or empty directory' in line
+    assert [p.name for p in root.iterdir()] == ["vllm-v1-abc"]

@@ -27,6 +27,10 @@ def open_store(settings: TierSettings, chunk_bytes: int) -> Store:
     check_room(settings.max_size, chunk_bytes)
     try:
         store = Store.open(settings.root, create=True, max_bytes=settings.max_size)
+    except ConfigError as exc:  # e.g. a SpoolConnector's root: rank stores, no marker
+        raise ConfigError(f"SpoolTier option 'root': {exc.message}", path=exc.path,
+                          fix='set "root" to a new or empty directory, or to a store '
+                              "`spoolctl init` made") from None
     except OSError as exc:
         raise ConfigError(f"SpoolTier cannot open its store ({exc.strerror or exc})",
                           path=settings.root,
