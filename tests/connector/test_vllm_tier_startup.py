@@ -75,3 +75,22 @@ def test_the_tier_binds_the_device_type_into_its_namespace(monkeypatch) -> None:
     other = "cuda" if current_platform.device_type != "cuda" else "cpu"
     monkeypatch.setattr(current_platform, "device_type", other)
     assert engine_generation() != here
+
+
+def test_settings_that_change_the_kv_at_one_chunk_size_change_the_namespace() -> None:
+    from types import SimpleNamespace
+
+    from spoolctl.connector.tier.engine import model_computation
+
+    def engine(skip: list[str], theta: float) -> SimpleNamespace:
+        from transformers import LlamaConfig
+
+        hf = LlamaConfig(rope_parameters={"rope_theta": theta, "rope_type": "default"})
+        return SimpleNamespace(model_config=SimpleNamespace(dtype="float32", hf_config=hf),
+                               cache_config=SimpleNamespace(kv_cache_dtype_skip_layers=skip))
+
+    base = model_computation(engine(["0"], 1e4))
+    assert base == model_computation(engine(["0"], 1e4))  # stable for one configuration
+    assert base != model_computation(engine(["1"], 1e4))
+    assert base != model_computation(engine(["0"], 5e2))
+    assert model_computation(None) is None

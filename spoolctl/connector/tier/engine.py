@@ -17,6 +17,9 @@ from vllm.v1.core import kv_cache_utils
 # hf_overrides land in hf_config (RoPE scaling, layer counts), quantization may be online.
 COMPUTE_FIELDS = ("dtype", "hf_config", "quantization", "quantization_config",
                   "disable_sliding_window", "model_impl", "model_class_overrides")
+# CacheConfig fields that change which layers hold which bytes at the same chunk size.
+CACHE_FIELDS = ("kv_cache_dtype_skip_layers", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
+                "sliding_window")
 
 # How many caller frames to search for the scheduler's config (the tier is built a few
 # calls below ``Scheduler.__init__``).
@@ -62,19 +65,21 @@ def engine_generation() -> str:
 
 
 def model_computation(config: VllmConfig | None) -> str | None:
-    """A digest of the engine's model settings that change a chunk's KV for the same
-    tokens and model files (``COMPUTE_FIELDS``); None without a config."""
+    """A digest of the engine's model and cache settings that change a chunk's KV for the
+    same tokens, files and chunk size (``COMPUTE_FIELDS``, ``CACHE_FIELDS``); None without
+    a config."""
     if config is None:
         return None
     from vllm.config.utils import hash_factors, normalize_value
 
     factors: dict[str, object] = {}
-    for name in COMPUTE_FIELDS:
-        value = getattr(config.model_config, name, None)
-        try:
-            factors[name] = normalize_value(value)
-        except TypeError:  # a value vLLM cannot render stably: its text still tells apart
-            factors[name] = f"{type(value).__qualname__}:{value}"
+    for part, names in (("model_config", COMPUTE_FIELDS), ("cache_config", CACHE_FIELDS)):
+        for name in names:
+            value = getattr(getattr(config, part), name, None)
+            try:
+                factors[name] = normalize_value(value)
+            except TypeError:  # a value vLLM cannot render stably: its text tells apart
+                factors[name] = f"{type(value).__qualname__}:{value}"
     return hash_factors(factors)
 
 
