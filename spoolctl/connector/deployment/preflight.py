@@ -34,11 +34,11 @@ log = logging.getLogger("spoolctl.connector")
 MEMORY_FS = frozenset({"tmpfs", "ramfs"})
 
 
-def check_root(root: str | os.PathLike[str]) -> list[str]:
+def check_root(root: str | os.PathLike[str], option: str = "spoolctl_root") -> list[str]:
     """Raise ConfigError if the engine's user cannot create stores under ``root`` (the
     nearest existing directory at or above it must be writable and searchable); return
     warning lines (a root on a memory filesystem). Creates nothing: a probe file is made
-    and removed only in a directory that already exists."""
+    and removed only in a directory that already exists. ``option``: the setting's name."""
     path = Path(root)
     existing = path
     while not existing.exists():
@@ -47,7 +47,7 @@ def check_root(root: str | os.PathLike[str]) -> list[str]:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"{existing} is not a directory", path=str(path),
-                          fix="give a directory (or a path under one) as spoolctl_root")
+                          fix=f"give a directory (or a path under one) as {option}")
     why = ""
     if not os.access(existing, os.W_OK | os.X_OK):
         why = "permission denied"
@@ -60,7 +60,7 @@ def check_root(root: str | os.PathLike[str]) -> list[str]:
             why = exc.strerror or str(exc)
     if why:
         if os.statvfs(existing).f_flag & os.ST_RDONLY:
-            why, fix = "read-only filesystem", "use a writable local disk for spoolctl_root"
+            why, fix = "read-only filesystem", f"use a writable local disk for {option}"
         else:
             fix = (f"run vLLM as a user that can write it (`chown -R USER {existing}`), "
                    "or pick a root that user owns")
@@ -68,7 +68,7 @@ def check_root(root: str | os.PathLike[str]) -> list[str]:
                           f"({why.lower()})", path=str(path), fix=fix)
     fstype = filesystem_type(existing)
     if fstype in MEMORY_FS:
-        return [f"spoolctl_root {path} is on {fstype}: the cache lives in RAM (it competes "
+        return [f"{option} {path} is on {fstype}: the cache lives in RAM (it competes "
                 "with vLLM for memory and is empty after a reboot); use a local disk"]
     return []
 

@@ -13,6 +13,14 @@ from typing import Any
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.core import kv_cache_utils
 
+# ModelConfig fields that change the KV a model computes for the same tokens and files:
+# hf_overrides land in hf_config (RoPE scaling, layer counts), quantization may be online.
+COMPUTE_FIELDS = ("dtype", "hf_config", "quantization", "quantization_config",
+                  "disable_sliding_window", "model_impl", "model_class_overrides")
+# CacheConfig fields that change which layers hold which bytes at the same chunk size.
+CACHE_FIELDS = ("kv_cache_dtype_skip_layers", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
+                "sliding_window")
+
 # How many caller frames to search for the scheduler's config (the tier is built a few
 # calls below ``Scheduler.__init__``).
 _FRAMES = 24
@@ -46,6 +54,39 @@ def _config_in(scope: dict[str, Any]) -> VllmConfig | None:
 
 def hash_algo(config: VllmConfig | None) -> str | None:
     return None if config is None else config.cache_config.prefix_caching_hash_algo
+
+
+def engine_generation() -> str:
+    """vLLM's major.minor and device type (``vllm-0.32/cpu``): the attention kernels of
+    another release or device may lay a chunk's bytes out otherwise."""
+    from spoolctl.connector.vllm_api.introspect import engine_tag
+
+    return engine_tag()
+
+
+def model_computation(config: VllmConfig | None) -> str | None:
+    """A digest of the engine's model and cache settings that change a chunk's KV for the
+    same tokens, files and chunk size (``COMPUTE_FIELDS``, ``CACHE_FIELDS``); None without
+    a config."""
+    if config is None:
+        return None
+    from vllm.config.utils import hash_factors, normalize_value
+
+    factors: dict[str, object] = {}
+    for part, names in (("model_config", COMPUTE_FIELDS), ("cache_config", CACHE_FIELDS)):
+        for name in names:
+            value = getattr(getattr(config, part), name, None)
+            try:
+                factors[name] = normalize_value(value)
+            except TypeError:  # a value vLLM cannot render stably: its text tells apart
+                factors[name] = f"{type(value).__qualname__}:{value}"
+    return hash_factors(factors)
+
+
+def model_revision(config: VllmConfig | None) -> str | None:
+    """The model revision the engine loaded (a hub branch, tag or commit), None if unset."""
+    revision = None if config is None else config.model_config.revision
+    return None if revision is None else str(revision)
 
 
 def seed_is_stable() -> bool:

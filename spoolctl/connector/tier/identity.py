@@ -21,11 +21,12 @@ from .settings import TierSettings
 IDENTITY_VERSION = 1
 
 
-def weights_of(model: str, settings: TierSettings) -> str:
-    """The operator's ``weights_id``, else the content digest of the model's files."""
+def weights_of(model: str, settings: TierSettings, revision: str | None) -> str:
+    """The operator's ``weights_id``, else the content digest of the model's files: for a
+    hub id, those of the ``revision`` the engine loaded (None: the default branch)."""
     if settings.weights_id is not None:
         return f"id:{settings.weights_id}"
-    model_dir = resolve_model_dir(model, None)
+    model_dir = resolve_model_dir(model, revision)
     if model_dir is None:
         raise ConfigError(f"SpoolTier cannot find the files of model {model!r} to digest "
                           "its weights", fix='set "weights_id" in the SpoolTier entry to a '
@@ -34,9 +35,10 @@ def weights_of(model: str, settings: TierSettings) -> str:
 
 
 def tier_identity(config: Any, block_size_bytes: int, weights: str,
-                  engine: str) -> dict[str, Any]:
+                  engine: str, computation: str | None) -> dict[str, Any]:
     """What must match for a stored chunk to be valid (``config``: vLLM's OffloadingConfig;
-    ``engine``: vLLM's major.minor, whose KV byte layout the chunks are in)."""
+    ``engine``: vLLM's major.minor and device type, whose KV byte layout the chunks are in;
+    ``computation``: the digest of the model settings that change its KV)."""
     parallel = config.parallel
     agnostic = bool(parallel.is_parallelism_agnostic or config.replicated_layout)
     return {
@@ -44,6 +46,7 @@ def tier_identity(config: Any, block_size_bytes: int, weights: str,
         "engine": engine,
         "model": config.model.name,
         "weights": weights,
+        "computation": computation,
         "kv_dtype": str(config.model.dtype),
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,

@@ -32,11 +32,19 @@ from spoolctl.store import PutRequest, Store, refuse_encrypted
 
 from .api_check import check_tier_api
 from .bounded import BoundedCall
-from .engine import engine_config, hash_algo, seed_is_stable
+from .engine import (
+    engine_config,
+    engine_generation,
+    hash_algo,
+    model_computation,
+    model_revision,
+    seed_is_stable,
+)
 from .identity import python_hash_seed, tier_identity, weights_of
 from .io import Done, TierIO
 from .keys import KIND, OBJECT, check_stable_hashing, entry_key, namespace_of
 from .settings import TierSettings, parse_settings
+from .startup import open_store
 from .stats import TierCounters
 from .touch import Toucher, touch_in
 from .vllm_stats import metric_definitions, take_stats
@@ -106,16 +114,16 @@ class SpoolTier(SecondaryTierManager):
         self.settings: TierSettings = parse_settings(options)
         locality = options.get("locality")
         self.locality = Locality(locality) if locality is not None else None
-        _refuse_engine(engine_config())
+        vllm_config = engine_config()
+        _refuse_engine(vllm_config)
         self._seed_checked = self._disabled = False
         self._awaiting_lookup = False  # a lookup answered RETRY since the last poll
         config = offloading_spec.config
-        engine = ".".join(vllm.__version__.split(".")[:2])
-        identity = tier_identity(config, self.block_size_bytes,
-                                 weights_of(config.model.name, self.settings), engine)
+        weights = weights_of(config.model.name, self.settings, model_revision(vllm_config))
+        identity = tier_identity(config, self.block_size_bytes, weights, engine_generation(),
+                                 model_computation(vllm_config))
         self.namespace = namespace_of(identity)
-        self.store = Store.open(self.settings.root, create=True,
-                                max_bytes=self.settings.max_size)
+        self.store = open_store(self.settings, self.block_size_bytes)
         try:
             _refuse_encrypted(self.store)
         except ConfigError:

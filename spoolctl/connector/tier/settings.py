@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from spoolctl.errors import ConfigError
-from spoolctl.store import parse_duration, parse_size
+from spoolctl.store import format_size, parse_duration, parse_size
 
 # Options vLLM's tier factory passes on to every tier (it consumes type, module_path and
 # backpressure itself).
 VLLM_OPTIONS = frozenset({"locality", "enable_kv_events"})
 OPTIONS = frozenset({"root", "max_size", "read_threads", "write_threads", "queue_depth",
                      "read_deadline", "weights_id", "weights_memo"})
+# The store never keeps an entry over 90% of its bound: below two chunks almost nothing fits.
+MIN_CHUNKS = 2
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,27 @@ def _optional_text(options: Mapping[str, Any], name: str) -> str | None:
     return value
 
 
+def _memo(options: Mapping[str, Any]) -> str | None:
+    value = _optional_text(options, "weights_memo")
+    if value is not None and value != "off" and not os.path.isabs(value):
+        raise _refuse("weights_memo", f"must be an absolute directory or off, got {value!r}",
+                      'set "weights_memo" to an absolute directory, or "off"')
+    return value
+
+
+def check_room(max_bytes: int | None, chunk_bytes: int, *, recorded: bool = False) -> None:
+    """ConfigError when a store bounded at ``max_bytes`` cannot keep ``MIN_CHUNKS`` chunks of
+    ``chunk_bytes``: the tier would start and never store anything. ``recorded``: the
+    bound is the existing store's own, not the option's."""
+    if max_bytes is None or max_bytes >= MIN_CHUNKS * chunk_bytes:
+        return
+    where = "the store's recorded max size" if recorded else "option 'max_size'"
+    raise ConfigError(
+        f"SpoolTier {where} {format_size(max_bytes)} is smaller than {MIN_CHUNKS} chunks of "
+        f"this engine ({format_size(chunk_bytes)} each): nothing would ever be stored",
+        fix=f'set "max_size" to many chunks, e.g. "{format_size(chunk_bytes * 1024)}"')
+
+
 def parse_settings(options: Mapping[str, Any]) -> TierSettings:
     """The settings ``options`` give; ConfigError (one line) for an unknown or bad one."""
     unknown = sorted(set(options) - OPTIONS - VLLM_OPTIONS)
@@ -108,4 +131,4 @@ def parse_settings(options: Mapping[str, Any]) -> TierSettings:
         queue_depth=_positive_int(options, "queue_depth", TierSettings.queue_depth, 4096),
         read_deadline=_deadline(options),
         weights_id=_optional_text(options, "weights_id"),
-        weights_memo=_optional_text(options, "weights_memo"))
+        weights_memo=_memo(options))
