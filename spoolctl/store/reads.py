@@ -1,11 +1,12 @@
-"""The store's lookups and verified reads: entry ids, ``lookup``, ``manifest`` (the one
-way every reader gets a manifest: tag checked when a tag key is set), ``read`` (digest or
-AEAD tag checked in the same pass), ``verify`` and the LRU ``touch``."""
+"""The store's lookups and verified reads: entry ids, ``lookup`` (``lookup_many``: one
+catalog query for many keys), ``manifest`` (the one way every reader gets a manifest: tag
+checked when a tag key is set), ``read`` (digest or AEAD tag checked in the same pass),
+``verify`` and the LRU ``touch``."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from ..errors import (
     BusyError,
@@ -71,16 +72,27 @@ class Reads:
                tenant: str | TenantId | None = None) -> Manifest | None:
         """The live manifest for ``key`` (of ``tenant`` on an encrypted store), or None (a
         miss). Never raises on corruption: a bad manifest is quarantined and a miss."""
-        entry_id = self.entry_id(kind, namespace, key, tenant=tenant)
-        if not self._live([entry_id]):
-            return None
+        return self.lookup_many(kind, namespace, [key], touch=touch, tenant=tenant)[0]
+
+    def lookup_many(self, kind: str, namespace: str, keys: Sequence[str], *,
+                    touch: bool = True, tenant: str | TenantId | None = None
+                    ) -> list[Manifest | None]:
+        """``lookup`` of every key in ``keys`` (in order) with one catalog query for all of
+        them and, with ``touch``, one LRU write. Each object still has to be ``read`` (and
+        is verified then)."""
+        ids = [self.entry_id(kind, namespace, key, tenant=tenant) for key in keys]
+        live = self._live(ids) if ids else set()
+        found = [self._live_manifest(entry_id) if entry_id in live else None for entry_id in ids]
+        if touch and not self.read_only and any(m is not None for m in found):
+            self.touch([m.entry_id for m in found if m is not None])
+        return found
+
+    def _live_manifest(self, entry_id: str) -> Manifest | None:
+        """The manifest of a live entry, or None if it is gone or bad (then quarantined)."""
         try:
-            manifest = self.manifest(entry_id)
+            return self.manifest(entry_id)
         except (NotFoundError, CorruptionError):
             return None
-        if touch and not self.read_only:
-            self.touch([entry_id])
-        return manifest
 
     def touch(self, entry_ids: Iterable[str]) -> None:
         """Move the LRU clock of ``entry_ids`` (skipped when recent; a no-op on a

@@ -2,7 +2,8 @@
 recovery, composed of role objects it builds and wires once:
 
 * ``writes.Writes``: ``put``, ``put_many`` and the import's ``commit_prebuilt``;
-* ``reads.Reads``: entry ids, ``lookup``, ``manifest``, ``read``, ``verify``, ``touch``;
+* ``reads.Reads``: entry ids, ``lookup``, ``lookup_many``, ``manifest``, ``read``,
+  ``verify``, ``touch``;
 * ``upkeep.Upkeep``: deletion, eviction, temp files, orphans, max size, re-admission;
 * ``queries.Queries``: the read-only catalog queries;
 * below them the committer, ``gc``, ``recovery``, the quarantine and the catalog keeper,
@@ -323,6 +324,7 @@ class Store:
     commit_prebuilt = delegate(Writes.commit_prebuilt, "_writes")
     entry_id = delegate(Reads.entry_id, "_reads")
     lookup = delegate(Reads.lookup, "_reads")
+    lookup_many = delegate(Reads.lookup_many, "_reads")
     manifest = delegate(Reads.manifest, "_reads")
     read = delegate(Reads.read, "_reads")
     read_all = delegate(Reads.read_all, "_reads")

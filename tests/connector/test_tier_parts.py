@@ -238,3 +238,42 @@ def test_promoted_keys_are_touched_once_loads_are_done() -> None:
     assert done.ok_keys == [b"a", b"c"]
     assert io.shutdown(10)  # keys still waiting for quiet loads are touched before stopping
     assert sorted(k for keys in touched for k in keys) == [b"a", b"c"]
+
+
+def test_a_promotion_is_found_once_per_read_thread_then_read_chunk_by_chunk() -> None:
+    finds: list[list[bytes]] = []
+    lock = threading.Lock()
+
+    def find(keys):
+        with lock:
+            finds.append(list(keys))
+
+        def reader(key: bytes):
+            def read(into: memoryview) -> bool:
+                into[:] = key * CHUNK
+                return True
+            return read
+        return [None if k in (b"b", b"e") else reader(k) for k in keys]
+
+    io = TierIO(find=find, write=lambda chunks: set(), chunk_bytes=CHUNK, read_threads=2,
+                write_threads=1, queue_depth=2, read_deadline=30.0)
+    keys = [b"a", b"b", b"c", b"d", b"e", b"f"]
+    slots = [memoryview(bytearray(CHUNK)) for _ in keys]
+    io.submit_load(1, keys, slots)
+    [done] = wait_done(io, 1)
+    assert done.ok_keys == [b"a", b"c", b"d", b"f"]
+    assert sorted(map(sorted, finds)) == [[b"a", b"c", b"e"], [b"b", b"d", b"f"]]
+    assert [bytes(s[:1]) for s in slots] == [b"a", b"\0", b"c", b"d", b"\0", b"f"]
+    assert io.shutdown(10)
+
+
+def test_a_failing_find_is_a_miss_of_its_slice_not_a_crash() -> None:
+    def find(keys):
+        raise OSError("the catalog is gone")
+
+    io = TierIO(find=find, write=lambda chunks: set(), chunk_bytes=CHUNK, read_threads=2,
+                write_threads=1, queue_depth=2, read_deadline=30.0)
+    io.submit_load(1, [b"a", b"b", b"c"], [memoryview(bytearray(CHUNK)) for _ in range(3)])
+    [done] = wait_done(io, 1)
+    assert done.ok_keys == [] and done.keys == [b"a", b"b", b"c"]
+    assert io.shutdown(10)

@@ -4,7 +4,9 @@
 ``write_threads``. Store jobs wait in a bounded queue: when the disk falls behind, a new
 store job fails at once (the chunk stays only in the CPU tier) instead of blocking the
 scheduler. A load job's chunks are read by every read thread at once (one job is one
-request's whole promotion); each reads and verifies a chunk into a private buffer and
+request's whole promotion): its keys are first found in slices, one per read thread (``find``:
+one catalog query per slice, not per chunk), then each found chunk is a task of its own (the
+threads share them as they come free); each reads and verifies a chunk into a private buffer and
 copies it into the primary slot only if its job is still wanted: a load past its deadline (a
 hung disk) is failed by the scheduler thread and its late bytes are dropped, never copied.
 The keys a load read go to ``after_load`` (the LRU clock) later, on a write thread, once no
@@ -15,6 +17,7 @@ Pure: no vLLM import; jobs are described by ``LoadJob``/``StoreJob`` and report 
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -29,6 +32,10 @@ TOUCH_LATEST_S = 10.0  # ...or at the latest this long after the oldest waiting 
 
 # Reads one chunk, verified, into the buffer; False for a miss (absent, corrupt, unreadable).
 ReadChunk = Callable[[bytes, memoryview], bool]
+# Reads one found chunk, verified, into the buffer; False for a miss.
+ReadFound = Callable[[memoryview], bool]
+# Finds a slice of a job's keys at once: per key, how to read it, or None (a miss).
+FindChunks = Callable[[Sequence[bytes]], Sequence[ReadFound | None]]
 # Commits chunks (key, bytes) together; returns the keys that are now stored.
 WriteChunks = Callable[[Sequence[tuple[bytes, memoryview]]], set[bytes]]
 # Told the keys a finished load read (on a read thread, after the job is reported).
@@ -71,17 +78,34 @@ class StoreJob:
     started: float = field(default_factory=time.monotonic)
 
 
+# A load task: (job, the indices of a slice to find, None) or (job, [index], its read).
+_Task = tuple[LoadJob, list[int], ReadFound | None]
+
+
+def _each(read: ReadChunk) -> FindChunks:
+    """``find`` for a reader of one key at a time: every key is read (a miss says so)."""
+    return lambda keys: [functools.partial(read, key) for key in keys]
+
+
 class TierIO:
     """Owns the threads and the job queues; ``finished()`` is polled by the scheduler."""
 
-    def __init__(self, *, read: ReadChunk, write: WriteChunks, chunk_bytes: int,
-                 read_threads: int, write_threads: int, queue_depth: int,
-                 read_deadline: float, after_load: AfterLoad | None = None) -> None:
-        self._read, self._write, self._after_load = read, write, after_load
+    def __init__(self, *, write: WriteChunks, chunk_bytes: int, read_threads: int,
+                 write_threads: int, queue_depth: int, read_deadline: float,
+                 read: ReadChunk | None = None, find: FindChunks | None = None,
+                 after_load: AfterLoad | None = None) -> None:
+        """``find`` (a job's keys in slices) or ``read`` (one key at a time) reads loads."""
+        if find is None:
+            if read is None:
+                raise ValueError("TierIO needs find or read")
+            find = _each(read)
+        self._find, self._write, self._after_load = find, write, after_load
         self._chunk_bytes = chunk_bytes
         self._deadline = read_deadline
-        # One task per chunk (job, index): a job's chunks spread over every read thread.
-        self._loads: queue.SimpleQueue[tuple[LoadJob, int] | None] = queue.SimpleQueue()
+        self._read_threads = read_threads
+        # Tasks (job, indices, None): find a slice of a job's keys; (job, [index], read):
+        # read one found chunk. A job's chunks spread over every read thread.
+        self._loads: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._stores: queue.Queue[StoreJob | None] = queue.Queue(maxsize=queue_depth)
         self._done: deque[Done] = deque()
         self._expired: list[Done] = []  # loads failed by their deadline (scheduler thread)
@@ -92,6 +116,7 @@ class TierIO:
         self._idle = threading.Condition()
         self._in_flight = 0  # guarded by _idle
         self._stopped = False
+        self._queue_lock = threading.Lock()  # orders queued reads before the stop marks
         self._threads = [
             *(threading.Thread(target=self._load_loop, name=f"spool_tier_read{i}", daemon=True)
               for i in range(read_threads)),
@@ -111,8 +136,9 @@ class TierIO:
         if not job.keys:
             self._finish_load(job)
             return
-        for index in range(len(job.keys)):
-            self._loads.put((job, index))
+        slices = min(self._read_threads, len(job.keys))
+        for first in range(slices):
+            self._loads.put((job, list(range(first, len(job.keys), slices)), None))
 
     def submit_store(self, job_id: int, keys: Sequence[bytes], slots: list[memoryview]
                      ) -> bool:
@@ -159,10 +185,13 @@ class TierIO:
 
     def shutdown(self, timeout: float) -> bool:
         """Finish queued jobs (up to ``timeout`` s), stop the threads; False if some hang."""
-        self._stopped = True
-        for t in self._threads:
-            (self._loads.put(None) if t.name.startswith("spool_tier_read")
-             else self._stores.put(None))
+        readers = [t for t in self._threads if t.name.startswith("spool_tier_read")]
+        with self._queue_lock:
+            self._stopped = True
+            for _ in readers:
+                self._loads.put(None)
+        for _ in range(len(self._threads) - len(readers)):
+            self._stores.put(None)
         until = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, until - time.monotonic()))
@@ -203,21 +232,54 @@ class TierIO:
     def _load_loop(self) -> None:
         scratch = memoryview(bytearray(self._chunk_bytes))
         while (task := self._loads.get()) is not None:
-            job, index = task
+            job, indices, read = task
+            done = indices
             try:
-                if not job.abandoned:
-                    self._read_one(job, index, scratch)
+                if job.abandoned:
+                    pass
+                elif read is None:
+                    done = self._find_slice(job, indices)
+                else:
+                    self._read_one(job, indices[0], read, scratch)
             finally:
-                with job.lock:
-                    job.pending -= 1
-                    last = job.pending == 0
-                if last:
-                    self._finish_load(job)
+                self._chunks_done(job, len(done))
 
-    def _read_one(self, job: LoadJob, index: int, scratch: memoryview) -> None:
-        key = job.keys[index]
+    def _chunks_done(self, job: LoadJob, count: int) -> None:
+        if not count:
+            return
+        with job.lock:
+            job.pending -= count
+            last = job.pending == 0
+        if last:
+            self._finish_load(job)
+
+    def _find_slice(self, job: LoadJob, indices: list[int]) -> list[int]:
+        """Find ``indices`` of ``job`` and queue a read of each found chunk; returns the
+        indices that are done now (the misses)."""
         try:
-            found = self._read(key, scratch)
+            reads = list(self._find([job.keys[i] for i in indices]))
+        except Exception:  # a bug or an unexpected error: misses, never a crash
+            log.exception("spoolctl tier: finding chunks failed")
+            return indices
+        if len(reads) != len(indices):
+            log.error("spoolctl tier: finding %d chunks answered %d", len(indices), len(reads))
+            return indices
+        misses, found = [], []
+        for index, read in zip(indices, reads, strict=True):
+            (misses.append(index) if read is None else found.append((index, read)))
+        with self._queue_lock:  # never queued behind shutdown's stop marks: read them here
+            if not self._stopped:
+                for index, read in found:
+                    self._loads.put((job, [index], read))
+                return misses
+        for index, read in found:
+            self._read_one(job, index, read, memoryview(bytearray(self._chunk_bytes)))
+        return indices
+
+    def _read_one(self, job: LoadJob, index: int, read: ReadFound, scratch: memoryview
+                  ) -> None:
+        try:
+            found = read(scratch)
         except Exception:  # a bug or an unexpected error: a miss, never a crash
             log.exception("spoolctl tier: reading a chunk failed")
             found = False

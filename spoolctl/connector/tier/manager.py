@@ -8,6 +8,7 @@ whose keys would not survive a restart or whose guarantees the tier API cannot c
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Collection, Iterable, Sequence
@@ -28,7 +29,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from spoolctl.errors import ConfigError, CorruptionError, NotFoundError, SpoolError
-from spoolctl.store import PutRequest, Store, refuse_encrypted
+from spoolctl.store import Manifest, PutRequest, Store, refuse_encrypted
 
 from .api_check import check_tier_api
 from .bounded import BoundedCall
@@ -41,7 +42,7 @@ from .engine import (
     seed_is_stable,
 )
 from .identity import python_hash_seed, tier_identity, weights_of
-from .io import Done, TierIO
+from .io import Done, ReadFound, TierIO
 from .keys import KIND, OBJECT, check_stable_hashing, entry_key, namespace_of
 from .settings import TierSettings, parse_settings
 from .startup import open_store
@@ -138,7 +139,7 @@ class SpoolTier(SecondaryTierManager):
             [] if options.get("enable_kv_events")
             and offloading_spec.kv_events_config.enable_kv_cache_events else None)
         s = self.settings
-        self._io = TierIO(read=self._read_chunk, write=self._write_chunks,
+        self._io = TierIO(find=self._find_chunks, write=self._write_chunks,
                           chunk_bytes=self.block_size_bytes, read_threads=s.read_threads,
                           write_threads=s.write_threads, queue_depth=s.queue_depth,
                           read_deadline=s.read_deadline, after_load=self._touch)
@@ -159,18 +160,27 @@ class SpoolTier(SecondaryTierManager):
         live: set[str] = self.lookup_guard(lambda: self.store.live(ids), set())
         return [i in live for i in ids]
 
-    def _read_chunk(self, key: bytes, into: memoryview) -> bool:
-        """Read one chunk, verified, into ``into``; False for a miss (a corrupt entry is
-        quarantined by the store)."""
+    def _find_chunks(self, keys: Sequence[bytes]) -> list[ReadFound | None]:
+        """Find a slice of a promotion's chunks with one catalog query; per key, how to read
+        it, or None (a miss: absent, or not one chunk's size)."""
         try:
-            manifest = self.store.lookup(KIND, self.namespace, entry_key(key), touch=False)
-            if manifest is None:
-                self.counters.add(load_misses=1)
-                return False
-            ref = manifest.object(OBJECT)
-            if ref.size != len(into):
-                self.counters.add(load_misses=1)
-                return False
+            manifests = self.store.lookup_many(KIND, self.namespace,
+                                               [entry_key(k) for k in keys], touch=False)
+        except SpoolError as exc:
+            self.counters.add(load_io_errors=len(keys))
+            log.warning("spoolctl tier: %d chunks are recomputed: %s", len(keys), exc)
+            return [None] * len(keys)
+        reads: list[ReadFound | None] = [
+            functools.partial(self._read_found, m) if m is not None and any(
+                r.name == OBJECT and r.size == self.block_size_bytes for r in m.objects)
+            else None for m in manifests]
+        self.counters.add(load_misses=reads.count(None))
+        return reads
+
+    def _read_found(self, manifest: Manifest, into: memoryview) -> bool:
+        """Read one found chunk, verified, into ``into``; False for a miss (a corrupt entry
+        is quarantined by the store)."""
+        try:
             self.store.read(manifest, OBJECT, into=into)
         except NotFoundError:  # deleted since the lookup
             self.counters.add(load_misses=1)

@@ -88,6 +88,7 @@ from ..kv.formats import ChunkRestore
 from ..kv.kvio import BufferPool, CopyHandle
 from ..scheduler_side.lookup import KIND
 from ..stats import ConnectorCounters
+from .manifests import ManifestsAhead
 
 log = logging.getLogger("spoolctl.connector")
 
@@ -142,6 +143,7 @@ class _Restore:
     # Reader-side copies (``copy_in_reader``) happen under ``lock`` while ``open``.
     lock: threading.Lock = field(default_factory=threading.Lock)
     open: bool = True
+    manifests: ManifestsAhead | None = None  # one drive: loaded ahead of the objects
 
     def close(self) -> None:
         """No copy into this request's blocks after this returns (engine thread: before a
@@ -246,6 +248,8 @@ class RestorePipeline:
         if self._guard is not None and self._guard.down and r.items:
             self._counters.inc(m.LOAD_ERRORS, reason="disk_down")
             r.failed_at, r.reason = 0, "disk_down"
+        elif self._locate is None and r.items:
+            r.manifests = ManifestsAhead(self._store, self._pool, map(self._entry_id, r.items))
         self._active.append(r)
         self._submit()
 
@@ -534,7 +538,8 @@ class RestorePipeline:
 
         entry_id = self._entry_id(item)
         try:
-            manifest = store.manifest(entry_id)
+            ahead = owner.manifests if owner is not None and where is None else None
+            manifest = store.manifest(entry_id) if ahead is None else ahead.take(entry_id)
             if not item.valid(manifest):
                 store.quarantine_entry(entry_id, QuarantineReason.MANIFEST_VALIDATION,
                                        "KV layout does not match this deployment")
