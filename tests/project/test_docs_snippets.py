@@ -137,7 +137,11 @@ def test_opt_outs_are_few_and_say_why():
     for page, reason in found:
         assert any(page == p and reason.startswith(r) for p, r in OPT_OUTS), \
             f"new opt-out {page}: {reason!r}: add it to OPT_OUTS on purpose (or make it run)"
-    assert len(found) == len(OPT_OUTS) <= 10
+    # every listed opt-out is still used (none stale); one may cover blocks whose reasons
+    # name different tests after the same cause
+    used = {(p, r) for p, r in OPT_OUTS
+            if any(page == p and reason.startswith(r) for page, reason in found)}
+    assert used == OPT_OUTS and len(OPT_OUTS) <= 10
 
 
 # -- running ---------------------------------------------------------------------------------
