@@ -139,13 +139,14 @@ class SpoolTier(SecondaryTierManager):
             [] if options.get("enable_kv_events")
             and offloading_spec.kv_events_config.enable_kv_cache_events else None)
         s = self.settings
+        touch = touch_in(self.store, self.namespace)
         self._io = TierIO(find=self._find_chunks, write=self._write_chunks,
                           chunk_bytes=self.block_size_bytes, read_threads=s.read_threads,
                           write_threads=s.write_threads, queue_depth=s.queue_depth,
-                          read_deadline=s.read_deadline, after_load=self._touch)
+                          read_deadline=s.read_deadline, after_load=touch)
         self.lookup_guard = BoundedCall(s.read_deadline, "spool_tier_lookup")
         self._probe = _StoreProbe(self, tier_type)
-        self._toucher = Toucher(touch_in(self.store, self.namespace))
+        self._toucher = Toucher(touch)
         log.info("spoolctl tier: store %s, namespace %s", self.store.root, self.namespace)
 
     # -- store access (the tier's threads) ------------------------------------------------
@@ -191,11 +192,6 @@ class SpoolTier(SecondaryTierManager):
             log.warning("spoolctl tier: a chunk is recomputed: %s", exc)
             return False
         return True
-
-    def _touch(self, keys: list[bytes]) -> None:
-        """Move the LRU clock of a promotion's chunks at once (one catalog write per job,
-        not one per chunk on the read path)."""
-        self.store.touch([self._entry_id(k) for k in keys])
 
     def _write_chunks(self, chunks: Sequence[tuple[bytes, memoryview]]) -> set[bytes]:
         requests = [PutRequest(KIND, self.namespace, entry_key(k), {OBJECT: data})
