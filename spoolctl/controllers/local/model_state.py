@@ -57,6 +57,26 @@ def digest_of(doc: Any) -> str:
     return "blake3:" + hash_parts(b"spoolctl-model-state/v1", text.encode())
 
 
+class StatedIdentities:
+    """Identities callers stated for the models they handed over, each with the architecture
+    digest first seen under it in this process (one registry per backend; thread-safe).
+    ``differs``: what another architecture means for the backend; ``fix``: what to do."""
+
+    def __init__(self, differs: str, fix: str) -> None:
+        self._differs, self._fix = differs, fix
+        self._first: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def check(self, identity: str, arch: str) -> None:
+        """Refuse a stated identity this process already saw on a model of another
+        architecture: the caller's promise (one identity, one set of weights) is broken."""
+        with self._lock:
+            first = self._first.setdefault(identity, arch)
+        if first != arch:
+            raise ConfigError(f"identity {identity!r} was stated for a model of another "
+                              f"architecture ({self._differs})", fix=self._fix)
+
+
 class StateNamespaces:
     """The (identity, namespace) of each model state seen, computed once per state."""
 

@@ -26,14 +26,18 @@ from typing import Any, cast
 from spoolctl.errors import ConfigError
 from spoolctl.store import Hasher
 
+from ..local.model_state import StatedIdentities
 from .adapters import lora_layers
 
 _lock = threading.Lock()
 #: id(model) -> (model ref, (name, array id) per parameter, the arrays held so their ids
 #: stay unique, digest); an entry goes when its model does
 _digests: dict[int, tuple[weakref.ref[Any], tuple[tuple[str, int], ...], list[Any], str]] = {}
-#: stated identity -> the architecture first seen under it in this process
-_stated: dict[str, str] = {}
+#: refuses an identity stated before, in this process, for another architecture
+check_stated = StatedIdentities(
+    differs="other class, args, parameter shapes or quantization",
+    fix="state a new identity for each model and each set of weights, or leave identity "
+        "out to name the weights by their digest").check
 
 
 def unwrap(model: Any) -> Any:
@@ -123,19 +127,6 @@ def architecture(model: Any) -> str:
     h = Hasher()
     h.update(json.dumps(doc, sort_keys=True, default=str).encode())
     return "blake3:" + h.hexdigest()
-
-
-def check_stated(identity: str, arch: str) -> None:
-    """Refuse a stated identity this process already saw on a model of another
-    architecture: the caller's promise (one identity, one set of weights) is broken."""
-    with _lock:
-        first = _stated.setdefault(identity, arch)
-    if first != arch:
-        raise ConfigError(f"identity {identity!r} was stated for a model of another "
-                          "architecture (other class, args, parameter shapes or "
-                          "quantization)",
-                          fix="state a new identity for each model and each set of weights, "
-                              "or leave identity out to name the weights by their digest")
 
 
 def check_loaded(model: Any, tokenizer: Any) -> tuple[Any, Any, str | None]:

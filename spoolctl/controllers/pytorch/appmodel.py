@@ -23,6 +23,8 @@ from typing import Any
 from spoolctl.errors import ConfigError
 from spoolctl.store import Hasher
 
+from ..local.model_state import StatedIdentities
+
 #: Config fields that fix the architecture (the rest -- generation settings, names -- do not).
 _ARCH_FIELDS = ("model_type", "architectures", "num_hidden_layers", "hidden_size",
                 "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -32,8 +34,10 @@ _lock = threading.Lock()
 #: model -> (fingerprint of its tensors, digest): a model hashed once per process
 _digests: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = \
     weakref.WeakKeyDictionary()
-#: stated identity -> the architecture first seen under it in this process
-_stated: dict[str, str] = {}
+#: refuses an identity stated before, in this process, for another architecture
+check_stated = StatedIdentities(
+    differs="different classes, config or parameter shapes",
+    fix="state a new identity for each model and each set of weights").check
 
 
 def unwrap(model: Any) -> Any:
@@ -126,14 +130,3 @@ def architecture(torch: Any, model: Any) -> str:
     h = Hasher()
     h.update(json.dumps(doc, sort_keys=True, default=str).encode())
     return "blake3:" + h.hexdigest()
-
-
-def check_stated(identity: str, arch: str) -> None:
-    """Refuse a stated identity this process already saw on a model of another
-    architecture: the caller's promise (one identity, one set of weights) is broken."""
-    with _lock:
-        first = _stated.setdefault(identity, arch)
-    if first != arch:
-        raise ConfigError(f"identity {identity!r} was stated for a model of another "
-                          "architecture (different classes, config or parameter shapes)",
-                          fix="state a new identity for each model and each set of weights")
