@@ -62,7 +62,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchutil import drop_page_cache
+from benchutil import drop_page_cache, engine_env
 
 HERE = Path(__file__).resolve()
 BLOCK_SIZE = 128
@@ -316,8 +316,7 @@ def _spawn(job: dict, workdir: Path, hang=None) -> dict:
         job = {**job, "ready_path": str(ready), "go_path": str(go)}
     job_path.write_text(json.dumps(job))
     mount = None
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
-               VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
+    env = engine_env()
     with open(workdir / f"{name}.log", "w+") as log:
         proc = subprocess.Popen([sys.executable, str(HERE), "--job", str(job_path),
                                  "--out", str(out_path)], env=env, stdout=log, stderr=log,

@@ -47,12 +47,11 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchutil import drop_page_cache
+from benchutil import drop_page_cache, spawn_phase
 
 HERE = Path(__file__).resolve()
 BLOCK_SIZE = 128
@@ -366,17 +365,7 @@ def run_phase(job: dict) -> dict:
 
 
 def _spawn(job: dict, workdir: Path) -> dict:
-    job_path = workdir / f"{job['phase']}.job.json"
-    out_path = workdir / f"{job['phase']}.out.json"
-    job_path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
-               VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(HERE), "--phase-job", str(job_path),
-                           "--phase-out", str(out_path)], env=env, capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"phase {job['phase']} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(out_path.read_text())
+    return spawn_phase(HERE, job, workdir, job["phase"])
 
 
 def _restart_each(base: dict, workdir: Path, dropped: list[bool]) -> dict[str, dict]:

@@ -33,13 +33,12 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench_vllm import WARMUP_LENGTHS, _block_files, _tree_bytes
-from benchutil import drop_page_cache, equal_work_ratio
+from benchutil import drop_page_cache, equal_work_ratio, spawn_phase
 
 HERE = Path(__file__).resolve()
 TIERS = ("spool", "fs")
@@ -186,17 +185,7 @@ def run_phase(job: dict) -> dict:
 
 
 def _spawn(job: dict, workdir: Path) -> dict:
-    name = f"{job['tier']}-{job['phase']}-{job['repeat']}"
-    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
-    job_path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
-               VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(HERE), "--phase-job", str(job_path),
-                           "--phase-out", str(out_path)], env=env, capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"phase {name} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(out_path.read_text())
+    return spawn_phase(HERE, job, workdir, f"{job['tier']}-{job['phase']}-{job['repeat']}")
 
 
 def _median(values: list[float]) -> float:

@@ -3,7 +3,32 @@ which puts this folder on ``sys.path``)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def engine_env() -> dict[str, str]:
+    """The environment of a benchmark's engine child: vLLM in one process, block hashes
+    stable across processes (a restart must find what the last one stored), quiet logs."""
+    return dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONHASHSEED="0",
+                VLLM_LOGGING_LEVEL="ERROR", TOKENIZERS_PARALLELISM="false")
+
+
+def spawn_phase(script: Path, job: dict, workdir: Path, name: str) -> dict:
+    """Run ``script --phase-job JOB --phase-out OUT`` for ``job`` in a fresh interpreter
+    (a restart) and return the JSON it wrote; exits naming ``name`` and the child's stderr
+    tail if it failed."""
+    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
+    job_path.write_text(json.dumps(job))
+    proc = subprocess.run([sys.executable, str(script), "--phase-job", str(job_path),
+                           "--phase-out", str(out_path)], env=engine_env(),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"phase {name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(out_path.read_text())
 
 
 def drop_page_cache() -> bool:
