@@ -166,18 +166,20 @@ def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def mount_tmpfs(tmp_path: Path):
     """Mount size-limited tmpfs filesystems for this test: ``mount_tmpfs("4m") -> Path``
-    (``inodes=N``: with N inodes in all, for out-of-inode tests).
+    (``inodes=N``: with N inodes in all, for out-of-inode tests; ``read_only``: mounted
+    read-only, which even root cannot write).
 
     Needs root; the test is skipped with the reason where mounting is refused.
     """
     mounted: list[Path] = []
 
-    def mount(size: str, *, inodes: int | None = None) -> Path:
+    def mount(size: str, *, inodes: int | None = None, read_only: bool = False) -> Path:
         mnt = Path(os.path.realpath(tmp_path)) / f"fs-{uuid.uuid4().hex[:6]}"
         mnt.mkdir()
         if os.geteuid() != 0:
             pytest.skip("mounting a size-limited tmpfs needs root")
-        options = f"size={size},mode=0700" + (f",nr_inodes={inodes}" if inodes else "")
+        options = ("ro," if read_only else "") + f"size={size},mode=0700" + (
+            f",nr_inodes={inodes}" if inodes else "")
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs",
                                str(mnt)], capture_output=True, text=True)
         if proc.returncode != 0:

@@ -26,6 +26,31 @@ def make_backend(name: str, model_dir: Path):
     return MlxBackend(model_dir)
 
 
+def make_mlx_adapter(path: Path, seed: int) -> Path:
+    """An adapter directory mlx-lm loads (``adapter_config.json`` + ``adapters.safetensors``)
+    for the tiny model: rank-4 LoRA on the q/v projections of both layers, random nonzero
+    weights from ``seed``."""
+    import json
+
+    import mlx.core as mx
+
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": 2,
+        "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0,
+                            "keys": ["self_attn.q_proj", "self_attn.v_proj"]}}))
+    key = mx.random.key(seed)
+    weights = {}
+    for layer in range(2):
+        for proj, out in (("q_proj", 128), ("v_proj", 64)):
+            key, ka, kb = mx.random.split(key, 3)
+            stem = f"model.layers.{layer}.self_attn.{proj}"
+            weights[f"{stem}.lora_a"] = mx.random.normal((128, 4), key=ka) * 0.5
+            weights[f"{stem}.lora_b"] = mx.random.normal((4, out), key=kb) * 0.5
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    return path
+
+
 class Counting:
     """Counts (and optionally slows) real prefills of a backend; everything else delegates."""
 

@@ -58,6 +58,31 @@ def run_engine(job: dict, workdir: Path, name: str, *, env: Mapping[str, str] | 
     return out
 
 
+def run_engine_on_hung_disk(driver: Path, job: dict, workdir: Path, name: str,
+                            limit_s: float) -> dict:
+    """``driver JOB OUT`` in a new engine process whose disk may hang (a FUSE mount that
+    ``job["control"]`` releases); its JSON result plus ``log``. Past ``limit_s`` the mount is
+    released first (a process blocked on it cannot be killed), then the driver killed, and
+    the test fails naming ``name``."""
+    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
+    job_path.write_text(json.dumps(job))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.Popen([sys.executable, str(driver), str(job_path), str(out_path)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        log, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        Path(job["control"]).write_text("")
+        proc.kill()
+        log, _ = proc.communicate()
+        raise AssertionError(f"engine {name} hung on the disk:\n{log[-6000:]}") from None
+    assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"
+    out = json.loads(out_path.read_text())
+    out["log"] = log
+    return out
+
+
 def sched_counter(out: dict, spec: m.MetricSpec, *, role: str = "scheduler",
                   **labels: str) -> float:
     """A connector counter from a driver result (``role`` scheduler or, for a single-worker

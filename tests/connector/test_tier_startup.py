@@ -4,8 +4,6 @@ fix; the store is not created or rewritten by a refused start."""
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,19 +24,8 @@ def one_line(exc: pytest.ExceptionInfo[ConfigError]) -> str:
     return text
 
 
-@pytest.fixture
-def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    where = tmp_path / "ro"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)],
-                          capture_output=True)
-    if done.returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here")
-    yield where
-    subprocess.run(["umount", str(where)], check=True)
-
-
-def test_a_root_on_a_read_only_disk_is_one_line_naming_root(read_only_dir: Path) -> None:
+def test_a_root_on_a_read_only_disk_is_one_line_naming_root(mount_tmpfs) -> None:
+    read_only_dir = mount_tmpfs("1m", read_only=True)
     for root in (read_only_dir, read_only_dir / "store"):
         with pytest.raises(ConfigError) as exc:
             open_store(parse_settings({"root": str(root)}), CHUNK)

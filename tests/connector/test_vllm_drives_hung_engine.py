@@ -20,11 +20,8 @@ the driver's timeout only detects a hang (the mount is released before it is kil
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +30,7 @@ pytest.importorskip("vllm")
 
 from fusemount import Mounts
 from testpaths import TESTS_DIR
+from vllm_engines import run_engine_on_hung_disk
 
 from spoolctl.connector.drives import placement as drives
 from spoolctl.connector.planning.chain import chain_root, chunk_keys
@@ -48,25 +46,7 @@ SLOW = {"deadline", "disk_slow", "disk_down"}  # what a hung drive may cost a re
 
 
 def run_driver(job: dict, work: Path, name: str) -> dict:
-    """The driver in its own process. Past the hang detector the mount is released first
-    (a process blocked on it cannot be killed), then the driver killed; the test fails."""
-    job_path, out_path = work / f"{name}.job.json", work / f"{name}.out.json"
-    job_path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.Popen([sys.executable, str(DRIVER), str(job_path), str(out_path)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        log, _ = proc.communicate(timeout=NET_S)
-    except subprocess.TimeoutExpired:
-        Path(job["control"]).write_text("")
-        proc.kill()
-        log, _ = proc.communicate()
-        raise AssertionError(f"engine {name} hung on the drive:\n{log[-6000:]}") from None
-    assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"
-    out = json.loads(out_path.read_text())
-    out["log"] = log
-    return out
+    return run_engine_on_hung_disk(DRIVER, job, work, name, NET_S)
 
 
 def _req(name: str, tokens: list[int], *, flush: bool = True) -> dict:

@@ -16,11 +16,8 @@ mount is released before the driver is killed).
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ pytest.importorskip("vllm")
 
 from fusemount import Mounts
 from testpaths import TESTS_DIR
+from vllm_engines import run_engine_on_hung_disk
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
@@ -41,25 +39,7 @@ P, Q, R = ([rng.randrange(3, 500) for _ in range(FULL + 5)] for _ in range(3))
 
 
 def run_driver(job: dict, work: Path, name: str) -> dict:
-    """The driver in its own process. Past the hang detector the mount is released first
-    (a process blocked on it cannot be killed), then the driver killed; the test fails."""
-    job_path, out_path = work / f"{name}.job.json", work / f"{name}.out.json"
-    job_path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.Popen([sys.executable, str(DRIVER), str(job_path), str(out_path)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        log, _ = proc.communicate(timeout=NET_S)
-    except subprocess.TimeoutExpired:
-        Path(job["control"]).write_text("")
-        proc.kill()
-        log, _ = proc.communicate()
-        raise AssertionError(f"engine {name} hung on the disk:\n{log[-6000:]}") from None
-    assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"
-    out = json.loads(out_path.read_text())
-    out["log"] = log
-    return out
+    return run_engine_on_hung_disk(DRIVER, job, work, name, NET_S)
 
 
 @pytest.fixture(scope="module")

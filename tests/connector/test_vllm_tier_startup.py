@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,18 +18,6 @@ pytest.importorskip("vllm")
 from testpaths import TESTS_DIR
 
 TIER_DRIVER = TESTS_DIR / "vllm_tier_driver.py"
-
-
-@pytest.fixture
-def read_only_root(tmp_path: Path) -> Iterator[Path]:
-    where = tmp_path / "ro"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)],
-                          capture_output=True)
-    if done.returncode != 0:
-        pytest.skip("cannot mount a read-only tmpfs here")
-    yield where / "store"
-    subprocess.run(["umount", str(where)], check=True)
 
 
 def refusal(model: Path, tmp_path: Path, root: Path, tier: dict) -> str:
@@ -50,7 +37,8 @@ def refusal(model: Path, tmp_path: Path, root: Path, tier: dict) -> str:
 
 @pytest.mark.slow
 def test_a_read_only_root_is_refused_naming_root(tiny_model_dir: Path, tmp_path: Path,
-                                                 read_only_root: Path) -> None:
+                                                 mount_tmpfs) -> None:
+    read_only_root = mount_tmpfs("1m", read_only=True) / "store"
     line = refusal(tiny_model_dir, tmp_path, read_only_root, {})
     assert "read-only filesystem" in line and "SpoolTier option 'root'" in line
 

@@ -18,6 +18,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from controller_backends import make_mlx_adapter
+
 from spoolctl.controllers import CachePrepareParams
 from spoolctl.controllers.pytorch import PyTorchBackend, PyTorchCacheController
 
@@ -153,36 +155,12 @@ def test_a_weight_edited_in_memory_bypasses_the_cache_with_one_warning(
 
 # -- mlx-lm --------------------------------------------------------------------------------
 
-def _mlx_adapter(path: Path, seed: int) -> Path:
-    """An adapter directory mlx-lm loads (``adapter_config.json`` + ``adapters.safetensors``):
-    rank-4 LoRA on the q/v projections of both layers, random nonzero weights."""
-    import json
-
-    import mlx.core as mx
-
-    path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": 2,
-        "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0,
-                            "keys": ["self_attn.q_proj", "self_attn.v_proj"]}}))
-    key = mx.random.key(seed)
-    weights = {}
-    for layer in range(2):
-        for proj, out in (("q_proj", 128), ("v_proj", 64)):
-            key, ka, kb = mx.random.split(key, 3)
-            stem = f"model.layers.{layer}.self_attn.{proj}"
-            weights[f"{stem}.lora_a"] = mx.random.normal((128, 4), key=ka) * 0.5
-            weights[f"{stem}.lora_b"] = mx.random.normal((4, out), key=kb) * 0.5
-    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
-    return path
-
-
 @pytest.fixture(scope="module")
 def mlx_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pytest.importorskip("mlx.core", reason="mlx is not installed here; pip install "
                                            "'mlx-lm[cpu]'")
     root = tmp_path_factory.mktemp("mlx-adapters")
-    return {"A": _mlx_adapter(root / "A", 1), "B": _mlx_adapter(root / "B", 2)}
+    return {"A": make_mlx_adapter(root / "A", 1), "B": make_mlx_adapter(root / "B", 2)}
 
 
 def _mlx_reference(tiny_model_dir: Path, adapter: Path | None) -> list[int]:

@@ -5,12 +5,11 @@ loaded and fused), on the tiny Llama; real mlx-lm on CPU, real stores."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 
 import pytest
-from controller_backends import cold_tokens
+from controller_backends import cold_tokens, make_mlx_adapter
 
 pytest.importorskip("mlx.core", reason="mlx is not installed here; pip install 'mlx-lm[cpu]'")
 
@@ -28,24 +27,7 @@ NEW = 8
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An adapter mlx-lm loads: rank-4 LoRA on the q/v projections, random nonzero weights."""
-    import mlx.core as mx
-
-    path = tmp_path_factory.mktemp("mlx-adapter") / "A"
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": 2,
-        "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0,
-                            "keys": ["self_attn.q_proj", "self_attn.v_proj"]}}))
-    key = mx.random.key(7)
-    weights = {}
-    for layer in range(2):
-        for proj, out in (("q_proj", 128), ("v_proj", 64)):
-            key, ka, kb = mx.random.split(key, 3)
-            stem = f"model.layers.{layer}.self_attn.{proj}"
-            weights[f"{stem}.lora_a"] = mx.random.normal((128, 4), key=ka) * 0.5
-            weights[f"{stem}.lora_b"] = mx.random.normal((4, out), key=kb) * 0.5
-    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
-    return path
+    return make_mlx_adapter(tmp_path_factory.mktemp("mlx-adapter") / "A", 7)
 
 
 def plain(model_dir: Path, adapter: Path | None = None):
